@@ -1,0 +1,109 @@
+"""The job's options: one validated pydantic model, filled from a YAML file and command-line flags.
+
+Flags override the YAML file; both are validated here, so a bad value fails before any work
+starts, with one message that names the option.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from .errors import ConfigError
+
+#: options whose value changes the statistics; they enter the run fingerprint.
+RESULT_OPTIONS = (
+    "max_length",
+    "layers",
+    "keep_special",
+    "dtype",
+    "text_column",
+    "split",
+    "shard_bytes",
+    "trust_remote_code",
+)
+
+
+class JobConfig(BaseModel):
+    """Everything that defines one analysis run (see ``python -m jobs.analyze --help``)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    model: str = Field(description="local model directory or hub id")
+    revision: str | None = Field(None, description="hub revision (branch, tag or commit)")
+    corpus: str = Field(description="file, glob, directory, fsspec URL or hf:NAME[:CONFIG]")
+    out: str = Field(description="output directory (local path or fsspec URL)")
+    text_column: str = "text"
+    split: str = "train"
+    max_length: int = Field(128, ge=4, le=1_000_000)
+    layers: list[int] | None = None
+    num_workers: int | None = Field(None, ge=1)
+    cpus_per_worker: int | None = Field(None, ge=1)
+    batch_tokens: int = Field(8192, ge=16, description="padded tokens per forward batch")
+    docs_per_chunk: int = Field(512, ge=1, description="documents tokenized at a time")
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    keep_special: bool = False
+    min_count: int = Field(5, ge=2)
+    shard_bytes: int | None = Field(None, ge=1024)
+    trust_remote_code: bool = False
+    overwrite: bool = False
+    max_shard_retries: int = Field(3, ge=0)
+
+    @field_validator("layers")
+    @classmethod
+    def _distinct_layers(cls, v: list[int] | None) -> list[int] | None:
+        if v is not None:
+            if not v:
+                raise ValueError("give at least one layer, or leave it out for all layers")
+            if len(set(v)) != len(v):
+                raise ValueError(f"layers must be distinct, got {v}")
+        return v
+
+    def result_options(self) -> dict[str, Any]:
+        return {k: getattr(self, k) for k in RESULT_OPTIONS}
+
+    def options_digest(self) -> str:
+        return hashlib.sha256(json.dumps(self.result_options(), sort_keys=True).encode()).hexdigest()
+
+
+def _format_validation_error(exc: ValidationError) -> str:
+    parts = []
+    for err in exc.errors():
+        loc = ".".join(str(x) for x in err["loc"]) or "config"
+        name = "--" + loc.replace("_", "-")
+        if err["type"] == "missing":
+            parts.append(f"{name} is required")
+        elif err["type"] == "extra_forbidden":
+            parts.append(f"unknown option {loc!r} in the config file")
+        else:
+            parts.append(f"{name}: {err['msg']} (got {err.get('input')!r})")
+    return "invalid options: " + "; ".join(parts)
+
+
+def load_yaml(path: str) -> dict[str, Any]:
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"config file {path} does not exist")
+    try:
+        data = yaml.safe_load(p.read_text()) or {}
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"config file {path} is not valid YAML: {exc}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {path} must hold a mapping of option: value")
+    return {str(k).replace("-", "_"): v for k, v in data.items()}
+
+
+def build_config(yaml_path: str | None, overrides: dict[str, Any]) -> JobConfig:
+    """YAML options, then non-None ``overrides`` on top, validated into a :class:`JobConfig`."""
+    data = load_yaml(yaml_path) if yaml_path else {}
+    data.update({k: v for k, v in overrides.items() if v is not None})
+    try:
+        return JobConfig(**data)
+    except ValidationError as exc:
+        raise ConfigError(_format_validation_error(exc)) from None

@@ -1,0 +1,34 @@
+"""Errors a user can cause and fix.
+
+Every such error derives from :class:`UserError`. The command-line entry points catch it, print
+its message (one line or a short paragraph, no traceback) and exit with status 2. Anything else
+is a bug and keeps its traceback.
+"""
+
+from __future__ import annotations
+
+
+class UserError(Exception):
+    """A mistake in the user's input or environment, reported as one clear message."""
+
+    exit_code: int = 2
+
+
+class CorpusError(UserError):
+    """The corpus cannot be found, read or understood (paths, columns, formats, emptiness)."""
+
+
+class ModelError(UserError):
+    """The model or tokenizer cannot be found or loaded."""
+
+
+class ConfigError(UserError):
+    """Invalid options: unknown layers, bad values, conflicting flags."""
+
+
+class OutputError(UserError):
+    """The output directory cannot be written, or holds a run that does not match this one."""
+
+
+class StatisticsMismatchError(UserError):
+    """Two statistics artefacts cannot be merged (different model, tokenizer, layers or dim)."""

@@ -1,0 +1,203 @@
+"""Exact corpus-scale metrics: pure functions of :class:`~embgeom_ray.statistics.LayerMoments`.
+
+Notation (``../shared/DESIGN.md``): a layer's counted tokens x_1..x_N fall into token types
+t with n_t occurrences, mean μ_t and M2_t = Σ ||x − μ_t||²; μ is the layer mean, C the
+co-moment matrix, U_t = Σ x/||x|| over type t and U = Σ_t U_t.
+
+Nothing here samples: every number is exact over all counted tokens.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import numpy as np
+import pandas as pd
+
+from .statistics import EmbeddingStatistics, LayerMoments
+
+TYPE_COLUMNS = [
+    "layer", "token_id", "token", "count", "mean_norm", "sq_norm_mean", "variance",
+    "self_similarity",
+]  # fmt: skip
+LAYER_COLUMNS = [
+    "layer", "n_tokens", "n_types", "mean_norm", "total_variance", "within_variance",
+    "between_variance", "within_ratio", "norm_variance_corr", "isoscore", "anisotropy",
+    "s_inter", "s_intra",
+]  # fmt: skip
+DIM_COLUMNS = ["layer", "dim", "mean", "std"]
+
+
+def type_variances(m: LayerMoments) -> np.ndarray:
+    """V_t = M2_t / n_t = mean ||x − μ_t||² (population variance; exactly 0 when n_t = 1)."""
+    v = m.m2 / np.maximum(m.counts, 1)
+    return np.where(m.counts == 1, 0.0, v)
+
+
+def self_similarity(m: LayerMoments) -> np.ndarray:
+    """Mean cosine over all ordered pairs of a type's occurrences (Ethayarajh 2019).
+
+    SelfSim_t = (||U_t||² − n_t) / (n_t (n_t − 1)), exact over all pairs (not a 1000-pair
+    sample); NaN when n_t < 2.
+    """
+    n = m.counts.astype(np.float64)
+    u2 = np.einsum("td,td->t", m.unit_sums, m.unit_sums)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        s = (u2 - n) / (n * (n - 1.0))
+    return np.where(m.counts >= 2, s, np.nan)
+
+
+def variance_decomposition(m: LayerMoments) -> tuple[float, float, float]:
+    """(V, V_W, V_B): total, within-type and between-type variance (Yamagiwa et al. 2024).
+
+    V = trace(C)/N, V_W = Σ (n_t/N) V_t = Σ M2_t / N, V_B = Σ (n_t/N) ||μ_t − μ||²;
+    V = V_W + V_B (law of total variance) up to float64 rounding.
+    """
+    if m.n == 0:
+        return float("nan"), float("nan"), float("nan")
+    total = float(np.trace(m.comoment)) / m.n
+    within = float(m.m2.sum()) / m.n
+    dev = m.means - m.mean
+    between = float(m.counts.astype(np.float64) @ np.einsum("td,td->t", dev, dev)) / m.n
+    return total, within, between
+
+
+def norm_variance_corr(m: LayerMoments, min_count: int = 5) -> float:
+    """Pearson r between ||μ_t|| and V_t over types with n_t ≥ min_count (Yamagiwa et al. 2024).
+
+    NaN when fewer than 3 types qualify or either quantity is constant.
+    """
+    sel = m.counts >= min_count
+    if int(sel.sum()) < 3:
+        return float("nan")
+    norms = np.linalg.norm(m.means[sel], axis=1)
+    var = type_variances(m)[sel]
+    if np.std(norms) == 0 or np.std(var) == 0:
+        return float("nan")
+    return float(np.corrcoef(norms, var)[0, 1])
+
+
+def cosine_metrics(m: LayerMoments) -> tuple[float, float, float]:
+    """(anisotropy, S_inter, S_intra), exact from unit-vector sums (Ethayarajh 2019; Cai et al. 2021).
+
+    anisotropy = (||U||² − N) / (N(N − 1)): mean cosine over all ordered token pairs;
+    S_inter = (||U||² − Σ_t ||U_t||²) / (N² − Σ_t n_t²): mean cosine over pairs of different
+    types (Cai's S_inter samples one occurrence per type instead; that variant is sampled);
+    S_intra = unweighted mean of SelfSim_t over types with n_t ≥ 2.
+    """
+    n_tot = float(m.counts.sum())
+    u = m.unit_sums.sum(axis=0)
+    uu = float(u @ u)
+    ut2 = float(np.einsum("td,td->", m.unit_sums, m.unit_sums))
+    nt2 = float((m.counts.astype(np.float64) ** 2).sum())
+    aniso = (uu - n_tot) / (n_tot * (n_tot - 1.0)) if n_tot >= 2 else float("nan")
+    s_inter = (uu - ut2) / (n_tot**2 - nt2) if n_tot**2 > nt2 else float("nan")
+    ss = self_similarity(m)
+    s_intra = float(np.nanmean(ss)) if np.isfinite(ss).any() else float("nan")
+    return float(aniso), float(s_inter), s_intra
+
+
+def isoscore_from_covariance(cov: np.ndarray) -> float:
+    """IsoScore (Rudman et al. 2022) from a covariance matrix.
+
+    With λ the covariance eigenvalues and n = dim: λ̂ = √n λ / ||λ||,
+    δ = ||λ̂ − 1|| / √(2(n − √n)), k = (n − δ²(n − √n))² / n, IsoScore = (k − 1)/(n − 1).
+    Scale invariant (ddof does not matter); equals ``IsoScore.IsoScore(points)`` (v2) on the
+    points whose covariance this is. NaN for a zero covariance.
+    """
+    cov = np.asarray(cov, dtype=np.float64)
+    n = cov.shape[0]
+    if n < 2:
+        return float("nan")
+    lam = np.abs(np.linalg.eigvalsh((cov + cov.T) / 2.0))
+    norm = np.linalg.norm(lam)
+    if norm == 0:
+        return float("nan")
+    lam_hat = np.sqrt(n) * lam / norm
+    delta = np.linalg.norm(lam_hat - 1.0) / np.sqrt(2.0 * (n - np.sqrt(n)))
+    k = (n - delta**2 * (n - np.sqrt(n))) ** 2 / n
+    return float((k - 1.0) / (n - 1.0))
+
+
+def layer_row(m: LayerMoments, min_count: int = 5) -> dict[str, float | int]:
+    """One row of ``layers.parquet`` (the exact, moment-based columns)."""
+    total, within, between = variance_decomposition(m)
+    aniso, s_inter, s_intra = cosine_metrics(m)
+    return {
+        "layer": m.layer,
+        "n_tokens": int(m.n),
+        "n_types": int((m.counts > 0).sum()),
+        "mean_norm": float(np.linalg.norm(m.mean)),
+        "total_variance": total,
+        "within_variance": within,
+        "between_variance": between,
+        "within_ratio": within / total if total > 0 else float("nan"),
+        "norm_variance_corr": norm_variance_corr(m, min_count),
+        "isoscore": isoscore_from_covariance(m.covariance) if m.n >= 2 else float("nan"),
+        "anisotropy": aniso,
+        "s_inter": s_inter,
+        "s_intra": s_intra,
+    }
+
+
+def layers_table(stats: EmbeddingStatistics, min_count: int = 5) -> pd.DataFrame:
+    """``layers.parquet``: one row per layer, columns :data:`LAYER_COLUMNS`."""
+    rows = [layer_row(stats.layer(layer), min_count) for layer in stats.layers]
+    return pd.DataFrame(rows, columns=LAYER_COLUMNS)
+
+
+def type_stats_table(
+    stats: EmbeddingStatistics,
+    id_to_token: Callable[[Sequence[int]], Sequence[str]] | None = None,
+) -> pd.DataFrame:
+    """``type_stats.parquet``: one row per (layer, token type), columns :data:`TYPE_COLUMNS`.
+
+    mean_norm = ||μ_t||, sq_norm_mean Q_t = mean ||x||² = ||μ_t||² + V_t (Yamagiwa et al.
+    2024: Q_t = M_t + V_t), variance V_t, self_similarity as :func:`self_similarity`.
+    """
+    frames = []
+    for layer in stats.layers:
+        m = stats.layer(layer)
+        var = type_variances(m)
+        mean_sq = np.einsum("td,td->t", m.means, m.means)
+        frames.append(
+            pd.DataFrame(
+                {
+                    "layer": np.full(m.type_ids.shape, layer, dtype=np.int64),
+                    "token_id": m.type_ids.astype(np.int64),
+                    "count": m.counts.astype(np.int64),
+                    "mean_norm": np.sqrt(mean_sq),
+                    "sq_norm_mean": mean_sq + var,
+                    "variance": var,
+                    "self_similarity": self_similarity(m),
+                }
+            )
+        )
+    df = pd.concat(frames, ignore_index=True) if frames else pd.DataFrame(columns=TYPE_COLUMNS)
+    if id_to_token is not None and len(df):
+        ids = np.unique(df["token_id"].to_numpy())
+        names = dict(zip(ids.tolist(), id_to_token(ids.tolist()), strict=True))
+        df["token"] = df["token_id"].map(names).astype("string")
+    else:
+        df["token"] = pd.Series([None] * len(df), dtype="string")
+    return df[TYPE_COLUMNS]
+
+
+def dims_table(stats: EmbeddingStatistics) -> pd.DataFrame:
+    """``dims.parquet``: per (layer, dim) mean and population std over all counted tokens."""
+    frames = []
+    for layer in stats.layers:
+        m = stats.layer(layer)
+        d = m.dim
+        var = np.clip(np.diag(m.comoment) / max(m.n, 1), 0.0, None)
+        frames.append(
+            pd.DataFrame(
+                {
+                    "layer": np.full(d, layer, dtype=np.int64),
+                    "dim": np.arange(d, dtype=np.int64),
+                    "mean": m.mean,
+                    "std": np.sqrt(var),
+                }
+            )
+        )
+    return pd.concat(frames, ignore_index=True)[DIM_COLUMNS]

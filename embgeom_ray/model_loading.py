@@ -1,0 +1,174 @@
+"""Loading models and tokenizers, resolving what exactly was measured, choosing layers.
+
+The driver loads only the config and the tokenizer (to validate options and name tokens); the
+model itself is loaded once per extractor actor (:mod:`embgeom_ray.extractor`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import dataclass
+from typing import Any
+
+from .errors import ConfigError, ModelError
+
+_DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}
+
+
+@dataclass(frozen=True)
+class ModelIdentity:
+    """What was measured: the model as given, its resolved revision and content fingerprints."""
+
+    model: str
+    revision: str | None  # commit hash for hub models; "sha256:…" content hash for local dirs
+    model_fingerprint: str
+    tokenizer_fingerprint: str
+    num_layers: int  # transformer blocks L; hidden states are 0..L
+    hidden_size: int
+    model_type: str
+
+    def to_json(self) -> dict[str, Any]:
+        return self.__dict__.copy()
+
+
+def _load_error(kind: str, model: str, exc: Exception) -> ModelError:
+    where = "local directory" if os.path.isdir(model) else "hub id"
+    hint = ""
+    if not os.path.exists(model) and ("/" in model or model.startswith((".", "~"))):
+        hint = f" ({model} is not an existing directory"
+        hint += "; offline mode is on)" if os.environ.get("HF_HUB_OFFLINE") == "1" else ")"
+    first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    return ModelError(f"cannot load the {kind} of {where} {model!r}{hint}: {first}")
+
+
+def load_config(model: str, revision: str | None, trust_remote_code: bool) -> Any:
+    from transformers import AutoConfig
+
+    try:
+        cfg = AutoConfig.from_pretrained(
+            model, revision=revision, trust_remote_code=trust_remote_code
+        )
+    except Exception as exc:
+        raise _load_error("config", model, exc) from None
+    return cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+
+
+def load_tokenizer(model: str, revision: str | None, trust_remote_code: bool) -> Any:
+    from transformers import AutoTokenizer
+
+    try:
+        tok = AutoTokenizer.from_pretrained(
+            model, revision=revision, trust_remote_code=trust_remote_code
+        )
+    except Exception as exc:
+        raise _load_error("tokenizer", model, exc) from None
+    if not getattr(tok, "is_fast", False):
+        raise ModelError(
+            f"the tokenizer of {model!r} is not a fast (Rust) tokenizer; embgeom_ray needs one "
+            "to split long documents into windows exactly"
+        )
+    return tok
+
+
+def load_model(
+    model: str, revision: str | None, dtype: str, device: str, trust_remote_code: bool
+) -> Any:
+    import torch
+    from transformers import AutoModel
+
+    try:
+        m = AutoModel.from_pretrained(
+            model,
+            revision=revision,
+            dtype=getattr(torch, _DTYPES[dtype]),
+            trust_remote_code=trust_remote_code,
+        )
+    except Exception as exc:
+        raise _load_error("weights", model, exc) from None
+    return m.eval().to(device)
+
+
+def directory_fingerprint(path: str) -> str:
+    """sha256 over every file's relative path and bytes (hidden files and caches excluded)."""
+    h = hashlib.sha256()
+    for root, dirs, files in os.walk(path):
+        dirs[:] = sorted(d for d in dirs if not d.startswith(".") and d != "__pycache__")
+        for name in sorted(files):
+            if name.startswith("."):
+                continue
+            full = os.path.join(root, name)
+            h.update(os.path.relpath(full, path).encode() + b"\0")
+            with open(full, "rb") as f:
+                for block in iter(lambda f=f: f.read(1 << 20), b""):
+                    h.update(block)
+            h.update(b"\0")
+    return "sha256:" + h.hexdigest()
+
+
+def tokenizer_fingerprint(tokenizer: Any) -> str:
+    """sha256 of the fast tokenizer's full JSON definition (vocab, merges, normalizers, …)."""
+    backend = tokenizer.backend_tokenizer
+    payload = json.dumps(
+        {"tokenizer": json.loads(backend.to_str()), "special": sorted(tokenizer.all_special_ids)},
+        sort_keys=True,
+    )
+    return "sha256:" + hashlib.sha256(payload.encode()).hexdigest()
+
+
+def resolve_identity(
+    model: str, revision: str | None, trust_remote_code: bool
+) -> tuple[ModelIdentity, Any]:
+    """The model's identity and its tokenizer (loaded once here, in the driver)."""
+    cfg = load_config(model, revision, trust_remote_code)
+    tok = load_tokenizer(model, revision, trust_remote_code)
+    if os.path.isdir(model):
+        resolved = directory_fingerprint(model)
+        fingerprint = resolved
+    else:
+        resolved = getattr(cfg, "_commit_hash", None) or revision
+        fingerprint = f"{model}@{resolved}"
+    num_layers = getattr(cfg, "num_hidden_layers", None) or getattr(cfg, "n_layer", None)
+    hidden = getattr(cfg, "hidden_size", None) or getattr(cfg, "n_embd", None)
+    if not num_layers or not hidden:
+        raise ModelError(f"cannot tell the number of layers / hidden size of {model!r} from its config")
+    identity = ModelIdentity(
+        model=model,
+        revision=resolved,
+        model_fingerprint=fingerprint,
+        tokenizer_fingerprint=tokenizer_fingerprint(tok),
+        num_layers=int(num_layers),
+        hidden_size=int(hidden),
+        model_type=str(getattr(cfg, "model_type", "unknown")),
+    )
+    return identity, tok
+
+
+def resolve_layers(requested: list[int] | None, num_layers: int) -> list[int]:
+    """HF hidden-state indices 0..L (negative counts from the end); None means all L + 1."""
+    top = num_layers
+    if requested is None:
+        return list(range(top + 1))
+    out = []
+    for layer in requested:
+        idx = layer + top + 1 if layer < 0 else layer
+        if not 0 <= idx <= top:
+            raise ConfigError(
+                f"unknown layer {layer}: the model has {num_layers} blocks, so layers are 0..{top} "
+                f"(0 = embedding output; negative numbers count from the end)"
+            )
+        out.append(idx)
+    if len(set(out)) != len(out):
+        raise ConfigError(f"layers {requested} name the same layer twice")
+    return sorted(out)
+
+
+def max_window_length(config: Any, tokenizer: Any) -> int | None:
+    """The longest window the model accepts, from its position embeddings, if it has a limit."""
+    limit = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
+    if limit is None:
+        return None
+    if getattr(config, "model_type", "") in {"roberta", "xlm-roberta", "camembert", "longformer"}:
+        limit -= (getattr(config, "pad_token_id", 1) or 1) + 1  # positions start at pad_id + 1
+    return int(limit)

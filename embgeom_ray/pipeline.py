@@ -1,0 +1,225 @@
+"""One analysis run, start to finish: plan, extract on Ray, checkpoint, reduce, write.
+
+``analyze(config)`` is what ``python -m jobs.analyze`` runs. The order of events is what makes
+a run trustworthy:
+
+1. everything a user can get wrong is checked before any work (model, tokenizer, layers,
+   max_length, corpus, output directory);
+2. the output directory gets ``run.json`` (fingerprint + plan) and a manifest saying
+   ``running``; finished shards of an earlier identical run are reused;
+3. shards run on extractor actors; each result is checkpointed by the driver on arrival;
+4. the reduce merges every shard's checkpoint in shard-id order (deterministic, whatever the
+   number of workers or the order of completion);
+5. the statistics artefact and the tables are written atomically, and only then the manifest
+   says ``complete``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import sys
+import time
+from typing import Any
+
+from tqdm.auto import tqdm
+
+from . import metrics
+from .checkpoints import CheckpointStore
+from .config import JobConfig
+from .corpus import CorpusSpec, Shard, plan_shards
+from .errors import ConfigError, CorpusError
+from .extractor import ShardCounts
+from .io_utils import join
+from .model_loading import load_config, max_window_length, resolve_identity, resolve_layers
+from .outputs import (
+    MANIFEST,
+    STATISTICS,
+    format_summary,
+    now,
+    versions,
+    write_manifest,
+    write_table,
+)
+from .statistics import EmbeddingStatistics
+
+
+def run_fingerprint(identity: dict[str, Any], corpus_fingerprint: str, config: JobConfig, layers: list[int]) -> str:
+    payload = {
+        "model_fingerprint": identity["model_fingerprint"],
+        "tokenizer_fingerprint": identity["tokenizer_fingerprint"],
+        "corpus_fingerprint": corpus_fingerprint,
+        "options": config.result_options(),
+        "layers": layers,
+    }
+    return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()
+
+
+def _progress(total: int, tokens_done: int) -> tqdm:
+    return tqdm(
+        total=total,
+        desc="shards",
+        unit="shard",
+        file=sys.stderr,
+        dynamic_ncols=True,
+        mininterval=2.0,
+        postfix={"tokens": tokens_done},
+    )
+
+
+def analyze(config: JobConfig, *, echo=print) -> dict[str, Any]:
+    """Run the whole analysis for ``config``; returns the manifest written to ``config.out``."""
+    t_start = time.perf_counter()
+    started_at = now()
+    identity, tokenizer = resolve_identity(config.model, config.revision, config.trust_remote_code)
+    limit = max_window_length(load_config(config.model, config.revision, config.trust_remote_code), tokenizer)
+    if limit is not None and config.max_length > limit:
+        raise ConfigError(
+            f"--max-length {config.max_length} exceeds what {config.model!r} accepts ({limit} positions)"
+        )
+    layers = resolve_layers(config.layers, identity.num_layers)
+    spec = CorpusSpec(config.corpus, config.text_column, config.split)
+    plan = plan_shards(spec, config.shard_bytes)
+    t_plan = time.perf_counter()
+
+    identity_json = identity.to_json() | {
+        "corpus": config.corpus,
+        "corpus_fingerprint": plan.fingerprint,
+        "options": config.result_options(),
+        "layers": layers,
+    }
+    fingerprint = run_fingerprint(identity_json, plan.fingerprint, config, layers)
+    store = CheckpointStore(config.out)
+    plan, resumed = store.start(fingerprint, identity_json, plan, config.overwrite)
+    manifest: dict[str, Any] = {
+        "status": "running",
+        "started_at": started_at,
+        "fingerprint": fingerprint,
+        "config": config.model_dump(),
+        "model": {
+            "id": identity.model,
+            "revision": identity.revision,
+            "model_fingerprint": identity.model_fingerprint,
+            "model_type": identity.model_type,
+            "num_layers": identity.num_layers,
+            "hidden_size": identity.hidden_size,
+        },
+        "tokenizer": {
+            "class": type(tokenizer).__name__,
+            "fingerprint": identity.tokenizer_fingerprint,
+            "special_ids": sorted(tokenizer.all_special_ids),
+            "special_tokens_counted": config.keep_special,
+        },
+        "corpus": {
+            "source": config.corpus,
+            "fingerprint": plan.fingerprint,
+            "files": len(plan.files),
+            "bytes": plan.total_bytes,
+            "shards": len(plan.shards),
+        },
+        "layers": layers,
+        "versions": versions(),
+    }
+    write_manifest(config.out, manifest)
+
+    done = store.done_shards() & {s.shard_id for s in plan.shards}
+    todo = [s for s in plan.shards if s.shard_id not in done]
+    if resumed:
+        echo(f"resuming {config.out}: {len(done)} of {len(plan.shards)} shards already done")
+    metadata = {
+        "model_fingerprint": identity.model_fingerprint,
+        "tokenizer_fingerprint": identity.tokenizer_fingerprint,
+        "keep_special": str(config.keep_special),
+        "model": identity.model,
+        "revision": str(identity.revision),
+    }
+
+    t_extract0 = time.perf_counter()
+    pool = None
+    if todo:
+        from .ray_job import connect, run_shards
+
+        connect()
+        bar = _progress(len(todo), 0)
+        tokens_done = 0
+
+        def on_result(shard: Shard, data: bytes, counts: ShardCounts) -> None:
+            nonlocal tokens_done
+            store.save_shard(shard.shard_id, data, counts)
+            tokens_done += counts.tokens
+            rate = tokens_done / max(time.perf_counter() - t_extract0, 1e-9)
+            bar.set_postfix(tokens=tokens_done, tok_per_s=f"{rate:,.0f}", refresh=False)
+            bar.update(1)
+
+        try:
+            pool = run_shards(config, layers, metadata, todo, on_result)
+        finally:
+            bar.close()
+    t_extract1 = time.perf_counter()
+
+    # reduce: every shard's checkpoint, in shard-id order
+    merged = EmbeddingStatistics(layers, identity.hidden_size, max_positions=config.max_length, metadata=metadata)
+    totals = ShardCounts()
+    for shard in sorted(plan.shards, key=lambda s: s.shard_id):
+        stats, counts = store.load_shard(shard.shard_id)
+        merged.merge(stats)
+        totals.add(counts)
+    t_reduce = time.perf_counter()
+    if merged.token_count() == 0:
+        skipped = ", ".join(f"{v} {k}" for k, v in sorted(totals.skipped.items())) or "none"
+        raise CorpusError(
+            f"the corpus {config.corpus} produced no tokens to measure "
+            f"({totals.documents} documents read; skipped: {skipped})"
+        )
+
+    merged.save(join(config.out, STATISTICS))
+    tables = {
+        "type_stats": metrics.type_stats_table(merged, tokenizer.convert_ids_to_tokens),
+        "layers": metrics.layers_table(merged, config.min_count),
+        "dims": metrics.dims_table(merged),
+    }
+    written = [write_table(config.out, name, df) for name, df in tables.items()]
+    t_write = time.perf_counter()
+
+    extract_s = t_extract1 - t_extract0
+    computed_tokens = totals.tokens if not resumed else None
+    manifest.update(
+        {
+            "status": "complete",
+            "finished_at": now(),
+            "counts": {
+                "documents": totals.documents,
+                "windows": totals.windows,
+                "tokens": totals.tokens,
+                "padded_tokens": totals.padded_tokens,
+                "batches": totals.batches,
+                "nonfinite_tokens_per_layer": {str(layer): merged.layer(layer).nonfinite for layer in layers},
+            },
+            "skipped": totals.skipped,
+            "shards": {
+                "total": len(plan.shards),
+                "reused_from_checkpoints": len(done),
+                "computed": len(todo),
+            },
+            "workers": None if pool is None else pool.__dict__,
+            "timings_s": {
+                "plan": round(t_plan - t_start, 3),
+                "extract_wall": round(extract_s, 3),
+                "extract_forward_sum": round(totals.forward_seconds, 3),
+                "extract_fold_sum": round(totals.fold_seconds, 3),
+                "reduce": round(t_reduce - t_extract1, 3),
+                "write": round(t_write - t_reduce, 3),
+                "total": round(time.perf_counter() - t_start, 3),
+            },
+            "throughput": {
+                "tokens_per_s_extract_wall": (
+                    round(computed_tokens / extract_s, 1) if computed_tokens and extract_s > 0 else None
+                ),
+            },
+            "outputs": {"statistics": STATISTICS, "tables": written, "manifest": MANIFEST},
+        }
+    )
+    write_manifest(config.out, manifest)
+    echo(format_summary(tables["layers"]))
+    echo(f"outputs in {config.out}: {', '.join([*written, STATISTICS, MANIFEST])}")
+    return manifest

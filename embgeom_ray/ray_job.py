@@ -1,0 +1,157 @@
+"""The thin Ray layer: connect, size the actor pool, run shards on extractor actors.
+
+The driver only plans and gathers: each :class:`ShardExtractActor` loads the model once and
+folds whole shards (:class:`~embgeom_ray.extractor.ShardProcessor`), returning the shard's
+statistics as safetensors bytes. The scheduler keeps one shard in flight per actor; an actor
+that dies (process killed, node lost, spot preemption) is replaced and its shard goes back to
+the queue. Results reach ``on_result`` in the driver, which checkpoints them: a shard counts
+as done only there, so a shard's result is merged exactly once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import ray
+
+from .config import JobConfig
+from .corpus import Shard
+from .errors import UserError
+from .extractor import ShardCounts, ShardProcessor
+
+log = logging.getLogger(__name__)
+
+
+def connect(address: str | None = None) -> None:
+    """Join a running cluster (``ray job submit``, ``RAY_ADDRESS``), else start a local Ray."""
+    if ray.is_initialized():
+        return
+    env = {"env_vars": {k: v for k, v in os.environ.items() if k.startswith(("HF_", "TRANSFORMERS_"))}}
+    address = address or os.environ.get("RAY_ADDRESS")
+    if address:
+        ray.init(address=address, runtime_env=env, log_to_driver=True)
+    else:
+        ray.init(runtime_env=env, include_dashboard=False, log_to_driver=True)
+
+
+@dataclass(frozen=True)
+class PoolPlan:
+    num_workers: int
+    num_gpus: float
+    num_cpus: int
+
+
+def plan_pool(config: JobConfig, num_shards: int) -> PoolPlan:
+    """One actor per GPU if the cluster has GPUs (and the device allows), else CPU actors."""
+    res = ray.cluster_resources()
+    gpus = int(res.get("GPU", 0))
+    cpus = max(int(res.get("CPU", 1)), 1)
+    if gpus and config.device in ("auto", "cuda"):
+        n = config.num_workers or gpus
+        return PoolPlan(min(n, num_shards), 1.0, config.cpus_per_worker or 1)
+    if config.num_workers:
+        per = config.cpus_per_worker or max(1, cpus // config.num_workers)
+        n = config.num_workers
+    else:
+        per = config.cpus_per_worker or min(4, cpus)
+        n = max(1, cpus // per)
+    return PoolPlan(max(1, min(n, num_shards)), 0.0, per)
+
+
+class ShardExtract:
+    """Actor body: a :class:`ShardProcessor` with torch limited to the actor's CPUs."""
+
+    def __init__(self, config_json: dict[str, Any], layers: list[int], metadata: dict[str, str], threads: int) -> None:
+        import torch
+
+        torch.set_num_threads(max(1, threads))
+        self.processor = ShardProcessor(JobConfig(**config_json), layers, metadata)
+
+    def ready(self) -> str:
+        return self.processor.device
+
+    def process(self, shard_json: dict[str, Any]) -> tuple[bytes, dict[str, Any]]:
+        stats, counts = self.processor.process(Shard(**shard_json))
+        return stats.to_bytes(), counts.to_json()
+
+
+ShardExtractActor = ray.remote(ShardExtract)
+
+
+def _unwrap_user_error(exc: BaseException) -> UserError | None:
+    cause = getattr(exc, "cause", None)
+    if isinstance(cause, UserError):
+        return cause
+    return exc if isinstance(exc, UserError) else None
+
+
+def run_shards(
+    config: JobConfig,
+    layers: list[int],
+    metadata: dict[str, str],
+    shards: list[Shard],
+    on_result: Callable[[Shard, bytes, ShardCounts], None],
+) -> PoolPlan:
+    """Process ``shards`` on a pool of extractor actors; call ``on_result`` once per shard."""
+    pool = plan_pool(config, len(shards))
+    if not shards:
+        return pool
+    options: dict[str, Any] = {"num_cpus": pool.num_cpus, "max_restarts": 0}
+    if pool.num_gpus:
+        options["num_gpus"] = pool.num_gpus
+    actor_cls = ShardExtractActor.options(**options)
+    args = (config.model_dump(), layers, metadata, pool.num_cpus)
+
+    def new_actor():
+        return actor_cls.remote(*args)
+
+    actors = [new_actor() for _ in range(pool.num_workers)]
+    queue: deque[Shard] = deque(shards)
+    attempts: dict[str, int] = {}
+    in_flight: dict[Any, tuple[Any, Shard]] = {}
+
+    def submit(actor) -> None:
+        shard = queue.popleft()
+        ref = actor.process.remote(dataclasses.asdict(shard))
+        in_flight[ref] = (actor, shard)
+
+    try:
+        for actor in actors:
+            if queue:
+                submit(actor)
+        while in_flight:
+            ready, _ = ray.wait(list(in_flight), num_returns=1)
+            ref = ready[0]
+            actor, shard = in_flight.pop(ref)
+            try:
+                data, counts = ray.get(ref)
+            except (ray.exceptions.RayActorError, ray.exceptions.ObjectLostError) as exc:
+                attempts[shard.shard_id] = attempts.get(shard.shard_id, 0) + 1
+                if attempts[shard.shard_id] > config.max_shard_retries:
+                    raise RuntimeError(
+                        f"shard {shard.shard_id} lost its worker {attempts[shard.shard_id]} times; giving up"
+                    ) from exc
+                log.warning("worker lost on shard %s (%s); replacing it and retrying", shard.shard_id, type(exc).__name__)
+                ray.kill(actor, no_restart=True)
+                actor = new_actor()
+                queue.appendleft(shard)
+                submit(actor)
+                continue
+            except ray.exceptions.RayTaskError as exc:
+                user = _unwrap_user_error(exc)
+                if user is not None:
+                    raise user from None
+                raise
+            on_result(shard, data, ShardCounts.from_json(counts))
+            if queue:
+                submit(actor)
+    finally:
+        for ref in in_flight:
+            ray.cancel(ref, force=True)
+    return pool

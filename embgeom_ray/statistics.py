@@ -1,0 +1,581 @@
+"""Mergeable sufficient statistics of contextual embeddings: the core of embgeom_ray.
+
+One :class:`EmbeddingStatistics` holds, for each selected layer ``l`` (HF ``hidden_states[l]``):
+
+per token type ``t`` (a token id)
+    ``count`` n_t, ``mean`` μ_t, ``m2`` M2_t = Σ_i ||x_i − μ_t||², and ``unit_sum``
+    U_t = Σ_i x_i/||x_i|| (for exact cosine metrics, Ethayarajh 2019);
+per layer
+    ``n``, ``mean`` μ, the d×d co-moment matrix C = Σ_i (x_i − μ)(x_i − μ)ᵀ (covariance C/n,
+    IsoScore, PCA spectrum, per-dimension mean/std), how often each dimension is the argmax /
+    argmin of a token's vector (Luo 2020, "tails"), and per position p within the window the
+    count and mean vector (Kulmizev, Mao & Luo 2021, positional artefacts);
+    ``nonfinite``: tokens whose vector had a NaN/inf and were left out of every sum.
+
+Only token types actually seen occupy memory (a slot table grows by doubling). Everything is
+float64: each batch is cast to float64 on its device, reduced *centred* on its own per-type
+and per-layer means (two passes over the batch), and merged into the running moments with the
+pairwise update of Chan, Golub & LeVeque (1979)::
+
+    n = n_a + n_b,  δ = μ_b − μ_a,  μ = μ_a + δ n_b/n,
+    M2 = M2_a + M2_b + ||δ||² n_a n_b / n,   C = C_a + C_b + δδᵀ n_a n_b / n.
+
+:meth:`EmbeddingStatistics.merge` uses the same update, so folding a corpus batch by batch,
+shard by shard or run by run gives the same moments up to float64 rounding, whatever the
+order; the result keeps the precision of a two-pass float64 computation even when
+||μ||² / V ~ 1e8 (GPT-2's massive activations), where the textbook E||x||² − ||μ||² in float32
+is wrong by orders of magnitude.
+
+The type is a sketch in the Apache DataSketches sense: ``update`` / ``merge`` /
+``save``-``load`` (safetensors, no pickle) / read-only numpy views (:meth:`layer`). Metrics are
+pure functions of those views, in :mod:`embgeom_ray.metrics`.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+from safetensors.numpy import load as st_load_bytes
+from safetensors.numpy import save as st_save_bytes
+
+from .errors import StatisticsMismatchError
+
+FORMAT = "embgeom_ray.statistics"
+FORMAT_VERSION = 1
+_F64 = torch.float64
+
+
+@dataclass(frozen=True)
+class LayerMoments:
+    """Read-only float64 numpy view of one layer's moments, types sorted by token id."""
+
+    layer: int
+    type_ids: np.ndarray  # (T,) int64, sorted
+    counts: np.ndarray  # (T,) int64
+    means: np.ndarray  # (T, d)
+    m2: np.ndarray  # (T,)  Σ ||x − μ_t||²
+    unit_sums: np.ndarray  # (T, d)  Σ x/||x||
+    n: int
+    mean: np.ndarray  # (d,)
+    comoment: np.ndarray  # (d, d)  Σ (x − μ)(x − μ)ᵀ
+    argmax_counts: np.ndarray  # (d,) int64
+    argmin_counts: np.ndarray  # (d,) int64
+    position_counts: np.ndarray  # (P,) int64
+    position_means: np.ndarray  # (P, d)
+    nonfinite: int
+
+    @property
+    def dim(self) -> int:
+        return int(self.mean.shape[0])
+
+    @property
+    def covariance(self) -> np.ndarray:
+        """Population covariance C / n."""
+        return self.comoment / max(self.n, 1)
+
+
+def _chan_merge_mean_m2(
+    n_a: torch.Tensor, mean_a: torch.Tensor, n_b: torch.Tensor, mean_b: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Return (n, mean, Δm2) of merging rows (n_a, mean_a) with (n_b, mean_b).
+
+    Δm2 = ||δ||² n_a n_b / n is the cross term to add to M2_a + M2_b. Rows with n = 0 stay 0.
+    """
+    n = n_a + n_b
+    n_f = n.to(_F64).clamp_min(1.0)
+    delta = mean_b - mean_a
+    w_b = (n_b.to(_F64) / n_f).unsqueeze(-1)
+    mean = mean_a + delta * w_b
+    cross = (delta * delta).sum(-1) * (n_a.to(_F64) * n_b.to(_F64) / n_f)
+    return n, mean, cross
+
+
+class EmbeddingStatistics:
+    """Mergeable per-layer, per-token-type moments of hidden states (see module docstring).
+
+    Args:
+        layers: the HF hidden-state indices kept, in the order the hidden states are passed
+            to :meth:`update` (0 = embedding output).
+        dim: hidden size d.
+        max_positions: positions 0..max_positions−1 within a window are profiled (at least
+            the job's ``max_length``); 0 turns the positional profile off.
+        device: where the accumulators live; batches are folded on their own device, which
+            should be this one.
+        metadata: strings identifying what was measured (model, revision, tokenizer, …);
+            :meth:`merge` refuses statistics whose identifying metadata differ.
+        initial_types: initial slot capacity (grows by doubling as new types appear).
+    """
+
+    #: metadata keys that must agree for two statistics to be merged.
+    IDENTITY_KEYS = ("model_fingerprint", "tokenizer_fingerprint", "keep_special")
+
+    def __init__(
+        self,
+        layers: Sequence[int],
+        dim: int,
+        *,
+        max_positions: int = 0,
+        device: str | torch.device = "cpu",
+        metadata: Mapping[str, str] | None = None,
+        initial_types: int = 1024,
+    ) -> None:
+        if not layers:
+            raise ValueError("at least one layer is required")
+        if len(set(layers)) != len(layers):
+            raise ValueError(f"layers must be distinct, got {list(layers)}")
+        if dim <= 0:
+            raise ValueError(f"dim must be positive, got {dim}")
+        if max_positions < 0:
+            raise ValueError(f"max_positions must be >= 0, got {max_positions}")
+        self.layers: list[int] = [int(x) for x in layers]
+        self.dim = int(dim)
+        self.max_positions = int(max_positions)
+        self.device = torch.device(device)
+        self.metadata: dict[str, str] = {str(k): str(v) for k, v in (metadata or {}).items()}
+        n_layers, d, dev = len(self.layers), self.dim, self.device
+        cap = max(int(initial_types), 1)
+        # token id -> slot (-1: unseen); grown on demand
+        self._id_to_slot = torch.full((0,), -1, dtype=torch.int64, device=dev)
+        self._slot_ids = torch.empty(0, dtype=torch.int64, device=dev)
+        self._counts = torch.zeros(n_layers, cap, dtype=torch.int64, device=dev)
+        self._means = torch.zeros(n_layers, cap, d, dtype=_F64, device=dev)
+        self._m2 = torch.zeros(n_layers, cap, dtype=_F64, device=dev)
+        self._unit_sums = torch.zeros(n_layers, cap, d, dtype=_F64, device=dev)
+        self._n = torch.zeros(n_layers, dtype=torch.int64, device=dev)
+        self._mean = torch.zeros(n_layers, d, dtype=_F64, device=dev)
+        self._comoment = torch.zeros(n_layers, d, d, dtype=_F64, device=dev)
+        self._argmax = torch.zeros(n_layers, d, dtype=torch.int64, device=dev)
+        self._argmin = torch.zeros(n_layers, d, dtype=torch.int64, device=dev)
+        p = self.max_positions
+        self._pos_counts = torch.zeros(n_layers, p, dtype=torch.int64, device=dev)
+        self._pos_means = torch.zeros(n_layers, p, d, dtype=_F64, device=dev)
+        self._nonfinite = torch.zeros(n_layers, dtype=torch.int64, device=dev)
+
+    # ------------------------------------------------------------------ slots
+    @property
+    def num_types(self) -> int:
+        """Number of distinct token types seen (in any layer)."""
+        return int(self._slot_ids.numel())
+
+    def _capacity(self) -> int:
+        return int(self._counts.shape[1])
+
+    def _grow(self, needed: int) -> None:
+        cap = self._capacity()
+        if needed <= cap:
+            return
+        new_cap = max(needed, 2 * cap)
+        extra = new_cap - cap
+
+        def pad(t: torch.Tensor) -> torch.Tensor:
+            shape = list(t.shape)
+            shape[1] = extra
+            return torch.cat([t, torch.zeros(shape, dtype=t.dtype, device=t.device)], dim=1)
+
+        self._counts = pad(self._counts)
+        self._means = pad(self._means)
+        self._m2 = pad(self._m2)
+        self._unit_sums = pad(self._unit_sums)
+
+    def _slots_for(self, ids: torch.Tensor) -> torch.Tensor:
+        """Slots of the distinct token ids ``ids`` (int64, on device), assigning new ones."""
+        if ids.numel() == 0:
+            return ids
+        if int(ids.min()) < 0:
+            raise ValueError("token ids must be non-negative")
+        top = int(ids.max()) + 1
+        if top > self._id_to_slot.numel():
+            size = max(top, 2 * self._id_to_slot.numel())
+            grown = torch.full((size,), -1, dtype=torch.int64, device=self.device)
+            grown[: self._id_to_slot.numel()] = self._id_to_slot
+            self._id_to_slot = grown
+        slots = self._id_to_slot[ids]
+        new = slots < 0
+        if bool(new.any()):
+            new_ids = ids[new]
+            start = self.num_types
+            new_slots = torch.arange(start, start + new_ids.numel(), device=self.device)
+            self._grow(start + new_ids.numel())
+            self._id_to_slot[new_ids] = new_slots
+            self._slot_ids = torch.cat([self._slot_ids, new_ids])
+            slots = self._id_to_slot[ids]
+        return slots
+
+    # ------------------------------------------------------------- merging
+    def _merge_types(
+        self,
+        li: int,
+        slots: torch.Tensor,
+        n_b: torch.Tensor,
+        mean_b: torch.Tensor,
+        m2_b: torch.Tensor,
+        usum_b: torch.Tensor,
+    ) -> None:
+        n_a = self._counts[li, slots]
+        n, mean, cross = _chan_merge_mean_m2(n_a, self._means[li, slots], n_b, mean_b)
+        self._counts[li, slots] = n
+        self._means[li, slots] = mean
+        self._m2[li, slots] = self._m2[li, slots] + m2_b + cross
+        self._unit_sums[li, slots] = self._unit_sums[li, slots] + usum_b
+
+    def _merge_layer(
+        self, li: int, n_b: torch.Tensor, mean_b: torch.Tensor, c_b: torch.Tensor
+    ) -> None:
+        n_a = self._n[li]
+        if int(n_b) == 0:
+            return
+        delta = mean_b - self._mean[li]
+        n = n_a + n_b
+        w = (n_a.to(_F64) * n_b.to(_F64)) / n.to(_F64)
+        self._comoment[li] += c_b + torch.outer(delta, delta) * w
+        self._mean[li] += delta * (n_b.to(_F64) / n.to(_F64))
+        self._n[li] = n
+
+    def _merge_positions(self, li: int, counts_b: torch.Tensor, sums_b: torch.Tensor) -> None:
+        """Merge per-position counts and *sums* (means need no M2: plain weighted update)."""
+        n = self._pos_counts[li] + counts_b
+        seen = n > 0
+        upd = (sums_b - counts_b.to(_F64).unsqueeze(-1) * self._pos_means[li]) / n.to(
+            _F64
+        ).clamp_min(1.0).unsqueeze(-1)
+        self._pos_means[li] = torch.where(seen.unsqueeze(-1), self._pos_means[li] + upd, 0.0)
+        self._pos_counts[li] = n
+
+    # --------------------------------------------------------------- update
+    @torch.no_grad()
+    def update(
+        self,
+        hidden: Sequence[torch.Tensor] | torch.Tensor,
+        token_ids: torch.Tensor,
+        keep: torch.Tensor | None = None,
+        positions: torch.Tensor | None = None,
+    ) -> None:
+        """Fold one batch.
+
+        Args:
+            hidden: per selected layer (in ``self.layers`` order) a (B, T, d) tensor, or one
+                (L, B, T, d) tensor; any float dtype (bf16/fp16 are cast to float64 before
+                anything is squared).
+            token_ids: (B, T) integer token ids.
+            keep: (B, T) bool, the tokens to count (padding and, by default, special tokens
+                already False). None keeps all.
+            positions: (B, T) position of each token within its window (default: column
+                index). Needed only when ``max_positions > 0``.
+        """
+        if isinstance(hidden, torch.Tensor) and hidden.dim() == 4:
+            hidden = list(hidden.unbind(0))
+        if len(hidden) != len(self.layers):
+            raise ValueError(f"expected {len(self.layers)} hidden-state tensors, got {len(hidden)}")
+        shape = tuple(token_ids.shape)
+        if keep is None:
+            keep = torch.ones(shape, dtype=torch.bool, device=token_ids.device)
+        if tuple(keep.shape) != shape:
+            raise ValueError(f"keep mask shape {tuple(keep.shape)} != token_ids shape {shape}")
+        dev = self.device
+        keep = keep.to(dev)
+        ids = token_ids.to(dev)[keep].long()
+        if ids.numel() == 0:
+            return
+        pos = None
+        if self.max_positions > 0:
+            if positions is None:
+                positions = torch.arange(shape[-1], device=dev).expand(shape)
+            pos = positions.to(dev)[keep].long()
+            if int(pos.max()) >= self.max_positions or int(pos.min()) < 0:
+                raise ValueError(
+                    f"position {int(pos.max())} outside 0..{self.max_positions - 1}; "
+                    "raise max_positions to the job's max_length"
+                )
+        for li, h in enumerate(hidden):
+            if tuple(h.shape[:-1]) != shape or h.shape[-1] != self.dim:
+                raise ValueError(
+                    f"hidden state {li} has shape {tuple(h.shape)}, expected {(*shape, self.dim)}"
+                )
+            x = h.to(dev)[keep].to(_F64)
+            self._fold_layer(li, x, ids, pos)
+
+    def _fold_layer(
+        self, li: int, x: torch.Tensor, ids: torch.Tensor, pos: torch.Tensor | None
+    ) -> None:
+        finite = torch.isfinite(x).all(dim=1)
+        if not bool(finite.all()):
+            self._nonfinite[li] += int((~finite).sum())
+            x, ids = x[finite], ids[finite]
+            pos = pos[finite] if pos is not None else None
+            if x.shape[0] == 0:
+                return
+        uniq, inv = torch.unique(ids, return_inverse=True)
+        u, d = uniq.numel(), self.dim
+        cnt = torch.bincount(inv, minlength=u)
+        cnt_f = cnt.to(_F64).unsqueeze(1)
+        mean_b = torch.zeros(u, d, dtype=_F64, device=x.device).index_add_(0, inv, x) / cnt_f
+        dev_sq = (x - mean_b[inv]).square().sum(dim=1)
+        m2_b = torch.zeros(u, dtype=_F64, device=x.device).index_add_(0, inv, dev_sq)
+        norms = torch.linalg.vector_norm(x, dim=1, keepdim=True)
+        unit = x / norms.clamp_min(torch.finfo(_F64).tiny)
+        usum_b = torch.zeros(u, d, dtype=_F64, device=x.device).index_add_(0, inv, unit)
+        self._merge_types(li, self._slots_for(uniq), cnt, mean_b, m2_b, usum_b)
+
+        n_b = torch.tensor(x.shape[0], dtype=torch.int64, device=x.device)
+        mu = x.mean(dim=0)
+        xc = x - mu
+        self._merge_layer(li, n_b, mu, xc.T @ xc)
+        self._argmax[li] += torch.bincount(x.argmax(dim=1), minlength=d)
+        self._argmin[li] += torch.bincount(x.argmin(dim=1), minlength=d)
+        if pos is not None:
+            p = self.max_positions
+            pc = torch.bincount(pos, minlength=p)
+            ps = torch.zeros(p, d, dtype=_F64, device=x.device).index_add_(0, pos, x)
+            self._merge_positions(li, pc, ps)
+
+    # ---------------------------------------------------------------- merge
+    def check_compatible(self, other: EmbeddingStatistics) -> None:
+        """Raise :class:`StatisticsMismatchError` unless ``other`` measures the same thing."""
+        problems = []
+        if other.layers != self.layers:
+            problems.append(f"layers {other.layers} != {self.layers}")
+        if other.dim != self.dim:
+            problems.append(f"dim {other.dim} != {self.dim}")
+        if other.max_positions != self.max_positions:
+            problems.append(f"max_positions {other.max_positions} != {self.max_positions}")
+        for key in self.IDENTITY_KEYS:
+            a, b = self.metadata.get(key), other.metadata.get(key)
+            if a is not None and b is not None and a != b:
+                problems.append(f"{key} {b!r} != {a!r}")
+        if problems:
+            raise StatisticsMismatchError(
+                "cannot merge statistics of different measurements: " + "; ".join(problems)
+            )
+
+    @torch.no_grad()
+    def merge(self, other: EmbeddingStatistics) -> EmbeddingStatistics:
+        """Merge ``other`` into ``self`` (in place; returns ``self``). Associative, commutative."""
+        self.check_compatible(other)
+        for key, value in other.metadata.items():
+            self.metadata.setdefault(key, value)
+        t = other.num_types
+        if t:
+            ids = other._slot_ids.to(self.device)
+            slots = self._slots_for(ids)
+            for li in range(len(self.layers)):
+                self._merge_types(
+                    li,
+                    slots,
+                    other._counts[li, :t].to(self.device),
+                    other._means[li, :t].to(self.device),
+                    other._m2[li, :t].to(self.device),
+                    other._unit_sums[li, :t].to(self.device),
+                )
+        for li in range(len(self.layers)):
+            self._merge_layer(
+                li,
+                other._n[li].to(self.device),
+                other._mean[li].to(self.device),
+                other._comoment[li].to(self.device),
+            )
+            if self.max_positions:
+                sums = other._pos_means[li].to(self.device) * other._pos_counts[li].to(
+                    self.device, _F64
+                ).unsqueeze(-1)
+                self._merge_positions(li, other._pos_counts[li].to(self.device), sums)
+        self._argmax += other._argmax.to(self.device)
+        self._argmin += other._argmin.to(self.device)
+        self._nonfinite += other._nonfinite.to(self.device)
+        return self
+
+    # ------------------------------------------------------------- views
+    def _order(self) -> torch.Tensor:
+        return torch.argsort(self._slot_ids)
+
+    def layer(self, layer: int) -> LayerMoments:
+        """Numpy float64 view of hidden-state layer ``layer`` (an HF index, not a position)."""
+        if layer not in self.layers:
+            raise KeyError(f"layer {layer} was not measured; layers are {self.layers}")
+        li = self.layers.index(layer)
+        order = self._order()
+        counts = self._counts[li, : self.num_types][order]
+        present = counts > 0
+        sel = order[present]
+
+        def np_(t: torch.Tensor) -> np.ndarray:
+            return t.detach().cpu().numpy()
+
+        return LayerMoments(
+            layer=layer,
+            type_ids=np_(self._slot_ids[sel]),
+            counts=np_(self._counts[li, sel]),
+            means=np_(self._means[li, sel]),
+            m2=np_(self._m2[li, sel]),
+            unit_sums=np_(self._unit_sums[li, sel]),
+            n=int(self._n[li]),
+            mean=np_(self._mean[li]),
+            comoment=np_(self._comoment[li]),
+            argmax_counts=np_(self._argmax[li]),
+            argmin_counts=np_(self._argmin[li]),
+            position_counts=np_(self._pos_counts[li]),
+            position_means=np_(self._pos_means[li]),
+            nonfinite=int(self._nonfinite[li]),
+        )
+
+    def token_count(self) -> int:
+        """Tokens counted (in the first layer; every layer counts the same finite tokens)."""
+        return int(self._n[0])
+
+    # -------------------------------------------------------- persistence
+    def state_dict(self) -> dict[str, np.ndarray]:
+        """Compact arrays (types sorted by id, unused slots dropped), all on CPU."""
+        order = self._order()
+
+        def np_(t: torch.Tensor) -> np.ndarray:
+            return np.ascontiguousarray(t.detach().cpu().numpy())
+
+        t = self.num_types
+        return {
+            "type_ids": np_(self._slot_ids[order]),
+            "counts": np_(self._counts[:, :t][:, order]),
+            "means": np_(self._means[:, :t][:, order]),
+            "m2": np_(self._m2[:, :t][:, order]),
+            "unit_sums": np_(self._unit_sums[:, :t][:, order]),
+            "n": np_(self._n),
+            "mean": np_(self._mean),
+            "comoment": np_(self._comoment),
+            "argmax_counts": np_(self._argmax),
+            "argmin_counts": np_(self._argmin),
+            "position_counts": np_(self._pos_counts),
+            "position_means": np_(self._pos_means),
+            "nonfinite": np_(self._nonfinite),
+        }
+
+    def header(self) -> dict[str, Any]:
+        return {
+            "format": FORMAT,
+            "version": FORMAT_VERSION,
+            "layers": self.layers,
+            "dim": self.dim,
+            "max_positions": self.max_positions,
+            "metadata": self.metadata,
+        }
+
+    def to_bytes(self) -> bytes:
+        """Serialize to safetensors bytes (header JSON in the safetensors metadata)."""
+        return st_save_bytes(self.state_dict(), metadata={"embgeom_ray": json.dumps(self.header())})
+
+    def save(self, path: str | os.PathLike[str]) -> None:
+        """Write atomically to a local path or fsspec URL (temporary name, then rename)."""
+        from .io_utils import atomic_write_bytes
+
+        atomic_write_bytes(str(path), self.to_bytes())
+
+    @classmethod
+    def from_bytes(cls, data: bytes, *, device: str | torch.device = "cpu") -> EmbeddingStatistics:
+        header = _read_header(data)
+        arrays = st_load_bytes(data)
+        return cls.from_state(header, arrays, device=device)
+
+    @classmethod
+    def load(
+        cls, path: str | os.PathLike[str], *, device: str | torch.device = "cpu"
+    ) -> EmbeddingStatistics:
+        import fsspec
+
+        with fsspec.open(str(path), "rb") as f:
+            data = f.read()
+        try:
+            return cls.from_bytes(data, device=device)
+        except StatisticsMismatchError as exc:
+            raise StatisticsMismatchError(f"{path}: {exc}") from None
+
+    @classmethod
+    def from_state(
+        cls,
+        header: Mapping[str, Any],
+        arrays: Mapping[str, np.ndarray],
+        *,
+        device: str | torch.device = "cpu",
+    ) -> EmbeddingStatistics:
+        """Rebuild from :meth:`header` and :meth:`state_dict`, checking the schema."""
+        if header.get("format") != FORMAT:
+            raise StatisticsMismatchError(
+                f"not an embgeom_ray statistics artefact: {header!r:.200}"
+            )
+        if int(header.get("version", -1)) != FORMAT_VERSION:
+            raise StatisticsMismatchError(
+                f"statistics format version {header.get('version')} is not supported "
+                f"(this embgeom_ray reads version {FORMAT_VERSION})"
+            )
+        layers, d, p = list(header["layers"]), int(header["dim"]), int(header["max_positions"])
+        n_layers = len(layers)
+        t = int(np.asarray(arrays["type_ids"]).shape[0])
+        expected = {
+            "type_ids": (t,),
+            "counts": (n_layers, t),
+            "means": (n_layers, t, d),
+            "m2": (n_layers, t),
+            "unit_sums": (n_layers, t, d),
+            "n": (n_layers,),
+            "mean": (n_layers, d),
+            "comoment": (n_layers, d, d),
+            "argmax_counts": (n_layers, d),
+            "argmin_counts": (n_layers, d),
+            "position_counts": (n_layers, p),
+            "position_means": (n_layers, p, d),
+            "nonfinite": (n_layers,),
+        }
+        for key, shape in expected.items():
+            if key not in arrays:
+                raise StatisticsMismatchError(f"statistics artefact lacks array {key!r}")
+            if tuple(arrays[key].shape) != shape:
+                raise StatisticsMismatchError(
+                    f"statistics array {key!r} has shape {tuple(arrays[key].shape)}, expected {shape}"
+                )
+        stats = cls(
+            layers,
+            d,
+            max_positions=p,
+            device=device,
+            metadata=header.get("metadata"),
+            initial_types=max(t, 1),
+        )
+
+        def tt(key: str) -> torch.Tensor:
+            return torch.from_numpy(np.array(arrays[key])).to(stats.device)
+
+        ids = tt("type_ids").long()
+        if t:
+            stats._slots_for(ids)  # slots 0..t-1 in id order
+            stats._counts[:, :t] = tt("counts")
+            stats._means[:, :t] = tt("means")
+            stats._m2[:, :t] = tt("m2")
+            stats._unit_sums[:, :t] = tt("unit_sums")
+        stats._n = tt("n").long()
+        stats._mean = tt("mean")
+        stats._comoment = tt("comoment")
+        stats._argmax = tt("argmax_counts").long()
+        stats._argmin = tt("argmin_counts").long()
+        stats._pos_counts = tt("position_counts").long()
+        stats._pos_means = tt("position_means")
+        stats._nonfinite = tt("nonfinite").long()
+        return stats
+
+    def to(self, device: str | torch.device) -> EmbeddingStatistics:
+        """A copy on ``device`` (compact)."""
+        return EmbeddingStatistics.from_state(self.header(), self.state_dict(), device=device)
+
+
+def _read_header(data: bytes) -> dict[str, Any]:
+    """The JSON header stored in a safetensors file's metadata."""
+    if len(data) < 8:
+        raise StatisticsMismatchError("statistics artefact is empty or truncated")
+    size = int.from_bytes(data[:8], "little")
+    try:
+        raw = json.loads(io.BytesIO(data[8 : 8 + size]).read().decode("utf-8"))
+        return json.loads(raw["__metadata__"]["embgeom_ray"])
+    except (ValueError, KeyError, UnicodeDecodeError) as exc:
+        raise StatisticsMismatchError(f"not an embgeom_ray statistics artefact ({exc})") from None

@@ -1,0 +1,357 @@
+"""The statistics core against independent float64 two-pass computations."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from embgeom_ray.errors import StatisticsMismatchError
+from embgeom_ray.metrics import (
+    cosine_metrics,
+    dims_table,
+    isoscore_from_covariance,
+    layers_table,
+    self_similarity,
+    type_stats_table,
+    type_variances,
+    variance_decomposition,
+)
+from embgeom_ray.statistics import EmbeddingStatistics
+
+
+def make_batch(rng: np.random.Generator, n_layers=2, b=3, t=7, d=5, vocab=6, offset=0.0):
+    """Random hidden states (L,B,T,d) float64, ids (B,T), keep mask (B,T)."""
+    h = rng.normal(size=(n_layers, b, t, d))
+    h += offset
+    ids = rng.integers(0, vocab, size=(b, t))
+    keep = rng.random((b, t)) > 0.2
+    return h, ids, keep
+
+
+def fold(stats: EmbeddingStatistics, h, ids, keep, positions=None) -> EmbeddingStatistics:
+    stats.update(
+        torch.as_tensor(h),
+        torch.as_tensor(ids),
+        torch.as_tensor(keep),
+        None if positions is None else torch.as_tensor(np.array(positions)),
+    )
+    return stats
+
+
+def two_pass(points: np.ndarray, ids: np.ndarray) -> dict:
+    """Independent float64 two-pass reference for one layer: per-type count/mean/variance."""
+    out = {}
+    for t in np.unique(ids):
+        x = points[ids == t]
+        mu = x.mean(0)
+        out[int(t)] = (len(x), mu, ((x - mu) ** 2).sum(1).mean())
+    return out
+
+
+def flat(h, ids, keep, layer_index):
+    return h[layer_index][keep].astype(np.float64), ids[keep]
+
+
+def assert_matches_two_pass(stats, h, ids, keep, rtol):
+    for li, layer in enumerate(stats.layers):
+        x, tid = flat(h, ids, keep, li)
+        m = stats.layer(layer)
+        ref = two_pass(x, tid)
+        assert m.type_ids.tolist() == sorted(ref)
+        var = type_variances(m)
+        for k, t in enumerate(m.type_ids):
+            n, mu, v = ref[int(t)]
+            assert m.counts[k] == n
+            np.testing.assert_allclose(m.means[k], mu, rtol=1e-12, atol=1e-12 * np.abs(mu).max())
+            if n == 1:
+                assert var[k] == 0.0
+            else:
+                np.testing.assert_allclose(var[k], v, rtol=rtol)
+        mu = x.mean(0)
+        cov = (x - mu).T @ (x - mu)
+        np.testing.assert_allclose(m.mean, mu, rtol=1e-12, atol=1e-12 * np.abs(mu).max())
+        np.testing.assert_allclose(m.comoment, cov, rtol=rtol, atol=rtol * np.abs(cov).max())
+
+
+def test_single_batch_equals_two_pass():
+    rng = np.random.default_rng(0)
+    h, ids, keep = make_batch(rng, d=8, vocab=5, t=20)
+    stats = fold(EmbeddingStatistics([0, 3], 8), h, ids, keep)
+    assert_matches_two_pass(stats, h, ids, keep, rtol=1e-12)
+
+
+@pytest.mark.parametrize("scale", [1e3, 3e3, 4e4])
+def test_massive_offsets_in_few_dims(scale):
+    """||μ||²/V ~ 1e8 in a few dimensions (GPT-2's massive activations): still 1e-6 relative."""
+    rng = np.random.default_rng(1)
+    stats = EmbeddingStatistics([0], 16)
+    hs = []
+    for _ in range(5):
+        h, ids, keep = make_batch(rng, n_layers=1, b=4, t=30, d=16, vocab=7)
+        h[..., :2] += scale  # the massive dims
+        h *= 1.0  # keep float64
+        fold(stats, h, ids, keep)
+        hs.append((h, ids, keep))
+    h = np.concatenate([a for a, _, _ in hs], axis=1)
+    ids = np.concatenate([b for _, b, _ in hs], axis=0)
+    keep = np.concatenate([c for _, _, c in hs], axis=0)
+    m = stats.layer(0)
+    x, _ = flat(h, ids, keep, 0)
+    ratio = (np.linalg.norm(m.mean) ** 2) / (np.trace(m.comoment) / m.n)
+    assert ratio > 0.5 * scale**2 / 16  # 4e4 gives ||mu||^2/V ~ 2e8
+    assert_matches_two_pass(stats, h, ids, keep, rtol=1e-6)
+    # IsoScore must not drift with the shared offset
+    iso_shifted = isoscore_from_covariance(m.covariance)
+    xc = x - x.mean(0)
+    np.testing.assert_allclose(
+        iso_shifted, isoscore_from_covariance(xc.T @ xc / len(xc)), rtol=1e-9
+    )
+
+
+def test_float32_naive_formula_would_fail_but_we_do_not():
+    """The motivating failure: E||x||² − ||μ||² in float32 is badly wrong at ||μ|| = 3000."""
+    rng = np.random.default_rng(2)
+    x = rng.normal(size=(4000, 32)).astype(np.float32)
+    x[:, 0] += 3000.0
+    naive = np.mean((x**2).sum(1)) - np.sum(x.mean(0) ** 2)
+    true = ((x.astype(np.float64) - x.astype(np.float64).mean(0)) ** 2).sum(1).mean()
+    assert abs(naive - true) / true > 1e-3  # the textbook formula is broken here
+    stats = EmbeddingStatistics([0], 32)
+    for chunk in np.array_split(np.arange(4000), 8):
+        xb = torch.from_numpy(x[chunk])[None, None]  # (L=1, B=1, T, d) float32
+        stats.update(xb, torch.zeros(1, len(chunk), dtype=torch.long))
+    m = stats.layer(0)
+    np.testing.assert_allclose(type_variances(m)[0], true, rtol=1e-9)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_low_precision_inputs_are_cast_before_squaring(dtype):
+    """Statistics of bf16/fp16 activations equal float64 two-pass on the same (rounded) values."""
+    rng = np.random.default_rng(3)
+    h, ids, keep = make_batch(rng, d=12, t=40, vocab=4)
+    h[..., 0] += 200.0  # squares overflow fp16 (65504) if not cast first
+    ht = torch.as_tensor(h).to(dtype)
+    stats = EmbeddingStatistics([0, 1], 12)
+    stats.update(ht, torch.as_tensor(ids), torch.as_tensor(keep))
+    assert_matches_two_pass(stats, ht.double().numpy(), ids, keep, rtol=1e-9)
+
+
+def test_single_occurrence_variance_is_exactly_zero():
+    rng = np.random.default_rng(4)
+    h = rng.normal(size=(1, 1, 4, 3)) * 1e3 + 1e4
+    stats = fold(EmbeddingStatistics([0], 3), h, np.array([[5, 6, 7, 7]]), np.ones((1, 4), bool))
+    m = stats.layer(0)
+    v = type_variances(m)
+    assert v[0] == 0.0 and v[1] == 0.0 and v[2] > 0.0
+
+
+def test_total_variance_equals_within_plus_between():
+    rng = np.random.default_rng(5)
+    h, ids, keep = make_batch(rng, d=10, t=50, vocab=9, offset=50.0)
+    stats = fold(EmbeddingStatistics([0, 1], 10), h, ids, keep)
+    for layer in stats.layers:
+        total, within, between = variance_decomposition(stats.layer(layer))
+        assert abs(total - (within + between)) <= 1e-12 * total
+
+
+def shards_strategy():
+    return st.tuples(
+        st.integers(1, 5),  # number of shards
+        st.integers(0, 2**31 - 1),  # seed
+        st.booleans(),  # massive offset
+    )
+
+
+@settings(max_examples=25, deadline=None)
+@given(shards_strategy())
+def test_merge_of_random_shards_equals_one_pass(params):
+    k, seed, massive = params
+    rng = np.random.default_rng(seed)
+    h, ids, keep = make_batch(rng, n_layers=2, b=12, t=9, d=6, vocab=8)
+    if massive:
+        h[..., 0] += 1e4
+    pos = np.broadcast_to(np.arange(9), ids.shape)
+    whole = fold(EmbeddingStatistics([1, 4], 6, max_positions=9), h, ids, keep, pos)
+    # random split of the batch rows into k shards, each folded in random sub-batches
+    assignment = rng.integers(0, k, size=12)
+    parts = []
+    for s in range(k):
+        rows = np.flatnonzero(assignment == s)
+        part = EmbeddingStatistics([1, 4], 6, max_positions=9)
+        for sub in np.array_split(rows, max(1, len(rows) // 3)):
+            if len(sub):
+                fold(part, h[:, sub], ids[sub], keep[sub], pos[sub])
+        parts.append(part)
+    order = rng.permutation(k)
+    merged = EmbeddingStatistics([1, 4], 6, max_positions=9)
+    for i in order:
+        merged.merge(parts[i])
+    # also a tree-shaped merge
+    tree = parts[:]
+    while len(tree) > 1:
+        tree = [
+            tree[i].merge(tree[i + 1]) if i + 1 < len(tree) else tree[i]
+            for i in range(0, len(tree), 2)
+        ]
+    for candidate in (merged, tree[0]):
+        a, b = whole.state_dict(), candidate.state_dict()
+        assert a.keys() == b.keys()
+        for key in a:
+            if a[key].dtype.kind in "iu":
+                np.testing.assert_array_equal(a[key], b[key], err_msg=key)
+            else:
+                scale = max(np.abs(a[key]).max(), 1.0) if a[key].size else 1.0
+                np.testing.assert_allclose(
+                    a[key], b[key], rtol=1e-10, atol=1e-10 * scale, err_msg=key
+                )
+
+
+def test_merge_is_commutative_in_the_compact_form():
+    rng = np.random.default_rng(6)
+    a = fold(EmbeddingStatistics([0], 4), *make_batch(rng, n_layers=1, d=4, vocab=10))
+    b = fold(EmbeddingStatistics([0], 4), *make_batch(rng, n_layers=1, d=4, vocab=10))
+    ab = EmbeddingStatistics.from_bytes(a.to_bytes()).merge(b)
+    ba = EmbeddingStatistics.from_bytes(b.to_bytes()).merge(a)
+    for key, val in ab.state_dict().items():
+        np.testing.assert_allclose(val, ba.state_dict()[key], rtol=1e-13, atol=1e-13, err_msg=key)
+
+
+def test_round_trip_is_exact(tmp_path):
+    rng = np.random.default_rng(7)
+    h, ids, keep = make_batch(rng, d=5, vocab=20, t=15)
+    s = fold(
+        EmbeddingStatistics([0, 2], 5, max_positions=15, metadata={"model_fingerprint": "m1"}),
+        h,
+        ids,
+        keep,
+    )
+    path = tmp_path / "stats.safetensors"
+    s.save(path)
+    r = EmbeddingStatistics.load(path)
+    assert r.layers == s.layers and r.dim == 5 and r.max_positions == 15
+    assert r.metadata == {"model_fingerprint": "m1"}
+    for key, val in s.state_dict().items():
+        np.testing.assert_array_equal(val, r.state_dict()[key], err_msg=key)
+    assert not list(tmp_path.glob(".tmp-*"))
+
+
+def test_load_rejects_foreign_and_mismatched_artefacts(tmp_path):
+    bad = tmp_path / "bad.safetensors"
+    bad.write_bytes(b"\x05\x00\x00\x00\x00\x00\x00\x00{}abc")
+    with pytest.raises(StatisticsMismatchError, match="not an embgeom_ray statistics artefact"):
+        EmbeddingStatistics.load(bad)
+    a = EmbeddingStatistics([0], 4, metadata={"model_fingerprint": "A"})
+    b = EmbeddingStatistics([0], 4, metadata={"model_fingerprint": "B"})
+    with pytest.raises(StatisticsMismatchError, match="model_fingerprint"):
+        a.merge(b)
+    with pytest.raises(StatisticsMismatchError, match="layers"):
+        a.merge(EmbeddingStatistics([1], 4))
+
+
+def test_nonfinite_tokens_are_counted_and_excluded():
+    rng = np.random.default_rng(8)
+    h, ids, keep = make_batch(rng, n_layers=2, d=4, t=10, vocab=3)
+    keep[:] = True
+    h[1, 0, 0, 2] = np.inf
+    h[1, 1, 3, 0] = np.nan
+    stats = fold(EmbeddingStatistics([0, 1], 4), h, ids, keep)
+    assert stats.layer(0).nonfinite == 0 and stats.layer(1).nonfinite == 2
+    assert stats.layer(1).n == stats.layer(0).n - 2
+    good = np.ones(ids.shape, bool)
+    good[0, 0] = good[1, 3] = False
+    x = h[1][good]
+    np.testing.assert_allclose(stats.layer(1).mean, x.mean(0), rtol=1e-12)
+
+
+def brute_cosines(x: np.ndarray, ids: np.ndarray):
+    u = x / np.linalg.norm(x, axis=1, keepdims=True)
+    c = u @ u.T
+    n = len(x)
+    off = ~np.eye(n, dtype=bool)
+    same = ids[:, None] == ids[None, :]
+    self_sim = {}
+    for t in np.unique(ids):
+        sel = ids == t
+        k = int(sel.sum())
+        if k >= 2:
+            block = c[np.ix_(sel, sel)]
+            self_sim[int(t)] = (block.sum() - np.trace(block)) / (k * (k - 1))
+    return c[off].mean(), c[~same].mean(), self_sim
+
+
+def test_cosine_metrics_equal_brute_force():
+    rng = np.random.default_rng(9)
+    h, ids, keep = make_batch(rng, n_layers=1, b=6, t=25, d=7, vocab=6, offset=0.7)
+    stats = fold(EmbeddingStatistics([0], 7), h, ids, keep)
+    m = stats.layer(0)
+    x, tid = flat(h, ids, keep, 0)
+    aniso, s_inter, self_sim = brute_cosines(x, tid)
+    a, si, s_intra = cosine_metrics(m)
+    np.testing.assert_allclose(a, aniso, rtol=1e-10)
+    np.testing.assert_allclose(si, s_inter, rtol=1e-10)
+    ss = self_similarity(m)
+    for k, t in enumerate(m.type_ids):
+        if int(t) in self_sim:
+            np.testing.assert_allclose(ss[k], self_sim[int(t)], rtol=1e-10, atol=1e-13)
+        else:
+            assert np.isnan(ss[k])
+    np.testing.assert_allclose(s_intra, np.mean(list(self_sim.values())), rtol=1e-10)
+
+
+def test_isoscore_equals_the_isoscore_package():
+    from IsoScore import IsoScore
+
+    rng = np.random.default_rng(10)
+    for scales in ([1.0] * 6, [5.0, 1.0, 1.0, 0.2, 0.1, 0.01], [1.0, 0, 0, 0, 0, 0]):
+        x = rng.normal(size=(300, 6)) * np.array(scales) + 40.0
+        stats = EmbeddingStatistics([0], 6)
+        stats.update(torch.from_numpy(x)[None, None], torch.zeros(1, 300, dtype=torch.long))
+        ours = isoscore_from_covariance(stats.layer(0).covariance)
+        theirs = float(IsoScore.IsoScore(x))
+        # the package takes sqrt(n) of an int64 tensor, which torch computes in float32
+        # (2.4494898 vs 2.4494897428 for n = 6): agreement is to ~1e-6, not to float64.
+        np.testing.assert_allclose(ours, theirs, rtol=1e-5, atol=1e-7)
+
+
+def test_tables_have_contract_columns_and_values():
+    rng = np.random.default_rng(11)
+    h, ids, keep = make_batch(rng, n_layers=2, b=5, t=30, d=6, vocab=7, offset=3.0)
+    stats = fold(EmbeddingStatistics([0, 5], 6), h, ids, keep)
+    ts = type_stats_table(stats, lambda xs: [f"tok{i}" for i in xs])
+    assert list(ts.columns)[:3] == ["layer", "token_id", "token"]
+    x, tid = flat(h, ids, keep, 1)
+    row = ts[(ts.layer == 5) & (ts.token_id == tid[0])].iloc[0]
+    sel = x[tid == tid[0]]
+    np.testing.assert_allclose(row.sq_norm_mean, (sel**2).sum(1).mean(), rtol=1e-12)
+    np.testing.assert_allclose(row.mean_norm, np.linalg.norm(sel.mean(0)), rtol=1e-12)
+    assert row.token == f"tok{tid[0]}"
+    lt = layers_table(stats)
+    assert lt.n_tokens.tolist() == [int(keep.sum())] * 2
+    np.testing.assert_allclose(
+        lt.total_variance, lt.within_variance + lt.between_variance, rtol=1e-12
+    )
+    dt = dims_table(stats)
+    np.testing.assert_allclose(dt[dt.layer == 5]["std"], x.std(0), rtol=1e-12)
+    np.testing.assert_allclose(dt[dt.layer == 5]["mean"], x.mean(0), rtol=1e-12)
+
+
+def test_positions_and_tails_statistics():
+    rng = np.random.default_rng(12)
+    h, ids, keep = make_batch(rng, n_layers=1, b=8, t=6, d=5, vocab=4)
+    h[0, ..., 3] += 10.0  # dim 3 is the argmax of nearly every vector
+    pos = np.broadcast_to(np.arange(6), ids.shape)
+    stats = fold(EmbeddingStatistics([0], 5, max_positions=6), h, ids, keep, pos)
+    m = stats.layer(0)
+    x = h[0][keep]
+    p = pos[keep]
+    np.testing.assert_array_equal(m.argmax_counts, np.bincount(x.argmax(1), minlength=5))
+    np.testing.assert_array_equal(m.argmin_counts, np.bincount(x.argmin(1), minlength=5))
+    for q in range(6):
+        assert m.position_counts[q] == (p == q).sum()
+        if (p == q).any():
+            np.testing.assert_allclose(m.position_means[q], x[p == q].mean(0), rtol=1e-12)
+    with pytest.raises(ValueError, match="max_positions"):
+        fold(EmbeddingStatistics([0], 5, max_positions=3), h, ids, keep, pos)
