@@ -51,7 +51,9 @@ class CheckpointStore:
         try:
             return json.loads(read_bytes(path))
         except (OSError, ValueError) as exc:
-            raise OutputError(f"{path} is unreadable ({exc}); use --overwrite to start over") from None
+            raise OutputError(
+                f"{path} is unreadable ({exc}); use --overwrite to start over"
+            ) from None
 
     def start(
         self, fingerprint: str, identity: dict[str, Any], plan: ShardPlan, overwrite: bool
@@ -100,7 +102,9 @@ class CheckpointStore:
 
     def load_shard(self, shard_id: str) -> tuple[EmbeddingStatistics, ShardCounts]:
         stats = EmbeddingStatistics.load(self._path("shards", f"{shard_id}.safetensors"))
-        counts = ShardCounts.from_json(json.loads(read_bytes(self._path("shards", f"{shard_id}.json"))))
+        counts = ShardCounts.from_json(
+            json.loads(read_bytes(self._path("shards", f"{shard_id}.json")))
+        )
         return stats, counts
 
 

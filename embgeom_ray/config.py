@@ -69,7 +69,9 @@ class JobConfig(BaseModel):
         return {k: getattr(self, k) for k in RESULT_OPTIONS}
 
     def options_digest(self) -> str:
-        return hashlib.sha256(json.dumps(self.result_options(), sort_keys=True).encode()).hexdigest()
+        return hashlib.sha256(
+            json.dumps(self.result_options(), sort_keys=True).encode()
+        ).hexdigest()
 
 
 def _format_validation_error(exc: ValidationError) -> str:

@@ -33,13 +33,14 @@ class ShardCounts:
     tokens: int = 0
     padded_tokens: int = 0
     batches: int = 0
+    oom_splits: int = 0
     skipped: dict[str, int] = field(default_factory=dict)
     forward_seconds: float = 0.0
     fold_seconds: float = 0.0
     seconds: float = 0.0
 
     def add(self, other: ShardCounts) -> None:
-        for name in ("documents", "windows", "tokens", "padded_tokens", "batches"):
+        for name in ("documents", "windows", "tokens", "padded_tokens", "batches", "oom_splits"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
         for name in ("forward_seconds", "fold_seconds", "seconds"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
@@ -141,6 +142,40 @@ class ShardProcessor:
                 keep_special=cfg.keep_special,
             )
 
+    def fold_batch(self, stats: EmbeddingStatistics, batch: Batch, counts: ShardCounts) -> None:
+        """Forward + fold one batch; if the forward runs out of device memory, split and retry.
+
+        Only the forward pass is retried: it has no side effects. The fold runs after it, so a
+        batch is folded exactly once. A single window that still does not fit raises an error
+        that says what to change.
+        """
+        t1 = time.perf_counter()
+        try:
+            hidden = self.forward(batch)
+        except torch.OutOfMemoryError:
+            if self.device == "cuda":
+                torch.cuda.empty_cache()
+            if batch.input_ids.shape[0] == 1:
+                raise torch.OutOfMemoryError(
+                    f"one window of {batch.input_ids.shape[1]} tokens does not fit in device "
+                    "memory; lower --max-length or --batch-tokens, or use a larger device"
+                ) from None
+            counts.oom_splits += 1
+            for half in batch.split():
+                self.fold_batch(stats, half, counts)
+            return
+        t2 = time.perf_counter()
+        stats.update(hidden, batch.input_ids, batch.keep)
+        del hidden
+        if self.device == "cuda":
+            torch.cuda.synchronize()
+        t3 = time.perf_counter()
+        counts.forward_seconds += t2 - t1
+        counts.fold_seconds += t3 - t2
+        counts.tokens += batch.num_tokens
+        counts.padded_tokens += int(batch.input_ids.numel())
+        counts.batches += 1
+
     @torch.inference_mode()
     def process(self, shard: Shard) -> tuple[EmbeddingStatistics, ShardCounts]:
         """Fold every document of ``shard``; returns its statistics and counts."""
@@ -150,18 +185,7 @@ class ShardProcessor:
         report = ReadReport()
         docs = read_shard(shard, self.corpus, report)
         for batch in self.batches(docs, counts):
-            t1 = time.perf_counter()
-            hidden = self.forward(batch)
-            t2 = time.perf_counter()
-            stats.update(hidden, batch.input_ids, batch.keep)
-            if self.device == "cuda":
-                torch.cuda.synchronize()
-            t3 = time.perf_counter()
-            counts.forward_seconds += t2 - t1
-            counts.fold_seconds += t3 - t2
-            counts.tokens += batch.num_tokens
-            counts.padded_tokens += int(batch.input_ids.numel())
-            counts.batches += 1
+            self.fold_batch(stats, batch, counts)
         counts.documents = report.documents
         counts.skipped = dict(report.skipped)
         counts.seconds = time.perf_counter() - t0

@@ -15,7 +15,6 @@ from typing import Any
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
-
 _UMASK = os.umask(0)
 os.umask(_UMASK)
 

@@ -132,7 +132,9 @@ def resolve_identity(
     num_layers = getattr(cfg, "num_hidden_layers", None) or getattr(cfg, "n_layer", None)
     hidden = getattr(cfg, "hidden_size", None) or getattr(cfg, "n_embd", None)
     if not num_layers or not hidden:
-        raise ModelError(f"cannot tell the number of layers / hidden size of {model!r} from its config")
+        raise ModelError(
+            f"cannot tell the number of layers / hidden size of {model!r} from its config"
+        )
     identity = ModelIdentity(
         model=model,
         revision=resolved,

@@ -44,7 +44,9 @@ from .outputs import (
 from .statistics import EmbeddingStatistics
 
 
-def run_fingerprint(identity: dict[str, Any], corpus_fingerprint: str, config: JobConfig, layers: list[int]) -> str:
+def run_fingerprint(
+    identity: dict[str, Any], corpus_fingerprint: str, config: JobConfig, layers: list[int]
+) -> str:
     payload = {
         "model_fingerprint": identity["model_fingerprint"],
         "tokenizer_fingerprint": identity["tokenizer_fingerprint"],
@@ -72,7 +74,9 @@ def analyze(config: JobConfig, *, echo=print) -> dict[str, Any]:
     t_start = time.perf_counter()
     started_at = now()
     identity, tokenizer = resolve_identity(config.model, config.revision, config.trust_remote_code)
-    limit = max_window_length(load_config(config.model, config.revision, config.trust_remote_code), tokenizer)
+    limit = max_window_length(
+        load_config(config.model, config.revision, config.trust_remote_code), tokenizer
+    )
     if limit is not None and config.max_length > limit:
         raise ConfigError(
             f"--max-length {config.max_length} exceeds what {config.model!r} accepts ({limit} positions)"
@@ -158,7 +162,9 @@ def analyze(config: JobConfig, *, echo=print) -> dict[str, Any]:
     t_extract1 = time.perf_counter()
 
     # reduce: every shard's checkpoint, in shard-id order
-    merged = EmbeddingStatistics(layers, identity.hidden_size, max_positions=config.max_length, metadata=metadata)
+    merged = EmbeddingStatistics(
+        layers, identity.hidden_size, max_positions=config.max_length, metadata=metadata
+    )
     totals = ShardCounts()
     for shard in sorted(plan.shards, key=lambda s: s.shard_id):
         stats, counts = store.load_shard(shard.shard_id)
@@ -193,7 +199,10 @@ def analyze(config: JobConfig, *, echo=print) -> dict[str, Any]:
                 "tokens": totals.tokens,
                 "padded_tokens": totals.padded_tokens,
                 "batches": totals.batches,
-                "nonfinite_tokens_per_layer": {str(layer): merged.layer(layer).nonfinite for layer in layers},
+                "oom_batch_splits": totals.oom_splits,
+                "nonfinite_tokens_per_layer": {
+                    str(layer): merged.layer(layer).nonfinite for layer in layers
+                },
             },
             "skipped": totals.skipped,
             "shards": {
@@ -213,7 +222,9 @@ def analyze(config: JobConfig, *, echo=print) -> dict[str, Any]:
             },
             "throughput": {
                 "tokens_per_s_extract_wall": (
-                    round(computed_tokens / extract_s, 1) if computed_tokens and extract_s > 0 else None
+                    round(computed_tokens / extract_s, 1)
+                    if computed_tokens and extract_s > 0
+                    else None
                 ),
             },
             "outputs": {"statistics": STATISTICS, "tables": written, "manifest": MANIFEST},

@@ -32,7 +32,9 @@ def connect(address: str | None = None) -> None:
     """Join a running cluster (``ray job submit``, ``RAY_ADDRESS``), else start a local Ray."""
     if ray.is_initialized():
         return
-    env = {"env_vars": {k: v for k, v in os.environ.items() if k.startswith(("HF_", "TRANSFORMERS_"))}}
+    env = {
+        "env_vars": {k: v for k, v in os.environ.items() if k.startswith(("HF_", "TRANSFORMERS_"))}
+    }
     address = address or os.environ.get("RAY_ADDRESS")
     if address:
         ray.init(address=address, runtime_env=env, log_to_driver=True)
@@ -67,7 +69,9 @@ def plan_pool(config: JobConfig, num_shards: int) -> PoolPlan:
 class ShardExtract:
     """Actor body: a :class:`ShardProcessor` with torch limited to the actor's CPUs."""
 
-    def __init__(self, config_json: dict[str, Any], layers: list[int], metadata: dict[str, str], threads: int) -> None:
+    def __init__(
+        self, config_json: dict[str, Any], layers: list[int], metadata: dict[str, str], threads: int
+    ) -> None:
         import torch
 
         torch.set_num_threads(max(1, threads))
@@ -137,7 +141,11 @@ def run_shards(
                     raise RuntimeError(
                         f"shard {shard.shard_id} lost its worker {attempts[shard.shard_id]} times; giving up"
                     ) from exc
-                log.warning("worker lost on shard %s (%s); replacing it and retrying", shard.shard_id, type(exc).__name__)
+                log.warning(
+                    "worker lost on shard %s (%s); replacing it and retrying",
+                    shard.shard_id,
+                    type(exc).__name__,
+                )
                 ray.kill(actor, no_restart=True)
                 actor = new_actor()
                 queue.appendleft(shard)

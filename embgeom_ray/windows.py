@@ -36,6 +36,21 @@ class Batch:
     def num_tokens(self) -> int:
         return int(self.keep.sum())
 
+    def split(self) -> tuple[Batch, Batch]:
+        """Two halves by rows (used to retry a batch that ran out of device memory)."""
+        h = self.input_ids.shape[0] // 2
+        parts = [
+            Batch(
+                input_ids=self.input_ids[sl],
+                attention_mask=self.attention_mask[sl],
+                keep=self.keep[sl],
+                doc_ids=self.doc_ids[sl],
+                window_index=self.window_index[sl],
+            )
+            for sl in (slice(0, h), slice(h, None))
+        ]
+        return parts[0], parts[1]
+
 
 def tokenize_windows(
     tokenizer, doc_ids: Sequence[int], texts: Sequence[str], max_length: int

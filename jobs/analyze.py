@@ -35,31 +35,88 @@ def build_parser() -> argparse.ArgumentParser:
     a("--config", help="YAML file of options (keys as below, with underscores); flags override it")
     a("--model", help="local HF model directory or hub id (required)")
     a("--revision", help="hub revision: branch, tag or commit hash")
-    a("--corpus", help="a .txt/.jsonl/.parquet file, a glob, a directory, an fsspec URL (s3://, gs://) or hf:NAME[:CONFIG] (required)")
+    a(
+        "--corpus",
+        help="a .txt/.jsonl/.parquet file, a glob, a directory, an fsspec URL (s3://, gs://) or hf:NAME[:CONFIG] (required)",
+    )
     a("--out", help="output directory, local or fsspec URL (required)")
     a("--text-column", help="text column of .jsonl/.parquet/HF corpora [default: text]")
     a("--split", help="split of an HF dataset [default: train]")
-    a("--max-length", type=int, help="tokens per window, special tokens included; longer documents are split into consecutive windows [default: 128]")
-    a("--layers", type=parse_layers, help="hidden-state layers to measure, e.g. 0,3,-1 (0 = embedding output, -1 = last) [default: all]")
-    a("--num-workers", type=int, help="extractor actors [default: one per GPU, else CPUs // cpus-per-worker]")
-    a("--cpus-per-worker", type=int, help="CPUs (torch threads) per extractor actor [default: 1 with a GPU, else min(4, CPUs)]")
+    a(
+        "--max-length",
+        type=int,
+        help="tokens per window, special tokens included; longer documents are split into consecutive windows [default: 128]",
+    )
+    a(
+        "--layers",
+        type=parse_layers,
+        help="hidden-state layers to measure, e.g. 0,3,-1 (0 = embedding output, -1 = last) [default: all]",
+    )
+    a(
+        "--num-workers",
+        type=int,
+        help="extractor actors [default: one per GPU, else CPUs // cpus-per-worker]",
+    )
+    a(
+        "--cpus-per-worker",
+        type=int,
+        help="CPUs (torch threads) per extractor actor [default: 1 with a GPU, else min(4, CPUs)]",
+    )
     a("--batch-tokens", type=int, help="padded tokens per forward batch [default: 8192]")
-    a("--docs-per-chunk", type=int, help="documents tokenized at a time per actor (bounds memory) [default: 512]")
-    a("--dtype", choices=["float32", "bfloat16", "float16"], help="dtype the model runs in; statistics are float64 regardless [default: float32]")
+    a(
+        "--docs-per-chunk",
+        type=int,
+        help="documents tokenized at a time per actor (bounds memory) [default: 512]",
+    )
+    a(
+        "--dtype",
+        choices=["float32", "bfloat16", "float16"],
+        help="dtype the model runs in; statistics are float64 regardless [default: float32]",
+    )
     a("--device", choices=["auto", "cpu", "cuda"], help="device of the extractors [default: auto]")
-    a("--keep-special", action="store_true", default=None, help="count special tokens ([CLS], [SEP], BOS, …) too [default: excluded]")
-    a("--min-count", type=int, help="minimum occurrences for a type to enter norm_variance_corr [default: 5]")
-    a("--shard-bytes", type=int, help="bytes of corpus text per shard [default: derived from the corpus size]")
-    a("--trust-remote-code", action="store_true", default=None, help="allow model code from the hub (off unless given)")
-    a("--overwrite", action="store_true", default=None, help="discard an earlier run in --out instead of resuming it")
-    a("--max-shard-retries", type=int, help="times a shard is retried after losing its worker [default: 3]")
+    a(
+        "--keep-special",
+        action="store_true",
+        default=None,
+        help="count special tokens ([CLS], [SEP], BOS, …) too [default: excluded]",
+    )
+    a(
+        "--min-count",
+        type=int,
+        help="minimum occurrences for a type to enter norm_variance_corr [default: 5]",
+    )
+    a(
+        "--shard-bytes",
+        type=int,
+        help="bytes of corpus text per shard [default: derived from the corpus size]",
+    )
+    a(
+        "--trust-remote-code",
+        action="store_true",
+        default=None,
+        help="allow model code from the hub (off unless given)",
+    )
+    a(
+        "--overwrite",
+        action="store_true",
+        default=None,
+        help="discard an earlier run in --out instead of resuming it",
+    )
+    a(
+        "--max-shard-retries",
+        type=int,
+        help="times a shard is retried after losing its worker [default: 3]",
+    )
     a("-v", "--verbose", action="store_true", help="log at INFO level")
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=logging.INFO if args.verbose else logging.WARNING,
+        format="%(levelname)s %(name)s: %(message)s",
+    )
     overrides = {k: v for k, v in vars(args).items() if k not in {"config", "verbose"}}
     try:
         config = build_config(args.config, overrides)

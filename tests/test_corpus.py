@@ -1,0 +1,734 @@
+"""Tests of corpus sources, shard plans and shard readers (embgeom_ray.corpus, demo_corpus)."""
+
+from __future__ import annotations
+
+import bz2
+import gzip
+import importlib.util
+import itertools
+import json
+import lzma
+import os
+import pickle
+import shutil
+import tempfile
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import fsspec
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from embgeom_ray import corpus as corpus_mod
+from embgeom_ray.corpus import (
+    CorpusSpec,
+    Document,
+    ReadReport,
+    Shard,
+    ShardPlan,
+    auto_shard_bytes,
+    document_id,
+    plan_shards,
+    read_shard,
+)
+from embgeom_ray.demo_corpus import main as demo_main
+from embgeom_ray.demo_corpus import python_docs_documents
+from embgeom_ray.errors import ConfigError, CorpusError
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+
+
+# --------------------------------------------------------------------------------------------
+# Helpers
+
+
+def read_all(spec: CorpusSpec, shard_bytes: int | None = None) -> tuple[list[Document], ReadReport]:
+    """Plan and read every shard, each with its own report, as independent workers would."""
+    plan = plan_shards(spec, shard_bytes)
+    total = ReadReport()
+    docs: list[Document] = []
+    for shard in plan.shards:
+        report = ReadReport()
+        shard_docs = list(read_shard(shard, spec, report))
+        assert report.documents == len(shard_docs)
+        docs.extend(shard_docs)
+        total.merge(report)
+    assert total.documents == len(docs)
+    return docs, total
+
+
+def texts(docs: list[Document]) -> list[str]:
+    return [d.text for d in docs]
+
+
+def write_parquet(path: Path, table: pa.Table, row_group_size: int) -> None:
+    pq.write_table(table, path, row_group_size=row_group_size)
+
+
+@pytest.fixture
+def memfs() -> Iterator[tuple[fsspec.AbstractFileSystem, str]]:
+    """A fresh folder on fsspec's in-memory file system, removed afterwards."""
+    fs = fsspec.filesystem("memory")
+    root = f"/embgeom-test-{uuid.uuid4().hex}"
+    fs.mkdir(root)
+    yield fs, root
+    fs.rm(root, recursive=True)
+
+
+# --------------------------------------------------------------------------------------------
+# Every line exactly once
+
+
+_ALPHABET = st.characters(
+    codec="utf-8",
+    exclude_characters="\n\r",
+    categories=("L", "N", "P", "S", "Zs", "Cc"),
+) | st.sampled_from([" ", "\t", "é", "日", "\u2028", "\x85", "\x0c", "🙂"])
+_LINES = st.lists(st.text(_ALPHABET, max_size=40), max_size=40)
+
+
+@settings(
+    max_examples=60,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+@given(
+    lines=_LINES,
+    crlf=st.booleans(),
+    final_newline=st.booleans(),
+    shard_sizes=st.lists(st.integers(min_value=1, max_value=300), min_size=1, max_size=3),
+    chunk=st.integers(min_value=1, max_value=64),
+)
+def test_every_line_read_exactly_once(
+    lines: list[str], crlf: bool, final_newline: bool, shard_sizes: list[int], chunk: int
+) -> None:
+    newline = "\r\n" if crlf else "\n"
+    body = newline.join(lines) + (newline if final_newline and lines else "")
+    data = body.encode("utf-8")
+    expected, offsets, pos = [], [], 0
+    for line in lines:
+        if line.strip():
+            expected.append(line)
+            offsets.append(pos)
+        pos += len(line.encode("utf-8")) + len(newline)
+    expected_ids = [document_id("a.txt", o) for o in offsets]
+
+    saved_chunk = corpus_mod._READ_CHUNK
+    corpus_mod._READ_CHUNK = chunk  # exercise the reader's buffer refills at every boundary
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            (Path(tmp) / "a.txt").write_bytes(data)
+            spec = CorpusSpec(tmp)
+            if not data:
+                with pytest.raises(CorpusError, match="are all empty"):
+                    plan_shards(spec, 1)
+                return
+            for size in [*shard_sizes, 1, len(data), None]:
+                plan = plan_shards(spec, size)
+                docs, report = read_all(spec, size)
+                assert texts(docs) == expected, size
+                assert [d.doc_id for d in docs] == expected_ids, size
+                assert len({d.doc_id for d in docs}) == len(docs)
+                assert all(0 <= d.doc_id < 2**63 for d in docs)
+                assert report.skipped.get("empty", 0) == sum(
+                    1
+                    for i, ln in enumerate(lines)
+                    if not ln.strip() and (ln or i < len(lines) - 1 or final_newline)
+                )
+                # Shards tile the file: contiguous byte ranges from 0 to its size.
+                assert plan.shards[0].start == 0 and plan.shards[-1].stop == len(data)
+                for a, b in itertools.pairwise(plan.shards):
+                    assert a.stop == b.start
+                assert [s.shard_id for s in plan.shards] == sorted(s.shard_id for s in plan.shards)
+    finally:
+        corpus_mod._READ_CHUNK = saved_chunk
+
+
+def test_shard_ids_are_stable_and_sortable(tmp_path: Path) -> None:
+    (tmp_path / "a.txt").write_text("one\ntwo\nthree\n" * 100)
+    (tmp_path / "b.txt").write_text("four\n" * 100)
+    spec = CorpusSpec(str(tmp_path))
+    first, second = plan_shards(spec, 100), plan_shards(spec, 100)
+    assert first == second
+    ids = [s.shard_id for s in first.shards]
+    assert ids == sorted(ids) and len(set(ids)) == len(ids)
+    assert ids[0] == "f00000-b000000000000"
+    assert ids[1] == "f00000-b000000000100"
+    assert {s.file_index for s in first.shards} == {0, 1}
+    assert first.files == [str(tmp_path / "a.txt"), str(tmp_path / "b.txt")]
+
+
+def test_text_lines_keep_inner_whitespace_and_skip_blank_lines(tmp_path: Path) -> None:
+    (tmp_path / "a.txt").write_bytes(b"  indented  \n\n \t \nend\r\nx\ry\n\xef\xbb\xbfnot a bom\n")
+    docs, report = read_all(CorpusSpec(str(tmp_path / "a.txt")))
+    assert texts(docs) == ["  indented  ", "end", "x\ry", "\ufeffnot a bom"]
+    assert report.skipped == {"empty": 2}
+
+
+def test_utf8_bom_at_file_start_is_dropped(tmp_path: Path) -> None:
+    (tmp_path / "a.txt").write_bytes(b"\xef\xbb\xbfhello\n")
+    (tmp_path / "b.jsonl").write_bytes(b'\xef\xbb\xbf{"text": "hi"}\n')
+    docs, _ = read_all(CorpusSpec(str(tmp_path)))
+    assert texts(docs) == ["hello", "hi"]
+
+
+# --------------------------------------------------------------------------------------------
+# JSON Lines
+
+
+def test_jsonl_unicode_and_crlf(tmp_path: Path) -> None:
+    rows = ["héllo wörld", "日本語のテキスト", "emoji 🙂 and \u2028 separator", "tab\tinside"]
+    lines = [json.dumps({"text": t, "id": i}, ensure_ascii=i % 2 == 0) for i, t in enumerate(rows)]
+    (tmp_path / "a.jsonl").write_bytes(("\r\n".join(lines) + "\r\n").encode("utf-8"))
+    for size in (1, 5, 17, None):
+        docs, report = read_all(CorpusSpec(str(tmp_path / "a.jsonl")), size)
+        assert texts(docs) == rows
+        assert report.skipped == {}
+    ids = {d.doc_id for d in read_all(CorpusSpec(str(tmp_path)), 3)[0]}
+    assert ids == {d.doc_id for d in docs}
+
+
+def test_jsonl_text_column_and_read_report(tmp_path: Path) -> None:
+    lines = [
+        '{"body": "first", "text": 1}',
+        "",
+        '{"body": null}',
+        '{"body": 3}',
+        '{"body": ["a", "b"]}',
+        "{broken",
+        '"just a string"',
+        '{"other": "no body here"}',
+        '{"body": "   "}',
+        '{"body": "second"}',
+        "also broken}",
+    ]
+    raw = ("\n".join(lines) + "\n").encode() + b'{"body": "\xff\xfe"}\n'
+    (tmp_path / "a.jsonl").write_bytes(raw)
+    docs, report = read_all(CorpusSpec(str(tmp_path), text_column="body"), 7)
+    assert texts(docs) == ["first", "second"]
+    assert report.documents == 2
+    assert report.skipped == {
+        "empty": 2,
+        "non-text value": 3,
+        "invalid JSON": 2,
+        "not a JSON object": 1,
+        "missing column": 1,
+        "invalid UTF-8": 1,
+    }
+    assert report.total_skipped == 10
+    assert ReadReport.from_json(json.loads(json.dumps(report.to_json()))) == report
+
+
+def test_read_report_merge_and_require_documents() -> None:
+    a, b = ReadReport(2, {"empty": 1}), ReadReport(3, {"empty": 2, "invalid JSON": 1})
+    assert a.merge(b) == ReadReport(5, {"empty": 3, "invalid JSON": 1})
+    a.require_documents("x")
+    with pytest.raises(CorpusError, match=r"contains no documents \(skipped: 2 empty\)"):
+        ReadReport(0, {"empty": 2}).require_documents("corpus.txt")
+
+
+def test_corpus_of_only_blank_lines_reads_zero_documents(tmp_path: Path) -> None:
+    (tmp_path / "a.txt").write_text("\n  \n\t\n")
+    docs, report = read_all(CorpusSpec(str(tmp_path)))
+    assert docs == [] and report.skipped == {"empty": 3}
+    with pytest.raises(CorpusError, match="contains no documents"):
+        report.require_documents(str(tmp_path))
+
+
+# --------------------------------------------------------------------------------------------
+# Compressed files
+
+
+@pytest.mark.parametrize(
+    ("suffix", "compress"),
+    [(".gz", gzip.compress), (".bz2", bz2.compress), (".xz", lzma.compress)],
+)
+def test_compressed_files_are_one_shard_each(tmp_path: Path, suffix: str, compress) -> None:
+    text_lines = [f"line number {i} ü" for i in range(500)]
+    (tmp_path / f"a.txt{suffix}").write_bytes(compress(("\n".join(text_lines) + "\n").encode()))
+    rows = [json.dumps({"text": t}) for t in text_lines[:50]]
+    (tmp_path / f"b.jsonl{suffix}").write_bytes(compress(("\n".join(rows) + "\n").encode()))
+    spec = CorpusSpec(str(tmp_path))
+    plan = plan_shards(spec, 16)
+    assert [(s.kind, s.start) for s in plan.shards] == [("text", 0), ("jsonl", 0)]
+    docs, _ = read_all(spec, 16)
+    assert texts(docs) == text_lines + text_lines[:50]
+    # Ids use offsets in the decompressed stream, as for the uncompressed file.
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    (plain / "a.txt").write_text("\n".join(text_lines) + "\n")
+    plain_docs, _ = read_all(CorpusSpec(str(plain)), 64)
+    assert [d.doc_id for d in plain_docs] == [document_id("a.txt", d) for d in _offsets(text_lines)]
+    assert [d.doc_id for d in docs[:500]] == [
+        document_id(f"a.txt{suffix}", o) for o in _offsets(text_lines)
+    ]
+
+
+def _offsets(lines: list[str]) -> list[int]:
+    out, pos = [], 0
+    for line in lines:
+        out.append(pos)
+        pos += len(line.encode()) + 1
+    return out
+
+
+def test_corrupt_gzip_is_a_corpus_error(tmp_path: Path) -> None:
+    (tmp_path / "a.jsonl.gz").write_bytes(b"\x1f\x8b\x08\x00" + b"garbage" * 20)
+    with pytest.raises(CorpusError, match=r"cannot decompress .*a\.jsonl\.gz"):
+        plan_shards(CorpusSpec(str(tmp_path)))
+    (tmp_path / "a.jsonl.gz").unlink()
+    (tmp_path / "b.txt.gz").write_bytes(b"\x1f\x8b\x08\x00" + b"garbage" * 20)
+    spec = CorpusSpec(str(tmp_path))
+    plan = plan_shards(spec)
+    with pytest.raises(CorpusError, match=r"cannot decompress .*b\.txt\.gz"):
+        list(read_shard(plan.shards[0], spec, ReadReport()))
+
+
+@pytest.mark.skipif(importlib.util.find_spec("zstandard") is not None, reason="zstandard present")
+def test_zstd_without_zstandard_says_what_to_install(tmp_path: Path) -> None:
+    (tmp_path / "a.txt.zst").write_bytes(b"(\xb5/\xfd not really zstd")
+    with pytest.raises(CorpusError, match="install the 'zstandard' package"):
+        plan_shards(CorpusSpec(str(tmp_path)))
+
+
+# --------------------------------------------------------------------------------------------
+# Parquet
+
+
+def test_parquet_row_groups_planned_into_several_shards(tmp_path: Path) -> None:
+    values = [f"document {i} " + "word " * (i % 13) for i in range(1000)]
+    values[10] = None
+    values[11] = ""
+    values[12] = "  "
+    table = pa.table({"id": list(range(1000)), "text": values, "extra": [b"x" * 50] * 1000})
+    write_parquet(tmp_path / "a.parquet", table, row_group_size=100)
+    spec = CorpusSpec(str(tmp_path / "a.parquet"))
+    plan = plan_shards(spec, 1500)
+    assert len(plan.shards) > 2
+    assert all(s.kind == "parquet" for s in plan.shards)
+    assert plan.shards[0].start == 0 and plan.shards[-1].stop == 10
+    for a, b in itertools.pairwise(plan.shards):
+        assert a.stop == b.start and a.stop > a.start
+    assert [s.shard_id for s in plan.shards][:2] == [
+        "f00000-g000000000000",
+        f"f00000-g{plan.shards[1].start:012d}",
+    ]
+    docs, report = read_all(spec, 1500)
+    expected = [v for v in values if isinstance(v, str) and v.strip()]
+    assert texts(docs) == expected
+    assert report.skipped == {"non-text value": 1, "empty": 2}
+    ids = [d.doc_id for d in docs]
+    assert ids == [
+        document_id("a.parquet", i)
+        for i, v in enumerate(values)
+        if isinstance(v, str) and v.strip()
+    ]
+    whole, _ = read_all(spec, 10**9)
+    assert len(plan_shards(spec, 10**9).shards) == 1
+    assert [d.doc_id for d in whole] == ids
+
+
+def test_parquet_dictionary_and_large_string_columns(tmp_path: Path) -> None:
+    arr = pa.array(["a b", "c d", "a b"]).dictionary_encode()
+    pq.write_table(pa.table({"text": arr}), tmp_path / "a.parquet")
+    pq.write_table(
+        pa.table({"text": pa.array(["e f"], type=pa.large_string())}), tmp_path / "b.parquet"
+    )
+    docs, _ = read_all(CorpusSpec(str(tmp_path)))
+    assert texts(docs) == ["a b", "c d", "a b", "e f"]
+
+
+def test_parquet_missing_column_lists_columns(tmp_path: Path) -> None:
+    pq.write_table(pa.table({"body": ["x"], "n": [1]}), tmp_path / "a.parquet")
+    with pytest.raises(CorpusError) as err:
+        plan_shards(CorpusSpec(str(tmp_path)))
+    assert str(err.value) == f"{tmp_path / 'a.parquet'} has no column 'text'; columns are: body, n"
+
+
+def test_parquet_non_string_column(tmp_path: Path) -> None:
+    pq.write_table(pa.table({"text": [1, 2]}), tmp_path / "a.parquet")
+    with pytest.raises(CorpusError, match=r"column 'text' of .*a\.parquet has type int64"):
+        plan_shards(CorpusSpec(str(tmp_path)))
+
+
+def test_corrupt_parquet_fails_at_plan_time(tmp_path: Path) -> None:
+    pq.write_table(pa.table({"text": ["good"]}), tmp_path / "a.parquet")
+    (tmp_path / "b.parquet").write_bytes(b"PAR1 this is not parquet at all")
+    with pytest.raises(CorpusError, match=r"cannot read Parquet file .*b\.parquet"):
+        plan_shards(CorpusSpec(str(tmp_path)))
+
+
+# --------------------------------------------------------------------------------------------
+# Directories, globs, fsspec URLs
+
+
+def _tree(root: Path) -> None:
+    (root / "sub" / "deeper").mkdir(parents=True)
+    (root / ".hidden").mkdir()
+    (root / "_temporary").mkdir()
+    (root / "a.txt").write_text("alpha one\nalpha two\n")
+    (root / "sub" / "b.jsonl").write_text('{"text": "beta"}\n')
+    (root / "sub" / "deeper" / "c.txt").write_text("gamma\n")
+    (root / "z.text").write_text("zeta\n")
+    (root / "_SUCCESS").write_text("")
+    (root / ".a.txt.crc").write_text("crc\n")
+    (root / ".hidden" / "h.txt").write_text("hidden\n")
+    (root / "_temporary" / "t.txt").write_text("temporary\n")
+    (root / "README.md").write_text("# not corpus\n")
+
+
+def test_directory_recurses_sorted_and_ignores_hidden(tmp_path: Path) -> None:
+    _tree(tmp_path)
+    spec = CorpusSpec(str(tmp_path))
+    plan = plan_shards(spec)
+    rel = [os.path.relpath(f, tmp_path) for f in plan.files]
+    assert rel == ["a.txt", "sub/b.jsonl", "sub/deeper/c.txt", "z.text"]
+    docs, _ = read_all(spec)
+    assert texts(docs) == ["alpha one", "alpha two", "beta", "gamma", "zeta"]
+    assert docs[2].doc_id == document_id("sub/b.jsonl", 0)
+    # A trailing slash and a file:// URL name the same corpus.
+    assert plan_shards(CorpusSpec(str(tmp_path) + "/")) == plan
+    assert plan_shards(CorpusSpec("file://" + str(tmp_path))).fingerprint == plan.fingerprint
+
+
+def test_glob(tmp_path: Path) -> None:
+    _tree(tmp_path)
+    docs, _ = read_all(CorpusSpec(str(tmp_path / "*.txt")))
+    assert texts(docs) == ["alpha one", "alpha two"]
+    docs, _ = read_all(CorpusSpec(str(tmp_path / "**" / "*.txt")))
+    assert texts(docs) == ["alpha one", "alpha two", "gamma"]
+    # Relative paths from the glob's base: the same ids as when reading the directory.
+    dir_docs, _ = read_all(CorpusSpec(str(tmp_path)))
+    assert {d.doc_id for d in docs} <= {d.doc_id for d in dir_docs}
+
+
+def test_single_file_and_directory_give_the_same_ids(tmp_path: Path) -> None:
+    (tmp_path / "a.txt").write_text("one\ntwo\n")
+    single, _ = read_all(CorpusSpec(str(tmp_path / "a.txt")))
+    whole, _ = read_all(CorpusSpec(str(tmp_path)))
+    assert single == whole
+
+
+def test_memory_fsspec_url(memfs: tuple[fsspec.AbstractFileSystem, str]) -> None:
+    fs, root = memfs
+    fs.pipe(f"{root}/data/a.txt", b"first line\nsecond line\n" * 20)
+    fs.pipe(f"{root}/data/b.jsonl", b'{"text": "json doc"}\n')
+    fs.pipe(f"{root}/data/_SUCCESS", b"")
+    buf = pa.BufferOutputStream()
+    pq.write_table(pa.table({"text": ["p1", "p2", "p3"]}), buf, row_group_size=1)
+    fs.pipe(f"{root}/data/c.parquet", buf.getvalue().to_pybytes())
+    spec = CorpusSpec(f"memory://{root}/data")
+    plan = plan_shards(spec, 64)
+    assert all(s.path.startswith("memory://") for s in plan.shards)
+    assert len(plan.shards) > 3
+    docs, _ = read_all(spec, 64)
+    assert texts(docs) == ["first line", "second line"] * 20 + ["json doc", "p1", "p2", "p3"]
+    assert plan_shards(spec, 64).fingerprint == plan.fingerprint
+    globbed, _ = read_all(CorpusSpec(f"memory://{root}/data/*.jsonl"))
+    assert texts(globbed) == ["json doc"]
+    assert globbed[0].doc_id == docs[40].doc_id
+    fs.pipe(f"{root}/data/b.jsonl", b'{"text": "json doc changed"}\n')
+    assert plan_shards(spec, 64).fingerprint != plan.fingerprint
+
+
+def test_same_corpus_elsewhere_gives_same_ids_and_fingerprint(tmp_path: Path) -> None:
+    src = tmp_path / "one"
+    src.mkdir()
+    _tree(src)
+    shutil.copytree(src, tmp_path / "two")  # copy2 keeps mtimes
+    a, b = CorpusSpec(str(src)), CorpusSpec(str(tmp_path / "two"))
+    assert plan_shards(a).fingerprint == plan_shards(b).fingerprint
+    assert read_all(a) == read_all(b)
+
+
+# --------------------------------------------------------------------------------------------
+# Datasets
+
+
+def test_save_to_disk_dataset(tmp_path: Path) -> None:
+    import datasets
+
+    values = [f"row {i} text" for i in range(50)]
+    values[3], values[4] = None, " "
+    ds = datasets.Dataset.from_dict({"text": values, "label": list(range(50))})
+    ds.save_to_disk(str(tmp_path / "ds"))
+    spec = CorpusSpec(str(tmp_path / "ds"))
+    plan = plan_shards(spec, 40)
+    assert all(s.kind == "hf" for s in plan.shards) and len(plan.shards) > 5
+    assert plan.shards[0].start == 0 and plan.shards[-1].stop == 50
+    assert plan.shards[0].shard_id == "f00000-r000000000000"
+    docs, report = read_all(spec, 40)
+    expected = [(i, v) for i, v in enumerate(values) if v and v.strip()]
+    assert texts(docs) == [v for _, v in expected]
+    assert [d.doc_id for d in docs] == [document_id("", i) for i, _ in expected]
+    assert report.skipped == {"non-text value": 1, "empty": 1}
+    one_row, _ = read_all(spec, 1)
+    assert len(plan_shards(spec, 1).shards) == 50 and one_row == docs
+    assert plan_shards(spec, 40).fingerprint == plan.fingerprint
+    assert plan_shards(CorpusSpec(str(tmp_path / "ds"), text_column="text"), 41).fingerprint != (
+        plan.fingerprint
+    )
+
+
+def test_save_to_disk_dataset_dict_splits(tmp_path: Path) -> None:
+    import datasets
+
+    dd = datasets.DatasetDict(
+        {
+            "train": datasets.Dataset.from_dict({"content": ["a train doc", "another"]}),
+            "test": datasets.Dataset.from_dict({"content": ["a test doc"]}),
+        }
+    )
+    dd.save_to_disk(str(tmp_path / "dd"))
+    docs, _ = read_all(CorpusSpec(str(tmp_path / "dd"), text_column="content", split="test"))
+    assert texts(docs) == ["a test doc"]
+    assert docs[0].doc_id == document_id("test", 0)
+    with pytest.raises(CorpusError, match="has no split 'validation'; splits are: train, test"):
+        plan_shards(CorpusSpec(str(tmp_path / "dd"), text_column="content", split="validation"))
+    with pytest.raises(CorpusError, match="has no column 'text'; columns are: content"):
+        plan_shards(CorpusSpec(str(tmp_path / "dd")))
+
+
+def test_hf_dataset_from_local_builder(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import datasets
+
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(tmp_path / "cache"))
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "train.jsonl").write_text('{"text": "hub doc one"}\n{"text": "two"}\n')
+    spec = CorpusSpec(f"hf:{tmp_path / 'data'}")
+    plan = plan_shards(spec)
+    assert [s.kind for s in plan.shards] == ["hf"] and plan.files == [spec.source]
+    docs, _ = read_all(spec)
+    assert texts(docs) == ["hub doc one", "two"]
+    with pytest.raises(CorpusError, match="has no column 'body'; columns are: text"):
+        plan_shards(CorpusSpec(spec.source, text_column="body"))
+
+
+def test_hf_dataset_unreachable_offline(monkeypatch: pytest.MonkeyPatch) -> None:
+    import datasets
+    import huggingface_hub.constants
+
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    with pytest.raises(CorpusError, match="cannot load Hugging Face dataset 'hf:no-such-ds-x:cfg'"):
+        plan_shards(CorpusSpec("hf:no-such-ds-x:cfg"))
+    with pytest.raises(CorpusError, match="expected hf:NAME or hf:NAME:CONFIG"):
+        plan_shards(CorpusSpec("hf:"))
+
+
+# --------------------------------------------------------------------------------------------
+# Errors the user can cause
+
+
+def test_missing_path(tmp_path: Path) -> None:
+    with pytest.raises(CorpusError, match=r"corpus '.*nope\.txt' does not exist"):
+        plan_shards(CorpusSpec(str(tmp_path / "nope.txt")))
+
+
+def test_glob_matching_nothing(tmp_path: Path) -> None:
+    (tmp_path / "_SUCCESS").write_text("")
+    with pytest.raises(CorpusError, match=r"corpus '.*\*\.jsonl' matches no files"):
+        plan_shards(CorpusSpec(str(tmp_path / "*.jsonl")))
+    with pytest.raises(CorpusError, match="matches no files"):
+        plan_shards(CorpusSpec(str(tmp_path / "_*")))
+
+
+def test_directory_without_corpus_files(tmp_path: Path) -> None:
+    with pytest.raises(CorpusError, match=r"contains no corpus files .*; it is empty"):
+        plan_shards(CorpusSpec(str(tmp_path)))
+    (tmp_path / "notes.md").write_text("x")
+    (tmp_path / "data.csv").write_text("text\nx\n")
+    (tmp_path / "_SUCCESS").write_text("")
+    with pytest.raises(CorpusError) as err:
+        plan_shards(CorpusSpec(str(tmp_path)))
+    message = str(err.value)
+    assert "contains no corpus files (supported: .txt, .text, .jsonl" in message
+    assert message.endswith("it holds: data.csv, notes.md")
+
+
+def test_unsupported_extension(tmp_path: Path) -> None:
+    (tmp_path / "data.csv").write_text("text\nx\n")
+    with pytest.raises(CorpusError, match=r"data\.csv: unsupported file type '\.csv'; supported"):
+        plan_shards(CorpusSpec(str(tmp_path / "data.csv")))
+    (tmp_path / "a.txt").write_text("x\n")
+    with pytest.raises(CorpusError, match=r"data\.csv: unsupported file type"):
+        plan_shards(CorpusSpec(str(tmp_path / "*")))
+    (tmp_path / "b.parquet.gz").write_bytes(b"")
+    with pytest.raises(CorpusError, match=r"unsupported file type '\.parquet\.gz'"):
+        plan_shards(CorpusSpec(str(tmp_path / "b.parquet.gz")))
+
+
+def test_all_files_empty(tmp_path: Path) -> None:
+    (tmp_path / "a.txt").write_text("")
+    (tmp_path / "b.jsonl").write_text("")
+    with pytest.raises(CorpusError, match=r"has no data: its 2 files are all empty"):
+        plan_shards(CorpusSpec(str(tmp_path)))
+
+
+def test_empty_file_among_others_has_no_shard(tmp_path: Path) -> None:
+    (tmp_path / "a.txt").write_text("")
+    (tmp_path / "b.txt").write_text("b\n")
+    plan = plan_shards(CorpusSpec(str(tmp_path)))
+    assert [s.file_index for s in plan.shards] == [1] and len(plan.files) == 2
+
+
+def test_jsonl_missing_column_in_first_object(tmp_path: Path) -> None:
+    (tmp_path / "a.jsonl").write_text('\n{"body": "x", "id": 1}\n{"text": "y"}\n')
+    with pytest.raises(CorpusError) as err:
+        plan_shards(CorpusSpec(str(tmp_path)))
+    assert str(err.value) == f"{tmp_path / 'a.jsonl'} has no column 'text'; columns are: body, id"
+    # The reader checks it too (for a plan made before the file changed).
+    shard = Shard("f00000-b000000000000", str(tmp_path / "a.jsonl"), "jsonl", 0, 100, 0)
+    with pytest.raises(CorpusError, match="has no column 'text'; columns are: body, id"):
+        list(read_shard(shard, CorpusSpec(str(tmp_path)), ReadReport()))
+
+
+def test_jsonl_every_line_invalid(tmp_path: Path) -> None:
+    (tmp_path / "a.json").write_text(json.dumps([{"text": "a"}], indent=2) + "\n")
+    with pytest.raises(CorpusError) as err:
+        plan_shards(CorpusSpec(str(tmp_path)))
+    assert str(err.value) == (
+        f"{tmp_path / 'a.json'} is not JSON Lines: none of its 5 non-empty lines is a JSON "
+        "object (line 1: '[')"
+    )
+    shard = Shard("f00000-b000000000000", str(tmp_path / "a.json"), "jsonl", 0, 10**6, 0)
+    with pytest.raises(CorpusError, match="none of its 5 non-empty lines is a JSON object"):
+        list(read_shard(shard, CorpusSpec(str(tmp_path)), ReadReport()))
+
+
+def test_bad_shard_size(tmp_path: Path) -> None:
+    (tmp_path / "a.txt").write_text("x\n")
+    for bad in (0, -5, 1.5, True):
+        with pytest.raises(ConfigError, match="shard size must be a positive number of bytes"):
+            plan_shards(CorpusSpec(str(tmp_path)), bad)  # type: ignore[arg-type]
+
+
+def test_file_deleted_after_planning(tmp_path: Path) -> None:
+    (tmp_path / "a.txt").write_text("x\n")
+    spec = CorpusSpec(str(tmp_path))
+    plan = plan_shards(spec)
+    (tmp_path / "a.txt").unlink()
+    with pytest.raises(CorpusError, match=r"a\.txt no longer exists"):
+        list(read_shard(plan.shards[0], spec, ReadReport()))
+
+
+# --------------------------------------------------------------------------------------------
+# Plan identity and persistence
+
+
+def test_fingerprint_stable_and_sensitive(tmp_path: Path) -> None:
+    (tmp_path / "a.txt").write_text("one\ntwo\n")
+    (tmp_path / "b.jsonl").write_text('{"text": "three", "t2": "3"}\n')
+    spec = CorpusSpec(str(tmp_path))
+    base = plan_shards(spec)
+    assert plan_shards(spec).fingerprint == base.fingerprint
+    assert len(base.fingerprint) == 64 and int(base.fingerprint, 16) >= 0
+    assert plan_shards(spec, 3).fingerprint != base.fingerprint
+    assert plan_shards(CorpusSpec(str(tmp_path), text_column="t2")).fingerprint != (
+        base.fingerprint
+    )
+    # Same size, new mtime.
+    before = os.stat(tmp_path / "a.txt")
+    (tmp_path / "a.txt").write_text("one\ntwx\n")
+    os.utime(tmp_path / "a.txt", ns=(before.st_atime_ns, before.st_mtime_ns + 1_000_000_000))
+    changed = plan_shards(spec)
+    assert changed.fingerprint != base.fingerprint
+    # Appended text.
+    with open(tmp_path / "b.jsonl", "a") as f:
+        f.write('{"text": "four"}\n')
+    assert plan_shards(spec).fingerprint not in (base.fingerprint, changed.fingerprint)
+    assert plan_shards(spec).total_bytes == base.total_bytes + len('{"text": "four"}\n')
+    # A new file.
+    (tmp_path / "c.txt").write_text("five\n")
+    assert len(plan_shards(spec).files) == 3
+
+
+def test_auto_shard_size() -> None:
+    assert auto_shard_bytes(0) == 1024 * 1024
+    assert auto_shard_bytes(16 * 1024 * 1024) == 1024 * 1024
+    assert auto_shard_bytes(64 * 1024 * 1024) == 4 * 1024 * 1024
+    assert auto_shard_bytes(10**13) == 256 * 1024 * 1024
+
+
+def test_auto_shard_size_used_when_none(tmp_path: Path) -> None:
+    (tmp_path / "a.txt").write_text("x y z\n" * 500_000)  # 3 MB -> 1 MiB shards
+    plan = plan_shards(CorpusSpec(str(tmp_path)))
+    assert plan.shard_bytes == 1024 * 1024 and len(plan.shards) == 3
+    assert plan.total_bytes == 3_000_000
+
+
+def test_shard_plan_json_round_trip(tmp_path: Path) -> None:
+    _tree(tmp_path)
+    pq.write_table(pa.table({"text": ["p"] * 10}), tmp_path / "p.parquet", row_group_size=2)
+    plan = plan_shards(CorpusSpec(str(tmp_path)), 8)
+    restored = ShardPlan.from_json(json.loads(json.dumps(plan.to_json())))
+    assert restored == plan
+    assert {s.kind for s in restored.shards} == {"text", "jsonl", "parquet"}
+    with pytest.raises(CorpusError, match="invalid saved shard plan"):
+        ShardPlan.from_json({"shards": [{"shard_id": "x"}]})
+
+
+# --------------------------------------------------------------------------------------------
+# Demo corpus
+
+
+def test_demo_corpus_documents() -> None:
+    docs = python_docs_documents()
+    assert len(docs) > 50
+    assert sum(len(d) > 600 for d in docs) > 10
+    assert docs == python_docs_documents()  # deterministic
+    words = " ".join(docs).split()
+    assert len(words) > 20_000
+    common = {"the", "of", "a", "is", "to", "and", "in"}
+    assert sum(w in common for w in words) > 0.1 * len(words)
+    assert all("::=" not in d and ">>>" not in d and "*****" not in d for d in docs)
+    assert all(d == d.strip() and "\n" not in d for d in docs)
+
+
+def test_demo_corpus_main_writes_jsonl(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    out = tmp_path / "nested" / "dir" / "docs.jsonl"
+    assert demo_main([str(out)]) == 0
+    assert sorted(os.listdir(out.parent)) == ["docs.jsonl"]  # no temporary file left
+    rows = [json.loads(line) for line in out.read_text(encoding="utf-8").splitlines()]
+    assert [r["text"] for r in rows] == python_docs_documents()
+    assert all(set(r) == {"text", "topic"} for r in rows)
+    printed = capsys.readouterr().out
+    assert str(out) in printed and f"{len(rows)} documents" in printed
+    docs, report = read_all(CorpusSpec(str(out)))
+    assert texts(docs) == python_docs_documents() and report.skipped == {}
+    assert demo_main([]) == 2
+
+
+def test_rewritten_dataset_directory_is_reloaded(tmp_path: Path) -> None:
+    import datasets
+
+    datasets.Dataset.from_dict({"text": ["old one"]}).save_to_disk(str(tmp_path / "ds"))
+    spec = CorpusSpec(str(tmp_path / "ds"))
+    first = plan_shards(spec)
+    assert texts(read_all(spec)[0]) == ["old one"]
+    shutil.rmtree(tmp_path / "ds")
+    datasets.Dataset.from_dict({"text": ["new one", "new two"]}).save_to_disk(str(tmp_path / "ds"))
+    assert texts(read_all(spec)[0]) == ["new one", "new two"]
+    assert plan_shards(spec).fingerprint != first.fingerprint
+
+
+def test_hf_url_is_a_file_system_path_not_a_dataset_name(monkeypatch: pytest.MonkeyPatch) -> None:
+    import huggingface_hub.constants
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    with pytest.raises(CorpusError, match=r"cannot list corpus 'hf://datasets/x/y/\*\.parquet'"):
+        plan_shards(CorpusSpec("hf://datasets/x/y/*.parquet"))
+
+
+def test_plan_objects_pickle(tmp_path: Path) -> None:
+    (tmp_path / "a.txt").write_text("one\ntwo\n")
+    spec = CorpusSpec(str(tmp_path))
+    plan = plan_shards(spec)
+    doc = next(iter(read_shard(plan.shards[0], spec, ReadReport())))
+    for obj in (spec, plan, plan.shards[0], doc, ReadReport(1, {"empty": 2})):
+        assert pickle.loads(pickle.dumps(obj)) == obj
