@@ -26,6 +26,8 @@ RESULT_OPTIONS = (
     "split",
     "shard_bytes",
     "trust_remote_code",
+    "clip_dims",
+    "clip_dims_from",
 )
 
 
@@ -54,6 +56,11 @@ class JobConfig(BaseModel):
     trust_remote_code: bool = False
     overwrite: bool = False
     max_shard_retries: int = Field(3, ge=0)
+    outlier_mean_z: float = Field(3.0, gt=0)
+    outlier_variance_ratio: float = Field(5.0, gt=1)
+    outlier_tail_share: float = Field(0.25, gt=0, le=1)
+    clip_dims: list[int] | None = None
+    clip_dims_from: str | None = None
 
     @field_validator("layers")
     @classmethod
@@ -63,6 +70,13 @@ class JobConfig(BaseModel):
                 raise ValueError("give at least one layer, or leave it out for all layers")
             if len(set(v)) != len(v):
                 raise ValueError(f"layers must be distinct, got {v}")
+        return v
+
+    @field_validator("clip_dims")
+    @classmethod
+    def _clip_dims(cls, v: list[int] | None) -> list[int] | None:
+        if v is not None and any(d < 0 for d in v):
+            raise ValueError(f"dimensions are non-negative, got {v}")
         return v
 
     def result_options(self) -> dict[str, Any]:

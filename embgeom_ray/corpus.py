@@ -83,7 +83,9 @@ COMPRESSION_EXTENSIONS: dict[str, str] = {
     ".zst": "zstd",
 }
 
-MIN_AUTO_SHARD_BYTES = 1 << 20  # per-shard statistics cost ~types x layers x d x 16 B: keep shards large
+MIN_AUTO_SHARD_BYTES = (
+    1 << 20
+)  # per-shard statistics cost ~types x layers x d x 16 B: keep shards large
 MAX_AUTO_SHARD_BYTES = 256 * 1024 * 1024
 #: Lines inspected at plan time to decide that a JSON Lines file holds no JSON object at all.
 JSONL_HEAD_LINES = 64

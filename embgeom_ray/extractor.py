@@ -84,10 +84,18 @@ class ShardProcessor:
         layers: resolved HF hidden-state indices to keep.
         metadata: identity strings stamped on every statistics object (model and tokenizer
             fingerprints, …), so shards of different measurements can never be merged.
+        clip_dims: dimensions whose clipped cosine statistics are folded too (``--clip-dims``).
     """
 
-    def __init__(self, config: JobConfig, layers: list[int], metadata: dict[str, str]) -> None:
+    def __init__(
+        self,
+        config: JobConfig,
+        layers: list[int],
+        metadata: dict[str, str],
+        clip_dims: list[int] | None = None,
+    ) -> None:
         self.config = config
+        self.clip_dims = clip_dims
         self.layers = list(layers)
         self.metadata = dict(metadata)
         self.device = resolve_device(config.device)
@@ -112,6 +120,7 @@ class ShardProcessor:
             max_positions=self.config.max_length,
             device=self.device,
             metadata=self.metadata,
+            clip_dims=self.clip_dims,
         )
 
     @torch.inference_mode()

@@ -34,14 +34,15 @@ def type_variances(m: LayerMoments) -> np.ndarray:
     return np.where(m.counts == 1, 0.0, v)
 
 
-def self_similarity(m: LayerMoments) -> np.ndarray:
+def self_similarity(m: LayerMoments, unit_sums: np.ndarray | None = None) -> np.ndarray:
     """Mean cosine over all ordered pairs of a type's occurrences (Ethayarajh 2019).
 
     SelfSim_t = (||U_t||² − n_t) / (n_t (n_t − 1)), exact over all pairs (not a 1000-pair
-    sample); NaN when n_t < 2.
+    sample); NaN when n_t < 2. ``unit_sums`` replaces U_t (e.g. the sums of clipped vectors).
     """
+    us = m.unit_sums if unit_sums is None else unit_sums
     n = m.counts.astype(np.float64)
-    u2 = np.einsum("td,td->t", m.unit_sums, m.unit_sums)
+    u2 = np.einsum("td,td->t", us, us)
     with np.errstate(invalid="ignore", divide="ignore"):
         s = (u2 - n) / (n * (n - 1.0))
     return np.where(m.counts >= 2, s, np.nan)
@@ -77,22 +78,26 @@ def norm_variance_corr(m: LayerMoments, min_count: int = 5) -> float:
     return float(np.corrcoef(norms, var)[0, 1])
 
 
-def cosine_metrics(m: LayerMoments) -> tuple[float, float, float]:
+def cosine_metrics(
+    m: LayerMoments, unit_sums: np.ndarray | None = None
+) -> tuple[float, float, float]:
     """(anisotropy, S_inter, S_intra), exact from unit-vector sums (Ethayarajh 2019; Cai et al. 2021).
 
     anisotropy = (||U||² − N) / (N(N − 1)): mean cosine over all ordered token pairs;
     S_inter = (||U||² − Σ_t ||U_t||²) / (N² − Σ_t n_t²): mean cosine over pairs of different
     types (Cai's S_inter samples one occurrence per type instead; that variant is sampled);
-    S_intra = unweighted mean of SelfSim_t over types with n_t ≥ 2.
+    S_intra = unweighted mean of SelfSim_t over types with n_t ≥ 2. ``unit_sums`` replaces the
+    U_t (e.g. sums of clipped unit vectors, :mod:`embgeom_ray.rogue`).
     """
+    us = m.unit_sums if unit_sums is None else unit_sums
     n_tot = float(m.counts.sum())
-    u = m.unit_sums.sum(axis=0)
+    u = us.sum(axis=0)
     uu = float(u @ u)
-    ut2 = float(np.einsum("td,td->", m.unit_sums, m.unit_sums))
+    ut2 = float(np.einsum("td,td->", us, us))
     nt2 = float((m.counts.astype(np.float64) ** 2).sum())
     aniso = (uu - n_tot) / (n_tot * (n_tot - 1.0)) if n_tot >= 2 else float("nan")
     s_inter = (uu - ut2) / (n_tot**2 - nt2) if n_tot**2 > nt2 else float("nan")
-    ss = self_similarity(m)
+    ss = self_similarity(m, us)
     s_intra = float(np.nanmean(ss)) if np.isfinite(ss).any() else float("nan")
     return float(aniso), float(s_inter), s_intra
 

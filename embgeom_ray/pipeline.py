@@ -22,6 +22,7 @@ import sys
 import time
 from typing import Any
 
+import pandas as pd
 from tqdm.auto import tqdm
 
 from . import metrics
@@ -41,6 +42,14 @@ from .outputs import (
     write_manifest,
     write_table,
 )
+from .rogue import (
+    OutlierRules,
+    clipping_row,
+    exact_clipped_cosines,
+    flagged_dims,
+    positions_table,
+    rogue_dims_table,
+)
 from .statistics import EmbeddingStatistics
 
 
@@ -53,8 +62,57 @@ def run_fingerprint(
         "corpus_fingerprint": corpus_fingerprint,
         "options": config.result_options(),
         "layers": layers,
+        "clip_dims": identity.get("clip_dims"),
     }
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()
+
+
+def resolve_clip_dims(config: JobConfig, dim: int) -> list[int] | None:
+    """``--clip-dims``, or every dimension flagged in an earlier run's ``dims.parquet``."""
+    if config.clip_dims is not None and config.clip_dims_from is not None:
+        raise ConfigError("give --clip-dims or --clip-dims-from, not both")
+    dims = config.clip_dims
+    if config.clip_dims_from is not None:
+        path = join(config.clip_dims_from, "dims.parquet")
+        try:
+            table = pd.read_parquet(path, columns=["layer", "dim", "outlier"])
+        except Exception as exc:
+            raise ConfigError(
+                f"--clip-dims-from {config.clip_dims_from}: cannot read its dims.parquet "
+                f"with an 'outlier' column ({type(exc).__name__}: {exc})"
+            ) from None
+        dims = sorted({d for ds in flagged_dims(table).values() for d in ds})
+    if dims is None:
+        return None
+    bad = [d for d in dims if not 0 <= d < dim]
+    if bad:
+        raise ConfigError(f"clip dimensions {bad} outside 0..{dim - 1} (hidden size {dim})")
+    return sorted(set(dims))
+
+
+def build_tables(
+    merged: EmbeddingStatistics, tokenizer: Any, config: JobConfig
+) -> dict[str, pd.DataFrame]:
+    """Every table of the output contract, from the corpus statistics alone."""
+    rules = OutlierRules(
+        config.outlier_mean_z, config.outlier_variance_ratio, config.outlier_tail_share
+    )
+    dims = rogue_dims_table(merged, rules)
+    flagged = flagged_dims(dims)
+    layers = metrics.layers_table(merged, config.min_count)
+    extra = [
+        {"layer": layer}
+        | clipping_row(merged.layer(layer), flagged.get(layer, []))
+        | exact_clipped_cosines(merged.layer(layer))
+        for layer in merged.layers
+    ]
+    layers = layers.merge(pd.DataFrame(extra), on="layer", how="left")
+    return {
+        "type_stats": metrics.type_stats_table(merged, tokenizer.convert_ids_to_tokens),
+        "layers": layers,
+        "dims": dims,
+        "positions": positions_table(merged, flagged),
+    }
 
 
 def _progress(total: int, tokens_done: int) -> tqdm:
@@ -82,6 +140,7 @@ def analyze(config: JobConfig, *, echo=print) -> dict[str, Any]:
             f"--max-length {config.max_length} exceeds what {config.model!r} accepts ({limit} positions)"
         )
     layers = resolve_layers(config.layers, identity.num_layers)
+    clip_dims = resolve_clip_dims(config, identity.hidden_size)
     spec = CorpusSpec(config.corpus, config.text_column, config.split)
     plan = plan_shards(spec, config.shard_bytes)
     t_plan = time.perf_counter()
@@ -91,6 +150,7 @@ def analyze(config: JobConfig, *, echo=print) -> dict[str, Any]:
         "corpus_fingerprint": plan.fingerprint,
         "options": config.result_options(),
         "layers": layers,
+        "clip_dims": clip_dims,
     }
     fingerprint = run_fingerprint(identity_json, plan.fingerprint, config, layers)
     store = CheckpointStore(config.out)
@@ -122,6 +182,10 @@ def analyze(config: JobConfig, *, echo=print) -> dict[str, Any]:
             "shards": len(plan.shards),
         },
         "layers": layers,
+        "clip_dims": clip_dims,
+        "outlier_rules": OutlierRules(
+            config.outlier_mean_z, config.outlier_variance_ratio, config.outlier_tail_share
+        ).describe(),
         "versions": versions(),
     }
     write_manifest(config.out, manifest)
@@ -156,14 +220,18 @@ def analyze(config: JobConfig, *, echo=print) -> dict[str, Any]:
             bar.update(1)
 
         try:
-            pool = run_shards(config, layers, metadata, todo, on_result)
+            pool = run_shards(config, layers, metadata, todo, on_result, clip_dims)
         finally:
             bar.close()
     t_extract1 = time.perf_counter()
 
     # reduce: every shard's checkpoint, in shard-id order
     merged = EmbeddingStatistics(
-        layers, identity.hidden_size, max_positions=config.max_length, metadata=metadata
+        layers,
+        identity.hidden_size,
+        max_positions=config.max_length,
+        metadata=metadata,
+        clip_dims=clip_dims,
     )
     totals = ShardCounts()
     for shard in sorted(plan.shards, key=lambda s: s.shard_id):
@@ -179,11 +247,7 @@ def analyze(config: JobConfig, *, echo=print) -> dict[str, Any]:
         )
 
     merged.save(join(config.out, STATISTICS))
-    tables = {
-        "type_stats": metrics.type_stats_table(merged, tokenizer.convert_ids_to_tokens),
-        "layers": metrics.layers_table(merged, config.min_count),
-        "dims": metrics.dims_table(merged),
-    }
+    tables = build_tables(merged, tokenizer, config)
     written = [write_table(config.out, name, df) for name, df in tables.items()]
     t_write = time.perf_counter()
 

@@ -70,12 +70,17 @@ class ShardExtract:
     """Actor body: a :class:`ShardProcessor` with torch limited to the actor's CPUs."""
 
     def __init__(
-        self, config_json: dict[str, Any], layers: list[int], metadata: dict[str, str], threads: int
+        self,
+        config_json: dict[str, Any],
+        layers: list[int],
+        metadata: dict[str, str],
+        threads: int,
+        clip_dims: list[int] | None = None,
     ) -> None:
         import torch
 
         torch.set_num_threads(max(1, threads))
-        self.processor = ShardProcessor(JobConfig(**config_json), layers, metadata)
+        self.processor = ShardProcessor(JobConfig(**config_json), layers, metadata, clip_dims)
 
     def ready(self) -> str:
         return self.processor.device
@@ -101,6 +106,7 @@ def run_shards(
     metadata: dict[str, str],
     shards: list[Shard],
     on_result: Callable[[Shard, bytes, ShardCounts], None],
+    clip_dims: list[int] | None = None,
 ) -> PoolPlan:
     """Process ``shards`` on a pool of extractor actors; call ``on_result`` once per shard."""
     pool = plan_pool(config, len(shards))
@@ -110,7 +116,7 @@ def run_shards(
     if pool.num_gpus:
         options["num_gpus"] = pool.num_gpus
     actor_cls = ShardExtractActor.options(**options)
-    args = (config.model_dump(), layers, metadata, pool.num_cpus)
+    args = (config.model_dump(), layers, metadata, pool.num_cpus, clip_dims)
 
     def new_actor():
         return actor_cls.remote(*args)

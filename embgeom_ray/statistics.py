@@ -70,6 +70,8 @@ class LayerMoments:
     position_counts: np.ndarray  # (P,) int64
     position_means: np.ndarray  # (P, d)
     nonfinite: int
+    clip_dims: tuple[int, ...] | None = None
+    clip_unit_sums: np.ndarray | None = None  # (T, d) Σ x'/||x'||, x' = x with clip_dims zeroed
 
     @property
     def dim(self) -> int:
@@ -111,6 +113,9 @@ class EmbeddingStatistics:
         metadata: strings identifying what was measured (model, revision, tokenizer, …);
             :meth:`merge` refuses statistics whose identifying metadata differ.
         initial_types: initial slot capacity (grows by doubling as new types appear).
+        clip_dims: dimensions to zero ("clip", Luo 2020; Kulmizev et al. 2021) for exact
+            clipped cosine metrics: per type, the sum of unit vectors of the clipped vectors
+            x' (x with these dimensions set to 0) is accumulated too. None: not tracked.
     """
 
     #: metadata keys that must agree for two statistics to be merged.
@@ -125,6 +130,7 @@ class EmbeddingStatistics:
         device: str | torch.device = "cpu",
         metadata: Mapping[str, str] | None = None,
         initial_types: int = 1024,
+        clip_dims: Sequence[int] | None = None,
     ) -> None:
         if not layers:
             raise ValueError("at least one layer is required")
@@ -139,6 +145,11 @@ class EmbeddingStatistics:
         self.max_positions = int(max_positions)
         self.device = torch.device(device)
         self.metadata: dict[str, str] = {str(k): str(v) for k, v in (metadata or {}).items()}
+        self.clip_dims: list[int] | None = (
+            None if clip_dims is None else sorted({int(c) for c in clip_dims})
+        )
+        if self.clip_dims and not all(0 <= c < dim for c in self.clip_dims):
+            raise ValueError(f"clip_dims {self.clip_dims} outside 0..{dim - 1}")
         n_layers, d, dev = len(self.layers), self.dim, self.device
         cap = max(int(initial_types), 1)
         # token id -> slot (-1: unseen); grown on demand
@@ -148,6 +159,8 @@ class EmbeddingStatistics:
         self._means = torch.zeros(n_layers, cap, d, dtype=_F64, device=dev)
         self._m2 = torch.zeros(n_layers, cap, dtype=_F64, device=dev)
         self._unit_sums = torch.zeros(n_layers, cap, d, dtype=_F64, device=dev)
+        n_clip = cap if self.clip_dims is not None else 0
+        self._clip_unit_sums = torch.zeros(n_layers, n_clip, d, dtype=_F64, device=dev)
         self._n = torch.zeros(n_layers, dtype=torch.int64, device=dev)
         self._mean = torch.zeros(n_layers, d, dtype=_F64, device=dev)
         self._comoment = torch.zeros(n_layers, d, d, dtype=_F64, device=dev)
@@ -183,6 +196,8 @@ class EmbeddingStatistics:
         self._means = pad(self._means)
         self._m2 = pad(self._m2)
         self._unit_sums = pad(self._unit_sums)
+        if self.clip_dims is not None:
+            self._clip_unit_sums = pad(self._clip_unit_sums)
 
     def _slots_for(self, ids: torch.Tensor) -> torch.Tensor:
         """Slots of the distinct token ids ``ids`` (int64, on device), assigning new ones."""
@@ -217,6 +232,7 @@ class EmbeddingStatistics:
         mean_b: torch.Tensor,
         m2_b: torch.Tensor,
         usum_b: torch.Tensor,
+        clip_usum_b: torch.Tensor | None = None,
     ) -> None:
         n_a = self._counts[li, slots]
         n, mean, cross = _chan_merge_mean_m2(n_a, self._means[li, slots], n_b, mean_b)
@@ -224,6 +240,8 @@ class EmbeddingStatistics:
         self._means[li, slots] = mean
         self._m2[li, slots] = self._m2[li, slots] + m2_b + cross
         self._unit_sums[li, slots] = self._unit_sums[li, slots] + usum_b
+        if clip_usum_b is not None:
+            self._clip_unit_sums[li, slots] = self._clip_unit_sums[li, slots] + clip_usum_b
 
     def _merge_layer(
         self, li: int, n_b: torch.Tensor, mean_b: torch.Tensor, c_b: torch.Tensor
@@ -321,7 +339,14 @@ class EmbeddingStatistics:
         norms = torch.linalg.vector_norm(x, dim=1, keepdim=True)
         unit = x / norms.clamp_min(torch.finfo(_F64).tiny)
         usum_b = torch.zeros(u, d, dtype=_F64, device=x.device).index_add_(0, inv, unit)
-        self._merge_types(li, self._slots_for(uniq), cnt, mean_b, m2_b, usum_b)
+        clip_b = None
+        if self.clip_dims is not None:
+            xc = x.clone()
+            xc[:, self.clip_dims] = 0.0
+            cn = torch.linalg.vector_norm(xc, dim=1, keepdim=True)
+            clip_unit = xc / cn.clamp_min(torch.finfo(_F64).tiny)
+            clip_b = torch.zeros(u, d, dtype=_F64, device=x.device).index_add_(0, inv, clip_unit)
+        self._merge_types(li, self._slots_for(uniq), cnt, mean_b, m2_b, usum_b, clip_b)
 
         n_b = torch.tensor(x.shape[0], dtype=torch.int64, device=x.device)
         mu = x.mean(dim=0)
@@ -343,6 +368,8 @@ class EmbeddingStatistics:
             problems.append(f"layers {other.layers} != {self.layers}")
         if other.dim != self.dim:
             problems.append(f"dim {other.dim} != {self.dim}")
+        if other.clip_dims != self.clip_dims:
+            problems.append(f"clip_dims {other.clip_dims} != {self.clip_dims}")
         if other.max_positions != self.max_positions:
             problems.append(f"max_positions {other.max_positions} != {self.max_positions}")
         for key in self.IDENTITY_KEYS:
@@ -372,6 +399,9 @@ class EmbeddingStatistics:
                     other._means[li, :t].to(self.device),
                     other._m2[li, :t].to(self.device),
                     other._unit_sums[li, :t].to(self.device),
+                    None
+                    if self.clip_dims is None
+                    else other._clip_unit_sums[li, :t].to(self.device),
                 )
         for li in range(len(self.layers)):
             self._merge_layer(
@@ -422,6 +452,8 @@ class EmbeddingStatistics:
             position_counts=np_(self._pos_counts[li]),
             position_means=np_(self._pos_means[li]),
             nonfinite=int(self._nonfinite[li]),
+            clip_dims=None if self.clip_dims is None else tuple(self.clip_dims),
+            clip_unit_sums=None if self.clip_dims is None else np_(self._clip_unit_sums[li, sel]),
         )
 
     def token_count(self) -> int:
@@ -437,7 +469,10 @@ class EmbeddingStatistics:
             return np.ascontiguousarray(t.detach().cpu().numpy())
 
         t = self.num_types
-        return {
+        extra = {}
+        if self.clip_dims is not None:
+            extra["clip_unit_sums"] = np_(self._clip_unit_sums[:, :t][:, order])
+        return extra | {
             "type_ids": np_(self._slot_ids[order]),
             "counts": np_(self._counts[:, :t][:, order]),
             "means": np_(self._means[:, :t][:, order]),
@@ -460,6 +495,7 @@ class EmbeddingStatistics:
             "layers": self.layers,
             "dim": self.dim,
             "max_positions": self.max_positions,
+            "clip_dims": self.clip_dims,
             "metadata": self.metadata,
         }
 
@@ -528,6 +564,9 @@ class EmbeddingStatistics:
             "position_means": (n_layers, p, d),
             "nonfinite": (n_layers,),
         }
+        clip_dims = header.get("clip_dims")
+        if clip_dims is not None:
+            expected["clip_unit_sums"] = (n_layers, t, d)
         for key, shape in expected.items():
             if key not in arrays:
                 raise StatisticsMismatchError(f"statistics artefact lacks array {key!r}")
@@ -542,6 +581,7 @@ class EmbeddingStatistics:
             device=device,
             metadata=header.get("metadata"),
             initial_types=max(t, 1),
+            clip_dims=clip_dims,
         )
 
         def tt(key: str) -> torch.Tensor:
@@ -554,6 +594,8 @@ class EmbeddingStatistics:
             stats._means[:, :t] = tt("means")
             stats._m2[:, :t] = tt("m2")
             stats._unit_sums[:, :t] = tt("unit_sums")
+            if clip_dims is not None:
+                stats._clip_unit_sums[:, :t] = tt("clip_unit_sums")
         stats._n = tt("n").long()
         stats._mean = tt("mean")
         stats._comoment = tt("comoment")

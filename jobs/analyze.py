@@ -107,6 +107,30 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         help="times a shard is retried after losing its worker [default: 3]",
     )
+    a(
+        "--outlier-mean-z",
+        type=float,
+        help="flag a dimension whose mean's z-score among the layer's dimensions exceeds this [default: 3]",
+    )
+    a(
+        "--outlier-variance-ratio",
+        type=float,
+        help="flag a dimension whose variance is at least this times the mean variance [default: 5]",
+    )
+    a(
+        "--outlier-tail-share",
+        type=float,
+        help="flag a dimension that is the argmax or argmin of at least this share of tokens [default: 0.25]",
+    )
+    a(
+        "--clip-dims",
+        type=parse_layers,
+        help="dimensions to zero for exact clipped cosine metrics over the whole corpus, e.g. 12,300",
+    )
+    a(
+        "--clip-dims-from",
+        help="take --clip-dims from an earlier run's output: every dimension flagged in its dims.parquet",
+    )
     a("-v", "--verbose", action="store_true", help="log at INFO level")
     return p
 

@@ -1,0 +1,173 @@
+"""Rogue ("outlier", "tail") dimensions, positional artefacts and the effect of clipping them.
+
+Luo (2020, "Catch the Tails of BERT") and Kulmizev, Mao & Luo (2021, "Positional Artefacts
+Propagate Through Masked Language Model Embeddings") found a few dimensions of BERT and
+RoBERTa that are almost always the largest or smallest value of every vector (BERT-base 557;
+RoBERTa-base 588 and 77), tied to position embeddings and the main cause of anisotropy;
+zeroing ("clipping") them improves similarity structure. Timkey & van Schijndel (2021) call
+such dimensions rogue. Everything here is an exact function of the corpus statistics.
+
+Outlier rules (:class:`OutlierRules`, each configurable; a dimension is flagged when any holds):
+
+- ``mean_z``: |z| > 3, where z is the dimension's mean standardised among the layer's
+  per-dimension means, z_d = (μ_d − mean_j μ_j) / std_j μ_j;
+- ``variance_ratio``: Var_d / mean_j Var_j ≥ 5;
+- ``tail_share``: the dimension is the argmax, or the argmin, of at least 25% of the layer's
+  token vectors (a uniform share would be 1/d; Luo's tails are the extreme of most).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import pandas as pd
+
+from .metrics import cosine_metrics, dims_table, isoscore_from_covariance
+from .statistics import EmbeddingStatistics, LayerMoments
+
+
+@dataclass(frozen=True)
+class OutlierRules:
+    mean_z: float = 3.0
+    variance_ratio: float = 5.0
+    tail_share: float = 0.25
+
+    def describe(self) -> str:
+        return (
+            f"|mean z| > {self.mean_z:g}, or variance >= {self.variance_ratio:g} x the mean "
+            f"variance, or argmax/argmin share >= {self.tail_share:g}"
+        )
+
+
+def position_correlation(m: LayerMoments) -> np.ndarray:
+    """Pearson r between a token's position in its window and each dimension, over all tokens.
+
+    Exact from per-position means m_{p,·} and counts n_p:
+    cov(p, x_d) = Σ_p n_p (p − p̄)(m_{p,d} − μ_d) / N,  r_d = cov / (σ_p σ_d).
+    NaN where a standard deviation is 0 or positions were not profiled.
+    """
+    counts = m.position_counts.astype(np.float64)
+    n = counts.sum()
+    d = m.dim
+    if n == 0:
+        return np.full(d, np.nan)
+    p = np.arange(counts.shape[0], dtype=np.float64)
+    p_bar = float(counts @ p) / n
+    var_p = float(counts @ (p - p_bar) ** 2) / n
+    cov = ((counts * (p - p_bar)) @ (m.position_means - m.mean)) / n
+    var_d = np.diag(m.comoment) / max(m.n, 1)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        r = cov / np.sqrt(var_p * var_d)
+    return np.where((var_p > 0) & (var_d > 0), r, np.nan)
+
+
+def dimension_flags(m: LayerMoments, rules: OutlierRules) -> pd.DataFrame:
+    """Per dimension: variance_ratio, mean_zscore, argmax/argmin share, position_corr, flags."""
+    var = np.clip(np.diag(m.comoment) / max(m.n, 1), 0.0, None)
+    mean_var = var.mean()
+    ratio = var / mean_var if mean_var > 0 else np.full_like(var, np.nan)
+    sd_means = m.mean.std()
+    z = (m.mean - m.mean.mean()) / sd_means if sd_means > 0 else np.zeros_like(m.mean)
+    total = max(int(m.argmax_counts.sum()), 1)
+    amax = m.argmax_counts / total
+    amin = m.argmin_counts / total
+    hits = {
+        "mean_z": np.abs(z) > rules.mean_z,
+        "variance_ratio": ratio >= rules.variance_ratio,
+        "tail_share": np.maximum(amax, amin) >= rules.tail_share,
+    }
+    rule_text = [",".join(name for name, mask in hits.items() if mask[i]) for i in range(m.dim)]
+    return pd.DataFrame(
+        {
+            "variance_ratio": ratio,
+            "mean_zscore": z,
+            "argmax_share": amax,
+            "argmin_share": amin,
+            "position_corr": position_correlation(m),
+            "outlier": np.array([bool(t) for t in rule_text]),
+            "outlier_rule": rule_text,
+        }
+    )
+
+
+def rogue_dims_table(stats: EmbeddingStatistics, rules: OutlierRules) -> pd.DataFrame:
+    """``dims.parquet``: per (layer, dim) mean, std and the columns of :func:`dimension_flags`."""
+    base = dims_table(stats)
+    flags = pd.concat(
+        [dimension_flags(stats.layer(layer), rules) for layer in stats.layers], ignore_index=True
+    )
+    return pd.concat([base, flags], axis=1)
+
+
+def flagged_dims(dims: pd.DataFrame) -> dict[int, list[int]]:
+    """Per layer, the dimensions flagged as outliers in a ``dims.parquet`` table."""
+    out: dict[int, list[int]] = {}
+    for layer, group in dims.groupby("layer"):
+        out[int(layer)] = sorted(int(d) for d in group.loc[group["outlier"], "dim"])
+    return out
+
+
+def positions_table(stats: EmbeddingStatistics, flagged: dict[int, list[int]]) -> pd.DataFrame:
+    """``positions.parquet``: per (layer, position) count, ‖mean‖ and the mean of flagged dims.
+
+    Columns ``dim_<d>`` for every dimension flagged in any layer (NaN where unseen).
+    """
+    dims = sorted({d for ds in flagged.values() for d in ds})
+    frames = []
+    for layer in stats.layers:
+        m = stats.layer(layer)
+        seen = m.position_counts > 0
+        pos = np.flatnonzero(seen)
+        frame = {
+            "layer": np.full(pos.shape, layer, dtype=np.int64),
+            "position": pos.astype(np.int64),
+            "count": m.position_counts[seen].astype(np.int64),
+            "mean_norm": np.linalg.norm(m.position_means[seen], axis=1),
+        }
+        for d in dims:
+            frame[f"dim_{d}"] = m.position_means[seen, d]
+        frames.append(pd.DataFrame(frame))
+    return pd.concat(frames, ignore_index=True)
+
+
+def clipped_isoscore(m: LayerMoments, dims: list[int]) -> float:
+    """IsoScore of the layer's covariance with ``dims`` zeroed (their rows and columns set to 0).
+
+    Exact: zeroing coordinates of every vector zeroes those rows/columns of the covariance.
+    """
+    cov = m.covariance.copy()
+    if dims:
+        cov[dims, :] = 0.0
+        cov[:, dims] = 0.0
+    return isoscore_from_covariance(cov)
+
+
+def clipping_row(m: LayerMoments, dims: list[int]) -> dict[str, float | str | int]:
+    """Per-layer metrics with ``dims`` clipped (zeroed), exact where the statistics allow.
+
+    ``isoscore_clipped`` is always exact (from the covariance). The cosine metrics need the
+    unit vectors of the clipped activations, so they are exact only when the statistics were
+    folded with the same ``clip_dims`` (``--clip-dims``); otherwise they are left to the
+    sampled estimates.
+    """
+    row: dict[str, float | str | int] = {
+        "n_outlier_dims": len(dims),
+        "outlier_dims": ",".join(str(d) for d in dims),
+        "isoscore_clipped": clipped_isoscore(m, dims),
+    }
+    return row
+
+
+def exact_clipped_cosines(m: LayerMoments) -> dict[str, float | str]:
+    """Exact anisotropy, S_inter and S_intra of the activations with ``m.clip_dims`` zeroed."""
+    if m.clip_unit_sums is None or m.clip_dims is None:
+        return {}
+    aniso, s_inter, s_intra = cosine_metrics(m, m.clip_unit_sums)
+    return {
+        "clip_dims_exact": ",".join(str(d) for d in m.clip_dims),
+        "anisotropy_clipped_exact": aniso,
+        "s_inter_clipped_exact": s_inter,
+        "s_intra_clipped_exact": s_intra,
+        "isoscore_clipped_exact": clipped_isoscore(m, list(m.clip_dims)),
+    }
