@@ -42,11 +42,12 @@ def connect(address: str | None = None) -> None:
         ray.init(runtime_env=env, include_dashboard=False, log_to_driver=True)
 
 
-@dataclass(frozen=True)
+@dataclass
 class PoolPlan:
     num_workers: int
     num_gpus: float
     num_cpus: int
+    workers_lost: int = 0
 
 
 def plan_pool(config: JobConfig, num_shards: int) -> PoolPlan:
@@ -67,7 +68,12 @@ def plan_pool(config: JobConfig, num_shards: int) -> PoolPlan:
 
 
 class ShardExtract:
-    """Actor body: a :class:`ShardProcessor` with torch limited to the actor's CPUs."""
+    """Actor body: a :class:`ShardProcessor` with torch limited to the actor's CPUs.
+
+    An error while loading (bad weights, missing files, …) is kept and raised again by
+    :meth:`ready`, so the driver sees the original exception instead of a dead actor, and
+    does not retry what cannot succeed.
+    """
 
     def __init__(
         self,
@@ -80,9 +86,15 @@ class ShardExtract:
         import torch
 
         torch.set_num_threads(max(1, threads))
-        self.processor = ShardProcessor(JobConfig(**config_json), layers, metadata, clip_dims)
+        self.error: Exception | None = None
+        try:
+            self.processor = ShardProcessor(JobConfig(**config_json), layers, metadata, clip_dims)
+        except Exception as exc:
+            self.error = exc
 
     def ready(self) -> str:
+        if self.error is not None:
+            raise self.error
         return self.processor.device
 
     def process(self, shard_json: dict[str, Any]) -> tuple[bytes, dict[str, Any]]:
@@ -117,45 +129,73 @@ def run_shards(
         options["num_gpus"] = pool.num_gpus
     actor_cls = ShardExtractActor.options(**options)
     args = (config.model_dump(), layers, metadata, pool.num_cpus, clip_dims)
-
-    def new_actor():
-        return actor_cls.remote(*args)
-
-    actors = [new_actor() for _ in range(pool.num_workers)]
     queue: deque[Shard] = deque(shards)
-    attempts: dict[str, int] = {}
-    in_flight: dict[Any, tuple[Any, Shard]] = {}
+    losses: dict[str, int] = {}
+    in_flight: dict[Any, tuple[Any, Shard]] = {}  # process() ref -> (actor, shard)
+    starting: dict[Any, Any] = {}  # ready() ref -> actor not yet known to be placed
+    idle: list[Any] = []
+    start_failures = 0
 
-    def submit(actor) -> None:
-        shard = queue.popleft()
-        ref = actor.process.remote(dataclasses.asdict(shard))
-        in_flight[ref] = (actor, shard)
+    def start_actor() -> None:
+        actor = actor_cls.remote(*args)
+        starting[actor.ready.remote()] = actor
 
+    def dispatch() -> None:
+        while idle and queue:
+            actor, shard = idle.pop(), queue.popleft()
+            in_flight[actor.process.remote(dataclasses.asdict(shard))] = (actor, shard)
+
+    for _ in range(pool.num_workers):
+        start_actor()
     try:
-        for actor in actors:
-            if queue:
-                submit(actor)
-        while in_flight:
-            ready, _ = ray.wait(list(in_flight), num_returns=1)
+        while queue or in_flight:
+            if not in_flight and not starting:
+                start_actor()  # every actor was lost: start again rather than stall
+            ready, _ = ray.wait([*in_flight, *starting], num_returns=1)
             ref = ready[0]
+            if ref in starting:
+                actor = starting.pop(ref)
+                try:
+                    ray.get(ref)
+                except ray.exceptions.RayTaskError as exc:  # loading failed: no retry helps
+                    user = _unwrap_user_error(exc)
+                    if user is not None:
+                        raise user from None
+                    raise RuntimeError(f"an extractor could not start: {exc}") from exc
+                except ray.exceptions.RayActorError as exc:  # its process or node died
+                    start_failures += 1
+                    if start_failures > 2 * pool.num_workers + 1:
+                        raise RuntimeError(
+                            f"extractor actors keep dying while starting ({start_failures} "
+                            f"times); last error: {exc}"
+                        ) from exc
+                    log.warning("an extractor died while starting (%s); starting another", exc)
+                    start_actor()
+                    continue
+                idle.append(actor)
+                dispatch()
+                continue
             actor, shard = in_flight.pop(ref)
             try:
                 data, counts = ray.get(ref)
             except (ray.exceptions.RayActorError, ray.exceptions.ObjectLostError) as exc:
-                attempts[shard.shard_id] = attempts.get(shard.shard_id, 0) + 1
-                if attempts[shard.shard_id] > config.max_shard_retries:
+                losses[shard.shard_id] = losses.get(shard.shard_id, 0) + 1
+                pool.workers_lost += 1
+                if losses[shard.shard_id] > config.max_shard_retries:
                     raise RuntimeError(
-                        f"shard {shard.shard_id} lost its worker {attempts[shard.shard_id]} times; giving up"
+                        f"shard {shard.shard_id} lost its worker {losses[shard.shard_id]} times "
+                        f"(last: {type(exc).__name__}); giving up"
                     ) from exc
                 log.warning(
-                    "worker lost on shard %s (%s); replacing it and retrying",
+                    "worker lost on shard %s (%s); the shard is queued again and a "
+                    "replacement actor started",
                     shard.shard_id,
                     type(exc).__name__,
                 )
                 ray.kill(actor, no_restart=True)
-                actor = new_actor()
                 queue.appendleft(shard)
-                submit(actor)
+                start_actor()
+                dispatch()
                 continue
             except ray.exceptions.RayTaskError as exc:
                 user = _unwrap_user_error(exc)
@@ -163,9 +203,11 @@ def run_shards(
                     raise user from None
                 raise
             on_result(shard, data, ShardCounts.from_json(counts))
-            if queue:
-                submit(actor)
+            idle.append(actor)
+            dispatch()
     finally:
         for ref in in_flight:
             ray.cancel(ref, force=True)
+        for actor in [*starting.values(), *idle, *(a for a, _ in in_flight.values())]:
+            ray.kill(actor, no_restart=True)
     return pool

@@ -16,14 +16,23 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
 @pytest.fixture(scope="session")
-def ray_local():
-    """A local Ray with 2 CPUs, shared by every test that needs one."""
+def _ray_session():
+    import ray
+
+    yield
+    if ray.is_initialized():
+        ray.shutdown()
+
+
+@pytest.fixture
+def ray_local(_ray_session):
+    """A local Ray with 2 CPUs, shared by the tests that need one (restarted if a test that
+    needed its own cluster shut it down)."""
     import ray
 
     if not ray.is_initialized():
         ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    yield ray
-    ray.shutdown()
+    return ray
 
 
 @pytest.fixture(scope="session")
