@@ -4,6 +4,7 @@ Layout under ``OUT``::
 
     run.json                          fingerprint of what determines the result + shard plan
     shards/<shard_id>.safetensors     the shard's statistics (written first, atomically)
+    shards/<shard_id>.sample.safetensors  its activation sample (when sampling is on)
     shards/<shard_id>.json            its counts; written last, so its presence marks the
                                       shard done
 
@@ -24,6 +25,7 @@ from .corpus import ShardPlan
 from .errors import OutputError
 from .extractor import ShardCounts
 from .io_utils import atomic_write_bytes, atomic_write_json, exists, join, read_bytes
+from .samples import ActivationSample
 from .statistics import EmbeddingStatistics
 
 
@@ -84,8 +86,10 @@ class CheckpointStore:
             return
         for entry in self.fs.ls(self.root, detail=False):
             name = entry.rstrip("/").rsplit("/", 1)[-1]
-            if name in {"shards", "run.json", "manifest.json", "statistics.safetensors"} or (
-                name.endswith((".parquet", ".png", ".html"))
+            if (
+                name in {"shards", "run.json", "manifest.json"}
+                or name.endswith(".safetensors")
+                or (name.endswith((".parquet", ".png", ".html")))
             ):
                 self.fs.rm(entry, recursive=True)
 
@@ -96,16 +100,28 @@ class CheckpointStore:
         names = [p.rsplit("/", 1)[-1] for p in self.fs.ls(base, detail=False)]
         return {n[: -len(".json")] for n in names if n.endswith(".json") and not n.startswith(".")}
 
-    def save_shard(self, shard_id: str, stats_bytes: bytes, counts: ShardCounts) -> None:
+    def save_shard(
+        self, shard_id: str, stats_bytes: bytes, sample_bytes: bytes | None, counts: ShardCounts
+    ) -> None:
+        """Statistics, then sample, then the counts that mark the shard done."""
         atomic_write_bytes(self._path("shards", f"{shard_id}.safetensors"), stats_bytes)
+        if sample_bytes is not None:
+            atomic_write_bytes(self._path("shards", f"{shard_id}.sample.safetensors"), sample_bytes)
         atomic_write_json(self._path("shards", f"{shard_id}.json"), counts.to_json())
 
-    def load_shard(self, shard_id: str) -> tuple[EmbeddingStatistics, ShardCounts]:
+    def load_shard(
+        self, shard_id: str, with_sample: bool
+    ) -> tuple[EmbeddingStatistics, ActivationSample | None, ShardCounts]:
         stats = EmbeddingStatistics.load(self._path("shards", f"{shard_id}.safetensors"))
+        sample = (
+            ActivationSample.load(self._path("shards", f"{shard_id}.sample.safetensors"))
+            if with_sample
+            else None
+        )
         counts = ShardCounts.from_json(
             json.loads(read_bytes(self._path("shards", f"{shard_id}.json")))
         )
-        return stats, counts
+        return stats, sample, counts
 
 
 def _describe_differences(old: dict[str, Any], new: dict[str, Any]) -> str:

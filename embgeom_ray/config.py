@@ -28,6 +28,9 @@ RESULT_OPTIONS = (
     "trust_remote_code",
     "clip_dims",
     "clip_dims_from",
+    "sample_size",
+    "sample_type_size",
+    "sample_seed",
 )
 
 
@@ -61,6 +64,14 @@ class JobConfig(BaseModel):
     outlier_tail_share: float = Field(0.25, gt=0, le=1)
     clip_dims: list[int] | None = None
     clip_dims_from: str | None = None
+    sample_size: int = Field(4096, ge=0, description="uniform sample per layer; 0 = no sample")
+    sample_type_size: int | None = Field(None, ge=1)
+    sample_seed: int = 0
+    kmeans_k_max: int = Field(15, ge=2)
+    kmeans_min_silhouette: float = Field(0.1, ge=-1, le=1)
+    kmeans_n_init: int = Field(3, ge=1)
+    lid_k: int = Field(20, ge=3)
+    silhouette_max_points: int = Field(4096, ge=10)
 
     @field_validator("layers")
     @classmethod

@@ -20,6 +20,7 @@ import torch
 from .config import JobConfig
 from .corpus import CorpusSpec, Document, ReadReport, Shard, read_shard
 from .model_loading import load_model, load_tokenizer
+from .samples import ActivationSample
 from .statistics import EmbeddingStatistics
 from .windows import Batch, make_batches, tokenize_windows
 
@@ -123,6 +124,20 @@ class ShardProcessor:
             clip_dims=self.clip_dims,
         )
 
+    def new_sample(self) -> ActivationSample | None:
+        cfg = self.config
+        if cfg.sample_size == 0:
+            return None
+        return ActivationSample(
+            self.layers,
+            self.dim,
+            size=cfg.sample_size,
+            seed=cfg.sample_seed,
+            type_size=cfg.sample_type_size,
+            device=self.device,
+            metadata=self.metadata,
+        )
+
     @torch.inference_mode()
     def forward(self, batch: Batch) -> list[torch.Tensor]:
         """Hidden states of the selected layers, each (B, T, d), on the model's device."""
@@ -151,7 +166,13 @@ class ShardProcessor:
                 keep_special=cfg.keep_special,
             )
 
-    def fold_batch(self, stats: EmbeddingStatistics, batch: Batch, counts: ShardCounts) -> None:
+    def fold_batch(
+        self,
+        stats: EmbeddingStatistics,
+        sample: ActivationSample | None,
+        batch: Batch,
+        counts: ShardCounts,
+    ) -> None:
         """Forward + fold one batch; if the forward runs out of device memory, split and retry.
 
         Only the forward pass is retried: it has no side effects. The fold runs after it, so a
@@ -171,10 +192,12 @@ class ShardProcessor:
                 ) from None
             counts.oom_splits += 1
             for half in batch.split():
-                self.fold_batch(stats, half, counts)
+                self.fold_batch(stats, sample, half, counts)
             return
         t2 = time.perf_counter()
         stats.update(hidden, batch.input_ids, batch.keep)
+        if sample is not None:
+            sample.update(hidden, batch.input_ids, batch.keep, batch.doc_ids, batch.window_index)
         del hidden
         if self.device == "cuda":
             torch.cuda.synchronize()
@@ -186,16 +209,19 @@ class ShardProcessor:
         counts.batches += 1
 
     @torch.inference_mode()
-    def process(self, shard: Shard) -> tuple[EmbeddingStatistics, ShardCounts]:
-        """Fold every document of ``shard``; returns its statistics and counts."""
+    def process(
+        self, shard: Shard
+    ) -> tuple[EmbeddingStatistics, ActivationSample | None, ShardCounts]:
+        """Fold every document of ``shard``; returns its statistics, sample and counts."""
         t0 = time.perf_counter()
         stats = self.new_statistics()
+        sample = self.new_sample()
         counts = ShardCounts()
         report = ReadReport()
         docs = read_shard(shard, self.corpus, report)
         for batch in self.batches(docs, counts):
-            self.fold_batch(stats, batch, counts)
+            self.fold_batch(stats, sample, batch, counts)
         counts.documents = report.documents
         counts.skipped = dict(report.skipped)
         counts.seconds = time.perf_counter() - t0
-        return stats, counts
+        return stats, sample, counts

@@ -41,11 +41,7 @@ def self_similarity(m: LayerMoments, unit_sums: np.ndarray | None = None) -> np.
     sample); NaN when n_t < 2. ``unit_sums`` replaces U_t (e.g. the sums of clipped vectors).
     """
     us = m.unit_sums if unit_sums is None else unit_sums
-    n = m.counts.astype(np.float64)
-    u2 = np.einsum("td,td->t", us, us)
-    with np.errstate(invalid="ignore", divide="ignore"):
-        s = (u2 - n) / (n * (n - 1.0))
-    return np.where(m.counts >= 2, s, np.nan)
+    return cosines_from_unit_sums(m.counts, us)[3]
 
 
 def variance_decomposition(m: LayerMoments) -> tuple[float, float, float]:
@@ -78,28 +74,43 @@ def norm_variance_corr(m: LayerMoments, min_count: int = 5) -> float:
     return float(np.corrcoef(norms, var)[0, 1])
 
 
+def cosines_from_unit_sums(
+    counts: np.ndarray, unit_sums: np.ndarray
+) -> tuple[float, float, float, np.ndarray]:
+    """(anisotropy, S_inter, S_intra, SelfSim_t) from per-type counts n_t and unit sums U_t.
+
+    With U = Σ_t U_t and N = Σ_t n_t (Ethayarajh 2019; Cai et al. 2021):
+    anisotropy = (||U||² − N) / (N(N − 1)), the mean cosine over all ordered token pairs;
+    S_inter = (||U||² − Σ_t ||U_t||²) / (N² − Σ_t n_t²), over pairs of different types;
+    SelfSim_t = (||U_t||² − n_t) / (n_t (n_t − 1)), NaN when n_t < 2;
+    S_intra = unweighted mean of SelfSim_t over types with n_t ≥ 2.
+    """
+    n = counts.astype(np.float64)
+    n_tot = float(n.sum())
+    u = unit_sums.sum(axis=0)
+    uu = float(u @ u)
+    ut2_each = np.einsum("td,td->t", unit_sums, unit_sums)
+    nt2 = float((n**2).sum())
+    aniso = (uu - n_tot) / (n_tot * (n_tot - 1.0)) if n_tot >= 2 else float("nan")
+    s_inter = (uu - float(ut2_each.sum())) / (n_tot**2 - nt2) if n_tot**2 > nt2 else float("nan")
+    with np.errstate(invalid="ignore", divide="ignore"):
+        ss = np.where(counts >= 2, (ut2_each - n) / (n * (n - 1.0)), np.nan)
+    s_intra = float(np.nanmean(ss)) if np.isfinite(ss).any() else float("nan")
+    return float(aniso), float(s_inter), s_intra, ss
+
+
 def cosine_metrics(
     m: LayerMoments, unit_sums: np.ndarray | None = None
 ) -> tuple[float, float, float]:
-    """(anisotropy, S_inter, S_intra), exact from unit-vector sums (Ethayarajh 2019; Cai et al. 2021).
+    """(anisotropy, S_inter, S_intra) of a layer, exact over all tokens.
 
-    anisotropy = (||U||² − N) / (N(N − 1)): mean cosine over all ordered token pairs;
-    S_inter = (||U||² − Σ_t ||U_t||²) / (N² − Σ_t n_t²): mean cosine over pairs of different
-    types (Cai's S_inter samples one occurrence per type instead; that variant is sampled);
-    S_intra = unweighted mean of SelfSim_t over types with n_t ≥ 2. ``unit_sums`` replaces the
-    U_t (e.g. sums of clipped unit vectors, :mod:`embgeom_ray.rogue`).
+    See :func:`cosines_from_unit_sums`. S_inter here is over all pairs of different types;
+    Cai's S_inter (one random occurrence per type) is the sampled ``s_inter_type_uniform``.
+    ``unit_sums`` replaces the U_t (e.g. sums of clipped unit vectors, :mod:`.rogue`).
     """
     us = m.unit_sums if unit_sums is None else unit_sums
-    n_tot = float(m.counts.sum())
-    u = us.sum(axis=0)
-    uu = float(u @ u)
-    ut2 = float(np.einsum("td,td->", us, us))
-    nt2 = float((m.counts.astype(np.float64) ** 2).sum())
-    aniso = (uu - n_tot) / (n_tot * (n_tot - 1.0)) if n_tot >= 2 else float("nan")
-    s_inter = (uu - ut2) / (n_tot**2 - nt2) if n_tot**2 > nt2 else float("nan")
-    ss = self_similarity(m, us)
-    s_intra = float(np.nanmean(ss)) if np.isfinite(ss).any() else float("nan")
-    return float(aniso), float(s_inter), s_intra
+    aniso, s_inter, s_intra, _ = cosines_from_unit_sums(m.counts, us)
+    return aniso, s_inter, s_intra
 
 
 def isoscore_from_covariance(cov: np.ndarray) -> float:

@@ -22,6 +22,7 @@ import sys
 import time
 from typing import Any
 
+import numpy as np
 import pandas as pd
 from tqdm.auto import tqdm
 
@@ -35,11 +36,13 @@ from .io_utils import join
 from .model_loading import load_config, max_window_length, resolve_identity, resolve_layers
 from .outputs import (
     MANIFEST,
+    SAMPLE,
     STATISTICS,
     format_summary,
     now,
     versions,
     write_manifest,
+    write_run_report,
     write_table,
 )
 from .rogue import (
@@ -49,7 +52,9 @@ from .rogue import (
     flagged_dims,
     positions_table,
     rogue_dims_table,
+    sampled_clipped_cosines,
 )
+from .samples import ActivationSample
 from .statistics import EmbeddingStatistics
 
 
@@ -113,6 +118,70 @@ def build_tables(
         "dims": dims,
         "positions": positions_table(merged, flagged),
     }
+
+
+#: fewer sampled points than this and the sampled metrics are left empty (NaN)
+MIN_SAMPLE_POINTS = 32
+
+
+def add_sampled_metrics(
+    tables: dict[str, pd.DataFrame],
+    sample: ActivationSample,
+    tokenizer: Any,
+    config: JobConfig,
+) -> dict[str, Any]:
+    """K-means (on Ray), LID, silhouettes, cluster-adjusted and clipped cosines on the sample.
+
+    Adds the sampled columns to ``tables["layers"]`` and the ``samples`` table (with each
+    uniform occurrence's K-means ``cluster``); returns what the manifest records.
+    """
+    from .ray_job import connect
+    from .ray_kmeans import fit_layers_on_ray
+    from .sampled_metrics import isoscore_silhouette_correlation, sampled_layer_metrics
+
+    samples = sample.to_table(tokenizer.convert_ids_to_tokens)
+    samples["cluster"] = pd.array([None] * len(samples), dtype="Int64")
+    n_points = sample.num_uniform
+    note: dict[str, Any] = {"uniform_points": n_points, "type_uniform_points": sample.num_types}
+    if n_points < MIN_SAMPLE_POINTS:
+        note["skipped"] = f"sample of {n_points} points < {MIN_SAMPLE_POINTS}: no sampled metrics"
+        tables["samples"] = samples
+        return note
+    connect()
+    km = fit_layers_on_ray(
+        {layer: sample.points(layer).vectors for layer in sample.layers},
+        ks=range(2, min(config.kmeans_k_max, n_points - 1) + 1),
+        min_silhouette=config.kmeans_min_silhouette,
+        n_init=config.kmeans_n_init,
+        seed=config.sample_seed,
+        silhouette_max_points=config.silhouette_max_points,
+    )
+    flagged = flagged_dims(tables["dims"])
+    rows = []
+    for layer in sample.layers:
+        pts = sample.points(layer)
+        rows.append(
+            {"layer": layer}
+            | sampled_layer_metrics(
+                sample,
+                layer,
+                km[layer],
+                lid_k=min(config.lid_k, n_points - 1),
+                silhouette_max_points=config.silhouette_max_points,
+                seed=config.sample_seed,
+            )
+            | sampled_clipped_cosines(pts.vectors, pts.token_ids, flagged.get(layer, []))
+        )
+        uniform = (samples["layer"] == layer) & (samples["sample"] == "uniform")
+        samples.loc[uniform, "cluster"] = np.asarray(km[layer].labels, dtype=np.int64)
+    layers = tables["layers"].merge(pd.DataFrame(rows), on="layer", how="left")
+    tables["layers"] = layers
+    tables["samples"] = samples
+    note["isoscore_silhouette_corr"] = isoscore_silhouette_correlation(layers)
+    note["lid_convention"] = (
+        "true (not squared) distances; cosine LID on chord distances sqrt(2 - 2 cos)"
+    )
+    return note
 
 
 def _progress(total: int, tokens_done: int) -> tqdm:
@@ -211,9 +280,11 @@ def analyze(config: JobConfig, *, echo=print) -> dict[str, Any]:
         bar = _progress(len(todo), 0)
         tokens_done = 0
 
-        def on_result(shard: Shard, data: bytes, counts: ShardCounts) -> None:
+        def on_result(
+            shard: Shard, data: bytes, sample_data: bytes | None, counts: ShardCounts
+        ) -> None:
             nonlocal tokens_done
-            store.save_shard(shard.shard_id, data, counts)
+            store.save_shard(shard.shard_id, data, sample_data, counts)
             tokens_done += counts.tokens
             rate = tokens_done / max(time.perf_counter() - t_extract0, 1e-9)
             bar.set_postfix(tokens=tokens_done, tok_per_s=f"{rate:,.0f}", refresh=False)
@@ -234,9 +305,12 @@ def analyze(config: JobConfig, *, echo=print) -> dict[str, Any]:
         clip_dims=clip_dims,
     )
     totals = ShardCounts()
+    sample: ActivationSample | None = None
     for shard in sorted(plan.shards, key=lambda s: s.shard_id):
-        stats, counts = store.load_shard(shard.shard_id)
+        stats, shard_sample, counts = store.load_shard(shard.shard_id, config.sample_size > 0)
         merged.merge(stats)
+        if shard_sample is not None:
+            sample = shard_sample if sample is None else sample.merge(shard_sample)
         totals.add(counts)
     t_reduce = time.perf_counter()
     if merged.token_count() == 0:
@@ -246,8 +320,16 @@ def analyze(config: JobConfig, *, echo=print) -> dict[str, Any]:
             f"({totals.documents} documents read; skipped: {skipped})"
         )
 
-    merged.save(join(config.out, STATISTICS))
     tables = build_tables(merged, tokenizer, config)
+    sampled_note = None
+    if sample is not None:
+        sampled_note = add_sampled_metrics(tables, sample, tokenizer, config)
+    t_tables = time.perf_counter()
+    merged.save(join(config.out, STATISTICS))
+    artefacts = [STATISTICS]
+    if sample is not None:
+        sample.save(join(config.out, SAMPLE))
+        artefacts.append(SAMPLE)
     written = [write_table(config.out, name, df) for name, df in tables.items()]
     t_write = time.perf_counter()
 
@@ -281,7 +363,8 @@ def analyze(config: JobConfig, *, echo=print) -> dict[str, Any]:
                 "extract_forward_sum": round(totals.forward_seconds, 3),
                 "extract_fold_sum": round(totals.fold_seconds, 3),
                 "reduce": round(t_reduce - t_extract1, 3),
-                "write": round(t_write - t_reduce, 3),
+                "metrics": round(t_tables - t_reduce, 3),
+                "write": round(t_write - t_tables, 3),
                 "total": round(time.perf_counter() - t_start, 3),
             },
             "throughput": {
@@ -291,10 +374,12 @@ def analyze(config: JobConfig, *, echo=print) -> dict[str, Any]:
                     else None
                 ),
             },
-            "outputs": {"statistics": STATISTICS, "tables": written, "manifest": MANIFEST},
+            "sample": sampled_note,
+            "outputs": {"artefacts": artefacts, "tables": written, "manifest": MANIFEST},
         }
     )
     write_manifest(config.out, manifest)
     echo(format_summary(tables["layers"]))
-    echo(f"outputs in {config.out}: {', '.join([*written, STATISTICS, MANIFEST])}")
+    echo(f"outputs in {config.out}: {', '.join([*written, *artefacts, MANIFEST])}")
+    write_run_report(config.out, manifest, echo)
     return manifest

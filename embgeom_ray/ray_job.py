@@ -11,6 +11,7 @@ as done only there, so a shard's result is merged exactly once.
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import os
 from collections import deque
@@ -29,12 +30,20 @@ log = logging.getLogger(__name__)
 
 
 def connect(address: str | None = None) -> None:
-    """Join a running cluster (``ray job submit``, ``RAY_ADDRESS``), else start a local Ray."""
+    """Join a running cluster (``ray job submit``, ``RAY_ADDRESS``), else start a local Ray.
+
+    ``HF_*`` / ``TRANSFORMERS_*`` variables of the driver (offline mode, caches, tokens) are
+    forwarded to the workers, except those the submitted job's runtime env already sets: Ray
+    refuses a driver runtime env that repeats one of the job's env_vars.
+    """
     if ray.is_initialized():
         return
-    env = {
-        "env_vars": {k: v for k, v in os.environ.items() if k.startswith(("HF_", "TRANSFORMERS_"))}
-    }
+    env_vars = {k: v for k, v in os.environ.items() if k.startswith(("HF_", "TRANSFORMERS_"))}
+    job_config = os.environ.get("RAY_JOB_CONFIG_JSON_ENV_VAR")
+    if job_config:
+        job_vars = (json.loads(job_config).get("runtime_env") or {}).get("env_vars") or {}
+        env_vars = {k: v for k, v in env_vars.items() if k not in job_vars}
+    env = {"env_vars": env_vars} if env_vars else None
     address = address or os.environ.get("RAY_ADDRESS")
     if address:
         ray.init(address=address, runtime_env=env, log_to_driver=True)
@@ -51,12 +60,17 @@ class PoolPlan:
 
 
 def plan_pool(config: JobConfig, num_shards: int) -> PoolPlan:
-    """One actor per GPU if the cluster has GPUs (and the device allows), else CPU actors."""
+    """The extractor pool: one actor per GPU, else CPU actors of ``cpus_per_worker`` CPUs.
+
+    With ``--device cuda`` GPU actors are requested even if the cluster shows no GPU yet, so
+    an autoscaling cluster whose GPU workers start at 0 adds them (``--num-workers`` of them,
+    default 1 until GPUs are visible).
+    """
     res = ray.cluster_resources()
     gpus = int(res.get("GPU", 0))
     cpus = max(int(res.get("CPU", 1)), 1)
-    if gpus and config.device in ("auto", "cuda"):
-        n = config.num_workers or gpus
+    if config.device == "cuda" or (gpus and config.device == "auto"):
+        n = config.num_workers or max(gpus, 1)
         return PoolPlan(min(n, num_shards), 1.0, config.cpus_per_worker or 1)
     if config.num_workers:
         per = config.cpus_per_worker or max(1, cpus // config.num_workers)
@@ -97,9 +111,9 @@ class ShardExtract:
             raise self.error
         return self.processor.device
 
-    def process(self, shard_json: dict[str, Any]) -> tuple[bytes, dict[str, Any]]:
-        stats, counts = self.processor.process(Shard(**shard_json))
-        return stats.to_bytes(), counts.to_json()
+    def process(self, shard_json: dict[str, Any]) -> tuple[bytes, bytes | None, dict[str, Any]]:
+        stats, sample, counts = self.processor.process(Shard(**shard_json))
+        return stats.to_bytes(), None if sample is None else sample.to_bytes(), counts.to_json()
 
 
 ShardExtractActor = ray.remote(ShardExtract)
@@ -117,7 +131,7 @@ def run_shards(
     layers: list[int],
     metadata: dict[str, str],
     shards: list[Shard],
-    on_result: Callable[[Shard, bytes, ShardCounts], None],
+    on_result: Callable[[Shard, bytes, bytes | None, ShardCounts], None],
     clip_dims: list[int] | None = None,
 ) -> PoolPlan:
     """Process ``shards`` on a pool of extractor actors; call ``on_result`` once per shard."""
@@ -177,7 +191,7 @@ def run_shards(
                 continue
             actor, shard = in_flight.pop(ref)
             try:
-                data, counts = ray.get(ref)
+                data, sample_data, counts = ray.get(ref)
             except (ray.exceptions.RayActorError, ray.exceptions.ObjectLostError) as exc:
                 losses[shard.shard_id] = losses.get(shard.shard_id, 0) + 1
                 pool.workers_lost += 1
@@ -202,7 +216,7 @@ def run_shards(
                 if user is not None:
                     raise user from None
                 raise
-            on_result(shard, data, ShardCounts.from_json(counts))
+            on_result(shard, data, sample_data, ShardCounts.from_json(counts))
             idle.append(actor)
             dispatch()
     finally:

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import numpy as np
 import pandas as pd
 
-from .metrics import cosine_metrics, dims_table, isoscore_from_covariance
+from .metrics import cosine_metrics, cosines_from_unit_sums, dims_table, isoscore_from_covariance
 from .statistics import EmbeddingStatistics, LayerMoments
 
 
@@ -170,4 +170,30 @@ def exact_clipped_cosines(m: LayerMoments) -> dict[str, float | str]:
         "s_inter_clipped_exact": s_inter,
         "s_intra_clipped_exact": s_intra,
         "isoscore_clipped_exact": clipped_isoscore(m, list(m.clip_dims)),
+    }
+
+
+def sampled_clipped_cosines(
+    vectors: np.ndarray, token_ids: np.ndarray, dims: list[int]
+) -> dict[str, float]:
+    """Anisotropy, S_inter, S_intra of the uniform sample with ``dims`` zeroed (Luo 2020).
+
+    The sampled estimate of :func:`exact_clipped_cosines` (same formulas, over the sample's
+    occurrences): available on every run, whatever dimensions the run flags.
+    """
+    x = np.array(vectors, dtype=np.float64)
+    if len(x) < 2:
+        return {}
+    x[:, dims] = 0.0
+    norms = np.linalg.norm(x, axis=1, keepdims=True)
+    unit = x / np.maximum(norms, np.finfo(np.float64).tiny)
+    types, inverse = np.unique(token_ids, return_inverse=True)
+    sums = np.zeros((len(types), x.shape[1]))
+    np.add.at(sums, inverse, unit)
+    counts = np.bincount(inverse, minlength=len(types))
+    aniso, s_inter, s_intra, _ = cosines_from_unit_sums(counts, sums)
+    return {
+        "anisotropy_clipped": aniso,
+        "s_inter_clipped": s_inter,
+        "s_intra_clipped": s_intra,
     }

@@ -322,8 +322,10 @@ class EmbeddingStatistics:
     def _fold_layer(
         self, li: int, x: torch.Tensor, ids: torch.Tensor, pos: torch.Tensor | None
     ) -> None:
-        finite = torch.isfinite(x).all(dim=1)
-        if not bool(finite.all()):
+        # one reduction tells whether anything is NaN/inf (the sum of finite float64
+        # activations cannot overflow); only then find the rows
+        if not bool(torch.isfinite(x.sum())):
+            finite = torch.isfinite(x).all(dim=1)
             self._nonfinite[li] += int((~finite).sum())
             x, ids = x[finite], ids[finite]
             pos = pos[finite] if pos is not None else None

@@ -131,6 +131,38 @@ def build_parser() -> argparse.ArgumentParser:
         "--clip-dims-from",
         help="take --clip-dims from an earlier run's output: every dimension flagged in its dims.parquet",
     )
+    a(
+        "--sample-size",
+        type=int,
+        help="token occurrences in the uniform sample (the same in every layer) for K-means, LID, silhouette and sampled cosines; 0 turns sampling off [default: 4096]",
+    )
+    a(
+        "--sample-type-size",
+        type=int,
+        help="token types in the type-uniform sample (one random occurrence each; Cai's S_inter) [default: --sample-size]",
+    )
+    a("--sample-seed", type=int, help="seed of the sample's random keys [default: 0]")
+    a(
+        "--kmeans-k-max",
+        type=int,
+        help="K-means tries k = 2..this and keeps the best silhouette (Cai et al.) [default: 15]",
+    )
+    a(
+        "--kmeans-min-silhouette",
+        type=float,
+        help="below this best silhouette, k = 1 (no clusters) [default: 0.1]",
+    )
+    a("--kmeans-n-init", type=int, help="K-means initialisations per k [default: 3]")
+    a(
+        "--lid-k",
+        type=int,
+        help="nearest neighbours of the LID estimate (Levina-Bickel) [default: 20]",
+    )
+    a(
+        "--silhouette-max-points",
+        type=int,
+        help="points a silhouette is computed on [default: 4096]",
+    )
     a("-v", "--verbose", action="store_true", help="log at INFO level")
     return p
 

@@ -63,7 +63,7 @@ def test_out_of_memory_splits_the_batch_and_counts_every_token_once(
     identity, _ = resolve_identity(tiny_bert, None, False)
     proc = ShardProcessor(cfg, [0, 2], {"model_fingerprint": identity.model_fingerprint})
     shard = plan_shards(CorpusSpec(corpus)).shards[0]
-    clean, clean_counts = proc.process(shard)
+    clean, clean_sample, clean_counts = proc.process(shard)
 
     real_forward = proc.forward
 
@@ -73,13 +73,18 @@ def test_out_of_memory_splits_the_batch_and_counts_every_token_once(
         return real_forward(batch)
 
     monkeypatch.setattr(proc, "forward", forward_with_small_memory)
-    stats, counts = proc.process(shard)
+    stats, sample, counts = proc.process(shard)
     assert counts.oom_splits >= 2
     assert counts.tokens == clean_counts.tokens
     for layer in (0, 2):
         a, b = clean.layer(layer), stats.layer(layer)
         np.testing.assert_array_equal(a.counts, b.counts)
         np.testing.assert_allclose(a.means, b.means, rtol=1e-5, atol=1e-6)
+    # the sample depends only on which occurrences were seen, not on how batches were cut
+    for layer in (0, 2):
+        pa, pb = clean_sample.points(layer), sample.points(layer)
+        np.testing.assert_array_equal(pa.keys, pb.keys)
+        np.testing.assert_allclose(pa.vectors, pb.vectors, rtol=1e-5, atol=1e-6)
 
     def always_oom(batch):
         raise torch.OutOfMemoryError("CUDA out of memory (simulated)")

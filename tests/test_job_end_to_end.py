@@ -32,12 +32,15 @@ def english_documents(n: int, max_chars: int) -> list[str]:
     return [d[:max_chars] for d in docs[:n]]
 
 
-def run_job(tmp_path, model_dir: str, docs: list[str], name: str, **options) -> tuple[dict, dict]:
-    corpus = write_jsonl(tmp_path / f"{name}.jsonl", docs)
+def run_job(
+    tmp_path, model_dir: str, docs: list[str], name: str, corpus_name: str | None = None, **options
+) -> tuple[dict, dict]:
+    corpus = write_jsonl(tmp_path / (corpus_name or f"{name}.jsonl"), docs)
     out = tmp_path / name
     cfg = build_config(None, {"model": model_dir, "corpus": corpus, "out": str(out), **options})
     manifest = analyze(cfg, echo=lambda *_: None)
-    tables = {t: pd.read_parquet(out / f"{t}.parquet") for t in ("type_stats", "layers", "dims")}
+    names = ("type_stats", "layers", "dims", "positions", "samples")
+    tables = {t: pd.read_parquet(out / f"{t}.parquet") for t in names}
     return manifest, tables
 
 
@@ -117,10 +120,35 @@ def test_tiny_random_models_with_long_documents(tmp_path, ray_local, builder):
 def test_one_and_two_workers_agree(tmp_path, ray_local, minilm_dir):
     docs = english_documents(30, 400)
     opts = {"max_length": 48, "shard_bytes": 2048, "layers": [0, 3, 6]}
-    m1, t1 = run_job(tmp_path, minilm_dir, docs, "w1", num_workers=1, **opts)
-    m2, t2 = run_job(tmp_path, minilm_dir, docs, "w2", num_workers=2, cpus_per_worker=1, **opts)
+    _, t1 = run_job(tmp_path, minilm_dir, docs, "w1", "c.jsonl", num_workers=1, **opts)
+    m2, t2 = run_job(
+        tmp_path, minilm_dir, docs, "w2", "c.jsonl", num_workers=2, cpus_per_worker=1, **opts
+    )
     assert m2["workers"]["num_workers"] == 2
-    for name in ("type_stats", "layers", "dims"):
+    for name in ("type_stats", "layers", "dims", "positions"):
         a, b = t1[name], t2[name]
         pd.testing.assert_frame_equal(a, b, check_exact=False, rtol=1e-9, atol=0)
+    # the sample is the same occurrences whatever the number of workers
+    s1, s2 = t1["samples"], t2["samples"]
+    pd.testing.assert_frame_equal(
+        s1.drop(columns=["vector", "cluster"]), s2.drop(columns=["vector", "cluster"])
+    )
+    np.testing.assert_allclose(np.stack(s1["vector"]), np.stack(s2["vector"]), rtol=1e-5, atol=1e-5)
+    # every sampled metric is filled and finite
+    sampled = [
+        "kmeans_k",
+        "kmeans_silhouette",
+        "adjusted_s_inter",
+        "adjusted_s_intra",
+        "adjusted_isoscore",
+        "s_inter_type_uniform",
+        "isoscore_sample",
+        "lid_euclidean",
+        "lid_cosine",
+        "silhouette_types",
+        "partition_isotropy",
+        "partition_isotropy_centered",
+        "anisotropy_clipped",
+    ]
+    assert np.isfinite(t1["layers"][sampled].to_numpy(dtype=float)).all()
     assert t1["layers"]["layer"].tolist() == [0, 3, 6]

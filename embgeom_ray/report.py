@@ -1,0 +1,895 @@
+"""``report.html``: one self-contained, offline-readable page per run (or per comparison).
+
+:func:`write_report` draws the run's figures (:mod:`embgeom_ray.plots`) and writes
+``OUT/report.html``: run metadata, the per-layer table, the figures with captions grouped by
+section, each section with a short "how to read this" naming its paper, and links to the
+Parquet tables. :func:`write_comparison_report` does the same for several runs, layer by layer.
+
+The page is ONE file: images are embedded as base64 ``data:`` URIs, CSS is inline, and there
+is no script, web font or any other external resource, so it can be mailed or opened from a
+laptop with no network. The only links are relative hrefs to the run's own files and
+in-page anchors. It is written atomically (temporary file + :func:`os.replace`).
+"""
+
+from __future__ import annotations
+
+import base64
+import html
+import json
+import math
+import os
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+from . import __version__
+from .io_utils import atomic_write_bytes, exists, is_local, join, local_path, read_bytes
+from .outputs import now
+from .plots import (
+    _STYLE,
+    SECTIONS,
+    Figure,
+    Run,
+    RunDirectoryError,
+    _new_figure,
+    _save,
+    make_all_plots,
+    short_name,
+)
+
+REPORT = "report.html"
+
+#: Files of a run directory that the report links to, with a description.
+RUN_FILES: list[tuple[str, str]] = [
+    ("layers.parquet", "one row per layer: the table above, full precision"),
+    (
+        "type_stats.parquet",
+        "one row per (layer, token type): count, ‖μ_t‖, Q_t, V_t, self-similarity",
+    ),
+    ("dims.parquet", "one row per (layer, dimension): mean, std, rogue-dimension scores and flags"),
+    ("positions.parquet", "per (layer, position): count, mean norm, flagged dimensions' means"),
+    ("samples.parquet", "the bounded random token sample (vectors) behind the sampled metrics"),
+    ("manifest.json", "configuration, model and corpus identity, counts, timings, versions"),
+    (
+        "statistics.safetensors",
+        "the mergeable sufficient statistics (reload or merge with later runs)",
+    ),
+]
+
+#: layers.parquet columns: (header, tooltip, format kind). Kinds: int, sci (4 significant),
+#: unit (3 decimals, values in [−1, 1] or [0, 1]), corr (signed, 2 decimals).
+COLUMNS: dict[str, tuple[str, str, str]] = {
+    "layer": ("layer", "hidden_states index; 0 = embedding output", "int"),
+    "n_tokens": ("tokens", "tokens counted N", "int"),
+    "n_types": ("types", "distinct token types", "int"),
+    "mean_norm": ("‖μ‖", "norm of the layer's mean vector", "sci"),
+    "total_variance": ("V", "total variance, mean ‖x − μ‖²", "sci"),
+    "within_variance": ("V_W", "within-type variance Σ (n_t/N) V_t", "sci"),
+    "between_variance": ("V_B", "between-type variance Σ (n_t/N) ‖μ_t − μ‖²", "sci"),
+    "within_ratio": ("V_W/V", "share of the variance within types", "unit"),
+    "norm_variance_corr": ("r(‖μ_t‖,V_t)", "Pearson r over types with n_t ≥ min_count", "corr"),
+    "isoscore": ("IsoScore", "IsoScore of the layer covariance (Rudman et al. 2022)", "unit"),
+    "anisotropy": ("aniso.", "mean cosine over all token pairs", "unit"),
+    "s_inter": ("S_inter", "mean cosine over pairs of different types", "unit"),
+    "s_intra": ("S_intra", "mean self-similarity over types (Ethayarajh 2019)", "unit"),
+    "kmeans_k": ("k", "K-means clusters chosen on the sample (Cai et al. 2021)", "int"),
+    "kmeans_silhouette": ("silh. (k-m)", "silhouette of the K-means clustering", "unit"),
+    "silhouette_types": ("silh. (types)", "silhouette with token types as labels", "unit"),
+    "adjusted_s_inter": ("S_inter adj.", "S_inter inside clusters (Cai et al. 2021)", "unit"),
+    "adjusted_s_intra": ("S_intra adj.", "S_intra inside clusters (Cai et al. 2021)", "unit"),
+    "adjusted_isoscore": ("IsoScore adj.", "IsoScore inside clusters", "unit"),
+    "s_inter_type_uniform": ("S_inter (Cai)", "one random occurrence per type", "unit"),
+    "isoscore_sample": ("IsoScore (sample)", "IsoScore of the uniform sample", "unit"),
+    "lid_euclidean": ("LID eucl.", "Levina–Bickel LID, true Euclidean distances", "sci"),
+    "lid_cosine": ("LID cos.", "Levina–Bickel LID, cosine distances", "sci"),
+    "partition_isotropy": ("I(W)", "partition isotropy (Mu & Viswanath 2018)", "sci"),
+    "partition_isotropy_centered": ("I(W) centred", "partition isotropy, centred", "sci"),
+    "n_outlier_dims": ("flagged dims", "dimensions flagged as outliers in the layer", "int"),
+    "outlier_dims": ("which", "the flagged dimensions", "text"),
+    "isoscore_clipped": ("IsoScore clipped", "IsoScore, flagged dims zeroed (exact)", "unit"),
+    "anisotropy_clipped": ("aniso. clipped", "flagged dims zeroed; on the sample", "unit"),
+    "s_inter_clipped": ("S_inter clipped", "flagged dims zeroed; on the sample", "unit"),
+    "s_intra_clipped": ("S_intra clipped", "flagged dims zeroed; on the sample", "unit"),
+    "clip_dims_exact": ("--clip-dims", "dimensions zeroed for the exact clipped metrics", "text"),
+    "anisotropy_clipped_exact": ("aniso. clip (exact)", "--clip-dims zeroed, exact", "unit"),
+    "s_inter_clipped_exact": ("S_inter clip (exact)", "--clip-dims zeroed, exact", "unit"),
+    "s_intra_clipped_exact": ("S_intra clip (exact)", "--clip-dims zeroed, exact", "unit"),
+    "isoscore_clipped_exact": ("IsoScore clip (exact)", "--clip-dims zeroed, exact", "unit"),
+}
+# fmt: off
+EXACT_COLUMNS = [
+    "layer", "n_tokens", "n_types", "mean_norm", "total_variance", "within_variance",
+    "between_variance", "within_ratio", "norm_variance_corr", "isoscore", "anisotropy",
+    "s_inter", "s_intra",
+]
+ROGUE_COLUMNS = [
+    "layer", "n_outlier_dims", "outlier_dims", "isoscore_clipped", "anisotropy_clipped",
+    "s_inter_clipped", "s_intra_clipped", "clip_dims_exact", "anisotropy_clipped_exact",
+    "s_inter_clipped_exact", "s_intra_clipped_exact", "isoscore_clipped_exact",
+]
+# fmt: on
+
+#: "How to read this" per report section.
+HOW_TO_READ: dict[str, str] = {
+    "norms": (
+        "<b>Yamagiwa et al. 2024</b>, <i>Norm of Mean Contextualized Embeddings Determines their "
+        "Variance</i>. Each token type t has a mean vector μ_t over its occurrences and a "
+        "variance V_t around it; the mean squared norm Q_t = ‖μ_t‖² + V_t exactly, and "
+        "LayerNorm keeps Q_t nearly constant within a layer, so types with a longer mean vary "
+        "less: expect a strongly negative r in the middle layers. The layer's variance splits "
+        "exactly into a within-type part V_W (what context adds) and a between-type part V_B "
+        "(what token identity explains); deeper layers usually move variance from V_B to V_W."
+    ),
+    "isotropy": (
+        "<b>Ethayarajh 2019</b>, <i>How Contextual are Contextualized Word Representations?</i>; "
+        "<b>Cai et al. 2021</b>, <i>Isotropy in the Contextual Embedding Space: Clusters and "
+        "Manifolds</i>; <b>Rudman et al. 2022</b>, <i>IsoScore</i>. Anisotropy is the mean "
+        "cosine between random tokens: 0 for directions spread evenly, near 1 when all vectors "
+        "point one way. S_intra (self-similarity) high and S_inter low means occurrences of a "
+        "type stay together while types are distinguishable; read S_intra relative to S_inter, "
+        "since anisotropy inflates both. IsoScore (0…1) says how evenly the variance uses all "
+        "dimensions. Cai et al. show much of the anisotropy comes from a few clusters: "
+        "cluster-adjusted values (when present) subtract each cluster's mean first."
+    ),
+    "clusters": (
+        "<b>Cai et al. 2021</b> find that contextual embeddings form a few clusters (often split "
+        "by token frequency) and low-dimensional manifolds inside them, measured by local "
+        "intrinsic dimension (LID, Levina &amp; Bickel's estimator; numbers here use true, not "
+        "squared, distances: Cai's released code halves them). <b>Mickus et al. 2024</b>, "
+        "<i>Isotropy, Clusters, and Classifiers</i>, show that isotropy and cluster structure "
+        "conflict: a layer cannot be both isotropic (high IsoScore) and well clustered (high "
+        "silhouette). The PCA views show the sample on its main directions; they need the "
+        "run's token sample."
+    ),
+    "rogue": (
+        "<b>Luo 2020</b>, <i>Catch the “Tails” of BERT</i>: a few dimensions are the largest or "
+        "smallest coordinate of most tokens in most layers (their argmax/argmin share is far "
+        "above 1/d) and dominate cosine similarity. <b>Kulmizev, Mao &amp; Luo 2021</b>, "
+        "<i>Positional Artefacts Propagate Through Masked Language Model Embeddings</i>: such "
+        "outlier dimensions persist across layers and encode token position; zeroing them "
+        "makes the space less anisotropic. Dark vertical stripes in the heat map are rogue "
+        "dimensions; the positional profile shows whether they follow position."
+    ),
+}
+
+_CSS = """
+:root { --fg:#1d2228; --muted:#5b6672; --line:#dfe3e8; --bg:#ffffff; --panel:#f6f8fa;
+        --accent:#1f4e99; --ok:#1a7f37; --warn:#9a6700; --bad:#cf222e; }
+* { box-sizing: border-box; }
+html { font-size: 15px; }
+body { margin: 0; color: var(--fg); background: var(--bg);
+       font-family: system-ui, -apple-system, "Segoe UI", Roboto, "Helvetica Neue", Arial,
+                    "Noto Sans", "Liberation Sans", sans-serif; line-height: 1.5; }
+main { max-width: 1320px; margin: 0 auto; padding: 24px 32px 64px; }
+header.top { padding-bottom: 4px; margin-bottom: 8px; }
+h1 { font-size: 1.7rem; margin: 0 0 4px; }
+h1 .sub { font-weight: 400; color: var(--muted); font-size: 1.05rem; display: block; }
+h2 { font-size: 1.3rem; margin: 36px 0 8px; padding-top: 8px; border-top: 1px solid var(--line); }
+h3 { font-size: 1.05rem; margin: 20px 0 6px; }
+a { color: var(--accent); }
+code, .mono { font-family: ui-monospace, SFMono-Regular, Menlo, Consolas, "DejaVu Sans Mono",
+              monospace; font-size: 0.86em; }
+.badge { display: inline-block; padding: 1px 10px; border-radius: 12px; font-size: 0.85rem;
+         font-weight: 600; color: #fff; vertical-align: middle; }
+.badge.complete { background: var(--ok); } .badge.other { background: var(--warn); }
+.banner { border: 1px solid #d4a72c; background: #fff8c5; padding: 10px 14px; border-radius: 6px;
+          margin: 12px 0; }
+nav.toc { margin: 10px 0 0; font-size: 0.92rem; color: var(--muted); }
+nav.toc a { margin-right: 14px; text-decoration: none; }
+.meta { display: grid; grid-template-columns: repeat(auto-fit, minmax(300px, 1fr));
+        gap: 12px 20px; }
+.card { background: var(--panel); border: 1px solid var(--line); border-radius: 8px;
+        padding: 10px 14px; }
+.card h3 { margin: 0 0 6px; font-size: 0.95rem; color: var(--muted); text-transform: uppercase;
+           letter-spacing: 0.04em; }
+dl.kv { display: grid; grid-template-columns: max-content 1fr; gap: 2px 14px; margin: 0; }
+dl.kv dt { color: var(--muted); }
+dl.kv dd { margin: 0; overflow-wrap: anywhere; }
+.scroll { overflow-x: auto; }
+table.data { border-collapse: collapse; font-size: 0.86rem; font-variant-numeric: tabular-nums;
+             margin: 6px 0 4px; }
+table.data th, table.data td { padding: 4px 9px; border-bottom: 1px solid var(--line);
+                               text-align: right; white-space: nowrap; }
+table.data th { background: var(--panel); position: sticky; top: 0; font-weight: 600;
+                border-bottom: 2px solid #c9d1d9; cursor: help; }
+table.data td.txt, table.data th.txt { text-align: left; }
+table.data tbody tr:hover td { background-color: #eef3fb; }
+.note { color: var(--muted); font-size: 0.88rem; margin: 4px 0 0; }
+.howto { background: #f3f7fd; border-left: 4px solid var(--accent); padding: 8px 14px;
+         margin: 8px 0 14px; font-size: 0.93rem; border-radius: 0 6px 6px 0; }
+.howto .label { font-weight: 700; color: var(--accent); margin-right: 6px; }
+figure { margin: 14px 0 26px; padding: 12px; border: 1px solid var(--line); border-radius: 8px;
+         background: #fff; }
+figure img { display: block; max-width: 100%; height: auto; margin: 0 auto; }
+figcaption { font-size: 0.9rem; color: #333d47; margin-top: 8px; max-width: 1100px; }
+figcaption b { color: var(--fg); }
+ul.absent { color: var(--muted); font-size: 0.88rem; margin: 4px 0; }
+ul.files { padding-left: 18px; } ul.files li { margin: 2px 0; }
+details { margin: 8px 0; } summary { cursor: pointer; color: var(--accent); }
+pre { background: var(--panel); border: 1px solid var(--line); border-radius: 6px; padding: 10px;
+      overflow-x: auto; font-size: 0.8rem; }
+footer { margin-top: 40px; color: var(--muted); font-size: 0.82rem;
+         border-top: 1px solid var(--line);
+         padding-top: 8px; }
+"""
+
+
+# --------------------------------------------------------------------------------------------
+# formatting
+
+
+def _e(x: Any) -> str:
+    return html.escape("" if x is None else str(x), quote=True)
+
+
+def _finite(v: Any) -> bool:
+    try:
+        return v is not None and math.isfinite(float(v))
+    except (TypeError, ValueError):
+        return False
+
+
+def fmt_value(v: Any, kind: str = "sci") -> str:
+    """A table cell: thousands separators for counts, 3–4 significant digits for metrics."""
+    if kind == "text":
+        text = "" if v is None or (isinstance(v, float) and math.isnan(v)) else str(v)
+        text = text.replace(",", ", ")
+        return _e(text if len(text) <= 48 else text[:47] + "…") or "—"
+    if not _finite(v):
+        return "—"
+    v = float(v)
+    if kind == "int":
+        return f"{round(v):,}"
+    if kind == "unit":
+        s = f"{v:.3f}"
+    elif kind == "corr":
+        s = f"{v:+.2f}"
+    elif abs(v) >= 1e5 or (0 < abs(v) < 1e-3):
+        s = f"{v:.3e}"
+    elif abs(v) >= 100:
+        s = f"{v:,.1f}"
+    else:
+        s = f"{v:.4g}"
+    return s.replace("-", "−")
+
+
+def _bytes(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if abs(n) < 1024 or unit == "TB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TB"
+
+
+def _seconds(s: Any) -> str:
+    if not _finite(s):
+        return "—"
+    s = float(s)
+    if s < 60:
+        return f"{s:.1f} s"
+    m, sec = divmod(s, 60)
+    if m < 60:
+        return f"{int(m)} min {sec:.0f} s"
+    h, m = divmod(m, 60)
+    return f"{int(h)} h {int(m)} min"
+
+
+def _bar_style(v: float, lo: float, hi: float, kind: str) -> str:
+    """A faint in-cell bar so a column's shape across layers reads at a glance."""
+    if not _finite(v):
+        return ""
+    if kind == "corr":
+        w = min(abs(v), 1.0) * 100
+        col = "rgba(31,119,180,0.22)" if v < 0 else "rgba(214,39,40,0.22)"
+    else:
+        span = hi - lo
+        base = min(lo, 0.0) if lo >= 0 or hi <= 0 else lo
+        span = hi - base
+        if not (_finite(span) and span > 0):
+            return ""
+        w = (v - base) / span * 100
+        col = "rgba(31,78,153,0.15)"
+    w = max(0.0, min(100.0, w))
+    return f' style="background:linear-gradient(90deg,{col} {w:.1f}%,transparent {w:.1f}%)"'
+
+
+def layers_table_html(layers: pd.DataFrame, columns: Sequence[str], *, bars: bool = True) -> str:
+    """An HTML table of ``layers`` restricted to ``columns`` (those present), nicely formatted."""
+    cols = [c for c in columns if c in layers.columns]
+    head = "".join(
+        f'<th title="{_e(COLUMNS.get(c, (c, c, ""))[1])}">{_e(COLUMNS.get(c, (c,))[0])}</th>'
+        for c in cols
+    )
+    rows = []
+    stats: dict[str, tuple[float, float]] = {}
+    for c in cols:
+        if COLUMNS.get(c, ("", "", ""))[2] == "text":
+            continue
+        v = pd.to_numeric(layers[c], errors="coerce").to_numpy(dtype=np.float64)
+        v = v[np.isfinite(v)]
+        stats[c] = (float(v.min()), float(v.max())) if len(v) else (math.nan, math.nan)
+    for _, r in layers.iterrows():
+        cells = []
+        for c in cols:
+            kind = COLUMNS.get(c, ("", "", "sci"))[2]
+            style = ""
+            no_bar = ("layer", "n_tokens", "n_types", "kmeans_k", "n_outlier_dims")
+            if bars and kind != "text" and c not in no_bar and _finite(r[c]):
+                style = _bar_style(float(r[c]), *stats[c], kind)
+            cls = ' class="txt"' if kind == "text" else ""
+            cells.append(f"<td{cls}{style}>{fmt_value(r[c], kind)}</td>")
+        rows.append("<tr>" + "".join(cells) + "</tr>")
+    return (
+        '<div class="scroll"><table class="data"><thead><tr>'
+        + head
+        + "</tr></thead><tbody>"
+        + "".join(rows)
+        + "</tbody></table></div>"
+    )
+
+
+def _img_tag(path: str, alt: str) -> str:
+    data = base64.b64encode(read_bytes(path)).decode("ascii")
+    return f'<img alt="{_e(alt)}" src="data:image/png;base64,{data}">'
+
+
+def _figure_html(fig: Figure) -> str:
+    return (
+        f'<figure id="fig-{_e(fig.name)}">{_img_tag(fig.path, fig.name)}'
+        f"<figcaption>{_e(fig.caption)}</figcaption></figure>"
+    )
+
+
+def _kv(items: Sequence[tuple[str, Any]]) -> str:
+    body = "".join(f"<dt>{_e(k)}</dt><dd>{v}</dd>" for k, v in items if v not in (None, ""))
+    return f'<dl class="kv">{body}</dl>'
+
+
+def _page(title: str, body: str) -> str:
+    return (
+        '<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8">'
+        '<meta name="viewport" content="width=device-width, initial-scale=1">'
+        f"<title>{_e(title)}</title><style>{_CSS}</style></head>"
+        f"<body><main>{body}</main></body></html>\n"
+    )
+
+
+def _write(out_dir: str, text: str) -> str:
+    path = join(out_dir, REPORT)
+    atomic_write_bytes(path, text.encode("utf-8"))
+    return local_path(path) if is_local(path) else path
+
+
+def _file_size(url: str) -> str:
+    if is_local(url):
+        try:
+            return _bytes(os.path.getsize(local_path(url)))
+        except OSError:
+            return ""
+    return ""
+
+
+def _rel(target: str, start: str) -> str:
+    """A relative href from directory ``start`` to ``target`` (URL-quoted)."""
+    from urllib.parse import quote
+
+    if not (is_local(target) and is_local(start)):
+        return target
+    try:
+        rel = os.path.relpath(
+            os.path.abspath(local_path(target)), os.path.abspath(local_path(start))
+        )
+    except ValueError:  # different drives
+        rel = target
+    return quote(rel.replace(os.sep, "/"))
+
+
+# --------------------------------------------------------------------------------------------
+# one run
+
+
+def _metadata_html(run: Run) -> str:
+    m = run.manifest
+    model = m.get("model") or {}
+    corpus = m.get("corpus") or {}
+    counts = m.get("counts") or {}
+    timings = m.get("timings_s") or {}
+    tok = m.get("tokenizer") or {}
+    cfg = run.config
+    layers = m.get("layers")
+    model_items = [
+        ("id", f'<span class="mono">{_e(model.get("id"))}</span>'),
+        ("revision", f'<span class="mono">{_e(model.get("revision"))}</span>'),
+        ("type", _e(model.get("model_type"))),
+        (
+            "blocks / hidden size",
+            _e(f"{model.get('num_layers', '?')} / {model.get('hidden_size', '?')}"),
+        ),
+        ("tokenizer", _e(tok.get("class"))),
+        ("special tokens", "counted" if tok.get("special_tokens_counted") else "excluded"),
+        ("dtype / max length", _e(f"{cfg.get('dtype', '?')} / {cfg.get('max_length', '?')}")),
+        ("clip dims", _e(", ".join(map(str, m["clip_dims"]))) if m.get("clip_dims") else None),
+        ("layers", _e(", ".join(map(str, layers)) if isinstance(layers, list) else layers)),
+    ]
+    corpus_items = [
+        ("source", f'<span class="mono">{_e(corpus.get("source"))}</span>'),
+        (
+            "fingerprint",
+            f'<span class="mono">{_e(str(corpus.get("fingerprint") or "")[:16])}</span>',
+        ),
+        ("files / shards", _e(f"{corpus.get('files', '?')} / {corpus.get('shards', '?')}")),
+        ("size", _bytes(corpus["bytes"]) if _finite(corpus.get("bytes")) else None),
+        ("documents", fmt_value(counts.get("documents"), "int") if counts else None),
+        ("windows", fmt_value(counts.get("windows"), "int") if counts else None),
+        ("tokens counted", fmt_value(counts.get("tokens"), "int") if counts else None),
+        ("padded tokens", fmt_value(counts.get("padded_tokens"), "int") if counts else None),
+    ]
+    skipped = m.get("skipped") or {}
+    if skipped:
+        corpus_items.append(("skipped", _e(", ".join(f"{v} {k}" for k, v in skipped.items()))))
+    nonfinite = counts.get("nonfinite_tokens_per_layer") or {}
+    bad = {k: v for k, v in nonfinite.items() if v}
+    if bad:
+        corpus_items.append(
+            ("non-finite vectors", _e(", ".join(f"layer {k}: {v}" for k, v in bad.items())))
+        )
+    thr = (m.get("throughput") or {}).get("tokens_per_s_extract_wall")
+    run_items = [
+        ("status", _status_badge(run.status)),
+        ("started", _e(_when(m.get("started_at")))),
+        ("finished", _e(_when(m.get("finished_at")))),
+        ("total time", _seconds(timings.get("total"))),
+        ("extract (wall)", _seconds(timings.get("extract_wall"))),
+        (
+            "forward / fold (sum)",
+            f"{_seconds(timings.get('extract_forward_sum'))} / "
+            f"{_seconds(timings.get('extract_fold_sum'))}",
+        ),
+        (
+            "plan / reduce / write",
+            f"{_seconds(timings.get('plan'))} / {_seconds(timings.get('reduce'))}"
+            f" / {_seconds(timings.get('write'))}",
+        ),
+        ("throughput", f"{fmt_value(thr, 'int')} tokens/s" if _finite(thr) else None),
+        ("workers", _e(_workers(m.get("workers")))),
+        ("fingerprint", f'<span class="mono">{_e(str(m.get("fingerprint") or "")[:16])}</span>'),
+    ]
+    cards = (
+        f'<div class="card"><h3>Model</h3>{_kv(model_items)}</div>'
+        f'<div class="card"><h3>Corpus</h3>{_kv(corpus_items)}</div>'
+        f'<div class="card"><h3>Run</h3>{_kv(run_items)}</div>'
+    )
+    versions = m.get("versions") or {}
+    ver = ", ".join(f"{k} {v}" for k, v in versions.items())
+    details = (
+        f"<details><summary>Configuration and versions</summary>"
+        f'<p class="note">{_e(ver)}</p>'
+        f"<pre>{_e(json.dumps(cfg, indent=2, default=str))}</pre></details>"
+    )
+    return f'<div class="meta">{cards}</div>{details}'
+
+
+def _when(iso: Any) -> str:
+    """``2026-11-22T02:37:16+00:00`` -> ``2026-11-22 02:37:16 UTC``."""
+    if not iso:
+        return ""
+    s = str(iso).replace("T", " ", 1)
+    return s[:-6] + " UTC" if s.endswith("+00:00") else s
+
+
+def _workers(w: Any) -> str:
+    if not isinstance(w, dict):
+        return ""
+    parts = [f"{w.get('num_workers', '?')} actor(s)"]
+    if w.get("num_gpus"):
+        parts.append(f"{w['num_gpus']} GPU each")
+    if w.get("num_cpus"):
+        parts.append(f"{w['num_cpus']} CPU each")
+    return ", ".join(parts)
+
+
+def _status_badge(status: str) -> str:
+    cls = "complete" if status == "complete" else "other"
+    return f'<span class="badge {cls}">{_e(status)}</span>'
+
+
+def _files_html(out_dir: str, base_href: str = "") -> str:
+    items = []
+    for name, desc in RUN_FILES:
+        url = join(out_dir, name)
+        if not exists(url):
+            continue
+        size = _file_size(url)
+        items.append(
+            f'<li><a href="{_e(base_href + name)}"><code>{_e(name)}</code></a>'
+            f"{' (' + size + ')' if size else ''}: {_e(desc)}</li>"
+        )
+    return f'<ul class="files">{"".join(items)}</ul>'
+
+
+def _sections_html(figures: Sequence[Figure]) -> tuple[str, list[tuple[str, str]]]:
+    parts, toc = [], []
+    for key, heading in SECTIONS:
+        figs = [f for f in figures if f.section == key]
+        drawn = [f for f in figs if f.path]
+        absent = [f for f in figs if not f.path]
+        if not figs:
+            continue
+        toc.append((f"sec-{key}", heading))
+        parts.append(f'<section id="sec-{key}"><h2>{_e(heading)}</h2>')
+        if key in HOW_TO_READ:
+            parts.append(
+                '<div class="howto"><span class="label">How to read this.</span>'
+                f"{HOW_TO_READ[key]}</div>"
+            )
+        parts.extend(_figure_html(f) for f in drawn)
+        if absent:
+            li = "".join(
+                f"<li><b>{_e(f.name)}</b>: {_e(f.caption.removeprefix('Not drawn: '))}</li>"
+                for f in absent
+            )
+            parts.append(f'<p class="note">Not in this run:</p><ul class="absent">{li}</ul>')
+        parts.append("</section>")
+    return "".join(parts), toc
+
+
+def render_report(run: Run, figures: Sequence[Figure]) -> str:
+    """The HTML text of a run's report (see :func:`write_report`)."""
+    layers = run.layers
+    model_short, corpus_short = short_name(run.model), short_name(run.corpus)
+    banner = ""
+    if run.status != "complete":
+        banner = (
+            f'<div class="banner"><b>This run is not complete</b> (manifest status: '
+            f"{_e(run.status)}). Its tables may be partial or from an earlier run.</div>"
+        )
+    sampled = [
+        c
+        for c in COLUMNS
+        if c not in EXACT_COLUMNS and c not in ROGUE_COLUMNS and c in layers.columns
+    ]
+    rogue = [c for c in ROGUE_COLUMNS[1:] if c in layers.columns]
+    n_tokens = layers["n_tokens"].max() if "n_tokens" in layers.columns else None
+    table = layers_table_html(layers, EXACT_COLUMNS)
+    table_note = (
+        '<p class="note">Exact over every counted token (no sampling). Variances are population '
+        "variances (1/n). r(‖μ_t‖,V_t) is over types seen at least "
+        f"{run.min_count} times. Hover a header for its definition; bars show each column's "
+        "shape across layers (blue: negative, red: positive correlation).</p>"
+    )
+    sampled_html = ""
+    if sampled:
+        sampled_html = (
+            "<h3>Sampled metrics</h3>"
+            + layers_table_html(layers, ["layer", *sampled])
+            + '<p class="note">From the bounded random sample of tokens (see samples.parquet); '
+            "LID uses true (not squared) distances.</p>"
+        )
+    if rogue:
+        rule = run.manifest.get("outlier_rules")
+        sampled_html += (
+            "<h3>Outlier dimensions and clipping</h3>"
+            + layers_table_html(layers, ["layer", *rogue])
+            + '<p class="note">Flagged dims: see dims.parquet (<code>outlier</code>, '
+            "<code>outlier_rule</code>)"
+            + (f"; a dim is flagged when {_e(rule)}" if rule else "")
+            + ". “Clipped” metrics set those dimensions to zero (Luo 2020).</p>"
+        )
+    sections, toc = _sections_html(figures)
+    toc = [("sec-run", "Run"), ("sec-layers", "Per-layer summary"), *toc, ("sec-files", "Files")]
+    nav = "".join(f'<a href="#{a}">{_e(t)}</a>' for a, t in toc)
+    body = (
+        f'<header class="top"><h1>Embedding geometry report {_status_badge(run.status)}'
+        f'<span class="sub">{_e(model_short)} · {_e(corpus_short)} · '
+        f"{len(layers)} layers · {fmt_value(n_tokens, 'int')} tokens</span>"
+        f'</h1><nav class="toc">{nav}</nav></header>{banner}'
+        f'<section id="sec-run"><h2>Run</h2>{_metadata_html(run)}</section>'
+        f'<section id="sec-layers"><h2>Per-layer summary</h2>{table}{table_note}'
+        f"{sampled_html}</section>"
+        f"{sections}"
+        f'<section id="sec-files"><h2>Files</h2><p class="note">Relative links to this run\'s '
+        f"tables (open them with pandas, pyarrow or DuckDB).</p>{_files_html(run.out)}</section>"
+        f"<footer>Generated {_e(_when(now()))} by embgeom_ray {__version__} "
+        f"(<code>python -m jobs.report {_e(run.out)}</code> rebuilds it). Self-contained: no "
+        f"network access needed.</footer>"
+    )
+    return _page(f"Embedding geometry: {model_short} · {corpus_short}", body)
+
+
+def write_report(out_dir: str, *, figures: Sequence[Figure] | None = None) -> str:
+    """Draw the run's figures and write ``out_dir/report.html``; returns its path.
+
+    ``figures`` (from :func:`embgeom_ray.plots.make_all_plots` with ``include_absent=True``)
+    skips re-drawing. Raises :class:`~embgeom_ray.plots.RunDirectoryError` when ``out_dir`` is
+    not a run directory (no manifest.json or layers.parquet).
+    """
+    run = Run(out_dir)
+    if figures is None:
+        figures = make_all_plots(run, include_absent=True)
+    return _write(run.out, render_report(run, figures))
+
+
+# --------------------------------------------------------------------------------------------
+# comparison of runs
+
+#: metrics overlaid in the comparison, when present in any run (in this order).
+# fmt: off
+COMPARE_METRICS = [
+    "mean_norm", "total_variance", "within_variance", "between_variance", "within_ratio",
+    "norm_variance_corr", "anisotropy", "s_inter", "s_intra", "isoscore", "adjusted_s_inter",
+    "adjusted_s_intra", "adjusted_isoscore", "s_inter_type_uniform", "isoscore_sample",
+    "kmeans_k", "kmeans_silhouette", "silhouette_types", "lid_euclidean", "lid_cosine",
+    "partition_isotropy", "partition_isotropy_centered", "n_outlier_dims", "isoscore_clipped",
+    "anisotropy_clipped", "anisotropy_clipped_exact",
+]
+# fmt: on
+
+
+def _run_labels(runs: Sequence[Run], labels: Sequence[str] | None) -> list[str]:
+    if labels is not None:
+        if len(labels) != len(runs):
+            raise ValueError(f"{len(labels)} labels for {len(runs)} runs")
+        return list(labels)
+    base = [short_name(r.model, 32) for r in runs]
+    if len(set(base)) < len(runs):
+        base = [f"{short_name(r.model, 28)} · {short_name(r.corpus, 24)}" for r in runs]
+    if len(set(base)) < len(runs):
+        base = [short_name(r.out, 40) for r in runs]
+    if len(set(base)) < len(runs):
+        base = [f"{i + 1}: {b}" for i, b in enumerate(base)]
+    return base
+
+
+def _comparison_plot(
+    runs: Sequence[Run], labels: Sequence[str], out_dir: str, metrics: list[str]
+) -> str:
+    import matplotlib as mpl
+
+    n_layers = {len(r.layers) for r in runs}
+    relative = len(n_layers) > 1
+    ncols = min(4, len(metrics))
+    nrows = math.ceil(len(metrics) / ncols)
+    cmap = mpl.colormaps["tab10"]
+    styles = ["-", "--", ":", "-."]  # runs that coincide stay visible
+    markers = ["o", "s", "^", "D"]
+    with mpl.rc_context(_STYLE):
+        fig = _new_figure(3.4 * ncols + 0.4, 2.7 * nrows + 1.3)
+        axes = np.atleast_1d(fig.subplots(nrows, ncols, squeeze=False)).ravel()
+        for ax, metric in zip(axes, metrics, strict=False):
+            for i, (run, label) in enumerate(zip(runs, labels, strict=True)):
+                v = run.layer_col(metric)
+                if v is None:
+                    continue
+                x = run.layers["layer"].to_numpy(dtype=np.float64)
+                if relative:
+                    x = x / max(x.max(), 1)
+                ax.plot(
+                    x,
+                    v,
+                    marker=markers[i % 4],
+                    ms=3.5,
+                    lw=1.5,
+                    color=cmap(i % 10),
+                    linestyle=styles[i % 4],
+                    alpha=0.9,
+                    label=label,
+                )
+            header = COLUMNS.get(metric, (metric,))[0]
+            ax.set_title(f"{header}  ({metric})", fontsize=9)
+            ax.set_ylabel(header, fontsize=8)
+            ax.set_xlabel("layer / last layer" if relative else "layer", fontsize=8)
+        for ax in axes[len(metrics) :]:
+            ax.set_visible(False)
+        handles, labs = axes[0].get_legend_handles_labels()
+        for ax in axes[1 : len(metrics)]:
+            for h, lab in zip(*ax.get_legend_handles_labels(), strict=True):
+                if lab not in labs:
+                    handles.append(h)
+                    labs.append(lab)
+        fig.legend(handles, labs, loc="outside lower center", ncols=min(len(labs), 4))
+        xdesc = (
+            "x: relative depth, layer / last layer (the runs have different numbers of layers)"
+            if relative
+            else "x: layer (hidden_states index; 0 = embedding output)"
+        )
+        fig.suptitle(f"Per-layer metrics of {len(runs)} runs\n{xdesc}", fontsize=11)
+        path = _save(fig, out_dir, "compare_metrics")
+    return path
+
+
+def largest_changes(
+    runs: Sequence[Run], labels: Sequence[str], metrics: Sequence[str], top: int = 15
+) -> pd.DataFrame:
+    """The largest per-layer changes of each run against the first (the baseline).
+
+    Changes are ranked by |Δ| relative to the metric's range over all runs and layers, so
+    variances and cosines rank on the same footing. Layers are matched by index.
+    """
+    base = runs[0].layers.set_index("layer")
+    rows = []
+    for run, label in zip(runs[1:], labels[1:], strict=True):
+        other = run.layers.set_index("layer")
+        common = base.index.intersection(other.index)
+        for m in metrics:
+            if m not in base.columns or m not in other.columns:
+                continue
+            allv = np.concatenate(
+                [
+                    pd.to_numeric(r.layers[m], errors="coerce").to_numpy(dtype=np.float64)
+                    for r in runs
+                    if m in r.layers.columns
+                ]
+            )
+            allv = allv[np.isfinite(allv)]
+            span = float(allv.max() - allv.min()) if len(allv) else 0.0
+            for layer in common:
+                a, b = base.at[layer, m], other.at[layer, m]
+                if not (_finite(a) and _finite(b)):
+                    continue
+                d = float(b) - float(a)
+                if d == 0:
+                    continue
+                rows.append(
+                    {
+                        "run": label,
+                        "metric": m,
+                        "layer": int(layer),
+                        "baseline": float(a),
+                        "value": float(b),
+                        "change": d,
+                        "relative": d / abs(float(a)) if float(a) != 0 else math.nan,
+                        "score": abs(d) / span if span > 0 else 0.0,
+                    }
+                )
+    df = pd.DataFrame(
+        rows, columns=["run", "metric", "layer", "baseline", "value", "change", "relative", "score"]
+    )
+    return df.sort_values("score", ascending=False, kind="stable").head(top).reset_index(drop=True)
+
+
+def _changes_html(df: pd.DataFrame, baseline: str) -> str:
+    if not len(df):
+        return '<p class="note">No layer is shared by the runs, so there is nothing to compare.</p>'
+    rows = []
+    for _, r in df.iterrows():
+        kind = COLUMNS.get(r["metric"], ("", "", "sci"))[2]
+        kind = "unit" if kind == "corr" else kind
+        rel = "—" if not _finite(r["relative"]) else f"{r['relative']:+.1%}".replace("-", "−")
+        rows.append(
+            f'<tr><td class="txt">{_e(r["run"])}</td>'
+            f'<td class="txt" title="{_e(COLUMNS.get(r["metric"], ("", r["metric"]))[1])}">'
+            f"{_e(r['metric'])}</td>"
+            f"<td>{int(r['layer'])}</td><td>{fmt_value(r['baseline'], kind)}</td>"
+            f"<td>{fmt_value(r['value'], kind)}</td><td>{fmt_value(r['change'], 'sci')}</td>"
+            f"<td>{rel}</td><td>{r['score']:.2f}</td></tr>"
+        )
+    head = (
+        '<tr><th class="txt">run</th><th class="txt">metric</th><th>layer</th>'
+        f'<th title="{_e(baseline)}">baseline</th><th>run</th><th>Δ</th><th>Δ / |baseline|</th>'
+        '<th title="|Δ| over the metric\'s range across all runs and layers">|Δ| / range</th></tr>'
+    )
+    return (
+        f'<div class="scroll"><table class="data"><thead>{head}</thead><tbody>{"".join(rows)}'
+        f'</tbody></table></div><p class="note">Baseline: {_e(baseline)} (the first run). Changes '
+        "are ranked by |Δ| over the metric's range across all runs and layers, so variances and "
+        "cosines rank on the same footing; layers are matched by index.</p>"
+    )
+
+
+def write_comparison_report(
+    run_dirs: Sequence[str], out_dir: str, *, labels: Sequence[str] | None = None
+) -> str:
+    """Write ``out_dir/report.html`` comparing runs layer by layer; returns its path.
+
+    The first run is the baseline. The page holds a table of the runs (model, revision,
+    corpus, tokens, status, link to each run's own report), overlaid per-layer lines of every
+    metric in :data:`COMPARE_METRICS` present in any run (x = layer index, or relative depth
+    when the runs have different numbers of layers), the table of the largest changes, and
+    each run's headline table. Raises :class:`~embgeom_ray.plots.RunDirectoryError` for a
+    directory that is not a run, ``ValueError`` for fewer than two runs.
+    """
+    if len(run_dirs) < 2:
+        raise ValueError(f"a comparison needs at least two runs, got {len(run_dirs)}")
+    runs = [Run(d) for d in run_dirs]
+    labels = _run_labels(runs, labels)
+    metrics = [m for m in COMPARE_METRICS if any(r.layer_col(m) is not None for r in runs)]
+    out_dir = str(out_dir).rstrip("/") or "/"
+    plot = _comparison_plot(runs, labels, out_dir, metrics)
+    rows = []
+    for run, label in zip(runs, labels, strict=True):
+        m = run.manifest
+        rev = str((m.get("model") or {}).get("revision") or "")
+        report = join(run.out, REPORT)
+        link = _rel(run.out, out_dir) + "/"
+        name = f'<a href="{_e(link + REPORT)}">{_e(label)}</a>' if exists(report) else _e(label)
+        rows.append(
+            f'<tr><td class="txt">{name}</td>'
+            f'<td class="txt mono">{_e(short_name(run.model, 60))}</td>'
+            f'<td class="txt mono" title="{_e(rev)}">{_e(rev[:19])}</td>'
+            f'<td class="txt mono">{_e(short_name(run.corpus, 60))}</td>'
+            f"<td>{len(run.layers)}</td>"
+            f"<td>{fmt_value((m.get('counts') or {}).get('tokens'), 'int')}</td>"
+            f"<td>{_status_badge(run.status)}</td></tr>"
+        )
+    runs_table = (
+        '<div class="scroll"><table class="data"><thead><tr><th class="txt">run</th>'
+        '<th class="txt">model</th><th class="txt">revision</th><th class="txt">corpus</th>'
+        "<th>layers</th><th>tokens</th><th>status</th></tr></thead><tbody>"
+        + "".join(rows)
+        + "</tbody></table></div>"
+    )
+    changes = largest_changes(runs, labels, [m for m in metrics if m != "kmeans_k"])
+    per_run = "".join(
+        f"<h3>{_e(label)}</h3>"
+        + layers_table_html(run.layers, EXACT_COLUMNS)
+        + f'<p class="note">Files: {_files_inline(run.out, out_dir)}</p>'
+        for run, label in zip(runs, labels, strict=True)
+    )
+    incomplete = [lab for r, lab in zip(runs, labels, strict=True) if r.status != "complete"]
+    banner = (
+        f'<div class="banner"><b>Not complete:</b> {_e(", ".join(incomplete))}; their tables may '
+        "be partial.</div>"
+        if incomplete
+        else ""
+    )
+    caption = (
+        "One panel per metric of layers.parquet, one line per run (colours as in the legend). "
+        + (
+            "The runs have different numbers of layers, so x is the relative depth "
+            "layer / last layer. "
+            if len({len(r.layers) for r in runs}) > 1
+            else ""
+        )
+        + "Definitions are in the per-layer tables' headers and in each run's report."
+    )
+    fig = Figure("compare_metrics", plot, caption, "compare")
+    nav = "".join(
+        f'<a href="#{a}">{t}</a>'
+        for a, t in (
+            ("sec-runs", "Runs"),
+            ("sec-metrics", "Metrics by layer"),
+            ("sec-changes", "Largest changes"),
+            ("sec-tables", "Per-run tables"),
+        )
+    )
+    body = (
+        f'<header class="top"><h1>Embedding geometry: comparison of {len(runs)} runs'
+        f'<span class="sub">{_e(" vs ".join(labels))}</span></h1><nav class="toc">{nav}</nav>'
+        f"</header>{banner}"
+        f'<section id="sec-runs"><h2>Runs</h2>{runs_table}</section>'
+        f'<section id="sec-metrics"><h2>Metrics by layer</h2><div class="howto"><span '
+        f'class="label">How to read this.</span>Each metric is defined as in the single-run '
+        f"reports: variance split and norm–variance correlation after <b>Yamagiwa et al. 2024</b>, "
+        f"cosines after <b>Ethayarajh 2019</b> and <b>Cai et al. 2021</b>, IsoScore after "
+        f"<b>Rudman et al. 2022</b>, silhouettes after <b>Mickus et al. 2024</b>. Lines that "
+        f"coincide mean the runs agree; exact metrics of the same model on two corpora differ "
+        f"only through the text.</div>{_figure_html(fig)}</section>"
+        f'<section id="sec-changes"><h2>Largest changes</h2>'
+        f"{_changes_html(changes, labels[0])}</section>"
+        f'<section id="sec-tables"><h2>Per-run tables</h2>{per_run}</section>'
+        f"<footer>Generated {_e(_when(now()))} by embgeom_ray {__version__}. Self-contained: no network "
+        f"access needed.</footer>"
+    )
+    return _write(out_dir, _page(f"Embedding geometry: {' vs '.join(labels)}", body))
+
+
+def _files_inline(run_out: str, out_dir: str) -> str:
+    base = _rel(run_out, out_dir) + "/"
+    links = [
+        f'<a href="{_e(base + name)}"><code>{_e(name)}</code></a>'
+        for name, _ in RUN_FILES
+        if name.endswith(".parquet") and exists(join(run_out, name))
+    ]
+    return ", ".join(links)
+
+
+__all__ = [
+    "REPORT",
+    "RunDirectoryError",
+    "largest_changes",
+    "render_report",
+    "write_comparison_report",
+    "write_report",
+]

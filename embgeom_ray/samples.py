@@ -1,0 +1,657 @@
+"""Mergeable, bounded random samples of token occurrences, folded next to the statistics.
+
+Some metrics need points, not moments (K-means clusters, LID, silhouette, Cai et al.'s
+type-uniform S_inter). :class:`ActivationSample` keeps two bounded samples of the kept token
+occurrences, with each sampled occurrence's vector in *every* selected layer (the same
+occurrences in all layers):
+
+uniform sample (bottom-k sampling)
+    Every occurrence o = (document, window, position-in-window) gets a deterministic 63-bit key
+    h(o) = splitmix64-chain(seed, doc_id, window_index, position) (:func:`occurrence_keys`).
+    The sample is the ``size`` occurrences with the smallest keys, i.e. a uniform random sample
+    without replacement of size min(size, N) (Cohen & Kaplan 2007, bottom-k sketches).
+type-uniform sample (Cai et al. 2021's S_inter: one random occurrence per token type)
+    Per token type t the occurrence with the smallest key (a min-hash, hence a uniformly random
+    occurrence of t). To keep memory bounded whatever the vocabulary, only the ``type_size``
+    types with the smallest type keys g(t) = splitmix64-chain(seed, token_id)
+    (:func:`type_keys`) are kept: a uniform random subset of the types seen (a KMV / bottom-k
+    distinct-value sample, Bar-Yossef et al. 2002), so averages over types stay unbiased.
+
+Both are *exactly* mergeable: ties are broken lexicographically on (key, doc_id, window,
+position) (and (type key, token_id)), a repeated occurrence is kept once, and the selected set
+depends only on the set of occurrences seen — never on batching, sharding, worker count or
+merge order. Stored arrays are written in a canonical order, so two samples of the same
+occurrences serialize to the same bytes.
+
+Occurrences whose vector is not finite (NaN/inf) in any selected layer are skipped entirely (a
+sampled occurrence must have a vector in every layer). Vectors are stored as float32: exact for
+fp32/bf16/fp16 models (the hidden states are at most float32), a rounding for float64 inputs.
+Memory: (size + type_size) × len(layers) × dim float32 plus six int64 per entry, whatever the
+corpus size (e.g. 4096 + 4096 entries × 13 layers × 768 dims ≈ 330 MB for BERT-base).
+
+The type is a sketch in the Apache DataSketches sense: ``update`` / ``merge`` /
+``to_bytes``-``from_bytes`` (safetensors, no pickle) / read-only results (:meth:`points`,
+:meth:`type_points`, :meth:`to_table`).
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, NamedTuple
+
+import numpy as np
+import pandas as pd
+import torch
+from safetensors.numpy import load as st_load_bytes
+from safetensors.numpy import save as st_save_bytes
+
+from .errors import StatisticsMismatchError
+from .statistics import EmbeddingStatistics
+
+FORMAT = "embgeom_ray.samples"
+FORMAT_VERSION = 1
+
+#: columns of ``samples.parquet`` (:meth:`ActivationSample.to_table`).
+SAMPLE_COLUMNS = [
+    "layer", "sample", "key", "token_id", "token", "doc_id", "window", "position", "vector",
+]  # fmt: skip
+
+_I64 = torch.int64
+_F32 = torch.float32
+_U64 = 1 << 64
+_MASK63 = (1 << 63) - 1
+
+
+def _signed64(v: int) -> int:
+    """The int64 whose two's-complement bits are ``v mod 2**64``."""
+    v %= _U64
+    return v - _U64 if v >= 1 << 63 else v
+
+
+_GOLDEN = _signed64(0x9E3779B97F4A7C15)
+_MIX1 = _signed64(0xBF58476D1CE4E5B9)
+_MIX2 = _signed64(0x94D049BB133111EB)
+_DOMAIN_OCCURRENCE = _signed64(0x6F63637572656E63)  # "occurenc": key domain of occurrences
+_DOMAIN_TYPE = _signed64(0x746F6B656E747970)  # "tokentyp": key domain of token types
+
+
+def _shr(z: torch.Tensor, s: int) -> torch.Tensor:
+    """Logical right shift of int64 bit patterns (torch's ``>>`` is arithmetic)."""
+    return (z >> s) & ((1 << (64 - s)) - 1)
+
+
+def splitmix64(x: torch.Tensor) -> torch.Tensor:
+    """Steele, Lea & Flood's SplitMix64 finaliser on int64 tensors (bits as uint64).
+
+    z ← x + 0x9E3779B97F4A7C15; z ← (z ⊕ z≫30)·0xBF58476D1CE4E5B9; z ← (z ⊕ z≫27)·0x94D049BB133111EB;
+    z ← z ⊕ z≫31, all modulo 2⁶⁴. int64 addition and multiplication wrap modulo 2⁶⁴ in torch
+    (two's complement, on CPU and CUDA), so the bits equal the uint64 reference; ``≫`` is made
+    logical by masking. The tests check the result against a pure-Python implementation.
+    """
+    z = x.to(_I64) + _GOLDEN
+    z = (z ^ _shr(z, 30)) * _MIX1
+    z = (z ^ _shr(z, 27)) * _MIX2
+    return z ^ _shr(z, 31)
+
+
+def _seed_state(seed: int, domain: int, device: torch.device | str) -> torch.Tensor:
+    return splitmix64(torch.tensor(_signed64(int(seed)) ^ domain, dtype=_I64, device=device))
+
+
+def occurrence_keys(
+    seed: int, doc_ids: torch.Tensor, window_index: torch.Tensor, positions: torch.Tensor
+) -> torch.Tensor:
+    """63-bit keys h(o) ∈ [0, 2⁶³) of token occurrences o = (doc_id, window, position).
+
+    h = SM(SM(SM(SM(seed ⊕ D) ⊕ doc) ⊕ window) ⊕ position) ∧ (2⁶³ − 1) with SM =
+    :func:`splitmix64`: a deterministic pseudo-random function of the occurrence alone.
+    """
+    h = _seed_state(seed, _DOMAIN_OCCURRENCE, doc_ids.device)
+    h = splitmix64(h ^ doc_ids.to(_I64))
+    h = splitmix64(h ^ window_index.to(_I64))
+    h = splitmix64(h ^ positions.to(_I64))
+    return h & _MASK63
+
+
+def type_keys(seed: int, token_ids: torch.Tensor) -> torch.Tensor:
+    """63-bit keys g(t) = SM(SM(seed ⊕ D') ⊕ t) ∧ (2⁶³ − 1) of token types (ids) t."""
+    h = _seed_state(seed, _DOMAIN_TYPE, token_ids.device)
+    return splitmix64(h ^ token_ids.to(_I64)) & _MASK63
+
+
+def _lexsort(cols: Sequence[torch.Tensor]) -> torch.Tensor:
+    """Permutation ordering rows lexicographically by ``cols`` (first = most significant)."""
+    perm = torch.arange(cols[0].numel(), device=cols[0].device)
+    for c in reversed(cols):
+        perm = perm[torch.sort(c[perm], stable=True).indices]
+    return perm
+
+
+def _first_of_runs(cols: Sequence[torch.Tensor], perm: torch.Tensor) -> torch.Tensor:
+    """Mask over ``perm`` marking the first row of each run of equal ``cols`` in that order."""
+    first = torch.ones(perm.numel(), dtype=torch.bool, device=perm.device)
+    if perm.numel() > 1:
+        same = torch.ones(perm.numel() - 1, dtype=torch.bool, device=perm.device)
+        for c in cols:
+            s = c[perm]
+            same &= s[1:] == s[:-1]
+        first[1:] = ~same
+    return first
+
+
+def _finite_rows(h: torch.Tensor) -> torch.Tensor:
+    """``isfinite(h).all(-1)``, cheaply: a row whose sum is finite is finite; the rest (NaN,
+    inf, or a sum that overflowed) are checked element by element."""
+    finite = torch.isfinite(h.sum(dim=-1))
+    if not bool(finite.all()):
+        bad = ~finite
+        finite[bad] = torch.isfinite(h[bad]).all(dim=-1)
+    return finite
+
+
+class SamplePoints(NamedTuple):
+    """Sampled occurrences of one layer, in canonical order (numpy)."""
+
+    keys: np.ndarray  # (n,) int64 occurrence keys
+    token_ids: np.ndarray  # (n,) int64
+    doc_ids: np.ndarray  # (n,) int64
+    window_index: np.ndarray  # (n,) int64
+    positions: np.ndarray  # (n,) int64, position within the window
+    vectors: np.ndarray  # (n, d) float64 (stored as float32)
+
+
+# column names of the two tables, and the lexicographic order that defines "smallest"
+_OCC = ("key", "doc", "window", "position")
+_U_COLS = (*_OCC, "token")
+_T_COLS = ("token", "type_key", *_OCC)
+_ARRAY_NAMES = {
+    "key": "key",
+    "doc": "doc_id",
+    "window": "window",
+    "position": "position",
+    "token": "token_id",
+    "type_key": "type_key",
+}
+
+
+class _Table:
+    """Slot storage: int64 columns and (L, capacity, d) float32 vectors; ``n`` slots used.
+
+    Slots are unordered (an entering entry takes a freed slot, so an update copies only the
+    vectors that enter); :meth:`canonical` gives the canonical order.
+    """
+
+    def __init__(self, names: Sequence[str], n_layers: int, dim: int, device: torch.device):
+        self.names = tuple(names)
+        self.n = 0
+        self.cols = {k: torch.empty(0, dtype=_I64, device=device) for k in self.names}
+        self.vec = torch.empty(n_layers, 0, dim, dtype=_F32, device=device)
+
+    def used(self, name: str) -> torch.Tensor:
+        return self.cols[name][: self.n]
+
+    def _reserve(self, needed: int, limit: int) -> None:
+        cap = self.vec.shape[1]
+        if needed <= cap:
+            return
+        new_cap = min(max(needed, 2 * cap, 16), max(limit, needed))
+        extra = new_cap - cap
+        for k, c in self.cols.items():
+            self.cols[k] = torch.cat([c, torch.zeros(extra, dtype=_I64, device=c.device)])
+        shape = (self.vec.shape[0], extra, self.vec.shape[2])
+        pad = torch.zeros(shape, dtype=_F32, device=self.vec.device)
+        self.vec = torch.cat([self.vec, pad], dim=1)
+
+    def replace(
+        self,
+        keep_slots: torch.Tensor,
+        new_cols: Mapping[str, torch.Tensor],
+        new_vec: torch.Tensor,
+        limit: int,
+    ) -> None:
+        """Keep the used slots ``keep_slots``; put the new entries in freed or fresh slots."""
+        dev = self.vec.device
+        c = int(new_vec.shape[1])
+        if c == 0:
+            if keep_slots.numel() == self.n:
+                return
+        free = torch.ones(self.n, dtype=torch.bool, device=dev)
+        free[keep_slots] = False
+        freed = torch.nonzero(free).flatten()
+        n_new = int(keep_slots.numel()) + c
+        if c <= freed.numel():
+            target = freed[:c]
+        else:
+            target = torch.cat([freed, torch.arange(self.n, n_new, device=dev)])
+        self._reserve(n_new, limit)
+        for k in self.names:
+            self.cols[k][target] = new_cols[k].to(dev)
+        self.vec[:, target] = new_vec.to(dev)
+        if n_new < self.n:
+            # compact: move the used slots beyond n_new into the remaining freed ones
+            used = torch.zeros(self.n, dtype=torch.bool, device=dev)
+            used[keep_slots] = True
+            used[target] = True
+            high = torch.nonzero(used[n_new:]).flatten() + n_new
+            low = torch.nonzero(~used[:n_new]).flatten()
+            for k in self.names:
+                self.cols[k][low] = self.cols[k][high]
+            self.vec[:, low] = self.vec[:, high]
+        self.n = n_new
+
+    def canonical(self, order_cols: Sequence[str]) -> torch.Tensor:
+        return _lexsort([self.used(k) for k in order_cols])
+
+
+class ActivationSample:
+    """Bounded, exactly mergeable uniform and type-uniform samples of token occurrences.
+
+    See the module docstring for the sampling scheme.
+
+    Args:
+        layers: HF hidden-state indices, in the order hidden states are passed to :meth:`update`.
+        dim: hidden size d.
+        size: k of the uniform bottom-k sample (occurrences kept).
+        seed: seed of the occurrence and type keys; samples with different seeds cannot merge.
+        type_uniform: also keep the type-uniform sample (one occurrence per type).
+        device: where the sample lives (the extractor's device).
+        metadata: identity strings (model, tokenizer fingerprints, …); :meth:`merge` refuses
+            samples whose :attr:`IDENTITY_KEYS` differ (as
+            :meth:`EmbeddingStatistics.check_compatible`).
+        type_size: how many token types the type-uniform sample keeps (default ``size``).
+    """
+
+    IDENTITY_KEYS = EmbeddingStatistics.IDENTITY_KEYS
+
+    def __init__(
+        self,
+        layers: Sequence[int],
+        dim: int,
+        size: int = 4096,
+        seed: int = 0,
+        type_uniform: bool = True,
+        device: str | torch.device = "cpu",
+        metadata: Mapping[str, str] | None = None,
+        *,
+        type_size: int | None = None,
+    ) -> None:
+        if not layers:
+            raise ValueError("at least one layer is required")
+        if len(set(layers)) != len(layers):
+            raise ValueError(f"layers must be distinct, got {list(layers)}")
+        if dim <= 0:
+            raise ValueError(f"dim must be positive, got {dim}")
+        if size < 1:
+            raise ValueError(f"size must be >= 1, got {size}")
+        type_size = size if type_size is None else int(type_size)
+        if type_size < 1:
+            raise ValueError(f"type_size must be >= 1, got {type_size}")
+        self.layers: list[int] = [int(x) for x in layers]
+        self.dim = int(dim)
+        self.size = int(size)
+        self.type_size = type_size
+        self.seed = int(seed)
+        self.type_uniform = bool(type_uniform)
+        self.device = torch.device(device)
+        self.metadata: dict[str, str] = {str(k): str(v) for k, v in (metadata or {}).items()}
+        n_layers = len(self.layers)
+        self._u = _Table(_U_COLS, n_layers, self.dim, self.device)
+        self._t = _Table(_T_COLS, n_layers, self.dim, self.device)
+
+    # ------------------------------------------------------------ sizes
+    @property
+    def num_uniform(self) -> int:
+        """Occurrences in the uniform sample (min(size, occurrences seen))."""
+        return self._u.n
+
+    @property
+    def num_types(self) -> int:
+        """Token types in the type-uniform sample (min(type_size, types seen))."""
+        return self._t.n
+
+    # ---------------------------------------------------------- folding
+    def _fold_uniform(self, cols: Mapping[str, torch.Tensor], vec: torch.Tensor) -> None:
+        """Bottom-``size`` of (current ∪ new) by (key, doc, window, position), duplicates once."""
+        u, n = self._u, self._u.n
+        allc = [torch.cat([u.used(k), cols[k].to(self.device)]) for k in _OCC]
+        perm = _lexsort(allc)
+        perm = perm[_first_of_runs(allc, perm)][: self.size]
+        old = perm[perm < n]
+        new = perm[perm >= n] - n
+        u.replace(old, {k: c[new.to(c.device)] for k, c in cols.items()}, vec[:, new], self.size)
+
+    def _fold_types(self, cols: Mapping[str, torch.Tensor], vec: torch.Tensor) -> None:
+        """Per type the smallest occurrence; then the ``type_size`` types of smallest g(t)."""
+        t, m = self._t, self._t.n
+        allc = {k: torch.cat([t.used(k), cols[k].to(self.device)]) for k in _T_COLS}
+        order = ("token", *_OCC)
+        perm = _lexsort([allc[k] for k in order])
+        perm = perm[_first_of_runs([allc["token"]], perm)]  # one (the smallest) per type
+        sel = _lexsort([allc["type_key"][perm], allc["token"][perm]])[: self.type_size]
+        perm = perm[sel]
+        old = perm[perm < m]
+        new = perm[perm >= m] - m
+        t.replace(
+            old, {k: c[new.to(c.device)] for k, c in cols.items()}, vec[:, new], self.type_size
+        )
+
+    @torch.no_grad()
+    def update(
+        self,
+        hidden: Sequence[torch.Tensor] | torch.Tensor,
+        token_ids: torch.Tensor,
+        keep: torch.Tensor | None,
+        doc_ids: torch.Tensor,
+        window_index: torch.Tensor,
+        positions: torch.Tensor | None = None,
+    ) -> None:
+        """Fold one batch (the extractor's :class:`~embgeom_ray.windows.Batch`).
+
+        Args:
+            hidden: per layer (in ``self.layers`` order) a (B, T, d) tensor, or one (L, B, T, d).
+            token_ids: (B, T) token ids (``batch.input_ids``).
+            keep: (B, T) bool, the occurrences to sample (``batch.keep``); None keeps all.
+            doc_ids: (B,) int64 document id of each row (``batch.doc_ids``).
+            window_index: (B,) int64 window number within its document (``batch.window_index``).
+            positions: (B, T) position within the window (default: the column index, which is
+                the position for right-padded windows).
+        """
+        if isinstance(hidden, torch.Tensor) and hidden.dim() == 4:
+            hidden = list(hidden.unbind(0))
+        if len(hidden) != len(self.layers):
+            raise ValueError(f"expected {len(self.layers)} hidden-state tensors, got {len(hidden)}")
+        if token_ids.dim() != 2:
+            raise ValueError(f"token_ids must be (B, T), got shape {tuple(token_ids.shape)}")
+        shape = tuple(token_ids.shape)
+        b, tlen = shape
+        if keep is None:
+            keep = torch.ones(shape, dtype=torch.bool)
+        if tuple(keep.shape) != shape:
+            raise ValueError(f"keep mask shape {tuple(keep.shape)} != token_ids shape {shape}")
+        if tuple(doc_ids.shape) != (b,) or tuple(window_index.shape) != (b,):
+            raise ValueError(
+                f"doc_ids and window_index must be ({b},), got {tuple(doc_ids.shape)} "
+                f"and {tuple(window_index.shape)}"
+            )
+        if positions is not None and tuple(positions.shape) != shape:
+            raise ValueError(f"positions shape {tuple(positions.shape)} != {shape}")
+        for li, h in enumerate(hidden):
+            if tuple(h.shape) != (*shape, self.dim):
+                raise ValueError(
+                    f"hidden state {li} has shape {tuple(h.shape)}, expected {(*shape, self.dim)}"
+                )
+        hdev = hidden[0].device
+        valid = keep.to(hdev).bool()
+        for h in hidden:  # an occurrence must be finite in every layer (never in place: keep)
+            valid = valid & _finite_rows(h).to(hdev)
+        rows, cols_ = torch.nonzero(valid, as_tuple=True)
+        if rows.numel() == 0:
+            return
+        dev = self.device
+        rows, cols_ = rows.to(dev), cols_.to(dev)
+        flat = rows * tlen + cols_
+        pos = cols_ if positions is None else positions.to(dev)[rows, cols_].long()
+        occ = {
+            "doc": doc_ids.to(dev).long()[rows],
+            "window": window_index.to(dev).long()[rows],
+            "position": pos,
+            "token": token_ids.to(dev).long()[rows, cols_],
+        }
+        if int(occ["token"].min()) < 0:
+            raise ValueError("token ids must be non-negative")
+        occ["key"] = occurrence_keys(self.seed, occ["doc"], occ["window"], occ["position"])
+
+        def gather(sel: torch.Tensor) -> torch.Tensor:
+            """(L, len(sel), d) float32 vectors on ``dev`` (layers may live on other devices)."""
+            idx = flat[sel]
+            return torch.stack(
+                [h.reshape(-1, self.dim)[idx.to(h.device)].to(dev, _F32) for h in hidden]
+            )
+
+        # uniform: candidates that can enter, reduced to the batch's own bottom-size first
+        cand = torch.arange(flat.numel(), device=dev)
+        if self._u.n >= self.size:
+            thr = self._u.used("key").max()
+            cand = cand[occ["key"] <= thr]
+        if cand.numel():
+            cc = [occ[k][cand] for k in _OCC]
+            perm = _lexsort(cc)
+            cand = cand[perm[_first_of_runs(cc, perm)][: self.size]]
+            self._fold_uniform({k: occ[k][cand] for k in _U_COLS}, gather(cand))
+
+        if self.type_uniform:
+            occ["type_key"] = type_keys(self.seed, occ["token"])
+            cand = torch.arange(flat.numel(), device=dev)
+            if self._t.n >= self.type_size:
+                cand = cand[occ["type_key"] <= self._t.used("type_key").max()]
+            if cand.numel():
+                cc = [occ[k][cand] for k in ("token", *_OCC)]
+                perm = _lexsort(cc)
+                cand = cand[perm[_first_of_runs(cc[:1], perm)]]  # smallest occurrence per type
+                sel = _lexsort([occ["type_key"][cand], occ["token"][cand]])[: self.type_size]
+                cand = cand[sel]
+                self._fold_types({k: occ[k][cand] for k in _T_COLS}, gather(cand))
+
+    # ------------------------------------------------------------ merge
+    def check_compatible(self, other: ActivationSample) -> None:
+        """Raise :class:`StatisticsMismatchError` unless ``other`` samples the same thing."""
+        problems = []
+        for name in ("layers", "dim", "size", "type_size", "seed", "type_uniform"):
+            a, b = getattr(self, name), getattr(other, name)
+            if a != b:
+                problems.append(f"{name} {b!r} != {a!r}")
+        for key in self.IDENTITY_KEYS:
+            a, b = self.metadata.get(key), other.metadata.get(key)
+            if a is not None and b is not None and a != b:
+                problems.append(f"{key} {b!r} != {a!r}")
+        if problems:
+            raise StatisticsMismatchError(
+                "cannot merge samples of different measurements: " + "; ".join(problems)
+            )
+
+    @torch.no_grad()
+    def merge(self, other: ActivationSample) -> ActivationSample:
+        """Merge ``other`` into ``self`` (in place; returns ``self``).
+
+        The result is the sample of the union of both occurrence sets: associative,
+        commutative and idempotent (an occurrence seen by both is kept once).
+        """
+        self.check_compatible(other)
+        for key, value in other.metadata.items():
+            self.metadata.setdefault(key, value)
+        u = other._u
+        if u.n:
+            self._fold_uniform({k: u.used(k) for k in _U_COLS}, u.vec[:, : u.n].to(self.device))
+        t = other._t
+        if t.n:
+            self._fold_types({k: t.used(k) for k in _T_COLS}, t.vec[:, : t.n].to(self.device))
+        return self
+
+    # ------------------------------------------------------------ views
+    def _layer_index(self, layer: int) -> int:
+        if layer not in self.layers:
+            raise KeyError(f"layer {layer} was not sampled; layers are {self.layers}")
+        return self.layers.index(layer)
+
+    @staticmethod
+    def _points(table: _Table, order: torch.Tensor, li: int) -> SamplePoints:
+        def np_(name: str) -> np.ndarray:
+            return table.used(name)[order].cpu().numpy()
+
+        vec = table.vec[li, : table.n][order].cpu().numpy().astype(np.float64)
+        return SamplePoints(
+            np_("key"), np_("token"), np_("doc"), np_("window"), np_("position"), vec
+        )
+
+    def _uniform_order(self) -> torch.Tensor:
+        return self._u.canonical(_OCC)
+
+    def _type_order(self) -> torch.Tensor:
+        return self._t.canonical(("token",))
+
+    def points(self, layer: int) -> SamplePoints:
+        """The uniform sample at hidden-state layer ``layer``, ordered by key (then doc, …).
+
+        Rows are the same occurrences, in the same order, for every layer; vectors float64.
+        """
+        return self._points(self._u, self._uniform_order(), self._layer_index(layer))
+
+    def type_points(self, layer: int) -> SamplePoints:
+        """The type-uniform sample at ``layer``: one occurrence per type, ordered by token id."""
+        return self._points(self._t, self._type_order(), self._layer_index(layer))
+
+    def to_table(
+        self, id_to_token: Callable[[Sequence[int]], Sequence[str]] | None = None
+    ) -> pd.DataFrame:
+        """``samples.parquet``: one row per (layer, sample, occurrence), :data:`SAMPLE_COLUMNS`.
+
+        ``sample`` is ``"uniform"`` or ``"type_uniform"``; ``key`` the occurrence key;
+        ``vector`` a float32 array (Parquet list<float>), exactly as stored.
+        """
+        frames = []
+        tables = [("uniform", self._u, self._uniform_order())]
+        if self.type_uniform:
+            tables.append(("type_uniform", self._t, self._type_order()))
+        for li, layer in enumerate(self.layers):
+            for name, table, order in tables:
+                n = table.n
+
+                def col(k: str, table: _Table = table, order: torch.Tensor = order) -> np.ndarray:
+                    return table.used(k)[order].cpu().numpy()
+
+                vec = table.vec[li, :n][order].cpu().numpy()
+                frames.append(
+                    pd.DataFrame(
+                        {
+                            "layer": np.full(n, layer, dtype=np.int64),
+                            "sample": [name] * n,
+                            "key": col("key"),
+                            "token_id": col("token"),
+                            "doc_id": col("doc"),
+                            "window": col("window"),
+                            "position": col("position"),
+                            "vector": list(vec),
+                        }
+                    )
+                )
+        df = pd.concat(frames, ignore_index=True)
+        if id_to_token is not None and len(df):
+            ids = np.unique(df["token_id"].to_numpy())
+            names = dict(zip(ids.tolist(), id_to_token(ids.tolist()), strict=True))
+            df["token"] = df["token_id"].map(names).astype("string")
+        else:
+            df["token"] = pd.Series([None] * len(df), dtype="string")
+        df["sample"] = df["sample"].astype("string")
+        return df[SAMPLE_COLUMNS]
+
+    # ------------------------------------------------------ persistence
+    def header(self) -> dict[str, Any]:
+        return {
+            "format": FORMAT,
+            "version": FORMAT_VERSION,
+            "layers": self.layers,
+            "dim": self.dim,
+            "size": self.size,
+            "type_size": self.type_size,
+            "seed": self.seed,
+            "type_uniform": self.type_uniform,
+            "metadata": self.metadata,
+        }
+
+    def state_dict(self) -> dict[str, np.ndarray]:
+        """Arrays in canonical order, on CPU: ``u_*`` (uniform) and ``t_*`` (type-uniform)."""
+        out: dict[str, np.ndarray] = {}
+        for prefix, table, order in (
+            ("u", self._u, self._uniform_order()),
+            ("t", self._t, self._type_order()),
+        ):
+            for k in table.names:
+                out[f"{prefix}_{_ARRAY_NAMES[k]}"] = np.ascontiguousarray(
+                    table.used(k)[order].cpu().numpy()
+                )
+            out[f"{prefix}_vectors"] = np.ascontiguousarray(
+                table.vec[:, : table.n][:, order].cpu().numpy()
+            )
+        return out
+
+    def to_bytes(self) -> bytes:
+        """Serialize to safetensors bytes (header JSON in the safetensors metadata). Lossless."""
+        return st_save_bytes(self.state_dict(), metadata={"embgeom_ray": json.dumps(self.header())})
+
+    def save(self, path: str | os.PathLike[str]) -> None:
+        """Write atomically to a local path or fsspec URL."""
+        from .io_utils import atomic_write_bytes
+
+        atomic_write_bytes(str(path), self.to_bytes())
+
+    @classmethod
+    def load(cls, path: str | os.PathLike[str], *, device: str | torch.device = "cpu"):
+        import fsspec
+
+        with fsspec.open(str(path), "rb") as f:
+            data = f.read()
+        try:
+            return cls.from_bytes(data, device=device)
+        except StatisticsMismatchError as exc:
+            raise StatisticsMismatchError(f"{path}: {exc}") from None
+
+    @classmethod
+    def from_bytes(cls, data: bytes, *, device: str | torch.device = "cpu") -> ActivationSample:
+        header = _read_header(data)
+        if header.get("format") != FORMAT:
+            raise StatisticsMismatchError(f"not an embgeom_ray samples artefact: {header!r:.200}")
+        if int(header.get("version", -1)) != FORMAT_VERSION:
+            raise StatisticsMismatchError(
+                f"samples format version {header.get('version')} is not supported "
+                f"(this embgeom_ray reads version {FORMAT_VERSION})"
+            )
+        arrays = st_load_bytes(data)
+        sample = cls(
+            header["layers"],
+            int(header["dim"]),
+            int(header["size"]),
+            int(header["seed"]),
+            bool(header["type_uniform"]),
+            device,
+            header.get("metadata"),
+            type_size=int(header["type_size"]),
+        )
+        n_layers, d = len(sample.layers), sample.dim
+        for prefix, table, limit in (
+            ("u", sample._u, sample.size),
+            ("t", sample._t, sample.type_size),
+        ):
+            vec_name = f"{prefix}_vectors"
+            if vec_name not in arrays:
+                raise StatisticsMismatchError(f"samples artefact lacks array {vec_name!r}")
+            vec = arrays[vec_name]
+            n = int(vec.shape[1]) if vec.ndim == 3 else -1
+            if vec.shape != (n_layers, n, d) or vec.dtype != np.float32 or n > limit:
+                raise StatisticsMismatchError(
+                    f"samples array {vec_name!r} has shape {vec.shape} ({vec.dtype}), expected "
+                    f"({n_layers}, n ≤ {limit}, {d}) float32"
+                )
+            cols = {}
+            for k in table.names:
+                name = f"{prefix}_{_ARRAY_NAMES[k]}"
+                if name not in arrays or arrays[name].shape != (n,):
+                    raise StatisticsMismatchError(f"samples array {name!r} missing or not ({n},)")
+                cols[k] = torch.from_numpy(np.array(arrays[name], dtype=np.int64))
+            empty = torch.empty(0, dtype=torch.int64, device=sample.device)
+            table.replace(empty, cols, torch.from_numpy(np.array(vec)), limit)
+        return sample
+
+
+def _read_header(data: bytes) -> dict[str, Any]:
+    """The JSON header stored in a safetensors file's metadata."""
+    if len(data) < 8:
+        raise StatisticsMismatchError("samples artefact is empty or truncated")
+    size = int.from_bytes(data[:8], "little")
+    try:
+        raw = json.loads(io.BytesIO(data[8 : 8 + size]).read().decode("utf-8"))
+        return json.loads(raw["__metadata__"]["embgeom_ray"])
+    except (ValueError, KeyError, UnicodeDecodeError) as exc:
+        raise StatisticsMismatchError(f"not an embgeom_ray samples artefact ({exc})") from None

