@@ -29,6 +29,8 @@ def options(model: str, corpus: str, out: Path) -> dict:
         "corpus": corpus,
         "out": str(out),
         "max_length": 64,
+        "sample_size": 512,
+        "kmeans_k_max": 6,
         "layers": [0, 6],
         "shard_bytes": 2048,
         "num_workers": 2,
@@ -57,11 +59,23 @@ def wait_for_checkpoints(out: Path, n: int, timeout: float = 240.0) -> int:
 
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory) -> str:
-    docs = english_documents(60, 700)
+    docs = english_documents(40, 600)
     return write_jsonl(tmp_path_factory.mktemp("corpus") / "c.jsonl", docs)
 
 
-def test_node_lost_mid_run(tmp_path, corpus, minilm_dir):
+@pytest.fixture(scope="module")
+def clean(tmp_path_factory, corpus, minilm_dir) -> Path:
+    """The fault-free run both fault tests are compared with (on a local Ray)."""
+    import ray
+
+    if not ray.is_initialized():
+        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    out = tmp_path_factory.mktemp("clean") / "run"
+    analyze(build_config(None, options(minilm_dir, corpus, out)), echo=lambda *_: None)
+    return out
+
+
+def test_node_lost_mid_run(tmp_path, corpus, minilm_dir, clean):
     import ray
     from ray.cluster_utils import Cluster
 
@@ -72,8 +86,6 @@ def test_node_lost_mid_run(tmp_path, corpus, minilm_dir):
     try:
         ray.init(address=cluster.address, log_to_driver=False)
         cluster.wait_for_nodes()
-        clean_out = tmp_path / "clean"
-        analyze(build_config(None, options(minilm_dir, corpus, clean_out)), echo=lambda *_: None)
 
         faulty_out = tmp_path / "faulty"
         result: dict = {}
@@ -99,16 +111,14 @@ def test_node_lost_mid_run(tmp_path, corpus, minilm_dir):
         manifest = result["manifest"]
         assert manifest["status"] == "complete"
         assert manifest["workers"]["workers_lost"] >= 1
-        assert_same_tables(read_tables(faulty_out), read_tables(clean_out))
+        assert_same_tables(read_tables(faulty_out), read_tables(clean))
     finally:
         ray.shutdown()
         cluster.shutdown()
 
 
-def test_driver_killed_then_resumed(tmp_path, corpus, minilm_dir, ray_local):
-    clean_out = tmp_path / "clean"
-    analyze(build_config(None, options(minilm_dir, corpus, clean_out)), echo=lambda *_: None)
-    total = len(list((clean_out / "shards").glob("*.json")))
+def test_driver_killed_then_resumed(tmp_path, corpus, minilm_dir, clean, ray_local):
+    total = len(list((clean / "shards").glob("*.json")))
 
     out = tmp_path / "killed"
     opts = options(minilm_dir, corpus, out)
@@ -141,4 +151,4 @@ def test_driver_killed_then_resumed(tmp_path, corpus, minilm_dir, ray_local):
     manifest = analyze(build_config(None, opts), echo=lambda *_: None)
     assert manifest["shards"]["reused_from_checkpoints"] == done_before
     assert manifest["shards"]["computed"] == total - done_before
-    assert_same_tables(read_tables(out), read_tables(clean_out))
+    assert_same_tables(read_tables(out), read_tables(clean))

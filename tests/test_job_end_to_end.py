@@ -37,6 +37,8 @@ def run_job(
 ) -> tuple[dict, dict]:
     corpus = write_jsonl(tmp_path / (corpus_name or f"{name}.jsonl"), docs)
     out = tmp_path / name
+    # sampling is exercised with a small sample (K-means model selection dominates otherwise)
+    options = {"sample_size": 512, "kmeans_k_max": 6} | options
     cfg = build_config(None, {"model": model_dir, "corpus": corpus, "out": str(out), **options})
     manifest = analyze(cfg, echo=lambda *_: None)
     names = ("type_stats", "layers", "dims", "positions", "samples")

@@ -77,6 +77,8 @@ def _analyze(model: str, corpus: str, out: Path) -> Path:
             "corpus": corpus,
             "out": str(out),
             "max_length": MAX_LENGTH,
+            "sample_size": 512,
+            "kmeans_k_max": 6,
             "num_workers": 1,
             "shard_bytes": SHARD_BYTES,
         },

@@ -306,6 +306,7 @@ def test_ray_job_submit_analyze(ray_head: Head) -> None:
         "--out", str(out),
         "--max-length", str(MAX_LENGTH),
         "--num-workers", "1",
+        "--sample-size", "256", "--kmeans-k-max", "4",
     ]  # fmt: skip
     t0 = time.perf_counter()
     try:

@@ -637,6 +637,10 @@ def test_report_of_a_real_run(tmp_path):
         "32",
         "--num-workers",
         "1",
+        "--sample-size",
+        "512",
+        "--kmeans-k-max",
+        "6",
     ]
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -35,7 +35,16 @@ def run(tmp_path, model: str, docs: list[str], name: str, **opts) -> dict[str, p
     corpus = write_jsonl(tmp_path / f"{name}.jsonl", docs)
     out = tmp_path / name
     cfg = build_config(
-        None, {"model": model, "corpus": corpus, "out": str(out), "max_length": 48, **opts}
+        None,
+        {
+            "model": model,
+            "corpus": corpus,
+            "out": str(out),
+            "max_length": 48,
+            "sample_size": 512,
+            "kmeans_k_max": 6,
+            **opts,
+        },
     )
     analyze(cfg, echo=lambda *_: None)
     return {t: pd.read_parquet(out / f"{t}.parquet") for t in ("layers", "dims", "positions")}
