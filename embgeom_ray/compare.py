@@ -1,0 +1,476 @@
+"""Comparing complete runs layer by layer (``python -m jobs.compare RUN_A RUN_B ... --out DIR``).
+
+The first run is the baseline. :func:`compare_runs` reads each run's ``manifest.json``,
+``layers.parquet`` and ``dims.parquet`` and writes to ``DIR``:
+
+- ``comparison.parquet``: every numeric per-layer metric of every run, long:
+  ``run, label, layer, depth, metric, value`` (``depth`` = layer / number of blocks);
+- ``comparison_wide.parquet``: one row per (metric, layer), one column per run (named by its
+  label) — the runs side by side;
+- ``changes.parquet``: each later run against the baseline, per metric and matched layer:
+  ``run, metric, layer, run_layer, baseline, value, change, relative, score`` with
+  change = value − baseline, relative = change / |baseline| (NaN for a zero baseline) and
+  score = |change| / the metric's range over all runs and layers (so variances and cosines
+  rank on the same footing), sorted by score; counts (``n_tokens``, ``n_types``) and the
+  chosen ``kmeans_k`` are not ranked;
+- ``rogue_dims.parquet``: per later run and matched layer, the dimensions flagged as outliers
+  (``dims.parquet`` column ``outlier``) that appeared (flagged in the run, not in the baseline)
+  or vanished (the reverse), with both runs' mean and std of the dimension;
+- ``comparison.json``: the runs, how layers were matched, the largest changes, the rogue
+  dimensions that appeared or vanished, notes, and the files;
+- ``report.html`` (+ ``plots/compare_metrics.png``): the page of
+  :func:`embgeom_ray.report.write_comparison_report`.
+
+Layers are matched by index when every run's model has the same number of blocks L. Otherwise
+they are matched by relative depth layer / L: each baseline layer is paired with the run's
+layer of nearest relative depth (the lower one on a tie), and the output says so. Rogue
+dimensions are compared only between runs of the same hidden size (dimension d of two
+revisions of one model is the same coordinate; of two different models it is not, whatever
+the size: read it accordingly).
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import math
+import os
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from functools import cached_property
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+from .errors import UserError
+from .io_utils import atomic_write_json, exists, is_local, join, local_path, read_bytes
+from .outputs import MANIFEST, now, write_table
+from .rogue import flagged_dims
+
+SUMMARY = "comparison.json"
+LONG, WIDE, CHANGES, ROGUE = "comparison", "comparison_wide", "changes", "rogue_dims"
+#: per-layer columns kept in the tables but not ranked among the changes
+NOT_RANKED = ("n_tokens", "n_types", "kmeans_k")
+#: column names of the wide table that a label may not take
+RESERVED_LABELS = ("metric", "layer", "depth")
+BY_INDEX, BY_DEPTH = "layer_index", "relative_depth"
+
+
+class CompareError(UserError):
+    """A directory that is not a complete run, or labels that do not fit the runs."""
+
+
+@dataclass
+class RunData:
+    """What a comparison reads of one complete run."""
+
+    path: str
+    label: str
+    manifest: dict[str, Any]
+    layers: pd.DataFrame
+    dims: pd.DataFrame | None
+    num_layers: int  # transformer blocks L: layers are 0..L
+    hidden_size: int | None
+
+    def depth(self, layer: int) -> float:
+        return layer / self.num_layers if self.num_layers else 0.0
+
+    @cached_property
+    def _by_layer(self) -> pd.DataFrame:
+        return self.layers.set_index("layer")
+
+    def value(self, metric: str, layer: int) -> float:
+        """``metric`` at ``layer`` as a float; NaN when absent or not a number."""
+        table = self._by_layer
+        if metric not in table.columns or layer not in table.index:
+            return math.nan
+        v = pd.to_numeric(pd.Series([table.at[layer, metric]]), errors="coerce").iloc[0]
+        return float(v) if pd.notna(v) else math.nan
+
+
+def _read_parquet(url: str) -> pd.DataFrame:
+    return pd.read_parquet(io.BytesIO(read_bytes(url)))
+
+
+def load_run(path: str, label: str) -> RunData:
+    """A complete run's manifest and tables; :class:`CompareError` saying what is wrong."""
+    path = str(path).rstrip("/") or "/"
+    if not exists(path):
+        raise CompareError(f"{path} does not exist")
+    manifest_url = join(path, MANIFEST)
+    if not exists(manifest_url):
+        raise CompareError(
+            f"{path} is not a run directory of jobs.analyze: it has no {MANIFEST} (give the "
+            "--out directory of a run)"
+        )
+    try:
+        manifest = json.loads(read_bytes(manifest_url))
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise CompareError(f"{manifest_url} is not valid JSON: {exc}") from None
+    if not isinstance(manifest, dict):
+        raise CompareError(f"{manifest_url} is not a run manifest (not a JSON object)")
+    status = manifest.get("status")
+    if status != "complete":
+        raise CompareError(
+            f"run {path} is not complete (status {status!r}): finish it (rerun the same "
+            "jobs.analyze command to resume) before comparing"
+        )
+    layers_url = join(path, "layers.parquet")
+    if not exists(layers_url):
+        raise CompareError(f"run {path} says it is complete but has no layers.parquet")
+    try:
+        layers = _read_parquet(layers_url)
+    except Exception as exc:
+        raise CompareError(f"{layers_url} cannot be read: {type(exc).__name__}: {exc}") from None
+    if "layer" not in layers.columns or layers.empty:
+        raise CompareError(f"{layers_url} has no rows or no 'layer' column")
+    layers = layers.sort_values("layer").reset_index(drop=True)
+    layers["layer"] = layers["layer"].astype(np.int64)
+    dims = None
+    dims_url = join(path, "dims.parquet")
+    if exists(dims_url):
+        try:
+            dims = _read_parquet(dims_url)
+        except Exception as exc:
+            raise CompareError(f"{dims_url} cannot be read: {type(exc).__name__}: {exc}") from None
+    model = manifest.get("model") or {}
+    num_layers = model.get("num_layers")
+    if not isinstance(num_layers, int) or num_layers <= 0:
+        num_layers = max(int(layers["layer"].max()), 1)
+    hidden = model.get("hidden_size")
+    if not isinstance(hidden, int) and dims is not None and "dim" in dims.columns and len(dims):
+        hidden = int(dims["dim"].max()) + 1
+    return RunData(path, label, manifest, layers, dims, int(num_layers), hidden)
+
+
+def default_labels(paths: Sequence[str]) -> list[str]:
+    """Each run directory's last path component; numbered when two are the same."""
+    names = [os.path.basename(str(p).rstrip("/")) or str(p) for p in paths]
+    if len(set(names)) < len(names):
+        names = [f"{i + 1}:{n}" for i, n in enumerate(names)]
+    return names
+
+
+def check_labels(labels: Sequence[str], n: int) -> list[str]:
+    labels = [str(x).strip() for x in labels]
+    if len(labels) != n:
+        raise CompareError(f"{len(labels)} labels for {n} runs: give one label per run")
+    if any(not x for x in labels):
+        raise CompareError("labels must not be empty")
+    if len(set(labels)) < n:
+        raise CompareError(f"labels must be distinct, got {labels}")
+    bad = [x for x in labels if x in RESERVED_LABELS or x.startswith("layer:")]
+    if bad:
+        raise CompareError(f"labels {bad} are column names of the comparison tables; pick others")
+    return labels
+
+
+def metric_columns(runs: Sequence[RunData]) -> list[str]:
+    """Numeric per-layer columns (not ``layer``) of any run, in order of first appearance."""
+    out: list[str] = []
+    for run in runs:
+        for col in run.layers.columns:
+            s = run.layers[col]
+            numeric = pd.api.types.is_numeric_dtype(s) and not pd.api.types.is_bool_dtype(s)
+            if col != "layer" and numeric and col not in out:
+                out.append(col)
+    return out
+
+
+def layer_matching(runs: Sequence[RunData]) -> tuple[str, str]:
+    """(mode, note): by index when all runs have the same number of blocks, else by depth."""
+    sizes = [r.num_layers for r in runs]
+    if len(set(sizes)) == 1:
+        return BY_INDEX, f"layers matched by index (every model has {sizes[0]} blocks)"
+    desc = ", ".join(f"{r.label}: {r.num_layers}" for r in runs)
+    return BY_DEPTH, (
+        f"the runs have different numbers of blocks ({desc}), so layers are matched by relative "
+        "depth layer / blocks: each baseline layer is paired with the run's layer of nearest "
+        "relative depth"
+    )
+
+
+def match_layers(base: RunData, other: RunData, mode: str) -> list[tuple[int, int]]:
+    """(baseline layer, run layer) pairs."""
+    a = [int(x) for x in base.layers["layer"]]
+    b = [int(x) for x in other.layers["layer"]]
+    if mode == BY_INDEX:
+        common = sorted(set(a) & set(b))
+        return [(x, x) for x in common]
+    # |y/L_o - x/L_b| compared exactly as |y*L_b - x*L_o| (integers); ties go to the lower y
+    big_b, big_o = base.num_layers, other.num_layers
+    return [(x, min(b, key=lambda y, x=x: (abs(y * big_b - x * big_o), y))) for x in a]
+
+
+def long_table(runs: Sequence[RunData], metrics: Sequence[str]) -> pd.DataFrame:
+    """``run, label, layer, depth, metric, value``: every numeric metric of every run."""
+    frames = []
+    for run in runs:
+        present = [m for m in metrics if m in run.layers.columns]
+        values = run.layers[present].apply(pd.to_numeric, errors="coerce").astype(np.float64)
+        wide = pd.concat([run.layers[["layer"]], values], axis=1)
+        long = wide.melt(id_vars="layer", var_name="metric", value_name="value")
+        long["metric_order"] = long["metric"].map({m: i for i, m in enumerate(metrics)})
+        long = long.sort_values(["metric_order", "layer"], kind="stable")
+        long.insert(0, "run", run.path)
+        long.insert(1, "label", run.label)
+        long.insert(3, "depth", long["layer"].map(run.depth).astype(np.float64))
+        frames.append(long.drop(columns="metric_order"))
+    df = pd.concat(frames, ignore_index=True)
+    return df[["run", "label", "layer", "depth", "metric", "value"]]
+
+
+def wide_table(runs: Sequence[RunData], metrics: Sequence[str], mode: str) -> pd.DataFrame:
+    """One row per (metric, layer), one value column per run label.
+
+    By index: the layers of any run. By relative depth: the baseline's layers, with the
+    matched layer of each later run in ``layer:<label>``.
+    """
+    base = runs[0]
+    if mode == BY_INDEX:
+        layers = sorted({int(x) for r in runs for x in r.layers["layer"]})
+        pairs = {r.label: {x: x for x in layers} for r in runs}
+    else:
+        layers = [int(x) for x in base.layers["layer"]]
+        pairs = {r.label: dict(match_layers(base, r, mode)) for r in runs}
+    rows = []
+    for m in metrics:
+        for x in layers:
+            row: dict[str, Any] = {"metric": m, "layer": x, "depth": base.depth(x)}
+            for r in runs:
+                row[r.label] = r.value(m, pairs[r.label][x])
+            if mode == BY_DEPTH:
+                for r in runs[1:]:
+                    row[f"layer:{r.label}"] = pairs[r.label][x]
+            rows.append(row)
+    return pd.DataFrame(rows)
+
+
+def _metric_span(runs: Sequence[RunData], metric: str) -> float:
+    vals = np.concatenate(
+        [
+            pd.to_numeric(r.layers[metric], errors="coerce").to_numpy(dtype=np.float64)
+            for r in runs
+            if metric in r.layers.columns
+        ]
+    )
+    vals = vals[np.isfinite(vals)]
+    return float(vals.max() - vals.min()) if len(vals) else 0.0
+
+
+CHANGE_COLUMNS = [
+    "run", "metric", "layer", "run_layer", "baseline", "value", "change", "relative", "score",
+]  # fmt: skip
+
+
+def changes_table(runs: Sequence[RunData], metrics: Sequence[str], mode: str) -> pd.DataFrame:
+    """Every later run against the baseline, per metric and matched layer, largest first."""
+    base = runs[0]
+    ranked = [m for m in metrics if m not in NOT_RANKED]
+    spans = {m: _metric_span(runs, m) for m in ranked}
+    rows = []
+    for i, run in enumerate(runs[1:], start=1):
+        pairs = match_layers(base, run, mode)
+        for j, m in enumerate(ranked):
+            if m not in base.layers.columns or m not in run.layers.columns:
+                continue
+            for b, o in pairs:
+                a, v = base.value(m, b), run.value(m, o)
+                if not (math.isfinite(a) and math.isfinite(v)):
+                    continue
+                d = v - a
+                score = abs(d) / spans[m] if spans[m] > 0 else 0.0
+                rel = d / abs(a) if a != 0 else math.nan
+                rows.append(((-score, i, j, b), [run.label, m, b, o, a, v, d, rel, score]))
+    rows.sort(key=lambda r: r[0])
+    df = pd.DataFrame([r[1] for r in rows], columns=CHANGE_COLUMNS)
+    return df.astype({"layer": np.int64, "run_layer": np.int64})
+
+
+ROGUE_COLUMNS = [
+    "run", "layer", "run_layer", "dim", "change", "baseline_mean", "run_mean", "baseline_std",
+    "run_std",
+]  # fmt: skip
+
+
+def _stat(stats: pd.DataFrame, dim: int, col: str) -> float:
+    return float(stats.at[dim, col]) if dim in stats.index and col in stats.columns else math.nan
+
+
+def _outliers(dims: pd.DataFrame) -> dict[int, list[int]]:
+    return flagged_dims(dims.assign(outlier=dims["outlier"].fillna(False).astype(bool)))
+
+
+def _dim_stats(dims: pd.DataFrame, layer: int) -> pd.DataFrame:
+    sel = dims.loc[dims["layer"] == layer]
+    cols = [c for c in ("mean", "std") if c in sel.columns]
+    return sel.set_index("dim")[cols]
+
+
+def rogue_changes(
+    runs: Sequence[RunData], mode: str
+) -> tuple[pd.DataFrame, dict[str, Any], list[str]]:
+    """Rogue dimensions that appeared or vanished against the baseline.
+
+    Returns the table, ``{label: {"appeared": {layer: dims}, "vanished": {layer: dims}}}`` (layers
+    as strings, for JSON) and notes on runs that could not be compared.
+    """
+    base = runs[0]
+    notes: list[str] = []
+    summary: dict[str, Any] = {}
+    rows: list[list[Any]] = []
+
+    def usable(run: RunData) -> bool:
+        if run.dims is None:
+            notes.append(f"{run.label}: no dims.parquet, rogue dimensions not compared")
+            return False
+        if not {"layer", "dim", "outlier"} <= set(run.dims.columns):
+            notes.append(
+                f"{run.label}: dims.parquet has no 'outlier' column (a run of an older version), "
+                "rogue dimensions not compared"
+            )
+            return False
+        return True
+
+    if not usable(base):
+        return pd.DataFrame(columns=ROGUE_COLUMNS), summary, notes
+    base_flags = _outliers(base.dims)
+    for run in runs[1:]:
+        if not usable(run):
+            continue
+        if run.hidden_size != base.hidden_size:
+            notes.append(
+                f"{run.label}: hidden size {run.hidden_size} != {base.hidden_size} of the "
+                "baseline, so its dimensions are not the baseline's; rogue dimensions not compared"
+            )
+            continue
+        flags = _outliers(run.dims)
+        appeared: dict[str, list[int]] = {}
+        vanished: dict[str, list[int]] = {}
+        for b, o in match_layers(base, run, mode):
+            if b not in base_flags or o not in flags:
+                continue
+            before, after = set(base_flags[b]), set(flags[o])
+            bstats, rstats = _dim_stats(base.dims, b), _dim_stats(run.dims, o)
+            for change, dims, out in (
+                ("appeared", sorted(after - before), appeared),
+                ("vanished", sorted(before - after), vanished),
+            ):
+                if dims:
+                    out[str(b)] = dims
+                rows += [
+                    [run.label, b, o, d, change]
+                    + [_stat(st, d, col) for col in ("mean", "std") for st in (bstats, rstats)]
+                    for d in dims
+                ]
+        summary[run.label] = {"appeared": appeared, "vanished": vanished}
+    df = pd.DataFrame(rows, columns=ROGUE_COLUMNS)
+    return df.astype({"layer": np.int64, "run_layer": np.int64, "dim": np.int64}), summary, notes
+
+
+def _same_place(a: str, b: str) -> bool:
+    def norm(p: str) -> str:
+        p = str(p).rstrip("/")
+        return os.path.realpath(local_path(p)) if is_local(p) else p
+
+    return norm(a) == norm(b)
+
+
+def _fmt(x: float) -> str:
+    return "nan" if not math.isfinite(x) else f"{x:.4g}"
+
+
+def compare_runs(
+    run_dirs: Sequence[str],
+    out: str,
+    *,
+    labels: Sequence[str] | None = None,
+    top: int = 20,
+    echo: Callable[[str], None] = print,
+) -> dict[str, Any]:
+    """Compare complete runs (the first is the baseline); writes ``out``; returns the summary."""
+    if len(run_dirs) < 2:
+        raise CompareError(f"a comparison needs at least two runs, got {len(run_dirs)}")
+    out = str(out).rstrip("/") or "/"
+    for d in run_dirs:
+        if _same_place(d, out):
+            raise CompareError(
+                f"--out {out} is one of the runs compared; its report.html would be replaced: "
+                "give another directory"
+            )
+    labels = check_labels(labels if labels is not None else default_labels(run_dirs), len(run_dirs))
+    runs = [load_run(d, lab) for d, lab in zip(run_dirs, labels, strict=True)]
+    mode, note = layer_matching(runs)
+    metrics = metric_columns(runs)
+    long = long_table(runs, metrics)
+    wide = wide_table(runs, metrics, mode)
+    changes = changes_table(runs, metrics, mode)
+    rogue, rogue_summary, rogue_notes = rogue_changes(runs, mode)
+    files = [
+        write_table(out, LONG, long),
+        write_table(out, WIDE, wide),
+        write_table(out, CHANGES, changes),
+        write_table(out, ROGUE, rogue),
+    ]
+    largest = changes.loc[changes["change"] != 0].head(top)
+    summary: dict[str, Any] = {
+        "created_at": now(),
+        "baseline": labels[0],
+        "runs": [
+            {
+                "label": r.label,
+                "path": r.path,
+                "model": (r.manifest.get("model") or {}).get("id"),
+                "revision": (r.manifest.get("model") or {}).get("revision"),
+                "corpus": (r.manifest.get("corpus") or {}).get("source"),
+                "corpus_fingerprint": (r.manifest.get("corpus") or {}).get("fingerprint"),
+                "fingerprint": r.manifest.get("fingerprint"),
+                "num_layers": r.num_layers,
+                "hidden_size": r.hidden_size,
+                "tokens": (r.manifest.get("counts") or {}).get("tokens"),
+                "layers": [int(x) for x in r.layers["layer"]],
+            }
+            for r in runs
+        ],
+        "layer_matching": mode,
+        "layer_matching_note": note,
+        "metrics": metrics,
+        "not_ranked": [m for m in NOT_RANKED if m in metrics],
+        "largest_changes": json.loads(largest.to_json(orient="records", double_precision=15)),
+        "rogue_dims": rogue_summary,
+        "notes": rogue_notes,
+        "files": files,
+    }
+    echo(f"compared {len(runs)} runs against {labels[0]}; {note}")
+    if len(largest):
+        echo(f"largest changes against {labels[0]}:")
+        for r in largest.head(10).itertuples():
+            rel = "" if not math.isfinite(r.relative) else f", {r.relative:+.1%}"
+            at = f"layer {r.layer}" + (f"/{r.run_layer}" if r.run_layer != r.layer else "")
+            echo(
+                f"  {r.run}  {r.metric}  {at}: {_fmt(r.baseline)} -> {_fmt(r.value)} "
+                f"({r.change:+.4g}{rel})"
+            )
+    else:
+        echo("no metric changed")
+    for label, s in rogue_summary.items():
+        for change in ("appeared", "vanished"):
+            by_layer = s[change]
+            text = "; ".join(f"layer {k}: {v}" for k, v in by_layer.items()) or "none"
+            echo(f"rogue dimensions that {change} in {label}: {text}")
+    for n in rogue_notes:
+        echo(f"note: {n}")
+    try:
+        from .report import write_comparison_report
+
+        write_comparison_report([r.path for r in runs], out, labels=labels)
+    except Exception as exc:  # the tables are written; a plotting failure must not lose them
+        summary["report_error"] = f"{type(exc).__name__}: {exc}"
+        echo(f"warning: the report could not be written ({summary['report_error']})")
+    else:
+        summary["report"] = "report.html"
+        files.append("report.html")
+    atomic_write_json(join(out, SUMMARY), summary)
+    echo(f"outputs in {out}: {', '.join([*files, SUMMARY])}")
+    return summary
