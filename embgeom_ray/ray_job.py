@@ -23,7 +23,7 @@ import ray
 
 from .config import JobConfig
 from .corpus import Shard
-from .errors import UserError
+from .errors import ConfigError, UserError
 from .extractor import ShardCounts, ShardProcessor
 
 log = logging.getLogger(__name__)
@@ -69,15 +69,23 @@ def plan_pool(config: JobConfig, num_shards: int) -> PoolPlan:
     res = ray.cluster_resources()
     gpus = int(res.get("GPU", 0))
     cpus = max(int(res.get("CPU", 1)), 1)
+    # an actor lives on one node: never ask for more CPUs than the largest node has
+    node_cpus = [int(n["Resources"].get("CPU", 0)) for n in ray.nodes() if n.get("Alive")]
+    largest = max([c for c in node_cpus if c > 0], default=cpus)
     if config.device == "cuda" or (gpus and config.device == "auto"):
         n = config.num_workers or max(gpus, 1)
         return PoolPlan(min(n, num_shards), 1.0, config.cpus_per_worker or 1)
     if config.num_workers:
-        per = config.cpus_per_worker or max(1, cpus // config.num_workers)
+        per = config.cpus_per_worker or max(1, min(largest, cpus // config.num_workers))
         n = config.num_workers
     else:
-        per = config.cpus_per_worker or min(4, cpus)
+        per = config.cpus_per_worker or min(4, largest)
         n = max(1, cpus // per)
+    if per > largest:
+        raise ConfigError(
+            f"--cpus-per-worker {per} exceeds the CPUs of the largest node ({largest}); "
+            "an extractor actor runs on one node"
+        )
     return PoolPlan(max(1, min(n, num_shards)), 0.0, per)
 
 

@@ -152,3 +152,30 @@ def test_driver_killed_then_resumed(tmp_path, corpus, minilm_dir, clean, ray_loc
     assert manifest["shards"]["reused_from_checkpoints"] == done_before
     assert manifest["shards"]["computed"] == total - done_before
     assert_same_tables(read_tables(out), read_tables(clean))
+
+
+def test_pool_fits_actors_on_single_nodes(minilm_dir, tmp_path):
+    """Two 1-CPU nodes: one worker gets 1 CPU (not the cluster's 2, which no node has)."""
+    import ray
+    from ray.cluster_utils import Cluster
+
+    from embgeom_ray.errors import ConfigError
+    from embgeom_ray.ray_job import plan_pool
+
+    if ray.is_initialized():
+        ray.shutdown()
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0})
+    for _ in range(2):
+        cluster.add_node(num_cpus=1)
+    try:
+        ray.init(address=cluster.address, log_to_driver=False)
+        cluster.wait_for_nodes()
+        opts = {"model": minilm_dir, "corpus": "x", "out": str(tmp_path)}
+        assert plan_pool(build_config(None, opts | {"num_workers": 1}), 10).num_cpus == 1
+        default = plan_pool(build_config(None, opts), 10)
+        assert (default.num_workers, default.num_cpus) == (2, 1)
+        with pytest.raises(ConfigError, match="largest node"):
+            plan_pool(build_config(None, opts | {"cpus_per_worker": 2}), 10)
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
