@@ -13,10 +13,11 @@ per layer
     ``nonfinite``: tokens whose vector had a NaN/inf and were left out of every sum.
 
 Only token types actually seen occupy memory (a slot table grows by doubling). Everything is
-float64: each batch is cast to float64 on its device, shifted by the layer's running mean c
-and reduced in one pass (per type n, Σ(x − c), Σ||x − c||²; per layer (X − c)ᵀ(X − c)), which
-cancels only O(||μ_t − μ||²/V_t) digits instead of ||μ||²/V, then merged into the running
-moments with the pairwise update of Chan, Golub & LeVeque (1979)::
+float64: each batch is cast to float64 on its device and shifted by the layer's running mean
+c; per type it is reduced centred on the type's own batch mean (two passes), per layer the
+co-moment is (X − c)ᵀ(X − c) − n m'm'ᵀ, which cancels only O(||μ_b − μ||²/V) digits instead
+of ||μ||²/V. Batch moments are merged into the running ones with the pairwise update of
+Chan, Golub & LeVeque (1979)::
 
     n = n_a + n_b,  δ = μ_b − μ_a,  μ = μ_a + δ n_b/n,
     M2 = M2_a + M2_b + ||δ||² n_a n_b / n,   C = C_a + C_b + δδᵀ n_a n_b / n.
@@ -346,20 +347,21 @@ class EmbeddingStatistics:
         uniq, inv = torch.unique(ids, return_inverse=True)
         u, d = uniq.numel(), self.dim
         dev = x.device
-        # One pass, shifted: c is the layer's running mean (the batch mean for the first batch),
-        # so x' = x − c is centred up to the between-type spread, and the shifted one-pass
-        # M2 = Σ||x'||² − ||Σx'||²/n cancels only O(||μ_t − μ||² / V_t), not ||μ||² / V.
+        # Shift by c, the layer's running mean (the batch mean for the first batch): x' = x − c
+        # is centred up to the between-type spread, so the layer's one-pass co-moment
+        # X'ᵀX' − n m'm'ᵀ cancels only O(||μ_b − μ||² / V) digits, not ||μ||² / V.
         c = self._mean[li].clone() if int(self._n[li]) > 0 else x.mean(dim=0)
         xs = x - c
         cnt = torch.bincount(inv, minlength=u)
         cnt_f = cnt.to(_F64)
-        s1 = torch.zeros(u, d, dtype=_F64, device=dev).index_add_(0, inv, xs)
-        q = torch.zeros(u, dtype=_F64, device=dev).index_add_(
-            0, inv, torch.einsum("nd,nd->n", xs, xs)
-        )
-        m2_b = (q - torch.einsum("ud,ud->u", s1, s1) / cnt_f).clamp_min(0.0)
-        m2_b = torch.where(cnt == 1, 0.0, m2_b)  # one occurrence: exactly 0
-        mean_b = c + s1 / cnt_f.unsqueeze(1)
+        s1 = torch.zeros(u, d, dtype=_F64, device=dev).index_add_(0, inv, x)
+        mean_b = s1 / cnt_f.unsqueeze(1)
+        # per type, a second pass over the batch, centred on the type's own batch mean: a type
+        # far from the layer mean with little spread (GPT-2's first-position massive
+        # activations) keeps full precision, and identical occurrences give exactly 0 (their
+        # means are exact in x, so Chan's cross term between batches is 0 too)
+        dev_sq = (x - mean_b[inv]).square().sum(dim=1)
+        m2_b = torch.zeros(u, dtype=_F64, device=dev).index_add_(0, inv, dev_sq)
         norms = torch.linalg.vector_norm(x, dim=1, keepdim=True)
         unit = x / norms.clamp_min(torch.finfo(_F64).tiny)
         usum_b = torch.zeros(u, d, dtype=_F64, device=dev).index_add_(0, inv, unit)
@@ -373,7 +375,7 @@ class EmbeddingStatistics:
         self._merge_types(li, self._slots_for(uniq), cnt, mean_b, m2_b, usum_b, clip_b)
 
         n = x.shape[0]
-        m_s = s1.sum(dim=0) / n  # mean of x' (small)
+        m_s = xs.mean(dim=0)  # mean of x' (small)
         if self.comoment_precision == "float32":
             xs32 = xs.to(torch.float32)
             gram = (xs32.T @ xs32).to(_F64)

@@ -380,3 +380,27 @@ def test_float32_comoment_is_centred_and_accurate_to_1e6():
     )
     np.testing.assert_array_equal(type_variances(a), type_variances(b))
     assert EmbeddingStatistics.from_bytes(fast.to_bytes()).comoment_precision == "float32"
+
+
+def test_one_type_far_from_the_layer_mean_keeps_its_variance():
+    """GPT-2's massive activations sit on one position/type: that type's mean is ~3000 from
+    the layer mean while its spread is ~1e-2 (ratio ~1e11); identical vectors give exactly 0."""
+    rng = np.random.default_rng(14)
+    stats = EmbeddingStatistics([0], 16)
+    chunks, id_chunks = [], []
+    for _ in range(4):
+        h, ids, keep = make_batch(rng, n_layers=1, b=4, t=40, d=16, vocab=6)
+        keep[:] = True
+        ids[:, 0] = 99  # the "first position" type
+        h[0, :, 0, :] = 3000.0 + 1e-2 * rng.normal(size=(4, 16))
+        ids[:, 1] = 77  # a type whose occurrences are identical
+        h[0, :, 1, :] = 5.0
+        fold(stats, h, ids, keep)
+        chunks.append(h[0].reshape(-1, 16))
+        id_chunks.append(ids.reshape(-1))
+    x, tid = np.concatenate(chunks), np.concatenate(id_chunks)
+    m = stats.layer(0)
+    var = dict(zip(m.type_ids.tolist(), type_variances(m), strict=True))
+    ref = x[tid == 99]
+    np.testing.assert_allclose(var[99], ((ref - ref.mean(0)) ** 2).sum(1).mean(), rtol=1e-6)
+    assert var[77] == 0.0
