@@ -15,8 +15,24 @@ with the same ``n_init``, ``max_iter`` and ``tol``, ``--repeats`` times alternat
 process. The printed ratios are ours/sklearn: inertia (≤ 1 is as good or better; same seed
 every repeat, so the inertias are those of one fit) and median wall time (< 1 is faster).
 
+``--selection N`` adds the job's whole model selection (k = 2..``--selection-k-max``,
+``--n-init`` initialisations, silhouettes on the shared distance matrix) for every MiniLM
+layer (0..6) on the same bottom-k sample of N occurrences, on the same local Ray, alternately
+``--selection-repeats`` times:
+  (d) distributed: :func:`embgeom_ray.ray_kmeans.fit_layers_on_ray` with
+      ``local_max_elements=None``, the k-means|| map with one Ray task per partition per pass
+      (the job's only route before samples this small were fitted in one task);
+  (e) one task per layer: the same call with its default threshold, scikit-learn's KMeans in
+      one single-threaded Ray task per layer (the job's route for such samples);
+  (f) the stage: :func:`embgeom_ray.pipeline.add_sampled_metrics` as the job runs it — (e)
+      plus every layer's other sampled metrics (LID, silhouette by type, cluster-adjusted
+      metrics, partition isotropy, clipped cosines) in Ray tasks that start as each layer's
+      clusters are ready.
+Printed: wall time of each and, per layer, the chosen k and best silhouette of (d) and (e),
+which differ only as K-means runs from different random initialisations do.
+
     python -m bench.kmeans [--sizes 1024,4096,16384] [--ks 2,8,15] [--n-init 3] [--repeats 3]
-        [--no-serial]
+        [--no-serial] [--selection 4096] [--selection-k-max 15] [--selection-repeats 1]
 """
 
 from __future__ import annotations
@@ -34,6 +50,14 @@ from bench.common import english_jsonl, median, minilm_dir, save, timed
 
 def minilm_points(n: int, layer: int, work: Path, seed: int = 0) -> np.ndarray:
     """(n, 384) float64 MiniLM hidden states at ``layer`` of n uniformly sampled occurrences."""
+    sample = minilm_sample(n, [layer], work, seed)
+    X = sample.points(layer).vectors
+    print(f"points: {n:,} MiniLM occurrences, layer {layer}, d = {X.shape[1]}")
+    return np.ascontiguousarray(X[:n], dtype=np.float64)
+
+
+def minilm_sample(n: int, layers: list[int], work: Path, seed: int = 0):
+    """The extractor's bottom-k :class:`ActivationSample` of n MiniLM occurrences at ``layers``."""
     from embgeom_ray.config import build_config
     from embgeom_ray.corpus import CorpusSpec, plan_shards
     from embgeom_ray.extractor import ShardProcessor
@@ -60,13 +84,14 @@ def minilm_points(n: int, layer: int, work: Path, seed: int = 0) -> np.ndarray:
             "sample_seed": seed,
         },
     )
-    proc = ShardProcessor(cfg, [layer], {"model_fingerprint": "bench"})
+    proc = ShardProcessor(cfg, layers, {"model_fingerprint": "bench"})
     _, sample, counts = proc.process(plan_shards(CorpusSpec(str(corpus)), 1 << 40).shards[0])
-    X = sample.points(layer).vectors
-    if len(X) < n:
-        raise SystemExit(f"the corpus gave {len(X)} occurrences, fewer than the {n} asked for")
-    print(f"points: {n:,} of {counts.tokens:,} MiniLM tokens, layer {layer}, d = {X.shape[1]}")
-    return np.ascontiguousarray(X[:n], dtype=np.float64)
+    if sample.num_uniform < n:
+        raise SystemExit(
+            f"the corpus gave {sample.num_uniform} occurrences, fewer than the {n} asked for"
+        )
+    print(f"sample: {n:,} of {counts.tokens:,} MiniLM tokens, layers {layers}")
+    return sample
 
 
 def bench_case(X: np.ndarray, k: int, args) -> dict:
@@ -118,6 +143,81 @@ def bench_case(X: np.ndarray, k: int, args) -> dict:
     return result
 
 
+def bench_selection(sample, args) -> dict:
+    """(d), (e), (f) of the module docstring on every layer of ``sample``."""
+    import pandas as pd
+
+    from embgeom_ray.config import build_config
+    from embgeom_ray.pipeline import add_sampled_metrics
+    from embgeom_ray.ray_kmeans import fit_layers_on_ray
+
+    layers = list(sample.layers)
+    by_layer = {layer: sample.points(layer).vectors for layer in layers}
+    n, d = by_layer[layers[0]].shape
+    opts = {
+        "ks": range(2, min(args.selection_k_max, n - 1) + 1),
+        "n_init": args.n_init,
+        "seed": args.seed,
+    }
+    cfg = build_config(
+        None,
+        {
+            "model": "bench",
+            "corpus": "bench",
+            "out": "unused",
+            "kmeans_k_max": args.selection_k_max,
+            "kmeans_n_init": args.n_init,
+            "sample_seed": args.seed,
+        },
+    )
+
+    class Tokens:  # the stage names tokens in its samples table; ids will do here
+        @staticmethod
+        def convert_ids_to_tokens(ids):
+            return [str(i) for i in ids]
+
+    def stage():
+        tables = {
+            "layers": pd.DataFrame({"layer": layers, "isoscore": np.nan}),
+            "dims": pd.DataFrame({"layer": [], "dim": [], "outlier": []}),
+        }
+        add_sampled_metrics(tables, sample, Tokens, cfg)
+        return tables["layers"]
+
+    runs = {
+        "distributed": lambda: fit_layers_on_ray(by_layer, local_max_elements=None, **opts),
+        "one_task_per_layer": lambda: fit_layers_on_ray(by_layer, **opts),
+        "stage": stage,
+    }
+    times: dict[str, list[float]] = {name: [] for name in runs}
+    out: dict[str, object] = {}
+    for _ in range(args.selection_repeats):
+        for name, run in runs.items():
+            t, out[name] = timed(run)
+            times[name].append(t)
+    secs = {name: median(ts) for name, ts in times.items()}
+    per_layer = {
+        name: {
+            str(layer): {"k": out[name][layer].k, "silhouette": out[name][layer].silhouette}
+            for layer in layers
+        }
+        for name in ("distributed", "one_task_per_layer")
+    }
+    print(
+        f"selection, {len(layers)} layers x n={n:,} d={d}, k=2..{max(opts['ks'])}: "
+        f"distributed {secs['distributed']:.2f}s | one task per layer "
+        f"{secs['one_task_per_layer']:.2f}s (x{secs['distributed'] / secs['one_task_per_layer']:.1f}"
+        f" faster) | whole sampled-metrics stage {secs['stage']:.2f}s"
+    )
+    for layer in layers:
+        a, b = per_layer["distributed"][str(layer)], per_layer["one_task_per_layer"][str(layer)]
+        print(
+            f"  layer {layer}: k {a['k']:2d} vs {b['k']:2d}, "
+            f"silhouette {a['silhouette']:.4f} vs {b['silhouette']:.4f}"
+        )
+    return {"n": n, "dim": d, "layers": layers, "seconds": secs, "per_layer": per_layer}
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--sizes", default="1024,4096,16384", help="sample sizes n")
@@ -130,6 +230,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--cpus", type=int, default=2, help="CPUs of the local Ray")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-serial", action="store_true", help="skip (b), ours without Ray")
+    p.add_argument(
+        "--selection", type=int, default=0, help="also (d)-(f) on a sample of this many points"
+    )
+    p.add_argument("--selection-k-max", type=int, default=15)
+    p.add_argument("--selection-repeats", type=int, default=1)
     p.add_argument("--name", default="kmeans")
     args = p.parse_args(argv)
     sizes = sorted(int(s) for s in args.sizes.split(","))
@@ -142,6 +247,9 @@ def main(argv: list[str] | None = None) -> None:
     work = Path(tempfile.mkdtemp(prefix="embgeom-bench-kmeans-"))
     try:
         X_all = minilm_points(max(sizes), args.layer, work, args.seed)
+        sample = None
+        if args.selection:
+            sample = minilm_sample(args.selection, list(range(7)), work, args.seed)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     started = not ray.is_initialized()
@@ -166,6 +274,7 @@ def main(argv: list[str] | None = None) -> None:
         KMeans(n_clusters=2, n_init=1, random_state=args.seed).fit(X_warm)
         print(f"warm-up {time.perf_counter() - t0:.2f}s (not counted)")
         results = [bench_case(X_all[:n], k, args) for n in sizes for k in ks]
+        selection = bench_selection(sample, args) if sample is not None else None
     finally:
         if started:
             ray.shutdown()
@@ -176,7 +285,8 @@ def main(argv: list[str] | None = None) -> None:
             "args": vars(args),
             "points": {"model": "all-MiniLM-L6-v2", "layer": args.layer, "dim": X_all.shape[1]},
             "results": results,
-        },
+        }
+        | ({"selection": selection} if selection is not None else {}),
     )
 
 

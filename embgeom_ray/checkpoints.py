@@ -1,22 +1,38 @@
-"""Per-shard checkpoints under the output directory, and resuming from them.
+"""Checkpoints under the output directory, and resuming from them.
 
-Layout under ``OUT``::
+An extractor actor folds many shards into one running statistics object and hands it to the
+driver now and then (``--checkpoint-interval``; always when the queue is drained); the driver
+writes each such flush as one *checkpoint group*. Layout under ``OUT``::
 
-    run.json                          fingerprint of what determines the result + shard plan
-    shards/<shard_id>.safetensors     the shard's statistics (written first, atomically)
-    shards/<shard_id>.sample.safetensors  its activation sample (when sampling is on)
-    shards/<shard_id>.json            its counts; written last, so its presence marks the
-                                      shard done
+    run.json                               fingerprint of what determines the result + plan
+    groups/<group_id>.safetensors          the group's merged statistics (written first)
+    groups/<group_id>.sample.safetensors   its merged activation sample (when sampling is on)
+    groups/<group_id>.json                 the shard ids it covers and their summed counts;
+                                           written last, so its presence marks every one of
+                                           those shards done
+    shards/<shard_id>.safetensors|.sample.safetensors|.json
+                                           per-shard checkpoints of the earlier format: read
+                                           on resume as groups of one shard, never written
 
-Only the driver writes here, and only after it has received a shard's whole result, so the
-driver alone decides what is done, and a shard is merged exactly once. A rerun of the same
-command finds ``run.json`` with the same fingerprint, reuses the saved plan and loads finished
-shards instead of recomputing them. A run with another fingerprint refuses to mix with them.
+Every file is written atomically. ``group_id`` is ``<first shard id>-n<number of shards>``:
+completed groups cover disjoint shards, so their ids never collide; a group redone after a
+crash overwrites, or is cleaned of, the files of a half-written one (statistics without its
+JSON), which are never read.
+
+Only the driver writes here, and only after it has received a whole flush, so the driver alone
+decides what is done, and a shard is merged exactly once: the done shards are the union of the
+completed groups' shard ids, and the reduce checks that the groups cover the plan exactly once
+and merges them in group-id order. A rerun of the same command finds ``run.json`` with the
+same fingerprint, reuses the saved plan and skips the done shards. A run with another
+fingerprint refuses to mix with them. ``--checkpoint-interval`` is not part of the
+fingerprint: a resume may group shards differently.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import Any
 
 import fsspec
@@ -27,6 +43,39 @@ from .extractor import ShardCounts
 from .io_utils import atomic_write_bytes, atomic_write_json, exists, join, read_bytes
 from .samples import ActivationSample
 from .statistics import EmbeddingStatistics
+
+#: directory of checkpoint groups, and of the earlier per-shard checkpoints
+GROUPS, LEGACY_SHARDS = "groups", "shards"
+GROUP_FORMAT = "embgeom-checkpoint-group/1"
+STATS_SUFFIX, SAMPLE_SUFFIX, DONE_SUFFIX = ".safetensors", ".sample.safetensors", ".json"
+
+
+@dataclass(frozen=True)
+class CheckpointGroup:
+    """A completed checkpoint: the statistics of ``shard_ids`` merged, and their counts."""
+
+    group_id: str
+    shard_ids: tuple[str, ...]
+    counts: ShardCounts
+    directory: str = GROUPS
+
+
+def group_id_for(shard_ids: Iterable[str]) -> str:
+    """``<first shard id>-n<count>``: unique among completed groups (they are disjoint)."""
+    ids = sorted(shard_ids)
+    if not ids:
+        raise ValueError("a checkpoint group covers at least one shard")
+    return f"{ids[0]}-n{len(ids)}"
+
+
+def _stem(name: str) -> str | None:
+    """The group id of a checkpoint file name; None for anything else (temporary files, …)."""
+    if name.startswith("."):
+        return None
+    for suffix in (SAMPLE_SUFFIX, STATS_SUFFIX, DONE_SUFFIX):
+        if name.endswith(suffix):
+            return name[: -len(suffix)]
+    return None
 
 
 class CheckpointStore:
@@ -60,7 +109,11 @@ class CheckpointStore:
     def start(
         self, fingerprint: str, identity: dict[str, Any], plan: ShardPlan, overwrite: bool
     ) -> tuple[ShardPlan, bool]:
-        """Open the store for this run: (plan to use, whether this resumes an earlier run)."""
+        """Open the store for this run: (plan to use, whether this resumes an earlier run).
+
+        On resume, the files of half-written groups are removed. Checkpoints without a
+        ``run.json`` are refused: nothing says what they measured.
+        """
         self.check_writable()
         previous = self.load_run()
         if previous is not None and not overwrite:
@@ -71,9 +124,15 @@ class CheckpointStore:
                     + (f" ({diffs})" if diffs else "")
                     + "; pass --overwrite to discard it and start over, or choose another --out"
                 )
+            self.discard_incomplete()
             return ShardPlan.from_json(previous["plan"]), True
         if overwrite:
             self.clear()
+        elif self._names(GROUPS) or self._names(LEGACY_SHARDS):
+            raise OutputError(
+                f"{self.out} holds checkpoints but no run.json saying what they measured; "
+                "pass --overwrite to discard them, or choose another --out"
+            )
         atomic_write_json(
             self._path("run.json"),
             {"fingerprint": fingerprint, "identity": identity, "plan": plan.to_json()},
@@ -87,41 +146,117 @@ class CheckpointStore:
         for entry in self.fs.ls(self.root, detail=False):
             name = entry.rstrip("/").rsplit("/", 1)[-1]
             if (
-                name in {"shards", "run.json", "manifest.json"}
+                name in {GROUPS, LEGACY_SHARDS, "run.json", "manifest.json"}
                 or name.endswith(".safetensors")
                 or (name.endswith((".parquet", ".png", ".html")))
             ):
                 self.fs.rm(entry, recursive=True)
 
-    def done_shards(self) -> set[str]:
-        base = join(self.root, "shards")
+    def _names(self, directory: str) -> list[str]:
+        base = join(self.root, directory)
         if not self.fs.exists(base):
-            return set()
-        names = [p.rsplit("/", 1)[-1] for p in self.fs.ls(base, detail=False)]
-        return {n[: -len(".json")] for n in names if n.endswith(".json") and not n.startswith(".")}
+            return []
+        return [p.rstrip("/").rsplit("/", 1)[-1] for p in self.fs.ls(base, detail=False)]
 
-    def save_shard(
-        self, shard_id: str, stats_bytes: bytes, sample_bytes: bytes | None, counts: ShardCounts
-    ) -> None:
-        """Statistics, then sample, then the counts that mark the shard done."""
-        atomic_write_bytes(self._path("shards", f"{shard_id}.safetensors"), stats_bytes)
-        if sample_bytes is not None:
-            atomic_write_bytes(self._path("shards", f"{shard_id}.sample.safetensors"), sample_bytes)
-        atomic_write_json(self._path("shards", f"{shard_id}.json"), counts.to_json())
+    def discard_incomplete(self) -> list[str]:
+        """Remove the files of groups without their JSON, and temporary files; returns them."""
+        names = self._names(GROUPS)
+        done = {n[: -len(DONE_SUFFIX)] for n in names if n.endswith(DONE_SUFFIX)}
+        stale = [n for n in names if _stem(n) not in done]
+        for name in stale:
+            self.fs.rm(join(self.root, GROUPS, name))
+        return stale
 
-    def load_shard(
-        self, shard_id: str, with_sample: bool
-    ) -> tuple[EmbeddingStatistics, ActivationSample | None, ShardCounts]:
-        stats = EmbeddingStatistics.load(self._path("shards", f"{shard_id}.safetensors"))
+    # ------------------------------------------------------------------ reading
+    def _read_json(self, directory: str, name: str) -> dict[str, Any]:
+        path = self._path(directory, name)
+        try:
+            return json.loads(read_bytes(path))
+        except (OSError, ValueError) as exc:
+            raise OutputError(
+                f"checkpoint {path} is unreadable ({exc}); use --overwrite to start over"
+            ) from None
+
+    def completed_groups(self) -> list[CheckpointGroup]:
+        """Every completed group (and earlier per-shard checkpoint), in group-id order."""
+        groups = []
+        for name in self._names(GROUPS):
+            if name.endswith(DONE_SUFFIX) and not name.startswith("."):
+                d = self._read_json(GROUPS, name)
+                groups.append(
+                    CheckpointGroup(
+                        name[: -len(DONE_SUFFIX)],
+                        tuple(d["shards"]),
+                        ShardCounts.from_json(d["counts"]),
+                    )
+                )
+        for name in self._names(LEGACY_SHARDS):
+            if name.endswith(DONE_SUFFIX) and not name.startswith("."):
+                shard_id = name[: -len(DONE_SUFFIX)]
+                counts = ShardCounts.from_json(self._read_json(LEGACY_SHARDS, name))
+                groups.append(CheckpointGroup(shard_id, (shard_id,), counts, LEGACY_SHARDS))
+        return sorted(groups, key=lambda g: (g.shard_ids[0], g.directory, g.group_id))
+
+    def done_shards(self) -> set[str]:
+        """The shards of every completed group."""
+        return {s for g in self.completed_groups() for s in g.shard_ids}
+
+    def groups_covering(self, shard_ids: Iterable[str]) -> list[CheckpointGroup]:
+        """The completed groups, checked to cover ``shard_ids`` each exactly once."""
+        wanted = set(shard_ids)
+        groups = self.completed_groups()
+        seen: dict[str, str] = {}
+        for g in groups:
+            for s in g.shard_ids:
+                if s in seen or s not in wanted:
+                    why = f"in groups {seen[s]} and {g.group_id}" if s in seen else "not planned"
+                    raise OutputError(
+                        f"the checkpoints in {self.out} are inconsistent (shard {s} {why}); "
+                        "use --overwrite to start over"
+                    )
+                seen[s] = g.group_id
+        missing = sorted(wanted - set(seen))
+        if missing:
+            raise OutputError(
+                f"{len(missing)} shard(s) have no checkpoint in {self.out} (first: {missing[0]})"
+            )
+        return groups
+
+    def load_group(
+        self, group: CheckpointGroup, with_sample: bool
+    ) -> tuple[EmbeddingStatistics, ActivationSample | None]:
+        stats = EmbeddingStatistics.load(self._path(group.directory, group.group_id + STATS_SUFFIX))
         sample = (
-            ActivationSample.load(self._path("shards", f"{shard_id}.sample.safetensors"))
+            ActivationSample.load(self._path(group.directory, group.group_id + SAMPLE_SUFFIX))
             if with_sample
             else None
         )
-        counts = ShardCounts.from_json(
-            json.loads(read_bytes(self._path("shards", f"{shard_id}.json")))
+        return stats, sample
+
+    # ------------------------------------------------------------------ writing
+    def save_group(
+        self,
+        shard_ids: Iterable[str],
+        stats_bytes: bytes,
+        sample_bytes: bytes | None,
+        counts: ShardCounts,
+    ) -> CheckpointGroup:
+        """Statistics, then sample, then the JSON that marks all of ``shard_ids`` done."""
+        ids = tuple(sorted(shard_ids))
+        group = CheckpointGroup(group_id_for(ids), ids, counts)
+        atomic_write_bytes(self._path(GROUPS, group.group_id + STATS_SUFFIX), stats_bytes)
+        if sample_bytes is not None:
+            atomic_write_bytes(self._path(GROUPS, group.group_id + SAMPLE_SUFFIX), sample_bytes)
+        atomic_write_json(
+            self._path(GROUPS, group.group_id + DONE_SUFFIX),
+            {
+                "format": GROUP_FORMAT,
+                "group": group.group_id,
+                "shards": list(ids),
+                "counts": counts.to_json(),
+            },
         )
-        return stats, sample, counts
+        return group
 
 
 def _describe_differences(old: dict[str, Any], new: dict[str, Any]) -> str:

@@ -60,6 +60,12 @@ class JobConfig(BaseModel):
     trust_remote_code: bool = False
     overwrite: bool = False
     max_shard_retries: int = Field(3, ge=0)
+    checkpoint_interval: float = Field(
+        300.0,
+        ge=0,
+        description="seconds an extractor folds shards before its statistics are checkpointed "
+        "as one group; 0 = after every shard. Not a result option: it only decides grouping",
+    )
     outlier_mean_z: float = Field(3.0, gt=0)
     outlier_variance_ratio: float = Field(5.0, gt=1)
     outlier_tail_share: float = Field(0.25, gt=0, le=1)

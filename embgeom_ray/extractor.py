@@ -1,11 +1,13 @@
-"""The extractor: one shard of text in, one :class:`EmbeddingStatistics` out. No Ray here.
+"""The extractor: shards of text in, folded into :class:`EmbeddingStatistics`. No Ray here.
 
 An extractor loads the tokenizer and model once, then for each shard reads documents in
 chunks, splits them into windows, runs length-bucketed batches through the model with
 ``output_hidden_states=True`` and folds the selected layers' hidden states into the shard's
 statistics on the model's device. Memory is bounded by ``docs_per_chunk`` and
-``batch_tokens``, never by the shard or corpus size. :mod:`embgeom_ray.ray_job` wraps this in
-Ray actors; tests and benchmarks use it directly.
+``batch_tokens``, never by the shard or corpus size (the statistics themselves are bounded by
+the vocabulary seen). :meth:`ShardProcessor.fold_shard` folds a shard into accumulators that
+may hold earlier shards; :meth:`ShardProcessor.process` folds one shard into fresh ones.
+:mod:`embgeom_ray.ray_job` wraps this in Ray actors; tests and benchmarks use it directly.
 """
 
 from __future__ import annotations
@@ -210,13 +212,17 @@ class ShardProcessor:
         counts.batches += 1
 
     @torch.inference_mode()
-    def process(
-        self, shard: Shard
-    ) -> tuple[EmbeddingStatistics, ActivationSample | None, ShardCounts]:
-        """Fold every document of ``shard``; returns its statistics, sample and counts."""
+    def fold_shard(
+        self, shard: Shard, stats: EmbeddingStatistics, sample: ActivationSample | None
+    ) -> ShardCounts:
+        """Fold every document of ``shard`` into ``stats`` and ``sample`` (in place).
+
+        The accumulators may already hold other shards: an extractor actor keeps one running
+        pair across the shards it processes and flushes it as one checkpoint group. Returns
+        this shard's counts. If it raises, the accumulators hold part of the shard and must
+        be discarded.
+        """
         t0 = time.perf_counter()
-        stats = self.new_statistics()
-        sample = self.new_sample()
         counts = ShardCounts()
         report = ReadReport()
         docs = read_shard(shard, self.corpus, report)
@@ -225,4 +231,14 @@ class ShardProcessor:
         counts.documents = report.documents
         counts.skipped = dict(report.skipped)
         counts.seconds = time.perf_counter() - t0
+        return counts
+
+    @torch.inference_mode()
+    def process(
+        self, shard: Shard
+    ) -> tuple[EmbeddingStatistics, ActivationSample | None, ShardCounts]:
+        """Fold every document of ``shard``; returns its own statistics, sample and counts."""
+        stats = self.new_statistics()
+        sample = self.new_sample()
+        counts = self.fold_shard(shard, stats, sample)
         return stats, sample, counts

@@ -23,6 +23,18 @@ The Bernoulli sampling of k-means|| is made independent of the partitioning: poi
 index) draws u_i ~ U(0, 1] from a generator seeded per round, and is sampled iff
 u_i φ ≤ ℓ d²(x_i, C). A partition does not know φ, but φ ≥ its own cost φ_p, so it returns the
 superset u_i φ_p ≤ ℓ d²(x_i, C) (about ℓ points) and the driver applies the global φ.
+
+Small samples take another route. A sample of n·d ≤ :data:`LOCAL_FIT_MAX_ELEMENTS` numbers
+(4096 points up to d = 8192, 256 MiB in float64: the job's default sample of any model up to
+that width) fits one worker comfortably, and there one process running scikit-learn's
+``KMeans`` (k-means++ initialisation, Lloyd in Cython; :func:`fit_local`) is many times faster
+than a map of tiny passes. :func:`select_k` routes by that size. Both routes centre the points
+in float64 and score every k with the same function of the same float64 distance matrix
+(:func:`silhouette_from_distances`); :func:`select_k` runs the small route's Lloyd iterations
+in float32 (the activations are float32 to begin with; the returned inertia is recomputed in
+float64). Measured on MiniLM (7 layers, n = 4096, d = 384, k = 2..15, 3 initialisations, one
+thread per layer on 2 CPUs): the same k and best silhouette on every layer as in float64, in
+~4/5 of the time (13 s instead of 16.5 s).
 """
 
 from __future__ import annotations
@@ -34,6 +46,10 @@ from itertools import pairwise
 from typing import Any, NamedTuple
 
 import numpy as np
+
+#: samples with n·d at most this (4096 points × d = 8192, 256 MiB in float64) are fitted in one
+#: process by :func:`fit_local`; larger ones by the partitioned k-means|| path (:func:`fit`).
+LOCAL_FIT_MAX_ELEMENTS = 4096 * 8192
 
 MapFn = Callable[[Callable[[Any], Any], Sequence[Any]], list[Any]]
 
@@ -333,6 +349,111 @@ def fit(
     return best
 
 
+def _sklearn_seed(seed: int) -> int:
+    """``seed`` as scikit-learn's ``random_state`` (0 ≤ seed < 2³²; larger ones are hashed)."""
+    seed = int(seed)
+    if 0 <= seed < 2**32:
+        return seed
+    return int(np.random.default_rng(seed).integers(2**32))
+
+
+def fit_local(
+    X: np.ndarray,
+    k: int,
+    n_init: int = 3,
+    max_iter: int = 300,
+    tol: float = 1e-4,
+    seed: int = 0,
+    *,
+    dtype: type[np.floating] = np.float64,
+) -> KMeansResult:
+    """K-means in this process: ``sklearn.cluster.KMeans`` (k-means++, Lloyd); best of ``n_init``.
+
+    ``KMeans(n_clusters=k, init="k-means++", n_init=n_init, max_iter=max_iter, tol=tol,
+    random_state=seed, algorithm="lloyd")`` on ``X`` cast to ``dtype``: greedy k-means++ seeding
+    (Arthur & Vassilvitskii 2007) and Lloyd (1982) iterations until Σ_c ||Δc||² ≤ tol ·
+    mean_j Var(X_j) (the same relative tolerance as :func:`fit`), the lowest inertia of
+    ``n_init`` runs. Its OpenMP threads follow ``threadpoolctl`` limits (the Ray layer sets them).
+    Returns centres (float64, coordinates of ``X``), labels, inertia Σ_x ||x − c_{a(x)}||² in
+    float64 (recomputed from X when ``dtype`` is not float64) and Lloyd iterations of the best run.
+    A fit that finds fewer than k distinct clusters (duplicate points) is returned as is, silently.
+    """
+    import warnings
+
+    from sklearn.cluster import KMeans
+    from sklearn.exceptions import ConvergenceWarning
+
+    X = np.asarray(X, dtype=np.float64)
+    if X.ndim != 2 or len(X) == 0:
+        raise ValueError(f"X must be a non-empty (n, d) array, got shape {X.shape}")
+    if not np.isfinite(X).all():
+        raise ValueError("X has non-finite values")
+    if not 1 <= k <= len(X):
+        raise ValueError(f"k must be in 1..{len(X)} (the number of points), got {k}")
+    if n_init < 1:
+        raise ValueError(f"n_init must be >= 1, got {n_init}")
+    model = KMeans(
+        n_clusters=k,
+        init="k-means++",
+        n_init=n_init,
+        max_iter=max_iter,
+        tol=tol,
+        random_state=_sklearn_seed(seed),
+        algorithm="lloyd",
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ConvergenceWarning)
+        model.fit(X if dtype == np.float64 else X.astype(dtype))
+    centers = np.asarray(model.cluster_centers_, dtype=np.float64)
+    labels = np.asarray(model.labels_, dtype=np.int64)
+    if dtype == np.float64:
+        inertia = float(model.inertia_)
+    else:
+        r = X - centers[labels]
+        inertia = float(np.einsum("nd,nd->", r, r))
+    return KMeansResult(centers, labels, inertia, int(model.n_iter_))
+
+
+def silhouette_from_distances(D: np.ndarray, labels: np.ndarray) -> float:
+    """Mean silhouette (Rousseeuw 1987) of ``labels`` from a precomputed distance matrix.
+
+    D: (n, n) distances with a zero diagonal. With S_iC = Σ_{j ∈ C} D_ij, n_C the size of
+    cluster C and c(i) the cluster of i: a_i = S_{i,c(i)} / (n_{c(i)} − 1), b_i =
+    min_{C ≠ c(i)} S_iC / n_C, s_i = (b_i − a_i) / max(a_i, b_i) (0 for a singleton cluster);
+    returns mean_i s_i. Equals ``sklearn.metrics.silhouette_score(D, labels,
+    metric="precomputed")``, bit for bit: S is summed in the same order (a weighted
+    ``bincount`` of each row by label), but over blocks of rows at once instead of one Python
+    call per row (~2/3 of the time at n = 4096). Raises ValueError unless 2 ≤ #labels ≤ n − 1,
+    as scikit-learn does.
+    """
+    D = np.asarray(D, dtype=np.float64)
+    labels = np.asarray(labels)
+    n = len(labels)
+    if D.shape != (n, n) or labels.ndim != 1:
+        raise ValueError(f"D must be (n, n) and labels (n,), got {D.shape} and {labels.shape}")
+    _, lab, cnt = np.unique(labels, return_inverse=True, return_counts=True)
+    lab = lab.reshape(-1)
+    n_labels = len(cnt)
+    if not 2 <= n_labels <= n - 1:
+        raise ValueError(f"the silhouette needs 2 <= #labels <= n - 1, got {n_labels} of {n}")
+    S = np.empty((n, n_labels))
+    block = max(1, (1 << 20) // n)  # rows per bincount: ~1M distances
+    for a in range(0, n, block):
+        rows = D[a : a + block]
+        flat = np.arange(len(rows))[:, None] * n_labels + lab[None, :]
+        S[a : a + len(rows)] = np.bincount(
+            flat.ravel(), weights=rows.ravel(), minlength=len(rows) * n_labels
+        ).reshape(len(rows), n_labels)
+    own = cnt[lab]
+    idx = np.arange(n)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        a = S[idx, lab] / (own - 1)
+        S[idx, lab] = np.inf
+        b = (S / cnt).min(axis=1)
+        s = (b - a) / np.maximum(a, b)
+    return float(np.nan_to_num(s).mean())
+
+
 def silhouette_subsample(n: int, max_points: int | None, seed: int) -> np.ndarray:
     """Sorted indices of at most ``max_points`` of n points (all if None or n ≤ max_points)."""
     if max_points is None or n <= max_points:
@@ -353,20 +474,38 @@ def select_k(
     map_fn: MapFn | None = None,
     parts: Sequence[Any] | None = None,
     n_partitions: int = 1,
+    local_max_elements: int | None = LOCAL_FIT_MAX_ELEMENTS,
+    local_dtype: type[np.floating] = np.float32,
 ) -> SelectKResult:
     """Cai et al. (2021, Sec. 4)'s number of clusters: best silhouette over ``ks``.
 
-    For each k (2 ≤ k < n) fit K-means (:func:`fit`) and score its labels with the mean
+    For each k (2 ≤ k < n) fit K-means (see below) and score its labels with the mean
     silhouette s = mean_i (b_i − a_i) / max(a_i, b_i) (Rousseeuw 1987; a_i mean distance to
-    the own cluster, b_i to the nearest other; ``sklearn.metrics.silhouette_score``), on at
+    the own cluster, b_i to the nearest other; = ``sklearn.metrics.silhouette_score``), on at
     most ``silhouette_max_points`` points drawn once with ``seed`` (the Euclidean distance
-    matrix is computed once and shared by all k). k* = argmax s; k = 1 (one cluster: centre
-    = mean) when s(k*) < ``min_silhouette``. Cai et al. use k = 2..15 and 0.1.
+    matrix is computed once and shared by all k; :func:`silhouette_from_distances`). k* =
+    argmax s; k = 1 (one cluster: centre = mean) when s(k*) < ``min_silhouette``. Cai et al. use
+    k = 2..15 and 0.1.
+
+    Which K-means: with neither ``map_fn`` nor ``parts`` given and n·d ≤ ``local_max_elements``
+    (default :data:`LOCAL_FIT_MAX_ELEMENTS`; None: never), :func:`fit_local` (scikit-learn's
+    KMeans, k-means++, in this process, on the centred X cast to ``local_dtype``: float32 by
+    default, see the module docstring); otherwise :func:`fit`
+    (k-means|| and Lloyd as a map over partitions: ``map_fn``/``parts``, or ``n_partitions``
+    partitions of X mapped serially). Both take ``n_init``, ``max_iter``, ``tol`` and ``seed``;
+    the fits differ only as two K-means runs with different random initialisations do.
     """
-    from sklearn.metrics import pairwise_distances, silhouette_score
+    from sklearn.metrics import pairwise_distances
 
     X = np.asarray(X, dtype=np.float64)
     n = len(X)
+    local = (
+        map_fn is None
+        and parts is None
+        and local_max_elements is not None
+        and X.ndim == 2
+        and X.size <= local_max_elements
+    )
     if parts is None:
         shift = X.mean(axis=0)
         Xc = X - shift
@@ -380,14 +519,17 @@ def select_k(
     for k in sorted({int(k) for k in ks}):
         if k < 2 or k >= n:
             continue
-        res = fit(Xc, k, n_init, max_iter, tol, seed, map_fn, parts=parts)
+        if local:
+            res = fit_local(Xc, k, n_init, max_iter, tol, seed, dtype=local_dtype)
+        else:
+            res = fit(Xc, k, n_init, max_iter, tol, seed, map_fn, parts=parts)
         fits[k] = res
         lab = res.labels[idx]
         n_lab = len(np.unique(lab))
         if dist is None or n_lab < 2 or n_lab >= len(idx):
             sil[k] = float("nan")
         else:
-            sil[k] = float(silhouette_score(dist, lab, metric="precomputed"))
+            sil[k] = silhouette_from_distances(dist, lab)
     scored = {k: s for k, s in sil.items() if np.isfinite(s)}
     best_k = max(scored, key=lambda k: (scored[k], -k)) if scored else None
     best_s = scored[best_k] if best_k is not None else float("nan")

@@ -7,9 +7,11 @@ a run trustworthy:
    max_length, corpus, output directory);
 2. the output directory gets ``run.json`` (fingerprint + plan) and a manifest saying
    ``running``; finished shards of an earlier identical run are reused;
-3. shards run on extractor actors; each result is checkpointed by the driver on arrival;
-4. the reduce merges every shard's checkpoint in shard-id order (deterministic, whatever the
-   number of workers or the order of completion);
+3. shards run on extractor actors, each of which folds many shards into one running
+   statistics object; the driver checkpoints each actor's flush (every
+   ``--checkpoint-interval`` seconds, and when the queue is drained) as one group of shards;
+4. the reduce checks that the checkpoint groups cover every shard exactly once and merges
+   them in group-id order (deterministic for a given grouping);
 5. the statistics artefact and the tables are written atomically, and only then the manifest
    says ``complete``.
 """
@@ -20,14 +22,14 @@ import hashlib
 import json
 import sys
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pandas as pd
 from tqdm.auto import tqdm
 
 from . import metrics
-from .checkpoints import CheckpointStore
+from .checkpoints import CheckpointGroup, CheckpointStore
 from .config import JobConfig
 from .corpus import CorpusSpec, Shard, plan_shards
 from .errors import ConfigError, CorpusError
@@ -56,6 +58,9 @@ from .rogue import (
 )
 from .samples import ActivationSample
 from .statistics import EmbeddingStatistics
+
+if TYPE_CHECKING:  # ray is imported only when there is extraction to do
+    from .ray_job import GroupResult, PoolPlan
 
 
 def run_fingerprint(
@@ -124,20 +129,42 @@ def build_tables(
 MIN_SAMPLE_POINTS = 32
 
 
+def _sampled_row(
+    X: np.ndarray,
+    token_ids: np.ndarray,
+    type_vectors: np.ndarray | None,
+    kmeans_result: Any,
+    clip_dims: list[int],
+    **options: Any,
+) -> dict[str, Any]:
+    """One layer's sampled ``layers.parquet`` columns (run as a Ray task by the stage below)."""
+    from .sampled_metrics import sampled_metrics_of_points
+
+    return sampled_metrics_of_points(
+        X, token_ids, type_vectors, kmeans_result, **options
+    ) | sampled_clipped_cosines(X, token_ids, clip_dims)
+
+
 def add_sampled_metrics(
     tables: dict[str, pd.DataFrame],
     sample: ActivationSample,
     tokenizer: Any,
     config: JobConfig,
 ) -> dict[str, Any]:
-    """K-means (on Ray), LID, silhouettes, cluster-adjusted and clipped cosines on the sample.
+    """K-means, LID, silhouettes, cluster-adjusted and clipped cosines on the sample, on Ray.
 
-    Adds the sampled columns to ``tables["layers"]`` and the ``samples`` table (with each
-    uniform occurrence's K-means ``cluster``); returns what the manifest records.
+    Every layer's K-means model selection is a Ray task (or, for samples too large for one
+    worker, a distributed fit: :func:`~embgeom_ray.ray_kmeans.submit_layers_on_ray`), and so
+    are its other sampled metrics, which start as soon as the layer's clusters are ready; each
+    task holds one CPU and runs one thread. Adds the sampled columns to ``tables["layers"]``
+    and the ``samples`` table (with each uniform occurrence's K-means ``cluster``); returns
+    what the manifest records.
     """
+    import ray
+
     from .ray_job import connect
-    from .ray_kmeans import fit_layers_on_ray
-    from .sampled_metrics import isoscore_silhouette_correlation, sampled_layer_metrics
+    from .ray_kmeans import call_on_ray, submit_layers_on_ray
+    from .sampled_metrics import isoscore_silhouette_correlation
 
     samples = sample.to_table(tokenizer.convert_ids_to_tokens)
     samples["cluster"] = pd.array([None] * len(samples), dtype="Int64")
@@ -148,8 +175,9 @@ def add_sampled_metrics(
         tables["samples"] = samples
         return note
     connect()
-    km = fit_layers_on_ray(
-        {layer: sample.points(layer).vectors for layer in sample.layers},
+    points = {layer: sample.points(layer) for layer in sample.layers}
+    km_refs = submit_layers_on_ray(
+        {layer: pts.vectors for layer, pts in points.items()},
         ks=range(2, min(config.kmeans_k_max, n_points - 1) + 1),
         min_silhouette=config.kmeans_min_silhouette,
         n_init=config.kmeans_n_init,
@@ -157,21 +185,25 @@ def add_sampled_metrics(
         silhouette_max_points=config.silhouette_max_points,
     )
     flagged = flagged_dims(tables["dims"])
-    rows = []
-    for layer in sample.layers:
-        pts = sample.points(layer)
-        rows.append(
-            {"layer": layer}
-            | sampled_layer_metrics(
-                sample,
-                layer,
-                km[layer],
-                lid_k=min(config.lid_k, n_points - 1),
-                silhouette_max_points=config.silhouette_max_points,
-                seed=config.sample_seed,
-            )
-            | sampled_clipped_cosines(pts.vectors, pts.token_ids, flagged.get(layer, []))
+    with_types = sample.type_uniform and sample.num_types >= 2
+    row_refs = {
+        layer: call_on_ray(
+            _sampled_row,
+            pts.vectors,
+            pts.token_ids,
+            sample.type_points(layer).vectors if with_types else None,
+            km_refs[layer],
+            flagged.get(layer, []),
+            lid_k=min(config.lid_k, n_points - 1),
+            silhouette_max_points=config.silhouette_max_points,
+            seed=config.sample_seed,
         )
+        for layer, pts in points.items()
+    }
+    row_values = ray.get(list(row_refs.values()))
+    rows = [{"layer": layer} | row for layer, row in zip(row_refs, row_values, strict=True)]
+    km = dict(zip(km_refs, ray.get(list(km_refs.values())), strict=True))
+    for layer in sample.layers:
         uniform = (samples["layer"] == layer) & (samples["sample"] == "uniform")
         samples.loc[uniform, "cluster"] = np.asarray(km[layer].labels, dtype=np.int64)
     layers = tables["layers"].merge(pd.DataFrame(rows), on="layer", how="left")
@@ -194,6 +226,65 @@ def _progress(total: int, tokens_done: int) -> tqdm:
         mininterval=2.0,
         postfix={"tokens": tokens_done},
     )
+
+
+def _extract(
+    config: JobConfig,
+    layers: list[int],
+    metadata: dict[str, str],
+    todo: list[Shard],
+    clip_dims: list[int] | None,
+    store: CheckpointStore,
+) -> PoolPlan:
+    """Run ``todo`` on Ray; every flushed group is checkpointed on arrival."""
+    from .ray_job import connect, run_shards
+
+    connect()
+    bar = _progress(len(todo), 0)
+    t0 = time.perf_counter()
+    tokens = 0
+
+    def show(shards: int, new_tokens: int) -> None:
+        nonlocal tokens
+        tokens += new_tokens
+        rate = tokens / max(time.perf_counter() - t0, 1e-9)
+        bar.set_postfix(tokens=tokens, tok_per_s=f"{rate:,.0f}", refresh=False)
+        bar.update(shards)
+
+    def on_group(group: GroupResult) -> None:
+        store.save_group(group.shard_ids, group.stats, group.sample, group.counts)
+
+    try:
+        return run_shards(
+            config,
+            layers,
+            metadata,
+            todo,
+            on_group,
+            clip_dims,
+            on_folded=lambda r: show(1, r.counts.tokens),
+            on_requeued=lambda rs: show(-len(rs), -sum(r.counts.tokens for r in rs)),
+        )
+    finally:
+        bar.close()
+
+
+def reduce_groups(
+    store: CheckpointStore,
+    groups: list[CheckpointGroup],
+    merged: EmbeddingStatistics,
+    with_sample: bool,
+) -> tuple[EmbeddingStatistics, ActivationSample | None, ShardCounts]:
+    """Merge the checkpoint ``groups`` into ``merged`` in their (deterministic) order."""
+    totals = ShardCounts()
+    sample: ActivationSample | None = None
+    for group in groups:
+        stats, group_sample = store.load_group(group, with_sample)
+        merged.merge(stats)
+        if group_sample is not None:
+            sample = group_sample if sample is None else sample.merge(group_sample)
+        totals.add(group.counts)
+    return merged, sample, totals
 
 
 def analyze(config: JobConfig, *, echo=print) -> dict[str, Any]:
@@ -274,44 +365,18 @@ def analyze(config: JobConfig, *, echo=print) -> dict[str, Any]:
     t_extract0 = time.perf_counter()
     pool = None
     if todo:
-        from .ray_job import connect, run_shards
-
-        connect()
-        bar = _progress(len(todo), 0)
-        tokens_done = 0
-
-        def on_result(
-            shard: Shard, data: bytes, sample_data: bytes | None, counts: ShardCounts
-        ) -> None:
-            nonlocal tokens_done
-            store.save_shard(shard.shard_id, data, sample_data, counts)
-            tokens_done += counts.tokens
-            rate = tokens_done / max(time.perf_counter() - t_extract0, 1e-9)
-            bar.set_postfix(tokens=tokens_done, tok_per_s=f"{rate:,.0f}", refresh=False)
-            bar.update(1)
-
-        try:
-            pool = run_shards(config, layers, metadata, todo, on_result, clip_dims)
-        finally:
-            bar.close()
+        pool = _extract(config, layers, metadata, todo, clip_dims, store)
     t_extract1 = time.perf_counter()
 
-    # reduce: every shard's checkpoint, in shard-id order
-    merged = EmbeddingStatistics(
+    groups = store.groups_covering(s.shard_id for s in plan.shards)
+    empty = EmbeddingStatistics(
         layers,
         identity.hidden_size,
         max_positions=config.max_length,
         metadata=metadata,
         clip_dims=clip_dims,
     )
-    totals = ShardCounts()
-    sample: ActivationSample | None = None
-    for shard in sorted(plan.shards, key=lambda s: s.shard_id):
-        stats, shard_sample, counts = store.load_shard(shard.shard_id, config.sample_size > 0)
-        merged.merge(stats)
-        if shard_sample is not None:
-            sample = shard_sample if sample is None else sample.merge(shard_sample)
-        totals.add(counts)
+    merged, sample, totals = reduce_groups(store, groups, empty, config.sample_size > 0)
     t_reduce = time.perf_counter()
     if merged.token_count() == 0:
         skipped = ", ".join(f"{v} {k}" for k, v in sorted(totals.skipped.items())) or "none"
@@ -355,6 +420,7 @@ def analyze(config: JobConfig, *, echo=print) -> dict[str, Any]:
                 "total": len(plan.shards),
                 "reused_from_checkpoints": len(done),
                 "computed": len(todo),
+                "checkpoint_groups": len(groups),
             },
             "workers": None if pool is None else pool.__dict__,
             "timings_s": {

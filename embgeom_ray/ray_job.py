@@ -1,11 +1,18 @@
 """The thin Ray layer: connect, size the actor pool, run shards on extractor actors.
 
-The driver only plans and gathers: each :class:`ShardExtractActor` loads the model once and
-folds whole shards (:class:`~embgeom_ray.extractor.ShardProcessor`), returning the shard's
-statistics as safetensors bytes. The scheduler keeps one shard in flight per actor; an actor
-that dies (process killed, node lost, spot preemption) is replaced and its shard goes back to
-the queue. Results reach ``on_result`` in the driver, which checkpoints them: a shard counts
-as done only there, so a shard's result is merged exactly once.
+The driver only plans and gathers. Each :class:`ShardExtractActor` loads the model once and
+folds whole shards (:class:`~embgeom_ray.extractor.ShardProcessor`) into *one* running
+statistics object, sample and counts kept across the shards it processes; ``process``
+returns only the shard's small counts. The driver asks an actor to ``flush`` (hand over the
+accumulated statistics as safetensors bytes with the ids of the shards they cover, and start
+afresh) once its unflushed work is older than ``--checkpoint-interval`` seconds (0: after
+every shard), and always when the queue is drained. ``on_group`` checkpoints each flush in
+the driver: a shard counts as done only there, so a shard's result is merged exactly once.
+
+The scheduler keeps one shard in flight per actor (shards take seconds or more; the dispatch
+round trip is milliseconds). An actor that dies (process killed, node lost, spot
+preemption) loses every shard it folded since its last flush: they all go back to the queue,
+each counting one loss toward ``--max-shard-retries``, and a replacement actor starts.
 """
 
 from __future__ import annotations
@@ -14,9 +21,10 @@ import dataclasses
 import json
 import logging
 import os
+import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import ray
@@ -53,10 +61,16 @@ def connect(address: str | None = None) -> None:
 
 @dataclass
 class PoolPlan:
+    """The extractor pool, and what happened to it (recorded in the manifest)."""
+
     num_workers: int
     num_gpus: float
     num_cpus: int
     workers_lost: int = 0
+    #: shards put back on the queue because their actor was lost before flushing them
+    shards_requeued: int = 0
+    #: flushes received, i.e. checkpoint groups written
+    checkpoints: int = 0
 
 
 def plan_pool(config: JobConfig, num_shards: int) -> PoolPlan:
@@ -89,12 +103,37 @@ def plan_pool(config: JobConfig, num_shards: int) -> PoolPlan:
     return PoolPlan(max(1, min(n, num_shards)), 0.0, per)
 
 
+@dataclass
+class FoldReport:
+    """A shard an actor has folded into its running statistics (not yet checkpointed)."""
+
+    shard: Shard
+    counts: ShardCounts
+    #: the actor's process id and Ray node id (diagnostics; the fault tests kill them)
+    pid: int
+    node_id: str
+    #: shards the actor has folded since its last flush, this one included
+    unflushed: int
+
+
+@dataclass
+class GroupResult:
+    """One flush of an actor: the statistics of ``shard_ids`` folded together, as bytes."""
+
+    shard_ids: list[str]
+    stats: bytes
+    sample: bytes | None
+    counts: ShardCounts
+
+
 class ShardExtract:
-    """Actor body: a :class:`ShardProcessor` with torch limited to the actor's CPUs.
+    """Actor body: a :class:`ShardProcessor` with torch limited to the actor's CPUs, and the
+    running statistics, sample and counts of the shards folded since the last flush.
 
     An error while loading (bad weights, missing files, …) is kept and raised again by
     :meth:`ready`, so the driver sees the original exception instead of a dead actor, and
-    does not retry what cannot succeed.
+    does not retry what cannot succeed. An error while folding leaves part of a shard in the
+    running statistics: the actor then refuses to flush or fold anything more.
     """
 
     def __init__(
@@ -109,19 +148,68 @@ class ShardExtract:
 
         torch.set_num_threads(max(1, threads))
         self.error: Exception | None = None
+        self.broken_on: str | None = None
+        self._reset()
         try:
             self.processor = ShardProcessor(JobConfig(**config_json), layers, metadata, clip_dims)
         except Exception as exc:
             self.error = exc
+
+    def _reset(self) -> None:
+        self.stats: Any = None
+        self.sample: Any = None
+        self.counts = ShardCounts()
+        self.shard_ids: list[str] = []
+
+    def _check_whole(self) -> None:
+        if self.broken_on is not None:
+            raise RuntimeError(
+                f"this extractor failed inside shard {self.broken_on}; its statistics hold "
+                "part of that shard and cannot be used"
+            )
 
     def ready(self) -> str:
         if self.error is not None:
             raise self.error
         return self.processor.device
 
-    def process(self, shard_json: dict[str, Any]) -> tuple[bytes, bytes | None, dict[str, Any]]:
-        stats, sample, counts = self.processor.process(Shard(**shard_json))
-        return stats.to_bytes(), None if sample is None else sample.to_bytes(), counts.to_json()
+    def process(self, shard_json: dict[str, Any]) -> dict[str, Any]:
+        """Fold one shard into the running statistics; returns its counts (small)."""
+        self._check_whole()
+        shard = Shard(**shard_json)
+        if self.stats is None:
+            self.stats = self.processor.new_statistics()
+            self.sample = self.processor.new_sample()
+        try:
+            counts = self.processor.fold_shard(shard, self.stats, self.sample)
+        except BaseException:
+            self.broken_on = shard.shard_id
+            raise
+        self.counts.add(counts)
+        self.shard_ids.append(shard.shard_id)
+        return {
+            "counts": counts.to_json(),
+            "pid": os.getpid(),
+            "node_id": ray.get_runtime_context().get_node_id(),
+            "unflushed": len(self.shard_ids),
+        }
+
+    def flush(self) -> tuple[list[str], bytes, bytes | None, dict[str, Any]]:
+        """(shard ids, statistics bytes, sample bytes, summed counts) since the last flush.
+
+        The accumulators start afresh afterwards.
+        """
+        self._check_whole()
+        if not self.shard_ids:
+            raise RuntimeError("flush asked of an extractor that holds no shard")
+        out = (
+            list(self.shard_ids),
+            self.stats.to_bytes(),
+            None if self.sample is None else self.sample.to_bytes(),
+            self.counts.to_json(),
+        )
+        self._reset()
+        return out
 
 
 ShardExtractActor = ray.remote(ShardExtract)
@@ -134,15 +222,203 @@ def _unwrap_user_error(exc: BaseException) -> UserError | None:
     return exc if isinstance(exc, UserError) else None
 
 
+@dataclass
+class _Worker:
+    """The driver's view of one live actor."""
+
+    actor: Any
+    #: the shard its ``process`` call is folding; None while idle or flushing
+    current: Shard | None = None
+    #: shards folded since its last flush, oldest first
+    unflushed: list[FoldReport] = field(default_factory=list)
+    #: when the oldest unflushed shard was dispatched (time.monotonic)
+    since: float | None = None
+    flushing: bool = False
+
+
+class _Scheduler:
+    """The driver loop of :func:`run_shards`: dispatch, flush, replace lost actors."""
+
+    def __init__(
+        self,
+        config: JobConfig,
+        pool: PoolPlan,
+        start: Callable[[], Any],
+        shards: list[Shard],
+        on_group: Callable[[GroupResult], None],
+        on_folded: Callable[[FoldReport], None],
+        on_requeued: Callable[[list[FoldReport]], None],
+    ) -> None:
+        self.config, self.pool, self._start = config, pool, start
+        self.on_group, self.on_folded, self.on_requeued = on_group, on_folded, on_requeued
+        self.queue: deque[Shard] = deque(shards)
+        self.losses: dict[str, int] = {}
+        self.in_flight: dict[Any, _Worker] = {}  # process() or flush() ref -> its worker
+        self.starting: dict[Any, Any] = {}  # ready() ref -> actor not yet known to be placed
+        self.idle: list[_Worker] = []
+        self.start_failures = 0
+
+    def run(self) -> None:
+        for _ in range(self.pool.num_workers):
+            self.start_actor()
+        try:
+            while self.queue or self.in_flight:
+                if not self.in_flight and not self.starting:
+                    self.start_actor()  # every actor was lost: start again rather than stall
+                ready, _ = ray.wait([*self.in_flight, *self.starting], num_returns=1)
+                if ready[0] in self.starting:
+                    self.on_started(ready[0])
+                else:
+                    self.on_returned(ready[0])
+        finally:
+            self.shutdown()
+
+    def start_actor(self) -> None:
+        actor = self._start()
+        self.starting[actor.ready.remote()] = actor
+
+    def send(self, worker: _Worker, shard: Shard) -> None:
+        worker.current = shard
+        if worker.since is None:
+            worker.since = time.monotonic()
+        self.in_flight[worker.actor.process.remote(dataclasses.asdict(shard))] = worker
+
+    def dispatch(self) -> None:
+        while self.idle and self.queue:
+            self.send(self.idle.pop(), self.queue.popleft())
+
+    def on_started(self, ref: Any) -> None:
+        actor = self.starting.pop(ref)
+        try:
+            ray.get(ref)
+        except ray.exceptions.RayTaskError as exc:  # loading failed: no retry helps
+            user = _unwrap_user_error(exc)
+            if user is not None:
+                raise user from None
+            raise RuntimeError(f"an extractor could not start: {exc}") from exc
+        except ray.exceptions.RayActorError as exc:  # its process or node died
+            self.start_failures += 1
+            if self.start_failures > 2 * self.pool.num_workers + 1:
+                raise RuntimeError(
+                    f"extractor actors keep dying while starting ({self.start_failures} "
+                    f"times); last error: {exc}"
+                ) from exc
+            log.warning("an extractor died while starting (%s); starting another", exc)
+            self.start_actor()
+            return
+        self.idle.append(_Worker(actor))
+        self.dispatch()
+
+    def on_returned(self, ref: Any) -> None:
+        worker = self.in_flight.pop(ref)
+        try:
+            result = ray.get(ref)
+        except (ray.exceptions.RayActorError, ray.exceptions.ObjectLostError) as exc:
+            self.on_lost(worker, exc)
+            return
+        except ray.exceptions.RayTaskError as exc:
+            user = _unwrap_user_error(exc)
+            if user is not None:
+                raise user from None
+            raise
+        if worker.flushing:
+            self.on_flushed(worker, result)
+        else:
+            self.on_processed(worker, result)
+
+    def flush_due(self, worker: _Worker) -> bool:
+        """Flush when the queue is drained, or the oldest unflushed shard is old enough."""
+        assert worker.since is not None
+        age = time.monotonic() - worker.since
+        return not self.queue or age >= self.config.checkpoint_interval
+
+    def on_processed(self, worker: _Worker, result: dict[str, Any]) -> None:
+        assert worker.current is not None
+        report = FoldReport(
+            worker.current,
+            ShardCounts.from_json(result["counts"]),
+            result["pid"],
+            result["node_id"],
+            result["unflushed"],
+        )
+        worker.current = None
+        worker.unflushed.append(report)
+        if report.unflushed != len(worker.unflushed):
+            raise RuntimeError(
+                f"an extractor holds {report.unflushed} unflushed shards, the driver "
+                f"expected {len(worker.unflushed)}"
+            )
+        self.on_folded(report)
+        if self.flush_due(worker):
+            worker.flushing = True
+            self.in_flight[worker.actor.flush.remote()] = worker
+        else:
+            self.send(worker, self.queue.popleft())
+
+    def on_flushed(self, worker: _Worker, result: tuple[Any, ...]) -> None:
+        shard_ids, stats, sample, counts = result
+        expected = sorted(r.shard.shard_id for r in worker.unflushed)
+        if sorted(shard_ids) != expected:
+            raise RuntimeError(f"an extractor flushed shards {shard_ids}, expected {expected}")
+        self.on_group(GroupResult(list(shard_ids), stats, sample, ShardCounts.from_json(counts)))
+        self.pool.checkpoints += 1
+        worker.unflushed, worker.since, worker.flushing = [], None, False
+        self.idle.append(worker)
+        self.dispatch()
+
+    def on_lost(self, worker: _Worker, exc: BaseException) -> None:
+        """Its unflushed shards and the one in flight go back to the queue; replace it."""
+        lost = [r.shard for r in worker.unflushed]
+        if worker.current is not None:
+            lost.append(worker.current)
+        self.pool.workers_lost += 1
+        self.pool.shards_requeued += len(lost)
+        for shard in lost:
+            self.losses[shard.shard_id] = self.losses.get(shard.shard_id, 0) + 1
+        worst = max(lost, key=lambda s: self.losses[s.shard_id])
+        if self.losses[worst.shard_id] > self.config.max_shard_retries:
+            raise RuntimeError(
+                f"shard {worst.shard_id} lost its worker {self.losses[worst.shard_id]} times "
+                f"(last: {type(exc).__name__}); giving up"
+            ) from exc
+        log.warning(
+            "worker lost (%s) holding %d shard(s) not yet checkpointed (%s); they are queued "
+            "again and a replacement actor started",
+            type(exc).__name__,
+            len(lost),
+            ", ".join(s.shard_id for s in lost),
+        )
+        ray.kill(worker.actor, no_restart=True)
+        if worker.unflushed:
+            self.on_requeued(list(worker.unflushed))
+        self.queue.extendleft(reversed(lost))
+        self.start_actor()
+        self.dispatch()
+
+    def shutdown(self) -> None:
+        """Kill every actor (their running tasks die with them)."""
+        actors = [*self.starting.values(), *(w.actor for w in self.idle)]
+        actors += [w.actor for w in self.in_flight.values()]
+        for actor in actors:
+            ray.kill(actor, no_restart=True)
+
+
 def run_shards(
     config: JobConfig,
     layers: list[int],
     metadata: dict[str, str],
     shards: list[Shard],
-    on_result: Callable[[Shard, bytes, bytes | None, ShardCounts], None],
+    on_group: Callable[[GroupResult], None],
     clip_dims: list[int] | None = None,
+    on_folded: Callable[[FoldReport], None] | None = None,
+    on_requeued: Callable[[list[FoldReport]], None] | None = None,
 ) -> PoolPlan:
-    """Process ``shards`` on a pool of extractor actors; call ``on_result`` once per shard."""
+    """Process ``shards`` on a pool of extractor actors.
+
+    ``on_group`` receives every flush (each shard in exactly one of them, once all is done);
+    ``on_folded`` each shard as an actor folds it (progress), ``on_requeued`` the folded
+    shards an actor lost before flushing them (they are folded again later).
+    """
     pool = plan_pool(config, len(shards))
     if not shards:
         return pool
@@ -151,85 +427,13 @@ def run_shards(
         options["num_gpus"] = pool.num_gpus
     actor_cls = ShardExtractActor.options(**options)
     args = (config.model_dump(), layers, metadata, pool.num_cpus, clip_dims)
-    queue: deque[Shard] = deque(shards)
-    losses: dict[str, int] = {}
-    in_flight: dict[Any, tuple[Any, Shard]] = {}  # process() ref -> (actor, shard)
-    starting: dict[Any, Any] = {}  # ready() ref -> actor not yet known to be placed
-    idle: list[Any] = []
-    start_failures = 0
-
-    def start_actor() -> None:
-        actor = actor_cls.remote(*args)
-        starting[actor.ready.remote()] = actor
-
-    def dispatch() -> None:
-        while idle and queue:
-            actor, shard = idle.pop(), queue.popleft()
-            in_flight[actor.process.remote(dataclasses.asdict(shard))] = (actor, shard)
-
-    for _ in range(pool.num_workers):
-        start_actor()
-    try:
-        while queue or in_flight:
-            if not in_flight and not starting:
-                start_actor()  # every actor was lost: start again rather than stall
-            ready, _ = ray.wait([*in_flight, *starting], num_returns=1)
-            ref = ready[0]
-            if ref in starting:
-                actor = starting.pop(ref)
-                try:
-                    ray.get(ref)
-                except ray.exceptions.RayTaskError as exc:  # loading failed: no retry helps
-                    user = _unwrap_user_error(exc)
-                    if user is not None:
-                        raise user from None
-                    raise RuntimeError(f"an extractor could not start: {exc}") from exc
-                except ray.exceptions.RayActorError as exc:  # its process or node died
-                    start_failures += 1
-                    if start_failures > 2 * pool.num_workers + 1:
-                        raise RuntimeError(
-                            f"extractor actors keep dying while starting ({start_failures} "
-                            f"times); last error: {exc}"
-                        ) from exc
-                    log.warning("an extractor died while starting (%s); starting another", exc)
-                    start_actor()
-                    continue
-                idle.append(actor)
-                dispatch()
-                continue
-            actor, shard = in_flight.pop(ref)
-            try:
-                data, sample_data, counts = ray.get(ref)
-            except (ray.exceptions.RayActorError, ray.exceptions.ObjectLostError) as exc:
-                losses[shard.shard_id] = losses.get(shard.shard_id, 0) + 1
-                pool.workers_lost += 1
-                if losses[shard.shard_id] > config.max_shard_retries:
-                    raise RuntimeError(
-                        f"shard {shard.shard_id} lost its worker {losses[shard.shard_id]} times "
-                        f"(last: {type(exc).__name__}); giving up"
-                    ) from exc
-                log.warning(
-                    "worker lost on shard %s (%s); the shard is queued again and a "
-                    "replacement actor started",
-                    shard.shard_id,
-                    type(exc).__name__,
-                )
-                ray.kill(actor, no_restart=True)
-                queue.appendleft(shard)
-                start_actor()
-                dispatch()
-                continue
-            except ray.exceptions.RayTaskError as exc:
-                user = _unwrap_user_error(exc)
-                if user is not None:
-                    raise user from None
-                raise
-            on_result(shard, data, sample_data, ShardCounts.from_json(counts))
-            idle.append(actor)
-            dispatch()
-    finally:
-        for ref in in_flight:
-            ray.cancel(ref, force=True)
-        for actor in [*starting.values(), *idle, *(a for a, _ in in_flight.values())]:
-            ray.kill(actor, no_restart=True)
+    _Scheduler(
+        config,
+        pool,
+        lambda: actor_cls.remote(*args),
+        shards,
+        on_group,
+        on_folded or (lambda _report: None),
+        on_requeued or (lambda _reports: None),
+    ).run()
     return pool

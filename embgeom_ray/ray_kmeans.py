@@ -1,13 +1,28 @@
-"""The thin Ray layer of the sampled K-means: object-store partitions, a remote map, layers in parallel.
+"""The thin Ray layer of the sampled metrics: per-layer K-means and metric tasks, partitions.
 
-Geometry lives in :mod:`embgeom_ray.kmeans`; this module only decides where its map steps
-run. Each layer's sample is centred, split into partitions and put in the object store once
-(``ray.put``); every pass of the fit (k-means|| distance rounds, Lloyd partial sums, the final
-assignment) is one :func:`_apply` task per partition, whose results the layer's driver reduces.
-:func:`fit_layers_on_ray` starts one driver task per layer (each runs
-:func:`~embgeom_ray.kmeans.select_k` with :func:`ray_map`), so layers run in parallel and
-each layer's passes fan out over its partitions. A task blocked in ``ray.get`` lends its CPU
-back to Ray, so the nested tasks cannot deadlock the pool.
+Geometry lives in :mod:`embgeom_ray.kmeans` and :mod:`embgeom_ray.sampled_metrics`; this
+module only decides where it runs. :func:`fit_layers_on_ray` (or :func:`submit_layers_on_ray`,
+which does not wait) runs :func:`~embgeom_ray.kmeans.select_k` for every layer, by the size of
+the layer's sample:
+
+- small (n·d ≤ ``local_max_elements``, default
+  :data:`~embgeom_ray.kmeans.LOCAL_FIT_MAX_ELEMENTS`: the default 4096-point samples of any
+  model up to d = 8192): one Ray task per layer fits every k in one process with
+  scikit-learn's KMeans (:func:`~embgeom_ray.kmeans.fit_local`, Lloyd in float32 on the
+  centred points unless ``local_dtype`` says otherwise). Each task reserves
+  ``cpus_per_task`` CPUs and caps its OpenMP/BLAS threads at that number (``threadpoolctl``),
+  so concurrent tasks never run more threads than the CPUs Ray gave them. One thread per task
+  is the default: at n = 4096 a second thread does not speed a fit up, a second layer does.
+- large: the sample is centred, split into partitions and put in the object store once
+  (``ray.put``); every pass of the fit (k-means|| distance rounds, Lloyd partial sums, the
+  final assignment) is one :func:`_apply` task per partition, whose results the layer's driver
+  task reduces. A task blocked in ``ray.get`` lends its CPU back to Ray, so the nested tasks
+  cannot deadlock the pool. This is for samples too big for one node; for small ones its
+  thousands of tiny tasks cost far more than the arithmetic.
+
+:func:`call_on_ray` runs any function as one such thread-capped task; given a layer's ref from
+:func:`submit_layers_on_ray` it starts as soon as that layer's clusters are ready, so the
+sampled metrics of early layers overlap the K-means of later ones.
 """
 
 from __future__ import annotations
@@ -18,7 +33,14 @@ from typing import Any
 import numpy as np
 import ray
 
-from .kmeans import KMeansResult, SelectKResult, fit, partition, select_k
+from .kmeans import (
+    LOCAL_FIT_MAX_ELEMENTS,
+    KMeansResult,
+    SelectKResult,
+    fit,
+    partition,
+    select_k,
+)
 
 
 @ray.remote
@@ -63,9 +85,32 @@ def fit_on_ray(
 
 
 @ray.remote(num_cpus=1)
-def _select_k_task(Xc: np.ndarray, parts: list[ray.ObjectRef], options: dict[str, Any]):
+def _select_k_task(
+    Xc: np.ndarray, parts: list[ray.ObjectRef], options: dict[str, Any], shift: np.ndarray
+) -> SelectKResult:
     # ``parts`` arrive as refs (nested in a list), so each partition moves only to its tasks
-    return select_k(Xc, map_fn=ray_map, parts=parts, **options)
+    res = select_k(Xc, map_fn=ray_map, parts=parts, **options)
+    res.centers = res.centers + shift  # back to the input coordinates
+    return res
+
+
+@ray.remote(num_cpus=1)
+def _capped_call(fn: Callable[..., Any], threads: int, *args: Any, **kwargs: Any) -> Any:
+    from threadpoolctl import threadpool_limits
+
+    with threadpool_limits(limits=threads):
+        return fn(*args, **kwargs)
+
+
+def call_on_ray(fn: Callable[..., Any], *args: Any, cpus: int = 1, **kwargs: Any) -> ray.ObjectRef:
+    """``fn(*args, **kwargs)`` as one Ray task of ``cpus`` CPUs and at most ``cpus`` threads.
+
+    Returns its object ref at once. Arguments that are object refs (e.g. a layer's from
+    :func:`submit_layers_on_ray`) arrive resolved: the task starts when they are ready.
+    """
+    if cpus < 1:
+        raise ValueError(f"cpus must be >= 1, got {cpus}")
+    return _capped_call.options(num_cpus=cpus).remote(fn, cpus, *args, **kwargs)
 
 
 def fit_layers_on_ray(
@@ -79,6 +124,9 @@ def fit_layers_on_ray(
     seed: int = 0,
     silhouette_max_points: int | None = 4096,
     n_partitions: int | None = None,
+    local_max_elements: int | None = LOCAL_FIT_MAX_ELEMENTS,
+    local_dtype: type[np.floating] = np.float32,
+    cpus_per_task: int = 1,
 ) -> dict[int, SelectKResult]:
     """Cai et al.'s K-means model selection for every layer, layers in parallel on Ray.
 
@@ -87,13 +135,59 @@ def fit_layers_on_ray(
             ``sample.points(layer).vectors``); labels in the result follow these rows.
         ks, min_silhouette, n_init, max_iter, tol, seed, silhouette_max_points: as
             :func:`embgeom_ray.kmeans.select_k` (the same seed for every layer).
-        n_partitions: partitions per layer (default :func:`default_partitions`).
+        n_partitions: partitions per layer on the distributed path (default
+            :func:`default_partitions`).
+        local_max_elements: a layer with n·d at most this is fitted in one task with
+            scikit-learn (:func:`~embgeom_ray.kmeans.fit_local`); larger ones, or all with
+            None, on the distributed k-means|| path (see the module docstring).
+        local_dtype: the dtype of those one-task fits' Lloyd iterations (as
+            :func:`~embgeom_ray.kmeans.select_k`; float32).
+        cpus_per_task: CPUs each one-task layer reserves, and its thread cap.
 
     Returns:
         layer -> :class:`~embgeom_ray.kmeans.SelectKResult` (centres in the input coordinates).
     """
+    refs = submit_layers_on_ray(
+        samples_by_layer,
+        ks=ks,
+        min_silhouette=min_silhouette,
+        n_init=n_init,
+        max_iter=max_iter,
+        tol=tol,
+        seed=seed,
+        silhouette_max_points=silhouette_max_points,
+        n_partitions=n_partitions,
+        local_max_elements=local_max_elements,
+        local_dtype=local_dtype,
+        cpus_per_task=cpus_per_task,
+    )
+    return dict(zip(refs, ray.get(list(refs.values())), strict=True))
+
+
+def submit_layers_on_ray(
+    samples_by_layer: Mapping[int, np.ndarray],
+    *,
+    ks: Iterable[int] = range(2, 16),
+    min_silhouette: float = 0.1,
+    n_init: int = 3,
+    max_iter: int = 300,
+    tol: float = 1e-4,
+    seed: int = 0,
+    silhouette_max_points: int | None = 4096,
+    n_partitions: int | None = None,
+    local_max_elements: int | None = LOCAL_FIT_MAX_ELEMENTS,
+    local_dtype: type[np.floating] = np.float32,
+    cpus_per_task: int = 1,
+) -> dict[int, ray.ObjectRef]:
+    """:func:`fit_layers_on_ray` without waiting: layer -> object ref of its ``SelectKResult``.
+
+    Pass a layer's ref to :func:`call_on_ray` to run what needs its clusters as soon as they
+    are ready, while other layers are still being fitted.
+    """
     if not ray.is_initialized():
         raise RuntimeError("fit_layers_on_ray needs a running Ray (ray.init or connect first)")
+    if cpus_per_task < 1:
+        raise ValueError(f"cpus_per_task must be >= 1, got {cpus_per_task}")
     options = {
         "ks": list(ks),
         "min_silhouette": min_silhouette,
@@ -103,16 +197,23 @@ def fit_layers_on_ray(
         "seed": seed,
         "silhouette_max_points": silhouette_max_points,
     }
-    futures, shifts = {}, {}
+    refs = {}
     for layer, X in samples_by_layer.items():
         X = np.asarray(X, dtype=np.float64)
         if X.ndim != 2 or len(X) == 0:
             raise ValueError(f"layer {layer}: sample must be a non-empty (n, d) array")
-        shifts[layer] = X.mean(axis=0)
-        Xc = np.ascontiguousarray(X - shifts[layer])
+        if local_max_elements is not None and X.size <= local_max_elements:
+            refs[layer] = call_on_ray(
+                select_k,
+                X,
+                cpus=cpus_per_task,
+                local_max_elements=local_max_elements,
+                local_dtype=local_dtype,
+                **options,
+            )
+            continue
+        shift = X.mean(axis=0)
+        Xc = np.ascontiguousarray(X - shift)
         parts = put_partitions(Xc, n_partitions or default_partitions(len(Xc)))
-        futures[layer] = _select_k_task.remote(ray.put(Xc), parts, options)
-    results = dict(zip(futures, ray.get(list(futures.values())), strict=True))
-    for layer, res in results.items():
-        res.centers = res.centers + shifts[layer]
-    return results
+        refs[layer] = _select_k_task.remote(ray.put(Xc), parts, options, shift)
+    return refs

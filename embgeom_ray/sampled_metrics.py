@@ -76,6 +76,19 @@ def isoscore_points(X: np.ndarray) -> float:
     return isoscore_from_covariance(Xc.T @ Xc / (len(X) - 1))
 
 
+def _knn_from_distances(D: np.ndarray, keep: np.ndarray, m: int) -> np.ndarray:
+    """(len(keep), m) indices into ``keep`` of the m smallest D[keep_i, keep_j] (unordered)."""
+    n = len(keep)
+    if n == len(D):  # no duplicates: partial sort of D as is, then renumber rows and columns
+        pos = np.empty(n, np.int64)
+        pos[keep] = np.arange(n)
+        out = np.empty((len(D), m), np.int64)
+        for a in range(0, len(D), 1024):  # row blocks bound the (rows, n) index array
+            out[a : a + 1024] = np.argpartition(D[a : a + 1024], m - 1, axis=1)[:, :m]
+        return pos[out[keep]]
+    return np.argpartition(D[np.ix_(keep, keep)], m - 1, axis=1)[:, :m]
+
+
 def lid_mle(
     X: np.ndarray,
     k: int = 20,
@@ -83,6 +96,7 @@ def lid_mle(
     squared: bool = False,
     *,
     per_point: bool = False,
+    distances: np.ndarray | None = None,
 ) -> float | np.ndarray:
     """Local intrinsic dimension, Levina & Bickel (2005)'s MLE averaged over points.
 
@@ -102,22 +116,36 @@ def lid_mle(
     which convention a reported number uses. k = 20 is the default (Levina & Bickel report
     estimates stable for k ≈ 10–20). Reference: Levina & Bickel, "Maximum Likelihood
     Estimation of Intrinsic Dimension", NIPS 2004/2005.
-    """
-    from sklearn.neighbors import NearestNeighbors
 
+    The k nearest neighbours come from ``sklearn.neighbors.NearestNeighbors`` (brute force), or,
+    with ``distances`` (an (n, n) matrix of the Euclidean distances between the rows of ``X``,
+    e.g. ``sklearn.metrics.pairwise_distances`` of X or of X minus its mean, already computed
+    for a silhouette), from a partial sort of its rows: the same neighbours up to ties within
+    rounding. T is recomputed from the points either way. Per-point values are in the order
+    of ``np.unique(X, axis=0)``.
+    """
     X = _as_points(X)
     if k < 2:
         raise ValueError(f"k must be >= 2, got {k}")
     if metric == "cosine":
+        if distances is not None:
+            raise ValueError("distances are Euclidean: give them with metric='euclidean' only")
         X, _ = _unit_rows(X)
     elif metric != "euclidean":
         raise ValueError(f"metric must be 'euclidean' or 'cosine', got {metric!r}")
-    X = np.unique(X, axis=0)
+    if distances is not None and np.shape(distances) != (len(X), len(X)):
+        raise ValueError(f"distances must be ({len(X)}, {len(X)}), got {np.shape(distances)}")
+    X, first = np.unique(X, axis=0, return_index=True)
     n = len(X)
     if n <= k:
         return np.full(n, np.nan) if per_point else float("nan")
-    nn = NearestNeighbors(n_neighbors=k + 1, algorithm="brute").fit(X)
-    idx = nn.kneighbors(X, return_distance=False)
+    if distances is None:
+        from sklearn.neighbors import NearestNeighbors
+
+        nn = NearestNeighbors(n_neighbors=k + 1, algorithm="brute").fit(X)
+        idx = nn.kneighbors(X, return_distance=False)
+    else:
+        idx = _knn_from_distances(np.asarray(distances, dtype=np.float64), first, k + 1)
     rows = np.arange(n)[:, None]
     # drop the point itself (or, should a tie hide it, the farthest of the k + 1)
     is_self = idx == rows
@@ -125,8 +153,13 @@ def lid_mle(
     keep = np.ones_like(idx, dtype=bool)
     keep[np.arange(n), drop] = False
     idx = idx[keep].reshape(n, k)
-    # exact distances (no ||x||² − 2x·y + ||y||² cancellation), sorted
-    T = np.sort(np.linalg.norm(X[idx] - X[:, None, :], axis=2), axis=1)
+    # exact distances (no ||x||² − 2x·y + ||y||² cancellation), sorted; blocks of rows keep
+    # the (rows, k, d) differences in cache
+    T = np.empty((n, k))
+    block = max(1, (1 << 20) // (k * X.shape[1]))
+    for a in range(0, n, block):
+        T[a : a + block] = np.linalg.norm(X[idx[a : a + block]] - X[a : a + block, None, :], axis=2)
+    T.sort(axis=1)
     if squared:
         T = T**2
     logs = np.log(T[:, -1:] / T[:, :-1]).sum(axis=1) / (k - 1)
@@ -143,6 +176,7 @@ def silhouette_by_labels(
     seed: int = 0,
     min_label_count: int = 1,
     metric: str = "euclidean",
+    distances: np.ndarray | None = None,
 ) -> float:
     """Mean silhouette (Rousseeuw 1987) of ``labels`` on ``X``: ``sklearn.metrics.silhouette_score``.
 
@@ -151,24 +185,36 @@ def silhouette_by_labels(
     with K-means labels and with token-type labels (Mickus et al. 2024). Points whose label
     occurs fewer than ``min_label_count`` times are left out first; then at most
     ``max_points`` points are drawn with ``seed``. NaN unless 2 ≤ #labels ≤ n − 1.
+
+    ``distances``: the (n, n) matrix of ``metric`` distances between the rows of ``X``, if
+    already computed; the silhouette is then taken on its rows and columns of the selected
+    points (:func:`embgeom_ray.kmeans.silhouette_from_distances`, the same value).
     """
     from sklearn.metrics import silhouette_score
+
+    from .kmeans import silhouette_from_distances
 
     X = _as_points(X)
     labels = np.asarray(labels)
     if labels.shape != (len(X),):
         raise ValueError(f"labels must be ({len(X)},), got {labels.shape}")
+    if distances is not None and np.shape(distances) != (len(X), len(X)):
+        raise ValueError(f"distances must be ({len(X)}, {len(X)}), got {np.shape(distances)}")
+    sel = np.arange(len(X))
     if min_label_count > 1:
         _, inv, cnt = np.unique(labels, return_inverse=True, return_counts=True)
-        sel = cnt[inv] >= min_label_count
-        X, labels = X[sel], labels[sel]
-    if max_points is not None and len(X) > max_points:
-        idx = np.sort(np.random.default_rng(seed).choice(len(X), max_points, replace=False))
-        X, labels = X[idx], labels[idx]
+        sel = sel[cnt[inv.reshape(-1)] >= min_label_count]
+    if max_points is not None and len(sel) > max_points:
+        idx = np.sort(np.random.default_rng(seed).choice(len(sel), max_points, replace=False))
+        sel = sel[idx]
+    labels = labels[sel]
     n_labels = len(np.unique(labels))
-    if n_labels < 2 or n_labels > len(X) - 1:
+    if n_labels < 2 or n_labels > len(sel) - 1:
         return float("nan")
-    return float(silhouette_score(X, labels, metric=metric))
+    if distances is not None:
+        D = np.asarray(distances)
+        return silhouette_from_distances(D if len(sel) == len(D) else D[np.ix_(sel, sel)], labels)
+    return float(silhouette_score(X[sel], labels, metric=metric))
 
 
 def partition_isotropy(W: np.ndarray, centered: bool = False) -> float:
@@ -278,40 +324,90 @@ def sampled_layer_metrics(
 ) -> dict[str, float | int]:
     """The sampled ``layers.parquet`` columns of one layer (:data:`SAMPLED_LAYER_COLUMNS`).
 
-    On the uniform sample X of ``layer`` (rows of ``sample.points(layer)``):
+    :func:`sampled_metrics_of_points` of the uniform sample of ``layer`` (rows of
+    ``sample.points(layer)``) and, when the sample has a type-uniform part of ≥ 2 types, the
+    type-uniform vectors ``sample.type_points(layer).vectors``. ``kmeans_result`` is
+    :func:`embgeom_ray.kmeans.select_k`'s result for these rows (e.g. from
+    :func:`embgeom_ray.ray_kmeans.fit_layers_on_ray`); None runs ``select_k`` here.
+    """
+    pts = sample.points(layer)
+    if kmeans_result is not None and np.shape(kmeans_result.labels) != (len(pts.vectors),):
+        raise ValueError(
+            f"kmeans_result has {np.shape(kmeans_result.labels)[0]} labels but layer {layer}'s "
+            f"sample has {len(pts.vectors)} points: fit K-means on sample.points({layer}).vectors"
+        )
+    type_vectors = None
+    if sample.type_uniform and sample.num_types >= 2:
+        type_vectors = sample.type_points(layer).vectors
+    return sampled_metrics_of_points(
+        pts.vectors,
+        pts.token_ids,
+        type_vectors,
+        kmeans_result,
+        lid_k=lid_k,
+        silhouette_max_points=silhouette_max_points,
+        min_type_count=min_type_count,
+        seed=seed,
+    )
+
+
+def sampled_metrics_of_points(
+    X: np.ndarray,
+    token_ids: np.ndarray,
+    type_vectors: np.ndarray | None = None,
+    kmeans_result: SelectKResult | None = None,
+    *,
+    lid_k: int = 20,
+    silhouette_max_points: int | None = 4096,
+    min_type_count: int = 2,
+    seed: int = 0,
+) -> dict[str, float | int]:
+    """The sampled ``layers.parquet`` columns (:data:`SAMPLED_LAYER_COLUMNS`) of one layer's points.
+
+    On the uniform sample X (n, d) with the token id of each row:
 
     - ``kmeans_k``, ``kmeans_silhouette``: Cai et al.'s k and the best silhouette over the k
       tried (:func:`embgeom_ray.kmeans.select_k`; reported even when k = 1 is chosen).
-      ``kmeans_result`` is its result for these rows (e.g. from
-      :func:`embgeom_ray.ray_kmeans.fit_layers_on_ray`); None runs ``select_k`` here, serially.
+      ``kmeans_result`` is its result for these rows; None runs ``select_k`` here, in this
+      process (same ``seed`` and ``silhouette_max_points``, its other defaults).
     - ``adjusted_s_inter``, ``adjusted_s_intra``, ``adjusted_isoscore``: :func:`cluster_adjusted`
       with the K-means labels (one cluster when k = 1: the layer mean is subtracted).
     - ``s_inter_type_uniform``: Cai's S_inter, the mean cosine between the occurrences of the
-      type-uniform sample (one random occurrence per type, different types), unadjusted.
+      type-uniform sample ``type_vectors`` (one random occurrence per type, different types),
+      unadjusted; NaN without one.
     - ``isoscore_sample``: :func:`isoscore_points` of X.
     - ``lid_euclidean``, ``lid_cosine``: :func:`lid_mle` with k = ``lid_k``, true (not squared)
       distances.
     - ``silhouette_types``: :func:`silhouette_by_labels` with token-type labels, over the
       points whose type occurs ≥ ``min_type_count`` times in X (Mickus et al. 2024).
     - ``partition_isotropy``, ``partition_isotropy_centered``: :func:`partition_isotropy` of X.
+
+    When X has at most ``silhouette_max_points`` points, the Euclidean distance matrix of X
+    (``sklearn.metrics.pairwise_distances`` of X minus its mean) is computed once and shared by
+    ``silhouette_types`` and ``lid_euclidean`` (the same values: see their ``distances``).
     """
+    from sklearn.metrics import pairwise_distances
+
     from .kmeans import select_k
 
-    pts = sample.points(layer)
-    X = pts.vectors
+    X = _as_points(X)
+    token_ids = np.asarray(token_ids)
+    if token_ids.shape != (len(X),):
+        raise ValueError(f"token_ids must be ({len(X)},), got {token_ids.shape}")
     if kmeans_result is None:
         kmeans_result = select_k(X, seed=seed, silhouette_max_points=silhouette_max_points)
     labels = np.asarray(kmeans_result.labels)
     if labels.shape != (len(X),):
         raise ValueError(
-            f"kmeans_result has {labels.shape[0]} labels but layer {layer}'s sample has "
-            f"{len(X)} points: fit K-means on sample.points({layer}).vectors"
+            f"kmeans_result has {labels.shape[0]} labels for {len(X)} points: fit K-means on X"
         )
-    adj = cluster_adjusted(X, labels, pts.token_ids)
-    if sample.type_uniform and sample.num_types >= 2:
-        s_inter_tu = mean_pairwise_cosine(sample.type_points(layer).vectors)
-    else:
-        s_inter_tu = float("nan")
+    dist = None
+    if silhouette_max_points is not None and 2 <= len(X) <= silhouette_max_points:
+        dist = pairwise_distances(X - X.mean(axis=0))
+    adj = cluster_adjusted(X, labels, token_ids)
+    s_inter_tu = float("nan")
+    if type_vectors is not None:
+        s_inter_tu = mean_pairwise_cosine(type_vectors)
     row = {
         "kmeans_k": int(kmeans_result.k),
         "kmeans_silhouette": float(kmeans_result.silhouette),
@@ -320,14 +416,15 @@ def sampled_layer_metrics(
         "adjusted_isoscore": adj.isoscore,
         "s_inter_type_uniform": s_inter_tu,
         "isoscore_sample": isoscore_points(X),
-        "lid_euclidean": float(lid_mle(X, lid_k, "euclidean")),
+        "lid_euclidean": float(lid_mle(X, lid_k, "euclidean", distances=dist)),
         "lid_cosine": float(lid_mle(X, lid_k, "cosine")),
         "silhouette_types": silhouette_by_labels(
             X,
-            pts.token_ids,
+            token_ids,
             max_points=silhouette_max_points,
             seed=seed,
             min_label_count=min_type_count,
+            distances=dist,
         ),
         "partition_isotropy": partition_isotropy(X) if len(X) else float("nan"),
         "partition_isotropy_centered": (

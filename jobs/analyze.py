@@ -108,6 +108,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="times a shard is retried after losing its worker [default: 3]",
     )
     a(
+        "--checkpoint-interval",
+        type=float,
+        help="seconds of work an extractor accumulates over several shards before they are checkpointed together (at most this much work per worker is redone after a failure); 0 checkpoints every shard on its own [default: 300]",
+    )
+    a(
         "--outlier-mean-z",
         type=float,
         help="flag a dimension whose mean's z-score among the layer's dimensions exceeds this [default: 3]",

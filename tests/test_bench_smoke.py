@@ -43,13 +43,20 @@ def test_extraction_smoke(results_dir):
 def test_kmeans_smoke(results_dir):
     from bench import kmeans
 
-    kmeans.main(["--sizes", "32,64", "--ks", "2,3", "--repeats", "1", "--n-init", "1"])
+    kmeans.main(
+        "--sizes 32,64 --ks 2,3 --repeats 1 --n-init 1 --selection 64 --selection-k-max 3".split()
+    )
     result = read(results_dir, "kmeans")
     assert result["points"]["dim"] == 384
     assert [(r["n"], r["k"]) for r in result["results"]] == [(32, 2), (32, 3), (64, 2), (64, 3)]
     for r in result["results"]:
         assert {"inertia_ratio", "time_ratio", "seconds", "inertia"} <= r.keys()
         assert 0.5 < r["inertia_ratio"] < 2.0
+    sel = result["selection"]
+    assert sel["n"] == 64 and sel["dim"] == 384 and sel["layers"] == list(range(7))
+    assert set(sel["seconds"]) == {"distributed", "one_task_per_layer", "stage"}
+    for route in ("distributed", "one_task_per_layer"):
+        assert all(r["k"] in (1, 2, 3) for r in sel["per_layer"][route].values())
 
 
 def test_scaling_smoke(results_dir):

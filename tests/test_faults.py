@@ -1,20 +1,30 @@
-"""Faults: a node lost mid-run, a driver killed mid-run. Every token counted exactly once."""
+"""Faults: a node lost mid-run, an actor killed holding unflushed shards, a driver killed
+mid-run, a checkpoint group half written. Every token counted exactly once."""
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
-import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
+import numpy as np
 import pandas as pd
 import pytest
 
+from embgeom_ray.checkpoints import CheckpointStore
 from embgeom_ray.config import build_config
+from embgeom_ray.corpus import CorpusSpec, plan_shards
+from embgeom_ray.extractor import ShardCounts, ShardProcessor
 from embgeom_ray.pipeline import analyze
+from embgeom_ray.ray_job import FoldReport
+from embgeom_ray.samples import ActivationSample
+from embgeom_ray.statistics import EmbeddingStatistics
 from tests.conftest import write_jsonl
 from tests.test_job_end_to_end import english_documents
 
@@ -23,7 +33,7 @@ pytestmark = pytest.mark.slow
 TABLES = ("type_stats", "layers", "dims")
 
 
-def options(model: str, corpus: str, out: Path) -> dict:
+def options(model: str, corpus: str, out: Path, **extra) -> dict:
     return {
         "model": model,
         "corpus": corpus,
@@ -35,7 +45,7 @@ def options(model: str, corpus: str, out: Path) -> dict:
         "shard_bytes": 2048,
         "num_workers": 2,
         "cpus_per_worker": 1,
-    }
+    } | extra
 
 
 def read_tables(out: Path) -> dict[str, pd.DataFrame]:
@@ -47,14 +57,48 @@ def assert_same_tables(a: dict, b: dict) -> None:
         pd.testing.assert_frame_equal(a[name], b[name], check_exact=False, rtol=1e-9, atol=0)
 
 
+def done_shards(out: Path) -> set[str]:
+    return CheckpointStore(str(out)).done_shards() if out.exists() else set()
+
+
 def wait_for_checkpoints(out: Path, n: int, timeout: float = 240.0) -> int:
     deadline = time.time() + timeout
     while time.time() < deadline:
-        done = len(list((out / "shards").glob("*.json"))) if (out / "shards").exists() else 0
+        done = len(done_shards(out))
         if done >= n:
             return done
         time.sleep(0.05)
     raise AssertionError(f"fewer than {n} shards finished within {timeout} s")
+
+
+def on_each_fold(monkeypatch, hook: Callable[[FoldReport], None]) -> None:
+    """Call ``hook`` in the driver each time an extractor has folded a shard."""
+    from embgeom_ray import ray_job
+
+    real = ray_job.run_shards
+
+    def run_shards(*args, on_folded=None, **kwargs):
+        def folded(report: FoldReport) -> None:
+            if on_folded is not None:
+                on_folded(report)
+            hook(report)
+
+        return real(*args, on_folded=folded, **kwargs)
+
+    monkeypatch.setattr(ray_job, "run_shards", run_shards)
+
+
+def wait_until_gone(pid: int, timeout: float = 30.0) -> None:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        try:
+            status = Path(f"/proc/{pid}/status").read_text()
+        except FileNotFoundError:
+            return
+        if "\nState:\tZ" in status:  # dead, not yet reaped
+            return
+        time.sleep(0.02)
+    raise AssertionError(f"process {pid} still alive {timeout} s after SIGKILL")
 
 
 @pytest.fixture(scope="module")
@@ -65,7 +109,8 @@ def corpus(tmp_path_factory) -> str:
 
 @pytest.fixture(scope="module")
 def clean(tmp_path_factory, corpus, minilm_dir) -> Path:
-    """The fault-free run both fault tests are compared with (on a local Ray)."""
+    """The fault-free run the fault tests are compared with (on a local Ray; default
+    checkpoint interval, so each actor checkpoints once, when the queue is drained)."""
     import ray
 
     if not ray.is_initialized():
@@ -75,7 +120,8 @@ def clean(tmp_path_factory, corpus, minilm_dir) -> Path:
     return out
 
 
-def test_node_lost_mid_run(tmp_path, corpus, minilm_dir, clean):
+def test_node_lost_mid_run(tmp_path, corpus, minilm_dir, clean, monkeypatch):
+    """A node disappears while its actor holds two shards it has not checkpointed yet."""
     import ray
     from ray.cluster_utils import Cluster
 
@@ -83,45 +129,127 @@ def test_node_lost_mid_run(tmp_path, corpus, minilm_dir, clean):
         ray.shutdown()
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0})
     workers = [cluster.add_node(num_cpus=1) for _ in range(2)]
+    lost: list[FoldReport] = []
+
+    def lose_node(report: FoldReport) -> None:
+        if not lost and report.unflushed >= 2:
+            lost.append(report)
+            node = next(w for w in workers if w.node_id == report.node_id)
+            cluster.remove_node(node, allow_graceful=False)  # a spot node disappears
+            cluster.add_node(num_cpus=1)  # the autoscaler brings a new one
+
+    on_each_fold(monkeypatch, lose_node)
     try:
         ray.init(address=cluster.address, log_to_driver=False)
         cluster.wait_for_nodes()
-
         faulty_out = tmp_path / "faulty"
-        result: dict = {}
-
-        def run() -> None:
-            try:
-                result["manifest"] = analyze(
-                    build_config(None, options(minilm_dir, corpus, faulty_out)),
-                    echo=lambda *_: None,
-                )
-            except BaseException as exc:  # surfaced in the main thread below
-                result["error"] = exc
-
-        thread = threading.Thread(target=run)
-        thread.start()
-        wait_for_checkpoints(faulty_out, 2)
-        cluster.remove_node(workers[0], allow_graceful=False)  # a spot node disappears
-        cluster.add_node(num_cpus=1)  # the autoscaler brings a new one
-        thread.join(timeout=600)
-        assert not thread.is_alive(), "the job did not finish after losing a node"
-        if "error" in result:
-            raise result["error"]
-        manifest = result["manifest"]
+        opts = options(minilm_dir, corpus, faulty_out, checkpoint_interval=3600)
+        manifest = analyze(build_config(None, opts), echo=lambda *_: None)
+        assert lost, "no actor folded two shards"
         assert manifest["status"] == "complete"
         assert manifest["workers"]["workers_lost"] >= 1
+        assert manifest["workers"]["shards_requeued"] >= 2
+        assert manifest["counts"] == json.loads((clean / "manifest.json").read_text())["counts"]
         assert_same_tables(read_tables(faulty_out), read_tables(clean))
     finally:
         ray.shutdown()
         cluster.shutdown()
 
 
+def test_actor_lost_with_unflushed_shards_matches_one_process(
+    tmp_path, corpus, minilm_dir, ray_local, monkeypatch
+):
+    """The only actor is killed holding three folded, unflushed shards and a fourth in flight:
+    all four are redone by its replacement, and the totals equal one process folding every
+    shard once."""
+    killed: list[FoldReport] = []
+
+    def kill_actor(report: FoldReport) -> None:
+        if not killed and report.unflushed == 3:
+            killed.append(report)
+            os.kill(report.pid, signal.SIGKILL)
+            wait_until_gone(report.pid)
+
+    on_each_fold(monkeypatch, kill_actor)
+    opts = options(minilm_dir, corpus, tmp_path / "run", num_workers=1, checkpoint_interval=3600)
+    config = build_config(None, opts)
+    manifest = analyze(config, echo=lambda *_: None)
+    assert len(killed) == 1
+    assert manifest["workers"]["workers_lost"] == 1
+    assert manifest["workers"]["shards_requeued"] == 4  # 3 folded + the one in flight
+    assert manifest["workers"]["checkpoints"] == manifest["shards"]["checkpoint_groups"] == 1
+
+    stats, sample, counts = one_process(config)
+    for name in ("documents", "windows", "tokens", "padded_tokens", "batches"):
+        assert manifest["counts"][name] == getattr(counts, name), name
+    ours = EmbeddingStatistics.load(tmp_path / "run" / "statistics.safetensors")
+    for layer in config.layers:
+        a, b = ours.layer(layer), stats.layer(layer)
+        np.testing.assert_array_equal(a.type_ids, b.type_ids)
+        np.testing.assert_array_equal(a.counts, b.counts)
+        assert a.n == b.n == counts.tokens
+        for field in ("means", "m2", "unit_sums", "mean", "comoment", "position_means"):
+            np.testing.assert_allclose(getattr(a, field), getattr(b, field), rtol=1e-9, atol=1e-9)
+        np.testing.assert_array_equal(a.argmax_counts, b.argmax_counts)
+    our_sample = ActivationSample.load(tmp_path / "run" / "sample.safetensors")
+    for layer in config.layers:
+        a, b = our_sample.points(layer), sample.points(layer)
+        np.testing.assert_array_equal(a.keys, b.keys)
+        np.testing.assert_array_equal(a.token_ids, b.token_ids)
+        np.testing.assert_allclose(a.vectors, b.vectors, rtol=1e-6, atol=1e-6)
+
+
+def one_process(config):
+    """Every shard of the plan folded once, in order, in this process with one thread (as
+    the 1-CPU actor), into one statistics object."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        proc = ShardProcessor(config, config.layers, {})
+        stats, sample, counts = proc.new_statistics(), proc.new_sample(), ShardCounts()
+        for shard in plan_shards(CorpusSpec(config.corpus), config.shard_bytes).shards:
+            counts.add(proc.fold_shard(shard, stats, sample))
+    finally:
+        torch.set_num_threads(threads)
+    return stats, sample, counts
+
+
+def test_resume_after_a_group_json_is_missing(tmp_path, minilm_dir, clean, ray_local):
+    """The driver died after writing a group's statistics but before its JSON: the group is
+    redone, its stale files are cleaned, and nothing is counted twice."""
+    out = tmp_path / "copy"
+    shutil.copytree(clean, out)
+    store = CheckpointStore(str(out))
+    victim = store.completed_groups()[-1]
+    (out / "groups" / f"{victim.group_id}.json").unlink()
+    (out / "groups" / ".tmp-crashed-write").write_bytes(b"partial")
+    total = json.loads((clean / "manifest.json").read_text())["shards"]["total"]
+    assert len(done_shards(out)) == total - len(victim.shard_ids)
+
+    opts = json.loads((clean / "manifest.json").read_text())["config"] | {"out": str(out)}
+    manifest = analyze(build_config(None, opts), echo=lambda *_: None)
+    assert manifest["shards"]["computed"] == len(victim.shard_ids)
+    assert manifest["shards"]["reused_from_checkpoints"] == total - len(victim.shard_ids)
+    names = [p.name for p in (out / "groups").iterdir()]
+    assert not [n for n in names if n.startswith(".")]
+    stems = {n.split(".")[0] for n in names}
+    assert {f"{s}.json" for s in stems} <= set(names)  # no statistics without their JSON
+    store.groups_covering(s for g in store.completed_groups() for s in g.shard_ids)
+    assert len(done_shards(out)) == total
+    assert manifest["counts"] == json.loads((clean / "manifest.json").read_text())["counts"]
+    assert_same_tables(read_tables(out), read_tables(clean))
+
+
 def test_driver_killed_then_resumed(tmp_path, corpus, minilm_dir, clean, ray_local):
-    total = len(list((clean / "shards").glob("*.json")))
+    """Checkpoint interval 0: one group per shard, as per-shard checkpoints were. The driver
+    is killed, the rerun resumes; then the same checkpoints rewritten in the earlier
+    per-shard layout resume too, with nothing recomputed."""
+    total = json.loads((clean / "manifest.json").read_text())["shards"]["total"]
 
     out = tmp_path / "killed"
-    opts = options(minilm_dir, corpus, out)
+    opts = options(minilm_dir, corpus, out, checkpoint_interval=0)
     argv = [sys.executable, "-m", "jobs.analyze"]
     for key, value in opts.items():
         flag = "--" + key.replace("_", "-")
@@ -145,12 +273,27 @@ def test_driver_killed_then_resumed(tmp_path, corpus, minilm_dir, clean, ray_loc
     killed_manifest = pd.read_json(out / "manifest.json", typ="series")
     assert killed_manifest["status"] == "running"  # nothing presents itself as complete
     assert not (out / "layers.parquet").exists()
-    done_before = len(list((out / "shards").glob("*.json")))
+    done_before = len(done_shards(out))
     assert 2 <= done_before < total
 
     manifest = analyze(build_config(None, opts), echo=lambda *_: None)
     assert manifest["shards"]["reused_from_checkpoints"] == done_before
     assert manifest["shards"]["computed"] == total - done_before
+    groups = CheckpointStore(str(out)).completed_groups()
+    assert len(groups) == total and all(len(g.shard_ids) == 1 for g in groups)
+    assert_same_tables(read_tables(out), read_tables(clean))
+
+    legacy = out / "shards"
+    legacy.mkdir()
+    for group in groups:
+        (shard_id,) = group.shard_ids
+        for suffix in (".safetensors", ".sample.safetensors"):
+            (out / "groups" / f"{group.group_id}{suffix}").rename(legacy / f"{shard_id}{suffix}")
+        (legacy / f"{shard_id}.json").write_text(json.dumps(group.counts.to_json()))
+        (out / "groups" / f"{group.group_id}.json").unlink()
+    manifest = analyze(build_config(None, opts), echo=lambda *_: None)
+    assert manifest["shards"]["reused_from_checkpoints"] == total
+    assert manifest["shards"]["computed"] == 0
     assert_same_tables(read_tables(out), read_tables(clean))
 
 

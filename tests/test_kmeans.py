@@ -6,17 +6,22 @@ import numpy as np
 import pytest
 from sklearn.cluster import KMeans
 from sklearn.datasets import load_digits, make_blobs
-from sklearn.metrics import silhouette_score
+from sklearn.metrics import pairwise_distances, silhouette_score
+from threadpoolctl import threadpool_limits
 
+import embgeom_ray.kmeans as kmeans_module
 from embgeom_ray.kmeans import (
+    LOCAL_FIT_MAX_ELEMENTS,
     Partition,
     combine_partials,
     fit,
+    fit_local,
     kmeans_parallel_init,
     lloyd_partial,
     partition,
     select_k,
     serial_map,
+    silhouette_from_distances,
 )
 
 
@@ -88,6 +93,111 @@ def test_select_k_follows_cai_et_al():
     assert strict.k == 1 and strict.silhouette == res.silhouette
 
 
+def test_silhouette_from_distances_equals_sklearn():
+    rng = np.random.default_rng(7)
+    X = np.vstack([rng.normal(size=(100, 5)) + 4 * i for i in range(3)])
+    D = pairwise_distances(X)
+    cases = {
+        "three blobs": np.repeat([5, 9, 2], 100),
+        "two labels": rng.integers(0, 2, 300),
+        "many labels, singletons": np.concatenate(
+            [rng.integers(0, 150, 250), 1000 + np.arange(50)]
+        ),
+        "n - 1 labels": np.concatenate([[0, 0], np.arange(1, 299)]),
+    }
+    for name, labels in cases.items():
+        ref = silhouette_score(D, labels, metric="precomputed")
+        np.testing.assert_allclose(
+            silhouette_from_distances(D, labels), ref, rtol=1e-12, err_msg=name
+        )
+    assert silhouette_from_distances(D, cases["three blobs"]) > 0.5
+    for bad in (np.zeros(300), np.arange(300)):
+        with pytest.raises(ValueError, match="labels"):
+            silhouette_from_distances(D, bad)
+
+
+def test_fit_local_is_sklearn_kmeans():
+    X, y = blobs(n=900, d=10, centers=4, seed=8, offset=50.0)
+    ours = fit_local(X, 4, n_init=3, seed=5)
+    ref = KMeans(4, n_init=3, random_state=5, algorithm="lloyd").fit(X)
+    np.testing.assert_array_equal(ours.labels, ref.labels_)
+    np.testing.assert_allclose(ours.centers, ref.cluster_centers_, rtol=1e-12)
+    assert ours.inertia == pytest.approx(ref.inertia_, rel=1e-12) and ours.n_iter == ref.n_iter_
+    # the blobs are found: labels are a relabelling of y
+    assert len({(a, b) for a, b in zip(ours.labels, y, strict=True)}) == 4
+    # float32 Lloyd: same clusters here, inertia recomputed in float64 for the returned centres
+    f32 = fit_local(X, 4, n_init=3, seed=5, dtype=np.float32)
+    np.testing.assert_array_equal(f32.labels, ours.labels)
+    np.testing.assert_allclose(((X - f32.centers[f32.labels]) ** 2).sum(), f32.inertia, rtol=1e-12)
+    np.testing.assert_allclose(f32.inertia, ours.inertia, rtol=1e-5)
+    with pytest.raises(ValueError, match="k must be"):
+        fit_local(X[:3], 4)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_select_k_small_sample_equals_independent_sklearn_computation(dtype):
+    """The fast path is Cai et al.'s selection with scikit-learn's KMeans on the centred points.
+
+    float32 is the default (Lloyd on the centred points cast to float32; inertias in float64).
+    """
+    X, y = blobs(n=1200, d=8, centers=4, seed=9, offset=-30.0)
+    assert X.size <= LOCAL_FIT_MAX_ELEMENTS
+    ks = range(2, 8)
+    kwargs = {} if dtype == np.float32 else {"local_dtype": dtype}
+    res = select_k(X, ks=ks, n_init=3, seed=2, **kwargs)
+    Xc = X - X.mean(axis=0)
+    fits = {k: KMeans(k, n_init=3, random_state=2).fit(Xc.astype(dtype)) for k in ks}
+    sils = {k: silhouette_score(X, f.labels_) for k, f in fits.items()}
+    assert res.k == max(sils, key=sils.get) == 4
+    assert sorted(res.silhouettes) == list(ks)
+    for k, f in fits.items():
+        np.testing.assert_allclose(res.silhouettes[k], sils[k], rtol=1e-10)
+        centers = f.cluster_centers_.astype(np.float64)
+        inertia = ((Xc - centers[f.labels_]) ** 2).sum()
+        np.testing.assert_allclose(res.inertias[k], inertia, rtol=1e-10)
+    np.testing.assert_allclose(res.silhouette, sils[4], rtol=1e-10)
+    assert res.silhouette > 0.7
+    np.testing.assert_array_equal(res.labels, fits[4].labels_)
+    np.testing.assert_allclose(res.centers, fits[4].cluster_centers_ + X.mean(axis=0), rtol=1e-10)
+    assert len({(a, b) for a, b in zip(res.labels, y, strict=True)}) == 4  # the true blobs
+
+
+def test_select_k_routes_by_sample_size(monkeypatch):
+    """n·d ≤ local_max_elements: fit_local only; above it (or with a map/partitions): fit only."""
+    calls = {"local": 0, "distributed": 0}
+
+    def spy(name, fn):
+        def wrapped(*args, **kwargs):
+            calls[name] += 1
+            return fn(*args, **kwargs)
+
+        return wrapped
+
+    monkeypatch.setattr(kmeans_module, "fit_local", spy("local", kmeans_module.fit_local))
+    monkeypatch.setattr(kmeans_module, "fit", spy("distributed", kmeans_module.fit))
+    X, _ = blobs(n=600, d=6, centers=3, seed=10)  # n·d = 3600
+    ks = range(2, 6)
+    expected = {
+        3600: {"local": 4, "distributed": 0},  # the threshold itself is small
+        3599: {"local": 0, "distributed": 4},
+        None: {"local": 0, "distributed": 4},
+    }
+    results = {}
+    for limit, want in expected.items():
+        calls.update(local=0, distributed=0)
+        results[limit] = select_k(X, ks=ks, n_init=2, seed=0, local_max_elements=limit)
+        assert calls == want, limit
+        assert results[limit].k == 3
+    # an explicit map (the Ray layer's) always takes the partitioned path
+    calls.update(local=0, distributed=0)
+    mapped = select_k(X, ks=ks, n_init=2, seed=0, map_fn=serial_map)
+    assert calls == {"local": 0, "distributed": 4}
+    np.testing.assert_allclose(mapped.inertias[4], results[None].inertias[4], rtol=1e-12)
+    # both routes find the same clusters on well separated blobs
+    np.testing.assert_allclose(results[3600].inertia, results[None].inertia, rtol=1e-9)
+    np.testing.assert_allclose(results[3600].silhouette, results[None].silhouette, rtol=1e-9)
+
+
 # ------------------------------------------------------------------- Ray layer
 @pytest.fixture(scope="module")
 def local_ray():
@@ -127,20 +237,56 @@ def test_distributed_kmeans_inertia_within_one_percent_of_sklearn(local_ray):
     assert isinstance(partition(blob, 2)[0], Partition)
 
 
-def test_fit_layers_on_ray_equals_serial_selection(local_ray):
+@pytest.mark.parametrize("local_max_elements", [LOCAL_FIT_MAX_ELEMENTS, None])
+def test_fit_layers_on_ray_equals_serial_selection(local_ray, local_max_elements):
+    """Both routes (one task per layer with sklearn; partitions and a Ray map) equal serial."""
     from embgeom_ray.ray_kmeans import fit_layers_on_ray
 
     by_layer = {
         0: blobs(n=600, d=6, centers=3, seed=5, offset=100.0)[0],
         3: blobs(n=600, d=6, centers=5, seed=6)[0],
     }
-    got = fit_layers_on_ray(by_layer, ks=range(2, 7), n_init=2, seed=1, n_partitions=2)
+    opts = {"ks": range(2, 7), "n_init": 2, "seed": 1, "local_max_elements": local_max_elements}
+    got = fit_layers_on_ray(by_layer, n_partitions=2, **opts)
     assert sorted(got) == [0, 3]
     assert got[0].k == 3 and got[3].k == 5
     for layer, X in by_layer.items():
-        serial = select_k(X, ks=range(2, 7), n_init=2, seed=1, n_partitions=2)
+        with threadpool_limits(1):  # as in the task
+            serial = select_k(X, n_partitions=2, **opts)
         assert got[layer].k == serial.k
         np.testing.assert_allclose(got[layer].inertia, serial.inertia, rtol=1e-8)
         np.testing.assert_allclose(got[layer].centers, serial.centers, rtol=1e-8)
         np.testing.assert_allclose(got[layer].silhouette, serial.silhouette, rtol=1e-8)
         assert got[layer].labels.shape == (len(X),)
+
+
+def test_fit_layers_on_ray_routes_each_layer_by_its_size(local_ray):
+    """A tiny threshold: layer 1 (n·d = 2400) one sklearn task, layer 2 (4800) the k-means|| map.
+
+    On structureless data with few Lloyd steps the two algorithms give different clusters, so
+    equality with the serial run of each route shows which one ran.
+    """
+    from embgeom_ray.ray_kmeans import fit_layers_on_ray, submit_layers_on_ray
+
+    rng = np.random.default_rng(11)
+    by_layer = {1: rng.normal(size=(400, 6)), 2: rng.normal(size=(800, 6)) + 3.0}
+    opts = {"ks": range(2, 5), "n_init": 1, "max_iter": 2, "seed": 3, "min_silhouette": 0.0}
+    got = fit_layers_on_ray(by_layer, local_max_elements=3000, n_partitions=3, **opts)
+    with threadpool_limits(1):
+        small_local = select_k(by_layer[1], local_max_elements=3000, **opts)
+        small_kmpar = select_k(by_layer[1], local_max_elements=None, n_partitions=3, **opts)
+    large_kmpar = select_k(by_layer[2], local_max_elements=None, n_partitions=3, **opts)
+    large_local = select_k(by_layer[2], local_max_elements=10**9, **opts)
+    for mine, other in ((small_local, small_kmpar), (large_kmpar, large_local)):
+        assert not np.allclose(list(mine.inertias.values()), list(other.inertias.values()))
+    for layer, ref in ((1, small_local), (2, large_kmpar)):
+        np.testing.assert_array_equal(got[layer].labels, ref.labels)
+        np.testing.assert_allclose(got[layer].centers, ref.centers, rtol=1e-9)
+        for k in opts["ks"]:
+            np.testing.assert_allclose(got[layer].inertias[k], ref.inertias[k], rtol=1e-9)
+            np.testing.assert_allclose(got[layer].silhouettes[k], ref.silhouettes[k], rtol=1e-9)
+    # the non-blocking form gives the same, as object refs
+    refs = submit_layers_on_ray(by_layer, local_max_elements=3000, n_partitions=3, **opts)
+    again = dict(zip(refs, local_ray.get(list(refs.values())), strict=True))
+    for layer in by_layer:
+        np.testing.assert_array_equal(again[layer].labels, got[layer].labels)

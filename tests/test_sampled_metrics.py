@@ -8,7 +8,7 @@ import numpy as np
 import pandas as pd
 import pytest
 import torch
-from sklearn.metrics import silhouette_score
+from sklearn.metrics import pairwise_distances, silhouette_score
 
 from embgeom_ray.kmeans import select_k
 from embgeom_ray.sampled_metrics import (
@@ -20,6 +20,7 @@ from embgeom_ray.sampled_metrics import (
     mean_pairwise_cosine,
     partition_isotropy,
     sampled_layer_metrics,
+    sampled_metrics_of_points,
     silhouette_by_labels,
 )
 from embgeom_ray.samples import ActivationSample
@@ -46,6 +47,27 @@ def test_lid_recovers_a_5_dim_subspace_in_384_dims(subspace):
     # invariant to scale, translation and duplicated points
     np.testing.assert_allclose(lid_mle(7.0 * X + 3.0, k=20), lid, rtol=1e-8)
     np.testing.assert_allclose(lid_mle(np.vstack([X, X[:50]]), k=20), lid, rtol=1e-12)
+
+
+def test_lid_from_a_shared_distance_matrix_equals_nearest_neighbors(subspace):
+    """``distances`` (e.g. the silhouette's matrix) gives the same neighbours, so the same LID."""
+    Z, Q = subspace
+    X = Z[:1500, :5] @ Q[:, :5].T + 2.0
+    D = pairwise_distances(X - X.mean(axis=0))
+    ref = lid_mle(X, k=20, per_point=True)
+    np.testing.assert_allclose(lid_mle(X, k=20, per_point=True, distances=D), ref, rtol=1e-12)
+    assert abs(float(np.mean(ref)) - 5.0) <= 0.5
+    np.testing.assert_allclose(
+        lid_mle(X, k=20, squared=True, distances=D), lid_mle(X, k=20, squared=True), rtol=1e-12
+    )
+    # duplicated rows are dropped from the matrix as from the points
+    Xd = np.vstack([X, X[:40]])
+    Dd = pairwise_distances(Xd)
+    np.testing.assert_allclose(lid_mle(Xd, k=20, per_point=True, distances=Dd), ref, rtol=1e-12)
+    with pytest.raises(ValueError, match="distances"):
+        lid_mle(X, metric="cosine", distances=D)
+    with pytest.raises(ValueError, match="distances"):
+        lid_mle(X, distances=D[:10, :10])
 
 
 def test_cosine_lid_on_curved_manifolds(subspace):
@@ -92,6 +114,16 @@ def test_silhouette_equals_sklearn():
     )
     assert np.isnan(silhouette_by_labels(X, np.zeros(240)))
     assert np.isnan(silhouette_by_labels(X, np.arange(240)))
+    # a shared distance matrix: the same value, with the label filter and the subsample
+    D = pairwise_distances(X - X.mean(axis=0))
+    for kwargs in ({}, {"min_label_count": 2}, {"min_label_count": 2, "max_points": 150}):
+        np.testing.assert_allclose(
+            silhouette_by_labels(X, tokens, distances=D, seed=4, **kwargs),
+            silhouette_by_labels(X, tokens, seed=4, **kwargs),
+            rtol=1e-12,
+            err_msg=str(kwargs),
+        )
+    assert np.isnan(silhouette_by_labels(X, np.zeros(240), distances=D))
 
 
 def test_partition_isotropy_is_one_for_isotropic_sets_and_never_overflows():
@@ -187,6 +219,17 @@ def test_sampled_layer_metrics_columns_and_values():
     np.testing.assert_allclose(row["s_inter_type_uniform"], brute_cos_mean(tp), rtol=1e-10)
     assert row["s_inter_type_uniform"] > 0.3 and abs(row["adjusted_s_inter"]) < 0.1
     assert 0.0 <= row["partition_isotropy"] <= row["partition_isotropy_centered"] <= 1.0
+    # silhouette by type (shared distance matrix) against sklearn on the types seen ≥ 2 times
+    tok = sample.points(4).token_ids
+    _, inv, counts = np.unique(tok, return_inverse=True, return_counts=True)
+    keep = counts[inv] >= 2
+    assert 100 < keep.sum() < len(X)
+    np.testing.assert_allclose(
+        row["silhouette_types"], silhouette_score(X[keep], tok[keep]), rtol=1e-10
+    )
+    # the same row from the layer's arrays (what the job's Ray tasks compute)
+    pts = sample.points(4)
+    assert sampled_metrics_of_points(pts.vectors, pts.token_ids, tp, km, lid_k=10) == row
     # K-means run here when no result is given
     assert sampled_layer_metrics(sample, 0, lid_k=10)["kmeans_k"] == 3
     with pytest.raises(ValueError, match="labels"):

@@ -266,6 +266,50 @@ def test_nonfinite_tokens_are_counted_and_excluded():
     np.testing.assert_allclose(stats.layer(1).mean, x.mean(0), rtol=1e-12)
 
 
+def test_nonfinite_rows_leave_every_other_statistic_exact():
+    """A NaN/inf token in one layer drops out of that layer only; the rest of the batch keeps
+    per-type moments, positions and tails equal to a two-pass computation on its finite rows."""
+    rng = np.random.default_rng(18)
+    h, ids, keep = make_batch(rng, n_layers=2, b=4, t=9, d=6, vocab=4)
+    h[1, 0, 2, 1] = np.nan
+    h[1, 3, 5, 4] = -np.inf
+    keep[0, 2] = keep[3, 5] = True
+    stats = fold(EmbeddingStatistics([0, 1], 6, max_positions=9), h, ids, keep)
+    good = keep.copy()
+    good[0, 2] = good[3, 5] = False
+    m = stats.layer(1)
+    assert m.nonfinite == 2 and m.n == int(good.sum())
+    x, tid = h[1][good], ids[good]
+    ref = two_pass(x, tid)
+    assert m.type_ids.tolist() == sorted(ref)
+    for k, t in enumerate(m.type_ids):
+        n, mu, v = ref[int(t)]
+        assert m.counts[k] == n
+        np.testing.assert_allclose(m.means[k], mu, rtol=1e-12)
+        np.testing.assert_allclose(type_variances(m)[k], v, rtol=1e-10, atol=1e-14)
+    pos = np.broadcast_to(np.arange(9), ids.shape)[good]
+    for q in np.unique(pos):
+        np.testing.assert_allclose(m.position_means[q], x[pos == q].mean(0), rtol=1e-12)
+    np.testing.assert_array_equal(m.argmax_counts, np.bincount(x.argmax(1), minlength=6))
+    assert stats.layer(0).n == int(keep.sum())
+
+
+@pytest.mark.parametrize("d", [1, 5, 96, 100, 385])
+@pytest.mark.parametrize("precision", ["float64", "float32"])
+def test_gram_block_triangle_equals_the_full_product(d, precision):
+    """The co-moment product multiplies only the upper block triangle and mirrors it."""
+    from embgeom_ray.statistics import gram
+
+    rng = np.random.default_rng(d)
+    x = rng.normal(size=(257, d)) * rng.uniform(0.1, 10.0, size=d)
+    g = gram(torch.as_tensor(x), precision, block=32).numpy()
+    ref = x.T @ x
+    assert g.dtype == np.float64
+    np.testing.assert_array_equal(g, g.T)
+    tol = 1e-13 if precision == "float64" else 1e-6
+    np.testing.assert_allclose(g, ref, rtol=0, atol=tol * np.abs(ref).max())
+
+
 def brute_cosines(x: np.ndarray, ids: np.ndarray):
     u = x / np.linalg.norm(x, axis=1, keepdims=True)
     c = u @ u.T

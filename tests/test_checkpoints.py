@@ -1,0 +1,134 @@
+"""Checkpoint groups on disk, without Ray or a model: layout, resume, exactly-once coverage."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from embgeom_ray.checkpoints import CheckpointStore, group_id_for
+from embgeom_ray.corpus import Shard, ShardPlan
+from embgeom_ray.errors import OutputError
+from embgeom_ray.extractor import ShardCounts
+from embgeom_ray.pipeline import reduce_groups
+from embgeom_ray.statistics import EmbeddingStatistics
+
+LAYERS, DIM = [0, 1], 4
+
+
+def plan(n: int) -> ShardPlan:
+    shards = [Shard(f"f0-b{i:04d}", "c.txt", "text", i, i + 1, 0) for i in range(n)]
+    return ShardPlan(shards, "fp", n, ["c.txt"])
+
+
+def shard_batch(i: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """One shard's hidden states (L, B, T, d) and token ids, different for every shard."""
+    rng = np.random.default_rng(i)
+    h = torch.tensor(rng.normal(3.0, 1.0, (len(LAYERS), 2, 5, DIM)))
+    ids = torch.tensor(rng.integers(0, 7, (2, 5)))
+    return h, ids
+
+
+def fold(shards: list[int]) -> EmbeddingStatistics:
+    stats = EmbeddingStatistics(LAYERS, DIM)
+    for i in shards:
+        stats.update(*shard_batch(i))
+    return stats
+
+
+def counts(tokens: int) -> ShardCounts:
+    return ShardCounts(documents=1, tokens=tokens)
+
+
+def started(tmp_path: Path, n: int = 5) -> CheckpointStore:
+    store = CheckpointStore(str(tmp_path / "out"))
+    store.start("fp", {}, plan(n), overwrite=False)
+    return store
+
+
+def ids(*idx: int) -> list[str]:
+    return [f"f0-b{i:04d}" for i in idx]
+
+
+def test_a_group_marks_its_shards_done_with_its_json(tmp_path):
+    store = started(tmp_path)
+    group = store.save_group(ids(3, 1), fold([1, 3]).to_bytes(), None, counts(20))
+    assert group.group_id == group_id_for(ids(1, 3)) == "f0-b0001-n2"
+    files = sorted(p.name for p in (tmp_path / "out" / "groups").iterdir())
+    assert files == ["f0-b0001-n2.json", "f0-b0001-n2.safetensors"]
+    saved = json.loads((tmp_path / "out" / "groups" / "f0-b0001-n2.json").read_text())
+    assert saved["shards"] == ids(1, 3) and saved["counts"]["tokens"] == 20
+    assert store.done_shards() == set(ids(1, 3))
+
+
+def test_half_written_group_is_ignored_then_cleaned_on_resume(tmp_path):
+    store = started(tmp_path)
+    store.save_group(ids(0), fold([0]).to_bytes(), b"sample", counts(10))
+    store.save_group(ids(1, 2), fold([1, 2]).to_bytes(), b"sample", counts(20))
+    groups = tmp_path / "out" / "groups"
+    (groups / "f0-b0001-n2.json").unlink()  # the driver died before the JSON
+    (groups / ".tmp-abc").write_bytes(b"partial")  # and in the middle of a write
+    assert store.done_shards() == set(ids(0))
+    _, resumed = CheckpointStore(str(tmp_path / "out")).start("fp", {}, plan(5), False)
+    assert resumed
+    assert sorted(p.name for p in groups.iterdir()) == [
+        "f0-b0000-n1.json",
+        "f0-b0000-n1.safetensors",
+        "f0-b0000-n1.sample.safetensors",
+    ]
+
+
+def test_groups_cover_the_plan_exactly_once(tmp_path):
+    store = started(tmp_path, 3)
+    store.save_group(ids(0, 1), fold([0, 1]).to_bytes(), None, counts(1))
+    with pytest.raises(OutputError, match="no checkpoint"):
+        store.groups_covering(ids(0, 1, 2))
+    store.save_group(ids(2), fold([2]).to_bytes(), None, counts(1))
+    assert [g.group_id for g in store.groups_covering(ids(0, 1, 2))] == [
+        "f0-b0000-n2",
+        "f0-b0002-n1",
+    ]
+    with pytest.raises(OutputError, match="not planned"):
+        store.groups_covering(ids(0, 1))
+    store.save_group(ids(1), fold([1]).to_bytes(), None, counts(1))  # never happens: a bug
+    with pytest.raises(OutputError, match="in groups f0-b0000-n2 and f0-b0001-n1"):
+        store.groups_covering(ids(0, 1, 2))
+
+
+def test_reduce_of_groups_equals_one_pass_and_reads_per_shard_checkpoints(tmp_path):
+    """Groups of several shards, and per-shard checkpoints of the earlier layout, reduce to
+    the statistics of one pass over every shard; counts add up exactly."""
+    store = started(tmp_path, 5)
+    store.save_group(ids(0, 3), fold([3, 0]).to_bytes(), None, counts(10))
+    store.save_group(ids(4), fold([4]).to_bytes(), None, counts(5))
+    legacy = tmp_path / "out" / "shards"
+    legacy.mkdir()
+    for i in (1, 2):
+        fold([i]).save(legacy / f"{ids(i)[0]}.safetensors")
+        (legacy / f"{ids(i)[0]}.json").write_text(json.dumps(counts(i).to_json()))
+    assert store.done_shards() == set(ids(0, 1, 2, 3, 4))
+    groups = store.groups_covering(ids(0, 1, 2, 3, 4))
+    assert [g.shard_ids[0] for g in groups] == ids(0, 1, 2, 4)
+    merged, sample, totals = reduce_groups(store, groups, EmbeddingStatistics(LAYERS, DIM), False)
+    assert sample is None and totals.tokens == 18 and totals.documents == 4
+    ref = fold([0, 1, 2, 3, 4])
+    for layer in LAYERS:
+        a, b = merged.layer(layer), ref.layer(layer)
+        np.testing.assert_array_equal(a.type_ids, b.type_ids)
+        np.testing.assert_array_equal(a.counts, b.counts)
+        np.testing.assert_allclose(a.means, b.means, rtol=1e-12)
+        np.testing.assert_allclose(a.m2, b.m2, rtol=1e-10)
+        np.testing.assert_allclose(a.comoment, b.comoment, rtol=1e-10)
+
+
+def test_checkpoints_without_run_json_are_refused(tmp_path):
+    store = started(tmp_path)
+    store.save_group(ids(0), fold([0]).to_bytes(), None, counts(1))
+    (tmp_path / "out" / "run.json").unlink()
+    with pytest.raises(OutputError, match=r"no run\.json"):
+        CheckpointStore(str(tmp_path / "out")).start("fp", {}, plan(5), overwrite=False)
+    CheckpointStore(str(tmp_path / "out")).start("fp", {}, plan(5), overwrite=True)
+    assert not (tmp_path / "out" / "groups").exists()
