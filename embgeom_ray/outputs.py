@@ -77,8 +77,11 @@ def write_run_report(out: str, manifest: dict[str, Any], echo=print) -> None:
 
     The measurement is already complete and saved: a failure here is reported, not raised.
     """
+    import time
+
     from .report import write_report
 
+    t0 = time.perf_counter()
     try:
         path = write_report(out)
     except Exception as exc:  # plotting must never lose a finished run
@@ -87,4 +90,5 @@ def write_run_report(out: str, manifest: dict[str, Any], echo=print) -> None:
     else:
         manifest["outputs"]["report"] = "report.html"
         echo(f"report: {path}")
+    manifest.setdefault("timings_s", {})["report"] = round(time.perf_counter() - t0, 3)
     write_manifest(out, manifest)

@@ -99,6 +99,9 @@ def test_minilm_on_real_english_equals_float64_reference(tmp_path, ray_local, mi
     assert on_disk["status"] == "complete" and on_disk["counts"]["tokens"] == int(
         ref["layers"]["n_tokens"].iloc[0]
     )
+    # the report is written after the tables and its time recorded with the other stages
+    assert on_disk["outputs"]["report"] == "report.html"
+    assert on_disk["timings_s"]["report"] > 0
 
 
 @pytest.mark.parametrize(

@@ -294,6 +294,16 @@ def test_nonfinite_rows_leave_every_other_statistic_exact():
     assert stats.layer(0).n == int(keep.sum())
 
 
+def test_tails_count_the_first_extreme_dimension_on_ties():
+    """argmax/argmin counts follow numpy's convention: a tie goes to the first dimension."""
+    h = np.array([[[1.0, 3.0, 3.0, 0.0], [2.0, 2.0, 2.0, 2.0], [-1.0, 0.0, -1.0, 5.0]]])
+    stats = fold(EmbeddingStatistics([0], 4), h[None], np.array([[1, 2, 3]]), np.ones((1, 3), bool))
+    m = stats.layer(0)
+    np.testing.assert_array_equal(m.argmax_counts, np.bincount(h[0].argmax(1), minlength=4))
+    np.testing.assert_array_equal(m.argmin_counts, np.bincount(h[0].argmin(1), minlength=4))
+    assert m.argmax_counts.tolist() == [1, 1, 0, 1] and m.argmin_counts.tolist() == [2, 0, 0, 1]
+
+
 @pytest.mark.parametrize("d", [1, 5, 96, 100, 385])
 @pytest.mark.parametrize("precision", ["float64", "float32"])
 def test_gram_block_triangle_equals_the_full_product(d, precision):
