@@ -114,53 +114,14 @@ def call_on_ray(fn: Callable[..., Any], *args: Any, cpus: int = 1, **kwargs: Any
 
 
 def fit_layers_on_ray(
-    samples_by_layer: Mapping[int, np.ndarray],
-    *,
-    ks: Iterable[int] = range(2, 16),
-    min_silhouette: float = 0.1,
-    n_init: int = 3,
-    max_iter: int = 300,
-    tol: float = 1e-4,
-    seed: int = 0,
-    silhouette_max_points: int | None = 4096,
-    n_partitions: int | None = None,
-    local_max_elements: int | None = LOCAL_FIT_MAX_ELEMENTS,
-    local_dtype: type[np.floating] = np.float32,
-    cpus_per_task: int = 1,
+    samples_by_layer: Mapping[int, np.ndarray], **options: Any
 ) -> dict[int, SelectKResult]:
     """Cai et al.'s K-means model selection for every layer, layers in parallel on Ray.
 
-    Args:
-        samples_by_layer: layer -> (n, d) sample points (e.g.
-            ``sample.points(layer).vectors``); labels in the result follow these rows.
-        ks, min_silhouette, n_init, max_iter, tol, seed, silhouette_max_points: as
-            :func:`embgeom_ray.kmeans.select_k` (the same seed for every layer).
-        n_partitions: partitions per layer on the distributed path (default
-            :func:`default_partitions`).
-        local_max_elements: a layer with n·d at most this is fitted in one task with
-            scikit-learn (:func:`~embgeom_ray.kmeans.fit_local`); larger ones, or all with
-            None, on the distributed k-means|| path (see the module docstring).
-        local_dtype: the dtype of those one-task fits' Lloyd iterations (as
-            :func:`~embgeom_ray.kmeans.select_k`; float32).
-        cpus_per_task: CPUs each one-task layer reserves, and its thread cap.
-
-    Returns:
-        layer -> :class:`~embgeom_ray.kmeans.SelectKResult` (centres in the input coordinates).
+    Waits for :func:`submit_layers_on_ray` (same arguments) and returns layer ->
+    :class:`~embgeom_ray.kmeans.SelectKResult` (centres in the input coordinates).
     """
-    refs = submit_layers_on_ray(
-        samples_by_layer,
-        ks=ks,
-        min_silhouette=min_silhouette,
-        n_init=n_init,
-        max_iter=max_iter,
-        tol=tol,
-        seed=seed,
-        silhouette_max_points=silhouette_max_points,
-        n_partitions=n_partitions,
-        local_max_elements=local_max_elements,
-        local_dtype=local_dtype,
-        cpus_per_task=cpus_per_task,
-    )
+    refs = submit_layers_on_ray(samples_by_layer, **options)
     return dict(zip(refs, ray.get(list(refs.values())), strict=True))
 
 
@@ -179,10 +140,28 @@ def submit_layers_on_ray(
     local_dtype: type[np.floating] = np.float32,
     cpus_per_task: int = 1,
 ) -> dict[int, ray.ObjectRef]:
-    """:func:`fit_layers_on_ray` without waiting: layer -> object ref of its ``SelectKResult``.
+    """Start Cai et al.'s K-means model selection for every layer, layers in parallel on Ray.
 
     Pass a layer's ref to :func:`call_on_ray` to run what needs its clusters as soon as they
     are ready, while other layers are still being fitted.
+
+    Args:
+        samples_by_layer: layer -> (n, d) sample points (e.g.
+            ``sample.points(layer).vectors``); labels in the result follow these rows.
+        ks, min_silhouette, n_init, max_iter, tol, seed, silhouette_max_points: as
+            :func:`embgeom_ray.kmeans.select_k` (the same seed for every layer).
+        n_partitions: partitions per layer on the distributed path (default
+            :func:`default_partitions`).
+        local_max_elements: a layer with n·d at most this is fitted in one task with
+            scikit-learn (:func:`~embgeom_ray.kmeans.fit_local`); larger ones, or all with
+            None, on the distributed k-means|| path (see the module docstring).
+        local_dtype: the dtype of those one-task fits' Lloyd iterations (as
+            :func:`~embgeom_ray.kmeans.select_k`; float32).
+        cpus_per_task: CPUs each one-task layer reserves, and its thread cap.
+
+    Returns:
+        layer -> object ref of its :class:`~embgeom_ray.kmeans.SelectKResult` (centres in the
+        input coordinates); :func:`fit_layers_on_ray` waits for them.
     """
     if not ray.is_initialized():
         raise RuntimeError("fit_layers_on_ray needs a running Ray (ray.init or connect first)")
