@@ -96,15 +96,7 @@ class CheckpointStore:
             raise OutputError(f"cannot write to the output directory {self.out}: {exc}") from None
 
     def load_run(self) -> dict[str, Any] | None:
-        path = self._path("run.json")
-        if not exists(path):
-            return None
-        try:
-            return json.loads(read_bytes(path))
-        except (OSError, ValueError) as exc:
-            raise OutputError(
-                f"{path} is unreadable ({exc}); use --overwrite to start over"
-            ) from None
+        return self._read_json("run.json") if exists(self._path("run.json")) else None
 
     def start(
         self, fingerprint: str, identity: dict[str, Any], plan: ShardPlan, overwrite: bool
@@ -168,13 +160,14 @@ class CheckpointStore:
         return stale
 
     # ------------------------------------------------------------------ reading
-    def _read_json(self, directory: str, name: str) -> dict[str, Any]:
-        path = self._path(directory, name)
+    def _read_json(self, *parts: str) -> dict[str, Any]:
+        """A JSON file of the store (``run.json``, a group's or shard's counts)."""
+        path = self._path(*parts)
         try:
             return json.loads(read_bytes(path))
         except (OSError, ValueError) as exc:
             raise OutputError(
-                f"checkpoint {path} is unreadable ({exc}); use --overwrite to start over"
+                f"{path} is unreadable ({exc}); use --overwrite to start over"
             ) from None
 
     def completed_groups(self) -> list[CheckpointGroup]:
