@@ -41,8 +41,8 @@ demo: env
 
 # The README's benchmark numbers (2-core machine, ~25 min); results in bench/results/*.json.
 bench: env
-	$(PY) -m bench.extraction --tokens 8000 --repeats 2
-	$(PY) -m bench.extraction --models minilm --tokens 40000 --repeats 2 --name extraction_minilm40k
+	$(PY) -m bench.extraction --tokens 8000 --repeats 3
+	$(PY) -m bench.extraction --models minilm --tokens 40000 --repeats 5 --name extraction_minilm40k
 	$(PY) -m bench.end_to_end --repeat 6
 	$(PY) -m bench.kmeans --sizes 1024,4096
 	$(PY) -m bench.kmeans --sizes 64 --ks 2 --no-serial --selection 4096 --name kmeans_selection

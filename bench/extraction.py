@@ -5,7 +5,7 @@ For each model, the same shard is processed alternately by
       output_hidden_states=True)``, hidden states discarded;
   (b) the extractor: :meth:`ShardProcessor.process` (tokenise, forward, fold every layer into
       the float64 statistics, plus the activation sample) — as configured by default, without
-      the sample, and with ``comoment_precision="float32"``,
+      the sample, and with ``comoment_precision="float64"``,
 same dtype, same threads, same process, ``--repeats`` times; the printed ratio is
 median(bare) / median(extractor) — the extractor's throughput as a fraction of the forward's.
 
@@ -49,9 +49,9 @@ def bench_model(name: str, model: str, corpus: str, args, workdir: Path) -> dict
     variants = {
         "extractor": {"sample_size": args.sample_size},
         "extractor_no_sample": {"sample_size": 0},
-        "extractor_f32_comoment": {
+        "extractor_f64_comoment": {
             "sample_size": args.sample_size,
-            "comoment_precision": "float32",
+            "comoment_precision": "float64",
         },
     }
     procs = {}

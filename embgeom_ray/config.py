@@ -71,7 +71,7 @@ class JobConfig(BaseModel):
     outlier_tail_share: float = Field(0.25, gt=0, le=1)
     clip_dims: list[int] | None = None
     clip_dims_from: str | None = None
-    comoment_precision: Literal["float64", "float32"] = "float64"
+    comoment_precision: Literal["float64", "float32"] = "float32"
     sample_size: int = Field(4096, ge=0, description="uniform sample per layer; 0 = no sample")
     sample_type_size: int | None = Field(None, ge=1)
     sample_seed: int = 0

@@ -145,6 +145,8 @@ def _first_of_runs(cols: Sequence[torch.Tensor], perm: torch.Tensor) -> torch.Te
 def _finite_rows(h: torch.Tensor) -> torch.Tensor:
     """``isfinite(h).all(-1)``, cheaply: a row whose sum is finite is finite; the rest (NaN,
     inf, or a sum that overflowed) are checked element by element."""
+    if bool(torch.isfinite(h.sum(dtype=torch.float32))):  # one vectorised reduction
+        return torch.ones(h.shape[:-1], dtype=torch.bool, device=h.device)
     finite = torch.isfinite(h.sum(dim=-1))
     if not bool(finite.all()):
         bad = ~finite
@@ -197,7 +199,8 @@ class _Table:
         cap = self.vec.shape[1]
         if needed <= cap:
             return
-        new_cap = min(max(needed, 2 * cap, 16), max(limit, needed))
+        # the table fills up within its first few batches: grow straight to the limit
+        new_cap = max(limit, needed)
         extra = new_cap - cap
         for k, c in self.cols.items():
             self.cols[k] = torch.cat([c, torch.zeros(extra, dtype=_I64, device=c.device)])

@@ -139,7 +139,7 @@ def build_parser() -> argparse.ArgumentParser:
     a(
         "--comoment-precision",
         choices=["float64", "float32"],
-        help="dtype of the per-batch centred co-moment product (covariance, IsoScore, dims std): float32 is ~2x faster on CPUs at ~1e-6 relative error; everything else stays float64 [default: float64]",
+        help="dtype of the per-batch product of the centred rows behind the covariance (IsoScore, PCA spectrum, dims std), accumulated in float64 either way: float32 (~1e-6 relative error on covariance entries) is ~2x faster on CPUs and up to 32x on GPUs with slow float64; float64 for the exact product. Every per-type statistic is float64 regardless [default: float32]",
     )
     a(
         "--sample-size",

@@ -127,7 +127,10 @@ def test_tiny_random_models_with_long_documents(tmp_path, ray_local, builder):
 
 def test_one_and_two_workers_agree(tmp_path, ray_local, minilm_dir):
     docs = english_documents(30, 400)
+    # the exact co-moment product: one and two workers agree to 1e-9 (the float32 default's
+    # product depends on the batch order through its shift: ~1e-8)
     opts = {"max_length": 48, "shard_bytes": 2048, "layers": [0, 3, 6]}
+    opts["comoment_precision"] = "float64"
     _, t1 = run_job(tmp_path, minilm_dir, docs, "w1", "c.jsonl", num_workers=1, **opts)
     m2, t2 = run_job(
         tmp_path, minilm_dir, docs, "w2", "c.jsonl", num_workers=2, cpus_per_worker=1, **opts
