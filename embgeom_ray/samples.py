@@ -179,6 +179,10 @@ _ARRAY_NAMES = {
 }
 
 
+#: gives the (L, len(sel), d) float32 vectors of the candidate entries ``sel``
+_Take = Callable[[torch.Tensor], torch.Tensor]
+
+
 class _Table:
     """Slot storage: int64 columns and (L, capacity, d) float32 vectors; ``n`` slots used.
 
@@ -201,12 +205,16 @@ class _Table:
             return
         # the table fills up within its first few batches: grow straight to the limit
         new_cap = max(limit, needed)
-        extra = new_cap - cap
+        # slots beyond ``n`` are never read: fresh storage need not be zeroed
         for k, c in self.cols.items():
-            self.cols[k] = torch.cat([c, torch.zeros(extra, dtype=_I64, device=c.device)])
-        shape = (self.vec.shape[0], extra, self.vec.shape[2])
-        pad = torch.zeros(shape, dtype=_F32, device=self.vec.device)
-        self.vec = torch.cat([self.vec, pad], dim=1)
+            grown = torch.empty(new_cap, dtype=_I64, device=c.device)
+            grown[:cap] = c
+            self.cols[k] = grown
+        vec = torch.empty(
+            self.vec.shape[0], new_cap, self.vec.shape[2], dtype=_F32, device=self.vec.device
+        )
+        vec[:, :cap] = self.vec
+        self.vec = vec
 
     def replace(
         self,
@@ -232,7 +240,7 @@ class _Table:
         self._reserve(n_new, limit)
         for k in self.names:
             self.cols[k][target] = new_cols[k].to(dev)
-        self.vec[:, target] = new_vec.to(dev)
+        self.vec.index_copy_(1, target, new_vec.to(dev))
         if n_new < self.n:
             # compact: move the used slots beyond n_new into the remaining freed ones
             used = torch.zeros(self.n, dtype=torch.bool, device=dev)
@@ -242,7 +250,7 @@ class _Table:
             low = torch.nonzero(~used[:n_new]).flatten()
             for k in self.names:
                 self.cols[k][low] = self.cols[k][high]
-            self.vec[:, low] = self.vec[:, high]
+            self.vec.index_copy_(1, low, self.vec.index_select(1, high))
         self.n = n_new
 
     def canonical(self, order_cols: Sequence[str]) -> torch.Tensor:
@@ -316,18 +324,27 @@ class ActivationSample:
         return self._t.n
 
     # ---------------------------------------------------------- folding
-    def _fold_uniform(self, cols: Mapping[str, torch.Tensor], vec: torch.Tensor) -> None:
-        """Bottom-``size`` of (current ∪ new) by (key, doc, window, position), duplicates once."""
+    def _fold_uniform(self, cols: Mapping[str, torch.Tensor], take: _Take) -> None:
+        """Bottom-``size`` of (current ∪ new) by (key, doc, window, position), duplicates once.
+
+        ``take(sel)`` gives the (L, len(sel), d) vectors of the new entries ``sel``: only the
+        entries that enter are gathered."""
         u, n = self._u, self._u.n
         allc = [torch.cat([u.used(k), cols[k].to(self.device)]) for k in _OCC]
         perm = _lexsort(allc)
         perm = perm[_first_of_runs(allc, perm)][: self.size]
         old = perm[perm < n]
         new = perm[perm >= n] - n
-        u.replace(old, {k: c[new.to(c.device)] for k, c in cols.items()}, vec[:, new], self.size)
+        u.replace(
+            old,
+            {k: c[new.to(c.device)] for k, c in cols.items()},
+            take(new),
+            self.size,
+        )
 
-    def _fold_types(self, cols: Mapping[str, torch.Tensor], vec: torch.Tensor) -> None:
-        """Per type the smallest occurrence; then the ``type_size`` types of smallest g(t)."""
+    def _fold_types(self, cols: Mapping[str, torch.Tensor], take: _Take) -> None:
+        """Per type the smallest occurrence; then the ``type_size`` types of smallest g(t)
+        (``take`` as in :meth:`_fold_uniform`)."""
         t, m = self._t, self._t.n
         allc = {k: torch.cat([t.used(k), cols[k].to(self.device)]) for k in _T_COLS}
         order = ("token", *_OCC)
@@ -338,7 +355,10 @@ class ActivationSample:
         old = perm[perm < m]
         new = perm[perm >= m] - m
         t.replace(
-            old, {k: c[new.to(c.device)] for k, c in cols.items()}, vec[:, new], self.type_size
+            old,
+            {k: c[new.to(c.device)] for k, c in cols.items()},
+            take(new),
+            self.type_size,
         )
 
     @torch.no_grad()
@@ -410,9 +430,10 @@ class ActivationSample:
         def gather(sel: torch.Tensor) -> torch.Tensor:
             """(L, len(sel), d) float32 vectors on ``dev`` (layers may live on other devices)."""
             idx = flat[sel]
-            return torch.stack(
-                [h.reshape(-1, self.dim)[idx.to(h.device)].to(dev, _F32) for h in hidden]
-            )
+            out = torch.empty(len(hidden), idx.numel(), self.dim, dtype=_F32, device=dev)
+            for li, h in enumerate(hidden):  # each layer straight into its slice: no stacking
+                out[li] = h.reshape(-1, self.dim).index_select(0, idx.to(h.device))
+            return out
 
         # uniform: candidates that can enter, reduced to the batch's own bottom-size first
         cand = torch.arange(flat.numel(), device=dev)
@@ -423,7 +444,7 @@ class ActivationSample:
             cc = [occ[k][cand] for k in _OCC]
             perm = _lexsort(cc)
             cand = cand[perm[_first_of_runs(cc, perm)][: self.size]]
-            self._fold_uniform({k: occ[k][cand] for k in _U_COLS}, gather(cand))
+            self._fold_uniform({k: occ[k][cand] for k in _U_COLS}, lambda s, c=cand: gather(c[s]))
 
         if self.type_uniform:
             occ["type_key"] = type_keys(self.seed, occ["token"])
@@ -436,7 +457,7 @@ class ActivationSample:
                 cand = cand[perm[_first_of_runs(cc[:1], perm)]]  # smallest occurrence per type
                 sel = _lexsort([occ["type_key"][cand], occ["token"][cand]])[: self.type_size]
                 cand = cand[sel]
-                self._fold_types({k: occ[k][cand] for k in _T_COLS}, gather(cand))
+                self._fold_types({k: occ[k][cand] for k in _T_COLS}, lambda s, c=cand: gather(c[s]))
 
     # ------------------------------------------------------------ merge
     def check_compatible(self, other: ActivationSample) -> None:
@@ -467,10 +488,12 @@ class ActivationSample:
             self.metadata.setdefault(key, value)
         u = other._u
         if u.n:
-            self._fold_uniform({k: u.used(k) for k in _U_COLS}, u.vec[:, : u.n].to(self.device))
+            vu = u.vec[:, : u.n].to(self.device)
+            self._fold_uniform({k: u.used(k) for k in _U_COLS}, lambda s: vu.index_select(1, s))
         t = other._t
         if t.n:
-            self._fold_types({k: t.used(k) for k in _T_COLS}, t.vec[:, : t.n].to(self.device))
+            vt = t.vec[:, : t.n].to(self.device)
+            self._fold_types({k: t.used(k) for k in _T_COLS}, lambda s: vt.index_select(1, s))
         return self
 
     # ------------------------------------------------------------ views
