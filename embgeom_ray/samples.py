@@ -203,8 +203,7 @@ class _Table:
         cap = self.vec.shape[1]
         if needed <= cap:
             return
-        # the table fills up within its first few batches: grow straight to the limit
-        new_cap = max(limit, needed)
+        new_cap = min(max(needed, 2 * cap, 16), max(limit, needed))
         # slots beyond ``n`` are never read: fresh storage need not be zeroed
         for k, c in self.cols.items():
             grown = torch.empty(new_cap, dtype=_I64, device=c.device)
