@@ -54,6 +54,10 @@ from .errors import StatisticsMismatchError
 FORMAT = "embgeom_ray.statistics"
 FORMAT_VERSION = 1
 _F64 = torch.float64
+#: rows per block of the fold on a CPU: a block's float64 copy (8·d bytes a row) and scratch
+#: stay in the cache while every per-row pass runs over it (~1.7x faster than whole batches
+#: at d = 384); on a GPU the fold takes the whole batch at once.
+CPU_ROW_BLOCK = 1024
 
 
 @dataclass(frozen=True)
@@ -104,33 +108,57 @@ def _chan_merge_mean_m2(
 
 
 class _Groups(NamedTuple):
-    """One batch's kept rows grouped by token type (the same in every layer)."""
+    """One batch's kept rows grouped by token type (the same in every layer).
 
-    slots: torch.Tensor  # (u,) slot of each distinct type in the batch
-    inv: torch.Tensor  # (n,) row -> index into ``slots``
-    row_slots: torch.Tensor  # (n,) row -> its type's slot (``slots[inv]``)
+    The rows are in slot order (``row_slots`` non-decreasing), so every per-type scatter
+    (``index_add_``) and gather writes and reads each destination row in one run: about half
+    the time of the same scatter over rows in corpus order, on CPUs.
+    """
+
+    slots: torch.Tensor  # (u,) slot of each distinct type in the batch, increasing
+    inv: torch.Tensor  # (n,) row -> index into ``slots`` (non-decreasing)
+    row_slots: torch.Tensor  # (n,) row -> its type's slot (``slots[inv]``, non-decreasing)
     counts: torch.Tensor  # (u,) rows per type
     pos: torch.Tensor | None  # (n,) position of each row in its window
     pos_counts: torch.Tensor | None  # (P,) rows per position
 
 
+def _column_blocks(d: int, block: int) -> list[int]:
+    """Edges of about ``block``-wide column blocks of d columns (at least one block)."""
+    k = max(1, round(d / block))
+    return [d * i // k for i in range(k + 1)]
+
+
+def add_gram_upper(upper: torch.Tensor, xs: torch.Tensor, block: int = 96) -> None:
+    """Add the upper block triangle of XᵀX (rows of ``xs``, multiplied in its dtype) to ``upper``.
+
+    With the columns split into k blocks X = [X_1 … X_k] of about ``block`` columns, block row
+    i is X_iᵀ [X_i … X_k]: (k + 1)/(2k) of the multiply-adds of ``xs.T @ xs`` (62% for
+    d = 384, 51% for d = 4096) in k large matrix products, each added to ``upper`` (float64)
+    in its own precision. Blocks strictly below the diagonal are left as they are;
+    :func:`symmetric_from_upper` makes the matrix.
+    """
+    for lo, hi in itertools.pairwise(_column_blocks(xs.shape[1], block)):
+        upper[lo:hi, lo:] += xs[:, lo:hi].T @ xs[:, lo:]  # block row: (hi − lo, d − lo)
+
+
+def symmetric_from_upper(upper: torch.Tensor) -> torch.Tensor:
+    """The symmetric matrix whose upper triangle (diagonal included) is ``upper``'s."""
+    upper = torch.triu(upper)  # diagonal blocks too: the result is exactly symmetric
+    return upper + torch.triu(upper, diagonal=1).T
+
+
 def gram(xs: torch.Tensor, block: int = 96) -> torch.Tensor:
     """XᵀX (d × d, float64) of the rows of ``xs`` (n × d), multiplied in ``xs``'s dtype.
 
-    XᵀX is symmetric, so only its upper block triangle is multiplied: with the columns split
-    into k blocks X = [X_1 … X_k] of about ``block`` columns, block row i is X_iᵀ [X_i … X_k],
-    and the lower triangle is mirrored. That is (k + 1)/(2k) of the multiply-adds of
-    ``xs.T @ xs`` (62% for d = 384, 51% for d = 4096) in k large matrix products. Pass
-    float32 rows (already centred) for the ``comoment_precision="float32"`` product.
+    XᵀX is symmetric, so only its upper block triangle is multiplied
+    (:func:`add_gram_upper`) and the lower triangle is mirrored. Pass float32 rows (already
+    centred) for the ``comoment_precision="float32"`` product.
     """
     d = xs.shape[1]
-    k = max(1, round(d / block))
-    edges = [d * i // k for i in range(k + 1)]
     upper = torch.zeros(d, d, dtype=_F64, device=xs.device)
-    for lo, hi in itertools.pairwise(edges):
-        upper[lo:hi, lo:] = xs[:, lo:hi].T @ xs[:, lo:]  # block row: (hi − lo, d − lo)
-    upper = torch.triu(upper)  # diagonal blocks too: the result is exactly symmetric
-    return upper + torch.triu(upper, diagonal=1).T
+    add_gram_upper(upper, xs, block)
+    return symmetric_from_upper(upper)
 
 
 def extreme_counts(x: torch.Tensor, which: str, scratch: torch.Tensor) -> torch.Tensor:
@@ -385,18 +413,29 @@ class EmbeddingStatistics:
                     f"position {int(pos.max())} outside 0..{self.max_positions - 1}; "
                     "raise max_positions to the job's max_length"
                 )
-        # the grouping of rows by type is the same in every layer: computed once per batch
-        groups = self._group(ids, pos)
+        # the grouping of rows by type is the same in every layer: computed once per batch,
+        # and the rows are taken in its order
+        groups, order = self._group(ids, pos)
+        rows = rows.index_select(0, order)
         for li, h in enumerate(hidden):
             kept = h.to(dev).reshape(-1, self.dim).index_select(0, rows)  # the model's dtype
             self._fold_layer(li, kept, groups)
 
-    def _group(self, ids: torch.Tensor, pos: torch.Tensor | None) -> _Groups:
+    def _group(self, ids: torch.Tensor, pos: torch.Tensor | None) -> tuple[_Groups, torch.Tensor]:
+        """(groups of the rows taken in ``order``, ``order``): rows sorted by slot (stable)."""
         uniq, inv = torch.unique(ids, return_inverse=True)
-        counts = torch.bincount(inv, minlength=uniq.numel())
+        row_slots, order = torch.sort(self._slots_for(uniq)[inv], stable=True)
+        return self._groups_of(
+            row_slots, None if pos is None else pos.index_select(0, order)
+        ), order
+
+    def _groups_of(self, row_slots: torch.Tensor, pos: torch.Tensor | None) -> _Groups:
+        """The groups of rows whose slots ``row_slots`` are non-decreasing."""
+        slots, inv, counts = torch.unique_consecutive(
+            row_slots, return_inverse=True, return_counts=True
+        )
         pos_counts = None if pos is None else torch.bincount(pos, minlength=self.max_positions)
-        slots = self._slots_for(uniq)
-        return _Groups(slots, inv, slots[inv], counts, pos, pos_counts)
+        return _Groups(slots, inv, row_slots, counts, pos, pos_counts)
 
     def _workspace(self, name: str, n: int, dtype: torch.dtype = _F64) -> torch.Tensor:
         """An (n, d) scratch buffer, reused across batches (no per-batch allocation)."""
@@ -419,59 +458,91 @@ class EmbeddingStatistics:
         if bool(finite.all()):
             return kept, g
         self._nonfinite[li] += int((~finite).sum())
-        kept = kept[finite]
-        ids = self._slot_ids[g.slots][g.inv[finite]]
-        return kept, self._group(ids, None if g.pos is None else g.pos[finite])
+        pos = None if g.pos is None else g.pos[finite]
+        return kept[finite], self._groups_of(g.row_slots[finite], pos)
+
+    def _row_blocks(self, n: int) -> list[tuple[int, int]]:
+        """Row ranges the fold walks through: :data:`CPU_ROW_BLOCK` rows on a CPU, else all."""
+        step = CPU_ROW_BLOCK if self.device.type == "cpu" else max(n, 1)
+        return [(a, min(a + step, n)) for a in range(0, n, step)]
 
     def _fold_layer(self, li: int, kept: torch.Tensor, g: _Groups) -> None:
-        """Fold the kept rows ``kept`` (n, d, the model's dtype) of layer slot ``li``."""
+        """Fold the kept rows ``kept`` (n, d, the model's dtype) of layer slot ``li``.
+
+        Two passes over blocks of rows (:meth:`_row_blocks`), each block converted to float64
+        where it is used: (1) tails, per-type sums, unit-vector sums, position sums; (2) per
+        type the deviations from the type's batch mean (M2), and the co-moment product. On a
+        CPU a block's float64 copy and scratch stay in cache across the passes made over it.
+        """
         kept, g = self._finite_rows(li, kept, g)
         n, d, u = kept.shape[0], self.dim, g.slots.numel()
         if n == 0:
             return
         dev = kept.device
-        hits = self._workspace("hits", n, torch.float32)  # 0/1 sums, exact below 2^24 rows
-        self._argmax[li] += extreme_counts(kept, "max", hits)
-        self._argmin[li] += extreme_counts(kept, "min", hits)
-        x = self._workspace("x", n).copy_(kept)  # float64 from here on
-        mean_b = torch.zeros(u, d, dtype=_F64, device=dev).index_add_(0, g.inv, x)
+        blocks = self._row_blocks(n)
+        rows = blocks[0][1]
+        hits = self._workspace("hits", rows, torch.float32)  # 0/1 sums, exact below 2^24 rows
+        mean_b = torch.zeros(u, d, dtype=_F64, device=dev)
+        ps = None if g.pos is None else torch.zeros(self.max_positions, d, dtype=_F64, device=dev)
+        for a, b in blocks:
+            k = kept[a:b]
+            self._argmax[li] += extreme_counts(k, "max", hits[: b - a])
+            self._argmin[li] += extreme_counts(k, "min", hits[: b - a])
+            x = self._workspace("x", rows)[: b - a].copy_(k)  # float64 from here on
+            mean_b.index_add_(0, g.inv[a:b], x)
+            self._add_unit_sums(self._unit_sums[li], x, g.row_slots[a:b], None)
+            if self.clip_dims is not None:
+                self._add_unit_sums(self._clip_unit_sums[li], x, g.row_slots[a:b], self.clip_dims)
+            if ps is not None:
+                ps.index_add_(0, g.pos[a:b], x)
         x_mean = mean_b.sum(dim=0) / n  # the batch's mean, from its per-type sums
         mean_b /= g.counts.to(_F64).unsqueeze(1)
-        # per type, a second pass over the batch, centred on the type's own batch mean: a type
+        if ps is not None:
+            self._merge_positions(li, g.pos_counts, ps)
+
+        # Per type, a second pass over the batch, centred on the type's own batch mean: a type
         # far from the layer mean with little spread (GPT-2's first-position massive
         # activations) keeps full precision, and identical occurrences give exactly 0 (their
-        # means are exact in x, so Chan's cross term between batches is 0 too)
-        dev_rows = torch.index_select(mean_b, 0, g.inv, out=self._workspace("tmp", n)).sub_(x)
-        dev_sq = torch.linalg.vector_norm(dev_rows, dim=1).square_()
-        m2_b = torch.zeros(u, dtype=_F64, device=dev).index_add_(0, g.inv, dev_sq)
-        self._merge_types(li, g.slots, g.counts, mean_b, m2_b)
-        self._add_unit_sums(self._unit_sums[li], x, g, None)
-        if self.clip_dims is not None:
-            self._add_unit_sums(self._clip_unit_sums[li], x, g, self.clip_dims)
-        if g.pos is not None:
-            ps = torch.zeros(self.max_positions, d, dtype=_F64, device=dev)
-            self._merge_positions(li, g.pos_counts, ps.index_add_(0, g.pos, x))
-
-        # Shift by c, the layer's running mean (the batch mean for the first batch): x' = x − c
-        # is centred up to the between-type spread, so the layer's one-pass co-moment
-        # X'ᵀX' − n m'm'ᵀ cancels only O(||μ_b − μ||² / V) digits, not ||μ||² / V. In float32
-        # the shift is c rounded to float32 (any shift is exact; this one makes x' = x − c one
-        # correctly rounded float32 subtraction of the model's own float32 values).
+        # means are exact in x, so Chan's cross term between batches is 0 too).
+        # The co-moment: shift by c, the layer's running mean (the batch mean for the first
+        # batch): x' = x − c is centred up to the between-type spread, so the layer's one-pass
+        # co-moment X'ᵀX' − n m'm'ᵀ cancels only O(||μ_b − μ||² / V) digits, not ||μ||² / V.
+        # In float32 the shift is c rounded to float32 (any shift is exact; this one makes
+        # x' = x − c one correctly rounded float32 subtraction of the model's own values);
+        # each block's float32 product is added to the float64 sum.
         c = self._mean[li].clone() if int(self._n[li]) > 0 else x_mean
-        if self.comoment_precision == "float32":
+        f32 = self.comoment_precision == "float32"
+        if f32:
             c = c.to(torch.float32).to(_F64)
-            xs = torch.sub(kept, c.to(torch.float32), out=self._workspace("xs", n, torch.float32))
-        else:
-            xs = x.sub_(c)  # x is not needed any more: centre in place
+            c32 = c.to(torch.float32)
+        m2_b = torch.zeros(u, dtype=_F64, device=dev)
+        upper = torch.zeros(d, d, dtype=_F64, device=dev)
+        for a, b in blocks:
+            x = self._workspace("x", rows)[: b - a].copy_(kept[a:b])
+            dev_rows = self._workspace("tmp", rows)[: b - a]
+            torch.index_select(mean_b, 0, g.inv[a:b], out=dev_rows).sub_(x)
+            m2_b.index_add_(0, g.inv[a:b], torch.linalg.vector_norm(dev_rows, dim=1).square_())
+            if f32:
+                xs = torch.sub(
+                    kept[a:b], c32, out=self._workspace("xs", rows, torch.float32)[: b - a]
+                )
+            else:
+                xs = x.sub_(c)  # x is not needed any more: centre in place
+            add_gram_upper(upper, xs)
+        self._merge_types(li, g.slots, g.counts, mean_b, m2_b)
         m_s = x_mean - c  # mean of x' (small)
-        c_b = gram(xs) - torch.outer(m_s, m_s) * n
+        c_b = symmetric_from_upper(upper) - torch.outer(m_s, m_s) * n
         self._merge_layer(li, torch.tensor(n, dtype=torch.int64, device=dev), c + m_s, c_b)
 
     def _add_unit_sums(
-        self, sums: torch.Tensor, x: torch.Tensor, g: _Groups, clip_dims: list[int] | None
+        self,
+        sums: torch.Tensor,
+        x: torch.Tensor,
+        row_slots: torch.Tensor,
+        clip_dims: list[int] | None,
     ) -> None:
-        """Add Σ x/||x|| per type into ``sums`` (slots × d) straight from the rows; with
-        ``clip_dims``, of x with those dimensions zeroed."""
+        """Add Σ x/||x|| per type into ``sums`` (slots × d) straight from the rows ``x`` (each
+        to its slot in ``row_slots``); with ``clip_dims``, of x with those dimensions zeroed."""
         unit = self._workspace("tmp", x.shape[0])
         if clip_dims is None:
             norms = torch.linalg.vector_norm(x, dim=1, keepdim=True)
@@ -480,7 +551,7 @@ class EmbeddingStatistics:
             unit.copy_(x)[:, clip_dims] = 0.0
             norms = torch.linalg.vector_norm(unit, dim=1, keepdim=True)
             unit.div_(norms.clamp_min_(torch.finfo(_F64).tiny))
-        sums.index_add_(0, g.row_slots, unit)
+        sums.index_add_(0, row_slots, unit)
 
     # ---------------------------------------------------------------- merge
     def check_compatible(self, other: EmbeddingStatistics) -> None:

@@ -8,6 +8,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from embgeom_ray import statistics as statistics_module
 from embgeom_ray.errors import StatisticsMismatchError
 from embgeom_ray.metrics import (
     cosine_metrics,
@@ -20,6 +21,16 @@ from embgeom_ray.metrics import (
     variance_decomposition,
 )
 from embgeom_ray.statistics import EmbeddingStatistics
+
+
+@pytest.fixture(autouse=True, scope="module", params=["one block", "blocks of 5 rows"])
+def row_block(request):
+    """Every test twice: batches folded in one block of rows, and in many blocks of 5 rows
+    (the CPU fold walks blocks of ``CPU_ROW_BLOCK`` rows; its tests' batches are smaller)."""
+    saved = statistics_module.CPU_ROW_BLOCK
+    statistics_module.CPU_ROW_BLOCK = 5 if request.param == "blocks of 5 rows" else 1 << 30
+    yield request.param
+    statistics_module.CPU_ROW_BLOCK = saved
 
 
 def make_batch(rng: np.random.Generator, n_layers=2, b=3, t=7, d=5, vocab=6, offset=0.0):
