@@ -13,6 +13,7 @@ import platform
 from datetime import UTC, datetime
 from typing import Any
 
+import numpy as np
 import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -24,11 +25,40 @@ STATISTICS = "statistics.safetensors"
 SAMPLE = "sample.safetensors"
 
 
+#: tables written with one Parquet row group per run of equal values of these columns, so a
+#: reader filtering on them (``filters=[("layer", "=", 3)]``, as the report's PCA views do)
+#: decodes only the matching groups, not every layer's vectors.
+ROW_GROUP_KEYS: dict[str, tuple[str, ...]] = {"samples": ("layer", "sample")}
+
+
+def _runs(df: pd.DataFrame, keys: tuple[str, ...]) -> list[tuple[int, int]]:
+    """(start, length) of the runs of consecutive rows with equal values in ``keys``."""
+    if not len(df):
+        return [(0, 0)]
+    change = np.zeros(len(df), dtype=bool)
+    change[0] = True
+    for key in keys:
+        col = df[key].to_numpy()
+        change[1:] |= col[1:] != col[:-1]
+    starts = np.flatnonzero(change)
+    ends = np.append(starts[1:], len(df))
+    return [(int(a), int(b - a)) for a, b in zip(starts, ends, strict=True)]
+
+
 def write_table(out: str, name: str, df: pd.DataFrame) -> str:
-    """Write ``df`` as ``OUT/name.parquet`` atomically; returns the file name."""
+    """Write ``df`` as ``OUT/name.parquet`` atomically; returns the file name.
+
+    Tables named in :data:`ROW_GROUP_KEYS` get one row group per run of their keys.
+    """
     table = pa.Table.from_pandas(df, preserve_index=False)
     buf = io.BytesIO()
-    pq.write_table(table, buf, compression="zstd")
+    keys = ROW_GROUP_KEYS.get(name, ())
+    if keys and all(k in df.columns for k in keys):
+        with pq.ParquetWriter(buf, table.schema, compression="zstd") as writer:
+            for start, length in _runs(df, keys):
+                writer.write_table(table.slice(start, length))
+    else:
+        pq.write_table(table, buf, compression="zstd")
     atomic_write_bytes(join(out, f"{name}.parquet"), buf.getvalue())
     return f"{name}.parquet"
 

@@ -1,0 +1,51 @@
+"""Output tables: what a reader of the Parquet files relies on."""
+
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+import pyarrow.parquet as pq
+
+from embgeom_ray.outputs import write_table
+
+
+def test_samples_have_one_row_group_per_layer_and_sample(tmp_path):
+    """A reader filtering one layer's sample decodes only that row group; the rows round-trip."""
+    rng = np.random.default_rng(0)
+    frames = []
+    for layer in (0, 3, 6):
+        for sample, n in (("uniform", 7), ("type_uniform", 4)):
+            frames.append(
+                pd.DataFrame(
+                    {
+                        "layer": np.full(n, layer, dtype=np.int64),
+                        "sample": [sample] * n,
+                        "token_id": rng.integers(0, 100, n),
+                        "vector": list(rng.normal(size=(n, 5)).astype(np.float32)),
+                    }
+                )
+            )
+    df = pd.concat(frames, ignore_index=True)
+    write_table(str(tmp_path), "samples", df)
+    write_table(str(tmp_path), "other", df)
+    meta = pq.ParquetFile(tmp_path / "samples.parquet").metadata
+    assert meta.num_row_groups == 6
+    assert pq.ParquetFile(tmp_path / "other.parquet").metadata.num_row_groups == 1
+    seen = []
+    for g in range(meta.num_row_groups):
+        group = pq.ParquetFile(tmp_path / "samples.parquet").read_row_group(g).to_pandas()
+        assert group["layer"].nunique() == 1 and group["sample"].nunique() == 1
+        seen.append((int(group["layer"][0]), group["sample"][0], len(group)))
+    assert seen == [
+        (la, s, n) for la in (0, 3, 6) for s, n in (("uniform", 7), ("type_uniform", 4))
+    ]
+    back = pd.read_parquet(tmp_path / "samples.parquet")
+    pd.testing.assert_frame_equal(back.drop(columns="vector"), df.drop(columns="vector"))
+    np.testing.assert_array_equal(np.stack(back["vector"]), np.stack(df["vector"]))
+    one = pq.read_table(
+        tmp_path / "samples.parquet", filters=[("layer", "=", 3), ("sample", "=", "uniform")]
+    ).to_pandas()
+    np.testing.assert_array_equal(np.stack(one["vector"]), np.stack(df["vector"][11:18]))
+    # an empty table is still a valid file with the columns
+    write_table(str(tmp_path), "samples", df.iloc[:0])
+    assert pd.read_parquet(tmp_path / "samples.parquet").columns.tolist() == df.columns.tolist()
