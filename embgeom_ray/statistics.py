@@ -480,15 +480,15 @@ class EmbeddingStatistics:
             return
         dev = kept.device
         blocks = self._row_blocks(n)
-        rows = blocks[0][1]
-        hits = self._workspace("hits", rows, torch.float32)  # 0/1 sums, exact below 2^24 rows
+        block = blocks[0][1]  # rows of the first (largest) block: the scratch buffers' size
+        hits = self._workspace("hits", block, torch.float32)  # 0/1 sums, exact below 2^24 rows
         mean_b = torch.zeros(u, d, dtype=_F64, device=dev)
         ps = None if g.pos is None else torch.zeros(self.max_positions, d, dtype=_F64, device=dev)
         for a, b in blocks:
             k = kept[a:b]
             self._argmax[li] += extreme_counts(k, "max", hits[: b - a])
             self._argmin[li] += extreme_counts(k, "min", hits[: b - a])
-            x = self._workspace("x", rows)[: b - a].copy_(k)  # float64 from here on
+            x = self._workspace("x", block)[: b - a].copy_(k)  # float64 from here on
             mean_b.index_add_(0, g.inv[a:b], x)
             self._add_unit_sums(self._unit_sums[li], x, g.row_slots[a:b], None)
             if self.clip_dims is not None:
@@ -518,13 +518,13 @@ class EmbeddingStatistics:
         m2_b = torch.zeros(u, dtype=_F64, device=dev)
         upper = torch.zeros(d, d, dtype=_F64, device=dev)
         for a, b in blocks:
-            x = self._workspace("x", rows)[: b - a].copy_(kept[a:b])
-            dev_rows = self._workspace("tmp", rows)[: b - a]
+            x = self._workspace("x", block)[: b - a].copy_(kept[a:b])
+            dev_rows = self._workspace("tmp", block)[: b - a]
             torch.index_select(mean_b, 0, g.inv[a:b], out=dev_rows).sub_(x)
             m2_b.index_add_(0, g.inv[a:b], torch.linalg.vector_norm(dev_rows, dim=1).square_())
             if f32:
                 xs = torch.sub(
-                    kept[a:b], c32, out=self._workspace("xs", rows, torch.float32)[: b - a]
+                    kept[a:b], c32, out=self._workspace("xs", block, torch.float32)[: b - a]
                 )
             else:
                 xs = x.sub_(c)  # x is not needed any more: centre in place
