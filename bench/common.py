@@ -47,7 +47,7 @@ def random_bert_dir(path: Path, layers: int = 12, hidden: int = 768) -> str:
 
 def english_jsonl(path: Path, repeat: int = 1) -> str:
     """The demo corpus (Python Language Reference prose), ``repeat`` times over."""
-    from embgeom_ray.demo_corpus import python_docs_documents
+    from embgeom_ray.inputs.demo_corpus import python_docs_documents
 
     docs = python_docs_documents()
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -49,9 +49,9 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(threads)
 
     from embgeom_ray.config import build_config
-    from embgeom_ray.corpus import CorpusSpec, plan_shards
-    from embgeom_ray.extractor import ShardProcessor
-    from embgeom_ray.model_loading import resolve_identity, resolve_layers
+    from embgeom_ray.inputs.corpus import CorpusSpec, plan_shards
+    from embgeom_ray.inputs.extractor import ShardProcessor
+    from embgeom_ray.inputs.model_loading import resolve_identity, resolve_layers
 
     identity, _ = resolve_identity(model, None, False)
     layers = resolve_layers(None, identity.num_layers)

@@ -25,8 +25,8 @@ from bench.common import english_jsonl, median, minilm_dir, random_bert_dir, sav
 
 def bare_forward(proc, shard) -> int:
     """Tokenise and batch exactly as the extractor does, run the model, discard the output."""
-    from embgeom_ray.corpus import ReadReport, read_shard
-    from embgeom_ray.extractor import ShardCounts
+    from embgeom_ray.inputs.corpus import ReadReport, read_shard
+    from embgeom_ray.inputs.extractor import ShardCounts
 
     counts = ShardCounts()
     tokens = 0
@@ -40,9 +40,9 @@ def bare_forward(proc, shard) -> int:
 
 def bench_model(name: str, model: str, corpus: str, args, workdir: Path) -> dict:
     from embgeom_ray.config import build_config
-    from embgeom_ray.corpus import CorpusSpec, plan_shards
-    from embgeom_ray.extractor import ShardProcessor
-    from embgeom_ray.model_loading import resolve_identity, resolve_layers
+    from embgeom_ray.inputs.corpus import CorpusSpec, plan_shards
+    from embgeom_ray.inputs.extractor import ShardProcessor
+    from embgeom_ray.inputs.model_loading import resolve_identity, resolve_layers
 
     identity, _ = resolve_identity(model, None, False)
     layers = resolve_layers(None, identity.num_layers)

@@ -2,12 +2,12 @@
 
 The points are MiniLM's hidden states at one middle layer (``--layer``, default 3 of 0..6) of
 occurrences drawn uniformly from the demo corpus (the Python Language Reference prose): the
-extractor's own bottom-k sample (:class:`~embgeom_ray.samples.ActivationSample`) of
+extractor's own bottom-k sample (:class:`~embgeom_ray.core.samples.ActivationSample`) of
 ``max(--sizes)`` occurrences; a size n uses the n occurrences with the smallest keys, itself a
 uniform sample. For every size n and every k in ``--ks``, the same float64 points are fitted by
-  (a) ours: :func:`embgeom_ray.ray_kmeans.fit_on_ray` on a local Ray of ``--cpus`` CPUs
+  (a) ours: :func:`embgeom_ray.distributed.kmeans.fit_on_ray` on a local Ray of ``--cpus`` CPUs
       (k-means|| initialisation, Lloyd with one Ray task per partition per pass);
-  (b) ours, serial: :func:`embgeom_ray.kmeans.fit` with its in-process map (the same
+  (b) ours, serial: :func:`embgeom_ray.core.kmeans.fit` with its in-process map (the same
       algorithm without Ray: separates the algorithm's cost from Ray's overhead);
   (c) ``sklearn.cluster.KMeans(n_clusters=k, n_init=..., random_state=seed)`` (k-means++,
       Lloyd, its OpenMP threads),
@@ -19,12 +19,12 @@ every repeat, so the inertias are those of one fit) and median wall time (< 1 is
 ``--n-init`` initialisations, silhouettes on the shared distance matrix) for every MiniLM
 layer (0..6) on the same bottom-k sample of N occurrences, on the same local Ray, alternately
 ``--selection-repeats`` times:
-  (d) distributed: :func:`embgeom_ray.ray_kmeans.fit_layers_on_ray` with
+  (d) distributed: :func:`embgeom_ray.distributed.kmeans.fit_layers_on_ray` with
       ``local_max_elements=None``, the k-means|| map with one Ray task per partition per pass
       (the job's only route before samples this small were fitted in one task);
   (e) one task per layer: the same call with its default threshold, scikit-learn's KMeans in
       one single-threaded Ray task per layer (the job's route for such samples);
-  (f) the stage: :func:`embgeom_ray.pipeline.add_sampled_metrics` as the job runs it — (e)
+  (f) the stage: :func:`embgeom_ray.runs.pipeline.add_sampled_metrics` as the job runs it — (e)
       plus every layer's other sampled metrics (LID, silhouette by type, cluster-adjusted
       metrics, partition isotropy, clipped cosines) in Ray tasks that start as each layer's
       clusters are ready.
@@ -59,8 +59,8 @@ def minilm_points(n: int, layer: int, work: Path, seed: int = 0) -> np.ndarray:
 def minilm_sample(n: int, layers: list[int], work: Path, seed: int = 0):
     """The extractor's bottom-k :class:`ActivationSample` of n MiniLM occurrences at ``layers``."""
     from embgeom_ray.config import build_config
-    from embgeom_ray.corpus import CorpusSpec, plan_shards
-    from embgeom_ray.extractor import ShardProcessor
+    from embgeom_ray.inputs.corpus import CorpusSpec, plan_shards
+    from embgeom_ray.inputs.extractor import ShardProcessor
 
     full = Path(english_jsonl(work / "full.jsonl"))
     # a prefix of about 2n tokens (~5 characters per token in this prose), so that the
@@ -97,8 +97,8 @@ def minilm_sample(n: int, layers: list[int], work: Path, seed: int = 0):
 def bench_case(X: np.ndarray, k: int, args) -> dict:
     from sklearn.cluster import KMeans
 
-    from embgeom_ray.kmeans import fit
-    from embgeom_ray.ray_kmeans import fit_on_ray
+    from embgeom_ray.core.kmeans import fit
+    from embgeom_ray.distributed.kmeans import fit_on_ray
 
     opts = {"n_init": args.n_init, "max_iter": args.max_iter, "tol": args.tol}
     runs = {
@@ -148,8 +148,8 @@ def bench_selection(sample, args) -> dict:
     import pandas as pd
 
     from embgeom_ray.config import build_config
-    from embgeom_ray.pipeline import add_sampled_metrics
-    from embgeom_ray.ray_kmeans import fit_layers_on_ray
+    from embgeom_ray.distributed.kmeans import fit_layers_on_ray
+    from embgeom_ray.runs.pipeline import add_sampled_metrics
 
     layers = list(sample.layers)
     by_layer = {layer: sample.points(layer).vectors for layer in layers}
@@ -264,8 +264,8 @@ def main(argv: list[str] | None = None) -> None:
     try:
         from sklearn.cluster import KMeans
 
-        from embgeom_ray.kmeans import fit
-        from embgeom_ray.ray_kmeans import fit_on_ray
+        from embgeom_ray.core.kmeans import fit
+        from embgeom_ray.distributed.kmeans import fit_on_ray
 
         t0 = time.perf_counter()  # warm-up of each contender (Ray workers, thread pools)
         X_warm = X_all[: max(64, max(ks))]

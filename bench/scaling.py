@@ -3,7 +3,7 @@
 Four sections, each selectable with ``--sections`` (default: all four, in one JSON result):
 
 throughput
-    The whole job (:func:`embgeom_ray.pipeline.analyze`) on MiniLM over the demo corpus, on a
+    The whole job (:func:`embgeom_ray.runs.pipeline.analyze`) on MiniLM over the demo corpus, on a
     simulated multi-node cluster (``ray.cluster_utils.Cluster``: a head with 0 CPUs and two
     nodes of 1 CPU), with 1 and then 2 extractor workers of 1 CPU (1 torch thread) each, the
     corpus cut into ``--shards`` shards, a sample of ``--sample-size`` (512). Tokens/s = the
@@ -14,7 +14,7 @@ throughput
     checkpoints the shards).
 memory
     Extractor peak memory against corpus size: for each N in ``--copies``, a fresh Python
-    process builds a :class:`~embgeom_ray.extractor.ShardProcessor` and processes the demo
+    process builds a :class:`~embgeom_ray.inputs.extractor.ShardProcessor` and processes the demo
     corpus repeated N times as *one* shard; it reports its peak RSS (``ru_maxrss``) and the RSS
     after loading the model. The peak must not grow with N. The processes run one after the
     other (``--memory-parallel``: concurrently, for quick checks; peaks are per process).
@@ -29,7 +29,7 @@ reduce
     The driver's reduce against the number of shards: ``--reduce-shards`` synthetic shard
     statistics (MiniLM's shape: 7 layers, d = 384, P = 128; each ``--reduce-tokens`` tokens with
     Zipf-distributed ids over a 30,522-type vocabulary) are merged one by one, as
-    :func:`~embgeom_ray.pipeline.analyze` does (``from_bytes`` + ``merge``); only those two
+    :func:`~embgeom_ray.runs.pipeline.analyze` does (``from_bytes`` + ``merge``); only those two
     are timed (shards are generated and serialized untimed, one at a time, so memory stays
     bounded). Time for the first k shards, k in ``--reduce-shards``, and per shard.
 
@@ -82,7 +82,7 @@ def section_throughput(args, work: Path) -> dict:
     from ray.cluster_utils import Cluster
 
     from embgeom_ray.config import build_config
-    from embgeom_ray.pipeline import analyze
+    from embgeom_ray.runs.pipeline import analyze
 
     corpus = base_corpus(work, args.tokens)
     shard_bytes = max(1024, corpus.stat().st_size // args.shards)
@@ -166,9 +166,9 @@ def memory_child(corpus: str, threads: int) -> dict:
     import torch
 
     from embgeom_ray.config import build_config
-    from embgeom_ray.corpus import CorpusSpec, plan_shards
-    from embgeom_ray.extractor import ShardProcessor
-    from embgeom_ray.model_loading import resolve_identity, resolve_layers
+    from embgeom_ray.inputs.corpus import CorpusSpec, plan_shards
+    from embgeom_ray.inputs.extractor import ShardProcessor
+    from embgeom_ray.inputs.model_loading import resolve_identity, resolve_layers
 
     def peak_mib() -> float:
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
@@ -268,7 +268,7 @@ def synthetic_statistics(
     """Statistics folded from random activations of the token ids ``ids`` (one per token)."""
     import torch
 
-    from embgeom_ray.statistics import EmbeddingStatistics
+    from embgeom_ray.core.statistics import EmbeddingStatistics
 
     stats = EmbeddingStatistics(
         list(range(layers)), dim, max_positions=MAX_POSITIONS, metadata=metadata
@@ -325,7 +325,7 @@ def section_artefact(args, work: Path) -> dict:
 
 # --------------------------------------------------------------------------------- reduce
 def section_reduce(args, work: Path) -> dict:
-    from embgeom_ray.statistics import EmbeddingStatistics
+    from embgeom_ray.core.statistics import EmbeddingStatistics
 
     L, dim, vocab = 7, 384, 30522
     rng = np.random.default_rng(0)

@@ -186,7 +186,7 @@ def main(argv: list[str] | None = None) -> int:
     overrides = {k: v for k, v in vars(args).items() if k not in {"config", "verbose"}}
     try:
         config = build_config(args.config, overrides)
-        from embgeom_ray.pipeline import analyze
+        from embgeom_ray.runs.pipeline import analyze
 
         analyze(config)
     except UserError as exc:

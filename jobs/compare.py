@@ -49,7 +49,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        from embgeom_ray.compare import CompareError, compare_runs
+        from embgeom_ray.runs.compare import CompareError, compare_runs
 
         if len(args.runs) < 2:
             raise CompareError(f"a comparison needs at least two runs, got {len(args.runs)}")

@@ -2,7 +2,7 @@
 
 Merges complete runs of the same model over disjoint corpora into the run over their union:
 DIR gets the statistics, sample, tables and manifest that one ``jobs.analyze`` run over all the
-corpora would have written (see :mod:`embgeom_ray.run_merge`).
+corpora would have written (see :mod:`embgeom_ray.runs.merge`).
 
 The runs must be complete and measure the same thing: same model and tokenizer (content
 fingerprints), same layers, max_length, dtype, special-token option and clip dims. Two runs
@@ -18,7 +18,7 @@ import argparse
 import sys
 
 from embgeom_ray.errors import UserError
-from embgeom_ray.run_merge import merge_runs
+from embgeom_ray.runs.merge import merge_runs
 
 
 def build_parser() -> argparse.ArgumentParser:

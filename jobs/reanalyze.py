@@ -97,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
                 raise ConfigError(f"--runtime-env-json is not valid JSON: {exc}") from None
             if not isinstance(runtime_env, dict):
                 raise ConfigError("--runtime-env-json must be a JSON object")
-        from embgeom_ray.reanalyze import reanalyze
+        from embgeom_ray.runs.reanalyze import reanalyze
 
         result = reanalyze(
             args.watchlist,

@@ -29,7 +29,7 @@ def main(argv: list[str] | None = None) -> int:
         format="%(levelname)s %(name)s: %(message)s",
     )
     try:
-        from embgeom_ray.report import write_report
+        from embgeom_ray.report.html import write_report
 
         path = write_report(args.out_dir)
     except UserError as exc:

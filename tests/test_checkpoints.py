@@ -9,12 +9,12 @@ import numpy as np
 import pytest
 import torch
 
-from embgeom_ray.checkpoints import CheckpointStore, group_id_for
-from embgeom_ray.corpus import Shard, ShardPlan
+from embgeom_ray.core.statistics import EmbeddingStatistics
 from embgeom_ray.errors import OutputError
-from embgeom_ray.extractor import ShardCounts
-from embgeom_ray.pipeline import reduce_groups
-from embgeom_ray.statistics import EmbeddingStatistics
+from embgeom_ray.inputs.corpus import Shard, ShardPlan
+from embgeom_ray.inputs.extractor import ShardCounts
+from embgeom_ray.runs.checkpoints import CheckpointStore, group_id_for
+from embgeom_ray.runs.pipeline import reduce_groups
 
 LAYERS, DIM = [0, 1], 4
 

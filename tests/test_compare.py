@@ -15,7 +15,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from embgeom_ray.compare import (
+from embgeom_ray.runs.compare import (
     BY_DEPTH,
     BY_INDEX,
     CompareError,

@@ -1,4 +1,4 @@
-"""Tests of corpus sources, shard plans and shard readers (embgeom_ray.corpus, demo_corpus)."""
+"""Tests of corpus sources, shard plans and shard readers (embgeom_ray.inputs.corpus, demo_corpus)."""
 
 from __future__ import annotations
 
@@ -23,8 +23,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from embgeom_ray import corpus as corpus_mod
-from embgeom_ray.corpus import (
+import embgeom_ray.inputs.corpus as corpus_mod
+from embgeom_ray.errors import ConfigError, CorpusError
+from embgeom_ray.inputs.corpus import (
     CorpusSpec,
     Document,
     ReadReport,
@@ -35,9 +36,8 @@ from embgeom_ray.corpus import (
     plan_shards,
     read_shard,
 )
-from embgeom_ray.demo_corpus import main as demo_main
-from embgeom_ray.demo_corpus import python_docs_documents
-from embgeom_ray.errors import ConfigError, CorpusError
+from embgeom_ray.inputs.demo_corpus import main as demo_main
+from embgeom_ray.inputs.demo_corpus import python_docs_documents
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")

@@ -7,10 +7,10 @@ import pytest
 import torch
 
 from embgeom_ray.config import build_config
-from embgeom_ray.corpus import CorpusSpec, plan_shards
-from embgeom_ray.extractor import ShardProcessor
-from embgeom_ray.model_loading import resolve_identity
-from embgeom_ray.windows import make_batches, tokenize_windows
+from embgeom_ray.inputs.corpus import CorpusSpec, plan_shards
+from embgeom_ray.inputs.extractor import ShardProcessor
+from embgeom_ray.inputs.model_loading import resolve_identity
+from embgeom_ray.inputs.windows import make_batches, tokenize_windows
 from tests.conftest import write_jsonl
 from tests.tiny_models import make_tiny_bert
 

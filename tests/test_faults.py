@@ -17,14 +17,14 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from embgeom_ray.checkpoints import CheckpointStore
 from embgeom_ray.config import build_config
-from embgeom_ray.corpus import CorpusSpec, plan_shards
-from embgeom_ray.extractor import ShardCounts, ShardProcessor
-from embgeom_ray.pipeline import analyze
-from embgeom_ray.ray_job import FoldReport
-from embgeom_ray.samples import ActivationSample
-from embgeom_ray.statistics import EmbeddingStatistics
+from embgeom_ray.core.samples import ActivationSample
+from embgeom_ray.core.statistics import EmbeddingStatistics
+from embgeom_ray.distributed.actor_pool import FoldReport
+from embgeom_ray.inputs.corpus import CorpusSpec, plan_shards
+from embgeom_ray.inputs.extractor import ShardCounts, ShardProcessor
+from embgeom_ray.runs.checkpoints import CheckpointStore
+from embgeom_ray.runs.pipeline import analyze
 from tests.conftest import write_jsonl
 from tests.test_job_end_to_end import english_documents
 
@@ -76,7 +76,7 @@ def wait_for_checkpoints(out: Path, n: int, timeout: float = 240.0) -> int:
 
 def on_each_fold(monkeypatch, hook: Callable[[FoldReport], None]) -> None:
     """Call ``hook`` in the driver each time an extractor has folded a shard."""
-    from embgeom_ray import ray_job
+    from embgeom_ray.distributed import actor_pool as ray_job
 
     real = ray_job.run_shards
 
@@ -305,8 +305,8 @@ def test_pool_fits_actors_on_single_nodes(minilm_dir, tmp_path):
     import ray
     from ray.cluster_utils import Cluster
 
+    from embgeom_ray.distributed.actor_pool import plan_pool
     from embgeom_ray.errors import ConfigError
-    from embgeom_ray.ray_job import plan_pool
 
     if ray.is_initialized():
         ray.shutdown()

@@ -14,7 +14,7 @@ import pandas as pd
 import pytest
 
 from embgeom_ray.config import build_config
-from embgeom_ray.pipeline import analyze
+from embgeom_ray.runs.pipeline import analyze
 from tests.conftest import write_jsonl
 from tests.reference import reference_tables
 from tests.tiny_models import make_tiny_bert, make_tiny_gpt2, make_tiny_llama, make_tiny_roberta
@@ -26,7 +26,7 @@ COSINE_COLUMNS = {"self_similarity", "anisotropy", "s_inter", "s_intra"}
 
 def english_documents(n: int, max_chars: int) -> list[str]:
     """Real English prose: the Python Language Reference's text that ships with CPython."""
-    from embgeom_ray.demo_corpus import python_docs_documents
+    from embgeom_ray.inputs.demo_corpus import python_docs_documents
 
     docs = python_docs_documents()
     return [d[:max_chars] for d in docs[:n]]

@@ -9,8 +9,8 @@ from sklearn.datasets import load_digits, make_blobs
 from sklearn.metrics import pairwise_distances, silhouette_score
 from threadpoolctl import threadpool_limits
 
-import embgeom_ray.kmeans as kmeans_module
-from embgeom_ray.kmeans import (
+import embgeom_ray.core.kmeans as kmeans_module
+from embgeom_ray.core.kmeans import (
     LOCAL_FIT_MAX_ELEMENTS,
     Partition,
     combine_partials,
@@ -219,7 +219,7 @@ def local_ray():
 
 
 def test_distributed_kmeans_inertia_within_one_percent_of_sklearn(local_ray):
-    from embgeom_ray.ray_kmeans import fit_on_ray, ray_map
+    from embgeom_ray.distributed.kmeans import fit_on_ray, ray_map
 
     digits = load_digits().data.astype(np.float64)
     blob, _ = blobs(n=2000, d=16, centers=7, seed=4)
@@ -240,7 +240,7 @@ def test_distributed_kmeans_inertia_within_one_percent_of_sklearn(local_ray):
 @pytest.mark.parametrize("local_max_elements", [LOCAL_FIT_MAX_ELEMENTS, None])
 def test_fit_layers_on_ray_equals_serial_selection(local_ray, local_max_elements):
     """Both routes (one task per layer with sklearn; partitions and a Ray map) equal serial."""
-    from embgeom_ray.ray_kmeans import fit_layers_on_ray
+    from embgeom_ray.distributed.kmeans import fit_layers_on_ray
 
     by_layer = {
         0: blobs(n=600, d=6, centers=3, seed=5, offset=100.0)[0],
@@ -266,7 +266,7 @@ def test_fit_layers_on_ray_routes_each_layer_by_its_size(local_ray):
     On structureless data with few Lloyd steps the two algorithms give different clusters, so
     equality with the serial run of each route shows which one ran.
     """
-    from embgeom_ray.ray_kmeans import fit_layers_on_ray, submit_layers_on_ray
+    from embgeom_ray.distributed.kmeans import fit_layers_on_ray, submit_layers_on_ray
 
     rng = np.random.default_rng(11)
     by_layer = {1: rng.normal(size=(400, 6)), 2: rng.normal(size=(800, 6)) + 3.0}

@@ -19,8 +19,8 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from embgeom_ray import run_merge
-from embgeom_ray.statistics import EmbeddingStatistics
+from embgeom_ray.core.statistics import EmbeddingStatistics
+from embgeom_ray.runs import merge as run_merge
 from jobs import merge
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
@@ -68,7 +68,7 @@ def _write_jsonl(path: Path, texts: list[str]) -> str:
 
 def _analyze(model: str, corpus: str, out: Path) -> Path:
     from embgeom_ray.config import build_config
-    from embgeom_ray.pipeline import analyze
+    from embgeom_ray.runs.pipeline import analyze
 
     config = build_config(
         None,

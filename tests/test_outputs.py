@@ -6,7 +6,7 @@ import numpy as np
 import pandas as pd
 import pyarrow.parquet as pq
 
-from embgeom_ray.outputs import write_table
+from embgeom_ray.run_dir import write_table
 
 
 def test_samples_have_one_row_group_per_layer_and_sample(tmp_path):

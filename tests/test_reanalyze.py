@@ -25,12 +25,12 @@ import pandas as pd
 import pytest
 import yaml
 
-from embgeom_ray import pipeline, reanalyze
 from embgeom_ray.config import JobConfig, build_config
-from embgeom_ray.corpus import CorpusSpec, plan_shards
 from embgeom_ray.errors import ConfigError, CorpusError, ModelError
-from embgeom_ray.model_loading import resolve_identity
-from embgeom_ray.reanalyze import (
+from embgeom_ray.inputs.corpus import CorpusSpec, plan_shards
+from embgeom_ray.inputs.model_loading import resolve_identity
+from embgeom_ray.runs import pipeline, reanalyze
+from embgeom_ray.runs.reanalyze import (
     INDEX_COLUMNS,
     analyze_argv,
     load_watchlist,

@@ -25,9 +25,9 @@ import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from embgeom_ray.report.html.plots import PLOTS, Run, RunDirectoryError, make_all_plots, pick_layers
 
-from embgeom_ray.plots import PLOTS, Run, RunDirectoryError, make_all_plots, pick_layers
-from embgeom_ray.report import largest_changes, write_comparison_report, write_report
+from embgeom_ray.report.html import largest_changes, write_comparison_report, write_report
 
 ROOT = Path(__file__).resolve().parents[1]
 ALL_FIGURES = [name for name, _, _ in PLOTS]

@@ -7,7 +7,7 @@ import pandas as pd
 import pytest
 
 from embgeom_ray.config import build_config
-from embgeom_ray.pipeline import analyze
+from embgeom_ray.runs.pipeline import analyze
 from tests.conftest import write_jsonl
 from tests.reference import _isoscore, brute_force_cosines, reference_activations
 from tests.test_job_end_to_end import english_documents

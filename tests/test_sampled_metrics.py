@@ -10,8 +10,8 @@ import pytest
 import torch
 from sklearn.metrics import pairwise_distances, silhouette_score
 
-from embgeom_ray.kmeans import select_k
-from embgeom_ray.sampled_metrics import (
+from embgeom_ray.core.kmeans import select_k
+from embgeom_ray.core.sampled_metrics import (
     SAMPLED_LAYER_COLUMNS,
     cluster_adjusted,
     isoscore_points,
@@ -23,7 +23,7 @@ from embgeom_ray.sampled_metrics import (
     sampled_metrics_of_points,
     silhouette_by_labels,
 )
-from embgeom_ray.samples import ActivationSample
+from embgeom_ray.core.samples import ActivationSample
 
 
 @pytest.fixture(scope="module")

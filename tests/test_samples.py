@@ -9,15 +9,15 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from embgeom_ray import samples as samples_mod
-from embgeom_ray.errors import StatisticsMismatchError
-from embgeom_ray.samples import (
+import embgeom_ray.core.samples as samples_mod
+from embgeom_ray.core.samples import (
     SAMPLE_COLUMNS,
     ActivationSample,
     occurrence_keys,
     splitmix64,
     type_keys,
 )
+from embgeom_ray.errors import StatisticsMismatchError
 
 U64 = 1 << 64
 MASK63 = (1 << 63) - 1
@@ -320,7 +320,7 @@ def test_merge_and_load_reject_different_measurements():
             base.merge(other)
     with pytest.raises(StatisticsMismatchError):
         ActivationSample.from_bytes(b"garbage")
-    stats_like = base.to_bytes().replace(b"embgeom_ray.samples", b"embgeom_ray.samplez")
+    stats_like = base.to_bytes().replace(b"embgeom_ray.core.samples", b"embgeom_ray.samplez")
     with pytest.raises(StatisticsMismatchError):
         ActivationSample.from_bytes(stats_like)
 

@@ -8,9 +8,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from embgeom_ray import statistics as statistics_module
-from embgeom_ray.errors import StatisticsMismatchError
-from embgeom_ray.metrics import (
+import embgeom_ray.core.statistics as statistics_module
+from embgeom_ray.core.metrics import (
     cosine_metrics,
     dims_table,
     isoscore_from_covariance,
@@ -20,7 +19,8 @@ from embgeom_ray.metrics import (
     type_variances,
     variance_decomposition,
 )
-from embgeom_ray.statistics import EmbeddingStatistics
+from embgeom_ray.core.statistics import EmbeddingStatistics
+from embgeom_ray.errors import StatisticsMismatchError
 
 
 @pytest.fixture(autouse=True, scope="module", params=["one block", "blocks of 5 rows"])
@@ -361,7 +361,7 @@ def test_tails_count_the_first_extreme_dimension_on_ties():
 def test_extreme_counts_equal_argmax_counts(dtype):
     """Tails from the column sums of x == rowmax(x) equal bincount(argmax) in every dtype, also
     beyond 256 rows (where a bf16 sum would round) and with ties (first dimension wins)."""
-    from embgeom_ray.statistics import extreme_counts
+    from embgeom_ray.core.statistics import extreme_counts
 
     rng = np.random.default_rng(41)
     x = torch.as_tensor(rng.normal(size=(3000, 7)) * [1, 1, 1.5, 1, 1, 1, 0.5]).to(dtype)
@@ -378,7 +378,7 @@ def test_extreme_counts_equal_argmax_counts(dtype):
 @pytest.mark.parametrize("precision", ["float64", "float32"])
 def test_gram_block_triangle_equals_the_full_product(d, precision):
     """The co-moment product multiplies only the upper block triangle and mirrors it."""
-    from embgeom_ray.statistics import gram
+    from embgeom_ray.core.statistics import gram
 
     rng = np.random.default_rng(d)
     x = rng.normal(size=(257, d)) * rng.uniform(0.1, 10.0, size=d)

@@ -31,7 +31,7 @@ is wrong by orders of magnitude.
 
 The type is a sketch in the Apache DataSketches sense: ``update`` / ``merge`` /
 ``save``-``load`` (safetensors, no pickle) / read-only numpy views (:meth:`layer`). Metrics are
-pure functions of those views, in :mod:`embgeom_ray.metrics`.
+pure functions of those views, in :mod:`embgeom_ray.core.metrics`.
 """
 
 from __future__ import annotations
@@ -49,9 +49,9 @@ import torch
 from safetensors.numpy import load as st_load_bytes
 from safetensors.numpy import save as st_save_bytes
 
-from .errors import StatisticsMismatchError
+from ..errors import StatisticsMismatchError
 
-FORMAT = "embgeom_ray.statistics"
+FORMAT = "embgeom_ray.core.statistics"
 FORMAT_VERSION = 1
 _F64 = torch.float64
 #: rows per block of the fold on a CPU: a block's float64 copy (8·d bytes a row) and scratch
@@ -699,7 +699,7 @@ class EmbeddingStatistics:
 
     def save(self, path: str | os.PathLike[str]) -> None:
         """Write atomically to a local path or fsspec URL (temporary name, then rename)."""
-        from .io_utils import atomic_write_bytes
+        from ..io_utils import atomic_write_bytes
 
         atomic_write_bytes(str(path), self.to_bytes())
 

@@ -2,7 +2,7 @@
 
 Every pass over the data is a *map* of a pure function over partitions of the points
 followed by a small reduce on the driver, so the same code runs serially (the default
-``map_fn``) or distributed (:mod:`embgeom_ray.ray_kmeans` passes a Ray-backed ``map_fn`` and
+``map_fn``) or distributed (:mod:`embgeom_ray.distributed.kmeans` passes a Ray-backed ``map_fn`` and
 partitions held in Ray's object store):
 
 - k-means|| (Bahmani, Moseley, Vattani, Kumar & Vassilvitskii 2012): start from one uniformly

@@ -22,11 +22,12 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from .config import JobConfig
-from .errors import ModelError, OutputError, StatisticsMismatchError, UserError
-from .io_utils import exists, is_local, join, local_path, read_bytes
-from .model_loading import load_tokenizer, tokenizer_fingerprint
-from .outputs import (
+from ..config import JobConfig
+from ..errors import ModelError, OutputError, StatisticsMismatchError, UserError
+from ..io_utils import exists, is_local, join, local_path, read_bytes
+from ..inputs.model_loading import load_tokenizer, tokenizer_fingerprint
+from ..report.html import write_run_report
+from ..run_dir import (
     MANIFEST,
     SAMPLE,
     STATISTICS,
@@ -34,12 +35,11 @@ from .outputs import (
     now,
     versions,
     write_manifest,
-    write_run_report,
     write_table,
 )
 from .pipeline import add_sampled_metrics, build_tables
-from .samples import ActivationSample
-from .statistics import EmbeddingStatistics
+from ..core.samples import ActivationSample
+from ..core.statistics import EmbeddingStatistics
 
 #: options that change the statistics of a run; runs merge only if they agree on all of them
 #: (model, tokenizer, layers and clip dims are checked by the statistics themselves too).

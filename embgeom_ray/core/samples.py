@@ -48,10 +48,10 @@ import torch
 from safetensors.numpy import load as st_load_bytes
 from safetensors.numpy import save as st_save_bytes
 
-from .errors import StatisticsMismatchError
+from ..errors import StatisticsMismatchError
 from .statistics import EmbeddingStatistics
 
-FORMAT = "embgeom_ray.samples"
+FORMAT = "embgeom_ray.core.samples"
 FORMAT_VERSION = 1
 
 #: columns of ``samples.parquet`` (:meth:`ActivationSample.to_table`).
@@ -370,7 +370,7 @@ class ActivationSample:
         window_index: torch.Tensor,
         positions: torch.Tensor | None = None,
     ) -> None:
-        """Fold one batch (the extractor's :class:`~embgeom_ray.windows.Batch`).
+        """Fold one batch (the extractor's :class:`~embgeom_ray.inputs.windows.Batch`).
 
         Args:
             hidden: per layer (in ``self.layers`` order) a (B, T, d) tensor, or one (L, B, T, d).
@@ -608,7 +608,7 @@ class ActivationSample:
 
     def save(self, path: str | os.PathLike[str]) -> None:
         """Write atomically to a local path or fsspec URL."""
-        from .io_utils import atomic_write_bytes
+        from ..io_utils import atomic_write_bytes
 
         atomic_write_bytes(str(path), self.to_bytes())
 

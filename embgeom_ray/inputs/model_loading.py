@@ -1,7 +1,7 @@
 """Loading models and tokenizers, resolving what exactly was measured, choosing layers.
 
 The driver loads only the config and the tokenizer (to validate options and name tokens); the
-model itself is loaded once per extractor actor (:mod:`embgeom_ray.extractor`).
+model itself is loaded once per extractor actor (:mod:`embgeom_ray.inputs.extractor`).
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from .errors import ConfigError, ModelError
+from ..errors import ConfigError, ModelError
 
 _DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}
 

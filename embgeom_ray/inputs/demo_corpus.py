@@ -15,7 +15,7 @@ are dropped; list markers and inline markup (``*emphasis*``, ``**strong**``) are
 wrapped lines are joined; blocks with fewer than :data:`MIN_WORDS` words are dropped. A topic's
 paragraphs are joined with a space. The output is deterministic for a given Python version.
 
-Usage: ``python -m embgeom_ray.demo_corpus OUT.jsonl`` writes one JSON object per line,
+Usage: ``python -m embgeom_ray.inputs.demo_corpus OUT.jsonl`` writes one JSON object per line,
 ``{"text": ..., "topic": ...}``.
 """
 
@@ -147,10 +147,10 @@ def write_jsonl(path: str | os.PathLike[str]) -> tuple[int, int]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m embgeom_ray.demo_corpus OUT.jsonl``: write the demo corpus, print a summary."""
+    """``python -m embgeom_ray.inputs.demo_corpus OUT.jsonl``: write the demo corpus, print a summary."""
     args = list(sys.argv[1:] if argv is None else argv)
     if len(args) != 1 or args[0] in ("-h", "--help"):
-        print("usage: python -m embgeom_ray.demo_corpus OUT.jsonl", file=sys.stderr)
+        print("usage: python -m embgeom_ray.inputs.demo_corpus OUT.jsonl", file=sys.stderr)
         return 0 if args[:1] in (["-h"], ["--help"]) else 2
     documents, words = write_jsonl(args[0])
     print(f"{args[0]}: {documents} documents, {words} words")

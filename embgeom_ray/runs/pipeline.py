@@ -28,15 +28,16 @@ import numpy as np
 import pandas as pd
 from tqdm.auto import tqdm
 
-from . import metrics
+from ..core import metrics
 from .checkpoints import CheckpointGroup, CheckpointStore
-from .config import JobConfig
-from .corpus import CorpusSpec, Shard, plan_shards
-from .errors import ConfigError, CorpusError
-from .extractor import ShardCounts
-from .io_utils import join
-from .model_loading import load_config, max_window_length, resolve_identity, resolve_layers
-from .outputs import (
+from ..config import JobConfig
+from ..inputs.corpus import CorpusSpec, Shard, plan_shards
+from ..errors import ConfigError, CorpusError
+from ..inputs.extractor import ShardCounts
+from ..io_utils import join
+from ..inputs.model_loading import load_config, max_window_length, resolve_identity, resolve_layers
+from ..report.html import write_run_report
+from ..run_dir import (
     MANIFEST,
     SAMPLE,
     STATISTICS,
@@ -44,10 +45,9 @@ from .outputs import (
     now,
     versions,
     write_manifest,
-    write_run_report,
     write_table,
 )
-from .rogue import (
+from ..core.rogue import (
     OutlierRules,
     clipping_row,
     exact_clipped_cosines,
@@ -56,11 +56,11 @@ from .rogue import (
     rogue_dims_table,
     sampled_clipped_cosines,
 )
-from .samples import ActivationSample
-from .statistics import EmbeddingStatistics
+from ..core.samples import ActivationSample
+from ..core.statistics import EmbeddingStatistics
 
 if TYPE_CHECKING:  # ray is imported only when there is extraction to do
-    from .ray_job import GroupResult, PoolPlan
+    from ..distributed.actor_pool import GroupResult, PoolPlan
 
 
 def run_fingerprint(
@@ -138,7 +138,7 @@ def _sampled_row(
     **options: Any,
 ) -> dict[str, Any]:
     """One layer's sampled ``layers.parquet`` columns (run as a Ray task by the stage below)."""
-    from .sampled_metrics import sampled_metrics_of_points
+    from ..core.sampled_metrics import sampled_metrics_of_points
 
     return sampled_metrics_of_points(
         X, token_ids, type_vectors, kmeans_result, **options
@@ -154,7 +154,7 @@ def add_sampled_metrics(
     """K-means, LID, silhouettes, cluster-adjusted and clipped cosines on the sample, on Ray.
 
     Every layer's K-means model selection is a Ray task (or, for samples too large for one
-    worker, a distributed fit: :func:`~embgeom_ray.ray_kmeans.submit_layers_on_ray`), and so
+    worker, a distributed fit: :func:`~embgeom_ray.distributed.kmeans.submit_layers_on_ray`), and so
     are its other sampled metrics, which start as soon as the layer's clusters are ready; each
     task holds one CPU and runs one thread. Adds the sampled columns to ``tables["layers"]``
     and the ``samples`` table (with each uniform occurrence's K-means ``cluster``); returns
@@ -162,9 +162,9 @@ def add_sampled_metrics(
     """
     import ray
 
-    from .ray_job import connect
-    from .ray_kmeans import call_on_ray, submit_layers_on_ray
-    from .sampled_metrics import isoscore_silhouette_correlation
+    from ..distributed.actor_pool import connect
+    from ..distributed.kmeans import call_on_ray, submit_layers_on_ray
+    from ..core.sampled_metrics import isoscore_silhouette_correlation
 
     samples = sample.to_table(tokenizer.convert_ids_to_tokens)
     samples["cluster"] = pd.array([None] * len(samples), dtype="Int64")
@@ -237,7 +237,7 @@ def _extract(
     store: CheckpointStore,
 ) -> PoolPlan:
     """Run ``todo`` on Ray; every flushed group is checkpointed on arrival."""
-    from .ray_job import connect, run_shards
+    from ..distributed.actor_pool import connect, run_shards
 
     connect()
     bar = _progress(len(todo), 0)

@@ -1,9 +1,9 @@
 """Metrics that need points: pure functions of the sampled occurrences (numpy float64).
 
-The exact, moment-based metrics are in :mod:`embgeom_ray.metrics`; these run on the bounded
-samples of :class:`~embgeom_ray.samples.ActivationSample` (uniform: the ``size`` occurrences
+The exact, moment-based metrics are in :mod:`embgeom_ray.core.metrics`; these run on the bounded
+samples of :class:`~embgeom_ray.core.samples.ActivationSample` (uniform: the ``size`` occurrences
 of smallest key; type-uniform: one random occurrence per sampled token type), with the K-means
-model selection of :mod:`embgeom_ray.kmeans` / :mod:`embgeom_ray.ray_kmeans`.
+model selection of :mod:`embgeom_ray.core.kmeans` / :mod:`embgeom_ray.distributed.kmeans`.
 
 Cosine means over pairs use unit-vector sums: for unit vectors u_1..u_m with U = Σ u_i, the
 mean cosine over the m(m − 1) ordered pairs i ≠ j is (||U||² − m) / (m(m − 1)), exact.
@@ -64,7 +64,7 @@ def mean_pairwise_cosine(X: np.ndarray) -> float:
 def isoscore_points(X: np.ndarray) -> float:
     """IsoScore (Rudman et al. 2022) of a point cloud: of its sample covariance's spectrum.
 
-    :func:`embgeom_ray.metrics.isoscore_from_covariance` on cov(X) (float64): with λ the
+    :func:`embgeom_ray.core.metrics.isoscore_from_covariance` on cov(X) (float64): with λ the
     eigenvalues, n = d, λ̂ = √n λ/||λ||, δ = ||λ̂ − 1|| / √(2(n − √n)),
     k = (n − δ²(n − √n))²/n, IsoScore = (k − 1)/(n − 1). Equals ``IsoScore.IsoScore(X)``
     (which takes √n in float32, so to ~1e-6). NaN for fewer than 2 points.
@@ -201,7 +201,7 @@ def silhouette_by_labels(
 
     ``distances``: the (n, n) matrix of ``metric`` distances between the rows of ``X``, if
     already computed; the silhouette is then taken on its rows and columns of the selected
-    points (:func:`embgeom_ray.kmeans.silhouette_from_distances`, the same value).
+    points (:func:`embgeom_ray.core.kmeans.silhouette_from_distances`, the same value).
     """
     from sklearn.metrics import silhouette_score
 
@@ -340,8 +340,8 @@ def sampled_layer_metrics(
     :func:`sampled_metrics_of_points` of the uniform sample of ``layer`` (rows of
     ``sample.points(layer)``) and, when the sample has a type-uniform part of ≥ 2 types, the
     type-uniform vectors ``sample.type_points(layer).vectors``. ``kmeans_result`` is
-    :func:`embgeom_ray.kmeans.select_k`'s result for these rows (e.g. from
-    :func:`embgeom_ray.ray_kmeans.fit_layers_on_ray`); None runs ``select_k`` here.
+    :func:`embgeom_ray.core.kmeans.select_k`'s result for these rows (e.g. from
+    :func:`embgeom_ray.distributed.kmeans.fit_layers_on_ray`); None runs ``select_k`` here.
     """
     pts = sample.points(layer)
     if kmeans_result is not None and np.shape(kmeans_result.labels) != (len(pts.vectors),):
@@ -380,7 +380,7 @@ def sampled_metrics_of_points(
     On the uniform sample X (n, d) with the token id of each row:
 
     - ``kmeans_k``, ``kmeans_silhouette``: Cai et al.'s k and the best silhouette over the k
-      tried (:func:`embgeom_ray.kmeans.select_k`; reported even when k = 1 is chosen).
+      tried (:func:`embgeom_ray.core.kmeans.select_k`; reported even when k = 1 is chosen).
       ``kmeans_result`` is its result for these rows; None runs ``select_k`` here, in this
       process (same ``seed`` and ``silhouette_max_points``, its other defaults).
     - ``adjusted_s_inter``, ``adjusted_s_intra``, ``adjusted_isoscore``: :func:`cluster_adjusted`

@@ -4,7 +4,7 @@ Every ``plot_*`` function takes a :class:`Run` (the output directory, read lazil
 ``(path, caption)``: the PNG it wrote, or ``None`` when the run lacks that figure's inputs (an
 optional table or column), with a caption that says what the figure shows or why it is absent.
 A missing optional section never raises. :func:`make_all_plots` draws them all and returns
-:class:`Figure` records for the report (:mod:`embgeom_ray.report`).
+:class:`Figure` records for the report (:mod:`embgeom_ray.report.html`).
 
 Figures (the papers they follow are named in each caption):
 
@@ -52,8 +52,8 @@ from matplotlib.colors import Normalize, PowerNorm
 from matplotlib.figure import Figure as MplFigure
 from matplotlib.lines import Line2D
 
-from .errors import UserError
-from .io_utils import atomic_write_bytes, exists, join, read_bytes
+from ..errors import UserError
+from ..io_utils import atomic_write_bytes, exists, join, read_bytes
 
 log = logging.getLogger(__name__)
 

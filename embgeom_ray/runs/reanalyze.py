@@ -5,7 +5,7 @@ or a KubeRay schedule. For each model of the watch list it
 
 1. resolves exactly what would be measured: a hub model's revision ("latest" = the default
    branch, or a branch or tag) to its commit hash through the hub API, a local directory to
-   the content hash of its files (:func:`~embgeom_ray.model_loading.directory_fingerprint`);
+   the content hash of its files (:func:`~embgeom_ray.inputs.model_loading.directory_fingerprint`);
 2. computes the **run key**, the sha256 of (model fingerprint — ``id@commit`` for hub models,
    the content hash for local directories —, tokenizer fingerprint, corpus fingerprint,
    result options), see :func:`run_key`;
@@ -57,12 +57,12 @@ import pandas as pd
 import yaml
 from pydantic import ValidationError
 
-from .config import RESULT_OPTIONS, JobConfig, _format_validation_error, load_yaml
-from .corpus import CorpusSpec, plan_shards
-from .errors import ConfigError, ModelError, OutputError, UserError
-from .io_utils import exists, is_local, join, local_path, read_bytes
-from .model_loading import resolve_identity
-from .outputs import MANIFEST, now, write_table
+from ..config import RESULT_OPTIONS, JobConfig, _format_validation_error, load_yaml
+from ..inputs.corpus import CorpusSpec, plan_shards
+from ..errors import ConfigError, ModelError, OutputError, UserError
+from ..io_utils import exists, is_local, join, local_path, read_bytes
+from ..inputs.model_loading import resolve_identity
+from ..run_dir import MANIFEST, now, write_table
 
 #: the index of runs in the store
 INDEX = "runs.parquet"

@@ -1,7 +1,7 @@
 """The thin Ray layer: connect, size the actor pool, run shards on extractor actors.
 
 The driver only plans and gathers. Each :class:`ShardExtractActor` loads the model once and
-folds whole shards (:class:`~embgeom_ray.extractor.ShardProcessor`) into *one* running
+folds whole shards (:class:`~embgeom_ray.inputs.extractor.ShardProcessor`) into *one* running
 statistics object, sample and counts kept across the shards it processes; ``process``
 returns only the shard's small counts. The driver asks an actor to ``flush`` (hand over the
 accumulated statistics as safetensors bytes with the ids of the shards they cover, and start
@@ -29,10 +29,10 @@ from typing import Any
 
 import ray
 
-from .config import JobConfig
-from .corpus import Shard
-from .errors import ConfigError, UserError
-from .extractor import ShardCounts, ShardProcessor
+from ..config import JobConfig
+from ..errors import ConfigError, UserError
+from ..inputs.corpus import Shard
+from ..inputs.extractor import ShardCounts, ShardProcessor
 
 log = logging.getLogger(__name__)
 
@@ -56,7 +56,7 @@ def connect(address: str | None = None) -> None:
     if address:
         ray.init(address=address, runtime_env=env, log_to_driver=True)
     else:
-        ray.init(runtime_env=env, include_dashboard=False, log_to_driver=True)
+        ray.init(address="local", runtime_env=env, include_dashboard=False, log_to_driver=True)
 
 
 @dataclass

@@ -1,14 +1,14 @@
 """The thin Ray layer of the sampled metrics: per-layer K-means and metric tasks, partitions.
 
-Geometry lives in :mod:`embgeom_ray.kmeans` and :mod:`embgeom_ray.sampled_metrics`; this
+Geometry lives in :mod:`embgeom_ray.core.kmeans` and :mod:`embgeom_ray.core.sampled_metrics`; this
 module only decides where it runs. :func:`fit_layers_on_ray` (or :func:`submit_layers_on_ray`,
-which does not wait) runs :func:`~embgeom_ray.kmeans.select_k` for every layer, by the size of
+which does not wait) runs :func:`~embgeom_ray.core.kmeans.select_k` for every layer, by the size of
 the layer's sample:
 
 - small (n·d ≤ ``local_max_elements``, default
-  :data:`~embgeom_ray.kmeans.LOCAL_FIT_MAX_ELEMENTS`: the default 4096-point samples of any
+  :data:`~embgeom_ray.core.kmeans.LOCAL_FIT_MAX_ELEMENTS`: the default 4096-point samples of any
   model up to d = 8192): one Ray task per layer fits every k in one process with
-  scikit-learn's KMeans (:func:`~embgeom_ray.kmeans.fit_local`, Lloyd in float32 on the
+  scikit-learn's KMeans (:func:`~embgeom_ray.core.kmeans.fit_local`, Lloyd in float32 on the
   centred points unless ``local_dtype`` says otherwise). Each task reserves
   ``cpus_per_task`` CPUs and caps its OpenMP/BLAS threads at that number (``threadpoolctl``),
   so concurrent tasks never run more threads than the CPUs Ray gave them. One thread per task
@@ -33,7 +33,7 @@ from typing import Any
 import numpy as np
 import ray
 
-from .kmeans import (
+from ..core.kmeans import (
     LOCAL_FIT_MAX_ELEMENTS,
     KMeansResult,
     SelectKResult,
@@ -55,7 +55,7 @@ def ray_map(fn: Callable[[Any], Any], parts: Sequence[Any]) -> list[Any]:
 
 
 def put_partitions(X: np.ndarray, n_partitions: int) -> list[ray.ObjectRef]:
-    """Object refs of :func:`~embgeom_ray.kmeans.partition` blocks of ``X`` (put once)."""
+    """Object refs of :func:`~embgeom_ray.core.kmeans.partition` blocks of ``X`` (put once)."""
     return [ray.put(p) for p in partition(np.ascontiguousarray(X), n_partitions)]
 
 
@@ -74,7 +74,7 @@ def fit_on_ray(
     *,
     n_partitions: int | None = None,
 ) -> KMeansResult:
-    """One distributed K-means fit (:func:`embgeom_ray.kmeans.fit`) from the driver."""
+    """One distributed K-means fit (:func:`embgeom_ray.core.kmeans.fit`) from the driver."""
     X = np.asarray(X, dtype=np.float64)
     shift = X.mean(axis=0)
     Xc = X - shift
@@ -119,7 +119,7 @@ def fit_layers_on_ray(
     """Cai et al.'s K-means model selection for every layer, layers in parallel on Ray.
 
     Waits for :func:`submit_layers_on_ray` (same arguments) and returns layer ->
-    :class:`~embgeom_ray.kmeans.SelectKResult` (centres in the input coordinates).
+    :class:`~embgeom_ray.core.kmeans.SelectKResult` (centres in the input coordinates).
     """
     refs = submit_layers_on_ray(samples_by_layer, **options)
     return dict(zip(refs, ray.get(list(refs.values())), strict=True))
@@ -149,18 +149,18 @@ def submit_layers_on_ray(
         samples_by_layer: layer -> (n, d) sample points (e.g.
             ``sample.points(layer).vectors``); labels in the result follow these rows.
         ks, min_silhouette, n_init, max_iter, tol, seed, silhouette_max_points: as
-            :func:`embgeom_ray.kmeans.select_k` (the same seed for every layer).
+            :func:`embgeom_ray.core.kmeans.select_k` (the same seed for every layer).
         n_partitions: partitions per layer on the distributed path (default
             :func:`default_partitions`).
         local_max_elements: a layer with n·d at most this is fitted in one task with
-            scikit-learn (:func:`~embgeom_ray.kmeans.fit_local`); larger ones, or all with
+            scikit-learn (:func:`~embgeom_ray.core.kmeans.fit_local`); larger ones, or all with
             None, on the distributed k-means|| path (see the module docstring).
         local_dtype: the dtype of those one-task fits' Lloyd iterations (as
-            :func:`~embgeom_ray.kmeans.select_k`; float32).
+            :func:`~embgeom_ray.core.kmeans.select_k`; float32).
         cpus_per_task: CPUs each one-task layer reserves, and its thread cap.
 
     Returns:
-        layer -> object ref of its :class:`~embgeom_ray.kmeans.SelectKResult` (centres in the
+        layer -> object ref of its :class:`~embgeom_ray.core.kmeans.SelectKResult` (centres in the
         input coordinates); :func:`fit_layers_on_ray` waits for them.
     """
     if not ray.is_initialized():

@@ -7,7 +7,7 @@ statistics on the model's device. Memory is bounded by ``docs_per_chunk`` and
 ``batch_tokens``, never by the shard or corpus size (the statistics themselves are bounded by
 the vocabulary seen). :meth:`ShardProcessor.fold_shard` folds a shard into accumulators that
 may hold earlier shards; :meth:`ShardProcessor.process` folds one shard into fresh ones.
-:mod:`embgeom_ray.ray_job` wraps this in Ray actors; tests and benchmarks use it directly.
+:mod:`embgeom_ray.distributed.actor_pool` wraps this in Ray actors; tests and benchmarks use it directly.
 """
 
 from __future__ import annotations
@@ -19,11 +19,11 @@ from typing import Any
 
 import torch
 
-from .config import JobConfig
+from ..config import JobConfig
+from ..core.samples import ActivationSample
+from ..core.statistics import EmbeddingStatistics
 from .corpus import CorpusSpec, Document, ReadReport, Shard, read_shard
 from .model_loading import load_model, load_tokenizer
-from .samples import ActivationSample
-from .statistics import EmbeddingStatistics
 from .windows import Batch, make_batches, tokenize_windows
 
 
@@ -62,7 +62,7 @@ def resolve_device(device: str) -> str:
     if device == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
     if device == "cuda" and not torch.cuda.is_available():
-        from .errors import ConfigError
+        from ..errors import ConfigError
 
         raise ConfigError("--device cuda was asked for, but torch sees no CUDA device here")
     return device

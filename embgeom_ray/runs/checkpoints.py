@@ -37,12 +37,12 @@ from typing import Any
 
 import fsspec
 
-from .corpus import ShardPlan
-from .errors import OutputError
-from .extractor import ShardCounts
-from .io_utils import atomic_write_bytes, atomic_write_json, exists, join, read_bytes
-from .samples import ActivationSample
-from .statistics import EmbeddingStatistics
+from ..inputs.corpus import ShardPlan
+from ..errors import OutputError
+from ..inputs.extractor import ShardCounts
+from ..io_utils import atomic_write_bytes, atomic_write_json, exists, join, read_bytes
+from ..core.samples import ActivationSample
+from ..core.statistics import EmbeddingStatistics
 
 #: directory of checkpoint groups, and of the earlier per-shard checkpoints
 GROUPS, LEGACY_SHARDS = "groups", "shards"

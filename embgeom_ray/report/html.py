@@ -1,6 +1,6 @@
 """``report.html``: one self-contained, offline-readable page per run (or per comparison).
 
-:func:`write_report` draws the run's figures (:mod:`embgeom_ray.plots`) and writes
+:func:`write_report` draws the run's figures (:mod:`embgeom_ray.report.html.plots`) and writes
 ``OUT/report.html``: run metadata, the per-layer table, the figures with captions grouped by
 section, each section with a short "how to read this" naming its paper, and links to the
 Parquet tables. :func:`write_comparison_report` does the same for several runs, layer by layer.
@@ -24,9 +24,9 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from . import __version__
-from .io_utils import atomic_write_bytes, exists, is_local, join, local_path, read_bytes
-from .outputs import now
+from .. import __version__
+from ..io_utils import atomic_write_bytes, exists, is_local, join, local_path, read_bytes
+from ..run_dir import now, write_manifest
 from .plots import (
     _STYLE,
     SECTIONS,
@@ -601,8 +601,8 @@ def render_report(run: Run, figures: Sequence[Figure]) -> str:
 def write_report(out_dir: str, *, figures: Sequence[Figure] | None = None) -> str:
     """Draw the run's figures and write ``out_dir/report.html``; returns its path.
 
-    ``figures`` (from :func:`embgeom_ray.plots.make_all_plots` with ``include_absent=True``)
-    skips re-drawing. Raises :class:`~embgeom_ray.plots.RunDirectoryError` when ``out_dir`` is
+    ``figures`` (from :func:`embgeom_ray.report.html.plots.make_all_plots` with ``include_absent=True``)
+    skips re-drawing. Raises :class:`~embgeom_ray.report.html.plots.RunDirectoryError` when ``out_dir`` is
     not a run directory (no manifest.json or layers.parquet).
     """
     run = Run(out_dir)
@@ -787,7 +787,7 @@ def write_comparison_report(
     corpus, tokens, status, link to each run's own report), overlaid per-layer lines of every
     metric in :data:`COMPARE_METRICS` present in any run (x = layer index, or relative depth
     when the runs have different numbers of layers), the table of the largest changes, and
-    each run's headline table. Raises :class:`~embgeom_ray.plots.RunDirectoryError` for a
+    each run's headline table. Raises :class:`~embgeom_ray.report.html.plots.RunDirectoryError` for a
     directory that is not a run, ``ValueError`` for fewer than two runs.
     """
     if len(run_dirs) < 2:
@@ -883,6 +883,27 @@ def _files_inline(run_out: str, out_dir: str) -> str:
         if name.endswith(".parquet") and exists(join(run_out, name))
     ]
     return ", ".join(links)
+
+
+
+def write_run_report(out: str, manifest: dict[str, Any], echo=print) -> None:
+    """Plots and ``report.html`` for a finished run; recorded in (and rewrites) the manifest.
+
+    The measurement is already complete and saved: a failure here is reported, not raised.
+    """
+    import time
+
+    t0 = time.perf_counter()
+    try:
+        path = write_report(out)
+    except Exception as exc:  # plotting must never lose a finished run
+        manifest["report_error"] = f"{type(exc).__name__}: {exc}"
+        echo(f"warning: the report could not be written ({manifest['report_error']})")
+    else:
+        manifest["outputs"]["report"] = "report.html"
+        echo(f"report: {path}")
+    manifest.setdefault("timings_s", {})["report"] = round(time.perf_counter() - t0, 3)
+    write_manifest(out, manifest)
 
 
 __all__ = [

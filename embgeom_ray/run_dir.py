@@ -100,25 +100,3 @@ def format_summary(layers: pd.DataFrame) -> str:
     ]  # fmt: skip
     with pd.option_context("display.width", 200, "display.max_columns", 30, "display.precision", 4):
         return layers[cols].to_string(index=False)
-
-
-def write_run_report(out: str, manifest: dict[str, Any], echo=print) -> None:
-    """Plots and ``report.html`` for a finished run; recorded in (and rewrites) the manifest.
-
-    The measurement is already complete and saved: a failure here is reported, not raised.
-    """
-    import time
-
-    from .report import write_report
-
-    t0 = time.perf_counter()
-    try:
-        path = write_report(out)
-    except Exception as exc:  # plotting must never lose a finished run
-        manifest["report_error"] = f"{type(exc).__name__}: {exc}"
-        echo(f"warning: the report could not be written ({manifest['report_error']})")
-    else:
-        manifest["outputs"]["report"] = "report.html"
-        echo(f"report: {path}")
-    manifest.setdefault("timings_s", {})["report"] = round(time.perf_counter() - t0, 3)
-    write_manifest(out, manifest)

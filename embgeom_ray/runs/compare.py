@@ -19,7 +19,7 @@ The first run is the baseline. :func:`compare_runs` reads each run's ``manifest.
 - ``comparison.json``: the runs, how layers were matched, the largest changes, the rogue
   dimensions that appeared or vanished, notes, and the files;
 - ``report.html`` (+ ``plots/compare_metrics.png``): the page of
-  :func:`embgeom_ray.report.write_comparison_report`.
+  :func:`embgeom_ray.report.html.write_comparison_report`.
 
 Layers are matched by index when every run's model has the same number of blocks L. Otherwise
 they are matched by relative depth layer / L: each baseline layer is paired with the run's
@@ -43,10 +43,10 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from .errors import UserError
-from .io_utils import atomic_write_json, exists, is_local, join, local_path, read_bytes
-from .outputs import MANIFEST, now, write_table
-from .rogue import flagged_dims
+from ..errors import UserError
+from ..io_utils import atomic_write_json, exists, is_local, join, local_path, read_bytes
+from ..run_dir import MANIFEST, now, write_table
+from ..core.rogue import flagged_dims
 
 SUMMARY = "comparison.json"
 LONG, WIDE, CHANGES, ROGUE = "comparison", "comparison_wide", "changes", "rogue_dims"
@@ -462,7 +462,7 @@ def compare_runs(
     for n in rogue_notes:
         echo(f"note: {n}")
     try:
-        from .report import write_comparison_report
+        from ..report.html import write_comparison_report
 
         write_comparison_report([r.path for r in runs], out, labels=labels)
     except Exception as exc:  # the tables are written; a plotting failure must not lose them

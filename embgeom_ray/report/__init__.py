@@ -1,0 +1,1 @@
+"""Figures (``plots``) and the self-contained HTML reports (``html``) of runs and comparisons."""
