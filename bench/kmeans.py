@@ -24,7 +24,7 @@ layer (0..6) on the same bottom-k sample of N occurrences, on the same local Ray
       (the job's only route before samples this small were fitted in one task);
   (e) one task per layer: the same call with its default threshold, scikit-learn's KMeans in
       one single-threaded Ray task per layer (the job's route for such samples);
-  (f) the stage: :func:`embgeom_ray.runs.pipeline.add_sampled_metrics` as the job runs it — (e)
+  (f) the stage: :func:`embgeom_ray.distributed.sampled_stage.add_sampled_metrics` as the job runs it — (e)
       plus every layer's other sampled metrics (LID, silhouette by type, cluster-adjusted
       metrics, partition isotropy, clipped cosines) in Ray tasks that start as each layer's
       clusters are ready.
@@ -149,7 +149,7 @@ def bench_selection(sample, args) -> dict:
 
     from embgeom_ray.config import build_config
     from embgeom_ray.distributed.kmeans import fit_layers_on_ray
-    from embgeom_ray.runs.pipeline import add_sampled_metrics
+    from embgeom_ray.distributed.sampled_stage import add_sampled_metrics
 
     layers = list(sample.layers)
     by_layer = {layer: sample.points(layer).vectors for layer in layers}

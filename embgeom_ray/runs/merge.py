@@ -37,7 +37,8 @@ from ..run_dir import (
     write_manifest,
     write_table,
 )
-from .pipeline import add_sampled_metrics, build_tables
+from ..core.tables import build_tables
+from ..distributed.sampled_stage import add_sampled_metrics
 from ..core.samples import ActivationSample
 from ..core.statistics import EmbeddingStatistics
 

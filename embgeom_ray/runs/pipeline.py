@@ -37,6 +37,8 @@ from ..inputs.extractor import ShardCounts
 from ..io_utils import join
 from ..inputs.model_loading import load_config, max_window_length, resolve_identity, resolve_layers
 from ..report.html import write_run_report
+from ..core.tables import build_tables
+from ..distributed.sampled_stage import add_sampled_metrics
 from ..run_dir import (
     MANIFEST,
     SAMPLE,
@@ -98,122 +100,6 @@ def resolve_clip_dims(config: JobConfig, dim: int) -> list[int] | None:
     if bad:
         raise ConfigError(f"clip dimensions {bad} outside 0..{dim - 1} (hidden size {dim})")
     return sorted(set(dims))
-
-
-def build_tables(
-    merged: EmbeddingStatistics, tokenizer: Any, config: JobConfig
-) -> dict[str, pd.DataFrame]:
-    """Every table of the output contract, from the corpus statistics alone."""
-    rules = OutlierRules(
-        config.outlier_mean_z, config.outlier_variance_ratio, config.outlier_tail_share
-    )
-    dims = rogue_dims_table(merged, rules)
-    flagged = flagged_dims(dims)
-    layers = metrics.layers_table(merged, config.min_count)
-    extra = [
-        {"layer": layer}
-        | clipping_row(merged.layer(layer), flagged.get(layer, []))
-        | exact_clipped_cosines(merged.layer(layer))
-        for layer in merged.layers
-    ]
-    layers = layers.merge(pd.DataFrame(extra), on="layer", how="left")
-    return {
-        "type_stats": metrics.type_stats_table(merged, tokenizer.convert_ids_to_tokens),
-        "layers": layers,
-        "dims": dims,
-        "positions": positions_table(merged, flagged),
-    }
-
-
-#: fewer sampled points than this and the sampled metrics are left empty (NaN)
-MIN_SAMPLE_POINTS = 32
-
-
-def _sampled_row(
-    X: np.ndarray,
-    token_ids: np.ndarray,
-    type_vectors: np.ndarray | None,
-    kmeans_result: Any,
-    clip_dims: list[int],
-    **options: Any,
-) -> dict[str, Any]:
-    """One layer's sampled ``layers.parquet`` columns (run as a Ray task by the stage below)."""
-    from ..core.sampled_metrics import sampled_metrics_of_points
-
-    return sampled_metrics_of_points(
-        X, token_ids, type_vectors, kmeans_result, **options
-    ) | sampled_clipped_cosines(X, token_ids, clip_dims)
-
-
-def add_sampled_metrics(
-    tables: dict[str, pd.DataFrame],
-    sample: ActivationSample,
-    tokenizer: Any,
-    config: JobConfig,
-) -> dict[str, Any]:
-    """K-means, LID, silhouettes, cluster-adjusted and clipped cosines on the sample, on Ray.
-
-    Every layer's K-means model selection is a Ray task (or, for samples too large for one
-    worker, a distributed fit: :func:`~embgeom_ray.distributed.kmeans.submit_layers_on_ray`), and so
-    are its other sampled metrics, which start as soon as the layer's clusters are ready; each
-    task holds one CPU and runs one thread. Adds the sampled columns to ``tables["layers"]``
-    and the ``samples`` table (with each uniform occurrence's K-means ``cluster``); returns
-    what the manifest records.
-    """
-    import ray
-
-    from ..distributed.actor_pool import connect
-    from ..distributed.kmeans import call_on_ray, submit_layers_on_ray
-    from ..core.sampled_metrics import isoscore_silhouette_correlation
-
-    samples = sample.to_table(tokenizer.convert_ids_to_tokens)
-    samples["cluster"] = pd.array([None] * len(samples), dtype="Int64")
-    n_points = sample.num_uniform
-    note: dict[str, Any] = {"uniform_points": n_points, "type_uniform_points": sample.num_types}
-    if n_points < MIN_SAMPLE_POINTS:
-        note["skipped"] = f"sample of {n_points} points < {MIN_SAMPLE_POINTS}: no sampled metrics"
-        tables["samples"] = samples
-        return note
-    connect()
-    points = {layer: sample.points(layer) for layer in sample.layers}
-    km_refs = submit_layers_on_ray(
-        {layer: pts.vectors for layer, pts in points.items()},
-        ks=range(2, min(config.kmeans_k_max, n_points - 1) + 1),
-        min_silhouette=config.kmeans_min_silhouette,
-        n_init=config.kmeans_n_init,
-        seed=config.sample_seed,
-        silhouette_max_points=config.silhouette_max_points,
-    )
-    flagged = flagged_dims(tables["dims"])
-    with_types = sample.type_uniform and sample.num_types >= 2
-    row_refs = {
-        layer: call_on_ray(
-            _sampled_row,
-            pts.vectors,
-            pts.token_ids,
-            sample.type_points(layer).vectors if with_types else None,
-            km_refs[layer],
-            flagged.get(layer, []),
-            lid_k=min(config.lid_k, n_points - 1),
-            silhouette_max_points=config.silhouette_max_points,
-            seed=config.sample_seed,
-        )
-        for layer, pts in points.items()
-    }
-    row_values = ray.get(list(row_refs.values()))
-    rows = [{"layer": layer} | row for layer, row in zip(row_refs, row_values, strict=True)]
-    km = dict(zip(km_refs, ray.get(list(km_refs.values())), strict=True))
-    for layer in sample.layers:
-        uniform = (samples["layer"] == layer) & (samples["sample"] == "uniform")
-        samples.loc[uniform, "cluster"] = np.asarray(km[layer].labels, dtype=np.int64)
-    layers = tables["layers"].merge(pd.DataFrame(rows), on="layer", how="left")
-    tables["layers"] = layers
-    tables["samples"] = samples
-    note["isoscore_silhouette_corr"] = isoscore_silhouette_correlation(layers)
-    note["lid_convention"] = (
-        "true (not squared) distances; cosine LID on chord distances sqrt(2 - 2 cos)"
-    )
-    return note
 
 
 def _progress(total: int, tokens_done: int) -> tqdm:
