@@ -320,7 +320,7 @@ def test_merge_and_load_reject_different_measurements():
             base.merge(other)
     with pytest.raises(StatisticsMismatchError):
         ActivationSample.from_bytes(b"garbage")
-    stats_like = base.to_bytes().replace(b"embgeom_ray.core.samples", b"embgeom_ray.samplez")
+    stats_like = base.to_bytes().replace(b"embgeom_ray.samples", b"embgeom_ray.samplez")
     with pytest.raises(StatisticsMismatchError):
         ActivationSample.from_bytes(stats_like)
 

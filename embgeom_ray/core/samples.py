@@ -51,7 +51,7 @@ from safetensors.numpy import save as st_save_bytes
 from ..errors import StatisticsMismatchError
 from .statistics import EmbeddingStatistics
 
-FORMAT = "embgeom_ray.core.samples"
+FORMAT = "embgeom_ray.samples"
 FORMAT_VERSION = 1
 
 #: columns of ``samples.parquet`` (:meth:`ActivationSample.to_table`).

@@ -51,7 +51,7 @@ from safetensors.numpy import save as st_save_bytes
 
 from ..errors import StatisticsMismatchError
 
-FORMAT = "embgeom_ray.core.statistics"
+FORMAT = "embgeom_ray.statistics"
 FORMAT_VERSION = 1
 _F64 = torch.float64
 #: rows per block of the fold on a CPU: a block's float64 copy (8·d bytes a row) and scratch
