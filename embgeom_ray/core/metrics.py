@@ -74,6 +74,19 @@ def norm_variance_corr(m: LayerMoments, min_count: int = 5) -> float:
     return float(np.corrcoef(norms, var)[0, 1])
 
 
+def mean_cosine_from_unit_sum(
+    sq_norm: float | np.ndarray, m: float | np.ndarray
+) -> float | np.ndarray:
+    """Mean cosine over the m(m − 1) ordered pairs i ≠ j of m unit vectors u_1..u_m.
+
+    With U = Σ u_i: ||U||² = Σ_i Σ_j u_i·u_j = m + Σ_{i≠j} cos(u_i, u_j), so the mean is
+    (||U||² − m) / (m(m − 1)), exact. ``sq_norm`` is ||U||²; both arguments may be arrays
+    (elementwise, e.g. one value per token type). Undefined (division by 0) for m < 2: callers
+    mask those.
+    """
+    return (sq_norm - m) / (m * (m - 1.0))
+
+
 def cosines_from_unit_sums(
     counts: np.ndarray, unit_sums: np.ndarray
 ) -> tuple[float, float, float, np.ndarray]:
@@ -82,7 +95,8 @@ def cosines_from_unit_sums(
     With U = Σ_t U_t and N = Σ_t n_t (Ethayarajh 2019; Cai et al. 2021):
     anisotropy = (||U||² − N) / (N(N − 1)), the mean cosine over all ordered token pairs;
     S_inter = (||U||² − Σ_t ||U_t||²) / (N² − Σ_t n_t²), over pairs of different types;
-    SelfSim_t = (||U_t||² − n_t) / (n_t (n_t − 1)), NaN when n_t < 2;
+    SelfSim_t = (||U_t||² − n_t) / (n_t (n_t − 1)), NaN when n_t < 2
+    (both :func:`mean_cosine_from_unit_sum`);
     S_intra = unweighted mean of SelfSim_t over types with n_t ≥ 2.
     """
     n = counts.astype(np.float64)
@@ -91,10 +105,10 @@ def cosines_from_unit_sums(
     uu = float(u @ u)
     ut2_each = np.einsum("td,td->t", unit_sums, unit_sums)
     nt2 = float((n**2).sum())
-    aniso = (uu - n_tot) / (n_tot * (n_tot - 1.0)) if n_tot >= 2 else float("nan")
+    aniso = mean_cosine_from_unit_sum(uu, n_tot) if n_tot >= 2 else float("nan")
     s_inter = (uu - float(ut2_each.sum())) / (n_tot**2 - nt2) if n_tot**2 > nt2 else float("nan")
     with np.errstate(invalid="ignore", divide="ignore"):
-        ss = np.where(counts >= 2, (ut2_each - n) / (n * (n - 1.0)), np.nan)
+        ss = np.where(counts >= 2, mean_cosine_from_unit_sum(ut2_each, n), np.nan)
     s_intra = float(np.nanmean(ss)) if np.isfinite(ss).any() else float("nan")
     return float(aniso), float(s_inter), s_intra, ss
 
@@ -156,8 +170,77 @@ def layer_row(m: LayerMoments, min_count: int = 5) -> dict[str, float | int]:
     }
 
 
+def type_stats_rows(m: LayerMoments) -> pd.DataFrame:
+    """One layer's rows of ``type_stats.parquet``: :data:`TYPE_COLUMNS` but ``token``.
+
+    mean_norm = ||μ_t||, sq_norm_mean Q_t = mean ||x||² = ||μ_t||² + V_t (Yamagiwa et al.
+    2024: Q_t = M_t + V_t), variance V_t (:func:`type_variances`), self_similarity as
+    :func:`self_similarity`; rows in token-id order.
+    """
+    var = type_variances(m)
+    mean_sq = np.einsum("td,td->t", m.means, m.means)
+    return pd.DataFrame(
+        {
+            "layer": np.full(m.type_ids.shape, m.layer, dtype=np.int64),
+            "token_id": m.type_ids.astype(np.int64),
+            "count": m.counts.astype(np.int64),
+            "mean_norm": np.sqrt(mean_sq),
+            "sq_norm_mean": mean_sq + var,
+            "variance": var,
+            "self_similarity": self_similarity(m),
+        }
+    )
+
+
+def with_token_names(
+    rows: pd.DataFrame, id_to_token: Callable[[Sequence[int]], Sequence[str]] | None
+) -> pd.DataFrame:
+    """``type_stats.parquet`` from :func:`type_stats_rows` (of any layers, concatenated).
+
+    Adds the ``token`` column, ``id_to_token`` (e.g. a tokenizer's ``convert_ids_to_tokens``)
+    called once on the distinct ids (None: the column is left empty), and puts the columns in
+    :data:`TYPE_COLUMNS` order.
+    """
+    if id_to_token is not None and len(rows):
+        ids = np.unique(rows["token_id"].to_numpy())
+        names = dict(zip(ids.tolist(), id_to_token(ids.tolist()), strict=True))
+        rows["token"] = rows["token_id"].map(names).astype("string")
+    else:
+        rows["token"] = pd.Series([None] * len(rows), dtype="string")
+    return rows[TYPE_COLUMNS]
+
+
+def dim_variances(m: LayerMoments) -> np.ndarray:
+    """Var_d = C_dd / N, each dimension's population variance over all counted tokens.
+
+    Clipped at 0 (float64 rounding of the co-moment's diagonal may leave −1e-17).
+    """
+    return np.clip(np.diag(m.comoment) / max(m.n, 1), 0.0, None)
+
+
+def dim_moment_rows(m: LayerMoments) -> pd.DataFrame:
+    """One layer's per-dimension mean μ_d and population std √Var_d (:data:`DIM_COLUMNS`).
+
+    The moment columns of ``dims.parquet``, whose rows :func:`embgeom_ray.core.rogue.dims_rows`
+    builds (these and the outlier flags).
+    """
+    return pd.DataFrame(
+        {
+            "layer": np.full(m.dim, m.layer, dtype=np.int64),
+            "dim": np.arange(m.dim, dtype=np.int64),
+            "mean": m.mean,
+            "std": np.sqrt(dim_variances(m)),
+        }
+    )
+
+
+# Whole-table conveniences over a statistics object, one table each. The job builds every
+# table at once with :func:`embgeom_ray.core.tables.build_tables`, which reads each layer's
+# view (:meth:`EmbeddingStatistics.layer`, an argsort and a copy) once for all of them.
+
+
 def layers_table(stats: EmbeddingStatistics, min_count: int = 5) -> pd.DataFrame:
-    """``layers.parquet``: one row per layer, columns :data:`LAYER_COLUMNS`."""
+    """The exact columns of ``layers.parquet`` (:data:`LAYER_COLUMNS`), one row per layer."""
     rows = [layer_row(stats.layer(layer), min_count) for layer in stats.layers]
     return pd.DataFrame(rows, columns=LAYER_COLUMNS)
 
@@ -166,54 +249,12 @@ def type_stats_table(
     stats: EmbeddingStatistics,
     id_to_token: Callable[[Sequence[int]], Sequence[str]] | None = None,
 ) -> pd.DataFrame:
-    """``type_stats.parquet``: one row per (layer, token type), columns :data:`TYPE_COLUMNS`.
-
-    mean_norm = ||μ_t||, sq_norm_mean Q_t = mean ||x||² = ||μ_t||² + V_t (Yamagiwa et al.
-    2024: Q_t = M_t + V_t), variance V_t, self_similarity as :func:`self_similarity`.
-    """
-    frames = []
-    for layer in stats.layers:
-        m = stats.layer(layer)
-        var = type_variances(m)
-        mean_sq = np.einsum("td,td->t", m.means, m.means)
-        frames.append(
-            pd.DataFrame(
-                {
-                    "layer": np.full(m.type_ids.shape, layer, dtype=np.int64),
-                    "token_id": m.type_ids.astype(np.int64),
-                    "count": m.counts.astype(np.int64),
-                    "mean_norm": np.sqrt(mean_sq),
-                    "sq_norm_mean": mean_sq + var,
-                    "variance": var,
-                    "self_similarity": self_similarity(m),
-                }
-            )
-        )
-    df = pd.concat(frames, ignore_index=True) if frames else pd.DataFrame(columns=TYPE_COLUMNS)
-    if id_to_token is not None and len(df):
-        ids = np.unique(df["token_id"].to_numpy())
-        names = dict(zip(ids.tolist(), id_to_token(ids.tolist()), strict=True))
-        df["token"] = df["token_id"].map(names).astype("string")
-    else:
-        df["token"] = pd.Series([None] * len(df), dtype="string")
-    return df[TYPE_COLUMNS]
+    """``type_stats.parquet``: :func:`type_stats_rows` of every layer, :func:`with_token_names`."""
+    rows = [type_stats_rows(stats.layer(layer)) for layer in stats.layers]
+    return with_token_names(pd.concat(rows, ignore_index=True), id_to_token)
 
 
 def dims_table(stats: EmbeddingStatistics) -> pd.DataFrame:
-    """``dims.parquet``: per (layer, dim) mean and population std over all counted tokens."""
-    frames = []
-    for layer in stats.layers:
-        m = stats.layer(layer)
-        d = m.dim
-        var = np.clip(np.diag(m.comoment) / max(m.n, 1), 0.0, None)
-        frames.append(
-            pd.DataFrame(
-                {
-                    "layer": np.full(d, layer, dtype=np.int64),
-                    "dim": np.arange(d, dtype=np.int64),
-                    "mean": m.mean,
-                    "std": np.sqrt(var),
-                }
-            )
-        )
-    return pd.concat(frames, ignore_index=True)[DIM_COLUMNS]
+    """Per (layer, dim) mean and population std: :func:`dim_moment_rows` of every layer."""
+    frames = [dim_moment_rows(stats.layer(layer)) for layer in stats.layers]
+    return pd.concat(frames, ignore_index=True)

@@ -18,13 +18,29 @@ Outlier rules (:class:`OutlierRules`, each configurable; a dimension is flagged 
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 import pandas as pd
 
-from .metrics import cosine_metrics, cosines_from_unit_sums, dims_table, isoscore_from_covariance
+from .metrics import (
+    DIM_COLUMNS,
+    cosine_metrics,
+    cosines_from_unit_sums,
+    dim_moment_rows,
+    dim_variances,
+    isoscore_from_covariance,
+)
 from .statistics import EmbeddingStatistics, LayerMoments
+
+#: the columns of :func:`dimension_flags`, after :data:`~embgeom_ray.core.metrics.DIM_COLUMNS`
+FLAG_COLUMNS = [
+    "variance_ratio", "mean_zscore", "argmax_share", "argmin_share", "position_corr",
+    "outlier", "outlier_rule",
+]  # fmt: skip
+#: the columns of ``dims.parquet``
+DIMS_COLUMNS = DIM_COLUMNS + FLAG_COLUMNS
 
 
 @dataclass(frozen=True)
@@ -63,8 +79,12 @@ def position_correlation(m: LayerMoments) -> np.ndarray:
 
 
 def dimension_flags(m: LayerMoments, rules: OutlierRules) -> pd.DataFrame:
-    """Per dimension: variance_ratio, mean_zscore, argmax/argmin share, position_corr, flags."""
-    var = np.clip(np.diag(m.comoment) / max(m.n, 1), 0.0, None)
+    """Per dimension: variance_ratio, mean_zscore, argmax/argmin share, position_corr, flags.
+
+    Columns :data:`FLAG_COLUMNS`; the rules are the module docstring's (:class:`OutlierRules`),
+    ``outlier_rule`` names those that hold ("" for an unflagged dimension).
+    """
+    var = dim_variances(m)
     mean_var = var.mean()
     ratio = var / mean_var if mean_var > 0 else np.full_like(var, np.nan)
     sd_means = m.mean.std()
@@ -91,13 +111,23 @@ def dimension_flags(m: LayerMoments, rules: OutlierRules) -> pd.DataFrame:
     )
 
 
+def dims_rows(m: LayerMoments, rules: OutlierRules) -> pd.DataFrame:
+    """One layer's rows of ``dims.parquet`` (:data:`DIMS_COLUMNS`), one per dimension.
+
+    The per-dimension mean and population std
+    (:func:`~embgeom_ray.core.metrics.dim_moment_rows`) and :func:`dimension_flags`.
+    """
+    return pd.concat([dim_moment_rows(m), dimension_flags(m, rules)], axis=1)
+
+
 def rogue_dims_table(stats: EmbeddingStatistics, rules: OutlierRules) -> pd.DataFrame:
-    """``dims.parquet``: per (layer, dim) mean, std and the columns of :func:`dimension_flags`."""
-    base = dims_table(stats)
-    flags = pd.concat(
-        [dimension_flags(stats.layer(layer), rules) for layer in stats.layers], ignore_index=True
-    )
-    return pd.concat([base, flags], axis=1)
+    """``dims.parquet`` of a statistics object: :func:`dims_rows` of every layer.
+
+    A convenience for this one table; :func:`embgeom_ray.core.tables.build_tables` builds it
+    with the other tables, reading each layer's view once.
+    """
+    frames = [dims_rows(stats.layer(layer), rules) for layer in stats.layers]
+    return pd.concat(frames, ignore_index=True)
 
 
 def flagged_dims(dims: pd.DataFrame) -> dict[int, list[int]]:
@@ -108,25 +138,30 @@ def flagged_dims(dims: pd.DataFrame) -> dict[int, list[int]]:
     return out
 
 
-def positions_table(stats: EmbeddingStatistics, flagged: dict[int, list[int]]) -> pd.DataFrame:
+def positions_table(
+    profiles: Mapping[int, tuple[np.ndarray, np.ndarray]], flagged: Mapping[int, Sequence[int]]
+) -> pd.DataFrame:
     """``positions.parquet``: per (layer, position) count, ‖mean‖ and the mean of flagged dims.
 
-    Columns ``dim_<d>`` for every dimension flagged in any layer (NaN where unseen).
+    ``profiles``: layer -> (``position_counts`` (P,), ``position_means`` (P, d)) of its
+    :class:`~embgeom_ray.core.statistics.LayerMoments` (small arrays, which a caller reading
+    one layer view at a time can keep); ``flagged``: layer -> flagged dimensions
+    (:func:`flagged_dims`). One row per position seen; columns ``dim_<d>`` for every
+    dimension flagged in any layer, that dimension's mean at each position.
     """
     dims = sorted({d for ds in flagged.values() for d in ds})
     frames = []
-    for layer in stats.layers:
-        m = stats.layer(layer)
-        seen = m.position_counts > 0
+    for layer, (counts, means) in profiles.items():
+        seen = counts > 0
         pos = np.flatnonzero(seen)
         frame = {
             "layer": np.full(pos.shape, layer, dtype=np.int64),
             "position": pos.astype(np.int64),
-            "count": m.position_counts[seen].astype(np.int64),
-            "mean_norm": np.linalg.norm(m.position_means[seen], axis=1),
+            "count": counts[seen].astype(np.int64),
+            "mean_norm": np.linalg.norm(means[seen], axis=1),
         }
         for d in dims:
-            frame[f"dim_{d}"] = m.position_means[seen, d]
+            frame[f"dim_{d}"] = means[seen, d]
         frames.append(pd.DataFrame(frame))
     return pd.concat(frames, ignore_index=True)
 

@@ -18,7 +18,7 @@ import numpy as np
 import pandas as pd
 from scipy.special import logsumexp
 
-from .metrics import isoscore_from_covariance
+from .metrics import isoscore_from_covariance, mean_cosine_from_unit_sum
 
 if TYPE_CHECKING:
     from .kmeans import SelectKResult
@@ -58,7 +58,7 @@ def mean_pairwise_cosine(X: np.ndarray) -> float:
     if m < 2:
         return float("nan")
     s = u.sum(axis=0)
-    return float((s @ s - m) / (m * (m - 1.0)))
+    return float(mean_cosine_from_unit_sum(s @ s, m))
 
 
 def isoscore_points(X: np.ndarray) -> float:
@@ -306,14 +306,14 @@ def cluster_adjusted(
         m = len(pick)
         if m >= 2:
             s = u[pick].sum(axis=0)
-            inters.append((s @ s - m) / (m * (m - 1.0)))
+            inters.append(mean_cosine_from_unit_sum(s @ s, m))
         multi = cnt >= 2
         if multi.any():
             sums = np.zeros((len(types), X.shape[1]))
             np.add.at(sums, inv, u)
             n_t = cnt[multi].astype(np.float64)
             u2 = np.einsum("td,td->t", sums[multi], sums[multi])
-            intras.append(float(np.mean((u2 - n_t) / (n_t * (n_t - 1.0)))))
+            intras.append(float(np.mean(mean_cosine_from_unit_sum(u2, n_t))))
         if len(rows) >= 2:
             isos.append(isoscore_points(X[rows]))
 

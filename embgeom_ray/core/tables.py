@@ -1,44 +1,224 @@
-"""Every exact table of the output contract, from the corpus statistics alone (no Ray)."""
+"""The tables of the output contract, engine-free (no Ray): exact ones and the sampled stage's.
+
+:func:`build_tables` builds every exact table (``type_stats``, ``layers``, ``dims``,
+``positions``) from the corpus statistics, reading each layer's view
+(:meth:`~embgeom_ray.core.statistics.EmbeddingStatistics.layer`: an argsort of the types and a
+float64 copy of their arrays) once for all four tables. The per-layer quantities are
+:mod:`~embgeom_ray.core.metrics`' and :mod:`~embgeom_ray.core.rogue`'s functions of that view.
+
+The sampled stage (K-means, LID, silhouettes, cluster-adjusted and clipped cosines on the
+activation sample) is split in three: :func:`plan_sampled_metrics` (the samples table, the rule
+that skips too small a sample, each layer's inputs and options), one :func:`sampled_row` and
+one :func:`~embgeom_ray.core.kmeans.select_k` per layer (run as Ray tasks by
+:func:`embgeom_ray.distributed.sampled_stage.add_sampled_metrics`, or anywhere else), and
+:func:`finish_sampled_metrics` (clusters into the samples table, the rows into ``layers``, the
+manifest's note).
+"""
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, NamedTuple
 
+import numpy as np
 import pandas as pd
 
 from ..config import JobConfig
-from . import metrics
+from .metrics import layer_row, type_stats_rows, with_token_names
 from .rogue import (
     OutlierRules,
     clipping_row,
+    dims_rows,
     exact_clipped_cosines,
     flagged_dims,
     positions_table,
-    rogue_dims_table,
+    sampled_clipped_cosines,
 )
-from .statistics import EmbeddingStatistics
+from .statistics import EmbeddingStatistics, LayerMoments
+
+if TYPE_CHECKING:
+    from .kmeans import SelectKResult
+    from .samples import ActivationSample
+
+#: fewer uniform sampled points than this and the sampled metrics are left empty (NaN)
+MIN_SAMPLE_POINTS = 32
+#: the manifest's statement of the LID convention (:func:`~.sampled_metrics.lid_mle`)
+LID_CONVENTION = "true (not squared) distances; cosine LID on chord distances sqrt(2 - 2 cos)"
+
+
+class _LayerParts(NamedTuple):
+    """What one layer contributes to the exact tables."""
+
+    row: dict[str, Any]  # its row of layers.parquet
+    types: pd.DataFrame  # its rows of type_stats.parquet (no token names yet)
+    dims: pd.DataFrame  # its rows of dims.parquet
+    positions: tuple[np.ndarray, np.ndarray]  # position counts (P,) and means (P, d)
+
+
+def _layer_parts(m: LayerMoments, rules: OutlierRules, min_count: int) -> _LayerParts:
+    dims = dims_rows(m, rules)
+    flagged = flagged_dims(dims).get(m.layer, [])
+    row = layer_row(m, min_count) | clipping_row(m, flagged) | exact_clipped_cosines(m)
+    return _LayerParts(row, type_stats_rows(m), dims, (m.position_counts, m.position_means))
 
 
 def build_tables(
     merged: EmbeddingStatistics, tokenizer: Any, config: JobConfig
 ) -> dict[str, pd.DataFrame]:
-    """Every table of the output contract, from the corpus statistics alone."""
+    """Every exact table of the output contract, from the corpus statistics alone.
+
+    - ``type_stats``: :func:`~.metrics.type_stats_rows` of every layer, token names from
+      ``tokenizer.convert_ids_to_tokens`` (:func:`~.metrics.with_token_names`);
+    - ``layers``: per layer :func:`~.metrics.layer_row` (``config.min_count``), then
+      :func:`~.rogue.clipping_row` with the layer's flagged dimensions and
+      :func:`~.rogue.exact_clipped_cosines` (when the statistics track ``clip_dims``);
+    - ``dims``: :func:`~.rogue.dims_rows` of every layer (``config.outlier_*`` rules);
+    - ``positions``: :func:`~.rogue.positions_table` with the dimensions flagged in any layer.
+
+    Each layer's view is taken once; only its small positional profile is kept past it.
+    """
     rules = OutlierRules(
         config.outlier_mean_z, config.outlier_variance_ratio, config.outlier_tail_share
     )
-    dims = rogue_dims_table(merged, rules)
-    flagged = flagged_dims(dims)
-    layers = metrics.layers_table(merged, config.min_count)
-    extra = [
-        {"layer": layer}
-        | clipping_row(merged.layer(layer), flagged.get(layer, []))
-        | exact_clipped_cosines(merged.layer(layer))
-        for layer in merged.layers
-    ]
-    layers = layers.merge(pd.DataFrame(extra), on="layer", how="left")
+    parts = {
+        layer: _layer_parts(merged.layer(layer), rules, config.min_count) for layer in merged.layers
+    }
+    dims = pd.concat([p.dims for p in parts.values()], ignore_index=True)
+    types = pd.concat([p.types for p in parts.values()], ignore_index=True)
     return {
-        "type_stats": metrics.type_stats_table(merged, tokenizer.convert_ids_to_tokens),
-        "layers": layers,
+        "type_stats": with_token_names(types, tokenizer.convert_ids_to_tokens),
+        "layers": pd.DataFrame([p.row for p in parts.values()]),
         "dims": dims,
-        "positions": positions_table(merged, flagged),
+        "positions": positions_table(
+            {layer: p.positions for layer, p in parts.items()}, flagged_dims(dims)
+        ),
+    }
+
+
+def sampled_row(
+    X: np.ndarray,
+    token_ids: np.ndarray,
+    type_vectors: np.ndarray | None,
+    kmeans_result: SelectKResult,
+    clip_dims: list[int],
+    **options: Any,
+) -> dict[str, Any]:
+    """One layer's sampled ``layers.parquet`` columns, from its uniform sample X.
+
+    :func:`~.sampled_metrics.sampled_metrics_of_points` (``options``: its keyword arguments)
+    and :func:`~.rogue.sampled_clipped_cosines` with ``clip_dims`` (the layer's flagged
+    dimensions) zeroed. The per-layer task of the sampled stage.
+    """
+    from .sampled_metrics import sampled_metrics_of_points
+
+    return sampled_metrics_of_points(
+        X, token_ids, type_vectors, kmeans_result, **options
+    ) | sampled_clipped_cosines(X, token_ids, clip_dims)
+
+
+@dataclass(frozen=True)
+class SampledLayer:
+    """One layer's inputs to :func:`sampled_row` (and its K-means on ``vectors``)."""
+
+    vectors: np.ndarray  # (n, d) the uniform sample, canonical order
+    token_ids: np.ndarray  # (n,)
+    type_vectors: np.ndarray | None  # the type-uniform sample; None without one of >= 2 types
+    clip_dims: list[int]  # the layer's flagged dimensions (dims.parquet)
+
+
+@dataclass(frozen=True)
+class SampledPlan:
+    """The sampled stage, engine-free: what to compute per layer, and the partial results.
+
+    ``layers`` is empty when the stage is skipped (``note["skipped"]`` says why).
+    ``kmeans_options`` are :func:`~.kmeans.select_k`'s keyword arguments (those of
+    :func:`embgeom_ray.distributed.kmeans.submit_layers_on_ray` too), ``row_options``
+    :func:`sampled_row`'s.
+    """
+
+    samples: pd.DataFrame  # samples.parquet, cluster column still empty
+    note: dict[str, Any]  # what the manifest records
+    layers: dict[int, SampledLayer] = field(default_factory=dict)
+    kmeans_options: dict[str, Any] = field(default_factory=dict)
+    row_options: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def skipped(self) -> bool:
+        return "skipped" in self.note
+
+
+def plan_sampled_metrics(
+    sample: ActivationSample, dims: pd.DataFrame, tokenizer: Any, config: JobConfig
+) -> SampledPlan:
+    """The samples table and, unless the sample is too small, each layer's inputs.
+
+    Skipped (no sampled metrics, NaN columns) when the uniform sample has fewer than
+    :data:`MIN_SAMPLE_POINTS` points. Otherwise K-means tries k = 2..min(``kmeans_k_max``,
+    n − 1) and LID uses k = min(``lid_k``, n − 1) neighbours, n the uniform points; the
+    clipped cosines zero the layer's dimensions flagged in ``dims`` (``dims.parquet``).
+    """
+    samples = sample.to_table(tokenizer.convert_ids_to_tokens)
+    samples["cluster"] = pd.array([None] * len(samples), dtype="Int64")
+    n_points = sample.num_uniform
+    note: dict[str, Any] = {"uniform_points": n_points, "type_uniform_points": sample.num_types}
+    if n_points < MIN_SAMPLE_POINTS:
+        note["skipped"] = f"sample of {n_points} points < {MIN_SAMPLE_POINTS}: no sampled metrics"
+        return SampledPlan(samples, note)
+    flagged = flagged_dims(dims)
+    with_types = sample.type_uniform and sample.num_types >= 2
+    layers = {}
+    for layer in sample.layers:
+        pts = sample.points(layer)
+        layers[layer] = SampledLayer(
+            pts.vectors,
+            pts.token_ids,
+            sample.type_points(layer).vectors if with_types else None,
+            flagged.get(layer, []),
+        )
+    kmeans_options = {
+        "ks": range(2, min(config.kmeans_k_max, n_points - 1) + 1),
+        "min_silhouette": config.kmeans_min_silhouette,
+        "n_init": config.kmeans_n_init,
+        "seed": config.sample_seed,
+        "silhouette_max_points": config.silhouette_max_points,
+    }
+    row_options = {
+        "lid_k": min(config.lid_k, n_points - 1),
+        "silhouette_max_points": config.silhouette_max_points,
+        "seed": config.sample_seed,
+    }
+    return SampledPlan(samples, note, layers, kmeans_options, row_options)
+
+
+def finish_sampled_metrics(
+    tables: dict[str, pd.DataFrame],
+    plan: SampledPlan,
+    rows: Mapping[int, Mapping[str, Any]],
+    kmeans: Mapping[int, SelectKResult],
+) -> dict[str, Any]:
+    """Put the sampled stage's results into ``tables``; return the manifest's note.
+
+    ``rows``: layer -> :func:`sampled_row`; ``kmeans``: layer -> its
+    :class:`~.kmeans.SelectKResult` (both for every layer of ``plan``; ignored when skipped).
+    Sets ``tables["samples"]`` (each uniform occurrence's K-means ``cluster``), adds the
+    sampled columns to ``tables["layers"]``, and adds to the note the IsoScore–silhouette
+    correlation across layers (:func:`~.sampled_metrics.isoscore_silhouette_correlation`) and
+    the LID convention.
+    """
+    from .sampled_metrics import isoscore_silhouette_correlation
+
+    samples = plan.samples
+    tables["samples"] = samples
+    if plan.skipped:
+        return dict(plan.note)
+    for layer in plan.layers:
+        uniform = (samples["layer"] == layer) & (samples["sample"] == "uniform")
+        samples.loc[uniform, "cluster"] = np.asarray(kmeans[layer].labels, dtype=np.int64)
+    sampled = pd.DataFrame([{"layer": layer} | dict(rows[layer]) for layer in plan.layers])
+    layers = tables["layers"].merge(sampled, on="layer", how="left")
+    tables["layers"] = layers
+    return plan.note | {
+        "isoscore_silhouette_corr": isoscore_silhouette_correlation(layers),
+        "lid_convention": LID_CONVENTION,
     }
