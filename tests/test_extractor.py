@@ -7,10 +7,16 @@ import pytest
 import torch
 
 from embgeom_ray.config import build_config
+from embgeom_ray.inputs import extractor
 from embgeom_ray.inputs.corpus import CorpusSpec, plan_shards
-from embgeom_ray.inputs.extractor import ShardProcessor
+from embgeom_ray.inputs.extractor import ShardCounts, ShardProcessor, unk_warning
 from embgeom_ray.inputs.model_loading import resolve_identity
-from embgeom_ray.inputs.windows import make_batches, tokenize_windows
+from embgeom_ray.inputs.windows import (
+    MAX_PADDING,
+    MIN_BATCH_POSITIONS,
+    make_batches,
+    tokenize_windows,
+)
 from tests.conftest import write_jsonl
 from tests.tiny_models import make_tiny_bert
 
@@ -92,3 +98,93 @@ def test_out_of_memory_splits_the_batch_and_counts_every_token_once(
     monkeypatch.setattr(proc, "forward", always_oom)
     with pytest.raises(torch.OutOfMemoryError, match="lower --max-length"):
         proc.process(shard)
+
+
+def processor(tiny_bert: str, corpus: str, out, **options) -> ShardProcessor:
+    cfg = build_config(None, {"model": tiny_bert, "corpus": corpus, "out": str(out), **options})
+    identity, _ = resolve_identity(tiny_bert, None, False)
+    return ShardProcessor(cfg, [0, 2], {"model_fingerprint": identity.model_fingerprint})
+
+
+def test_batching_changes_neither_counts_nor_statistics_nor_sample(
+    tmp_path, tiny_bert, monkeypatch
+):
+    """Wide pooled batches with a padding budget against small unpooled exact-length ones."""
+    rng = np.random.default_rng(0)
+    words = ["cat", "dog", "sat", "mat", "the", "a", "on", "ran", "blue", "sky", "tree", "sun"]
+    texts = [" ".join(rng.choice(words, size=int(rng.integers(1, 40)))) for _ in range(120)]
+    corpus = write_jsonl(tmp_path / "c.jsonl", texts)
+    shard = plan_shards(CorpusSpec(corpus)).shards[0]
+    wide = processor(tiny_bert, corpus, tmp_path / "a", max_length=24, batch_tokens=4096)
+    stats_a, sample_a, counts_a = wide.process(shard)
+
+    monkeypatch.setattr(extractor, "POOL_BATCHES", 1)
+    monkeypatch.setattr(extractor, "MAX_PADDING", 0.0)
+    monkeypatch.setattr(extractor, "MIN_BATCH_POSITIONS", 0)
+    narrow = processor(
+        tiny_bert, corpus, tmp_path / "b", max_length=24, batch_tokens=64, docs_per_chunk=7
+    )
+    stats_b, sample_b, counts_b = narrow.process(shard)
+
+    assert counts_b.batches > 3 * counts_a.batches  # really another batching
+    assert counts_b.padded_tokens == counts_b.positions  # exact-length batches: no padding
+    # a pool this small (2.6k tokens) also merges batches under MIN_BATCH_POSITIONS positions,
+    # each for fewer than MIN_BATCH_POSITIONS padded ones, at most one per window length
+    bound = MAX_PADDING * counts_a.positions + MIN_BATCH_POSITIONS * 24
+    assert counts_a.positions <= counts_a.padded_tokens <= counts_a.positions + bound
+    for name in ("documents", "windows", "tokens", "positions", "special_tokens", "unk_tokens"):
+        assert getattr(counts_a, name) == getattr(counts_b, name), name
+    assert counts_a.positions == counts_a.tokens + counts_a.special_tokens
+    for layer in (0, 2):
+        a, b = stats_a.layer(layer), stats_b.layer(layer)
+        np.testing.assert_array_equal(a.type_ids, b.type_ids)
+        np.testing.assert_array_equal(a.counts, b.counts)
+        for name in ("means", "m2", "position_means"):
+            np.testing.assert_allclose(getattr(a, name), getattr(b, name), rtol=1e-4, atol=1e-5)
+        pa, pb = sample_a.points(layer), sample_b.points(layer)
+        np.testing.assert_array_equal(pa.keys, pb.keys)
+        np.testing.assert_array_equal(pa.token_ids, pb.token_ids)
+        np.testing.assert_allclose(pa.vectors, pb.vectors, rtol=1e-4, atol=1e-5)
+
+
+def test_unknown_tokens_are_counted(tmp_path, tiny_bert):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_bert)
+    texts = [
+        "a parrot 🦜 and a snowman ⛄ walk into a bar 🍺",
+        "plain words only here",
+        "🦜🦜 both birds, 𓀀 a hieroglyph",
+        "nothing unknown",
+    ]
+    corpus = write_jsonl(tmp_path / "c.jsonl", texts)
+    shard = plan_shards(CorpusSpec(corpus)).shards[0]
+    proc = processor(tiny_bert, corpus, tmp_path / "o", max_length=64)
+    _, _, counts = proc.process(shard)
+    ids = [tok(t)["input_ids"] for t in texts]  # the tokenizer alone; every text fits one window
+    unk = sum(x.count(tok.unk_token_id) for x in ids)
+    assert unk >= 4
+    assert counts.unk_tokens == unk
+    assert counts.positions == sum(len(x) for x in ids)
+    assert counts.special_tokens == 2 * len(texts) + unk  # [CLS], [SEP] and every [UNK]
+    assert counts.tokens == counts.positions - counts.special_tokens
+    assert counts.unk_share == pytest.approx(unk / (counts.tokens + unk))
+    assert counts.padding_ratio == counts.padded_tokens / counts.positions
+    message = unk_warning(counts)
+    assert message is not None
+    assert f"{counts.unk_share:.1%}" in message and "[UNK]" in message
+    assert unk_warning(counts, threshold=0.5) is None
+
+
+def test_shard_counts_add_and_old_json():
+    a = ShardCounts(tokens=10, padded_tokens=14, positions=13, special_tokens=3, unk_tokens=1)
+    b = ShardCounts(tokens=5, padded_tokens=8, positions=7, special_tokens=2, unk_tokens=0)
+    a.add(b)
+    names = ("tokens", "padded_tokens", "positions", "special_tokens", "unk_tokens")
+    assert [getattr(a, n) for n in names] == [15, 22, 20, 5, 1]
+    assert a.padding_ratio == 22 / 20
+    assert a.text_tokens == 20 - 5 + 1
+    assert a.unk_share == 1 / 16
+    assert ShardCounts.from_json(a.to_json()) == a
+    old = ShardCounts.from_json({"tokens": 5, "padded_tokens": 9, "windows": 1})
+    assert old.padding_ratio is None and old.unk_share is None and unk_warning(old) is None

@@ -3,17 +3,18 @@
 An extractor loads the tokenizer and model once, then for each shard reads documents in
 chunks, splits them into windows, runs length-bucketed batches through the model with
 ``output_hidden_states=True`` and folds the selected layers' hidden states into the shard's
-statistics on the model's device. Memory is bounded by ``docs_per_chunk`` and
-``batch_tokens``, never by the shard or corpus size (the statistics themselves are bounded by
-the vocabulary seen). :meth:`ShardProcessor.fold_shard` folds a shard into accumulators that
-may hold earlier shards; :meth:`ShardProcessor.process` folds one shard into fresh ones.
+statistics on the model's device. Memory is bounded by ``docs_per_chunk``, ``batch_tokens``
+and the sorting pool (:meth:`ShardProcessor.batches`), never by the shard or corpus size (the
+statistics themselves are bounded by the vocabulary seen). :meth:`ShardProcessor.fold_shard`
+folds a shard into accumulators that may hold earlier shards; :meth:`ShardProcessor.process`
+folds one shard into fresh ones.
 :mod:`embgeom_ray.distributed.actor_pool` wraps this in Ray actors; tests and benchmarks use it directly.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -23,18 +24,45 @@ from ..config import JobConfig
 from ..core.samples import ActivationSample
 from ..core.statistics import EmbeddingStatistics
 from .corpus import CorpusSpec, Document, ReadReport, Shard, read_shard
-from .model_loading import load_model, load_tokenizer
-from .windows import Batch, make_batches, tokenize_windows
+from .model_loading import load_model, load_tokenizer, unknown_token_id
+from .windows import (
+    MAX_PADDING,
+    MIN_BATCH_POSITIONS,
+    POOL_BATCHES,
+    Batch,
+    Window,
+    make_batches,
+    pools,
+    tokenize_windows,
+)
 
 
 @dataclass
 class ShardCounts:
-    """What one shard contributed; summed over shards into the manifest."""
+    """What one shard contributed; summed over shards into the manifest.
+
+    Positions, per batch that ran (``B × T`` for ``B`` windows, the longest ``T`` tokens):
+
+    * ``padded_tokens``: all positions the model ran, ``Σ B × T`` (padding included);
+    * ``positions``: the real ones, ``Σ`` window lengths (special tokens included);
+    * ``tokens``: the counted ones (not special, unless ``--keep-special``);
+    * ``special_tokens``: real positions holding a special token id ([CLS], [SEP], [UNK], …),
+      whether or not ``--keep-special`` counts them, so ``positions = tokens + special_tokens``
+      without it and ``positions = tokens`` with it;
+    * ``unk_tokens``: real positions holding the tokenizer's unknown token ([UNK], <unk>),
+      a subset of ``special_tokens``.
+
+    Counts saved before ``positions`` existed load with 0 there; :attr:`padding_ratio` and
+    :attr:`unk_share` are then ``None``.
+    """
 
     documents: int = 0
     windows: int = 0
     tokens: int = 0
     padded_tokens: int = 0
+    positions: int = 0
+    special_tokens: int = 0
+    unk_tokens: int = 0
     batches: int = 0
     oom_splits: int = 0
     skipped: dict[str, int] = field(default_factory=dict)
@@ -42,13 +70,57 @@ class ShardCounts:
     fold_seconds: float = 0.0
     seconds: float = 0.0
 
+    _INTS = (
+        "documents",
+        "windows",
+        "tokens",
+        "padded_tokens",
+        "positions",
+        "special_tokens",
+        "unk_tokens",
+        "batches",
+        "oom_splits",
+    )
+
     def add(self, other: ShardCounts) -> None:
-        for name in ("documents", "windows", "tokens", "padded_tokens", "batches", "oom_splits"):
+        for name in self._INTS:
             setattr(self, name, getattr(self, name) + getattr(other, name))
         for name in ("forward_seconds", "fold_seconds", "seconds"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
         for k, v in other.skipped.items():
             self.skipped[k] = self.skipped.get(k, 0) + v
+
+    def count_batch(self, batch: Batch, special_ids: Sequence[int], unk_id: int | None) -> None:
+        """Add one batch that ran: its positions, counted tokens, special and [UNK] tokens."""
+        real = batch.attention_mask.bool()
+        self.padded_tokens += int(batch.input_ids.numel())
+        self.positions += int(real.sum())
+        self.tokens += batch.num_tokens
+        if special_ids:
+            specials = torch.tensor(sorted(set(special_ids)), dtype=batch.input_ids.dtype)
+            self.special_tokens += int((torch.isin(batch.input_ids, specials) & real).sum())
+        if unk_id is not None:
+            self.unk_tokens += int(((batch.input_ids == unk_id) & real).sum())
+        self.batches += 1
+
+    @property
+    def padding_ratio(self) -> float | None:
+        """Positions the model ran per real position: ``padded_tokens / positions`` (≥ 1).
+
+        Without ``--keep-special`` this is ``padded_tokens / (tokens + special_tokens)``.
+        ``None`` before any batch ran.
+        """
+        return self.padded_tokens / self.positions if self.positions else None
+
+    @property
+    def text_tokens(self) -> int:
+        """Positions that stand for text: non-special ones plus [UNK] (which replaces text)."""
+        return self.positions - self.special_tokens + self.unk_tokens
+
+    @property
+    def unk_share(self) -> float | None:
+        """Share of the text's tokens that are the unknown token: ``unk_tokens / text_tokens``."""
+        return self.unk_tokens / self.text_tokens if self.text_tokens > 0 else None
 
     def to_json(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -56,6 +128,32 @@ class ShardCounts:
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> ShardCounts:
         return cls(**d)
+
+
+#: :func:`unk_warning` speaks up when more than this share of the text's tokens is [UNK].
+UNK_WARN_SHARE = 0.01
+
+
+def unk_warning(
+    counts: ShardCounts, unk_token: str | None = "[UNK]", threshold: float = UNK_WARN_SHARE
+) -> str | None:
+    """A one-line warning when the unknown token's share of the text exceeds ``threshold``.
+
+    A high share means the tokenizer does not cover the corpus (another script or language,
+    binary or mangled text, or a tokenizer that is not the model's): every such token is the
+    same id with one embedding, and without ``--keep-special`` it is not counted at all.
+    Returns ``None`` when the share is within the threshold or unknown.
+    """
+    share = counts.unk_share
+    if share is None or share <= threshold:
+        return None
+    name = unk_token or "unknown"
+    return (
+        f"warning: {share:.1%} of the corpus's text tokens are the tokenizer's {name} token "
+        f"({counts.unk_tokens:,} of {counts.text_tokens:,}): the tokenizer does not cover "
+        f"this text (another script or language, mangled text, or a tokenizer that is not the "
+        f"model's); {name} tokens are special and are not counted unless --keep-special"
+    )
 
 
 def resolve_device(device: str) -> str:
@@ -154,19 +252,41 @@ class ShardProcessor:
         return [hs[layer] for layer in self.layers]
 
     def batches(self, docs: Iterator[Document], counts: ShardCounts) -> Iterator[Batch]:
-        """Windows of ``docs`` packed into batches, chunk by chunk (bounded memory)."""
+        """Windows of ``docs`` packed into batches, pool by pool (bounded memory).
+
+        Documents are tokenized ``docs_per_chunk`` at a time; windows gather into pools of
+        ``POOL_BATCHES × batch_tokens`` tokens, each packed by :func:`make_batches` with padded
+        positions ≤ (1 + ``MAX_PADDING``) × real ones (a tiny pool, such as a small shard's,
+        may add merges of batches under ``MIN_BATCH_POSITIONS`` positions).
+
+        Held at once: one chunk's texts; the windows of one pool, fewer than
+        ``POOL_BATCHES × batch_tokens`` tokens plus those of one chunk of ``docs_per_chunk``
+        documents, as lists of Python ints (about 45 bytes a token with the window objects,
+        measured: about 12 MB for the pool's 262,144 tokens at the defaults); one batch of
+        ``batch_tokens`` positions.
+        """
         cfg = self.config
-        for chunk in _chunks(docs, cfg.docs_per_chunk):
-            windows = tokenize_windows(
-                self.tokenizer, [d.doc_id for d in chunk], [d.text for d in chunk], cfg.max_length
-            )
-            counts.windows += len(windows)
+
+        def chunks() -> Iterator[list[Window]]:
+            for chunk in _chunks(docs, cfg.docs_per_chunk):
+                windows = tokenize_windows(
+                    self.tokenizer,
+                    [d.doc_id for d in chunk],
+                    [d.text for d in chunk],
+                    cfg.max_length,
+                )
+                counts.windows += len(windows)
+                yield windows
+
+        for pool in pools(chunks(), POOL_BATCHES * cfg.batch_tokens):
             yield from make_batches(
-                windows,
+                pool,
                 batch_tokens=cfg.batch_tokens,
                 pad_id=self.pad_id,
                 special_ids=self.special_ids,
                 keep_special=cfg.keep_special,
+                max_padding=MAX_PADDING,
+                min_positions=MIN_BATCH_POSITIONS,
             )
 
     def fold_batch(
@@ -207,9 +327,7 @@ class ShardProcessor:
         t3 = time.perf_counter()
         counts.forward_seconds += t2 - t1
         counts.fold_seconds += t3 - t2
-        counts.tokens += batch.num_tokens
-        counts.padded_tokens += int(batch.input_ids.numel())
-        counts.batches += 1
+        counts.count_batch(batch, self.special_ids, unknown_token_id(self.tokenizer))
 
     @torch.inference_mode()
     def fold_shard(

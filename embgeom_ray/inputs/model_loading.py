@@ -72,6 +72,88 @@ def load_tokenizer(model: str, revision: str | None, trust_remote_code: bool) ->
     return tok
 
 
+#: Files that carry a fast tokenizer's vocabulary (one of them, or a sentencepiece ``*.model``
+#: / tiktoken ``*.tiktoken`` file, must be in a local model directory).
+TOKENIZER_FILES = ("tokenizer.json", "vocab.txt", "vocab.json", "merges.txt")
+#: A tokenizer may have fewer entries than the model's vocabulary by this many ...
+VOCAB_SHORTFALL_ENTRIES = 128
+#: ... or by this share of the model's vocabulary, whichever is larger (see check_vocabulary).
+VOCAB_SHORTFALL_SHARE = 0.10
+
+
+def _has_tokenizer_files(path: str) -> bool:
+    try:
+        names = os.listdir(path)
+    except OSError:
+        return False
+    return any(n in TOKENIZER_FILES or n.endswith((".model", ".tiktoken")) for n in names)
+
+
+def check_vocabulary(model: str, tokenizer: Any, config: Any) -> None:
+    """Refuse a tokenizer that cannot be the model's, before any work starts.
+
+    With ``n = len(tokenizer)`` (base vocabulary plus added tokens), ``base`` the base
+    vocabulary alone and ``V`` the config's ``vocab_size`` (rows of the embedding matrix):
+
+    * ``V − n`` may reach ``max(VOCAB_SHORTFALL_ENTRIES, VOCAB_SHORTFALL_SHARE × V)``: a model's
+      embedding is often larger than its tokenizer (rows padded to a multiple of 64/128/…,
+      reserved ids: T5 32,100 of 32,128, Qwen2 151,646 of 151,936, phi-2 50,295 of 51,200);
+      a tokenizer missing more is not the model's. The usual failure: a local directory with
+      weights and config but no tokenizer files, where the tokenizer library silently builds a
+      tokenizer of its five special tokens, every word becomes [UNK], and the job would end
+      blaming the corpus. A local directory without any vocabulary file
+      (:data:`TOKENIZER_FILES`, ``*.model``, ``*.tiktoken``) is refused whenever ``n < V``.
+    * ``n > V`` is accepted when only added tokens lie past the embedding (``base ≤ V``): some
+      checkpoints ship added special tokens the model never embeds; they do not occur in text.
+      ``base > V`` is refused: ordinary text would produce ids the embedding does not have.
+
+    Models whose config states no ``vocab_size`` are not checked. Raises :class:`ModelError`.
+    """
+    vocab = getattr(config, "vocab_size", None)
+    if not isinstance(vocab, int) or vocab <= 0:
+        return
+    n = len(tokenizer)
+    base = int(getattr(tokenizer, "vocab_size", n) or n)
+    local = os.path.isdir(model)
+    missing_files = local and not _has_tokenizer_files(model)
+    if n < vocab and (
+        missing_files or vocab - n > max(VOCAB_SHORTFALL_ENTRIES, VOCAB_SHORTFALL_SHARE * vocab)
+    ):
+        if missing_files:
+            raise ModelError(
+                f"{model!r} has no tokenizer files (tokenizer.json / vocab.txt / vocab.json + "
+                f"merges.txt / a sentencepiece *.model): the tokenizer found has {n:,} entries, "
+                f"the model's vocabulary {vocab:,}; copy the model's tokenizer files into it"
+            )
+        raise ModelError(
+            f"the tokenizer of {model!r} has {n:,} entries but the model's vocabulary has "
+            f"{vocab:,}: the tokenizer files are missing or not this model's"
+        )
+    if base > vocab:
+        raise ModelError(
+            f"the tokenizer of {model!r} has {base:,} entries but the model's embedding only "
+            f"{vocab:,} rows (ids {vocab:,} and up would fall outside it): the tokenizer files "
+            "are not this model's"
+        )
+
+
+def unknown_token_id(tokenizer: Any) -> int | None:
+    """The id of the tokenizer's unknown token ([UNK], <unk>), or ``None`` if it has none.
+
+    Byte-level tokenizers (GPT-2, …) name a structural token as ``unk_token``
+    (``<|endoftext|>``); when the unknown token's id is also the BOS/EOS/CLS/SEP/PAD/MASK id it
+    marks structure, not unknown text, and ``None`` is returned.
+    """
+    unk = getattr(tokenizer, "unk_token_id", None)
+    if unk is None:
+        return None
+    structural = {
+        getattr(tokenizer, f"{name}_token_id", None)
+        for name in ("bos", "eos", "cls", "sep", "pad", "mask")
+    }
+    return None if unk in structural else int(unk)
+
+
 def load_model(
     model: str, revision: str | None, dtype: str, device: str, trust_remote_code: bool
 ) -> Any:
@@ -120,9 +202,13 @@ def tokenizer_fingerprint(tokenizer: Any) -> str:
 def resolve_identity(
     model: str, revision: str | None, trust_remote_code: bool
 ) -> tuple[ModelIdentity, Any]:
-    """The model's identity and its tokenizer (loaded once here, in the driver)."""
+    """The model's identity and its tokenizer (loaded once here, in the driver).
+
+    Raises :class:`ModelError` when the tokenizer cannot be the model's (:func:`check_vocabulary`).
+    """
     cfg = load_config(model, revision, trust_remote_code)
     tok = load_tokenizer(model, revision, trust_remote_code)
+    check_vocabulary(model, tok, cfg)
     if os.path.isdir(model):
         resolved = directory_fingerprint(model)
         fingerprint = resolved

@@ -6,15 +6,45 @@ into consecutive windows by the fast tokenizer's overflow mechanism (stride 0), 
 wrapped in the special tokens the model saw in training ([CLS] … [SEP], BOS, …). Content
 tokens are partitioned exactly: nothing is dropped, nothing is counted twice. Positions
 restart at 0 in each window; batches are right-padded, so every real token keeps its position.
+
+Batching (:func:`plan_batches`). A batch of ``B`` windows, the longest ``T`` tokens, runs
+``B × T`` positions; the real ones are the windows' lengths, the rest is padding the model
+computes for nothing. Windows are gathered into *pools* of about ``pool_tokens`` real tokens
+(:func:`pools`, :data:`POOL_BATCHES` batches' worth by default) and each pool is packed so that
+
+    padded positions ≤ (1 + max_padding) × real positions        (every pool, hence in total)
+
+with as few batches as that allows: windows of one length fill batches of
+``⌊batch_tokens / length⌋`` rows (no padding at all); what is left of each length (fewer rows
+than a full batch) is merged with the leftovers of neighbouring lengths, cheapest merge first
+(a merge pads the narrower rows to the wider width), while the pool's padding stays within
+the budget ``max_padding × real tokens``; a batch still smaller than
+:data:`MIN_BATCH_POSITIONS` positions is then merged into a neighbour (tiny pools only). The
+plan depends only on the pool's window lengths and order, so the same shard always gives the
+same batches, whatever the machine or the number of workers.
+
+Batching never changes what is measured: the statistics are sums over tokens (the same up to
+float rounding in any order), and the sample's keys are hashes of (document, window,
+position) (:func:`embgeom_ray.core.samples.occurrence_keys`), blind to batches.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+import heapq
+import itertools
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 import torch
+
+#: A pool holds about ``POOL_BATCHES × batch_tokens`` real tokens of windows, sorted together.
+POOL_BATCHES = 32
+#: Padding budget: padded positions ≤ (1 + MAX_PADDING) × real positions in every pool.
+MAX_PADDING = 0.02
+#: Batches of fewer positions are merged into a neighbour even past the budget (see
+#: :func:`plan_batches`).
+MIN_BATCH_POSITIONS = 64
 
 
 @dataclass(frozen=True)
@@ -35,6 +65,11 @@ class Batch:
     @property
     def num_tokens(self) -> int:
         return int(self.keep.sum())
+
+    @property
+    def num_positions(self) -> int:
+        """Real (unpadded) positions: the windows' lengths, special tokens included."""
+        return int(self.attention_mask.sum())
 
     def split(self) -> tuple[Batch, Batch]:
         """Two halves by rows (used to retry a batch that ran out of device memory)."""
@@ -77,6 +112,166 @@ def tokenize_windows(
     return windows
 
 
+def pools(chunks: Iterable[Sequence[Window]], pool_tokens: int) -> Iterator[list[Window]]:
+    """Regroup chunks of windows into pools of at least ``pool_tokens`` tokens (the last: less).
+
+    A pool is closed as soon as it reaches ``pool_tokens`` tokens (special tokens included), so
+    it holds fewer than ``pool_tokens`` plus one chunk's tokens. Order is kept.
+    """
+    if pool_tokens < 1:
+        raise ValueError(f"pool_tokens must be positive, got {pool_tokens}")
+    pool: list[Window] = []
+    size = 0
+    for chunk in chunks:
+        pool.extend(chunk)
+        size += sum(len(w.input_ids) for w in chunk)
+        if size >= pool_tokens:
+            yield pool
+            pool, size = [], 0
+    if pool:
+        yield pool
+
+
+@dataclass
+class _Segment:
+    """Leftover windows of one or more neighbouring lengths, to become one batch."""
+
+    members: list[int]  # indices into the lengths, ascending (length, index)
+    width: int  # the longest member's length
+
+
+def plan_batches(
+    lengths: Sequence[int],
+    *,
+    batch_tokens: int,
+    max_padding: float = MAX_PADDING,
+    min_positions: int = MIN_BATCH_POSITIONS,
+) -> list[list[int]]:
+    """Group windows (given by their lengths) into batches; returns lists of indices.
+
+    Guarantees, with ``R = Σ lengths`` and a batch's positions ``rows × its longest length``:
+
+    * every index appears in exactly one batch;
+    * a batch holds at most ``batch_tokens`` positions, unless it is a single window longer
+      than that;
+    * padded positions (Σ over batches of positions − real tokens) ≤ ``max_padding × R + E``,
+      where ``E`` (below) is 0 unless a batch of fewer than ``min_positions`` positions is left
+      after the budgeted merges (in pools of the default size small leftovers are the cheapest
+      merges, so they go first), and always below ``min_positions`` times the number of
+      distinct lengths.
+
+    Method: the windows of each length ``ℓ`` (in index order) fill batches of
+    ``⌊batch_tokens / ℓ⌋`` rows, which need no padding. The rest of each length (fewer rows
+    than that) starts as its own batch; two neighbouring leftover batches (in length order) ``a``
+    (narrower, ``rows_a`` rows, width ``w_a``) and ``b`` (width ``w_b``) may merge when
+    ``(rows_a + rows_b) × w_b ≤ batch_tokens``, at the cost of ``rows_a × (w_b − w_a)`` more
+    padded positions; merges are taken cheapest first (ties: narrower first) while the total
+    stays within the budget. Each merge saves one batch, so this spends the budget where it
+    saves most batches per padded position.
+
+    Then a leftover batch of fewer than ``min_positions`` positions is merged into the
+    neighbour where that costs less (if it fits and costs fewer than ``min_positions`` padded
+    positions; these costs are ``E``), narrowest first. Such matrix products run at per-call
+    overhead, and CPU BLAS kernels take thread-count-dependent paths for them: MiniLM's
+    hidden states for 5–11 positions differ in the last bits between 1 and 2 threads
+    (measured), which would make results depend on the CPUs per worker; 12 to 200 positions
+    were bit-identical.
+
+    Time ``O(n log n)``; the merge steps work on at most one leftover batch per distinct
+    length.
+
+    Batches come out ordered by width, then by their first index; within a batch, indices
+    are in (length, index) order.
+    """
+    if batch_tokens < 1:
+        raise ValueError(f"batch_tokens must be positive, got {batch_tokens}")
+    if not max_padding >= 0:
+        raise ValueError(f"max_padding must be >= 0, got {max_padding}")
+    order = sorted(range(len(lengths)), key=lambda i: (lengths[i], i))
+    full: list[list[int]] = []
+    segments: list[_Segment] = []
+    for length, run_iter in itertools.groupby(order, key=lengths.__getitem__):
+        run = list(run_iter)
+        rows = max(1, batch_tokens // max(1, length))
+        whole = len(run) - len(run) % rows
+        full.extend(run[s : s + rows] for s in range(0, whole, rows))
+        if whole < len(run):
+            segments.append(_Segment(run[whole:], length))
+    budget = max_padding * float(sum(lengths))
+    spent = 0
+    n = len(segments)
+    nxt = list(range(1, n + 1))
+    prv = list(range(-1, n - 1))
+    alive = [True] * n
+    heap: list[tuple[int, int, int, int, int]] = []
+
+    def offer(a: int) -> None:
+        b = nxt[a]
+        if b < n:
+            ra, rb = len(segments[a].members), len(segments[b].members)
+            wa, wb = segments[a].width, segments[b].width
+            if (ra + rb) * wb <= batch_tokens:
+                heapq.heappush(heap, (ra * (wb - wa), a, b, ra, rb))
+
+    for a in range(n):
+        offer(a)
+    while heap:
+        cost, a, b, ra, rb = heapq.heappop(heap)
+        if not (
+            alive[a]
+            and alive[b]
+            and nxt[a] == b
+            and len(segments[a].members) == ra
+            and len(segments[b].members) == rb
+        ):
+            continue  # stale: a or b has merged since this offer
+        if spent + cost > budget:
+            break  # the cheapest possible merge no longer fits, so none does
+        spent += cost
+        segments[b].members = segments[a].members + segments[b].members
+        alive[a] = False
+        p = prv[a]
+        prv[b] = p
+        if p >= 0:
+            nxt[p] = b
+            offer(p)
+        offer(b)
+    # batches too small to run well are merged into a neighbour even past the budget
+    s = 0
+    while s < n:
+        if not alive[s]:
+            s += 1
+            continue
+        rows, width = len(segments[s].members), segments[s].width
+        if rows * width >= min_positions:
+            s = nxt[s]
+            continue
+        p, b = prv[s], nxt[s]
+        options = []
+        if p >= 0:
+            rp = len(segments[p].members)
+            if (rp + rows) * width <= batch_tokens:
+                options.append((rp * (width - segments[p].width), 0, p, s))
+        if b < n:
+            wb = segments[b].width
+            if (rows + len(segments[b].members)) * wb <= batch_tokens:
+                options.append((rows * (wb - width), 1, s, b))
+        options = [o for o in options if o[0] < min_positions]
+        if not options:
+            s = b
+            continue
+        _, _, a, into = min(options)
+        segments[into].members = segments[a].members + segments[into].members
+        alive[a] = False
+        prv[into] = prv[a]
+        if prv[a] >= 0:
+            nxt[prv[a]] = into
+        s = into
+    batches = full + [s.members for s, ok in zip(segments, alive, strict=True) if ok]
+    batches.sort(key=lambda members: (lengths[members[-1]], members[0]))
+    return batches
+
+
 def make_batches(
     windows: Sequence[Window],
     *,
@@ -84,25 +279,29 @@ def make_batches(
     pad_id: int,
     special_ids: Sequence[int],
     keep_special: bool,
+    max_padding: float = MAX_PADDING,
+    min_positions: int = MIN_BATCH_POSITIONS,
 ) -> Iterator[Batch]:
-    """Length-bucketed batches: windows sorted by length, packed while B × T ≤ batch_tokens.
+    """The windows of one pool as right-padded batches planned by :func:`plan_batches`.
 
-    Sorting keeps padding small; the order is deterministic (length, then input order).
-    Windows without a single counted token are dropped here (they contribute nothing).
+    Windows without a single counted token (empty, or only special tokens when those are not
+    kept) contribute nothing and are dropped before planning, so they are never run.
     """
-    specials = torch.tensor(sorted(set(special_ids)), dtype=torch.long)
-    order = sorted(range(len(windows)), key=lambda i: (len(windows[i].input_ids), i))
-    start = 0
-    while start < len(order):
-        longest = len(windows[order[start]].input_ids)
-        stop = start + 1
-        while stop < len(order):
-            t = max(longest, len(windows[order[stop]].input_ids))
-            if t * (stop - start + 1) > batch_tokens:
-                break
-            longest, stop = t, stop + 1
-        chosen = [windows[i] for i in order[start:stop]]
-        start = stop
+    special_set = set(special_ids)
+    specials = torch.tensor(sorted(special_set), dtype=torch.long)
+    windows = [
+        w
+        for w in windows
+        if (w.input_ids if keep_special else any(i not in special_set for i in w.input_ids))
+    ]
+    plan = plan_batches(
+        [len(w.input_ids) for w in windows],
+        batch_tokens=batch_tokens,
+        max_padding=max_padding,
+        min_positions=min_positions,
+    )
+    for members in plan:
+        chosen = [windows[i] for i in members]
         width = max(len(w.input_ids) for w in chosen)
         ids = np.full((len(chosen), width), pad_id, dtype=np.int64)
         mask = np.zeros((len(chosen), width), dtype=np.int64)
@@ -114,8 +313,6 @@ def make_batches(
         keep = attention.bool()
         if not keep_special and specials.numel():
             keep &= ~torch.isin(input_ids, specials)
-        if not bool(keep.any()):
-            continue
         yield Batch(
             input_ids=input_ids,
             attention_mask=attention,

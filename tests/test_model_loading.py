@@ -1,0 +1,116 @@
+"""Model directories whose tokenizer cannot be the model's: refused before any work."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+
+from embgeom_ray.errors import ModelError
+from embgeom_ray.inputs.model_loading import check_vocabulary, resolve_identity, unknown_token_id
+from jobs.analyze import main
+from tests.conftest import write_jsonl
+from tests.tiny_models import make_tiny_bert, make_tiny_gpt2
+
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "vocab.txt",
+    "vocab.json",
+    "merges.txt",
+)
+
+
+def weights_and_config_only(source: str, target: Path) -> str:
+    """A copy of a model directory with its config and weights only (weights linked)."""
+    target.mkdir()
+    shutil.copy(Path(source) / "config.json", target / "config.json")
+    os.symlink(Path(source) / "model.safetensors", target / "model.safetensors")
+    return str(target)
+
+
+def test_model_without_tokenizer_files_is_refused(tmp_path, minilm_dir):
+    bare = weights_and_config_only(minilm_dir, tmp_path / "bare")
+    with pytest.raises(ModelError) as err:
+        resolve_identity(bare, None, False)
+    message = str(err.value)
+    assert "has no tokenizer files" in message and "tokenizer.json" in message
+    assert "5 entries" in message and "30,522" in message
+
+
+def test_job_on_model_without_tokenizer_exits_2_before_any_work(tmp_path, minilm_dir, capsys):
+    bare = weights_and_config_only(minilm_dir, tmp_path / "bare")
+    corpus = write_jsonl(tmp_path / "c.jsonl", ["the cat sat on the mat", "a dog barked"])
+    out = tmp_path / "out"
+    code = main(["--model", bare, "--corpus", corpus, "--out", str(out)])
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.startswith("error:")]
+    assert code == 2, err
+    assert len(lines) == 1 and "Traceback" not in err
+    assert "has no tokenizer files" in lines[0] and "bare" in lines[0]
+    assert not (out / "manifest.json").exists()
+
+
+def with_tokenizer_of(model_dir: str, tokenizer_dir: str, target: Path) -> str:
+    shutil.copytree(model_dir, target)
+    for name in TOKENIZER_FILES:
+        (target / name).unlink(missing_ok=True)
+        if (Path(tokenizer_dir) / name).exists():
+            shutil.copy(Path(tokenizer_dir) / name, target / name)
+    return str(target)
+
+
+def test_another_models_tokenizer_is_refused(tmp_path):
+    bert = make_tiny_bert(str(tmp_path / "bert"))  # vocabulary 30,522
+    gpt2 = make_tiny_gpt2(str(tmp_path / "gpt2"))  # vocabulary 800
+    small = with_tokenizer_of(bert, gpt2, tmp_path / "bert-with-gpt2-tokenizer")
+    with pytest.raises(ModelError, match=r"800 entries but the model's vocabulary has 30,522"):
+        resolve_identity(small, None, False)
+    large = with_tokenizer_of(gpt2, bert, tmp_path / "gpt2-with-bert-tokenizer")
+    with pytest.raises(ModelError, match=r"30,522 entries but the model's embedding only 800"):
+        resolve_identity(large, None, False)
+
+
+def test_usual_vocabulary_differences_are_accepted(tmp_path):
+    from transformers import AutoConfig, AutoTokenizer
+
+    bert = make_tiny_bert(str(tmp_path / "bert"))
+    tok = AutoTokenizer.from_pretrained(bert)
+    config = AutoConfig.from_pretrained(bert)
+    assert len(tok) == config.vocab_size == 30522
+    check_vocabulary(bert, tok, config)
+    # embedding rows padded to a multiple of 128, or reserved ids: up to 10% more than the tokenizer
+    for padded in (30592, 33_000):
+        config.vocab_size = padded
+        check_vocabulary(bert, tok, config)
+    config.vocab_size = 34_000  # 3,478 rows (10.2%) without a token: not this tokenizer
+    with pytest.raises(ModelError, match="30,522 entries"):
+        check_vocabulary(bert, tok, config)
+    # added tokens past the embedding (base vocabulary within it)
+    config.vocab_size = 30522
+    tok.add_special_tokens({"additional_special_tokens": ["<extra_a>", "<extra_b>"]})
+    assert len(tok) == 30524
+    check_vocabulary(bert, tok, config)
+    # a small vocabulary padded to a multiple of 128 (800 -> 896): 96 rows (11%) without a token
+    gpt2 = make_tiny_gpt2(str(tmp_path / "gpt2"))
+    small_tok, small_config = AutoTokenizer.from_pretrained(gpt2), AutoConfig.from_pretrained(gpt2)
+    small_config.vocab_size = 896
+    check_vocabulary(gpt2, small_tok, small_config)
+    small_config.vocab_size = 1000  # 200 rows (20%): more than padding explains
+    with pytest.raises(ModelError, match="800 entries"):
+        check_vocabulary(gpt2, small_tok, small_config)
+    # a config that states no vocabulary size is not checked
+    del config.vocab_size
+    check_vocabulary(bert, tok, config)
+
+
+def test_unknown_token_id(tmp_path, minilm_dir):
+    from transformers import AutoTokenizer
+
+    assert unknown_token_id(AutoTokenizer.from_pretrained(minilm_dir)) == 100
+    gpt2 = AutoTokenizer.from_pretrained(make_tiny_gpt2(str(tmp_path / "gpt2")))
+    assert gpt2.unk_token_id == gpt2.eos_token_id  # "<|endoftext|>": structure, not unknown
+    assert unknown_token_id(gpt2) is None
