@@ -320,7 +320,8 @@ def test_merge_and_load_reject_different_measurements():
             base.merge(other)
     with pytest.raises(StatisticsMismatchError):
         ActivationSample.from_bytes(b"garbage")
-    stats_like = base.to_bytes().replace(b"embgeom_ray.core.samples", b"embgeom_ray.samplez")
+    name = samples_mod.FORMAT.encode()
+    stats_like = base.to_bytes().replace(name, name[:-1] + b"z")
     with pytest.raises(StatisticsMismatchError):
         ActivationSample.from_bytes(stats_like)
 

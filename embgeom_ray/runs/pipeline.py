@@ -261,6 +261,7 @@ def analyze(config: JobConfig, *, echo=print) -> dict[str, Any]:
         max_positions=config.max_length,
         metadata=metadata,
         clip_dims=clip_dims,
+        comoment_precision=config.comoment_precision,
     )
     merged, sample, totals = reduce_groups(store, groups, empty, config.sample_size > 0)
     t_reduce = time.perf_counter()
