@@ -602,6 +602,22 @@ def test_reading_names_what_it_cannot_read():
         EmbeddingStatistics.from_state(stats.header(), arrays)
 
 
+def test_update_names_the_argument_of_the_wrong_shape():
+    stats = EmbeddingStatistics([0, 1], 3, max_positions=4)
+    h, ids = torch.zeros(2, 2, 4, 3), torch.zeros(2, 4, dtype=torch.long)
+    with pytest.raises(ValueError, match="expected 2 hidden-state tensors, got 1"):
+        stats.update(h[:1], ids)
+    with pytest.raises(ValueError, match=r"hidden state 1 has shape \(2, 4, 2\)"):
+        stats.update([h[0], h[1, ..., :2]], ids)
+    with pytest.raises(ValueError, match="token_ids must be"):
+        stats.update(h, ids.flatten())
+    with pytest.raises(ValueError, match="keep mask shape"):
+        stats.update(h, ids, torch.ones(2, 3, dtype=torch.bool))
+    with pytest.raises(ValueError, match="positions shape"):
+        stats.update(h, ids, None, torch.zeros(2, 3, dtype=torch.long))
+    assert stats.num_types == 0 and stats.token_count() == 0
+
+
 # --------------------------------------------------------------- comoment precision
 def test_merge_keeps_the_comoment_precision():
     """An accumulator without co-moments takes the other's precision (the job's reduce starts

@@ -940,37 +940,7 @@ class EmbeddingStatistics(Sketch):
                     "cannot combine parts of different measurements: " + "; ".join(problems)
                 )
         layers = [x for x in of_layers if any(x in p.layers for p in parts)]
-        joint: tuple[int, int | None] | None = None
-        states = []
-        for layer in layers:
-            holders = [p for p in parts if layer in p.layers]
-            spans = sorted((p.token_range for p in holders), key=_range_key)
-            for (_, hi_a), (lo_b, _) in itertools.pairwise(spans):
-                if hi_a is None or hi_a > lo_b:
-                    raise StatisticsMismatchError(
-                        f"parts holding layer {layer} overlap in token ids "
-                        f"({', '.join(_range_text(s) for s in spans)})"
-                    )
-                if hi_a < lo_b:
-                    raise StatisticsMismatchError(
-                        f"parts holding layer {layer} leave token ids [{hi_a}, {lo_b}) out"
-                    )
-            span = (spans[0][0], spans[-1][1])
-            if joint is not None and span != joint:
-                raise StatisticsMismatchError(
-                    f"layer {layer}'s parts hold token ids {_range_text(span)}, "
-                    f"layer {layers[0]}'s {_range_text(joint)}"
-                )
-            joint = span
-            states.append(sum(p.holds_layer_state for p in holders))
-        if max(states) > 1 or min(states) != max(states):
-            raise StatisticsMismatchError(
-                "each layer's per-layer moments must come from one part (or, for every "
-                "layer, from none); parts holding them, by layer: "
-                + ", ".join(f"{x}: {s}" for x, s in zip(layers, states, strict=True))
-            )
-        assert joint is not None
-        layer_state = states[0] == 1
+        joint, layer_state = _joint_part(parts, layers)
         whole = tuple(layers) == of_layers and joint == (0, None) and layer_state
         out = first._like(
             layers,
@@ -993,3 +963,42 @@ class EmbeddingStatistics(Sketch):
                     elif p.holds_layer_state:
                         out._a[f.name][li] = p._a[f.name][pli].to(dev)
         return out
+
+
+def _joint_part(
+    parts: Sequence[EmbeddingStatistics], layers: Sequence[int]
+) -> tuple[tuple[int, int | None], bool]:
+    """(token range, whether per-layer moments are held) of the union of ``parts``, after
+    checking that for each of ``layers`` the parts holding it have disjoint token ranges that
+    join into one range, the same for every layer, and that one of them (for every layer) or
+    none (for every layer) holds its per-layer moments."""
+    joint: tuple[int, int | None] | None = None
+    states = []
+    for layer in layers:
+        holders = [p for p in parts if layer in p.layers]
+        spans = sorted((p.token_range for p in holders), key=_range_key)
+        for (_, hi_a), (lo_b, _) in itertools.pairwise(spans):
+            if hi_a is None or hi_a > lo_b:
+                raise StatisticsMismatchError(
+                    f"parts holding layer {layer} overlap in token ids "
+                    f"({', '.join(_range_text(s) for s in spans)})"
+                )
+            if hi_a < lo_b:
+                raise StatisticsMismatchError(
+                    f"parts holding layer {layer} leave token ids [{hi_a}, {lo_b}) out"
+                )
+        span = (spans[0][0], spans[-1][1])
+        if joint is not None and span != joint:
+            raise StatisticsMismatchError(
+                f"layer {layer}'s parts hold token ids {_range_text(span)}, "
+                f"layer {layers[0]}'s {_range_text(joint)}"
+            )
+        joint = span
+        states.append(sum(p.holds_layer_state for p in holders))
+    if joint is None or max(states) > 1 or min(states) != max(states):
+        raise StatisticsMismatchError(
+            "each layer's per-layer moments must come from one part (or, for every "
+            "layer, from none); parts holding them, by layer: "
+            + ", ".join(f"{x}: {s}" for x, s in zip(layers, states, strict=True))
+        )
+    return joint, states[0] == 1
