@@ -320,7 +320,8 @@ def test_merge_and_load_reject_different_measurements():
             base.merge(other)
     with pytest.raises(StatisticsMismatchError):
         ActivationSample.from_bytes(b"garbage")
-    stats_like = base.to_bytes().replace(b"embgeom_ray.samples", b"embgeom_ray.samplez")
+    name = samples_mod.FORMAT.encode()
+    stats_like = base.to_bytes().replace(name, name[:-1] + b"z")
     with pytest.raises(StatisticsMismatchError):
         ActivationSample.from_bytes(stats_like)
 
@@ -349,3 +350,21 @@ def test_finite_vectors_whose_sum_overflows_are_sampled():
     np.testing.assert_array_equal(
         sample.points(0).vectors[sample.points(0).positions == 1][0, :2], np.float32(3e38)
     )
+
+
+@pytest.mark.parametrize("name", ["samples.safetensors"])
+def test_files_written_by_earlier_versions_load(name, tmp_path):
+    """Samples written by commit 82b3bd9 (format "embgeom_ray.samples") load, equal today's sample of the same batches entry for
+    entry, and are written back under today's name."""
+    from pathlib import Path
+
+    from tests import sketch_fixtures
+
+    old = ActivationSample.load(Path(__file__).parent / "data" / "sketch_v1" / name)
+    now = sketch_fixtures.fold_sample(ActivationSample)
+    assert old.num_uniform == sketch_fixtures.SAMPLE_SIZE
+    assert old.num_types == sketch_fixtures.SAMPLE_TYPE_SIZE
+    assert old.header() == now.header() and old.header()["format"] == "embgeom_ray.samples"
+    assert old.to_bytes() == now.to_bytes()
+    old.save(tmp_path / "again.safetensors")
+    assert ActivationSample.load(tmp_path / "again.safetensors").to_bytes() == now.to_bytes()

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import itertools
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -19,8 +22,10 @@ from embgeom_ray.core.metrics import (
     type_variances,
     variance_decomposition,
 )
+from embgeom_ray.core.samples import ActivationSample
 from embgeom_ray.core.statistics import EmbeddingStatistics
 from embgeom_ray.errors import StatisticsMismatchError
+from tests import sketch_fixtures
 
 
 @pytest.fixture(autouse=True, scope="module", params=["one block", "blocks of 5 rows"])
@@ -528,3 +533,258 @@ def test_one_type_far_from_the_layer_mean_keeps_its_variance():
     ref = x[tid == 99]
     np.testing.assert_allclose(var[99], ((ref - ref.mean(0)) ** 2).sum(1).mean(), rtol=1e-6)
     assert var[77] == 0.0
+
+
+# ------------------------------------------------------------------ the file format
+FIXTURES = Path(__file__).parent / "data" / "sketch_v1"
+
+
+def assert_same_state(
+    a: EmbeddingStatistics, b: EmbeddingStatistics, rtol: float = 0.0, comoment_rtol: float = 0.0
+) -> None:
+    """Same arrays: integers exactly, floats to ``rtol`` (the co-moment to ``comoment_rtol``),
+    relative to each array's largest entry; exactly by default."""
+    sa, sb = a.state_dict(), b.state_dict()
+    assert sa.keys() == sb.keys()
+    for key in sa:
+        tol = comoment_rtol if key == "comoment" else rtol
+        if sa[key].dtype.kind in "iu" or tol == 0.0:
+            np.testing.assert_array_equal(sa[key], sb[key], err_msg=key)
+        else:
+            scale = max(np.abs(sa[key]).max(), 1.0) if sa[key].size else 1.0
+            np.testing.assert_allclose(sa[key], sb[key], rtol=tol, atol=tol * scale, err_msg=key)
+
+
+@pytest.mark.parametrize("name", ["statistics.safetensors"])
+def test_files_written_by_earlier_versions_load(name, tmp_path):
+    """Version-1 files written by commit 82b3bd9 (format "embgeom_ray.statistics") load as wholes,
+    hold what the same batches give today, merge with today's statistics and are written back in the current version."""
+    old = EmbeddingStatistics.load(FIXTURES / name)
+    now = sketch_fixtures.fold_statistics(EmbeddingStatistics)
+    assert old.partition is None and old.layers == sketch_fixtures.LAYERS
+    assert old.dim == sketch_fixtures.DIM and old.max_positions == sketch_fixtures.MAX_POSITIONS
+    assert old.clip_dims == sketch_fixtures.CLIP_DIMS and old.comoment_precision == "float32"
+    assert old.metadata == sketch_fixtures.METADATA
+    assert old.layer(2).nonfinite == 1 and old.layer(0).nonfinite == 0
+    # the float32 product's rounding depends on how the fold cuts the rows into blocks
+    assert_same_state(old, now, rtol=1e-12, comoment_rtol=1e-6)
+    path = tmp_path / "again.safetensors"
+    old.save(path)
+    again = EmbeddingStatistics.load(path)
+    assert again.header() == now.header()
+    assert again.header()["format"] == "embgeom_ray.statistics"
+    assert again.header()["version"] == statistics_module.FORMAT_VERSION
+    assert_same_state(again, old)
+    doubled = old.merge(now)
+    assert doubled.token_count() == 2 * now.token_count()
+
+
+def test_reading_names_what_it_cannot_read():
+    empty = EmbeddingStatistics([0], 3)
+    data = empty.to_bytes()
+    future = empty.header() | {"version": 9}
+    with pytest.raises(StatisticsMismatchError, match=r"version 9 is not supported.*\[1, 2\]"):
+        EmbeddingStatistics.from_state(future, empty.state_dict())
+    with pytest.raises(StatisticsMismatchError, match="not an embgeom_ray statistics artefact"):
+        EmbeddingStatistics.from_bytes(
+            data.replace(b"embgeom_ray.statistics", b"embgeom_ray.statisticz")
+        )
+    with pytest.raises(StatisticsMismatchError, match="not an embgeom_ray statistics artefact"):
+        EmbeddingStatistics.from_bytes(ActivationSample([0], 3).to_bytes())
+    stats = fold(EmbeddingStatistics([0], 3), *make_batch(np.random.default_rng(0), 1, d=3))
+    arrays = stats.state_dict()
+    for key, bad in (("comoment", arrays["comoment"][:, :2]), ("counts", arrays["counts"] * 1.0)):
+        with pytest.raises(StatisticsMismatchError, match=f"array '{key}' is"):
+            EmbeddingStatistics.from_state(stats.header(), arrays | {key: bad})
+    del arrays["m2"]
+    with pytest.raises(StatisticsMismatchError, match="lacks array 'm2'"):
+        EmbeddingStatistics.from_state(stats.header(), arrays)
+
+
+def test_update_names_the_argument_of_the_wrong_shape():
+    stats = EmbeddingStatistics([0, 1], 3, max_positions=4)
+    h, ids = torch.zeros(2, 2, 4, 3), torch.zeros(2, 4, dtype=torch.long)
+    with pytest.raises(ValueError, match="expected 2 hidden-state tensors, got 1"):
+        stats.update(h[:1], ids)
+    with pytest.raises(ValueError, match=r"hidden state 1 has shape \(2, 4, 2\)"):
+        stats.update([h[0], h[1, ..., :2]], ids)
+    with pytest.raises(ValueError, match="token_ids must be"):
+        stats.update(h, ids.flatten())
+    with pytest.raises(ValueError, match="keep mask shape"):
+        stats.update(h, ids, torch.ones(2, 3, dtype=torch.bool))
+    with pytest.raises(ValueError, match="positions shape"):
+        stats.update(h, ids, None, torch.zeros(2, 3, dtype=torch.long))
+    assert stats.num_types == 0 and stats.token_count() == 0
+
+
+# --------------------------------------------------------------- comoment precision
+def test_merge_keeps_the_comoment_precision():
+    """An accumulator without co-moments takes the other's precision (the job's reduce starts
+    from one); two that both hold co-moments must agree."""
+    rng = np.random.default_rng(21)
+    batch = make_batch(rng, n_layers=1, d=4)
+    f32 = fold(EmbeddingStatistics([0], 4, comoment_precision="float32"), *batch)
+    f64 = fold(EmbeddingStatistics([0], 4), *batch)
+    empty = EmbeddingStatistics([0], 4)
+    assert empty.merge(f32).comoment_precision == "float32"
+    assert EmbeddingStatistics.from_bytes(empty.to_bytes()).comoment_precision == "float32"
+    assert f32.merge(EmbeddingStatistics([0], 4)).comoment_precision == "float32"
+    with pytest.raises(StatisticsMismatchError, match="comoment_precision 'float64' != 'float32'"):
+        f32.merge(f64)
+    # a part without co-moments (per-type rows only) merges with either
+    rows = f64.select(token_range=(0, 3), layer_state=False)
+    assert rows.select().merge(f32.select(token_range=(0, 3), layer_state=False)).num_types
+
+
+@pytest.mark.slow
+def test_a_run_saves_its_comoment_precision_in_its_header(tmp_path, ray_local, row_block):
+    """The statistics a run saves say which product it used: the job's default float32
+    (whose reduce once started from a float64 accumulator and said float64), and float64.
+    The module runs each test twice; this one's two runs are the two precisions (the
+    fold's row blocks in the Ray actors are theirs, not this process's)."""
+    from embgeom_ray.config import build_config
+    from embgeom_ray.runs.pipeline import analyze
+    from tests.conftest import write_jsonl
+    from tests.tiny_models import make_tiny_bert
+
+    model = make_tiny_bert(str(tmp_path / "bert"))
+    corpus = write_jsonl(tmp_path / "c.jsonl", [f"cats and dogs number {i}" for i in range(12)])
+    options = {"model": model, "corpus": corpus, "max_length": 16, "sample_size": 0}
+    if row_block != "one block":
+        options["comoment_precision"] = "float64"
+    config = build_config(None, options | {"out": str(tmp_path / "run")})
+    precision = "float32" if row_block == "one block" else "float64"
+    assert config.comoment_precision == precision
+    analyze(config, echo=lambda *_: None)
+    stats = EmbeddingStatistics.load(tmp_path / "run" / "statistics.safetensors")
+    assert stats.header()["comoment_precision"] == precision
+
+
+# ------------------------------------------------------------------------ partitions
+def random_statistics(seed: int, clip: bool, layers=(1, 4, 7)) -> EmbeddingStatistics:
+    """Statistics of a few random batches over token ids 0..19, positions, a NaN token."""
+    rng = np.random.default_rng(seed)
+    stats = EmbeddingStatistics(
+        list(layers), 5, max_positions=8, clip_dims=[0, 3] if clip else None,
+        metadata={"model_fingerprint": "m"},
+    )  # fmt: skip
+    for _ in range(3):
+        h, ids, keep = make_batch(rng, n_layers=len(layers), b=4, t=8, d=5, vocab=20)
+        h[-1, 0, 0, 0] = np.nan  # a type may have a slot but no count in one layer
+        fold(stats, h, ids, keep)
+    return stats
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    seed=st.integers(0, 2**31 - 1),
+    clip=st.booleans(),
+    cuts=st.lists(st.integers(0, 24), max_size=4),
+    top=st.sampled_from([None, 25, 40]),
+    groups=st.lists(st.integers(0, 2), min_size=3, max_size=3),
+    separate_layer_state=st.booleans(),
+    through_bytes=st.booleans(),
+)
+def test_selected_parts_combine_back_into_the_whole(
+    seed, clip, cuts, top, groups, separate_layer_state, through_bytes
+):
+    """Any split of the layers into groups and of the token ids into ranges [lo, hi) (the
+    per-layer moments with the first range, or in parts of their own), selected, written and
+    read, and combined in any order, is the whole again: same header, same arrays, exactly."""
+    whole = random_statistics(seed, clip)
+    edges = sorted({0, *cuts})
+    ranges = [(a, b) for a, b in itertools.pairwise([*edges, top])]
+    if top is not None:
+        ranges.append((top, None))
+    layer_groups = [
+        [x for x, g in zip(whole.layers, groups, strict=True) if g == k] for k in set(groups)
+    ]
+    parts = []
+    for layers in layer_groups:
+        for i, span in enumerate(ranges):
+            parts.append(
+                whole.select(layers, span, layer_state=i == 0 and not separate_layer_state)
+            )
+        if separate_layer_state:
+            parts.append(whole.select(layers, (0, 0), layer_state=True))
+    for part in parts:
+        assert part.partition is not None or len(parts) == 1
+        assert set(part.state_dict()["type_ids"]) <= set(whole.state_dict()["type_ids"])
+    if through_bytes:
+        parts = [EmbeddingStatistics.from_bytes(p.to_bytes()) for p in parts]
+    order = np.random.default_rng(seed).permutation(len(parts))
+    back = EmbeddingStatistics.combine([parts[i] for i in order])
+    assert back.partition is None
+    assert back.header() == whole.header()
+    assert_same_state(back, whole)
+    for layer in whole.layers:
+        a, b = back.layer(layer), whole.layer(layer)
+        for field in ("type_ids", "counts", "means", "m2", "comoment", "position_means"):
+            np.testing.assert_array_equal(getattr(a, field), getattr(b, field))
+    # the per-type sums of a range are the whole's rows of that range
+    lo, hi = ranges[-1]
+    part = whole.select(token_range=(lo, hi), layer_state=False)
+    assert part.token_count() == sum(
+        int(c) for t, c in zip(whole.layer(1).type_ids, whole.layer(1).counts, strict=True)
+        if t >= lo and (hi is None or t < hi)
+    )  # fmt: skip
+
+
+@settings(max_examples=20, deadline=None)
+@given(st.integers(0, 2**31 - 1), st.integers(0, 20), st.booleans())
+def test_merging_parts_equals_the_part_of_the_merge(seed, cut, layer_state):
+    """What reducers do: merging the same part of two statistics gives that part of their
+    merge (Chan's update row by row), so parts can be merged where they live."""
+    a, b = random_statistics(seed, True), random_statistics(seed + 1, True)
+    span = (cut, None) if cut % 2 else (0, cut)
+    layers = [1, 7]
+    merged_parts = a.select(layers, span, layer_state=layer_state).merge(
+        b.select(layers, span, layer_state=layer_state)
+    )
+    part_of_merged = a.merge(b).select(layers, span, layer_state=layer_state)
+    assert merged_parts.header() == part_of_merged.header()
+    assert_same_state(merged_parts, part_of_merged)
+
+
+def test_partitions_are_described_in_the_header_and_checked():
+    whole = random_statistics(3, False)
+    part = whole.select([4, 7], (5, 12), layer_state=False)
+    record = EmbeddingStatistics.from_bytes(part.to_bytes()).header()["partition"]
+    assert record == {"of_layers": [1, 4, 7], "token_range": [5, 12], "layer_state": False}
+    ids = part.state_dict()["type_ids"]
+    assert ids.min() >= 5 and ids.max() < 12 and "comoment" not in part.state_dict()
+    assert part.layer(4).n == 0 and part.layer(4).comoment.shape == (5, 5)
+    np.testing.assert_array_equal(part.layer(4).counts, whole.layer(4).counts[
+        (whole.layer(4).type_ids >= 5) & (whole.layer(4).type_ids < 12)
+    ])  # fmt: skip
+    with pytest.raises(StatisticsMismatchError, match="partition"):
+        whole.merge(part)
+    with pytest.raises(ValueError, match="built by select"):
+        part.update(torch.zeros(2, 1, 3, 5), torch.zeros(1, 3, dtype=torch.long))
+    with pytest.raises(ValueError, match="not within"):
+        part.select(token_range=(0, 12))
+    with pytest.raises(ValueError, match="no per-layer moments"):
+        part.select(layer_state=True)
+    with pytest.raises(ValueError, match="not held"):
+        part.select([1])
+    lower = whole.select(token_range=(0, 6))
+    upper = whole.select(token_range=(5, None), layer_state=False)
+    with pytest.raises(StatisticsMismatchError, match="overlap"):
+        EmbeddingStatistics.combine([lower, upper])
+    with pytest.raises(StatisticsMismatchError, match=r"leave token ids \[6, 7\) out"):
+        EmbeddingStatistics.combine([lower, whole.select(token_range=(7, None), layer_state=False)])
+    with pytest.raises(StatisticsMismatchError, match="per-layer moments must come from one part"):
+        EmbeddingStatistics.combine([lower, whole.select(token_range=(6, None))])
+    other = random_statistics(3, False, layers=(1, 4))
+    with pytest.raises(StatisticsMismatchError, match="of_layers"):
+        EmbeddingStatistics.combine([lower, other.select(token_range=(6, None), layer_state=False)])
+    arrays = part.state_dict()
+    arrays["type_ids"] = arrays["type_ids"] + 10
+    with pytest.raises(StatisticsMismatchError, match=r"not increasing ids in \[5, 12\)"):
+        EmbeddingStatistics.from_state(part.header(), arrays)
+    # a layer subset with everything else is a part that still folds
+    layer_part = whole.select([4])
+    assert layer_part.partition.of_layers == (1, 4, 7) and layer_part.holds_layer_state
+    h, ids, keep = make_batch(np.random.default_rng(9), n_layers=1, b=2, t=8, d=5, vocab=20)
+    fold(layer_part, h, ids, keep)
+    assert layer_part.token_count() == whole.token_count() + int(keep.sum())

@@ -29,30 +29,30 @@ fp32/bf16/fp16 models (the hidden states are at most float32), a rounding for fl
 Memory: (size + type_size) × len(layers) × dim float32 plus six int64 per entry, whatever the
 corpus size (e.g. 4096 + 4096 entries × 13 layers × 768 dims ≈ 330 MB for BERT-base).
 
-The type is a sketch in the Apache DataSketches sense: ``update`` / ``merge`` /
-``to_bytes``-``from_bytes`` (safetensors, no pickle) / read-only results (:meth:`points`,
-:meth:`type_points`, :meth:`to_table`).
+The type is a sketch in the Apache DataSketches sense
+(:class:`~embgeom_ray.core.sketch.Sketch`, the file format shared with the statistics):
+``update`` / ``merge`` / ``save``-``load`` (safetensors, no pickle) / read-only results
+(:meth:`ActivationSample.points`, :meth:`ActivationSample.type_points`,
+:meth:`ActivationSample.to_table`).
 """
 
 from __future__ import annotations
 
-import io
-import json
-import os
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import numpy as np
 import pandas as pd
 import torch
-from safetensors.numpy import load as st_load_bytes
-from safetensors.numpy import save as st_save_bytes
 
 from ..errors import StatisticsMismatchError
-from .statistics import EmbeddingStatistics
+from .sketch import Sketch, check_array
 
+#: the ``format`` of the header (this name since the first version).
 FORMAT = "embgeom_ray.samples"
 FORMAT_VERSION = 1
+#: format names and versions read.
+_READS = {FORMAT: frozenset({1})}
 
 #: columns of ``samples.parquet`` (:meth:`ActivationSample.to_table`).
 SAMPLE_COLUMNS = [
@@ -256,7 +256,7 @@ class _Table:
         return _lexsort([self.used(k) for k in order_cols])
 
 
-class ActivationSample:
+class ActivationSample(Sketch):
     """Bounded, exactly mergeable uniform and type-uniform samples of token occurrences.
 
     See the module docstring for the sampling scheme.
@@ -269,12 +269,16 @@ class ActivationSample:
         type_uniform: also keep the type-uniform sample (one occurrence per type).
         device: where the sample lives (the extractor's device).
         metadata: identity strings (model, tokenizer fingerprints, …); :meth:`merge` refuses
-            samples whose :attr:`IDENTITY_KEYS` differ (as
-            :meth:`EmbeddingStatistics.check_compatible`).
+            samples whose :attr:`IDENTITY_KEYS` differ (:meth:`Sketch.check_compatible`).
         type_size: how many token types the type-uniform sample keeps (default ``size``).
     """
 
-    IDENTITY_KEYS = EmbeddingStatistics.IDENTITY_KEYS
+    FORMAT = FORMAT
+    FORMAT_VERSION = FORMAT_VERSION
+    READS = _READS
+    KIND = "samples"
+    HEADER_FIELDS = ("size", "type_size", "seed", "type_uniform")
+    MERGE_FIELDS = HEADER_FIELDS
 
     def __init__(
         self,
@@ -288,25 +292,16 @@ class ActivationSample:
         *,
         type_size: int | None = None,
     ) -> None:
-        if not layers:
-            raise ValueError("at least one layer is required")
-        if len(set(layers)) != len(layers):
-            raise ValueError(f"layers must be distinct, got {list(layers)}")
-        if dim <= 0:
-            raise ValueError(f"dim must be positive, got {dim}")
+        self._init_sketch(layers, dim, device, metadata)
         if size < 1:
             raise ValueError(f"size must be >= 1, got {size}")
         type_size = size if type_size is None else int(type_size)
         if type_size < 1:
             raise ValueError(f"type_size must be >= 1, got {type_size}")
-        self.layers: list[int] = [int(x) for x in layers]
-        self.dim = int(dim)
         self.size = int(size)
         self.type_size = type_size
         self.seed = int(seed)
         self.type_uniform = bool(type_uniform)
-        self.device = torch.device(device)
-        self.metadata: dict[str, str] = {str(k): str(v) for k, v in (metadata or {}).items()}
         n_layers = len(self.layers)
         self._u = _Table(_U_COLS, n_layers, self.dim, self.device)
         self._t = _Table(_T_COLS, n_layers, self.dim, self.device)
@@ -381,30 +376,13 @@ class ActivationSample:
             positions: (B, T) position within the window (default: the column index, which is
                 the position for right-padded windows).
         """
-        if isinstance(hidden, torch.Tensor) and hidden.dim() == 4:
-            hidden = list(hidden.unbind(0))
-        if len(hidden) != len(self.layers):
-            raise ValueError(f"expected {len(self.layers)} hidden-state tensors, got {len(hidden)}")
-        if token_ids.dim() != 2:
-            raise ValueError(f"token_ids must be (B, T), got shape {tuple(token_ids.shape)}")
-        shape = tuple(token_ids.shape)
-        b, tlen = shape
-        if keep is None:
-            keep = torch.ones(shape, dtype=torch.bool)
-        if tuple(keep.shape) != shape:
-            raise ValueError(f"keep mask shape {tuple(keep.shape)} != token_ids shape {shape}")
+        hidden, keep = self._batch(hidden, token_ids, keep, positions)
+        b, tlen = token_ids.shape
         if tuple(doc_ids.shape) != (b,) or tuple(window_index.shape) != (b,):
             raise ValueError(
                 f"doc_ids and window_index must be ({b},), got {tuple(doc_ids.shape)} "
                 f"and {tuple(window_index.shape)}"
             )
-        if positions is not None and tuple(positions.shape) != shape:
-            raise ValueError(f"positions shape {tuple(positions.shape)} != {shape}")
-        for li, h in enumerate(hidden):
-            if tuple(h.shape) != (*shape, self.dim):
-                raise ValueError(
-                    f"hidden state {li} has shape {tuple(h.shape)}, expected {(*shape, self.dim)}"
-                )
         hdev = hidden[0].device
         valid = keep.to(hdev).bool()
         for h in hidden:  # an occurrence must be finite in every layer (never in place: keep)
@@ -459,22 +437,6 @@ class ActivationSample:
                 self._fold_types({k: occ[k][cand] for k in _T_COLS}, lambda s, c=cand: gather(c[s]))
 
     # ------------------------------------------------------------ merge
-    def check_compatible(self, other: ActivationSample) -> None:
-        """Raise :class:`StatisticsMismatchError` unless ``other`` samples the same thing."""
-        problems = []
-        for name in ("layers", "dim", "size", "type_size", "seed", "type_uniform"):
-            a, b = getattr(self, name), getattr(other, name)
-            if a != b:
-                problems.append(f"{name} {b!r} != {a!r}")
-        for key in self.IDENTITY_KEYS:
-            a, b = self.metadata.get(key), other.metadata.get(key)
-            if a is not None and b is not None and a != b:
-                problems.append(f"{key} {b!r} != {a!r}")
-        if problems:
-            raise StatisticsMismatchError(
-                "cannot merge samples of different measurements: " + "; ".join(problems)
-            )
-
     @torch.no_grad()
     def merge(self, other: ActivationSample) -> ActivationSample:
         """Merge ``other`` into ``self`` (in place; returns ``self``).
@@ -483,8 +445,7 @@ class ActivationSample:
         commutative and idempotent (an occurrence seen by both is kept once).
         """
         self.check_compatible(other)
-        for key, value in other.metadata.items():
-            self.metadata.setdefault(key, value)
+        self._adopt_metadata(other)
         u = other._u
         if u.n:
             vu = u.vec[:, : u.n].to(self.device)
@@ -573,19 +534,6 @@ class ActivationSample:
         return df[SAMPLE_COLUMNS]
 
     # ------------------------------------------------------ persistence
-    def header(self) -> dict[str, Any]:
-        return {
-            "format": FORMAT,
-            "version": FORMAT_VERSION,
-            "layers": self.layers,
-            "dim": self.dim,
-            "size": self.size,
-            "type_size": self.type_size,
-            "seed": self.seed,
-            "type_uniform": self.type_uniform,
-            "metadata": self.metadata,
-        }
-
     def state_dict(self) -> dict[str, np.ndarray]:
         """Arrays in canonical order, on CPU: ``u_*`` (uniform) and ``t_*`` (type-uniform)."""
         out: dict[str, np.ndarray] = {}
@@ -602,39 +550,9 @@ class ActivationSample:
             )
         return out
 
-    def to_bytes(self) -> bytes:
-        """Serialize to safetensors bytes (header JSON in the safetensors metadata). Lossless."""
-        return st_save_bytes(self.state_dict(), metadata={"embgeom_ray": json.dumps(self.header())})
-
-    def save(self, path: str | os.PathLike[str]) -> None:
-        """Write atomically to a local path or fsspec URL."""
-        from ..io_utils import atomic_write_bytes
-
-        atomic_write_bytes(str(path), self.to_bytes())
-
     @classmethod
-    def load(cls, path: str | os.PathLike[str], *, device: str | torch.device = "cpu"):
-        import fsspec
-
-        with fsspec.open(str(path), "rb") as f:
-            data = f.read()
-        try:
-            return cls.from_bytes(data, device=device)
-        except StatisticsMismatchError as exc:
-            raise StatisticsMismatchError(f"{path}: {exc}") from None
-
-    @classmethod
-    def from_bytes(cls, data: bytes, *, device: str | torch.device = "cpu") -> ActivationSample:
-        header = _read_header(data)
-        if header.get("format") != FORMAT:
-            raise StatisticsMismatchError(f"not an embgeom_ray samples artefact: {header!r:.200}")
-        if int(header.get("version", -1)) != FORMAT_VERSION:
-            raise StatisticsMismatchError(
-                f"samples format version {header.get('version')} is not supported "
-                f"(this embgeom_ray reads version {FORMAT_VERSION})"
-            )
-        arrays = st_load_bytes(data)
-        sample = cls(
+    def _empty(cls, header: Mapping[str, Any], version: int, device: Any) -> ActivationSample:
+        return cls(
             header["layers"],
             int(header["dim"]),
             int(header["size"]),
@@ -644,39 +562,30 @@ class ActivationSample:
             header.get("metadata"),
             type_size=int(header["type_size"]),
         )
-        n_layers, d = len(sample.layers), sample.dim
+
+    def _set_state(self, arrays: Mapping[str, np.ndarray]) -> None:
+        n_layers, d = len(self.layers), self.dim
         for prefix, table, limit in (
-            ("u", sample._u, sample.size),
-            ("t", sample._t, sample.type_size),
+            ("u", self._u, self.size),
+            ("t", self._t, self.type_size),
         ):
             vec_name = f"{prefix}_vectors"
-            if vec_name not in arrays:
-                raise StatisticsMismatchError(f"samples artefact lacks array {vec_name!r}")
-            vec = arrays[vec_name]
-            n = int(vec.shape[1]) if vec.ndim == 3 else -1
-            if vec.shape != (n_layers, n, d) or vec.dtype != np.float32 or n > limit:
+            found = arrays.get(vec_name)
+            n = int(found.shape[1]) if found is not None and found.ndim == 3 else 0
+            vec = check_array(arrays, vec_name, (n_layers, n, d), np.float32, self.KIND)
+            if n > limit:
                 raise StatisticsMismatchError(
-                    f"samples array {vec_name!r} has shape {vec.shape} ({vec.dtype}), expected "
-                    f"({n_layers}, n ≤ {limit}, {d}) float32"
+                    f"samples array {vec_name!r} holds {n} entries, more than the {limit} kept"
                 )
-            cols = {}
-            for k in table.names:
-                name = f"{prefix}_{_ARRAY_NAMES[k]}"
-                if name not in arrays or arrays[name].shape != (n,):
-                    raise StatisticsMismatchError(f"samples array {name!r} missing or not ({n},)")
-                cols[k] = torch.from_numpy(np.array(arrays[name], dtype=np.int64))
-            empty = torch.empty(0, dtype=torch.int64, device=sample.device)
+            cols = {
+                k: torch.from_numpy(
+                    np.array(
+                        check_array(
+                            arrays, f"{prefix}_{_ARRAY_NAMES[k]}", (n,), np.int64, self.KIND
+                        )
+                    )
+                )
+                for k in table.names
+            }
+            empty = torch.empty(0, dtype=torch.int64, device=self.device)
             table.replace(empty, cols, torch.from_numpy(np.array(vec)), limit)
-        return sample
-
-
-def _read_header(data: bytes) -> dict[str, Any]:
-    """The JSON header stored in a safetensors file's metadata."""
-    if len(data) < 8:
-        raise StatisticsMismatchError("samples artefact is empty or truncated")
-    size = int.from_bytes(data[:8], "little")
-    try:
-        raw = json.loads(io.BytesIO(data[8 : 8 + size]).read().decode("utf-8"))
-        return json.loads(raw["__metadata__"]["embgeom_ray"])
-    except (ValueError, KeyError, UnicodeDecodeError) as exc:
-        raise StatisticsMismatchError(f"not an embgeom_ray samples artefact ({exc})") from None

@@ -12,6 +12,9 @@ per layer
     count and mean vector (Kulmizev, Mao & Luo 2021, positional artefacts);
     ``nonfinite``: tokens whose vector had a NaN/inf and were left out of every sum.
 
+The arrays are declared once, in :data:`FIELDS` (name, shape, dtype, merge rule); update,
+merge, save, load, the views and partitions all work from that table.
+
 Only token types actually seen occupy memory (a slot table grows by doubling). Everything is
 float64: each batch is cast to float64 on its device and shifted by the layer's running mean
 c; per type it is reduced centred on the type's own batch mean (two passes), per layer the
@@ -29,40 +32,168 @@ order; the result keeps the precision of a two-pass float64 computation even whe
 ||μ||² / V ~ 1e8 (GPT-2's massive activations), where the textbook E||x||² − ||μ||² in float32
 is wrong by orders of magnitude.
 
-The type is a sketch in the Apache DataSketches sense: ``update`` / ``merge`` /
-``save``-``load`` (safetensors, no pickle) / read-only numpy views (:meth:`layer`). Metrics are
-pure functions of those views, in :mod:`embgeom_ray.core.metrics`.
+Partitions. Per-type rows are independent of each other, so the statistics split exactly by
+token id: :meth:`EmbeddingStatistics.select` keeps some layers, the types whose ids lie in
+[lo, hi) and, optionally, the per-layer moments; the header's ``partition`` record says which
+part of which measurement a file holds (:class:`Partition`). Parts of one measurement merge
+with parts that hold the same :class:`Partition` (Chan's update per row, as above), and
+:meth:`EmbeddingStatistics.combine` puts parts of disjoint token ranges (and layers) back
+together, exactly: selecting and combining is a copy.
+
+The type is a sketch in the Apache DataSketches sense (:class:`~embgeom_ray.core.sketch.Sketch`):
+``update`` / ``merge`` / ``save``-``load`` (safetensors, no pickle) / read-only numpy views
+(:meth:`EmbeddingStatistics.layer`). Metrics are pure functions of those views, in
+:mod:`embgeom_ray.core.metrics`.
 """
 
 from __future__ import annotations
 
-import io
 import itertools
-import json
-import os
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import numpy as np
 import torch
-from safetensors.numpy import load as st_load_bytes
-from safetensors.numpy import save as st_save_bytes
 
 from ..errors import StatisticsMismatchError
+from .sketch import Sketch, check_array
 
+#: the ``format`` of the header (this name since the first version; see :data:`_READS`).
 FORMAT = "embgeom_ray.statistics"
-FORMAT_VERSION = 1
+#: version 2 adds the header's ``partition`` record; version 1 files (no record) are wholes.
+FORMAT_VERSION = 2
+#: format names and versions read.
+_READS = {FORMAT: frozenset({1, 2})}
 _F64 = torch.float64
+_I64 = torch.int64
 #: rows per block of the fold on a CPU: a block's float64 copy (8·d bytes a row) and scratch
 #: stay in the cache while every per-row pass runs over it (~1.7x faster than whole batches
 #: at d = 384); on a GPU the fold takes the whole batch at once.
 CPU_ROW_BLOCK = 1024
 
+# merge rules of the fields (see Field.merge)
+SUM = "sum"
+TYPE_MOMENTS = "type_moments"
+LAYER_MOMENTS = "layer_moments"
+POSITION_MEANS = "position_means"
+
+
+@dataclass(frozen=True)
+class Field:
+    """One array of :class:`EmbeddingStatistics`: the single declaration of its name, shape,
+    dtype and merge rule.
+
+    ``name`` is the array's name in files and the :class:`LayerMoments` attribute. Its shape
+    is (L, T, *tail) for a per-type field (one row per token type seen, ``per_type``) and
+    (L, *tail) for a per-layer one, where L is the number of layers held, T of types and
+    ``tail`` is spelled with ``"d"`` (hidden size) and ``"P"`` (``max_positions``). ``merge``:
+
+    - ``SUM``: added (per type, row by row);
+    - ``TYPE_MOMENTS``: (counts, means, m2) per type, Chan, Golub & LeVeque's update;
+    - ``LAYER_MOMENTS``: (n, mean, comoment) per layer, the same update with δδᵀ;
+    - ``POSITION_MEANS``: (position_counts, position_means): count-weighted means.
+
+    ``clip``: present only when clipped cosines are tracked (``clip_dims``).
+    """
+
+    name: str
+    per_type: bool
+    tail: tuple[str, ...]
+    dtype: torch.dtype
+    merge: str
+    clip: bool = False
+
+    def shape(self, n_layers: int, n_types: int, dim: int, max_positions: int) -> tuple[int, ...]:
+        size = {"d": dim, "P": max_positions}
+        lead = (n_layers, n_types) if self.per_type else (n_layers,)
+        return (*lead, *(size[s] for s in self.tail))
+
+    @property
+    def numpy_dtype(self) -> np.dtype:
+        return np.dtype({_F64: np.float64, _I64: np.int64}[self.dtype])
+
+
+#: every array of the statistics (see :class:`Field`), per type first.
+FIELDS: tuple[Field, ...] = (
+    Field("counts", True, (), _I64, TYPE_MOMENTS),  # n_t
+    Field("means", True, ("d",), _F64, TYPE_MOMENTS),  # μ_t
+    Field("m2", True, (), _F64, TYPE_MOMENTS),  # M2_t = Σ ||x − μ_t||²
+    Field("unit_sums", True, ("d",), _F64, SUM),  # U_t = Σ x/||x||
+    Field("clip_unit_sums", True, ("d",), _F64, SUM, clip=True),  # Σ x'/||x'||, clipped x'
+    Field("n", False, (), _I64, LAYER_MOMENTS),
+    Field("mean", False, ("d",), _F64, LAYER_MOMENTS),  # μ
+    Field("comoment", False, ("d", "d"), _F64, LAYER_MOMENTS),  # C = Σ (x − μ)(x − μ)ᵀ
+    Field("argmax_counts", False, ("d",), _I64, SUM),
+    Field("argmin_counts", False, ("d",), _I64, SUM),
+    Field("position_counts", False, ("P",), _I64, POSITION_MEANS),
+    Field("position_means", False, ("P", "d"), _F64, POSITION_MEANS),
+    Field("nonfinite", False, (), _I64, SUM),
+)
+TYPE_FIELDS = tuple(f for f in FIELDS if f.per_type)
+LAYER_FIELDS = tuple(f for f in FIELDS if not f.per_type)
+
+
+@dataclass(frozen=True)
+class Partition:
+    """Which part of a measurement a statistics object holds (the header's ``partition``).
+
+    Attributes:
+        of_layers: the whole measurement's layers, in order; the part holds its own
+            ``layers``, a subset of these.
+        token_range: (lo, hi): the part holds the per-type rows of the token ids t with
+            lo ≤ t < hi; hi None: no upper bound, so (0, None) is every token id.
+        layer_state: whether the part holds the per-layer fields (n, mean, co-moment, tails,
+            positions, nonfinite) of its layers; a part without them reads as n = 0 there.
+
+    A statistics object that holds everything has no partition (``None``); version-1 files
+    are such wholes.
+    """
+
+    of_layers: tuple[int, ...]
+    token_range: tuple[int, int | None] = (0, None)
+    layer_state: bool = True
+
+    def __post_init__(self) -> None:
+        lo, hi = self.token_range
+        if lo < 0 or (hi is not None and hi < lo):
+            raise ValueError(f"token range [{lo}, {hi}) is not a range of token ids")
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "of_layers": list(self.of_layers),
+            "token_range": list(self.token_range),
+            "layer_state": self.layer_state,
+        }
+
+    @classmethod
+    def from_json(cls, record: Mapping[str, Any]) -> Partition:
+        lo, hi = record["token_range"]
+        return cls(
+            tuple(int(x) for x in record["of_layers"]),
+            (int(lo), None if hi is None else int(hi)),
+            bool(record["layer_state"]),
+        )
+
+
+def _range_key(token_range: tuple[int, int | None]) -> tuple[int, float]:
+    """Sort key of token ranges: by lo, then hi (None: unbounded, last)."""
+    lo, hi = token_range
+    return lo, math.inf if hi is None else hi
+
+
+def _range_text(token_range: tuple[int, int | None]) -> str:
+    lo, hi = token_range
+    return f"[{lo}, {'∞' if hi is None else hi})"
+
 
 @dataclass(frozen=True)
 class LayerMoments:
-    """Read-only float64 numpy view of one layer's moments, types sorted by token id."""
+    """Read-only float64 numpy view of one layer's moments, types sorted by token id.
+
+    Its attributes are the :data:`FIELDS` of one layer (types with a count in this layer only).
+    """
 
     layer: int
     type_ids: np.ndarray  # (T,) int64, sorted
@@ -179,7 +310,7 @@ def extreme_counts(x: torch.Tensor, which: str, scratch: torch.Tensor) -> torch.
     return torch.bincount(first, minlength=d)
 
 
-class EmbeddingStatistics:
+class EmbeddingStatistics(Sketch):
     """Mergeable per-layer, per-token-type moments of hidden states (see module docstring).
 
     Args:
@@ -202,11 +333,19 @@ class EmbeddingStatistics:
             up to 32x on GPUs with slow float64). The rows are shifted by the layer's running
             mean c (rounded to float32, an exact shift) and the result is accumulated in
             float64, so float32 costs ~1e-6 relative error on covariance entries (IsoScore,
-            PCA spectrum, per-dimension std), nothing elsewhere.
+            PCA spectrum, per-dimension std), nothing elsewhere. It is saved in the header;
+            statistics that both hold co-moments merge only with the same precision, and
+            statistics without any (e.g. an empty accumulator) take the other's.
+        partition: which part of a measurement these statistics hold (:class:`Partition`;
+            made by :meth:`select`), None for all of it.
     """
 
-    #: metadata keys that must agree for two statistics to be merged.
-    IDENTITY_KEYS = ("model_fingerprint", "tokenizer_fingerprint", "keep_special")
+    FORMAT = FORMAT
+    FORMAT_VERSION = FORMAT_VERSION
+    READS = _READS
+    KIND = "statistics"
+    HEADER_FIELDS = ("max_positions", "clip_dims", "comoment_precision", "partition")
+    MERGE_FIELDS = ("max_positions", "clip_dims", "partition")
 
     def __init__(
         self,
@@ -219,20 +358,12 @@ class EmbeddingStatistics:
         initial_types: int = 1024,
         clip_dims: Sequence[int] | None = None,
         comoment_precision: str = "float64",
+        partition: Partition | None = None,
     ) -> None:
-        if not layers:
-            raise ValueError("at least one layer is required")
-        if len(set(layers)) != len(layers):
-            raise ValueError(f"layers must be distinct, got {list(layers)}")
-        if dim <= 0:
-            raise ValueError(f"dim must be positive, got {dim}")
+        self._init_sketch(layers, dim, device, metadata)
         if max_positions < 0:
             raise ValueError(f"max_positions must be >= 0, got {max_positions}")
-        self.layers: list[int] = [int(x) for x in layers]
-        self.dim = int(dim)
         self.max_positions = int(max_positions)
-        self.device = torch.device(device)
-        self.metadata: dict[str, str] = {str(k): str(v) for k, v in (metadata or {}).items()}
         self.clip_dims: list[int] | None = (
             None if clip_dims is None else sorted({int(c) for c in clip_dims})
         )
@@ -243,27 +374,53 @@ class EmbeddingStatistics:
         self.comoment_precision = comoment_precision
         if self.clip_dims and not all(0 <= c < dim for c in self.clip_dims):
             raise ValueError(f"clip_dims {self.clip_dims} outside 0..{dim - 1}")
-        n_layers, d, dev = len(self.layers), self.dim, self.device
-        cap = max(int(initial_types), 1)
+        if partition is not None:
+            where = [partition.of_layers.index(x) for x in self.layers if x in partition.of_layers]
+            if len(where) != len(self.layers) or where != sorted(where):
+                raise ValueError(
+                    f"layers {self.layers} are not a part of the partition's layers "
+                    f"{list(partition.of_layers)} in their order"
+                )
+        self.partition = partition
+        dev = self.device
         # token id -> slot (-1: unseen); grown on demand
-        self._id_to_slot = torch.full((0,), -1, dtype=torch.int64, device=dev)
-        self._slot_ids = torch.empty(0, dtype=torch.int64, device=dev)
-        self._counts = torch.zeros(n_layers, cap, dtype=torch.int64, device=dev)
-        self._means = torch.zeros(n_layers, cap, d, dtype=_F64, device=dev)
-        self._m2 = torch.zeros(n_layers, cap, dtype=_F64, device=dev)
-        self._unit_sums = torch.zeros(n_layers, cap, d, dtype=_F64, device=dev)
-        n_clip = cap if self.clip_dims is not None else 0
-        self._clip_unit_sums = torch.zeros(n_layers, n_clip, d, dtype=_F64, device=dev)
-        self._n = torch.zeros(n_layers, dtype=torch.int64, device=dev)
-        self._mean = torch.zeros(n_layers, d, dtype=_F64, device=dev)
-        self._comoment = torch.zeros(n_layers, d, d, dtype=_F64, device=dev)
-        self._argmax = torch.zeros(n_layers, d, dtype=torch.int64, device=dev)
-        self._argmin = torch.zeros(n_layers, d, dtype=torch.int64, device=dev)
-        p = self.max_positions
-        self._pos_counts = torch.zeros(n_layers, p, dtype=torch.int64, device=dev)
-        self._pos_means = torch.zeros(n_layers, p, d, dtype=_F64, device=dev)
-        self._nonfinite = torch.zeros(n_layers, dtype=torch.int64, device=dev)
+        self._id_to_slot = torch.full((0,), -1, dtype=_I64, device=dev)
+        self._slot_ids = torch.empty(0, dtype=_I64, device=dev)
+        cap = max(int(initial_types), 1)
+        shape = (len(self.layers), cap, self.dim, self.max_positions)
+        #: the arrays of :data:`FIELDS` held (per-type ones with ``cap`` slots), by name
+        self._a: dict[str, torch.Tensor] = {
+            f.name: torch.zeros(f.shape(*shape), dtype=f.dtype, device=dev) for f in self._fields()
+        }
         self._buffers: dict[str, torch.Tensor] = {}  # per-batch scratch (see _workspace)
+
+    def _fields(self, among: Sequence[Field] = FIELDS) -> list[Field]:
+        """The fields (of ``among``) these statistics hold: clipped sums only with
+        ``clip_dims``, per-layer fields only with the per-layer state."""
+        return [
+            f
+            for f in among
+            if (self.clip_dims is not None or not f.clip) and (f.per_type or self.holds_layer_state)
+        ]
+
+    # ------------------------------------------------------------- parts
+    @property
+    def holds_layer_state(self) -> bool:
+        """Whether the per-layer fields (n, mean, co-moment, tails, positions) are held."""
+        return self.partition is None or self.partition.layer_state
+
+    @property
+    def token_range(self) -> tuple[int, int | None]:
+        """[lo, hi) of the token ids whose per-type rows are held; (0, None): all."""
+        return (0, None) if self.partition is None else self.partition.token_range
+
+    @property
+    def of_layers(self) -> tuple[int, ...]:
+        """The layers of the whole measurement these statistics are (part of)."""
+        return tuple(self.layers) if self.partition is None else self.partition.of_layers
+
+    def _holds_comoment(self) -> bool:
+        return self.holds_layer_state and bool(self._a["n"].any())
 
     # ------------------------------------------------------------------ slots
     @property
@@ -272,26 +429,19 @@ class EmbeddingStatistics:
         return int(self._slot_ids.numel())
 
     def _capacity(self) -> int:
-        return int(self._counts.shape[1])
+        return int(self._a["counts"].shape[1])
 
     def _grow(self, needed: int) -> None:
         cap = self._capacity()
         if needed <= cap:
             return
-        new_cap = max(needed, 2 * cap)
-        extra = new_cap - cap
-
-        def pad(t: torch.Tensor) -> torch.Tensor:
+        extra = max(needed, 2 * cap) - cap
+        for f in self._fields(TYPE_FIELDS):
+            t = self._a[f.name]
             shape = list(t.shape)
             shape[1] = extra
-            return torch.cat([t, torch.zeros(shape, dtype=t.dtype, device=t.device)], dim=1)
-
-        self._counts = pad(self._counts)
-        self._means = pad(self._means)
-        self._m2 = pad(self._m2)
-        self._unit_sums = pad(self._unit_sums)
-        if self.clip_dims is not None:
-            self._clip_unit_sums = pad(self._clip_unit_sums)
+            pad = torch.zeros(shape, dtype=t.dtype, device=t.device)
+            self._a[f.name] = torch.cat([t, pad], dim=1)
 
     def _slots_for(self, ids: torch.Tensor) -> torch.Tensor:
         """Slots of the distinct token ids ``ids`` (int64, on device), assigning new ones."""
@@ -325,43 +475,40 @@ class EmbeddingStatistics:
         n_b: torch.Tensor,
         mean_b: torch.Tensor,
         m2_b: torch.Tensor,
-        usum_b: torch.Tensor | None = None,
-        clip_usum_b: torch.Tensor | None = None,
     ) -> None:
-        """Chan-merge batch (n, mean, M2) per type into ``slots``; add unit sums if given."""
-        counts, means, m2 = self._counts[li], self._means[li], self._m2[li]
+        """Chan-merge batch (n, mean, M2) per type (``TYPE_MOMENTS``) into ``slots``."""
+        counts, means, m2 = self._a["counts"][li], self._a["means"][li], self._a["m2"][li]
         n_a = counts.index_select(0, slots)
         n, mean, cross = _chan_merge_mean_m2(n_a, means.index_select(0, slots), n_b, mean_b)
         counts.index_copy_(0, slots, n)
         means.index_copy_(0, slots, mean)
         m2.index_add_(0, slots, m2_b + cross)
-        if usum_b is not None:
-            self._unit_sums[li].index_add_(0, slots, usum_b)
-        if clip_usum_b is not None:
-            self._clip_unit_sums[li].index_add_(0, slots, clip_usum_b)
 
     def _merge_layer(
         self, li: int, n_b: torch.Tensor, mean_b: torch.Tensor, c_b: torch.Tensor
     ) -> None:
-        n_a = self._n[li]
+        """Chan-merge (n, mean, co-moment) of layer slot ``li`` (``LAYER_MOMENTS``)."""
+        a = self._a
+        n_a = a["n"][li]
         if int(n_b) == 0:
             return
-        delta = mean_b - self._mean[li]
+        delta = mean_b - a["mean"][li]
         n = n_a + n_b
         w = (n_a.to(_F64) * n_b.to(_F64)) / n.to(_F64)
-        self._comoment[li] += c_b + torch.outer(delta, delta) * w
-        self._mean[li] += delta * (n_b.to(_F64) / n.to(_F64))
-        self._n[li] = n
+        a["comoment"][li] += c_b + torch.outer(delta, delta) * w
+        a["mean"][li] += delta * (n_b.to(_F64) / n.to(_F64))
+        a["n"][li] = n
 
     def _merge_positions(self, li: int, counts_b: torch.Tensor, sums_b: torch.Tensor) -> None:
-        """Merge per-position counts and *sums* (means need no M2: plain weighted update)."""
-        n = self._pos_counts[li] + counts_b
+        """Merge per-position counts and *sums* (``POSITION_MEANS``: means need no M2, a plain
+        weighted update)."""
+        counts, means = self._a["position_counts"], self._a["position_means"]
+        n = counts[li] + counts_b
         seen = n > 0
-        upd = (sums_b - counts_b.to(_F64).unsqueeze(-1) * self._pos_means[li]) / n.to(
-            _F64
-        ).clamp_min(1.0).unsqueeze(-1)
-        self._pos_means[li] = torch.where(seen.unsqueeze(-1), self._pos_means[li] + upd, 0.0)
-        self._pos_counts[li] = n
+        upd = sums_b - counts_b.to(_F64).unsqueeze(-1) * means[li]
+        upd /= n.to(_F64).clamp_min(1.0).unsqueeze(-1)
+        means[li] = torch.where(seen.unsqueeze(-1), means[li] + upd, 0.0)
+        counts[li] = n
 
     # --------------------------------------------------------------- update
     @torch.no_grad()
@@ -384,20 +531,13 @@ class EmbeddingStatistics:
             positions: (B, T) position of each token within its window (default: column
                 index). Needed only when ``max_positions > 0``.
         """
-        if isinstance(hidden, torch.Tensor) and hidden.dim() == 4:
-            hidden = list(hidden.unbind(0))
-        if len(hidden) != len(self.layers):
-            raise ValueError(f"expected {len(self.layers)} hidden-state tensors, got {len(hidden)}")
+        if self.token_range != (0, None) or not self.holds_layer_state:
+            raise ValueError(
+                "a partition of the token ids or without per-layer moments is built by "
+                "select() and merge(), not update()"
+            )
+        hidden, keep = self._batch(hidden, token_ids, keep, positions)
         shape = tuple(token_ids.shape)
-        if keep is None:
-            keep = torch.ones(shape, dtype=torch.bool, device=token_ids.device)
-        if tuple(keep.shape) != shape:
-            raise ValueError(f"keep mask shape {tuple(keep.shape)} != token_ids shape {shape}")
-        for li, h in enumerate(hidden):
-            if tuple(h.shape[:-1]) != shape or h.shape[-1] != self.dim:
-                raise ValueError(
-                    f"hidden state {li} has shape {tuple(h.shape)}, expected {(*shape, self.dim)}"
-                )
         dev = self.device
         rows = keep.to(dev).reshape(-1).nonzero().squeeze(1)  # kept (batch·T) row indices
         if rows.numel() == 0:
@@ -457,7 +597,7 @@ class EmbeddingStatistics:
         finite = torch.isfinite(kept).all(dim=1)
         if bool(finite.all()):
             return kept, g
-        self._nonfinite[li] += int((~finite).sum())
+        self._a["nonfinite"][li] += int((~finite).sum())
         pos = None if g.pos is None else g.pos[finite]
         return kept[finite], self._groups_of(g.row_slots[finite], pos)
 
@@ -486,13 +626,15 @@ class EmbeddingStatistics:
         ps = None if g.pos is None else torch.zeros(self.max_positions, d, dtype=_F64, device=dev)
         for a, b in blocks:
             k = kept[a:b]
-            self._argmax[li] += extreme_counts(k, "max", hits[: b - a])
-            self._argmin[li] += extreme_counts(k, "min", hits[: b - a])
+            self._a["argmax_counts"][li] += extreme_counts(k, "max", hits[: b - a])
+            self._a["argmin_counts"][li] += extreme_counts(k, "min", hits[: b - a])
             x = self._workspace("x", block)[: b - a].copy_(k)  # float64 from here on
             mean_b.index_add_(0, g.inv[a:b], x)
-            self._add_unit_sums(self._unit_sums[li], x, g.row_slots[a:b], None)
+            self._add_unit_sums(self._a["unit_sums"][li], x, g.row_slots[a:b], None)
             if self.clip_dims is not None:
-                self._add_unit_sums(self._clip_unit_sums[li], x, g.row_slots[a:b], self.clip_dims)
+                self._add_unit_sums(
+                    self._a["clip_unit_sums"][li], x, g.row_slots[a:b], self.clip_dims
+                )
             if ps is not None:
                 ps.index_add_(0, g.pos[a:b], x)
         x_mean = mean_b.sum(dim=0) / n  # the batch's mean, from its per-type sums
@@ -510,7 +652,7 @@ class EmbeddingStatistics:
         # In float32 the shift is c rounded to float32 (any shift is exact; this one makes
         # x' = x − c one correctly rounded float32 subtraction of the model's own values);
         # each block's float32 product is added to the float64 sum.
-        c = self._mean[li].clone() if int(self._n[li]) > 0 else x_mean
+        c = self._a["mean"][li].clone() if int(self._a["n"][li]) > 0 else x_mean
         f32 = self.comoment_precision == "float32"
         if f32:
             c = c.to(torch.float32).to(_F64)
@@ -554,63 +696,55 @@ class EmbeddingStatistics:
         sums.index_add_(0, row_slots, unit)
 
     # ---------------------------------------------------------------- merge
-    def check_compatible(self, other: EmbeddingStatistics) -> None:
-        """Raise :class:`StatisticsMismatchError` unless ``other`` measures the same thing."""
-        problems = []
-        if other.layers != self.layers:
-            problems.append(f"layers {other.layers} != {self.layers}")
-        if other.dim != self.dim:
-            problems.append(f"dim {other.dim} != {self.dim}")
-        if other.clip_dims != self.clip_dims:
-            problems.append(f"clip_dims {other.clip_dims} != {self.clip_dims}")
-        if other.max_positions != self.max_positions:
-            problems.append(f"max_positions {other.max_positions} != {self.max_positions}")
-        for key in self.IDENTITY_KEYS:
-            a, b = self.metadata.get(key), other.metadata.get(key)
-            if a is not None and b is not None and a != b:
-                problems.append(f"{key} {b!r} != {a!r}")
-        if problems:
-            raise StatisticsMismatchError(
-                "cannot merge statistics of different measurements: " + "; ".join(problems)
+    def mismatches(self, other: Sketch, names: Sequence[str] | None = None) -> list[str]:
+        """As :meth:`Sketch.mismatches`; also statistics that both hold co-moments must have
+        the same ``comoment_precision`` (a merge would mix two accuracies in one matrix)."""
+        problems = super().mismatches(other, names)
+        if (
+            isinstance(other, EmbeddingStatistics)
+            and other.comoment_precision != self.comoment_precision
+            and self._holds_comoment()
+            and other._holds_comoment()
+        ):
+            problems.append(
+                f"comoment_precision {other.comoment_precision!r} != "
+                f"{self.comoment_precision!r} (both hold co-moments)"
             )
+        return problems
 
     @torch.no_grad()
     def merge(self, other: EmbeddingStatistics) -> EmbeddingStatistics:
-        """Merge ``other`` into ``self`` (in place; returns ``self``). Associative, commutative."""
+        """Merge ``other`` into ``self`` (in place; returns ``self``). Associative, commutative.
+
+        Each field by its rule (:class:`Field`): Chan's update for the moments, sums for the
+        rest. Statistics merge when they measure the same thing (:meth:`check_compatible`),
+        parts when they hold the same :class:`Partition`.
+        """
         self.check_compatible(other)
-        for key, value in other.metadata.items():
-            self.metadata.setdefault(key, value)
+        self._adopt_metadata(other)
+        if not self._holds_comoment() and other._holds_comoment():
+            self.comoment_precision = other.comoment_precision
+        dev = self.device
         t = other.num_types
         if t:
-            ids = other._slot_ids.to(self.device)
-            slots = self._slots_for(ids)
+            slots = self._slots_for(other._slot_ids.to(dev))
+            rows = {f.name: other._a[f.name][:, :t].to(dev) for f in self._fields(TYPE_FIELDS)}
             for li in range(len(self.layers)):
-                self._merge_types(
-                    li,
-                    slots,
-                    other._counts[li, :t].to(self.device),
-                    other._means[li, :t].to(self.device),
-                    other._m2[li, :t].to(self.device),
-                    other._unit_sums[li, :t].to(self.device),
-                    None
-                    if self.clip_dims is None
-                    else other._clip_unit_sums[li, :t].to(self.device),
-                )
-        for li in range(len(self.layers)):
-            self._merge_layer(
-                li,
-                other._n[li].to(self.device),
-                other._mean[li].to(self.device),
-                other._comoment[li].to(self.device),
-            )
-            if self.max_positions:
-                sums = other._pos_means[li].to(self.device) * other._pos_counts[li].to(
-                    self.device, _F64
-                ).unsqueeze(-1)
-                self._merge_positions(li, other._pos_counts[li].to(self.device), sums)
-        self._argmax += other._argmax.to(self.device)
-        self._argmin += other._argmin.to(self.device)
-        self._nonfinite += other._nonfinite.to(self.device)
+                self._merge_types(li, slots, rows["counts"][li], rows["means"][li], rows["m2"][li])
+            for f in self._fields(TYPE_FIELDS):
+                if f.merge == SUM:
+                    self._a[f.name].index_add_(1, slots, rows[f.name])
+        if self.holds_layer_state:
+            o = {f.name: other._a[f.name].to(dev) for f in LAYER_FIELDS}
+            for li in range(len(self.layers)):
+                self._merge_layer(li, o["n"][li], o["mean"][li], o["comoment"][li])
+                if self.max_positions:
+                    counts = o["position_counts"][li]
+                    sums = o["position_means"][li] * counts.to(_F64).unsqueeze(-1)
+                    self._merge_positions(li, counts, sums)
+            for f in LAYER_FIELDS:
+                if f.merge == SUM:
+                    self._a[f.name] += o[f.name]
         return self
 
     # ------------------------------------------------------------- views
@@ -618,201 +752,253 @@ class EmbeddingStatistics:
         return torch.argsort(self._slot_ids)
 
     def layer(self, layer: int) -> LayerMoments:
-        """Numpy float64 view of hidden-state layer ``layer`` (an HF index, not a position)."""
+        """Numpy float64 view of hidden-state layer ``layer`` (an HF index, not a position).
+
+        The types with a count in this layer, sorted by id. A part without the per-layer
+        state (:attr:`holds_layer_state` False) shows n = 0 and zero per-layer arrays.
+        """
         if layer not in self.layers:
             raise KeyError(f"layer {layer} was not measured; layers are {self.layers}")
         li = self.layers.index(layer)
         order = self._order()
-        counts = self._counts[li, : self.num_types][order]
-        present = counts > 0
-        sel = order[present]
-
-        def np_(t: torch.Tensor) -> np.ndarray:
-            return t.detach().cpu().numpy()
-
+        sel = order[self._a["counts"][li, : self.num_types][order] > 0]
+        views: dict[str, Any] = {
+            f.name: np.zeros(f.shape(1, 0, self.dim, self.max_positions)[1:], f.numpy_dtype)
+            for f in LAYER_FIELDS
+        }
+        for f in self._fields():
+            a = self._a[f.name][li]
+            views[f.name] = (a.index_select(0, sel) if f.per_type else a).detach().cpu().numpy()
+        for f in LAYER_FIELDS:
+            if not f.tail:
+                views[f.name] = int(views[f.name])
         return LayerMoments(
             layer=layer,
-            type_ids=np_(self._slot_ids[sel]),
-            counts=np_(self._counts[li, sel]),
-            means=np_(self._means[li, sel]),
-            m2=np_(self._m2[li, sel]),
-            unit_sums=np_(self._unit_sums[li, sel]),
-            n=int(self._n[li]),
-            mean=np_(self._mean[li]),
-            comoment=np_(self._comoment[li]),
-            argmax_counts=np_(self._argmax[li]),
-            argmin_counts=np_(self._argmin[li]),
-            position_counts=np_(self._pos_counts[li]),
-            position_means=np_(self._pos_means[li]),
-            nonfinite=int(self._nonfinite[li]),
+            type_ids=self._slot_ids[sel].cpu().numpy(),
             clip_dims=None if self.clip_dims is None else tuple(self.clip_dims),
-            clip_unit_sums=None if self.clip_dims is None else np_(self._clip_unit_sums[li, sel]),
+            **views,
         )
 
     def token_count(self) -> int:
-        """Tokens counted (in the first layer; every layer counts the same finite tokens)."""
-        return int(self._n[0])
+        """Tokens counted (in the first layer; every layer counts the same finite tokens).
+
+        For a part without the per-layer state: the tokens of its types (its token range).
+        """
+        if self.holds_layer_state:
+            return int(self._a["n"][0])
+        return int(self._a["counts"][0, : self.num_types].sum())
 
     # -------------------------------------------------------- persistence
+    def _header_fields(self) -> dict[str, Any]:
+        fields = super()._header_fields()
+        fields["partition"] = None if self.partition is None else self.partition.to_json()
+        return fields
+
     def state_dict(self) -> dict[str, np.ndarray]:
-        """Compact arrays (types sorted by id, unused slots dropped), all on CPU."""
+        """The held :data:`FIELDS` plus ``type_ids``: types sorted by id, unused slots dropped,
+        all on CPU."""
         order = self._order()
-
-        def np_(t: torch.Tensor) -> np.ndarray:
-            return np.ascontiguousarray(t.detach().cpu().numpy())
-
         t = self.num_types
-        extra = {}
-        if self.clip_dims is not None:
-            extra["clip_unit_sums"] = np_(self._clip_unit_sums[:, :t][:, order])
-        return extra | {
-            "type_ids": np_(self._slot_ids[order]),
-            "counts": np_(self._counts[:, :t][:, order]),
-            "means": np_(self._means[:, :t][:, order]),
-            "m2": np_(self._m2[:, :t][:, order]),
-            "unit_sums": np_(self._unit_sums[:, :t][:, order]),
-            "n": np_(self._n),
-            "mean": np_(self._mean),
-            "comoment": np_(self._comoment),
-            "argmax_counts": np_(self._argmax),
-            "argmin_counts": np_(self._argmin),
-            "position_counts": np_(self._pos_counts),
-            "position_means": np_(self._pos_means),
-            "nonfinite": np_(self._nonfinite),
-        }
-
-    def header(self) -> dict[str, Any]:
-        return {
-            "format": FORMAT,
-            "version": FORMAT_VERSION,
-            "layers": self.layers,
-            "dim": self.dim,
-            "max_positions": self.max_positions,
-            "clip_dims": self.clip_dims,
-            "comoment_precision": self.comoment_precision,
-            "metadata": self.metadata,
-        }
-
-    def to_bytes(self) -> bytes:
-        """Serialize to safetensors bytes (header JSON in the safetensors metadata)."""
-        return st_save_bytes(self.state_dict(), metadata={"embgeom_ray": json.dumps(self.header())})
-
-    def save(self, path: str | os.PathLike[str]) -> None:
-        """Write atomically to a local path or fsspec URL (temporary name, then rename)."""
-        from ..io_utils import atomic_write_bytes
-
-        atomic_write_bytes(str(path), self.to_bytes())
+        out = {"type_ids": self._slot_ids[order]}
+        for f in self._fields():
+            a = self._a[f.name]
+            out[f.name] = a[:, :t][:, order] if f.per_type else a
+        return {k: np.ascontiguousarray(v.detach().cpu().numpy()) for k, v in out.items()}
 
     @classmethod
-    def from_bytes(cls, data: bytes, *, device: str | torch.device = "cpu") -> EmbeddingStatistics:
-        header = _read_header(data)
-        arrays = st_load_bytes(data)
-        return cls.from_state(header, arrays, device=device)
-
-    @classmethod
-    def load(
-        cls, path: str | os.PathLike[str], *, device: str | torch.device = "cpu"
-    ) -> EmbeddingStatistics:
-        import fsspec
-
-        with fsspec.open(str(path), "rb") as f:
-            data = f.read()
-        try:
-            return cls.from_bytes(data, device=device)
-        except StatisticsMismatchError as exc:
-            raise StatisticsMismatchError(f"{path}: {exc}") from None
-
-    @classmethod
-    def from_state(
-        cls,
-        header: Mapping[str, Any],
-        arrays: Mapping[str, np.ndarray],
-        *,
-        device: str | torch.device = "cpu",
-    ) -> EmbeddingStatistics:
-        """Rebuild from :meth:`header` and :meth:`state_dict`, checking the schema."""
-        if header.get("format") != FORMAT:
-            raise StatisticsMismatchError(
-                f"not an embgeom_ray statistics artefact: {header!r:.200}"
-            )
-        if int(header.get("version", -1)) != FORMAT_VERSION:
-            raise StatisticsMismatchError(
-                f"statistics format version {header.get('version')} is not supported "
-                f"(this embgeom_ray reads version {FORMAT_VERSION})"
-            )
-        layers, d, p = list(header["layers"]), int(header["dim"]), int(header["max_positions"])
-        n_layers = len(layers)
-        t = int(np.asarray(arrays["type_ids"]).shape[0])
-        expected = {
-            "type_ids": (t,),
-            "counts": (n_layers, t),
-            "means": (n_layers, t, d),
-            "m2": (n_layers, t),
-            "unit_sums": (n_layers, t, d),
-            "n": (n_layers,),
-            "mean": (n_layers, d),
-            "comoment": (n_layers, d, d),
-            "argmax_counts": (n_layers, d),
-            "argmin_counts": (n_layers, d),
-            "position_counts": (n_layers, p),
-            "position_means": (n_layers, p, d),
-            "nonfinite": (n_layers,),
-        }
-        clip_dims = header.get("clip_dims")
-        if clip_dims is not None:
-            expected["clip_unit_sums"] = (n_layers, t, d)
-        for key, shape in expected.items():
-            if key not in arrays:
-                raise StatisticsMismatchError(f"statistics artefact lacks array {key!r}")
-            if tuple(arrays[key].shape) != shape:
-                raise StatisticsMismatchError(
-                    f"statistics array {key!r} has shape {tuple(arrays[key].shape)}, expected {shape}"
-                )
-        stats = cls(
-            layers,
-            d,
-            max_positions=p,
+    def _empty(cls, header: Mapping[str, Any], version: int, device: Any) -> EmbeddingStatistics:
+        """Empty statistics with the header's fields (version 1: a whole, no partition)."""
+        record = header.get("partition") if version >= 2 else None
+        return cls(
+            [int(x) for x in header["layers"]],
+            int(header["dim"]),
+            max_positions=int(header.get("max_positions", 0)),
             device=device,
             metadata=header.get("metadata"),
-            initial_types=max(t, 1),
-            clip_dims=clip_dims,
+            initial_types=1,
+            clip_dims=header.get("clip_dims"),
             comoment_precision=header.get("comoment_precision", "float64"),
+            partition=None if record is None else Partition.from_json(record),
         )
 
-        def tt(key: str) -> torch.Tensor:
-            return torch.from_numpy(np.array(arrays[key])).to(stats.device)
+    def _set_state(self, arrays: Mapping[str, np.ndarray]) -> None:
+        """Fill from :meth:`state_dict`'s arrays, each checked against :data:`FIELDS`."""
+        t = int(np.asarray(arrays["type_ids"]).shape[0]) if "type_ids" in arrays else 0
+        ids = check_array(arrays, "type_ids", (t,), np.int64, self.KIND)
+        lo, hi = self.token_range
+        if t and ((np.diff(ids) <= 0).any() or ids[0] < lo or (hi is not None and ids[-1] >= hi)):
+            raise StatisticsMismatchError(
+                f"statistics type_ids are not increasing ids in {_range_text((lo, hi))}"
+            )
+        shape = (len(self.layers), t, self.dim, self.max_positions)
+        tensors = {
+            f.name: torch.from_numpy(
+                np.array(check_array(arrays, f.name, f.shape(*shape), f.numpy_dtype, self.KIND))
+            )
+            for f in self._fields()
+        }
+        self._fill(torch.from_numpy(np.array(ids)), tensors)
 
-        ids = tt("type_ids").long()
+    def _fill(self, type_ids: torch.Tensor, tensors: Mapping[str, torch.Tensor]) -> None:
+        """Set the arrays of these (new, empty) statistics: the per-type rows of the increasing
+        ``type_ids`` and the per-layer arrays, from ``tensors`` (one per held field)."""
+        t = int(type_ids.numel())
         if t:
-            stats._slots_for(ids)  # slots 0..t-1 in id order
-            stats._counts[:, :t] = tt("counts")
-            stats._means[:, :t] = tt("means")
-            stats._m2[:, :t] = tt("m2")
-            stats._unit_sums[:, :t] = tt("unit_sums")
-            if clip_dims is not None:
-                stats._clip_unit_sums[:, :t] = tt("clip_unit_sums")
-        stats._n = tt("n").long()
-        stats._mean = tt("mean")
-        stats._comoment = tt("comoment")
-        stats._argmax = tt("argmax_counts").long()
-        stats._argmin = tt("argmin_counts").long()
-        stats._pos_counts = tt("position_counts").long()
-        stats._pos_means = tt("position_means")
-        stats._nonfinite = tt("nonfinite").long()
-        return stats
+            self._slots_for(type_ids.to(self.device))  # slots 0..t-1, in id order
+        for f in self._fields():
+            v = tensors[f.name].to(self.device)
+            if f.per_type:
+                self._a[f.name][:, :t] = v
+            else:
+                self._a[f.name] = v.contiguous()
 
     def to(self, device: str | torch.device) -> EmbeddingStatistics:
         """A copy on ``device`` (compact)."""
         return EmbeddingStatistics.from_state(self.header(), self.state_dict(), device=device)
 
+    # ------------------------------------------------------------ partitions
+    def _like(
+        self, layers: Sequence[int], partition: Partition | None, initial_types: int = 1
+    ) -> EmbeddingStatistics:
+        """Empty statistics of the same measurement, holding ``layers`` and ``partition``."""
+        return EmbeddingStatistics(
+            layers,
+            self.dim,
+            max_positions=self.max_positions,
+            device=self.device,
+            metadata=self.metadata,
+            initial_types=initial_types,
+            clip_dims=self.clip_dims,
+            comoment_precision=self.comoment_precision,
+            partition=partition,
+        )
 
-def _read_header(data: bytes) -> dict[str, Any]:
-    """The JSON header stored in a safetensors file's metadata."""
-    if len(data) < 8:
-        raise StatisticsMismatchError("statistics artefact is empty or truncated")
-    size = int.from_bytes(data[:8], "little")
-    try:
-        raw = json.loads(io.BytesIO(data[8 : 8 + size]).read().decode("utf-8"))
-        return json.loads(raw["__metadata__"]["embgeom_ray"])
-    except (ValueError, KeyError, UnicodeDecodeError) as exc:
-        raise StatisticsMismatchError(f"not an embgeom_ray statistics artefact ({exc})") from None
+    def select(
+        self,
+        layers: Sequence[int] | None = None,
+        token_range: tuple[int, int | None] | None = None,
+        *,
+        layer_state: bool | None = None,
+    ) -> EmbeddingStatistics:
+        """A copy of the part of these statistics that holds ``layers`` (default: all held;
+        kept in this object's order), the per-type rows of the token ids in ``token_range``
+        [lo, hi) (hi None: no bound; default: all held) and, if ``layer_state`` (default:
+        whether this object holds them), the per-layer fields.
+
+        The copy's :class:`Partition` records the part; selecting everything gives a whole
+        again. Parts of disjoint token ranges go back together with :meth:`combine`, and
+        ``a.select(...).merge(b.select(...))`` equals ``a.merge(b).select(...)``.
+        """
+        want = set(self.layers if layers is None else (int(x) for x in layers))
+        unknown = sorted(want - set(self.layers))
+        if unknown:
+            raise ValueError(f"layers {unknown} are not held; layers are {self.layers}")
+        kept = [x for x in self.layers if x in want]
+        lo, hi = self.token_range if token_range is None else token_range
+        own_lo, own_hi = self.token_range
+        if lo < own_lo or (own_hi is not None and (hi is None or hi > own_hi)):
+            raise ValueError(
+                f"token range {_range_text((lo, hi))} is not within the held "
+                f"{_range_text(self.token_range)}"
+            )
+        layer_state = self.holds_layer_state if layer_state is None else bool(layer_state)
+        if layer_state and not self.holds_layer_state:
+            raise ValueError("these statistics hold no per-layer moments to select")
+        whole = tuple(kept) == self.of_layers and (lo, hi) == (0, None) and layer_state
+        part = self._like(kept, None if whole else Partition(self.of_layers, (lo, hi), layer_state))
+        order = self._order()
+        ids = self._slot_ids[order]
+        inside = ids >= lo if hi is None else (ids >= lo) & (ids < hi)
+        slots = order[inside]
+        lis = torch.tensor([self.layers.index(x) for x in kept], device=self.device)
+        tensors = {}
+        for f in part._fields():
+            a = self._a[f.name].index_select(0, lis)
+            tensors[f.name] = a.index_select(1, slots) if f.per_type else a
+        part._fill(ids[inside], tensors)
+        return part
+
+    @classmethod
+    def combine(cls, parts: Sequence[EmbeddingStatistics]) -> EmbeddingStatistics:
+        """The statistics that the parts ``parts`` of one measurement were selected from.
+
+        For every layer held by any part, the parts holding it must hold disjoint token
+        ranges that join into one range [lo, hi), the same for every layer, and at most one
+        of them its per-layer state (then one for every layer). The result holds the union:
+        layers in the measurement's order, the joint token range; it is a whole when that is
+        everything. Rows are copied, so ``combine(select(...) for each part) == whole``
+        exactly. On the first part's device.
+        """
+        if not parts:
+            raise ValueError("combine needs at least one part")
+        first = parts[0]
+        of_layers = first.of_layers
+        for p in parts[1:]:
+            problems = first.mismatches(p, ("dim", "max_positions", "clip_dims", "of_layers"))
+            if problems:
+                raise StatisticsMismatchError(
+                    "cannot combine parts of different measurements: " + "; ".join(problems)
+                )
+        layers = [x for x in of_layers if any(x in p.layers for p in parts)]
+        joint, layer_state = _joint_part(parts, layers)
+        whole = tuple(layers) == of_layers and joint == (0, None) and layer_state
+        out = first._like(
+            layers,
+            None if whole else Partition(of_layers, joint, layer_state),
+            initial_types=sum(p.num_types for p in parts),
+        )
+        out.comoment_precision = next(
+            (p.comoment_precision for p in parts if p._holds_comoment()), first.comoment_precision
+        )
+        dev = out.device
+        for p in parts:
+            out._adopt_metadata(p)
+            t = p.num_types
+            slots = out._slots_for(p._slot_ids.to(dev))
+            for pli, layer in enumerate(p.layers):
+                li = out.layers.index(layer)
+                for f in out._fields():
+                    if f.per_type:
+                        out._a[f.name][li].index_copy_(0, slots, p._a[f.name][pli, :t].to(dev))
+                    elif p.holds_layer_state:
+                        out._a[f.name][li] = p._a[f.name][pli].to(dev)
+        return out
+
+
+def _joint_part(
+    parts: Sequence[EmbeddingStatistics], layers: Sequence[int]
+) -> tuple[tuple[int, int | None], bool]:
+    """(token range, whether per-layer moments are held) of the union of ``parts``, after
+    checking that for each of ``layers`` the parts holding it have disjoint token ranges that
+    join into one range, the same for every layer, and that one of them (for every layer) or
+    none (for every layer) holds its per-layer moments."""
+    joint: tuple[int, int | None] | None = None
+    states = []
+    for layer in layers:
+        holders = [p for p in parts if layer in p.layers]
+        spans = sorted((p.token_range for p in holders), key=_range_key)
+        for (_, hi_a), (lo_b, _) in itertools.pairwise(spans):
+            if hi_a is None or hi_a > lo_b:
+                raise StatisticsMismatchError(
+                    f"parts holding layer {layer} overlap in token ids "
+                    f"({', '.join(_range_text(s) for s in spans)})"
+                )
+            if hi_a < lo_b:
+                raise StatisticsMismatchError(
+                    f"parts holding layer {layer} leave token ids [{hi_a}, {lo_b}) out"
+                )
+        span = (spans[0][0], spans[-1][1])
+        if joint is not None and span != joint:
+            raise StatisticsMismatchError(
+                f"layer {layer}'s parts hold token ids {_range_text(span)}, "
+                f"layer {layers[0]}'s {_range_text(joint)}"
+            )
+        joint = span
+        states.append(sum(p.holds_layer_state for p in holders))
+    if joint is None or max(states) > 1 or min(states) != max(states):
+        raise StatisticsMismatchError(
+            "each layer's per-layer moments must come from one part (or, for every "
+            "layer, from none); parts holding them, by layer: "
+            + ", ".join(f"{x}: {s}" for x, s in zip(layers, states, strict=True))
+        )
+    return joint, states[0] == 1

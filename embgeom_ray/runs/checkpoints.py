@@ -37,12 +37,12 @@ from typing import Any
 
 import fsspec
 
-from ..inputs.corpus import ShardPlan
-from ..errors import OutputError
-from ..inputs.extractor import ShardCounts
-from ..io_utils import atomic_write_bytes, atomic_write_json, exists, join, read_bytes
 from ..core.samples import ActivationSample
 from ..core.statistics import EmbeddingStatistics
+from ..errors import OutputError
+from ..inputs.corpus import ShardPlan
+from ..inputs.extractor import ShardCounts
+from ..io_utils import atomic_write_bytes, atomic_write_json, exists, join, read_bytes
 
 #: directory of checkpoint groups, and of the earlier per-shard checkpoints
 GROUPS, LEGACY_SHARDS = "groups", "shards"

@@ -43,10 +43,10 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from ..core.rogue import flagged_dims
 from ..errors import UserError
 from ..io_utils import atomic_write_json, exists, is_local, join, local_path, read_bytes
 from ..run_dir import MANIFEST, now, write_table
-from ..core.rogue import flagged_dims
 
 SUMMARY = "comparison.json"
 LONG, WIDE, CHANGES, ROGUE = "comparison", "comparison_wide", "changes", "rogue_dims"

@@ -23,9 +23,13 @@ from typing import Any
 from pydantic import ValidationError
 
 from ..config import JobConfig
+from ..core.samples import ActivationSample
+from ..core.statistics import EmbeddingStatistics
+from ..core.tables import build_tables
+from ..distributed.sampled_stage import add_sampled_metrics
 from ..errors import ModelError, OutputError, StatisticsMismatchError, UserError
-from ..io_utils import exists, is_local, join, local_path, read_bytes
 from ..inputs.model_loading import load_tokenizer, tokenizer_fingerprint
+from ..io_utils import exists, is_local, join, local_path, read_bytes
 from ..report.html import write_run_report
 from ..run_dir import (
     MANIFEST,
@@ -37,10 +41,6 @@ from ..run_dir import (
     write_manifest,
     write_table,
 )
-from ..core.tables import build_tables
-from ..distributed.sampled_stage import add_sampled_metrics
-from ..core.samples import ActivationSample
-from ..core.statistics import EmbeddingStatistics
 
 #: options that change the statistics of a run; runs merge only if they agree on all of them
 #: (model, tokenizer, layers and clip dims are checked by the statistics themselves too).

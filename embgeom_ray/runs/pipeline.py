@@ -24,21 +24,24 @@ import sys
 import time
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
 import pandas as pd
 from tqdm.auto import tqdm
 
-from ..core import metrics
-from .checkpoints import CheckpointGroup, CheckpointStore
 from ..config import JobConfig
-from ..inputs.corpus import CorpusSpec, Shard, plan_shards
-from ..errors import ConfigError, CorpusError
-from ..inputs.extractor import ShardCounts
-from ..io_utils import join
-from ..inputs.model_loading import load_config, max_window_length, resolve_identity, resolve_layers
-from ..report.html import write_run_report
+from ..core.rogue import (
+    OutlierRules,
+    flagged_dims,
+)
+from ..core.samples import ActivationSample
+from ..core.statistics import EmbeddingStatistics
 from ..core.tables import build_tables
 from ..distributed.sampled_stage import add_sampled_metrics
+from ..errors import ConfigError, CorpusError
+from ..inputs.corpus import CorpusSpec, Shard, plan_shards
+from ..inputs.extractor import ShardCounts
+from ..inputs.model_loading import load_config, max_window_length, resolve_identity, resolve_layers
+from ..io_utils import join
+from ..report.html import write_run_report
 from ..run_dir import (
     MANIFEST,
     SAMPLE,
@@ -49,17 +52,7 @@ from ..run_dir import (
     write_manifest,
     write_table,
 )
-from ..core.rogue import (
-    OutlierRules,
-    clipping_row,
-    exact_clipped_cosines,
-    flagged_dims,
-    positions_table,
-    rogue_dims_table,
-    sampled_clipped_cosines,
-)
-from ..core.samples import ActivationSample
-from ..core.statistics import EmbeddingStatistics
+from .checkpoints import CheckpointGroup, CheckpointStore
 
 if TYPE_CHECKING:  # ray is imported only when there is extraction to do
     from ..distributed.actor_pool import GroupResult, PoolPlan
@@ -261,6 +254,7 @@ def analyze(config: JobConfig, *, echo=print) -> dict[str, Any]:
         max_positions=config.max_length,
         metadata=metadata,
         clip_dims=clip_dims,
+        comoment_precision=config.comoment_precision,
     )
     merged, sample, totals = reduce_groups(store, groups, empty, config.sample_size > 0)
     t_reduce = time.perf_counter()

@@ -58,10 +58,10 @@ import yaml
 from pydantic import ValidationError
 
 from ..config import RESULT_OPTIONS, JobConfig, _format_validation_error, load_yaml
-from ..inputs.corpus import CorpusSpec, plan_shards
 from ..errors import ConfigError, ModelError, OutputError, UserError
-from ..io_utils import exists, is_local, join, local_path, read_bytes
+from ..inputs.corpus import CorpusSpec, plan_shards
 from ..inputs.model_loading import resolve_identity
+from ..io_utils import exists, is_local, join, local_path, read_bytes
 from ..run_dir import MANIFEST, now, write_table
 
 #: the index of runs in the store

@@ -1,0 +1,298 @@
+"""The one file format and contract shared by the job's sketches.
+
+:class:`~embgeom_ray.core.statistics.EmbeddingStatistics` (moments) and
+:class:`~embgeom_ray.core.samples.ActivationSample` (bounded samples) are sketches in the Apache
+DataSketches sense: ``update`` (fold a batch), ``merge`` (combine two sketches of disjoint
+inputs), ``save``/``load`` and read-only views. This module holds what they share:
+
+the file
+    a safetensors file (named little-endian arrays; no pickle, nothing executed on load) whose
+    metadata holds one entry, ``"embgeom_ray"``: a JSON *header* ::
+
+        {"format": NAME, "version": V, "layers": [...], "dim": d, <the class's own fields>,
+         "metadata": {"model_fingerprint": ..., ...}}
+
+    ``format`` names the sketch class, ``version`` the layout of its arrays; a reader accepts
+    the versions it lists in :attr:`Sketch.READS` (older layouts keep loading) and refuses the
+    rest with a one-line :class:`~embgeom_ray.errors.StatisticsMismatchError`;
+identity
+    ``layers`` and ``dim`` plus the class's :attr:`Sketch.MERGE_FIELDS` must be equal for two
+    sketches to merge, and so must the :data:`IDENTITY_KEYS` of their ``metadata`` where both
+    have them; :meth:`Sketch.check_compatible` names everything that differs;
+update validation
+    :meth:`Sketch._batch` checks one batch's shapes (hidden states per layer, token ids, keep
+    mask, positions) and says which one is wrong.
+
+Writes are atomic (:func:`embgeom_ray.io_utils.atomic_write_bytes`): a reader sees the old file
+or the whole new one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from abc import ABC, abstractmethod
+from collections.abc import Mapping, Sequence
+from typing import Any, ClassVar, TypeVar
+
+import numpy as np
+import torch
+from safetensors.numpy import load as st_load_bytes
+from safetensors.numpy import save as st_save_bytes
+
+from ..errors import StatisticsMismatchError
+
+#: the safetensors metadata entry that holds the JSON header.
+HEADER_KEY = "embgeom_ray"
+#: metadata keys that must agree (where both sketches have them) for two sketches to merge.
+IDENTITY_KEYS = ("model_fingerprint", "tokenizer_fingerprint", "keep_special")
+
+_S = TypeVar("_S", bound="Sketch")
+
+
+def read_header(data: bytes, kind: str) -> dict[str, Any]:
+    """The JSON header stored in the metadata of the safetensors bytes ``data``.
+
+    A safetensors file starts with an 8-byte little-endian length N and N bytes of JSON whose
+    ``__metadata__`` maps strings to strings; ours holds the header under :data:`HEADER_KEY`.
+    """
+    if len(data) < 8:
+        raise StatisticsMismatchError(f"{kind} artefact is empty or truncated")
+    size = int.from_bytes(data[:8], "little")
+    try:
+        raw = json.loads(data[8 : 8 + size].decode("utf-8"))
+        header = json.loads(raw["__metadata__"][HEADER_KEY])
+    except (ValueError, KeyError, TypeError, UnicodeDecodeError) as exc:
+        raise StatisticsMismatchError(f"not an embgeom_ray {kind} artefact ({exc})") from None
+    if not isinstance(header, dict):
+        raise StatisticsMismatchError(f"not an embgeom_ray {kind} artefact: header {header!r:.80}")
+    return header
+
+
+def check_array(
+    arrays: Mapping[str, np.ndarray], name: str, shape: tuple[int, ...], dtype: Any, kind: str
+) -> np.ndarray:
+    """``arrays[name]``, after checking that it exists with this shape and dtype."""
+    if name not in arrays:
+        raise StatisticsMismatchError(f"{kind} artefact lacks array {name!r}")
+    a = arrays[name]
+    if tuple(a.shape) != tuple(shape) or a.dtype != np.dtype(dtype):
+        raise StatisticsMismatchError(
+            f"{kind} array {name!r} is {tuple(a.shape)} {a.dtype}, expected "
+            f"{tuple(shape)} {np.dtype(dtype)}"
+        )
+    return a
+
+
+class Sketch(ABC):
+    """Base of the job's sketches: header, serialisation, identity check, batch validation.
+
+    A subclass sets :attr:`FORMAT`, :attr:`FORMAT_VERSION`, :attr:`READS`, :attr:`KIND`,
+    :attr:`HEADER_FIELDS` and :attr:`MERGE_FIELDS`, calls :meth:`_init_sketch` in its
+    constructor and implements :meth:`state_dict` (writing), :meth:`_empty` and
+    :meth:`_set_state` (reading).
+    """
+
+    #: the ``format`` written in the header.
+    FORMAT: ClassVar[str]
+    #: the layout version written.
+    FORMAT_VERSION: ClassVar[int]
+    #: format names this class reads (former names included) and, for each, the versions.
+    READS: ClassVar[Mapping[str, frozenset[int]]]
+    #: what the sketch is called in messages ("statistics", "samples").
+    KIND: ClassVar[str]
+    #: the class's own attributes written in the header (besides ``layers``, ``dim``, ``metadata``).
+    HEADER_FIELDS: ClassVar[tuple[str, ...]] = ()
+    #: attributes besides ``layers`` and ``dim`` that must be equal to merge.
+    MERGE_FIELDS: ClassVar[tuple[str, ...]] = ()
+    IDENTITY_KEYS: ClassVar[tuple[str, ...]] = IDENTITY_KEYS
+
+    layers: list[int]
+    dim: int
+    device: torch.device
+    metadata: dict[str, str]
+
+    def _init_sketch(
+        self,
+        layers: Sequence[int],
+        dim: int,
+        device: str | torch.device,
+        metadata: Mapping[str, str] | None,
+    ) -> None:
+        """Check and set the fields every sketch has."""
+        if not layers:
+            raise ValueError("at least one layer is required")
+        if len(set(layers)) != len(layers):
+            raise ValueError(f"layers must be distinct, got {list(layers)}")
+        if dim <= 0:
+            raise ValueError(f"dim must be positive, got {dim}")
+        self.layers = [int(x) for x in layers]
+        self.dim = int(dim)
+        self.device = torch.device(device)
+        self.metadata = {str(k): str(v) for k, v in (metadata or {}).items()}
+
+    # ------------------------------------------------------------ header
+    def _header_fields(self) -> dict[str, Any]:
+        """The class's own header fields (between ``dim`` and ``metadata``): its
+        :attr:`HEADER_FIELDS`, as JSON values."""
+        return {name: getattr(self, name) for name in self.HEADER_FIELDS}
+
+    def header(self) -> dict[str, Any]:
+        """The JSON header written with the arrays (see the module docstring)."""
+        return {
+            "format": self.FORMAT,
+            "version": self.FORMAT_VERSION,
+            "layers": self.layers,
+            "dim": self.dim,
+            **self._header_fields(),
+            "metadata": self.metadata,
+        }
+
+    @classmethod
+    def check_header(cls, header: Mapping[str, Any]) -> int:
+        """The header's layout version, after checking that this class reads it."""
+        versions = cls.READS.get(header.get("format"))  # type: ignore[arg-type]
+        if versions is None:
+            raise StatisticsMismatchError(
+                f"not an embgeom_ray {cls.KIND} artefact: {dict(header)!r:.200}"
+            )
+        try:
+            version = int(header.get("version", -1))
+        except (TypeError, ValueError):
+            version = -1
+        if version not in versions:
+            raise StatisticsMismatchError(
+                f"{cls.KIND} format version {header.get('version')} is not supported "
+                f"(this embgeom_ray reads versions {sorted(versions)})"
+            )
+        missing = [k for k in ("layers", "dim") if k not in header]
+        if missing:
+            raise StatisticsMismatchError(f"{cls.KIND} header lacks {', '.join(missing)}")
+        return version
+
+    # ------------------------------------------------------ persistence
+    @abstractmethod
+    def state_dict(self) -> dict[str, np.ndarray]:
+        """The sketch's arrays, in a canonical order, on the CPU."""
+
+    @classmethod
+    @abstractmethod
+    def _empty(cls: type[_S], header: Mapping[str, Any], version: int, device: Any) -> _S:
+        """An empty sketch with the fields of ``header`` (of layout ``version``)."""
+
+    @abstractmethod
+    def _set_state(self, arrays: Mapping[str, np.ndarray]) -> None:
+        """Fill this new, empty sketch with :meth:`state_dict`'s arrays, checking each."""
+
+    @classmethod
+    def from_state(
+        cls: type[_S],
+        header: Mapping[str, Any],
+        arrays: Mapping[str, np.ndarray],
+        *,
+        device: str | torch.device = "cpu",
+    ) -> _S:
+        """Rebuild from :meth:`header` and :meth:`state_dict` (of any version in READS)."""
+        version = cls.check_header(header)
+        try:
+            sketch = cls._empty(header, version, device)
+        except (KeyError, TypeError, ValueError) as exc:
+            raise StatisticsMismatchError(f"{cls.KIND} header is not valid ({exc})") from None
+        sketch._set_state(arrays)
+        return sketch
+
+    def to_bytes(self) -> bytes:
+        """Serialize to safetensors bytes (the header JSON in the safetensors metadata)."""
+        return st_save_bytes(self.state_dict(), metadata={HEADER_KEY: json.dumps(self.header())})
+
+    def save(self, path: str | os.PathLike[str]) -> None:
+        """Write atomically to a local path or fsspec URL (temporary name, then rename)."""
+        from ..io_utils import atomic_write_bytes
+
+        atomic_write_bytes(str(path), self.to_bytes())
+
+    @classmethod
+    def from_bytes(cls: type[_S], data: bytes, *, device: str | torch.device = "cpu") -> _S:
+        return cls.from_state(read_header(data, cls.KIND), st_load_bytes(data), device=device)
+
+    @classmethod
+    def load(
+        cls: type[_S], path: str | os.PathLike[str], *, device: str | torch.device = "cpu"
+    ) -> _S:
+        """Read a sketch written by :meth:`save` (or by an earlier layout this class reads)."""
+        from ..io_utils import read_bytes
+
+        data = read_bytes(str(path))
+        try:
+            return cls.from_bytes(data, device=device)
+        except StatisticsMismatchError as exc:
+            raise StatisticsMismatchError(f"{path}: {exc}") from None
+
+    # ---------------------------------------------------------- identity
+    def mismatches(self, other: Sketch, names: Sequence[str] | None = None) -> list[str]:
+        """What differs between ``self`` and ``other`` that forbids merging them, one phrase
+        each (``"name <other's> != <self's>"``); empty when they measure the same thing.
+
+        ``names``: the attributes compared (default ``layers``, ``dim`` and
+        :attr:`MERGE_FIELDS`); the metadata's :attr:`IDENTITY_KEYS` are always compared.
+        """
+        problems = []
+        for name in ("layers", "dim", *self.MERGE_FIELDS) if names is None else names:
+            a, b = getattr(self, name), getattr(other, name)
+            if a != b:
+                problems.append(f"{name} {b!r} != {a!r}")
+        for key in self.IDENTITY_KEYS:
+            a, b = self.metadata.get(key), other.metadata.get(key)
+            if a is not None and b is not None and a != b:
+                problems.append(f"{key} {b!r} != {a!r}")
+        return problems
+
+    def check_compatible(self, other: Sketch) -> None:
+        """Raise :class:`StatisticsMismatchError` unless ``other`` measures the same thing."""
+        if type(other) is not type(self):
+            raise StatisticsMismatchError(
+                f"cannot merge {type(other).__name__} into {type(self).__name__}"
+            )
+        problems = self.mismatches(other)
+        if problems:
+            raise StatisticsMismatchError(
+                f"cannot merge {self.KIND} of different measurements: " + "; ".join(problems)
+            )
+
+    def _adopt_metadata(self, other: Sketch) -> None:
+        """Keep ``self``'s metadata; add the keys only ``other`` has."""
+        for key, value in other.metadata.items():
+            self.metadata.setdefault(key, value)
+
+    # ------------------------------------------------------------ update
+    def _batch(
+        self,
+        hidden: Sequence[torch.Tensor] | torch.Tensor,
+        token_ids: torch.Tensor,
+        keep: torch.Tensor | None,
+        positions: torch.Tensor | None,
+    ) -> tuple[list[torch.Tensor], torch.Tensor]:
+        """One batch's hidden states as a list (one (B, T, d) tensor per layer, in
+        ``self.layers`` order) and its keep mask (all True when None), after checking shapes:
+        ``hidden`` a list or an (L, B, T, d) tensor; ``token_ids``, ``keep`` and ``positions``
+        (B, T)."""
+        if isinstance(hidden, torch.Tensor) and hidden.dim() == 4:
+            hidden = list(hidden.unbind(0))
+        hidden = list(hidden)
+        if len(hidden) != len(self.layers):
+            raise ValueError(f"expected {len(self.layers)} hidden-state tensors, got {len(hidden)}")
+        if token_ids.dim() != 2:
+            raise ValueError(f"token_ids must be (B, T), got shape {tuple(token_ids.shape)}")
+        shape = tuple(token_ids.shape)
+        if keep is None:
+            keep = torch.ones(shape, dtype=torch.bool, device=token_ids.device)
+        if tuple(keep.shape) != shape:
+            raise ValueError(f"keep mask shape {tuple(keep.shape)} != token_ids shape {shape}")
+        if positions is not None and tuple(positions.shape) != shape:
+            raise ValueError(f"positions shape {tuple(positions.shape)} != {shape}")
+        for li, h in enumerate(hidden):
+            if tuple(h.shape) != (*shape, self.dim):
+                raise ValueError(
+                    f"hidden state {li} has shape {tuple(h.shape)}, expected {(*shape, self.dim)}"
+                )
+        return hidden, keep
