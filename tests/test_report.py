@@ -25,7 +25,7 @@ import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from embgeom_ray.report.html.plots import PLOTS, Run, RunDirectoryError, make_all_plots, pick_layers
+from embgeom_ray.report.plots import PLOTS, Run, RunDirectoryError, make_all_plots, pick_layers
 
 from embgeom_ray.report.html import largest_changes, write_comparison_report, write_report
 

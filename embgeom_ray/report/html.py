@@ -1,6 +1,6 @@
 """``report.html``: one self-contained, offline-readable page per run (or per comparison).
 
-:func:`write_report` draws the run's figures (:mod:`embgeom_ray.report.html.plots`) and writes
+:func:`write_report` draws the run's figures (:mod:`embgeom_ray.report.plots`) and writes
 ``OUT/report.html``: run metadata, the per-layer table, the figures with captions grouped by
 section, each section with a short "how to read this" naming its paper, and links to the
 Parquet tables. :func:`write_comparison_report` does the same for several runs, layer by layer.
@@ -601,8 +601,8 @@ def render_report(run: Run, figures: Sequence[Figure]) -> str:
 def write_report(out_dir: str, *, figures: Sequence[Figure] | None = None) -> str:
     """Draw the run's figures and write ``out_dir/report.html``; returns its path.
 
-    ``figures`` (from :func:`embgeom_ray.report.html.plots.make_all_plots` with ``include_absent=True``)
-    skips re-drawing. Raises :class:`~embgeom_ray.report.html.plots.RunDirectoryError` when ``out_dir`` is
+    ``figures`` (from :func:`embgeom_ray.report.plots.make_all_plots` with ``include_absent=True``)
+    skips re-drawing. Raises :class:`~embgeom_ray.report.plots.RunDirectoryError` when ``out_dir`` is
     not a run directory (no manifest.json or layers.parquet).
     """
     run = Run(out_dir)
@@ -787,7 +787,7 @@ def write_comparison_report(
     corpus, tokens, status, link to each run's own report), overlaid per-layer lines of every
     metric in :data:`COMPARE_METRICS` present in any run (x = layer index, or relative depth
     when the runs have different numbers of layers), the table of the largest changes, and
-    each run's headline table. Raises :class:`~embgeom_ray.report.html.plots.RunDirectoryError` for a
+    each run's headline table. Raises :class:`~embgeom_ray.report.plots.RunDirectoryError` for a
     directory that is not a run, ``ValueError`` for fewer than two runs.
     """
     if len(run_dirs) < 2:
