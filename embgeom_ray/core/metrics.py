@@ -197,9 +197,9 @@ def with_token_names(
 ) -> pd.DataFrame:
     """``type_stats.parquet`` from :func:`type_stats_rows` (of any layers, concatenated).
 
-    Adds the ``token`` column, ``id_to_token`` (e.g. a tokenizer's ``convert_ids_to_tokens``)
-    called once on the distinct ids (None: the column is left empty), and puts the columns in
-    :data:`TYPE_COLUMNS` order.
+    Adds the ``token`` column to ``rows`` (in place), ``id_to_token`` (e.g. a tokenizer's
+    ``convert_ids_to_tokens``) called once on the distinct ids (None: the column is left
+    empty), and returns the columns in :data:`TYPE_COLUMNS` order.
     """
     if id_to_token is not None and len(rows):
         ids = np.unique(rows["token_id"].to_numpy())
