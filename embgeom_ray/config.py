@@ -66,6 +66,12 @@ class JobConfig(BaseModel):
         description="seconds an extractor folds shards before its statistics are checkpointed "
         "as one group; 0 = after every shard. Not a result option: it only decides grouping",
     )
+    keep_checkpoints: bool = Field(
+        False,
+        description="keep the checkpoint groups (groups/) after the run completes; by default "
+        "they are removed, since statistics.safetensors and sample.safetensors hold the same "
+        "information",
+    )
     outlier_mean_z: float = Field(3.0, gt=0)
     outlier_variance_ratio: float = Field(5.0, gt=1)
     outlier_tail_share: float = Field(0.25, gt=0, le=1)

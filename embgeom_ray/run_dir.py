@@ -1,28 +1,168 @@
-"""The output directory's tables and manifest (the contract of DESIGN.md).
+"""A run's output directory: its typed manifest, its files, atomic writes, finalising.
 
-Tables are Parquet, each written atomically. ``manifest.json`` is written with
-``"status": "running"`` when a run starts and rewritten with ``"status": "complete"`` only after
-every table and the statistics artefact are in place, so a reader can trust a complete manifest
-and must not trust anything else.
+Layout of a run directory ``OUT`` (``docs/design.md``, "Output contract")::
+
+    manifest.json              status, identity, counts, timings (:class:`Manifest`)
+    type_stats.parquet, layers.parquet, dims.parquet, positions.parquet, samples.parquet
+    statistics.safetensors     the mergeable statistics (:class:`EmbeddingStatistics`)
+    sample.safetensors         the mergeable sample (:class:`ActivationSample`)
+    report.html, plots/        the report
+    run.json, groups/          the run's fingerprint and shard plan, the checkpoint groups
+
+Every file is written atomically. ``manifest.json`` says ``"status": "running"`` from the start
+of a run and ``"complete"`` only after every table and artefact is in place
+(:meth:`RunDir.finalise`), so a reader can trust a complete manifest and nothing else.
+:class:`RunDir` is the one place that knows these names: the pipeline, the merge, the report,
+the comparison and the scheduled re-analysis all read and write runs through it.
 """
 
 from __future__ import annotations
 
 import io
+import json
 import platform
-from datetime import UTC, datetime
-from typing import Any
+from datetime import datetime, timezone
+from typing import Any, Literal
 
 import numpy as np
 import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from .io_utils import atomic_write_bytes, atomic_write_json, join
+from .errors import UserError
+from .io_utils import atomic_write_bytes, atomic_write_json, exists, join, read_bytes
 
 MANIFEST = "manifest.json"
 STATISTICS = "statistics.safetensors"
 SAMPLE = "sample.safetensors"
+REPORT = "report.html"
+RUN_JSON = "run.json"
+GROUPS = "groups"
+#: the exact tables of the output contract, and the sample's table
+TABLES = ("type_stats", "layers", "dims", "positions", "samples")
+
+
+class RunDirError(UserError):
+    """A directory that is not a (complete, readable) run directory."""
+
+
+class _Part(BaseModel):
+    """A part of the manifest: typed known keys, unknown keys kept (newer writers)."""
+
+    model_config = ConfigDict(extra="allow", populate_by_name=True)
+
+
+class ModelInfo(_Part):
+    id: str
+    revision: str | None = None
+    model_fingerprint: str | None = None
+    model_type: str | None = None
+    num_layers: int | None = None
+    hidden_size: int | None = None
+
+
+class TokenizerInfo(_Part):
+    class_: str | None = Field(None, alias="class")
+    fingerprint: str | None = None
+    special_ids: list[int] = Field(default_factory=list)
+    special_tokens_counted: bool = False
+
+
+class CorpusInfo(_Part):
+    #: the corpus as given; a merged run lists its runs' corpora
+    source: str | list[Any] | None = None
+    fingerprint: str | None = None
+    files: int = 0
+    bytes: int = 0
+    shards: int = 0
+    #: the leaf corpora's fingerprints of a merged run
+    merged_fingerprints: list[str] | None = None
+
+    def leaves(self) -> list[str]:
+        """Fingerprints of the corpora the run covers (several for a merged run)."""
+        return list(self.merged_fingerprints or [self.fingerprint or ""])
+
+
+class Counts(_Part):
+    documents: int = 0
+    windows: int = 0
+    tokens: int = 0
+    padded_tokens: int = 0
+    positions: int = 0
+    special_tokens: int = 0
+    unk_tokens: int = 0
+    batches: int = 0
+    oom_batch_splits: int = 0
+    #: padded_tokens / positions: positions the model ran per real position
+    padding_ratio: float | None = None
+    #: unk_tokens / text tokens
+    unk_share: float | None = None
+    nonfinite_tokens_per_layer: dict[str, int] = Field(default_factory=dict)
+
+
+class ShardsInfo(_Part):
+    total: int
+    reused_from_checkpoints: int = 0
+    computed: int = 0
+    checkpoint_groups: int = 0
+
+
+class Outputs(_Part):
+    artefacts: list[str] = Field(default_factory=list)
+    tables: list[str] = Field(default_factory=list)
+    manifest: str = MANIFEST
+    report: str | None = None
+
+
+class Manifest(_Part):
+    """``manifest.json``: what a run measured, how, and how it went.
+
+    Keys written by earlier versions load; keys this version does not know are kept as they
+    are. Dumped with only the keys that were set (:meth:`to_json`), so the document keeps the
+    shape readers of earlier versions rely on.
+    """
+
+    model_config = ConfigDict(extra="allow", populate_by_name=True, validate_assignment=True)
+
+    status: Literal["running", "complete"] = "running"
+    #: ``"merge"`` for a run made by ``jobs.merge``; absent for an analysis
+    kind: Literal["merge"] | None = None
+    started_at: str | None = None
+    finished_at: str | None = None
+    fingerprint: str | None = None
+    config: dict[str, Any] = Field(default_factory=dict)
+    model: ModelInfo | None = None
+    tokenizer: TokenizerInfo | None = None
+    corpus: CorpusInfo = Field(default_factory=CorpusInfo)
+    layers: list[int] = Field(default_factory=list)
+    clip_dims: list[int] | None = None
+    #: the rule that flags rogue dimensions, in words
+    outlier_rules: str | None = None
+    versions: dict[str, str] = Field(default_factory=dict)
+    counts: Counts | None = None
+    skipped: dict[str, int] = Field(default_factory=dict)
+    shards: ShardsInfo | None = None
+    workers: dict[str, Any] | None = None
+    timings_s: dict[str, float] = Field(default_factory=dict)
+    throughput: dict[str, float | None] = Field(default_factory=dict)
+    sample: dict[str, Any] | None = None
+    outputs: Outputs | None = None
+    report_error: str | None = None
+    merged_runs: list[dict[str, Any]] | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return self.model_dump(mode="json", by_alias=True, exclude_unset=True)
+
+    @property
+    def complete(self) -> bool:
+        return self.status == "complete"
+
+    def set(self, **values: Any) -> Manifest:
+        """Set fields (validated, and marked as set so they are written)."""
+        for key, value in values.items():
+            setattr(self, key, value)
+        return self
 
 
 #: tables written with one Parquet row group per run of equal values of these columns, so a
@@ -83,11 +223,132 @@ def versions() -> dict[str, str]:
 
 
 def now() -> str:
-    return datetime.now(UTC).isoformat(timespec="seconds")
+    return datetime.now(timezone.utc).isoformat(timespec="seconds")  # not datetime.UTC: Python 3.10
 
 
-def write_manifest(out: str, manifest: dict[str, Any]) -> None:
-    atomic_write_json(join(out, MANIFEST), manifest)
+class RunDir:
+    """A run's output directory (local path or fsspec URL): the one object that knows its files.
+
+    Reading: :meth:`manifest` (typed; :class:`RunDirError` naming what is wrong),
+    :meth:`complete_manifest` (refuses an unfinished run), :meth:`read_table`. Writing:
+    :meth:`write_manifest`, :meth:`write_table`, :meth:`save_artefacts` — each atomic — and
+    :meth:`finalise`, which marks the run complete once every output is in place.
+    """
+
+    def __init__(self, url: str) -> None:
+        self.url = str(url).rstrip("/") or "/"
+
+    def __repr__(self) -> str:
+        return f"RunDir({self.url!r})"
+
+    def path(self, name: str) -> str:
+        """The URL of a file of the run; a bare table name gets ``.parquet``."""
+        return join(self.url, name if "." in name or name in (GROUPS, "plots") else f"{name}.parquet")
+
+    def has(self, name: str) -> bool:
+        return exists(self.path(name))
+
+    # ------------------------------------------------------------------ manifest
+    def has_manifest(self) -> bool:
+        return exists(self.path(MANIFEST))
+
+    def manifest(self) -> Manifest:
+        """The typed manifest; :class:`RunDirError` if there is none or it is unreadable."""
+        url = self.path(MANIFEST)
+        if not exists(self.url):
+            raise RunDirError(f"{self.url} does not exist")
+        if not exists(url):
+            raise RunDirError(
+                f"{self.url} is not a run directory of jobs.analyze: it has no {MANIFEST} "
+                "(give the --out directory of a run)"
+            )
+        try:
+            data = json.loads(read_bytes(url))
+        except (ValueError, UnicodeDecodeError) as exc:
+            raise RunDirError(f"{url} is not valid JSON: {exc}") from None
+        if not isinstance(data, dict):
+            raise RunDirError(f"{url} is not a run manifest (not a JSON object)")
+        try:
+            return Manifest.model_validate(data)
+        except ValidationError as exc:
+            first = exc.errors()[0]
+            where = ".".join(str(x) for x in first["loc"])
+            raise RunDirError(
+                f"{url} is not a manifest this version can read: {where}: {first['msg']} "
+                f"(got {first.get('input')!r})"
+            ) from None
+
+    def complete_manifest(self, purpose: str) -> Manifest:
+        """The manifest of a complete run, or :class:`RunDirError` saying it is unfinished."""
+        manifest = self.manifest()
+        if not manifest.complete:
+            raise RunDirError(
+                f"run {self.url} is not complete (status {manifest.status!r}): finish it "
+                f"(rerun the same jobs.analyze command to resume) before {purpose}"
+            )
+        return manifest
+
+    def write_manifest(self, manifest: Manifest) -> None:
+        atomic_write_json(self.path(MANIFEST), manifest.to_json())
+
+    # ------------------------------------------------------------------ tables and artefacts
+    def write_table(self, name: str, df: pd.DataFrame) -> str:
+        return write_table(self.url, name, df)
+
+    def read_table(self, name: str, columns: list[str] | None = None) -> pd.DataFrame:
+        """A table of the run; :class:`RunDirError` if it is missing or unreadable."""
+        url = self.path(name)
+        if not exists(url):
+            raise RunDirError(f"run {self.url} has no {url.rsplit('/', 1)[-1]}")
+        try:
+            return pd.read_parquet(io.BytesIO(read_bytes(url)), columns=columns)
+        except Exception as exc:
+            raise RunDirError(f"{url} cannot be read: {type(exc).__name__}: {exc}") from None
+
+    def write_tables(self, tables: dict[str, pd.DataFrame]) -> list[str]:
+        return [self.write_table(name, df) for name, df in tables.items()]
+
+    def save_artefacts(self, statistics: Any, sample: Any | None) -> list[str]:
+        """``statistics.safetensors`` and (when sampling) ``sample.safetensors``; their names."""
+        statistics.save(self.path(STATISTICS))
+        if sample is None:
+            return [STATISTICS]
+        sample.save(self.path(SAMPLE))
+        return [STATISTICS, SAMPLE]
+
+    def finalise(
+        self, manifest: Manifest, tables: dict[str, pd.DataFrame], statistics: Any, sample: Any
+    ) -> Manifest:
+        """Write the artefacts and tables, then the manifest as ``complete`` (in that order)."""
+        artefacts = self.save_artefacts(statistics, sample)
+        written = self.write_tables(tables)
+        manifest.set(
+            status="complete",
+            finished_at=now(),
+            outputs=Outputs(artefacts=artefacts, tables=written, manifest=MANIFEST),
+        )
+        self.write_manifest(manifest)
+        return manifest
+
+    def files(self) -> list[tuple[str, int]]:
+        """Every file under the run (relative name, bytes), checkpoints included, sorted."""
+        import fsspec
+
+        fs, root = fsspec.core.url_to_fs(self.url)
+        if not fs.exists(root):
+            return []
+        out = []
+        for path, info in fs.find(root, detail=True).items():
+            rel = path[len(root.rstrip("/")) + 1 :]
+            if not rel.rsplit("/", 1)[-1].startswith("."):
+                out.append((rel, int(info.get("size") or 0)))
+        return sorted(out)
+
+
+def write_manifest(out: str, manifest: Manifest | dict[str, Any]) -> None:
+    """Write ``manifest`` as ``OUT/manifest.json`` atomically."""
+    data = manifest.to_json() if isinstance(manifest, Manifest) else manifest
+    atomic_write_json(join(out, MANIFEST), data)
 
 
 def format_summary(layers: pd.DataFrame) -> str:

@@ -1,4 +1,4 @@
-"""Independent, slow, float64 reference for the job's exact metrics (DESIGN.md contract).
+"""Independent, slow, float64 reference for the job's exact metrics (the output contract of docs/design.md).
 
 Everything here is done the obvious way so that it can check a fast implementation:
 
@@ -398,7 +398,7 @@ def reference_tables(
 ) -> dict[str, pd.DataFrame]:
     """The job's exact tables, computed slowly: ``{"type_stats", "layers", "dims"}``.
 
-    Columns are exactly those of DESIGN.md's output contract (see ``TYPE_STATS_COLUMNS``,
+    Columns are exactly those of docs/design.md's output contract (see ``TYPE_STATS_COLUMNS``,
     ``LAYERS_COLUMNS``, ``DIMS_COLUMNS``); rows are sorted by (layer, token_id), layer, and
     (layer, dim). ``token`` is ``tokenizer.convert_ids_to_tokens(token_id)``.
     """

@@ -98,17 +98,14 @@ def test_groups_cover_the_plan_exactly_once(tmp_path):
         store.groups_covering(ids(0, 1, 2))
 
 
-def test_reduce_of_groups_equals_one_pass_and_reads_per_shard_checkpoints(tmp_path):
-    """Groups of several shards, and per-shard checkpoints of the earlier layout, reduce to
-    the statistics of one pass over every shard; counts add up exactly."""
+def test_reduce_of_groups_equals_one_pass(tmp_path):
+    """Groups of several shards reduce to the statistics of one pass over every shard; counts
+    add up exactly. Once the run is complete its groups can be removed."""
     store = started(tmp_path, 5)
     store.save_group(ids(0, 3), fold([3, 0]).to_bytes(), None, counts(10))
     store.save_group(ids(4), fold([4]).to_bytes(), None, counts(5))
-    legacy = tmp_path / "out" / "shards"
-    legacy.mkdir()
     for i in (1, 2):
-        fold([i]).save(legacy / f"{ids(i)[0]}.safetensors")
-        (legacy / f"{ids(i)[0]}.json").write_text(json.dumps(counts(i).to_json()))
+        store.save_group(ids(i), fold([i]).to_bytes(), None, counts(i))
     assert store.done_shards() == set(ids(0, 1, 2, 3, 4))
     groups = store.groups_covering(ids(0, 1, 2, 3, 4))
     assert [g.shard_ids[0] for g in groups] == ids(0, 1, 2, 4)
@@ -122,6 +119,8 @@ def test_reduce_of_groups_equals_one_pass_and_reads_per_shard_checkpoints(tmp_pa
         np.testing.assert_allclose(a.means, b.means, rtol=1e-12)
         np.testing.assert_allclose(a.m2, b.m2, rtol=1e-10)
         np.testing.assert_allclose(a.comoment, b.comoment, rtol=1e-10)
+    store.remove_groups()
+    assert not (tmp_path / "out" / "groups").exists() and store.done_shards() == set()
 
 
 def test_checkpoints_without_run_json_are_refused(tmp_path):

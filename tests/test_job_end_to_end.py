@@ -102,6 +102,23 @@ def test_minilm_on_real_english_equals_float64_reference(tmp_path, ray_local, mi
     # the report is written after the tables and its time recorded with the other stages
     assert on_disk["outputs"]["report"] == "report.html"
     assert on_disk["timings_s"]["report"] > 0
+    # real positions = counted tokens + [CLS]/[SEP] of every window; padding is what the model
+    # ran beyond them, recorded as a ratio
+    counts = on_disk["counts"]
+    assert counts["positions"] == counts["tokens"] + 2 * counts["windows"]
+    assert counts["padding_ratio"] == pytest.approx(counts["padded_tokens"] / counts["positions"])
+    # (shards of 4 KB: their last, tiny batches are merged into wider ones; on whole corpora
+    # the bound is 1.02, tests/test_windows.py)
+    assert 1.0 <= counts["padding_ratio"] <= 1.10
+    assert counts["unk_tokens"] == 0 and counts["unk_share"] == 0.0
+    # the checkpoint groups are removed once the run is complete; a rerun of the same command
+    # finds the complete run and does nothing
+    out = tmp_path / "minilm"
+    assert not (out / "groups").exists() and (out / "statistics.safetensors").exists()
+    said: list[str] = []
+    cfg = build_config(None, on_disk["config"])
+    again = analyze(cfg, echo=said.append)
+    assert again == on_disk and "already holds this complete run" in said[0]
 
 
 @pytest.mark.parametrize(

@@ -20,6 +20,7 @@ import pandas as pd
 import pytest
 
 from embgeom_ray.core.statistics import EmbeddingStatistics
+from embgeom_ray.run_dir import RunDir
 from embgeom_ray.runs import merge as run_merge
 from jobs import merge
 
@@ -218,7 +219,7 @@ def test_refuses_existing_output(runs, merged, capsys) -> None:
 
 def test_merged_run_merges_again(runs, merged, tmp_path, capsys) -> None:
     """A merged run is a run: its options read back, and its corpora still count as used."""
-    manifest = json.loads((merged / "manifest.json").read_text())
+    manifest = RunDir(str(merged)).complete_manifest("merging")
     config = run_merge.run_config(manifest, str(tmp_path / "out"), None)
     assert config.max_length == MAX_LENGTH
     assert merge.main(["--out", str(tmp_path / "out"), str(merged), str(runs["a"])]) == 2

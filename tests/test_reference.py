@@ -165,7 +165,7 @@ def test_cosines_brute_force_equal_closed_form(
     minilm_acts: dict[int, ref.LayerActivations],
     minilm_tables: dict[str, pd.DataFrame],
 ) -> None:
-    """DESIGN.md's unit-vector-sum formulas equal the brute-force pair averages."""
+    """docs/design.md's unit-vector-sum formulas equal the brute-force pair averages."""
     t, lay = minilm_tables["type_stats"], minilm_tables["layers"]
     for layer, acts in minilm_acts.items():
         x, ids = acts.points, acts.token_ids

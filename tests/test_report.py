@@ -25,9 +25,10 @@ import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from embgeom_ray.report.plots import PLOTS, Run, RunDirectoryError, make_all_plots, pick_layers
 
-from embgeom_ray.report.html import largest_changes, write_comparison_report, write_report
+from embgeom_ray.report.html import write_comparison_report, write_report
+from embgeom_ray.report.plots import PLOTS, Run, RunDirectoryError, make_all_plots, pick_layers
+from embgeom_ray.runs.compare import changes_table, layer_matching, load_run
 
 ROOT = Path(__file__).resolve().parents[1]
 ALL_FIGURES = [name for name, _, _ in PLOTS]
@@ -504,6 +505,13 @@ def test_report_of_full_run_is_self_contained(runs, full_report):
     ):
         assert needle in text, needle
     assert not list(runs["full"].glob(".tmp-*")), "temporary files left behind"
+    # the file list names every file of the run with its size, folders summed
+    for f in runs["full"].iterdir():
+        if f.is_file() and f.name != "report.html":
+            size = f.stat().st_size
+            shown = f"{size} B" if size < 1024 else f"{size / 1024:.1f} KB"
+            assert f"<code>{f.name}</code></a> ({shown}" in text or size >= 1024**2, f.name
+    assert "<code>plots/</code> (" in text
 
 
 def test_report_without_optional_sections(runs, minimal_figs):
@@ -543,22 +551,23 @@ def test_comparison_report(runs, full_report, tmp_path):
     other = fabricate_run(tmp_path / "other", optional=True, seed=3, shift=4.0)
     deeper = fabricate_run(tmp_path / "deeper", optional=False, n_layers=7, seed=4)
     out = tmp_path / "cmp"
-    path = write_comparison_report([str(runs["full"]), str(other), str(deeper)], str(out))
+    dirs = [str(runs["full"]), str(other), str(deeper)]
+    loaded = [load_run(d, label) for d, label in zip(dirs, "abc", strict=True)]
+    mode, note = layer_matching(loaded)
+    changes = changes_table(loaded, ["within_variance", "anisotropy", "isoscore"], mode)
+    # the report renders the comparison's own ranking: one definition of "largest change"
+    path = write_comparison_report(dirs, str(out), changes=changes, matching_note=note)
     text = check_report_html(path, n_images=1)
-    assert "Largest changes" in text and "relative depth" in text
+    assert "Largest changes" in text and "layers are matched by relative depth" in text
     assert "../" in text and "full/report.html" in text  # relative links to the runs
-    changes = largest_changes(
-        [Run(str(runs["full"])), Run(str(other))],
-        ["a", "b"],
-        ["within_variance", "anisotropy", "isoscore"],
-    )
+    pair = changes_table(loaded[:2], ["within_variance", "anisotropy", "isoscore"], "index")
+    pair = pair.loc[pair["change"] != 0]
     # anisotropy +0.4 over a range of 0.8 outranks within_variance +4 over a range of 16
-    assert changes.iloc[0]["metric"] == "anisotropy"
-    assert changes.iloc[0]["change"] == pytest.approx(0.4)
-    assert changes.iloc[0]["score"] == pytest.approx(0.5)
-    assert set(changes["metric"]) == {"anisotropy", "within_variance"}  # isoscore: no change
+    assert pair.iloc[0]["metric"] == "anisotropy"
+    assert pair.iloc[0]["change"] == pytest.approx(0.4)
+    assert set(pair["metric"]) == {"anisotropy", "within_variance"}  # isoscore: no change
     with pytest.raises(ValueError, match="at least two"):
-        write_comparison_report([str(other)], str(out))
+        write_comparison_report([str(other)], str(out), changes=changes, matching_note=note)
 
 
 @needs_chromium

@@ -1,6 +1,6 @@
 """Exact corpus-scale metrics: pure functions of :class:`~embgeom_ray.core.statistics.LayerMoments`.
 
-Notation (``../shared/DESIGN.md``): a layer's counted tokens x_1..x_N fall into token types
+Notation (``docs/design.md``, Formulas): a layer's counted tokens x_1..x_N fall into token types
 t with n_t occurrences, mean μ_t and M2_t = Σ ||x − μ_t||²; μ is the layer mean, C the
 co-moment matrix, U_t = Σ x/||x|| over type t and U = Σ_t U_t.
 

@@ -1,6 +1,6 @@
 """Documents -> model windows -> length-bucketed, right-padded batches.
 
-Windows follow DESIGN.md's conventions: each document is tokenized with the tokenizer's
+Windows follow docs/design.md's conventions: each document is tokenized with the tokenizer's
 defaults (``add_special_tokens=True``), and a document longer than ``max_length`` is split
 into consecutive windows by the fast tokenizer's overflow mechanism (stride 0), each window
 wrapped in the special tokens the model saw in training ([CLS] … [SEP], BOS, …). Content

@@ -18,7 +18,7 @@ import html
 import json
 import math
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -26,7 +26,7 @@ import pandas as pd
 
 from .. import __version__
 from ..io_utils import atomic_write_bytes, exists, is_local, join, local_path, read_bytes
-from ..run_dir import now, write_manifest
+from ..run_dir import Manifest, ModelInfo, RunDir, TokenizerInfo, now
 from .plots import (
     _STYLE,
     SECTIONS,
@@ -56,7 +56,15 @@ RUN_FILES: list[tuple[str, str]] = [
         "statistics.safetensors",
         "the mergeable sufficient statistics (reload or merge with later runs)",
     ),
+    ("sample.safetensors", "the mergeable activation sample (merges with later runs)"),
+    ("report.html", "this report"),
+    ("run.json", "the run's fingerprint and shard plan (for resuming)"),
 ]
+#: folders of a run directory, described in the report's file list
+RUN_FOLDERS: dict[str, str] = {
+    "plots": "the report's figures as PNG",
+    "groups": "checkpoint groups (kept with --keep-checkpoints, else removed when complete)",
+}
 
 #: layers.parquet columns: (header, tooltip, format kind). Kinds: int, sci (4 significant),
 #: unit (3 decimals, values in [−1, 1] or [0, 1]), corr (signed, 2 decimals).
@@ -362,15 +370,6 @@ def _write(out_dir: str, text: str) -> str:
     return local_path(path) if is_local(path) else path
 
 
-def _file_size(url: str) -> str:
-    if is_local(url):
-        try:
-            return _bytes(os.path.getsize(local_path(url)))
-        except OSError:
-            return ""
-    return ""
-
-
 def _rel(target: str, start: str) -> str:
     """A relative href from directory ``start`` to ``target`` (URL-quoted)."""
     from urllib.parse import quote
@@ -392,54 +391,48 @@ def _rel(target: str, start: str) -> str:
 
 def _metadata_html(run: Run) -> str:
     m = run.manifest
-    model = m.get("model") or {}
-    corpus = m.get("corpus") or {}
-    counts = m.get("counts") or {}
-    timings = m.get("timings_s") or {}
-    tok = m.get("tokenizer") or {}
+    model = m.model or ModelInfo(id=run.model)
+    corpus, counts, timings = m.corpus, m.counts, m.timings_s
+    tok = m.tokenizer or TokenizerInfo()
     cfg = run.config
-    layers = m.get("layers")
     model_items = [
-        ("id", f'<span class="mono">{_e(model.get("id"))}</span>'),
-        ("revision", f'<span class="mono">{_e(model.get("revision"))}</span>'),
-        ("type", _e(model.get("model_type"))),
-        (
-            "blocks / hidden size",
-            _e(f"{model.get('num_layers', '?')} / {model.get('hidden_size', '?')}"),
-        ),
-        ("tokenizer", _e(tok.get("class"))),
-        ("special tokens", "counted" if tok.get("special_tokens_counted") else "excluded"),
+        ("id", f'<span class="mono">{_e(model.id)}</span>'),
+        ("revision", f'<span class="mono">{_e(model.revision)}</span>'),
+        ("type", _e(model.model_type)),
+        ("blocks / hidden size", _e(f"{model.num_layers or '?'} / {model.hidden_size or '?'}")),
+        ("tokenizer", _e(tok.class_)),
+        ("special tokens", "counted" if tok.special_tokens_counted else "excluded"),
         ("dtype / max length", _e(f"{cfg.get('dtype', '?')} / {cfg.get('max_length', '?')}")),
-        ("clip dims", _e(", ".join(map(str, m["clip_dims"]))) if m.get("clip_dims") else None),
-        ("layers", _e(", ".join(map(str, layers)) if isinstance(layers, list) else layers)),
+        ("clip dims", _e(", ".join(map(str, m.clip_dims))) if m.clip_dims else None),
+        ("layers", _e(", ".join(map(str, m.layers)))),
     ]
     corpus_items = [
-        ("source", f'<span class="mono">{_e(corpus.get("source"))}</span>'),
+        ("source", f'<span class="mono">{_e(corpus.source)}</span>'),
+        ("fingerprint", f'<span class="mono">{_e(str(corpus.fingerprint or "")[:16])}</span>'),
+        ("files / shards", _e(f"{corpus.files} / {corpus.shards}")),
+        ("size", _bytes(corpus.bytes) if corpus.bytes else None),
+        ("documents", fmt_value(counts.documents, "int") if counts else None),
+        ("windows", fmt_value(counts.windows, "int") if counts else None),
+        ("tokens counted", fmt_value(counts.tokens, "int") if counts else None),
+        ("padded tokens", fmt_value(counts.padded_tokens, "int") if counts else None),
         (
-            "fingerprint",
-            f'<span class="mono">{_e(str(corpus.get("fingerprint") or "")[:16])}</span>',
+            "padded / real positions",
+            f"{counts.padding_ratio:.3f}" if counts and counts.padding_ratio else None,
         ),
-        ("files / shards", _e(f"{corpus.get('files', '?')} / {corpus.get('shards', '?')}")),
-        ("size", _bytes(corpus["bytes"]) if _finite(corpus.get("bytes")) else None),
-        ("documents", fmt_value(counts.get("documents"), "int") if counts else None),
-        ("windows", fmt_value(counts.get("windows"), "int") if counts else None),
-        ("tokens counted", fmt_value(counts.get("tokens"), "int") if counts else None),
-        ("padded tokens", fmt_value(counts.get("padded_tokens"), "int") if counts else None),
+        ("[UNK] share", f"{counts.unk_share:.2%}" if counts and counts.unk_share else None),
     ]
-    skipped = m.get("skipped") or {}
-    if skipped:
-        corpus_items.append(("skipped", _e(", ".join(f"{v} {k}" for k, v in skipped.items()))))
-    nonfinite = counts.get("nonfinite_tokens_per_layer") or {}
-    bad = {k: v for k, v in nonfinite.items() if v}
+    if m.skipped:
+        corpus_items.append(("skipped", _e(", ".join(f"{v} {k}" for k, v in m.skipped.items()))))
+    bad = {k: v for k, v in (counts.nonfinite_tokens_per_layer if counts else {}).items() if v}
     if bad:
         corpus_items.append(
             ("non-finite vectors", _e(", ".join(f"layer {k}: {v}" for k, v in bad.items())))
         )
-    thr = (m.get("throughput") or {}).get("tokens_per_s_extract_wall")
+    thr = m.throughput.get("tokens_per_s_extract_wall")
     run_items = [
         ("status", _status_badge(run.status)),
-        ("started", _e(_when(m.get("started_at")))),
-        ("finished", _e(_when(m.get("finished_at")))),
+        ("started", _e(_when(m.started_at))),
+        ("finished", _e(_when(m.finished_at))),
         ("total time", _seconds(timings.get("total"))),
         ("extract (wall)", _seconds(timings.get("extract_wall"))),
         (
@@ -453,16 +446,15 @@ def _metadata_html(run: Run) -> str:
             f" / {_seconds(timings.get('write'))}",
         ),
         ("throughput", f"{fmt_value(thr, 'int')} tokens/s" if _finite(thr) else None),
-        ("workers", _e(_workers(m.get("workers")))),
-        ("fingerprint", f'<span class="mono">{_e(str(m.get("fingerprint") or "")[:16])}</span>'),
+        ("workers", _e(_workers(m.workers))),
+        ("fingerprint", f'<span class="mono">{_e(str(m.fingerprint or "")[:16])}</span>'),
     ]
     cards = (
         f'<div class="card"><h3>Model</h3>{_kv(model_items)}</div>'
         f'<div class="card"><h3>Corpus</h3>{_kv(corpus_items)}</div>'
         f'<div class="card"><h3>Run</h3>{_kv(run_items)}</div>'
     )
-    versions = m.get("versions") or {}
-    ver = ", ".join(f"{k} {v}" for k, v in versions.items())
+    ver = ", ".join(f"{k} {v}" for k, v in m.versions.items())
     details = (
         f"<details><summary>Configuration and versions</summary>"
         f'<p class="note">{_e(ver)}</p>'
@@ -496,15 +488,28 @@ def _status_badge(status: str) -> str:
 
 
 def _files_html(out_dir: str, base_href: str = "") -> str:
+    """Every file of the run with its size: known files described, folders summed."""
+    described = dict(RUN_FILES)
+    order = {name: i for i, (name, _) in enumerate(RUN_FILES)}
+    top: list[tuple[str, int]] = []
+    folders: dict[str, list[int]] = {}
+    for rel, size in RunDir(out_dir).files():
+        if "/" in rel:
+            folders.setdefault(rel.split("/", 1)[0], []).append(size)
+        else:
+            top.append((rel, size))
     items = []
-    for name, desc in RUN_FILES:
-        url = join(out_dir, name)
-        if not exists(url):
-            continue
-        size = _file_size(url)
+    for name, size in sorted(top, key=lambda f: (order.get(f[0], len(order)), f[0])):
+        desc = described.get(name, "")
         items.append(
-            f'<li><a href="{_e(base_href + name)}"><code>{_e(name)}</code></a>'
-            f"{' (' + size + ')' if size else ''}: {_e(desc)}</li>"
+            f'<li><a href="{_e(base_href + name)}"><code>{_e(name)}</code></a> '
+            f"({_bytes(size)}){': ' + _e(desc) if desc else ''}</li>"
+        )
+    for folder, sizes in sorted(folders.items()):
+        desc = RUN_FOLDERS.get(folder, "")
+        items.append(
+            f"<li><code>{_e(folder)}/</code> ({len(sizes)} files, {_bytes(sum(sizes))})"
+            f"{': ' + _e(desc) if desc else ''}</li>"
         )
     return f'<ul class="files">{"".join(items)}</ul>'
 
@@ -568,7 +573,7 @@ def render_report(run: Run, figures: Sequence[Figure]) -> str:
             "LID uses true (not squared) distances.</p>"
         )
     if rogue:
-        rule = run.manifest.get("outlier_rules")
+        rule = run.manifest.outlier_rules
         sampled_html += (
             "<h3>Outlier dimensions and clipping</h3>"
             + layers_table_html(layers, ["layer", *rogue])
@@ -699,57 +704,8 @@ def _comparison_plot(
     return path
 
 
-def largest_changes(
-    runs: Sequence[Run], labels: Sequence[str], metrics: Sequence[str], top: int = 15
-) -> pd.DataFrame:
-    """The largest per-layer changes of each run against the first (the baseline).
-
-    Changes are ranked by |Δ| relative to the metric's range over all runs and layers, so
-    variances and cosines rank on the same footing. Layers are matched by index.
-    """
-    base = runs[0].layers.set_index("layer")
-    rows = []
-    for run, label in zip(runs[1:], labels[1:], strict=True):
-        other = run.layers.set_index("layer")
-        common = base.index.intersection(other.index)
-        for m in metrics:
-            if m not in base.columns or m not in other.columns:
-                continue
-            allv = np.concatenate(
-                [
-                    pd.to_numeric(r.layers[m], errors="coerce").to_numpy(dtype=np.float64)
-                    for r in runs
-                    if m in r.layers.columns
-                ]
-            )
-            allv = allv[np.isfinite(allv)]
-            span = float(allv.max() - allv.min()) if len(allv) else 0.0
-            for layer in common:
-                a, b = base.at[layer, m], other.at[layer, m]
-                if not (_finite(a) and _finite(b)):
-                    continue
-                d = float(b) - float(a)
-                if d == 0:
-                    continue
-                rows.append(
-                    {
-                        "run": label,
-                        "metric": m,
-                        "layer": int(layer),
-                        "baseline": float(a),
-                        "value": float(b),
-                        "change": d,
-                        "relative": d / abs(float(a)) if float(a) != 0 else math.nan,
-                        "score": abs(d) / span if span > 0 else 0.0,
-                    }
-                )
-    df = pd.DataFrame(
-        rows, columns=["run", "metric", "layer", "baseline", "value", "change", "relative", "score"]
-    )
-    return df.sort_values("score", ascending=False, kind="stable").head(top).reset_index(drop=True)
-
-
-def _changes_html(df: pd.DataFrame, baseline: str) -> str:
+def _changes_html(df: pd.DataFrame, baseline: str, matching_note: str) -> str:
+    """The changes table of :func:`embgeom_ray.runs.compare.changes_table`, as HTML."""
     if not len(df):
         return '<p class="note">No layer is shared by the runs, so there is nothing to compare.</p>'
     rows = []
@@ -761,7 +717,7 @@ def _changes_html(df: pd.DataFrame, baseline: str) -> str:
             f'<tr><td class="txt">{_e(r["run"])}</td>'
             f'<td class="txt" title="{_e(COLUMNS.get(r["metric"], ("", r["metric"]))[1])}">'
             f"{_e(r['metric'])}</td>"
-            f"<td>{int(r['layer'])}</td><td>{fmt_value(r['baseline'], kind)}</td>"
+            f"<td>{_layer_pair(r)}</td><td>{fmt_value(r['baseline'], kind)}</td>"
             f"<td>{fmt_value(r['value'], kind)}</td><td>{fmt_value(r['change'], 'sci')}</td>"
             f"<td>{rel}</td><td>{r['score']:.2f}</td></tr>"
         )
@@ -774,20 +730,32 @@ def _changes_html(df: pd.DataFrame, baseline: str) -> str:
         f'<div class="scroll"><table class="data"><thead>{head}</thead><tbody>{"".join(rows)}'
         f'</tbody></table></div><p class="note">Baseline: {_e(baseline)} (the first run). Changes '
         "are ranked by |Δ| over the metric's range across all runs and layers, so variances and "
-        "cosines rank on the same footing; layers are matched by index.</p>"
+        f"cosines rank on the same footing; {_e(matching_note)}.</p>"
     )
 
 
+def _layer_pair(r: pd.Series) -> str:
+    """``layer`` of the baseline, with the run's matched layer when it differs."""
+    base, other = int(r["layer"]), int(r.get("run_layer", r["layer"]))
+    return str(base) if base == other else f"{base} / {other}"
+
+
 def write_comparison_report(
-    run_dirs: Sequence[str], out_dir: str, *, labels: Sequence[str] | None = None
+    run_dirs: Sequence[str],
+    out_dir: str,
+    *,
+    changes: pd.DataFrame,
+    matching_note: str,
+    labels: Sequence[str] | None = None,
 ) -> str:
     """Write ``out_dir/report.html`` comparing runs layer by layer; returns its path.
 
     The first run is the baseline. The page holds a table of the runs (model, revision,
     corpus, tokens, status, link to each run's own report), overlaid per-layer lines of every
     metric in :data:`COMPARE_METRICS` present in any run (x = layer index, or relative depth
-    when the runs have different numbers of layers), the table of the largest changes, and
-    each run's headline table. Raises :class:`~embgeom_ray.report.plots.RunDirectoryError` for a
+    when the runs have different numbers of layers), the largest ``changes`` — the table
+    :func:`embgeom_ray.runs.compare.changes_table` computed, layers matched as
+    ``matching_note`` says — and each run's headline table. Raises :class:`~embgeom_ray.report.plots.RunDirectoryError` for a
     directory that is not a run, ``ValueError`` for fewer than two runs.
     """
     if len(run_dirs) < 2:
@@ -800,7 +768,7 @@ def write_comparison_report(
     rows = []
     for run, label in zip(runs, labels, strict=True):
         m = run.manifest
-        rev = str((m.get("model") or {}).get("revision") or "")
+        rev = str((m.model.revision if m.model else None) or "")
         report = join(run.out, REPORT)
         link = _rel(run.out, out_dir) + "/"
         name = f'<a href="{_e(link + REPORT)}">{_e(label)}</a>' if exists(report) else _e(label)
@@ -810,7 +778,7 @@ def write_comparison_report(
             f'<td class="txt mono" title="{_e(rev)}">{_e(rev[:19])}</td>'
             f'<td class="txt mono">{_e(short_name(run.corpus, 60))}</td>'
             f"<td>{len(run.layers)}</td>"
-            f"<td>{fmt_value((m.get('counts') or {}).get('tokens'), 'int')}</td>"
+            f"<td>{fmt_value(m.counts.tokens if m.counts else None, 'int')}</td>"
             f"<td>{_status_badge(run.status)}</td></tr>"
         )
     runs_table = (
@@ -820,7 +788,6 @@ def write_comparison_report(
         + "".join(rows)
         + "</tbody></table></div>"
     )
-    changes = largest_changes(runs, labels, [m for m in metrics if m != "kmeans_k"])
     per_run = "".join(
         f"<h3>{_e(label)}</h3>"
         + layers_table_html(run.layers, EXACT_COLUMNS)
@@ -867,7 +834,7 @@ def write_comparison_report(
         f"coincide mean the runs agree; exact metrics of the same model on two corpora differ "
         f"only through the text.</div>{_figure_html(fig)}</section>"
         f'<section id="sec-changes"><h2>Largest changes</h2>'
-        f"{_changes_html(changes, labels[0])}</section>"
+        f"{_changes_html(changes, labels[0], matching_note)}</section>"
         f'<section id="sec-tables"><h2>Per-run tables</h2>{per_run}</section>'
         f"<footer>Generated {_e(_when(now()))} by embgeom_ray {__version__}. Self-contained: no network "
         f"access needed.</footer>"
@@ -885,8 +852,7 @@ def _files_inline(run_out: str, out_dir: str) -> str:
     return ", ".join(links)
 
 
-
-def write_run_report(out: str, manifest: dict[str, Any], echo=print) -> None:
+def write_run_report(run: RunDir, manifest: Manifest, echo: Callable[[str], None] = print) -> None:
     """Plots and ``report.html`` for a finished run; recorded in (and rewrites) the manifest.
 
     The measurement is already complete and saved: a failure here is reported, not raised.
@@ -895,21 +861,22 @@ def write_run_report(out: str, manifest: dict[str, Any], echo=print) -> None:
 
     t0 = time.perf_counter()
     try:
-        path = write_report(out)
+        path = write_report(run.url)
     except Exception as exc:  # plotting must never lose a finished run
-        manifest["report_error"] = f"{type(exc).__name__}: {exc}"
-        echo(f"warning: the report could not be written ({manifest['report_error']})")
+        manifest.set(report_error=f"{type(exc).__name__}: {exc}")
+        echo(f"warning: the report could not be written ({manifest.report_error})")
     else:
-        manifest["outputs"]["report"] = "report.html"
+        if manifest.outputs is not None:
+            manifest.outputs.report = REPORT
+            manifest.set(outputs=manifest.outputs)
         echo(f"report: {path}")
-    manifest.setdefault("timings_s", {})["report"] = round(time.perf_counter() - t0, 3)
-    write_manifest(out, manifest)
+    manifest.set(timings_s=manifest.timings_s | {"report": round(time.perf_counter() - t0, 3)})
+    run.write_manifest(manifest)
 
 
 __all__ = [
     "REPORT",
     "RunDirectoryError",
-    "largest_changes",
     "render_report",
     "write_comparison_report",
     "write_report",

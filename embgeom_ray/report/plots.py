@@ -31,7 +31,6 @@ may be an fsspec URL as well as a local path.
 from __future__ import annotations
 
 import io
-import json
 import logging
 import math
 import os
@@ -52,8 +51,8 @@ from matplotlib.colors import Normalize, PowerNorm
 from matplotlib.figure import Figure as MplFigure
 from matplotlib.lines import Line2D
 
-from ..errors import UserError
-from ..io_utils import atomic_write_bytes, exists, join, read_bytes
+from ..io_utils import atomic_write_bytes, join
+from ..run_dir import Manifest, RunDir, RunDirError
 
 log = logging.getLogger(__name__)
 
@@ -104,8 +103,8 @@ _COLORS = {
 }
 
 
-class RunDirectoryError(UserError):
-    """The directory given is not the output directory of a finished run."""
+#: the directory given is not the output directory of a (finished) run
+RunDirectoryError = RunDirError
 
 
 @dataclass(frozen=True)
@@ -165,33 +164,22 @@ class Run:
     """
 
     def __init__(self, out_dir: str):
-        self.out = str(out_dir).rstrip("/") or "/"
-        manifest_url = join(self.out, "manifest.json")
-        if not exists(self.out):
-            raise RunDirectoryError(f"{out_dir} does not exist")
-        if not exists(manifest_url):
-            raise RunDirectoryError(
-                f"{out_dir} is not a run directory: it has no manifest.json "
-                "(give the --out directory of `python -m jobs.analyze`)"
-            )
-        try:
-            self.manifest: dict[str, Any] = json.loads(read_bytes(manifest_url))
-        except (ValueError, UnicodeDecodeError) as exc:
-            raise RunDirectoryError(f"{manifest_url} is not valid JSON: {exc}") from None
+        self.dir = RunDir(out_dir)
+        self.out = self.dir.url
+        self.manifest: Manifest = self.dir.manifest()
         if not self.has("layers"):
-            status = self.manifest.get("status", "unknown")
             raise RunDirectoryError(
-                f"{out_dir} has no layers.parquet (manifest status: {status}); "
+                f"{out_dir} has no layers.parquet (manifest status: {self.manifest.status}); "
                 "the run has not finished, so there is nothing to report yet"
             )
         self._pca: dict[int, dict[str, Any] | None] = {}
 
     # -- files
     def url(self, name: str) -> str:
-        return join(self.out, name if "." in name else f"{name}.parquet")
+        return self.dir.path(name)
 
     def has(self, name: str) -> bool:
-        return exists(self.url(name))
+        return self.dir.has(name)
 
     def columns(self, name: str) -> list[str]:
         return _schema_names(self.url(name)) if self.has(name) else []
@@ -199,21 +187,20 @@ class Run:
     # -- metadata
     @property
     def status(self) -> str:
-        return str(self.manifest.get("status", "unknown"))
+        return self.manifest.status
 
     @property
     def model(self) -> str:
-        return str((self.manifest.get("model") or {}).get("id") or self.config.get("model") or "?")
+        model = self.manifest.model
+        return str((model.id if model else None) or self.config.get("model") or "?")
 
     @property
     def corpus(self) -> str:
-        return str(
-            (self.manifest.get("corpus") or {}).get("source") or self.config.get("corpus") or "?"
-        )
+        return str(self.manifest.corpus.source or self.config.get("corpus") or "?")
 
     @property
     def config(self) -> dict[str, Any]:
-        return self.manifest.get("config") or {}
+        return self.manifest.config
 
     @property
     def min_count(self) -> int:
@@ -811,7 +798,7 @@ def _dim_scores(dims: pd.DataFrame) -> dict[str, np.ndarray]:
     """Per (layer, dim): |z| of the dim's mean among the layer's per-dim means, and var / mean var.
 
     Uses ``mean_zscore`` / ``variance_ratio`` when dims.parquet has them, else computes them
-    from ``mean`` and ``std`` (DESIGN.md's rogue-dimension rules: |z| > 3, ratio ≥ 5).
+    from ``mean`` and ``std`` (docs/design.md's rogue-dimension rules: |z| > 3, ratio ≥ 5).
     """
     g = dims.groupby("layer")
     if "mean_zscore" in dims.columns:
@@ -839,7 +826,7 @@ def _dim_scores(dims: pd.DataFrame) -> dict[str, np.ndarray]:
 def _outlier_summary(run: Run, dims: pd.DataFrame, outlier: np.ndarray) -> str:
     """ "Blue circles: …" with the rule (from the manifest) and how often each part fired."""
     n_flag = int(outlier.sum())
-    rule = run.manifest.get("outlier_rules")
+    rule = run.manifest.outlier_rules
     text = f"Blue circles: the {n_flag} (layer, dim) cells flagged as outliers"
     text += f" (a dim is flagged when {rule})" if rule else ""
     if "outlier_rule" in dims.columns and n_flag:

@@ -10,9 +10,6 @@ writes each such flush as one *checkpoint group*. Layout under ``OUT``::
     groups/<group_id>.json                 the shard ids it covers and their summed counts;
                                            written last, so its presence marks every one of
                                            those shards done
-    shards/<shard_id>.safetensors|.sample.safetensors|.json
-                                           per-shard checkpoints of the earlier format: read
-                                           on resume as groups of one shard, never written
 
 Every file is written atomically. ``group_id`` is ``<first shard id>-n<number of shards>``:
 completed groups cover disjoint shards, so their ids never collide; a group redone after a
@@ -25,7 +22,9 @@ completed groups' shard ids, and the reduce checks that the groups cover the pla
 and merges them in group-id order. A rerun of the same command finds ``run.json`` with the
 same fingerprint, reuses the saved plan and skips the done shards. A run with another
 fingerprint refuses to mix with them. ``--checkpoint-interval`` is not part of the
-fingerprint: a resume may group shards differently.
+fingerprint: a resume may group shards differently. Once the run is complete the groups are
+removed (:meth:`CheckpointStore.remove_groups`; ``--keep-checkpoints`` keeps them): the run's
+own ``statistics.safetensors`` and ``sample.safetensors`` hold the same information.
 """
 
 from __future__ import annotations
@@ -44,8 +43,8 @@ from ..inputs.corpus import ShardPlan
 from ..inputs.extractor import ShardCounts
 from ..io_utils import atomic_write_bytes, atomic_write_json, exists, join, read_bytes
 
-#: directory of checkpoint groups, and of the earlier per-shard checkpoints
-GROUPS, LEGACY_SHARDS = "groups", "shards"
+#: directory of checkpoint groups
+GROUPS = "groups"
 GROUP_FORMAT = "embgeom-checkpoint-group/1"
 STATS_SUFFIX, SAMPLE_SUFFIX, DONE_SUFFIX = ".safetensors", ".sample.safetensors", ".json"
 
@@ -57,7 +56,6 @@ class CheckpointGroup:
     group_id: str
     shard_ids: tuple[str, ...]
     counts: ShardCounts
-    directory: str = GROUPS
 
 
 def group_id_for(shard_ids: Iterable[str]) -> str:
@@ -120,7 +118,7 @@ class CheckpointStore:
             return ShardPlan.from_json(previous["plan"]), True
         if overwrite:
             self.clear()
-        elif self._names(GROUPS) or self._names(LEGACY_SHARDS):
+        elif self._names(GROUPS):
             raise OutputError(
                 f"{self.out} holds checkpoints but no run.json saying what they measured; "
                 "pass --overwrite to discard them, or choose another --out"
@@ -138,7 +136,7 @@ class CheckpointStore:
         for entry in self.fs.ls(self.root, detail=False):
             name = entry.rstrip("/").rsplit("/", 1)[-1]
             if (
-                name in {GROUPS, LEGACY_SHARDS, "run.json", "manifest.json"}
+                name in {GROUPS, "run.json", "manifest.json"}
                 or name.endswith(".safetensors")
                 or (name.endswith((".parquet", ".png", ".html")))
             ):
@@ -161,7 +159,7 @@ class CheckpointStore:
 
     # ------------------------------------------------------------------ reading
     def _read_json(self, *parts: str) -> dict[str, Any]:
-        """A JSON file of the store (``run.json``, a group's or shard's counts)."""
+        """A JSON file of the store (``run.json``, a group's counts)."""
         path = self._path(*parts)
         try:
             return json.loads(read_bytes(path))
@@ -171,7 +169,7 @@ class CheckpointStore:
             ) from None
 
     def completed_groups(self) -> list[CheckpointGroup]:
-        """Every completed group (and earlier per-shard checkpoint), in group-id order."""
+        """Every completed group, in group-id order."""
         groups = []
         for name in self._names(GROUPS):
             if name.endswith(DONE_SUFFIX) and not name.startswith("."):
@@ -183,12 +181,7 @@ class CheckpointStore:
                         ShardCounts.from_json(d["counts"]),
                     )
                 )
-        for name in self._names(LEGACY_SHARDS):
-            if name.endswith(DONE_SUFFIX) and not name.startswith("."):
-                shard_id = name[: -len(DONE_SUFFIX)]
-                counts = ShardCounts.from_json(self._read_json(LEGACY_SHARDS, name))
-                groups.append(CheckpointGroup(shard_id, (shard_id,), counts, LEGACY_SHARDS))
-        return sorted(groups, key=lambda g: (g.shard_ids[0], g.directory, g.group_id))
+        return sorted(groups, key=lambda g: (g.shard_ids[0], g.group_id))
 
     def done_shards(self) -> set[str]:
         """The shards of every completed group."""
@@ -218,13 +211,19 @@ class CheckpointStore:
     def load_group(
         self, group: CheckpointGroup, with_sample: bool
     ) -> tuple[EmbeddingStatistics, ActivationSample | None]:
-        stats = EmbeddingStatistics.load(self._path(group.directory, group.group_id + STATS_SUFFIX))
+        stats = EmbeddingStatistics.load(self._path(GROUPS, group.group_id + STATS_SUFFIX))
         sample = (
-            ActivationSample.load(self._path(group.directory, group.group_id + SAMPLE_SUFFIX))
+            ActivationSample.load(self._path(GROUPS, group.group_id + SAMPLE_SUFFIX))
             if with_sample
             else None
         )
         return stats, sample
+
+    def remove_groups(self) -> None:
+        """Remove every checkpoint group (once the run's own artefacts are written)."""
+        base = join(self.root, GROUPS)
+        if self.fs.exists(base):
+            self.fs.rm(base, recursive=True)
 
     # ------------------------------------------------------------------ writing
     def save_group(

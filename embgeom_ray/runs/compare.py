@@ -45,8 +45,8 @@ import pandas as pd
 
 from ..core.rogue import flagged_dims
 from ..errors import UserError
-from ..io_utils import atomic_write_json, exists, is_local, join, local_path, read_bytes
-from ..run_dir import MANIFEST, now, write_table
+from ..io_utils import atomic_write_json, is_local, join, local_path, read_bytes
+from ..run_dir import Manifest, RunDir, RunDirError, now, write_table
 
 SUMMARY = "comparison.json"
 LONG, WIDE, CHANGES, ROGUE = "comparison", "comparison_wide", "changes", "rogue_dims"
@@ -67,7 +67,7 @@ class RunData:
 
     path: str
     label: str
-    manifest: dict[str, Any]
+    manifest: Manifest
     layers: pd.DataFrame
     dims: pd.DataFrame | None
     num_layers: int  # transformer blocks L: layers are 0..L
@@ -95,53 +95,27 @@ def _read_parquet(url: str) -> pd.DataFrame:
 
 def load_run(path: str, label: str) -> RunData:
     """A complete run's manifest and tables; :class:`CompareError` saying what is wrong."""
-    path = str(path).rstrip("/") or "/"
-    if not exists(path):
-        raise CompareError(f"{path} does not exist")
-    manifest_url = join(path, MANIFEST)
-    if not exists(manifest_url):
-        raise CompareError(
-            f"{path} is not a run directory of jobs.analyze: it has no {MANIFEST} (give the "
-            "--out directory of a run)"
-        )
+    run = RunDir(path)
     try:
-        manifest = json.loads(read_bytes(manifest_url))
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise CompareError(f"{manifest_url} is not valid JSON: {exc}") from None
-    if not isinstance(manifest, dict):
-        raise CompareError(f"{manifest_url} is not a run manifest (not a JSON object)")
-    status = manifest.get("status")
-    if status != "complete":
-        raise CompareError(
-            f"run {path} is not complete (status {status!r}): finish it (rerun the same "
-            "jobs.analyze command to resume) before comparing"
-        )
-    layers_url = join(path, "layers.parquet")
-    if not exists(layers_url):
-        raise CompareError(f"run {path} says it is complete but has no layers.parquet")
-    try:
-        layers = _read_parquet(layers_url)
-    except Exception as exc:
-        raise CompareError(f"{layers_url} cannot be read: {type(exc).__name__}: {exc}") from None
+        manifest = run.complete_manifest("comparing")
+        if not run.has("layers"):
+            raise CompareError(f"run {run.url} says it is complete but has no layers.parquet")
+        layers = run.read_table("layers")
+        dims = run.read_table("dims") if run.has("dims") else None
+    except RunDirError as exc:
+        raise CompareError(str(exc)) from None
     if "layer" not in layers.columns or layers.empty:
-        raise CompareError(f"{layers_url} has no rows or no 'layer' column")
+        raise CompareError(f"{run.path('layers')} has no rows or no 'layer' column")
     layers = layers.sort_values("layer").reset_index(drop=True)
     layers["layer"] = layers["layer"].astype(np.int64)
-    dims = None
-    dims_url = join(path, "dims.parquet")
-    if exists(dims_url):
-        try:
-            dims = _read_parquet(dims_url)
-        except Exception as exc:
-            raise CompareError(f"{dims_url} cannot be read: {type(exc).__name__}: {exc}") from None
-    model = manifest.get("model") or {}
-    num_layers = model.get("num_layers")
+    model = manifest.model
+    num_layers = model.num_layers if model is not None else None
     if not isinstance(num_layers, int) or num_layers <= 0:
         num_layers = max(int(layers["layer"].max()), 1)
-    hidden = model.get("hidden_size")
+    hidden = model.hidden_size if model is not None else None
     if not isinstance(hidden, int) and dims is not None and "dim" in dims.columns and len(dims):
         hidden = int(dims["dim"].max()) + 1
-    return RunData(path, label, manifest, layers, dims, int(num_layers), hidden)
+    return RunData(run.url, label, manifest, layers, dims, int(num_layers), hidden)
 
 
 def default_labels(paths: Sequence[str]) -> list[str]:
@@ -421,14 +395,14 @@ def compare_runs(
             {
                 "label": r.label,
                 "path": r.path,
-                "model": (r.manifest.get("model") or {}).get("id"),
-                "revision": (r.manifest.get("model") or {}).get("revision"),
-                "corpus": (r.manifest.get("corpus") or {}).get("source"),
-                "corpus_fingerprint": (r.manifest.get("corpus") or {}).get("fingerprint"),
-                "fingerprint": r.manifest.get("fingerprint"),
+                "model": r.manifest.model.id if r.manifest.model else None,
+                "revision": r.manifest.model.revision if r.manifest.model else None,
+                "corpus": r.manifest.corpus.source,
+                "corpus_fingerprint": r.manifest.corpus.fingerprint,
+                "fingerprint": r.manifest.fingerprint,
                 "num_layers": r.num_layers,
                 "hidden_size": r.hidden_size,
-                "tokens": (r.manifest.get("counts") or {}).get("tokens"),
+                "tokens": r.manifest.counts.tokens if r.manifest.counts else None,
                 "layers": [int(x) for x in r.layers["layer"]],
             }
             for r in runs
@@ -464,7 +438,9 @@ def compare_runs(
     try:
         from ..report.html import write_comparison_report
 
-        write_comparison_report([r.path for r in runs], out, labels=labels)
+        write_comparison_report(
+            [r.path for r in runs], out, changes=largest, matching_note=note, labels=labels
+        )
     except Exception as exc:  # the tables are written; a plotting failure must not lose them
         summary["report_error"] = f"{type(exc).__name__}: {exc}"
         echo(f"warning: the report could not be written ({summary['report_error']})")

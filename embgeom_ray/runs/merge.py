@@ -25,22 +25,21 @@ from pydantic import ValidationError
 from ..config import JobConfig
 from ..core.samples import ActivationSample
 from ..core.statistics import EmbeddingStatistics
-from ..core.tables import build_tables
-from ..distributed.sampled_stage import add_sampled_metrics
 from ..errors import ModelError, OutputError, StatisticsMismatchError, UserError
+from ..inputs.extractor import ShardCounts
 from ..inputs.model_loading import load_tokenizer, tokenizer_fingerprint
-from ..io_utils import exists, is_local, join, local_path, read_bytes
-from ..report.html import write_run_report
+from ..io_utils import is_local, local_path
 from ..run_dir import (
-    MANIFEST,
     SAMPLE,
     STATISTICS,
-    format_summary,
+    CorpusInfo,
+    Manifest,
+    RunDir,
+    RunDirError,
     now,
     versions,
-    write_manifest,
-    write_table,
 )
+from .finish import counts_of, finish_run
 
 #: options that change the statistics of a run; runs merge only if they agree on all of them
 #: (model, tokenizer, layers and clip dims are checked by the statistics themselves too).
@@ -49,47 +48,23 @@ MERGE_OPTIONS = (
     "sample_seed",
 )  # fmt: skip
 
-#: manifest keys that describe one run, not what the merged runs share.
-PER_RUN_KEYS = {
-    "status", "started_at", "finished_at", "fingerprint", "config", "corpus", "counts",
-    "skipped", "shards", "workers", "timings_s", "throughput", "outputs", "versions",
-    "merged_runs", "kind",
-}  # fmt: skip
+#: manifest keys that describe what the merged runs share (taken from the first run)
+SHARED_KEYS = ("model", "tokenizer", "clip_dims", "outlier_rules")
+
+#: a run that cannot be merged (missing, incomplete, unreadable)
+RunError = RunDirError
 
 
-class RunError(UserError):
-    """A run directory that cannot be merged (missing, incomplete, unreadable)."""
-
-
-def load_manifest(run: str) -> dict[str, Any]:
+def load_manifest(run: str) -> Manifest:
     """The manifest of a complete run, or a :class:`RunError` saying what is wrong."""
-    path = join(run, MANIFEST)
-    if not exists(path):
-        raise RunError(f"{run} is not a run directory of jobs.analyze: it has no {MANIFEST}")
-    try:
-        manifest = json.loads(read_bytes(path))
-    except ValueError as exc:
-        raise RunError(f"{path} is not valid JSON: {exc}") from None
-    status = manifest.get("status")
-    if status != "complete":
-        raise RunError(
-            f"run {run} is not complete (status {status!r}): finish it (rerun the same "
-            "jobs.analyze command to resume) before merging"
-        )
-    return manifest
+    return RunDir(run).complete_manifest("merging")
 
 
-def leaf_corpora(manifest: dict[str, Any]) -> list[str]:
-    """Fingerprints of the corpora a run covers (several for a merged run)."""
-    corpus = manifest.get("corpus") or {}
-    return list(corpus.get("merged_fingerprints") or [corpus.get("fingerprint")])
-
-
-def check_mergeable(runs: list[str], manifests: list[dict[str, Any]]) -> None:
+def check_mergeable(runs: list[str], manifests: list[Manifest]) -> None:
     """Refuse runs whose options differ or whose corpora repeat, naming the runs."""
-    first, first_cfg = runs[0], manifests[0].get("config") or {}
+    first, first_cfg = runs[0], manifests[0].config
     for run, manifest in zip(runs[1:], manifests[1:], strict=True):
-        cfg = manifest.get("config") or {}
+        cfg = manifest.config
         diffs = [
             f"{key} {cfg.get(key)!r} != {first_cfg.get(key)!r}"
             for key in MERGE_OPTIONS
@@ -101,7 +76,7 @@ def check_mergeable(runs: list[str], manifests: list[dict[str, Any]]) -> None:
             )
     seen: dict[str, str] = {}
     for run, manifest in zip(runs, manifests, strict=True):
-        for fp in leaf_corpora(manifest):
+        for fp in manifest.corpus.leaves():
             if fp in seen:
                 raise StatisticsMismatchError(
                     f"{run} and {seen[fp]} cover the same corpus (fingerprint {fp}); merging "
@@ -116,13 +91,11 @@ def _corpus_label(corpus: Any) -> str:
     return str(corpus)
 
 
-def run_config(manifest: dict[str, Any], out: str, min_count: int | None) -> JobConfig:
+def run_config(manifest: Manifest, out: str, min_count: int | None) -> JobConfig:
     """The first run's options (they decide how the tables are computed), writing to ``out``."""
-    saved = manifest.get("config") or {}
-    known = {k: v for k, v in saved.items() if k in JobConfig.model_fields}
+    known = {k: v for k, v in manifest.config.items() if k in JobConfig.model_fields}
     # the corpus does not enter the tables; a merged run keeps the list of its corpora there
-    corpus = known.get("corpus")
-    known |= {"out": out, "overwrite": False, "corpus": _corpus_label(corpus)}
+    known |= {"out": out, "overwrite": False, "corpus": _corpus_label(known.get("corpus"))}
     if min_count is not None:
         known["min_count"] = min_count
     try:
@@ -131,21 +104,19 @@ def run_config(manifest: dict[str, Any], out: str, min_count: int | None) -> Job
         raise RunError(f"the options of the first run cannot be read back: {exc}") from None
 
 
-def load_statistics(run: str, manifest: dict[str, Any]) -> EmbeddingStatistics:
-    name = STATISTICS
-    path = join(run, name)
-    if not exists(path):
-        raise RunError(f"run {run} says it is complete but has no {name}")
-    return EmbeddingStatistics.load(path)
+def load_statistics(run: str) -> EmbeddingStatistics:
+    rd = RunDir(run)
+    if not rd.has(STATISTICS):
+        raise RunError(f"run {run} says it is complete but has no {STATISTICS}")
+    return EmbeddingStatistics.load(rd.path(STATISTICS))
 
 
-def merge_statistics(runs: list[str], manifests: list[dict[str, Any]]) -> EmbeddingStatistics:
+def merge_statistics(runs: list[str]) -> EmbeddingStatistics:
     """Load every run's statistics and merge them in the order given."""
-    merged = load_statistics(runs[0], manifests[0])
-    for run, manifest in zip(runs[1:], manifests[1:], strict=True):
-        stats = load_statistics(run, manifest)
+    merged = load_statistics(runs[0])
+    for run in runs[1:]:
         try:
-            merged.merge(stats)
+            merged.merge(load_statistics(run))
         except StatisticsMismatchError as exc:
             raise StatisticsMismatchError(f"cannot merge {run} into {runs[0]}: {exc}") from None
     return merged
@@ -153,8 +124,8 @@ def merge_statistics(runs: list[str], manifests: list[dict[str, Any]]) -> Embedd
 
 def merge_samples(runs: list[str]) -> ActivationSample | None:
     """Every run's ``sample.safetensors`` merged (bottom-k: the sample of the union), or None."""
-    paths = [join(run, SAMPLE) for run in runs]
-    present = [exists(p) for p in paths]
+    dirs = [RunDir(run) for run in runs]
+    present = [rd.has(SAMPLE) for rd in dirs]
     if not any(present):
         return None
     if not all(present):
@@ -163,29 +134,30 @@ def merge_samples(runs: list[str]) -> ActivationSample | None:
             f"runs {missing} have no {SAMPLE} while the others do; they were run "
             "with different sampling options"
         )
-    merged = ActivationSample.load(paths[0])
-    for run, path in zip(runs[1:], paths[1:], strict=True):
+    merged = ActivationSample.load(dirs[0].path(SAMPLE))
+    for run, rd in zip(runs[1:], dirs[1:], strict=True):
         try:
-            merged.merge(ActivationSample.load(path))
+            merged.merge(ActivationSample.load(rd.path(SAMPLE)))
         except StatisticsMismatchError as exc:
             raise StatisticsMismatchError(f"cannot merge the sample of {run}: {exc}") from None
     return merged
 
 
-def load_run_tokenizer(manifest: dict[str, Any], tokenizer: str | None) -> Any:
+def load_run_tokenizer(manifest: Manifest, tokenizer: str | None) -> Any:
     """The tokenizer that names the token ids: the first run's model (or ``tokenizer``).
 
     A hub model is loaded at the commit the run resolved; a local directory as it is now. Its
     fingerprint must equal the runs' tokenizer fingerprint, or the token names would be wrong.
     """
-    model = manifest["model"]
-    config = manifest.get("config") or {}
-    source = tokenizer or model["id"]
+    if manifest.model is None:
+        raise RunError("the first run's manifest names no model")
+    source = tokenizer or manifest.model.id
     revision = None
     if tokenizer is None and not os.path.isdir(source):
-        revision = model.get("revision") or config.get("revision")
-    tok = load_tokenizer(source, revision, bool(config.get("trust_remote_code", False)))
-    expected = (manifest.get("tokenizer") or {}).get("fingerprint")
+        revision = manifest.model.revision or manifest.config.get("revision")
+    trust = bool(manifest.config.get("trust_remote_code", False))
+    tok = load_tokenizer(source, revision, trust)
+    expected = manifest.tokenizer.fingerprint if manifest.tokenizer else None
     if expected and tokenizer_fingerprint(tok) != expected:
         raise ModelError(
             f"the tokenizer at {source!r} is not the one the runs used (fingerprint "
@@ -194,30 +166,82 @@ def load_run_tokenizer(manifest: dict[str, Any], tokenizer: str | None) -> Any:
     return tok
 
 
-def _sum_counts(manifests: list[dict[str, Any]], merged: EmbeddingStatistics) -> dict[str, Any]:
-    """Every integer count of the runs' manifests, summed; non-finite tokens from the merge."""
-    counts: dict[str, Any] = {}
+def summed_counts(manifests: list[Manifest]) -> ShardCounts:
+    """The runs' counts added up (as the shards' counts of one run over their union)."""
+    total = ShardCounts()
     for m in manifests:
-        for key, value in (m.get("counts") or {}).items():
-            if isinstance(value, int) and not isinstance(value, bool):
-                counts[key] = counts.get(key, 0) + value
-    counts["nonfinite_tokens_per_layer"] = {
-        str(layer): merged.layer(layer).nonfinite for layer in merged.layers
-    }
-    return counts
-
-
-def _sum_skipped(manifests: list[dict[str, Any]]) -> dict[str, int]:
-    out: dict[str, int] = {}
-    for m in manifests:
-        for reason, n in (m.get("skipped") or {}).items():
-            out[reason] = out.get(reason, 0) + int(n)
-    return out
+        c = m.counts
+        if c is None:
+            continue
+        total.add(
+            ShardCounts(
+                documents=c.documents, windows=c.windows, tokens=c.tokens,
+                padded_tokens=c.padded_tokens, positions=c.positions,
+                special_tokens=c.special_tokens, unk_tokens=c.unk_tokens, batches=c.batches,
+                oom_splits=c.oom_batch_splits, skipped=dict(m.skipped),
+            )
+        )  # fmt: skip
+    return total
 
 
 def _location(url: str) -> str:
     """A comparable form of a run location (absolute real path for local directories)."""
     return os.path.realpath(local_path(url)) if is_local(url) else url.rstrip("/")
+
+
+def check_arguments(runs: list[str], out: str, min_count: int | None, overwrite: bool) -> None:
+    """Refuse what cannot be merged before reading anything large."""
+    if len(runs) < 2:
+        raise RunError("give at least two runs to merge")
+    if min_count is not None and min_count < 2:
+        raise UserError(f"--min-count must be at least 2 (got {min_count})")
+    keys = [_location(r) for r in runs]
+    if len(set(keys)) != len(keys):
+        raise RunError("the same run is given twice; merging it would count its tokens twice")
+    if _location(out) in keys:
+        raise OutputError(f"--out {out} is one of the runs to merge; write the merge elsewhere")
+    if RunDir(out).has_manifest() and not overwrite:
+        raise OutputError(f"{out} already holds a run (manifest.json); give --overwrite to replace it")
+
+
+def merged_manifest(
+    runs: list[str], manifests: list[Manifest], config: JobConfig, started_at: str
+) -> Manifest:
+    """What the runs share (from the first run) and the merge's own corpus and runs."""
+    first = manifests[0]
+    leaves = [fp for m in manifests for fp in m.corpus.leaves()]
+    sources = [m.corpus.source for m in manifests]
+    manifest = Manifest(
+        status="running",
+        kind="merge",
+        started_at=started_at,
+        fingerprint=hashlib.sha256(
+            json.dumps(sorted(m.fingerprint or "" for m in manifests)).encode()
+        ).hexdigest(),
+        config=config.model_dump() | {"corpus": sources},
+        corpus=CorpusInfo(
+            source=sources,
+            fingerprint=hashlib.sha256(json.dumps(sorted(leaves)).encode()).hexdigest(),
+            merged_fingerprints=sorted(leaves),
+            files=sum(m.corpus.files for m in manifests),
+            bytes=sum(m.corpus.bytes for m in manifests),
+            shards=sum(m.corpus.shards for m in manifests),
+        ),
+        layers=first.layers,
+        versions=versions(),
+        merged_runs=[
+            {
+                "path": run,
+                "fingerprint": m.fingerprint,
+                "corpus": m.corpus.source,
+                "corpus_fingerprint": m.corpus.fingerprint,
+                "tokens": m.counts.tokens if m.counts else None,
+                "finished_at": m.finished_at,
+            }
+            for run, m in zip(runs, manifests, strict=True)
+        ],
+    )
+    return manifest.set(**{k: getattr(first, k) for k in SHARED_KEYS if k in first.model_fields_set})
 
 
 def merge_runs(
@@ -232,99 +256,27 @@ def merge_runs(
     """Merge complete ``runs`` into ``out``; returns the manifest written there."""
     t0 = time.perf_counter()
     started_at = now()
-    runs = [r.rstrip("/") for r in runs]
-    out = out.rstrip("/")
-    if len(runs) < 2:
-        raise RunError("give at least two runs to merge")
-    if min_count is not None and min_count < 2:
-        raise UserError(f"--min-count must be at least 2 (got {min_count})")
-    keys = [_location(r) for r in runs]
-    if len(set(keys)) != len(keys):
-        raise RunError("the same run is given twice; merging it would count its tokens twice")
-    if _location(out) in keys:
-        raise OutputError(f"--out {out} is one of the runs to merge; write the merge elsewhere")
-    if exists(join(out, MANIFEST)) and not overwrite:
-        raise OutputError(f"{out} already holds a run ({MANIFEST}); give --overwrite to replace it")
-
+    runs, out = [r.rstrip("/") for r in runs], out.rstrip("/")
+    check_arguments(runs, out, min_count, overwrite)
     manifests = [load_manifest(run) for run in runs]
     check_mergeable(runs, manifests)
-    first = manifests[0]
-    config = run_config(first, out, min_count)
-    tok = load_run_tokenizer(first, tokenizer)
+    config = run_config(manifests[0], out, min_count)
+    tok = load_run_tokenizer(manifests[0], tokenizer)
     t_load = time.perf_counter()
-    merged = merge_statistics(runs, manifests)
+    merged = merge_statistics(runs)
     sample = merge_samples(runs)
     t_merge = time.perf_counter()
 
-    leaves = [fp for m in manifests for fp in leaf_corpora(m)]
-    fingerprint = hashlib.sha256(
-        json.dumps(sorted(m.get("fingerprint") or "" for m in manifests)).encode()
-    ).hexdigest()
-    sources = [(m.get("corpus") or {}).get("source") for m in manifests]
-    # what the runs share (model, tokenizer, layers, clip dims, outlier rules, …) comes from the
-    # first run; what belongs to one run is replaced by the merge's own.
-    manifest: dict[str, Any] = {
-        "status": "running",
-        "kind": "merge",
-        "started_at": started_at,
-        "fingerprint": fingerprint,
-    }
-    manifest.update({k: v for k, v in first.items() if k not in PER_RUN_KEYS})
-    manifest.update(
-        {
-            "config": config.model_dump() | {"corpus": sources},
-            "corpus": {
-                "source": sources,
-                "fingerprint": hashlib.sha256(json.dumps(sorted(leaves)).encode()).hexdigest(),
-                "merged_fingerprints": sorted(leaves),
-                "files": sum(int((m.get("corpus") or {}).get("files") or 0) for m in manifests),
-                "bytes": sum(int((m.get("corpus") or {}).get("bytes") or 0) for m in manifests),
-                "shards": sum(int((m.get("corpus") or {}).get("shards") or 0) for m in manifests),
-            },
-            "layers": merged.layers,
-            "versions": versions(),
-            "merged_runs": [
-                {
-                    "path": run,
-                    "fingerprint": m.get("fingerprint"),
-                    "corpus": (m.get("corpus") or {}).get("source"),
-                    "corpus_fingerprint": (m.get("corpus") or {}).get("fingerprint"),
-                    "tokens": (m.get("counts") or {}).get("tokens"),
-                    "finished_at": m.get("finished_at"),
-                }
-                for run, m in zip(runs, manifests, strict=True)
-            ],
-        }
+    run = RunDir(out)
+    manifest = merged_manifest(runs, manifests, config, started_at)
+    run.write_manifest(manifest)
+    totals = summed_counts(manifests)
+    manifest.set(
+        layers=merged.layers,
+        counts=counts_of(totals, merged),
+        skipped=totals.skipped,
+        timings_s={"load": round(t_load - t0, 3), "merge": round(t_merge - t_load, 3)},
     )
-    write_manifest(out, manifest)
-
-    tables = build_tables(merged, tok, config)
-    sampled_note = None if sample is None else add_sampled_metrics(tables, sample, tok, config)
-    merged.save(join(out, STATISTICS))
-    artefacts = [STATISTICS]
-    if sample is not None:
-        sample.save(join(out, SAMPLE))
-        artefacts.append(SAMPLE)
-    written = [write_table(out, name, df) for name, df in tables.items()]
-    t_write = time.perf_counter()
-    manifest.update(
-        {
-            "status": "complete",
-            "finished_at": now(),
-            "counts": _sum_counts(manifests, merged),
-            "skipped": _sum_skipped(manifests),
-            "timings_s": {
-                "load": round(t_load - t0, 3),
-                "merge": round(t_merge - t_load, 3),
-                "write": round(t_write - t_merge, 3),
-                "total": round(time.perf_counter() - t0, 3),
-            },
-            "sample": sampled_note,
-            "outputs": {"artefacts": artefacts, "tables": written, "manifest": MANIFEST},
-        }
-    )
-    write_manifest(out, manifest)
-    echo(format_summary(tables["layers"]))
-    echo(f"merged {len(runs)} runs into {out}: {', '.join([*written, *artefacts, MANIFEST])}")
-    write_run_report(out, manifest, echo)
-    return manifest
+    finish_run(run, manifest, merged, sample, tok, config, t_start=t0, echo=echo)
+    echo(f"merged {len(runs)} runs into {out}")
+    return manifest.to_json()

@@ -12,8 +12,12 @@ a run trustworthy:
    ``--checkpoint-interval`` seconds, and when the queue is drained) as one group of shards;
 4. the reduce checks that the checkpoint groups cover every shard exactly once and merges
    them in group-id order (deterministic for a given grouping);
-5. the statistics artefact and the tables are written atomically, and only then the manifest
-   says ``complete``.
+5. the tables, the sampled metrics, the statistics artefact and the sample are written
+   atomically, and only then the manifest says ``complete`` (:mod:`.finish`, shared with
+   the merge of runs); the checkpoint groups are then removed unless ``--keep-checkpoints``.
+   Rerunning the command on a complete run does nothing.
+
+The run directory's files and manifest are :class:`~embgeom_ray.run_dir.RunDir`'s.
 """
 
 from __future__ import annotations
@@ -22,37 +26,41 @@ import hashlib
 import json
 import sys
 import time
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import pandas as pd
 from tqdm.auto import tqdm
 
 from ..config import JobConfig
-from ..core.rogue import (
-    OutlierRules,
-    flagged_dims,
-)
+from ..core.rogue import OutlierRules, flagged_dims
 from ..core.samples import ActivationSample
 from ..core.statistics import EmbeddingStatistics
-from ..core.tables import build_tables
-from ..distributed.sampled_stage import add_sampled_metrics
 from ..errors import ConfigError, CorpusError
-from ..inputs.corpus import CorpusSpec, Shard, plan_shards
-from ..inputs.extractor import ShardCounts
-from ..inputs.model_loading import load_config, max_window_length, resolve_identity, resolve_layers
+from ..inputs.corpus import CorpusSpec, Shard, ShardPlan, plan_shards
+from ..inputs.extractor import ShardCounts, unk_warning
+from ..inputs.model_loading import (
+    ModelIdentity,
+    load_config,
+    max_window_length,
+    resolve_identity,
+    resolve_layers,
+)
 from ..io_utils import join
-from ..report.html import write_run_report
 from ..run_dir import (
-    MANIFEST,
-    SAMPLE,
+    GROUPS,
     STATISTICS,
-    format_summary,
+    CorpusInfo,
+    Manifest,
+    ModelInfo,
+    RunDir,
+    ShardsInfo,
+    TokenizerInfo,
     now,
     versions,
-    write_manifest,
-    write_table,
 )
 from .checkpoints import CheckpointGroup, CheckpointStore
+from .finish import counts_of, finish_run
 
 if TYPE_CHECKING:  # ray is imported only when there is extraction to do
     from ..distributed.actor_pool import GroupResult, PoolPlan
@@ -166,10 +174,45 @@ def reduce_groups(
     return merged, sample, totals
 
 
-def analyze(config: JobConfig, *, echo=print) -> dict[str, Any]:
-    """Run the whole analysis for ``config``; returns the manifest written to ``config.out``."""
-    t_start = time.perf_counter()
-    started_at = now()
+@dataclass
+class RunSpec:
+    """Everything decided before any work: what is measured, over what, and its fingerprint."""
+
+    config: JobConfig
+    identity: ModelIdentity
+    tokenizer: Any
+    layers: list[int]
+    clip_dims: list[int] | None
+    plan: ShardPlan
+    identity_json: dict[str, Any]
+    fingerprint: str
+
+    @property
+    def metadata(self) -> dict[str, str]:
+        """What every statistics object of the run carries (checked before any merge)."""
+        return {
+            "model_fingerprint": self.identity.model_fingerprint,
+            "tokenizer_fingerprint": self.identity.tokenizer_fingerprint,
+            "keep_special": str(self.config.keep_special),
+            "model": self.identity.model,
+            "revision": str(self.identity.revision),
+        }
+
+    def empty_statistics(self) -> EmbeddingStatistics:
+        """The statistics the reduce starts from (the run's precision and identity)."""
+        return EmbeddingStatistics(
+            self.layers,
+            self.identity.hidden_size,
+            max_positions=self.config.max_length,
+            metadata=self.metadata,
+            clip_dims=self.clip_dims,
+            comoment_precision=self.config.comoment_precision,
+        )
+
+
+def prepare(config: JobConfig) -> RunSpec:
+    """Check everything a user can get wrong (model, tokenizer, max_length, layers, clip dims,
+    corpus) before any work, and plan the shards."""
     identity, tokenizer = resolve_identity(config.model, config.revision, config.trust_remote_code)
     limit = max_window_length(
         load_config(config.model, config.revision, config.trust_remote_code), tokenizer
@@ -180,10 +223,7 @@ def analyze(config: JobConfig, *, echo=print) -> dict[str, Any]:
         )
     layers = resolve_layers(config.layers, identity.num_layers)
     clip_dims = resolve_clip_dims(config, identity.hidden_size)
-    spec = CorpusSpec(config.corpus, config.text_column, config.split)
-    plan = plan_shards(spec, config.shard_bytes)
-    t_plan = time.perf_counter()
-
+    plan = plan_shards(CorpusSpec(config.corpus, config.text_column, config.split), config.shard_bytes)
     identity_json = identity.to_json() | {
         "corpus": config.corpus,
         "corpus_fingerprint": plan.fingerprint,
@@ -192,140 +232,125 @@ def analyze(config: JobConfig, *, echo=print) -> dict[str, Any]:
         "clip_dims": clip_dims,
     }
     fingerprint = run_fingerprint(identity_json, plan.fingerprint, config, layers)
-    store = CheckpointStore(config.out)
-    plan, resumed = store.start(fingerprint, identity_json, plan, config.overwrite)
-    manifest: dict[str, Any] = {
-        "status": "running",
-        "started_at": started_at,
-        "fingerprint": fingerprint,
-        "config": config.model_dump(),
-        "model": {
-            "id": identity.model,
-            "revision": identity.revision,
-            "model_fingerprint": identity.model_fingerprint,
-            "model_type": identity.model_type,
-            "num_layers": identity.num_layers,
-            "hidden_size": identity.hidden_size,
-        },
-        "tokenizer": {
-            "class": type(tokenizer).__name__,
-            "fingerprint": identity.tokenizer_fingerprint,
-            "special_ids": sorted(tokenizer.all_special_ids),
-            "special_tokens_counted": config.keep_special,
-        },
-        "corpus": {
-            "source": config.corpus,
-            "fingerprint": plan.fingerprint,
-            "files": len(plan.files),
-            "bytes": plan.total_bytes,
-            "shards": len(plan.shards),
-        },
-        "layers": layers,
-        "clip_dims": clip_dims,
-        "outlier_rules": OutlierRules(
+    return RunSpec(config, identity, tokenizer, layers, clip_dims, plan, identity_json, fingerprint)
+
+
+def start_manifest(spec: RunSpec, started_at: str) -> Manifest:
+    """The manifest of a run that has started (status ``running``)."""
+    config, identity = spec.config, spec.identity
+    return Manifest(
+        status="running",
+        started_at=started_at,
+        fingerprint=spec.fingerprint,
+        config=config.model_dump(),
+        model=ModelInfo(
+            id=identity.model,
+            revision=identity.revision,
+            model_fingerprint=identity.model_fingerprint,
+            model_type=identity.model_type,
+            num_layers=identity.num_layers,
+            hidden_size=identity.hidden_size,
+        ),
+        tokenizer=TokenizerInfo(
+            class_=type(spec.tokenizer).__name__,
+            fingerprint=identity.tokenizer_fingerprint,
+            special_ids=sorted(spec.tokenizer.all_special_ids),
+            special_tokens_counted=config.keep_special,
+        ),
+        corpus=CorpusInfo(
+            source=config.corpus,
+            fingerprint=spec.plan.fingerprint,
+            files=len(spec.plan.files),
+            bytes=spec.plan.total_bytes,
+            shards=len(spec.plan.shards),
+        ),
+        layers=spec.layers,
+        clip_dims=spec.clip_dims,
+        outlier_rules=OutlierRules(
             config.outlier_mean_z, config.outlier_variance_ratio, config.outlier_tail_share
         ).describe(),
-        "versions": versions(),
-    }
-    write_manifest(config.out, manifest)
+        versions=versions(),
+    )
+
+
+def already_complete(run: RunDir, fingerprint: str) -> Manifest | None:
+    """The manifest of a complete run of this fingerprint whose checkpoints were removed."""
+    if run.has(GROUPS) or not run.has(STATISTICS) or not run.has_manifest():
+        return None
+    manifest = run.manifest()
+    return manifest if manifest.complete and manifest.fingerprint == fingerprint else None
+
+
+def analyze(config: JobConfig, *, echo=print) -> dict[str, Any]:
+    """Run the whole analysis for ``config``; returns the manifest written to ``config.out``."""
+    t_start = time.perf_counter()
+    started_at = now()
+    spec = prepare(config)
+    t_plan = time.perf_counter()
+    run, store = RunDir(config.out), CheckpointStore(config.out)
+    plan, resumed = store.start(spec.fingerprint, spec.identity_json, spec.plan, config.overwrite)
+    done_before = already_complete(run, spec.fingerprint) if resumed else None
+    if done_before is not None:
+        echo(f"{config.out} already holds this complete run; nothing to do (--overwrite redoes it)")
+        return done_before.to_json()
+    manifest = start_manifest(spec, started_at)
+    run.write_manifest(manifest)
 
     done = store.done_shards() & {s.shard_id for s in plan.shards}
     todo = [s for s in plan.shards if s.shard_id not in done]
     if resumed:
         echo(f"resuming {config.out}: {len(done)} of {len(plan.shards)} shards already done")
-    metadata = {
-        "model_fingerprint": identity.model_fingerprint,
-        "tokenizer_fingerprint": identity.tokenizer_fingerprint,
-        "keep_special": str(config.keep_special),
-        "model": identity.model,
-        "revision": str(identity.revision),
-    }
-
     t_extract0 = time.perf_counter()
-    pool = None
-    if todo:
-        pool = _extract(config, layers, metadata, todo, clip_dims, store)
+    pool = _extract(config, spec.layers, spec.metadata, todo, spec.clip_dims, store) if todo else None
     t_extract1 = time.perf_counter()
 
     groups = store.groups_covering(s.shard_id for s in plan.shards)
-    empty = EmbeddingStatistics(
-        layers,
-        identity.hidden_size,
-        max_positions=config.max_length,
-        metadata=metadata,
-        clip_dims=clip_dims,
-        comoment_precision=config.comoment_precision,
+    merged, sample, totals = reduce_groups(
+        store, groups, spec.empty_statistics(), config.sample_size > 0
     )
-    merged, sample, totals = reduce_groups(store, groups, empty, config.sample_size > 0)
     t_reduce = time.perf_counter()
+    check_not_empty(merged, totals, config.corpus)
+    warning = unk_warning(totals, spec.tokenizer.unk_token)
+    if warning:
+        echo(warning)
+    manifest.set(
+        counts=counts_of(totals, merged),
+        skipped=totals.skipped,
+        shards=ShardsInfo(
+            total=len(plan.shards),
+            reused_from_checkpoints=len(done),
+            computed=len(todo),
+            checkpoint_groups=len(groups),
+        ),
+        workers=None if pool is None else pool.__dict__,
+        timings_s={
+            "plan": round(t_plan - t_start, 3),
+            "extract_wall": round(t_extract1 - t_extract0, 3),
+            "extract_forward_sum": round(totals.forward_seconds, 3),
+            "extract_fold_sum": round(totals.fold_seconds, 3),
+            "reduce": round(t_reduce - t_extract1, 3),
+        },
+        throughput={"tokens_per_s_extract_wall": throughput(totals, resumed, t_extract1 - t_extract0)},
+    )
+    finish_run(run, manifest, merged, sample, spec.tokenizer, config, t_start=t_start, echo=echo)
+    if not config.keep_checkpoints:
+        store.remove_groups()
+    return manifest.to_json()
+
+
+def throughput(totals: ShardCounts, resumed: bool, extract_s: float) -> float | None:
+    """Tokens per second of the extraction stage's wall time (None for a resumed run, whose
+    tokens were partly counted before)."""
+    if resumed or not totals.tokens or extract_s <= 0:
+        return None
+    return round(totals.tokens / extract_s, 1)
+
+
+def check_not_empty(merged: EmbeddingStatistics, totals: ShardCounts, corpus: str) -> None:
+    """A :class:`CorpusError` when no token was counted, with what was read and skipped."""
     if merged.token_count() == 0:
         skipped = ", ".join(f"{v} {k}" for k, v in sorted(totals.skipped.items())) or "none"
         raise CorpusError(
-            f"the corpus {config.corpus} produced no tokens to measure "
+            f"the corpus {corpus} produced no tokens to measure "
             f"({totals.documents} documents read; skipped: {skipped})"
         )
-
-    tables = build_tables(merged, tokenizer, config)
-    sampled_note = None
-    if sample is not None:
-        sampled_note = add_sampled_metrics(tables, sample, tokenizer, config)
-    t_tables = time.perf_counter()
-    merged.save(join(config.out, STATISTICS))
-    artefacts = [STATISTICS]
-    if sample is not None:
-        sample.save(join(config.out, SAMPLE))
-        artefacts.append(SAMPLE)
-    written = [write_table(config.out, name, df) for name, df in tables.items()]
-    t_write = time.perf_counter()
-
-    extract_s = t_extract1 - t_extract0
-    computed_tokens = totals.tokens if not resumed else None
-    manifest.update(
-        {
-            "status": "complete",
-            "finished_at": now(),
-            "counts": {
-                "documents": totals.documents,
-                "windows": totals.windows,
-                "tokens": totals.tokens,
-                "padded_tokens": totals.padded_tokens,
-                "batches": totals.batches,
-                "oom_batch_splits": totals.oom_splits,
-                "nonfinite_tokens_per_layer": {
-                    str(layer): merged.layer(layer).nonfinite for layer in layers
-                },
-            },
-            "skipped": totals.skipped,
-            "shards": {
-                "total": len(plan.shards),
-                "reused_from_checkpoints": len(done),
-                "computed": len(todo),
-                "checkpoint_groups": len(groups),
-            },
-            "workers": None if pool is None else pool.__dict__,
-            "timings_s": {
-                "plan": round(t_plan - t_start, 3),
-                "extract_wall": round(extract_s, 3),
-                "extract_forward_sum": round(totals.forward_seconds, 3),
-                "extract_fold_sum": round(totals.fold_seconds, 3),
-                "reduce": round(t_reduce - t_extract1, 3),
-                "metrics": round(t_tables - t_reduce, 3),
-                "write": round(t_write - t_tables, 3),
-                "total": round(time.perf_counter() - t_start, 3),
-            },
-            "throughput": {
-                "tokens_per_s_extract_wall": (
-                    round(computed_tokens / extract_s, 1)
-                    if computed_tokens and extract_s > 0
-                    else None
-                ),
-            },
-            "sample": sampled_note,
-            "outputs": {"artefacts": artefacts, "tables": written, "manifest": MANIFEST},
-        }
-    )
-    write_manifest(config.out, manifest)
-    echo(format_summary(tables["layers"]))
-    echo(f"outputs in {config.out}: {', '.join([*written, *artefacts, MANIFEST])}")
-    write_run_report(config.out, manifest, echo)
-    return manifest

@@ -62,7 +62,7 @@ from ..errors import ConfigError, ModelError, OutputError, UserError
 from ..inputs.corpus import CorpusSpec, plan_shards
 from ..inputs.model_loading import resolve_identity
 from ..io_utils import exists, is_local, join, local_path, read_bytes
-from ..run_dir import MANIFEST, now, write_table
+from ..run_dir import Manifest, RunDir, RunDirError, now, write_table
 
 #: the index of runs in the store
 INDEX = "runs.parquet"
@@ -248,20 +248,16 @@ def run_key(
     return _sha256(json.dumps(payload, sort_keys=True))
 
 
-def manifest_key(manifest: dict[str, Any]) -> str | None:
+def manifest_key(manifest: Manifest) -> str | None:
     """The run key of a run from its own ``manifest.json`` (None if it lacks a part)."""
-    try:
-        model_fp = manifest["model"]["model_fingerprint"]
-        tok_fp = manifest["tokenizer"]["fingerprint"]
-        corpus_fp = manifest["corpus"]["fingerprint"]
-        config = manifest["config"]
-    except (KeyError, TypeError):
-        return None
+    model_fp = manifest.model.model_fingerprint if manifest.model else None
+    tok_fp = manifest.tokenizer.fingerprint if manifest.tokenizer else None
+    corpus_fp = manifest.corpus.fingerprint
     if not all(isinstance(x, str) for x in (model_fp, tok_fp, corpus_fp)):
         return None
-    if not isinstance(config, dict) or not set(RESULT_OPTIONS) <= set(config):
+    if not set(RESULT_OPTIONS) <= set(manifest.config):
         return None
-    return run_key(model_fp, tok_fp, corpus_fp, config)
+    return run_key(model_fp, tok_fp, corpus_fp, manifest.config)
 
 
 def _sha256(text: str) -> str:
@@ -401,32 +397,30 @@ def plan_entry(
 # the store: run directories and the index
 
 
-def read_manifest(out: str) -> dict[str, Any] | None:
+def read_manifest(out: str) -> Manifest | None:
     """A run directory's manifest, or None if it has none (or an unreadable one)."""
-    path = join(out, MANIFEST)
-    if not exists(path):
+    run = RunDir(out)
+    if not run.has_manifest():
         return None
     try:
-        manifest = json.loads(read_bytes(path))
-    except (ValueError, UnicodeDecodeError):
+        return run.manifest()
+    except RunDirError:
         return None
-    return manifest if isinstance(manifest, dict) else None
 
 
-def complete_manifest(out: str, key: str) -> dict[str, Any] | None:
+def complete_manifest(out: str, key: str) -> Manifest | None:
     """The manifest of ``out`` if it is a complete run with run key ``key``, else None."""
     manifest = read_manifest(out)
-    if manifest is None or manifest.get("status") != "complete":
+    if manifest is None or not manifest.complete:
         return None
-    if manifest_key(manifest) != key or not exists(join(out, "layers.parquet")):
+    if manifest_key(manifest) != key or not RunDir(out).has("layers"):
         return None
     return manifest
 
 
-def headline_metrics(out: str, manifest: dict[str, Any] | None = None) -> dict[str, Any]:
+def headline_metrics(out: str, manifest: Manifest | None = None) -> dict[str, Any]:
     """Index columns from a complete run: layers, tokens, last-layer metrics, mean within_ratio."""
-    layers = pd.read_parquet(io.BytesIO(read_bytes(join(out, "layers.parquet"))))
-    layers = layers.sort_values("layer")
+    layers = RunDir(out).read_table("layers").sort_values("layer")
     last = layers.iloc[-1] if len(layers) else {}
 
     def col(name: str, row: Any = last) -> float:
@@ -435,7 +429,7 @@ def headline_metrics(out: str, manifest: dict[str, Any] | None = None) -> dict[s
         except (KeyError, TypeError, ValueError):
             return float("nan")
 
-    tokens = ((manifest or {}).get("counts") or {}).get("tokens")
+    tokens = manifest.counts.tokens if manifest and manifest.counts else None
     if tokens is None and "n_tokens" in layers.columns and len(layers):
         tokens = int(last["n_tokens"])
     within = (
@@ -453,16 +447,15 @@ def headline_metrics(out: str, manifest: dict[str, Any] | None = None) -> dict[s
     }
 
 
-def complete_row(run: PlannedRun, manifest: dict[str, Any], **values: Any) -> dict[str, Any]:
+def complete_row(run: PlannedRun, manifest: Manifest, **values: Any) -> dict[str, Any]:
     """The index row of a complete run, with its times and headline metrics."""
-    timings = manifest.get("timings_s") or {}
     return run.index_row(
         status="complete",
         error=None,
-        started_at=manifest.get("started_at"),
-        finished_at=manifest.get("finished_at"),
-        duration_s=timings.get("total"),
-        run_fingerprint=manifest.get("fingerprint"),
+        started_at=manifest.started_at,
+        finished_at=manifest.finished_at,
+        duration_s=manifest.timings_s.get("total"),
+        run_fingerprint=manifest.fingerprint,
         **values,
     ) | headline_metrics(run.out, manifest)
 
@@ -740,14 +733,14 @@ class Reanalyzer:
             )
         )
         try:
-            manifest = analyze(run.config, echo=self.echo)
+            manifest = Manifest.model_validate(analyze(run.config, echo=self.echo))
         except UserError as exc:
             error = str(exc)
         except Exception as exc:
             error = f"{type(exc).__name__}: {exc}"
             self.warn(traceback.format_exc())
         else:
-            if manifest.get("status") == "complete" and manifest_key(manifest) == run.key:
+            if manifest.complete and manifest_key(manifest) == run.key:
                 self.index.upsert(complete_row(run, manifest, attempts=attempts))
                 return Outcome(run.entry, "analysed", key=run.key, out=run.out)
             error = (

@@ -1,0 +1,80 @@
+"""The finishing steps every run shares, an analysis or a merge of runs.
+
+From the corpus statistics and sample to a complete run directory: the exact tables
+(:func:`~embgeom_ray.core.tables.build_tables`), the sampled metrics on Ray
+(:func:`~embgeom_ray.distributed.sampled_stage.add_sampled_metrics`), the artefacts and tables
+written atomically, the manifest marked ``complete`` (:meth:`RunDir.finalise`), the summary
+printed, and the report drawn (a report failure is recorded, never loses the run).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+from ..config import JobConfig
+from ..core.samples import ActivationSample
+from ..core.statistics import EmbeddingStatistics
+from ..core.tables import build_tables
+from ..distributed.sampled_stage import add_sampled_metrics
+from ..inputs.extractor import ShardCounts
+from ..report.html import write_run_report
+from ..run_dir import MANIFEST, Counts, Manifest, RunDir, format_summary
+
+
+def counts_of(totals: ShardCounts, merged: EmbeddingStatistics) -> Counts:
+    """The manifest's ``counts``: the shards' summed counts, non-finite tokens per layer."""
+    return Counts(
+        documents=totals.documents,
+        windows=totals.windows,
+        tokens=totals.tokens,
+        padded_tokens=totals.padded_tokens,
+        positions=totals.positions,
+        special_tokens=totals.special_tokens,
+        unk_tokens=totals.unk_tokens,
+        batches=totals.batches,
+        oom_batch_splits=totals.oom_splits,
+        padding_ratio=None if totals.padding_ratio is None else round(totals.padding_ratio, 6),
+        unk_share=None if totals.unk_share is None else round(totals.unk_share, 6),
+        nonfinite_tokens_per_layer={
+            str(layer): merged.layer(layer).nonfinite for layer in merged.layers
+        },
+    )
+
+
+def finish_run(
+    run: RunDir,
+    manifest: Manifest,
+    merged: EmbeddingStatistics,
+    sample: ActivationSample | None,
+    tokenizer: Any,
+    config: JobConfig,
+    *,
+    t_start: float,
+    echo: Callable[[str], None] = print,
+) -> Manifest:
+    """Tables, sampled metrics, artefacts, the complete manifest, the summary and the report.
+
+    ``manifest`` holds what the caller knows (identity, counts, its own timings); this adds
+    ``timings_s.metrics``/``write``/``total``, ``sample`` and ``outputs`` and writes it as
+    ``complete`` only after every table and artefact is in place.
+    """
+    t0 = time.perf_counter()
+    tables = build_tables(merged, tokenizer, config)
+    note = None if sample is None else add_sampled_metrics(tables, sample, tokenizer, config)
+    t1 = time.perf_counter()
+    manifest.set(sample=note, timings_s=manifest.timings_s | {"metrics": round(t1 - t0, 3)})
+    run.finalise(manifest, tables, merged, sample)
+    t2 = time.perf_counter()
+    manifest.set(
+        timings_s=manifest.timings_s
+        | {"write": round(t2 - t1, 3), "total": round(t2 - t_start, 3)}
+    )
+    run.write_manifest(manifest)
+    echo(format_summary(tables["layers"]))
+    outputs = manifest.outputs
+    names = [*(outputs.tables if outputs else []), *(outputs.artefacts if outputs else [])]
+    echo(f"outputs in {run.url}: {', '.join([*names, MANIFEST])}")
+    write_run_report(run, manifest, echo)
+    return manifest
