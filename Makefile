@@ -43,7 +43,7 @@ demo: env
 bench: env
 	$(PY) -m bench.extraction --tokens 8000 --repeats 3
 	$(PY) -m bench.extraction --models minilm --tokens 40000 --repeats 5 --name extraction_minilm40k
-	$(PY) -m bench.end_to_end --repeat 6
+	$(PY) -m bench.end_to_end --repeat 1 --factor 4
 	$(PY) -m bench.kmeans --sizes 1024,4096
 	$(PY) -m bench.kmeans --sizes 64 --ks 2 --no-serial --selection 4096 --name kmeans_selection
 	$(PY) -m bench.scaling --sections memory --copies 1,2,4 --name scaling_memory

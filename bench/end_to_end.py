@@ -1,17 +1,29 @@
-"""End to end: the whole job's wall time against a bare forward pass over the same tokens.
+"""End to end: the whole job against a bare forward pass, at two corpus sizes.
 
-The corpus is the demo corpus (Python Language Reference prose) ``--repeat`` times over
-(6x: ~0.5M tokens). First the bare forward — tokenise, the job's batches, ``model(...,
-output_hidden_states=True)`` with the job's thread count, outputs discarded — then
-``python -m jobs.analyze`` as a user runs it (a fresh process: Ray start, model load in the
-actor, extraction, checkpoints, reduce, tables, sampled metrics with K-means on Ray, report).
-The bare forward runs again after the job, and the ratios use the mean of the two runs
-(this machine's speed drifts by ±10-20% over minutes). Printed: job throughput as a fraction
-of the bare forward's, for the whole job and for its extraction stage; the share of the
-job's wall time spent in the model's forward inside the actor (measured within the one run,
-so free of that drift); and the manifest's breakdown of where the rest went.
+The corpus is the demo corpus (Python Language Reference prose) ``--repeat`` times over (N
+tokens) and ``--factor`` times that (F·N tokens). In one process, in this order:
 
-    python -m bench.end_to_end [--model minilm] [--repeat 6] [--extra-args "..."]
+1. the bare forward over the F·N corpus, the ideal a user compares with: every window of the
+   corpus tokenised, sorted by length over the whole corpus, run in batches of ``--bare-rows``
+   windows (almost no padding), ``model(..., output_hidden_states=True)``, outputs discarded;
+2. ``python -m jobs.analyze`` on the N corpus and on the F·N corpus, as a user runs it (a fresh
+   process: Ray start, model load in the actor, extraction, reduce, tables, sampled metrics,
+   report);
+3. the bare forward again (this machine's speed drifts by ±10-20% over minutes; the ratios use
+   the mean of the two).
+
+Printed, and saved in ``bench/results/NAME.json``:
+
+- padding: the job's padded positions / real positions (tokens + special tokens), from its
+  manifest;
+- marginal throughput: (F − 1)·N / (T_F − T_1) tokens/s — what each further token costs the
+  job — as a fraction of the bare forward's tokens/s;
+- fixed cost: T_1 − N / marginal, split by stage from the N run's manifest and wall time
+  (process start and Ray, plan, extraction beyond the marginal cost, reduce, metrics, write,
+  report);
+- end to end: bare-forward time of the F·N tokens / T_F.
+
+    python -m bench.end_to_end [--model minilm] [--repeat 1] [--factor 4] [--extra-args "..."]
 """
 
 from __future__ import annotations
@@ -28,52 +40,50 @@ from pathlib import Path
 
 import torch
 
-from bench.common import english_jsonl, minilm_dir, random_bert_dir, save, timed
-from bench.extraction import bare_forward
+from bench.common import english_jsonl, minilm_dir, random_bert_dir, save
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default="minilm", choices=["minilm", "bert-base"])
-    p.add_argument("--repeat", type=int, default=6, help="copies of the demo corpus")
-    p.add_argument("--max-length", type=int, default=128)
-    p.add_argument("--extra-args", default="", help="more jobs.analyze flags, quoted")
-    p.add_argument("--name", default="end_to_end")
-    args = p.parse_args(argv)
-    work = Path(tempfile.mkdtemp(prefix="embgeom-e2e-"))
-    corpus = english_jsonl(work / "corpus.jsonl", repeat=args.repeat)
-    model = minilm_dir() if args.model == "minilm" else random_bert_dir(work / "bert-base")
+def sorted_bare_forward(model_dir: str, corpus: str, max_length: int, rows: int) -> dict:
+    """Every window of ``corpus`` sorted by length, ``rows`` windows a batch, model run."""
+    from transformers import AutoModel, AutoTokenizer
+
+    from embgeom_ray.inputs.corpus import CorpusSpec, ReadReport, plan_shards, read_shard
+    from embgeom_ray.inputs.windows import tokenize_windows
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModel.from_pretrained(model_dir).eval()
+    t0 = time.perf_counter()
+    windows = []
+    for shard in plan_shards(CorpusSpec(corpus), 1 << 40).shards:
+        docs = list(read_shard(shard, CorpusSpec(corpus), ReadReport()))
+        windows += tokenize_windows(tok, [d.doc_id for d in docs], [d.text for d in docs], max_length)
+    windows.sort(key=lambda w: len(w.input_ids))
+    special = set(tok.all_special_ids)
+    tokens = sum(1 for w in windows for i in w.input_ids if i not in special)
+    positions = padded = 0
+    with torch.inference_mode():
+        for start in range(0, len(windows), rows):
+            chunk = windows[start : start + rows]
+            width = max(len(w.input_ids) for w in chunk)
+            ids = torch.full((len(chunk), width), tok.pad_token_id or 0, dtype=torch.long)
+            mask = torch.zeros((len(chunk), width), dtype=torch.long)
+            for r, w in enumerate(chunk):
+                ids[r, : len(w.input_ids)] = torch.tensor(w.input_ids)
+                mask[r, : len(w.input_ids)] = 1
+            model(input_ids=ids, attention_mask=mask, output_hidden_states=True)
+            positions += int(mask.sum())
+            padded += ids.numel()
+    seconds = time.perf_counter() - t0
+    print(f"bare forward (sorted corpus, {rows} windows a batch): {tokens:,} tokens in "
+          f"{seconds:.1f} s = {tokens / seconds:,.0f} tok/s, padded/real {padded / positions:.3f}")
+    return {"seconds": seconds, "tokens": tokens, "padding": padded / positions}
+
+
+def run_job(model: str, corpus: str, out: Path, args) -> tuple[float, dict]:
+    """``python -m jobs.analyze`` in a fresh process; (wall seconds, its manifest)."""
     threads = os.cpu_count() or 1
-    torch.set_num_threads(threads)
-
-    from embgeom_ray.config import build_config
-    from embgeom_ray.inputs.corpus import CorpusSpec, plan_shards
-    from embgeom_ray.inputs.extractor import ShardProcessor
-    from embgeom_ray.inputs.model_loading import resolve_identity, resolve_layers
-
-    identity, _ = resolve_identity(model, None, False)
-    layers = resolve_layers(None, identity.num_layers)
-    cfg = build_config(
-        None,
-        {"model": model, "corpus": corpus, "out": str(work / "x"), "max_length": args.max_length},
-    )
-    proc = ShardProcessor(cfg, layers, {})
-    shards = plan_shards(CorpusSpec(corpus)).shards
-
-    def bare() -> tuple[float, int]:
-        seconds, tokens = 0.0, 0
-        for shard in shards:
-            t, n = timed(lambda shard=shard: bare_forward(proc, shard))
-            seconds += t
-            tokens += n
-        print(f"bare forward: {tokens:,} tokens in {seconds:.1f} s = {tokens / seconds:,.0f} tok/s")
-        return seconds, tokens
-
-    bare_before, tokens = bare()
-
-    out = work / "run"
     cmd = [
         sys.executable, "-m", "jobs.analyze", "--model", model, "--corpus", corpus,
         "--out", str(out), "--max-length", str(args.max_length), "--num-workers", "1",
@@ -82,38 +92,79 @@ def main(argv: list[str] | None = None) -> None:
     env = dict(os.environ, RAY_ADDRESS="")
     t0 = time.perf_counter()
     subprocess.run(cmd, cwd=ROOT, env=env, check=True, stdout=subprocess.DEVNULL)
-    job_s = time.perf_counter() - t0
-    # the machine's speed drifts over minutes (shared VMs): a second bare forward after the
-    # job brackets it, and the ratios use the mean of the two
-    bare_after, _ = bare()
-    bare_s = (bare_before + bare_after) / 2
+    wall = time.perf_counter() - t0
     manifest = json.loads((out / "manifest.json").read_text())
-    assert manifest["counts"]["tokens"] == tokens, (manifest["counts"]["tokens"], tokens)
-    timings = manifest["timings_s"]
+    print(f"job: {manifest['counts']['tokens']:,} tokens in {wall:.1f} s; "
+          f"timings {manifest['timings_s']}")
+    return wall, manifest
+
+
+def fixed_cost_split(wall: float, manifest: dict, tokens: int, marginal: float) -> dict:
+    """Where the N run's time beyond N / marginal went, stage by stage."""
+    t = manifest["timings_s"]
+    return {
+        "process_start_ray_and_exit": wall - t["total"] - t.get("report", 0.0),
+        "plan": t["plan"],
+        "extraction_beyond_marginal": t["extract_wall"] - tokens / marginal,
+        "reduce": t["reduce"],
+        "metrics_tables_and_sampled": t["metrics"],
+        "write": t["write"],
+        "report": t.get("report", 0.0),
+    }
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="minilm", choices=["minilm", "bert-base"])
+    p.add_argument("--repeat", type=int, default=1, help="copies of the demo corpus in N")
+    p.add_argument("--factor", type=int, default=4, help="the larger corpus is this times N")
+    p.add_argument("--max-length", type=int, default=128)
+    p.add_argument("--bare-rows", type=int, default=64, help="windows a bare-forward batch")
+    p.add_argument("--extra-args", default="", help="more jobs.analyze flags, quoted")
+    p.add_argument("--name", default="end_to_end")
+    args = p.parse_args(argv)
+    work = Path(tempfile.mkdtemp(prefix="embgeom-e2e-"))
+    small = english_jsonl(work / "small.jsonl", repeat=args.repeat)
+    large = english_jsonl(work / "large.jsonl", repeat=args.repeat * args.factor)
+    model = minilm_dir() if args.model == "minilm" else random_bert_dir(work / "bert-base")
+    torch.set_num_threads(os.cpu_count() or 1)
+
+    before = sorted_bare_forward(model, large, args.max_length, args.bare_rows)
+    t_small, m_small = run_job(model, small, work / "small", args)
+    t_large, m_large = run_job(model, large, work / "large", args)
+    after = sorted_bare_forward(model, large, args.max_length, args.bare_rows)
+    bare_s = (before["seconds"] + after["seconds"]) / 2
+    n_small, n_large = m_small["counts"]["tokens"], m_large["counts"]["tokens"]
+    assert n_large == before["tokens"], (n_large, before["tokens"])
+    bare_rate = n_large / bare_s
+    marginal = (n_large - n_small) / (t_large - t_small)
+    fixed = t_small - n_small / marginal
     result = {
         "model": args.model,
-        "tokens": tokens,
-        "threads": threads,
+        "tokens": {"N": n_small, "FN": n_large},
+        "threads": torch.get_num_threads(),
         "extra_args": args.extra_args,
+        "padding_job": m_large["counts"].get("padding_ratio"),
+        "padding_bare_sorted": before["padding"],
         "bare_forward_s": bare_s,
-        "bare_forward_before_after_s": [bare_before, bare_after],
-        "job_wall_s": job_s,
-        "job_timings_s": timings,
-        "ratio_job_to_bare": bare_s / job_s,
-        "ratio_extract_stage_to_bare": bare_s / timings["extract_wall"],
-        # within the job's own run, so free of the drift between runs: the share of the
-        # wall time that the model's forward took inside the actor
-        "forward_share_of_job": timings["extract_forward_sum"] / job_s,
-        "forward_share_of_extract_stage": (
-            timings["extract_forward_sum"] / timings["extract_wall"]
-        ),
+        "bare_forward_before_after_s": [before["seconds"], after["seconds"]],
+        "bare_tokens_per_s": bare_rate,
+        "job_wall_s": {"N": t_small, "FN": t_large},
+        "job_timings_s": {"N": m_small["timings_s"], "FN": m_large["timings_s"]},
+        "marginal_tokens_per_s": marginal,
+        "marginal_ratio": marginal / bare_rate,
+        "fixed_cost_s": fixed,
+        "fixed_cost_split_s": fixed_cost_split(t_small, m_small, n_small, marginal),
+        "end_to_end_ratio_FN": bare_s / t_large,
+        # within the F·N run itself, free of the drift between runs
+        "forward_share_of_job_FN": m_large["timings_s"]["extract_forward_sum"] / t_large,
     }
     print(
-        f"job: {job_s:.1f} s wall = {tokens / job_s:,.0f} tok/s; ratio to bare forward "
-        f"{bare_s / job_s:.3f} (extraction stage {bare_s / timings['extract_wall']:.3f}); "
-        f"the actor's forward took {result['forward_share_of_job']:.3f} of the job's wall "
-        f"time ({result['forward_share_of_extract_stage']:.3f} of the extraction stage); "
-        f"manifest timings: {timings}"
+        f"padding: job {result['padding_job']:.3f}, bare sorted {before['padding']:.3f}; "
+        f"marginal {marginal:,.0f} tok/s = {result['marginal_ratio']:.3f} of the bare forward "
+        f"({bare_rate:,.0f} tok/s); fixed cost {fixed:.1f} s "
+        f"{ {k: round(v, 1) for k, v in result['fixed_cost_split_s'].items()} }; "
+        f"end to end at {n_large:,} tokens {result['end_to_end_ratio_FN']:.3f}"
     )
     save(args.name, {"command": "python -m bench.end_to_end", "args": vars(args), **result})
 
