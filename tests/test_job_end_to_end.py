@@ -116,9 +116,20 @@ def test_minilm_on_real_english_equals_float64_reference(tmp_path, ray_local, mi
     out = tmp_path / "minilm"
     assert not (out / "groups").exists() and (out / "statistics.safetensors").exists()
     said: list[str] = []
-    cfg = build_config(None, on_disk["config"])
-    again = analyze(cfg, echo=said.append)
-    assert again == on_disk and "already holds this complete run" in said[0]
+    again = analyze(build_config(None, on_disk["config"]), echo=said.append)
+    assert json.dumps(again) == json.dumps(on_disk)  # (NaN-safe)
+    assert "already holds this complete run" in said[0]
+    # a rerun with another table option rebuilds the tables from the run's own artefacts
+    # (no extraction): norm_variance_corr over types with at least 2 occurrences
+    said.clear()
+    again = analyze(build_config(None, on_disk["config"] | {"min_count": 2}), echo=said.append)
+    assert "rebuilt" in said[0] and "min_count" in said[0]
+    assert again["config"]["min_count"] == 2 and again["counts"] == on_disk["counts"]
+    types = pd.read_parquet(out / "type_stats.parquet")
+    layers = pd.read_parquet(out / "layers.parquet").set_index("layer")
+    for layer, rows in types.loc[types["count"] >= 2].groupby("layer"):
+        r = np.corrcoef(rows["mean_norm"], rows["variance"])[0, 1]
+        assert layers.at[layer, "norm_variance_corr"] == pytest.approx(r, abs=1e-9)
 
 
 @pytest.mark.parametrize(

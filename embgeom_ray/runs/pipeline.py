@@ -49,6 +49,7 @@ from ..inputs.model_loading import (
 from ..io_utils import join
 from ..run_dir import (
     GROUPS,
+    SAMPLE,
     STATISTICS,
     CorpusInfo,
     Manifest,
@@ -273,12 +274,63 @@ def start_manifest(spec: RunSpec, started_at: str) -> Manifest:
     )
 
 
+#: options that only decide how a run is scheduled, never what its tables hold
+SCHEDULING_OPTIONS = frozenset({
+    "out", "overwrite", "num_workers", "cpus_per_worker", "batch_tokens", "docs_per_chunk",
+    "device", "max_shard_retries", "checkpoint_interval", "keep_checkpoints", "address",
+})  # fmt: skip
+
+
 def already_complete(run: RunDir, fingerprint: str) -> Manifest | None:
     """The manifest of a complete run of this fingerprint whose checkpoints were removed."""
     if run.has(GROUPS) or not run.has(STATISTICS) or not run.has_manifest():
         return None
     manifest = run.manifest()
     return manifest if manifest.complete and manifest.fingerprint == fingerprint else None
+
+
+def changed_table_options(manifest: Manifest, config: JobConfig) -> list[str]:
+    """Options of ``config`` that differ from the complete run's and change only its tables
+    (the statistics and sample are the same: the fingerprint matched)."""
+    current = config.model_dump()
+    return sorted(
+        k for k in current if k not in SCHEDULING_OPTIONS and manifest.config.get(k) != current[k]
+    )
+
+
+def reuse_complete(
+    run: RunDir, done: Manifest, spec: RunSpec, t_start: float, echo
+) -> dict[str, Any]:
+    """A rerun of a complete run: nothing to do, or its tables again for changed options."""
+    changed = changed_table_options(done, spec.config)
+    if not changed:
+        echo(f"{run.url} already holds this complete run; nothing to do (--overwrite redoes it)")
+        return done.to_json()
+    echo(
+        f"{run.url} holds this complete run; its tables are rebuilt from its statistics and "
+        f"sample for the changed options: {', '.join(changed)}"
+    )
+    return retable(run, done, spec, t_start, echo)
+
+
+def retable(run: RunDir, done: Manifest, spec: RunSpec, t_start: float, echo) -> dict[str, Any]:
+    """A complete run's tables again from its own artefacts, under ``spec.config``'s table
+    options (``--min-count``, outlier rules, K-means, LID, …): no extraction."""
+    config = spec.config
+    merged = EmbeddingStatistics.load(run.path(STATISTICS))
+    sample = ActivationSample.load(run.path(SAMPLE)) if run.has(SAMPLE) else None
+    manifest = Manifest.model_validate(done.to_json()).set(
+        status="running",
+        started_at=now(),
+        config=config.model_dump(),
+        outlier_rules=OutlierRules(
+            config.outlier_mean_z, config.outlier_variance_ratio, config.outlier_tail_share
+        ).describe(),
+        timings_s={"plan": round(time.perf_counter() - t_start, 3)},
+    )
+    run.write_manifest(manifest)
+    finish_run(run, manifest, merged, sample, spec.tokenizer, config, t_start=t_start, echo=echo)
+    return manifest.to_json()
 
 
 def analyze(config: JobConfig, *, echo=print) -> dict[str, Any]:
@@ -291,8 +343,7 @@ def analyze(config: JobConfig, *, echo=print) -> dict[str, Any]:
     plan, resumed = store.start(spec.fingerprint, spec.identity_json, spec.plan, config.overwrite)
     done_before = already_complete(run, spec.fingerprint) if resumed else None
     if done_before is not None:
-        echo(f"{config.out} already holds this complete run; nothing to do (--overwrite redoes it)")
-        return done_before.to_json()
+        return reuse_complete(run, done_before, spec, t_start, echo)
     manifest = start_manifest(spec, started_at)
     run.write_manifest(manifest)
 
