@@ -49,7 +49,7 @@ def add_sampled_metrics(
     import ray
 
     from ..core.sampled_metrics import isoscore_silhouette_correlation
-    from .actor_pool import connect
+    from .cluster import connect
     from .kmeans import call_on_ray, submit_layers_on_ray
 
     samples = sample.to_table(tokenizer.convert_ids_to_tokens)
@@ -60,7 +60,7 @@ def add_sampled_metrics(
         note["skipped"] = f"sample of {n_points} points < {MIN_SAMPLE_POINTS}: no sampled metrics"
         tables["samples"] = samples
         return note
-    connect()
+    connect(config.address)
     points = {layer: sample.points(layer) for layer in sample.layers}
     km_refs = submit_layers_on_ray(
         {layer: pts.vectors for layer, pts in points.items()},
