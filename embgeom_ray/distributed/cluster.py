@@ -278,7 +278,8 @@ class _ConnectGuard:
                 # ray.init installs its own SIGTERM handler (sys.exit: atexit then shuts Ray
                 # down cleanly); keep it, and put back the caller's if Ray left ours
                 if signal.getsignal(signal.SIGTERM) is _note_signal:
-                    signal.signal(signal.SIGTERM, old_term)
+                    # None: the previous handler was not installed from Python
+                    signal.signal(signal.SIGTERM, signal.SIG_DFL if old_term is None else old_term)
             for s in (wake_r, wake_w, stop_r, stop_w):
                 s.close()
 
