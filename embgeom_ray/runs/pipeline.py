@@ -125,9 +125,10 @@ def _extract(
     store: CheckpointStore,
 ) -> PoolPlan:
     """Run ``todo`` on Ray; every flushed group is checkpointed on arrival."""
-    from ..distributed.actor_pool import connect, run_shards
+    from ..distributed.actor_pool import run_shards
+    from ..distributed.cluster import connect
 
-    connect()
+    connect(config.address)
     bar = _progress(len(todo), 0)
     t0 = time.perf_counter()
     tokens = 0

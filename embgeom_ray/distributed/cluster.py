@@ -1,0 +1,393 @@
+"""Which Ray the job runs on, and joining it without hanging.
+
+The rule (the README's promise): the job joins a running cluster only when told to —
+
+1. an explicit address (``--address`` / ``address:`` in the config file),
+2. else ``RAY_ADDRESS``,
+3. else, under ``ray job submit``, the cluster the job was submitted to (the job supervisor
+   sets ``RAY_ADDRESS`` to it; ``RAY_JOB_CONFIG_JSON_ENV_VAR`` marks a submitted job);
+
+otherwise it starts a **private local Ray** (``ray.init(address="local")``), never the cluster
+that some ``ray start`` left on the machine: a stale address file of a dead head made a plain
+``ray.init()`` retry the dead GCS forever, and a live head started by something else (a test
+suite's, a colleague's) was silently joined.
+
+An address is ``HOST:PORT`` (the head's GCS, port 6379 unless given), ``ray://HOST:PORT``
+(Ray Client), ``auto`` (the cluster ``ray start`` started on this machine) or ``local`` (a
+private local Ray). Before Ray is asked to join, the head is probed with a plain TCP connection
+(``PROBE_TIMEOUT_S``): an address nobody listens on — a dead head, a stale address file, a
+typo — fails at once with one :class:`~embgeom_ray.errors.ConfigError`, exit status 2. Ray's
+own join is then given ``JOIN_TIMEOUT_S``. While connecting, SIGTERM (``ray job stop``,
+``kill``) and SIGINT (Ctrl-C) end the process within a fraction of a second with a message and
+status 128 + signal number, even when Ray is blocked in its C++ connection loop (a watcher
+thread woken through :func:`signal.set_wakeup_fd` ends the process; the main thread may be
+inside native code that never returns to Python).
+
+The first line the job writes to stderr about Ray says which one it runs on:
+``ray: started a private local Ray (N CPUs)`` or
+``ray: joined cluster at ADDRESS (N nodes, N CPUs, N GPUs; address from SOURCE)``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import select
+import signal
+import socket
+import sys
+import threading
+import time
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from types import FrameType
+from typing import Any
+from urllib.parse import urlsplit
+
+from ..errors import ConfigError
+
+#: seconds a TCP connection to the head may take before the address counts as unreachable
+PROBE_TIMEOUT_S = 10.0
+#: seconds Ray may take to join a head that accepted the TCP connection
+JOIN_TIMEOUT_S = 60.0
+#: the GCS port of ``ray start --head`` when none is given
+DEFAULT_GCS_PORT = 6379
+#: the port of a Ray Client server (``ray://``) when none is given
+DEFAULT_CLIENT_PORT = 10001
+#: set by Ray's job supervisor in the environment of a ``ray job submit`` entrypoint
+JOB_CONFIG_ENV = "RAY_JOB_CONFIG_JSON_ENV_VAR"
+
+_SIGNAL_NAMES = {signal.SIGTERM: "SIGTERM", signal.SIGINT: "SIGINT"}
+
+
+@dataclass(frozen=True)
+class ClusterChoice:
+    """The Ray to run on: ``address`` None = a private local Ray; ``source`` says who chose."""
+
+    address: str | None
+    source: str
+
+    @property
+    def local(self) -> bool:
+        return self.address is None
+
+
+def choose_cluster(address: str | None, environ: Mapping[str, str] | None = None) -> ClusterChoice:
+    """Apply the rule of the module docstring to an explicit ``address`` and the environment.
+
+    Returns the address as given (``auto`` is resolved later, by :func:`connect`); ``local``
+    anywhere means a private local Ray.
+    """
+    env = os.environ if environ is None else environ
+    submitted = bool(env.get(JOB_CONFIG_ENV))
+    if address and address.strip():
+        choice = ClusterChoice(address.strip(), "--address")
+    elif env.get("RAY_ADDRESS", "").strip():
+        source = "ray job submit" if submitted else "RAY_ADDRESS"
+        choice = ClusterChoice(env["RAY_ADDRESS"].strip(), source)
+    elif submitted:
+        choice = ClusterChoice("auto", "ray job submit")
+    else:
+        return ClusterChoice(None, "default")
+    if choice.address == "local":
+        return ClusterChoice(None, choice.source)
+    return choice
+
+
+def split_host_port(
+    address: str, default_port: int, where: str = "the Ray address"
+) -> tuple[str, int]:
+    """``(host, port)`` of ``HOST[:PORT]``, ``[IPV6][:PORT]`` or ``ray://HOST[:PORT]``."""
+    text = address if "://" in address else f"//{address}"
+    try:
+        parts = urlsplit(text)
+        host, port = parts.hostname, parts.port
+    except ValueError as exc:
+        raise ConfigError(f"{where} {address!r} is not HOST:PORT ({exc})") from None
+    if not host or parts.path not in ("", "/") or parts.query:
+        raise ConfigError(f"{where} {address!r} is not HOST:PORT (e.g. 10.0.0.5:6379)")
+    return host, port or default_port
+
+
+def resolve_address(choice: ClusterChoice) -> str:
+    """The address Ray is asked to join: ``auto`` resolved, the GCS port filled in.
+
+    A dashboard URL (``http://HEAD:8265``, the address ``ray job submit`` takes) is refused
+    with the fix: the job joins a cluster through its GCS, or is submitted.
+    """
+    address = choice.address
+    assert address is not None
+    where = _where(choice)
+    scheme = address.split("://", 1)[0].lower() if "://" in address else ""
+    if scheme in {"http", "https"}:
+        raise ConfigError(
+            f"{where} {address} is a dashboard (job submission) address: submit the job with "
+            "`ray job submit --address "
+            f"{address} -- python -m jobs.analyze ...`, or give the head's GCS address "
+            "(HOST:6379) to join it directly"
+        )
+    if scheme == "ray":
+        host, port = split_host_port(address, DEFAULT_CLIENT_PORT, where)
+        return f"ray://{_join(host, port)}"
+    if scheme:
+        raise ConfigError(f"{where} {address}: unknown scheme {scheme}:// (HOST:PORT or ray://)")
+    if address == "auto":
+        return _this_machines_cluster(where)
+    return _join(*split_host_port(address, DEFAULT_GCS_PORT, where))
+
+
+def _where(choice: ClusterChoice) -> str:
+    return {
+        "--address": "--address",
+        "RAY_ADDRESS": "RAY_ADDRESS",
+        "ray job submit": "the submitted job's Ray address",
+    }.get(choice.source, "the Ray address")
+
+
+def _join(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def _this_machines_cluster(where: str) -> str:
+    """``auto``: the head ``ray start`` recorded in its address file, else the only GCS running."""
+    from ray._common.utils import get_ray_address_file
+    from ray._private.services import find_bootstrap_address, find_gcs_addresses
+
+    recorded = find_bootstrap_address(None)
+    if recorded:
+        return recorded
+    running = sorted(find_gcs_addresses())
+    if len(running) == 1:
+        return running[0]
+    if not running:
+        raise ConfigError(
+            f"{where} auto: no Ray cluster runs on this machine (no address in "
+            f"{get_ray_address_file(None)}, no GCS process); start one with `ray start --head` "
+            "or leave the address out for a private local Ray"
+        )
+    raise ConfigError(f"{where} auto: several Ray clusters run here ({running}); name one")
+
+
+def probe(address: str, timeout: float = PROBE_TIMEOUT_S, where: str = "the Ray address") -> None:
+    """Raise :class:`ConfigError` unless something accepts a TCP connection at ``address``.
+
+    Refused: nothing listens (a head that died, or whose address file outlived it). Timed
+    out: the host does not answer (firewall, wrong network, a node that is gone).
+    """
+    default = DEFAULT_CLIENT_PORT if address.startswith("ray://") else DEFAULT_GCS_PORT
+    host, port = split_host_port(address, default, where)
+    try:
+        with socket.create_connection((host, port), timeout=timeout):
+            return
+    except socket.gaierror as exc:
+        reason = f"host {host!r} cannot be resolved ({exc.strerror})"
+    except ConnectionRefusedError:
+        reason = "connection refused: no Ray head listens there (dead, or not started yet)"
+    except TimeoutError:
+        reason = f"no answer within {timeout:g} s"
+    except OSError as exc:
+        reason = exc.strerror or str(exc)
+    raise ConfigError(
+        f"cannot reach the Ray cluster at {address} ({where}): {reason}. Start the head "
+        "(`ray start --head`), fix the address, or leave it out for a private local Ray"
+    )
+
+
+class _ConnectGuard:
+    """While connecting: end the process on SIGTERM/SIGINT, or when the time set by :meth:`arm`
+    is up.
+
+    The main thread may be blocked inside Ray's native connection loop, where Python signal
+    handlers never run. So the C-level handler's wakeup byte (:func:`signal.set_wakeup_fd`)
+    goes to a socket a watcher thread waits on; the watcher prints one line and ends the
+    process with :func:`os._exit`, from its own thread. Nothing has been run on the cluster at
+    that point, so there is nothing to clean up (a local Ray's reaper stops its processes).
+    """
+
+    def __init__(self, what: str, timeout_hint: str = "") -> None:
+        self.what = what
+        self.timeout_hint = timeout_hint
+        self._exit_lock = threading.Lock()
+        self._end: float | None = None
+        self._control: socket.socket | None = None
+
+    def arm(self, seconds: float) -> None:
+        """From now on, end the process if the guarded block has not finished in ``seconds``."""
+        self._end = time.monotonic() + seconds
+        if self._control is not None:
+            self._control.send(b"a")
+
+    def exit_now(self, code: int, message: str) -> None:
+        with self._exit_lock:
+            try:
+                print(message, file=sys.stderr, flush=True)
+            finally:
+                os._exit(code)
+
+    def _on_signal(self, signum: int) -> None:
+        name = _SIGNAL_NAMES.get(signal.Signals(signum), f"signal {signum}")
+        self.exit_now(128 + signum, f"error: interrupted by {name} while {self.what}")
+
+    def _watch(self, wake: socket.socket, control: socket.socket) -> None:
+        while True:
+            end = self._end
+            left = None if end is None else max(0.0, end - time.monotonic())
+            ready, _, _ = select.select([wake, control], [], [], left)
+            if wake in ready:  # before `control`: a signal that raced the end is still honoured
+                for byte in wake.recv(64):
+                    if byte in (signal.SIGTERM, signal.SIGINT):
+                        self._on_signal(byte)
+            if control in ready:
+                if b"x" in control.recv(64):
+                    return
+            elif not ready and end is not None and time.monotonic() >= end:
+                self.exit_now(2, f"error: {self.timeout_hint}")
+
+    @contextlib.contextmanager
+    def active(self) -> Iterator[None]:
+        wake_r, wake_w = socket.socketpair()
+        stop_r, stop_w = socket.socketpair()
+        self._control = stop_w
+        for s in (wake_r, wake_w):
+            s.setblocking(False)
+        in_main = threading.current_thread() is threading.main_thread()
+        old_wakeup = -1
+        old_term: Any = None
+        if in_main:
+            old_wakeup = signal.set_wakeup_fd(wake_w.fileno(), warn_on_full_buffer=False)
+            old_term = signal.signal(signal.SIGTERM, _note_signal)
+        watcher = threading.Thread(
+            target=self._watch, args=(wake_r, stop_r), name="ray-connect-guard", daemon=True
+        )
+        watcher.start()
+        try:
+            yield
+        except (KeyboardInterrupt, SystemExit):
+            # Ctrl-C's KeyboardInterrupt, or ray.init's SIGTERM handler (sys.exit), may reach
+            # the main thread before the watcher has read the signal's wakeup byte: give the
+            # watcher the moment it needs to report the signal and end the process
+            watcher.join(timeout=2.0)
+            raise
+        finally:
+            stop_w.send(b"x")
+            watcher.join(timeout=5)
+            self._control = None
+            if in_main:
+                signal.set_wakeup_fd(old_wakeup)
+                # ray.init installs its own SIGTERM handler (sys.exit: atexit then shuts Ray
+                # down cleanly); keep it, and put back the caller's if Ray left ours
+                if signal.getsignal(signal.SIGTERM) is _note_signal:
+                    # None: the previous handler was not installed from Python
+                    signal.signal(signal.SIGTERM, signal.SIG_DFL if old_term is None else old_term)
+            for s in (wake_r, wake_w, stop_r, stop_w):
+                s.close()
+
+
+def _note_signal(signum: int, frame: FrameType | None) -> None:
+    """SIGTERM while connecting: a Python-level handler, so that the C-level handler writes the
+    wakeup byte; the watcher thread does the rest."""
+
+
+def _auth_hint() -> str:
+    """What to check when a head answers but refuses this client: Ray's token authentication
+    (a head started with RAY_AUTH_MODE=token drops requests without its token)."""
+    if os.environ.get("RAY_AUTH_MODE", "").lower() != "token":
+        return (
+            "If the cluster uses token authentication, this client needs RAY_AUTH_MODE=token "
+            "and the cluster's token (RAY_AUTH_TOKEN, RAY_AUTH_TOKEN_PATH or ~/.ray/auth_token)"
+        )
+    return (
+        "RAY_AUTH_MODE=token is set: check that this client's token (RAY_AUTH_TOKEN, "
+        "RAY_AUTH_TOKEN_PATH or ~/.ray/auth_token) is the cluster's"
+    )
+
+
+def _driver_runtime_env() -> dict[str, Any] | None:
+    """The driver's ``HF_*`` / ``TRANSFORMERS_*`` variables (offline mode, caches, tokens),
+    for the workers, except those a submitted job's runtime env already sets: Ray refuses a
+    driver runtime env that repeats one of the job's env_vars."""
+    env_vars = {k: v for k, v in os.environ.items() if k.startswith(("HF_", "TRANSFORMERS_"))}
+    job_config = os.environ.get(JOB_CONFIG_ENV)
+    if job_config:
+        job_vars = (json.loads(job_config).get("runtime_env") or {}).get("env_vars") or {}
+        env_vars = {k: v for k, v in env_vars.items() if k not in job_vars}
+    return {"env_vars": env_vars} if env_vars else None
+
+
+def describe_cluster(choice: ClusterChoice, address: str | None) -> str:
+    """The line that says which Ray the job runs on (nodes and resources as Ray reports them)."""
+    import ray
+
+    res = ray.cluster_resources()
+    cpus, gpus = _count(int(res.get("CPU", 0)), "CPU"), _count(int(res.get("GPU", 0)), "GPU")
+    if choice.local:
+        extra = f", {gpus}" if res.get("GPU") else ""
+        return f"ray: started a private local Ray ({cpus}{extra})"
+    nodes = _count(sum(1 for n in ray.nodes() if n.get("Alive")), "node")
+    shown = address
+    if not (address or "").startswith("ray://"):
+        with contextlib.suppress(Exception):
+            shown = ray.get_runtime_context().gcs_address
+    return f"ray: joined cluster at {shown} ({nodes}, {cpus}, {gpus}; address from {choice.source})"
+
+
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
+
+
+def connect(
+    address: str | None,
+    *,
+    probe_timeout_s: float = PROBE_TIMEOUT_S,
+    join_timeout_s: float = JOIN_TIMEOUT_S,
+) -> ClusterChoice:
+    """Join the cluster the user meant (module docstring), else start a private local Ray.
+
+    ``address`` is the job's ``--address`` (``JobConfig.address``); None lets the environment
+    decide (``RAY_ADDRESS``, ``ray job submit``), then a private local Ray. Writes one line to
+    stderr saying which Ray the job runs on. Does nothing if Ray is already initialised.
+    Raises :class:`ConfigError` for an address that is malformed or that nobody answers on.
+    """
+    import ray
+
+    choice = choose_cluster(address)
+    if ray.is_initialized():
+        return choice
+    runtime_env = _driver_runtime_env()
+    if choice.local:
+        guard = _ConnectGuard("starting a private local Ray")
+        with guard.active():
+            ray.init(
+                address="local",
+                runtime_env=runtime_env,
+                include_dashboard=False,
+                log_to_driver=True,
+            )
+        print(describe_cluster(choice, None), file=sys.stderr, flush=True)
+        return choice
+
+    where = _where(choice)
+    target = resolve_address(choice)
+    what = f"connecting to the Ray cluster at {target} ({where})"
+    hint = (
+        f"the Ray cluster at {target} ({where}) accepted a connection but Ray did not join it "
+        f"within {join_timeout_s:g} s: is it a Ray head's GCS port (HOST:6379)? {_auth_hint()}"
+    )
+    guard = _ConnectGuard(what, hint)
+    with guard.active():
+        probe(target, probe_timeout_s, where)
+        guard.arm(join_timeout_s)
+        try:
+            ray.init(address=target, runtime_env=runtime_env, log_to_driver=True)
+        except ray.exceptions.AuthenticationError as exc:
+            raise ConfigError(
+                f"the Ray cluster at {target} ({where}) refused this client's credentials: "
+                f"{str(exc).splitlines()[0]}"
+            ) from None
+        except (ConnectionError, TimeoutError) as exc:
+            raise ConfigError(
+                f"cannot join the Ray cluster at {target} ({where}): {exc}. {_auth_hint()}"
+            ) from None
+    print(describe_cluster(choice, target), file=sys.stderr, flush=True)
+    return choice
