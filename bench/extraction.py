@@ -69,7 +69,7 @@ def bench_model(name: str, model: str, corpus: str, args, workdir: Path) -> dict
                 **overrides,
             },
         )
-        procs[variant] = ShardProcessor(cfg, layers, {"model_fingerprint": "bench"})
+        procs[variant] = ShardProcessor(cfg.extraction, layers, {"model_fingerprint": "bench"})
     shard = plan_shards(CorpusSpec(corpus), 1 << 40).shards[0]
     base = procs["extractor"]
     bare_forward(base, shard)  # warm-up

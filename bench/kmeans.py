@@ -84,7 +84,7 @@ def minilm_sample(n: int, layers: list[int], work: Path, seed: int = 0):
             "sample_seed": seed,
         },
     )
-    proc = ShardProcessor(cfg, layers, {"model_fingerprint": "bench"})
+    proc = ShardProcessor(cfg.extraction, layers, {"model_fingerprint": "bench"})
     _, sample, counts = proc.process(plan_shards(CorpusSpec(str(corpus)), 1 << 40).shards[0])
     if sample.num_uniform < n:
         raise SystemExit(
@@ -181,7 +181,7 @@ def bench_selection(sample, args) -> dict:
             "layers": pd.DataFrame({"layer": layers, "isoscore": np.nan}),
             "dims": pd.DataFrame({"layer": [], "dim": [], "outlier": []}),
         }
-        add_sampled_metrics(tables, sample, Tokens, cfg)
+        add_sampled_metrics(tables, sample, Tokens, cfg.sampled)
         return tables["layers"]
 
     runs = {

@@ -183,7 +183,7 @@ def memory_child(corpus: str, threads: int) -> dict:
     identity, _ = resolve_identity(model, None, False)
     layers = resolve_layers(None, identity.num_layers)
     cfg = build_config(None, {"model": model, "corpus": corpus, "out": "unused"})
-    proc = ShardProcessor(cfg, layers, {"model_fingerprint": "bench"})
+    proc = ShardProcessor(cfg.extraction, layers, {"model_fingerprint": "bench"})
     loaded = rss_mib()
     shard = plan_shards(CorpusSpec(corpus), 1 << 40).shards[0]
     t, (stats, _sample, counts) = timed(lambda: proc.process(shard))

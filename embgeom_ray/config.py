@@ -1,53 +1,72 @@
 """The job's options: one validated pydantic model, filled from a YAML file and command-line flags.
 
-Flags override the YAML file; both are validated here, so a bad value fails before any work
-starts, with one message that names the option.
+:class:`JobConfig` is the single source of every option: its fields give the command line
+(:func:`build_parser` generates each flag, its help and its shown default), the YAML keys, the
+result options (fields marked :data:`RESULT`) and the option groups the parts of the job take
+(:class:`ExtractionOptions`, :class:`SchedulingOptions`, :class:`TableOptions`,
+:class:`SampledOptions`). Flags override the YAML file; both are validated here, so a bad value
+fails before any work starts, with one message that names the option.
 """
 
 from __future__ import annotations
 
+import argparse
+import dataclasses
 import hashlib
 import json
+import types
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar, Union, get_args, get_origin
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic.fields import FieldInfo
 
 from .errors import ConfigError
 
-#: options whose value changes the statistics; they enter the run fingerprint.
-RESULT_OPTIONS = (
-    "max_length",
-    "layers",
-    "keep_special",
-    "dtype",
-    "text_column",
-    "split",
-    "shard_bytes",
-    "trust_remote_code",
-    "clip_dims",
-    "clip_dims_from",
-    "sample_size",
-    "sample_type_size",
-    "sample_seed",
-    "comoment_precision",
-)
+#: marks a field as a result option: its value changes the statistics, so it enters the run
+#: fingerprint and the run key of scheduled re-analyses
+RESULT = {"result": True}
 
 
 class JobConfig(BaseModel):
-    """Everything that defines one analysis run (see ``python -m jobs.analyze --help``)."""
+    """Everything that defines one analysis run; the command line is generated from it.
+
+    Each field is one option: ``--max-length`` for ``max_length``, its help the description,
+    its default the field's (shown once, here), a YAML ``--config`` key of the same name.
+    Fields marked :data:`RESULT` are the result options (:data:`RESULT_OPTIONS`). The groups
+    the parts of the job take (:attr:`extraction`, :attr:`scheduling`, :attr:`tables`,
+    :attr:`sampled`) are views of these fields.
+    """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    model: str = Field(description="local model directory or hub id")
-    revision: str | None = Field(None, description="hub revision (branch, tag or commit)")
-    corpus: str = Field(description="file, glob, directory, fsspec URL or hf:NAME[:CONFIG]")
-    out: str = Field(description="output directory (local path or fsspec URL)")
-    text_column: str = "text"
-    split: str = "train"
-    max_length: int = Field(128, ge=4, le=1_000_000)
-    layers: list[int] | None = None
+    model: str = Field(description="local Hugging Face model directory or hub id (required)")
+    revision: str | None = Field(None, description="hub revision: branch, tag or commit hash")
+    corpus: str = Field(
+        description="a .txt/.jsonl/.parquet file, a glob, a directory, an fsspec URL (s3://, "
+        "gs://) or hf:NAME[:CONFIG] (required)"
+    )
+    out: str = Field(description="output directory, local or fsspec URL (required)")
+    text_column: str = Field(
+        "text", description="text column of .jsonl/.parquet/HF corpora", json_schema_extra=RESULT
+    )
+    split: str = Field("train", description="split of an HF dataset", json_schema_extra=RESULT)
+    max_length: int = Field(
+        128,
+        ge=4,
+        le=1_000_000,
+        description="tokens per window, special tokens included; longer documents are split "
+        "into consecutive windows",
+        json_schema_extra=RESULT,
+    )
+    layers: list[int] | None = Field(
+        None,
+        description="hidden-state layers to measure, e.g. 0,3,-1 (0 = embedding output, -1 = "
+        "last) [default: all]",
+        json_schema_extra=RESULT,
+    )
     address: str | None = Field(
         None,
         description="Ray cluster to join: the head's GCS address HOST:PORT (port 6379 if left "
@@ -56,23 +75,55 @@ class JobConfig(BaseModel):
         "`ray job submit`, else a private local Ray (never a cluster merely running on this "
         "machine). An address nobody answers on fails at once (exit status 2)",
     )
-    num_workers: int | None = Field(None, ge=1)
-    cpus_per_worker: int | None = Field(None, ge=1)
+    num_workers: int | None = Field(
+        None, ge=1, description="extractor actors [default: one per GPU, else CPUs // cpus-per-worker]"
+    )
+    cpus_per_worker: int | None = Field(
+        None,
+        ge=1,
+        description="CPUs (torch threads) per extractor actor [default: 1 with a GPU, else "
+        "min(4, CPUs)]",
+    )
     batch_tokens: int = Field(8192, ge=16, description="padded tokens per forward batch")
-    docs_per_chunk: int = Field(512, ge=1, description="documents tokenized at a time")
-    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
-    device: Literal["auto", "cpu", "cuda"] = "auto"
-    keep_special: bool = False
-    min_count: int = Field(5, ge=2)
-    shard_bytes: int | None = Field(None, ge=1024)
-    trust_remote_code: bool = False
-    overwrite: bool = False
-    max_shard_retries: int = Field(3, ge=0)
+    docs_per_chunk: int = Field(
+        512, ge=1, description="documents tokenized at a time per actor (bounds memory)"
+    )
+    dtype: Literal["float32", "bfloat16", "float16"] = Field(
+        "float32",
+        description="dtype the model runs in; statistics are float64 regardless",
+        json_schema_extra=RESULT,
+    )
+    device: Literal["auto", "cpu", "cuda"] = Field("auto", description="device of the extractors")
+    keep_special: bool = Field(
+        False,
+        description="count special tokens ([CLS], [SEP], BOS, …) too [default: excluded]",
+        json_schema_extra=RESULT,
+    )
+    min_count: int = Field(
+        5, ge=2, description="minimum occurrences for a type to enter norm_variance_corr"
+    )
+    shard_bytes: int | None = Field(
+        None,
+        ge=1024,
+        description="bytes of corpus text per shard [default: derived from the corpus size]",
+        json_schema_extra=RESULT,
+    )
+    trust_remote_code: bool = Field(
+        False, description="allow model code from the hub (off unless given)", json_schema_extra=RESULT
+    )
+    overwrite: bool = Field(
+        False, description="discard an earlier run in --out instead of resuming it"
+    )
+    max_shard_retries: int = Field(
+        3, ge=0, description="times a shard is retried after losing its worker"
+    )
     checkpoint_interval: float = Field(
         300.0,
         ge=0,
-        description="seconds an extractor folds shards before its statistics are checkpointed "
-        "as one group; 0 = after every shard. Not a result option: it only decides grouping",
+        description="seconds of work an extractor accumulates over several shards before they "
+        "are checkpointed together (at most this much work per worker is redone after a "
+        "failure); 0 checkpoints every shard on its own. Not a result option: it only decides "
+        "grouping",
     )
     keep_checkpoints: bool = Field(
         False,
@@ -80,20 +131,75 @@ class JobConfig(BaseModel):
         "they are removed, since statistics.safetensors and sample.safetensors hold the same "
         "information",
     )
-    outlier_mean_z: float = Field(3.0, gt=0)
-    outlier_variance_ratio: float = Field(5.0, gt=1)
-    outlier_tail_share: float = Field(0.25, gt=0, le=1)
-    clip_dims: list[int] | None = None
-    clip_dims_from: str | None = None
-    comoment_precision: Literal["float64", "float32"] = "float32"
-    sample_size: int = Field(4096, ge=0, description="uniform sample per layer; 0 = no sample")
-    sample_type_size: int | None = Field(None, ge=1)
-    sample_seed: int = 0
-    kmeans_k_max: int = Field(15, ge=2)
-    kmeans_min_silhouette: float = Field(0.1, ge=-1, le=1)
-    kmeans_n_init: int = Field(3, ge=1)
-    lid_k: int = Field(20, ge=3)
-    silhouette_max_points: int = Field(4096, ge=10)
+    outlier_mean_z: float = Field(
+        3.0,
+        gt=0,
+        description="flag a dimension whose mean's z-score among the layer's dimensions "
+        "exceeds this",
+    )
+    outlier_variance_ratio: float = Field(
+        5.0,
+        gt=1,
+        description="flag a dimension whose variance is at least this times the mean variance",
+    )
+    outlier_tail_share: float = Field(
+        0.25,
+        gt=0,
+        le=1,
+        description="flag a dimension that is the argmax or argmin of at least this share of "
+        "tokens",
+    )
+    clip_dims: list[int] | None = Field(
+        None,
+        description="dimensions to zero for exact clipped cosine metrics over the whole corpus, "
+        "e.g. 12,300",
+        json_schema_extra=RESULT,
+    )
+    clip_dims_from: str | None = Field(
+        None,
+        description="take --clip-dims from an earlier run's output: every dimension flagged in "
+        "its dims.parquet",
+        json_schema_extra=RESULT,
+    )
+    comoment_precision: Literal["float64", "float32"] = Field(
+        "float32",
+        description="dtype of the per-batch product of the centred rows behind the covariance "
+        "(IsoScore, PCA spectrum, dims std), accumulated in float64 either way: float32 (~1e-6 "
+        "relative error on covariance entries) is ~2x faster on CPUs and up to 32x on GPUs with "
+        "slow float64; float64 for the exact product. Every per-type statistic is float64 "
+        "regardless",
+        json_schema_extra=RESULT,
+    )
+    sample_size: int = Field(
+        4096,
+        ge=0,
+        description="token occurrences in the uniform sample (the same in every layer) for "
+        "K-means, LID, silhouette and sampled cosines; 0 turns sampling off",
+        json_schema_extra=RESULT,
+    )
+    sample_type_size: int | None = Field(
+        None,
+        ge=1,
+        description="token types in the type-uniform sample (one random occurrence each; Cai's "
+        "S_inter) [default: --sample-size]",
+        json_schema_extra=RESULT,
+    )
+    sample_seed: int = Field(
+        0, description="seed of the sample's random keys", json_schema_extra=RESULT
+    )
+    kmeans_k_max: int = Field(
+        15, ge=2, description="K-means tries k = 2..this and keeps the best silhouette (Cai et al.)"
+    )
+    kmeans_min_silhouette: float = Field(
+        0.1, ge=-1, le=1, description="below this best silhouette, k = 1 (no clusters)"
+    )
+    kmeans_n_init: int = Field(3, ge=1, description="K-means initialisations per k")
+    lid_k: int = Field(
+        20, ge=3, description="nearest neighbours of the LID estimate (Levina-Bickel)"
+    )
+    silhouette_max_points: int = Field(
+        4096, ge=10, description="points a silhouette is computed on"
+    )
 
     @field_validator("layers")
     @classmethod
@@ -115,10 +221,105 @@ class JobConfig(BaseModel):
     def result_options(self) -> dict[str, Any]:
         return {k: getattr(self, k) for k in RESULT_OPTIONS}
 
+    def _group(self, cls: type[_G]) -> _G:
+        return cls(**{f.name: getattr(self, f.name) for f in dataclasses.fields(cls)})
+
+    @property
+    def extraction(self) -> ExtractionOptions:
+        """What an extractor needs: the model, the corpus, windows, batches, the sample."""
+        return self._group(ExtractionOptions)
+
+    @property
+    def scheduling(self) -> SchedulingOptions:
+        """What the actor pool needs: where to run, how many actors, checkpoints, retries."""
+        return self._group(SchedulingOptions)
+
+    @property
+    def tables(self) -> TableOptions:
+        """What the exact tables need: the correlation's minimum count, the outlier rules."""
+        return self._group(TableOptions)
+
+    @property
+    def sampled(self) -> SampledOptions:
+        """What the sampled metrics need: K-means model selection, LID, silhouettes."""
+        return self._group(SampledOptions)
+
     def options_digest(self) -> str:
         return hashlib.sha256(
             json.dumps(self.result_options(), sort_keys=True).encode()
         ).hexdigest()
+
+
+#: options whose value changes the statistics; they enter the run fingerprint.
+RESULT_OPTIONS: tuple[str, ...] = tuple(
+    name
+    for name, field in JobConfig.model_fields.items()
+    if isinstance(field.json_schema_extra, dict) and field.json_schema_extra.get("result")
+)
+
+
+# ---------------------------------------------------------------------------- option groups
+# Views of JobConfig's fields (same names), passed to the parts of the job instead of the
+# whole configuration. Their values come from JobConfig; they hold no defaults of their own.
+
+
+@dataclass(frozen=True)
+class ExtractionOptions:
+    """An extractor's options (:class:`~embgeom_ray.inputs.extractor.ShardProcessor`)."""
+
+    model: str
+    revision: str | None
+    trust_remote_code: bool
+    dtype: str
+    device: str
+    corpus: str
+    text_column: str
+    split: str
+    max_length: int
+    batch_tokens: int
+    docs_per_chunk: int
+    keep_special: bool
+    comoment_precision: str
+    sample_size: int
+    sample_type_size: int | None
+    sample_seed: int
+
+
+@dataclass(frozen=True)
+class SchedulingOptions:
+    """The actor pool's options (:mod:`embgeom_ray.distributed.actor_pool`)."""
+
+    address: str | None
+    device: str
+    num_workers: int | None
+    cpus_per_worker: int | None
+    checkpoint_interval: float
+    max_shard_retries: int
+
+
+@dataclass(frozen=True)
+class TableOptions:
+    """The exact tables' options (:func:`embgeom_ray.core.tables.build_tables`)."""
+
+    min_count: int
+    outlier_mean_z: float
+    outlier_variance_ratio: float
+    outlier_tail_share: float
+
+
+@dataclass(frozen=True)
+class SampledOptions:
+    """The sampled metrics' options (:func:`embgeom_ray.core.tables.plan_sampled_metrics`)."""
+
+    kmeans_k_max: int
+    kmeans_min_silhouette: float
+    kmeans_n_init: int
+    sample_seed: int
+    lid_k: int
+    silhouette_max_points: int
+
+
+_G = TypeVar("_G", ExtractionOptions, SchedulingOptions, TableOptions, SampledOptions)
 
 
 def _format_validation_error(exc: ValidationError) -> str:
@@ -156,3 +357,63 @@ def build_config(yaml_path: str | None, overrides: dict[str, Any]) -> JobConfig:
         return JobConfig(**data)
     except ValidationError as exc:
         raise ConfigError(_format_validation_error(exc)) from None
+
+
+# ---------------------------------------------------------------------------- command line
+
+
+def parse_int_list(text: str) -> list[int]:
+    """``"0,3,-1"`` (or spaces) -> ``[0, 3, -1]``, for list options such as ``--layers``."""
+    try:
+        return [int(x) for x in text.replace(",", " ").split()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"give integers separated by commas, e.g. 0,3,-1 (got {text!r})"
+        ) from None
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def _argument(name: str, field: FieldInfo) -> dict[str, Any]:
+    """argparse keywords for one JobConfig field: type, choices, help with its default."""
+    annotation = field.annotation
+    optional = get_origin(annotation) in (Union, types.UnionType)
+    kind = next(a for a in get_args(annotation) if a is not type(None)) if optional else annotation
+    help_text = field.description or ""
+    required = field.is_required()
+    default = None if required else field.get_default(call_default_factory=True)
+    if "[default:" not in help_text and default is not None and kind is not bool:
+        help_text += f" [default: {default}]"
+    kw: dict[str, Any] = {"help": help_text, "default": None, "dest": name}
+    if kind is bool:
+        kw["action"] = "store_true"
+    elif get_origin(kind) is Literal:
+        kw["choices"] = list(get_args(kind))
+        kw["metavar"] = "{" + ",".join(kw["choices"]) + "}"
+    elif get_origin(kind) is list:
+        kw["type"], kw["metavar"] = parse_int_list, "N,N,…"
+    elif kind in (int, float):
+        kw["type"] = kind
+    return kw
+
+
+def build_parser(prog: str, description: str, epilog: str = "") -> argparse.ArgumentParser:
+    """The command line of ``jobs.analyze``, generated from :class:`JobConfig`'s fields.
+
+    Every field is a flag; a flag left out is ``None`` and does not override the YAML file.
+    """
+    parser = argparse.ArgumentParser(
+        prog=prog,
+        description=description,
+        epilog=epilog,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument(
+        "--config", help="YAML file of options (keys as below, with underscores); flags override it"
+    )
+    for name, field in JobConfig.model_fields.items():
+        parser.add_argument(_flag(name), **_argument(name, field))
+    parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
+    return parser

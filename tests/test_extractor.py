@@ -67,7 +67,7 @@ def test_out_of_memory_splits_the_batch_and_counts_every_token_once(
         },
     )
     identity, _ = resolve_identity(tiny_bert, None, False)
-    proc = ShardProcessor(cfg, [0, 2], {"model_fingerprint": identity.model_fingerprint})
+    proc = ShardProcessor(cfg.extraction, [0, 2], {"model_fingerprint": identity.model_fingerprint})
     shard = plan_shards(CorpusSpec(corpus)).shards[0]
     clean, clean_sample, clean_counts = proc.process(shard)
 
@@ -103,7 +103,7 @@ def test_out_of_memory_splits_the_batch_and_counts_every_token_once(
 def processor(tiny_bert: str, corpus: str, out, **options) -> ShardProcessor:
     cfg = build_config(None, {"model": tiny_bert, "corpus": corpus, "out": str(out), **options})
     identity, _ = resolve_identity(tiny_bert, None, False)
-    return ShardProcessor(cfg, [0, 2], {"model_fingerprint": identity.model_fingerprint})
+    return ShardProcessor(cfg.extraction, [0, 2], {"model_fingerprint": identity.model_fingerprint})
 
 
 def test_batching_changes_neither_counts_nor_statistics_nor_sample(

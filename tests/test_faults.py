@@ -212,7 +212,7 @@ def one_process(config):
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        proc = ShardProcessor(config, config.layers, {})
+        proc = ShardProcessor(config.extraction, config.layers, {})
         stats, sample, counts = proc.new_statistics(), proc.new_sample(), ShardCounts()
         for shard in plan_shards(CorpusSpec(config.corpus), config.shard_bytes).shards:
             counts.add(proc.fold_shard(shard, stats, sample))
@@ -257,7 +257,10 @@ def test_driver_killed_then_resumed(tmp_path, corpus, minilm_dir, clean, ray_loc
     argv = [sys.executable, "-m", "jobs.analyze"]
     for key, value in opts.items():
         flag = "--" + key.replace("_", "-")
-        argv += [flag, ",".join(map(str, value)) if isinstance(value, list) else str(value)]
+        if isinstance(value, bool):
+            argv += [flag] if value else []
+        else:
+            argv += [flag, ",".join(map(str, value)) if isinstance(value, list) else str(value)]
     env = dict(os.environ, RAY_ADDRESS="")  # its own local Ray, killed with it
     proc = subprocess.Popen(
         argv,
@@ -305,11 +308,11 @@ def test_pool_fits_actors_on_single_nodes(minilm_dir, tmp_path):
         ray.init(address=cluster.address, log_to_driver=False)
         cluster.wait_for_nodes()
         opts = {"model": minilm_dir, "corpus": "x", "out": str(tmp_path)}
-        assert plan_pool(build_config(None, opts | {"num_workers": 1}), 10).num_cpus == 1
-        default = plan_pool(build_config(None, opts), 10)
+        assert plan_pool(build_config(None, opts | {"num_workers": 1}).scheduling, 10).num_cpus == 1
+        default = plan_pool(build_config(None, opts).scheduling, 10)
         assert (default.num_workers, default.num_cpus) == (2, 1)
         with pytest.raises(ConfigError, match="largest node"):
-            plan_pool(build_config(None, opts | {"cpus_per_worker": 2}), 10)
+            plan_pool(build_config(None, opts | {"cpus_per_worker": 2}).scheduling, 10)
     finally:
         ray.shutdown()
         cluster.shutdown()

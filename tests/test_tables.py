@@ -58,7 +58,7 @@ def folded() -> tuple[EmbeddingStatistics, dict[int, np.ndarray], np.ndarray, np
 
 @pytest.fixture(scope="module")
 def tables(folded) -> dict[str, pd.DataFrame]:
-    return build_tables(folded[0], Tokenizer, config())
+    return build_tables(folded[0], Tokenizer, config().tables)
 
 
 def test_each_layer_view_is_taken_once(folded, monkeypatch):
@@ -71,7 +71,7 @@ def test_each_layer_view_is_taken_once(folded, monkeypatch):
         return view(self, layer)
 
     monkeypatch.setattr(EmbeddingStatistics, "layer", counting)
-    build_tables(stats, Tokenizer, config())
+    build_tables(stats, Tokenizer, config().tables)
     assert taken == LAYERS
 
 
@@ -184,7 +184,7 @@ def test_mean_cosine_from_unit_sum_equals_brute_force():
 
 def run_locally(tables: dict[str, pd.DataFrame], sample, cfg: JobConfig) -> dict:
     """The sampled stage in this process: the plan, select_k and sampled_row per layer."""
-    plan = plan_sampled_metrics(sample, tables["dims"], Tokenizer, cfg)
+    plan = plan_sampled_metrics(sample, tables["dims"], Tokenizer, cfg.sampled)
     kmeans = {layer: select_k(x.vectors, **plan.kmeans_options) for layer, x in plan.layers.items()}
     rows = {
         layer: sampled_row(

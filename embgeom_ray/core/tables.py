@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import numpy as np
 import pandas as pd
 
-from ..config import JobConfig
+from ..config import SampledOptions, TableOptions
 from .metrics import layer_row, type_stats_rows, with_token_names
 from .rogue import (
     OutlierRules,
@@ -64,25 +64,25 @@ def _layer_parts(m: LayerMoments, rules: OutlierRules, min_count: int) -> _Layer
 
 
 def build_tables(
-    merged: EmbeddingStatistics, tokenizer: Any, config: JobConfig
+    merged: EmbeddingStatistics, tokenizer: Any, options: TableOptions
 ) -> dict[str, pd.DataFrame]:
     """Every exact table of the output contract, from the corpus statistics alone.
 
     - ``type_stats``: :func:`~.metrics.type_stats_rows` of every layer, token names from
       ``tokenizer.convert_ids_to_tokens`` (:func:`~.metrics.with_token_names`);
-    - ``layers``: per layer :func:`~.metrics.layer_row` (``config.min_count``), then
+    - ``layers``: per layer :func:`~.metrics.layer_row` (``options.min_count``), then
       :func:`~.rogue.clipping_row` with the layer's flagged dimensions and
       :func:`~.rogue.exact_clipped_cosines` (when the statistics track ``clip_dims``);
-    - ``dims``: :func:`~.rogue.dims_rows` of every layer (``config.outlier_*`` rules);
+    - ``dims``: :func:`~.rogue.dims_rows` of every layer (``options.outlier_*`` rules);
     - ``positions``: :func:`~.rogue.positions_table` with the dimensions flagged in any layer.
 
     Each layer's view is taken once; only its small positional profile is kept past it.
     """
     rules = OutlierRules(
-        config.outlier_mean_z, config.outlier_variance_ratio, config.outlier_tail_share
+        options.outlier_mean_z, options.outlier_variance_ratio, options.outlier_tail_share
     )
     parts = {
-        layer: _layer_parts(merged.layer(layer), rules, config.min_count) for layer in merged.layers
+        layer: _layer_parts(merged.layer(layer), rules, options.min_count) for layer in merged.layers
     }
     dims = pd.concat([p.dims for p in parts.values()], ignore_index=True)
     types = pd.concat([p.types for p in parts.values()], ignore_index=True)
@@ -149,7 +149,7 @@ class SampledPlan:
 
 
 def plan_sampled_metrics(
-    sample: ActivationSample, dims: pd.DataFrame, tokenizer: Any, config: JobConfig
+    sample: ActivationSample, dims: pd.DataFrame, tokenizer: Any, options: SampledOptions
 ) -> SampledPlan:
     """The samples table and, unless the sample is too small, each layer's inputs.
 
@@ -177,16 +177,16 @@ def plan_sampled_metrics(
             flagged.get(layer, []),
         )
     kmeans_options = {
-        "ks": range(2, min(config.kmeans_k_max, n_points - 1) + 1),
-        "min_silhouette": config.kmeans_min_silhouette,
-        "n_init": config.kmeans_n_init,
-        "seed": config.sample_seed,
-        "silhouette_max_points": config.silhouette_max_points,
+        "ks": range(2, min(options.kmeans_k_max, n_points - 1) + 1),
+        "min_silhouette": options.kmeans_min_silhouette,
+        "n_init": options.kmeans_n_init,
+        "seed": options.sample_seed,
+        "silhouette_max_points": options.silhouette_max_points,
     }
     row_options = {
-        "lid_k": min(config.lid_k, n_points - 1),
-        "silhouette_max_points": config.silhouette_max_points,
-        "seed": config.sample_seed,
+        "lid_k": min(options.lid_k, n_points - 1),
+        "silhouette_max_points": options.silhouette_max_points,
+        "seed": options.sample_seed,
     }
     return SampledPlan(samples, note, layers, kmeans_options, row_options)
 

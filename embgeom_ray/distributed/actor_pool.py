@@ -29,7 +29,7 @@ from typing import Any
 
 import ray
 
-from ..config import JobConfig
+from ..config import ExtractionOptions, SchedulingOptions
 from ..errors import ConfigError, UserError
 from ..inputs.corpus import Shard
 from ..inputs.extractor import ShardCounts, ShardProcessor
@@ -51,7 +51,7 @@ class PoolPlan:
     checkpoints: int = 0
 
 
-def plan_pool(config: JobConfig, num_shards: int) -> PoolPlan:
+def plan_pool(config: SchedulingOptions, num_shards: int) -> PoolPlan:
     """The extractor pool: one actor per GPU, else CPU actors of ``cpus_per_worker`` CPUs.
 
     With ``--device cuda`` GPU actors are requested even if the cluster shows no GPU yet, so
@@ -116,7 +116,7 @@ class ShardExtract:
 
     def __init__(
         self,
-        config_json: dict[str, Any],
+        options_json: dict[str, Any],
         layers: list[int],
         metadata: dict[str, str],
         threads: int,
@@ -129,7 +129,8 @@ class ShardExtract:
         self.broken_on: str | None = None
         self._reset()
         try:
-            self.processor = ShardProcessor(JobConfig(**config_json), layers, metadata, clip_dims)
+            options = ExtractionOptions(**options_json)
+            self.processor = ShardProcessor(options, layers, metadata, clip_dims)
         except Exception as exc:
             self.error = exc
 
@@ -219,7 +220,7 @@ class _Scheduler:
 
     def __init__(
         self,
-        config: JobConfig,
+        config: SchedulingOptions,
         pool: PoolPlan,
         start: Callable[[], Any],
         shards: list[Shard],
@@ -382,7 +383,8 @@ class _Scheduler:
 
 
 def run_shards(
-    config: JobConfig,
+    extraction: ExtractionOptions,
+    scheduling: SchedulingOptions,
     layers: list[int],
     metadata: dict[str, str],
     shards: list[Shard],
@@ -397,16 +399,16 @@ def run_shards(
     ``on_folded`` each shard as an actor folds it (progress), ``on_requeued`` the folded
     shards an actor lost before flushing them (they are folded again later).
     """
-    pool = plan_pool(config, len(shards))
+    pool = plan_pool(scheduling, len(shards))
     if not shards:
         return pool
     options: dict[str, Any] = {"num_cpus": pool.num_cpus, "max_restarts": 0}
     if pool.num_gpus:
         options["num_gpus"] = pool.num_gpus
     actor_cls = ShardExtractActor.options(**options)
-    args = (config.model_dump(), layers, metadata, pool.num_cpus, clip_dims)
+    args = (dataclasses.asdict(extraction), layers, metadata, pool.num_cpus, clip_dims)
     _Scheduler(
-        config,
+        scheduling,
         pool,
         lambda: actor_cls.remote(*args),
         shards,

@@ -11,7 +11,7 @@ from typing import Any
 
 import pandas as pd
 
-from ..config import JobConfig
+from ..config import SampledOptions
 from ..core.samples import ActivationSample
 from ..core.tables import finish_sampled_metrics, plan_sampled_metrics, sampled_row
 
@@ -20,7 +20,8 @@ def add_sampled_metrics(
     tables: dict[str, pd.DataFrame],
     sample: ActivationSample,
     tokenizer: Any,
-    config: JobConfig,
+    options: SampledOptions,
+    address: str | None = None,
 ) -> dict[str, Any]:
     """K-means, LID, silhouettes, cluster-adjusted and clipped cosines on the sample, on Ray.
 
@@ -32,7 +33,7 @@ def add_sampled_metrics(
     ``cluster``); returns what the manifest records. A sample too small for the metrics
     (:data:`~embgeom_ray.core.tables.MIN_SAMPLE_POINTS`) needs no Ray.
     """
-    plan = plan_sampled_metrics(sample, tables["dims"], tokenizer, config)
+    plan = plan_sampled_metrics(sample, tables["dims"], tokenizer, options)
     if plan.skipped:
         return finish_sampled_metrics(tables, plan, {}, {})
     import ray  # only here: the driver imports ray when there is Ray work to do
@@ -40,7 +41,7 @@ def add_sampled_metrics(
     from .cluster import connect
     from .kmeans import call_on_ray, submit_layers_on_ray
 
-    connect(config.address)
+    connect(address)
     km_refs = submit_layers_on_ray(
         {layer: inputs.vectors for layer, inputs in plan.layers.items()}, **plan.kmeans_options
     )

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from ..config import JobConfig
+from ..config import ExtractionOptions
 from ..core.samples import ActivationSample
 from ..core.statistics import EmbeddingStatistics
 from .corpus import CorpusSpec, Document, ReadReport, Shard, read_shard
@@ -181,7 +181,7 @@ class ShardProcessor:
     """Model + tokenizer loaded once; :meth:`process` folds one shard.
 
     Args:
-        config: the job's options.
+        options: the extraction options (:attr:`JobConfig.extraction`).
         layers: resolved HF hidden-state indices to keep.
         metadata: identity strings stamped on every statistics object (model and tokenizer
             fingerprints, …), so shards of different measurements can never be merged.
@@ -190,19 +190,19 @@ class ShardProcessor:
 
     def __init__(
         self,
-        config: JobConfig,
+        options: ExtractionOptions,
         layers: list[int],
         metadata: dict[str, str],
         clip_dims: list[int] | None = None,
     ) -> None:
-        self.config = config
+        self.options = options
         self.clip_dims = clip_dims
         self.layers = list(layers)
         self.metadata = dict(metadata)
-        self.device = resolve_device(config.device)
-        self.tokenizer = load_tokenizer(config.model, config.revision, config.trust_remote_code)
+        self.device = resolve_device(options.device)
+        self.tokenizer = load_tokenizer(options.model, options.revision, options.trust_remote_code)
         self.model = load_model(
-            config.model, config.revision, config.dtype, self.device, config.trust_remote_code
+            options.model, options.revision, options.dtype, self.device, options.trust_remote_code
         )
         hidden = self.model.config.get_text_config().hidden_size
         self.dim = int(hidden)
@@ -210,7 +210,7 @@ class ShardProcessor:
         if self.pad_id is None:
             self.pad_id = 0  # masked out by attention_mask and keep; never counted
         self.special_ids = list(self.tokenizer.all_special_ids)
-        self.corpus = CorpusSpec(config.corpus, config.text_column, config.split)
+        self.corpus = CorpusSpec(options.corpus, options.text_column, options.split)
         if self.device == "cuda":
             torch.backends.cuda.matmul.allow_tf32 = False  # the model's own matmuls stay fp32
 
@@ -218,15 +218,15 @@ class ShardProcessor:
         return EmbeddingStatistics(
             self.layers,
             self.dim,
-            max_positions=self.config.max_length,
+            max_positions=self.options.max_length,
             device=self.device,
             metadata=self.metadata,
             clip_dims=self.clip_dims,
-            comoment_precision=self.config.comoment_precision,
+            comoment_precision=self.options.comoment_precision,
         )
 
     def new_sample(self) -> ActivationSample | None:
-        cfg = self.config
+        cfg = self.options
         if cfg.sample_size == 0:
             return None
         return ActivationSample(
@@ -265,7 +265,7 @@ class ShardProcessor:
         measured: about 12 MB for the pool's 262,144 tokens at the defaults); one batch of
         ``batch_tokens`` positions.
         """
-        cfg = self.config
+        cfg = self.options
 
         def chunks() -> Iterator[list[Window]]:
             for chunk in _chunks(docs, cfg.docs_per_chunk):

@@ -61,8 +61,12 @@ def finish_run(
     ``complete`` only after every table and artefact is in place.
     """
     t0 = time.perf_counter()
-    tables = build_tables(merged, tokenizer, config)
-    note = None if sample is None else add_sampled_metrics(tables, sample, tokenizer, config)
+    tables = build_tables(merged, tokenizer, config.tables)
+    note = (
+        None
+        if sample is None
+        else add_sampled_metrics(tables, sample, tokenizer, config.sampled, config.address)
+    )
     t1 = time.perf_counter()
     manifest.set(sample=note, timings_s=manifest.timings_s | {"metrics": round(t1 - t0, 3)})
     run.finalise(manifest, tables, merged, sample)

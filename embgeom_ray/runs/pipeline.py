@@ -145,7 +145,8 @@ def _extract(
 
     try:
         return run_shards(
-            config,
+            config.extraction,
+            config.scheduling,
             layers,
             metadata,
             todo,
