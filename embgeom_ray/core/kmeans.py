@@ -47,6 +47,16 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from ..config import JobConfig
+
+_OPTIONS = JobConfig.model_fields
+#: defaults of the model selection: the job's own option defaults (one home, JobConfig)
+KS: range = range(2, _OPTIONS["kmeans_k_max"].default + 1)
+MIN_SILHOUETTE: float = _OPTIONS["kmeans_min_silhouette"].default
+N_INIT: int = _OPTIONS["kmeans_n_init"].default
+SILHOUETTE_MAX_POINTS: int = _OPTIONS["silhouette_max_points"].default
+#: Lloyd's iteration limit and relative tolerance (scikit-learn's defaults; not options)
+MAX_ITER, TOL = 300, 1e-4
 #: samples with n·d at most this (4096 points × d = 8192, 256 MiB in float64) are fitted in one
 #: process by :func:`fit_local`; larger ones by the partitioned k-means|| path (:func:`fit`).
 LOCAL_FIT_MAX_ELEMENTS = 4096 * 8192
@@ -292,9 +302,9 @@ def _lloyd(
 def fit(
     X: np.ndarray,
     k: int,
-    n_init: int = 3,
-    max_iter: int = 300,
-    tol: float = 1e-4,
+    n_init: int = N_INIT,
+    max_iter: int = MAX_ITER,
+    tol: float = TOL,
     seed: int = 0,
     map_fn: MapFn | None = None,
     *,
@@ -360,9 +370,9 @@ def _sklearn_seed(seed: int) -> int:
 def fit_local(
     X: np.ndarray,
     k: int,
-    n_init: int = 3,
-    max_iter: int = 300,
-    tol: float = 1e-4,
+    n_init: int = N_INIT,
+    max_iter: int = MAX_ITER,
+    tol: float = TOL,
     seed: int = 0,
     *,
     dtype: type[np.floating] = np.float64,
@@ -463,14 +473,14 @@ def silhouette_subsample(n: int, max_points: int | None, seed: int) -> np.ndarra
 
 def select_k(
     X: np.ndarray,
-    ks: Iterable[int] = range(2, 16),
-    min_silhouette: float = 0.1,
+    ks: Iterable[int] = KS,
+    min_silhouette: float = MIN_SILHOUETTE,
     *,
-    n_init: int = 3,
-    max_iter: int = 300,
-    tol: float = 1e-4,
+    n_init: int = N_INIT,
+    max_iter: int = MAX_ITER,
+    tol: float = TOL,
     seed: int = 0,
-    silhouette_max_points: int | None = 4096,
+    silhouette_max_points: int | None = SILHOUETTE_MAX_POINTS,
     map_fn: MapFn | None = None,
     parts: Sequence[Any] | None = None,
     n_partitions: int = 1,
