@@ -46,6 +46,7 @@ from embgeom_ray.distributed.cluster import (
 )
 from embgeom_ray.errors import ConfigError
 from tests.conftest import write_jsonl
+from tests.ray_processes import free_ports, kill_marked, marked_pids
 from tests.tiny_models import make_tiny_bert
 
 REPO = Path(__file__).resolve().parents[1]
@@ -55,26 +56,12 @@ RAY_CLI = Path(sys.executable).parent / "ray"
 # ------------------------------------------------------------------ helpers
 
 
-def _free_ports(n: int) -> list[int]:
-    """``n`` distinct ports free on 127.0.0.1 right now (held open together, then released)."""
-    socks = []
-    try:
-        for _ in range(n):
-            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            s.bind(("127.0.0.1", 0))
-            socks.append(s)
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
-
-
 @pytest.fixture
 def private_tmp() -> Iterator[Path]:
     """A short private TMPDIR (Ray's unix socket paths must stay under ~107 bytes)."""
     base = Path(tempfile.mkdtemp(prefix="egc-", dir="/tmp"))
     yield base
-    _kill_marked(str(base))
+    kill_marked([str(base)])
     shutil.rmtree(base, ignore_errors=True)
 
 
@@ -92,36 +79,6 @@ def _env(tmpdir: Path, **extra: str) -> dict[str, str]:
     )
     env.update(extra)
     return env
-
-
-def _marked_pids(marker: str, pgid: int | None = None) -> list[int]:
-    """Live processes whose command line names ``marker`` (or in process group ``pgid``)."""
-    pids = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit() or int(entry) == os.getpid():
-            continue
-        pid = int(entry)
-        try:
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                cmdline = f.read().replace(b"\0", b" ").decode(errors="replace")
-            with open(f"/proc/{pid}/stat") as f:
-                state = f.read().rsplit(")", 1)[1].split()[0]
-            in_group = pgid is not None and os.getpgid(pid) == pgid
-        except (OSError, IndexError):
-            continue
-        if state != "Z" and (in_group or marker in cmdline):
-            pids.append(pid)
-    return pids
-
-
-def _kill_marked(marker: str, pgid: int | None = None) -> None:
-    for sig, grace in ((signal.SIGTERM, 5.0), (signal.SIGKILL, 5.0)):
-        for pid in _marked_pids(marker, pgid):
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, sig)
-        deadline = time.monotonic() + grace
-        while _marked_pids(marker, pgid) and time.monotonic() < deadline:
-            time.sleep(0.2)
 
 
 def _script(body: str) -> list[str]:
@@ -213,7 +170,7 @@ def test_auto_reads_the_address_file_ray_start_writes(private_tmp, monkeypatch) 
 def test_probe_accepts_a_listening_head_and_refuses_a_dead_one() -> None:
     with socket.create_server(("127.0.0.1", 0)) as srv:
         probe(f"127.0.0.1:{srv.getsockname()[1]}", timeout=5)
-    (dead,) = _free_ports(1)
+    (dead,) = free_ports(1)
     t0 = time.monotonic()
     with pytest.raises(ConfigError) as err:
         probe(f"127.0.0.1:{dead}", timeout=5, where="--address")
@@ -364,7 +321,7 @@ def _job(tmpdir: Path, work: Path, model: str, timeout: float, **options) -> tup
 
 
 def test_an_explicit_dead_address_fails_at_once(private_tmp, tmp_path, tiny_model) -> None:
-    (dead,) = _free_ports(1)
+    (dead,) = free_ports(1)
     t0 = time.monotonic()
     code, err = _job(private_tmp, tmp_path, tiny_model, timeout=180, address=f"127.0.0.1:{dead}")
     elapsed = time.monotonic() - t0
@@ -380,7 +337,7 @@ def test_an_explicit_dead_address_fails_at_once(private_tmp, tmp_path, tiny_mode
 @pytest.mark.slow
 def test_a_stale_address_file_is_ignored(private_tmp, tmp_path, tiny_model) -> None:
     """A head killed without ``ray stop`` leaves its address file; the job does not go there."""
-    (dead,) = _free_ports(1)
+    (dead,) = free_ports(1)
     (private_tmp / "ray").mkdir()
     address_file = private_tmp / "ray" / "ray_current_cluster"
     address_file.write_text(f"127.0.0.1:{dead}")
@@ -411,7 +368,7 @@ def foreign_head(private_tmp) -> Iterator[str]:
     ``$TMPDIR/ray``, where a plain ray.init() looks), with token authentication on (the token
     in ``FOREIGN_TOKEN``); yields its GCS address."""
     temp_dir = private_tmp / "ray"
-    (gcs, node_mgr, obj_mgr, rt_env, metrics, client, agent_http, agent_grpc) = _free_ports(8)
+    (gcs, node_mgr, obj_mgr, rt_env, metrics, client, agent_http, agent_grpc) = free_ports(8)
     log = private_tmp / "head.log"
     cmd = [
         str(RAY_CLI), "start", "--head", "--block",
@@ -456,11 +413,11 @@ def foreign_head(private_tmp) -> Iterator[str]:
             proc.send_signal(signal.SIGTERM)  # `ray start --block` stops what it started
         with contextlib.suppress(subprocess.TimeoutExpired):
             proc.wait(timeout=45)
-        _kill_marked(str(private_tmp), proc.pid)
+        kill_marked([str(private_tmp)], proc.pid)
         if proc.poll() is None:
             proc.kill()
             proc.wait(timeout=10)
-        assert not _marked_pids(str(private_tmp), proc.pid), "the test head left processes"
+        assert not marked_pids([str(private_tmp)], proc.pid), "the test head left processes"
 
 
 WHERE_SCRIPT = """

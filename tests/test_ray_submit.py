@@ -37,7 +37,6 @@ import os
 import secrets
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -50,6 +49,8 @@ from pathlib import Path
 
 import pandas as pd
 import pytest
+
+from tests.ray_processes import free_ports, kill_marked, marked_pids
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -88,20 +89,6 @@ HEAD_START_TIMEOUT_S = 90
 SUBMIT_TIMEOUT_S = 200
 
 
-def _free_ports(n: int) -> list[int]:
-    """``n`` distinct ports free on 127.0.0.1 right now (held open together, then released)."""
-    socks = []
-    try:
-        for _ in range(n):
-            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            s.bind(("127.0.0.1", 0))
-            socks.append(s)
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
-
-
 def _ray_env(token: str) -> dict[str, str]:
     """The environment of the head and of the submit: same auth mode, same token."""
     env = {k: v for k, v in os.environ.items() if k not in {"RAY_ADDRESS", "RAY_AUTH_TOKEN_PATH"}}
@@ -116,28 +103,6 @@ def _ray_env(token: str) -> dict[str, str]:
         PATH=f"{VENV_BIN}{os.pathsep}{os.environ.get('PATH', '')}",
     )
     return env
-
-
-def _our_pids(markers: list[str], pgid: int) -> list[int]:
-    """Live processes in the head's process group or whose command line names our dirs."""
-    pids = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit() or int(entry) == os.getpid():
-            continue
-        pid = int(entry)
-        try:
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                cmdline = f.read().replace(b"\0", b" ").decode(errors="replace")
-            with open(f"/proc/{pid}/stat") as f:
-                state = f.read().rsplit(")", 1)[1].split()[0]
-            in_group = os.getpgid(pid) == pgid
-        except (OSError, IndexError):
-            continue
-        if state == "Z":
-            continue
-        if in_group or any(m in cmdline for m in markers):
-            pids.append(pid)
-    return pids
 
 
 @dataclass
@@ -158,14 +123,8 @@ class Head:
         with contextlib.suppress(subprocess.TimeoutExpired):
             self.proc.wait(timeout=45)
         pgid = self.proc.pid
-        leftovers = _our_pids(self.markers, pgid)
-        for sig, grace in ((signal.SIGTERM, 5.0), (signal.SIGKILL, 5.0)):
-            for pid in _our_pids(self.markers, pgid):
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, sig)
-            deadline = time.monotonic() + grace
-            while _our_pids(self.markers, pgid) and time.monotonic() < deadline:
-                time.sleep(0.2)
+        leftovers = marked_pids(self.markers, pgid)
+        kill_marked(self.markers, pgid)
         if self.proc.poll() is None:
             self.proc.kill()
         self.proc.wait(timeout=10)
@@ -210,7 +169,7 @@ def ray_head(tmp_path_factory) -> Iterator[Head]:
     work = tmp_path_factory.mktemp("submit")
     token = secrets.token_hex(32)
     env = _ray_env(token)
-    (gcs, dash, agent_http, agent_grpc, node_mgr, obj_mgr, rt_env, metrics, client) = _free_ports(9)
+    (gcs, dash, agent_http, agent_grpc, node_mgr, obj_mgr, rt_env, metrics, client) = free_ports(9)
     log = work / "ray-start.log"
     cmd = [
         str(RAY_CLI), "start", "--head", "--block",
@@ -254,7 +213,7 @@ def ray_head(tmp_path_factory) -> Iterator[Head]:
         yield head
     finally:
         killed = head.stop()
-        left = _our_pids(head.markers, proc.pid)
+        left = marked_pids(head.markers, proc.pid)
         shutil.rmtree(base, ignore_errors=True)
         assert not left, f"Ray processes of the test head still running: {left}"
         if killed:  # typically dashboard module processes that outlive the head by a moment
