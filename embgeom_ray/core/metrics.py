@@ -14,6 +14,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import pandas as pd
 
+from ..config import JobConfig
 from .statistics import EmbeddingStatistics, LayerMoments
 
 TYPE_COLUMNS = [
@@ -26,6 +27,9 @@ LAYER_COLUMNS = [
     "s_inter", "s_intra",
 ]  # fmt: skip
 DIM_COLUMNS = ["layer", "dim", "mean", "std"]
+
+#: default minimum count of a type in norm_variance_corr (the job's ``--min-count``)
+MIN_COUNT: int = JobConfig.model_fields["min_count"].default
 
 
 def type_variances(m: LayerMoments) -> np.ndarray:
@@ -59,7 +63,7 @@ def variance_decomposition(m: LayerMoments) -> tuple[float, float, float]:
     return total, within, between
 
 
-def norm_variance_corr(m: LayerMoments, min_count: int = 5) -> float:
+def norm_variance_corr(m: LayerMoments, min_count: int = MIN_COUNT) -> float:
     """Pearson r between ||μ_t|| and V_t over types with n_t ≥ min_count (Yamagiwa et al. 2024).
 
     NaN when fewer than 3 types qualify or either quantity is constant.
@@ -149,7 +153,7 @@ def isoscore_from_covariance(cov: np.ndarray) -> float:
     return float((k - 1.0) / (n - 1.0))
 
 
-def layer_row(m: LayerMoments, min_count: int = 5) -> dict[str, float | int]:
+def layer_row(m: LayerMoments, min_count: int = MIN_COUNT) -> dict[str, float | int]:
     """One row of ``layers.parquet`` (the exact, moment-based columns)."""
     total, within, between = variance_decomposition(m)
     aniso, s_inter, s_intra = cosine_metrics(m)
@@ -239,7 +243,7 @@ def dim_moment_rows(m: LayerMoments) -> pd.DataFrame:
 # view (:meth:`EmbeddingStatistics.layer`, an argsort and a copy) once for all of them.
 
 
-def layers_table(stats: EmbeddingStatistics, min_count: int = 5) -> pd.DataFrame:
+def layers_table(stats: EmbeddingStatistics, min_count: int = MIN_COUNT) -> pd.DataFrame:
     """The exact columns of ``layers.parquet`` (:data:`LAYER_COLUMNS`), one row per layer."""
     rows = [layer_row(stats.layer(layer), min_count) for layer in stats.layers]
     return pd.DataFrame(rows, columns=LAYER_COLUMNS)

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import numpy as np
 import pandas as pd
 
+from ..config import JobConfig, TableOptions
 from .metrics import (
     DIM_COLUMNS,
     cosine_metrics,
@@ -43,11 +44,20 @@ FLAG_COLUMNS = [
 DIMS_COLUMNS = DIM_COLUMNS + FLAG_COLUMNS
 
 
+_OPTIONS = JobConfig.model_fields
+
+
 @dataclass(frozen=True)
 class OutlierRules:
-    mean_z: float = 3.0
-    variance_ratio: float = 5.0
-    tail_share: float = 0.25
+    """When a dimension is flagged as an outlier (defaults: the job's ``--outlier-*`` options)."""
+
+    mean_z: float = _OPTIONS["outlier_mean_z"].default
+    variance_ratio: float = _OPTIONS["outlier_variance_ratio"].default
+    tail_share: float = _OPTIONS["outlier_tail_share"].default
+
+    @classmethod
+    def of(cls, options: TableOptions) -> OutlierRules:
+        return cls(options.outlier_mean_z, options.outlier_variance_ratio, options.outlier_tail_share)
 
     def describe(self) -> str:
         return (

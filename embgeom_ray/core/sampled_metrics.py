@@ -18,6 +18,8 @@ import numpy as np
 import pandas as pd
 from scipy.special import logsumexp
 
+from ..config import JobConfig
+from .kmeans import SILHOUETTE_MAX_POINTS
 from .metrics import isoscore_from_covariance, mean_cosine_from_unit_sum
 
 if TYPE_CHECKING:
@@ -30,6 +32,9 @@ SAMPLED_LAYER_COLUMNS = [
     "adjusted_isoscore", "s_inter_type_uniform", "isoscore_sample", "lid_euclidean",
     "lid_cosine", "silhouette_types", "partition_isotropy", "partition_isotropy_centered",
 ]  # fmt: skip
+
+#: default neighbours of the LID estimate (the job's ``--lid-k``)
+LID_K: int = JobConfig.model_fields["lid_k"].default
 
 
 def _as_points(X: np.ndarray, name: str = "X") -> np.ndarray:
@@ -330,8 +335,8 @@ def sampled_layer_metrics(
     layer: int,
     kmeans_result: SelectKResult | None = None,
     *,
-    lid_k: int = 20,
-    silhouette_max_points: int | None = 4096,
+    lid_k: int = LID_K,
+    silhouette_max_points: int | None = SILHOUETTE_MAX_POINTS,
     min_type_count: int = 2,
     seed: int = 0,
 ) -> dict[str, float | int]:
@@ -370,8 +375,8 @@ def sampled_metrics_of_points(
     type_vectors: np.ndarray | None = None,
     kmeans_result: SelectKResult | None = None,
     *,
-    lid_k: int = 20,
-    silhouette_max_points: int | None = 4096,
+    lid_k: int = LID_K,
+    silhouette_max_points: int | None = SILHOUETTE_MAX_POINTS,
     min_type_count: int = 2,
     seed: int = 0,
 ) -> dict[str, float | int]:

@@ -78,9 +78,7 @@ def build_tables(
 
     Each layer's view is taken once; only its small positional profile is kept past it.
     """
-    rules = OutlierRules(
-        options.outlier_mean_z, options.outlier_variance_ratio, options.outlier_tail_share
-    )
+    rules = OutlierRules.of(options)
     parts = {
         layer: _layer_parts(merged.layer(layer), rules, options.min_count) for layer in merged.layers
     }

@@ -269,9 +269,7 @@ def start_manifest(spec: RunSpec, started_at: str) -> Manifest:
         ),
         layers=spec.layers,
         clip_dims=spec.clip_dims,
-        outlier_rules=OutlierRules(
-            config.outlier_mean_z, config.outlier_variance_ratio, config.outlier_tail_share
-        ).describe(),
+        outlier_rules=OutlierRules.of(config.tables).describe(),
         versions=versions(),
     )
 
@@ -325,9 +323,7 @@ def retable(run: RunDir, done: Manifest, spec: RunSpec, t_start: float, echo) ->
         status="running",
         started_at=now(),
         config=config.model_dump(),
-        outlier_rules=OutlierRules(
-            config.outlier_mean_z, config.outlier_variance_ratio, config.outlier_tail_share
-        ).describe(),
+        outlier_rules=OutlierRules.of(config.tables).describe(),
         timings_s={"plan": round(time.perf_counter() - t_start, 3)},
     )
     run.write_manifest(manifest)
