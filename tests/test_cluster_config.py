@@ -231,6 +231,14 @@ def test_token_authentication_on_every_node(config) -> None:
     assert mounts.get("/home/ray/.ray/auth_token") == "~/.ray/auth_token", mounts
     # never a token in the repository
     text = CLUSTER_YAML.read_text()
+    # the header says how the token is made, kept private, and given to a client
+    header = "\n".join(line for line in text.splitlines() if line.startswith("#"))
+    for step in (
+        "ray get-auth-token --generate",
+        "chmod 600 ~/.ray/auth_token",
+        "export RAY_AUTH_MODE=token",
+    ):
+        assert step in header, step
     assert not re.search(r"RAY_AUTH_TOKEN\s*[=:]\s*\S", text)
     # the check is not vacuous
     bad = copy.deepcopy(config)

@@ -164,6 +164,24 @@ def test_auto_reads_the_address_file_ray_start_writes(private_tmp, monkeypatch) 
     assert resolve_address(ClusterChoice("auto", "--address")) == "127.0.0.1:6390"
 
 
+def test_only_rays_token_default_notice_is_left_out(capsys) -> None:
+    """A new local Ray's "token authentication is enabled" warning (Ray's own function, so its
+    real wording) does not come before the job's line; Ray's other auth warnings still show."""
+    from ray._private.authentication import authentication_token_setup as setup
+
+    from embgeom_ray.distributed.cluster import _without_token_notice
+
+    setup._warn_token_auth_enabled()
+    assert "Token authentication is enabled for this Ray cluster" in capsys.readouterr().err
+    with _without_token_notice():
+        setup._warn_token_auth_enabled()
+        assert capsys.readouterr().err == ""
+        setup._warn_token_auth_disabled()
+        assert "Token authentication is disabled" in capsys.readouterr().err
+    setup._warn_token_auth_enabled()  # the filter is gone again
+    assert "Token authentication is enabled" in capsys.readouterr().err
+
+
 # ------------------------------------------------------------------ probe
 
 
@@ -353,6 +371,7 @@ def test_a_stale_address_file_is_ignored(private_tmp, tmp_path, tiny_model) -> N
     ray_lines = [line for line in err.splitlines() if line.startswith("ray: ")]
     assert len(ray_lines) == 1, err
     assert re.fullmatch(r"ray: started a private local Ray \(\d+ CPUs?\)", ray_lines[0]), err
+    assert "Token authentication is enabled" not in err  # Ray's notice, left out (above)
     manifest = json.loads((tmp_path / "out" / "manifest.json").read_text())
     assert manifest["status"] == "complete"
     assert address_file.read_text() == f"127.0.0.1:{dead}"  # left as it was

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import select
 import signal
@@ -315,6 +316,35 @@ def _driver_runtime_env() -> dict[str, Any] | None:
     return {"env_vars": env_vars} if env_vars else None
 
 
+#: the logger of Ray's notice that a new local Ray turned token authentication on by itself
+_TOKEN_SETUP_LOGGER = "ray._private.authentication.authentication_token_setup"
+
+
+class _TokenNoticeFilter(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith("Token authentication is enabled")
+
+
+@contextlib.contextmanager
+def _without_token_notice() -> Iterator[None]:
+    """Leave out Ray's warning that a new local Ray enabled token authentication by default.
+
+    Since Ray 2.52, ``ray.init()`` starting a local Ray with ``RAY_AUTH_MODE`` unset turns token
+    authentication on (creating ``~/.ray/auth_token`` if missing) and warns about it, in the
+    words "Token authentication is enabled for this Ray cluster. Set RAY_AUTH_MODE=disabled to
+    opt out". For the job's private Ray that is the intended, secure default, and the warning
+    would come before the job's own line saying which Ray it runs on; only that notice is
+    dropped (any other message of Ray's, e.g. a token that cannot be written, still shows).
+    """
+    logger = logging.getLogger(_TOKEN_SETUP_LOGGER)
+    notice = _TokenNoticeFilter()
+    logger.addFilter(notice)
+    try:
+        yield
+    finally:
+        logger.removeFilter(notice)
+
+
 def describe_cluster(choice: ClusterChoice, address: str | None) -> str:
     """The line that says which Ray the job runs on (nodes and resources as Ray reports them)."""
     import ray
@@ -357,7 +387,7 @@ def connect(
     runtime_env = _driver_runtime_env()
     if choice.local:
         guard = _ConnectGuard("starting a private local Ray")
-        with guard.active():
+        with guard.active(), _without_token_notice():
             ray.init(
                 address="local",
                 runtime_env=runtime_env,
