@@ -406,6 +406,7 @@ def build_parser(prog: str, description: str, epilog: str = "") -> argparse.Argu
     """
     parser = argparse.ArgumentParser(
         prog=prog,
+        usage=f"{prog} --model M --corpus C --out DIR [options]",
         description=description,
         epilog=epilog,
         formatter_class=argparse.RawDescriptionHelpFormatter,

@@ -45,8 +45,11 @@ import numpy as np
 import pandas as pd
 import torch
 
+from ..config import JobConfig
 from ..errors import StatisticsMismatchError
 from .sketch import Sketch, check_array
+
+_OPTIONS = JobConfig.model_fields
 
 #: the ``format`` of the header (this name since the first version).
 FORMAT = "embgeom_ray.samples"
@@ -284,8 +287,8 @@ class ActivationSample(Sketch):
         self,
         layers: Sequence[int],
         dim: int,
-        size: int = 4096,
-        seed: int = 0,
+        size: int = _OPTIONS["sample_size"].default,
+        seed: int = _OPTIONS["sample_seed"].default,
         type_uniform: bool = True,
         device: str | torch.device = "cpu",
         metadata: Mapping[str, str] | None = None,
