@@ -164,22 +164,34 @@ def test_auto_reads_the_address_file_ray_start_writes(private_tmp, monkeypatch) 
     assert resolve_address(ClusterChoice("auto", "--address")) == "127.0.0.1:6390"
 
 
-def test_only_rays_token_default_notice_is_left_out(capsys) -> None:
+def test_only_rays_token_default_notice_is_left_out() -> None:
     """A new local Ray's "token authentication is enabled" warning (Ray's own function, so its
     real wording) does not come before the job's line; Ray's other auth warnings still show."""
+    import logging
+
     from ray._private.authentication import authentication_token_setup as setup
 
     from embgeom_ray.distributed.cluster import _without_token_notice
 
-    setup._warn_token_auth_enabled()
-    assert "Token authentication is enabled for this Ray cluster" in capsys.readouterr().err
-    with _without_token_notice():
+    seen: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: seen.append(record.getMessage())  # type: ignore[method-assign]
+    logger = logging.getLogger(setup.__name__)
+    logger.addHandler(handler)
+    try:
         setup._warn_token_auth_enabled()
-        assert capsys.readouterr().err == ""
-        setup._warn_token_auth_disabled()
-        assert "Token authentication is disabled" in capsys.readouterr().err
-    setup._warn_token_auth_enabled()  # the filter is gone again
-    assert "Token authentication is enabled" in capsys.readouterr().err
+        assert any("Token authentication is enabled for this Ray cluster" in m for m in seen)
+        seen.clear()
+        with _without_token_notice():
+            setup._warn_token_auth_enabled()
+            assert seen == []
+            setup._warn_token_auth_disabled()
+            assert any("Token authentication is disabled" in m for m in seen)
+        seen.clear()
+        setup._warn_token_auth_enabled()  # the filter is gone again
+        assert any("Token authentication is enabled" in m for m in seen)
+    finally:
+        logger.removeHandler(handler)
 
 
 # ------------------------------------------------------------------ probe
