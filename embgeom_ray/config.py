@@ -190,10 +190,41 @@ class JobConfig(BaseModel):
     kmeans_k_max: int = Field(
         15, ge=2, description="K-means tries k = 2..this and keeps the best silhouette (Cai et al.)"
     )
+    kmeans_k_cap: int = Field(
+        60,
+        ge=2,
+        description="while the best silhouette is at the largest k tried, K-means doubles the "
+        "range (16..30, 31..60, ...) up to this k; a best k at the cap is flagged "
+        "(kmeans_k_at_cap). At most --kmeans-k-max: Cai et al.'s fixed range",
+    )
     kmeans_min_silhouette: float = Field(
         0.1, ge=-1, le=1, description="below this best silhouette, k = 1 (no clusters)"
     )
     kmeans_n_init: int = Field(3, ge=1, description="K-means initialisations per k")
+    kmeans_stability_seeds: int = Field(
+        2,
+        ge=0,
+        description="refits of the best k with other seeds; kmeans_stability is their mean "
+        "adjusted Rand index with the reported clusters (0: no check)",
+    )
+    cluster_min_size: int = Field(
+        20,
+        ge=1,
+        description="clusters of fewer points are left out of the size-weighted "
+        "cluster-adjusted metrics (adjusted_*_weighted)",
+    )
+    s_inter_draws: int = Field(
+        20,
+        ge=2,
+        description="random one-occurrence-per-type draws behind the spread of the "
+        "cluster-adjusted S_inter (adjusted_s_inter_draws_std)",
+    )
+    sampled_se_replicates: int = Field(
+        10,
+        ge=0,
+        description="half-samples behind the standard errors of the sampled metrics (*_se "
+        "columns); 0 or 1: none",
+    )
     lid_k: int = Field(
         20, ge=3, description="nearest neighbours of the LID estimate (Levina-Bickel)"
     )
@@ -312,11 +343,16 @@ class SampledOptions:
     """The sampled metrics' options (:func:`embgeom_ray.core.tables.plan_sampled_metrics`)."""
 
     kmeans_k_max: int
+    kmeans_k_cap: int
     kmeans_min_silhouette: float
     kmeans_n_init: int
+    kmeans_stability_seeds: int
     sample_seed: int
     lid_k: int
     silhouette_max_points: int
+    cluster_min_size: int
+    s_inter_draws: int
+    sampled_se_replicates: int
 
 
 _G = TypeVar("_G", ExtractionOptions, SchedulingOptions, TableOptions, SampledOptions)

@@ -177,10 +177,12 @@ def test_select_k_routes_by_sample_size(monkeypatch):
     monkeypatch.setattr(kmeans_module, "fit", spy("distributed", kmeans_module.fit))
     X, _ = blobs(n=600, d=6, centers=3, seed=10)  # n·d = 3600
     ks = range(2, 6)
+    # 4 fits (k = 2..5) and STABILITY_SEEDS = 2 refits of the best k, all on one route
+    assert kmeans_module.STABILITY_SEEDS == 2
     expected = {
-        3600: {"local": 4, "distributed": 0},  # the threshold itself is small
-        3599: {"local": 0, "distributed": 4},
-        None: {"local": 0, "distributed": 4},
+        3600: {"local": 6, "distributed": 0},  # the threshold itself is small
+        3599: {"local": 0, "distributed": 6},
+        None: {"local": 0, "distributed": 6},
     }
     results = {}
     for limit, want in expected.items():
@@ -191,7 +193,7 @@ def test_select_k_routes_by_sample_size(monkeypatch):
     # an explicit map (the Ray layer's) always takes the partitioned path
     calls.update(local=0, distributed=0)
     mapped = select_k(X, ks=ks, n_init=2, seed=0, map_fn=serial_map)
-    assert calls == {"local": 0, "distributed": 4}
+    assert calls == {"local": 0, "distributed": 6}
     np.testing.assert_allclose(mapped.inertias[4], results[None].inertias[4], rtol=1e-12)
     # both routes find the same clusters on well separated blobs
     np.testing.assert_allclose(results[3600].inertia, results[None].inertia, rtol=1e-9)
@@ -290,3 +292,103 @@ def test_fit_layers_on_ray_routes_each_layer_by_its_size(local_ray):
     again = dict(zip(refs, local_ray.get(list(refs.values())), strict=True))
     for layer in by_layer:
         np.testing.assert_array_equal(again[layer].labels, got[layer].labels)
+
+
+# ------------------------------------------------- model selection a reader can trust
+@pytest.fixture(scope="module")
+def many_blobs():
+    """24 well separated blobs of 25 points in 10 dims: the true k lies beyond k = 2..15."""
+    return blobs(n=600, d=10, centers=24, seed=12)
+
+
+def test_select_k_grows_past_the_default_range_to_an_interior_optimum(many_blobs):
+    X, y = many_blobs
+    res = select_k(X, seed=0)  # the defaults: k = 2..15, grown up to the cap (60)
+    assert kmeans_module.KS == range(2, 16) and kmeans_module.K_CAP == 60
+    assert res.k == res.best_k == 24 and not res.at_cap
+    # 15 was the best of 2..15, so 16..30 were searched; 24 is interior there: no more
+    assert res.k_searched == 30 and sorted(res.silhouettes) == list(range(2, 31))
+    assert max(res.silhouettes, key=res.silhouettes.get) == 24
+    assert res.silhouettes[15] == max(res.silhouettes[k] for k in range(2, 16))
+    # the true blobs, found again by every refit with another seed
+    assert len(set(zip(res.labels, y, strict=True))) == 24
+    assert res.stability == pytest.approx(1.0, abs=1e-12)
+    # the same answer as searching k = 2..30 at once (each k's fit depends on k and seed only)
+    direct = select_k(X, ks=range(2, 31), k_cap=2, seed=0, stability_seeds=0)
+    assert direct.k == 24 and np.isnan(direct.stability)
+    np.testing.assert_array_equal(direct.labels, res.labels)
+    assert direct.silhouettes == res.silhouettes
+
+
+def test_select_k_flags_a_best_k_at_the_cap(many_blobs):
+    X, _ = many_blobs
+    # 2..15, then 16..24: the best k is the cap itself, so no interior optimum is known
+    capped = select_k(X, k_cap=24, seed=0, stability_seeds=0)
+    assert capped.best_k == capped.k == capped.k_searched == 24 and capped.at_cap
+    assert sorted(capped.silhouettes) == list(range(2, 25))
+    # a cap at most k_max is Cai et al.'s fixed range: nothing grows, and k = 15 is flagged
+    fixed = select_k(X, k_cap=15, seed=0, stability_seeds=0)
+    assert fixed.k == fixed.k_searched == 15 and fixed.at_cap
+    assert sorted(fixed.silhouettes) == list(range(2, 16))
+    # n - 1 bounds the search as the cap does
+    tiny = select_k(X[:7], ks=range(2, 4), seed=0, stability_seeds=0)
+    assert tiny.k_searched <= 6
+
+
+def test_select_k_interior_optimum_is_the_answer_of_the_range_alone():
+    X, _ = blobs(n=800, d=8, centers=4, seed=2)
+    grown = select_k(X, ks=range(2, 8), seed=0)
+    fixed = select_k(X, ks=range(2, 8), k_cap=7, seed=0)
+    assert grown.k == fixed.k == 4 and not grown.at_cap and not fixed.at_cap
+    assert sorted(grown.silhouettes) == list(range(2, 8)) and grown.k_searched == 7
+    np.testing.assert_array_equal(grown.labels, fixed.labels)
+    assert grown.silhouette == fixed.silhouette and grown.stability == 1.0
+    # structureless points: the best of the rejected k is reported, k = 1 chosen, and refits
+    # with other seeds agree far less than on blobs
+    Z = np.random.default_rng(0).normal(size=(400, 16))
+    noise = select_k(Z, ks=range(2, 6), k_cap=5, seed=0, stability_seeds=3)
+    assert noise.k == 1 and noise.best_k in range(2, 6)
+    assert noise.best_labels is not None and len(np.unique(noise.best_labels)) == noise.best_k
+    assert noise.stability < 0.9
+
+
+def test_select_k_fits_each_distinct_point_once(many_blobs):
+    """Planted exact duplicates: the fit, k and silhouette are those of the distinct points."""
+    X, _ = blobs(n=300, d=6, centers=3, seed=3)
+    rng = np.random.default_rng(1)
+    copies = rng.choice(300, size=120)  # some points repeated up to several times
+    order = rng.permutation(420)
+    Xd = np.vstack([X, X[copies]])[order]
+    first, inverse = kmeans_module.distinct_rows(Xd)
+    np.testing.assert_array_equal(Xd[first][inverse], Xd)
+    assert len(first) == 300 and np.all(np.diff(first) > 0)
+    dup = select_k(Xd, ks=range(2, 6), seed=0)
+    ref = select_k(Xd[first], ks=range(2, 6), seed=0)
+    assert dup.k == ref.k == 3 and dup.n_distinct == 300
+    assert dup.silhouettes == ref.silhouettes and dup.stability == ref.stability
+    np.testing.assert_array_equal(dup.labels, ref.labels[inverse])
+    np.testing.assert_array_equal(dup.best_labels, ref.best_labels[inverse])
+    np.testing.assert_allclose(dup.centers, ref.centers, rtol=1e-12)
+    # the silhouette is sklearn's over the distinct points
+    np.testing.assert_allclose(
+        dup.silhouette, silhouette_score(Xd[first], dup.labels[first]), rtol=1e-10
+    )
+    # without duplicates nothing changes: the rows are their own distinct rows
+    np.testing.assert_array_equal(kmeans_module.distinct_rows(X)[0], np.arange(300))
+
+
+def test_fit_layers_on_ray_fits_distinct_points_on_both_routes(local_ray):
+    """Duplicated rows: the partitioned route de-duplicates before partitioning, as serial."""
+    from embgeom_ray.distributed.kmeans import fit_layers_on_ray
+
+    X, _ = blobs(n=300, d=6, centers=3, seed=4)
+    Xd = np.vstack([X, X[:90]])
+    opts = {"ks": range(2, 5), "n_init": 2, "seed": 1, "stability_seeds": 1}
+    ref = select_k(X, **opts)
+    for limit in (LOCAL_FIT_MAX_ELEMENTS, None):
+        got = fit_layers_on_ray({0: Xd}, local_max_elements=limit, n_partitions=2, **opts)[0]
+        assert got.k == ref.k == 3 and got.n_distinct == 300
+        assert got.labels.shape == (390,) and got.best_labels.shape == (390,)
+        np.testing.assert_array_equal(got.labels[300:], got.labels[:90])
+        np.testing.assert_allclose(got.silhouette, ref.silhouette, rtol=1e-8)
+        assert got.stability == pytest.approx(1.0)

@@ -205,7 +205,15 @@ def test_sampled_stage_parts(tables):
     plan, kmeans, n = out["plan"], out["kmeans"], sample.num_uniform
     assert not plan.skipped and list(plan.layers) == LAYERS
     assert list(plan.kmeans_options["ks"]) == [2, 3, 4, 5]
-    assert plan.row_options == {"lid_k": 10, "silhouette_max_points": 4096, "seed": 0}
+    assert plan.row_options == {
+        "lid_k": 10,
+        "silhouette_max_points": 4096,
+        "seed": 0,
+        "cluster_min_size": 20,
+        "s_inter_draws": 20,
+        "se_replicates": 10,
+    }
+    assert plan.kmeans_options["k_cap"] == 60 and plan.kmeans_options["stability_seeds"] == 2
     flagged = rogue.flagged_dims(tables["dims"])
     layers = tables["layers"].set_index("layer")
     for layer, x in plan.layers.items():

@@ -17,7 +17,13 @@ partitions held in Ray's object store):
   (scikit-learn's convention) or after ``max_iter`` iterations; a final assignment pass gives
   labels and inertia Σ_x min_c ||x − c||² for the returned centres.
 - Model selection (Cai et al. 2021, Sec. 4): :func:`select_k` fits k = 2..15 and keeps the k of
-  best silhouette (Rousseeuw 1987); k = 1 when that silhouette is below 0.1.
+  best silhouette (Rousseeuw 1987); k = 1 when that silhouette is below 0.1. While the best k is
+  the largest one tried, the range grows geometrically (15 → 30 → 60: k = 16..30, then 31..60)
+  up to a cap (:data:`K_CAP`), so a reported k is an interior optimum of the silhouette or is
+  flagged as sitting at the cap (``at_cap``). A stability check refits the best k with other
+  seeds and reports the mean adjusted Rand index (Hubert & Arabie 1985) with the reported
+  clustering. Exact duplicate points are fitted once (:func:`distinct_rows`): a point repeated
+  27 times by repeated text is one point of the set, not 27 (each copy gets its point's label).
 
 The Bernoulli sampling of k-means|| is made independent of the partitioning: point i (global
 index) draws u_i ~ U(0, 1] from a generator seeded per round, and is sampled iff
@@ -40,7 +46,7 @@ thread per layer on 2 CPUs): the same k and best silhouette on every layer as in
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import partial
 from itertools import pairwise
 from typing import Any, NamedTuple
@@ -52,9 +58,13 @@ from ..config import JobConfig
 _OPTIONS = JobConfig.model_fields
 #: defaults of the model selection: the job's own option defaults (one home, JobConfig)
 KS: range = range(2, _OPTIONS["kmeans_k_max"].default + 1)
+K_CAP: int = _OPTIONS["kmeans_k_cap"].default
 MIN_SILHOUETTE: float = _OPTIONS["kmeans_min_silhouette"].default
 N_INIT: int = _OPTIONS["kmeans_n_init"].default
+STABILITY_SEEDS: int = _OPTIONS["kmeans_stability_seeds"].default
 SILHOUETTE_MAX_POINTS: int = _OPTIONS["silhouette_max_points"].default
+#: dtype of the one-process fits' Lloyd iterations (:func:`select_k`; see the module docstring)
+LOCAL_DTYPE: type[np.floating] = np.float32
 #: Lloyd's iteration limit and relative tolerance (scikit-learn's defaults; not options)
 MAX_ITER, TOL = 300, 1e-4
 #: samples with n·d at most this (4096 points × d = 8192, 256 MiB in float64) are fitted in one
@@ -92,7 +102,17 @@ class SelectKResult:
     ``k`` the chosen number of clusters (1 when the best silhouette < ``min_silhouette``);
     ``silhouette`` the best silhouette over the k tried (reported even when k = 1 is chosen;
     NaN when no k could be scored); ``centers``/``labels``/``inertia`` of the chosen k;
-    ``silhouettes``/``inertias`` per k tried.
+    ``silhouettes``/``inertias`` per k tried. ``labels`` has one entry per input row (copies of
+    a point share its label); centres, inertias and silhouettes are those of the fits on the
+    ``n_distinct`` distinct points.
+
+    ``best_k`` is the k of best silhouette (= ``k`` unless k = 1 was chosen; 1 when no k
+    could be scored) and ``best_labels`` its labels (per input row); ``k_searched`` the largest
+    k tried (k = 2..``k_searched``; 1 when none could be); ``at_cap`` whether ``best_k`` is that
+    largest k and the search could not grow past it (the cap, or n − 1): then the silhouette
+    has no interior optimum in the range searched. ``stability`` the mean adjusted Rand index
+    between ``best_labels`` and refits of ``best_k`` with other seeds (1: the same partition
+    every time; ~0: chance agreement; NaN when not checked).
     """
 
     k: int
@@ -102,6 +122,49 @@ class SelectKResult:
     inertia: float
     silhouettes: dict[int, float] = field(default_factory=dict)
     inertias: dict[int, float] = field(default_factory=dict)
+    best_k: int = 1
+    best_labels: np.ndarray | None = None
+    k_searched: int = 1
+    at_cap: bool = False
+    stability: float = float("nan")
+    n_distinct: int = 0
+
+    def expanded(self, inverse: np.ndarray) -> SelectKResult:
+        """This result, fitted on distinct points, with labels for every row: ``labels[inverse]``.
+
+        ``inverse`` maps each row to its distinct point (:func:`distinct_rows`).
+        """
+        inverse = np.asarray(inverse, dtype=np.int64)
+        return replace(
+            self,
+            labels=np.asarray(self.labels)[inverse],
+            best_labels=None if self.best_labels is None else self.best_labels[inverse],
+        )
+
+
+def distinct_rows(X: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(first, inverse): the rows of X that are not exact copies of an earlier row, and the map.
+
+    ``first`` (ascending) indexes the first occurrence of each distinct row, so ``X[first]``
+    keeps the input order (and is X itself when no row repeats); ``inverse[i]`` is the position
+    in ``X[first]`` of row i's point, so ``X[first][inverse]`` equals X. Rows are equal when
+    ``np.unique(X, axis=0)`` finds them equal (every coordinate equal).
+    """
+    X = np.asarray(X)
+    if X.ndim != 2:
+        raise ValueError(f"X must be an (n, d) array, got shape {X.shape}")
+    if len(X) == 0:
+        return np.zeros(0, np.int64), np.zeros(0, np.int64)
+    _, first, inverse = np.unique(X, axis=0, return_index=True, return_inverse=True)
+    order = np.argsort(first, kind="stable")
+    rank = np.empty(len(order), np.int64)
+    rank[order] = np.arange(len(order))
+    return first[order].astype(np.int64), rank[np.asarray(inverse).reshape(-1)]
+
+
+def stability_seed(seed: int, replicate: int) -> int:
+    """The seed of the ``replicate``-th refit (1, 2, ...): a 32-bit word of SeedSequence([seed, r])."""
+    return int(np.random.SeedSequence([int(seed) % 2**63, int(replicate)]).generate_state(1)[0])
 
 
 def serial_map(fn: Callable[[Any], Any], parts: Sequence[Any]) -> list[Any]:
@@ -471,31 +534,49 @@ def silhouette_subsample(n: int, max_points: int | None, seed: int) -> np.ndarra
     return np.sort(np.random.default_rng(seed).choice(n, size=max_points, replace=False))
 
 
+def grown_ks(top: int, limit: int) -> range:
+    """The next range searched when the best k is the largest tried, ``top``: top+1..min(2·top, limit)."""
+    return range(top + 1, min(2 * top, limit) + 1)
+
+
 def select_k(
     X: np.ndarray,
     ks: Iterable[int] = KS,
     min_silhouette: float = MIN_SILHOUETTE,
     *,
+    k_cap: int = K_CAP,
     n_init: int = N_INIT,
     max_iter: int = MAX_ITER,
     tol: float = TOL,
     seed: int = 0,
     silhouette_max_points: int | None = SILHOUETTE_MAX_POINTS,
+    stability_seeds: int = STABILITY_SEEDS,
     map_fn: MapFn | None = None,
     parts: Sequence[Any] | None = None,
     n_partitions: int = 1,
     local_max_elements: int | None = LOCAL_FIT_MAX_ELEMENTS,
-    local_dtype: type[np.floating] = np.float32,
+    local_dtype: type[np.floating] = LOCAL_DTYPE,
 ) -> SelectKResult:
-    """Cai et al. (2021, Sec. 4)'s number of clusters: best silhouette over ``ks``.
+    """Cai et al. (2021, Sec. 4)'s number of clusters: best silhouette over ``ks``, grown to an optimum.
 
     For each k (2 ≤ k < n) fit K-means (see below) and score its labels with the mean
     silhouette s = mean_i (b_i − a_i) / max(a_i, b_i) (Rousseeuw 1987; a_i mean distance to
     the own cluster, b_i to the nearest other; = ``sklearn.metrics.silhouette_score``), on at
     most ``silhouette_max_points`` points drawn once with ``seed`` (the Euclidean distance
     matrix is computed once and shared by all k; :func:`silhouette_from_distances`). k* =
-    argmax s; k = 1 (one cluster: centre = mean) when s(k*) < ``min_silhouette``. Cai et al. use
-    k = 2..15 and 0.1.
+    argmax s (the smaller k on a tie). While k* is the largest k tried, K, and K < min(``k_cap``,
+    n − 1), the range grows geometrically: k = K+1..min(2K, cap, n − 1) are fitted too
+    (:func:`grown_ks`). So k* is an interior optimum of the range searched, or ``at_cap``. With
+    an interior optimum in ``ks`` nothing more is fitted: the answer is that of ``ks`` alone. k =
+    1 (one cluster: centre = mean) when s(k*) < ``min_silhouette``. Cai et al. use k = 2..15
+    (``k_cap`` ≤ max(ks): no growth) and 0.1.
+
+    Exact duplicate rows are fitted once (:func:`distinct_rows`; not when ``parts`` are given:
+    the caller de-duplicates before partitioning), and the silhouette is taken over distinct
+    points: copies of one point would sit at distance 0 from each other. Labels are returned per
+    input row. ``stability_seeds`` > 0 refits k* that many times with seeds
+    :func:`stability_seed` (same ``n_init``) and reports the mean adjusted Rand index
+    (``sklearn.metrics.adjusted_rand_score``) between each refit's labels and k*'s.
 
     Which K-means: with neither ``map_fn`` nor ``parts`` given and n·d ≤ ``local_max_elements``
     (default :data:`LOCAL_FIT_MAX_ELEMENTS`; None: never), :func:`fit_local` (scikit-learn's
@@ -505,9 +586,18 @@ def select_k(
     partitions of X mapped serially). Both take ``n_init``, ``max_iter``, ``tol`` and ``seed``;
     the fits differ only as two K-means runs with different random initialisations do.
     """
-    from sklearn.metrics import pairwise_distances
+    from sklearn.metrics import adjusted_rand_score, pairwise_distances
 
     X = np.asarray(X, dtype=np.float64)
+    if stability_seeds < 0:
+        raise ValueError(f"stability_seeds must be >= 0, got {stability_seeds}")
+    inverse = None
+    if parts is None and X.ndim == 2:
+        first, inverse = distinct_rows(X)
+        if len(first) < len(X):
+            X = X[first]
+        else:
+            inverse = None
     n = len(X)
     local = (
         map_fn is None
@@ -524,31 +614,58 @@ def select_k(
         shift, Xc = np.zeros(X.shape[1]), X
     idx = silhouette_subsample(n, silhouette_max_points, seed)
     dist = pairwise_distances(Xc[idx]) if len(idx) >= 3 else None
+
+    def fit_k(k: int, fit_seed: int) -> KMeansResult:
+        if local:
+            return fit_local(Xc, k, n_init, max_iter, tol, fit_seed, dtype=local_dtype)
+        return fit(Xc, k, n_init, max_iter, tol, fit_seed, map_fn, parts=parts)
+
     fits: dict[int, KMeansResult] = {}
     sil: dict[int, float] = {}
-    for k in sorted({int(k) for k in ks}):
-        if k < 2 or k >= n:
-            continue
-        if local:
-            res = fit_local(Xc, k, n_init, max_iter, tol, seed, dtype=local_dtype)
-        else:
-            res = fit(Xc, k, n_init, max_iter, tol, seed, map_fn, parts=parts)
-        fits[k] = res
-        lab = res.labels[idx]
-        n_lab = len(np.unique(lab))
-        if dist is None or n_lab < 2 or n_lab >= len(idx):
-            sil[k] = float("nan")
-        else:
-            sil[k] = silhouette_from_distances(dist, lab)
-    scored = {k: s for k, s in sil.items() if np.isfinite(s)}
-    best_k = max(scored, key=lambda k: (scored[k], -k)) if scored else None
+
+    def search(k_range: Iterable[int]) -> None:
+        for k in sorted({int(k) for k in k_range}):
+            if k < 2 or k >= n or k in fits:
+                continue
+            res = fits[k] = fit_k(k, seed)
+            lab = res.labels[idx]
+            n_lab = len(np.unique(lab))
+            if dist is None or n_lab < 2 or n_lab >= len(idx):
+                sil[k] = float("nan")
+            else:
+                sil[k] = silhouette_from_distances(dist, lab)
+
+    ks = [int(k) for k in ks]
+    search(ks)
+    limit = min(max(int(k_cap), *ks, 2), n - 1) if ks else 0
+    while True:
+        scored = {k: s for k, s in sil.items() if np.isfinite(s)}
+        best_k = max(scored, key=lambda k: (scored[k], -k)) if scored else None
+        top = max(fits, default=1)
+        if best_k is None or best_k != top or top >= limit:
+            break
+        search(grown_ks(top, limit))
     best_s = scored[best_k] if best_k is not None else float("nan")
     inertias = {k: r.inertia for k, r in fits.items()}
+    k_searched = max(fits, default=1)
+    extra: dict[str, Any] = {"k_searched": k_searched, "n_distinct": n}
+    if best_k is not None:
+        best_labels = fits[best_k].labels
+        extra |= {"best_k": best_k, "best_labels": best_labels}
+        extra["at_cap"] = bool(best_k == k_searched and k_searched >= limit)
+        if stability_seeds:
+            refits = [fit_k(best_k, stability_seed(seed, r)) for r in range(1, stability_seeds + 1)]
+            aris = [adjusted_rand_score(best_labels, f.labels) for f in refits]
+            extra["stability"] = float(np.mean(aris))
     if best_k is None or best_s < min_silhouette:
         center = Xc.mean(axis=0, keepdims=True)
         inertia = float(((Xc - center) ** 2).sum())
-        return SelectKResult(
-            1, best_s, center + shift, np.zeros(n, np.int64), inertia, sil, inertias
+        out = SelectKResult(
+            1, best_s, center + shift, np.zeros(n, np.int64), inertia, sil, inertias, **extra
         )
-    r = fits[best_k]
-    return SelectKResult(best_k, best_s, r.centers + shift, r.labels, r.inertia, sil, inertias)
+    else:
+        r = fits[best_k]
+        out = SelectKResult(
+            best_k, best_s, r.centers + shift, r.labels, r.inertia, sil, inertias, **extra
+        )
+    return out if inverse is None else out.expanded(inverse)

@@ -218,18 +218,7 @@ def exact_clipped_cosines(m: LayerMoments) -> dict[str, float | str]:
     }
 
 
-def sampled_clipped_cosines(
-    vectors: np.ndarray, token_ids: np.ndarray, dims: list[int]
-) -> dict[str, float]:
-    """Anisotropy, S_inter, S_intra of the uniform sample with ``dims`` zeroed (Luo 2020).
-
-    The sampled estimate of :func:`exact_clipped_cosines` (same formulas, over the sample's
-    occurrences): available on every run, whatever dimensions the run flags.
-    """
-    x = np.array(vectors, dtype=np.float64)
-    if len(x) < 2:
-        return {}
-    x[:, dims] = 0.0
+def _sampled_cosines(x: np.ndarray, token_ids: np.ndarray) -> tuple[float, float, float]:
     norms = np.linalg.norm(x, axis=1, keepdims=True)
     unit = x / np.maximum(norms, np.finfo(np.float64).tiny)
     types, inverse = np.unique(token_ids, return_inverse=True)
@@ -237,8 +226,39 @@ def sampled_clipped_cosines(
     np.add.at(sums, inverse, unit)
     counts = np.bincount(inverse, minlength=len(types))
     aniso, s_inter, s_intra, _ = cosines_from_unit_sums(counts, sums)
+    return aniso, s_inter, s_intra
+
+
+def sampled_clipped_cosines(
+    vectors: np.ndarray, token_ids: np.ndarray, dims: list[int]
+) -> dict[str, float]:
+    """Anisotropy, S_inter, S_intra of the uniform sample with ``dims`` zeroed, and without.
+
+    The sampled estimates of :func:`exact_clipped_cosines` (same formulas, over the sample's
+    occurrences; available on every run, whatever dimensions the run flags):
+    ``anisotropy_clipped``, ``s_inter_clipped``, ``s_intra_clipped`` with ``dims`` zeroed (Luo
+    2020), and their like-for-like counterparts ``anisotropy_sampled``, ``s_inter_sampled``,
+    ``s_intra_sampled``: the same formulas over the same occurrences, unclipped. Compare
+    clipped with these, not with the exact (all-token) metrics: sampled S_intra covers only
+    the types with ≥ 2 sampled occurrences and differs from the exact one even unclipped. With
+    no dimension to clip, the two sets are equal. Every occurrence counts, exact duplicates
+    included (as in the exact metrics these estimate). Empty for fewer than 2 occurrences.
+    """
+    x = np.array(vectors, dtype=np.float64)
+    if len(x) < 2:
+        return {}
+    token_ids = np.asarray(token_ids)
+    aniso, s_inter, s_intra = _sampled_cosines(x, token_ids)
+    if len(dims):
+        x[:, dims] = 0.0
+        clipped = _sampled_cosines(x, token_ids)
+    else:
+        clipped = (aniso, s_inter, s_intra)
     return {
-        "anisotropy_clipped": aniso,
-        "s_inter_clipped": s_inter,
-        "s_intra_clipped": s_intra,
+        "anisotropy_clipped": clipped[0],
+        "s_inter_clipped": clipped[1],
+        "s_intra_clipped": clipped[2],
+        "anisotropy_sampled": aniso,
+        "s_inter_sampled": s_inter,
+        "s_intra_sampled": s_intra,
     }

@@ -7,34 +7,58 @@ model selection of :mod:`embgeom_ray.core.kmeans` / :mod:`embgeom_ray.distribute
 
 Cosine means over pairs use unit-vector sums: for unit vectors u_1..u_m with U = Σ u_i, the
 mean cosine over the m(m − 1) ordered pairs i ≠ j is (||U||² − m) / (m(m − 1)), exact.
+
+Exact duplicate points (repeated text gives identical vectors) are handled per metric (see
+:func:`sampled_metrics_of_points`): the geometry of the point set (clusters, silhouettes, LID)
+counts each distinct point once; occurrence averages that estimate an exact, corpus-wide
+quantity count every occurrence. Each layer's main metrics carry a standard error from
+half-samples of its points (:func:`half_sample_se`), for comparisons between runs.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import TYPE_CHECKING, Literal, NamedTuple
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Literal, NamedTuple
 
 import numpy as np
 import pandas as pd
 from scipy.special import logsumexp
 
 from ..config import JobConfig
-from .kmeans import SILHOUETTE_MAX_POINTS
+from .kmeans import SILHOUETTE_MAX_POINTS, distinct_rows
 from .metrics import isoscore_from_covariance, mean_cosine_from_unit_sum
 
 if TYPE_CHECKING:
     from .kmeans import SelectKResult
     from .samples import ActivationSample
 
+#: the metrics that get a half-sample standard error (column ``<metric>_se``)
+SE_METRICS = [
+    "kmeans_silhouette", "silhouette_types", "lid_euclidean", "lid_euclidean_median",
+    "lid_cosine", "lid_cosine_median", "adjusted_s_inter", "adjusted_s_intra",
+    "adjusted_s_inter_weighted", "adjusted_s_intra_weighted", "s_inter_type_uniform",
+]  # fmt: skip
+
 #: the ``layers.parquet`` columns :func:`sampled_layer_metrics` returns, in order.
 SAMPLED_LAYER_COLUMNS = [
     "kmeans_k", "kmeans_silhouette", "adjusted_s_inter", "adjusted_s_intra",
     "adjusted_isoscore", "s_inter_type_uniform", "isoscore_sample", "lid_euclidean",
     "lid_cosine", "silhouette_types", "partition_isotropy", "partition_isotropy_centered",
+    "kmeans_best_k", "kmeans_k_searched", "kmeans_k_at_cap", "kmeans_stability",
+    "sample_duplicate_points",
+    "adjusted_s_inter_weighted", "adjusted_s_intra_weighted", "adjusted_isoscore_weighted",
+    "adjusted_clusters_used", "adjusted_clusters_left_out",
+    "adjusted_s_inter_draws_mean", "adjusted_s_inter_draws_std",
+    "lid_euclidean_median", "lid_cosine_median", "lid_euclidean_cai",
+    *(f"{m}_se" for m in SE_METRICS),
 ]  # fmt: skip
 
-#: default neighbours of the LID estimate (the job's ``--lid-k``)
-LID_K: int = JobConfig.model_fields["lid_k"].default
+_OPTIONS = JobConfig.model_fields
+#: defaults of the sampled metrics: the job's own option defaults (one home, JobConfig)
+LID_K: int = _OPTIONS["lid_k"].default
+CLUSTER_MIN_SIZE: int = _OPTIONS["cluster_min_size"].default
+S_INTER_DRAWS: int = _OPTIONS["s_inter_draws"].default
+SE_REPLICATES: int = _OPTIONS["sampled_se_replicates"].default
 
 
 def _as_points(X: np.ndarray, name: str = "X") -> np.ndarray:
@@ -109,19 +133,21 @@ def _smallest_per_row(D: np.ndarray, m: int) -> np.ndarray:
 
 def lid_mle(
     X: np.ndarray,
-    k: int = 20,
+    k: int = LID_K,
     metric: Literal["euclidean", "cosine"] = "euclidean",
     squared: bool = False,
     *,
     per_point: bool = False,
     distances: np.ndarray | None = None,
+    divide_by_k: bool = False,
 ) -> float | np.ndarray:
     """Local intrinsic dimension, Levina & Bickel (2005)'s MLE averaged over points.
 
     For each point x with distances T_1 ≤ … ≤ T_k to its k nearest other points (exact kNN),
     m̂(x) = [ (1/(k − 1)) Σ_{j<k} log(T_k / T_j) ]⁻¹; returns mean_x m̂(x) (or the per-point
-    values with ``per_point=True``). Duplicate points are removed first (the estimator
-    assumes distinct points).
+    values with ``per_point=True``; their median is a summary robust to the long right tail
+    of m̂). Exact duplicate points are removed first: the estimator assumes distinct points
+    (a copy at distance 0 makes log(T_k / T_j) infinite), so each point counts once.
 
     ``metric="euclidean"``: T = ||x − y||. ``metric="cosine"``: T = the chord distance
     ||x/||x|| − y/||y|||| = √(2 − 2 cos(x, y)) between directions (zero vectors dropped), a
@@ -129,9 +155,12 @@ def lid_mle(
     directions (a 5-dim subspace through the origin has 4-dim directions). Note that
     1 − cos = chord²/2 is a *squared* distance: using it as T halves the estimate.
 
-    ``squared=True`` uses T² instead of T, the convention of Cai et al. (2021)'s released
-    code: every log ratio doubles, so the estimate is exactly half of the default one. Say
-    which convention a reported number uses. k = 20 is the default (Levina & Bickel report
+    ``squared=True`` uses T² instead of T: every log ratio doubles, so the estimate is exactly
+    half of the default one. ``divide_by_k=True`` divides the sum of the k − 1 log ratios by k
+    instead of k − 1 (the mean over j = 1..k, whose last term log(T_k/T_k) is 0). Cai et al.
+    (2021)'s released code does both, m̂_Cai(x) = [ (1/k) Σ_{j≤k} log(T_k² / T_j²) ]⁻¹ =
+    k/(2(k − 1)) m̂(x) (:func:`lid_cai`): "multiply by 2" is 5% off at k = 20. Say which
+    convention a reported number uses. k = 20 is the default (Levina & Bickel report
     estimates stable for k ≈ 10–20). Reference: Levina & Bickel, "Maximum Likelihood
     Estimation of Intrinsic Dimension", NIPS 2004/2005.
 
@@ -180,10 +209,31 @@ def lid_mle(
     T.sort(axis=1)
     if squared:
         T = T**2
-    logs = np.log(T[:, -1:] / T[:, :-1]).sum(axis=1) / (k - 1)
+    logs = np.log(T[:, -1:] / T[:, :-1]).sum(axis=1) / (k if divide_by_k else k - 1)
     with np.errstate(divide="ignore"):
         m_hat = np.where(logs > 0, 1.0 / logs, np.nan)
     return m_hat if per_point else float(np.nanmean(m_hat))
+
+
+def lid_cai(
+    X: np.ndarray,
+    k: int = LID_K,
+    *,
+    per_point: bool = False,
+    distances: np.ndarray | None = None,
+) -> float | np.ndarray:
+    """LID in the convention of Cai et al. (2021)'s released code, for exact comparisons.
+
+    m̂_Cai(x) = [ (1/k) Σ_{j=1..k} log(T_k² / T_j²) ]⁻¹ with T_1 ≤ … ≤ T_k the Euclidean
+    distances to the k nearest other points: squared distances, and the mean over the k
+    neighbours (the last log ratio is 0), i.e. :func:`lid_mle` with ``squared=True,
+    divide_by_k=True``; returns mean_x m̂_Cai(x) (or the per-point values). Equal to
+    k / (2(k − 1)) times the Levina–Bickel estimate of :func:`lid_mle`. Duplicates are removed
+    first, as in :func:`lid_mle`.
+    """
+    return lid_mle(
+        X, k, "euclidean", squared=True, per_point=per_point, distances=distances, divide_by_k=True
+    )
 
 
 def silhouette_by_labels(
@@ -202,7 +252,9 @@ def silhouette_by_labels(
     smallest mean distance to another label's points (s_i = 0 for a singleton label). Used
     with K-means labels and with token-type labels (Mickus et al. 2024). Points whose label
     occurs fewer than ``min_label_count`` times are left out first; then at most
-    ``max_points`` points are drawn with ``seed``. NaN unless 2 ≤ #labels ≤ n − 1.
+    ``max_points`` points are drawn with ``seed``. NaN unless 2 ≤ #labels ≤ n − 1. Points are
+    taken as given: a copy of a point counts (at distance 0 from it);
+    :func:`sampled_metrics_of_points` passes distinct points.
 
     ``distances``: the (n, n) matrix of ``metric`` distances between the rows of ``X``, if
     already computed; the silhouette is then taken on its rows and columns of the selected
@@ -256,12 +308,38 @@ def partition_isotropy(W: np.ndarray, centered: bool = False) -> float:
 
 
 class ClusterAdjusted(NamedTuple):
-    """Cluster-adjusted metrics (unweighted means over clusters) and the clusters used."""
+    """Cluster-adjusted metrics (:func:`cluster_adjusted`) and the clusters behind them."""
 
-    s_inter: float
+    s_inter: float  # Cai et al.'s: unweighted means over all clusters
     s_intra: float
     isoscore: float
     n_clusters: int
+    s_inter_weighted: float = float("nan")  # size-weighted, clusters of >= min_size points
+    s_intra_weighted: float = float("nan")
+    isoscore_weighted: float = float("nan")
+    clusters_used: int = 0  # clusters in the weighted means
+    clusters_left_out: int = 0  # clusters below min_size
+    s_inter_draws_mean: float = float("nan")  # exact mean of s_inter over all draws
+    s_inter_draws_std: float = float("nan")  # its spread over random draws
+
+
+def _mean(values: Sequence[float], weights: Sequence[float] | None = None) -> float:
+    """(Weighted) mean of the finite values; NaN if none."""
+    vals = np.asarray(values, dtype=np.float64)
+    ok = np.isfinite(vals)
+    if weights is None:
+        return float(vals[ok].mean()) if ok.any() else float("nan")
+    w = np.asarray(weights, dtype=np.float64)
+    if w[ok].sum() <= 0:
+        return float("nan")
+    return float(np.sum(vals[ok] * w[ok]) / w[ok].sum())
+
+
+def _one_per_type(inv: np.ndarray, keys: np.ndarray) -> np.ndarray:
+    """Rows of smallest key within each group of ``inv``: one random occurrence per type."""
+    order = np.lexsort((keys, inv))
+    g = inv[order]
+    return order[np.r_[True, g[1:] != g[:-1]]]
 
 
 def cluster_adjusted(
@@ -269,8 +347,13 @@ def cluster_adjusted(
     labels: np.ndarray,
     token_ids: np.ndarray,
     inter_mask: np.ndarray | None = None,
+    *,
+    min_size: int = CLUSTER_MIN_SIZE,
+    weighted_clusters: Sequence[int] | np.ndarray | None = None,
+    draws: int = 0,
+    seed: int = 0,
 ) -> ClusterAdjusted:
-    """Cai et al. (2021, Sec. 4)'s cluster-adjusted S_inter, S_intra and IsoScore.
+    """Cai et al. (2021, Sec. 4)'s cluster-adjusted S_inter, S_intra and IsoScore, and variants.
 
     Inside each cluster C (points with the same label) subtract the cluster mean μ_C, then
     with u = (x − μ_C)/||x − μ_C|| (points equal to μ_C left out):
@@ -283,7 +366,27 @@ def cluster_adjusted(
       t's occurrences, (||U_t||² − n_t)/(n_t(n_t − 1)), U_t = Σ_{x of type t in C} u;
     - IsoScore(C) = :func:`isoscore_points` of C's points (IsoScore is translation invariant).
 
-    Each is the unweighted mean over the clusters where it is defined (NaN if none).
+    ``s_inter``, ``s_intra``, ``isoscore`` are Cai's definition: the unweighted mean over the
+    clusters where each is defined (NaN if none), whatever their size. Small clusters weigh as
+    much as large ones there, and are biased: n centred points of equal norm have Σ u = 0, so
+    their mean pairwise cosine is exactly −1/(n − 1) (a cluster of two types, one occurrence
+    each, gives S_inter = −1); IsoScore of a cluster of fewer points than dimensions is bounded
+    by its rank. So also:
+
+    - ``*_weighted``: Σ_C n_C v(C) / Σ_C n_C over the clusters with n_C ≥ ``min_size`` points
+      (or the cluster ids ``weighted_clusters``) where v(C) is defined: the value of the
+      cluster of a uniformly random point; ``clusters_used`` / ``clusters_left_out`` count the
+      clusters in / out of these means (by size);
+    - ``s_inter_draws_mean``: the exact mean of ``s_inter`` over every one-occurrence-per-type
+      draw (each type's occurrence uniform over its occurrences in C, independently): with
+      Ū_t = U_t / n_t the mean unit vector of type t in C and m types,
+      E[S_inter(C)] = (||Σ_t Ū_t||² − Σ_t ||Ū_t||²)/(m(m − 1)), averaged over clusters as
+      ``s_inter`` is (without ``inter_mask``);
+    - ``s_inter_draws_std``: the standard deviation (ddof = 1) of ``s_inter`` over ``draws``
+      random draws (generator seeded with ``seed``): how far one draw, such as ``s_inter``,
+      may fall from the mean (NaN for fewer than 2 draws).
+
+    Points are taken as given (:func:`sampled_metrics_of_points` passes distinct points).
     """
     X = _as_points(X)
     labels = np.asarray(labels)
@@ -294,57 +397,122 @@ def cluster_adjusted(
         inter_mask = np.asarray(inter_mask, dtype=bool)
         if inter_mask.shape != (len(X),):
             raise ValueError("inter_mask must have one entry per row of X")
-    inters, intras, isos = [], [], []
+    if min_size < 1:
+        raise ValueError(f"min_size must be >= 1, got {min_size}")
+    rng = np.random.default_rng(seed)
     clusters = np.unique(labels)
-    for c in clusters:
+    sizes, inters, intras, isos, expected = [], [], [], [], []
+    drawn = np.full((len(clusters), max(draws, 0)), np.nan)
+    nan = float("nan")
+    for ci, c in enumerate(clusters):
         rows = np.flatnonzero(labels == c)
+        sizes.append(len(rows))
         Xc = X[rows] - X[rows].mean(axis=0)
         u, ok = _unit_rows(Xc)
         tok = token_ids[rows][ok]
         types, first, inv, cnt = np.unique(
             tok, return_index=True, return_inverse=True, return_counts=True
         )
-        if inter_mask is None:
-            pick = first
-        else:
-            pick = np.flatnonzero(inter_mask[rows][ok])
+        inv = inv.reshape(-1)
+        pick = first if inter_mask is None else np.flatnonzero(inter_mask[rows][ok])
         m = len(pick)
         if m >= 2:
             s = u[pick].sum(axis=0)
             inters.append(mean_cosine_from_unit_sum(s @ s, m))
+        else:
+            inters.append(nan)
+        sums = np.zeros((len(types), X.shape[1]))
+        np.add.at(sums, inv, u)
         multi = cnt >= 2
         if multi.any():
-            sums = np.zeros((len(types), X.shape[1]))
-            np.add.at(sums, inv, u)
             n_t = cnt[multi].astype(np.float64)
             u2 = np.einsum("td,td->t", sums[multi], sums[multi])
             intras.append(float(np.mean(mean_cosine_from_unit_sum(u2, n_t))))
-        if len(rows) >= 2:
-            isos.append(isoscore_points(X[rows]))
+        else:
+            intras.append(nan)
+        isos.append(isoscore_points(X[rows]) if len(rows) >= 2 else nan)
+        n_types = len(types)
+        if n_types >= 2:
+            means = sums / cnt[:, None]
+            total = means.sum(axis=0)
+            own = float(np.einsum("td,td->", means, means))
+            expected.append((float(total @ total) - own) / (n_types * (n_types - 1)))
+            for r in range(drawn.shape[1]):
+                s = u[_one_per_type(inv, rng.random(len(inv)))].sum(axis=0)
+                drawn[ci, r] = mean_cosine_from_unit_sum(s @ s, n_types)
+        else:
+            expected.append(nan)
+    if weighted_clusters is None:
+        used = np.asarray(sizes) >= min_size
+    else:
+        used = np.isin(clusters, np.asarray(weighted_clusters))
+    w = np.where(used, np.asarray(sizes, dtype=np.float64), 0.0)
+    draw_means = [_mean(drawn[:, r]) for r in range(drawn.shape[1])]
+    return ClusterAdjusted(
+        _mean(inters),
+        _mean(intras),
+        _mean(isos),
+        len(clusters),
+        _mean(inters, w),
+        _mean(intras, w),
+        _mean(isos, w),
+        int(used.sum()),
+        int(len(clusters) - used.sum()),
+        _mean(expected) if inter_mask is None else nan,
+        float(np.std(draw_means, ddof=1)) if len(draw_means) >= 2 else nan,
+    )
 
-    def mean(values: Sequence[float]) -> float:
-        vals = np.asarray(values, dtype=np.float64)
-        vals = vals[np.isfinite(vals)]
-        return float(vals.mean()) if len(vals) else float("nan")
 
-    return ClusterAdjusted(mean(inters), mean(intras), mean(isos), len(clusters))
+def half_sample_se(
+    n: int,
+    statistic: Callable[[np.ndarray], Mapping[str, float]],
+    replicates: int,
+    seed: int = 0,
+) -> dict[str, float]:
+    """Standard errors by the delete-d jackknife with d = n − ⌊n/2⌋ (half-samples).
+
+    Each of ``replicates`` draws a subset S of m = ⌊n/2⌋ of the n points without replacement
+    (``numpy.random.default_rng(seed)``) and evaluates ``statistic(S)`` (sorted indices ->
+    metric values). With θ_S those values, SE = √( m/(n − m) · Var_S θ_S ), Var_S the sample
+    variance (ddof = 1) over the replicates with a finite value: the delete-d jackknife variance
+    (Shao & Wu 1989, "A general theory for jackknife variance estimation"), over random
+    subsets instead of all of them. For a mean of n values it is s²/n in expectation, the usual
+    variance of a mean; unlike the delete-1 jackknife it is consistent for non-smooth
+    statistics such as the median (d ∝ n). Half-samples rather than the bootstrap, because a
+    bootstrap sample repeats points, and repeated points are exactly what the sampled metrics
+    drop (LID) or sit at distance 0 (silhouettes). NaN for a metric with fewer than 2 finite
+    replicates, or when ``replicates`` < 2 or n < 4. The cost is ``replicates`` evaluations of
+    the statistic on n/2 points.
+    """
+    m = n // 2
+    if replicates < 2 or m < 2:
+        return {}
+    rng = np.random.default_rng(seed)
+    values: dict[str, list[float]] = {}
+    for _ in range(replicates):
+        S = np.sort(rng.choice(n, size=m, replace=False))
+        for key, v in statistic(S).items():
+            values.setdefault(key, []).append(float(v))
+    out = {}
+    for key, vals in values.items():
+        v = np.asarray(vals)
+        v = v[np.isfinite(v)]
+        out[key] = float(np.sqrt(m / (n - m) * v.var(ddof=1))) if len(v) >= 2 else float("nan")
+    return out
 
 
 def sampled_layer_metrics(
     sample: ActivationSample,
     layer: int,
     kmeans_result: SelectKResult | None = None,
-    *,
-    lid_k: int = LID_K,
-    silhouette_max_points: int | None = SILHOUETTE_MAX_POINTS,
-    min_type_count: int = 2,
-    seed: int = 0,
-) -> dict[str, float | int]:
+    **options: Any,
+) -> dict[str, float | int | bool]:
     """The sampled ``layers.parquet`` columns of one layer (:data:`SAMPLED_LAYER_COLUMNS`).
 
-    :func:`sampled_metrics_of_points` of the uniform sample of ``layer`` (rows of
-    ``sample.points(layer)``) and, when the sample has a type-uniform part of ≥ 2 types, the
-    type-uniform vectors ``sample.type_points(layer).vectors``. ``kmeans_result`` is
+    :func:`sampled_metrics_of_points` (``options``: its keyword arguments) of the uniform
+    sample of ``layer`` (rows of ``sample.points(layer)``) and, when the sample has a
+    type-uniform part of ≥ 2 types, the type-uniform vectors
+    ``sample.type_points(layer).vectors``. ``kmeans_result`` is
     :func:`embgeom_ray.core.kmeans.select_k`'s result for these rows (e.g. from
     :func:`embgeom_ray.distributed.kmeans.fit_layers_on_ray`); None runs ``select_k`` here.
     """
@@ -358,15 +526,109 @@ def sampled_layer_metrics(
     if sample.type_uniform and sample.num_types >= 2:
         type_vectors = sample.type_points(layer).vectors
     return sampled_metrics_of_points(
-        pts.vectors,
-        pts.token_ids,
-        type_vectors,
-        kmeans_result,
-        lid_k=lid_k,
-        silhouette_max_points=silhouette_max_points,
-        min_type_count=min_type_count,
-        seed=seed,
+        pts.vectors, pts.token_ids, type_vectors, kmeans_result, **options
     )
+
+
+class _PointSet(NamedTuple):
+    """A layer's distinct points (or a subset) and the distance matrices computed once."""
+
+    X: np.ndarray  # (n, d) distinct rows
+    token_ids: np.ndarray  # (n,)
+    best_labels: np.ndarray | None  # (n,) the labels of the best-silhouette k
+    dist: np.ndarray | None  # (n, n) Euclidean distances of the rows
+    chord: np.ndarray | None  # (n, n) Euclidean distances of the rows' unit vectors
+
+    def subset(self, S: np.ndarray) -> _PointSet:
+        def sub(D: np.ndarray | None) -> np.ndarray | None:
+            return None if D is None else D[np.ix_(S, S)]
+
+        best = None if self.best_labels is None else self.best_labels[S]
+        return _PointSet(self.X[S], self.token_ids[S], best, sub(self.dist), sub(self.chord))
+
+
+def _summaries(per_point: np.ndarray) -> tuple[float, float]:
+    """(mean, median) of the finite per-point values; NaN if none."""
+    ok = per_point[np.isfinite(per_point)]
+    return (float(ok.mean()), float(np.median(ok))) if len(ok) else (float("nan"),) * 2
+
+
+def _point_set_metrics(
+    pts: _PointSet,
+    lid_k: int,
+    max_points: int | None,
+    min_type_count: int,
+    seed: int,
+    *,
+    kmeans_silhouette: bool,
+) -> dict[str, float]:
+    """Silhouettes and LIDs of a set of distinct points (a layer's, or a half-sample of it)."""
+    lid_e = lid_mle(pts.X, lid_k, "euclidean", per_point=True, distances=pts.dist)
+    if pts.chord is None:
+        lid_c = lid_mle(pts.X, lid_k, "cosine", per_point=True)
+    else:  # the chord distances are the Euclidean distances of the unit vectors
+        U, _ = _unit_rows(pts.X)
+        lid_c = lid_mle(U, lid_k, "euclidean", per_point=True, distances=pts.chord)
+    row = dict(
+        zip(("lid_euclidean", "lid_euclidean_median"), _summaries(lid_e), strict=True)
+    ) | dict(zip(("lid_cosine", "lid_cosine_median"), _summaries(lid_c), strict=True))
+    row["silhouette_types"] = silhouette_by_labels(
+        pts.X,
+        pts.token_ids,
+        max_points=max_points,
+        seed=seed,
+        min_label_count=min_type_count,
+        distances=pts.dist,
+    )
+    if kmeans_silhouette:
+        row["kmeans_silhouette"] = (
+            float("nan")
+            if pts.best_labels is None
+            else silhouette_by_labels(
+                pts.X, pts.best_labels, max_points=max_points, seed=seed, distances=pts.dist
+            )
+        )
+    return row
+
+
+def _standard_errors(
+    pts: _PointSet,
+    labels: np.ndarray,
+    weighted_clusters: np.ndarray,
+    type_vectors: np.ndarray | None,
+    replicates: int,
+    seed: int,
+    **options: Any,
+) -> dict[str, float]:
+    """``<metric>_se`` of :data:`SE_METRICS` (:func:`half_sample_se`), NaN where not computed.
+
+    Half-samples of the distinct points (K-means labels, and the clusters entering the
+    weighted means, held fixed) for the silhouettes, LIDs and cluster-adjusted cosines; of the
+    type-uniform sample's types for ``s_inter_type_uniform``.
+    """
+
+    def points_statistic(S: np.ndarray) -> dict[str, float]:
+        half = pts.subset(S)
+        adj = cluster_adjusted(
+            half.X, labels[S], half.token_ids, weighted_clusters=weighted_clusters
+        )
+        return _point_set_metrics(half, kmeans_silhouette=True, seed=seed, **options) | {
+            "adjusted_s_inter": adj.s_inter,
+            "adjusted_s_intra": adj.s_intra,
+            "adjusted_s_inter_weighted": adj.s_inter_weighted,
+            "adjusted_s_intra_weighted": adj.s_intra_weighted,
+        }
+
+    rng_seeds = np.random.SeedSequence([int(seed) % 2**63, 0x5E]).generate_state(2)
+    se = half_sample_se(len(pts.X), points_statistic, replicates, int(rng_seeds[0]))
+    if type_vectors is not None:
+        se |= half_sample_se(
+            len(type_vectors),
+            lambda S: {"s_inter_type_uniform": mean_pairwise_cosine(type_vectors[S])},
+            replicates,
+            int(rng_seeds[1]),
+        )
+    return {f"{m}_se": se.get(m, float("nan")) for m in SE_METRICS}
 
 
 def sampled_metrics_of_points(
@@ -379,30 +641,59 @@ def sampled_metrics_of_points(
     silhouette_max_points: int | None = SILHOUETTE_MAX_POINTS,
     min_type_count: int = 2,
     seed: int = 0,
-) -> dict[str, float | int]:
+    cluster_min_size: int = CLUSTER_MIN_SIZE,
+    s_inter_draws: int = S_INTER_DRAWS,
+    se_replicates: int = SE_REPLICATES,
+) -> dict[str, float | int | bool]:
     """The sampled ``layers.parquet`` columns (:data:`SAMPLED_LAYER_COLUMNS`) of one layer's points.
 
-    On the uniform sample X (n, d) with the token id of each row:
+    On the uniform sample X (n, d) with the token id of each row. Exact duplicate rows (repeated
+    text gives identical vectors) are handled per metric:
+
+    - the geometry of the point set (K-means and its silhouette, cluster-adjusted metrics,
+      ``silhouette_types``, LIDs) uses each *distinct* point once
+      (:func:`embgeom_ray.core.kmeans.distinct_rows`): copies would sit at distance 0 (LID
+      undefined, silhouettes and clusters pulled toward the repeated text);
+    - occurrence averages that estimate a corpus-wide, exact quantity (``isoscore_sample``,
+      ``partition_isotropy*``, the sampled cosines of :func:`~.rogue.sampled_clipped_cosines`,
+      ``s_inter_type_uniform``) count every occurrence, copies included, as the exact metrics
+      do;
+    - ``sample_duplicate_points``: n − the number of distinct rows.
+
+    The columns:
 
     - ``kmeans_k``, ``kmeans_silhouette``: Cai et al.'s k and the best silhouette over the k
-      tried (:func:`embgeom_ray.core.kmeans.select_k`; reported even when k = 1 is chosen).
+      tried (:func:`embgeom_ray.core.kmeans.select_k`; reported even when k = 1 is chosen);
+      ``kmeans_best_k`` the k of that silhouette, ``kmeans_k_searched`` the largest k tried,
+      ``kmeans_k_at_cap`` whether the best k is at the cap of the grown search (no interior
+      optimum), ``kmeans_stability`` the mean adjusted Rand index of refits with other seeds.
       ``kmeans_result`` is its result for these rows; None runs ``select_k`` here, in this
       process (same ``seed`` and ``silhouette_max_points``, its other defaults).
-    - ``adjusted_s_inter``, ``adjusted_s_intra``, ``adjusted_isoscore``: :func:`cluster_adjusted`
-      with the K-means labels (one cluster when k = 1: the layer mean is subtracted).
+    - ``adjusted_s_inter``, ``adjusted_s_intra``, ``adjusted_isoscore`` (Cai's unweighted
+      means), ``adjusted_*_weighted`` (size-weighted over clusters of ≥ ``cluster_min_size``
+      points; ``adjusted_clusters_used``/``_left_out``), ``adjusted_s_inter_draws_mean``/``_std``
+      (over ``s_inter_draws`` draws): :func:`cluster_adjusted` with the K-means labels (one
+      cluster when k = 1: the layer mean is subtracted).
     - ``s_inter_type_uniform``: Cai's S_inter, the mean cosine between the occurrences of the
       type-uniform sample ``type_vectors`` (one random occurrence per type, different types),
-      unadjusted; NaN without one.
+      unadjusted; NaN without one. The sample stores one occurrence per type (a min-hash per
+      type), so it is one draw; its ``_se`` measures how far another draw could fall.
     - ``isoscore_sample``: :func:`isoscore_points` of X.
-    - ``lid_euclidean``, ``lid_cosine``: :func:`lid_mle` with k = ``lid_k``, true (not squared)
-      distances.
+    - ``lid_euclidean``, ``lid_cosine`` (means over points), ``lid_euclidean_median``,
+      ``lid_cosine_median``: :func:`lid_mle` with k = ``lid_k``, true (not squared) distances;
+      ``lid_euclidean_cai``: :func:`lid_cai` (Cai et al.'s convention: squared distances,
+      divided by k), for comparisons with the paper.
     - ``silhouette_types``: :func:`silhouette_by_labels` with token-type labels, over the
-      points whose type occurs ≥ ``min_type_count`` times in X (Mickus et al. 2024).
+      distinct points whose type has ≥ ``min_type_count`` of them (Mickus et al. 2024).
     - ``partition_isotropy``, ``partition_isotropy_centered``: :func:`partition_isotropy` of X.
+    - ``<metric>_se`` for :data:`SE_METRICS`: half-sample (delete-d jackknife) standard errors
+      over ``se_replicates`` half-samples (:func:`half_sample_se`; K-means labels held fixed);
+      NaN when ``se_replicates`` < 2.
 
-    When X has at most ``silhouette_max_points`` points, the Euclidean distance matrix of X
-    (``sklearn.metrics.pairwise_distances`` of X minus its mean) is computed once and shared by
-    ``silhouette_types`` and ``lid_euclidean`` (the same values: see their ``distances``).
+    When the distinct points number at most ``silhouette_max_points``, their Euclidean distance
+    matrix (``sklearn.metrics.pairwise_distances`` of them minus their mean) and that of their
+    unit vectors are computed once and shared by the silhouettes, the LIDs and the
+    half-samples (the same values: see :func:`lid_mle`'s ``distances``).
     """
     from sklearn.metrics import pairwise_distances
 
@@ -419,36 +710,64 @@ def sampled_metrics_of_points(
         raise ValueError(
             f"kmeans_result has {labels.shape[0]} labels for {len(X)} points: fit K-means on X"
         )
-    dist = None
-    if silhouette_max_points is not None and 2 <= len(X) <= silhouette_max_points:
-        dist = pairwise_distances(X - X.mean(axis=0))
-    adj = cluster_adjusted(X, labels, token_ids)
-    s_inter_tu = float("nan")
-    if type_vectors is not None:
-        s_inter_tu = mean_pairwise_cosine(type_vectors)
-    row = {
+    first, _ = distinct_rows(X)
+    Xd = X[first]
+    best = kmeans_result.best_labels
+    dist = chord = None
+    if silhouette_max_points is not None and 2 <= len(Xd) <= silhouette_max_points:
+        dist = pairwise_distances(Xd - Xd.mean(axis=0))
+        U, nonzero = _unit_rows(Xd)
+        chord = pairwise_distances(U) if nonzero.all() else None
+    pts = _PointSet(
+        Xd, token_ids[first], None if best is None else np.asarray(best)[first], dist, chord
+    )
+    options = {
+        "lid_k": lid_k,
+        "max_points": silhouette_max_points,
+        "min_type_count": min_type_count,
+    }
+    adj = cluster_adjusted(
+        Xd, labels[first], pts.token_ids, min_size=cluster_min_size, draws=s_inter_draws, seed=seed
+    )
+    row: dict[str, Any] = {
         "kmeans_k": int(kmeans_result.k),
         "kmeans_silhouette": float(kmeans_result.silhouette),
         "adjusted_s_inter": adj.s_inter,
         "adjusted_s_intra": adj.s_intra,
         "adjusted_isoscore": adj.isoscore,
-        "s_inter_type_uniform": s_inter_tu,
-        "isoscore_sample": isoscore_points(X),
-        "lid_euclidean": float(lid_mle(X, lid_k, "euclidean", distances=dist)),
-        "lid_cosine": float(lid_mle(X, lid_k, "cosine")),
-        "silhouette_types": silhouette_by_labels(
-            X,
-            token_ids,
-            max_points=silhouette_max_points,
-            seed=seed,
-            min_label_count=min_type_count,
-            distances=dist,
+        "s_inter_type_uniform": (
+            float("nan") if type_vectors is None else mean_pairwise_cosine(type_vectors)
         ),
+        "isoscore_sample": isoscore_points(X),
         "partition_isotropy": partition_isotropy(X) if len(X) else float("nan"),
         "partition_isotropy_centered": (
             partition_isotropy(X, centered=True) if len(X) else float("nan")
         ),
+        "kmeans_best_k": int(kmeans_result.best_k),
+        "kmeans_k_searched": int(kmeans_result.k_searched),
+        "kmeans_k_at_cap": bool(kmeans_result.at_cap),
+        "kmeans_stability": float(kmeans_result.stability),
+        "sample_duplicate_points": int(len(X) - len(Xd)),
+        "adjusted_s_inter_weighted": adj.s_inter_weighted,
+        "adjusted_s_intra_weighted": adj.s_intra_weighted,
+        "adjusted_isoscore_weighted": adj.isoscore_weighted,
+        "adjusted_clusters_used": adj.clusters_used,
+        "adjusted_clusters_left_out": adj.clusters_left_out,
+        "adjusted_s_inter_draws_mean": adj.s_inter_draws_mean,
+        "adjusted_s_inter_draws_std": adj.s_inter_draws_std,
+        "lid_euclidean_cai": float(lid_cai(Xd, lid_k, distances=dist)),
     }
+    row |= _point_set_metrics(pts, kmeans_silhouette=False, seed=seed, **options)
+    clusters, sizes = np.unique(labels[first], return_counts=True)
+    row |= _standard_errors(
+        pts,
+        labels[first],
+        clusters[sizes >= cluster_min_size],
+        None if type_vectors is None else _as_points(type_vectors, "type_vectors"),
+        se_replicates,
+        seed,
+        **options,
+    )
     return {k: row[k] for k in SAMPLED_LAYER_COLUMNS}
 
 

@@ -44,7 +44,10 @@ if TYPE_CHECKING:
 #: fewer uniform sampled points than this and the sampled metrics are left empty (NaN)
 MIN_SAMPLE_POINTS = 32
 #: the manifest's statement of the LID convention (:func:`~.sampled_metrics.lid_mle`)
-LID_CONVENTION = "true (not squared) distances; cosine LID on chord distances sqrt(2 - 2 cos)"
+LID_CONVENTION = (
+    "true (not squared) distances; cosine LID on chord distances sqrt(2 - 2 cos); "
+    "lid_euclidean_cai: squared distances, divided by k (Cai et al.'s released code)"
+)
 
 
 class _LayerParts(NamedTuple):
@@ -106,7 +109,8 @@ def sampled_row(
 
     :func:`~.sampled_metrics.sampled_metrics_of_points` (``options``: its keyword arguments)
     and :func:`~.rogue.sampled_clipped_cosines` with ``clip_dims`` (the layer's flagged
-    dimensions) zeroed. The per-layer task of the sampled stage.
+    dimensions) zeroed, beside the same cosines unclipped over the same points. The per-layer
+    task of the sampled stage.
     """
     from .sampled_metrics import sampled_metrics_of_points
 
@@ -153,8 +157,9 @@ def plan_sampled_metrics(
 
     Skipped (no sampled metrics, NaN columns) when the uniform sample has fewer than
     :data:`MIN_SAMPLE_POINTS` points. Otherwise K-means tries k = 2..min(``kmeans_k_max``,
-    n − 1) and LID uses k = min(``lid_k``, n − 1) neighbours, n the uniform points; the
-    clipped cosines zero the layer's dimensions flagged in ``dims`` (``dims.parquet``).
+    n − 1), grown up to ``kmeans_k_cap`` while the best k is the largest tried, and LID uses
+    k = min(``lid_k``, n − 1) neighbours, n the uniform points; the clipped cosines zero the
+    layer's dimensions flagged in ``dims`` (``dims.parquet``).
     """
     samples = sample.to_table(tokenizer.convert_ids_to_tokens)
     samples["cluster"] = pd.array([None] * len(samples), dtype="Int64")
@@ -177,14 +182,19 @@ def plan_sampled_metrics(
     kmeans_options = {
         "ks": range(2, min(options.kmeans_k_max, n_points - 1) + 1),
         "min_silhouette": options.kmeans_min_silhouette,
+        "k_cap": options.kmeans_k_cap,
         "n_init": options.kmeans_n_init,
         "seed": options.sample_seed,
         "silhouette_max_points": options.silhouette_max_points,
+        "stability_seeds": options.kmeans_stability_seeds,
     }
     row_options = {
         "lid_k": min(options.lid_k, n_points - 1),
         "silhouette_max_points": options.silhouette_max_points,
         "seed": options.sample_seed,
+        "cluster_min_size": options.cluster_min_size,
+        "s_inter_draws": options.s_inter_draws,
+        "se_replicates": options.sampled_se_replicates,
     }
     return SampledPlan(samples, note, layers, kmeans_options, row_options)
 

@@ -34,15 +34,19 @@ import numpy as np
 import ray
 
 from ..core.kmeans import (
+    K_CAP,
     KS,
+    LOCAL_DTYPE,
     LOCAL_FIT_MAX_ELEMENTS,
     MAX_ITER,
     MIN_SILHOUETTE,
     N_INIT,
     SILHOUETTE_MAX_POINTS,
+    STABILITY_SEEDS,
     TOL,
     KMeansResult,
     SelectKResult,
+    distinct_rows,
     fit,
     partition,
     select_k,
@@ -92,12 +96,17 @@ def fit_on_ray(
 
 @ray.remote(num_cpus=1)
 def _select_k_task(
-    Xc: np.ndarray, parts: list[ray.ObjectRef], options: dict[str, Any], shift: np.ndarray
+    Xc: np.ndarray,
+    parts: list[ray.ObjectRef],
+    options: dict[str, Any],
+    shift: np.ndarray,
+    inverse: np.ndarray | None,
 ) -> SelectKResult:
-    # ``parts`` arrive as refs (nested in a list), so each partition moves only to its tasks
+    # ``parts`` arrive as refs (nested in a list), so each partition moves only to its tasks;
+    # they hold the distinct points, ``inverse`` gives every input row its point's label
     res = select_k(Xc, map_fn=ray_map, parts=parts, **options)
     res.centers = res.centers + shift  # back to the input coordinates
-    return res
+    return res if inverse is None else res.expanded(inverse)
 
 
 @ray.remote(num_cpus=1)
@@ -136,14 +145,16 @@ def submit_layers_on_ray(
     *,
     ks: Iterable[int] = KS,
     min_silhouette: float = MIN_SILHOUETTE,
+    k_cap: int = K_CAP,
     n_init: int = N_INIT,
     max_iter: int = MAX_ITER,
     tol: float = TOL,
     seed: int = 0,
     silhouette_max_points: int | None = SILHOUETTE_MAX_POINTS,
+    stability_seeds: int = STABILITY_SEEDS,
     n_partitions: int | None = None,
     local_max_elements: int | None = LOCAL_FIT_MAX_ELEMENTS,
-    local_dtype: type[np.floating] = np.float32,
+    local_dtype: type[np.floating] = LOCAL_DTYPE,
     cpus_per_task: int = 1,
 ) -> dict[int, ray.ObjectRef]:
     """Start Cai et al.'s K-means model selection for every layer, layers in parallel on Ray.
@@ -154,8 +165,9 @@ def submit_layers_on_ray(
     Args:
         samples_by_layer: layer -> (n, d) sample points (e.g.
             ``sample.points(layer).vectors``); labels in the result follow these rows.
-        ks, min_silhouette, n_init, max_iter, tol, seed, silhouette_max_points: as
-            :func:`embgeom_ray.core.kmeans.select_k` (the same seed for every layer).
+        ks, min_silhouette, k_cap, n_init, max_iter, tol, seed, silhouette_max_points,
+            stability_seeds: as :func:`embgeom_ray.core.kmeans.select_k` (the same seed for
+            every layer; exact duplicate rows are fitted once on both routes).
         n_partitions: partitions per layer on the distributed path (default
             :func:`default_partitions`).
         local_max_elements: a layer with n·d at most this is fitted in one task with
@@ -176,11 +188,13 @@ def submit_layers_on_ray(
     options = {
         "ks": list(ks),
         "min_silhouette": min_silhouette,
+        "k_cap": k_cap,
         "n_init": n_init,
         "max_iter": max_iter,
         "tol": tol,
         "seed": seed,
         "silhouette_max_points": silhouette_max_points,
+        "stability_seeds": stability_seeds,
     }
     refs = {}
     for layer, X in samples_by_layer.items():
@@ -197,8 +211,13 @@ def submit_layers_on_ray(
                 **options,
             )
             continue
+        first, inverse = distinct_rows(X)
+        if len(first) < len(X):
+            X = X[first]
+        else:
+            inverse = None
         shift = X.mean(axis=0)
         Xc = np.ascontiguousarray(X - shift)
         parts = put_partitions(Xc, n_partitions or default_partitions(len(Xc)))
-        refs[layer] = _select_k_task.remote(ray.put(Xc), parts, options, shift)
+        refs[layer] = _select_k_task.remote(ray.put(Xc), parts, options, shift, inverse)
     return refs
