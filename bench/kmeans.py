@@ -156,6 +156,7 @@ def bench_selection(sample, args) -> dict:
     n, d = by_layer[layers[0]].shape
     opts = {
         "ks": range(2, min(args.selection_k_max, n - 1) + 1),
+        "k_cap": args.selection_k_max,  # the search stops at k_max: routes compared like for like
         "n_init": args.n_init,
         "seed": args.seed,
     }
@@ -166,6 +167,7 @@ def bench_selection(sample, args) -> dict:
             "corpus": "bench",
             "out": "unused",
             "kmeans_k_max": args.selection_k_max,
+            "kmeans_k_cap": args.selection_k_max,
             "kmeans_n_init": args.n_init,
             "sample_seed": args.seed,
         },
