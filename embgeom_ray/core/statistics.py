@@ -177,7 +177,7 @@ class Partition:
         )
 
 
-def _range_key(token_range: tuple[int, int | None]) -> tuple[int, float]:
+def range_key(token_range: tuple[int, int | None]) -> tuple[int, float]:
     """Sort key of token ranges: by lo, then hi (None: unbounded, last)."""
     lo, hi = token_range
     return lo, math.inf if hi is None else hi
@@ -976,7 +976,7 @@ def _joint_part(
     states = []
     for layer in layers:
         holders = [p for p in parts if layer in p.layers]
-        spans = sorted((p.token_range for p in holders), key=_range_key)
+        spans = sorted((p.token_range for p in holders), key=range_key)
         for (_, hi_a), (lo_b, _) in itertools.pairwise(spans):
             if hi_a is None or hi_a > lo_b:
                 raise StatisticsMismatchError(
