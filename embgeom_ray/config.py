@@ -84,6 +84,13 @@ class JobConfig(BaseModel):
         description="CPUs (torch threads) per extractor actor [default: 1 with a GPU, else "
         "min(4, CPUs)]",
     )
+    reducers: int = Field(
+        1,
+        ge=1,
+        description="reducer actors holding the statistics, partitioned by token id and layer; "
+        "1 merges in the job's own process. Use several when L x V_seen x (2d+2) x 8 bytes "
+        "does not fit one process (same tables to float64 rounding)",
+    )
     batch_tokens: int = Field(8192, ge=16, description="padded tokens per forward batch")
     docs_per_chunk: int = Field(
         512, ge=1, description="documents tokenized at a time per actor (bounds memory)"
@@ -326,6 +333,7 @@ class SchedulingOptions:
     cpus_per_worker: int | None
     checkpoint_interval: float
     max_shard_retries: int
+    reducers: int
 
 
 @dataclass(frozen=True)

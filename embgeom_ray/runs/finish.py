@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any, Union
 
-from ..config import JobConfig
+from ..config import JobConfig, TableOptions
 from ..core.samples import ActivationSample
 from ..core.statistics import EmbeddingStatistics
 from ..core.tables import build_tables
@@ -22,9 +22,27 @@ from ..inputs.extractor import ShardCounts
 from ..report.html import write_run_report
 from ..run_dir import MANIFEST, Counts, Manifest, RunDir, format_summary
 
+if TYPE_CHECKING:
+    from ..distributed.reducers import PartitionedStatistics
 
-def counts_of(totals: ShardCounts, merged: EmbeddingStatistics) -> Counts:
+#: a run's statistics: in this process, or partitioned across reducer actors
+Statistics = Union[EmbeddingStatistics, "PartitionedStatistics"]
+
+
+def exact_tables(merged: Statistics, tokenizer: Any, options: TableOptions) -> dict[str, Any]:
+    """Every exact table, built here or from the reducers' partial sums (same tables)."""
+    if isinstance(merged, EmbeddingStatistics):
+        return build_tables(merged, tokenizer, options)
+    return merged.tables(tokenizer, options)
+
+
+def counts_of(totals: ShardCounts, merged: Statistics) -> Counts:
     """The manifest's ``counts``: the shards' summed counts, non-finite tokens per layer."""
+    nonfinite = (
+        {layer: merged.layer(layer).nonfinite for layer in merged.layers}
+        if isinstance(merged, EmbeddingStatistics)
+        else merged.nonfinite()
+    )
     return Counts(
         documents=totals.documents,
         windows=totals.windows,
@@ -37,16 +55,14 @@ def counts_of(totals: ShardCounts, merged: EmbeddingStatistics) -> Counts:
         oom_batch_splits=totals.oom_splits,
         padding_ratio=None if totals.padding_ratio is None else round(totals.padding_ratio, 6),
         unk_share=None if totals.unk_share is None else round(totals.unk_share, 6),
-        nonfinite_tokens_per_layer={
-            str(layer): merged.layer(layer).nonfinite for layer in merged.layers
-        },
+        nonfinite_tokens_per_layer={str(layer): n for layer, n in nonfinite.items()},
     )
 
 
 def finish_run(
     run: RunDir,
     manifest: Manifest,
-    merged: EmbeddingStatistics,
+    merged: Statistics,
     sample: ActivationSample | None,
     tokenizer: Any,
     config: JobConfig,
@@ -61,7 +77,7 @@ def finish_run(
     ``complete`` only after every table and artefact is in place.
     """
     t0 = time.perf_counter()
-    tables = build_tables(merged, tokenizer, config.tables)
+    tables = exact_tables(merged, tokenizer, config.tables)
     note = (
         None
         if sample is None
