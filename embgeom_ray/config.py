@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any, Literal, TypeVar, Union, get_args, get_origin
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ByteSize, ConfigDict, Field, ValidationError, field_validator
 from pydantic.fields import FieldInfo
 
 from .errors import ConfigError
@@ -83,6 +83,13 @@ class JobConfig(BaseModel):
         ge=1,
         description="CPUs (torch threads) per extractor actor [default: 1 with a GPU, else "
         "min(4, CPUs)]",
+    )
+    worker_memory: ByteSize | None = Field(
+        None,
+        description="bytes an extractor's running statistics may hold (e.g. 8GiB): it flushes "
+        "a checkpoint group as soon as a shard takes them past this, whatever "
+        "--checkpoint-interval says. Must exceed the fixed per-layer state "
+        "8·L·(d² + 3d + P·(d+1) + 2) [default: no bound]",
     )
     reducers: int = Field(
         1,
@@ -334,6 +341,7 @@ class SchedulingOptions:
     checkpoint_interval: float
     max_shard_retries: int
     reducers: int
+    worker_memory: int | None
 
 
 @dataclass(frozen=True)

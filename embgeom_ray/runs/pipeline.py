@@ -35,7 +35,7 @@ from tqdm.auto import tqdm
 from ..config import JobConfig
 from ..core.rogue import OutlierRules, flagged_dims
 from ..core.samples import ActivationSample
-from ..core.statistics import EmbeddingStatistics
+from ..core.statistics import EmbeddingStatistics, state_bytes
 from ..errors import ConfigError, CorpusError
 from ..inputs.corpus import CorpusSpec, Shard, ShardPlan, plan_shards
 from ..inputs.extractor import ShardCounts, unk_warning
@@ -237,6 +237,22 @@ class RunSpec:
         )
 
 
+def check_worker_memory(config: JobConfig, layers: int, dim: int) -> None:
+    """``--worker-memory`` must leave room for token types beyond the fixed per-layer state
+    (:func:`~embgeom_ray.core.statistics.state_bytes` with no types)."""
+    budget = config.worker_memory
+    if budget is None:
+        return
+    fixed = state_bytes(layers, dim, 0, config.max_length)
+    if budget <= fixed:
+        raise ConfigError(
+            f"--worker-memory {budget:,} bytes is not more than the fixed per-layer state of "
+            f"the statistics, {fixed:,} bytes for {layers} layers of d = {dim} and "
+            f"{config.max_length} positions (8·L·(d² + 3d + P·(d+1) + 2)); give more, or "
+            "measure fewer layers"
+        )
+
+
 def prepare(config: JobConfig) -> RunSpec:
     """Check everything a user can get wrong (model, tokenizer, max_length, layers, clip dims,
     corpus) before any work, and plan the shards."""
@@ -250,6 +266,7 @@ def prepare(config: JobConfig) -> RunSpec:
         )
     layers = resolve_layers(config.layers, identity.num_layers)
     clip_dims = resolve_clip_dims(config, identity.hidden_size)
+    check_worker_memory(config, len(layers), identity.hidden_size)
     plan = plan_shards(CorpusSpec(config.corpus, config.text_column, config.split), config.shard_bytes)
     identity_json = identity.to_json() | {
         "corpus": config.corpus,
@@ -302,7 +319,7 @@ def start_manifest(spec: RunSpec, started_at: str) -> Manifest:
 SCHEDULING_OPTIONS = frozenset({
     "out", "overwrite", "num_workers", "cpus_per_worker", "batch_tokens", "docs_per_chunk",
     "device", "max_shard_retries", "checkpoint_interval", "keep_checkpoints", "address",
-    "reducers",
+    "reducers", "worker_memory",
 })  # fmt: skip
 
 
