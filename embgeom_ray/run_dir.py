@@ -150,6 +150,10 @@ class Manifest(_Part):
     skipped: dict[str, int] = Field(default_factory=dict)
     shards: ShardsInfo | None = None
     workers: dict[str, Any] | None = None
+    #: the reducer actors of a partitioned reduce: count, token ranges, layers, restarts
+    reducers: dict[str, Any] | None = None
+    #: peak resident memory (bytes) of the driver, the extractors and each reducer
+    memory: dict[str, Any] | None = None
     timings_s: dict[str, float] = Field(default_factory=dict)
     throughput: dict[str, float | None] = Field(default_factory=dict)
     sample: dict[str, Any] | None = None

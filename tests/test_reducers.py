@@ -119,6 +119,12 @@ def test_the_job_with_reducers_equals_the_job_without(tmp_path, ray_local, minil
     _, one = run_job(tmp_path, minilm_dir, docs, "r1", "c.jsonl", **opts)
     manifest, three = run_job(tmp_path, minilm_dir, docs, "r3", "c.jsonl", reducers=3, **opts)
     assert "statistics/" in manifest["outputs"]["artefacts"]
+    assert manifest["reducers"]["count"] == 3 and manifest["reducers"]["restarts"] == [0, 0, 0]
+    assert manifest["reducers"]["state_layers"] == [[0], [6], []]
+    peaks = manifest["memory"]["reducer_peak_rss_bytes"]
+    assert len(peaks) == 3 and all(50 * 2**20 < p < 8 * 2**30 for p in peaks)
+    assert manifest["memory"]["driver_peak_rss_bytes"] > 100 * 2**20
+    assert manifest["memory"]["extractor_peak_rss_bytes"] > 100 * 2**20
     for name in ("type_stats", "layers", "dims", "positions", "samples"):
         a, b = one[name], three[name]
         if name == "samples":

@@ -33,6 +33,7 @@ from ..config import ExtractionOptions, SchedulingOptions
 from ..errors import ConfigError, UserError
 from ..inputs.corpus import Shard
 from ..inputs.extractor import ShardCounts, ShardProcessor
+from .process_memory import peak_rss_bytes
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +52,8 @@ class PoolPlan:
     checkpoints: int = 0
     #: of those, flushes asked because an actor's statistics reached --worker-memory
     budget_flushes: int = 0
+    #: the largest peak resident memory any extractor actor reported (bytes)
+    extractor_peak_rss_bytes: int = 0
 
 
 def plan_pool(config: SchedulingOptions, num_shards: int) -> PoolPlan:
@@ -174,6 +177,7 @@ class ShardExtract:
             "node_id": ray.get_runtime_context().get_node_id(),
             "unflushed": len(self.shard_ids),
             "state_bytes": self.stats.nbytes(),
+            "peak_rss_bytes": peak_rss_bytes(),
         }
 
     def flush(self) -> tuple[list[str], bytes, bytes | None, dict[str, Any]]:
@@ -329,6 +333,9 @@ class _Scheduler:
             result["unflushed"],
         )
         worker.current = None
+        self.pool.extractor_peak_rss_bytes = max(
+            self.pool.extractor_peak_rss_bytes, int(result.get("peak_rss_bytes", 0))
+        )
         worker.unflushed.append(report)
         if report.unflushed != len(worker.unflushed):
             raise RuntimeError(

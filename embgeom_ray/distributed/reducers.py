@@ -42,6 +42,7 @@ from ..core.tables import TypeSummary, build_tables_from, summarise_types
 from ..errors import OutputError
 from ..io_utils import atomic_write_json, join
 from ..run_dir import PARTS_FORMAT, PARTS_INDEX
+from .process_memory import peak_rss_bytes
 
 #: how often one reducer is started again after it was lost, before the run fails
 MAX_REDUCER_RESTARTS = 3
@@ -110,6 +111,9 @@ class Reducer:
         if self.rows is None:
             raise ValueError(f"reducer {self.index} has no statistics (load groups first)")
         return summarise_types(self.rows, layer, layer_mean, min_count)
+
+    def peak_rss(self) -> int:
+        return peak_rss_bytes()
 
     def save(self, directory: str) -> list[str]:
         """Write this reducer's parts into ``directory``; their file names."""
@@ -214,6 +218,19 @@ class PartitionedStatistics:
                 "files": [name for names in files for name in names],
             },
         )
+
+    def describe(self) -> dict[str, Any]:
+        """The manifest's ``reducers``: how the statistics were partitioned, restarts."""
+        return {
+            "count": self.plan.reducers,
+            "token_ranges": [list(r) for r in self.plan.ranges],
+            "state_layers": [list(s) for s in self.plan.state_layers],
+            "restarts": list(self.restarts),
+        }
+
+    def peak_rss_bytes(self) -> list[int]:
+        """Each reducer's peak resident memory so far (bytes)."""
+        return [int(self._call(r, "peak_rss")) for r in range(self.plan.reducers)]
 
     def close(self) -> None:
         for actor in self.actors:

@@ -17,6 +17,7 @@ from ..config import JobConfig, TableOptions
 from ..core.samples import ActivationSample
 from ..core.statistics import EmbeddingStatistics
 from ..core.tables import build_tables
+from ..distributed.process_memory import peak_rss_bytes
 from ..distributed.sampled_stage import add_sampled_metrics
 from ..inputs.extractor import ShardCounts
 from ..report.html import write_run_report
@@ -34,6 +35,18 @@ def exact_tables(merged: Statistics, tokenizer: Any, options: TableOptions) -> d
     if isinstance(merged, EmbeddingStatistics):
         return build_tables(merged, tokenizer, options)
     return merged.tables(tokenizer, options)
+
+
+def peak_memory(merged: Statistics, manifest: Manifest) -> dict[str, Any]:
+    """The manifest's ``memory``: peak resident bytes of this process (the driver), of the
+    largest extractor (as the actor pool recorded it) and of each reducer actor."""
+    memory: dict[str, Any] = {"driver_peak_rss_bytes": peak_rss_bytes()}
+    extractor = (manifest.workers or {}).get("extractor_peak_rss_bytes")
+    if extractor:
+        memory["extractor_peak_rss_bytes"] = extractor
+    if not isinstance(merged, EmbeddingStatistics):
+        memory["reducer_peak_rss_bytes"] = merged.peak_rss_bytes()
+    return memory
 
 
 def counts_of(totals: ShardCounts, merged: Statistics) -> Counts:
@@ -89,8 +102,11 @@ def finish_run(
     t2 = time.perf_counter()
     manifest.set(
         timings_s=manifest.timings_s
-        | {"write": round(t2 - t1, 3), "total": round(t2 - t_start, 3)}
+        | {"write": round(t2 - t1, 3), "total": round(t2 - t_start, 3)},
+        memory=peak_memory(merged, manifest),
     )
+    if not isinstance(merged, EmbeddingStatistics):
+        manifest.set(reducers=merged.describe())
     run.write_manifest(manifest)
     echo(format_summary(tables["layers"]))
     outputs = manifest.outputs
