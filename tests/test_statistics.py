@@ -788,3 +788,37 @@ def test_partitions_are_described_in_the_header_and_checked():
     h, ids, keep = make_batch(np.random.default_rng(9), n_layers=1, b=2, t=8, d=5, vocab=20)
     fold(layer_part, h, ids, keep)
     assert layer_part.token_count() == whole.token_count() + int(keep.sum())
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    seed=st.integers(0, 2**31 - 1),
+    clip=st.booleans(),
+    layers=st.lists(st.sampled_from([1, 4, 7]), unique=True, max_size=3),
+    lo=st.integers(0, 22),
+    width=st.one_of(st.none(), st.integers(0, 12)),
+    layer_state=st.booleans(),
+)
+def test_load_part_reads_exactly_the_selected_part(seed, clip, layers, lo, width, layer_state):
+    """What a reducer reads of a checkpoint group: the lazily sliced part of a file equals
+    the selected part of the loaded whole (same header, same arrays, exactly)."""
+    import tempfile
+
+    whole = random_statistics(seed, clip)
+    span = (lo, None if width is None else lo + width)
+    chosen = layers or None
+    with tempfile.TemporaryDirectory() as tmp:
+        path = str(Path(tmp) / "group.safetensors")
+        whole.save(path)
+        part = EmbeddingStatistics.load_part(path, chosen, span, layer_state=layer_state)
+        want = whole.select(chosen, span, layer_state=layer_state)
+        assert part.header() == want.header()
+        assert_same_state(part, want)
+        # a file that is itself a part is read whole and selected
+        want.save(path)
+        again = EmbeddingStatistics.load_part(path, chosen, span, layer_state=layer_state)
+        assert_same_state(again, want)
+    with pytest.raises(ValueError, match="not held"):
+        with tempfile.TemporaryDirectory() as tmp:
+            whole.save(str(Path(tmp) / "g.safetensors"))
+            EmbeddingStatistics.load_part(str(Path(tmp) / "g.safetensors"), [2])

@@ -49,6 +49,7 @@ The type is a sketch in the Apache DataSketches sense (:class:`~embgeom_ray.core
 from __future__ import annotations
 
 import itertools
+import json
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -934,6 +935,83 @@ class EmbeddingStatistics(Sketch):
             tensors[f.name] = a.index_select(1, slots) if f.per_type else a
         part._fill(ids[inside], tensors)
         return part
+
+    @classmethod
+    def load_part(
+        cls,
+        path: str,
+        layers: Sequence[int] | None = None,
+        token_range: tuple[int, int | None] = (0, None),
+        *,
+        layer_state: bool = True,
+    ) -> EmbeddingStatistics:
+        """``load(path).select(layers, token_range, layer_state=layer_state)``, reading only
+        that part's bytes when ``path`` is a local file of a whole.
+
+        Files store the types sorted by id (:meth:`state_dict`), so a token range is one
+        contiguous run of rows: each per-type array is read as ``[layer, a:b]`` slices and each
+        per-layer array only for the kept layers (safetensors' lazy slices). What a reducer
+        holds while reading a checkpoint group is then its part, not the group. Remote URLs and
+        files that are themselves parts are read whole and selected.
+        """
+        from safetensors import safe_open
+
+        from ..io_utils import is_local, local_path
+        from .sketch import HEADER_KEY
+
+        url = str(path)
+        header = None
+        if is_local(url):
+            with safe_open(local_path(url), framework="numpy") as f:
+                try:
+                    header = json.loads((f.metadata() or {})[HEADER_KEY])
+                except (KeyError, ValueError) as exc:
+                    raise StatisticsMismatchError(
+                        f"{url}: not an embgeom_ray {cls.KIND} artefact ({exc})"
+                    ) from None
+                if cls.check_header(header) >= 2 and header.get("partition") is None:
+                    return cls._read_part(f, header, layers, token_range, layer_state)
+        return cls.load(url).select(layers, token_range, layer_state=layer_state)
+
+    @classmethod
+    def _read_part(
+        cls,
+        f: Any,
+        header: dict[str, Any],
+        layers: Sequence[int] | None,
+        token_range: tuple[int, int | None],
+        layer_state: bool,
+    ) -> EmbeddingStatistics:
+        """The part of an open safetensors file of a whole (:meth:`load_part`)."""
+        of_layers = [int(x) for x in header["layers"]]
+        want = set(of_layers if layers is None else (int(x) for x in layers))
+        unknown = sorted(want - set(of_layers))
+        if unknown:
+            raise ValueError(f"layers {unknown} are not held; layers are {of_layers}")
+        kept = [x for x in of_layers if x in want]
+        lis = [of_layers.index(x) for x in kept]
+        lo, hi = token_range
+        ids = f.get_tensor("type_ids")
+        a = int(np.searchsorted(ids, lo, "left"))
+        b = len(ids) if hi is None else int(np.searchsorted(ids, hi, "left"))
+        arrays = {"type_ids": ids[a:b]}
+        clip = header.get("clip_dims") is not None
+        for field in FIELDS:
+            if (field.clip and not clip) or (not field.per_type and not layer_state):
+                continue
+            lazy = f.get_slice(field.name)
+            shape = lazy.get_shape()
+            if field.per_type and a == b:  # no row in the range (safetensors refuses [n:n])
+                arrays[field.name] = np.empty((len(lis), 0, *shape[2:]), field.numpy_dtype)
+                continue
+            rows = [lazy[li : li + 1, a:b] if field.per_type else lazy[li : li + 1] for li in lis]
+            empty = (0, b - a, *shape[2:]) if field.per_type else (0, *shape[1:])
+            arrays[field.name] = (
+                np.concatenate(rows) if rows else np.empty(empty, field.numpy_dtype)
+            )
+        whole = kept == of_layers and (lo, hi) == (0, None) and layer_state
+        part = None if whole else Partition(tuple(of_layers), (lo, hi), layer_state).to_json()
+        return cls.from_state(header | {"layers": kept, "partition": part}, arrays)
 
     @classmethod
     def combine(cls, parts: Sequence[EmbeddingStatistics]) -> EmbeddingStatistics:

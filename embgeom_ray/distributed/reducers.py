@@ -3,9 +3,9 @@
 With R reducers, reducer r owns the per-type rows of the token ids in its range
 [r·w, (r+1)·w) of the vocabulary (w = ⌈V / R⌉, the last range open) for every measured layer,
 and the per-layer state (n, μ, co-moment, tails, positions) of the layers
-``layers[r], layers[r + R], …``. Each reducer reads every checkpoint group of the run in
-group-id order, keeps its part of it
-(:meth:`~embgeom_ray.core.statistics.EmbeddingStatistics.select`) and merges it (Chan's update,
+``layers[r], layers[r + R], …``. Each reducer reads its part of every checkpoint group of
+the run, in group-id order, and only those bytes
+(:meth:`~embgeom_ray.core.statistics.EmbeddingStatistics.load_part`), and merges it (Chan's update,
 row by row), so its part equals the same part of the unpartitioned merge exactly. The driver
 never holds a per-type table: per layer it fetches the layer's state from its owner and asks
 every reducer for the :class:`~embgeom_ray.core.tables.TypeSummary` of its range (O(d) sums and
@@ -17,7 +17,8 @@ Memory (bytes, float64; V_r the types of range r seen in the corpus, L the measu
 L_r ≤ ⌈L / R⌉ the layers whose state r holds, P positions, G the largest checkpoint group):
 
 - reducer r: L · V_r · (2d + 2) · 8 (+ L · V_r · d · 8 with ``--clip-dims``)
-  + L_r · (d² + P·d + 3d) · 8, plus one group being read (G; a group is one extractor flush);
+  + L_r · (d² + P·d + 3d) · 8, plus its part of one group being read (the whole group G when
+  the groups are on a remote filesystem; a group is one extractor flush);
 - driver: one layer's state d² · 8 + P · d · 8 at a time, the O(d) partial sums, and the
   ``type_stats`` rows (L · V_seen rows of a few scalars, the table it writes).
 
@@ -93,13 +94,11 @@ class Reducer:
     def load(self, group_urls: Sequence[str]) -> int:
         """Merge this partition of every group, in the order given; the types held."""
         for url in group_urls:
-            group = EmbeddingStatistics.load(url)
-            rows = group.select(self.layers, self.token_range, layer_state=False)
+            rows = EmbeddingStatistics.load_part(url, self.layers, self.token_range, layer_state=False)
             self.rows = rows if self.rows is None else self.rows.merge(rows)
             if self.state_layers:
-                state = group.select(self.state_layers, (0, 0), layer_state=True)
+                state = EmbeddingStatistics.load_part(url, self.state_layers, (0, 0))
                 self.state = state if self.state is None else self.state.merge(state)
-            del group
         return 0 if self.rows is None else self.rows.num_types
 
     def layer_state(self, layer: int) -> LayerMoments:

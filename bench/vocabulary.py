@@ -1,0 +1,160 @@
+"""Memory per process against the vocabulary and the number of reducers (issue 17's bench).
+
+A random-weight model of Llama architecture with a WordLevel tokenizer of V entries built here
+(``<unk> <s> </s> <pad>`` then ``w4 … w{V-1}``), shrunk to ``--dim`` and ``--blocks`` so it runs
+on a laptop, and a generated corpus of ``--tokens`` words: half drawn uniformly over the
+vocabulary (so most types are seen: 1 − e^(−tokens/2V) of them), half Zipf-distributed (the
+frequent types of real text). For every V in ``--vocab`` and R in ``--reducers`` the whole job
+(:func:`~embgeom_ray.runs.pipeline.analyze`) runs in a fresh process with a private local Ray
+and one extractor; the manifest's ``memory`` gives the peak resident memory of the driver, the
+extractor and each reducer, printed against the per-type state of the formula
+8 · L · V_seen · (2d + 2) bytes (:func:`~embgeom_ray.core.statistics.state_bytes`).
+
+What to look for: with R = 1 the driver holds the merged statistics (and a group while
+merging), so its peak grows with V · d; with R > 1 it must not, and each reducer holds about
+its 1/R share plus one checkpoint group being read.
+
+    python -m bench.vocabulary [--vocab 32000,128256] [--reducers 1,4] [--dim 128]
+        [--blocks 4] [--tokens 300000]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+from bench.common import save
+from embgeom_ray.core.statistics import state_bytes
+
+SPECIALS = ["<unk>", "<s>", "</s>", "<pad>"]
+MIB = 2**20
+
+
+def wordlevel_llama_dir(path: Path, vocab: int, dim: int, blocks: int) -> str:
+    """A random LlamaModel whose tokenizer maps the words ``w{i}`` to id i (i ≥ 4)."""
+    import torch
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors
+    from transformers import LlamaConfig, LlamaModel, PreTrainedTokenizerFast
+
+    words = {tok: i for i, tok in enumerate(SPECIALS)} | {f"w{i}": i for i in range(4, vocab)}
+    backend = Tokenizer(models.WordLevel(words, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    backend.post_processor = processors.TemplateProcessing(
+        single="<s> $A", special_tokens=[("<s>", 1)]
+    )
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=backend, bos_token="<s>", eos_token="</s>", unk_token="<unk>",
+        pad_token="<pad>",
+    )  # fmt: skip
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=vocab, hidden_size=dim, num_hidden_layers=blocks, num_attention_heads=4,
+        num_key_value_heads=4, intermediate_size=2 * dim, max_position_embeddings=256,
+        pad_token_id=3, bos_token_id=1, eos_token_id=2,
+    )  # fmt: skip
+    LlamaModel(config).save_pretrained(str(path))
+    tokenizer.save_pretrained(str(path))
+    return str(path)
+
+
+def generated_corpus(path: Path, vocab: int, tokens: int, seed: int = 0) -> str:
+    """Documents of 100 words: half uniform over the vocabulary, half Zipf (a = 1.2)."""
+    rng = np.random.default_rng(seed)
+    half = tokens // 2
+    ids = np.concatenate([
+        rng.integers(4, vocab, size=half),
+        4 + np.minimum(rng.zipf(1.2, size=tokens - half) - 1, vocab - 5),
+    ])  # fmt: skip
+    rng.shuffle(ids)
+    with path.open("w") as f:
+        for a in range(0, len(ids), 100):
+            f.write(json.dumps({"text": " ".join(f"w{i}" for i in ids[a : a + 100])}) + "\n")
+    return str(path)
+
+
+CHILD = """
+import json, sys
+from embgeom_ray.config import build_config
+from embgeom_ray.runs.pipeline import analyze
+m = analyze(build_config(None, json.loads(sys.argv[1])), echo=lambda *_: None)
+print("MANIFEST " + json.dumps({k: m.get(k) for k in ("memory", "counts", "timings_s", "reducers")}))
+"""
+
+
+def run_job(model: str, corpus: str, out: Path, reducers: int, args) -> dict:
+    options = {
+        "model": model, "corpus": corpus, "out": str(out), "address": "local",
+        "reducers": reducers, "num_workers": 1, "max_length": 128, "layers": None,
+        "sample_size": args.sample_size, "kmeans_k_max": 4, "comoment_precision": "float32",
+    }  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, "-c", CHILD, json.dumps(options)], capture_output=True, text=True
+    )
+    if proc.returncode != 0:
+        raise SystemExit(f"the job failed (R={reducers}):\n{proc.stderr[-3000:]}")
+    line = next(x for x in proc.stdout.splitlines() if x.startswith("MANIFEST "))
+    return json.loads(line[len("MANIFEST ") :])
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--vocab", default="32000,128256", help="vocabulary sizes V")
+    p.add_argument("--reducers", default="1,4", help="reducer counts R")
+    p.add_argument("--dim", type=int, default=128, help="hidden size d")
+    p.add_argument("--blocks", type=int, default=4, help="transformer blocks (L = blocks + 1)")
+    p.add_argument("--tokens", type=int, default=300_000, help="corpus words")
+    p.add_argument("--sample-size", type=int, default=256, help="the job's sample")
+    p.add_argument("--name", default="vocabulary")
+    args = p.parse_args(argv)
+    work = Path(tempfile.mkdtemp(prefix="embgeom-bench-vocab-"))
+    layers = args.blocks + 1
+    rows = []
+    try:
+        for vocab in (int(v) for v in args.vocab.split(",")):
+            model = wordlevel_llama_dir(work / f"model-{vocab}", vocab, args.dim, args.blocks)
+            corpus = generated_corpus(work / f"corpus-{vocab}.jsonl", vocab, args.tokens)
+            for reducers in (int(r) for r in args.reducers.split(",")):
+                out = work / f"run-{vocab}-{reducers}"
+                m = run_job(model, corpus, out, reducers, args)
+                seen = int(pd.read_parquet(out / "layers.parquet")["n_types"].max())
+                shutil.rmtree(out, ignore_errors=True)
+                mem = m["memory"]
+                per_type = state_bytes(layers, args.dim, seen, 0) - state_bytes(
+                    layers, args.dim, 0, 0
+                )
+                row = {
+                    "vocab": vocab,
+                    "reducers": reducers,
+                    "tokens": m["counts"]["tokens"],
+                    "per_type_state_seen_mib": per_type / MIB,
+                    "driver_peak_mib": mem["driver_peak_rss_bytes"] / MIB,
+                    "extractor_peak_mib": mem.get("extractor_peak_rss_bytes", 0) / MIB,
+                    "reducer_peak_mib": [x / MIB for x in mem.get("reducer_peak_rss_bytes", [])],
+                    "timings_s": m["timings_s"],
+                    "types_seen": seen,
+                }
+                rows.append(row)
+                reducer = max(row["reducer_peak_mib"], default=0.0)
+                print(
+                    f"V={vocab:7,d} R={reducers} tokens={row['tokens']:,} seen={seen:,} | per-type state "
+                    f"{row['per_type_state_seen_mib']:8.1f} MiB | driver "
+                    f"{row['driver_peak_mib']:8.1f} MiB | extractor "
+                    f"{row['extractor_peak_mib']:8.1f} MiB | largest reducer {reducer:8.1f} MiB | "
+                    f"reduce {m['timings_s'].get('reduce', 0):.1f}s metrics "
+                    f"{m['timings_s'].get('metrics', 0):.1f}s write {m['timings_s'].get('write', 0):.1f}s"
+                )
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    save(args.name, {"command": "python -m bench.vocabulary", "args": vars(args), "runs": rows})
+
+
+if __name__ == "__main__":
+    main()
