@@ -37,8 +37,14 @@ def make_run(
     status: str = "complete",
     model: str = "org/model",
     hidden: int = HIDDEN,
+    sample_size: int | None = 64,
+    tokens: int | None = None,
 ) -> str:
-    """A run directory: manifest, layers.parquet (given columns), dims.parquet (flags given)."""
+    """A run directory: manifest, layers.parquet (given columns), dims.parquet (flags given).
+
+    The manifest counts ``tokens`` (default: layer 0's ``n_tokens``) and records
+    ``sample_size`` in its config (None: not recorded).
+    """
     path.mkdir(parents=True)
     table = pd.DataFrame(layers)
     n_layers = num_layers if num_layers is not None else int(table["layer"].max())
@@ -52,9 +58,11 @@ def make_run(
             "hidden_size": hidden,
         },
         "corpus": {"source": "corpus.jsonl", "fingerprint": "c0ffee"},
-        "counts": {"tokens": int(table["n_tokens"].iloc[0])},
+        "counts": {"tokens": int(table["n_tokens"].iloc[0]) if tokens is None else tokens},
         "config": {"model": model, "corpus": "corpus.jsonl", "min_count": 5},
     }
+    if sample_size is not None:
+        manifest["config"]["sample_size"] = sample_size
     (path / "manifest.json").write_text(json.dumps(manifest))
     table.to_parquet(path / "layers.parquet")
     rows = []
@@ -105,7 +113,8 @@ def test_compare_two_runs(two_runs, tmp_path, capsys) -> None:
     out = tmp_path / "cmp"
     assert compare_cli.main([a, b, "--out", str(out), "--labels", "v1,v2"]) == 0
     printed = capsys.readouterr().out
-    assert "layers matched by index" in printed
+    assert printed.startswith("compared 1 run against v1; layers matched by index")
+    assert "warning" not in printed  # 100 and 120 tokens, neither below the sample size
     assert "rogue dimensions that appeared in v2: layer 0: [2]" in printed
     assert "rogue dimensions that vanished in v2: layer 2: [3]" in printed
 
@@ -113,7 +122,12 @@ def test_compare_two_runs(two_runs, tmp_path, capsys) -> None:
     changes = pd.read_parquet(out / "changes.parquet")
     assert list(changes.columns) == [
         "run", "metric", "layer", "run_layer", "baseline", "value", "change", "relative", "score",
+        "kind", "se_baseline", "se_run", "se_diff", "z", "within_noise", "evidence",
     ]  # fmt: skip
+    # every metric here is exact: no standard error, never within noise, ranked by score
+    assert (changes["kind"] == "exact").all() and (changes["evidence"] == "exact").all()
+    assert changes[["se_baseline", "se_run", "se_diff", "z"]].isna().all().all()
+    assert not changes["within_noise"].any()
     got = list(changes[["metric", "layer", "baseline", "value", "change"]].itertuples(index=False))
     assert [tuple(r) for r in got] == [
         ("anisotropy", 1, 0.25, 0.5, 0.25),  # score 0.25 / (0.5 - 0.125)
@@ -164,7 +178,10 @@ def test_compare_two_runs(two_runs, tmp_path, capsys) -> None:
         "isoscore",
         "within_ratio",
     ]
-    assert summary["rogue_dims"] == {"v2": {"appeared": {"0": [2]}, "vanished": {"2": [3]}}}
+    assert summary["rogue_dims"] == {
+        "v2": {"appeared": {"0": [2]}, "vanished": {"2": [3]}, "reliable": True}
+    }
+    assert summary["size_warning"] is None and summary["small_runs"] == []
     assert [r["revision"] for r in summary["runs"]] == ["rev-base", "rev-new"]
     assert summary["report"] == "report.html"
     html = (out / "report.html").read_text()
@@ -197,7 +214,9 @@ def test_different_depths_matched_by_relative_depth(tmp_path) -> None:
     wide = pd.read_parquet(tmp_path / "cmp" / "comparison_wide.parquet")
     assert list(wide.columns) == ["metric", "layer", "depth", "small", "deep", "layer:deep"]
     assert wide.loc[wide["metric"] == "anisotropy", "layer:deep"].tolist() == [0, 2, 4]
-    assert summary["rogue_dims"] == {"deep": {"appeared": {"0": [0]}, "vanished": {"1": [1]}}}
+    assert summary["rogue_dims"] == {
+        "deep": {"appeared": {"0": [0]}, "vanished": {"1": [1]}, "reliable": True}
+    }
 
 
 def test_other_hidden_size_skips_rogue_dims(tmp_path) -> None:
