@@ -123,7 +123,7 @@ def test_compare_two_runs(two_runs, tmp_path, capsys) -> None:
     changes = pd.read_parquet(out / "changes.parquet")
     assert list(changes.columns) == [
         "run", "metric", "layer", "run_layer", "baseline", "value", "change", "relative", "score",
-        "kind", "se_baseline", "se_run", "se_diff", "z", "within_noise", "evidence",
+        "kind", "se_baseline", "se_run", "se_diff", "z", "within_noise", "evidence", "small_run",
     ]  # fmt: skip
     # every metric here is exact: no standard error, never within noise, ranked by score
     assert (changes["kind"] == "exact").all() and (changes["evidence"] == "exact").all()
@@ -414,10 +414,7 @@ def test_size_warning_at_ratio(tmp_path, tokens, warns) -> None:
     if warns:
         ratio = max(tokens) / min(tokens)
         sizes = ", ".join(f"r{i}: {n:,}" for i, n in enumerate(tokens))
-        assert warning == (
-            f"the runs differ {ratio:.0f}x in size (tokens {sizes}); rank the changes by z "
-            "(changes.parquet), not by their relative size"
-        )
+        assert warning == f"the runs differ {ratio:.0f}x in size (tokens {sizes})"
 
 
 def test_small_run_warning_and_unreliable_rogue_dims(tmp_path, capsys) -> None:
@@ -429,9 +426,10 @@ def test_small_run_warning_and_unreliable_rogue_dims(tmp_path, capsys) -> None:
     printed = capsys.readouterr().out
     warning = (
         "the runs differ 132x in size (tokens demo: 80,253, tiny: 609); tiny has fewer tokens "
-        "than the sample size 4,096, so its sampled metrics rest on every token and the rogue "
-        "dimensions that appear or vanish there are not reliable; rank the changes by z "
-        "(changes.parquet), not by their relative size"
+        "than the sample size 4,096, so its sampled metrics rest on fewer points than a full "
+        "sample (K-means, silhouettes and LID change with the number of points, which z, a "
+        "measure of sampling noise, does not cover) and the rogue dimensions that appear or "
+        "vanish against it are not reliable"
     )
     assert printed.count("warning:") == 1 and f"\nwarning: {warning}\n" in printed
     assert summary["size_warning"] == warning and summary["notes"][0] == warning
@@ -445,16 +443,52 @@ def test_small_run_warning_and_unreliable_rogue_dims(tmp_path, capsys) -> None:
     # a small run within 10x: the threshold alone warns; at the threshold, nothing
     runs = _loaded(_sized_runs(tmp_path / "x", [8000, 4095], 4096))
     assert size_threshold(runs) == 4096
-    assert size_warning(runs) == (
+    assert size_warning(runs).startswith(
         "tokens a: 8,000, b: 4,095; b has fewer tokens than the sample size 4,096, so its sampled "
-        "metrics rest on every token and the rogue dimensions that appear or vanish there are not "
-        "reliable; rank the changes by z (changes.parquet), not by their relative size"
+        "metrics rest on fewer points"
     )
     runs = _loaded(_sized_runs(tmp_path / "y", [8000, 4096], 4096))
     assert size_warning(runs) is None
     # no sample size recorded: the job's default --sample-size
     runs = _loaded(_sized_runs(tmp_path / "z", [8000, 4095], None))
     assert size_threshold(runs) == 4096 and size_warning(runs) is not None
+
+
+def test_changes_against_small_runs_come_last_in_their_group(tmp_path) -> None:
+    from embgeom_ray.runs.compare import changes_table, metric_columns, size_warning
+
+    # base 8000 tokens; "small" 600 < the sample size 1000; "ok" 7000 — the same changes
+    dirs = [
+        make_run(tmp_path / name, layers, {}, tokens=n, sample_size=1000)
+        for name, layers, n in [
+            ("base", BASE_LAYERS, 8000),
+            ("small", OTHER_LAYERS, 600),
+            ("ok", OTHER_LAYERS, 7000),
+        ]
+    ]
+    runs = [load_run(d, lab) for d, lab in zip(dirs, ["base", "small", "ok"], strict=True)]
+    changes = changes_table(runs, metric_columns(runs), BY_INDEX)
+    moved = changes[changes["change"] != 0]
+    assert moved[["run", "metric", "layer", "small_run"]].values.tolist() == [
+        ["ok", "anisotropy", 1, False],
+        ["ok", "isoscore", 2, False],
+        ["ok", "within_ratio", 2, False],
+        ["small", "anisotropy", 1, True],
+        ["small", "isoscore", 2, True],
+        ["small", "within_ratio", 2, True],
+    ]
+    assert size_warning(runs) == (
+        "the runs differ 13x in size (tokens base: 8,000, small: 600, ok: 7,000); small has "
+        "fewer tokens than the sample size 1,000, so its sampled metrics rest on fewer points "
+        "than a full sample (K-means, silhouettes and LID change with the number of points, "
+        "which z, a measure of sampling noise, does not cover) and the rogue dimensions that "
+        "appear or vanish against it are not reliable"
+    )
+    # two small runs: plural
+    runs[2].manifest.counts.tokens = 900
+    warning = size_warning(runs)
+    assert "small and ok have fewer tokens than the sample size 1,000, so their" in warning
+    assert warning.endswith("appear or vanish against them are not reliable")
 
 
 def test_compared_wording(tmp_path, capsys) -> None:

@@ -9,13 +9,14 @@ The first run is the baseline. :func:`compare_runs` reads each run's ``manifest.
   label) — the runs side by side;
 - ``changes.parquet``: each later run against the baseline, per metric and matched layer
   (:func:`changes_table`): ``run, metric, layer, run_layer, baseline, value, change, relative,
-  score, kind, se_baseline, se_run, se_diff, z, within_noise, evidence`` with
+  score, kind, se_baseline, se_run, se_diff, z, within_noise, evidence, small_run`` with
   change = value − baseline, relative = change / |baseline| (NaN for a zero baseline),
   score = |change| / the metric's range over all runs and layers (so variances and cosines
   rank on the same footing) and, for a sampled metric with a standard error in both runs,
   z = change / se_diff, se_diff = √(se_baseline² + se_run²); ranked by evidence (sampled
   changes beyond noise by |z|, then exact changes by score, then sampled changes without a
-  standard error, then those within noise); counts (``n_tokens``, ``n_types``, ...), the
+  standard error, then those within noise; changes against a run smaller than
+  :func:`size_threshold` after the others of their group); counts (``n_tokens``, ``n_types``, ...), the
   chosen ``kmeans_k`` and the ``*_se`` columns themselves are not ranked;
 - ``rogue_dims.parquet``: per later run and matched layer, the dimensions flagged as outliers
   (``dims.parquet`` column ``outlier``) that appeared (flagged in the run, not in the baseline)
@@ -293,7 +294,7 @@ def _metric_span(runs: Sequence[RunData], metric: str) -> float:
 
 CHANGE_COLUMNS = [
     "run", "metric", "layer", "run_layer", "baseline", "value", "change", "relative", "score",
-    "kind", "se_baseline", "se_run", "se_diff", "z", "within_noise", "evidence",
+    "kind", "se_baseline", "se_run", "se_diff", "z", "within_noise", "evidence", "small_run",
 ]  # fmt: skip
 
 
@@ -342,14 +343,19 @@ def changes_table(runs: Sequence[RunData], metrics: Sequence[str], mode: str) ->
     3. ``no standard error``: sampled without ``_se`` in a run, by ``score``;
     4. ``within noise``: sampled, |z| < 2, by |z|.
 
-    Ties keep the run, metric and layer order.
+    ``small_run``: the run or the baseline has fewer tokens than :func:`size_threshold`; within
+    each group its changes come after the others (z measures sampling noise, not how K-means,
+    silhouettes and LID change with the number of points). Ties keep the run, metric and
+    layer order.
     """
     base = runs[0]
+    small = set(small_runs(runs, size_threshold(runs)))
     ranked = [m for m in metrics if m not in NOT_RANKED]
     spans = {m: _metric_span(runs, m) for m in ranked}
     rows = []
     for i, run in enumerate(runs[1:], start=1):
         pairs = match_layers(base, run, mode)
+        tiny = base.label in small or run.label in small
         for j, m in enumerate(ranked):
             if m not in base.layers.columns or m not in run.layers.columns:
                 continue
@@ -371,9 +377,9 @@ def changes_table(runs: Sequence[RunData], metrics: Sequence[str], mode: str) ->
                 strength = score if evidence in (EXACT_CHANGE, NO_SE) else abs(z)
                 rows.append(
                     (
-                        (tier, -strength, i, j, b),
+                        (tier, tiny, -strength, i, j, b),
                         [run.label, m, b, o, a, v, d, rel, score, kind, se_b, se_r, se_diff, z,
-                         within, evidence],
+                         within, evidence, tiny],
                     )
                 )  # fmt: skip
     rows.sort(key=lambda r: r[0])
@@ -387,6 +393,7 @@ def changes_table(runs: Sequence[RunData], metrics: Sequence[str], mode: str) ->
             "se_diff": np.float64,
             "z": np.float64,
             "within_noise": "boolean",
+            "small_run": bool,
         }
     )
 
@@ -429,13 +436,14 @@ def size_warning(runs: Sequence[RunData]) -> str | None:
     sizes = "tokens " + ", ".join(f"{r.label}: {r.tokens:,}" for r in counted)
     parts = [f"the runs differ {ratio:,.0f}x in size ({sizes})" if ratio > SIZE_RATIO else sizes]
     if small:
+        one = len(small) == 1
         parts.append(
-            f"{_join(small)} {'has' if len(small) == 1 else 'have'} fewer tokens than the "
-            f"sample size {threshold:,}, so {'its' if len(small) == 1 else 'their'} sampled "
-            "metrics rest on every token and the rogue dimensions that appear or vanish "
-            "there are not reliable"
+            f"{_join(small)} {'has' if one else 'have'} fewer tokens than the sample size "
+            f"{threshold:,}, so {'its' if one else 'their'} sampled metrics rest on fewer points "
+            "than a full sample (K-means, silhouettes and LID change with the number of points, "
+            "which z, a measure of sampling noise, does not cover) and the rogue dimensions that "
+            f"appear or vanish against {'it' if one else 'them'} are not reliable"
         )
-    parts.append("rank the changes by z (changes.parquet), not by their relative size")
     return "; ".join(parts)
 
 
