@@ -22,9 +22,11 @@ The first run is the baseline. :func:`compare_runs` reads each run's ``manifest.
   (``dims.parquet`` column ``outlier``) that appeared (flagged in the run, not in the baseline)
   or vanished (the reverse), with both runs' mean and std of the dimension and ``reliable``
   (False when either run is smaller than :func:`size_threshold`);
-- ``comparison.json``: the runs, how layers were matched, the largest changes, the rogue
-  dimensions that appeared or vanished, the size warning (:func:`size_warning`), notes, and
-  the files;
+- ``comparison.json``: the runs (with their ``tokens`` and ``sample_size``), how layers were
+  matched, the number of non-zero changes per evidence group (``evidence_counts``), the
+  largest changes, the rogue dimensions that appeared or vanished (and whether ``reliable``),
+  the size warning (``size_warning``, ``size_threshold``, ``small_runs``: :func:`size_warning`),
+  notes (the size warning first), and the files;
 - ``report.html`` (+ ``plots/compare_metrics.png``): the page of
   :func:`embgeom_ray.report.html.write_comparison_report`.
 
