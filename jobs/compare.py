@@ -2,9 +2,13 @@
 
 Compares complete runs of jobs.analyze layer by layer against the first (the baseline): every
 per-layer metric side by side, the largest changes, and the rogue dimensions that appeared or
-vanished. DIR gets comparison.parquet (long: run, label, layer, depth, metric, value),
-comparison_wide.parquet (one column per run), changes.parquet, rogue_dims.parquet,
-comparison.json (summary) and report.html with its plot (see embgeom_ray/compare.py).
+vanished. Changes of sampled metrics are ranked by z = change / its standard error (from the
+runs' half-sample *_se columns), |z| < 2 being within noise, ahead of exact ones only when
+beyond noise; one warning line says when the runs differ more than 10x in tokens or one has
+fewer tokens than the sample size. DIR gets comparison.parquet (long: run, label, layer, depth,
+metric, value), comparison_wide.parquet (one column per run), changes.parquet,
+rogue_dims.parquet, comparison.json (summary) and report.html with its plot (see
+embgeom_ray/runs/compare.py).
 
 Layers are matched by index when the models have the same number of blocks, otherwise by
 relative depth (and the output says so).

@@ -7,17 +7,26 @@ The first run is the baseline. :func:`compare_runs` reads each run's ``manifest.
   ``run, label, layer, depth, metric, value`` (``depth`` = layer / number of blocks);
 - ``comparison_wide.parquet``: one row per (metric, layer), one column per run (named by its
   label) — the runs side by side;
-- ``changes.parquet``: each later run against the baseline, per metric and matched layer:
-  ``run, metric, layer, run_layer, baseline, value, change, relative, score`` with
-  change = value − baseline, relative = change / |baseline| (NaN for a zero baseline) and
+- ``changes.parquet``: each later run against the baseline, per metric and matched layer
+  (:func:`changes_table`): ``run, metric, layer, run_layer, baseline, value, change, relative,
+  score, kind, se_baseline, se_run, se_diff, z, within_noise, evidence, small_run`` with
+  change = value − baseline, relative = change / |baseline| (NaN for a zero baseline),
   score = |change| / the metric's range over all runs and layers (so variances and cosines
-  rank on the same footing), sorted by score; counts (``n_tokens``, ``n_types``) and the
-  chosen ``kmeans_k`` are not ranked;
+  rank on the same footing) and, for a sampled metric with a standard error in both runs,
+  z = change / se_diff, se_diff = √(se_baseline² + se_run²); ranked by evidence (sampled
+  changes beyond noise by |z|, then exact changes by score, then sampled changes without a
+  standard error, then those within noise; changes against a run smaller than
+  :func:`size_threshold` after the others of their group); counts (``n_tokens``, ``n_types``, ...), the
+  chosen ``kmeans_k`` and the ``*_se`` columns themselves are not ranked;
 - ``rogue_dims.parquet``: per later run and matched layer, the dimensions flagged as outliers
   (``dims.parquet`` column ``outlier``) that appeared (flagged in the run, not in the baseline)
-  or vanished (the reverse), with both runs' mean and std of the dimension;
-- ``comparison.json``: the runs, how layers were matched, the largest changes, the rogue
-  dimensions that appeared or vanished, notes, and the files;
+  or vanished (the reverse), with both runs' mean and std of the dimension and ``reliable``
+  (False when either run is smaller than :func:`size_threshold`);
+- ``comparison.json``: the runs (with their ``tokens`` and ``sample_size``), how layers were
+  matched, the number of non-zero changes per evidence group (``evidence_counts``), the
+  largest changes, the rogue dimensions that appeared or vanished (and whether ``reliable``),
+  the size warning (``size_warning``, ``size_threshold``, ``small_runs``: :func:`size_warning`),
+  notes (the size warning first), and the files;
 - ``report.html`` (+ ``plots/compare_metrics.png``): the page of
   :func:`embgeom_ray.report.html.write_comparison_report`.
 
@@ -43,15 +52,41 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from ..config import JobConfig
 from ..core.rogue import flagged_dims
+from ..core.sampled_metrics import SAMPLED_LAYER_COLUMNS, SE_METRICS
 from ..errors import UserError
 from ..io_utils import atomic_write_json, is_local, join, local_path, read_bytes
 from ..run_dir import Manifest, RunDir, RunDirError, now, write_table
 
 SUMMARY = "comparison.json"
 LONG, WIDE, CHANGES, ROGUE = "comparison", "comparison_wide", "changes", "rogue_dims"
-#: per-layer columns kept in the tables but not ranked among the changes
-NOT_RANKED = ("n_tokens", "n_types", "kmeans_k")
+#: per-layer columns kept in the tables but not ranked among the changes: counts, the k chosen
+#: or searched, and the standard errors themselves (they are the yardstick of the changes)
+NOT_RANKED = (
+    "n_tokens", "n_types", "kmeans_k", "kmeans_best_k", "kmeans_k_searched",
+    "sample_duplicate_points", "adjusted_clusters_used", "adjusted_clusters_left_out",
+    *(f"{m}_se" for m in SE_METRICS),
+)  # fmt: skip
+#: the sampled cosines of :func:`embgeom_ray.core.rogue.sampled_clipped_cosines`
+SAMPLED_CLIPPED_COLUMNS = (
+    "anisotropy_clipped", "s_inter_clipped", "s_intra_clipped",
+    "anisotropy_sampled", "s_inter_sampled", "s_intra_sampled",
+)  # fmt: skip
+#: per-layer metrics estimated on the run's sample; every other metric is exact (all tokens)
+SAMPLED = frozenset(SAMPLED_LAYER_COLUMNS) | frozenset(SAMPLED_CLIPPED_COLUMNS)
+EXACT, SAMPLED_KIND = "exact", "sampled"
+#: |z| below this is within the sampling noise of the two runs (about 95% two-sided)
+NOISE_Z = 2.0
+#: the evidence of a change, best first: the order of :func:`changes_table`
+BEYOND_NOISE, EXACT_CHANGE, NO_SE, WITHIN_NOISE = (
+    "beyond noise", "exact", "no standard error", "within noise",
+)  # fmt: skip
+EVIDENCE_ORDER = (BEYOND_NOISE, EXACT_CHANGE, NO_SE, WITHIN_NOISE)
+#: token counts differing by more than this factor get the size warning
+SIZE_RATIO = 10.0
+#: the uniform sample size of a run that records none (the job's default ``--sample-size``)
+DEFAULT_SAMPLE_SIZE: int = JobConfig.model_fields["sample_size"].default
 #: column names of the wide table that a label may not take
 RESERVED_LABELS = ("metric", "layer", "depth")
 BY_INDEX, BY_DEPTH = "layer_index", "relative_depth"
@@ -79,6 +114,32 @@ class RunData:
     @cached_property
     def _by_layer(self) -> pd.DataFrame:
         return self.layers.set_index("layer")
+
+    @property
+    def tokens(self) -> int | None:
+        """Tokens the run counted: the manifest's ``counts.tokens``, else the most ``n_tokens``
+        of a layer; None when neither is known."""
+        counts = self.manifest.counts
+        if counts is not None and counts.tokens > 0:
+            return int(counts.tokens)
+        if "n_tokens" in self.layers.columns:
+            n = pd.to_numeric(self.layers["n_tokens"], errors="coerce").max()
+            if pd.notna(n) and n > 0:
+                return int(n)
+        return None
+
+    @property
+    def sample_size(self) -> int | None:
+        """The run's uniform sample size: ``config.sample_size`` (``--sample-size``), else the
+        manifest's ``sample.uniform_points``; None when neither is recorded (or sampling was
+        off)."""
+        for size in (
+            self.manifest.config.get("sample_size"),
+            (self.manifest.sample or {}).get("uniform_points"),
+        ):
+            if isinstance(size, int) and not isinstance(size, bool) and size > 0:
+                return size
+        return None
 
     def value(self, metric: str, layer: int) -> float:
         """``metric`` at ``layer`` as a float; NaN when absent or not a number."""
@@ -235,20 +296,72 @@ def _metric_span(runs: Sequence[RunData], metric: str) -> float:
 
 CHANGE_COLUMNS = [
     "run", "metric", "layer", "run_layer", "baseline", "value", "change", "relative", "score",
+    "kind", "se_baseline", "se_run", "se_diff", "z", "within_noise", "evidence", "small_run",
 ]  # fmt: skip
 
 
+def metric_kind(metric: str) -> str:
+    """``"sampled"`` for a metric estimated on the run's sample, else ``"exact"``."""
+    return SAMPLED_KIND if metric in SAMPLED else EXACT
+
+
+def z_score(change: float, se_baseline: float, se_run: float) -> tuple[float, float]:
+    """(se_diff, z) of a change between two independent estimates.
+
+    se_diff = √(se_b² + se_r²), the standard error of the difference of two independent
+    estimates (the runs' samples are drawn independently), and z = change / se_diff. NaN for
+    both when a standard error is missing or not finite; with se_diff = 0, z is 0 for no change
+    and ±inf for any other.
+    """
+    if not (math.isfinite(se_baseline) and math.isfinite(se_run)):
+        return math.nan, math.nan
+    se_diff = math.hypot(se_baseline, se_run)
+    if se_diff == 0:
+        return 0.0, (0.0 if change == 0 else math.copysign(math.inf, change))
+    return se_diff, change / se_diff
+
+
+def _evidence(kind: str, z: float) -> str:
+    if kind == EXACT:
+        return EXACT_CHANGE
+    if math.isnan(z):
+        return NO_SE
+    return BEYOND_NOISE if abs(z) >= NOISE_Z else WITHIN_NOISE
+
+
 def changes_table(runs: Sequence[RunData], metrics: Sequence[str], mode: str) -> pd.DataFrame:
-    """Every later run against the baseline, per metric and matched layer, largest first."""
+    """Every later run against the baseline, per metric and matched layer, best evidence first.
+
+    ``kind``: ``exact`` (over every counted token: no sampling error) or ``sampled`` (on the
+    run's sample, :data:`SAMPLED`). For a sampled metric with a standard error ``<metric>_se``
+    in both runs (:data:`~embgeom_ray.core.sampled_metrics.SE_METRICS`, from half-samples),
+    ``se_diff`` and ``z`` (:func:`z_score`); ``within_noise`` is |z| < :data:`NOISE_Z` (False for
+    an exact metric, missing (NA) for a sampled one without standard errors, e.g. of an older
+    run). ``evidence`` and the order, by :data:`EVIDENCE_ORDER`:
+
+    1. ``beyond noise``: sampled, |z| ≥ 2, by |z| (largest first);
+    2. ``exact``: exact metrics, by ``score`` = |change| / the metric's range over all runs and
+       layers (a relative change explodes near a zero baseline; the range does not);
+    3. ``no standard error``: sampled without ``_se`` in a run, by ``score``;
+    4. ``within noise``: sampled, |z| < 2, by |z|.
+
+    ``small_run``: the run or the baseline has fewer tokens than :func:`size_threshold`; within
+    each group its changes come after the others (z measures sampling noise, not how K-means,
+    silhouettes and LID change with the number of points). Ties keep the run, metric and
+    layer order.
+    """
     base = runs[0]
+    small = set(small_runs(runs, size_threshold(runs)))
     ranked = [m for m in metrics if m not in NOT_RANKED]
     spans = {m: _metric_span(runs, m) for m in ranked}
     rows = []
     for i, run in enumerate(runs[1:], start=1):
         pairs = match_layers(base, run, mode)
+        tiny = base.label in small or run.label in small
         for j, m in enumerate(ranked):
             if m not in base.layers.columns or m not in run.layers.columns:
                 continue
+            kind = metric_kind(m)
             for b, o in pairs:
                 a, v = base.value(m, b), run.value(m, o)
                 if not (math.isfinite(a) and math.isfinite(v)):
@@ -256,15 +369,93 @@ def changes_table(runs: Sequence[RunData], metrics: Sequence[str], mode: str) ->
                 d = v - a
                 score = abs(d) / spans[m] if spans[m] > 0 else 0.0
                 rel = d / abs(a) if a != 0 else math.nan
-                rows.append(((-score, i, j, b), [run.label, m, b, o, a, v, d, rel, score]))
+                se_b = se_r = se_diff = z = math.nan
+                if kind == SAMPLED_KIND:
+                    se_b, se_r = base.value(f"{m}_se", b), run.value(f"{m}_se", o)
+                    se_diff, z = z_score(d, se_b, se_r)
+                evidence = _evidence(kind, z)
+                within = pd.NA if evidence == NO_SE else evidence == WITHIN_NOISE
+                tier = EVIDENCE_ORDER.index(evidence)
+                strength = score if evidence in (EXACT_CHANGE, NO_SE) else abs(z)
+                rows.append(
+                    (
+                        (tier, tiny, -strength, i, j, b),
+                        [run.label, m, b, o, a, v, d, rel, score, kind, se_b, se_r, se_diff, z,
+                         within, evidence, tiny],
+                    )
+                )  # fmt: skip
     rows.sort(key=lambda r: r[0])
     df = pd.DataFrame([r[1] for r in rows], columns=CHANGE_COLUMNS)
-    return df.astype({"layer": np.int64, "run_layer": np.int64})
+    return df.astype(
+        {
+            "layer": np.int64,
+            "run_layer": np.int64,
+            "se_baseline": np.float64,
+            "se_run": np.float64,
+            "se_diff": np.float64,
+            "z": np.float64,
+            "within_noise": "boolean",
+            "small_run": bool,
+        }
+    )
+
+
+def size_threshold(runs: Sequence[RunData]) -> int:
+    """Tokens below which a run is too small to compare like with like.
+
+    The largest uniform sample size of the runs (:attr:`RunData.sample_size`;
+    :data:`DEFAULT_SAMPLE_SIZE` when no run records one). A run with fewer tokens has sampled
+    nothing: its "sample" is every token it has, fewer points than another run's sample, so
+    its K-means, silhouettes and LIDs (which depend on the number and density of the points)
+    are not estimates of the same quantity, and its rogue dimensions are thresholded
+    statistics of fewer vectors than one sample of the other runs: dimensions near a
+    threshold flip on noise.
+    """
+    sizes = [s for s in (r.sample_size for r in runs) if s is not None]
+    return max(sizes) if sizes else DEFAULT_SAMPLE_SIZE
+
+
+def small_runs(runs: Sequence[RunData], threshold: int) -> list[str]:
+    """Labels of the runs with fewer tokens than ``threshold`` (runs without a count: none)."""
+    return [r.label for r in runs if r.tokens is not None and r.tokens < threshold]
+
+
+def size_warning(runs: Sequence[RunData]) -> str | None:
+    """One line when the runs differ greatly in size, else None.
+
+    Said when the largest token count exceeds :data:`SIZE_RATIO` (10) times the smallest, or a
+    run has fewer tokens than :func:`size_threshold`. Runs without a token count are left out.
+    """
+    counted = [r for r in runs if r.tokens is not None]
+    if not counted:
+        return None
+    threshold = size_threshold(runs)
+    small = small_runs(runs, threshold)
+    tokens = [int(r.tokens or 0) for r in counted]
+    ratio = max(tokens) / min(tokens) if min(tokens) > 0 else math.inf
+    if ratio <= SIZE_RATIO and not small:
+        return None
+    sizes = "tokens " + ", ".join(f"{r.label}: {r.tokens:,}" for r in counted)
+    parts = [f"the runs differ {ratio:,.0f}x in size ({sizes})" if ratio > SIZE_RATIO else sizes]
+    if small:
+        one = len(small) == 1
+        parts.append(
+            f"{_join(small)} {'has' if one else 'have'} fewer tokens than the sample size "
+            f"{threshold:,}, so {'its' if one else 'their'} sampled metrics rest on fewer points "
+            "than a full sample (K-means, silhouettes and LID change with the number of points, "
+            "which z, a measure of sampling noise, does not cover) and the rogue dimensions that "
+            f"appear or vanish against {'it' if one else 'them'} are not reliable"
+        )
+    return "; ".join(parts)
+
+
+def _join(labels: Sequence[str]) -> str:
+    return labels[0] if len(labels) == 1 else ", ".join(labels[:-1]) + " and " + labels[-1]
 
 
 ROGUE_COLUMNS = [
     "run", "layer", "run_layer", "dim", "change", "baseline_mean", "run_mean", "baseline_std",
-    "run_std",
+    "run_std", "reliable",
 ]  # fmt: skip
 
 
@@ -283,12 +474,14 @@ def _dim_stats(dims: pd.DataFrame, layer: int) -> pd.DataFrame:
 
 
 def rogue_changes(
-    runs: Sequence[RunData], mode: str
+    runs: Sequence[RunData], mode: str, unreliable: Sequence[str] = ()
 ) -> tuple[pd.DataFrame, dict[str, Any], list[str]]:
     """Rogue dimensions that appeared or vanished against the baseline.
 
-    Returns the table, ``{label: {"appeared": {layer: dims}, "vanished": {layer: dims}}}`` (layers
-    as strings, for JSON) and notes on runs that could not be compared.
+    Returns the table, ``{label: {"appeared": {layer: dims}, "vanished": {layer: dims},
+    "reliable": bool}}`` (layers as strings, for JSON) and notes on runs that could not be
+    compared. ``unreliable``: labels of runs too small for their flags to be trusted
+    (:func:`small_runs`); a run's changes are not ``reliable`` when it or the baseline is one.
     """
     base = runs[0]
     notes: list[str] = []
@@ -320,6 +513,7 @@ def rogue_changes(
             )
             continue
         flags = _outliers(run.dims)
+        reliable = run.label not in unreliable and base.label not in unreliable
         appeared: dict[str, list[int]] = {}
         vanished: dict[str, list[int]] = {}
         for b, o in match_layers(base, run, mode):
@@ -336,11 +530,13 @@ def rogue_changes(
                 rows += [
                     [run.label, b, o, d, change]
                     + [_stat(st, d, col) for col in ("mean", "std") for st in (bstats, rstats)]
+                    + [reliable]
                     for d in dims
                 ]
-        summary[run.label] = {"appeared": appeared, "vanished": vanished}
+        summary[run.label] = {"appeared": appeared, "vanished": vanished, "reliable": reliable}
     df = pd.DataFrame(rows, columns=ROGUE_COLUMNS)
-    return df.astype({"layer": np.int64, "run_layer": np.int64, "dim": np.int64}), summary, notes
+    types = {"layer": np.int64, "run_layer": np.int64, "dim": np.int64, "reliable": bool}
+    return df.astype(types), summary, notes
 
 
 def _same_place(a: str, b: str) -> bool:
@@ -353,6 +549,26 @@ def _same_place(a: str, b: str) -> bool:
 
 def _fmt(x: float) -> str:
     return "nan" if not math.isfinite(x) else f"{x:.4g}"
+
+
+def compared_line(labels: Sequence[str]) -> str:
+    """``compared 1 run against BASE`` / ``compared N runs against BASE`` (N: the later runs)."""
+    n = len(labels) - 1
+    return f"compared {n} run{'' if n == 1 else 's'} against {labels[0]}"
+
+
+def _change_line(r: Any) -> str:
+    """One printed change: values, change, relative change, and its evidence."""
+    rel = "" if not math.isfinite(r.relative) else f", {r.relative:+.1%}"
+    at = f"layer {r.layer}" + (f"/{r.run_layer}" if r.run_layer != r.layer else "")
+    if r.evidence in (BEYOND_NOISE, WITHIN_NOISE):
+        how = f"z {r.z:+.1f}" + (", within noise" if r.evidence == WITHIN_NOISE else "")
+    else:
+        how = r.evidence
+    return (
+        f"{r.run}  {r.metric}  {at}: {_fmt(r.baseline)} -> {_fmt(r.value)} "
+        f"({r.change:+.4g}{rel}; {how})"
+    )
 
 
 def compare_runs(
@@ -380,14 +596,18 @@ def compare_runs(
     long = long_table(runs, metrics)
     wide = wide_table(runs, metrics, mode)
     changes = changes_table(runs, metrics, mode)
-    rogue, rogue_summary, rogue_notes = rogue_changes(runs, mode)
+    threshold = size_threshold(runs)
+    small = small_runs(runs, threshold)
+    warning = size_warning(runs)
+    rogue, rogue_summary, rogue_notes = rogue_changes(runs, mode, small)
     files = [
         write_table(out, LONG, long),
         write_table(out, WIDE, wide),
         write_table(out, CHANGES, changes),
         write_table(out, ROGUE, rogue),
     ]
-    largest = changes.loc[changes["change"] != 0].head(top)
+    moved = changes.loc[changes["change"] != 0]
+    largest = moved.head(top)
     summary: dict[str, Any] = {
         "created_at": now(),
         "baseline": labels[0],
@@ -403,6 +623,7 @@ def compare_runs(
                 "num_layers": r.num_layers,
                 "hidden_size": r.hidden_size,
                 "tokens": r.manifest.counts.tokens if r.manifest.counts else None,
+                "sample_size": r.sample_size,
                 "layers": [int(x) for x in r.layers["layer"]],
             }
             for r in runs
@@ -411,28 +632,37 @@ def compare_runs(
         "layer_matching_note": note,
         "metrics": metrics,
         "not_ranked": [m for m in NOT_RANKED if m in metrics],
+        "noise_z": NOISE_Z,
+        "evidence_counts": {e: int((moved["evidence"] == e).sum()) for e in EVIDENCE_ORDER},
         "largest_changes": json.loads(largest.to_json(orient="records", double_precision=15)),
         "rogue_dims": rogue_summary,
-        "notes": rogue_notes,
+        "size_threshold": threshold,
+        "small_runs": small,
+        "size_warning": warning,
+        "notes": ([warning] if warning else []) + rogue_notes,
         "files": files,
     }
-    echo(f"compared {len(runs)} runs against {labels[0]}; {note}")
+    echo(f"{compared_line(labels)}; {note}")
+    if warning:
+        echo(f"warning: {warning}")
     if len(largest):
-        echo(f"largest changes against {labels[0]}:")
+        echo(f"largest changes against {labels[0]} (sampled beyond noise by |z|, then exact):")
         for r in largest.head(10).itertuples():
-            rel = "" if not math.isfinite(r.relative) else f", {r.relative:+.1%}"
-            at = f"layer {r.layer}" + (f"/{r.run_layer}" if r.run_layer != r.layer else "")
+            echo("  " + _change_line(r))
+        quiet = int((moved["evidence"] == WITHIN_NOISE).sum())
+        if quiet:
             echo(
-                f"  {r.run}  {r.metric}  {at}: {_fmt(r.baseline)} -> {_fmt(r.value)} "
-                f"({r.change:+.4g}{rel})"
+                f"{quiet} change{'s' if quiet != 1 else ''} of sampled metrics within noise "
+                f"(|z| < {NOISE_Z:g}), ranked last"
             )
     else:
         echo("no metric changed")
     for label, s in rogue_summary.items():
+        caveat = "" if s["reliable"] else " (not reliable: a run has fewer tokens than the sample)"
         for change in ("appeared", "vanished"):
             by_layer = s[change]
             text = "; ".join(f"layer {k}: {v}" for k, v in by_layer.items()) or "none"
-            echo(f"rogue dimensions that {change} in {label}: {text}")
+            echo(f"rogue dimensions that {change} in {label}: {text}{caveat if by_layer else ''}")
     for n in rogue_notes:
         echo(f"note: {n}")
     try:
