@@ -572,6 +572,14 @@ def test_comparison_report(runs, full_report, tmp_path):
         sci = [bool(re.search(r"\de−?\d", r[j])) for r in cells if len(r) > j and r[j] != "—"]
         assert sci and (all(sci) or not any(sci)), [r[j] for r in cells]
     assert "../" in text and "full/report.html" in text  # relative links to the runs
+    # every listed change says how it stands against noise: these metrics are exact
+    assert "evidence</th>" in text and table.count(">exact</span>") == len(cells) - 1
+    assert "Runs of very different sizes" not in text
+    warned = write_comparison_report(dirs, str(tmp_path / "cmp2"), changes=changes,
+                                     matching_note=note, warning="the runs differ 141x in size")  # fmt: skip
+    assert "Runs of very different sizes.</b> the runs differ 141x in size" in Path(
+        warned
+    ).read_text()
     pair = changes_table(loaded[:2], ["within_variance", "anisotropy", "isoscore"], "index")
     pair = pair.loc[pair["change"] != 0]
     # anisotropy +0.4 over a range of 0.8 outranks within_variance +4 over a range of 16

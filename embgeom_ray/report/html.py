@@ -241,6 +241,7 @@ code, .mono { font-family: ui-monospace, SFMono-Regular, Menlo, Consolas, "DejaV
 .badge { display: inline-block; padding: 1px 10px; border-radius: 12px; font-size: 0.85rem;
          font-weight: 600; color: #fff; vertical-align: middle; }
 .badge.complete { background: var(--ok); } .badge.other { background: var(--warn); }
+.muted { color: var(--muted); }
 .banner { border: 1px solid #d4a72c; background: #fff8c5; padding: 10px 14px; border-radius: 6px;
           margin: 12px 0; }
 nav.toc { margin: 10px 0 0; font-size: 0.92rem; color: var(--muted); }
@@ -995,10 +996,30 @@ def _comparison_plot(
     return path
 
 
-def _changes_html(df: pd.DataFrame, baseline: str, matching_note: str) -> str:
-    """The changes table of :func:`embgeom_ray.runs.compare.changes_table`, as HTML."""
+def _evidence_cell(r: pd.Series) -> str:
+    """How a change stands against its sampling noise (compare's ``kind`` / ``z``)."""
+    kind = r.get("kind")
+    if kind is None or (isinstance(kind, float) and not _finite(kind)):
+        return "—"
+    if kind == "exact":
+        return '<span title="computed over every token: no sampling error">exact</span>'
+    z = r.get("z")
+    if not _finite(z):
+        return '<span title="sampled; this run has no standard error for it">no s.e.</span>'
+    text = f"z {z:+.1f}".replace("-", "−")
+    if bool(r.get("within_noise")):
+        return f'<span class="muted" title="|z| < 2: within the runs\' sampling noise">{text}, noise</span>'
+    return f'<b title="|z| ≥ 2: beyond the sampling noise">{text}</b>'
+
+
+def _changes_html(
+    df: pd.DataFrame, baseline: str, matching_note: str, warning: str | None = None
+) -> str:
+    """The changes table of :func:`embgeom_ray.runs.compare.changes_table`, as HTML, with
+    the comparison's size warning above it."""
+    banner = f'<div class="banner"><b>Runs of very different sizes.</b> {_e(warning)}</div>' if warning else ""
     if not len(df):
-        return '<p class="note">No layer is shared by the runs, so there is nothing to compare.</p>'
+        return banner + '<p class="note">No layer is shared by the runs, so there is nothing to compare.</p>'
     rows = []
     # one notation for the baseline and run columns together, one for Δ (format_column)
     values = format_column([*df["baseline"], *df["value"]], "sci")
@@ -1006,24 +1027,32 @@ def _changes_html(df: pd.DataFrame, baseline: str, matching_note: str) -> str:
     change_txt = format_column(list(df["change"]), "sci")
     for i, (_, r) in enumerate(df.iterrows()):
         rel = "—" if not _finite(r["relative"]) else f"{r['relative']:+.1%}".replace("-", "−")
+        small = " ⚠" if bool(r.get("small_run", False)) else ""
         rows.append(
-            f'<tr><td class="txt">{_e(r["run"])}</td>'
+            f'<tr><td class="txt">{_e(r["run"])}{small}</td>'
             f'<td class="txt" title="{_e(COLUMNS.get(r["metric"], ("", r["metric"]))[1])}">'
             f"{_e(r['metric'])}</td>"
             f"<td>{_layer_pair(r)}</td><td>{base_txt[i]}</td>"
             f"<td>{value_txt[i]}</td><td>{change_txt[i]}</td>"
-            f"<td>{rel}</td><td>{r['score']:.2f}</td></tr>"
+            f"<td>{rel}</td><td>{r['score']:.2f}</td><td>{_evidence_cell(r)}</td></tr>"
         )
     head = (
         '<tr><th class="txt">run</th><th class="txt">metric</th><th>layer</th>'
         f'<th title="{_e(baseline)}">baseline</th><th>run</th><th>Δ</th><th>Δ / |baseline|</th>'
-        '<th title="|Δ| over the metric\'s range across all runs and layers">|Δ| / range</th></tr>'
+        '<th title="|Δ| over the metric\'s range across all runs and layers">|Δ| / range</th>'
+        '<th title="exact, or z = Δ / √(se_baseline² + se_run²) of a sampled metric">'
+        "evidence</th></tr>"
     )
     return (
-        f'<div class="scroll"><table class="data"><thead>{head}</thead><tbody>{"".join(rows)}'
-        f'</tbody></table></div><p class="note">Baseline: {_e(baseline)} (the first run). Changes '
-        "are ranked by |Δ| over the metric's range across all runs and layers, so variances and "
-        f"cosines rank on the same footing; {_e(matching_note)}.</p>"
+        f'{banner}<div class="scroll"><table class="data"><thead>{head}</thead><tbody>'
+        f'{"".join(rows)}</tbody></table></div><p class="note">Baseline: {_e(baseline)} (the '
+        "first run). Sampled metrics carry a half-sample standard error; their changes are "
+        "ranked by z = Δ / √(se_baseline² + se_run²), those with |z| ≥ 2 first, then exact "
+        "metrics (computed over every token, no sampling error) by |Δ| over the metric's range "
+        "across all runs and layers, then sampled metrics without a standard error, then "
+        "changes within noise (|z| < 2). ⚠ marks a run too small for its sampled metrics to "
+        "be compared (see the warning); z does not capture the effect of a smaller sample on "
+        f"K-means, silhouettes or LID. {_e(matching_note)}.</p>"
     )
 
 
@@ -1040,6 +1069,7 @@ def write_comparison_report(
     changes: pd.DataFrame,
     matching_note: str,
     labels: Sequence[str] | None = None,
+    warning: str | None = None,
 ) -> str:
     """Write ``out_dir/report.html`` comparing runs layer by layer; returns its path.
 
@@ -1127,7 +1157,7 @@ def write_comparison_report(
         f"coincide mean the runs agree; exact metrics of the same model on two corpora differ "
         f"only through the text.</div>{_figure_html(fig)}</section>"
         f'<section id="sec-changes"><h2>Largest changes</h2>'
-        f"{_changes_html(changes, labels[0], matching_note)}</section>"
+        f"{_changes_html(changes, labels[0], matching_note, warning)}</section>"
         f'<section id="sec-tables"><h2>Per-run tables</h2>{per_run}</section>'
         f"<footer>Generated {_e(_when(now()))} by embgeom_ray {__version__}. Self-contained: no network "
         f"access needed.</footer>"

@@ -669,7 +669,8 @@ def compare_runs(
         from ..report.html import write_comparison_report
 
         write_comparison_report(
-            [r.path for r in runs], out, changes=largest, matching_note=note, labels=labels
+            [r.path for r in runs], out, changes=largest, matching_note=note, labels=labels,
+            warning=warning,
         )
     except Exception as exc:  # the tables are written; a plotting failure must not lose them
         summary["report_error"] = f"{type(exc).__name__}: {exc}"
