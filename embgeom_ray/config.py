@@ -108,6 +108,13 @@ class JobConfig(BaseModel):
         json_schema_extra=RESULT,
     )
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="device of the extractors")
+    gpus_per_worker: int = Field(
+        1,
+        ge=1,
+        description="GPUs of one node per extractor actor: N > 1 loads a model larger than one "
+        "GPU across N GPUs (blocks balanced between them, accelerate's device map) and folds "
+        "each layer on the GPU that computed it; needs --device cuda or auto on GPU nodes",
+    )
     keep_special: bool = Field(
         False,
         description="count special tokens ([CLS], [SEP], BOS, …) too [default: excluded]",
@@ -328,6 +335,7 @@ class ExtractionOptions:
     sample_size: int
     sample_type_size: int | None
     sample_seed: int
+    gpus_per_worker: int
 
 
 @dataclass(frozen=True)
@@ -342,6 +350,7 @@ class SchedulingOptions:
     max_shard_retries: int
     reducers: int
     worker_memory: int | None
+    gpus_per_worker: int
 
 
 @dataclass(frozen=True)

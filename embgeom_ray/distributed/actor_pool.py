@@ -57,7 +57,8 @@ class PoolPlan:
 
 
 def plan_pool(config: SchedulingOptions, num_shards: int) -> PoolPlan:
-    """The extractor pool: one actor per GPU, else CPU actors of ``cpus_per_worker`` CPUs.
+    """The extractor pool: one actor per ``gpus_per_worker`` GPUs of a node, else CPU actors
+    of ``cpus_per_worker`` CPUs.
 
     With ``--device cuda`` GPU actors are requested even if the cluster shows no GPU yet, so
     an autoscaling cluster whose GPU workers start at 0 adds them (``--num-workers`` of them,
@@ -69,9 +70,23 @@ def plan_pool(config: SchedulingOptions, num_shards: int) -> PoolPlan:
     # an actor lives on one node: never ask for more CPUs than the largest node has
     node_cpus = [int(n["Resources"].get("CPU", 0)) for n in ray.nodes() if n.get("Alive")]
     largest = max([c for c in node_cpus if c > 0], default=cpus)
+    per_gpu = config.gpus_per_worker
     if config.device == "cuda" or (gpus and config.device == "auto"):
-        n = config.num_workers or max(gpus, 1)
-        return PoolPlan(min(n, num_shards), 1.0, config.cpus_per_worker or 1)
+        node_gpus = [int(n["Resources"].get("GPU", 0)) for n in ray.nodes() if n.get("Alive")]
+        most = max(node_gpus, default=0)
+        if gpus and per_gpu > most:
+            raise ConfigError(
+                f"--gpus-per-worker {per_gpu} exceeds the GPUs of the largest node ({most}); "
+                "an extractor actor, and the model it loads, lives on one node"
+            )
+        fit = sum(g // per_gpu for g in node_gpus)
+        n = config.num_workers or max(fit, 1)
+        return PoolPlan(min(n, num_shards), float(per_gpu), config.cpus_per_worker or 1)
+    if per_gpu > 1:
+        raise ConfigError(
+            f"--gpus-per-worker {per_gpu} needs GPUs, but the cluster has none and --device is "
+            f"{config.device}"
+        )
     if config.num_workers:
         per = config.cpus_per_worker or max(1, min(largest, cpus // config.num_workers))
         n = config.num_workers

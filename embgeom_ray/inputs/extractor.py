@@ -22,9 +22,10 @@ import torch
 
 from ..config import ExtractionOptions
 from ..core.samples import ActivationSample
+from ..core.split_statistics import SplitStatistics
 from ..core.statistics import EmbeddingStatistics
 from .corpus import CorpusSpec, Document, ReadReport, Shard, read_shard
-from .model_loading import load_model, load_tokenizer, unknown_token_id
+from .model_loading import balanced_device_map, load_model, load_tokenizer, unknown_token_id
 from .windows import (
     MAX_PADDING,
     MIN_BATCH_POSITIONS,
@@ -166,6 +167,27 @@ def resolve_device(device: str) -> str:
     return device
 
 
+def gpu_device_map(options: ExtractionOptions, device: str) -> dict[str, int] | None:
+    """The device map of a model split over ``--gpus-per-worker`` GPUs (None for one
+    device): the GPUs Ray gave this actor (``CUDA_VISIBLE_DEVICES``), each filled to 90% of its
+    memory at most, blocks balanced between them."""
+    gpus = options.gpus_per_worker
+    if gpus <= 1:
+        return None
+    from ..errors import ConfigError
+
+    visible = torch.cuda.device_count() if device == "cuda" else 0
+    if visible < gpus:
+        raise ConfigError(
+            f"--gpus-per-worker {gpus} needs {gpus} GPUs in each extractor, but this one sees "
+            f"{visible} (device {device})"
+        )
+    budget = {i: int(0.9 * torch.cuda.get_device_properties(i).total_memory) for i in range(gpus)}
+    return balanced_device_map(
+        options.model, options.revision, options.dtype, options.trust_remote_code, budget
+    )
+
+
 def _chunks(docs: Iterator[Document], size: int) -> Iterator[list[Document]]:
     chunk: list[Document] = []
     for doc in docs:
@@ -201,9 +223,11 @@ class ShardProcessor:
         self.metadata = dict(metadata)
         self.device = resolve_device(options.device)
         self.tokenizer = load_tokenizer(options.model, options.revision, options.trust_remote_code)
+        self.device_map = gpu_device_map(options, self.device)
         self.model = load_model(
-            options.model, options.revision, options.dtype, self.device, options.trust_remote_code
-        )
+            options.model, options.revision, options.dtype, self.device,
+            options.trust_remote_code, self.device_map,
+        )  # fmt: skip
         hidden = self.model.config.get_text_config().hidden_size
         self.dim = int(hidden)
         self.pad_id = self.tokenizer.pad_token_id
@@ -214,16 +238,18 @@ class ShardProcessor:
         if self.device == "cuda":
             torch.backends.cuda.matmul.allow_tf32 = False  # the model's own matmuls stay fp32
 
-    def new_statistics(self) -> EmbeddingStatistics:
-        return EmbeddingStatistics(
-            self.layers,
-            self.dim,
-            max_positions=self.options.max_length,
-            device=self.device,
-            metadata=self.metadata,
-            clip_dims=self.clip_dims,
-            comoment_precision=self.options.comoment_precision,
-        )
+    def new_statistics(self) -> EmbeddingStatistics | SplitStatistics:
+        """The running statistics: on the model's device, or one part per GPU holding the
+        layers computed there when the model is split (:class:`SplitStatistics`)."""
+        options = {
+            "max_positions": self.options.max_length,
+            "metadata": self.metadata,
+            "clip_dims": self.clip_dims,
+            "comoment_precision": self.options.comoment_precision,
+        }
+        if self.device_map is not None:
+            return SplitStatistics(self.layers, self.dim, **options)
+        return EmbeddingStatistics(self.layers, self.dim, device=self.device, **options)
 
     def new_sample(self) -> ActivationSample | None:
         cfg = self.options

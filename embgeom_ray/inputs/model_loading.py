@@ -155,8 +155,15 @@ def unknown_token_id(tokenizer: Any) -> int | None:
 
 
 def load_model(
-    model: str, revision: str | None, dtype: str, device: str, trust_remote_code: bool
+    model: str,
+    revision: str | None,
+    dtype: str,
+    device: str,
+    trust_remote_code: bool,
+    device_map: dict[str, int] | None = None,
 ) -> Any:
+    """The model in eval mode on ``device``, or dispatched over GPUs by ``device_map``
+    (:func:`balanced_device_map`)."""
     import torch
     from transformers import AutoModel
 
@@ -166,10 +173,53 @@ def load_model(
             revision=revision,
             dtype=getattr(torch, _DTYPES[dtype]),
             trust_remote_code=trust_remote_code,
+            **({} if device_map is None else {"device_map": device_map}),
         )
     except Exception as exc:
         raise _load_error("weights", model, exc) from None
-    return m.eval().to(device)
+    return m.eval() if device_map is not None else m.eval().to(device)
+
+
+def balanced_device_map(
+    model: str,
+    revision: str | None,
+    dtype: str,
+    trust_remote_code: bool,
+    max_memory: dict[int, int],
+) -> dict[str, int]:
+    """Module name → GPU index for the model split over the GPUs of ``max_memory`` (GPU
+    index → bytes it may hold), blocks balanced between them (accelerate's
+    ``get_balanced_memory`` and ``infer_auto_device_map`` on an empty-weight copy, so
+    nothing is loaded; no GPU is needed to compute it). A :class:`ConfigError` when the
+    weights do not fit the GPUs, since offloading to the CPU would be orders slower."""
+    import torch
+    from accelerate import infer_auto_device_map, init_empty_weights
+    from accelerate.utils import get_balanced_memory
+    from transformers import AutoConfig, AutoModel
+
+    try:
+        cfg = AutoConfig.from_pretrained(model, revision=revision, trust_remote_code=trust_remote_code)
+    except Exception as exc:
+        raise _load_error("config", model, exc) from None
+    torch_dtype = getattr(torch, _DTYPES[dtype])
+    with init_empty_weights():
+        empty = AutoModel.from_config(cfg, trust_remote_code=trust_remote_code, dtype=torch_dtype)
+    no_split = list(getattr(empty, "_no_split_modules", None) or [])
+    balanced = get_balanced_memory(
+        empty, max_memory=max_memory, no_split_module_classes=no_split, dtype=torch_dtype
+    )
+    device_map = infer_auto_device_map(
+        empty, max_memory=balanced, no_split_module_classes=no_split, dtype=torch_dtype
+    )
+    outside = sorted({str(v) for v in device_map.values() if not isinstance(v, int)})
+    if outside:
+        total = sum(max_memory.values()) / 2**30
+        raise ConfigError(
+            f"{model!r} in {dtype} does not fit {len(max_memory)} GPU(s) with {total:.1f} GiB "
+            f"between them (parts would go to {', '.join(outside)}); raise --gpus-per-worker "
+            "or use a smaller --dtype"
+        )
+    return {name: int(v) for name, v in device_map.items()}
 
 
 def directory_fingerprint(path: str) -> str:

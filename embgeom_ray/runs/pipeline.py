@@ -319,7 +319,7 @@ def start_manifest(spec: RunSpec, started_at: str) -> Manifest:
 SCHEDULING_OPTIONS = frozenset({
     "out", "overwrite", "num_workers", "cpus_per_worker", "batch_tokens", "docs_per_chunk",
     "device", "max_shard_retries", "checkpoint_interval", "keep_checkpoints", "address",
-    "reducers", "worker_memory",
+    "reducers", "worker_memory", "gpus_per_worker",
 })  # fmt: skip
 
 
