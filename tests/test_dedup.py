@@ -179,6 +179,7 @@ def analyze_run(model: str, corpus: str, out: Path, **extra) -> dict:
         "corpus": corpus,
         "out": str(out),
         "max_length": MAX_LENGTH,
+        "layers": [0, 6],
         "sample_size": 0,  # the exact tables only (the sample is keyed on document ids)
         "num_workers": 1,
         "shard_bytes": 1 << 20,  # one shard a file
@@ -225,8 +226,13 @@ def runs(tmp_path_factory) -> dict[str, Path]:
     for name in ("a", "b", "c"):
         out[name] = root / f"run-{name}"
         analyze_run(model, corpus[name], out[name], dedup=True)
-    out["b-plain"] = root / "run-b-plain"
-    analyze_run(model, corpus["b"], out["b-plain"])
+    # b as a run without --dedup would have written it (what the merge reads: the option)
+    out["b-plain"] = Path(shutil.copytree(out["b"], root / "run-b-plain"))
+    manifest = manifest_of(out["b-plain"])
+    manifest["config"]["dedup"] = False
+    del manifest["dedup"]
+    (out["b-plain"] / "manifest.json").write_text(json.dumps(manifest))
+    (out["b-plain"] / "doc_hashes.npy").unlink()
     yield out
     if started:
         ray.shutdown()
