@@ -52,6 +52,7 @@ from pathlib import Path
 import numpy as np
 
 from bench.common import english_jsonl, median, minilm_dir, save, timed
+from embgeom_ray.core.statistics import state_bytes
 
 SECTIONS = ("throughput", "memory", "artefact", "reduce")
 ROOT = Path(__file__).resolve().parent.parent
@@ -252,9 +253,7 @@ def section_memory(args, work: Path) -> dict:
 # ------------------------------------------------------------------------------- artefact
 def artefact_formula(layers: int, vocab: int, dim: int, positions: int = MAX_POSITIONS) -> int:
     """Array bytes of a statistics artefact (float64/int64 everywhere; header not counted)."""
-    d, v, p = dim, vocab, positions
-    per_layer = v * (2 * d + 2) + d * d + 3 * d + p * (d + 1) + 2
-    return 8 * (layers * per_layer + v)
+    return state_bytes(layers, dim, vocab, positions)
 
 
 def synthetic_statistics(

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any, Literal, TypeVar, Union, get_args, get_origin
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ByteSize, ConfigDict, Field, ValidationError, field_validator
 from pydantic.fields import FieldInfo
 
 from .errors import ConfigError
@@ -83,6 +83,20 @@ class JobConfig(BaseModel):
         ge=1,
         description="CPUs (torch threads) per extractor actor [default: 1 with a GPU, else "
         "min(4, CPUs)]",
+    )
+    worker_memory: ByteSize | None = Field(
+        None,
+        description="bytes an extractor's running statistics may hold (e.g. 8GiB): it flushes "
+        "a checkpoint group as soon as a shard takes them past this, whatever "
+        "--checkpoint-interval says. Must exceed the fixed per-layer state "
+        "8·L·(d² + 3d + P·(d+1) + 2) [default: no bound]",
+    )
+    reducers: int = Field(
+        1,
+        ge=1,
+        description="reducer actors holding the statistics, partitioned by token id and layer; "
+        "1 merges in the job's own process. Use several when L x V_seen x (2d+2) x 8 bytes "
+        "does not fit one process (same tables to float64 rounding)",
     )
     batch_tokens: int = Field(8192, ge=16, description="padded tokens per forward batch")
     docs_per_chunk: int = Field(
@@ -334,6 +348,8 @@ class SchedulingOptions:
     cpus_per_worker: int | None
     checkpoint_interval: float
     max_shard_retries: int
+    reducers: int
+    worker_memory: int | None
 
 
 @dataclass(frozen=True)

@@ -74,3 +74,10 @@ def exists(url: str) -> bool:
 def read_bytes(url: str) -> bytes:
     with fsspec.open(url, "rb") as f:
         return f.read()
+
+
+def remove(url: str) -> None:
+    """Remove a file or directory tree at ``url`` if it exists."""
+    fs, path = fsspec.core.url_to_fs(url)
+    if fs.exists(path):
+        fs.rm(path, recursive=True)

@@ -4,7 +4,9 @@ Layout of a run directory ``OUT`` (``docs/design.md``, "Output contract")::
 
     manifest.json              status, identity, counts, timings (:class:`Manifest`)
     type_stats.parquet, layers.parquet, dims.parquet, positions.parquet, samples.parquet
-    statistics.safetensors     the mergeable statistics (:class:`EmbeddingStatistics`)
+    statistics.safetensors     the mergeable statistics (:class:`EmbeddingStatistics`), or
+    statistics/                the same cut into partitions by reducer actors (``--reducers``):
+                               index.json and one file per part (:meth:`RunDir.load_statistics`)
     sample.safetensors         the mergeable sample (:class:`ActivationSample`)
     doc_hashes.npy             the kept documents' 16-byte keys (``--dedup`` runs only)
     report.html, plots/        the report
@@ -32,7 +34,7 @@ import pyarrow.parquet as pq
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from .errors import UserError
-from .io_utils import atomic_write_bytes, atomic_write_json, exists, join, read_bytes
+from .io_utils import atomic_write_bytes, atomic_write_json, exists, join, read_bytes, remove
 
 MANIFEST = "manifest.json"
 STATISTICS = "statistics.safetensors"
@@ -42,6 +44,10 @@ REPORT = "report.html"
 DOC_HASHES = "doc_hashes.npy"
 RUN_JSON = "run.json"
 GROUPS = "groups"
+#: the partitioned statistics artefact (a directory) and its index
+STATISTICS_PARTS = "statistics"
+PARTS_INDEX = "index.json"
+PARTS_FORMAT = "embgeom-partitioned-statistics/1"
 #: the exact tables of the output contract, and the sample's table
 TABLES = ("type_stats", "layers", "dims", "positions", "samples")
 
@@ -169,6 +175,10 @@ class Manifest(_Part):
     dedup: DedupInfo | None = None
     shards: ShardsInfo | None = None
     workers: dict[str, Any] | None = None
+    #: the reducer actors of a partitioned reduce: count, token ranges, layers, restarts
+    reducers: dict[str, Any] | None = None
+    #: peak resident memory (bytes) of the driver, the extractors and each reducer
+    memory: dict[str, Any] | None = None
     timings_s: dict[str, float] = Field(default_factory=dict)
     throughput: dict[str, float | None] = Field(default_factory=dict)
     sample: dict[str, Any] | None = None
@@ -268,7 +278,7 @@ class RunDir:
 
     def path(self, name: str) -> str:
         """The URL of a file of the run; a bare table name gets ``.parquet``."""
-        return join(self.url, name if "." in name or name in (GROUPS, "plots") else f"{name}.parquet")
+        return join(self.url, name if "." in name or name in (GROUPS, "plots", STATISTICS_PARTS) else f"{name}.parquet")
 
     def has(self, name: str) -> bool:
         return exists(self.path(name))
@@ -354,12 +364,46 @@ class RunDir:
         return hashes
 
     def save_artefacts(self, statistics: Any, sample: Any | None) -> list[str]:
-        """``statistics.safetensors`` and (when sampling) ``sample.safetensors``; their names."""
-        statistics.save(self.path(STATISTICS))
+        """``statistics.safetensors`` (or ``statistics/`` when ``statistics`` is partitioned:
+        it says so with ``partitioned = True``) and (when sampling) ``sample.safetensors``;
+        their names."""
+        partitioned = getattr(statistics, "partitioned", False)
+        name = STATISTICS_PARTS + "/" if partitioned else STATISTICS
+        remove(self.path(STATISTICS_PARTS))  # stale parts (any R) or the other form
+        if partitioned:
+            remove(self.path(STATISTICS))
+        statistics.save(self.path(name.rstrip("/")))
         if sample is None:
-            return [STATISTICS]
+            return [name]
         sample.save(self.path(SAMPLE))
-        return [STATISTICS, SAMPLE]
+        return [name, SAMPLE]
+
+    def has_statistics(self) -> bool:
+        """Whether the run holds its statistics artefact, whole or partitioned."""
+        return self.has(STATISTICS) or self.has(join(STATISTICS_PARTS, PARTS_INDEX))
+
+    def load_statistics(self) -> Any:
+        """The run's :class:`~embgeom_ray.core.statistics.EmbeddingStatistics`, whole: read
+        from ``statistics.safetensors``, or the parts listed in ``statistics/index.json``
+        combined (:meth:`~embgeom_ray.core.statistics.EmbeddingStatistics.combine`)."""
+        from .core.statistics import EmbeddingStatistics
+
+        if self.has(STATISTICS):
+            return EmbeddingStatistics.load(self.path(STATISTICS))
+        index_url = join(self.path(STATISTICS_PARTS), PARTS_INDEX)
+        if not exists(index_url):
+            raise RunDirError(f"run {self.url} has no {STATISTICS} nor {STATISTICS_PARTS}/")
+        try:
+            index = json.loads(read_bytes(index_url))
+        except ValueError as exc:
+            raise RunDirError(f"{index_url} is not valid JSON: {exc}") from None
+        if not isinstance(index, dict) or index.get("format") != PARTS_FORMAT:
+            raise RunDirError(f"{index_url} is not an index of format {PARTS_FORMAT}")
+        parts = [
+            EmbeddingStatistics.load(join(self.path(STATISTICS_PARTS), name))
+            for name in index["files"]
+        ]
+        return EmbeddingStatistics.combine(parts)
 
     def finalise(
         self, manifest: Manifest, tables: dict[str, pd.DataFrame], statistics: Any, sample: Any

@@ -193,6 +193,9 @@ def fabricate_run(
             anisotropy_clipped=0.05 + 0.02 * x,
             s_inter_clipped=0.04 + 0.02 * x,
             s_intra_clipped=0.85 - 0.05 * x,
+            anisotropy_sampled=0.11 + 0.1 * x,
+            s_inter_sampled=0.1 + 0.1 * x,
+            s_intra_sampled=0.8 - 0.05 * x,
             clip_dims_exact="7",
             anisotropy_clipped_exact=0.04 + 0.02 * x,
             s_inter_clipped_exact=0.03 + 0.02 * x,
@@ -433,7 +436,7 @@ def test_all_figures_of_a_full_run(runs, full_figs):
     assert "tails" in by["rogue_dims"].caption and "flagged" in by["rogue_dims"].caption
     assert "squared" in by["intrinsic_dim"].caption  # the LID convention is stated
     assert "Flagged dims: 7" in by["rogue_dims"].caption and "position" in by["rogue_dims"].caption
-    assert "Dotted" in by["clipping"].caption
+    assert "Like with like" in by["clipping"].caption and "(dotted)" in by["clipping"].caption
 
 
 def test_runs_without_optional_sections_do_not_fail(runs, minimal_figs):
@@ -559,6 +562,15 @@ def test_comparison_report(runs, full_report, tmp_path):
     path = write_comparison_report(dirs, str(out), changes=changes, matching_note=note)
     text = check_report_html(path, n_images=1)
     assert "Largest changes" in text and "layers are matched by relative depth" in text
+    # the changes table's numbers: one notation per column (no 5.570e−4 beside 0.1176)
+    start = text.index('id="sec-changes"')
+    table = text[start : text.index("</table>", start)]
+    cells = [
+        re.findall(r"<td[^>]*>(.*?)</td>", row) for row in re.findall(r"<tr>(.*?)</tr>", table)
+    ]
+    for j in (3, 4, 5):
+        sci = [bool(re.search(r"\de−?\d", r[j])) for r in cells if len(r) > j and r[j] != "—"]
+        assert sci and (all(sci) or not any(sci)), [r[j] for r in cells]
     assert "../" in text and "full/report.html" in text  # relative links to the runs
     pair = changes_table(loaded[:2], ["within_variance", "anisotropy", "isoscore"], "index")
     pair = pair.loc[pair["change"] != 0]

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from embgeom_ray.config import JobConfig
-from embgeom_ray.core import metrics, rogue
+from embgeom_ray.core import metrics, partials, rogue
 from embgeom_ray.core.kmeans import select_k
 from embgeom_ray.core.sampled_metrics import SAMPLED_LAYER_COLUMNS, sampled_metrics_of_points
 from embgeom_ray.core.statistics import EmbeddingStatistics
@@ -176,7 +176,7 @@ def test_mean_cosine_from_unit_sum_equals_brute_force():
     cos = u @ u.T
     brute = (cos.sum() - np.trace(cos)) / (9 * 8)
     s = u.sum(axis=0)
-    np.testing.assert_allclose(metrics.mean_cosine_from_unit_sum(s @ s, 9), brute, rtol=1e-12)
+    np.testing.assert_allclose(partials.mean_cosine_from_unit_sum(s @ s, 9), brute, rtol=1e-12)
 
 
 # ---------------------------------------------------------------- the sampled stage's parts

@@ -15,6 +15,13 @@ import numpy as np
 import pandas as pd
 
 from ..config import JobConfig
+from .partials import (
+    CosineSums,
+    TypePartials,
+    self_similarities,
+    type_partials,
+    type_variances,
+)
 from .statistics import EmbeddingStatistics, LayerMoments
 
 TYPE_COLUMNS = [
@@ -32,63 +39,38 @@ DIM_COLUMNS = ["layer", "dim", "mean", "std"]
 MIN_COUNT: int = JobConfig.model_fields["min_count"].default
 
 
-def type_variances(m: LayerMoments) -> np.ndarray:
-    """V_t = M2_t / n_t = mean ||x − μ_t||² (population variance; exactly 0 when n_t = 1)."""
-    v = m.m2 / np.maximum(m.counts, 1)
-    return np.where(m.counts == 1, 0.0, v)
-
-
 def self_similarity(m: LayerMoments, unit_sums: np.ndarray | None = None) -> np.ndarray:
     """Mean cosine over all ordered pairs of a type's occurrences (Ethayarajh 2019).
 
     SelfSim_t = (||U_t||² − n_t) / (n_t (n_t − 1)), exact over all pairs (not a 1000-pair
     sample); NaN when n_t < 2. ``unit_sums`` replaces U_t (e.g. the sums of clipped vectors).
     """
-    us = m.unit_sums if unit_sums is None else unit_sums
-    return cosines_from_unit_sums(m.counts, us)[3]
+    return self_similarities(m.counts, m.unit_sums if unit_sums is None else unit_sums)
 
 
 def variance_decomposition(m: LayerMoments) -> tuple[float, float, float]:
     """(V, V_W, V_B): total, within-type and between-type variance (Yamagiwa et al. 2024).
 
     V = trace(C)/N, V_W = Σ (n_t/N) V_t = Σ M2_t / N, V_B = Σ (n_t/N) ||μ_t − μ||²;
-    V = V_W + V_B (law of total variance) up to float64 rounding.
+    V = V_W + V_B (law of total variance) up to float64 rounding. The type sums are
+    :func:`~.partials.type_partials`' (one partition: all of ``m``'s types).
     """
-    if m.n == 0:
+    return _variances(m, type_partials(m, m.mean, MIN_COUNT))
+
+
+def _variances(state: LayerMoments, p: TypePartials) -> tuple[float, float, float]:
+    if state.n == 0:
         return float("nan"), float("nan"), float("nan")
-    total = float(np.trace(m.comoment)) / m.n
-    within = float(m.m2.sum()) / m.n
-    dev = m.means - m.mean
-    between = float(m.counts.astype(np.float64) @ np.einsum("td,td->t", dev, dev)) / m.n
-    return total, within, between
+    return float(np.trace(state.comoment)) / state.n, p.m2 / state.n, p.between / state.n
 
 
 def norm_variance_corr(m: LayerMoments, min_count: int = MIN_COUNT) -> float:
     """Pearson r between ||μ_t|| and V_t over types with n_t ≥ min_count (Yamagiwa et al. 2024).
 
-    NaN when fewer than 3 types qualify or either quantity is constant.
+    NaN when fewer than 3 types qualify or either quantity is constant
+    (:class:`~.partials.PairMoments`).
     """
-    sel = m.counts >= min_count
-    if int(sel.sum()) < 3:
-        return float("nan")
-    norms = np.linalg.norm(m.means[sel], axis=1)
-    var = type_variances(m)[sel]
-    if np.std(norms) == 0 or np.std(var) == 0:
-        return float("nan")
-    return float(np.corrcoef(norms, var)[0, 1])
-
-
-def mean_cosine_from_unit_sum(
-    sq_norm: float | np.ndarray, m: float | np.ndarray
-) -> float | np.ndarray:
-    """Mean cosine over the m(m − 1) ordered pairs i ≠ j of m unit vectors u_1..u_m.
-
-    With U = Σ u_i: ||U||² = Σ_i Σ_j u_i·u_j = m + Σ_{i≠j} cos(u_i, u_j), so the mean is
-    (||U||² − m) / (m(m − 1)), exact. ``sq_norm`` is ||U||²; both arguments may be arrays
-    (elementwise, e.g. one value per token type). Undefined (division by 0) for m < 2: callers
-    mask those.
-    """
-    return (sq_norm - m) / (m * (m - 1.0))
+    return type_partials(m, m.mean, min_count).norm_variance.correlation()
 
 
 def cosines_from_unit_sums(
@@ -100,21 +82,12 @@ def cosines_from_unit_sums(
     anisotropy = (||U||² − N) / (N(N − 1)), the mean cosine over all ordered token pairs;
     S_inter = (||U||² − Σ_t ||U_t||²) / (N² − Σ_t n_t²), over pairs of different types;
     SelfSim_t = (||U_t||² − n_t) / (n_t (n_t − 1)), NaN when n_t < 2
-    (both :func:`mean_cosine_from_unit_sum`);
-    S_intra = unweighted mean of SelfSim_t over types with n_t ≥ 2.
+    (both :func:`~.partials.mean_cosine_from_unit_sum`);
+    S_intra = unweighted mean of SelfSim_t over types with n_t ≥ 2. The sums are
+    :class:`~.partials.CosineSums`, which also add across partitions of the types.
     """
-    n = counts.astype(np.float64)
-    n_tot = float(n.sum())
-    u = unit_sums.sum(axis=0)
-    uu = float(u @ u)
-    ut2_each = np.einsum("td,td->t", unit_sums, unit_sums)
-    nt2 = float((n**2).sum())
-    aniso = mean_cosine_from_unit_sum(uu, n_tot) if n_tot >= 2 else float("nan")
-    s_inter = (uu - float(ut2_each.sum())) / (n_tot**2 - nt2) if n_tot**2 > nt2 else float("nan")
-    with np.errstate(invalid="ignore", divide="ignore"):
-        ss = np.where(counts >= 2, mean_cosine_from_unit_sum(ut2_each, n), np.nan)
-    s_intra = float(np.nanmean(ss)) if np.isfinite(ss).any() else float("nan")
-    return float(aniso), float(s_inter), s_intra, ss
+    aniso, s_inter, s_intra = CosineSums.of(counts, unit_sums).metrics()
+    return aniso, s_inter, s_intra, self_similarities(counts, unit_sums)
 
 
 def cosine_metrics(
@@ -126,9 +99,7 @@ def cosine_metrics(
     Cai's S_inter (one random occurrence per type) is the sampled ``s_inter_type_uniform``.
     ``unit_sums`` replaces the U_t (e.g. sums of clipped unit vectors, :mod:`.rogue`).
     """
-    us = m.unit_sums if unit_sums is None else unit_sums
-    aniso, s_inter, s_intra, _ = cosines_from_unit_sums(m.counts, us)
-    return aniso, s_inter, s_intra
+    return CosineSums.of(m.counts, m.unit_sums if unit_sums is None else unit_sums).metrics()
 
 
 def isoscore_from_covariance(cov: np.ndarray) -> float:
@@ -154,20 +125,28 @@ def isoscore_from_covariance(cov: np.ndarray) -> float:
 
 
 def layer_row(m: LayerMoments, min_count: int = MIN_COUNT) -> dict[str, float | int]:
-    """One row of ``layers.parquet`` (the exact, moment-based columns)."""
-    total, within, between = variance_decomposition(m)
-    aniso, s_inter, s_intra = cosine_metrics(m)
+    """One row of ``layers.parquet`` (the exact, moment-based columns) of a whole layer view:
+    :func:`layer_row_from` with ``m``'s own :func:`~.partials.type_partials`."""
+    return layer_row_from(m, type_partials(m, m.mean, min_count))
+
+
+def layer_row_from(state: LayerMoments, types: TypePartials) -> dict[str, float | int]:
+    """One row of ``layers.parquet`` from the layer's own state (``state``: n, μ, C; its
+    per-type rows are not read) and the :class:`~.partials.TypePartials` of all its types,
+    merged over partitions (:func:`~.partials.merge_partials`)."""
+    total, within, between = _variances(state, types)
+    aniso, s_inter, s_intra = types.cosines.metrics()
     return {
-        "layer": m.layer,
-        "n_tokens": int(m.n),
-        "n_types": int((m.counts > 0).sum()),
-        "mean_norm": float(np.linalg.norm(m.mean)),
+        "layer": state.layer,
+        "n_tokens": int(state.n),
+        "n_types": types.types,
+        "mean_norm": float(np.linalg.norm(state.mean)),
         "total_variance": total,
         "within_variance": within,
         "between_variance": between,
         "within_ratio": within / total if total > 0 else float("nan"),
-        "norm_variance_corr": norm_variance_corr(m, min_count),
-        "isoscore": isoscore_from_covariance(m.covariance) if m.n >= 2 else float("nan"),
+        "norm_variance_corr": types.norm_variance.correlation(),
+        "isoscore": isoscore_from_covariance(state.covariance) if state.n >= 2 else float("nan"),
         "anisotropy": aniso,
         "s_inter": s_inter,
         "s_intra": s_intra,

@@ -27,12 +27,12 @@ import pandas as pd
 from ..config import JobConfig, TableOptions
 from .metrics import (
     DIM_COLUMNS,
-    cosine_metrics,
     cosines_from_unit_sums,
     dim_moment_rows,
     dim_variances,
     isoscore_from_covariance,
 )
+from .partials import TypePartials, type_partials
 from .statistics import EmbeddingStatistics, LayerMoments
 
 #: the columns of :func:`dimension_flags`, after :data:`~embgeom_ray.core.metrics.DIM_COLUMNS`
@@ -205,16 +205,24 @@ def clipping_row(m: LayerMoments, dims: list[int]) -> dict[str, float | str | in
 
 
 def exact_clipped_cosines(m: LayerMoments) -> dict[str, float | str]:
-    """Exact anisotropy, S_inter and S_intra of the activations with ``m.clip_dims`` zeroed."""
-    if m.clip_unit_sums is None or m.clip_dims is None:
+    """Exact anisotropy, S_inter and S_intra of the activations with ``m.clip_dims`` zeroed
+    (:func:`exact_clipped_cosines_from` a whole layer view)."""
+    return exact_clipped_cosines_from(m, type_partials(m, m.mean, 1))
+
+
+def exact_clipped_cosines_from(state: LayerMoments, types: TypePartials) -> dict[str, float | str]:
+    """:func:`exact_clipped_cosines` from the layer's own state (its covariance) and the
+    clipped :class:`~.partials.CosineSums` of all its types, merged over partitions. Empty
+    unless the statistics track ``clip_dims``."""
+    if types.clipped is None or state.clip_dims is None:
         return {}
-    aniso, s_inter, s_intra = cosine_metrics(m, m.clip_unit_sums)
+    aniso, s_inter, s_intra = types.clipped.metrics()
     return {
-        "clip_dims_exact": ",".join(str(d) for d in m.clip_dims),
+        "clip_dims_exact": ",".join(str(d) for d in state.clip_dims),
         "anisotropy_clipped_exact": aniso,
         "s_inter_clipped_exact": s_inter,
         "s_intra_clipped_exact": s_intra,
-        "isoscore_clipped_exact": clipped_isoscore(m, list(m.clip_dims)),
+        "isoscore_clipped_exact": clipped_isoscore(state, list(state.clip_dims)),
     }
 
 

@@ -26,7 +26,8 @@ from scipy.special import logsumexp
 
 from ..config import JobConfig
 from .kmeans import SILHOUETTE_MAX_POINTS, distinct_rows
-from .metrics import isoscore_from_covariance, mean_cosine_from_unit_sum
+from .metrics import isoscore_from_covariance
+from .partials import mean_cosine_from_unit_sum
 
 if TYPE_CHECKING:
     from .kmeans import SelectKResult

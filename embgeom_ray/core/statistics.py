@@ -177,7 +177,17 @@ class Partition:
         )
 
 
-def _range_key(token_range: tuple[int, int | None]) -> tuple[int, float]:
+def state_bytes(layers: int, dim: int, types: int, positions: int, clip: int = 0) -> int:
+    """Bytes of the statistics of ``layers`` layers, hidden size ``dim``, ``types`` token
+    types seen, ``positions`` positions, ``clip`` clipped dimensions (float64/int64 arrays):
+    8 · (L · (V · (2d + 2) + d² + 3d + P · (d + 1) + 2) + V), plus L · V · d · 8 with clipping.
+    With ``types = 0``: the fixed per-layer state every statistics object holds."""
+    d, v = dim, types
+    per_layer = v * (2 * d + 2) + d * d + 3 * d + positions * (d + 1) + 2
+    return 8 * (layers * per_layer + v) + (8 * layers * v * d if clip else 0)
+
+
+def range_key(token_range: tuple[int, int | None]) -> tuple[int, float]:
     """Sort key of token ranges: by lo, then hi (None: unbounded, last)."""
     lo, hi = token_range
     return lo, math.inf if hi is None else hi
@@ -430,6 +440,13 @@ class EmbeddingStatistics(Sketch):
 
     def _capacity(self) -> int:
         return int(self._a["counts"].shape[1])
+
+    def nbytes(self) -> int:
+        """Bytes these statistics hold now: every array as allocated (the per-type arrays
+        grow by doubling, so up to twice :func:`state_bytes` of the types seen) and the
+        per-batch scratch buffers."""
+        arrays = [*self._a.values(), *self._buffers.values(), self._slot_ids]
+        return int(sum(t.numel() * t.element_size() for t in arrays))
 
     def _grow(self, needed: int) -> None:
         cap = self._capacity()
@@ -976,7 +993,7 @@ def _joint_part(
     states = []
     for layer in layers:
         holders = [p for p in parts if layer in p.layers]
-        spans = sorted((p.token_range for p in holders), key=_range_key)
+        spans = sorted((p.token_range for p in holders), key=range_key)
         for (_, hi_a), (lo_b, _) in itertools.pairwise(spans):
             if hi_a is None or hi_a > lo_b:
                 raise StatisticsMismatchError(

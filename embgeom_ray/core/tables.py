@@ -1,10 +1,14 @@
 """The tables of the output contract, engine-free (no Ray): exact ones and the sampled stage's.
 
 :func:`build_tables` builds every exact table (``type_stats``, ``layers``, ``dims``,
-``positions``) from the corpus statistics, reading each layer's view
+``positions``) from the corpus statistics, whole or cut into parts by token range and layer,
+reading each layer's view of each part
 (:meth:`~embgeom_ray.core.statistics.EmbeddingStatistics.layer`: an argsort of the types and a
 float64 copy of their arrays) once for all four tables. The per-layer quantities are
-:mod:`~embgeom_ray.core.metrics`' and :mod:`~embgeom_ray.core.rogue`'s functions of that view.
+:mod:`~embgeom_ray.core.metrics`' and :mod:`~embgeom_ray.core.rogue`'s functions of the
+layer's own state and of :mod:`~embgeom_ray.core.partials`' sums over its token types, which
+each part computes for its types (:func:`summarise_types`) and which merge exactly: one
+partition or R give the same tables (:func:`build_tables_from`).
 
 The sampled stage (K-means, LID, silhouettes, cluster-adjusted and clipped cosines on the
 activation sample) is split in three: :func:`plan_sampled_metrics` (the samples table, the rule
@@ -17,7 +21,7 @@ manifest's note).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, NamedTuple
 
@@ -25,17 +29,18 @@ import numpy as np
 import pandas as pd
 
 from ..config import SampledOptions, TableOptions
-from .metrics import layer_row, type_stats_rows, with_token_names
+from .metrics import layer_row_from, type_stats_rows, with_token_names
+from .partials import TypePartials, merge_partials, type_partials
 from .rogue import (
     OutlierRules,
     clipping_row,
     dims_rows,
-    exact_clipped_cosines,
+    exact_clipped_cosines_from,
     flagged_dims,
     positions_table,
     sampled_clipped_cosines,
 )
-from .statistics import EmbeddingStatistics, LayerMoments
+from .statistics import EmbeddingStatistics, LayerMoments, range_key
 
 if TYPE_CHECKING:
     from .kmeans import SelectKResult
@@ -59,31 +64,107 @@ class _LayerParts(NamedTuple):
     positions: tuple[np.ndarray, np.ndarray]  # position counts (P,) and means (P, d)
 
 
-def _layer_parts(m: LayerMoments, rules: OutlierRules, min_count: int) -> _LayerParts:
-    dims = dims_rows(m, rules)
-    flagged = flagged_dims(dims).get(m.layer, [])
-    row = layer_row(m, min_count) | clipping_row(m, flagged) | exact_clipped_cosines(m)
-    return _LayerParts(row, type_stats_rows(m), dims, (m.position_counts, m.position_means))
+class TypeSummary(NamedTuple):
+    """What a partition of the token types contributes to one layer's exact tables: the
+    sums of :mod:`~embgeom_ray.core.partials` and its rows of ``type_stats.parquet``."""
+
+    partials: TypePartials
+    rows: pd.DataFrame
+
+
+def summarise_types(
+    part: EmbeddingStatistics | LayerMoments, layer: int, layer_mean: np.ndarray, min_count: int
+) -> TypeSummary:
+    """The :class:`TypeSummary` of the token types ``part`` holds in ``layer`` (its view is
+    read once; or the view itself), ``layer_mean`` the layer's mean over all its tokens. Runs
+    where the part lives (e.g. a reducer actor): what it returns is O(d + its types), not
+    O(types x d)."""
+    m = part if isinstance(part, LayerMoments) else part.layer(layer)
+    return TypeSummary(type_partials(m, layer_mean, min_count), type_stats_rows(m))
+
+
+def _layer_parts(
+    state: LayerMoments, summaries: Sequence[TypeSummary], rules: OutlierRules
+) -> _LayerParts:
+    """A layer's share of every exact table, from its own state (n, μ, C, tails, positions)
+    and the summaries of its token partitions, in token-id order."""
+    dims = dims_rows(state, rules)
+    flagged = flagged_dims(dims).get(state.layer, [])
+    types = merge_partials([s.partials for s in summaries])
+    row = (
+        layer_row_from(state, types)
+        | clipping_row(state, flagged)
+        | exact_clipped_cosines_from(state, types)
+    )
+    rows = pd.concat([s.rows for s in summaries], ignore_index=True)
+    return _LayerParts(row, rows, dims, (state.position_counts, state.position_means))
+
+
+#: layer -> its token partitions' summaries, given the layer's mean (in token-id order)
+Summariser = Callable[[int, np.ndarray], Sequence[TypeSummary]]
 
 
 def build_tables(
-    merged: EmbeddingStatistics, tokenizer: Any, options: TableOptions
+    merged: EmbeddingStatistics | Sequence[EmbeddingStatistics],
+    tokenizer: Any,
+    options: TableOptions,
 ) -> dict[str, pd.DataFrame]:
     """Every exact table of the output contract, from the corpus statistics alone.
 
+    ``merged`` is the whole statistics object or its parts
+    (:meth:`~embgeom_ray.core.statistics.EmbeddingStatistics.select`: token ranges, layers, the
+    per-layer state in one part per layer), summarised here one layer and one part at a time;
+    the tables are the same to float64 rounding however the statistics are cut.
+    See :func:`build_tables_from` for the tables.
+    """
+    parts = [merged] if isinstance(merged, EmbeddingStatistics) else list(merged)
+    by_range = sorted(parts, key=lambda p: range_key(p.token_range))
+    states = {}
+    for p in parts:
+        if p.holds_layer_state:
+            states.update({layer: p for layer in p.layers})
+    order = [x for x in parts[0].of_layers if x in states]
+    if not order or any(x not in states for p in parts for x in p.layers):
+        raise ValueError("every measured layer needs the one part that holds its per-layer state")
+
+    layer_states = {layer: states[layer].layer(layer) for layer in order}
+
+    def summaries(layer: int, mean: np.ndarray) -> list[TypeSummary]:
+        holders = [p for p in by_range if layer in p.layers]
+        return [
+            summarise_types(
+                layer_states[layer] if p is states[layer] else p, layer, mean, options.min_count
+            )
+            for p in holders
+        ]
+
+    return build_tables_from(layer_states, summaries, tokenizer, options)
+
+
+def build_tables_from(
+    layer_states: Mapping[int, LayerMoments],
+    summaries: Summariser,
+    tokenizer: Any,
+    options: TableOptions,
+) -> dict[str, pd.DataFrame]:
+    """Every exact table from each layer's own state and its token partitions' summaries.
+
     - ``type_stats``: :func:`~.metrics.type_stats_rows` of every layer, token names from
       ``tokenizer.convert_ids_to_tokens`` (:func:`~.metrics.with_token_names`);
-    - ``layers``: per layer :func:`~.metrics.layer_row` (``options.min_count``), then
+    - ``layers``: per layer :func:`~.metrics.layer_row_from` (``options.min_count``), then
       :func:`~.rogue.clipping_row` with the layer's flagged dimensions and
-      :func:`~.rogue.exact_clipped_cosines` (when the statistics track ``clip_dims``);
+      :func:`~.rogue.exact_clipped_cosines_from` (when the statistics track ``clip_dims``);
     - ``dims``: :func:`~.rogue.dims_rows` of every layer (``options.outlier_*`` rules);
     - ``positions``: :func:`~.rogue.positions_table` with the dimensions flagged in any layer.
 
-    Each layer's view is taken once; only its small positional profile is kept past it.
+    ``summaries(layer, mean)`` gives the layer's :class:`TypeSummary` per token partition, in
+    token-id order (:func:`build_tables` computes them here; a partitioned run, where the
+    partitions live). Only the layer states, the O(d) partials and the type rows meet here.
     """
     rules = OutlierRules.of(options)
     parts = {
-        layer: _layer_parts(merged.layer(layer), rules, options.min_count) for layer in merged.layers
+        layer: _layer_parts(state, summaries(layer, state.mean), rules)
+        for layer, state in layer_states.items()
     }
     dims = pd.concat([p.dims for p in parts.values()], ignore_index=True)
     types = pd.concat([p.types for p in parts.values()], ignore_index=True)

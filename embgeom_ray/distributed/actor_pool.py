@@ -33,6 +33,7 @@ from ..config import ExtractionOptions, SchedulingOptions
 from ..errors import ConfigError, UserError
 from ..inputs.corpus import Shard
 from ..inputs.extractor import ShardCounts, ShardProcessor
+from .process_memory import peak_rss_bytes
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +50,10 @@ class PoolPlan:
     shards_requeued: int = 0
     #: flushes received, i.e. checkpoint groups written
     checkpoints: int = 0
+    #: of those, flushes asked because an actor's statistics reached --worker-memory
+    budget_flushes: int = 0
+    #: the largest peak resident memory any extractor actor reported (bytes)
+    extractor_peak_rss_bytes: int = 0
 
 
 def plan_pool(config: SchedulingOptions, num_shards: int) -> PoolPlan:
@@ -171,6 +176,8 @@ class ShardExtract:
             "pid": os.getpid(),
             "node_id": ray.get_runtime_context().get_node_id(),
             "unflushed": len(self.shard_ids),
+            "state_bytes": self.stats.nbytes(),
+            "peak_rss_bytes": peak_rss_bytes(),
         }
 
     def flush(self) -> tuple[list[str], bytes, bytes | None, dict[str, Any]]:
@@ -305,11 +312,16 @@ class _Scheduler:
         else:
             self.on_processed(worker, result)
 
-    def flush_due(self, worker: _Worker) -> bool:
-        """Flush when the queue is drained, or the oldest unflushed shard is old enough."""
+    def flush_due(self, worker: _Worker, state_bytes: int) -> bool:
+        """Flush when the queue is drained, the oldest unflushed shard is old enough, or the
+        actor's running statistics hold ``--worker-memory`` bytes or more."""
         assert worker.since is not None
         age = time.monotonic() - worker.since
-        return not self.queue or age >= self.config.checkpoint_interval
+        budget = self.config.worker_memory
+        over = budget is not None and state_bytes >= budget
+        if over:
+            self.pool.budget_flushes += 1
+        return over or not self.queue or age >= self.config.checkpoint_interval
 
     def on_processed(self, worker: _Worker, result: dict[str, Any]) -> None:
         assert worker.current is not None
@@ -321,6 +333,9 @@ class _Scheduler:
             result["unflushed"],
         )
         worker.current = None
+        self.pool.extractor_peak_rss_bytes = max(
+            self.pool.extractor_peak_rss_bytes, int(result.get("peak_rss_bytes", 0))
+        )
         worker.unflushed.append(report)
         if report.unflushed != len(worker.unflushed):
             raise RuntimeError(
@@ -328,7 +343,7 @@ class _Scheduler:
                 f"expected {len(worker.unflushed)}"
             )
         self.on_folded(report)
-        if self.flush_due(worker):
+        if self.flush_due(worker, int(result.get("state_bytes", 0))):
             worker.flushing = True
             self.in_flight[worker.actor.flush.remote()] = worker
         else:

@@ -25,17 +25,21 @@ import numpy as np
 import pandas as pd
 
 from .. import __version__
+from ..core.sampled_metrics import SE_METRICS
 from ..io_utils import atomic_write_bytes, exists, is_local, join, local_path, read_bytes
 from ..run_dir import Manifest, ModelInfo, RunDir, TokenizerInfo, now
 from .plots import (
     _STYLE,
     SECTIONS,
+    ClipPair,
     Figure,
     Run,
     RunDirectoryError,
     _new_figure,
     _save,
+    clipping_pairs,
     make_all_plots,
+    model_name,
     short_name,
 )
 
@@ -68,6 +72,7 @@ RUN_FOLDERS: dict[str, str] = {
 
 #: layers.parquet columns: (header, tooltip, format kind). Kinds: int, sci (4 significant),
 #: unit (3 decimals, values in [−1, 1] or [0, 1]), corr (signed, 2 decimals).
+# fmt: off
 COLUMNS: dict[str, tuple[str, str, str]] = {
     "layer": ("layer", "hidden_states index; 0 = embedding output", "int"),
     "n_tokens": ("tokens", "tokens counted N", "int"),
@@ -95,7 +100,10 @@ COLUMNS: dict[str, tuple[str, str, str]] = {
     "adjusted_s_inter_weighted": ("S_inter adj. (w)", "size-weighted over clusters of at least --cluster-min-size points", "unit"),
     "adjusted_s_intra_weighted": ("S_intra adj. (w)", "size-weighted over clusters of at least --cluster-min-size points", "unit"),
     "adjusted_isoscore_weighted": ("IsoScore adj. (w)", "size-weighted over clusters of at least --cluster-min-size points", "unit"),
+    "adjusted_clusters_used": ("clusters (w)", "clusters of at least --cluster-min-size points, used by the size-weighted columns", "int"),
+    "adjusted_clusters_left_out": ("clusters left out", "clusters smaller than --cluster-min-size, left out of the size-weighted columns", "int"),
     "adjusted_s_inter_draws_mean": ("S_inter adj. (draws)", "Cai's one-occurrence-per-type S_inter, exact mean over draws", "unit"),
+    "adjusted_s_inter_draws_std": ("spread of one draw", "standard deviation of Cai's S_inter adj. over --s-inter-draws random draws", "sci"),
     "s_inter_type_uniform": ("S_inter (Cai)", "one random occurrence per type", "unit"),
     "isoscore_sample": ("IsoScore (sample)", "IsoScore of the uniform sample", "unit"),
     "lid_euclidean": ("LID eucl.", "Levina–Bickel LID, true Euclidean distances", "sci"),
@@ -107,28 +115,48 @@ COLUMNS: dict[str, tuple[str, str, str]] = {
     "partition_isotropy_centered": ("I(W) centred", "partition isotropy, centred", "sci"),
     "n_outlier_dims": ("flagged dims", "dimensions flagged as outliers in the layer", "int"),
     "outlier_dims": ("which", "the flagged dimensions", "text"),
-    "isoscore_clipped": ("IsoScore clipped", "IsoScore, flagged dims zeroed (exact)", "unit"),
-    "anisotropy_clipped": ("aniso. clipped", "flagged dims zeroed; on the sample", "unit"),
-    "s_inter_clipped": ("S_inter clipped", "flagged dims zeroed; on the sample", "unit"),
-    "s_intra_clipped": ("S_intra clipped", "flagged dims zeroed; on the sample", "unit"),
+    "isoscore_clipped": ("IsoScore clipped (exact)", "IsoScore, flagged dims zeroed; exact over every token", "unit"),
+    "anisotropy_sampled": ("aniso. (sampled)", "anisotropy on the uniform sample, unclipped: the like-for-like baseline of the sampled clipped value", "unit"),
+    "anisotropy_clipped": ("aniso. clipped (sampled)", "flagged dims zeroed; on the uniform sample", "unit"),
+    "s_inter_sampled": ("S_inter (sampled)", "S_inter on the uniform sample, unclipped", "unit"),
+    "s_inter_clipped": ("S_inter clipped (sampled)", "flagged dims zeroed; on the uniform sample", "unit"),
+    "s_intra_sampled": ("S_intra (sampled)", "S_intra on the uniform sample, unclipped (types with ≥ 2 sampled occurrences)", "unit"),
+    "s_intra_clipped": ("S_intra clipped (sampled)", "flagged dims zeroed; on the uniform sample", "unit"),
     "clip_dims_exact": ("--clip-dims", "dimensions zeroed for the exact clipped metrics", "text"),
     "anisotropy_clipped_exact": ("aniso. clip (exact)", "--clip-dims zeroed, exact", "unit"),
     "s_inter_clipped_exact": ("S_inter clip (exact)", "--clip-dims zeroed, exact", "unit"),
     "s_intra_clipped_exact": ("S_intra clip (exact)", "--clip-dims zeroed, exact", "unit"),
     "isoscore_clipped_exact": ("IsoScore clip (exact)", "--clip-dims zeroed, exact", "unit"),
 }
+# fmt: on
+#: the sampled metrics with a half-sample standard error, column ``<metric>_se``
+SE_OF = list(SE_METRICS)
+for _m in SE_OF:
+    COLUMNS[f"{_m}_se"] = (
+        f"{COLUMNS[_m][0]} se",
+        f"standard error of {_m} from random half-samples of the sample (clusters held fixed)",
+        "sci",
+    )
+SE_COLUMNS = [f"{m}_se" for m in SE_OF]
 # fmt: off
 EXACT_COLUMNS = [
     "layer", "n_tokens", "n_types", "mean_norm", "total_variance", "within_variance",
     "between_variance", "within_ratio", "norm_variance_corr", "isoscore", "anisotropy",
     "s_inter", "s_intra",
 ]
+#: the clipping table: each clipped value beside its unclipped counterpart of the SAME
+#: estimator (sampled beside sampled, exact beside exact), see :func:`clipping_columns`
 ROGUE_COLUMNS = [
-    "layer", "n_outlier_dims", "outlier_dims", "isoscore_clipped", "anisotropy_clipped",
-    "s_inter_clipped", "s_intra_clipped", "clip_dims_exact", "anisotropy_clipped_exact",
-    "s_inter_clipped_exact", "s_intra_clipped_exact", "isoscore_clipped_exact",
+    "layer", "n_outlier_dims", "outlier_dims", "isoscore", "isoscore_clipped",
+    "anisotropy_sampled", "anisotropy_clipped", "s_inter_sampled", "s_inter_clipped",
+    "s_intra_sampled", "s_intra_clipped", "clip_dims_exact", "anisotropy",
+    "anisotropy_clipped_exact", "s_inter", "s_inter_clipped_exact", "s_intra",
+    "s_intra_clipped_exact", "isoscore_clipped_exact",
 ]
 # fmt: on
+
+#: the mark of a best k at the cap of the grown K-means search (no interior optimum)
+AT_CAP = "▲ at cap"
 
 #: "How to read this" per report section.
 HOW_TO_READ: dict[str, str] = {
@@ -154,13 +182,31 @@ HOW_TO_READ: dict[str, str] = {
     ),
     "clusters": (
         "<b>Cai et al. 2021</b> find that contextual embeddings form a few clusters (often split "
-        "by token frequency) and low-dimensional manifolds inside them, measured by local "
-        "intrinsic dimension (LID, Levina &amp; Bickel's estimator; numbers here use true, not "
-        "squared, distances: Cai's released code halves them). <b>Mickus et al. 2024</b>, "
-        "<i>Isotropy, Clusters, and Classifiers</i>, show that isotropy and cluster structure "
-        "conflict: a layer cannot be both isotropic (high IsoScore) and well clustered (high "
-        "silhouette). The PCA views show the sample on its main directions; they need the "
-        "run's token sample."
+        "by token frequency) and low-dimensional manifolds inside them. <b>Clusters.</b> K-means "
+        "runs on the sample for k = 2…--kmeans-k-max and keeps the k of the best silhouette; "
+        "while that best k is the largest tried the range grows, up to --kmeans-k-cap. "
+        f"<b>{AT_CAP}</b> marks a best k at that cap: the silhouette was still rising, there is "
+        "no interior optimum, and k (with every cluster-adjusted column) reports the range "
+        "searched rather than structure. <b>k = 1</b> means no clustering was preferred (best "
+        "silhouette below --kmeans-min-silhouette); the silhouette then shown is that of the "
+        "rejected best k &gt; 1, written in parentheses. <b>Stability</b> (0…1) is the adjusted "
+        "Rand index between the clustering and refits with other seeds: near 1 the clusters "
+        "are reproducible, low values mean k and the partition are seed noise. "
+        "<b>Cluster-adjusted metrics</b> subtract each cluster's mean first. Cai's columns "
+        "(no “(w)”) average clusters without weights, so a tiny cluster of m types, whose "
+        "centred mean cosine is near −1/(m − 1), can dominate them; “(w)” columns weight "
+        "clusters by size over clusters of at least --cluster-min-size points (those left out "
+        "are counted). “S_inter adj. (draws)” is the exact mean of Cai's one-occurrence-per-type "
+        "draw, with the spread of a single draw beside it. <b>LID</b> is Levina &amp; Bickel's "
+        "estimator on true distances: the mean over points has a long right tail, the median "
+        "is robust; Cai's released code uses squared distances divided by k, so “LID (Cai)” is "
+        "their exact convention (doubling theirs is only approximately ours). "
+        "<b>Standard errors</b> (<code>_se</code>, under the sampled table) come from random "
+        "half-samples: differences smaller than about twice them are sampling noise. "
+        "<b>Mickus et al. 2024</b>, <i>Isotropy, Clusters, and Classifiers</i>, show that "
+        "isotropy and cluster structure conflict: a layer cannot be both isotropic (high "
+        "IsoScore) and well clustered (high silhouette). The PCA views show the sample on its "
+        "main directions; they need the run's token sample."
     ),
     "rogue": (
         "<b>Luo 2020</b>, <i>Catch the “Tails” of BERT</i>: a few dimensions are the largest or "
@@ -169,7 +215,9 @@ HOW_TO_READ: dict[str, str] = {
         "<i>Positional Artefacts Propagate Through Masked Language Model Embeddings</i>: such "
         "outlier dimensions persist across layers and encode token position; zeroing them "
         "makes the space less anisotropic. Dark vertical stripes in the heat map are rogue "
-        "dimensions; the positional profile shows whether they follow position."
+        "dimensions; the positional profile shows whether they follow position. The clipping "
+        "figure and table compare like with like: sampled clipped cosines with the same sample "
+        "unclipped, exact (--clip-dims) with exact, never a sampled value with an exact one."
     ),
 }
 
@@ -250,28 +298,81 @@ def _finite(v: Any) -> bool:
         return False
 
 
-def fmt_value(v: Any, kind: str = "sci") -> str:
-    """A table cell: thousands separators for counts, 3–4 significant digits for metrics."""
+#: significant digits of every metric in the report's tables
+SIG_DIGITS = 4
+#: a column of kind "sci" is written in scientific notation, every cell of it, when any of its
+#: non-zero values has |x| below SCI_BELOW or at least SCI_FROM
+SCI_BELOW, SCI_FROM = 1e-3, 1e6
+
+
+def _fixed(v: float, digits: int = SIG_DIGITS) -> str:
+    """``v`` with ``digits`` significant digits in fixed notation, thousands separated."""
+    if v == 0:
+        return "0"
+    decimals = max(0, digits - 1 - math.floor(math.log10(abs(v))))
+    s = f"{v:,.{decimals}f}"
+    if decimals and abs(float(s.replace(",", ""))) >= 10 ** (digits - decimals):
+        s = f"{v:,.{decimals - 1}f}"  # rounding carried into a new digit (9.9996 -> 10.000)
+    return s
+
+
+def _scientific(v: float, digits: int = SIG_DIGITS) -> str:
+    """``v`` as ``5.570e−4``: ``digits`` significant digits, the exponent without padding."""
+    mant, exp = f"{v:.{digits - 1}e}".split("e")
+    return f"{mant}e{int(exp)}"
+
+
+def column_notation(values: Sequence[Any]) -> str:
+    """``"sci"`` or ``"fixed"``: the one notation of a metric column (see :func:`format_column`)."""
+    v = np.array([float(x) for x in values if _finite(x)], dtype=np.float64)
+    v = np.abs(v[v != 0])
+    if len(v) and (v.min() < SCI_BELOW or v.max() >= SCI_FROM):
+        return "sci"
+    return "fixed"
+
+
+def format_column(values: Sequence[Any], kind: str = "sci") -> list[str]:
+    """The cells of one table column, formatted alike; the report's only number formatter.
+
+    Kinds (:data:`COLUMNS`): ``int`` counts with thousands separators; ``text`` as is (cut at
+    48 characters); ``corr`` a signed correlation, 2 decimals; ``unit`` a value in [−1, 1]
+    (cosines, IsoScore, silhouettes), 3 decimals, so a column's cells share their absolute
+    precision; ``sci`` any other metric, :data:`SIG_DIGITS` significant digits, and in ONE
+    notation per column: scientific (``5.570e−4``) for every cell when any non-zero value
+    has |x| < :data:`SCI_BELOW` or ≥ :data:`SCI_FROM`, else fixed (``0.1176``, ``12.35``,
+    ``1,235``). Missing or non-finite values are ``—``; minus signs are U+2212.
+    """
     if kind == "text":
-        text = "" if v is None or (isinstance(v, float) and math.isnan(v)) else str(v)
-        text = text.replace(",", ", ")
-        return _e(text if len(text) <= 48 else text[:47] + "…") or "—"
-    if not _finite(v):
-        return "—"
-    v = float(v)
-    if kind == "int":
-        return f"{round(v):,}"
-    if kind == "unit":
-        s = f"{v:.3f}"
-    elif kind == "corr":
-        s = f"{v:+.2f}"
-    elif abs(v) >= 1e5 or (0 < abs(v) < 1e-3):
-        s = f"{v:.3e}"
-    elif abs(v) >= 100:
-        s = f"{v:,.1f}"
-    else:
-        s = f"{v:.4g}"
-    return s.replace("-", "−")
+        out = []
+        for v in values:
+            text = "" if v is None or (isinstance(v, float) and math.isnan(v)) else str(v)
+            text = text.replace(",", ", ")
+            out.append(_e(text if len(text) <= 48 else text[:47] + "…") or "—")
+        return out
+    notation = column_notation(values) if kind == "sci" else ""
+    out = []
+    for v in values:
+        if not _finite(v):
+            out.append("—")
+            continue
+        v = float(v)
+        if kind == "int":
+            s = f"{round(v):,}"
+        elif kind == "unit":
+            s = f"{v:.3f}"
+        elif kind == "corr":
+            s = f"{v:+.2f}"
+        elif notation == "sci":
+            s = _scientific(v)
+        else:
+            s = _fixed(v)
+        out.append(s.replace("-", "−"))
+    return out
+
+
+def fmt_value(v: Any, kind: str = "sci") -> str:
+    """One cell: :func:`format_column` of a column holding only ``v``."""
+    return format_column([v], kind)[0]
 
 
 def _bytes(n: float) -> str:
@@ -314,31 +415,106 @@ def _bar_style(v: float, lo: float, hi: float, kind: str) -> str:
     return f' style="background:linear-gradient(90deg,{col} {w:.1f}%,transparent {w:.1f}%)"'
 
 
-def layers_table_html(layers: pd.DataFrame, columns: Sequence[str], *, bars: bool = True) -> str:
-    """An HTML table of ``layers`` restricted to ``columns`` (those present), nicely formatted."""
+def _truthy(v: Any) -> bool:
+    """A boolean cell of layers.parquet (missing, NaN and None are False)."""
+    if v is None or (isinstance(v, float) and math.isnan(v)) or v is pd.NA:
+        return False
+    return bool(v)
+
+
+def _int_or_none(v: Any) -> int | None:
+    return round(float(v)) if _finite(v) else None
+
+
+def kmeans_cells(row: pd.Series) -> dict[str, str]:
+    """The K-means cells of one layer, as text: ``kmeans_k``, ``kmeans_best_k``, ``kmeans_silhouette``.
+
+    A best k at the cap of the grown search (``kmeans_k_at_cap``) carries :data:`AT_CAP`: the
+    silhouette was still highest at the largest k allowed, so there is no interior optimum and
+    k is the range searched. With k = 1 (no clustering preferred: the best silhouette over
+    k ≥ 2 fell below ``--kmeans-min-silhouette``) the silhouette is that of the rejected best
+    k > 1 and is written as such, never as a result of the chosen clustering.
+    """
+    k, best = _int_or_none(row.get("kmeans_k")), _int_or_none(row.get("kmeans_best_k"))
+    sil = row.get("kmeans_silhouette")
+    at_cap = _truthy(row.get("kmeans_k_at_cap"))
+    mark = f" {AT_CAP}" if at_cap else ""
+    out = {
+        "kmeans_k": fmt_value(k, "int") + (mark if k is not None and k > 1 else ""),
+        "kmeans_best_k": fmt_value(best, "int") + mark,
+        "kmeans_silhouette": fmt_value(sil, "unit"),
+    }
+    if k == 1:
+        parts = [f"best k&gt;1: {best}{mark}"] if best is not None and best > 1 else []
+        if _finite(sil):
+            parts.append(f"silhouette {fmt_value(sil, 'unit')}")
+        out["kmeans_k"] = f"1 ({', '.join([*parts, 'rejected'])})"
+        out["kmeans_silhouette"] = f"({fmt_value(sil, 'unit')}, rejected)" if _finite(sil) else "—"
+    return out
+
+
+#: tooltips of the K-means cells whose meaning differs from the column's header
+_KMEANS_TIPS = {
+    "rejected": "k = 1: no clustering preferred; the silhouette is that of the best k > 1, "
+    "below --kmeans-min-silhouette, and was rejected",
+    "cap": "the best k is the largest k the search allowed (--kmeans-k-cap): the silhouette "
+    "was still rising there, so there is no interior optimum",
+}
+
+
+def layers_table_html(
+    layers: pd.DataFrame,
+    columns: Sequence[str],
+    *,
+    bars: bool = True,
+    headers: dict[str, str] | None = None,
+) -> str:
+    """An HTML table of ``layers`` restricted to ``columns`` (those present), nicely formatted.
+
+    Every column is formatted at once by :func:`format_column` (one notation per column); the
+    K-means cells by :func:`kmeans_cells` (the at-cap mark, the k = 1 wording). ``headers``
+    replaces the headers of some columns.
+    """
     cols = [c for c in columns if c in layers.columns]
+    headers = headers or {}
     head = "".join(
-        f'<th title="{_e(COLUMNS.get(c, (c, c, ""))[1])}">{_e(COLUMNS.get(c, (c,))[0])}</th>'
+        f'<th title="{_e(COLUMNS.get(c, (c, c, ""))[1])}">'
+        f"{_e(headers.get(c, COLUMNS.get(c, (c,))[0]))}</th>"
         for c in cols
     )
-    rows = []
     stats: dict[str, tuple[float, float]] = {}
+    text: dict[str, list[str]] = {}
     for c in cols:
-        if COLUMNS.get(c, ("", "", ""))[2] == "text":
+        kind = COLUMNS.get(c, ("", "", "sci"))[2]
+        text[c] = format_column(list(layers[c]), kind)
+        if kind == "text":
             continue
         v = pd.to_numeric(layers[c], errors="coerce").to_numpy(dtype=np.float64)
         v = v[np.isfinite(v)]
         stats[c] = (float(v.min()), float(v.max())) if len(v) else (math.nan, math.nan)
-    for _, r in layers.iterrows():
+    no_bar = ("layer", "n_tokens", "n_types", "kmeans_k", "kmeans_best_k", "n_outlier_dims")
+    rows = []
+    for i, (_, r) in enumerate(layers.iterrows()):
+        km = kmeans_cells(r) if {"kmeans_k", "kmeans_best_k"} & set(cols) else {}
+        rejected = _int_or_none(r.get("kmeans_k")) == 1
         cells = []
         for c in cols:
             kind = COLUMNS.get(c, ("", "", "sci"))[2]
             style = ""
-            no_bar = ("layer", "n_tokens", "n_types", "kmeans_k", "n_outlier_dims")
             if bars and kind != "text" and c not in no_bar and _finite(r[c]):
-                style = _bar_style(float(r[c]), *stats[c], kind)
+                if not (c == "kmeans_silhouette" and rejected):
+                    style = _bar_style(float(r[c]), *stats[c], kind)
             cls = ' class="txt"' if kind == "text" else ""
-            cells.append(f"<td{cls}{style}>{fmt_value(r[c], kind)}</td>")
+            cell = km.get(c, text[c][i])
+            tip = ""
+            if c in km and rejected and c in ("kmeans_k", "kmeans_silhouette"):
+                tip = _KMEANS_TIPS["rejected"]
+            elif c in km and AT_CAP in cell:
+                tip = _KMEANS_TIPS["cap"]
+            if tip:
+                cls = ' class="txt"' if c == "kmeans_k" and rejected else cls
+                cell = f'<span title="{_e(tip)}">{cell}</span>'
+            cells.append(f"<td{cls}{style}>{cell}</td>")
         rows.append("<tr>" + "".join(cells) + "</tr>")
     return (
         '<div class="scroll"><table class="data"><thead><tr>'
@@ -347,6 +523,35 @@ def layers_table_html(layers: pd.DataFrame, columns: Sequence[str], *, bars: boo
         + "".join(rows)
         + "</tbody></table></div>"
     )
+
+
+def kmeans_notes(layers: pd.DataFrame, config: dict[str, Any]) -> str:
+    """Footnotes of the K-means cells: what :data:`AT_CAP` and a k = 1 row mean, when present."""
+    notes = []
+    if "kmeans_k_at_cap" in layers.columns and any(map(_truthy, layers["kmeans_k_at_cap"])):
+        flags = zip(layers["layer"], layers["kmeans_k_at_cap"], strict=True)
+        at = [int(x) for x, c in flags if _truthy(c)]
+        cap = config.get("kmeans_k_cap")
+        notes.append(
+            f"<b>{AT_CAP}</b> (layers {', '.join(map(str, at))}): the best k is the largest k "
+            "the search allowed"
+            + (f" (--kmeans-k-cap {_e(cap)})" if cap is not None else " (--kmeans-k-cap)")
+            + ". The silhouette was still highest at the edge, so there is no interior "
+            "optimum: k reports the range searched, not the number of clusters, and every "
+            "cluster-adjusted column inherits it."
+        )
+    if "kmeans_k" in layers.columns:
+        ks = zip(layers["layer"], layers["kmeans_k"], strict=True)
+        ones = [int(x) for x, k in ks if _int_or_none(k) == 1]
+        if ones:
+            thr = config.get("kmeans_min_silhouette", 0.1)
+            notes.append(
+                f"<b>k = 1</b> (layers {', '.join(map(str, ones))}): no clustering preferred, "
+                f"the best silhouette over k ≥ 2 was below --kmeans-min-silhouette ({_e(thr)}). "
+                "Its k and silhouette are shown in parentheses and marked <i>rejected</i>; the "
+                "cluster-adjusted columns of these layers subtract the layer mean only."
+            )
+    return "".join(f'<p class="note">{n}</p>' for n in notes)
 
 
 def _img_tag(path: str, alt: str) -> str:
@@ -407,6 +612,7 @@ def _metadata_html(run: Run) -> str:
     tok = m.tokenizer or TokenizerInfo()
     cfg = run.config
     model_items = [
+        ("name", f'<span title="{_e(model.id)}">{_e(model_name(model.id))}</span>'),
         ("id", f'<span class="mono">{_e(model.id)}</span>'),
         ("revision", f'<span class="mono">{_e(model.revision)}</span>'),
         ("type", _e(model.model_type)),
@@ -553,10 +759,70 @@ def _sections_html(figures: Sequence[Figure]) -> tuple[str, list[tuple[str, str]
     return "".join(parts), toc
 
 
+def clipping_table_html(
+    layers: pd.DataFrame, pairs: Sequence[ClipPair], rule: str | None = None
+) -> str:
+    """The clipping table: each clipped column beside its unclipped counterpart of the same
+    estimator (:func:`~embgeom_ray.report.plots.clipping_pairs`), headers naming the estimator,
+    and a caption saying which pairs it holds. A sampled clipped value is never put beside an
+    exact unclipped one.
+    """
+    cols = ["layer", "n_outlier_dims", "outlier_dims"]
+    headers: dict[str, str] = {}
+    done: set[str] = set()
+    for p in pairs:
+        if p.zeroed == "--clip-dims" and "clip_dims_exact" in layers.columns:
+            cols.append("clip_dims_exact")
+        if p.base and p.base not in done:
+            cols.append(p.base)
+            done.add(p.base)
+            headers[p.base] = f"{p.label} ({p.estimator})"
+        cols.append(p.clipped)
+        headers[p.clipped] = f"{p.label} clipped ({p.estimator})"
+    cols = list(dict.fromkeys(cols))
+    estimators = sorted({p.estimator for p in pairs if p.base})
+    lone = [p.clipped for p in pairs if not p.base]
+    caption = (
+        "Like with like: each clipped column follows its unclipped counterpart from the same "
+        "estimator. "
+        + (
+            "<b>Sampled</b>: the cosines on the uniform token sample, unclipped "
+            "(<code>*_sampled</code>) and with the layer's flagged dims zeroed "
+            "(<code>*_clipped</code>); compare these with each other, not with the exact "
+            "columns above (sampled S_intra covers only types with ≥ 2 sampled occurrences). "
+            if "sampled" in estimators
+            else ""
+        )
+        + (
+            "<b>Exact</b>: over every counted token; IsoScore with the flagged dims zeroed"
+            + (
+                ", and the exact cosines with the --clip-dims dims zeroed beside the exact "
+                "unclipped ones"
+                if any(p.zeroed == "--clip-dims" and p.base for p in pairs)
+                else ""
+            )
+            + ". "
+            if "exact" in estimators
+            else ""
+        )
+        + (
+            f"{', '.join(f'<code>{_e(c)}</code>' for c in lone)}: this run has no unclipped "
+            "counterpart of the same estimator, so these stand alone (do not compare them with "
+            "the exact table). "
+            if lone
+            else ""
+        )
+        + "Flagged dims: see dims.parquet (<code>outlier</code>, <code>outlier_rule</code>)"
+        + (f"; a dim is flagged when {_e(rule)}" if rule else "")
+        + ". “Clipped” metrics set those dimensions to zero (Luo 2020)."
+    )
+    return layers_table_html(layers, cols, headers=headers) + f'<p class="note">{caption}</p>'
+
+
 def render_report(run: Run, figures: Sequence[Figure]) -> str:
     """The HTML text of a run's report (see :func:`write_report`)."""
     layers = run.layers
-    model_short, corpus_short = short_name(run.model), short_name(run.corpus)
+    model_short, corpus_short = model_name(run.model), short_name(run.corpus)
     banner = ""
     if run.status != "complete":
         banner = (
@@ -566,41 +832,55 @@ def render_report(run: Run, figures: Sequence[Figure]) -> str:
     sampled = [
         c
         for c in COLUMNS
-        if c not in EXACT_COLUMNS and c not in ROGUE_COLUMNS and c in layers.columns
+        if c not in EXACT_COLUMNS
+        and c not in ROGUE_COLUMNS
+        and c not in SE_COLUMNS
+        and c in layers.columns
     ]
-    rogue = [c for c in ROGUE_COLUMNS[1:] if c in layers.columns]
+    se = [c for c in SE_COLUMNS if c in layers.columns]
     n_tokens = layers["n_tokens"].max() if "n_tokens" in layers.columns else None
     table = layers_table_html(layers, EXACT_COLUMNS)
     table_note = (
         '<p class="note">Exact over every counted token (no sampling). Variances are population '
         "variances (1/n). r(‖μ_t‖,V_t) is over types seen at least "
         f"{run.min_count} times. Hover a header for its definition; bars show each column's "
-        "shape across layers (blue: negative, red: positive correlation).</p>"
+        "shape across layers (blue: negative, red: positive correlation). Numbers have "
+        f"{SIG_DIGITS} significant digits, in one notation per column (scientific for the whole "
+        f"column when a value is below {SCI_BELOW:g}); cosines, IsoScores and silhouettes 3 "
+        "decimals.</p>"
     )
     sampled_html = ""
     if sampled:
         sampled_html = (
             "<h3>Sampled metrics</h3>"
             + layers_table_html(layers, ["layer", *sampled])
-            + '<p class="note">From the bounded random sample of tokens (see samples.parquet); '
-            "LID uses true (not squared) distances.</p>"
+            + kmeans_notes(layers, run.config)
+            + '<p class="note">From the bounded random sample of tokens (see samples.parquet). '
+            "“(w)”: size-weighted over clusters of at least --cluster-min-size points; without "
+            "it, Cai et al.'s unweighted mean over every cluster. LID means and medians use "
+            "true (not squared) distances; “LID (Cai)” is Cai et al.'s convention.</p>"
         )
-    if rogue:
-        rule = run.manifest.outlier_rules
+    if se:
         sampled_html += (
-            "<h3>Outlier dimensions and clipping</h3>"
-            + layers_table_html(layers, ["layer", *rogue])
-            + '<p class="note">Flagged dims: see dims.parquet (<code>outlier</code>, '
-            "<code>outlier_rule</code>)"
-            + (f"; a dim is flagged when {_e(rule)}" if rule else "")
-            + ". “Clipped” metrics set those dimensions to zero (Luo 2020).</p>"
+            "<details><summary>Standard errors of the sampled metrics</summary>"
+            + layers_table_html(layers, ["layer", *se], bars=False)
+            + '<p class="note">Each <code>&lt;metric&gt;_se</code> is the standard error of the '
+            "metric from random half-samples of the layer's sample (K-means clusters held "
+            "fixed): differences between layers or runs smaller than about twice it are "
+            "sampling noise.</p></details>"
+        )
+    pairs = clipping_pairs(layers.columns)
+    if pairs or "n_outlier_dims" in layers.columns:
+        sampled_html += "<h3>Outlier dimensions and clipping</h3>" + clipping_table_html(
+            layers, pairs, run.manifest.outlier_rules
         )
     sections, toc = _sections_html(figures)
     toc = [("sec-run", "Run"), ("sec-layers", "Per-layer summary"), *toc, ("sec-files", "Files")]
     nav = "".join(f'<a href="#{a}">{_e(t)}</a>' for a, t in toc)
     body = (
         f'<header class="top"><h1>Embedding geometry report {_status_badge(run.status)}'
-        f'<span class="sub">{_e(model_short)} · {_e(corpus_short)} · '
+        f'<span class="sub"><span title="{_e(run.model)}">{_e(model_short)}</span> · '
+        f'<span title="{_e(run.corpus)}">{_e(corpus_short)}</span> · '
         f"{len(layers)} layers · {fmt_value(n_tokens, 'int')} tokens</span>"
         f'</h1><nav class="toc">{nav}</nav></header>{banner}'
         f'<section id="sec-run"><h2>Run</h2>{_metadata_html(run)}</section>'
@@ -650,9 +930,9 @@ def _run_labels(runs: Sequence[Run], labels: Sequence[str] | None) -> list[str]:
         if len(labels) != len(runs):
             raise ValueError(f"{len(labels)} labels for {len(runs)} runs")
         return list(labels)
-    base = [short_name(r.model, 32) for r in runs]
+    base = [model_name(r.model, 32) for r in runs]
     if len(set(base)) < len(runs):
-        base = [f"{short_name(r.model, 28)} · {short_name(r.corpus, 24)}" for r in runs]
+        base = [f"{model_name(r.model, 28)} · {short_name(r.corpus, 24)}" for r in runs]
     if len(set(base)) < len(runs):
         base = [short_name(r.out, 40) for r in runs]
     if len(set(base)) < len(runs):
@@ -722,16 +1002,18 @@ def _changes_html(df: pd.DataFrame, baseline: str, matching_note: str) -> str:
     if not len(df):
         return '<p class="note">No layer is shared by the runs, so there is nothing to compare.</p>'
     rows = []
-    for _, r in df.iterrows():
-        kind = COLUMNS.get(r["metric"], ("", "", "sci"))[2]
-        kind = "unit" if kind == "corr" else kind
+    # one notation for the baseline and run columns together, one for Δ (format_column)
+    values = format_column([*df["baseline"], *df["value"]], "sci")
+    base_txt, value_txt = values[: len(df)], values[len(df) :]
+    change_txt = format_column(list(df["change"]), "sci")
+    for i, (_, r) in enumerate(df.iterrows()):
         rel = "—" if not _finite(r["relative"]) else f"{r['relative']:+.1%}".replace("-", "−")
         rows.append(
             f'<tr><td class="txt">{_e(r["run"])}</td>'
             f'<td class="txt" title="{_e(COLUMNS.get(r["metric"], ("", r["metric"]))[1])}">'
             f"{_e(r['metric'])}</td>"
-            f"<td>{_layer_pair(r)}</td><td>{fmt_value(r['baseline'], kind)}</td>"
-            f"<td>{fmt_value(r['value'], kind)}</td><td>{fmt_value(r['change'], 'sci')}</td>"
+            f"<td>{_layer_pair(r)}</td><td>{base_txt[i]}</td>"
+            f"<td>{value_txt[i]}</td><td>{change_txt[i]}</td>"
             f"<td>{rel}</td><td>{r['score']:.2f}</td></tr>"
         )
     head = (
@@ -787,7 +1069,7 @@ def write_comparison_report(
         name = f'<a href="{_e(link + REPORT)}">{_e(label)}</a>' if exists(report) else _e(label)
         rows.append(
             f'<tr><td class="txt">{name}</td>'
-            f'<td class="txt mono">{_e(short_name(run.model, 60))}</td>'
+            f'<td class="txt mono" title="{_e(run.model)}">{_e(model_name(run.model, 60))}</td>'
             f'<td class="txt mono" title="{_e(rev)}">{_e(rev[:19])}</td>'
             f'<td class="txt mono">{_e(short_name(run.corpus, 60))}</td>'
             f"<td>{len(run.layers)}</td>"

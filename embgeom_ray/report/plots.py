@@ -17,7 +17,7 @@ cosine_isotropy       anisotropy, S_inter, S_intra, IsoScore (+ cluster-adjusted
 intrinsic_dim         LID and silhouettes across layers (Cai et al. 2021)            sampled cols
 isoscore_silhouette   IsoScore against silhouette, one point per layer (Mickus 2024) sampled cols
 rogue_dims            layer × dim heat map of argmax/argmin share (Luo 2020)         dims
-clipping              metrics with the flagged dims zeroed (Luo; Kulmizev et al.)    clipped cols
+clipping              clipped vs unclipped, same estimator (Luo; Kulmizev et al.)    clipped cols
 positional_profile    per-position mean of flagged dims (Kulmizev et al. 2021)       positions
 pca_2d, pca_3d        PCA of the uniform sample per selected layer (Cai et al.)      samples
 ====================  =============================================================  ============
@@ -96,6 +96,7 @@ _COLORS = {
     "partition_isotropy_centered": "#8c564b",
     "lid_euclidean": "#1f77b4",
     "lid_cosine": "#ff7f0e",
+    "lid_euclidean_cai": "#1f77b4",
     "kmeans_silhouette": "#9467bd",
     "silhouette_types": "#17becf",
     "within": "#4c72b0",
@@ -155,6 +156,39 @@ def short_name(text: str | None, max_len: int = 48) -> str:
     return out if len(out) <= max_len else "…" + out[-(max_len - 1) :]
 
 
+#: last path components that do not name a model (its parent does)
+_GENERIC_DIRS = {"model", "models", "snapshots", "snapshot", "main", "weights", "checkpoint", "hf"}
+
+
+def model_name(model: str | None, max_len: int = 48) -> str:
+    """The name a reader knows a model by: the hub id, or a local directory's last component.
+
+    ``org/name`` and ``hf://org/name`` stay as they are; a Hugging Face cache snapshot
+    (``…/models--org--name/snapshots/<sha>``) is ``org/name``; any other local path or URL is
+    its last component, skipping generic ones and commit hashes (``…/all_minilm/model`` is
+    ``all_minilm``). The full id stays in the report's run summary and tooltips.
+    """
+    if not model:
+        return "?"
+    s = re.sub(r"^hf:(//)?", "", str(model).rstrip("/\\"))
+    parts = [p for p in re.split(r"[/\\]", s) if p]
+    local = s.startswith((".", "/", "~", "\\")) or "://" in s or re.match(r"^[A-Za-z]:", s)
+    if not local and len(parts) <= 2:
+        out = s
+    else:
+        out = parts[-1] if parts else s
+        for i in range(len(parts) - 1, -1, -1):
+            p = parts[i]
+            if p.startswith("models--"):
+                out = p[len("models--") :].replace("--", "/")
+                break
+            if p.lower() in _GENERIC_DIRS or re.fullmatch(r"[0-9a-f]{40}", p):
+                continue
+            out = p
+            break
+    return out if len(out) <= max_len else "…" + out[-(max_len - 1) :]
+
+
 class Run:
     """A run's output directory, read lazily; raises :class:`RunDirectoryError` if it is not one.
 
@@ -209,7 +243,7 @@ class Run:
     @property
     def tag(self) -> str:
         """``model · corpus`` for figure titles."""
-        return f"{short_name(self.model)} · {short_name(self.corpus)}"
+        return f"{model_name(self.model)} · {short_name(self.corpus)}"
 
     # -- tables
     @cached_property
@@ -567,11 +601,12 @@ def plot_cosine_isotropy(run: Run) -> tuple[str | None, str]:
         ):
             extras.append("s_inter_type_uniform")
         k = col("kmeans_k")
+        k_text = kmeans_labels(run, short=True)
         if k is not None:
             for x, kv in zip(layers, k, strict=True):
                 if np.isfinite(kv):
                     ax1.annotate(
-                        f"k={int(kv)}",
+                        k_text[int(x)],
                         (x, 1.0),
                         xycoords=("data", "axes fraction"),
                         ha="center",
@@ -642,7 +677,8 @@ def plot_cosine_isotropy(run: Run) -> tuple[str | None, str]:
             "cosines drop towards 0."
         )
     if k is not None:
-        caption += " k above the left panel is the number of K-means clusters chosen per layer."
+        caption += " k above the left panel is the number of K-means clusters chosen per layer"
+        caption += _k_marks_note(run) + "."
     if partition:
         caption += (
             " Partition isotropy I(W) = min_c Z(c) / max_c Z(c) over the principal directions "
@@ -662,11 +698,62 @@ def plot_cosine_isotropy(run: Run) -> tuple[str | None, str]:
 # --------------------------------------------------------------------------------------------
 # (d) LID and silhouettes; IsoScore against silhouette
 
+#: appended to a k whose best k sits at the cap of the grown K-means search
+AT_CAP_MARK = "▲"
+
+
+def _k_marks_note(run: Run) -> str:
+    """``; ▲: …`` and ``; k = 1: …`` for the captions, when the run has such layers."""
+    text = ""
+    labels = kmeans_labels(run)
+    if any(AT_CAP_MARK in t for t in labels.values()):
+        text += (
+            f"; {AT_CAP_MARK}: the best k is at the cap of the grown search (--kmeans-k-cap), "
+            "the silhouette still rising there, so there is no interior optimum and k is the "
+            "range searched"
+        )
+    if any(t.startswith("k=1") for t in labels.values()):
+        text += (
+            "; k=1: no clustering preferred (the best silhouette over k ≥ 2 was below "
+            "--kmeans-min-silhouette)"
+        )
+    return text
+
+
+def kmeans_labels(run: Run, short: bool = False) -> dict[int, str]:
+    """The k written at each layer's K-means point in the figures, by layer.
+
+    ``k=7``; ``k=15▲`` when the best k is at the cap of the grown search (``kmeans_k_at_cap``:
+    no interior optimum); with k = 1 (no clustering preferred) ``k=1 (best 4 rejected)``, or
+    ``k=1`` with ``short``. Empty for a run without ``kmeans_k``.
+    """
+    lay = run.layers
+    if "kmeans_k" not in lay.columns:
+        return {}
+    out = {}
+    for _, r in lay.iterrows():
+        k = pd.to_numeric(r["kmeans_k"], errors="coerce")
+        if not np.isfinite(k):
+            continue
+        best = pd.to_numeric(r.get("kmeans_best_k", np.nan), errors="coerce")
+        cap = r.get("kmeans_k_at_cap", False)
+        at_cap = bool(cap) if cap is not None and cap is not pd.NA and cap == cap else False
+        mark = AT_CAP_MARK if at_cap else ""
+        text = f"k={int(k)}" + (mark if k > 1 else "")
+        if k == 1 and not short and np.isfinite(best) and best > 1:
+            text += f" (best {int(best)}{mark} rejected)"
+        out[int(r["layer"])] = text
+    return out
+
 
 def plot_intrinsic_dimension(run: Run) -> tuple[str | None, str]:
     """LID across layers (Cai et al. 2021) and, when present, K-means/type silhouettes."""
     col = run.layer_col
-    lid = {c: col(c) for c in ("lid_euclidean", "lid_cosine") if col(c) is not None}
+    lid_cols = (
+        "lid_euclidean", "lid_cosine", "lid_euclidean_median", "lid_cosine_median",
+        "lid_euclidean_cai",
+    )  # fmt: skip
+    lid = {c: col(c) for c in lid_cols if col(c) is not None}
     sil = {c: col(c) for c in ("kmeans_silhouette", "silhouette_types") if col(c) is not None}
     if not lid and not sil:
         return None, "Not drawn: the run has no sampled LID or silhouette columns (no sample)."
@@ -678,12 +765,20 @@ def plot_intrinsic_dimension(run: Run) -> tuple[str | None, str]:
         if lid:
             ax = axes.pop(0)
             labels = {
-                "lid_euclidean": "LID, Euclidean distance",
-                "lid_cosine": "LID, cosine distance",
+                "lid_euclidean": "LID, Euclidean distance (mean)",
+                "lid_cosine": "LID, cosine distance (mean)",
+                "lid_euclidean_median": "LID, Euclidean distance (median)",
+                "lid_cosine_median": "LID, cosine distance (median)",
+                "lid_euclidean_cai": "LID, Cai et al.'s convention (mean)",
             }
             for c, v in lid.items():
-                _line(ax, layers, v, color=_COLORS[c], label=labels[c])
-            ax.set_ylabel("local intrinsic dimension (MLE, mean over sample)")
+                base = c.removesuffix("_median").removesuffix("_cai")
+                style = "--" if c.endswith("_median") else (":" if c.endswith("_cai") else "-")
+                marker = {"-": "o", "--": "s", ":": "^"}[style]
+                _line(
+                    ax, layers, v, color=_COLORS[base], style=style, marker=marker, label=labels[c]
+                )
+            ax.set_ylabel("local intrinsic dimension (MLE over the sample)")
             ax.set_title("Local intrinsic dimension (Levina & Bickel; Cai et al. 2021)")
             _int_layers(ax, layers)
             ax.set_ylim(bottom=0)
@@ -698,14 +793,27 @@ def plot_intrinsic_dimension(run: Run) -> tuple[str | None, str]:
                 _line(ax, layers, v, color=_COLORS[c], label=labels[c])
             k = col("kmeans_k")
             if k is not None and "kmeans_silhouette" in sil:
+                k_text = kmeans_labels(run)
+                rejected = k == 1
+                if rejected.any():  # the silhouette of a rejected best k > 1: hollow
+                    ax.scatter(
+                        layers[rejected],
+                        sil["kmeans_silhouette"][rejected],
+                        s=42,
+                        facecolors="white",
+                        edgecolors=_COLORS["kmeans_silhouette"],
+                        linewidths=1.4,
+                        zorder=3,
+                        label="k = 1: silhouette of the rejected best k > 1",
+                    )
                 for x, kv, sv in zip(layers, k, sil["kmeans_silhouette"], strict=True):
                     if np.isfinite(kv) and np.isfinite(sv):
                         ax.annotate(
-                            f"k={int(kv)}",
+                            k_text[int(x)],
                             (x, sv),
                             textcoords="offset points",
-                            xytext=(0, 6),
-                            ha="center",
+                            xytext=(4, -12) if kv == 1 else (0, 6),
+                            ha="left" if kv == 1 else "center",
                             fontsize=7,
                         )
             ax.axhline(0, color="#999999", lw=0.8)
@@ -719,16 +827,27 @@ def plot_intrinsic_dimension(run: Run) -> tuple[str | None, str]:
     if lid:
         caption += (
             "Local intrinsic dimension: the Levina–Bickel maximum-likelihood estimate per sampled "
-            "point from its nearest neighbours, averaged over the sample, with true (not "
-            "squared) distances; Cai et al.'s released code used squared distances, which "
-            "halves the estimate, so double theirs before comparing. Low LID means the tokens "
-            "lie near low-dimensional manifolds. "
+            "point from its nearest neighbours, with true (not squared) distances; solid: the "
+            "mean over the sample, dashed (when present): the median, robust to the long right "
+            "tail of the per-point estimates that dominates the mean. Cai et al.'s released "
+            "code used squared distances and divides by k: “doubling theirs” is only "
+            "approximately comparable (k / (2(k − 1)), 5% off at k = 20), so the dotted line, "
+            "when present, is their exact convention. Low LID means the tokens lie near "
+            "low-dimensional manifolds. "
         )
     if sil:
         caption += (
             "Silhouette (−1 … 1) of the sample under its K-means clustering (best k by "
-            "silhouette) and under token-type labels: how well separated the groups are."
+            "silhouette) and under token-type labels: how well separated the groups are"
         )
+        if col("kmeans_k") is not None and "kmeans_silhouette" in sil:
+            caption += "; the k of each point is written above it" + _k_marks_note(run)
+            if (col("kmeans_k") == 1).any():
+                caption += (
+                    ". A hollow point is the silhouette of the best k > 1 of a layer where it "
+                    "was rejected (k = 1), not a result of a clustering"
+                )
+        caption += "."
     return path, caption.strip()
 
 
@@ -740,6 +859,7 @@ def plot_isoscore_silhouette(run: Run) -> tuple[str | None, str]:
     if iso is None or not sils:
         return None, "Not drawn: the run has no silhouette columns (no sample) or no IsoScore."
     layers = run.layers["layer"].to_numpy()
+    rejected = {la for la, t in kmeans_labels(run, short=True).items() if t == "k=1"}
     rs: dict[str, float] = {}
     with mpl.rc_context(_STYLE):
         fig = _new_figure(6.8, 4.8)
@@ -761,10 +881,15 @@ def plot_isoscore_silhouette(run: Run) -> tuple[str | None, str]:
                 label=f"{names[c]}  (r = {_fmt(rs[c])})",
             )
             ax.plot(s, iso, color="#aaaaaa", lw=0.7, zorder=0)
+            ones = rejected if c == "kmeans_silhouette" else set()
             for x, y, layer in zip(s, iso, layers, strict=True):
                 if np.isfinite(x) and np.isfinite(y):
                     ax.annotate(
-                        str(layer), (x, y), textcoords="offset points", xytext=(5, 3), fontsize=7
+                        f"{layer} (k=1, rejected)" if int(layer) in ones else str(layer),
+                        (x, y),
+                        textcoords="offset points",
+                        xytext=(5, 3),
+                        fontsize=7,
                     )
         ax.set_xlabel("silhouette of the sample")
         ax.set_ylabel("IsoScore (all tokens)")
@@ -779,6 +904,11 @@ def plot_isoscore_silhouette(run: Run) -> tuple[str | None, str]:
         "sample. Mickus et al. (2024) show that isotropy and cluster structure are at odds, so "
         f"across layers IsoScore tends to fall as silhouette rises. Here {rtxt}."
     )
+    if rejected and "kmeans_silhouette" in sils:
+        caption += (
+            " Layers marked “k=1, rejected”: K-means preferred no clustering; their K-means "
+            "silhouette is that of the rejected best k > 1."
+        )
     return path, caption
 
 
@@ -976,11 +1106,80 @@ def plot_rogue_dims(run: Run) -> tuple[str | None, str]:
     return path, caption
 
 
-def plot_clipping(run: Run) -> tuple[str | None, str]:
-    """Cosine and isotropy metrics with the outlier dimensions zeroed (Luo 2020; Kulmizev 2021).
+@dataclass(frozen=True)
+class ClipPair:
+    """A clipped metric and its unclipped counterpart of the SAME estimator (like with like).
 
-    ``<metric>_clipped``: each layer's flagged dims zeroed (IsoScore exact, cosines sampled);
-    ``<metric>_clipped_exact``: the run's ``--clip-dims`` zeroed, exact over every token.
+    ``estimator`` is ``"sampled"`` (on the uniform token sample) or ``"exact"`` (over every
+    counted token); ``zeroed`` says which dims were set to zero: ``"flagged dims"`` (each
+    layer's outlier dims) or ``"--clip-dims"`` (the run's fixed set). ``base`` is None when
+    the run has no unclipped column of that estimator (older runs: sampled clipped cosines
+    without ``*_sampled``); such a clipped column is then shown alone.
+    """
+
+    metric: str
+    label: str
+    estimator: str
+    zeroed: str
+    base: str | None
+    clipped: str
+
+
+_CLIP_LABELS = {
+    "anisotropy": "aniso.",
+    "s_inter": "S_inter",
+    "s_intra": "S_intra",
+    "isoscore": "IsoScore",
+}
+
+
+def clipping_pairs(columns: Sequence[str]) -> list[ClipPair]:
+    """The like-for-like clipping pairs that ``layers.parquet`` ``columns`` allow, in table order.
+
+    - ``isoscore_clipped`` (flagged dims zeroed, exact from the covariance) with ``isoscore``;
+    - ``<cosine>_clipped`` (flagged dims zeroed, on the sample) with ``<cosine>_sampled``, the
+      same occurrences unclipped, never with the exact ``<cosine>``: sampled S_intra covers only
+      types with ≥ 2 sampled occurrences and runs lower even unclipped;
+    - ``<metric>_clipped_exact`` (``--clip-dims`` zeroed, exact) with the exact ``<metric>``.
+    """
+    cols = set(columns)
+    pairs = []
+    if "isoscore_clipped" in cols:
+        base = "isoscore" if "isoscore" in cols else None
+        pairs.append(
+            ClipPair("isoscore", "IsoScore", "exact", "flagged dims", base, "isoscore_clipped")
+        )
+    for m in ("anisotropy", "s_inter", "s_intra"):
+        if f"{m}_clipped" in cols:
+            base = f"{m}_sampled" if f"{m}_sampled" in cols else None
+            pairs.append(
+                ClipPair(m, _CLIP_LABELS[m], "sampled", "flagged dims", base, f"{m}_clipped")
+            )
+    for m in ("anisotropy", "s_inter", "s_intra", "isoscore"):
+        if f"{m}_clipped_exact" in cols:
+            base = m if m in cols else None
+            pairs.append(
+                ClipPair(m, _CLIP_LABELS[m], "exact", "--clip-dims", base, f"{m}_clipped_exact")
+            )
+    return pairs
+
+
+@dataclass(frozen=True)
+class ClipPanel:
+    """One panel of the clipping figure: its title and its lines (column, label, style)."""
+
+    title: str
+    estimator: str
+    lines: list[tuple[str, str, str]]
+
+
+def clipping_panels(run: Run) -> list[ClipPanel]:
+    """What :func:`plot_clipping` draws: one panel per estimator, pairs of the same estimator.
+
+    Sampled cosines (unclipped solid, flagged dims zeroed dashed); exact cosines with
+    ``--clip-dims`` (unclipped solid, zeroed dotted); exact IsoScore (flagged dims dashed,
+    ``--clip-dims`` dotted). A pair without an unclipped column of the same estimator is left
+    out of the figure: nothing is drawn beside a counterpart from another estimator.
     """
     col = run.layer_col
     clip_set = ""
@@ -989,54 +1188,72 @@ def plot_clipping(run: Run) -> tuple[str | None, str]:
         clip_set = vals.iloc[0] if len(vals) else ""
     if len(clip_set) > 30:
         clip_set = clip_set[:28] + "…"
-    names = {"anisotropy": "anisotropy", "s_inter": "S_inter", "s_intra": "S_intra"}
-    names["isoscore"] = "IsoScore"
-    groups: dict[str, list[tuple[str, np.ndarray, str, str]]] = {"cos": [], "iso": []}
-    hows: set[str] = set()
-    for m in ("anisotropy", "s_inter", "s_intra", "isoscore"):
-        if col(m) is None:
+    clip_txt = f"dims {clip_set}" if clip_set else "--clip-dims"
+    groups: dict[str, list[tuple[str, str, str]]] = {"sampled": [], "exact": [], "iso": []}
+    for p in clipping_pairs(run.layers.columns):
+        if p.base is None or col(p.base) is None or col(p.clipped) is None:
             continue
-        lines = []
-        if col(f"{m}_clipped") is not None:
-            how = "exact" if m == "isoscore" else "sampled"
-            lines.append((f"{m}_clipped", "--", f"{names[m]}, flagged dims zeroed ({how})"))
-            hows.add(how)
-        if col(f"{m}_clipped_exact") is not None:
-            dims_txt = f"dims {clip_set}" if clip_set else "--clip-dims"
-            lines.append((f"{m}_clipped_exact", ":", f"{names[m]}, {dims_txt} zeroed (exact)"))
-            hows.add("clip")
-        if lines:
-            g = groups["iso" if m == "isoscore" else "cos"]
-            g.append((m, col(m), "-", names[m]))
-            g.extend((m, col(c), style, label) for c, style, label in lines)
-    panels = [(k, v) for k, v in groups.items() if v]
+        key = "iso" if p.metric == "isoscore" else p.estimator
+        name = "anisotropy" if p.metric == "anisotropy" else p.label
+        style = "--" if p.zeroed == "flagged dims" else ":"
+        zeroed = "flagged dims zeroed" if p.zeroed == "flagged dims" else f"{clip_txt} zeroed"
+        base = (p.base, f"{name} ({p.estimator})", "-")
+        if base not in groups[key]:
+            groups[key].append(base)
+        groups[key].append((p.clipped, f"{name}, {zeroed} ({p.estimator})", style))
+    titles = {
+        "sampled": "Sampled cosines: sampled unclipped vs sampled clipped",
+        "exact": "Exact cosines: exact unclipped vs exact clipped (--clip-dims)",
+        "iso": "IsoScore: exact unclipped vs exact clipped",
+    }
+    return [
+        ClipPanel(titles[k], "exact" if k == "iso" else k, lines)
+        for k, lines in groups.items()
+        if lines
+    ]
+
+
+def plot_clipping(run: Run) -> tuple[str | None, str]:
+    """Cosine and isotropy metrics with the outlier dimensions zeroed (Luo 2020; Kulmizev 2021).
+
+    Like with like (:func:`clipping_panels`): the sampled clipped cosines beside the sampled
+    unclipped ones (``*_sampled``), the exact ``--clip-dims`` cosines beside the exact ones,
+    IsoScore exact beside exact; each panel's title names its estimator.
+    """
+    col = run.layer_col
+    panels = clipping_panels(run)
     if not panels:
+        if any(p.base is None for p in clipping_pairs(run.layers.columns)):
+            return None, (
+                "Not drawn: the run's clipped metrics have no unclipped counterpart of the same "
+                "estimator (sampled clipped cosines without *_sampled columns)."
+            )
         return None, "Not drawn: layers.parquet has no clipped (outlier dims zeroed) metrics."
     layers = run.layers["layer"].to_numpy()
     n = col("n_outlier_dims")
     with mpl.rc_context(_STYLE):
-        fig = _new_figure(5.8 * len(panels), 4.4)
+        fig = _new_figure(5.8 * len(panels), 4.6)
         axes = list(np.atleast_1d(fig.subplots(1, len(panels))))
-        for ax, (kind, lines) in zip(axes, panels, strict=True):
-            for m, values, style, label in lines:
+        for ax, panel in zip(axes, panels, strict=True):
+            for c, label, style in panel.lines:
+                m = c.split("_clipped")[0].removesuffix("_sampled")
                 marker = {"-": "o", "--": "s", ":": "^"}[style]
-                _line(ax, layers, values, color=_COLORS[m], style=style, marker=marker, label=label)
+                _line(ax, layers, col(c), color=_COLORS[m], style=style, marker=marker, label=label)
             _int_layers(ax, layers)
             ax.legend(
                 loc="upper center",
                 bbox_to_anchor=(0.5, -0.16),
-                ncols=3 if kind == "cos" else 1,
+                ncols=2,
                 fontsize=7,
                 frameon=False,
             )
-            if kind == "iso":
+            if panel.title.startswith("IsoScore"):
                 ax.set_ylim(0, 1.02)
                 ax.set_ylabel("IsoScore")
-                ax.set_title("Isotropy with and without the outlier dims")
             else:
                 ax.axhline(0, color="#999999", lw=0.8)
                 ax.set_ylabel("mean cosine similarity")
-                ax.set_title("Cosine similarity with and without the outlier dims", pad=14)
+            ax.set_title(panel.title.replace(": ", ":\n", 1), fontsize=9, pad=14)
         if n is not None:
             for x, k in zip(layers, n, strict=True):
                 if np.isfinite(k):
@@ -1051,18 +1268,41 @@ def plot_clipping(run: Run) -> tuple[str | None, str]:
                     )
         _title(fig, "Zeroing the outlier dimensions (Luo 2020; Kulmizev et al. 2021)", run.tag)
         path = _save(fig, run.out, "clipping")
+    ests = {p.title.split(":")[0]: p for p in panels}
     caption = (
-        "Solid: the metric over the original vectors; dashed: the same with every dimension "
-        "flagged as an outlier in that layer set to zero (“clipping”). Luo (2020) and Kulmizev "
-        "et al. (2021) found that clipping a handful of rogue dimensions removes much of BERT's "
-        "anisotropy and improves similarity structure."
+        "Like with like: each panel compares a metric with and without the outlier dimensions "
+        "zeroed (“clipping”) using ONE estimator, named in its title and legend; solid is "
+        "unclipped. Luo (2020) and Kulmizev et al. (2021) found that clipping a handful of rogue "
+        "dimensions removes much of BERT's anisotropy and improves similarity structure."
     )
-    if "sampled" in hows:
-        caption += " Clipped cosines are estimated on the uniform token sample; IsoScore is exact."
-    if "clip" in hows:
+    if "Sampled cosines" in ests:
         caption += (
-            " Dotted: the dimensions given with --clip-dims zeroed in every layer, exact over "
-            "every token."
+            " Sampled cosines: the uniform token sample unclipped (solid) and with each layer's "
+            "flagged dims zeroed (dashed), the same occurrences, so the gap is the effect of "
+            "clipping alone (sampled S_intra covers only types with ≥ 2 sampled occurrences and "
+            "is not comparable with the exact S_intra)."
+        )
+    if "Exact cosines" in ests:
+        caption += (
+            " Exact cosines: over every token, unclipped (solid) and with the dims given with "
+            "--clip-dims zeroed in every layer (dotted)."
+        )
+    if "IsoScore" in ests:
+        caption += (
+            " IsoScore: exact from the covariance, unclipped (solid), flagged dims zeroed "
+            "(dashed)"
+            + (
+                ", --clip-dims zeroed (dotted)"
+                if any(s == ":" for _, _, s in ests["IsoScore"].lines)
+                else ""
+            )
+            + "."
+        )
+    left = [p.clipped for p in clipping_pairs(run.layers.columns) if p.base is None]
+    if left:
+        caption += (
+            f" Not drawn: {', '.join(left)} (no unclipped column of the same estimator in "
+            "this run)."
         )
     if n is not None:
         caption += " Numbers above the left panel: how many dims are flagged in each layer."
@@ -1186,6 +1426,27 @@ def _pca(run: Run, layer: int) -> dict[str, Any] | None:
     return res
 
 
+#: the title of a PCA cluster panel of a layer where K-means chose k = 1
+NO_CLUSTERS = "no clusters (k = 1)"
+
+
+def pca_cluster_titles(run: Run, layers: Sequence[int]) -> dict[int, str]:
+    """The title of each layer's "K-means cluster" PCA panel: :data:`NO_CLUSTERS` for k = 1.
+
+    Otherwise ``K-means cluster (k=7)``, with :data:`AT_CAP_MARK` at the cap, or ``K-means
+    cluster`` when the run has no ``kmeans_k``.
+    """
+    labels = kmeans_labels(run, short=True)
+    out = {}
+    for layer in layers:
+        text = labels.get(int(layer))
+        if text == "k=1":
+            out[int(layer)] = NO_CLUSTERS
+        else:
+            out[int(layer)] = "K-means cluster" + (f" ({text})" if text else "")
+    return out
+
+
 def _pca_layers(run: Run) -> list[int]:
     return [layer for layer in pick_layers(run.sample_layers(), MAX_PCA_LAYERS) if _pca(run, layer)]
 
@@ -1209,6 +1470,8 @@ def _pca_plot(run: Run, dims3: bool) -> tuple[str | None, str]:
     ccmap = mpl.colormaps["tab10" if max_id < 10 else "tab20"]
     ncol = ccmap.N
     cluster_ids: set[int] = set()
+    cluster_titles = pca_cluster_titles(run, layers)
+    no_clusters: list[int] = []
     rows_axes: dict[str, list] = {v: [] for v in views}
     sc = None
     with mpl.rc_context(_STYLE):
@@ -1223,7 +1486,13 @@ def _pca_plot(run: Run, dims3: bool) -> tuple[str | None, str]:
             for r, view in enumerate(views):
                 ax = fig.add_subplot(nrows, ncols, r * ncols + c + 1, **kw)
                 rows_axes[view].append(ax)
-                if view == "cluster" and p["cluster"] is not None:
+                if view == "cluster" and cluster_titles[layer] == NO_CLUSTERS:
+                    ax.scatter(
+                        *coords, s=4, alpha=0.5, color="#9a9a9a", linewidths=0, rasterized=True
+                    )
+                    ax.set_title(f"layer {layer}: {NO_CLUSTERS}")
+                    no_clusters.append(layer)
+                elif view == "cluster" and p["cluster"] is not None:
                     lab = p["cluster"]
                     for u in np.unique(lab[np.isfinite(lab)]).astype(int):
                         cluster_ids.add(int(u))
@@ -1236,7 +1505,7 @@ def _pca_plot(run: Run, dims3: bool) -> tuple[str | None, str]:
                             linewidths=0,
                             rasterized=True,
                         )
-                    ax.set_title(f"layer {layer}: K-means cluster")
+                    ax.set_title(f"layer {layer}: {cluster_titles[layer]}")
                 elif view == "freq" and p["freq"] is not None:
                     sc = ax.scatter(
                         *coords,
@@ -1286,6 +1555,18 @@ def _pca_plot(run: Run, dims3: bool) -> tuple[str | None, str]:
             "split by token frequency, in GPT-2's and BERT's middle layers)"
         )
         caption += "; and log10 count of the token type." if has["freq"] else "."
+        if no_clusters:
+            caption += (
+                f" Layer{'s' if len(no_clusters) > 1 else ''} "
+                f"{', '.join(map(str, no_clusters))}: {NO_CLUSTERS}, K-means preferred no "
+                "clustering (the best silhouette over k ≥ 2 was below "
+                "--kmeans-min-silhouette), so the cluster panel is grey, one group."
+            )
+        if any(AT_CAP_MARK in t for t in cluster_titles.values()):
+            caption += (
+                f" {AT_CAP_MARK} at cap: the best k is the largest the search allowed, with no "
+                "interior optimum."
+            )
     elif has["freq"]:
         caption += (
             " Colour: log10 count of the token type; Cai et al. (2021) found frequency-ordered "

@@ -208,16 +208,18 @@ class CheckpointStore:
             )
         return groups
 
+    def group_url(self, group: CheckpointGroup) -> str:
+        """Where ``group``'s statistics are (read by the reducer actors themselves)."""
+        return self._path(GROUPS, group.group_id + STATS_SUFFIX)
+
+    def load_sample(self, group: CheckpointGroup) -> ActivationSample:
+        return ActivationSample.load(self._path(GROUPS, group.group_id + SAMPLE_SUFFIX))
+
     def load_group(
         self, group: CheckpointGroup, with_sample: bool
     ) -> tuple[EmbeddingStatistics, ActivationSample | None]:
-        stats = EmbeddingStatistics.load(self._path(GROUPS, group.group_id + STATS_SUFFIX))
-        sample = (
-            ActivationSample.load(self._path(GROUPS, group.group_id + SAMPLE_SUFFIX))
-            if with_sample
-            else None
-        )
-        return stats, sample
+        stats = EmbeddingStatistics.load(self.group_url(group))
+        return stats, self.load_sample(group) if with_sample else None
 
     def remove_groups(self) -> None:
         """Remove every checkpoint group (once the run's own artefacts are written)."""

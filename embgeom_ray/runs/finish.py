@@ -11,20 +11,51 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any, Union
 
-from ..config import JobConfig
+from ..config import JobConfig, TableOptions
 from ..core.samples import ActivationSample
 from ..core.statistics import EmbeddingStatistics
 from ..core.tables import build_tables
+from ..distributed.process_memory import peak_rss_bytes
 from ..distributed.sampled_stage import add_sampled_metrics
 from ..inputs.extractor import ShardCounts
 from ..report.html import write_run_report
 from ..run_dir import MANIFEST, Counts, Manifest, RunDir, format_summary
 
+if TYPE_CHECKING:
+    from ..distributed.reducers import PartitionedStatistics
 
-def counts_of(totals: ShardCounts, merged: EmbeddingStatistics) -> Counts:
+#: a run's statistics: in this process, or partitioned across reducer actors
+Statistics = Union[EmbeddingStatistics, "PartitionedStatistics"]
+
+
+def exact_tables(merged: Statistics, tokenizer: Any, options: TableOptions) -> dict[str, Any]:
+    """Every exact table, built here or from the reducers' partial sums (same tables)."""
+    if isinstance(merged, EmbeddingStatistics):
+        return build_tables(merged, tokenizer, options)
+    return merged.tables(tokenizer, options)
+
+
+def peak_memory(merged: Statistics, manifest: Manifest) -> dict[str, Any]:
+    """The manifest's ``memory``: peak resident bytes of this process (the driver), of the
+    largest extractor (as the actor pool recorded it) and of each reducer actor."""
+    memory: dict[str, Any] = {"driver_peak_rss_bytes": peak_rss_bytes()}
+    extractor = (manifest.workers or {}).get("extractor_peak_rss_bytes")
+    if extractor:
+        memory["extractor_peak_rss_bytes"] = extractor
+    if not isinstance(merged, EmbeddingStatistics):
+        memory["reducer_peak_rss_bytes"] = merged.peak_rss_bytes()
+    return memory
+
+
+def counts_of(totals: ShardCounts, merged: Statistics) -> Counts:
     """The manifest's ``counts``: the shards' summed counts, non-finite tokens per layer."""
+    nonfinite = (
+        {layer: merged.layer(layer).nonfinite for layer in merged.layers}
+        if isinstance(merged, EmbeddingStatistics)
+        else merged.nonfinite()
+    )
     return Counts(
         documents=totals.documents,
         windows=totals.windows,
@@ -37,16 +68,14 @@ def counts_of(totals: ShardCounts, merged: EmbeddingStatistics) -> Counts:
         oom_batch_splits=totals.oom_splits,
         padding_ratio=None if totals.padding_ratio is None else round(totals.padding_ratio, 6),
         unk_share=None if totals.unk_share is None else round(totals.unk_share, 6),
-        nonfinite_tokens_per_layer={
-            str(layer): merged.layer(layer).nonfinite for layer in merged.layers
-        },
+        nonfinite_tokens_per_layer={str(layer): n for layer, n in nonfinite.items()},
     )
 
 
 def finish_run(
     run: RunDir,
     manifest: Manifest,
-    merged: EmbeddingStatistics,
+    merged: Statistics,
     sample: ActivationSample | None,
     tokenizer: Any,
     config: JobConfig,
@@ -61,7 +90,7 @@ def finish_run(
     ``complete`` only after every table and artefact is in place.
     """
     t0 = time.perf_counter()
-    tables = build_tables(merged, tokenizer, config.tables)
+    tables = exact_tables(merged, tokenizer, config.tables)
     note = (
         None
         if sample is None
@@ -73,8 +102,11 @@ def finish_run(
     t2 = time.perf_counter()
     manifest.set(
         timings_s=manifest.timings_s
-        | {"write": round(t2 - t1, 3), "total": round(t2 - t_start, 3)}
+        | {"write": round(t2 - t1, 3), "total": round(t2 - t_start, 3)},
+        memory=peak_memory(merged, manifest),
     )
+    if not isinstance(merged, EmbeddingStatistics):
+        manifest.set(reducers=merged.describe())
     run.write_manifest(manifest)
     echo(format_summary(tables["layers"]))
     outputs = manifest.outputs

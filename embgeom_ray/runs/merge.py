@@ -157,9 +157,9 @@ def run_config(manifest: Manifest, out: str, min_count: int | None) -> JobConfig
 
 def load_statistics(run: str) -> EmbeddingStatistics:
     rd = RunDir(run)
-    if not rd.has(STATISTICS):
+    if not rd.has_statistics():
         raise RunError(f"run {run} says it is complete but has no {STATISTICS}")
-    return EmbeddingStatistics.load(rd.path(STATISTICS))
+    return rd.load_statistics()
 
 
 def merge_statistics(runs: list[str]) -> EmbeddingStatistics:

@@ -38,7 +38,7 @@ from tqdm.auto import tqdm
 from ..config import JobConfig
 from ..core.rogue import OutlierRules, flagged_dims
 from ..core.samples import ActivationSample
-from ..core.statistics import EmbeddingStatistics
+from ..core.statistics import EmbeddingStatistics, state_bytes
 from ..errors import ConfigError, CorpusError
 from ..inputs.corpus import CorpusSpec, Shard, ShardPlan, plan_shards
 from ..inputs.dedup import HASH, NORMALISATION, DedupPlan, plan_dedup
@@ -54,7 +54,6 @@ from ..io_utils import join
 from ..run_dir import (
     GROUPS,
     SAMPLE,
-    STATISTICS,
     CorpusInfo,
     DedupInfo,
     Manifest,
@@ -70,6 +69,7 @@ from .finish import counts_of, finish_run
 
 if TYPE_CHECKING:  # ray is imported only when there is extraction to do
     from ..distributed.actor_pool import GroupResult, PoolPlan
+    from ..distributed.reducers import PartitionedStatistics
 
 
 def run_fingerprint(
@@ -182,6 +182,30 @@ def reduce_groups(
     return merged, sample, totals
 
 
+def reduce_partitioned(
+    store: CheckpointStore,
+    groups: list[CheckpointGroup],
+    spec: RunSpec,
+) -> tuple[PartitionedStatistics, ActivationSample | None, ShardCounts]:
+    """The checkpoint ``groups`` merged by ``--reducers`` reducer actors, each holding a
+    partition of the statistics (:mod:`~embgeom_ray.distributed.reducers`); the sample and
+    the counts merged here, in group order."""
+    from ..distributed.cluster import connect
+    from ..distributed.reducers import PartitionedStatistics, PartitionPlan
+
+    connect(spec.config.address)
+    plan = PartitionPlan.of(spec.config.reducers, len(spec.tokenizer), spec.layers)
+    merged = PartitionedStatistics(plan, [store.group_url(g) for g in groups])
+    totals = ShardCounts()
+    sample: ActivationSample | None = None
+    for group in groups:
+        if spec.config.sample_size > 0:
+            part = store.load_sample(group)
+            sample = part if sample is None else sample.merge(part)
+        totals.add(group.counts)
+    return merged, sample, totals
+
+
 @dataclass
 class RunSpec:
     """Everything decided before any work: what is measured, over what, and its fingerprint."""
@@ -218,6 +242,22 @@ class RunSpec:
         )
 
 
+def check_worker_memory(config: JobConfig, layers: int, dim: int) -> None:
+    """``--worker-memory`` must leave room for token types beyond the fixed per-layer state
+    (:func:`~embgeom_ray.core.statistics.state_bytes` with no types)."""
+    budget = config.worker_memory
+    if budget is None:
+        return
+    fixed = state_bytes(layers, dim, 0, config.max_length)
+    if budget <= fixed:
+        raise ConfigError(
+            f"--worker-memory {budget:,} bytes is not more than the fixed per-layer state of "
+            f"the statistics, {fixed:,} bytes for {layers} layers of d = {dim} and "
+            f"{config.max_length} positions (8·L·(d² + 3d + P·(d+1) + 2)); give more, or "
+            "measure fewer layers"
+        )
+
+
 def prepare(config: JobConfig) -> RunSpec:
     """Check everything a user can get wrong (model, tokenizer, max_length, layers, clip dims,
     corpus) before any work, and plan the shards."""
@@ -231,6 +271,7 @@ def prepare(config: JobConfig) -> RunSpec:
         )
     layers = resolve_layers(config.layers, identity.num_layers)
     clip_dims = resolve_clip_dims(config, identity.hidden_size)
+    check_worker_memory(config, len(layers), identity.hidden_size)
     plan = plan_shards(CorpusSpec(config.corpus, config.text_column, config.split), config.shard_bytes)
     identity_json = identity.to_json() | {
         "corpus": config.corpus,
@@ -283,12 +324,13 @@ def start_manifest(spec: RunSpec, started_at: str) -> Manifest:
 SCHEDULING_OPTIONS = frozenset({
     "out", "overwrite", "num_workers", "cpus_per_worker", "batch_tokens", "docs_per_chunk",
     "device", "max_shard_retries", "checkpoint_interval", "keep_checkpoints", "address",
+    "reducers", "worker_memory",
 })  # fmt: skip
 
 
 def already_complete(run: RunDir, fingerprint: str) -> Manifest | None:
     """The manifest of a complete run of this fingerprint whose checkpoints were removed."""
-    if run.has(GROUPS) or not run.has(STATISTICS) or not run.has_manifest():
+    if run.has(GROUPS) or not run.has_statistics() or not run.has_manifest():
         return None
     manifest = run.manifest()
     return manifest if manifest.complete and manifest.fingerprint == fingerprint else None
@@ -322,7 +364,7 @@ def retable(run: RunDir, done: Manifest, spec: RunSpec, t_start: float, echo) ->
     """A complete run's tables again from its own artefacts, under ``spec.config``'s table
     options (``--min-count``, outlier rules, K-means, LID, …): no extraction."""
     config = spec.config
-    merged = EmbeddingStatistics.load(run.path(STATISTICS))
+    merged = run.load_statistics()
     sample = ActivationSample.load(run.path(SAMPLE)) if run.has(SAMPLE) else None
     manifest = Manifest.model_validate(done.to_json()).set(
         status="running",
@@ -362,38 +404,47 @@ def analyze(config: JobConfig, *, echo=print) -> dict[str, Any]:
     t_extract1 = time.perf_counter()
 
     groups = store.groups_covering(s.shard_id for s in plan.shards)
-    merged, sample, totals = reduce_groups(
-        store, groups, spec.empty_statistics(), config.sample_size > 0
-    )
-    t_reduce = time.perf_counter()
-    check_not_empty(merged, totals, config.corpus)
-    warning = unk_warning(totals, spec.tokenizer.unk_token)
-    if warning:
-        echo(warning)
-    if dedup is not None:
-        manifest.set(dedup=dedup_info(dedup, totals, config.corpus))
-        run.write_doc_hashes(dedup.hashes)
-    manifest.set(
-        counts=counts_of(totals, merged),
-        skipped=totals.skipped,
-        shards=ShardsInfo(
-            total=len(plan.shards),
-            reused_from_checkpoints=len(done),
-            computed=len(todo),
-            checkpoint_groups=len(groups),
-        ),
-        workers=None if pool is None else pool.__dict__,
-        timings_s={
-            "plan": round(t_plan - t_start, 3),
-            **({"dedup": round(t_dedup, 3)} if dedup is not None else {}),
-            "extract_wall": round(t_extract1 - t_extract0, 3),
-            "extract_forward_sum": round(totals.forward_seconds, 3),
-            "extract_fold_sum": round(totals.fold_seconds, 3),
-            "reduce": round(t_reduce - t_extract1, 3),
-        },
-        throughput={"tokens_per_s_extract_wall": throughput(totals, resumed, t_extract1 - t_extract0)},
-    )
-    finish_run(run, manifest, merged, sample, spec.tokenizer, config, t_start=t_start, echo=echo)
+    if config.reducers > 1:
+        merged, sample, totals = reduce_partitioned(store, groups, spec)
+    else:
+        merged, sample, totals = reduce_groups(
+            store, groups, spec.empty_statistics(), config.sample_size > 0
+        )
+    try:
+        t_reduce = time.perf_counter()
+        check_not_empty(merged, totals, config.corpus)
+        warning = unk_warning(totals, spec.tokenizer.unk_token)
+        if warning:
+            echo(warning)
+        if dedup is not None:
+            manifest.set(dedup=dedup_info(dedup, totals, config.corpus))
+            run.write_doc_hashes(dedup.hashes)
+        manifest.set(
+            counts=counts_of(totals, merged),
+            skipped=totals.skipped,
+            shards=ShardsInfo(
+                total=len(plan.shards),
+                reused_from_checkpoints=len(done),
+                computed=len(todo),
+                checkpoint_groups=len(groups),
+            ),
+            workers=None if pool is None else pool.__dict__,
+            timings_s={
+                "plan": round(t_plan - t_start, 3),
+                **({"dedup": round(t_dedup, 3)} if dedup is not None else {}),
+                "extract_wall": round(t_extract1 - t_extract0, 3),
+                "extract_forward_sum": round(totals.forward_seconds, 3),
+                "extract_fold_sum": round(totals.fold_seconds, 3),
+                "reduce": round(t_reduce - t_extract1, 3),
+            },
+            throughput={
+                "tokens_per_s_extract_wall": throughput(totals, resumed, t_extract1 - t_extract0)
+            },
+        )
+        finish_run(run, manifest, merged, sample, spec.tokenizer, config, t_start=t_start, echo=echo)
+    finally:
+        if config.reducers > 1:
+            merged.close()
     if not config.keep_checkpoints:
         store.remove_groups()
     return manifest.to_json()
@@ -440,7 +491,7 @@ def throughput(totals: ShardCounts, resumed: bool, extract_s: float) -> float | 
     return round(totals.tokens / extract_s, 1)
 
 
-def check_not_empty(merged: EmbeddingStatistics, totals: ShardCounts, corpus: str) -> None:
+def check_not_empty(merged: EmbeddingStatistics | PartitionedStatistics, totals: ShardCounts, corpus: str) -> None:
     """A :class:`CorpusError` when no token was counted, with what was read and skipped."""
     if merged.token_count() == 0:
         skipped = ", ".join(f"{v} {k}" for k, v in sorted(totals.skipped.items())) or "none"

@@ -1,0 +1,256 @@
+"""Reducer actors: the run's statistics partitioned by token id and by layer (``--reducers R``).
+
+With R reducers, reducer r owns the per-type rows of the token ids in its range
+[r·w, (r+1)·w) of the vocabulary (w = ⌈V / R⌉, the last range open) for every measured layer,
+and the per-layer state (n, μ, co-moment, tails, positions) of the layers
+``layers[r], layers[r + R], …``. Each reducer reads every checkpoint group of the run in
+group-id order, keeps its part of it
+(:meth:`~embgeom_ray.core.statistics.EmbeddingStatistics.select`) and merges it (Chan's update,
+row by row), so its part equals the same part of the unpartitioned merge exactly. The driver
+never holds a per-type table: per layer it fetches the layer's state from its owner and asks
+every reducer for the :class:`~embgeom_ray.core.tables.TypeSummary` of its range (O(d) sums and
+its ``type_stats`` rows), and builds the tables with
+:func:`~embgeom_ray.core.tables.build_tables_from`. Each reducer writes its parts as files of
+the partitioned artefact (:mod:`embgeom_ray.run_dir`).
+
+Memory (bytes, float64; V_r the types of range r seen in the corpus, L the measured layers,
+L_r ≤ ⌈L / R⌉ the layers whose state r holds, P positions, G the largest checkpoint group):
+
+- reducer r: L · V_r · (2d + 2) · 8 (+ L · V_r · d · 8 with ``--clip-dims``)
+  + L_r · (d² + P·d + 3d) · 8, plus one group being read (G; a group is one extractor flush);
+- driver: one layer's state d² · 8 + P · d · 8 at a time, the O(d) partial sums, and the
+  ``type_stats`` rows (L · V_seen rows of a few scalars, the table it writes).
+
+Faults: a reducer's part is a pure function of the group files, which stay on disk until the
+run is complete. A reducer lost at any point (``RayActorError``) is started again and re-reads
+every group; the tables are the same (tested by killing one mid-run).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import ray
+
+from ..config import TableOptions
+from ..core.statistics import EmbeddingStatistics, LayerMoments
+from ..core.tables import TypeSummary, build_tables_from, summarise_types
+from ..errors import OutputError
+from ..io_utils import atomic_write_json, join
+from ..run_dir import PARTS_FORMAT, PARTS_INDEX
+from .process_memory import peak_rss_bytes
+
+#: how often one reducer is started again after it was lost, before the run fails
+MAX_REDUCER_RESTARTS = 3
+
+
+@dataclass(frozen=True)
+class PartitionPlan:
+    """Which token ids and which layers' per-layer state each reducer owns."""
+
+    ranges: tuple[tuple[int, int | None], ...]
+    state_layers: tuple[tuple[int, ...], ...]
+    layers: tuple[int, ...]
+
+    @classmethod
+    def of(cls, reducers: int, vocab_size: int, layers: Sequence[int]) -> PartitionPlan:
+        """R equal ranges of token ids over [0, V) (the last one open, so an id beyond the
+        tokenizer's size still has an owner) and the layers dealt round-robin."""
+        if reducers < 1:
+            raise ValueError("reducers must be at least 1")
+        width = max(1, math.ceil(vocab_size / reducers))
+        bounds = [r * width for r in range(reducers)]
+        ranges = tuple(
+            (lo, bounds[r + 1] if r + 1 < reducers else None) for r, lo in enumerate(bounds)
+        )
+        layers = tuple(int(x) for x in layers)
+        return cls(ranges, tuple(layers[r::reducers] for r in range(reducers)), layers)
+
+    @property
+    def reducers(self) -> int:
+        return len(self.ranges)
+
+    def owner(self, layer: int) -> int:
+        """The reducer that holds ``layer``'s per-layer state."""
+        return next(r for r, held in enumerate(self.state_layers) if layer in held)
+
+
+class Reducer:
+    """One partition of the run's statistics (module docstring); a Ray actor."""
+
+    def __init__(self, index: int, plan: PartitionPlan) -> None:
+        self.index = index
+        self.token_range = plan.ranges[index]
+        self.layers = list(plan.layers)
+        self.state_layers = list(plan.state_layers[index])
+        self.rows: EmbeddingStatistics | None = None
+        self.state: EmbeddingStatistics | None = None
+
+    def load(self, group_urls: Sequence[str]) -> int:
+        """Merge this partition of every group, in the order given; the types held."""
+        for url in group_urls:
+            group = EmbeddingStatistics.load(url)
+            rows = group.select(self.layers, self.token_range, layer_state=False)
+            self.rows = rows if self.rows is None else self.rows.merge(rows)
+            if self.state_layers:
+                state = group.select(self.state_layers, (0, 0), layer_state=True)
+                self.state = state if self.state is None else self.state.merge(state)
+            del group
+        return 0 if self.rows is None else self.rows.num_types
+
+    def layer_state(self, layer: int) -> LayerMoments:
+        if self.state is None or layer not in self.state_layers:
+            raise ValueError(f"reducer {self.index} does not hold layer {layer}'s state")
+        return self.state.layer(layer)
+
+    def summarise(self, layer: int, layer_mean: np.ndarray, min_count: int) -> TypeSummary:
+        if self.rows is None:
+            raise ValueError(f"reducer {self.index} has no statistics (load groups first)")
+        return summarise_types(self.rows, layer, layer_mean, min_count)
+
+    def peak_rss(self) -> int:
+        return peak_rss_bytes()
+
+    def save(self, directory: str) -> list[str]:
+        """Write this reducer's parts into ``directory``; their file names."""
+        names = []
+        for kind, part in (("rows", self.rows), ("state", self.state)):
+            if part is not None:
+                name = f"{kind}-{self.index:04d}.safetensors"
+                part.save(join(directory, name))
+                names.append(name)
+        return names
+
+
+class PartitionedStatistics:
+    """The driver's handle on R :class:`Reducer` actors holding one run's statistics.
+
+    Offers what the finishing steps need from statistics without holding them:
+    :meth:`tables`, :meth:`token_count`, :meth:`nonfinite`, :meth:`save`.
+    """
+
+    #: :meth:`~embgeom_ray.run_dir.RunDir.save_artefacts` writes the partitioned artefact
+    partitioned = True
+
+    def __init__(self, plan: PartitionPlan, group_urls: Sequence[str], *, cpus: float = 0) -> None:
+        self.plan = plan
+        self.group_urls = list(group_urls)
+        self.cpus = cpus
+        self.restarts = [0] * plan.reducers
+        self.actors = [self._start(r) for r in range(plan.reducers)]
+        loading = [a.load.remote(self.group_urls) for a in self.actors]
+        for r, ref in enumerate(loading):
+            self._get(r, ref, "load")
+
+    @property
+    def layers(self) -> list[int]:
+        return list(self.plan.layers)
+
+    def _start(self, r: int) -> Any:
+        return _RemoteReducer.options(num_cpus=self.cpus).remote(r, self.plan)
+
+    def _restore(self, r: int) -> None:
+        """Start reducer r again and have it re-read every group."""
+        self.restarts[r] += 1
+        if self.restarts[r] > MAX_REDUCER_RESTARTS:
+            raise OutputError(
+                f"reducer {r} was lost {self.restarts[r]} times; giving up (the checkpoint "
+                "groups are kept: rerun the same command to resume)"
+            )
+        self.actors[r] = self._start(r)
+        ray.get(self.actors[r].load.remote(self.group_urls))
+
+    def _get(self, r: int, ref: Any, method: str, *args: Any) -> Any:
+        """``ray.get(ref)`` of reducer r's ``method``; on a lost reducer, restore and retry."""
+        while True:
+            try:
+                return ray.get(ref)
+            except ray.exceptions.RayActorError:
+                self._restore(r)
+                ref = getattr(self.actors[r], method).remote(*args)
+
+    def _call(self, r: int, method: str, *args: Any) -> Any:
+        return self._get(r, getattr(self.actors[r], method).remote(*args), method, *args)
+
+    def layer_state(self, layer: int) -> LayerMoments:
+        return self._call(self.plan.owner(layer), "layer_state", layer)
+
+    def layer_states(self) -> Mapping[int, LayerMoments]:
+        """Layer → its state, fetched when read (one layer's d² at a time in the driver)."""
+        return _LazyStates(self)
+
+    def summaries(self, layer: int, mean: np.ndarray, min_count: int) -> list[TypeSummary]:
+        refs = [a.summarise.remote(layer, mean, min_count) for a in self.actors]
+        return [
+            self._get(r, ref, "summarise", layer, mean, min_count) for r, ref in enumerate(refs)
+        ]
+
+    def tables(self, tokenizer: Any, options: TableOptions) -> dict[str, Any]:
+        """Every exact table (:func:`~embgeom_ray.core.tables.build_tables_from`)."""
+        return build_tables_from(
+            self.layer_states(),
+            lambda layer, mean: self.summaries(layer, mean, options.min_count),
+            tokenizer,
+            options,
+        )
+
+    def nonfinite(self) -> dict[int, int]:
+        return {layer: self.layer_state(layer).nonfinite for layer in self.plan.layers}
+
+    def token_count(self) -> int:
+        """Tokens counted in the first measured layer (as ``EmbeddingStatistics``)."""
+        return self.layer_state(self.plan.layers[0]).n
+
+    def save(self, directory: str) -> None:
+        """The partitioned artefact: every reducer's parts, then the index naming them."""
+        files = [self._call(r, "save", directory) for r in range(self.plan.reducers)]
+        atomic_write_json(
+            join(directory, PARTS_INDEX),
+            {
+                "format": PARTS_FORMAT,
+                "layers": list(self.plan.layers),
+                "ranges": [list(r) for r in self.plan.ranges],
+                "state_layers": [list(s) for s in self.plan.state_layers],
+                "files": [name for names in files for name in names],
+            },
+        )
+
+    def describe(self) -> dict[str, Any]:
+        """The manifest's ``reducers``: how the statistics were partitioned, restarts."""
+        return {
+            "count": self.plan.reducers,
+            "token_ranges": [list(r) for r in self.plan.ranges],
+            "state_layers": [list(s) for s in self.plan.state_layers],
+            "restarts": list(self.restarts),
+        }
+
+    def peak_rss_bytes(self) -> list[int]:
+        """Each reducer's peak resident memory so far (bytes)."""
+        return [int(self._call(r, "peak_rss")) for r in range(self.plan.reducers)]
+
+    def close(self) -> None:
+        for actor in self.actors:
+            ray.kill(actor)
+
+
+_RemoteReducer = ray.remote(max_restarts=0)(Reducer)
+
+
+class _LazyStates(Mapping[int, LayerMoments]):
+    def __init__(self, parts: PartitionedStatistics) -> None:
+        self.parts = parts
+
+    def __getitem__(self, layer: int) -> LayerMoments:
+        if layer not in self.parts.plan.layers:
+            raise KeyError(layer)
+        return self.parts.layer_state(layer)
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self.parts.plan.layers)
+
+    def __len__(self) -> int:
+        return len(self.parts.plan.layers)

@@ -1,0 +1,135 @@
+"""Reducer actors (distributed/reducers.py): statistics partitioned by token id and layer.
+
+The tables built from R reducers' partial sums must equal the tables of the unpartitioned merge
+to float64 rounding, for any R, also when a reducer is lost mid-run; the partitioned artefact
+loads back into the whole statistics exactly; and the job with ``--reducers`` gives the same
+tables as without.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+
+from embgeom_ray.config import JobConfig
+from embgeom_ray.core.statistics import EmbeddingStatistics
+from embgeom_ray.core.tables import build_tables
+from embgeom_ray.distributed.reducers import PartitionedStatistics, PartitionPlan
+from embgeom_ray.run_dir import RunDir
+from tests.test_partials import Tokenizer, assert_tables_close
+from tests.test_statistics import assert_same_state
+
+LAYERS = (0, 2, 5)
+D, VOCAB = 6, 40
+
+
+def test_partition_plan_covers_every_id_and_layer_once():
+    plan = PartitionPlan.of(3, 100, [0, 2, 5, 6])
+    assert plan.ranges == ((0, 34), (34, 68), (68, None))
+    assert plan.state_layers == ((0, 6), (2,), (5,))
+    assert [plan.owner(x) for x in (0, 2, 5, 6)] == [0, 1, 2, 0]
+    # more reducers than layers: some hold per-type rows only
+    plan = PartitionPlan.of(4, 10, [3])
+    assert plan.ranges == ((0, 3), (3, 6), (6, 9), (9, None))
+    assert plan.state_layers == ((3,), (), (), ())
+    with pytest.raises(ValueError):
+        PartitionPlan.of(0, 10, [3])
+
+
+def group_files(tmp_path, clip: bool, offset: float) -> tuple[list[str], EmbeddingStatistics]:
+    """Three checkpoint groups (one extractor flush each) as files, and their merge in order."""
+    rng = np.random.default_rng(7)
+    urls, whole = [], None
+    for g in range(3):
+        stats = EmbeddingStatistics(
+            list(LAYERS), D, max_positions=8, clip_dims=[1] if clip else None,
+            metadata={"model_fingerprint": "m"},
+        )  # fmt: skip
+        h = rng.normal(size=(len(LAYERS), 6, 8, D)) + offset
+        h[1, ..., 1] += 25.0
+        ids = np.minimum(rng.geometric(0.08, size=(6, 8)) - 1, VOCAB + 3)  # a few ids ≥ V
+        keep = rng.random((6, 8)) > 0.1
+        stats.update(torch.as_tensor(h), torch.as_tensor(ids), torch.as_tensor(keep))
+        url = str(tmp_path / f"group-{g}.safetensors")
+        stats.save(url)
+        urls.append(url)
+        whole = stats if whole is None else whole.merge(EmbeddingStatistics.load(url))
+    return urls, whole
+
+
+@pytest.mark.parametrize(("reducers", "clip", "offset"), [(1, False, 0.0), (2, True, 1e4), (3, True, 0.0), (5, False, 0.0)])  # fmt: skip
+def test_reducers_give_the_tables_of_the_whole(tmp_path, ray_local, reducers, clip, offset):
+    urls, whole = group_files(tmp_path, clip, offset)
+    options = JobConfig(model="m", corpus="c", out="o", min_count=2).tables
+    parts = PartitionedStatistics(PartitionPlan.of(reducers, VOCAB, LAYERS), urls)
+    try:
+        assert_tables_close(
+            parts.tables(Tokenizer, options), build_tables(whole, Tokenizer, options)
+        )
+        assert parts.token_count() == whole.token_count()
+        assert parts.nonfinite() == {x: whole.layer(x).nonfinite for x in LAYERS}
+        # the partitioned artefact loads back into the whole, exactly
+        run = RunDir(str(tmp_path / "run"))
+        run.save_artefacts(parts, None)
+        assert run.has_statistics()
+        back = run.load_statistics()
+        assert back.partition is None
+        assert_same_state(back, whole)
+    finally:
+        parts.close()
+
+
+def test_a_lost_reducer_is_restored_and_the_tables_are_the_same(tmp_path, ray_local):
+    import ray
+
+    urls, whole = group_files(tmp_path, True, 0.0)
+    options = JobConfig(model="m", corpus="c", out="o", min_count=2).tables
+    parts = PartitionedStatistics(PartitionPlan.of(3, VOCAB, LAYERS), urls)
+    try:
+        ray.kill(parts.actors[1])  # holds a token range and layer 2's state
+        got = parts.tables(Tokenizer, options)
+        assert parts.restarts == [0, 1, 0]
+        assert_tables_close(got, build_tables(whole, Tokenizer, options))
+    finally:
+        parts.close()
+
+
+def test_a_whole_artefact_replaces_a_partitioned_one(tmp_path, ray_local):
+    urls, whole = group_files(tmp_path, False, 0.0)
+    run = RunDir(str(tmp_path / "run"))
+    parts = PartitionedStatistics(PartitionPlan.of(2, VOCAB, LAYERS), urls)
+    try:
+        assert run.save_artefacts(parts, None) == ["statistics/"]
+    finally:
+        parts.close()
+    assert run.save_artefacts(whole, None) == ["statistics.safetensors"]
+    assert not (tmp_path / "run" / "statistics").exists()
+    assert_same_state(run.load_statistics(), whole)
+
+
+@pytest.mark.slow
+def test_the_job_with_reducers_equals_the_job_without(tmp_path, ray_local, minilm_dir):
+    from tests.test_job_end_to_end import english_documents, run_job
+
+    docs = english_documents(14, 400)
+    opts = {"max_length": 48, "shard_bytes": 2048, "layers": [0, 6], "sample_size": 128}
+    opts["comoment_precision"] = "float64"
+    _, one = run_job(tmp_path, minilm_dir, docs, "r1", "c.jsonl", **opts)
+    manifest, three = run_job(tmp_path, minilm_dir, docs, "r3", "c.jsonl", reducers=3, **opts)
+    assert "statistics/" in manifest["outputs"]["artefacts"]
+    assert manifest["reducers"]["count"] == 3 and manifest["reducers"]["restarts"] == [0, 0, 0]
+    assert manifest["reducers"]["state_layers"] == [[0], [6], []]
+    peaks = manifest["memory"]["reducer_peak_rss_bytes"]
+    assert len(peaks) == 3 and all(50 * 2**20 < p < 8 * 2**30 for p in peaks)
+    assert manifest["memory"]["driver_peak_rss_bytes"] > 100 * 2**20
+    assert manifest["memory"]["extractor_peak_rss_bytes"] > 100 * 2**20
+    for name in ("type_stats", "layers", "dims", "positions", "samples"):
+        a, b = one[name], three[name]
+        if name == "samples":
+            a, b = a.drop(columns=["vector"]), b.drop(columns=["vector"])
+        pd.testing.assert_frame_equal(a, b, check_exact=False, rtol=1e-9, atol=1e-12)
+    # two extractions (their own flushes): the same statistics to rounding
+    whole = RunDir(str(tmp_path / "r1")).load_statistics()
+    assert_same_state(RunDir(str(tmp_path / "r3")).load_statistics(), whole, 1e-12, 1e-12)

@@ -1,0 +1,71 @@
+"""An extractor's memory bound (``--worker-memory``) and the statistics' size formula."""
+
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+
+from embgeom_ray.config import build_config
+from embgeom_ray.core.statistics import EmbeddingStatistics, state_bytes
+from embgeom_ray.errors import ConfigError
+from embgeom_ray.runs.pipeline import check_worker_memory
+
+
+@pytest.mark.parametrize("clip", [None, [1, 3]])
+def test_state_bytes_is_the_arrays_and_nbytes_what_is_allocated(clip):
+    rng = np.random.default_rng(0)
+    stats = EmbeddingStatistics([0, 2, 3], 5, max_positions=8, clip_dims=clip, initial_types=4)
+    sizes = []
+    for vocab in (6, 40, 200):
+        h = rng.normal(size=(3, 6, 8, 5))
+        ids = rng.integers(0, vocab, size=(6, 8))
+        stats.update(
+            torch.as_tensor(h), torch.as_tensor(ids), torch.as_tensor(np.ones((6, 8), bool))
+        )
+        arrays = sum(a.nbytes for a in stats.state_dict().values())
+        formula = state_bytes(3, 5, stats.num_types, 8, clip=len(clip or []))
+        assert arrays == formula
+        # allocated: at least the arrays, at most twice the per-type rows (doubling) + scratch
+        assert formula <= stats.nbytes()
+        sizes.append(stats.nbytes())
+    assert sizes == sorted(sizes) and sizes[-1] > sizes[0]  # grows with the types seen
+
+
+def test_a_budget_below_the_fixed_state_is_refused():
+    cfg = build_config(None, {"model": "m", "corpus": "c", "out": "o", "worker_memory": "1KiB",
+                              "max_length": 128})  # fmt: skip
+    fixed = state_bytes(7, 384, 0, 128)
+    with pytest.raises(ConfigError, match=f"{fixed:,} bytes"):
+        check_worker_memory(cfg, 7, 384)
+    cfg = build_config(None, {"model": "m", "corpus": "c", "out": "o", "worker_memory": fixed + 1,
+                              "max_length": 128})  # fmt: skip
+    check_worker_memory(cfg, 7, 384)
+    assert cfg.scheduling.worker_memory == fixed + 1
+    with pytest.raises(ConfigError):
+        build_config(None, {"model": "m", "corpus": "c", "out": "o", "worker_memory": "lots"})
+
+
+@pytest.mark.slow
+def test_a_worker_at_its_budget_flushes_after_every_shard_and_the_tables_hold(tmp_path, ray_local):
+    from tests.test_job_end_to_end import english_documents, run_job
+    from tests.tiny_models import make_tiny_bert
+
+    model_dir = make_tiny_bert(str(tmp_path / "model"))
+    docs = english_documents(16, 500)
+    opts = {"max_length": 32, "shard_bytes": 1024, "comoment_precision": "float64",
+            "sample_size": 64, "num_workers": 1, "checkpoint_interval": 3600}  # fmt: skip
+    free, t_free = run_job(tmp_path, model_dir, docs, "free", "c.jsonl", **opts)
+    # the fixed state of 3 layers of d = 32 with 32 positions, plus a few types' worth
+    budget = state_bytes(3, 32, 8, 32)
+    bound, t_bound = run_job(tmp_path, model_dir, docs, "bound", "c.jsonl", worker_memory=budget,
+                             **opts)  # fmt: skip
+    shards = bound["shards"]["computed"]
+    assert shards > 2
+    assert free["shards"]["checkpoint_groups"] == 1  # one flush when the queue drained
+    assert bound["shards"]["checkpoint_groups"] == shards  # every shard passes the budget
+    assert bound["workers"]["budget_flushes"] == shards
+    assert free["workers"]["budget_flushes"] == 0
+    for name in ("type_stats", "layers", "dims", "positions"):
+        pd.testing.assert_frame_equal(t_free[name], t_bound[name], check_exact=False, rtol=1e-9)
