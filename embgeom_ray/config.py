@@ -120,6 +120,14 @@ class JobConfig(BaseModel):
         description="count special tokens ([CLS], [SEP], BOS, …) too [default: excluded]",
         json_schema_extra=RESULT,
     )
+    dedup: bool = Field(
+        False,
+        description="drop exact duplicate documents before extraction: the first occurrence in "
+        "corpus order of each text is kept, texts compared after NFC normalisation, whitespace "
+        "runs collapsed to one space and ends stripped (case kept); decided once in the driver "
+        "(one more read of the corpus), counted in the manifest [default: off]",
+        json_schema_extra=RESULT,
+    )
     min_count: int = Field(
         5, ge=2, description="minimum occurrences for a type to enter norm_variance_corr"
     )

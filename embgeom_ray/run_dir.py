@@ -8,6 +8,7 @@ Layout of a run directory ``OUT`` (``docs/design.md``, "Output contract")::
     statistics/                the same cut into partitions by reducer actors (``--reducers``):
                                index.json and one file per part (:meth:`RunDir.load_statistics`)
     sample.safetensors         the mergeable sample (:class:`ActivationSample`)
+    doc_hashes.npy             the kept documents' 16-byte keys (``--dedup`` runs only)
     report.html, plots/        the report
     run.json, groups/          the run's fingerprint and shard plan, the checkpoint groups
 
@@ -39,6 +40,8 @@ MANIFEST = "manifest.json"
 STATISTICS = "statistics.safetensors"
 SAMPLE = "sample.safetensors"
 REPORT = "report.html"
+#: ``(distinct documents, 16)`` uint8: the kept documents' keys of a ``--dedup`` run
+DOC_HASHES = "doc_hashes.npy"
 RUN_JSON = "run.json"
 GROUPS = "groups"
 #: the partitioned statistics artefact (a directory) and its index
@@ -107,6 +110,26 @@ class Counts(_Part):
     nonfinite_tokens_per_layer: dict[str, int] = Field(default_factory=dict)
 
 
+class DedupInfo(_Part):
+    """What ``--dedup`` counted: documents read, duplicates dropped, distinct documents kept
+    (``documents_read = duplicates_dropped + distinct_kept``; ``counts.documents`` is the
+    kept ones), and how texts were compared (:mod:`embgeom_ray.inputs.dedup`). The kept
+    documents' keys are the run's ``doc_hashes.npy``."""
+
+    documents_read: int = 0
+    duplicates_dropped: int = 0
+    distinct_kept: int = 0
+    normalisation: str | None = None
+    hash: str | None = None
+
+    def describe(self) -> str:
+        """``"3 of 10 documents (7 distinct kept)"``."""
+        return (
+            f"{self.duplicates_dropped:,} of {self.documents_read:,} documents "
+            f"({self.distinct_kept:,} distinct kept)"
+        )
+
+
 class ShardsInfo(_Part):
     total: int
     reused_from_checkpoints: int = 0
@@ -148,6 +171,8 @@ class Manifest(_Part):
     versions: dict[str, str] = Field(default_factory=dict)
     counts: Counts | None = None
     skipped: dict[str, int] = Field(default_factory=dict)
+    #: duplicate documents dropped (``--dedup`` runs only; absent otherwise)
+    dedup: DedupInfo | None = None
     shards: ShardsInfo | None = None
     workers: dict[str, Any] | None = None
     #: the reducer actors of a partitioned reduce: count, token ranges, layers, restarts
@@ -318,6 +343,26 @@ class RunDir:
     def write_tables(self, tables: dict[str, pd.DataFrame]) -> list[str]:
         return [self.write_table(name, df) for name, df in tables.items()]
 
+    def write_doc_hashes(self, hashes: np.ndarray) -> str:
+        """``doc_hashes.npy``: the ``(n, 16)`` uint8 keys of a ``--dedup`` run's kept documents."""
+        buf = io.BytesIO()
+        np.save(buf, np.ascontiguousarray(hashes, dtype=np.uint8).reshape(-1, 16))
+        atomic_write_bytes(self.path(DOC_HASHES), buf.getvalue())
+        return DOC_HASHES
+
+    def read_doc_hashes(self) -> np.ndarray:
+        """The run's ``doc_hashes.npy``; :class:`RunDirError` if it is missing or not keys."""
+        url = self.path(DOC_HASHES)
+        if not exists(url):
+            raise RunDirError(f"run {self.url} has no {DOC_HASHES} (a run with --dedup writes it)")
+        try:
+            hashes = np.load(io.BytesIO(read_bytes(url)), allow_pickle=False)
+        except (ValueError, OSError) as exc:
+            raise RunDirError(f"{url} cannot be read: {exc}") from None
+        if hashes.dtype != np.uint8 or hashes.ndim != 2 or hashes.shape[1] != 16:
+            raise RunDirError(f"{url} holds {hashes.dtype} {hashes.shape}, not (n, 16) uint8 keys")
+        return hashes
+
     def save_artefacts(self, statistics: Any, sample: Any | None) -> list[str]:
         """``statistics.safetensors`` (or ``statistics/`` when ``statistics`` is partitioned:
         it says so with ``partitioned = True``) and (when sampling) ``sample.safetensors``;
@@ -365,6 +410,8 @@ class RunDir:
     ) -> Manifest:
         """Write the artefacts and tables, then the manifest as ``complete`` (in that order)."""
         artefacts = self.save_artefacts(statistics, sample)
+        if manifest.dedup is not None:  # written by the caller before (pipeline, merge)
+            artefacts.append(DOC_HASHES)
         written = self.write_tables(tables)
         manifest.set(
             status="complete",

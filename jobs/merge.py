@@ -7,8 +7,10 @@ corpora would have written (see :mod:`embgeom_ray.runs.merge`).
 The runs must be complete and measure the same thing: same model and tokenizer (content
 fingerprints), same layers, max_length, dtype, special-token option and clip dims. Two runs
 over the same corpus are refused, since every token would be counted twice; corpora that
-merely overlap cannot be detected and are the caller's responsibility. A merged run can itself
-be merged.
+merely overlap cannot be detected and are the caller's responsibility (except between
+``--dedup`` runs: runs that share a document, by the keys in their ``doc_hashes.npy``, are
+refused with the number shared, and a ``--dedup`` run does not merge with a run without it). A
+merged run can itself be merged.
 Exit status: 0 done, 2 a problem with the input (one-line message), 1 an internal error.
 """
 

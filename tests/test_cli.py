@@ -21,7 +21,7 @@ from jobs.analyze import build_parser, main
 RESULT_OPTIONS_BEFORE = {
     "max_length", "layers", "keep_special", "dtype", "text_column", "split", "shard_bytes",
     "trust_remote_code", "clip_dims", "clip_dims_from", "sample_size", "sample_type_size",
-    "sample_seed", "comoment_precision",
+    "sample_seed", "comoment_precision", "dedup",
 }  # fmt: skip
 
 REQUIRED = ["--model", "m", "--corpus", "c.jsonl", "--out", "o"]

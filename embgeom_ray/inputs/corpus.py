@@ -138,6 +138,10 @@ class Shard:
     ``start``/``stop`` are byte offsets for ``text``/``jsonl`` (a compressed file is one shard
     covering its whole compressed size), row-group indices for ``parquet`` and row indices for
     ``hf``; ``stop`` is exclusive. ``file_index`` indexes :attr:`ShardPlan.files`.
+    ``drop`` holds the ids of the shard's documents that :func:`read_shard` leaves out:
+    duplicates of an earlier document, decided for the whole corpus by
+    :func:`~embgeom_ray.inputs.dedup.plan_dedup` (``--dedup``); it is not part of the saved
+    plan (:meth:`ShardPlan.to_json`), since it is derived from the corpus again on every run.
     """
 
     shard_id: str
@@ -146,6 +150,7 @@ class Shard:
     start: int
     stop: int
     file_index: int
+    drop: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -183,7 +188,10 @@ class ShardPlan:
             "total_bytes": self.total_bytes,
             "shard_bytes": self.shard_bytes,
             "files": list(self.files),
-            "shards": [dataclasses.asdict(s) for s in self.shards],
+            "shards": [
+                {k: v for k, v in dataclasses.asdict(s).items() if k != "drop"}
+                for s in self.shards
+            ],
         }
 
     @classmethod
@@ -224,6 +232,8 @@ class ReadReport:
 
     documents: int = 0
     skipped: dict[str, int] = field(default_factory=dict)
+    #: documents left out as duplicates of an earlier one (``Shard.drop``, ``--dedup``)
+    duplicates: int = 0
 
     def skip(self, reason: str, n: int = 1) -> None:
         """Count ``n`` skipped items for ``reason``."""
@@ -237,18 +247,22 @@ class ReadReport:
     def merge(self, other: ReadReport) -> ReadReport:
         """Add ``other``'s counts into this report (in place) and return it."""
         self.documents += other.documents
+        self.duplicates += other.duplicates
         for reason, n in other.skipped.items():
             self.skip(reason, n)
         return self
 
     def to_json(self) -> dict[str, Any]:
-        """``{"documents": n, "skipped": {reason: count}}`` with reasons sorted."""
-        return {"documents": self.documents, "skipped": dict(sorted(self.skipped.items()))}
+        """``{"documents": n, "skipped": {reason: count}}`` with reasons sorted, and
+        ``"duplicates"`` when some were dropped."""
+        out = {"documents": self.documents, "skipped": dict(sorted(self.skipped.items()))}
+        return out | ({"duplicates": self.duplicates} if self.duplicates else {})
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> ReadReport:
         """Inverse of :meth:`to_json`."""
-        return cls(int(d["documents"]), {str(k): int(v) for k, v in d["skipped"].items()})
+        skipped = {str(k): int(v) for k, v in d["skipped"].items()}
+        return cls(int(d["documents"]), skipped, int(d.get("duplicates", 0)))
 
     def require_documents(self, source: str) -> None:
         """Raise :class:`CorpusError` if no document was read (call it on the merged report)."""
@@ -800,14 +814,29 @@ def read_shard(shard: Shard, spec: CorpusSpec, report: ReadReport) -> Iterator[D
     object. Parquet and datasets: the string values of the column. Document ids come from
     :func:`document_id` of the file's path relative to the corpus root and the line's byte
     offset (in the decompressed stream for compressed files) or the row index.
+
+    Documents whose id is in ``shard.drop`` (duplicates, ``--dedup``) are left out and counted
+    in ``report.duplicates``, not in ``report.documents``.
     """
     if shard.kind in ("text", "jsonl"):
-        return _read_lines(shard, spec, report)
-    if shard.kind == "parquet":
-        return _read_parquet(shard, spec, report)
-    if shard.kind == "hf":
-        return _read_dataset(shard, spec, report)
-    raise ValueError(f"unknown shard kind {shard.kind!r}")
+        docs = _read_lines(shard, spec, report)
+    elif shard.kind == "parquet":
+        docs = _read_parquet(shard, spec, report)
+    elif shard.kind == "hf":
+        docs = _read_dataset(shard, spec, report)
+    else:
+        raise ValueError(f"unknown shard kind {shard.kind!r}")
+    return _without(docs, frozenset(shard.drop), report) if shard.drop else docs
+
+
+def _without(docs: Iterator[Document], drop: frozenset[int], report: ReadReport) -> Iterator[Document]:
+    """``docs`` without the ids in ``drop``, moved from ``report.documents`` to ``duplicates``."""
+    for doc in docs:
+        if doc.doc_id in drop:
+            report.documents -= 1
+            report.duplicates += 1
+        else:
+            yield doc
 
 
 def _id_prefix(relpath: str) -> Any:

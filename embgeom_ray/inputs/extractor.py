@@ -66,6 +66,8 @@ class ShardCounts:
     unk_tokens: int = 0
     batches: int = 0
     oom_splits: int = 0
+    #: documents left out as duplicates of an earlier one (``--dedup``; not in ``documents``)
+    duplicates: int = 0
     skipped: dict[str, int] = field(default_factory=dict)
     forward_seconds: float = 0.0
     fold_seconds: float = 0.0
@@ -81,6 +83,7 @@ class ShardCounts:
         "unk_tokens",
         "batches",
         "oom_splits",
+        "duplicates",
     )
 
     def add(self, other: ShardCounts) -> None:
@@ -373,6 +376,7 @@ class ShardProcessor:
         for batch in self.batches(docs, counts):
             self.fold_batch(stats, sample, batch, counts)
         counts.documents = report.documents
+        counts.duplicates = report.duplicates
         counts.skipped = dict(report.skipped)
         counts.seconds = time.perf_counter() - t0
         return counts

@@ -639,6 +639,8 @@ def _metadata_html(run: Run) -> str:
         ),
         ("[UNK] share", f"{counts.unk_share:.2%}" if counts and counts.unk_share else None),
     ]
+    if m.dedup:  # --dedup: left out before the documents above were read
+        corpus_items.append(("duplicates dropped", _e(m.dedup.describe())))
     if m.skipped:
         corpus_items.append(("skipped", _e(", ".join(f"{v} {k}" for k, v in m.skipped.items()))))
     bad = {k: v for k, v in (counts.nonfinite_tokens_per_layer if counts else {}).items() if v}

@@ -137,7 +137,7 @@ class CheckpointStore:
             name = entry.rstrip("/").rsplit("/", 1)[-1]
             if (
                 name in {GROUPS, "run.json", "manifest.json"}
-                or name.endswith(".safetensors")
+                or name.endswith((".safetensors", ".npy"))
                 or (name.endswith((".parquet", ".png", ".html")))
             ):
                 self.fs.rm(entry, recursive=True)

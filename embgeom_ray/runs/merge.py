@@ -10,6 +10,14 @@ fingerprints), same layers, max_length, dtype, special-token option, clip dims a
 options. Two runs over the same corpus are refused, since every token would be counted twice;
 corpora that merely overlap cannot be detected and are the caller's responsibility. A merged
 run can itself be merged. ``python -m jobs.merge`` is the command-line entry point.
+
+Runs made with ``--dedup`` merge exactly too, as long as no document is in two of them: each
+run keeps the keys of its distinct documents (``doc_hashes.npy``), and runs that share a key
+are refused with the number of shared documents, since the statistics can add a document but
+never take one back out (one ``--dedup`` run over the union of the corpora is the way then).
+Disjoint ``--dedup`` runs merge into a ``--dedup`` run whose keys and counts are the sums, as
+one run over the union would have. A ``--dedup`` run and a run without it are refused: the
+merge would be neither.
 """
 
 from __future__ import annotations
@@ -20,12 +28,14 @@ import os
 import time
 from typing import Any
 
+import numpy as np
 from pydantic import ValidationError
 
 from ..config import JobConfig
 from ..core.samples import ActivationSample
 from ..core.statistics import EmbeddingStatistics
 from ..errors import ModelError, OutputError, StatisticsMismatchError, UserError
+from ..inputs.dedup import shared_documents
 from ..inputs.extractor import ShardCounts
 from ..inputs.model_loading import load_tokenizer, tokenizer_fingerprint
 from ..io_utils import is_local, local_path
@@ -33,6 +43,7 @@ from ..run_dir import (
     SAMPLE,
     STATISTICS,
     CorpusInfo,
+    DedupInfo,
     Manifest,
     RunDir,
     RunDirError,
@@ -83,6 +94,46 @@ def check_mergeable(runs: list[str], manifests: list[Manifest]) -> None:
                     "them would count every token twice"
                 )
             seen[fp] = run
+
+
+def _dedup(manifest: Manifest) -> bool:
+    return bool(manifest.config.get("dedup", False))
+
+
+def check_dedup(runs: list[str], manifests: list[Manifest]) -> tuple[np.ndarray, DedupInfo] | None:
+    """The merged run's kept-document keys and dedup counts when every run is a ``--dedup``
+    run with no document in common; None when none is; a refusal otherwise."""
+    flags = [_dedup(m) for m in manifests]
+    if not any(flags):
+        return None
+    if not all(flags):
+        with_, without = runs[flags.index(True)], runs[flags.index(False)]
+        raise StatisticsMismatchError(
+            f"cannot merge {without} (run without --dedup) with {with_} (run with --dedup): "
+            "the merged run would be neither de-duplicated nor a plain run; rerun "
+            f"{without} with --dedup, or {with_} without it"
+        )
+    hashes = [RunDir(run).read_doc_hashes() for run in runs]
+    for j in range(1, len(runs)):
+        for i in range(j):
+            shared = shared_documents(hashes[i], hashes[j])
+            if shared:
+                raise StatisticsMismatchError(
+                    f"cannot merge {runs[j]} with {runs[i]}: they share {shared} "
+                    f"{'document' if shared == 1 else 'documents'} (identical after "
+                    "normalisation) that each run counted once; a merge cannot take a "
+                    "document back out of the statistics, so run --dedup once over the union "
+                    "of their corpora instead"
+                )
+    parts = [m.dedup or DedupInfo() for m in manifests]
+    info = DedupInfo(
+        documents_read=sum(p.documents_read for p in parts),
+        duplicates_dropped=sum(p.duplicates_dropped for p in parts),
+        distinct_kept=sum(p.distinct_kept for p in parts),
+        normalisation=parts[0].normalisation,
+        hash=parts[0].hash,
+    )
+    return np.concatenate(hashes), info
 
 
 def _corpus_label(corpus: Any) -> str:
@@ -260,6 +311,7 @@ def merge_runs(
     check_arguments(runs, out, min_count, overwrite)
     manifests = [load_manifest(run) for run in runs]
     check_mergeable(runs, manifests)
+    dedup = check_dedup(runs, manifests)
     config = run_config(manifests[0], out, min_count)
     tok = load_run_tokenizer(manifests[0], tokenizer)
     t_load = time.perf_counter()
@@ -271,6 +323,9 @@ def merge_runs(
     manifest = merged_manifest(runs, manifests, config, started_at)
     run.write_manifest(manifest)
     totals = summed_counts(manifests)
+    if dedup is not None:
+        run.write_doc_hashes(dedup[0])
+        manifest.set(dedup=dedup[1])
     manifest.set(
         layers=merged.layers,
         counts=counts_of(totals, merged),

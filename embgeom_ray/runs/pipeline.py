@@ -6,7 +6,10 @@ a run trustworthy:
 1. everything a user can get wrong is checked before any work (model, tokenizer, layers,
    max_length, corpus, output directory);
 2. the output directory gets ``run.json`` (fingerprint + plan) and a manifest saying
-   ``running``; finished shards of an earlier identical run are reused;
+   ``running``; finished shards of an earlier identical run are reused; with ``--dedup`` the
+   driver reads the corpus once more and attaches to each shard the ids of its documents
+   that repeat an earlier one (:mod:`~embgeom_ray.inputs.dedup`; derived from the corpus
+   alone, so a resumed run leaves out the same ones);
 3. shards run on extractor actors, each of which folds many shards into one running
    statistics object; the driver checkpoints each actor's flush (every
    ``--checkpoint-interval`` seconds, and when the queue is drained) as one group of shards;
@@ -38,6 +41,7 @@ from ..core.samples import ActivationSample
 from ..core.statistics import EmbeddingStatistics, state_bytes
 from ..errors import ConfigError, CorpusError
 from ..inputs.corpus import CorpusSpec, Shard, ShardPlan, plan_shards
+from ..inputs.dedup import HASH, NORMALISATION, DedupPlan, plan_dedup
 from ..inputs.extractor import ShardCounts, unk_warning
 from ..inputs.model_loading import (
     ModelIdentity,
@@ -51,6 +55,7 @@ from ..run_dir import (
     GROUPS,
     SAMPLE,
     CorpusInfo,
+    DedupInfo,
     Manifest,
     ModelInfo,
     RunDir,
@@ -384,6 +389,9 @@ def analyze(config: JobConfig, *, echo=print) -> dict[str, Any]:
     done_before = already_complete(run, spec.fingerprint) if resumed else None
     if done_before is not None:
         return reuse_complete(run, done_before, spec, t_start, echo)
+    t_dedup0 = time.perf_counter()
+    plan, dedup = dedup_shards(config, plan, echo)
+    t_dedup = time.perf_counter() - t_dedup0
     manifest = start_manifest(spec, started_at)
     run.write_manifest(manifest)
 
@@ -408,6 +416,9 @@ def analyze(config: JobConfig, *, echo=print) -> dict[str, Any]:
         warning = unk_warning(totals, spec.tokenizer.unk_token)
         if warning:
             echo(warning)
+        if dedup is not None:
+            manifest.set(dedup=dedup_info(dedup, totals, config.corpus))
+            run.write_doc_hashes(dedup.hashes)
         manifest.set(
             counts=counts_of(totals, merged),
             skipped=totals.skipped,
@@ -420,6 +431,7 @@ def analyze(config: JobConfig, *, echo=print) -> dict[str, Any]:
             workers=None if pool is None else pool.__dict__,
             timings_s={
                 "plan": round(t_plan - t_start, 3),
+                **({"dedup": round(t_dedup, 3)} if dedup is not None else {}),
                 "extract_wall": round(t_extract1 - t_extract0, 3),
                 "extract_forward_sum": round(totals.forward_seconds, 3),
                 "extract_fold_sum": round(totals.fold_seconds, 3),
@@ -436,6 +448,39 @@ def analyze(config: JobConfig, *, echo=print) -> dict[str, Any]:
     if not config.keep_checkpoints:
         store.remove_groups()
     return manifest.to_json()
+
+
+def dedup_shards(
+    config: JobConfig, plan: ShardPlan, echo=print
+) -> tuple[ShardPlan, DedupPlan | None]:
+    """With ``--dedup``: ``plan`` with each shard's duplicate documents to leave out, and the
+    dedup plan (read from the corpus in the driver); otherwise ``plan`` unchanged."""
+    if not config.dedup:
+        return plan, None
+    dedup = plan_dedup(plan, CorpusSpec(config.corpus, config.text_column, config.split))
+    echo(
+        f"--dedup: {dedup.duplicates_dropped:,} of {dedup.documents_read:,} documents repeat "
+        f"an earlier one and are left out; {dedup.distinct_kept:,} distinct documents kept"
+    )
+    return dedup.apply(plan), dedup
+
+
+def dedup_info(dedup: DedupPlan, totals: ShardCounts, corpus: str) -> DedupInfo:
+    """The manifest's ``dedup``, once the extractors' counts confirm the plan's."""
+    if (totals.documents, totals.duplicates) != (dedup.distinct_kept, dedup.duplicates_dropped):
+        raise CorpusError(
+            f"the corpus {corpus} changed during the run: the extractors read "
+            f"{totals.documents} documents and left out {totals.duplicates} duplicates, the "
+            f"plan kept {dedup.distinct_kept} and dropped {dedup.duplicates_dropped}; rerun "
+            "with --overwrite"
+        )
+    return DedupInfo(
+        documents_read=dedup.documents_read,
+        duplicates_dropped=dedup.duplicates_dropped,
+        distinct_kept=dedup.distinct_kept,
+        normalisation=NORMALISATION,
+        hash=HASH,
+    )
 
 
 def throughput(totals: ShardCounts, resumed: bool, extract_s: float) -> float | None:
