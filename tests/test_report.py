@@ -127,6 +127,10 @@ def fabricate_run(
             "|mean z| > 3, or variance >= 5 x the mean variance, or argmax/argmin share >= 0.25"
         )
         manifest["clip_dims"] = [7]
+        manifest["reducers"] = {"count": 3, "restarts": [0, 1, 0]}
+        manifest["memory"] = {"driver_peak_rss_bytes": 3 * 2**30,
+                              "extractor_peak_rss_bytes": 2**31,
+                              "reducer_peak_rss_bytes": [2**29, 3 * 2**29, 2**28]}  # fmt: skip
     (out / "manifest.json").write_text(json.dumps(manifest))
 
     # type_stats: Zipfian counts; Yamagiwa's Q_t ≈ const so V_t ≈ Q − ‖μ_t‖²
@@ -505,6 +509,8 @@ def test_report_of_full_run_is_self_contained(runs, full_report):
         "Outlier dimensions and clipping",
         "argmax/argmin share &gt;= 0.25",
         "clip dims",
+        "<dt>reducers</dt><dd>3 (statistics by token-id range and layer), 1 restored after a loss",
+        "<dt>peak memory</dt><dd>job 3.0 GB, extractor 2.0 GB, reducer 1.5 GB (largest)",
     ):
         assert needle in text, needle
     assert not list(runs["full"].glob(".tmp-*")), "temporary files left behind"
@@ -521,6 +527,7 @@ def test_report_without_optional_sections(runs, minimal_figs):
     path = write_report(str(runs["minimal"]), figures=minimal_figs)
     text = check_report_html(path, n_images=len(CONTRACT_FIGURES))
     assert "Not in this run" in text and "Sampled metrics" not in text
+    assert "<dt>reducers</dt>" not in text and "<dt>peak memory</dt>" not in text
     assert 'href="samples.parquet"' not in text
     text = check_report_html(write_report(str(runs["bare"])), n_images=2)
     assert "not complete" in text

@@ -667,6 +667,8 @@ def _metadata_html(run: Run) -> str:
         ),
         ("throughput", f"{fmt_value(thr, 'int')} tokens/s" if _finite(thr) else None),
         ("workers", _e(_workers(m.workers))),
+        ("reducers", _e(_reducers(m.reducers))),
+        ("peak memory", _e(_peak_memory(m.memory))),
         ("fingerprint", f'<span class="mono">{_e(str(m.fingerprint or "")[:16])}</span>'),
     ]
     cards = (
@@ -700,6 +702,31 @@ def _workers(w: Any) -> str:
     if w.get("num_cpus"):
         parts.append(f"{w['num_cpus']} CPU each")
     return ", ".join(parts)
+
+
+def _reducers(r: Any) -> str | None:
+    """``--reducers``: how many, and how often one was restored."""
+    if not isinstance(r, dict) or not r.get("count"):
+        return None
+    restarts = sum(r.get("restarts") or [])
+    return f"{r['count']} (statistics by token-id range and layer)" + (
+        f", {restarts} restored after a loss" if restarts else ""
+    )
+
+
+def _peak_memory(mem: Any) -> str | None:
+    """The manifest's ``memory``: peak resident memory of the job, the largest extractor
+    and the largest reducer."""
+    if not isinstance(mem, dict) or not mem:
+        return None
+    parts = []
+    if mem.get("driver_peak_rss_bytes"):
+        parts.append(f"job {_bytes(mem['driver_peak_rss_bytes'])}")
+    if mem.get("extractor_peak_rss_bytes"):
+        parts.append(f"extractor {_bytes(mem['extractor_peak_rss_bytes'])}")
+    if mem.get("reducer_peak_rss_bytes"):
+        parts.append(f"reducer {_bytes(max(mem['reducer_peak_rss_bytes']))} (largest)")
+    return ", ".join(parts) or None
 
 
 def _status_badge(status: str) -> str:
