@@ -15,7 +15,7 @@ merging), so its peak grows with V · d; with R > 1 it must not, and each reduce
 its 1/R share plus one checkpoint group being read.
 
     python -m bench.vocabulary [--vocab 32000,128256] [--reducers 1,4] [--dim 128]
-        [--blocks 4] [--tokens 300000]
+        [--blocks 4] [--tokens 300000] [--worker-memory 256MiB]
 """
 
 from __future__ import annotations
@@ -94,6 +94,7 @@ def run_job(model: str, corpus: str, out: Path, reducers: int, args) -> dict:
         "model": model, "corpus": corpus, "out": str(out), "address": "local",
         "reducers": reducers, "num_workers": 1, "max_length": 128, "layers": None,
         "sample_size": args.sample_size, "kmeans_k_max": 4, "comoment_precision": "float32",
+        "worker_memory": args.worker_memory,
     }  # fmt: skip
     proc = subprocess.run(
         [sys.executable, "-c", CHILD, json.dumps(options)], capture_output=True, text=True
@@ -112,6 +113,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--blocks", type=int, default=4, help="transformer blocks (L = blocks + 1)")
     p.add_argument("--tokens", type=int, default=300_000, help="corpus words")
     p.add_argument("--sample-size", type=int, default=256, help="the job's sample")
+    p.add_argument(
+        "--worker-memory", default=None, help="the job's --worker-memory (e.g. 256MiB)"
+    )
     p.add_argument("--name", default="vocabulary")
     args = p.parse_args(argv)
     work = Path(tempfile.mkdtemp(prefix="embgeom-bench-vocab-"))

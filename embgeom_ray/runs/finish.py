@@ -9,6 +9,7 @@ printed, and the report drawn (a report failure is recorded, never loses the run
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Union
@@ -49,6 +50,10 @@ def peak_memory(merged: Statistics, manifest: Manifest) -> dict[str, Any]:
     return memory
 
 
+#: ShardCounts' summed integer counts (the manifest's ``counts`` takes those it names)
+SUMMED = frozenset(f.name for f in dataclasses.fields(ShardCounts) if f.type in (int, "int"))
+
+
 def counts_of(totals: ShardCounts, merged: Statistics) -> Counts:
     """The manifest's ``counts``: the shards' summed counts, non-finite tokens per layer."""
     nonfinite = (
@@ -56,15 +61,10 @@ def counts_of(totals: ShardCounts, merged: Statistics) -> Counts:
         if isinstance(merged, EmbeddingStatistics)
         else merged.nonfinite()
     )
+    # the shard counts the manifest shares with ShardCounts, by name (one list: Counts' fields)
+    shared = {name: getattr(totals, name) for name in Counts.model_fields if name in SUMMED}
     return Counts(
-        documents=totals.documents,
-        windows=totals.windows,
-        tokens=totals.tokens,
-        padded_tokens=totals.padded_tokens,
-        positions=totals.positions,
-        special_tokens=totals.special_tokens,
-        unk_tokens=totals.unk_tokens,
-        batches=totals.batches,
+        **shared,
         oom_batch_splits=totals.oom_splits,
         padding_ratio=None if totals.padding_ratio is None else round(totals.padding_ratio, 6),
         unk_share=None if totals.unk_share is None else round(totals.unk_share, 6),
