@@ -85,7 +85,8 @@ import json, sys
 from embgeom_ray.config import build_config
 from embgeom_ray.runs.pipeline import analyze
 m = analyze(build_config(None, json.loads(sys.argv[1])), echo=lambda *_: None)
-print("MANIFEST " + json.dumps({k: m.get(k) for k in ("memory", "counts", "timings_s", "reducers")}))
+keys = ("memory", "counts", "timings_s", "reducers", "shards", "workers")
+print("MANIFEST " + json.dumps({k: m.get(k) for k in keys}))
 """
 
 
@@ -94,7 +95,7 @@ def run_job(model: str, corpus: str, out: Path, reducers: int, args) -> dict:
         "model": model, "corpus": corpus, "out": str(out), "address": "local",
         "reducers": reducers, "num_workers": 1, "max_length": 128, "layers": None,
         "sample_size": args.sample_size, "kmeans_k_max": 4, "comoment_precision": "float32",
-        "worker_memory": args.worker_memory,
+        "worker_memory": args.worker_memory, "shard_bytes": args.shard_bytes,
     }  # fmt: skip
     proc = subprocess.run(
         [sys.executable, "-c", CHILD, json.dumps(options)], capture_output=True, text=True
@@ -116,6 +117,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument(
         "--worker-memory", default=None, help="the job's --worker-memory (e.g. 256MiB)"
     )
+    p.add_argument("--shard-bytes", type=int, default=None, help="the job's --shard-bytes")
     p.add_argument("--name", default="vocabulary")
     args = p.parse_args(argv)
     work = Path(tempfile.mkdtemp(prefix="embgeom-bench-vocab-"))
@@ -143,6 +145,8 @@ def main(argv: list[str] | None = None) -> None:
                     "extractor_peak_mib": mem.get("extractor_peak_rss_bytes", 0) / MIB,
                     "reducer_peak_mib": [x / MIB for x in mem.get("reducer_peak_rss_bytes", [])],
                     "timings_s": m["timings_s"],
+                    "shards": m["shards"],
+                    "workers": m["workers"],
                     "types_seen": seen,
                 }
                 rows.append(row)
@@ -154,6 +158,7 @@ def main(argv: list[str] | None = None) -> None:
                     f"{row['extractor_peak_mib']:8.1f} MiB | largest reducer {reducer:8.1f} MiB | "
                     f"reduce {m['timings_s'].get('reduce', 0):.1f}s metrics "
                     f"{m['timings_s'].get('metrics', 0):.1f}s write {m['timings_s'].get('write', 0):.1f}s"
+                    f" | shards {m['shards']['total']} groups {m['shards']['checkpoint_groups']}"
                 )
     finally:
         shutil.rmtree(work, ignore_errors=True)

@@ -86,10 +86,10 @@ class JobConfig(BaseModel):
     )
     worker_memory: ByteSize | None = Field(
         None,
-        description="bytes an extractor's running statistics may hold (e.g. 8GiB): it flushes "
-        "a checkpoint group as soon as a shard takes them past this, whatever "
-        "--checkpoint-interval says. Must exceed the fixed per-layer state "
-        "8·L·(d² + 3d + P·(d+1) + 2) [default: no bound]",
+        description="bytes an extractor's running statistics may hold (e.g. 8GiB): past it, "
+        "within a shard, it spills them to Ray's object store and starts afresh, and flushes a "
+        "checkpoint group after that shard, whatever --checkpoint-interval says. Must exceed "
+        "the fixed per-layer state 8·L·(d² + 3d + P·(d+1) + 2) [default: no bound]",
     )
     reducers: int = Field(
         1,
@@ -344,6 +344,7 @@ class ExtractionOptions:
     sample_type_size: int | None
     sample_seed: int
     gpus_per_worker: int
+    worker_memory: int | None
 
 
 @dataclass(frozen=True)

@@ -131,3 +131,38 @@ def test_checkpoints_without_run_json_are_refused(tmp_path):
         CheckpointStore(str(tmp_path / "out")).start("fp", {}, plan(5), overwrite=False)
     CheckpointStore(str(tmp_path / "out")).start("fp", {}, plan(5), overwrite=True)
     assert not (tmp_path / "out" / "groups").exists()
+
+
+def test_a_group_of_spilled_pieces_reduces_like_one(tmp_path):
+    """An extractor under --worker-memory flushes its spilled pieces and its last statistics
+    as one group of several files: written in order, listed in the JSON, merged in order;
+    a half-written group's pieces are removed on resume."""
+    from embgeom_ray.core.spilling import SpillingStatistics
+
+    spilling = SpillingStatistics(lambda: EmbeddingStatistics(LAYERS, DIM, initial_types=1), 1)
+    for i in (0, 1, 2):
+        spilling.update(*shard_batch(i))
+    pieces = spilling.take()
+    assert len(pieces) == 4 and spilling.spills == 3  # every batch spilled, then an empty last
+    store = started(tmp_path, 5)
+    group = store.save_group(ids(0, 1, 2), iter(pieces), None, counts(30))
+    assert group.parts == 4
+    names = sorted(p.name for p in (tmp_path / "out" / "groups").iterdir())
+    assert names == [
+        "f0-b0000-n3.json", "f0-b0000-n3.part-1.safetensors", "f0-b0000-n3.part-2.safetensors",
+        "f0-b0000-n3.part-3.safetensors", "f0-b0000-n3.safetensors",
+    ]  # fmt: skip
+    (loaded,) = store.groups_covering(ids(0, 1, 2))
+    assert loaded.parts == 4 and len(store.group_urls(loaded)) == 4
+    merged, _, _ = reduce_groups(store, [loaded], EmbeddingStatistics(LAYERS, DIM), False)
+    ref = fold([0, 1, 2])
+    for layer in LAYERS:
+        a, b = merged.layer(layer), ref.layer(layer)
+        np.testing.assert_array_equal(a.counts, b.counts)
+        np.testing.assert_allclose(a.means, b.means, rtol=1e-12)
+        np.testing.assert_allclose(a.m2, b.m2, rtol=1e-10)
+        np.testing.assert_allclose(a.comoment, b.comoment, rtol=1e-10)
+    # a group whose JSON was never written: every piece of it goes on resume
+    (tmp_path / "out" / "groups" / "f0-b0000-n3.json").unlink()
+    removed = store.discard_incomplete()
+    assert len(removed) == 4 and not list((tmp_path / "out" / "groups").iterdir())

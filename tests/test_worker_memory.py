@@ -48,7 +48,7 @@ def test_a_budget_below_the_fixed_state_is_refused():
 
 
 @pytest.mark.slow
-def test_a_worker_at_its_budget_flushes_after_every_shard_and_the_tables_hold(tmp_path, ray_local):
+def test_a_worker_at_its_budget_spills_and_flushes_and_the_tables_hold(tmp_path, ray_local):
     from tests.test_job_end_to_end import english_documents, run_job
     from tests.tiny_models import make_tiny_bert
 
@@ -66,6 +66,8 @@ def test_a_worker_at_its_budget_flushes_after_every_shard_and_the_tables_hold(tm
     assert free["shards"]["checkpoint_groups"] == 1  # one flush when the queue drained
     assert bound["shards"]["checkpoint_groups"] == shards  # every shard passes the budget
     assert bound["workers"]["budget_flushes"] == shards
-    assert free["workers"]["budget_flushes"] == 0
+    assert free["workers"]["budget_flushes"] == 0 and free["workers"]["spills"] == 0
+    # within each shard the statistics were spilled at every batch past the budget
+    assert bound["workers"]["spills"] >= shards
     for name in ("type_stats", "layers", "dims", "positions"):
         pd.testing.assert_frame_equal(t_free[name], t_bound[name], check_exact=False, rtol=1e-9)

@@ -23,13 +23,14 @@ import logging
 import os
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import ray
 
 from ..config import ExtractionOptions, SchedulingOptions
+from ..core.spilling import SpillingStatistics
 from ..errors import ConfigError, UserError
 from ..inputs.corpus import Shard
 from ..inputs.extractor import ShardCounts, ShardProcessor
@@ -52,6 +53,8 @@ class PoolPlan:
     checkpoints: int = 0
     #: of those, flushes asked because an actor's statistics reached --worker-memory
     budget_flushes: int = 0
+    #: statistics pieces extractors spilled to the object store at --worker-memory
+    spills: int = 0
     #: the largest peak resident memory any extractor actor reported (bytes)
     extractor_peak_rss_bytes: int = 0
 
@@ -116,12 +119,18 @@ class FoldReport:
 
 @dataclass
 class GroupResult:
-    """One flush of an actor: the statistics of ``shard_ids`` folded together, as bytes."""
+    """One flush of an actor: the statistics of ``shard_ids`` folded together, as pieces in
+    fold order (bytes, or ObjectRefs of the pieces it spilled under ``--worker-memory``)."""
 
     shard_ids: list[str]
-    stats: bytes
+    stats: list[Any]
     sample: bytes | None
     counts: ShardCounts
+
+    def pieces(self) -> Iterator[bytes]:
+        """The statistics pieces as bytes, fetched one at a time (one piece in memory)."""
+        for piece in self.stats:
+            yield ray.get(piece) if isinstance(piece, ray.ObjectRef) else piece
 
 
 class ShardExtract:
@@ -155,7 +164,7 @@ class ShardExtract:
             self.error = exc
 
     def _reset(self) -> None:
-        self.stats: Any = None
+        self.stats: SpillingStatistics | None = None
         self.sample: Any = None
         self.counts = ShardCounts()
         self.shard_ids: list[str] = []
@@ -177,7 +186,10 @@ class ShardExtract:
         self._check_whole()
         shard = Shard(**shard_json)
         if self.stats is None:
-            self.stats = self.processor.new_statistics()
+            # under --worker-memory, pieces past the budget go to the object store (ray.put)
+            self.stats = SpillingStatistics(
+                self.processor.new_statistics, self.processor.options.worker_memory, ray.put
+            )
             self.sample = self.processor.new_sample()
         try:
             counts = self.processor.fold_shard(shard, self.stats, self.sample)
@@ -192,11 +204,13 @@ class ShardExtract:
             "node_id": ray.get_runtime_context().get_node_id(),
             "unflushed": len(self.shard_ids),
             "state_bytes": self.stats.nbytes(),
+            "spills": self.stats.spills,
             "peak_rss_bytes": peak_rss_bytes(),
         }
 
-    def flush(self) -> tuple[list[str], bytes, bytes | None, dict[str, Any]]:
-        """(shard ids, statistics bytes, sample bytes, summed counts) since the last flush.
+    def flush(self) -> tuple[list[str], list[Any], bytes | None, dict[str, Any]]:
+        """(shard ids, statistics pieces, sample bytes, summed counts) since the last flush;
+        the pieces are ObjectRefs of what was spilled, then the running statistics' bytes.
 
         The accumulators start afresh afterwards.
         """
@@ -205,7 +219,7 @@ class ShardExtract:
             raise RuntimeError("flush asked of an extractor that holds no shard")
         out = (
             list(self.shard_ids),
-            self.stats.to_bytes(),
+            self.stats.take(),
             None if self.sample is None else self.sample.to_bytes(),
             self.counts.to_json(),
         )
@@ -370,6 +384,7 @@ class _Scheduler:
         if sorted(shard_ids) != expected:
             raise RuntimeError(f"an extractor flushed shards {shard_ids}, expected {expected}")
         self.on_group(GroupResult(list(shard_ids), stats, sample, ShardCounts.from_json(counts)))
+        self.pool.spills += len(stats) - 1
         self.pool.checkpoints += 1
         worker.unflushed, worker.since, worker.flushing = [], None, False
         self.idle.append(worker)

@@ -56,6 +56,9 @@ class CheckpointGroup:
     group_id: str
     shard_ids: tuple[str, ...]
     counts: ShardCounts
+    #: statistics files: the extractor's pieces of these shards (spilled under
+    #: ``--worker-memory``), merged in order
+    parts: int = 1
 
 
 def group_id_for(shard_ids: Iterable[str]) -> str:
@@ -66,13 +69,22 @@ def group_id_for(shard_ids: Iterable[str]) -> str:
     return f"{ids[0]}-n{len(ids)}"
 
 
+#: the mark of a group's further statistics files: ``<group>.part-<i>.safetensors``
+PART_MARK = ".part-"
+
+
+def piece_name(group_id: str, index: int) -> str:
+    """File name of a group's ``index``-th statistics piece (the first has no mark)."""
+    return group_id + (f"{PART_MARK}{index}" if index else "") + STATS_SUFFIX
+
+
 def _stem(name: str) -> str | None:
     """The group id of a checkpoint file name; None for anything else (temporary files, …)."""
     if name.startswith("."):
         return None
     for suffix in (SAMPLE_SUFFIX, STATS_SUFFIX, DONE_SUFFIX):
         if name.endswith(suffix):
-            return name[: -len(suffix)]
+            return name[: -len(suffix)].split(PART_MARK)[0]
     return None
 
 
@@ -179,6 +191,7 @@ class CheckpointStore:
                         name[: -len(DONE_SUFFIX)],
                         tuple(d["shards"]),
                         ShardCounts.from_json(d["counts"]),
+                        int(d.get("parts", 1)),
                     )
                 )
         return sorted(groups, key=lambda g: (g.shard_ids[0], g.group_id))
@@ -208,9 +221,10 @@ class CheckpointStore:
             )
         return groups
 
-    def group_url(self, group: CheckpointGroup) -> str:
-        """Where ``group``'s statistics are (read by the reducer actors themselves)."""
-        return self._path(GROUPS, group.group_id + STATS_SUFFIX)
+    def group_urls(self, group: CheckpointGroup) -> list[str]:
+        """Where ``group``'s statistics pieces are, in fold order (read by the reducer actors
+        themselves)."""
+        return [self._path(GROUPS, piece_name(group.group_id, i)) for i in range(group.parts)]
 
     def load_sample(self, group: CheckpointGroup) -> ActivationSample:
         return ActivationSample.load(self._path(GROUPS, group.group_id + SAMPLE_SUFFIX))
@@ -218,7 +232,10 @@ class CheckpointStore:
     def load_group(
         self, group: CheckpointGroup, with_sample: bool
     ) -> tuple[EmbeddingStatistics, ActivationSample | None]:
-        stats = EmbeddingStatistics.load(self.group_url(group))
+        urls = self.group_urls(group)
+        stats = EmbeddingStatistics.load(urls[0])
+        for url in urls[1:]:
+            stats.merge(EmbeddingStatistics.load(url))
         return stats, self.load_sample(group) if with_sample else None
 
     def remove_groups(self) -> None:
@@ -231,14 +248,22 @@ class CheckpointStore:
     def save_group(
         self,
         shard_ids: Iterable[str],
-        stats_bytes: bytes,
+        stats_pieces: bytes | Iterable[bytes],
         sample_bytes: bytes | None,
         counts: ShardCounts,
     ) -> CheckpointGroup:
-        """Statistics, then sample, then the JSON that marks all of ``shard_ids`` done."""
+        """Statistics (one piece, or the pieces an extractor spilled, each written as it
+        comes), then sample, then the JSON that marks all of ``shard_ids`` done."""
         ids = tuple(sorted(shard_ids))
-        group = CheckpointGroup(group_id_for(ids), ids, counts)
-        atomic_write_bytes(self._path(GROUPS, group.group_id + STATS_SUFFIX), stats_bytes)
+        group_id = group_id_for(ids)
+        pieces = [stats_pieces] if isinstance(stats_pieces, bytes) else stats_pieces
+        parts = 0
+        for data in pieces:
+            atomic_write_bytes(self._path(GROUPS, piece_name(group_id, parts)), data)
+            parts += 1
+        if parts == 0:
+            raise ValueError("a checkpoint group holds at least one statistics piece")
+        group = CheckpointGroup(group_id, ids, counts, parts)
         if sample_bytes is not None:
             atomic_write_bytes(self._path(GROUPS, group.group_id + SAMPLE_SUFFIX), sample_bytes)
         atomic_write_json(
@@ -248,6 +273,7 @@ class CheckpointStore:
                 "group": group.group_id,
                 "shards": list(ids),
                 "counts": counts.to_json(),
+                "parts": parts,
             },
         )
         return group

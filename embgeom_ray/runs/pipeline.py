@@ -146,7 +146,7 @@ def _extract(
         bar.update(shards)
 
     def on_group(group: GroupResult) -> None:
-        store.save_group(group.shard_ids, group.stats, group.sample, group.counts)
+        store.save_group(group.shard_ids, group.pieces(), group.sample, group.counts)
 
     try:
         return run_shards(
@@ -195,7 +195,7 @@ def reduce_partitioned(
 
     connect(spec.config.address)
     plan = PartitionPlan.of(spec.config.reducers, len(spec.tokenizer), spec.layers)
-    merged = PartitionedStatistics(plan, [store.group_url(g) for g in groups])
+    merged = PartitionedStatistics(plan, [url for g in groups for url in store.group_urls(g)])
     totals = ShardCounts()
     sample: ActivationSample | None = None
     for group in groups:
