@@ -12,7 +12,11 @@ extractor and each reducer, printed against the per-type state of the formula
 
 What to look for: with R = 1 the driver holds the merged statistics (and a group while
 merging), so its peak grows with V · d; with R > 1 it must not, and each reducer holds about
-its 1/R share plus one checkpoint group being read.
+its 1/R share plus its part of one checkpoint group being read. With ``--worker-memory`` the
+extractor's private memory stays near its budget. Two numbers per process: the peak private
+(anonymous) memory, the process's own heap, which the formulas predict; and the peak resident
+set, which also counts the pages of Ray's shared object store the process wrote or read (spilled
+pieces, flushed groups).
 
     python -m bench.vocabulary [--vocab 32000,128256] [--reducers 1,4] [--dim 128]
         [--blocks 4] [--tokens 300000] [--worker-memory 256MiB]
@@ -144,6 +148,12 @@ def main(argv: list[str] | None = None) -> None:
                     "driver_peak_mib": mem["driver_peak_rss_bytes"] / MIB,
                     "extractor_peak_mib": mem.get("extractor_peak_rss_bytes", 0) / MIB,
                     "reducer_peak_mib": [x / MIB for x in mem.get("reducer_peak_rss_bytes", [])],
+                    "driver_private_mib": (mem.get("driver_peak_private_bytes") or 0) / MIB,
+                    "extractor_private_mib": (mem.get("extractor_peak_private_bytes") or 0) / MIB,
+                    "reducer_private_mib": [
+                        (x or 0) / MIB for x in mem.get("reducer_peak_private_bytes", [])
+                    ],
+                    "spills": (m.get("workers") or {}).get("spills"),
                     "timings_s": m["timings_s"],
                     "shards": m["shards"],
                     "workers": m["workers"],
@@ -151,11 +161,13 @@ def main(argv: list[str] | None = None) -> None:
                 }
                 rows.append(row)
                 reducer = max(row["reducer_peak_mib"], default=0.0)
+                reducer_private = max(row["reducer_private_mib"], default=0.0)
                 print(
                     f"V={vocab:7,d} R={reducers} tokens={row['tokens']:,} seen={seen:,} | per-type state "
-                    f"{row['per_type_state_seen_mib']:8.1f} MiB | driver "
-                    f"{row['driver_peak_mib']:8.1f} MiB | extractor "
-                    f"{row['extractor_peak_mib']:8.1f} MiB | largest reducer {reducer:8.1f} MiB | "
+                    f"{row['per_type_state_seen_mib']:7.1f} MiB | peak private (resident) MiB: "
+                    f"driver {row['driver_private_mib']:7.1f} ({row['driver_peak_mib']:7.1f}) "
+                    f"extractor {row['extractor_private_mib']:7.1f} ({row['extractor_peak_mib']:7.1f}) "
+                    f"largest reducer {reducer_private:7.1f} ({reducer:7.1f}) | spills {row['spills']} | "
                     f"reduce {m['timings_s'].get('reduce', 0):.1f}s metrics "
                     f"{m['timings_s'].get('metrics', 0):.1f}s write {m['timings_s'].get('write', 0):.1f}s"
                     f" | shards {m['shards']['total']} groups {m['shards']['checkpoint_groups']}"

@@ -125,6 +125,12 @@ def test_the_job_with_reducers_equals_the_job_without(tmp_path, ray_local, minil
     assert len(peaks) == 3 and all(50 * 2**20 < p < 8 * 2**30 for p in peaks)
     assert manifest["memory"]["driver_peak_rss_bytes"] > 100 * 2**20
     assert manifest["memory"]["extractor_peak_rss_bytes"] > 100 * 2**20
+    # the private heap (Linux RssAnon, sampled) is part of the resident set
+    for who in ("driver", "extractor"):
+        private = manifest["memory"][f"{who}_peak_private_bytes"]
+        assert 10 * 2**20 < private <= manifest["memory"][f"{who}_peak_rss_bytes"]
+    assert all(0 < p <= r for p, r in zip(manifest["memory"]["reducer_peak_private_bytes"],
+                                          peaks, strict=True))  # fmt: skip
     for name in ("type_stats", "layers", "dims", "positions", "samples"):
         a, b = one[name], three[name]
         if name == "samples":

@@ -129,6 +129,7 @@ def fabricate_run(
         manifest["clip_dims"] = [7]
         manifest["reducers"] = {"count": 3, "restarts": [0, 1, 0]}
         manifest["memory"] = {"driver_peak_rss_bytes": 3 * 2**30,
+                              "driver_peak_private_bytes": 2**30,
                               "extractor_peak_rss_bytes": 2**31,
                               "reducer_peak_rss_bytes": [2**29, 3 * 2**29, 2**28]}  # fmt: skip
     (out / "manifest.json").write_text(json.dumps(manifest))
@@ -510,7 +511,8 @@ def test_report_of_full_run_is_self_contained(runs, full_report):
         "argmax/argmin share &gt;= 0.25",
         "clip dims",
         "<dt>reducers</dt><dd>3 (statistics by token-id range and layer), 1 restored after a loss",
-        "<dt>peak memory</dt><dd>job 3.0 GB, extractor 2.0 GB, reducer 1.5 GB (largest)",
+        "<dt>peak memory</dt><dd>job 1.0 GB, extractor 2.0 GB resident, "
+        "reducer (largest) 1.5 GB resident",
     ):
         assert needle in text, needle
     assert not list(runs["full"].glob(".tmp-*")), "temporary files left behind"

@@ -34,7 +34,7 @@ from ..core.spilling import SpillingStatistics
 from ..errors import ConfigError, UserError
 from ..inputs.corpus import Shard
 from ..inputs.extractor import ShardCounts, ShardProcessor
-from .process_memory import peak_rss_bytes
+from .process_memory import peak_rss_bytes, sampler
 
 log = logging.getLogger(__name__)
 
@@ -55,8 +55,11 @@ class PoolPlan:
     budget_flushes: int = 0
     #: statistics pieces extractors spilled to the object store at --worker-memory
     spills: int = 0
-    #: the largest peak resident memory any extractor actor reported (bytes)
+    #: the largest peak resident memory any extractor actor reported (bytes; includes the
+    #: object store's shared pages it touched)
     extractor_peak_rss_bytes: int = 0
+    #: the largest peak private (anonymous) memory any extractor reported (bytes; Linux)
+    extractor_peak_private_bytes: int = 0
 
 
 def plan_pool(config: SchedulingOptions, num_shards: int) -> PoolPlan:
@@ -154,6 +157,7 @@ class ShardExtract:
         import torch
 
         torch.set_num_threads(max(1, threads))
+        sampler()  # this process's peak private memory, sampled from now on
         self.error: Exception | None = None
         self.broken_on: str | None = None
         self._reset()
@@ -206,6 +210,7 @@ class ShardExtract:
             "state_bytes": self.stats.nbytes(),
             "spills": self.stats.spills,
             "peak_rss_bytes": peak_rss_bytes(),
+            "peak_private_bytes": sampler().peak_bytes(),
         }
 
     def flush(self) -> tuple[list[str], list[Any], bytes | None, dict[str, Any]]:
@@ -363,7 +368,10 @@ class _Scheduler:
         )
         worker.current = None
         self.pool.extractor_peak_rss_bytes = max(
-            self.pool.extractor_peak_rss_bytes, int(result.get("peak_rss_bytes", 0))
+            self.pool.extractor_peak_rss_bytes, int(result.get("peak_rss_bytes") or 0)
+        )
+        self.pool.extractor_peak_private_bytes = max(
+            self.pool.extractor_peak_private_bytes, int(result.get("peak_private_bytes") or 0)
         )
         worker.unflushed.append(report)
         if report.unflushed != len(worker.unflushed):

@@ -43,7 +43,7 @@ from ..core.tables import TypeSummary, build_tables_from, summarise_types
 from ..errors import OutputError
 from ..io_utils import atomic_write_json, join
 from ..run_dir import PARTS_FORMAT, PARTS_INDEX
-from .process_memory import peak_rss_bytes
+from .process_memory import peak_memory, sampler
 
 #: how often one reducer is started again after it was lost, before the run fails
 MAX_REDUCER_RESTARTS = 3
@@ -84,6 +84,7 @@ class Reducer:
     """One partition of the run's statistics (module docstring); a Ray actor."""
 
     def __init__(self, index: int, plan: PartitionPlan) -> None:
+        sampler()  # this process's peak private memory, sampled from now on
         self.index = index
         self.token_range = plan.ranges[index]
         self.layers = list(plan.layers)
@@ -111,8 +112,8 @@ class Reducer:
             raise ValueError(f"reducer {self.index} has no statistics (load groups first)")
         return summarise_types(self.rows, layer, layer_mean, min_count)
 
-    def peak_rss(self) -> int:
-        return peak_rss_bytes()
+    def peak_memory(self) -> dict[str, int | None]:
+        return peak_memory()
 
     def save(self, directory: str) -> list[str]:
         """Write this reducer's parts into ``directory``; their file names."""
@@ -227,9 +228,10 @@ class PartitionedStatistics:
             "restarts": list(self.restarts),
         }
 
-    def peak_rss_bytes(self) -> list[int]:
-        """Each reducer's peak resident memory so far (bytes)."""
-        return [int(self._call(r, "peak_rss")) for r in range(self.plan.reducers)]
+    def peak_memory(self) -> list[dict[str, int | None]]:
+        """Each reducer's peak resident and private memory so far (bytes; see
+        :mod:`~embgeom_ray.distributed.process_memory`)."""
+        return [self._call(r, "peak_memory") for r in range(self.plan.reducers)]
 
     def close(self) -> None:
         for actor in self.actors:

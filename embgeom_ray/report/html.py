@@ -715,17 +715,29 @@ def _reducers(r: Any) -> str | None:
 
 
 def _peak_memory(mem: Any) -> str | None:
-    """The manifest's ``memory``: peak resident memory of the job, the largest extractor
-    and the largest reducer."""
+    """The manifest's ``memory``: peak private memory (the process's own heap; resident
+    memory, which also counts the object store's shared pages, where that is all there is) of
+    the job, the largest extractor and the largest reducer."""
     if not isinstance(mem, dict) or not mem:
         return None
-    parts = []
-    if mem.get("driver_peak_rss_bytes"):
-        parts.append(f"job {_bytes(mem['driver_peak_rss_bytes'])}")
-    if mem.get("extractor_peak_rss_bytes"):
-        parts.append(f"extractor {_bytes(mem['extractor_peak_rss_bytes'])}")
-    if mem.get("reducer_peak_rss_bytes"):
-        parts.append(f"reducer {_bytes(max(mem['reducer_peak_rss_bytes']))} (largest)")
+
+    def peak(who: str) -> str | None:
+        for kind, label in (("private", ""), ("rss", " resident")):
+            value = mem.get(f"{who}_peak_{kind}_bytes")
+            values = [v for v in (value if isinstance(value, list) else [value]) if v]
+            if values:
+                return _bytes(max(values)) + label
+        return None
+
+    parts = [
+        f"{name} {value}"
+        for name, value in (
+            ("job", peak("driver")),
+            ("extractor", peak("extractor")),
+            ("reducer (largest)", peak("reducer")),
+        )
+        if value
+    ]
     return ", ".join(parts) or None
 
 

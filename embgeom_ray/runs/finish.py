@@ -18,7 +18,7 @@ from ..config import JobConfig, TableOptions
 from ..core.samples import ActivationSample
 from ..core.statistics import EmbeddingStatistics
 from ..core.tables import build_tables
-from ..distributed.process_memory import peak_rss_bytes
+from ..distributed.process_memory import peak_memory
 from ..distributed.sampled_stage import add_sampled_metrics
 from ..inputs.extractor import ShardCounts
 from ..report.html import write_run_report
@@ -38,15 +38,24 @@ def exact_tables(merged: Statistics, tokenizer: Any, options: TableOptions) -> d
     return merged.tables(tokenizer, options)
 
 
-def peak_memory(merged: Statistics, manifest: Manifest) -> dict[str, Any]:
-    """The manifest's ``memory``: peak resident bytes of this process (the driver), of the
-    largest extractor (as the actor pool recorded it) and of each reducer actor."""
-    memory: dict[str, Any] = {"driver_peak_rss_bytes": peak_rss_bytes()}
-    extractor = (manifest.workers or {}).get("extractor_peak_rss_bytes")
-    if extractor:
-        memory["extractor_peak_rss_bytes"] = extractor
+def memory_of(merged: Statistics, manifest: Manifest) -> dict[str, Any]:
+    """The manifest's ``memory``: peak resident and private bytes of this process (the
+    driver), of the largest extractor (as the actor pool recorded it) and of each reducer
+    actor (:mod:`~embgeom_ray.distributed.process_memory`: resident includes the object
+    store's shared pages a process touched; private is its own heap)."""
+    own = peak_memory()
+    memory: dict[str, Any] = {
+        "driver_peak_rss_bytes": own["rss"],
+        "driver_peak_private_bytes": own["private"],
+    }
+    workers = manifest.workers or {}
+    for key in ("extractor_peak_rss_bytes", "extractor_peak_private_bytes"):
+        if workers.get(key):
+            memory[key] = workers[key]
     if not isinstance(merged, EmbeddingStatistics):
-        memory["reducer_peak_rss_bytes"] = merged.peak_rss_bytes()
+        reducers = merged.peak_memory()
+        memory["reducer_peak_rss_bytes"] = [r["rss"] for r in reducers]
+        memory["reducer_peak_private_bytes"] = [r["private"] for r in reducers]
     return memory
 
 
@@ -103,7 +112,7 @@ def finish_run(
     manifest.set(
         timings_s=manifest.timings_s
         | {"write": round(t2 - t1, 3), "total": round(t2 - t_start, 3)},
-        memory=peak_memory(merged, manifest),
+        memory=memory_of(merged, manifest),
     )
     if not isinstance(merged, EmbeddingStatistics):
         manifest.set(reducers=merged.describe())

@@ -39,6 +39,7 @@ from ..config import JobConfig
 from ..core.rogue import OutlierRules, flagged_dims
 from ..core.samples import ActivationSample
 from ..core.statistics import EmbeddingStatistics, state_bytes
+from ..distributed.process_memory import sampler
 from ..errors import ConfigError, CorpusError
 from ..inputs.corpus import CorpusSpec, Shard, ShardPlan, plan_shards
 from ..inputs.dedup import HASH, NORMALISATION, DedupPlan, plan_dedup
@@ -382,6 +383,7 @@ def analyze(config: JobConfig, *, echo=print) -> dict[str, Any]:
     """Run the whole analysis for ``config``; returns the manifest written to ``config.out``."""
     t_start = time.perf_counter()
     started_at = now()
+    sampler()  # the driver's peak private memory, for the manifest
     spec = prepare(config)
     t_plan = time.perf_counter()
     run, store = RunDir(config.out), CheckpointStore(config.out)
