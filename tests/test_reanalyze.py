@@ -474,3 +474,22 @@ def test_reanalyze_end_to_end(tmp_path, corpus, ray_local, capsys, monkeypatch) 
     appeared = rogue[(rogue["change"] == "appeared") & (rogue["dim"] == 5)]
     assert set(appeared["layer"]) == {0, 1, 2} - set(old_flags.loc[old_flags["dim"] == 5, "layer"])
     assert (cmp / "report.html").is_file()
+
+
+def test_a_result_option_added_later_counts_as_its_default() -> None:
+    """A run made before an option existed (its manifest does not name it) ran as the
+    option's default: same key, so an upgrade does not redo every watched run."""
+    from embgeom_ray.run_dir import CorpusInfo, Manifest, ModelInfo, TokenizerInfo
+    from embgeom_ray.runs.reanalyze import manifest_key
+
+    config = build_config(None, {"model": "m", "corpus": "c", "out": "o"}).model_dump()
+
+    def manifest(cfg: dict) -> Manifest:
+        return Manifest(
+            status="complete", config=cfg, model=ModelInfo(id="m", model_fingerprint="sha256:a"),
+            tokenizer=TokenizerInfo(fingerprint="t"), corpus=CorpusInfo(fingerprint="c"),
+        )  # fmt: skip
+
+    old = {k: v for k, v in config.items() if k != "dedup"}
+    assert manifest_key(manifest(old)) == manifest_key(manifest(config)) is not None
+    assert manifest_key(manifest(config | {"dedup": True})) != manifest_key(manifest(config))

@@ -249,15 +249,19 @@ def run_key(
 
 
 def manifest_key(manifest: Manifest) -> str | None:
-    """The run key of a run from its own ``manifest.json`` (None if it lacks a part)."""
+    """The run key of a run from its own ``manifest.json`` (None if it lacks its identity).
+    Result options the manifest does not name (added in a later version) count as their
+    defaults, so upgrading does not make every watched run look new."""
     model_fp = manifest.model.model_fingerprint if manifest.model else None
     tok_fp = manifest.tokenizer.fingerprint if manifest.tokenizer else None
     corpus_fp = manifest.corpus.fingerprint
     if not all(isinstance(x, str) for x in (model_fp, tok_fp, corpus_fp)):
         return None
-    if not set(RESULT_OPTIONS) <= set(manifest.config):
-        return None
-    return run_key(model_fp, tok_fp, corpus_fp, manifest.config)
+    # a result option added after the run was made ran as its default (e.g. --dedup off)
+    fields = JobConfig.model_fields
+    options = {k: manifest.config.get(k, fields[k].get_default(call_default_factory=True))
+               for k in RESULT_OPTIONS}  # fmt: skip
+    return run_key(model_fp, tok_fp, corpus_fp, options)
 
 
 def _sha256(text: str) -> str:
