@@ -131,9 +131,12 @@ class GroupResult:
     counts: ShardCounts
 
     def pieces(self) -> Iterator[bytes]:
-        """The statistics pieces as bytes, fetched one at a time (one piece in memory)."""
-        for piece in self.stats:
+        """The statistics pieces as bytes, fetched one at a time and let go of as they are
+        taken (consumes ``stats``: one piece in memory)."""
+        while self.stats:
+            piece = self.stats.pop(0)
             yield ray.get(piece) if isinstance(piece, ray.ObjectRef) else piece
+            del piece
 
 
 class ShardExtract:
@@ -391,8 +394,8 @@ class _Scheduler:
         expected = sorted(r.shard.shard_id for r in worker.unflushed)
         if sorted(shard_ids) != expected:
             raise RuntimeError(f"an extractor flushed shards {shard_ids}, expected {expected}")
-        self.on_group(GroupResult(list(shard_ids), stats, sample, ShardCounts.from_json(counts)))
         self.pool.spills += len(stats) - 1
+        self.on_group(GroupResult(list(shard_ids), stats, sample, ShardCounts.from_json(counts)))
         self.pool.checkpoints += 1
         worker.unflushed, worker.since, worker.flushing = [], None, False
         self.idle.append(worker)

@@ -261,6 +261,7 @@ class CheckpointStore:
         for data in pieces:
             atomic_write_bytes(self._path(GROUPS, piece_name(group_id, parts)), data)
             parts += 1
+            del data  # before the next piece is fetched
         if parts == 0:
             raise ValueError("a checkpoint group holds at least one statistics piece")
         group = CheckpointGroup(group_id, ids, counts, parts)
