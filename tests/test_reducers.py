@@ -8,6 +8,8 @@ tables as without.
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pandas as pd
 import pytest
@@ -91,6 +93,16 @@ def test_a_lost_reducer_is_restored_and_the_tables_are_the_same(tmp_path, ray_lo
         ray.kill(parts.actors[1])  # holds a token range and layer 2's state
         got = parts.tables(Tokenizer, options)
         assert parts.restarts == [0, 1, 0]
+        # lost while loading: restored once, the groups read once (not twice)
+        dead = parts.actors[0]
+        ray.kill(dead)
+        with pytest.raises(ray.exceptions.RayActorError):  # wait until it is gone
+            for _ in range(100):
+                ray.get(dead.peak_memory.remote())
+                time.sleep(0.1)
+        assert parts._get(0, dead.load.remote(urls), "load") is None
+        assert parts.restarts == [1, 1, 0]
+        assert_tables_close(parts.tables(Tokenizer, options), got)
         assert_tables_close(got, build_tables(whole, Tokenizer, options))
     finally:
         parts.close()

@@ -154,23 +154,32 @@ class PartitionedStatistics:
         return _RemoteReducer.options(num_cpus=self.cpus).remote(r, self.plan)
 
     def _restore(self, r: int) -> None:
-        """Start reducer r again and have it re-read every group."""
-        self.restarts[r] += 1
-        if self.restarts[r] > MAX_REDUCER_RESTARTS:
-            raise OutputError(
-                f"reducer {r} was lost {self.restarts[r]} times; giving up (the checkpoint "
-                "groups are kept: rerun the same command to resume)"
-            )
-        self.actors[r] = self._start(r)
-        ray.get(self.actors[r].load.remote(self.group_urls))
+        """Start reducer r again and have it re-read every group (again, if it is lost while
+        reading), at most :data:`MAX_REDUCER_RESTARTS` times."""
+        while True:
+            self.restarts[r] += 1
+            if self.restarts[r] > MAX_REDUCER_RESTARTS:
+                raise OutputError(
+                    f"reducer {r} was lost {self.restarts[r]} times; giving up (the checkpoint "
+                    "groups are kept: rerun the same command to resume)"
+                )
+            self.actors[r] = self._start(r)
+            try:
+                ray.get(self.actors[r].load.remote(self.group_urls))
+                return
+            except ray.exceptions.RayActorError:
+                continue
 
     def _get(self, r: int, ref: Any, method: str, *args: Any) -> Any:
-        """``ray.get(ref)`` of reducer r's ``method``; on a lost reducer, restore and retry."""
+        """``ray.get(ref)`` of reducer r's ``method``; on a lost reducer, restore it and ask
+        again (a restored reducer has read every group: a lost ``load`` is not repeated)."""
         while True:
             try:
                 return ray.get(ref)
             except ray.exceptions.RayActorError:
                 self._restore(r)
+                if method == "load":
+                    return None
                 ref = getattr(self.actors[r], method).remote(*args)
 
     def _call(self, r: int, method: str, *args: Any) -> Any:
