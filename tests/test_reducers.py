@@ -40,6 +40,21 @@ def test_partition_plan_covers_every_id_and_layer_once():
         PartitionPlan.of(0, 10, [3])
 
 
+def test_balanced_plan_gives_every_reducer_the_same_number_of_seen_types():
+    """Frequent low ids (a BPE vocabulary) would load the first even range: the balanced
+    plan cuts at quantiles of the ids seen."""
+    seen = np.array([*range(0, 50), *range(1000, 1010), 5000, 9000])  # 62 ids
+    plan = PartitionPlan.balanced(3, seen, [0, 4])
+    assert plan.ranges == ((0, 21), (21, 42), (42, None))
+    held = [sum(lo <= t and (hi is None or t < hi) for t in seen) for lo, hi in plan.ranges]
+    assert held == [21, 21, 20]
+    assert plan.state_layers == ((0,), (4,), ())
+    assert (
+        PartitionPlan.balanced(4, np.array([3, 7]), [1]).ranges
+        == PartitionPlan.of(4, 8, [1]).ranges
+    )
+
+
 def group_files(tmp_path, clip: bool, offset: float) -> tuple[list[str], EmbeddingStatistics]:
     """Three checkpoint groups (one extractor flush each) as files, and their merge in order."""
     rng = np.random.default_rng(7)
@@ -61,11 +76,20 @@ def group_files(tmp_path, clip: bool, offset: float) -> tuple[list[str], Embeddi
     return urls, whole
 
 
-@pytest.mark.parametrize(("reducers", "clip", "offset"), [(1, False, 0.0), (2, True, 1e4), (3, True, 0.0), (5, False, 0.0)])  # fmt: skip
-def test_reducers_give_the_tables_of_the_whole(tmp_path, ray_local, reducers, clip, offset):
+@pytest.mark.parametrize(("reducers", "clip", "offset", "balanced"), [(1, False, 0.0, False), (2, True, 1e4, True), (3, True, 0.0, False), (5, False, 0.0, True)])  # fmt: skip
+def test_reducers_give_the_tables_of_the_whole(
+    tmp_path, ray_local, reducers, clip, offset, balanced
+):
     urls, whole = group_files(tmp_path, clip, offset)
     options = JobConfig(model="m", corpus="c", out="o", min_count=2).tables
-    parts = PartitionedStatistics(PartitionPlan.of(reducers, VOCAB, LAYERS), urls)
+    seen = np.unique(np.concatenate([EmbeddingStatistics.read_type_ids(u) for u in urls]))
+    np.testing.assert_array_equal(seen, whole.state_dict()["type_ids"])
+    plan = (
+        PartitionPlan.balanced(reducers, seen, LAYERS)
+        if balanced
+        else PartitionPlan.of(reducers, VOCAB, LAYERS)
+    )
+    parts = PartitionedStatistics(plan, urls)
     try:
         assert_tables_close(
             parts.tables(Tokenizer, options), build_tables(whole, Tokenizer, options)

@@ -974,6 +974,21 @@ class EmbeddingStatistics(Sketch):
         return cls.load(url).select(layers, token_range, layer_state=layer_state)
 
     @classmethod
+    def read_type_ids(cls, path: str) -> np.ndarray:
+        """The increasing token ids a statistics file holds rows for, read alone from a local
+        file (the other arrays stay on disk), else from the loaded file."""
+        from safetensors import safe_open
+
+        from ..io_utils import is_local, local_path
+
+        url = str(path)
+        if is_local(url):
+            with safe_open(local_path(url), framework="numpy") as f:
+                if "type_ids" in f.keys():
+                    return f.get_tensor("type_ids")
+        return cls.load(url).state_dict()["type_ids"]
+
+    @classmethod
     def _read_part(
         cls,
         f: Any,

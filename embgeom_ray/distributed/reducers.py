@@ -1,8 +1,9 @@
 """Reducer actors: the run's statistics partitioned by token id and by layer (``--reducers R``).
 
-With R reducers, reducer r owns the per-type rows of the token ids in its range
-[r·w, (r+1)·w) of the vocabulary (w = ⌈V / R⌉, the last range open) for every measured layer,
-and the per-layer state (n, μ, co-moment, tails, positions) of the layers
+With R reducers, reducer r owns the per-type rows of the token ids in its range for every
+measured layer — R ranges that each hold the same number of the token types the run saw
+(:meth:`PartitionPlan.balanced`, from the groups' id lists; the last range open) — and the
+per-layer state (n, μ, co-moment, tails, positions) of the layers
 ``layers[r], layers[r + R], …``. Each reducer reads its part of every checkpoint group of
 the run, in group-id order, and only those bytes
 (:meth:`~embgeom_ray.core.statistics.EmbeddingStatistics.load_part`), and merges it (Chan's update,
@@ -16,7 +17,7 @@ the partitioned artefact (:mod:`embgeom_ray.run_dir`).
 Memory (bytes, float64; V_r the types of range r seen in the corpus, L the measured layers,
 L_r ≤ ⌈L / R⌉ the layers whose state r holds, P positions, G the largest checkpoint group):
 
-- reducer r: L · V_r · (2d + 2) · 8 (+ L · V_r · d · 8 with ``--clip-dims``)
+- reducer r: L · V_r · (2d + 2) · 8 (V_r ≈ V_seen / R) (+ L · V_r · d · 8 with ``--clip-dims``)
   + L_r · (d² + P·d + 3d) · 8, plus its part of one group being read (the whole group G when
   the groups are on a remote filesystem; a group is one extractor flush);
 - driver: one layer's state d² · 8 + P · d · 8 at a time, the O(d) partial sums, and the
@@ -65,6 +66,25 @@ class PartitionPlan:
             raise ValueError("reducers must be at least 1")
         width = max(1, math.ceil(vocab_size / reducers))
         bounds = [r * width for r in range(reducers)]
+        ranges = tuple(
+            (lo, bounds[r + 1] if r + 1 < reducers else None) for r, lo in enumerate(bounds)
+        )
+        layers = tuple(int(x) for x in layers)
+        return cls(ranges, tuple(layers[r::reducers] for r in range(reducers)), layers)
+
+    @classmethod
+    def balanced(cls, reducers: int, seen: np.ndarray, layers: Sequence[int]) -> PartitionPlan:
+        """R ranges holding (within one) the same number of the token ids ``seen`` (the
+        increasing ids the run's statistics hold), so every reducer holds about V_seen / R
+        types whichever ids are frequent; the layers dealt round-robin. With fewer seen ids
+        than reducers, the even plan over [0, max id]."""
+        if reducers < 1:
+            raise ValueError("reducers must be at least 1")
+        seen = np.asarray(seen)
+        if len(seen) < reducers:
+            return cls.of(reducers, int(seen[-1]) + 1 if len(seen) else 1, layers)
+        cuts = [int(seen[math.ceil(r * len(seen) / reducers)]) for r in range(1, reducers)]
+        bounds = [0, *cuts]
         ranges = tuple(
             (lo, bounds[r + 1] if r + 1 < reducers else None) for r, lo in enumerate(bounds)
         )

@@ -32,6 +32,7 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import pandas as pd
 from tqdm.auto import tqdm
 
@@ -195,8 +196,12 @@ def reduce_partitioned(
     from ..distributed.reducers import PartitionedStatistics, PartitionPlan
 
     connect(spec.config.address)
-    plan = PartitionPlan.of(spec.config.reducers, len(spec.tokenizer), spec.layers)
-    merged = PartitionedStatistics(plan, [url for g in groups for url in store.group_urls(g)])
+    urls = [url for g in groups for url in store.group_urls(g)]
+    seen = np.zeros(0, dtype=np.int64)  # the ids seen, 8 bytes each: ranges of equal size
+    for url in urls:
+        seen = np.union1d(seen, EmbeddingStatistics.read_type_ids(url))
+    plan = PartitionPlan.balanced(spec.config.reducers, seen, spec.layers)
+    merged = PartitionedStatistics(plan, urls)
     totals = ShardCounts()
     sample: ActivationSample | None = None
     for group in groups:
