@@ -547,6 +547,39 @@ def _line(ax, layers, values, *, color, style="-", label, marker="o") -> bool:
     return True
 
 
+#: (column, colour key, line style, marker, label) of each line of the cosine panel; the
+#: first three are exact and always drawn, the others when the run has them
+COSINE_LINES = (
+    ("anisotropy", "anisotropy", "-", "o", "anisotropy (all pairs)"),
+    ("s_inter", "s_inter", "-", "o", "S_inter (different types)"),
+    ("s_intra", "s_intra", "-", "o", "S_intra (self-similarity)"),
+    ("adjusted_s_inter", "s_inter", "--", "s", "S_inter, cluster-adjusted"),
+    ("adjusted_s_intra", "s_intra", "--", "s", "S_intra, cluster-adjusted"),
+    ("s_inter_type_uniform", "s_inter", ":", "^", "S_inter, one occurrence per type (Cai)"),
+)
+#: the same for the isotropy panel
+ISOTROPY_LINES = (
+    ("isoscore", "isoscore", "-", "o", "IsoScore (all tokens)"),
+    ("adjusted_isoscore", "isoscore", "--", "s", "IsoScore, cluster-adjusted"),
+    ("isoscore_sample", "isoscore", ":", "^", "IsoScore of the sample"),
+    ("partition_isotropy", "partition_isotropy", "-", "d", "partition isotropy I(W)"),
+    ("partition_isotropy_centered", "partition_isotropy_centered", "-", "d",
+     "partition isotropy, centred"),
+)  # fmt: skip
+#: the lines every run has (the others are listed as extras by :func:`_lines`)
+_ALWAYS = {"anisotropy", "s_inter", "s_intra", "isoscore"}
+
+
+def _lines(ax, layers, col, specs) -> list[str]:
+    """Draw each line of ``specs`` the run has; returns the optional ones drawn."""
+    drawn = []
+    for name, colour, style, marker, label in specs:
+        if _line(ax, layers, col(name), color=_COLORS[colour], style=style, marker=marker,
+                 label=label) and name not in _ALWAYS:  # fmt: skip
+            drawn.append(name)
+    return drawn
+
+
 def plot_cosine_isotropy(run: Run) -> tuple[str | None, str]:
     """Anisotropy, S_inter, S_intra and IsoScore across layers; cluster-adjusted ones dashed."""
     col = run.layer_col
@@ -557,49 +590,7 @@ def plot_cosine_isotropy(run: Run) -> tuple[str | None, str]:
     with mpl.rc_context(_STYLE):
         fig = _new_figure(11.5, 4.4)
         ax1, ax2 = fig.subplots(1, 2)
-        _line(
-            ax1,
-            layers,
-            col("anisotropy"),
-            color=_COLORS["anisotropy"],
-            label="anisotropy (all pairs)",
-        )
-        _line(
-            ax1, layers, col("s_inter"), color=_COLORS["s_inter"], label="S_inter (different types)"
-        )
-        _line(
-            ax1, layers, col("s_intra"), color=_COLORS["s_intra"], label="S_intra (self-similarity)"
-        )
-        if _line(
-            ax1,
-            layers,
-            col("adjusted_s_inter"),
-            color=_COLORS["s_inter"],
-            style="--",
-            marker="s",
-            label="S_inter, cluster-adjusted",
-        ):
-            extras.append("adjusted_s_inter")
-        if _line(
-            ax1,
-            layers,
-            col("adjusted_s_intra"),
-            color=_COLORS["s_intra"],
-            style="--",
-            marker="s",
-            label="S_intra, cluster-adjusted",
-        ):
-            extras.append("adjusted_s_intra")
-        if _line(
-            ax1,
-            layers,
-            col("s_inter_type_uniform"),
-            color=_COLORS["s_inter"],
-            style=":",
-            marker="^",
-            label="S_inter, one occurrence per type (Cai)",
-        ):
-            extras.append("s_inter_type_uniform")
+        extras += _lines(ax1, layers, col, COSINE_LINES)
         k = col("kmeans_k")
         k_text = kmeans_labels(run, short=True)
         if k is not None:
@@ -623,35 +614,7 @@ def plot_cosine_isotropy(run: Run) -> tuple[str | None, str]:
         if ax1.get_legend_handles_labels()[0]:
             ax1.legend(loc="best", framealpha=0.9)
 
-        _line(
-            ax2, layers, col("isoscore"), color=_COLORS["isoscore"], label="IsoScore (all tokens)"
-        )
-        if _line(
-            ax2,
-            layers,
-            col("adjusted_isoscore"),
-            color=_COLORS["isoscore"],
-            style="--",
-            marker="s",
-            label="IsoScore, cluster-adjusted",
-        ):
-            extras.append("adjusted_isoscore")
-        if _line(
-            ax2,
-            layers,
-            col("isoscore_sample"),
-            color=_COLORS["isoscore"],
-            style=":",
-            marker="^",
-            label="IsoScore of the sample",
-        ):
-            extras.append("isoscore_sample")
-        for c, lab in (
-            ("partition_isotropy", "partition isotropy I(W)"),
-            ("partition_isotropy_centered", "partition isotropy, centred"),
-        ):
-            if _line(ax2, layers, col(c), color=_COLORS[c], label=lab, marker="d"):
-                extras.append(c)
+        extras += _lines(ax2, layers, col, ISOTROPY_LINES)
         partition = any(e.startswith("partition") for e in extras)
         ax2.set_ylim(0, 1.02)
         ax2.set_ylabel("isotropy  (0 = one direction, 1 = isotropic)")
