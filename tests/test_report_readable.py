@@ -216,6 +216,8 @@ def test_figures_mark_k_at_cap_and_k_1(crafted):
     assert "“k=1, rejected”" in figs["isoscore_silhouette"].caption
     assert "no interior optimum" in figs["intrinsic_dim"].caption
     assert "no interior optimum" in figs["cosine_isotropy"].caption
+    # the size-weighted cluster-adjusted cosine is drawn and said so (the run has it)
+    assert "Dash-dotted" in figs["cosine_isotropy"].caption
     assert "median" in figs["intrinsic_dim"].caption and "exact convention" in (
         figs["intrinsic_dim"].caption
     )

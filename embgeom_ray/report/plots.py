@@ -555,12 +555,15 @@ COSINE_LINES = (
     ("s_intra", "s_intra", "-", "o", "S_intra (self-similarity)"),
     ("adjusted_s_inter", "s_inter", "--", "s", "S_inter, cluster-adjusted"),
     ("adjusted_s_intra", "s_intra", "--", "s", "S_intra, cluster-adjusted"),
+    ("adjusted_s_inter_weighted", "s_inter", "-.", "v", "S_inter, cluster-adjusted, size-weighted"),
+    ("adjusted_s_intra_weighted", "s_intra", "-.", "v", "S_intra, cluster-adjusted, size-weighted"),
     ("s_inter_type_uniform", "s_inter", ":", "^", "S_inter, one occurrence per type (Cai)"),
 )
 #: the same for the isotropy panel
 ISOTROPY_LINES = (
     ("isoscore", "isoscore", "-", "o", "IsoScore (all tokens)"),
     ("adjusted_isoscore", "isoscore", "--", "s", "IsoScore, cluster-adjusted"),
+    ("adjusted_isoscore_weighted", "isoscore", "-.", "v", "IsoScore, cluster-adjusted, size-weighted"),
     ("isoscore_sample", "isoscore", ":", "^", "IsoScore of the sample"),
     ("partition_isotropy", "partition_isotropy", "-", "d", "partition isotropy I(W)"),
     ("partition_isotropy_centered", "partition_isotropy_centered", "-", "d",
@@ -638,6 +641,12 @@ def plot_cosine_isotropy(run: Run) -> tuple[str | None, str]:
             " Dashed: the same metrics inside K-means clusters of the sample, each cluster's "
             "mean subtracted (Cai et al. 2021); if anisotropy is a cluster effect, the dashed "
             "cosines drop towards 0."
+        )
+    if any(e.endswith("_weighted") for e in extras):
+        caption += (
+            " Dash-dotted: the cluster-adjusted metrics averaged over clusters weighted by their "
+            "size (Cai's average is unweighted, so a cluster of two types counts as much as one "
+            "of thousands)."
         )
     if k is not None:
         caption += " k above the left panel is the number of K-means clusters chosen per layer"
