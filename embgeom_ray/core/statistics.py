@@ -51,6 +51,7 @@ from __future__ import annotations
 import itertools
 import json
 import math
+import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
@@ -849,13 +850,19 @@ class EmbeddingStatistics(Sketch):
                 f"statistics type_ids are not increasing ids in {_range_text((lo, hi))}"
             )
         shape = (len(self.layers), t, self.dim, self.max_positions)
-        tensors = {
-            f.name: torch.from_numpy(
-                np.array(check_array(arrays, f.name, f.shape(*shape), f.numpy_dtype, self.KIND))
-            )
-            for f in self._fields()
-        }
-        self._fill(torch.from_numpy(np.array(ids)), tensors)
+        if t:
+            self._slots_for(torch.from_numpy(np.array(ids)).to(self.device))  # slots 0..t-1
+        # one field at a time, and the per-type rows copied straight from the (read-only)
+        # arrays into their slots: a reader holds the arrays read and these statistics, not a
+        # third copy of everything
+        for f in self._fields():
+            a = check_array(arrays, f.name, f.shape(*shape), f.numpy_dtype, self.KIND)
+            if f.per_type:
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore", UserWarning)  # a read-only view, copied
+                    self._a[f.name][:, :t] = torch.from_numpy(np.asarray(a)).to(self.device)
+            else:
+                self._a[f.name] = torch.from_numpy(np.array(a)).to(self.device).contiguous()
 
     def _fill(self, type_ids: torch.Tensor, tensors: Mapping[str, torch.Tensor]) -> None:
         """Set the arrays of these (new, empty) statistics: the per-type rows of the increasing
