@@ -24,6 +24,7 @@ from __future__ import annotations
 import io
 import json
 import platform
+from collections.abc import Sequence
 from datetime import datetime, timezone
 from typing import Any, Literal
 
@@ -388,22 +389,22 @@ class RunDir:
         combined (:meth:`~embgeom_ray.core.statistics.EmbeddingStatistics.combine`)."""
         from .core.statistics import EmbeddingStatistics
 
+        url = self.statistics_url()
+        index = _parts_index(url)
+        if index is None:
+            return EmbeddingStatistics.load(url)
+        return EmbeddingStatistics.combine(
+            [EmbeddingStatistics.load(join(url, name)) for name in index["files"]]
+        )
+
+    def statistics_url(self) -> str:
+        """Where the run's statistics artefact is: ``statistics.safetensors``, or the
+        ``statistics/`` directory of parts (read with :func:`load_statistics_part`)."""
         if self.has(STATISTICS):
-            return EmbeddingStatistics.load(self.path(STATISTICS))
-        index_url = join(self.path(STATISTICS_PARTS), PARTS_INDEX)
-        if not exists(index_url):
-            raise RunDirError(f"run {self.url} has no {STATISTICS} nor {STATISTICS_PARTS}/")
-        try:
-            index = json.loads(read_bytes(index_url))
-        except ValueError as exc:
-            raise RunDirError(f"{index_url} is not valid JSON: {exc}") from None
-        if not isinstance(index, dict) or index.get("format") != PARTS_FORMAT:
-            raise RunDirError(f"{index_url} is not an index of format {PARTS_FORMAT}")
-        parts = [
-            EmbeddingStatistics.load(join(self.path(STATISTICS_PARTS), name))
-            for name in index["files"]
-        ]
-        return EmbeddingStatistics.combine(parts)
+            return self.path(STATISTICS)
+        if self.has(join(STATISTICS_PARTS, PARTS_INDEX)):
+            return self.path(STATISTICS_PARTS)
+        raise RunDirError(f"run {self.url} has no {STATISTICS} nor {STATISTICS_PARTS}/")
 
     def finalise(
         self, manifest: Manifest, tables: dict[str, pd.DataFrame], statistics: Any, sample: Any
@@ -452,3 +453,79 @@ def format_summary(layers: pd.DataFrame) -> str:
     ]  # fmt: skip
     with pd.option_context("display.width", 200, "display.max_columns", 30, "display.precision", 4):
         return layers[cols].to_string(index=False)
+
+
+def _parts_index(url: str) -> dict[str, Any] | None:
+    """The index of the partitioned artefact at ``url``; None when ``url`` is not one."""
+    index_url = join(url, PARTS_INDEX)
+    if not exists(index_url):
+        return None
+    try:
+        index = json.loads(read_bytes(index_url))
+    except ValueError as exc:
+        raise RunDirError(f"{index_url} is not valid JSON: {exc}") from None
+    if not isinstance(index, dict) or index.get("format") != PARTS_FORMAT:
+        raise RunDirError(f"{index_url} is not an index of format {PARTS_FORMAT}")
+    return index
+
+
+def load_statistics_part(
+    url: str,
+    layers: Sequence[int] | None = None,
+    token_range: tuple[int, int | None] = (0, None),
+    *,
+    layer_state: bool = True,
+) -> Any:
+    """The part of the statistics artefact at ``url`` that holds ``layers``, the rows of the
+    token ids in ``token_range`` and (if ``layer_state``) the per-layer fields, as
+    :meth:`EmbeddingStatistics.load_part <embgeom_ray.core.statistics.EmbeddingStatistics.load_part>`.
+
+    ``url`` is a statistics file (a run's ``statistics.safetensors``, a checkpoint group's
+    piece) or a partitioned artefact's directory, cut into any partitions: then only the
+    files whose token range or layers meet the part are read, each only for what they share
+    with it, and the pieces are combined. Memory: the part, plus one file's share of it.
+    """
+    from .core.statistics import EmbeddingStatistics, Partition
+
+    index = _parts_index(url)
+    if index is None:
+        return EmbeddingStatistics.load_part(url, layers, token_range, layer_state=layer_state)
+    lo, hi = token_range
+    pieces, first = [], None
+    for name in index["files"]:
+        path = join(url, name)
+        header = EmbeddingStatistics.read_header(path)
+        held = [int(x) for x in header["layers"]]
+        part = Partition.from_json(header["partition"] or {"of_layers": held, "token_range": [0, None], "layer_state": True})  # fmt: skip
+        here = [x for x in held if layers is None or x in layers]
+        if not here:
+            continue
+        first = first or (path, here)
+        own_lo, own_hi = part.token_range
+        a = max(lo, own_lo)
+        b = own_hi if hi is None else (hi if own_hi is None else min(hi, own_hi))
+        rows = b is None or a < b
+        state = layer_state and part.layer_state
+        if rows or state:
+            pieces.append(
+                EmbeddingStatistics.load_part(
+                    path, here, (a, b) if rows else (lo, lo), layer_state=state
+                )
+            )
+    if not pieces:
+        if first is None:
+            raise RunDirError(f"{url} holds none of the layers {list(layers or [])}")
+        return EmbeddingStatistics.load_part(first[0], first[1], (lo, lo), layer_state=False)
+    return pieces[0] if len(pieces) == 1 else EmbeddingStatistics.combine(pieces)
+
+
+def statistics_type_ids(url: str) -> np.ndarray:
+    """The increasing token ids the statistics artefact at ``url`` (file or partitioned
+    directory) holds rows for, read without its other arrays where the files are local."""
+    from .core.statistics import EmbeddingStatistics
+
+    index = _parts_index(url)
+    if index is None:
+        return EmbeddingStatistics.read_type_ids(url)
+    ids = [EmbeddingStatistics.read_type_ids(join(url, name)) for name in index["files"]]
+    return np.unique(np.concatenate(ids)) if ids else np.zeros(0, np.int64)

@@ -39,6 +39,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--tokenizer",
         help="where to load the tokenizer that names token ids [default: the first run's model]",
     )
+    p.add_argument(
+        "--reducers",
+        type=int,
+        default=1,
+        help="reducer actors merging the statistics partition by partition (token ranges and "
+        "layers), so no process holds them whole; 1 merges in this process [default: 1]",
+    )
     p.add_argument("--overwrite", action="store_true", help="replace a run already in --out")
     return p
 
@@ -52,6 +59,7 @@ def main(argv: list[str] | None = None) -> int:
             min_count=args.min_count,
             tokenizer=args.tokenizer,
             overwrite=args.overwrite,
+            reducers=args.reducers,
         )
     except UserError as exc:
         print(f"error: {exc}", file=sys.stderr)

@@ -23,6 +23,7 @@ from embgeom_ray.core.statistics import EmbeddingStatistics
 from embgeom_ray.run_dir import RunDir
 from embgeom_ray.runs import merge as run_merge
 from jobs import merge
+from tests.test_statistics import assert_same_state
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -150,6 +151,30 @@ def test_merged_tables_equal_whole_run(runs, merged) -> None:
             if c in want.columns
         ]
         _assert_frames_equal(got, want, keys)
+
+
+def test_merge_partition_by_partition_equals_the_whole_merge(runs, merged, tmp_path) -> None:
+    """``--reducers 3``: reducer actors merge the runs' statistics partition by partition and
+    write the partitioned artefact; tables equal the whole run's, the artefact the one-process
+    merge's (to float64 rounding), and the manifest records the reducers."""
+    out = tmp_path / "merged-r3"
+    assert merge.main(["--reducers", "3", "--out", str(out), str(runs["a"]), str(runs["b"])]) == 0
+    m = json.loads((out / "manifest.json").read_text())
+    assert "statistics/" in m["outputs"]["artefacts"]
+    assert m["reducers"]["count"] == 3 and len(m["memory"]["reducer_peak_rss_bytes"]) == 3
+    whole = json.loads((runs["whole"] / "manifest.json").read_text())
+    assert m["counts"] == json.loads((merged / "manifest.json").read_text())["counts"]
+    for name in whole["outputs"]["tables"]:
+        want = pd.read_parquet(runs["whole"] / name)
+        keys = [c for c in ("layer", "sample", "key", "token_id", "dim", "position") if c in want]
+        _assert_frames_equal(pd.read_parquet(out / name), want, keys)
+    assert_same_state(
+        RunDir(str(out)).load_statistics(),
+        EmbeddingStatistics.load(merged / "statistics.safetensors"),
+        rtol=1e-12,
+        comoment_rtol=1e-12,
+    )
+    assert merge.main(["--reducers", "0", "--out", str(tmp_path / "x"), str(runs["a"]), str(runs["b"])]) == 2  # fmt: skip
 
 
 def test_merged_manifest(runs, merged) -> None:

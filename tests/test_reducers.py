@@ -18,8 +18,8 @@ import torch
 from embgeom_ray.config import JobConfig
 from embgeom_ray.core.statistics import EmbeddingStatistics
 from embgeom_ray.core.tables import build_tables
-from embgeom_ray.distributed.reducers import PartitionedStatistics, PartitionPlan
-from embgeom_ray.run_dir import RunDir
+from embgeom_ray.distributed.reducers import PartitionedStatistics, PartitionPlan, seen_type_ids
+from embgeom_ray.run_dir import RunDir, load_statistics_part, statistics_type_ids
 from tests.test_partials import Tokenizer, assert_tables_close
 from tests.test_statistics import assert_same_state
 
@@ -143,6 +143,62 @@ def test_a_whole_artefact_replaces_a_partitioned_one(tmp_path, ray_local):
     assert run.save_artefacts(whole, None) == ["statistics.safetensors"]
     assert not (tmp_path / "run" / "statistics").exists()
     assert_same_state(run.load_statistics(), whole)
+
+
+def test_a_partitioned_artefact_reads_back_any_part(tmp_path, ray_local):
+    """``load_statistics_part`` on a ``statistics/`` directory cut by 3 reducers gives, for
+    parts cut anywhere else (other ranges, layer subsets, per-layer state or not), exactly
+    what selecting them from the whole gives, reading only the files that meet the part."""
+    urls, whole = group_files(tmp_path, True, 1e4)
+    parts = PartitionedStatistics(PartitionPlan.of(3, VOCAB, LAYERS), urls)
+    try:
+        parts.save(str(tmp_path / "statistics"))
+    finally:
+        parts.close()
+    directory = str(tmp_path / "statistics")
+    np.testing.assert_array_equal(statistics_type_ids(directory), whole.state_dict()["type_ids"])
+    for layers, token_range, state in [
+        (None, (0, None), True),  # everything: a whole again
+        ([2, 5], (5, 20), False),  # across the cut at 14
+        ([0], (13, 15), True),
+        (None, (30, None), False),  # the last file's range and beyond V
+        ([5], (0, 0), True),  # per-layer state only
+        (None, (50, 60), False),  # no row there
+    ]:
+        got = load_statistics_part(directory, layers, token_range, layer_state=state)
+        want = whole.select(layers, token_range, layer_state=state)
+        assert got.partition == want.partition, (layers, token_range, state)
+        assert_same_state(got, want)
+    # a file reads the same way (load_part)
+    assert_same_state(
+        load_statistics_part(urls[0], [2], (3, 9), layer_state=False),
+        EmbeddingStatistics.load(urls[0]).select([2], (3, 9), layer_state=False),
+    )
+
+
+def test_reducers_merge_runs_cut_into_other_partitions(tmp_path, ray_local):
+    """The merge of runs partition by partition: one run's artefact cut by 3 reducers, the
+    other whole; 2 reducers with other ranges read their parts of both and give the tables
+    (and, saved and read back, the statistics) of the merge of everything."""
+    urls, whole = group_files(tmp_path, False, 0.0)
+    options = JobConfig(model="m", corpus="c", out="o", min_count=2).tables
+    first = PartitionedStatistics(PartitionPlan.of(3, VOCAB, LAYERS), urls[:2])
+    try:
+        first.save(str(tmp_path / "a" / "statistics"))
+    finally:
+        first.close()
+    sources = [str(tmp_path / "a" / "statistics"), urls[2]]
+    seen = seen_type_ids(sources)
+    np.testing.assert_array_equal(seen, whole.state_dict()["type_ids"])
+    merged = PartitionedStatistics(PartitionPlan.balanced(2, seen, LAYERS), sources)
+    try:
+        assert merged.plan.ranges[0][1] not in (14, 27)  # cut elsewhere than the first run
+        assert_tables_close(merged.tables(Tokenizer, options), build_tables(whole, Tokenizer, options))
+        run = RunDir(str(tmp_path / "merged"))
+        run.save_artefacts(merged, None)
+        assert_same_state(run.load_statistics(), whole, rtol=1e-12, comoment_rtol=1e-12)
+    finally:
+        merged.close()
 
 
 @pytest.mark.slow

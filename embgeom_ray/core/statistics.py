@@ -976,9 +976,34 @@ class EmbeddingStatistics(Sketch):
                     raise StatisticsMismatchError(
                         f"{url}: not an embgeom_ray {cls.KIND} artefact ({exc})"
                     ) from None
-                if cls.check_header(header) >= 2 and header.get("partition") is None:
+                if cls.check_header(header) >= 2:
                     return cls._read_part(f, header, layers, token_range, layer_state)
+        if token_range[0] == token_range[1]:  # no rows: any part holds the empty range
+            whole = cls.load(url)
+            return whole.select(layers, whole.token_range[:1] * 2, layer_state=layer_state)
         return cls.load(url).select(layers, token_range, layer_state=layer_state)
+
+    @classmethod
+    def read_header(cls, path: str) -> dict[str, Any]:
+        """The header of a statistics file (layers, dim, partition, metadata, …), read alone
+        from a local file, else from the loaded file."""
+        from safetensors import safe_open
+
+        from ..io_utils import is_local, local_path
+        from .sketch import HEADER_KEY
+
+        url = str(path)
+        if is_local(url):
+            with safe_open(local_path(url), framework="numpy") as f:
+                try:
+                    header = json.loads((f.metadata() or {})[HEADER_KEY])
+                except (KeyError, ValueError) as exc:
+                    raise StatisticsMismatchError(
+                        f"{url}: not an embgeom_ray {cls.KIND} artefact ({exc})"
+                    ) from None
+            cls.check_header(header)
+            return header
+        return cls.load(url).header()
 
     @classmethod
     def read_type_ids(cls, path: str) -> np.ndarray:
@@ -1004,14 +1029,29 @@ class EmbeddingStatistics(Sketch):
         token_range: tuple[int, int | None],
         layer_state: bool,
     ) -> EmbeddingStatistics:
-        """The part of an open safetensors file of a whole (:meth:`load_part`)."""
-        of_layers = [int(x) for x in header["layers"]]
-        want = set(of_layers if layers is None else (int(x) for x in layers))
-        unknown = sorted(want - set(of_layers))
+        """The part of an open safetensors file (:meth:`load_part`): of a whole, or of a part
+        that holds what is asked (a token range within its own, an empty range anywhere, layers
+        it holds, per-layer fields only if it holds them)."""
+        record = header.get("partition")
+        held_part = None if record is None else Partition.from_json(record)
+        held = [int(x) for x in header["layers"]]
+        of_layers = list(held_part.of_layers) if held_part else held
+        want = set(held if layers is None else (int(x) for x in layers))
+        unknown = sorted(want - set(held))
         if unknown:
-            raise ValueError(f"layers {unknown} are not held; layers are {of_layers}")
-        kept = [x for x in of_layers if x in want]
-        lis = [of_layers.index(x) for x in kept]
+            raise ValueError(f"layers {unknown} are not held; layers are {held}")
+        kept = [x for x in held if x in want]
+        lis = [held.index(x) for x in kept]
+        if held_part is not None:
+            (own_lo, own_hi), empty = held_part.token_range, token_range[0] == token_range[1]
+            lo, hi = token_range
+            if not empty and (lo < own_lo or (own_hi is not None and (hi is None or hi > own_hi))):
+                raise ValueError(
+                    f"token range {_range_text(token_range)} is not within the held "
+                    f"{_range_text(held_part.token_range)}"
+                )
+            if layer_state and not held_part.layer_state:
+                raise ValueError("this part holds no per-layer moments to read")
         lo, hi = token_range
         ids = f.get_tensor("type_ids")
         a = int(np.searchsorted(ids, lo, "left"))

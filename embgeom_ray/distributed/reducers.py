@@ -43,7 +43,7 @@ from ..core.statistics import EmbeddingStatistics, LayerMoments
 from ..core.tables import TypeSummary, build_tables_from, summarise_types
 from ..errors import OutputError
 from ..io_utils import atomic_write_json, join
-from ..run_dir import PARTS_FORMAT, PARTS_INDEX
+from ..run_dir import PARTS_FORMAT, PARTS_INDEX, load_statistics_part, statistics_type_ids
 from .process_memory import peak_memory, sampler
 
 #: how often one reducer is started again after it was lost, before the run fails
@@ -100,6 +100,15 @@ class PartitionPlan:
         return next(r for r, held in enumerate(self.state_layers) if layer in held)
 
 
+def seen_type_ids(sources: Sequence[str]) -> np.ndarray:
+    """The increasing token ids any of ``sources`` holds rows for (8 bytes each; the ids
+    alone are read where the files are local): what :meth:`PartitionPlan.balanced` cuts."""
+    seen = np.zeros(0, dtype=np.int64)
+    for url in sources:
+        seen = np.union1d(seen, statistics_type_ids(url))
+    return seen
+
+
 class Reducer:
     """One partition of the run's statistics (module docstring); a Ray actor."""
 
@@ -112,13 +121,15 @@ class Reducer:
         self.rows: EmbeddingStatistics | None = None
         self.state: EmbeddingStatistics | None = None
 
-    def load(self, group_urls: Sequence[str]) -> int:
-        """Merge this partition of every group, in the order given; the types held."""
-        for url in group_urls:
-            rows = EmbeddingStatistics.load_part(url, self.layers, self.token_range, layer_state=False)
+    def load(self, sources: Sequence[str]) -> int:
+        """Merge this partition of every source (a checkpoint group's statistics file, or a
+        run's artefact: :func:`~embgeom_ray.run_dir.load_statistics_part`), in the order
+        given; the types held."""
+        for url in sources:
+            rows = load_statistics_part(url, self.layers, self.token_range, layer_state=False)
             self.rows = rows if self.rows is None else self.rows.merge(rows)
             if self.state_layers:
-                state = EmbeddingStatistics.load_part(url, self.state_layers, (0, 0))
+                state = load_statistics_part(url, self.state_layers, (0, 0))
                 self.state = state if self.state is None else self.state.merge(state)
         return 0 if self.rows is None else self.rows.num_types
 

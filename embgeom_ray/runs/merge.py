@@ -26,7 +26,7 @@ import hashlib
 import json
 import os
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from pydantic import ValidationError
@@ -47,10 +47,14 @@ from ..run_dir import (
     Manifest,
     RunDir,
     RunDirError,
+    load_statistics_part,
     now,
     versions,
 )
-from .finish import counts_of, finish_run
+from .finish import Statistics, counts_of, finish_run
+
+if TYPE_CHECKING:
+    from ..distributed.reducers import PartitionedStatistics
 
 #: options that change the statistics of a run; runs merge only if they agree on all of them
 #: (model, tokenizer, layers and clip dims are checked by the statistics themselves too).
@@ -84,6 +88,11 @@ def check_mergeable(runs: list[str], manifests: list[Manifest]) -> None:
         if diffs:
             raise StatisticsMismatchError(
                 f"cannot merge {run} into {first}: runs with different options: " + "; ".join(diffs)
+            )
+        if manifest.layers != manifests[0].layers:
+            raise StatisticsMismatchError(
+                f"cannot merge {run} into {first}: runs of different layers "
+                f"({manifest.layers} != {manifests[0].layers})"
             )
     seen: dict[str, str] = {}
     for run, manifest in zip(runs, manifests, strict=True):
@@ -160,6 +169,46 @@ def load_statistics(run: str) -> EmbeddingStatistics:
     if not rd.has_statistics():
         raise RunError(f"run {run} says it is complete but has no {STATISTICS}")
     return rd.load_statistics()
+
+
+def check_statistics(runs: list[str], layers: list[int]) -> list[str]:
+    """Each run's statistics artefact (file or ``statistics/`` directory), after checking
+    that they measure the same thing (model and tokenizer, layers, dim, clip dims, co-moment
+    precision) from their first layer's state alone, without reading any per-type row."""
+    urls, probes = [], []
+    for run in runs:
+        rd = RunDir(run)
+        if not rd.has_statistics():
+            raise RunError(f"run {run} says it is complete but has no {STATISTICS}")
+        urls.append(rd.statistics_url())
+        try:
+            probes.append(load_statistics_part(urls[-1], layers[:1], (0, 0)))
+        except (ValueError, StatisticsMismatchError) as exc:
+            raise StatisticsMismatchError(f"cannot merge {run} into {runs[0]}: {exc}") from None
+    for run, probe in zip(runs[1:], probes[1:], strict=True):
+        problems = probes[0].mismatches(probe)
+        if problems:
+            raise StatisticsMismatchError(
+                f"cannot merge {run} into {runs[0]}: statistics of different measurements: "
+                + "; ".join(problems)
+            )
+    return urls
+
+
+def merge_partitioned(
+    runs: list[str], layers: list[int], reducers: int, address: str | None
+) -> PartitionedStatistics:
+    """The runs' statistics merged by ``reducers`` reducer actors, partition by partition:
+    each reads its token range and layers from every run (any run's artefact, whole or cut
+    into other partitions) and merges them in the order given, so no process holds more than
+    its partition (:mod:`~embgeom_ray.distributed.reducers`)."""
+    from ..distributed.cluster import connect
+    from ..distributed.reducers import PartitionedStatistics, PartitionPlan, seen_type_ids
+
+    urls = check_statistics(runs, layers)
+    connect(address)
+    plan = PartitionPlan.balanced(reducers, seen_type_ids(urls), layers)
+    return PartitionedStatistics(plan, urls)
 
 
 def merge_statistics(runs: list[str]) -> EmbeddingStatistics:
@@ -240,10 +289,14 @@ def _location(url: str) -> str:
     return os.path.realpath(local_path(url)) if is_local(url) else url.rstrip("/")
 
 
-def check_arguments(runs: list[str], out: str, min_count: int | None, overwrite: bool) -> None:
+def check_arguments(
+    runs: list[str], out: str, min_count: int | None, overwrite: bool, reducers: int = 1
+) -> None:
     """Refuse what cannot be merged before reading anything large."""
     if len(runs) < 2:
         raise RunError("give at least two runs to merge")
+    if reducers < 1:
+        raise UserError(f"--reducers must be at least 1 (got {reducers})")
     if min_count is not None and min_count < 2:
         raise UserError(f"--min-count must be at least 2 (got {min_count})")
     keys = [_location(r) for r in runs]
@@ -302,36 +355,50 @@ def merge_runs(
     min_count: int | None = None,
     tokenizer: str | None = None,
     overwrite: bool = False,
+    reducers: int = 1,
     echo=print,
 ) -> dict[str, Any]:
-    """Merge complete ``runs`` into ``out``; returns the manifest written there."""
+    """Merge complete ``runs`` into ``out``; returns the manifest written there.
+
+    ``reducers`` 1 merges the statistics in this process (it holds them whole); more merges
+    them partition by partition on that many reducer actors (:func:`merge_partitioned`) and
+    writes the partitioned artefact: the same tables to float64 rounding.
+    """
     t0 = time.perf_counter()
     started_at = now()
     runs, out = [r.rstrip("/") for r in runs], out.rstrip("/")
-    check_arguments(runs, out, min_count, overwrite)
+    check_arguments(runs, out, min_count, overwrite, reducers)
     manifests = [load_manifest(run) for run in runs]
     check_mergeable(runs, manifests)
     dedup = check_dedup(runs, manifests)
     config = run_config(manifests[0], out, min_count)
     tok = load_run_tokenizer(manifests[0], tokenizer)
     t_load = time.perf_counter()
-    merged = merge_statistics(runs)
-    sample = merge_samples(runs)
-    t_merge = time.perf_counter()
-
-    run = RunDir(out)
-    manifest = merged_manifest(runs, manifests, config, started_at)
-    run.write_manifest(manifest)
-    totals = summed_counts(manifests)
-    if dedup is not None:
-        run.write_doc_hashes(dedup[0])
-        manifest.set(dedup=dedup[1])
-    manifest.set(
-        layers=merged.layers,
-        counts=counts_of(totals, merged),
-        skipped=totals.skipped,
-        timings_s={"load": round(t_load - t0, 3), "merge": round(t_merge - t_load, 3)},
-    )
-    finish_run(run, manifest, merged, sample, tok, config, t_start=t0, echo=echo)
+    if reducers > 1:
+        merged: Statistics = merge_partitioned(
+            runs, manifests[0].layers or [], reducers, config.address
+        )
+    else:
+        merged = merge_statistics(runs)
+    try:
+        sample = merge_samples(runs)
+        t_merge = time.perf_counter()
+        run = RunDir(out)
+        manifest = merged_manifest(runs, manifests, config, started_at)
+        run.write_manifest(manifest)
+        totals = summed_counts(manifests)
+        if dedup is not None:
+            run.write_doc_hashes(dedup[0])
+            manifest.set(dedup=dedup[1])
+        manifest.set(
+            layers=merged.layers,
+            counts=counts_of(totals, merged),
+            skipped=totals.skipped,
+            timings_s={"load": round(t_load - t0, 3), "merge": round(t_merge - t_load, 3)},
+        )
+        finish_run(run, manifest, merged, sample, tok, config, t_start=t0, echo=echo)
+    finally:
+        if reducers > 1:
+            merged.close()
     echo(f"merged {len(runs)} runs into {out}")
     return manifest.to_json()

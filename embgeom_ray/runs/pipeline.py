@@ -32,7 +32,6 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
 import pandas as pd
 from tqdm.auto import tqdm
 
@@ -193,14 +192,11 @@ def reduce_partitioned(
     partition of the statistics (:mod:`~embgeom_ray.distributed.reducers`); the sample and
     the counts merged here, in group order."""
     from ..distributed.cluster import connect
-    from ..distributed.reducers import PartitionedStatistics, PartitionPlan
+    from ..distributed.reducers import PartitionedStatistics, PartitionPlan, seen_type_ids
 
     connect(spec.config.address)
     urls = [url for g in groups for url in store.group_urls(g)]
-    seen = np.zeros(0, dtype=np.int64)  # the ids seen, 8 bytes each: ranges of equal size
-    for url in urls:
-        seen = np.union1d(seen, EmbeddingStatistics.read_type_ids(url))
-    plan = PartitionPlan.balanced(spec.config.reducers, seen, spec.layers)
+    plan = PartitionPlan.balanced(spec.config.reducers, seen_type_ids(urls), spec.layers)
     merged = PartitionedStatistics(plan, urls)
     totals = ShardCounts()
     sample: ActivationSample | None = None
