@@ -8,6 +8,7 @@ tables as without.
 
 from __future__ import annotations
 
+import shutil
 import time
 
 import numpy as np
@@ -132,6 +133,43 @@ def test_a_lost_reducer_is_restored_and_the_tables_are_the_same(tmp_path, ray_lo
         parts.close()
 
 
+def test_reducers_checkpoint_and_a_lost_one_replays_only_what_follows(tmp_path, ray_local):
+    """Reducers checkpoint their partitions (here after every group); a reducer lost after
+    loading comes back from its checkpoint without reading a group again, and reducers
+    started over a longer list of groups (a resumed driver) read only the groups their
+    checkpoints do not cover; a checkpoint of another plan is not used. Tables as the whole's."""
+    import ray
+
+    urls, whole = group_files(tmp_path, True, 1e4)
+    options = JobConfig(model="m", corpus="c", out="o", min_count=2).tables
+    want = build_tables(whole, Tokenizer, options)
+    plan = PartitionPlan.of(3, VOCAB, LAYERS)
+    ckpt = {"checkpoint_dir": str(tmp_path / "reducers"), "checkpoint_seconds": 0.0}
+    first = PartitionedStatistics(plan, urls[:2], **ckpt)
+    try:
+        assert first.restored == [0, 0, 0] and first.read == [2, 2, 2]
+    finally:
+        first.close()
+    files = sorted(p.name for p in (tmp_path / "reducers").iterdir())
+    assert "reducer-0001.2.rows.safetensors" in files and "reducer-0001.1.rows.safetensors" not in files  # fmt: skip
+    parts = PartitionedStatistics(plan, urls, **ckpt)
+    try:
+        assert parts.restored == [2, 2, 2] and parts.read == [1, 1, 1]
+        ray.kill(parts.actors[1])
+        assert_tables_close(parts.tables(Tokenizer, options), want)
+        assert parts.restarts == [0, 1, 0]
+        assert parts.describe()["sources_restored_from_checkpoints"] == [2, 3, 2]
+        assert parts.describe()["sources_read"] == [1, 0, 1]
+    finally:
+        parts.close()
+    other = PartitionedStatistics(PartitionPlan.of(2, VOCAB, LAYERS), urls, **ckpt)
+    try:
+        assert other.restored == [0, 0] and other.read == [3, 3]
+        assert_tables_close(other.tables(Tokenizer, options), want)
+    finally:
+        other.close()
+
+
 def test_a_whole_artefact_replaces_a_partitioned_one(tmp_path, ray_local):
     urls, whole = group_files(tmp_path, False, 0.0)
     run = RunDir(str(tmp_path / "run"))
@@ -203,14 +241,21 @@ def test_reducers_merge_runs_cut_into_other_partitions(tmp_path, ray_local):
 
 @pytest.mark.slow
 def test_the_job_with_reducers_equals_the_job_without(tmp_path, ray_local, minilm_dir):
+    from embgeom_ray.runs.pipeline import analyze
     from tests.test_job_end_to_end import english_documents, run_job
 
     docs = english_documents(14, 400)
     opts = {"max_length": 48, "shard_bytes": 2048, "layers": [0, 6], "sample_size": 128}
     opts["comoment_precision"] = "float64"
     _, one = run_job(tmp_path, minilm_dir, docs, "r1", "c.jsonl", **opts)
-    manifest, three = run_job(tmp_path, minilm_dir, docs, "r3", "c.jsonl", reducers=3, **opts)
+    # reducers checkpoint after every group, and the checkpoints are kept (for the resume below)
+    ckpt = {"checkpoint_interval": 0, "keep_checkpoints": True}
+    manifest, three = run_job(
+        tmp_path, minilm_dir, docs, "r3", "c.jsonl", reducers=3, **opts, **ckpt
+    )
     assert "statistics/" in manifest["outputs"]["artefacts"]
+    groups = manifest["shards"]["checkpoint_groups"]
+    assert groups > 1 and manifest["reducers"]["sources_read"] == [groups] * 3
     assert manifest["reducers"]["count"] == 3 and manifest["reducers"]["restarts"] == [0, 0, 0]
     assert manifest["reducers"]["state_layers"] == [[0], [6], []]
     peaks = manifest["memory"]["reducer_peak_rss_bytes"]
@@ -231,3 +276,16 @@ def test_the_job_with_reducers_equals_the_job_without(tmp_path, ray_local, minil
     # two extractions (their own flushes): the same statistics to rounding
     whole = RunDir(str(tmp_path / "r1")).load_statistics()
     assert_same_state(RunDir(str(tmp_path / "r3")).load_statistics(), whole, 1e-12, 1e-12)
+    # a driver lost after the reduce: the rerun resumes, and the reducers come back from their
+    # checkpoints without reading a group again
+    out = tmp_path / "r3"
+    for path in [out / "manifest.json", *out.glob("*.parquet")]:
+        path.unlink()
+    shutil.rmtree(out / "statistics")
+    again = analyze(JobConfig(**(manifest["config"] | {"overwrite": False})), echo=lambda *_: None)
+    tables = {name: pd.read_parquet(out / f"{name}.parquet") for name in ("type_stats", "layers", "dims")}  # fmt: skip
+    assert again["shards"]["computed"] == 0
+    assert again["reducers"]["sources_restored_from_checkpoints"] == [groups] * 3
+    assert again["reducers"]["sources_read"] == [0, 0, 0]
+    for name in ("type_stats", "layers", "dims"):
+        pd.testing.assert_frame_equal(tables[name], three[name], check_exact=False, rtol=1e-12)

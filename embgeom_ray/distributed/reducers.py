@@ -24,13 +24,23 @@ L_r ≤ ⌈L / R⌉ the layers whose state r holds, P positions, G the largest c
   ``type_stats`` rows (L · V_seen rows of a few scalars, the table it writes).
 
 Faults: a reducer's part is a pure function of the group files, which stay on disk until the
-run is complete. A reducer lost at any point (``RayActorError``) is started again and re-reads
-every group; the tables are the same (tested by killing one mid-run).
+run is complete, and a group is applied once (keyed by its URL). In a run, each reducer
+checkpoints its partition under ``OUT/reducers/`` whenever ``--checkpoint-interval`` seconds
+have passed while it reads groups (with the plan, kept in ``reducers/plan.json`` for the run,
+and the groups it covers). A reducer lost at any point (``RayActorError``) is started again,
+reads its checkpoint and only the groups after it; so do the reducers of a resumed driver. The
+tables are the same (tested by killing one mid-run, and by resuming after the reduce).
+
+The same reducers merge complete runs partition by partition (``jobs.merge --reducers R``):
+their sources are then the runs' artefacts, whole files or ``statistics/`` directories cut
+into any other partitions (:func:`~embgeom_ray.run_dir.load_statistics_part`).
 """
 
 from __future__ import annotations
 
+import json
 import math
+import time
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -42,7 +52,7 @@ from ..config import TableOptions
 from ..core.statistics import EmbeddingStatistics, LayerMoments
 from ..core.tables import TypeSummary, build_tables_from, summarise_types
 from ..errors import OutputError
-from ..io_utils import atomic_write_json, join
+from ..io_utils import atomic_write_json, exists, join, read_bytes, remove
 from ..run_dir import PARTS_FORMAT, PARTS_INDEX, load_statistics_part, statistics_type_ids
 from .process_memory import peak_memory, sampler
 
@@ -95,6 +105,21 @@ class PartitionPlan:
     def reducers(self) -> int:
         return len(self.ranges)
 
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "layers": list(self.layers),
+            "ranges": [list(r) for r in self.ranges],
+            "state_layers": [list(s) for s in self.state_layers],
+        }
+
+    @classmethod
+    def from_json(cls, record: Mapping[str, Any]) -> PartitionPlan:
+        return cls(
+            tuple((int(lo), None if hi is None else int(hi)) for lo, hi in record["ranges"]),
+            tuple(tuple(int(x) for x in s) for s in record["state_layers"]),
+            tuple(int(x) for x in record["layers"]),
+        )
+
     def owner(self, layer: int) -> int:
         """The reducer that holds ``layer``'s per-layer state."""
         return next(r for r, held in enumerate(self.state_layers) if layer in held)
@@ -110,28 +135,108 @@ def seen_type_ids(sources: Sequence[str]) -> np.ndarray:
 
 
 class Reducer:
-    """One partition of the run's statistics (module docstring); a Ray actor."""
+    """One partition of the run's statistics (module docstring); a Ray actor.
 
-    def __init__(self, index: int, plan: PartitionPlan) -> None:
+    With a ``checkpoint_dir``, the reducer writes its partition there whenever
+    ``checkpoint_seconds`` have passed since its last checkpoint (or its start) while
+    loading, with the sources it covers; a reducer started again (after a loss, or by a
+    resumed driver with the same plan) reads its checkpoint and merges only the sources it
+    does not cover. A source is applied once, keyed by its URL.
+    """
+
+    def __init__(
+        self,
+        index: int,
+        plan: PartitionPlan,
+        checkpoint_dir: str | None = None,
+        checkpoint_seconds: float = math.inf,
+    ) -> None:
         sampler()  # this process's peak private memory, sampled from now on
         self.index = index
+        self.plan = plan
         self.token_range = plan.ranges[index]
         self.layers = list(plan.layers)
         self.state_layers = list(plan.state_layers[index])
         self.rows: EmbeddingStatistics | None = None
         self.state: EmbeddingStatistics | None = None
+        self.applied: list[str] = []
+        self.checkpoint_dir = checkpoint_dir
+        self.checkpoint_seconds = checkpoint_seconds
 
-    def load(self, sources: Sequence[str]) -> int:
+    def _merge(self, url: str) -> None:
+        rows = load_statistics_part(url, self.layers, self.token_range, layer_state=False)
+        self.rows = rows if self.rows is None else self.rows.merge(rows)
+        if self.state_layers:
+            state = load_statistics_part(url, self.state_layers, (0, 0))
+            self.state = state if self.state is None else self.state.merge(state)
+        self.applied.append(url)
+
+    def load(self, sources: Sequence[str]) -> dict[str, int]:
         """Merge this partition of every source (a checkpoint group's statistics file, or a
-        run's artefact: :func:`~embgeom_ray.run_dir.load_statistics_part`), in the order
-        given; the types held."""
-        for url in sources:
-            rows = load_statistics_part(url, self.layers, self.token_range, layer_state=False)
-            self.rows = rows if self.rows is None else self.rows.merge(rows)
-            if self.state_layers:
-                state = load_statistics_part(url, self.state_layers, (0, 0))
-                self.state = state if self.state is None else self.state.merge(state)
-        return 0 if self.rows is None else self.rows.num_types
+        run's artefact: :func:`~embgeom_ray.run_dir.load_statistics_part`) not yet applied,
+        in the order given (after this reducer's checkpoint, if it has one); the types held,
+        the sources restored from the checkpoint and those read."""
+        restored = self._restore(sources) if not self.applied else 0
+        done = set(self.applied)
+        todo = [url for url in sources if url not in done]
+        last = time.monotonic()
+        for url in todo:
+            self._merge(url)
+            if self.checkpoint_dir and time.monotonic() - last >= self.checkpoint_seconds:
+                self.checkpoint()
+                last = time.monotonic()
+        types = 0 if self.rows is None else self.rows.num_types
+        return {"types": types, "restored": restored, "read": len(todo)}
+
+    # ---------------------------------------------------------------- checkpoints
+    def _checkpoint_name(self) -> str:
+        return join(self.checkpoint_dir or "", f"reducer-{self.index:04d}.json")
+
+    def checkpoint(self) -> str:
+        """Write this partition and the sources it covers: the parts under new names first,
+        then the JSON naming them (atomically: a reader sees the old checkpoint or the new
+        one), then the old parts are removed. The JSON's URL."""
+        if self.checkpoint_dir is None:
+            raise ValueError("this reducer has no checkpoint directory")
+        previous = self._read_checkpoint()
+        stamp = f"{self.index:04d}.{len(self.applied)}"
+        files = {}
+        for kind, part in (("rows", self.rows), ("state", self.state)):
+            if part is not None:
+                files[kind] = f"reducer-{stamp}.{kind}.safetensors"
+                part.save(join(self.checkpoint_dir, files[kind]))
+        record = {"plan": self.plan.to_json(), "applied": self.applied, "files": files}
+        atomic_write_json(self._checkpoint_name(), record)
+        for name in (previous or {}).get("files", {}).values():
+            if name not in files.values():
+                remove(join(self.checkpoint_dir, name))
+        return self._checkpoint_name()
+
+    def _read_checkpoint(self) -> dict[str, Any] | None:
+        if self.checkpoint_dir is None or not exists(self._checkpoint_name()):
+            return None
+        try:
+            return json.loads(read_bytes(self._checkpoint_name()))
+        except (OSError, ValueError):
+            return None
+
+    def _restore(self, sources: Sequence[str]) -> int:
+        """Read this reducer's checkpoint if it is of this plan and covers only ``sources``;
+        the number of sources it covers (0 without a usable checkpoint)."""
+        record = self._read_checkpoint()
+        if (
+            record is None
+            or record.get("plan") != self.plan.to_json()
+            or not set(record["applied"]) <= set(sources)
+        ):
+            return 0
+        files = record["files"]
+        if "rows" in files:
+            self.rows = EmbeddingStatistics.load(join(self.checkpoint_dir or "", files["rows"]))
+        if "state" in files:
+            self.state = EmbeddingStatistics.load(join(self.checkpoint_dir or "", files["state"]))
+        self.applied = list(record["applied"])
+        return len(self.applied)
 
     def layer_state(self, layer: int) -> LayerMoments:
         if self.state is None or layer not in self.state_layers:
@@ -167,26 +272,43 @@ class PartitionedStatistics:
     #: :meth:`~embgeom_ray.run_dir.RunDir.save_artefacts` writes the partitioned artefact
     partitioned = True
 
-    def __init__(self, plan: PartitionPlan, group_urls: Sequence[str], *, cpus: float = 0) -> None:
+    def __init__(
+        self,
+        plan: PartitionPlan,
+        group_urls: Sequence[str],
+        *,
+        cpus: float = 0,
+        checkpoint_dir: str | None = None,
+        checkpoint_seconds: float = math.inf,
+    ) -> None:
         self.plan = plan
         self.group_urls = list(group_urls)
         self.cpus = cpus
+        self.checkpoint = (checkpoint_dir, checkpoint_seconds)
         self.restarts = [0] * plan.reducers
+        #: per reducer: sources restored from its checkpoint, sources read (last load)
+        self.restored = [0] * plan.reducers
+        self.read = [0] * plan.reducers
         self.actors = [self._start(r) for r in range(plan.reducers)]
         loading = [a.load.remote(self.group_urls) for a in self.actors]
         for r, ref in enumerate(loading):
-            self._get(r, ref, "load")
+            self._loaded(r, self._get(r, ref, "load"))
+
+    def _loaded(self, r: int, result: Mapping[str, int] | None) -> None:
+        if result is not None:  # None: restored after a loss (recorded by _restore)
+            self.restored[r], self.read[r] = result["restored"], result["read"]
 
     @property
     def layers(self) -> list[int]:
         return list(self.plan.layers)
 
     def _start(self, r: int) -> Any:
-        return _RemoteReducer.options(num_cpus=self.cpus).remote(r, self.plan)
+        return _RemoteReducer.options(num_cpus=self.cpus).remote(r, self.plan, *self.checkpoint)
 
     def _restore(self, r: int) -> None:
-        """Start reducer r again and have it re-read every group (again, if it is lost while
-        reading), at most :data:`MAX_REDUCER_RESTARTS` times."""
+        """Start reducer r again and have it read its checkpoint (if any) and every group
+        after it (again, if it is lost while reading), at most :data:`MAX_REDUCER_RESTARTS`
+        times."""
         while True:
             self.restarts[r] += 1
             if self.restarts[r] > MAX_REDUCER_RESTARTS:
@@ -196,7 +318,7 @@ class PartitionedStatistics:
                 )
             self.actors[r] = self._start(r)
             try:
-                ray.get(self.actors[r].load.remote(self.group_urls))
+                self._loaded(r, ray.get(self.actors[r].load.remote(self.group_urls)))
                 return
             except ray.exceptions.RayActorError:
                 continue
@@ -252,9 +374,7 @@ class PartitionedStatistics:
             join(directory, PARTS_INDEX),
             {
                 "format": PARTS_FORMAT,
-                "layers": list(self.plan.layers),
-                "ranges": [list(r) for r in self.plan.ranges],
-                "state_layers": [list(s) for s in self.plan.state_layers],
+                **self.plan.to_json(),
                 "files": [name for names in files for name in names],
             },
         )
@@ -266,6 +386,8 @@ class PartitionedStatistics:
             "token_ranges": [list(r) for r in self.plan.ranges],
             "state_layers": [list(s) for s in self.plan.state_layers],
             "restarts": list(self.restarts),
+            "sources_restored_from_checkpoints": list(self.restored),
+            "sources_read": list(self.read),
         }
 
     def peak_memory(self) -> list[dict[str, int | None]]:

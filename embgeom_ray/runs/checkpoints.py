@@ -10,6 +10,10 @@ writes each such flush as one *checkpoint group*. Layout under ``OUT``::
     groups/<group_id>.json                 the shard ids it covers and their summed counts;
                                            written last, so its presence marks every one of
                                            those shards done
+    reducers/plan.json, reducers/reducer-<r>.json, reducers/reducer-<r>.<n>.*.safetensors
+                                           with ``--reducers``: the partition plan, and each
+                                           reducer's partition after the groups it names
+                                           (:class:`~embgeom_ray.distributed.reducers.Reducer`)
 
 Every file is written atomically. ``group_id`` is ``<first shard id>-n<number of shards>``:
 completed groups cover disjoint shards, so their ids never collide; a group redone after a
@@ -45,6 +49,8 @@ from ..io_utils import atomic_write_bytes, atomic_write_json, exists, join, read
 
 #: directory of checkpoint groups
 GROUPS = "groups"
+#: directory of the reducer actors' checkpoints (``--reducers``), and their partition plan
+REDUCERS, REDUCER_PLAN = "reducers", "plan.json"
 GROUP_FORMAT = "embgeom-checkpoint-group/1"
 STATS_SUFFIX, SAMPLE_SUFFIX, DONE_SUFFIX = ".safetensors", ".sample.safetensors", ".json"
 
@@ -148,7 +154,7 @@ class CheckpointStore:
         for entry in self.fs.ls(self.root, detail=False):
             name = entry.rstrip("/").rsplit("/", 1)[-1]
             if (
-                name in {GROUPS, "run.json", "manifest.json"}
+                name in {GROUPS, REDUCERS, "run.json", "manifest.json"}
                 or name.endswith((".safetensors", ".npy"))
                 or (name.endswith((".parquet", ".png", ".html")))
             ):
@@ -239,10 +245,25 @@ class CheckpointStore:
         return stats, self.load_sample(group) if with_sample else None
 
     def remove_groups(self) -> None:
-        """Remove every checkpoint group (once the run's own artefacts are written)."""
-        base = join(self.root, GROUPS)
-        if self.fs.exists(base):
-            self.fs.rm(base, recursive=True)
+        """Remove every checkpoint group and the reducers' checkpoints (once the run's own
+        artefacts are written)."""
+        for directory in (GROUPS, REDUCERS):
+            base = join(self.root, directory)
+            if self.fs.exists(base):
+                self.fs.rm(base, recursive=True)
+
+    # ------------------------------------------------------------------ reducers
+    def reducer_dir(self) -> str:
+        """Where the reducer actors (``--reducers``) checkpoint their partitions."""
+        return self._path(REDUCERS)
+
+    def reducer_plan(self) -> dict[str, Any] | None:
+        """The partition plan the reducers' checkpoints were made with, if any."""
+        path = self._path(REDUCERS, REDUCER_PLAN)
+        return self._read_json(REDUCERS, REDUCER_PLAN) if exists(path) else None
+
+    def save_reducer_plan(self, plan: dict[str, Any]) -> None:
+        atomic_write_json(self._path(REDUCERS, REDUCER_PLAN), plan)
 
     # ------------------------------------------------------------------ writing
     def save_group(

@@ -196,8 +196,19 @@ def reduce_partitioned(
 
     connect(spec.config.address)
     urls = [url for g in groups for url in store.group_urls(g)]
-    plan = PartitionPlan.balanced(spec.config.reducers, seen_type_ids(urls), spec.layers)
-    merged = PartitionedStatistics(plan, urls)
+    saved = store.reducer_plan()
+    plan = None if saved is None else PartitionPlan.from_json(saved)
+    if plan is None or plan.reducers != spec.config.reducers or list(plan.layers) != spec.layers:
+        # ranges of equal numbers of the ids seen; kept for the run, so that the reducers'
+        # checkpoints stay usable when a resumed run adds groups
+        plan = PartitionPlan.balanced(spec.config.reducers, seen_type_ids(urls), spec.layers)
+        store.save_reducer_plan(plan.to_json())
+    merged = PartitionedStatistics(
+        plan,
+        urls,
+        checkpoint_dir=store.reducer_dir(),
+        checkpoint_seconds=spec.config.checkpoint_interval,
+    )
     totals = ShardCounts()
     sample: ActivationSample | None = None
     for group in groups:
