@@ -158,6 +158,9 @@ def main(argv: list[str] | None = None) -> None:
                     "shards": m["shards"],
                     "workers": m["workers"],
                     "types_seen": seen,
+                    # the fold's cost per token against the forward's, summed over the shards
+                    "fold_over_forward": m["timings_s"]["extract_fold_sum"]
+                    / max(m["timings_s"]["extract_forward_sum"], 1e-9),
                 }
                 rows.append(row)
                 reducer = max(row["reducer_peak_mib"], default=0.0)
@@ -171,6 +174,7 @@ def main(argv: list[str] | None = None) -> None:
                     f"reduce {m['timings_s'].get('reduce', 0):.1f}s metrics "
                     f"{m['timings_s'].get('metrics', 0):.1f}s write {m['timings_s'].get('write', 0):.1f}s"
                     f" | shards {m['shards']['total']} groups {m['shards']['checkpoint_groups']}"
+                    f" | fold/forward {row['fold_over_forward']:.3f}"
                 )
     finally:
         shutil.rmtree(work, ignore_errors=True)

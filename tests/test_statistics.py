@@ -822,3 +822,32 @@ def test_load_part_reads_exactly_the_selected_part(seed, clip, layers, lo, width
         with tempfile.TemporaryDirectory() as tmp:
             whole.save(str(Path(tmp) / "g.safetensors"))
             EmbeddingStatistics.load_part(str(Path(tmp) / "g.safetensors"), [2])
+
+
+@pytest.mark.parametrize("clip", [False, True])
+def test_to_bytes_is_the_safetensors_file_of_the_state(clip):
+    """Serialising into one buffer (``safetensors_into``) writes the file safetensors' own
+    writer makes of ``state_dict``: same arrays, dtypes and header, for a whole, an empty
+    one and a part without per-layer state; the file loads back, lazily too."""
+    import json
+
+    from safetensors.numpy import load, save
+
+    from embgeom_ray.core.sketch import HEADER_KEY
+
+    rng = np.random.default_rng(3)
+    stats = EmbeddingStatistics([0, 1], 5, max_positions=8, clip_dims=[2] if clip else None)
+    for _ in range(3):
+        h, ids, keep = make_batch(rng, vocab=40, offset=1e4)
+        fold(stats, h, ids[:, ::-1].copy(), keep)  # ids first seen out of order
+    empty = EmbeddingStatistics([0, 1], 5, max_positions=8)
+    for s in (stats, stats.select([1], (7, 30), layer_state=False), empty):
+        data = s.to_bytes()
+        want = save(s.state_dict(), metadata={HEADER_KEY: json.dumps(s.header())})
+        got, ref = load(bytes(data)), load(want)
+        assert got.keys() == ref.keys()
+        for key in ref:
+            assert got[key].dtype == ref[key].dtype, key
+            np.testing.assert_array_equal(got[key], ref[key], err_msg=key)
+        assert_same_state(EmbeddingStatistics.from_bytes(data), s)
+        assert_same_state(EmbeddingStatistics.from_bytes(np.frombuffer(data, np.uint8)), s)

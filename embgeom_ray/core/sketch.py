@@ -32,7 +32,7 @@ from __future__ import annotations
 import json
 import os
 from abc import ABC, abstractmethod
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, ClassVar, TypeVar
 
 import numpy as np
@@ -67,6 +67,57 @@ def read_header(data: bytes, kind: str) -> dict[str, Any]:
     if not isinstance(header, dict):
         raise StatisticsMismatchError(f"not an embgeom_ray {kind} artefact: header {header!r:.80}")
     return header
+
+
+#: safetensors' names of the torch dtypes our sketches store
+SAFETENSORS_DTYPES = {
+    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
+    torch.uint8: "U8", torch.bool: "BOOL",
+}  # fmt: skip
+
+
+def safetensors_into(
+    specs: Mapping[str, tuple[torch.dtype, tuple[int, ...]]],
+    fill: Callable[[str, torch.Tensor], None],
+    metadata: Mapping[str, str],
+) -> bytearray:
+    """A safetensors file built in one buffer: ``specs`` names each array's dtype and shape,
+    and ``fill(name, out)`` writes the array into ``out``, a CPU tensor that is its slice of
+    the buffer. Nothing else is allocated, so serialising costs one copy of the arrays, not
+    the two of building them and then the file (:func:`safetensors.numpy.save`).
+
+    The layout is the safetensors format: an 8-byte little-endian header length, the JSON
+    header (names → dtype, shape, ``data_offsets``; ``__metadata__``) padded with spaces to
+    8 bytes, then the arrays back to back, the widest dtypes first (every array aligned).
+    """
+    order = sorted(specs, key=lambda n: -torch.empty((), dtype=specs[n][0]).element_size())
+    header: dict[str, Any] = {}
+    offset = 0
+    for name in order:
+        dtype, shape = specs[name]
+        size = int(np.prod(shape, dtype=np.int64)) * torch.empty((), dtype=dtype).element_size()
+        header[name] = {
+            "dtype": SAFETENSORS_DTYPES[dtype],
+            "shape": [int(x) for x in shape],
+            "data_offsets": [offset, offset + size],
+        }
+        offset += size
+    header["__metadata__"] = dict(metadata)
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    buf = bytearray(8 + len(text) + offset)
+    buf[:8] = len(text).to_bytes(8, "little")
+    buf[8 : 8 + len(text)] = text
+    base = 8 + len(text)
+    for name in order:
+        dtype, shape = specs[name]
+        a, b = header[name]["data_offsets"]
+        if b > a:
+            count = (b - a) // torch.empty((), dtype=dtype).element_size()
+            out = torch.frombuffer(buf, dtype=dtype, count=count, offset=base + a)
+            fill(name, out.view(shape))
+    return buf
 
 
 def check_array(
@@ -212,7 +263,13 @@ class Sketch(ABC):
         atomic_write_bytes(str(path), self.to_bytes())
 
     @classmethod
-    def from_bytes(cls: type[_S], data: bytes, *, device: str | torch.device = "cpu") -> _S:
+    def from_bytes(
+        cls: type[_S], data: bytes | bytearray | memoryview | np.ndarray, *, device: str | torch.device = "cpu"
+    ) -> _S:
+        """Read :meth:`to_bytes`'s file from any bytes-like object (bytes, a bytearray, a
+        uint8 array from Ray's object store)."""
+        if not isinstance(data, bytes):
+            data = memoryview(data).cast("B").tobytes()  # safetensors reads bytes only
         return cls.from_state(read_header(data, cls.KIND), st_load_bytes(data), device=device)
 
     @classmethod

@@ -60,7 +60,7 @@ import numpy as np
 import torch
 
 from ..errors import StatisticsMismatchError
-from .sketch import Sketch, check_array
+from .sketch import HEADER_KEY, Sketch, check_array, safetensors_into
 
 #: the ``format`` of the header (this name since the first version; see :data:`_READS`).
 FORMAT = "embgeom_ray.statistics"
@@ -824,6 +824,34 @@ class EmbeddingStatistics(Sketch):
             out[f.name] = a[:, :t][:, order] if f.per_type else a
         return {k: np.ascontiguousarray(v.detach().cpu().numpy()) for k, v in out.items()}
 
+    def to_bytes(self) -> bytearray:
+        """The safetensors file of :meth:`state_dict` (and :meth:`header`), each array
+        gathered straight into its place in the file's buffer
+        (:func:`~embgeom_ray.core.sketch.safetensors_into`): serialising holds these
+        statistics plus one copy of their arrays, not two (what bounds an extractor spilling
+        under ``--worker-memory``)."""
+        order = self._order()
+        t = self.num_types
+        sources = {"type_ids": (self._slot_ids, False)}
+        sources |= {f.name: (self._a[f.name], f.per_type) for f in self._fields()}
+        specs = {}
+        for name, (a, per_type) in sources.items():
+            shape = (t,) if name == "type_ids" else ((a.shape[0], t, *a.shape[2:]) if per_type else tuple(a.shape))  # fmt: skip
+            specs[name] = (a.dtype, shape)
+
+        def fill(name: str, out: torch.Tensor) -> None:
+            a, per_type = sources[name]
+            if name == "type_ids":
+                out.copy_(a.index_select(0, order))
+            elif per_type and a.device == out.device:
+                torch.index_select(a[:, :t], 1, order, out=out)
+            elif per_type:
+                out.copy_(a[:, :t].index_select(1, order))
+            else:
+                out.copy_(a)
+
+        return safetensors_into(specs, fill, {HEADER_KEY: json.dumps(self.header())})
+
     @classmethod
     def _empty(cls, header: Mapping[str, Any], version: int, device: Any) -> EmbeddingStatistics:
         """Empty statistics with the header's fields (version 1: a whole, no partition)."""
@@ -964,7 +992,6 @@ class EmbeddingStatistics(Sketch):
         from safetensors import safe_open
 
         from ..io_utils import is_local, local_path
-        from .sketch import HEADER_KEY
 
         url = str(path)
         header = None
@@ -990,7 +1017,6 @@ class EmbeddingStatistics(Sketch):
         from safetensors import safe_open
 
         from ..io_utils import is_local, local_path
-        from .sketch import HEADER_KEY
 
         url = str(path)
         if is_local(url):

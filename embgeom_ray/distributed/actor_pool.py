@@ -27,6 +27,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import ray
 
 from ..config import ExtractionOptions, SchedulingOptions
@@ -123,20 +124,28 @@ class FoldReport:
 @dataclass
 class GroupResult:
     """One flush of an actor: the statistics of ``shard_ids`` folded together, as pieces in
-    fold order (bytes, or ObjectRefs of the pieces it spilled under ``--worker-memory``)."""
+    fold order (uint8 arrays of safetensors files, or ObjectRefs of the pieces it spilled
+    under ``--worker-memory``)."""
 
     shard_ids: list[str]
     stats: list[Any]
     sample: bytes | None
     counts: ShardCounts
 
-    def pieces(self) -> Iterator[bytes]:
-        """The statistics pieces as bytes, fetched one at a time and let go of as they are
+    def pieces(self) -> Iterator[np.ndarray]:
+        """The statistics pieces (bytes-like), fetched one at a time and let go of as they are
         taken (consumes ``stats``: one piece in memory)."""
         while self.stats:
             piece = self.stats.pop(0)
             yield ray.get(piece) if isinstance(piece, ray.ObjectRef) else piece
             del piece
+
+
+def as_array(data: bytes | bytearray) -> np.ndarray:
+    """Serialised statistics as a uint8 array on the same memory: Ray puts numpy arrays into
+    its object store with one copy (pickle protocol 5, out of band), where bytes and
+    bytearrays are first copied into the pickle stream."""
+    return np.frombuffer(data, dtype=np.uint8)
 
 
 class ShardExtract:
@@ -195,7 +204,9 @@ class ShardExtract:
         if self.stats is None:
             # under --worker-memory, pieces past the budget go to the object store (ray.put)
             self.stats = SpillingStatistics(
-                self.processor.new_statistics, self.processor.options.worker_memory, ray.put
+                self.processor.new_statistics,
+                self.processor.options.worker_memory,
+                lambda data: ray.put(as_array(data)),
             )
             self.sample = self.processor.new_sample()
         try:
@@ -225,9 +236,10 @@ class ShardExtract:
         self._check_whole()
         if not self.shard_ids:
             raise RuntimeError("flush asked of an extractor that holds no shard")
+        pieces = self.stats.take()
         out = (
             list(self.shard_ids),
-            self.stats.take(),
+            [*pieces[:-1], as_array(pieces[-1])],
             None if self.sample is None else self.sample.to_bytes(),
             self.counts.to_json(),
         )

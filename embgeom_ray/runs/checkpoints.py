@@ -39,6 +39,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import fsspec
+import numpy as np
 
 from ..core.samples import ActivationSample
 from ..core.statistics import EmbeddingStatistics
@@ -269,7 +270,7 @@ class CheckpointStore:
     def save_group(
         self,
         shard_ids: Iterable[str],
-        stats_pieces: bytes | Iterable[bytes],
+        stats_pieces: bytes | Iterable[bytes | np.ndarray],
         sample_bytes: bytes | None,
         counts: ShardCounts,
     ) -> CheckpointGroup:
@@ -277,7 +278,8 @@ class CheckpointStore:
         comes), then sample, then the JSON that marks all of ``shard_ids`` done."""
         ids = tuple(sorted(shard_ids))
         group_id = group_id_for(ids)
-        pieces = [stats_pieces] if isinstance(stats_pieces, bytes) else stats_pieces
+        single = isinstance(stats_pieces, (bytes, bytearray, memoryview, np.ndarray))
+        pieces = [stats_pieces] if single else stats_pieces
         parts = 0
         for data in pieces:
             atomic_write_bytes(self._path(GROUPS, piece_name(group_id, parts)), data)
