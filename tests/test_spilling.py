@@ -13,8 +13,8 @@ from tests.test_statistics import assert_same_state
 LAYERS, D = [0, 2], 8
 
 
-def batches(n: int, vocab: int, offset: float = 0.0):
-    rng = np.random.default_rng(5)
+def batches(n: int, vocab: int, offset: float = 0.0, seed: int = 5):
+    rng = np.random.default_rng(seed)
     for _ in range(n):
         h = torch.as_tensor(rng.normal(size=(len(LAYERS), 4, 16, D)) + offset)
         yield h, torch.as_tensor(rng.integers(0, vocab, size=(4, 16)))
@@ -54,3 +54,28 @@ def test_without_a_budget_nothing_spills():
     for h, ids in batches(5, 50):
         spilling.update(h, ids)
     assert spilling.spills == 0 and len(spilling.take()) == 1
+
+
+def test_a_fresh_accumulator_has_room_for_the_types_of_the_last_one():
+    """After a flush (or a spill) the next accumulator is allocated for as many types as the
+    last held (no doublings from empty), within half the budget, and folds the same."""
+    spilling = SpillingStatistics(lambda: EmbeddingStatistics(LAYERS, D, initial_types=1), None)
+    for h, ids in batches(5, 300):
+        spilling.update(h, ids)
+    held = spilling.current.num_types
+    pieces = spilling.take()
+    assert spilling.current.num_types == 0 and spilling.current._capacity() >= held > 100
+    one = EmbeddingStatistics(LAYERS, D, initial_types=1)
+    for h, ids in batches(3, 300, seed=9):
+        spilling.update(h, ids)
+        one.update(h, ids)
+    assert_same_state(EmbeddingStatistics.from_bytes(spilling.take()[-1]), one)
+    assert len(pieces) == 1
+    # under a budget: at most half of it reserved
+    budget = state_bytes(len(LAYERS), D, 120, 0)
+    spilling = SpillingStatistics(lambda: EmbeddingStatistics(LAYERS, D, initial_types=1), budget)
+    for h, ids in batches(20, 2000):
+        spilling.update(h, ids)
+    assert spilling.spills >= 2
+    spilling.take()
+    assert 0 < spilling.current.nbytes() <= budget / 2 + EmbeddingStatistics(LAYERS, D, initial_types=1).nbytes()

@@ -34,7 +34,12 @@ class Accumulator(Protocol):
 
     def nbytes(self) -> int: ...
 
-    def to_bytes(self) -> bytes: ...
+    def to_bytes(self) -> bytes | bytearray: ...
+
+    @property
+    def num_types(self) -> int: ...
+
+    def reserve(self, types: int) -> None: ...
 
 
 class SpillingStatistics:
@@ -68,7 +73,7 @@ class SpillingStatistics:
         self.current.update(hidden, token_ids, keep, positions)
         if self.budget is not None and self.current.nbytes() >= self.budget:
             data = self.current.to_bytes()
-            self.current = self.new()  # the old one is freed before the next batch
+            self.current = self._fresh()  # the old one is freed before the next batch
             self.spilled_bytes += len(data)
             self.spilled.append(self.spill(data))
             self.spills += 1
@@ -81,5 +86,18 @@ class SpillingStatistics:
         """The spilled handles and the accumulator's own bytes (last), in fold order; starts
         afresh."""
         pieces = [*self.spilled, self.current.to_bytes()]
-        self.current, self.spilled, self.spilled_bytes = self.new(), [], 0
+        self.current, self.spilled, self.spilled_bytes = self._fresh(), [], 0
         return pieces
+
+    def _fresh(self) -> Accumulator:
+        """A new accumulator with room for as many types as the one it replaces held (the
+        next shards of a corpus see about as many), within half the budget: the per-type
+        arrays are then allocated once instead of doubled up from empty, each doubling a
+        copy of all of them (measured: half the fold's time on a 128k-vocabulary model)."""
+        old_types, old_bytes = self.current.num_types, self.current.nbytes()
+        fresh = self.new()
+        types = old_types
+        if self.budget is not None and old_bytes > 0:
+            types = min(types, int(old_types * (self.budget / 2) / old_bytes))
+        fresh.reserve(types)
+        return fresh

@@ -53,6 +53,17 @@ class SplitStatistics:
         ):
             raise ValueError(f"layer groups {self.groups} do not cover the layers {self.layers}")
         self.parts: list[tuple[list[int], EmbeddingStatistics]] = []
+        self.reserved = 0
+
+    def reserve(self, types: int) -> None:
+        """Room for ``types`` token types in every part (:meth:`EmbeddingStatistics.reserve`)."""
+        self.reserved = max(self.reserved, int(types))
+        for _, part in self.parts:
+            part.reserve(self.reserved)
+
+    @property
+    def num_types(self) -> int:
+        return max((part.num_types for _, part in self.parts), default=0)
 
     def _make_parts(self, hidden: Sequence[torch.Tensor]) -> None:
         if self.groups is not None:
@@ -70,6 +81,7 @@ class SplitStatistics:
             part = EmbeddingStatistics(
                 ordered, self.dim, device=device, partition=partition, **self.options
             )
+            part.reserve(self.reserved)
             self.parts.append(([self.layers.index(x) for x in ordered], part))
 
     def update(

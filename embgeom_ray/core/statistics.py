@@ -454,13 +454,22 @@ class EmbeddingStatistics(Sketch):
         cap = self._capacity()
         if needed <= cap:
             return
-        extra = max(needed, 2 * cap) - cap
+        new_cap = max(needed, 2 * cap)
         for f in self._fields(TYPE_FIELDS):
+            # a field at a time: the old and the grown array. The new slots are not zeroed
+            # here but when they are assigned (:meth:`_slots_for`): capacity never used is
+            # never touched (no zeroing, no pages faulted in)
             t = self._a[f.name]
-            shape = list(t.shape)
-            shape[1] = extra
-            pad = torch.zeros(shape, dtype=t.dtype, device=t.device)
-            self._a[f.name] = torch.cat([t, pad], dim=1)
+            grown = torch.empty((t.shape[0], new_cap, *t.shape[2:]), dtype=t.dtype, device=t.device)
+            used = self.num_types  # slots beyond it hold nothing yet
+            grown[:, :used].copy_(t[:, :used])
+            self._a[f.name] = grown
+
+    def reserve(self, types: int) -> None:
+        """Make room for ``types`` token types now (as the doubling would), e.g. as many as
+        the accumulator before this one held: an extractor's next accumulator then skips the
+        doublings, each a copy of every per-type array."""
+        self._grow(int(types))
 
     def _slots_for(self, ids: torch.Tensor) -> torch.Tensor:
         """Slots of the distinct token ids ``ids`` (int64, on device), assigning new ones."""
@@ -481,6 +490,8 @@ class EmbeddingStatistics(Sketch):
             start = self.num_types
             new_slots = torch.arange(start, start + new_ids.numel(), device=self.device)
             self._grow(start + new_ids.numel())
+            for f in self._fields(TYPE_FIELDS):  # the new slots start from zero
+                self._a[f.name][:, start : start + new_ids.numel()].zero_()
             self._id_to_slot[new_ids] = new_slots
             self._slot_ids = torch.cat([self._slot_ids, new_ids])
             slots = self._id_to_slot[ids]
@@ -641,7 +652,7 @@ class EmbeddingStatistics(Sketch):
         blocks = self._row_blocks(n)
         block = blocks[0][1]  # rows of the first (largest) block: the scratch buffers' size
         hits = self._workspace("hits", block, torch.float32)  # 0/1 sums, exact below 2^24 rows
-        mean_b = torch.zeros(u, d, dtype=_F64, device=dev)
+        mean_b = self._workspace("mean_b", u).zero_()  # reused: no fresh pages to fault in
         ps = None if g.pos is None else torch.zeros(self.max_positions, d, dtype=_F64, device=dev)
         for a, b in blocks:
             k = kept[a:b]
