@@ -56,8 +56,11 @@ def minilm_points(n: int, layer: int, work: Path, seed: int = 0) -> np.ndarray:
     return np.ascontiguousarray(X[:n], dtype=np.float64)
 
 
-def minilm_sample(n: int, layers: list[int], work: Path, seed: int = 0):
-    """The extractor's bottom-k :class:`ActivationSample` of n MiniLM occurrences at ``layers``."""
+def minilm_sample(n: int, layers: list[int], work: Path, seed: int = 0, type_size: int = 1):
+    """The extractor's bottom-k :class:`ActivationSample` of n MiniLM occurrences at ``layers``.
+
+    ``type_size``: token types in its type-uniform part (1: none to speak of).
+    """
     from embgeom_ray.config import build_config
     from embgeom_ray.inputs.corpus import CorpusSpec, plan_shards
     from embgeom_ray.inputs.extractor import ShardProcessor
@@ -80,7 +83,7 @@ def minilm_sample(n: int, layers: list[int], work: Path, seed: int = 0):
             "corpus": str(corpus),
             "out": str(work / "unused"),
             "sample_size": n,
-            "sample_type_size": 1,
+            "sample_type_size": type_size,
             "sample_seed": seed,
         },
     )

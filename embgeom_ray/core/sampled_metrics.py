@@ -27,6 +27,7 @@ from scipy.special import logsumexp
 from ..config import JobConfig
 from .kmeans import SILHOUETTE_MAX_POINTS, distinct_rows
 from .metrics import isoscore_from_covariance
+from .neighbours import NeighbourTable, knn_distances, neighbour_table, smallest_per_row
 from .partials import mean_cosine_from_unit_sum
 
 if TYPE_CHECKING:
@@ -118,19 +119,8 @@ def _knn_from_distances(D: np.ndarray, keep: np.ndarray, m: int) -> np.ndarray:
 
 
 def _smallest_per_row(D: np.ndarray, m: int) -> np.ndarray:
-    """(rows, m) column indices of the m smallest entries of each row of D (unordered).
-
-    ``torch.topk`` over blocks of rows: ~4x faster than ``np.argpartition`` on a 4096 × 4096
-    matrix; ties between equal distances may pick either column, as with argpartition.
-    """
-    import torch
-
-    Dt = torch.from_numpy(np.ascontiguousarray(D))
-    out = np.empty((len(D), m), np.int64)
-    for a in range(0, len(D), 1024):  # row blocks bound the (rows, m) outputs' scratch
-        top = torch.topk(Dt[a : a + 1024], m, dim=1, largest=False, sorted=False)
-        out[a : a + 1024] = top.indices.numpy()
-    return out
+    """(rows, m) column indices of the m smallest entries of each row of D (unordered)."""
+    return smallest_per_row(D, m)
 
 
 def lid_mle(
@@ -209,12 +199,24 @@ def lid_mle(
     for a in range(0, n, block):
         T[a : a + block] = np.linalg.norm(X[idx[a : a + block]] - X[a : a + block, None, :], axis=2)
     T.sort(axis=1)
+    m_hat = lid_from_knn_distances(T, squared=squared, divide_by_k=divide_by_k)
+    return m_hat if per_point else float(np.nanmean(m_hat))
+
+
+def lid_from_knn_distances(
+    T: np.ndarray, *, squared: bool = False, divide_by_k: bool = False
+) -> np.ndarray:
+    """Per-point Levina–Bickel m̂ from each point's sorted kNN distances T (n, k), as in :func:`lid_mle`.
+
+    m̂ = [ (1/(k − 1)) Σ_{j<k} log(T_k / T_j) ]⁻¹ (T² with ``squared``, 1/k with
+    ``divide_by_k``); NaN where the sum is not positive.
+    """
+    k = T.shape[1]
     if squared:
         T = T**2
     logs = np.log(T[:, -1:] / T[:, :-1]).sum(axis=1) / (k if divide_by_k else k - 1)
     with np.errstate(divide="ignore"):
-        m_hat = np.where(logs > 0, 1.0 / logs, np.nan)
-    return m_hat if per_point else float(np.nanmean(m_hat))
+        return np.where(logs > 0, 1.0 / logs, np.nan)
 
 
 def lid_cai(
@@ -272,21 +274,52 @@ def silhouette_by_labels(
         raise ValueError(f"labels must be ({len(X)},), got {labels.shape}")
     if distances is not None and np.shape(distances) != (len(X), len(X)):
         raise ValueError(f"distances must be ({len(X)}, {len(X)}), got {np.shape(distances)}")
-    sel = np.arange(len(X))
+    sel = _silhouette_selection(labels, max_points, seed, min_label_count)
+    if sel is None:
+        return float("nan")
+    labels = labels[sel]
+    if distances is not None:
+        return silhouette_from_distances(_block(np.asarray(distances), sel), labels)
+    return float(silhouette_score(X[sel], labels, metric=metric))
+
+
+def _silhouette_selection(
+    labels: np.ndarray, max_points: int | None, seed: int, min_label_count: int
+) -> np.ndarray | None:
+    """The points :func:`silhouette_by_labels` scores (sorted indices), None if it is NaN."""
+    sel = np.arange(len(labels))
     if min_label_count > 1:
         _, inv, cnt = np.unique(labels, return_inverse=True, return_counts=True)
         sel = sel[cnt[inv.reshape(-1)] >= min_label_count]
     if max_points is not None and len(sel) > max_points:
         idx = np.sort(np.random.default_rng(seed).choice(len(sel), max_points, replace=False))
         sel = sel[idx]
-    labels = labels[sel]
-    n_labels = len(np.unique(labels))
+    n_labels = len(np.unique(labels[sel]))
     if n_labels < 2 or n_labels > len(sel) - 1:
+        return None
+    return sel
+
+
+def _silhouette_of_rows(
+    D: np.ndarray,
+    rows: np.ndarray,
+    labels: np.ndarray,
+    *,
+    max_points: int | None,
+    seed: int,
+    min_label_count: int,
+) -> float:
+    """:func:`silhouette_by_labels` of the points ``rows`` (sorted) with distances D[rows][:, rows].
+
+    Takes one block of D, that of the scored points, instead of the block of ``rows`` and then
+    its block of the scored points: the same matrix, so the same value.
+    """
+    from .kmeans import silhouette_from_distances
+
+    sel = _silhouette_selection(labels, max_points, seed, min_label_count)
+    if sel is None:
         return float("nan")
-    if distances is not None:
-        D = np.asarray(distances)
-        return silhouette_from_distances(D if len(sel) == len(D) else D[np.ix_(sel, sel)], labels)
-    return float(silhouette_score(X[sel], labels, metric=metric))
+    return silhouette_from_distances(_block(D, rows[sel]), labels[sel])
 
 
 def partition_isotropy(W: np.ndarray, centered: bool = False) -> float:
@@ -533,26 +566,38 @@ def sampled_layer_metrics(
 
 
 class _PointSet(NamedTuple):
-    """A layer's distinct points (or a subset) and the distance matrices computed once."""
+    """A layer's distinct points and what is computed once for them and their half-samples."""
 
     X: np.ndarray  # (n, d) distinct rows
     token_ids: np.ndarray  # (n,)
     best_labels: np.ndarray | None  # (n,) the labels of the best-silhouette k
     dist: np.ndarray | None  # (n, n) Euclidean distances of the rows
     chord: np.ndarray | None  # (n, n) Euclidean distances of the rows' unit vectors
-
-    def subset(self, S: np.ndarray) -> _PointSet:
-        def sub(D: np.ndarray | None) -> np.ndarray | None:
-            return None if D is None else D[np.ix_(S, S)]
-
-        best = None if self.best_labels is None else self.best_labels[S]
-        return _PointSet(self.X[S], self.token_ids[S], best, sub(self.dist), sub(self.chord))
+    euclid_nn: NeighbourTable | None = None  # the rows' neighbours by ``dist``
+    chord_nn: NeighbourTable | None = None  # the unit vectors' neighbours by ``chord``
 
 
 def _summaries(per_point: np.ndarray) -> tuple[float, float]:
     """(mean, median) of the finite per-point values; NaN if none."""
     ok = per_point[np.isfinite(per_point)]
     return (float(ok.mean()), float(np.median(ok))) if len(ok) else (float("nan"),) * 2
+
+
+def _block(D: np.ndarray, rows: np.ndarray) -> np.ndarray:
+    """D[rows][:, rows] (D itself when ``rows`` are all of its rows, in order)."""
+    return D if len(rows) == len(D) else D[np.ix_(rows, rows)]
+
+
+def _lid_knn(
+    pts: _PointSet, lid_k: int, S: np.ndarray | None, metric: Literal["euclidean", "cosine"]
+) -> np.ndarray | None:
+    """Sorted kNN distances (:func:`~.neighbours.knn_distances`) of the points S (None: all)
+    from the point set's table for ``metric``; None without a table or with too few points."""
+    table = pts.euclid_nn if metric == "euclidean" else pts.chord_nn
+    m = len(pts.X) if S is None else len(S)
+    if table is None or m <= lid_k:
+        return None
+    return knn_distances(table, lid_k, S)
 
 
 def _point_set_metrics(
@@ -563,32 +608,57 @@ def _point_set_metrics(
     seed: int,
     *,
     kmeans_silhouette: bool,
+    S: np.ndarray | None = None,
+    lid_cai_too: bool = False,
 ) -> dict[str, float]:
-    """Silhouettes and LIDs of a set of distinct points (a layer's, or a half-sample of it)."""
-    lid_e = lid_mle(pts.X, lid_k, "euclidean", per_point=True, distances=pts.dist)
-    if pts.chord is None:
-        lid_c = lid_mle(pts.X, lid_k, "cosine", per_point=True)
+    """Silhouettes and LIDs of a set of distinct points (a layer's, or its half-sample S).
+
+    S: sorted indices of a half-sample (None: all points). The LIDs come from the point
+    set's neighbour tables and the silhouettes from blocks of its distance matrix when it has
+    them (the same values as :func:`lid_mle` and :func:`silhouette_by_labels` on X[S] with
+    the distances of X[S]: see :mod:`.neighbours`), else from those functions on X[S].
+    ``lid_cai_too`` adds ``lid_euclidean_cai`` (:func:`lid_cai`) from the same neighbours.
+    """
+    rows = np.arange(len(pts.X)) if S is None else np.asarray(S)
+    X = pts.X if S is None else pts.X[S]
+    row: dict[str, float] = {}
+    T_e = _lid_knn(pts, lid_k, S, "euclidean")
+    if T_e is not None:
+        lid_e = lid_from_knn_distances(T_e)
+        if lid_cai_too:
+            cai = lid_from_knn_distances(T_e, squared=True, divide_by_k=True)
+            row["lid_euclidean_cai"] = float(np.nanmean(cai))
+    else:
+        D = None if pts.dist is None else _block(pts.dist, rows)
+        lid_e = lid_mle(X, lid_k, "euclidean", per_point=True, distances=D)
+        if lid_cai_too:
+            row["lid_euclidean_cai"] = float(lid_cai(X, lid_k, distances=D))
+    T_c = _lid_knn(pts, lid_k, S, "cosine")
+    if T_c is not None:
+        lid_c = lid_from_knn_distances(T_c)
+    elif pts.chord is None:
+        lid_c = lid_mle(X, lid_k, "cosine", per_point=True)
     else:  # the chord distances are the Euclidean distances of the unit vectors
-        U, _ = _unit_rows(pts.X)
-        lid_c = lid_mle(U, lid_k, "euclidean", per_point=True, distances=pts.chord)
-    row = dict(
+        U, _ = _unit_rows(X)
+        lid_c = lid_mle(U, lid_k, "euclidean", per_point=True, distances=_block(pts.chord, rows))
+    row |= dict(
         zip(("lid_euclidean", "lid_euclidean_median"), _summaries(lid_e), strict=True)
     ) | dict(zip(("lid_cosine", "lid_cosine_median"), _summaries(lid_c), strict=True))
-    row["silhouette_types"] = silhouette_by_labels(
-        pts.X,
-        pts.token_ids,
-        max_points=max_points,
-        seed=seed,
-        min_label_count=min_type_count,
-        distances=pts.dist,
-    )
+
+    def silhouette(labels: np.ndarray, min_label_count: int) -> float:
+        if pts.dist is None:
+            return silhouette_by_labels(
+                X, labels, max_points=max_points, seed=seed, min_label_count=min_label_count
+            )
+        return _silhouette_of_rows(
+            pts.dist, rows, labels, max_points=max_points, seed=seed,
+            min_label_count=min_label_count,
+        )  # fmt: skip
+
+    row["silhouette_types"] = silhouette(pts.token_ids[rows], min_type_count)
     if kmeans_silhouette:
         row["kmeans_silhouette"] = (
-            float("nan")
-            if pts.best_labels is None
-            else silhouette_by_labels(
-                pts.X, pts.best_labels, max_points=max_points, seed=seed, distances=pts.dist
-            )
+            float("nan") if pts.best_labels is None else silhouette(pts.best_labels[rows], 1)
         )
     return row
 
@@ -614,11 +684,10 @@ def _standard_errors(
     """
 
     def points_statistic(S: np.ndarray) -> dict[str, float]:
-        half = pts.subset(S)
         adj = cluster_adjusted(
-            half.X, labels[S], half.token_ids, weighted_clusters=weighted_clusters
+            pts.X[S], labels[S], pts.token_ids[S], weighted_clusters=weighted_clusters
         )
-        return _point_set_metrics(half, kmeans_silhouette=True, seed=seed, **options) | {
+        return _point_set_metrics(pts, S=S, kmeans_silhouette=True, seed=seed, **options) | {
             "adjusted_s_inter": adj.s_inter,
             "adjusted_s_intra": adj.s_intra,
             "adjusted_s_inter_weighted": adj.s_inter_weighted,
@@ -728,13 +797,22 @@ def sampled_metrics_of_points(
     first, _ = distinct_rows(X)
     Xd = X[first]
     best = kmeans_result.best_labels
-    dist = chord = None
+    dist = chord = euclid_nn = chord_nn = None
     if silhouette_max_points is not None and 2 <= len(Xd) <= silhouette_max_points:
         dist = pairwise_distances(Xd - Xd.mean(axis=0))
         U, nonzero = _unit_rows(Xd)
         chord = pairwise_distances(U) if nonzero.all() else None
+        if len(Xd) > lid_k:
+            euclid_nn = neighbour_table(Xd, dist, lid_k)
+            chord_nn = None if chord is None else neighbour_table(U, chord, lid_k)
     pts = _PointSet(
-        Xd, token_ids[first], None if best is None else np.asarray(best)[first], dist, chord
+        Xd,
+        token_ids[first],
+        None if best is None else np.asarray(best)[first],
+        dist,
+        chord,
+        euclid_nn,
+        chord_nn,
     )
     options = {
         "lid_k": lid_k,
@@ -770,9 +848,8 @@ def sampled_metrics_of_points(
         "adjusted_clusters_left_out": adj.clusters_left_out,
         "adjusted_s_inter_draws_mean": adj.s_inter_draws_mean,
         "adjusted_s_inter_draws_std": adj.s_inter_draws_std,
-        "lid_euclidean_cai": float(lid_cai(Xd, lid_k, distances=dist)),
     }
-    row |= _point_set_metrics(pts, kmeans_silhouette=False, seed=seed, **options)
+    row |= _point_set_metrics(pts, kmeans_silhouette=False, seed=seed, lid_cai_too=True, **options)
     clusters, sizes = np.unique(labels[first], return_counts=True)
     row |= _standard_errors(
         pts,
