@@ -111,10 +111,24 @@ def isoscore_from_covariance(cov: np.ndarray) -> float:
     points whose covariance this is. NaN for a zero covariance.
     """
     cov = np.asarray(cov, dtype=np.float64)
-    n = cov.shape[0]
+    if cov.shape[0] < 2:
+        return float("nan")
+    return isoscore_from_spectrum(np.linalg.eigvalsh((cov + cov.T) / 2.0), cov.shape[0])
+
+
+def isoscore_from_spectrum(eigenvalues: np.ndarray, dim: int) -> float:
+    """IsoScore (:func:`isoscore_from_covariance`) from covariance eigenvalues.
+
+    ``eigenvalues``: those of a ``dim`` × ``dim`` covariance matrix, or only some of them
+    when the others are 0 (e.g. the non-zero ones from the smaller Gram matrix of fewer
+    points than dimensions): the missing ones count as 0. Their absolute values are used (a
+    computed zero eigenvalue may come out slightly negative).
+    """
+    n = int(dim)
     if n < 2:
         return float("nan")
-    lam = np.abs(np.linalg.eigvalsh((cov + cov.T) / 2.0))
+    lam = np.zeros(n)
+    lam[: len(eigenvalues)] = np.abs(eigenvalues)
     norm = np.linalg.norm(lam)
     if norm == 0:
         return float("nan")

@@ -26,7 +26,7 @@ from scipy.special import logsumexp
 
 from ..config import JobConfig
 from .kmeans import SILHOUETTE_MAX_POINTS, distinct_rows
-from .metrics import isoscore_from_covariance
+from .metrics import isoscore_from_covariance, isoscore_from_spectrum
 from .neighbours import NeighbourTable, knn_distances, neighbour_table, smallest_per_row
 from .partials import mean_cosine_from_unit_sum
 
@@ -100,12 +100,21 @@ def isoscore_points(X: np.ndarray) -> float:
     eigenvalues, n = d, λ̂ = √n λ/||λ||, δ = ||λ̂ − 1|| / √(2(n − √n)),
     k = (n − δ²(n − √n))²/n, IsoScore = (k − 1)/(n − 1). Equals ``IsoScore.IsoScore(X)``
     (which takes √n in float32, so to ~1e-6). NaN for fewer than 2 points.
+
+    With fewer points m than dimensions d, the eigenvalues come from the m × m Gram matrix
+    X_c X_cᵀ/(m − 1) of the centred points instead of the d × d covariance X_cᵀ X_c/(m − 1):
+    the same non-zero eigenvalues (the other d − m are 0), equal to float rounding, and a far
+    smaller eigendecomposition (a cluster of a half-sample has a few hundred points).
     """
     X = _as_points(X)
-    if len(X) < 2 or X.shape[1] < 2:
+    m, d = X.shape
+    if m < 2 or d < 2:
         return float("nan")
     Xc = X - X.mean(axis=0)
-    return isoscore_from_covariance(Xc.T @ Xc / (len(X) - 1))
+    if m >= d:
+        return isoscore_from_covariance(Xc.T @ Xc / (m - 1))
+    G = Xc @ Xc.T / (m - 1)
+    return isoscore_from_spectrum(np.linalg.eigvalsh((G + G.T) / 2.0), d)
 
 
 def _knn_from_distances(D: np.ndarray, keep: np.ndarray, m: int) -> np.ndarray:
@@ -370,6 +379,17 @@ def _mean(values: Sequence[float], weights: Sequence[float] | None = None) -> fl
     return float(np.sum(vals[ok] * w[ok]) / w[ok].sum())
 
 
+def _group_sums(u: np.ndarray, group: np.ndarray, n_groups: int) -> np.ndarray:
+    """(n_groups, d) Σ_{i: group_i = g} u_i: ``np.add.at(zeros, group, u)``, bit for bit.
+
+    One weighted ``bincount`` over the flattened rows: it adds in row order, as add.at does,
+    so the sums are the same floats, several times faster.
+    """
+    d = u.shape[1]
+    flat = (group[:, None] * d + np.arange(d)[None, :]).ravel()
+    return np.bincount(flat, weights=u.ravel(), minlength=n_groups * d).reshape(n_groups, d)
+
+
 def _one_per_type(inv: np.ndarray, keys: np.ndarray) -> np.ndarray:
     """Rows of smallest key within each group of ``inv``: one random occurrence per type."""
     order = np.lexsort((keys, inv))
@@ -456,8 +476,7 @@ def cluster_adjusted(
             inters.append(mean_cosine_from_unit_sum(s @ s, m))
         else:
             inters.append(nan)
-        sums = np.zeros((len(types), X.shape[1]))
-        np.add.at(sums, inv, u)
+        sums = _group_sums(u, inv, len(types))
         multi = cnt >= 2
         if multi.any():
             n_t = cnt[multi].astype(np.float64)
