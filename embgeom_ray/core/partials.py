@@ -47,6 +47,17 @@ def mean_cosine_from_unit_sum(
     return (sq_norm - m) / (m * (m - 1.0))
 
 
+def group_sums(u: np.ndarray, group: np.ndarray, n_groups: int) -> np.ndarray:
+    """(n_groups, d) Σ_{i: group_i = g} u_i of the rows u (n, d): ``np.add.at``'s sums, bit for bit.
+
+    One weighted ``bincount`` over the flattened rows: it adds in row order, as
+    ``np.add.at(zeros, group, u)`` does, so the sums are the same floats, several times faster.
+    """
+    d = u.shape[1]
+    flat = (np.asarray(group, np.int64)[:, None] * d + np.arange(d)[None, :]).ravel()
+    return np.bincount(flat, weights=u.ravel(), minlength=n_groups * d).reshape(n_groups, d)
+
+
 def self_similarities(counts: np.ndarray, unit_sums: np.ndarray) -> np.ndarray:
     """SelfSim_t = (||U_t||² − n_t) / (n_t (n_t − 1)) per type; NaN where n_t < 2."""
     n = counts.astype(np.float64)

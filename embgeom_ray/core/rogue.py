@@ -32,7 +32,7 @@ from .metrics import (
     dim_variances,
     isoscore_from_covariance,
 )
-from .partials import TypePartials, type_partials
+from .partials import TypePartials, group_sums, type_partials
 from .statistics import EmbeddingStatistics, LayerMoments
 
 #: the columns of :func:`dimension_flags`, after :data:`~embgeom_ray.core.metrics.DIM_COLUMNS`
@@ -230,8 +230,7 @@ def _sampled_cosines(x: np.ndarray, token_ids: np.ndarray) -> tuple[float, float
     norms = np.linalg.norm(x, axis=1, keepdims=True)
     unit = x / np.maximum(norms, np.finfo(np.float64).tiny)
     types, inverse = np.unique(token_ids, return_inverse=True)
-    sums = np.zeros((len(types), x.shape[1]))
-    np.add.at(sums, inverse, unit)
+    sums = group_sums(unit, inverse.reshape(-1), len(types))
     counts = np.bincount(inverse, minlength=len(types))
     aniso, s_inter, s_intra, _ = cosines_from_unit_sums(counts, sums)
     return aniso, s_inter, s_intra

@@ -28,7 +28,7 @@ from ..config import JobConfig
 from .kmeans import SILHOUETTE_MAX_POINTS, distinct_rows
 from .metrics import isoscore_from_covariance, isoscore_from_spectrum
 from .neighbours import NeighbourTable, knn_distances, neighbour_table, smallest_per_row
-from .partials import mean_cosine_from_unit_sum
+from .partials import group_sums, mean_cosine_from_unit_sum
 
 if TYPE_CHECKING:
     from .kmeans import SelectKResult
@@ -379,17 +379,6 @@ def _mean(values: Sequence[float], weights: Sequence[float] | None = None) -> fl
     return float(np.sum(vals[ok] * w[ok]) / w[ok].sum())
 
 
-def _group_sums(u: np.ndarray, group: np.ndarray, n_groups: int) -> np.ndarray:
-    """(n_groups, d) Σ_{i: group_i = g} u_i: ``np.add.at(zeros, group, u)``, bit for bit.
-
-    One weighted ``bincount`` over the flattened rows: it adds in row order, as add.at does,
-    so the sums are the same floats, several times faster.
-    """
-    d = u.shape[1]
-    flat = (group[:, None] * d + np.arange(d)[None, :]).ravel()
-    return np.bincount(flat, weights=u.ravel(), minlength=n_groups * d).reshape(n_groups, d)
-
-
 def _one_per_type(inv: np.ndarray, keys: np.ndarray) -> np.ndarray:
     """Rows of smallest key within each group of ``inv``: one random occurrence per type."""
     order = np.lexsort((keys, inv))
@@ -476,7 +465,7 @@ def cluster_adjusted(
             inters.append(mean_cosine_from_unit_sum(s @ s, m))
         else:
             inters.append(nan)
-        sums = _group_sums(u, inv, len(types))
+        sums = group_sums(u, inv, len(types))
         multi = cnt >= 2
         if multi.any():
             n_t = cnt[multi].astype(np.float64)
