@@ -1,0 +1,164 @@
+"""The shared computations of the sampled stage against direct, from-scratch ones.
+
+The stage computes one kNN table per layer and metric and reuses it for the half-samples of
+the standard errors, takes silhouettes on blocks of one distance matrix, sums groups with
+``bincount`` and takes the IsoScore of fewer points than dimensions from the Gram matrix. Each
+is checked here against the slow, obvious computation on the same points.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from sklearn.metrics import pairwise_distances
+
+from embgeom_ray.core import neighbours
+from embgeom_ray.core.kmeans import distinct_rows, select_k
+from embgeom_ray.core.metrics import isoscore_from_covariance
+from embgeom_ray.core.neighbours import knn_distances, neighbour_table
+from embgeom_ray.core.partials import group_sums
+from embgeom_ray.core.sampled_metrics import (
+    SE_METRICS,
+    cluster_adjusted,
+    half_sample_se,
+    isoscore_points,
+    lid_cai,
+    lid_from_knn_distances,
+    lid_mle,
+    mean_pairwise_cosine,
+    sampled_metrics_of_points,
+    silhouette_by_labels,
+)
+
+
+def clustered_points(n: int = 360, d: int = 24, seed: int = 0):
+    """n points in 3 anisotropic clusters in d dims, with 12 exact copies and repeated types."""
+    rng = np.random.default_rng(seed)
+    centres = rng.normal(scale=4.0, size=(3, d))
+    scales = rng.uniform(0.2, 2.0, size=d)
+    X = centres[rng.integers(0, 3, n)] + rng.normal(size=(n, d)) * scales + 5.0
+    X[-12:] = X[:12]  # repeated text: identical vectors
+    token_ids = rng.integers(0, n // 4, n)
+    token_ids[-12:] = token_ids[:12]
+    return X, token_ids
+
+
+def test_knn_from_the_table_equals_a_fresh_search_on_every_subset(monkeypatch):
+    X, _ = clustered_points()
+    X = X[distinct_rows(X)[0]]
+    k = 10
+    table = neighbour_table(X, pairwise_distances(X - X.mean(axis=0)), k)
+    assert table is not None and table.idx.shape == (len(X), neighbours.LIST_FACTOR * (k + 1))
+    rng = np.random.default_rng(1)
+    subsets = [None, *(np.sort(rng.choice(len(X), m, replace=False)) for m in (174, 174, 60))]
+    for S in subsets:
+        Xs = X if S is None else X[S]
+        ref = lid_mle(Xs, k, per_point=True)  # sklearn's NearestNeighbors on X[S] itself
+        T = knn_distances(table, k, S)
+        np.testing.assert_allclose(lid_from_knn_distances(T), ref, rtol=1e-12)
+        np.testing.assert_allclose(
+            lid_from_knn_distances(T, squared=True, divide_by_k=True),
+            lid_cai(Xs, k, per_point=True),
+            rtol=1e-12,
+        )
+    # lists of only k + 1: most rows of a subset search their row of D directly
+    monkeypatch.setattr(neighbours, "LIST_FACTOR", 1)
+    short = neighbour_table(X, pairwise_distances(X), k)
+    for S in subsets[1:]:
+        np.testing.assert_allclose(
+            lid_from_knn_distances(knn_distances(short, k, S)),
+            lid_mle(X[S], k, per_point=True),
+            rtol=1e-12,
+        )
+    with pytest.raises(ValueError, match="more than"):
+        knn_distances(table, k, np.arange(k))
+    assert (
+        neighbour_table(np.vstack([X, X[:1]]), pairwise_distances(np.vstack([X, X[:1]])), k) is None
+    )
+
+
+def test_group_sums_are_add_at_bit_for_bit():
+    rng = np.random.default_rng(2)
+    u = rng.normal(size=(500, 17))
+    g = rng.integers(0, 40, 500)
+    ref = np.zeros((45, 17))
+    np.add.at(ref, g, u)
+    np.testing.assert_array_equal(group_sums(u, g, 45), ref)
+
+
+@pytest.mark.parametrize("m", [5, 23, 24, 60])
+def test_isoscore_of_fewer_points_than_dims_from_the_gram_matrix(m):
+    X, _ = clustered_points(n=m, d=24, seed=m)
+    X = X[:m] * np.linspace(0.5, 3.0, 24)  # anisotropic
+    Xc = X - X.mean(axis=0)
+    ref = isoscore_from_covariance(Xc.T @ Xc / (m - 1))
+    np.testing.assert_allclose(isoscore_points(X), ref, rtol=1e-10)
+
+
+def test_sampled_metrics_and_half_sample_ses_equal_direct_computations():
+    """Every LID, silhouette and cluster-adjusted value, and their half-sample SEs, from scratch.
+
+    The reference recomputes each half-sample's metrics on X[S] alone (sklearn's kNN search
+    and silhouette_score, no shared matrix or table), with the replicates' seeds of
+    ``sampled_metrics_of_points``: a wrong row, column or neighbour in the sharing shows.
+    """
+    X, tok = clustered_points()
+    rng = np.random.default_rng(3)
+    type_vectors = rng.normal(size=(80, X.shape[1])) + 1.0
+    km = select_k(X, ks=range(2, 6), seed=0)
+    opts = {"lid_k": 10, "cluster_min_size": 20, "se_replicates": 6, "seed": 4}
+    row = sampled_metrics_of_points(X, tok, type_vectors, km, **opts)
+
+    first, _ = distinct_rows(X)
+    Xd, tokd = X[first], tok[first]
+    labels, best = np.asarray(km.labels)[first], np.asarray(km.best_labels)[first]
+    assert row["sample_duplicate_points"] == 12 and row["kmeans_k"] == 3
+
+    def direct(S: np.ndarray) -> dict[str, float]:
+        Xs = Xd[S]
+        out = {}
+        for name, metric in (("lid_euclidean", "euclidean"), ("lid_cosine", "cosine")):
+            per_point = lid_mle(Xs, 10, metric, per_point=True)
+            out[name] = float(np.nanmean(per_point))
+            out[f"{name}_median"] = float(np.nanmedian(per_point))
+        out["silhouette_types"] = silhouette_by_labels(Xs, tokd[S], seed=4, min_label_count=2)
+        out["kmeans_silhouette"] = silhouette_by_labels(Xs, best[S], seed=4)
+        clusters, sizes = np.unique(labels, return_counts=True)
+        adj = cluster_adjusted(Xs, labels[S], tokd[S], weighted_clusters=clusters[sizes >= 20])
+        for key in ("s_inter", "s_intra", "isoscore"):
+            out[f"adjusted_{key}"] = getattr(adj, key)
+            out[f"adjusted_{key}_weighted"] = getattr(adj, f"{key}_weighted")
+        return out
+
+    full = direct(np.arange(len(Xd)))
+    for key in ("lid_euclidean", "lid_euclidean_median", "lid_cosine", "lid_cosine_median"):
+        np.testing.assert_allclose(row[key], full[key], rtol=1e-12, err_msg=key)
+    np.testing.assert_allclose(row["silhouette_types"], full["silhouette_types"], rtol=1e-10)
+    np.testing.assert_allclose(row["lid_euclidean_cai"], lid_cai(Xd, 10), rtol=1e-12)
+
+    seeds = np.random.SeedSequence([4, 0x5E]).generate_state(3)
+    ref = half_sample_se(len(Xd), direct, 6, int(seeds[0]))
+    ref |= half_sample_se(
+        len(X), lambda S: {"isoscore_sample": isoscore_points(X[S])}, 6, int(seeds[2])
+    )
+    ref |= half_sample_se(
+        len(type_vectors),
+        lambda S: {"s_inter_type_uniform": mean_pairwise_cosine(type_vectors[S])},
+        6,
+        int(seeds[1]),
+    )
+    assert set(ref) == set(SE_METRICS)
+    for key in SE_METRICS:
+        assert np.isfinite(row[f"{key}_se"]) and row[f"{key}_se"] > 0, key
+        np.testing.assert_allclose(row[f"{key}_se"], ref[key], rtol=1e-9, err_msg=key)
+
+
+def test_repeated_directions_take_the_cosine_lid_without_a_table():
+    """Two distinct points on one ray (x and 2x) share a unit vector: LID drops the copy."""
+    X, tok = clustered_points(n=200)
+    X[5] = 2.0 * X[4]
+    km = select_k(X, ks=range(2, 4), seed=0)
+    row = sampled_metrics_of_points(X, tok, None, km, lid_k=10, se_replicates=0)
+    Xd = X[distinct_rows(X)[0]]
+    np.testing.assert_allclose(row["lid_cosine"], lid_mle(Xd, 10, "cosine"), rtol=1e-12)
+    np.testing.assert_allclose(row["lid_euclidean"], lid_mle(Xd, 10), rtol=1e-12)
