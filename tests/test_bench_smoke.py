@@ -84,3 +84,21 @@ def test_scaling_smoke(results_dir):
     red = result["reduce"]["runs"]
     assert [r["shards"] for r in red] == [2, 3]
     assert all(r["reduce_s_per_shard"] > 0 for r in red)
+
+
+def test_sampled_stage_smoke(results_dir):
+    import subprocess
+
+    from bench import sampled_stage
+
+    # the baseline is this checkout's HEAD (its package imported under another name)
+    git = subprocess.run(
+        ["git", "-C", str(sampled_stage.REPO), "rev-parse", "HEAD"], check=False, capture_output=True
+    )
+    baseline = "HEAD" if git.returncode == 0 else "none"
+    sampled_stage.main(f"--size 128 --layers 0 --repeats 1 --baseline {baseline}".split())
+    (res,) = read(results_dir, "sampled_stage")["results"]
+    assert res["layer"] == 0 and res["n"] == 128 and res["select_k_seconds"] > 0
+    assert {"total", "no_se", "se"} <= res["seconds"]["current"].keys()
+    if baseline == "HEAD":
+        assert res["max_rel_diff"] <= 1e-10 and res["ratio"]["total"] > 0
