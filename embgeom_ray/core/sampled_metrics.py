@@ -785,7 +785,10 @@ def sampled_metrics_of_points(
     When the distinct points number at most ``silhouette_max_points``, their Euclidean distance
     matrix (``sklearn.metrics.pairwise_distances`` of them minus their mean) and that of their
     unit vectors are computed once and shared by the silhouettes, the LIDs and the
-    half-samples (the same values: see :func:`lid_mle`'s ``distances``).
+    half-samples (the same values: see :func:`lid_mle`'s ``distances``): a half-sample's
+    silhouettes take its block of the matrix, and its LIDs read its points' nearest
+    neighbours from one table per matrix (:mod:`.neighbours`: each point's 3(``lid_k`` + 1)
+    nearest points and their exact distances) instead of searching the block again.
     """
     from sklearn.metrics import pairwise_distances
 
