@@ -153,6 +153,15 @@ def test_sampled_metrics_and_half_sample_ses_equal_direct_computations():
         np.testing.assert_allclose(row[f"{key}_se"], ref[key], rtol=1e-9, err_msg=key)
 
 
+def test_lid_k_below_2_is_refused_on_every_path():
+    X, tok = clustered_points(n=60)
+    km = select_k(X, ks=range(2, 4), seed=0)
+    with pytest.raises(ValueError, match="lid_k must be >= 2"):
+        sampled_metrics_of_points(X, tok, None, km, lid_k=1)
+    with pytest.raises(ValueError, match="k must be >= 2"):
+        lid_from_knn_distances(np.ones((5, 1)))
+
+
 def test_repeated_directions_take_the_cosine_lid_without_a_table():
     """Two distinct points on one ray (x and 2x) share a unit vector: LID drops the copy."""
     X, tok = clustered_points(n=200)

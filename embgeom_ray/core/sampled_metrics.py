@@ -221,6 +221,8 @@ def lid_from_knn_distances(
     ``divide_by_k``); NaN where the sum is not positive.
     """
     k = T.shape[1]
+    if k < 2:
+        raise ValueError(f"k must be >= 2, got {k}")
     if squared:
         T = T**2
     logs = np.log(T[:, -1:] / T[:, :-1]).sum(axis=1) / (k if divide_by_k else k - 1)
@@ -798,6 +800,8 @@ def sampled_metrics_of_points(
     token_ids = np.asarray(token_ids)
     if token_ids.shape != (len(X),):
         raise ValueError(f"token_ids must be ({len(X)},), got {token_ids.shape}")
+    if lid_k < 2:
+        raise ValueError(f"lid_k must be >= 2, got {lid_k}")
     if kmeans_result is None:
         kmeans_result = select_k(X, seed=seed, silhouette_max_points=silhouette_max_points)
     labels = np.asarray(kmeans_result.labels)
