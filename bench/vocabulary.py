@@ -18,8 +18,13 @@ extractor's private memory stays near its budget. Two numbers per process: the p
 set, which also counts the pages of Ray's shared object store the process wrote or read (spilled
 pieces, flushed groups).
 
+Before the jobs, for every V, the fold's cost against the forward's is measured in this process
+over the same batches (``--fold-tokens``; median of 3, fresh statistics each time): the fold
+per token must not grow with V.
+
     python -m bench.vocabulary [--vocab 32000,128256] [--reducers 1,4] [--dim 128]
-        [--blocks 4] [--tokens 300000] [--worker-memory 256MiB]
+        [--blocks 4] [--tokens 300000] [--worker-memory 256MiB] [--fold-tokens 100000]
+        [--no-jobs]
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import numpy as np
@@ -84,6 +90,54 @@ def generated_corpus(path: Path, vocab: int, tokens: int, seed: int = 0) -> str:
     return str(path)
 
 
+def fold_and_forward(model: str, corpus: str, tokens: int, repeats: int = 3) -> dict:
+    """In this process, over the same batches of the first ``tokens`` words: the forward's
+    and the fold's seconds (median of ``repeats``, each fold into fresh statistics, as an
+    extractor's first interval between flushes), and their ratio."""
+    import torch
+
+    from bench.common import median
+    from embgeom_ray.config import build_config
+    from embgeom_ray.inputs.corpus import CorpusSpec, ReadReport, plan_shards, read_shard
+    from embgeom_ray.inputs.extractor import ShardCounts, ShardProcessor
+    from embgeom_ray.inputs.model_loading import resolve_identity, resolve_layers
+
+    identity, _ = resolve_identity(model, None, False)
+    layers = resolve_layers(None, identity.num_layers)
+    cfg = build_config(
+        None,
+        {"model": model, "corpus": corpus, "out": "unused", "max_length": 128, "sample_size": 0},
+    )
+    proc = ShardProcessor(cfg.extraction, layers, {"model_fingerprint": "bench"})
+    shard = plan_shards(CorpusSpec(corpus), 1 << 40).shards[0]
+    with torch.inference_mode():
+        batches, n = [], 0
+        for batch in proc.batches(read_shard(shard, proc.corpus, ReadReport()), ShardCounts()):
+            batches.append(batch)
+            n += batch.num_tokens
+            if n >= tokens:
+                break
+        forward, fold = [], []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            hidden = [proc.forward(b) for b in batches]
+            forward.append(time.perf_counter() - t0)
+            stats = proc.new_statistics()
+            t0 = time.perf_counter()
+            for b, h in zip(batches, hidden, strict=True):
+                stats.update(h, b.input_ids, b.keep)
+            fold.append(time.perf_counter() - t0)
+            del hidden
+    return {
+        "tokens": n,
+        "types": stats.num_types,
+        "forward_s": median(forward),
+        "fold_s": median(fold),
+        "fold_over_forward": median(fold) / median(forward),
+        "fold_us_per_token": 1e6 * median(fold) / n,
+    }
+
+
 CHILD = """
 import json, sys
 from embgeom_ray.config import build_config
@@ -122,16 +176,35 @@ def main(argv: list[str] | None = None) -> None:
         "--worker-memory", default=None, help="the job's --worker-memory (e.g. 256MiB)"
     )
     p.add_argument("--shard-bytes", type=int, default=None, help="the job's --shard-bytes")
+    p.add_argument(
+        "--fold-tokens",
+        type=int,
+        default=100_000,
+        help="tokens of the in-process fold/forward measurement (0: skip it)",
+    )
+    p.add_argument(
+        "--jobs", action=argparse.BooleanOptionalAction, default=True, help="run the jobs"
+    )
     p.add_argument("--name", default="vocabulary")
     args = p.parse_args(argv)
     work = Path(tempfile.mkdtemp(prefix="embgeom-bench-vocab-"))
     layers = args.blocks + 1
-    rows = []
+    rows, folds = [], []
     try:
         for vocab in (int(v) for v in args.vocab.split(",")):
             model = wordlevel_llama_dir(work / f"model-{vocab}", vocab, args.dim, args.blocks)
             corpus = generated_corpus(work / f"corpus-{vocab}.jsonl", vocab, args.tokens)
-            for reducers in (int(r) for r in args.reducers.split(",")):
+            if args.fold_tokens:
+                f = fold_and_forward(model, corpus, args.fold_tokens)
+                folds.append({"vocab": vocab, **f})
+                print(
+                    f"V={vocab:7,d} in-process over {f['tokens']:,} tokens ({f['types']:,} "
+                    f"types): forward {f['forward_s']:.2f}s fold {f['fold_s']:.2f}s "
+                    f"({f['fold_us_per_token']:.1f} µs/token) fold/forward "
+                    f"{f['fold_over_forward']:.3f}",
+                    flush=True,
+                )
+            for reducers in (int(r) for r in args.reducers.split(",")) if args.jobs else ():
                 out = work / f"run-{vocab}-{reducers}"
                 m = run_job(model, corpus, out, reducers, args)
                 seen = int(pd.read_parquet(out / "layers.parquet")["n_types"].max())
@@ -178,7 +251,10 @@ def main(argv: list[str] | None = None) -> None:
                 )
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    save(args.name, {"command": "python -m bench.vocabulary", "args": vars(args), "runs": rows})
+    save(
+        args.name,
+        {"command": "python -m bench.vocabulary", "args": vars(args), "folds": folds, "runs": rows},
+    )
 
 
 if __name__ == "__main__":
