@@ -93,7 +93,8 @@ def generated_corpus(path: Path, vocab: int, tokens: int, seed: int = 0) -> str:
 def fold_and_forward(model: str, corpus: str, tokens: int, repeats: int = 3) -> dict:
     """In this process, over the same batches of the first ``tokens`` words: the forward's
     and the fold's seconds (median of ``repeats``, each fold into fresh statistics, as an
-    extractor's first interval between flushes), and their ratio."""
+    extractor's first interval between flushes), their ratio, and the fold's again into the
+    same statistics (every type seen: the steady state of a long run)."""
     import torch
 
     from bench.common import median
@@ -117,7 +118,7 @@ def fold_and_forward(model: str, corpus: str, tokens: int, repeats: int = 3) -> 
             n += batch.num_tokens
             if n >= tokens:
                 break
-        forward, fold = [], []
+        forward, fold, seen = [], [], []
         for _ in range(repeats):
             t0 = time.perf_counter()
             hidden = [proc.forward(b) for b in batches]
@@ -127,6 +128,10 @@ def fold_and_forward(model: str, corpus: str, tokens: int, repeats: int = 3) -> 
             for b, h in zip(batches, hidden, strict=True):
                 stats.update(h, b.input_ids, b.keep)
             fold.append(time.perf_counter() - t0)
+            t0 = time.perf_counter()  # again into the same statistics: no type is new
+            for b, h in zip(batches, hidden, strict=True):
+                stats.update(h, b.input_ids, b.keep)
+            seen.append(time.perf_counter() - t0)
             del hidden
     return {
         "tokens": n,
@@ -135,6 +140,9 @@ def fold_and_forward(model: str, corpus: str, tokens: int, repeats: int = 3) -> 
         "fold_s": median(fold),
         "fold_over_forward": median(fold) / median(forward),
         "fold_us_per_token": 1e6 * median(fold) / n,
+        # the steady state of a long run: every type already seen
+        "fold_seen_over_forward": median(seen) / median(forward),
+        "fold_seen_us_per_token": 1e6 * median(seen) / n,
     }
 
 
@@ -201,7 +209,9 @@ def main(argv: list[str] | None = None) -> None:
                     f"V={vocab:7,d} in-process over {f['tokens']:,} tokens ({f['types']:,} "
                     f"types): forward {f['forward_s']:.2f}s fold {f['fold_s']:.2f}s "
                     f"({f['fold_us_per_token']:.1f} µs/token) fold/forward "
-                    f"{f['fold_over_forward']:.3f}",
+                    f"{f['fold_over_forward']:.3f}; types already seen: "
+                    f"{f['fold_seen_us_per_token']:.1f} µs/token, fold/forward "
+                    f"{f['fold_seen_over_forward']:.3f}",
                     flush=True,
                 )
             for reducers in (int(r) for r in args.reducers.split(",")) if args.jobs else ():
