@@ -289,3 +289,17 @@ def test_the_job_with_reducers_equals_the_job_without(tmp_path, ray_local, minil
     assert again["reducers"]["sources_read"] == [0, 0, 0]
     for name in ("type_stats", "layers", "dims"):
         pd.testing.assert_frame_equal(tables[name], three[name], check_exact=False, rtol=1e-12)
+    # a table option changed: the partitioned run is re-tabled on reducers (never whole in the
+    # job's process), to the exact tables of the one-process run's statistics
+    from transformers import AutoTokenizer
+
+    config = JobConfig(**(again["config"] | {"overwrite": False, "min_count": 3}))
+    m3 = analyze(config, echo=lambda *_: None)
+    assert m3["reducers"]["count"] == 3 and "statistics/" in m3["outputs"]["artefacts"]
+    assert m3["config"]["min_count"] == 3 and m3["shards"]["computed"] == 0
+    got = pd.read_parquet(out / "layers.parquet")
+    want = build_tables(whole, AutoTokenizer.from_pretrained(minilm_dir), config.tables)["layers"]
+    assert not got["norm_variance_corr"].equals(three["layers"]["norm_variance_corr"])
+    pd.testing.assert_frame_equal(
+        got[list(want.columns)], want, check_exact=False, rtol=1e-9, atol=1e-12
+    )

@@ -375,9 +375,36 @@ def reuse_complete(
 
 def retable(run: RunDir, done: Manifest, spec: RunSpec, t_start: float, echo) -> dict[str, Any]:
     """A complete run's tables again from its own artefacts, under ``spec.config``'s table
-    options (``--min-count``, outlier rules, K-means, LID, …): no extraction."""
+    options (``--min-count``, outlier rules, K-means, LID, …): no extraction. With
+    ``--reducers R > 1`` the artefact is read partition by partition by reducer actors (never
+    whole in this process) and written back partitioned."""
     config = spec.config
-    merged = run.load_statistics()
+    if config.reducers > 1:  # the artefact read partition by partition, never whole here
+        from ..distributed.cluster import connect
+        from ..distributed.reducers import PartitionedStatistics, PartitionPlan, seen_type_ids
+
+        connect(config.address)
+        url = run.statistics_url()
+        plan = PartitionPlan.balanced(config.reducers, seen_type_ids([url]), spec.layers)
+        merged: EmbeddingStatistics | PartitionedStatistics = PartitionedStatistics(plan, [url])
+    else:
+        merged = run.load_statistics()
+    try:
+        return _retable(run, done, spec, merged, t_start, echo)
+    finally:
+        if config.reducers > 1:
+            merged.close()
+
+
+def _retable(
+    run: RunDir,
+    done: Manifest,
+    spec: RunSpec,
+    merged: EmbeddingStatistics | PartitionedStatistics,
+    t_start: float,
+    echo,
+) -> dict[str, Any]:
+    config = spec.config
     sample = ActivationSample.load(run.path(SAMPLE)) if run.has(SAMPLE) else None
     manifest = Manifest.model_validate(done.to_json()).set(
         status="running",
