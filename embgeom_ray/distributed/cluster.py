@@ -222,7 +222,9 @@ class _ConnectGuard:
     def exit_now(self, code: int, message: str) -> None:
         with self._exit_lock:
             try:
-                print(message, file=sys.stderr, flush=True)
+                # straight to the file descriptor: sys.stderr's lock may be held by the main
+                # thread, blocked wherever the signal found it
+                os.write(2, (message + "\n").encode(errors="replace"))
             finally:
                 os._exit(code)
 
