@@ -1005,15 +1005,9 @@ class EmbeddingStatistics(Sketch):
         from ..io_utils import is_local, local_path
 
         url = str(path)
-        header = None
         if is_local(url):
             with safe_open(local_path(url), framework="numpy") as f:
-                try:
-                    header = json.loads((f.metadata() or {})[HEADER_KEY])
-                except (KeyError, ValueError) as exc:
-                    raise StatisticsMismatchError(
-                        f"{url}: not an embgeom_ray {cls.KIND} artefact ({exc})"
-                    ) from None
+                header = cls._open_header(f, url)
                 if cls.check_header(header) >= 2:
                     return cls._read_part(f, header, layers, token_range, layer_state)
         if token_range[0] == token_range[1]:  # no rows: any part holds the empty range
@@ -1032,15 +1026,20 @@ class EmbeddingStatistics(Sketch):
         url = str(path)
         if is_local(url):
             with safe_open(local_path(url), framework="numpy") as f:
-                try:
-                    header = json.loads((f.metadata() or {})[HEADER_KEY])
-                except (KeyError, ValueError) as exc:
-                    raise StatisticsMismatchError(
-                        f"{url}: not an embgeom_ray {cls.KIND} artefact ({exc})"
-                    ) from None
+                header = cls._open_header(f, url)
             cls.check_header(header)
             return header
         return cls.load(url).header()
+
+    @classmethod
+    def _open_header(cls, f: Any, url: str) -> dict[str, Any]:
+        """The JSON header of an open safetensors file (``safe_open``), or a one-line error."""
+        try:
+            return json.loads((f.metadata() or {})[HEADER_KEY])
+        except (KeyError, ValueError) as exc:
+            raise StatisticsMismatchError(
+                f"{url}: not an embgeom_ray {cls.KIND} artefact ({exc})"
+            ) from None
 
     @classmethod
     def read_type_ids(cls, path: str) -> np.ndarray:
