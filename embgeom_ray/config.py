@@ -98,6 +98,14 @@ class JobConfig(BaseModel):
         "1 merges in the job's own process. Use several when L x V_seen x (2d+2) x 8 bytes "
         "does not fit one process (same tables to float64 rounding)",
     )
+    reducer_memory: ByteSize | None = Field(
+        None,
+        description="bytes each reducer actor may hold (e.g. 16GiB): the statistics are then "
+        "reduced on reducer actors, as many as it takes once the run's token types are known "
+        "(each holds its share of 8·L·V_seen·(2d+2) bytes plus the per-layer state of its "
+        "layers, at most half the budget: it peaks at about twice that while merging), and "
+        "at least --reducers; each asks Ray for that much memory [default: no bound]",
+    )
     batch_tokens: int = Field(8192, ge=16, description="padded tokens per forward batch")
     docs_per_chunk: int = Field(
         512, ge=1, description="documents tokenized at a time per actor (bounds memory)"
@@ -304,6 +312,12 @@ class JobConfig(BaseModel):
         """What the sampled metrics need: K-means model selection, LID, silhouettes."""
         return self._group(SampledOptions)
 
+    @property
+    def partitioned(self) -> bool:
+        """Whether the statistics are reduced on reducer actors (``--reducers R > 1`` or
+        ``--reducer-memory``) rather than in the job's own process."""
+        return self.reducers > 1 or self.reducer_memory is not None
+
     def options_digest(self) -> str:
         return hashlib.sha256(
             json.dumps(self.result_options(), sort_keys=True).encode()
@@ -358,6 +372,7 @@ class SchedulingOptions:
     checkpoint_interval: float
     max_shard_retries: int
     reducers: int
+    reducer_memory: int | None
     worker_memory: int | None
     gpus_per_worker: int
 

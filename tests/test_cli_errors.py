@@ -173,6 +173,8 @@ def test_unknown_or_repeated_layer(capsys, tmp_path, model, corpus, layers):
         (["--outlier-tail-share", "2"], "--outlier-tail-share"),
         (["--clip-dims", "5000"], "outside"),
         (["--clip-dims", "1", "--clip-dims-from", "/x"], "not both"),
+        (["--reducer-memory", "1KiB"], "--reducer-memory 1,024 bytes cannot hold"),
+        (["--reducer-memory", "lots"], "--reducer-memory"),
     ],
 )
 def test_invalid_options(capsys, tmp_path, model, corpus, flags, fragment):

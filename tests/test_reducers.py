@@ -19,7 +19,13 @@ import torch
 from embgeom_ray.config import JobConfig
 from embgeom_ray.core.statistics import EmbeddingStatistics
 from embgeom_ray.core.tables import build_tables
-from embgeom_ray.distributed.reducers import PartitionedStatistics, PartitionPlan, seen_type_ids
+from embgeom_ray.distributed.reducers import (
+    PartitionedStatistics,
+    PartitionPlan,
+    reducers_for,
+    seen_type_ids,
+)
+from embgeom_ray.errors import ConfigError
 from embgeom_ray.run_dir import RunDir, load_statistics_part, statistics_type_ids
 from tests.test_partials import Tokenizer, assert_tables_close
 from tests.test_statistics import assert_same_state
@@ -54,6 +60,30 @@ def test_balanced_plan_gives_every_reducer_the_same_number_of_seen_types():
         PartitionPlan.balanced(4, np.array([3, 7]), [1]).ranges
         == PartitionPlan.of(4, 8, [1]).ranges
     )
+
+
+def test_reducer_memory_gives_the_fewest_reducers_that_fit():
+    """``--reducer-memory``: the fewest R whose largest reducer (⌈V/R⌉ types' rows and ⌈L/R⌉
+    layers' state, 8-byte numbers) fits twice over in the budget; too small a budget for even
+    one layer's state is refused with what it takes."""
+
+    def largest(r: int, layers: int, d: int, types: int, positions: int) -> int:
+        share = -(-types // r)
+        rows = 8 * (layers * share * (2 * d + 2) + share)
+        return rows + 8 * -(-layers // r) * (d * d + 3 * d + positions * (d + 1) + 2)
+
+    for layers, d, types, positions in [(2, 384, 500, 48), (33, 4096, 66_000, 128), (7, 64, 3, 8)]:
+        for r_want in (1, 2, 3, 5):
+            budget = 2 * largest(r_want, layers, d, types, positions)
+            got = reducers_for(budget, layers, d, types, positions)
+            assert got <= r_want and 2 * largest(got, layers, d, types, positions) <= budget
+            if got > 1:
+                assert 2 * largest(got - 1, layers, d, types, positions) > budget
+    assert reducers_for(2 * largest(1, 2, 384, 500, 48), 2, 384, 500, 48) == 1
+    assert reducers_for(2 * largest(2, 2, 384, 500, 48), 2, 384, 500, 48) == 2
+    one_layer = 2 * 8 * (384 * 384 + 3 * 384 + 48 * 385 + 2)
+    with pytest.raises(ConfigError, match=f"{one_layer:,} bytes"):
+        reducers_for(one_layer - 1, 2, 384, 0, 48)
 
 
 def group_files(tmp_path, clip: bool, offset: float) -> tuple[list[str], EmbeddingStatistics]:
@@ -303,3 +333,14 @@ def test_the_job_with_reducers_equals_the_job_without(tmp_path, ray_local, minil
     pd.testing.assert_frame_equal(
         got[list(want.columns)], want, check_exact=False, rtol=1e-9, atol=1e-12
     )
+    # --reducer-memory (last: run_job writes the corpus again): as many reducers as the
+    # budget needs for the types seen (here 2)
+    types = one["type_stats"]["token_id"].nunique()
+    per_layer = 384 * 384 + 3 * 384 + 48 * 385 + 2
+    share = -(-types // 2)
+    budget = 2 * (8 * (2 * share * (2 * 384 + 2) + share) + 8 * per_layer)
+    m2, two = run_job(tmp_path, minilm_dir, docs, "rm", "c.jsonl", reducer_memory=budget, **opts)
+    assert m2["reducers"]["count"] == 2 and m2["reducers"]["memory_budget_bytes"] == budget
+    assert m2["config"]["reducer_memory"] == budget and "statistics/" in m2["outputs"]["artefacts"]
+    for name in ("type_stats", "layers", "dims"):
+        pd.testing.assert_frame_equal(two[name], one[name], check_exact=False, rtol=1e-9, atol=1e-12)  # fmt: skip

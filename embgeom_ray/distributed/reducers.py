@@ -49,9 +49,9 @@ import numpy as np
 import ray
 
 from ..config import TableOptions
-from ..core.statistics import EmbeddingStatistics, LayerMoments
+from ..core.statistics import EmbeddingStatistics, LayerMoments, state_bytes
 from ..core.tables import TypeSummary, build_tables_from, summarise_types
-from ..errors import OutputError
+from ..errors import ConfigError, OutputError
 from ..io_utils import atomic_write_json, exists, join, read_bytes, remove
 from ..run_dir import PARTS_FORMAT, PARTS_INDEX, load_statistics_part, statistics_type_ids
 from .process_memory import peak_memory, sampler
@@ -123,6 +123,36 @@ class PartitionPlan:
     def owner(self, layer: int) -> int:
         """The reducer that holds ``layer``'s per-layer state."""
         return next(r for r, held in enumerate(self.state_layers) if layer in held)
+
+
+def reducer_bytes(
+    reducers: int, layers: int, dim: int, types: int, positions: int, clip: int = 0
+) -> int:
+    """What the largest of ``reducers`` reducers holds: its share of the per-type rows,
+    ⌈types / R⌉ of them (:func:`~embgeom_ray.core.statistics.state_bytes` of the types alone),
+    and the per-layer state of its ⌈L / R⌉ layers."""
+    share = math.ceil(types / reducers)
+    rows = state_bytes(layers, dim, share, 0, clip) - state_bytes(layers, dim, 0, 0)
+    return rows + state_bytes(math.ceil(layers / reducers), dim, 0, positions)
+
+
+def reducers_for(
+    budget: int, layers: int, dim: int, types: int, positions: int, clip: int = 0
+) -> int:
+    """The fewest reducers each of which holds at most half of ``budget`` bytes
+    (:func:`reducer_bytes`; a reducer peaks at about twice what it holds while it merges a
+    group's part into its own, measured). Raises :class:`ConfigError` when even one layer's
+    state per reducer is more than that."""
+    most = max(types, layers, 1)  # one type and one layer each: no cut holds less
+    for reducers in range(1, most + 1):
+        if 2 * reducer_bytes(reducers, layers, dim, types, positions, clip) <= budget:
+            return reducers
+    need = 2 * reducer_bytes(most, layers, dim, types, positions, clip)
+    raise ConfigError(
+        f"--reducer-memory {budget:,} bytes cannot hold a reducer's part: one layer's state "
+        f"alone takes {need:,} bytes with the merge's headroom (2 · 8·(d² + 3d + P·(d+1) + 2) "
+        f"for d = {dim}, P = {positions}); give at least that"
+    )
 
 
 def seen_type_ids(sources: Sequence[str]) -> np.ndarray:
@@ -278,12 +308,14 @@ class PartitionedStatistics:
         group_urls: Sequence[str],
         *,
         cpus: float = 0,
+        memory: int | None = None,
         checkpoint_dir: str | None = None,
         checkpoint_seconds: float = math.inf,
     ) -> None:
         self.plan = plan
         self.group_urls = list(group_urls)
         self.cpus = cpus
+        self.memory = memory  # bytes each reducer asks Ray for (``--reducer-memory``)
         self.checkpoint = (checkpoint_dir, checkpoint_seconds)
         self.restarts = [0] * plan.reducers
         #: per reducer: sources restored from its checkpoint, sources read (last load)
@@ -303,7 +335,10 @@ class PartitionedStatistics:
         return list(self.plan.layers)
 
     def _start(self, r: int) -> Any:
-        return _RemoteReducer.options(num_cpus=self.cpus).remote(r, self.plan, *self.checkpoint)
+        options: dict[str, Any] = {"num_cpus": self.cpus}
+        if self.memory:
+            options["memory"] = self.memory
+        return _RemoteReducer.options(**options).remote(r, self.plan, *self.checkpoint)
 
     def _restore(self, r: int) -> None:
         """Start reducer r again and have it read its checkpoint (if any) and every group
@@ -385,6 +420,7 @@ class PartitionedStatistics:
             "count": self.plan.reducers,
             "token_ranges": [list(r) for r in self.plan.ranges],
             "state_layers": [list(s) for s in self.plan.state_layers],
+            "memory_budget_bytes": self.memory,
             "restarts": list(self.restarts),
             "sources_restored_from_checkpoints": list(self.restored),
             "sources_read": list(self.read),

@@ -183,6 +183,20 @@ def reduce_groups(
     return merged, sample, totals
 
 
+def reducer_count(config: JobConfig, spec: RunSpec, types: int) -> int:
+    """``--reducers``, or more when ``--reducer-memory`` needs more for ``types`` token types
+    (:func:`~embgeom_ray.distributed.reducers.reducers_for`)."""
+    from ..distributed.reducers import reducers_for
+
+    if config.reducer_memory is None:
+        return config.reducers
+    clip = len(spec.clip_dims) if spec.clip_dims else 0
+    need = reducers_for(
+        config.reducer_memory, len(spec.layers), spec.identity.hidden_size, types, config.max_length, clip
+    )
+    return max(config.reducers, need)
+
+
 def reduce_partitioned(
     store: CheckpointStore,
     groups: list[CheckpointGroup],
@@ -194,20 +208,24 @@ def reduce_partitioned(
     from ..distributed.cluster import connect
     from ..distributed.reducers import PartitionedStatistics, PartitionPlan, seen_type_ids
 
-    connect(spec.config.address)
+    config = spec.config
+    connect(config.address)
     urls = [url for g in groups for url in store.group_urls(g)]
+    seen = seen_type_ids(urls)
+    reducers = reducer_count(config, spec, len(seen))
     saved = store.reducer_plan()
     plan = None if saved is None else PartitionPlan.from_json(saved)
-    if plan is None or plan.reducers != spec.config.reducers or list(plan.layers) != spec.layers:
+    if plan is None or plan.reducers != reducers or list(plan.layers) != spec.layers:
         # ranges of equal numbers of the ids seen; kept for the run, so that the reducers'
         # checkpoints stay usable when a resumed run adds groups
-        plan = PartitionPlan.balanced(spec.config.reducers, seen_type_ids(urls), spec.layers)
+        plan = PartitionPlan.balanced(reducers, seen, spec.layers)
         store.save_reducer_plan(plan.to_json())
     merged = PartitionedStatistics(
         plan,
         urls,
+        memory=config.reducer_memory,
         checkpoint_dir=store.reducer_dir(),
-        checkpoint_seconds=spec.config.checkpoint_interval,
+        checkpoint_seconds=config.checkpoint_interval,
     )
     totals = ShardCounts()
     sample: ActivationSample | None = None
@@ -285,6 +303,10 @@ def prepare(config: JobConfig) -> RunSpec:
     layers = resolve_layers(config.layers, identity.num_layers)
     clip_dims = resolve_clip_dims(config, identity.hidden_size)
     check_worker_memory(config, len(layers), identity.hidden_size)
+    if config.reducer_memory is not None:  # room for one layer's state per reducer, at least
+        from ..distributed.reducers import reducers_for
+
+        reducers_for(config.reducer_memory, len(layers), identity.hidden_size, 0, config.max_length)
     plan = plan_shards(CorpusSpec(config.corpus, config.text_column, config.split), config.shard_bytes)
     identity_json = identity.to_json() | {
         "corpus": config.corpus,
@@ -337,7 +359,7 @@ def start_manifest(spec: RunSpec, started_at: str) -> Manifest:
 SCHEDULING_OPTIONS = frozenset({
     "out", "overwrite", "num_workers", "cpus_per_worker", "batch_tokens", "docs_per_chunk",
     "device", "max_shard_retries", "checkpoint_interval", "keep_checkpoints", "address",
-    "reducers", "worker_memory", "gpus_per_worker",
+    "reducers", "reducer_memory", "worker_memory", "gpus_per_worker",
 })  # fmt: skip
 
 
@@ -379,20 +401,23 @@ def retable(run: RunDir, done: Manifest, spec: RunSpec, t_start: float, echo) ->
     ``--reducers R > 1`` the artefact is read partition by partition by reducer actors (never
     whole in this process) and written back partitioned."""
     config = spec.config
-    if config.reducers > 1:  # the artefact read partition by partition, never whole here
+    if config.partitioned:  # the artefact read partition by partition, never whole here
         from ..distributed.cluster import connect
         from ..distributed.reducers import PartitionedStatistics, PartitionPlan, seen_type_ids
 
         connect(config.address)
         url = run.statistics_url()
-        plan = PartitionPlan.balanced(config.reducers, seen_type_ids([url]), spec.layers)
-        merged: EmbeddingStatistics | PartitionedStatistics = PartitionedStatistics(plan, [url])
+        seen = seen_type_ids([url])
+        plan = PartitionPlan.balanced(reducer_count(config, spec, len(seen)), seen, spec.layers)
+        merged: EmbeddingStatistics | PartitionedStatistics = PartitionedStatistics(
+            plan, [url], memory=config.reducer_memory
+        )
     else:
         merged = run.load_statistics()
     try:
         return _retable(run, done, spec, merged, t_start, echo)
     finally:
-        if config.reducers > 1:
+        if config.partitioned:
             merged.close()
 
 
@@ -445,7 +470,7 @@ def analyze(config: JobConfig, *, echo=print) -> dict[str, Any]:
     t_extract1 = time.perf_counter()
 
     groups = store.groups_covering(s.shard_id for s in plan.shards)
-    if config.reducers > 1:
+    if config.partitioned:
         merged, sample, totals = reduce_partitioned(store, groups, spec)
     else:
         merged, sample, totals = reduce_groups(
@@ -484,7 +509,7 @@ def analyze(config: JobConfig, *, echo=print) -> dict[str, Any]:
         )
         finish_run(run, manifest, merged, sample, spec.tokenizer, config, t_start=t_start, echo=echo)
     finally:
-        if config.reducers > 1:
+        if config.partitioned:
             merged.close()
     if not config.keep_checkpoints:
         store.remove_groups()
