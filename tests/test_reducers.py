@@ -86,6 +86,12 @@ def test_reducer_memory_gives_the_fewest_reducers_that_fit():
         reducers_for(one_layer - 1, 2, 384, 0, 48)
 
 
+def test_a_reducer_memory_no_node_offers_is_refused(tmp_path, ray_local):
+    urls, _ = group_files(tmp_path, False, 0.0)
+    with pytest.raises(ConfigError, match="more than any node"):
+        PartitionedStatistics(PartitionPlan.of(2, VOCAB, LAYERS), urls, memory=2**60)
+
+
 def group_files(tmp_path, clip: bool, offset: float) -> tuple[list[str], EmbeddingStatistics]:
     """Three checkpoint groups (one extractor flush each) as files, and their merge in order."""
     rng = np.random.default_rng(7)

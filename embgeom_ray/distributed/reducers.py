@@ -155,6 +155,18 @@ def reducers_for(
     )
 
 
+def check_memory_offered(memory: int) -> None:
+    """Refuse a per-reducer memory request that no live node offers (the actors would wait
+    for such a node forever)."""
+    offered = [int(n["Resources"].get("memory", 0)) for n in ray.nodes() if n.get("Alive")]
+    if offered and memory > max(offered):
+        raise ConfigError(
+            f"--reducer-memory {memory:,} bytes is more than any node of the cluster offers "
+            f"Ray's actors ({max(offered):,} bytes on the largest); give less, or add nodes "
+            "with more memory"
+        )
+
+
 def seen_type_ids(sources: Sequence[str]) -> np.ndarray:
     """The increasing token ids any of ``sources`` holds rows for (8 bytes each; the ids
     alone are read where the files are local): what :meth:`PartitionPlan.balanced` cuts."""
@@ -316,6 +328,8 @@ class PartitionedStatistics:
         self.group_urls = list(group_urls)
         self.cpus = cpus
         self.memory = memory  # bytes each reducer asks Ray for (``--reducer-memory``)
+        if memory:
+            check_memory_offered(memory)
         self.checkpoint = (checkpoint_dir, checkpoint_seconds)
         self.restarts = [0] * plan.reducers
         #: per reducer: sources restored from its checkpoint, sources read (last load)
