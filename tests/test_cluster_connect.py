@@ -243,7 +243,10 @@ def test_probe_of_an_unanswering_host_times_out() -> None:
 # ---------------------------------------------- stuck connecting: signals, deadline
 
 CONNECT_SCRIPT = """
-    import sys
+    import signal, sys
+    # Ctrl-C as in a foreground terminal, even when the test suite runs in the background
+    # (a shell starts background commands with SIGINT ignored, and children inherit that)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     from embgeom_ray.distributed.cluster import connect
     print("CONNECTING", flush=True)
     connect(sys.argv[1], probe_timeout_s=float(sys.argv[2]), join_timeout_s=float(sys.argv[3]))
