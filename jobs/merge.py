@@ -23,6 +23,16 @@ from embgeom_ray.errors import UserError
 from embgeom_ray.runs.merge import merge_runs
 
 
+def _byte_size(text: str) -> int:
+    """``16GiB``, ``500MB``, ``1048576``: bytes (pydantic's ByteSize, as the job's options)."""
+    from pydantic import ByteSize, TypeAdapter, ValidationError
+
+    try:
+        return int(TypeAdapter(ByteSize).validate_python(text))
+    except ValidationError:
+        raise argparse.ArgumentTypeError(f"not a size in bytes: {text!r} (e.g. 16GiB)") from None
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m jobs.merge",
@@ -46,6 +56,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="reducer actors merging the statistics partition by partition (token ranges and "
         "layers), so no process holds them whole; 1 merges in this process [default: 1]",
     )
+    p.add_argument(
+        "--reducer-memory",
+        type=_byte_size,
+        help="bytes each reducer actor may hold (e.g. 16GiB): merge on as many reducers as "
+        "that takes, at least --reducers [default: no bound]",
+    )
     p.add_argument("--overwrite", action="store_true", help="replace a run already in --out")
     return p
 
@@ -60,6 +76,7 @@ def main(argv: list[str] | None = None) -> int:
             tokenizer=args.tokenizer,
             overwrite=args.overwrite,
             reducers=args.reducers,
+            reducer_memory=args.reducer_memory,
         )
     except UserError as exc:
         print(f"error: {exc}", file=sys.stderr)

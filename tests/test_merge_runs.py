@@ -175,6 +175,19 @@ def test_merge_partition_by_partition_equals_the_whole_merge(runs, merged, tmp_p
         comoment_rtol=1e-12,
     )
     assert merge.main(["--reducers", "0", "--out", str(tmp_path / "x"), str(runs["a"]), str(runs["b"])]) == 2  # fmt: skip
+    # --reducer-memory: as many reducers as that budget needs for the merged types (here 2)
+    from embgeom_ray.distributed.reducers import reducer_bytes
+
+    types = pd.read_parquet(runs["whole"] / "type_stats.parquet")["token_id"].nunique()
+    layers = len(whole["layers"])
+    budget = 2 * reducer_bytes(2, layers, 384, types, MAX_LENGTH)
+    out2 = tmp_path / "merged-budget"
+    argv = ["--reducer-memory", str(budget), "--out", str(out2), str(runs["a"]), str(runs["b"])]
+    assert merge.main(argv) == 0
+    m2 = json.loads((out2 / "manifest.json").read_text())
+    assert m2["reducers"]["count"] == 2 and m2["reducers"]["memory_budget_bytes"] == budget
+    want = pd.read_parquet(runs["whole"] / "layers.parquet")
+    _assert_frames_equal(pd.read_parquet(out2 / "layers.parquet"), want, ["layer"])
 
 
 def test_merged_manifest(runs, merged) -> None:

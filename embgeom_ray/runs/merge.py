@@ -171,10 +171,13 @@ def load_statistics(run: str) -> EmbeddingStatistics:
     return rd.load_statistics()
 
 
-def check_statistics(runs: list[str], layers: list[int]) -> list[str]:
+def check_statistics(
+    runs: list[str], layers: list[int]
+) -> tuple[list[str], EmbeddingStatistics]:
     """Each run's statistics artefact (file or ``statistics/`` directory), after checking
     that they measure the same thing (model and tokenizer, layers, dim, clip dims, co-moment
-    precision) from their first layer's state alone, without reading any per-type row."""
+    precision) from their first layer's state alone, without reading any per-type row; and
+    the first run's first-layer state (dim, positions, clip dims)."""
     urls, probes = [], []
     for run in runs:
         rd = RunDir(run)
@@ -192,23 +195,38 @@ def check_statistics(runs: list[str], layers: list[int]) -> list[str]:
                 f"cannot merge {run} into {runs[0]}: statistics of different measurements: "
                 + "; ".join(problems)
             )
-    return urls
+    return urls, probes[0]
 
 
 def merge_partitioned(
-    runs: list[str], layers: list[int], reducers: int, address: str | None
+    runs: list[str],
+    layers: list[int],
+    reducers: int,
+    address: str | None,
+    memory: int | None = None,
 ) -> PartitionedStatistics:
-    """The runs' statistics merged by ``reducers`` reducer actors, partition by partition:
-    each reads its token range and layers from every run (any run's artefact, whole or cut
-    into other partitions) and merges them in the order given, so no process holds more than
-    its partition (:mod:`~embgeom_ray.distributed.reducers`)."""
+    """The runs' statistics merged by ``reducers`` reducer actors (or as many as ``memory``
+    bytes each need, :func:`~embgeom_ray.distributed.reducers.reducers_for`), partition by
+    partition: each reads its token range and layers from every run (any run's artefact, whole
+    or cut into other partitions) and merges them in the order given, so no process holds
+    more than its partition (:mod:`~embgeom_ray.distributed.reducers`)."""
     from ..distributed.cluster import connect
-    from ..distributed.reducers import PartitionedStatistics, PartitionPlan, seen_type_ids
+    from ..distributed.reducers import (
+        PartitionedStatistics,
+        PartitionPlan,
+        reducers_for,
+        seen_type_ids,
+    )
 
-    urls = check_statistics(runs, layers)
+    urls, probe = check_statistics(runs, layers)
     connect(address)
-    plan = PartitionPlan.balanced(reducers, seen_type_ids(urls), layers)
-    return PartitionedStatistics(plan, urls)
+    seen = seen_type_ids(urls)
+    if memory is not None:
+        clip = len(probe.clip_dims) if probe.clip_dims else 0
+        need = reducers_for(memory, len(layers), probe.dim, len(seen), probe.max_positions, clip)
+        reducers = max(reducers, need)
+    plan = PartitionPlan.balanced(reducers, seen, layers)
+    return PartitionedStatistics(plan, urls, memory=memory)
 
 
 def merge_statistics(runs: list[str]) -> EmbeddingStatistics:
@@ -356,14 +374,17 @@ def merge_runs(
     tokenizer: str | None = None,
     overwrite: bool = False,
     reducers: int = 1,
+    reducer_memory: int | None = None,
     echo=print,
 ) -> dict[str, Any]:
     """Merge complete ``runs`` into ``out``; returns the manifest written there.
 
-    ``reducers`` 1 merges the statistics in this process (it holds them whole); more merges
-    them partition by partition on that many reducer actors (:func:`merge_partitioned`) and
-    writes the partitioned artefact: the same tables to float64 rounding.
+    ``reducers`` 1 merges the statistics in this process (it holds them whole); more (or a
+    ``reducer_memory`` budget per reducer) merges them partition by partition on reducer
+    actors (:func:`merge_partitioned`) and writes the partitioned artefact: the same tables
+    to float64 rounding.
     """
+    partitioned = reducers > 1 or reducer_memory is not None
     t0 = time.perf_counter()
     started_at = now()
     runs, out = [r.rstrip("/") for r in runs], out.rstrip("/")
@@ -374,9 +395,9 @@ def merge_runs(
     config = run_config(manifests[0], out, min_count)
     tok = load_run_tokenizer(manifests[0], tokenizer)
     t_load = time.perf_counter()
-    if reducers > 1:
+    if partitioned:
         merged: Statistics = merge_partitioned(
-            runs, manifests[0].layers or [], reducers, config.address
+            runs, manifests[0].layers or [], reducers, config.address, reducer_memory
         )
     else:
         merged = merge_statistics(runs)
@@ -398,7 +419,7 @@ def merge_runs(
         )
         finish_run(run, manifest, merged, sample, tok, config, t_start=t0, echo=echo)
     finally:
-        if reducers > 1:
+        if partitioned:
             merged.close()
     echo(f"merged {len(runs)} runs into {out}")
     return manifest.to_json()
