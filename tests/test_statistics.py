@@ -851,3 +851,17 @@ def test_to_bytes_is_the_safetensors_file_of_the_state(clip):
             np.testing.assert_array_equal(got[key], ref[key], err_msg=key)
         assert_same_state(EmbeddingStatistics.from_bytes(data), s)
         assert_same_state(EmbeddingStatistics.from_bytes(np.frombuffer(data, np.uint8)), s)
+
+
+def test_an_empty_token_range_selects_from_any_part():
+    """An empty range [lo, lo) holds no rows, so any part holds it (reducers ask a part with
+    only per-layer state for its layers' state with such a range)."""
+    rng = np.random.default_rng(1)
+    stats = EmbeddingStatistics([0, 1], 5, max_positions=8)
+    h, ids, keep = make_batch(rng, vocab=40)
+    fold(stats, h, ids, keep)
+    part = stats.select([1], (10, 20), layer_state=False)
+    empty = part.select([1], (50, 50), layer_state=False)
+    assert empty.num_types == 0 and empty.token_range == (50, 50)
+    with pytest.raises(ValueError, match="not within"):
+        part.select([1], (5, 15), layer_state=False)

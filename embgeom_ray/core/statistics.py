@@ -946,8 +946,8 @@ class EmbeddingStatistics(Sketch):
     ) -> EmbeddingStatistics:
         """A copy of the part of these statistics that holds ``layers`` (default: all held;
         kept in this object's order), the per-type rows of the token ids in ``token_range``
-        [lo, hi) (hi None: no bound; default: all held) and, if ``layer_state`` (default:
-        whether this object holds them), the per-layer fields.
+        [lo, hi) (hi None: no bound; default: all held; an empty one may lie anywhere) and, if
+        ``layer_state`` (default: whether this object holds them), the per-layer fields.
 
         The copy's :class:`Partition` records the part; selecting everything gives a whole
         again. Parts of disjoint token ranges go back together with :meth:`combine`, and
@@ -960,7 +960,8 @@ class EmbeddingStatistics(Sketch):
         kept = [x for x in self.layers if x in want]
         lo, hi = self.token_range if token_range is None else token_range
         own_lo, own_hi = self.token_range
-        if lo < own_lo or (own_hi is not None and (hi is None or hi > own_hi)):
+        outside = lo < own_lo or (own_hi is not None and (hi is None or hi > own_hi))
+        if outside and lo != hi:  # an empty range is within any part (no rows)
             raise ValueError(
                 f"token range {_range_text((lo, hi))} is not within the held "
                 f"{_range_text(self.token_range)}"
@@ -1010,9 +1011,6 @@ class EmbeddingStatistics(Sketch):
                 header = cls._open_header(f, url)
                 if cls.check_header(header) >= 2:
                     return cls._read_part(f, header, layers, token_range, layer_state)
-        if token_range[0] == token_range[1]:  # no rows: any part holds the empty range
-            whole = cls.load(url)
-            return whole.select(layers, whole.token_range[:1] * 2, layer_state=layer_state)
         return cls.load(url).select(layers, token_range, layer_state=layer_state)
 
     @classmethod
