@@ -2,7 +2,8 @@
 
 A random-weight model of Llama architecture with a WordLevel tokenizer of V entries built here
 (``<unk> <s> </s> <pad>`` then ``w4 … w{V-1}``), shrunk to ``--dim`` and ``--blocks`` so it runs
-on a laptop, and a generated corpus of ``--tokens`` words: half drawn uniformly over the
+on a laptop with Llama 3's proportions otherwise (MLP 3.5 d, heads of 128 dimensions, one
+key/value head per 4: ``--ffn-mult``, ``--kv-group``), and a generated corpus of ``--tokens`` words: half drawn uniformly over the
 vocabulary (so most types are seen: 1 − e^(−tokens/2V) of them), half Zipf-distributed (the
 frequent types of real text). For every V in ``--vocab`` and R in ``--reducers`` the whole job
 (:func:`~embgeom_ray.runs.pipeline.analyze`) runs in a fresh process with a private local Ray
@@ -23,7 +24,7 @@ over the same batches (``--fold-tokens``; median of 3, fresh statistics each tim
 per token must not grow with V.
 
     python -m bench.vocabulary [--vocab 32000,128256] [--reducers 1,4] [--dim 128]
-        [--blocks 4] [--tokens 300000] [--worker-memory 256MiB] [--fold-tokens 100000]
+        [--blocks 4] [--ffn-mult 3.5] [--kv-group 4] [--tokens 300000] [--worker-memory 256MiB] [--fold-tokens 100000]
         [--no-jobs]
 """
 
@@ -48,8 +49,28 @@ SPECIALS = ["<unk>", "<s>", "</s>", "<pad>"]
 MIB = 2**20
 
 
-def wordlevel_llama_dir(path: Path, vocab: int, dim: int, blocks: int) -> str:
-    """A random LlamaModel whose tokenizer maps the words ``w{i}`` to id i (i ≥ 4)."""
+#: Llama 3's proportions (8B: d = 4096, MLP 14,336 = 3.5 d, 32 heads of 128 dimensions, 8 of
+#: them for keys and values): the shrunk bench model keeps them by default
+FFN_MULT, HEAD_DIM, KV_GROUP = 3.5, 128, 4
+
+
+def wordlevel_llama_dir(
+    path: Path,
+    vocab: int,
+    dim: int,
+    blocks: int,
+    *,
+    ffn_mult: float = FFN_MULT,
+    head_dim: int = HEAD_DIM,
+    kv_group: int = KV_GROUP,
+) -> str:
+    """A random LlamaModel whose tokenizer maps the words ``w{i}`` to id i (i ≥ 4).
+
+    Shaped as Llama 3 shrunk to width ``dim``: an MLP of ``ffn_mult`` · dim, heads of
+    ``head_dim`` dimensions (at least 2 heads), one key/value head per ``kv_group`` query heads
+    (grouped-query attention; at least one). The forward's cost per token and block is then
+    ~(2 + 2/kv_group + 3 · ffn_mult) · d² multiply-adds plus attention, as in the real models.
+    """
     import torch
     from tokenizers import Tokenizer, models, pre_tokenizers, processors
     from transformers import LlamaConfig, LlamaModel, PreTrainedTokenizerFast
@@ -65,9 +86,11 @@ def wordlevel_llama_dir(path: Path, vocab: int, dim: int, blocks: int) -> str:
         pad_token="<pad>",
     )  # fmt: skip
     torch.manual_seed(0)
+    heads = max(2, dim // head_dim)
     config = LlamaConfig(
-        vocab_size=vocab, hidden_size=dim, num_hidden_layers=blocks, num_attention_heads=4,
-        num_key_value_heads=4, intermediate_size=2 * dim, max_position_embeddings=256,
+        vocab_size=vocab, hidden_size=dim, num_hidden_layers=blocks, num_attention_heads=heads,
+        num_key_value_heads=max(1, heads // kv_group), intermediate_size=round(ffn_mult * dim),
+        max_position_embeddings=256,
         pad_token_id=3, bos_token_id=1, eos_token_id=2,
     )  # fmt: skip
     LlamaModel(config).save_pretrained(str(path))
@@ -178,6 +201,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--reducers", default="1,4", help="reducer counts R")
     p.add_argument("--dim", type=int, default=128, help="hidden size d")
     p.add_argument("--blocks", type=int, default=4, help="transformer blocks (L = blocks + 1)")
+    p.add_argument(
+        "--ffn-mult", type=float, default=FFN_MULT, help="MLP width / d (Llama 3: 3.5)"
+    )
+    p.add_argument(
+        "--kv-group", type=int, default=KV_GROUP, help="query heads per key/value head (Llama 3: 4)"
+    )
     p.add_argument("--tokens", type=int, default=300_000, help="corpus words")
     p.add_argument("--sample-size", type=int, default=256, help="the job's sample")
     p.add_argument(
@@ -200,7 +229,10 @@ def main(argv: list[str] | None = None) -> None:
     rows, folds = [], []
     try:
         for vocab in (int(v) for v in args.vocab.split(",")):
-            model = wordlevel_llama_dir(work / f"model-{vocab}", vocab, args.dim, args.blocks)
+            model = wordlevel_llama_dir(
+                work / f"model-{vocab}", vocab, args.dim, args.blocks, ffn_mult=args.ffn_mult,
+                kv_group=args.kv_group,
+            )  # fmt: skip
             corpus = generated_corpus(work / f"corpus-{vocab}.jsonl", vocab, args.tokens)
             if args.fold_tokens:
                 f = fold_and_forward(model, corpus, args.fold_tokens)

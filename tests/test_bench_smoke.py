@@ -102,3 +102,21 @@ def test_sampled_stage_smoke(results_dir):
     assert {"total", "no_se", "se"} <= res["seconds"]["current"].keys()
     if baseline == "HEAD":
         assert res["max_rel_diff"] <= 1e-10 and res["ratio"]["total"] > 0
+
+
+def test_vocabulary_fold_smoke(results_dir, tmp_path):
+    from bench import vocabulary
+
+    vocabulary.main(
+        "--vocab 600 --dim 256 --blocks 1 --tokens 3000 --fold-tokens 1000 --no-jobs".split()
+    )
+    (fold,) = read(results_dir, "vocabulary")["folds"]
+    assert fold["vocab"] == 600 and fold["tokens"] >= 1000 and 0 < fold["types"] <= 600
+    assert fold["forward_s"] > 0 and fold["fold_s"] > 0 and fold["fold_seen_over_forward"] > 0
+    # the model keeps Llama 3's proportions at any width: MLP 3.5 d, heads of 128, 4:1 GQA
+    cfg = json.loads(
+        (vocabulary.Path(vocabulary.wordlevel_llama_dir(tmp_path / "m", 600, 512, 1)) / "config.json")
+        .read_text()
+    )
+    assert (cfg["intermediate_size"], cfg["num_attention_heads"]) == (1792, 4)
+    assert cfg["num_key_value_heads"] == 1 and cfg["hidden_size"] == 512
