@@ -9,7 +9,9 @@ frequent types of real text). For every V in ``--vocab`` and R in ``--reducers``
 (:func:`~embgeom_ray.runs.pipeline.analyze`) runs in a fresh process with a private local Ray
 and one extractor; the manifest's ``memory`` gives the peak resident memory of the driver, the
 extractor and each reducer, printed against the per-type state of the formula
-8 · L · V_seen · (2d + 2) bytes (:func:`~embgeom_ray.core.statistics.state_bytes`).
+8 · L · V_seen · (2d + 2) bytes (:func:`~embgeom_ray.core.statistics.state_bytes`). With
+``--reducer-memory B`` the job chooses the number of reducers (at least R) and each reducer's
+peak must stay within B.
 
 What to look for: with R = 1 the driver holds the merged statistics (and a group while
 merging), so its peak grows with V · d; with R > 1 it must not, and each reducer holds about
@@ -24,7 +26,7 @@ over the same batches (``--fold-tokens``; median of 3, fresh statistics each tim
 per token must not grow with V.
 
     python -m bench.vocabulary [--vocab 32000,128256] [--reducers 1,4] [--dim 128]
-        [--blocks 4] [--ffn-mult 3.5] [--kv-group 4] [--tokens 300000] [--worker-memory 256MiB] [--fold-tokens 100000]
+        [--blocks 4] [--ffn-mult 3.5] [--kv-group 4] [--reducer-memory 1GiB] [--tokens 300000] [--worker-memory 256MiB] [--fold-tokens 100000]
         [--no-jobs]
 """
 
@@ -185,6 +187,7 @@ def run_job(model: str, corpus: str, out: Path, reducers: int, args) -> dict:
         "reducers": reducers, "num_workers": 1, "max_length": 128, "layers": None,
         "sample_size": args.sample_size, "kmeans_k_max": 4, "comoment_precision": "float32",
         "worker_memory": args.worker_memory, "shard_bytes": args.shard_bytes,
+        "reducer_memory": args.reducer_memory,
     }  # fmt: skip
     proc = subprocess.run(
         [sys.executable, "-c", CHILD, json.dumps(options)], capture_output=True, text=True
@@ -213,6 +216,11 @@ def main(argv: list[str] | None = None) -> None:
         "--worker-memory", default=None, help="the job's --worker-memory (e.g. 256MiB)"
     )
     p.add_argument("--shard-bytes", type=int, default=None, help="the job's --shard-bytes")
+    p.add_argument(
+        "--reducer-memory",
+        default=None,
+        help="the job's --reducer-memory (e.g. 1GiB): the reducers' count then follows from it",
+    )
     p.add_argument(
         "--fold-tokens",
         type=int,
@@ -269,6 +277,12 @@ def main(argv: list[str] | None = None) -> None:
                         (x or 0) / MIB for x in mem.get("reducer_peak_private_bytes", [])
                     ],
                     "spills": (m.get("workers") or {}).get("spills"),
+                    "reducer_count": (m.get("reducers") or {}).get("count", 1),
+                    "reducer_budget_mib": (
+                        None
+                        if (m.get("reducers") or {}).get("memory_budget_bytes") is None
+                        else m["reducers"]["memory_budget_bytes"] / MIB
+                    ),
                     "timings_s": m["timings_s"],
                     "shards": m["shards"],
                     "workers": m["workers"],
@@ -281,7 +295,7 @@ def main(argv: list[str] | None = None) -> None:
                 reducer = max(row["reducer_peak_mib"], default=0.0)
                 reducer_private = max(row["reducer_private_mib"], default=0.0)
                 print(
-                    f"V={vocab:7,d} R={reducers} tokens={row['tokens']:,} seen={seen:,} | per-type state "
+                    f"V={vocab:7,d} R={row['reducer_count']} (budget {row['reducer_budget_mib']} MiB) tokens={row['tokens']:,} seen={seen:,} | per-type state "
                     f"{row['per_type_state_seen_mib']:7.1f} MiB | peak private (resident) MiB: "
                     f"driver {row['driver_private_mib']:7.1f} ({row['driver_peak_mib']:7.1f}) "
                     f"extractor {row['extractor_private_mib']:7.1f} ({row['extractor_peak_mib']:7.1f}) "

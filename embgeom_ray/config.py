@@ -103,8 +103,9 @@ class JobConfig(BaseModel):
         description="bytes each reducer actor may hold (e.g. 16GiB): the statistics are then "
         "reduced on reducer actors, as many as it takes once the run's token types are known "
         "(each holds its share of 8·L·V_seen·(2d+2) bytes plus the per-layer state of its "
-        "layers, at most half the budget: it peaks at about twice that while merging), and "
-        "at least --reducers; each asks Ray for that much memory [default: no bound]",
+        "layers; it peaks at about twice that while merging, above ~0.5 GiB of its own: "
+        "512MiB + 2 x share <= the budget), and at least --reducers; each asks Ray for that "
+        "much memory [default: no bound]",
     )
     batch_tokens: int = Field(8192, ge=16, description="padded tokens per forward batch")
     docs_per_chunk: int = Field(

@@ -176,11 +176,11 @@ def test_merge_partition_by_partition_equals_the_whole_merge(runs, merged, tmp_p
     )
     assert merge.main(["--reducers", "0", "--out", str(tmp_path / "x"), str(runs["a"]), str(runs["b"])]) == 2  # fmt: skip
     # --reducer-memory: as many reducers as that budget needs for the merged types (here 2)
-    from embgeom_ray.distributed.reducers import reducer_bytes
+    from embgeom_ray.distributed.reducers import reducer_budget
 
     types = pd.read_parquet(runs["whole"] / "type_stats.parquet")["token_id"].nunique()
     layers = len(whole["layers"])
-    budget = 2 * reducer_bytes(2, layers, 384, types, MAX_LENGTH)
+    budget = reducer_budget(2, layers, 384, types, MAX_LENGTH)
     out2 = tmp_path / "merged-budget"
     argv = ["--reducer-memory", str(budget), "--out", str(out2), str(runs["a"]), str(runs["b"])]
     assert merge.main(argv) == 0

@@ -136,22 +136,36 @@ def reducer_bytes(
     return rows + state_bytes(math.ceil(layers / reducers), dim, 0, positions)
 
 
+#: a reducer process's own memory before it holds any statistics (Python, torch, pyarrow, Ray's
+#: worker): 0.3–0.45 GiB private measured (``bench.vocabulary``), counted in every budget
+REDUCER_BASE_BYTES = 512 * 2**20
+
+
+def reducer_budget(
+    reducers: int, layers: int, dim: int, types: int, positions: int, clip: int = 0
+) -> int:
+    """The memory the largest of ``reducers`` reducers needs: :data:`REDUCER_BASE_BYTES` plus
+    twice what it holds (:func:`reducer_bytes`; a reducer peaks at about twice that while it
+    merges a group's part into its own, measured)."""
+    return REDUCER_BASE_BYTES + 2 * reducer_bytes(reducers, layers, dim, types, positions, clip)
+
+
 def reducers_for(
     budget: int, layers: int, dim: int, types: int, positions: int, clip: int = 0
 ) -> int:
-    """The fewest reducers each of which holds at most half of ``budget`` bytes
-    (:func:`reducer_bytes`; a reducer peaks at about twice what it holds while it merges a
-    group's part into its own, measured). Raises :class:`ConfigError` when even one layer's
-    state per reducer is more than that."""
+    """The fewest reducers whose largest needs at most ``budget`` bytes (:func:`reducer_budget`:
+    the process itself, and twice its share). Raises :class:`ConfigError` when even one layer's
+    state per reducer needs more than that."""
     most = max(types, layers, 1)  # one type and one layer each: no cut holds less
     for reducers in range(1, most + 1):
-        if 2 * reducer_bytes(reducers, layers, dim, types, positions, clip) <= budget:
+        if reducer_budget(reducers, layers, dim, types, positions, clip) <= budget:
             return reducers
-    need = 2 * reducer_bytes(most, layers, dim, types, positions, clip)
+    need = reducer_budget(most, layers, dim, types, positions, clip)
     raise ConfigError(
         f"--reducer-memory {budget:,} bytes cannot hold a reducer's part: one layer's state "
-        f"alone takes {need:,} bytes with the merge's headroom (2 · 8·(d² + 3d + P·(d+1) + 2) "
-        f"for d = {dim}, P = {positions}); give at least that"
+        f"alone needs {need:,} bytes: the process's own {REDUCER_BASE_BYTES // 2**20} MiB and "
+        f"2 · 8·(d² + 3d + P·(d+1) + 2) for d = {dim}, P = {positions} (the merge's headroom); "
+        "give at least that"
     )
 
 
