@@ -170,6 +170,36 @@ def test_a_lost_reducer_is_restored_and_the_tables_are_the_same(tmp_path, ray_lo
         parts.close()
 
 
+def test_reducers_started_before_the_plan_give_the_same_tables(tmp_path, ray_local):
+    """Reducers started before the plan is known (as the job starts its ``--reducers`` while
+    the extractors run) get it before reading: the same tables as reducers started with it.
+    One of them lost before it got its plan is started again; started ones beyond R end."""
+    import ray
+
+    from embgeom_ray.distributed.reducers import start_reducers
+
+    urls, whole = group_files(tmp_path, True, 1e4)
+    options = JobConfig(model="m", corpus="c", out="o", min_count=2).tables
+    started = start_reducers(4)
+    assert ray.get(started[3].peak_memory.remote())["rss"] > 0  # running, no plan yet
+    ray.kill(started[1])
+    plan = PartitionPlan.balanced(3, whole.state_dict()["type_ids"], LAYERS)
+    parts = PartitionedStatistics(plan, urls, started=started)
+    try:
+        assert parts.actors[0] is started[0] and parts.actors[2] is started[2]
+        assert parts.restarts == [0, 1, 0] and parts.describe()["started_during_extraction"] == 3
+        assert parts.read == [3, 3, 3]
+        assert_tables_close(
+            parts.tables(Tokenizer, options), build_tables(whole, Tokenizer, options)
+        )
+        with pytest.raises(ray.exceptions.RayActorError):  # the fourth was not needed
+            for _ in range(100):
+                ray.get(started[3].peak_memory.remote())
+                time.sleep(0.1)
+    finally:
+        parts.close()
+
+
 def test_reducers_checkpoint_and_a_lost_one_replays_only_what_follows(tmp_path, ray_local):
     """Reducers checkpoint their partitions (here after every group); a reducer lost after
     loading comes back from its checkpoint without reading a group again, and reducers
@@ -295,6 +325,8 @@ def test_the_job_with_reducers_equals_the_job_without(tmp_path, ray_local, minil
     assert groups > 1 and manifest["reducers"]["sources_read"] == [groups] * 3
     assert manifest["reducers"]["count"] == 3 and manifest["reducers"]["restarts"] == [0, 0, 0]
     assert manifest["reducers"]["state_layers"] == [[0], [6], []]
+    # the three reducers were started while the extractors ran
+    assert manifest["reducers"]["started_during_extraction"] == 3
     peaks = manifest["memory"]["reducer_peak_rss_bytes"]
     assert len(peaks) == 3 and all(50 * 2**20 < p < 8 * 2**30 for p in peaks)
     assert manifest["memory"]["driver_peak_rss_bytes"] > 100 * 2**20
@@ -323,6 +355,7 @@ def test_the_job_with_reducers_equals_the_job_without(tmp_path, ray_local, minil
     tables = {name: pd.read_parquet(out / f"{name}.parquet") for name in ("type_stats", "layers", "dims")}  # fmt: skip
     assert again["shards"]["computed"] == 0
     assert again["reducers"]["sources_restored_from_checkpoints"] == [groups] * 3
+    assert again["reducers"]["started_during_extraction"] == 0  # nothing left to extract
     assert again["reducers"]["sources_read"] == [0, 0, 0]
     for name in ("type_stats", "layers", "dims"):
         pd.testing.assert_frame_equal(tables[name], three[name], check_exact=False, rtol=1e-12)

@@ -203,21 +203,29 @@ class Reducer:
     def __init__(
         self,
         index: int,
-        plan: PartitionPlan,
+        plan: PartitionPlan | None = None,
         checkpoint_dir: str | None = None,
         checkpoint_seconds: float = math.inf,
     ) -> None:
         sampler()  # this process's peak private memory, sampled from now on
         self.index = index
-        self.plan = plan
-        self.token_range = plan.ranges[index]
-        self.layers = list(plan.layers)
-        self.state_layers = list(plan.state_layers[index])
         self.rows: EmbeddingStatistics | None = None
         self.state: EmbeddingStatistics | None = None
         self.applied: list[str] = []
         self.checkpoint_dir = checkpoint_dir
         self.checkpoint_seconds = checkpoint_seconds
+        if plan is not None:
+            self.configure(plan)
+
+    def configure(self, plan: PartitionPlan) -> None:
+        """Own reducer ``index``'s part of ``plan`` (a reducer started before the plan was
+        known, :func:`start_reducers`, gets it here, before it reads anything)."""
+        if self.applied:
+            raise ValueError(f"reducer {self.index} has read sources: its plan is fixed")
+        self.plan = plan
+        self.token_range = plan.ranges[self.index]
+        self.layers = list(plan.layers)
+        self.state_layers = list(plan.state_layers[self.index])
 
     def _merge(self, url: str) -> None:
         rows = load_statistics_part(url, self.layers, self.token_range, layer_state=False)
@@ -337,6 +345,7 @@ class PartitionedStatistics:
         memory: int | None = None,
         checkpoint_dir: str | None = None,
         checkpoint_seconds: float = math.inf,
+        started: Sequence[Any] = (),
     ) -> None:
         self.plan = plan
         self.group_urls = list(group_urls)
@@ -349,7 +358,15 @@ class PartitionedStatistics:
         #: per reducer: sources restored from its checkpoint, sources read (last load)
         self.restored = [0] * plan.reducers
         self.read = [0] * plan.reducers
-        self.actors = [self._start(r) for r in range(plan.reducers)]
+        # reducers already started (:func:`start_reducers`, while the extractors ran) get the
+        # plan; the others start now; any beyond R are not needed
+        self.actors = list(started[: plan.reducers])
+        for actor in self.actors:
+            actor.configure.remote(plan)
+        self.actors += [self._start(r) for r in range(len(self.actors), plan.reducers)]
+        for actor in started[plan.reducers :]:
+            ray.kill(actor)
+        self.prestarted = min(len(started), plan.reducers)
         loading = [a.load.remote(self.group_urls) for a in self.actors]
         for r, ref in enumerate(loading):
             self._loaded(r, self._get(r, ref, "load"))
@@ -363,10 +380,11 @@ class PartitionedStatistics:
         return list(self.plan.layers)
 
     def _start(self, r: int) -> Any:
-        options: dict[str, Any] = {"num_cpus": self.cpus}
-        if self.memory:
-            options["memory"] = self.memory
-        return _RemoteReducer.options(**options).remote(r, self.plan, *self.checkpoint)
+        (actor,) = start_reducers(
+            1, cpus=self.cpus, memory=self.memory, plan=self.plan, checkpoint=self.checkpoint,
+            first=r,
+        )  # fmt: skip
+        return actor
 
     def _restore(self, r: int) -> None:
         """Start reducer r again and have it read its checkpoint (if any) and every group
@@ -452,6 +470,7 @@ class PartitionedStatistics:
             "restarts": list(self.restarts),
             "sources_restored_from_checkpoints": list(self.restored),
             "sources_read": list(self.read),
+            "started_during_extraction": self.prestarted,
         }
 
     def peak_memory(self) -> list[dict[str, int | None]]:
@@ -465,6 +484,26 @@ class PartitionedStatistics:
 
 
 _RemoteReducer = ray.remote(max_restarts=0)(Reducer)
+
+
+def start_reducers(
+    count: int,
+    *,
+    cpus: float = 0,
+    memory: int | None = None,
+    plan: PartitionPlan | None = None,
+    checkpoint: tuple[str | None, float] = (None, math.inf),
+    first: int = 0,
+) -> list[Any]:
+    """Start reducer actors ``first .. first + count − 1`` (``num_cpus=cpus``, ``memory`` bytes
+    each when given). Without a ``plan`` they start their processes and imports now and get
+    their plan later (:class:`PartitionedStatistics` ``started=``): the job starts its
+    ``--reducers`` while the extractors run, so the reduce does not wait for R processes."""
+    options: dict[str, Any] = {"num_cpus": cpus}
+    if memory:
+        options["memory"] = memory
+    remote = _RemoteReducer.options(**options)
+    return [remote.remote(r, plan, *checkpoint) for r in range(first, first + count)]
 
 
 class _LazyStates(Mapping[int, LayerMoments]):

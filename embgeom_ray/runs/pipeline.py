@@ -29,6 +29,7 @@ import hashlib
 import json
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -197,14 +198,40 @@ def reducer_count(config: JobConfig, spec: RunSpec, types: int) -> int:
     return max(config.reducers, need)
 
 
+def start_reducers_early(config: JobConfig, store: CheckpointStore) -> list[Any]:
+    """The run's ``--reducers`` reducer actors, started before the extraction so that their
+    processes and imports are ready when the reduce begins (they get their plan then, from
+    the types seen: :func:`reduce_partitioned`). ``--reducer-memory`` may need more; those
+    start at the reduce."""
+    from ..distributed.cluster import connect
+    from ..distributed.reducers import check_memory_offered, start_reducers
+
+    connect(config.address)
+    if config.reducer_memory:
+        check_memory_offered(config.reducer_memory)
+    checkpoint = (store.reducer_dir(), config.checkpoint_interval)
+    return start_reducers(config.reducers, memory=config.reducer_memory, checkpoint=checkpoint)
+
+
+def kill_actors(actors: Sequence[Any]) -> None:
+    """End ``actors`` (e.g. reducers started for a reduce that will not happen)."""
+    if actors:
+        import ray
+
+        for actor in actors:
+            ray.kill(actor)
+
+
 def reduce_partitioned(
     store: CheckpointStore,
     groups: list[CheckpointGroup],
     spec: RunSpec,
+    started: Sequence[Any] = (),
 ) -> tuple[PartitionedStatistics, ActivationSample | None, ShardCounts]:
     """The checkpoint ``groups`` merged by ``--reducers`` reducer actors, each holding a
-    partition of the statistics (:mod:`~embgeom_ray.distributed.reducers`); the sample and
-    the counts merged here, in group order."""
+    partition of the statistics (:mod:`~embgeom_ray.distributed.reducers`; ``started``:
+    reducers already started, :func:`start_reducers_early`); the sample and the counts merged
+    here, in group order."""
     from ..distributed.cluster import connect
     from ..distributed.reducers import PartitionedStatistics, PartitionPlan, seen_type_ids
 
@@ -226,6 +253,7 @@ def reduce_partitioned(
         memory=config.reducer_memory,
         checkpoint_dir=store.reducer_dir(),
         checkpoint_seconds=config.checkpoint_interval,
+        started=started,
     )
     totals = ShardCounts()
     sample: ActivationSample | None = None
@@ -466,13 +494,17 @@ def analyze(config: JobConfig, *, echo=print) -> dict[str, Any]:
     if resumed:
         echo(f"resuming {config.out}: {len(done)} of {len(plan.shards)} shards already done")
     t_extract0 = time.perf_counter()
-    pool = _extract(config, spec.layers, spec.metadata, todo, spec.clip_dims, store) if todo else None
-    t_extract1 = time.perf_counter()
-
-    groups = store.groups_covering(s.shard_id for s in plan.shards)
-    if config.partitioned:
-        merged, sample, totals = reduce_partitioned(store, groups, spec)
-    else:
+    early = start_reducers_early(config, store) if config.partitioned and todo else []
+    try:
+        pool = _extract(config, spec.layers, spec.metadata, todo, spec.clip_dims, store) if todo else None
+        t_extract1 = time.perf_counter()
+        groups = store.groups_covering(s.shard_id for s in plan.shards)
+        if config.partitioned:
+            merged, sample, totals = reduce_partitioned(store, groups, spec, early)
+    except BaseException:
+        kill_actors(early)
+        raise
+    if not config.partitioned:
         merged, sample, totals = reduce_groups(
             store, groups, spec.empty_statistics(), config.sample_size > 0
         )
