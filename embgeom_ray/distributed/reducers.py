@@ -23,6 +23,10 @@ L_r ≤ ⌈L / R⌉ the layers whose state r holds, P positions, G the largest c
 - driver: one layer's state d² · 8 + P · d · 8 at a time, the O(d) partial sums, and the
   ``type_stats`` rows (L · V_seen rows of a few scalars, the table it writes).
 
+The job starts its ``--reducers`` actors while the extractors run (:func:`start_reducers`,
+without a plan), so the reduce does not wait for R processes to start and import; each gets
+the plan (:meth:`Reducer.configure`), cut from the ids seen, before it reads anything.
+
 Faults: a reducer's part is a pure function of the group files, which stay on disk until the
 run is complete, and a group is applied once (keyed by its URL). In a run, each reducer
 checkpoints its partition under ``OUT/reducers/`` whenever ``--checkpoint-interval`` seconds
