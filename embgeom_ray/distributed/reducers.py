@@ -453,8 +453,10 @@ class PartitionedStatistics:
         return self.layer_state(self.plan.layers[0]).n
 
     def save(self, directory: str) -> None:
-        """The partitioned artefact: every reducer's parts, then the index naming them."""
-        files = [self._call(r, "save", directory) for r in range(self.plan.reducers)]
+        """The partitioned artefact: every reducer's parts (written by the reducers at once),
+        then the index naming them."""
+        refs = [actor.save.remote(directory) for actor in self.actors]
+        files = [self._get(r, ref, "save", directory) for r, ref in enumerate(refs)]
         atomic_write_json(
             join(directory, PARTS_INDEX),
             {
@@ -480,7 +482,8 @@ class PartitionedStatistics:
     def peak_memory(self) -> list[dict[str, int | None]]:
         """Each reducer's peak resident and private memory so far (bytes; see
         :mod:`~embgeom_ray.distributed.process_memory`)."""
-        return [self._call(r, "peak_memory") for r in range(self.plan.reducers)]
+        refs = [actor.peak_memory.remote() for actor in self.actors]
+        return [self._get(r, ref, "peak_memory") for r, ref in enumerate(refs)]
 
     def close(self) -> None:
         for actor in self.actors:
