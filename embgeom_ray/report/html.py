@@ -32,6 +32,7 @@ from .plots import (
     _STYLE,
     SECTIONS,
     ClipPair,
+    Elsewhere,
     Figure,
     Run,
     RunDirectoryError,
@@ -936,16 +937,19 @@ def render_report(run: Run, figures: Sequence[Figure]) -> str:
     return _page(f"Embedding geometry: {model_short} · {corpus_short}", body)
 
 
-def write_report(out_dir: str, *, figures: Sequence[Figure] | None = None) -> str:
+def write_report(
+    out_dir: str, *, figures: Sequence[Figure] | None = None, elsewhere: Elsewhere | None = None
+) -> str:
     """Draw the run's figures and write ``out_dir/report.html``; returns its path.
 
     ``figures`` (from :func:`embgeom_ray.report.plots.make_all_plots` with ``include_absent=True``)
-    skips re-drawing. Raises :class:`~embgeom_ray.report.plots.RunDirectoryError` when ``out_dir`` is
-    not a run directory (no manifest.json or layers.parquet).
+    skips re-drawing; ``elsewhere`` draws some of them in other processes (``make_all_plots``).
+    Raises :class:`~embgeom_ray.report.plots.RunDirectoryError` when ``out_dir`` is not a run
+    directory (no manifest.json or layers.parquet).
     """
     run = Run(out_dir)
     if figures is None:
-        figures = make_all_plots(run, include_absent=True)
+        figures = make_all_plots(run, include_absent=True, elsewhere=elsewhere)
     return _write(run.out, render_report(run, figures))
 
 
@@ -1216,16 +1220,22 @@ def _files_inline(run_out: str, out_dir: str) -> str:
     return ", ".join(links)
 
 
-def write_run_report(run: RunDir, manifest: Manifest, echo: Callable[[str], None] = print) -> None:
+def write_run_report(
+    run: RunDir,
+    manifest: Manifest,
+    echo: Callable[[str], None] = print,
+    elsewhere: Elsewhere | None = None,
+) -> None:
     """Plots and ``report.html`` for a finished run; recorded in (and rewrites) the manifest.
 
     The measurement is already complete and saved: a failure here is reported, not raised.
+    ``elsewhere`` draws some figures in other processes (:func:`write_report`).
     """
     import time
 
     t0 = time.perf_counter()
     try:
-        path = write_report(run.url)
+        path = write_report(run.url, elsewhere=elsewhere)
     except Exception as exc:  # plotting must never lose a finished run
         manifest.set(report_error=f"{type(exc).__name__}: {exc}")
         echo(f"warning: the report could not be written ({manifest.report_error})")

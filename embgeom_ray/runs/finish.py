@@ -18,10 +18,12 @@ from ..config import JobConfig, TableOptions
 from ..core.samples import ActivationSample
 from ..core.statistics import EmbeddingStatistics
 from ..core.tables import build_tables
+from ..distributed.node_tasks import on_this_node
 from ..distributed.process_memory import peak_memory
 from ..distributed.sampled_stage import add_sampled_metrics
 from ..inputs.extractor import ShardCounts
 from ..report.html import write_run_report
+from ..report.plots import draw_figures
 from ..run_dir import MANIFEST, Counts, Manifest, RunDir, format_summary
 
 if TYPE_CHECKING:
@@ -121,5 +123,8 @@ def finish_run(
     outputs = manifest.outputs
     names = [*(outputs.tables if outputs else []), *(outputs.artefacts if outputs else [])]
     echo(f"outputs in {run.url}: {', '.join([*names, MANIFEST])}")
-    write_run_report(run, manifest, echo)
+    # some figures drawn by Ray tasks on this node while this process draws the others
+    tasks = on_this_node(draw_figures)
+    elsewhere = None if tasks is None else lambda names: tasks(run.url, names)
+    write_run_report(run, manifest, echo, elsewhere=elsewhere)
     return manifest
