@@ -771,3 +771,19 @@ def test_figure_tasks_on_ray(runs, full_figs, tmp_path, ray_local, monkeypatch):
     nodes = [{**n, "Resources": {**n["Resources"], "CPU": 0.0}} for n in ray.nodes()]
     monkeypatch.setattr(ray, "nodes", lambda: nodes)
     assert on_this_node(draw_figures) is None
+
+
+@pytest.mark.parametrize(("n", "d"), [(600, 64), (40, 3), (4, 5), (300, 8)])
+def test_top_components_are_the_top_singular_vectors(n, d):
+    """The PCA views' projections: the top 3 singular values and vectors of the centred points
+    as numpy's full SVD gives them (up to sign), each vector's largest |entry| positive."""
+    from embgeom_ray.report.plots import top_components
+
+    rng = np.random.default_rng(n + d)
+    x = rng.standard_normal((n, d)) * np.geomspace(4.0, 0.1, d) + 1e3
+    xc = x - x.mean(axis=0)
+    u, sv = top_components(xc, 3)
+    uf, svf, _ = np.linalg.svd(xc, full_matrices=False)
+    np.testing.assert_allclose(sv, svf[:3], rtol=1e-10)
+    np.testing.assert_allclose(np.abs(u.T @ uf[:, :3]), np.eye(3), atol=1e-8)
+    assert (u[np.abs(u).argmax(axis=0), range(3)] > 0).all()

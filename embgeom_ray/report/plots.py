@@ -1363,6 +1363,31 @@ def plot_positional_profile(run: Run) -> tuple[str | None, str]:
 # (f) PCA views of the sample
 
 
+def top_components(xc: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """The top ``k`` left singular vectors (n, k) and singular values (k,) of the centred
+    points ``xc`` (n, d), largest first: their projections on the top k principal axes are
+    ``u * sv``. ARPACK's Lanczos iteration (``scipy.sparse.linalg.svds``, a fixed start vector):
+    O(n · d) per iteration, so any d, without importing scikit-learn into the process that
+    draws; the full SVD when min(n, d) ≤ k or ARPACK does not converge. Signs as scikit-learn's
+    ``svd_flip``: each vector's largest |entry| positive, so a figure does not mirror between
+    runs."""
+    from scipy.sparse.linalg import ArpackNoConvergence, svds
+
+    u = sv = None
+    if min(xc.shape) > k:
+        v0 = np.random.default_rng(0).standard_normal(min(xc.shape))
+        try:
+            u, sv, _ = svds(xc, k=k, v0=v0)
+        except ArpackNoConvergence:
+            pass
+    if u is None or sv is None:
+        u, sv, _ = np.linalg.svd(xc, full_matrices=False)
+    order = np.argsort(sv)[::-1][:k]
+    u, sv = u[:, order], sv[order]
+    u = u * np.sign(u[np.abs(u).argmax(axis=0), np.arange(u.shape[1])])
+    return u, sv
+
+
 def _pca(run: Run, layer: int) -> dict[str, Any] | None:
     if layer in run._pca:
         return run._pca[layer]
@@ -1378,11 +1403,8 @@ def _pca(run: Run, layer: int) -> dict[str, Any] | None:
             )
             df, x = df.iloc[idx].reset_index(drop=True), x[idx]
         if len(x) >= 4 and x.shape[1] >= 3:
-            from sklearn.utils.extmath import randomized_svd
-
             xc = x - x.mean(axis=0)
-            # the top 3 principal axes only: randomized SVD costs O(n d), not O(d³)
-            u, sv, _ = randomized_svd(xc, n_components=3, n_iter=5, random_state=0)
+            u, sv = top_components(xc, 3)
             proj = u * sv
             total = float((xc**2).sum())
             ratio = sv**2 / total if total > 0 else np.zeros(3)
