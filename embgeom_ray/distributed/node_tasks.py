@@ -20,7 +20,7 @@ T = TypeVar("T")
 def on_this_node(fn: Callable[..., T]) -> Callable[..., Callable[[], T]] | None:
     """``fn`` as Ray tasks on this driver's node: call the result with ``fn``'s arguments to
     start one, and call what it returns to wait for ``fn``'s value (computed here instead if
-    the task's worker is lost). None when Ray is not initialised (not even imported: this
+    the task fails: its worker lost, or an error in ``fn``). None when Ray is not initialised (not even imported: this
     does not import it) or this node has no CPU for tasks."""
     if "ray" not in sys.modules or not sys.modules["ray"].is_initialized():
         return None

@@ -368,8 +368,7 @@ class PartitionedStatistics:
         for actor in self.actors:
             actor.configure.remote(plan)
         self.actors += [self._start(r) for r in range(len(self.actors), plan.reducers)]
-        for actor in started[plan.reducers :]:
-            ray.kill(actor)
+        stop_reducers(started[plan.reducers :])
         self.prestarted = min(len(started), plan.reducers)
         loading = [a.load.remote(self.group_urls) for a in self.actors]
         for r, ref in enumerate(loading):
@@ -486,8 +485,7 @@ class PartitionedStatistics:
         return [self._get(r, ref, "peak_memory") for r, ref in enumerate(refs)]
 
     def close(self) -> None:
-        for actor in self.actors:
-            ray.kill(actor)
+        stop_reducers(self.actors)
 
 
 _RemoteReducer = ray.remote(max_restarts=0)(Reducer)
@@ -511,6 +509,12 @@ def start_reducers(
         options["memory"] = memory
     remote = _RemoteReducer.options(**options)
     return [remote.remote(r, plan, *checkpoint) for r in range(first, first + count)]
+
+
+def stop_reducers(actors: Sequence[Any]) -> None:
+    """End reducer actors (e.g. started for a reduce that will not happen)."""
+    for actor in actors:
+        ray.kill(actor)
 
 
 class _LazyStates(Mapping[int, LayerMoments]):

@@ -213,15 +213,6 @@ def start_reducers_early(config: JobConfig, store: CheckpointStore) -> list[Any]
     return start_reducers(config.reducers, memory=config.reducer_memory, checkpoint=checkpoint)
 
 
-def kill_actors(actors: Sequence[Any]) -> None:
-    """End ``actors`` (e.g. reducers started for a reduce that will not happen)."""
-    if actors:
-        import ray
-
-        for actor in actors:
-            ray.kill(actor)
-
-
 def reduce_partitioned(
     store: CheckpointStore,
     groups: list[CheckpointGroup],
@@ -502,7 +493,10 @@ def analyze(config: JobConfig, *, echo=print) -> dict[str, Any]:
         if config.partitioned:
             merged, sample, totals = reduce_partitioned(store, groups, spec, early)
     except BaseException:
-        kill_actors(early)
+        if early:  # reducers started for a reduce that will not happen
+            from ..distributed.reducers import stop_reducers
+
+            stop_reducers(early)
         raise
     if not config.partitioned:
         merged, sample, totals = reduce_groups(
