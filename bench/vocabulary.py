@@ -27,6 +27,7 @@ per token must not grow with V.
 
     python -m bench.vocabulary [--vocab 32000,128256] [--reducers 1,4] [--dim 128]
         [--blocks 4] [--ffn-mult 3.5] [--kv-group 4] [--reducer-memory 1GiB] [--tokens 300000] [--worker-memory 256MiB] [--fold-tokens 100000]
+        [--fold-budget 256MiB]
         [--no-jobs]
 """
 
@@ -54,6 +55,13 @@ MIB = 2**20
 #: Llama 3's proportions (8B: d = 4096, MLP 14,336 = 3.5 d, 32 heads of 128 dimensions, 8 of
 #: them for keys and values): the shrunk bench model keeps them by default
 FFN_MULT, HEAD_DIM, KV_GROUP = 3.5, 128, 4
+
+
+def parse_bytes(text: str) -> int:
+    """A size such as ``256MiB`` in bytes (pydantic's ByteSize, as the job's options)."""
+    from pydantic import ByteSize, TypeAdapter
+
+    return int(TypeAdapter(ByteSize).validate_python(text))
 
 
 def wordlevel_llama_dir(
@@ -115,15 +123,20 @@ def generated_corpus(path: Path, vocab: int, tokens: int, seed: int = 0) -> str:
     return str(path)
 
 
-def fold_and_forward(model: str, corpus: str, tokens: int, repeats: int = 3) -> dict:
+def fold_and_forward(
+    model: str, corpus: str, tokens: int, repeats: int = 3, budget: int | None = None
+) -> dict:
     """In this process, over the same batches of the first ``tokens`` words: the forward's
     and the fold's seconds (median of ``repeats``, each fold into fresh statistics, as an
-    extractor's first interval between flushes), their ratio, and the fold's again into the
-    same statistics (every type seen: the steady state of a long run)."""
+    extractor's first interval), their ratio, and the fold's again into the same statistics
+    (every type seen: the steady state of a long run). With ``budget`` (bytes), also the fold
+    as an extractor under ``--worker-memory`` does it (:class:`SpillingStatistics`, each
+    spill copied as ``ray.put`` copies it), into one accumulator cleared by each spill."""
     import torch
 
     from bench.common import median
     from embgeom_ray.config import build_config
+    from embgeom_ray.core.spilling import SpillingStatistics
     from embgeom_ray.inputs.corpus import CorpusSpec, ReadReport, plan_shards, read_shard
     from embgeom_ray.inputs.extractor import ShardCounts, ShardProcessor
     from embgeom_ray.inputs.model_loading import resolve_identity, resolve_layers
@@ -143,7 +156,7 @@ def fold_and_forward(model: str, corpus: str, tokens: int, repeats: int = 3) -> 
             n += batch.num_tokens
             if n >= tokens:
                 break
-        forward, fold, seen = [], [], []
+        forward, fold, seen, spilling, spills = [], [], [], [], 0
         for _ in range(repeats):
             t0 = time.perf_counter()
             hidden = [proc.forward(b) for b in batches]
@@ -157,10 +170,21 @@ def fold_and_forward(model: str, corpus: str, tokens: int, repeats: int = 3) -> 
             for b, h in zip(batches, hidden, strict=True):
                 stats.update(h, b.input_ids, b.keep)
             seen.append(time.perf_counter() - t0)
+            types = stats.num_types
+            if budget is not None:
+                stats.clear()  # the accumulator an extractor keeps, as a spill leaves it
+                under = SpillingStatistics(
+                    stats, budget, lambda data: len(np.array(data, copy=True)), spill_copies=True
+                )
+                t0 = time.perf_counter()
+                for b, h in zip(batches, hidden, strict=True):
+                    under.update(h, b.input_ids, b.keep)
+                spilling.append(time.perf_counter() - t0)
+                spills = under.spills
             del hidden
     return {
         "tokens": n,
-        "types": stats.num_types,
+        "types": types,
         "forward_s": median(forward),
         "fold_s": median(fold),
         "fold_over_forward": median(fold) / median(forward),
@@ -168,6 +192,16 @@ def fold_and_forward(model: str, corpus: str, tokens: int, repeats: int = 3) -> 
         # the steady state of a long run: every type already seen
         "fold_seen_over_forward": median(seen) / median(forward),
         "fold_seen_us_per_token": 1e6 * median(seen) / n,
+        **(
+            {}
+            if budget is None
+            else {
+                "budget_bytes": budget,
+                "spills": spills,
+                "fold_budget_over_forward": median(spilling) / median(forward),
+                "fold_budget_us_per_token": 1e6 * median(spilling) / n,
+            }
+        ),
     }
 
 
@@ -228,10 +262,16 @@ def main(argv: list[str] | None = None) -> None:
         help="tokens of the in-process fold/forward measurement (0: skip it)",
     )
     p.add_argument(
+        "--fold-budget",
+        default=None,
+        help="also fold under this --worker-memory (e.g. 256MiB): spills cleared in place",
+    )
+    p.add_argument(
         "--jobs", action=argparse.BooleanOptionalAction, default=True, help="run the jobs"
     )
     p.add_argument("--name", default="vocabulary")
     args = p.parse_args(argv)
+    fold_budget = None if args.fold_budget is None else parse_bytes(args.fold_budget)
     work = Path(tempfile.mkdtemp(prefix="embgeom-bench-vocab-"))
     layers = args.blocks + 1
     rows, folds = [], []
@@ -243,7 +283,7 @@ def main(argv: list[str] | None = None) -> None:
             )  # fmt: skip
             corpus = generated_corpus(work / f"corpus-{vocab}.jsonl", vocab, args.tokens)
             if args.fold_tokens:
-                f = fold_and_forward(model, corpus, args.fold_tokens)
+                f = fold_and_forward(model, corpus, args.fold_tokens, budget=fold_budget)
                 folds.append({"vocab": vocab, **f})
                 print(
                     f"V={vocab:7,d} in-process over {f['tokens']:,} tokens ({f['types']:,} "
@@ -251,7 +291,14 @@ def main(argv: list[str] | None = None) -> None:
                     f"({f['fold_us_per_token']:.1f} µs/token) fold/forward "
                     f"{f['fold_over_forward']:.3f}; types already seen: "
                     f"{f['fold_seen_us_per_token']:.1f} µs/token, fold/forward "
-                    f"{f['fold_seen_over_forward']:.3f}",
+                    f"{f['fold_seen_over_forward']:.3f}"
+                    + (
+                        ""
+                        if fold_budget is None
+                        else f"; under --worker-memory {args.fold_budget} ({f['spills']} "
+                        f"spills): {f['fold_budget_us_per_token']:.1f} µs/token, fold/forward "
+                        f"{f['fold_budget_over_forward']:.3f}"
+                    ),
                     flush=True,
                 )
             for reducers in (int(r) for r in args.reducers.split(",")) if args.jobs else ():

@@ -108,11 +108,15 @@ def test_vocabulary_fold_smoke(results_dir, tmp_path):
     from bench import vocabulary
 
     vocabulary.main(
-        "--vocab 600 --dim 256 --blocks 1 --tokens 3000 --fold-tokens 1000 --no-jobs".split()
+        "--vocab 600 --dim 256 --blocks 1 --tokens 3000 --fold-tokens 1000 --no-jobs "
+        "--fold-budget 1MiB".split()
     )
     (fold,) = read(results_dir, "vocabulary")["folds"]
     assert fold["vocab"] == 600 and fold["tokens"] >= 1000 and 0 < fold["types"] <= 600
     assert fold["forward_s"] > 0 and fold["fold_s"] > 0 and fold["fold_seen_over_forward"] > 0
+    # under a 1 MiB budget (~200 types of d = 256, L = 2) the fold spills
+    assert fold["budget_bytes"] == 2**20 and fold["spills"] >= 1
+    assert fold["fold_budget_us_per_token"] > 0
     # the model keeps Llama 3's proportions at any width: MLP 3.5 d, heads of 128, 4:1 GQA
     cfg = json.loads(
         (vocabulary.Path(vocabulary.wordlevel_llama_dir(tmp_path / "m", 600, 512, 1)) / "config.json")

@@ -139,7 +139,7 @@ def test_a_group_of_spilled_pieces_reduces_like_one(tmp_path):
     a half-written group's pieces are removed on resume."""
     from embgeom_ray.core.spilling import SpillingStatistics
 
-    spilling = SpillingStatistics(lambda: EmbeddingStatistics(LAYERS, DIM, initial_types=1), 1)
+    spilling = SpillingStatistics(EmbeddingStatistics(LAYERS, DIM, initial_types=1), 1)
     for i in (0, 1, 2):
         spilling.update(*shard_batch(i))
     pieces = spilling.take()

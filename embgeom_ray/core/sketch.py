@@ -81,11 +81,17 @@ def safetensors_into(
     specs: Mapping[str, tuple[torch.dtype, tuple[int, ...]]],
     fill: Callable[[str, torch.Tensor], None],
     metadata: Mapping[str, str],
-) -> bytearray:
+    into: np.ndarray | None = None,
+) -> bytearray | np.ndarray:
     """A safetensors file built in one buffer: ``specs`` names each array's dtype and shape,
     and ``fill(name, out)`` writes the array into ``out``, a CPU tensor that is its slice of
     the buffer. Nothing else is allocated, so serialising costs one copy of the arrays, not
     the two of building them and then the file (:func:`safetensors.numpy.save`).
+
+    ``into``: a uint8 array to build the file in, reused across calls (its first bytes are
+    returned, as a uint8 array, when it is large enough; else a new bytearray): a caller
+    that serialises again and again (an extractor spilling) writes into memory already paged
+    in instead of faulting in a fresh buffer each time.
 
     The layout is the safetensors format: an 8-byte little-endian header length, the JSON
     header (names → dtype, shape, ``data_offsets``; ``__metadata__``) padded with spaces to
@@ -106,9 +112,13 @@ def safetensors_into(
     header["__metadata__"] = dict(metadata)
     text = json.dumps(header, separators=(",", ":")).encode()
     text += b" " * (-len(text) % 8)
-    buf = bytearray(8 + len(text) + offset)
-    buf[:8] = len(text).to_bytes(8, "little")
-    buf[8 : 8 + len(text)] = text
+    size = 8 + len(text) + offset
+    buf: bytearray | np.ndarray = (
+        into[:size] if into is not None and into.nbytes >= size else bytearray(size)
+    )
+    view = memoryview(buf).cast("B")
+    view[:8] = len(text).to_bytes(8, "little")
+    view[8 : 8 + len(text)] = text
     base = 8 + len(text)
     for name in order:
         dtype, shape = specs[name]

@@ -21,6 +21,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import numpy as np
 import torch
 
 from .statistics import EmbeddingStatistics, Partition
@@ -53,13 +54,23 @@ class SplitStatistics:
         ):
             raise ValueError(f"layer groups {self.groups} do not cover the layers {self.layers}")
         self.parts: list[tuple[list[int], EmbeddingStatistics]] = []
-        self.reserved = 0
+        self.budget: int | None = None
 
-    def reserve(self, types: int) -> None:
-        """Room for ``types`` token types in every part (:meth:`EmbeddingStatistics.reserve`)."""
-        self.reserved = max(self.reserved, int(types))
+    def fit_budget(self, budget: int) -> None:
+        """Each part's arrays get the slots that fit its share of ``budget`` (its layers'
+        share: every part holds every type seen; :meth:`EmbeddingStatistics.fit_budget`)."""
+        self.budget = int(budget)
         for _, part in self.parts:
-            part.reserve(self.reserved)
+            part.fit_budget(self.budget * len(part.layers) // len(self.layers))
+
+    def held_bytes(self) -> int:
+        return sum(part.held_bytes() for _, part in self.parts)
+
+    def clear(self) -> None:
+        """Every part forgets what it has seen, keeping its memory
+        (:meth:`EmbeddingStatistics.clear`)."""
+        for _, part in self.parts:
+            part.clear()
 
     @property
     def num_types(self) -> int:
@@ -81,7 +92,8 @@ class SplitStatistics:
             part = EmbeddingStatistics(
                 ordered, self.dim, device=device, partition=partition, **self.options
             )
-            part.reserve(self.reserved)
+            if self.budget is not None:
+                part.fit_budget(self.budget * len(ordered) // len(self.layers))
             self.parts.append(([self.layers.index(x) for x in ordered], part))
 
     def update(
@@ -114,8 +126,8 @@ class SplitStatistics:
             [EmbeddingStatistics.from_bytes(part.to_bytes()) for _, part in self.parts]
         )
 
-    def to_bytes(self) -> bytes:
-        return self.combined().to_bytes()
+    def to_bytes(self, into: np.ndarray | None = None) -> bytearray | np.ndarray:
+        return self.combined().to_bytes(into)
 
     @property
     def devices(self) -> Mapping[int, str]:

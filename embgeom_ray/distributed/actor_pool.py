@@ -172,6 +172,9 @@ class ShardExtract:
         sampler()  # this process's peak private memory, sampled from now on
         self.error: Exception | None = None
         self.broken_on: str | None = None
+        #: the running statistics, one accumulator for the actor's life (cleared in place by
+        #: a spill or a flush: the next shards fold into memory already written)
+        self.stats: SpillingStatistics | None = None
         self._reset()
         try:
             options = ExtractionOptions(**options_json)
@@ -180,7 +183,7 @@ class ShardExtract:
             self.error = exc
 
     def _reset(self) -> None:
-        self.stats: SpillingStatistics | None = None
+        """Start the next flush's shards (the statistics are cleared by their ``take``)."""
         self.sample: Any = None
         self.counts = ShardCounts()
         self.shard_ids: list[str] = []
@@ -204,10 +207,12 @@ class ShardExtract:
         if self.stats is None:
             # under --worker-memory, pieces past the budget go to the object store (ray.put)
             self.stats = SpillingStatistics(
-                self.processor.new_statistics,
+                self.processor.new_statistics(),
                 self.processor.options.worker_memory,
                 lambda data: ray.put(as_array(data)),
+                spill_copies=True,  # ray.put copies into the object store
             )
+        if not self.shard_ids:  # the first shard since the last flush
             self.sample = self.processor.new_sample()
         try:
             counts = self.processor.fold_shard(shard, self.stats, self.sample)
