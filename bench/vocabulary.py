@@ -131,7 +131,9 @@ def fold_and_forward(
     extractor's first interval), their ratio, and the fold's again into the same statistics
     (every type seen: the steady state of a long run). With ``budget`` (bytes), also the fold
     as an extractor under ``--worker-memory`` does it (:class:`SpillingStatistics`, each
-    spill copied as ``ray.put`` copies it), into one accumulator cleared by each spill."""
+    spill copied as ``ray.put`` copies it), into one accumulator cleared by each spill: the
+    steady run's statistics, cleared, as an extractor's accumulator is after its first
+    flush (its arrays already allocated and written)."""
     import torch
 
     from bench.common import median
