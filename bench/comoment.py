@@ -1,0 +1,172 @@
+"""The fold's one matrix product, (X − c)ᵀ(X − c), in the ways a device can compute it.
+
+For each width d in ``--dims``: ``--rows`` rows of a bf16 "hidden state" (standard normal
+rows plus a per-dimension offset, one dimension offset by ``--offset``: a rogue dimension),
+shifted by c (their column mean rounded to float32, as the fold shifts them), and the product
+computed as
+
+* ``f64_upper`` – float64, upper block triangle (:func:`add_gram_upper`): the fold with
+  ``comoment_precision="float64"``;
+* ``f32_upper`` – float32 without TF32, upper block triangle: the fold's default;
+* ``f32_full`` / ``f64_full`` – one ``xs.T @ xs`` in that dtype;
+* ``tf32_full`` – float32 inputs on the matrix units (TF32, 10-bit mantissa);
+* ``f32_upper4`` / ``f64_upper4`` – the block triangle in 4 column blocks (the GPU's);
+* ``bf16x3_full`` – each float32 row split as hi + lo (two bf16), hiᵀhi + hiᵀlo + loᵀhi with
+  float32 accumulation (``torch.mm(..., out_dtype=float32)``, on CUDA only);
+* ``bf16_pairs`` – the shift c rounded to bf16, so that x − c (two bf16 numbers) mostly splits
+  exactly into hi + lo, and all four bf16 products (three matrix products).
+
+Each is timed (median of ``--repeats`` after a warm-up, the device synchronised) and compared
+with the float64 product of the same rows: ‖G − G₆₄‖_F / ‖G₆₄‖_F and the largest relative
+error of a diagonal entry. The ratio printed is each variant's time over ``f32_upper``'s.
+
+    python -m bench.comoment [--dims 1024,2048,4096] [--rows 8192] [--device cuda]
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from collections.abc import Callable
+
+import torch
+
+from bench.common import median, save
+from embgeom_ray.core.statistics import add_gram_upper, symmetric_from_upper
+
+
+def _upper(xs: torch.Tensor, block: int = 96) -> torch.Tensor:
+    d = xs.shape[1]
+    upper = torch.zeros(d, d, dtype=torch.float64, device=xs.device)
+    add_gram_upper(upper, xs, block)
+    return symmetric_from_upper(upper)
+
+
+def _upper4(xs: torch.Tensor) -> torch.Tensor:
+    return _upper(xs, -(-xs.shape[1] // 4))
+
+
+def _full(xs: torch.Tensor) -> torch.Tensor:
+    return (xs.T @ xs).to(torch.float64)
+
+
+def _tf32(xs: torch.Tensor) -> torch.Tensor:
+    before = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = True
+    try:
+        return (xs.T @ xs).to(torch.float64)
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = before
+
+
+def _bf16x3(xs: torch.Tensor) -> torch.Tensor:
+    hi = xs.to(torch.bfloat16)
+    lo = (xs - hi.to(torch.float32)).to(torch.bfloat16)
+    f32 = torch.float32
+    g = torch.mm(hi.T, hi, out_dtype=f32)
+    cross = torch.mm(hi.T, lo, out_dtype=f32)
+    return (g + cross + cross.T).to(torch.float64)
+
+
+def _bf16_pairs(xs: torch.Tensor) -> torch.Tensor:
+    """x' = hi + lo (two bf16, exact when x' has ≤ 16 significant bits: the difference of two
+    bf16 numbers, x − c with c rounded to bf16, close in magnitude); hiᵀhi + loᵀlo + hiᵀlo +
+    (hiᵀlo)ᵀ, each bf16 product exact in float32 and accumulated in float32."""
+    hi = xs.to(torch.bfloat16)
+    lo = (xs - hi.to(torch.float32)).to(torch.bfloat16)
+    f32 = torch.float32
+    g = torch.mm(hi.T, hi, out_dtype=f32) + torch.mm(lo.T, lo, out_dtype=f32)
+    cross = torch.mm(hi.T, lo, out_dtype=f32)
+    return (g + cross + cross.T).to(torch.float64)
+
+
+#: name: (dtype of the shifted rows, the product, the shift c rounded to: float32 or bfloat16)
+def variants() -> dict[
+    str, tuple[torch.dtype, Callable[[torch.Tensor], torch.Tensor], torch.dtype]
+]:
+    f32, f64, bf16 = torch.float32, torch.float64, torch.bfloat16
+    return {
+        "f64_upper": (f64, _upper, f32),
+        "f32_upper": (f32, _upper, f32),
+        "f64_upper4": (f64, _upper4, f32),
+        "f32_upper4": (f32, _upper4, f32),
+        "f64_full": (f64, _full, f32),
+        "f32_full": (f32, _full, f32),
+        "tf32_full": (f32, _tf32, f32),
+        "bf16x3_full": (f32, _bf16x3, f32),
+        "bf16_pairs": (f32, _bf16_pairs, bf16),
+    }
+
+
+def bench_dim(d: int, rows: int, offset: float, repeats: int, device: str) -> dict:
+    gen = torch.Generator(device="cpu").manual_seed(d)
+    x = torch.randn(rows, d, generator=gen) + torch.randn(d, generator=gen)
+    x[:, 0] += offset
+    x = x.to(torch.bfloat16).to(device)
+    mean = x.to(torch.float32).mean(dim=0)
+    refs = {}
+    for shift in (torch.float32, torch.bfloat16):
+        x64 = x.to(torch.float64) - mean.to(shift).to(torch.float64)
+        refs[shift] = x64.T @ x64
+
+    def sync() -> None:
+        if device == "cuda":
+            torch.cuda.synchronize()
+
+    out: dict[str, dict] = {}
+    for name, (dtype, fn, shift) in variants().items():
+        xs = x.to(dtype) - mean.to(shift).to(dtype)
+        ref = refs[shift]
+        try:
+            g = fn(xs)
+        except (RuntimeError, NotImplementedError, TypeError) as e:
+            out[name] = {"error": str(e).splitlines()[0][:200]}
+            continue
+        times = []
+        for _ in range(repeats):
+            sync()
+            t = time.perf_counter()
+            fn(xs)
+            sync()
+            times.append(time.perf_counter() - t)
+        err = float(torch.linalg.matrix_norm(g - ref) / torch.linalg.matrix_norm(ref))
+        diag = float(((g.diagonal() - ref.diagonal()).abs() / ref.diagonal()).max())
+        out[name] = {"seconds": median(times), "rel_frobenius": err, "rel_diag_max": diag}
+    base = out["f32_upper"]["seconds"]
+    for name, r in out.items():
+        if "seconds" in r:
+            r["over_f32_upper"] = r["seconds"] / base
+            flops = 2 * rows * d * d
+            r["tflops_full_equivalent"] = flops / r["seconds"] / 1e12
+            print(
+                f"d={d:5d} rows={rows} {name:12s} {1e3 * r['seconds']:8.3f} ms "
+                f"({r['over_f32_upper']:5.2f}x f32_upper, {r['tflops_full_equivalent']:6.1f} "
+                f"TFLOP/s as a full product) rel. error {r['rel_frobenius']:.1e} "
+                f"(diagonal max {r['rel_diag_max']:.1e})",
+                flush=True,
+            )
+        else:
+            print(f"d={d:5d} {name:12s} not available: {r['error']}", flush=True)
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--dims", default="1024,2048,4096")
+    p.add_argument("--rows", type=int, default=8192, help="rows of one batch")
+    p.add_argument("--offset", type=float, default=100.0, help="one dimension's offset")
+    p.add_argument("--repeats", type=int, default=10)
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--name", default="comoment")
+    args = p.parse_args(argv)
+    if args.device == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = False  # as the extractor sets it
+    results = {
+        d: bench_dim(d, args.rows, args.offset, args.repeats, args.device)
+        for d in (int(x) for x in args.dims.split(","))
+    }
+    save(args.name, {"command": "python -m bench.comoment", "args": vars(args), "dims": results})
+
+
+if __name__ == "__main__":
+    main()
