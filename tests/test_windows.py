@@ -233,3 +233,66 @@ def test_padding_bound_is_the_option(minilm_dir):
         )
     }
     assert rows == {(w.doc_id, w.index): w.input_ids for w in windows}
+
+
+@pytest.fixture(scope="module")
+def four_tokenizers(minilm_dir, tmp_path_factory):
+    """BERT ([CLS] … [SEP]), GPT-2 (none), Llama (BOS only), RoBERTa (<s> … </s>)."""
+    from transformers import AutoTokenizer
+
+    from tests.tiny_models import make_tiny_gpt2, make_tiny_llama, make_tiny_roberta
+
+    root = tmp_path_factory.mktemp("tokenizers")
+    dirs = {
+        "bert": minilm_dir,
+        "gpt2": make_tiny_gpt2(root / "gpt2"),
+        "llama": make_tiny_llama(root / "llama"),
+        "roberta": make_tiny_roberta(root / "roberta"),
+    }
+    return {name: AutoTokenizer.from_pretrained(d) for name, d in dirs.items()}
+
+
+@pytest.mark.parametrize("name", ["bert", "gpt2", "llama", "roberta"])
+def test_windows_partition_a_long_document_as_the_overflow_does(four_tokenizers, name):
+    """Every content token of real prose lands in exactly one window, in order, each window
+    wrapped in the tokenizer's own special tokens; and the windows are the ones the fast
+    tokenizer's overflow gives where it works (transformers 5.17.0's lost 85% of them)."""
+    from embgeom_ray.inputs.windows import special_tokens_around
+
+    tok = four_tokenizers[name]
+    texts = [*python_docs_documents()[:6], "", "short"]
+    before, after = special_tokens_around(tok)
+    assert (len(before), len(after)) == {
+        "bert": (1, 1), "gpt2": (0, 0), "llama": (1, 0), "roberta": (1, 1)
+    }[name]  # fmt: skip
+    windows = tokenize_windows(tok, list(range(10, 18)), texts, max_length=64)
+    for doc, text in zip(range(10, 18), texts, strict=True):
+        mine = [w for w in windows if w.doc_id == doc]
+        assert [w.index for w in mine] == list(range(len(mine)))
+        assert all(len(w.input_ids) <= 64 for w in mine)
+        assert all(len(w.input_ids) == 64 for w in mine[:-1])  # all full but the last
+        content = [i for w in mine for i in w.input_ids[len(before) : len(w.input_ids) - len(after)]]
+        assert content == tok(text, add_special_tokens=False)["input_ids"]
+        assert all(w.input_ids[: len(before)] == before for w in mine)
+        assert all(w.input_ids[len(w.input_ids) - len(after) :] == after for w in mine)
+    assert sum(len(w.input_ids) for w in windows) > 6 * 64  # long documents: many windows
+    overflow = tok(
+        texts, add_special_tokens=True, truncation=True, max_length=64,
+        return_overflowing_tokens=True, stride=0,
+    )  # fmt: skip
+    import transformers
+
+    if transformers.__version__ != "5.17.0":  # elsewhere the overflow works: the same windows
+        assert [w.input_ids for w in windows] == [list(x) for x in overflow["input_ids"]]
+
+
+def test_windows_refuse_a_length_with_no_room_for_a_token(minilm_dir):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(minilm_dir)
+    with pytest.raises(ValueError, match="max_length 2 leaves no room"):
+        tokenize_windows(tok, [0], ["some text"], max_length=2)
+    assert [w.input_ids for w in tokenize_windows(tok, [0], ["some text"], max_length=3)] == [
+        [101, 2070, 102],
+        [101, 3793, 102],
+    ]

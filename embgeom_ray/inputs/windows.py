@@ -2,8 +2,9 @@
 
 Windows follow docs/design.md's conventions: each document is tokenized with the tokenizer's
 defaults (``add_special_tokens=True``), and a document longer than ``max_length`` is split
-into consecutive windows by the fast tokenizer's overflow mechanism (stride 0), each window
-wrapped in the special tokens the model saw in training ([CLS] … [SEP], BOS, …). Content
+into consecutive windows, as a fast tokenizer's overflow (stride 0) splits it (made here:
+:func:`tokenize_windows`), each window wrapped in the special tokens the model saw in training
+([CLS] … [SEP], BOS, …). Content
 tokens are partitioned exactly: nothing is dropped, nothing is counted twice. Positions
 restart at 0 in each window; batches are right-padded, so every real token keeps its position.
 
@@ -87,28 +88,58 @@ class Batch:
         return parts[0], parts[1]
 
 
+#: a text whose tokens the special tokens surround (:func:`special_tokens_around`)
+_PROBE = "a"
+
+
+def special_tokens_around(tokenizer) -> tuple[list[int], list[int]]:
+    """The special tokens the tokenizer puts before and after one text's tokens (BERT:
+    ([CLS], [SEP]); RoBERTa: (<s>, </s>); Llama: (BOS, none); GPT-2: none): a probe text
+    tokenized with and without them, the difference found around it."""
+    bare = list(tokenizer(_PROBE, add_special_tokens=False)["input_ids"])
+    full = list(tokenizer(_PROBE, add_special_tokens=True)["input_ids"])
+    for i in range(len(full) - len(bare) + 1):
+        if full[i : i + len(bare)] == bare:
+            return full[:i], full[i + len(bare) :]
+    raise ValueError(
+        f"the tokenizer's special tokens do not surround a text's own tokens ({_PROBE!r} gives "
+        f"{bare} alone and {full} with special tokens); windows cannot be cut"
+    )
+
+
 def tokenize_windows(
     tokenizer, doc_ids: Sequence[int], texts: Sequence[str], max_length: int
 ) -> list[Window]:
-    """Split ``texts`` into windows of at most ``max_length`` tokens (special tokens included)."""
+    """Split ``texts`` into windows of at most ``max_length`` tokens (special tokens included).
+
+    Each text is tokenized once without special tokens; its tokens are cut into consecutive
+    runs of ``max_length − s`` (s special tokens a window) and each run is wrapped in the
+    tokenizer's own special tokens (:func:`special_tokens_around`): the windows a fast
+    tokenizer's overflow (``return_overflowing_tokens``, stride 0) gives, made here because
+    transformers 5.17.0 returned truncated overflow windows (a 173-token document gave windows
+    of 128 and 4 tokens: 85% of a long document's tokens were lost, silently). An empty text
+    gives one window of special tokens only (never run: no token of it is counted).
+    """
     if not texts:
         return []
+    before, after = special_tokens_around(tokenizer)
+    run = max_length - len(before) - len(after)
+    if run < 1:
+        raise ValueError(
+            f"max_length {max_length} leaves no room for a token beside the tokenizer's "
+            f"{len(before) + len(after)} special tokens"
+        )
     enc = tokenizer(
         list(texts),
-        add_special_tokens=True,
-        truncation=True,
-        max_length=max_length,
-        return_overflowing_tokens=True,
-        stride=0,
+        add_special_tokens=False,
         return_attention_mask=False,
         return_token_type_ids=False,
+        verbose=False,  # texts longer than the model's maximum are cut here
     )
-    mapping = enc["overflow_to_sample_mapping"]
-    windows, last, k = [], -1, 0
-    for ids, sample in zip(enc["input_ids"], mapping, strict=True):
-        k = k + 1 if sample == last else 0
-        last = sample
-        windows.append(Window(int(doc_ids[sample]), k, list(ids)))
+    windows = []
+    for doc, ids in zip(doc_ids, enc["input_ids"], strict=True):
+        for k, a in enumerate(range(0, max(len(ids), 1), run)):
+            windows.append(Window(int(doc), k, before + list(ids[a : a + run]) + after))
     return windows
 
 
