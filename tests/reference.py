@@ -180,8 +180,10 @@ def load_model_and_tokenizer(model_dir: str | os.PathLike[str]):
     """Load ``AutoModel`` (float32, eval) and ``AutoTokenizer`` from a local directory."""
     from transformers import AutoModel, AutoTokenizer
 
+    from embgeom_ray.inputs.model_loading import dtype_argument  # the keyword, by version
+
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
-    model = AutoModel.from_pretrained(str(model_dir), dtype=torch.float32)
+    model = AutoModel.from_pretrained(str(model_dir), **dtype_argument(torch.float32))
     model.eval()
     return model, tokenizer
 

@@ -290,7 +290,9 @@ def make_tiny_roberta(
 def _load_bert(model_dir: str | os.PathLike[str]):
     from transformers import AutoModel
 
-    model = AutoModel.from_pretrained(str(model_dir), dtype=torch.float32)
+    from embgeom_ray.inputs.model_loading import dtype_argument
+
+    model = AutoModel.from_pretrained(str(model_dir), **dtype_argument(torch.float32))
     if getattr(model.config, "model_type", None) not in {"bert", "roberta"}:
         raise ValueError(
             f"planting is implemented for BERT-like models, got {model.config.model_type!r}"

@@ -63,13 +63,23 @@ def load_tokenizer(model: str, revision: str | None, trust_remote_code: bool) ->
             model, revision=revision, trust_remote_code=trust_remote_code
         )
     except Exception as exc:
+        if os.path.isdir(model) and not _has_tokenizer_files(model):  # transformers 4 raises
+            raise _no_tokenizer_files(model, "the tokenizer cannot be loaded") from None
         raise _load_error("tokenizer", model, exc) from None
     if not getattr(tok, "is_fast", False):
         raise ModelError(
             f"the tokenizer of {model!r} is not a fast (Rust) tokenizer; embgeom_ray needs one "
-            "to split long documents into windows exactly"
+            "to tokenize a corpus at speed"
         )
     return tok
+
+
+def _no_tokenizer_files(model: str, found: str) -> ModelError:
+    return ModelError(
+        f"{model!r} has no tokenizer files (tokenizer.json / vocab.txt / vocab.json + "
+        f"merges.txt / a sentencepiece *.model): {found}; copy the model's tokenizer files "
+        "into it"
+    )
 
 
 #: Files that carry a fast tokenizer's vocabulary (one of them, or a sentencepiece ``*.model``
@@ -120,10 +130,8 @@ def check_vocabulary(model: str, tokenizer: Any, config: Any) -> None:
         missing_files or vocab - n > max(VOCAB_SHORTFALL_ENTRIES, VOCAB_SHORTFALL_SHARE * vocab)
     ):
         if missing_files:
-            raise ModelError(
-                f"{model!r} has no tokenizer files (tokenizer.json / vocab.txt / vocab.json + "
-                f"merges.txt / a sentencepiece *.model): the tokenizer found has {n:,} entries, "
-                f"the model's vocabulary {vocab:,}; copy the model's tokenizer files into it"
+            raise _no_tokenizer_files(
+                model, f"the tokenizer found has {n:,} entries, the model's vocabulary {vocab:,}"
             )
         raise ModelError(
             f"the tokenizer of {model!r} has {n:,} entries but the model's vocabulary has "
@@ -171,13 +179,24 @@ def load_model(
         m = AutoModel.from_pretrained(
             model,
             revision=revision,
-            dtype=getattr(torch, _DTYPES[dtype]),
             trust_remote_code=trust_remote_code,
+            **dtype_argument(getattr(torch, _DTYPES[dtype])),
             **({} if device_map is None else {"device_map": device_map}),
         )
     except Exception as exc:
         raise _load_error("weights", model, exc) from None
     return m.eval() if device_map is not None else m.eval().to(device)
+
+
+def dtype_argument(dtype: Any) -> dict[str, Any]:
+    """The keyword that sets a model's dtype in ``from_pretrained``/``from_config``: ``dtype``
+    since transformers 4.56, ``torch_dtype`` before (the range this project declares starts at
+    4.45; 4.45 refuses ``dtype``, 5.x warns about ``torch_dtype``)."""
+    import transformers
+    from packaging.version import Version
+
+    new = Version(transformers.__version__).release >= (4, 56)
+    return {"dtype" if new else "torch_dtype": dtype}
 
 
 def balanced_device_map(
@@ -203,7 +222,9 @@ def balanced_device_map(
         raise _load_error("config", model, exc) from None
     torch_dtype = getattr(torch, _DTYPES[dtype])
     with init_empty_weights():
-        empty = AutoModel.from_config(cfg, trust_remote_code=trust_remote_code, dtype=torch_dtype)
+        empty = AutoModel.from_config(
+            cfg, trust_remote_code=trust_remote_code, **dtype_argument(torch_dtype)
+        )
     no_split = list(getattr(empty, "_no_split_modules", None) or [])
     balanced = get_balanced_memory(
         empty, max_memory=max_memory, no_split_module_classes=no_split, dtype=torch_dtype
