@@ -513,7 +513,9 @@ def test_hf_dataset_unreachable_offline(monkeypatch: pytest.MonkeyPatch) -> None
     import datasets
     import huggingface_hub.constants
 
-    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
+    # datasets < 2.20 names it HF_DATASETS_OFFLINE
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True, raising=False)
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_OFFLINE", True, raising=False)
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
     with pytest.raises(CorpusError, match="cannot load Hugging Face dataset 'hf:no-such-ds-x:cfg'"):
         plan_shards(CorpusSpec("hf:no-such-ds-x:cfg"))

@@ -664,8 +664,11 @@ def _parquet_column(pf: pq.ParquetFile, path: str, column: str) -> None:
     typ = schema.field(column).type
     if pa.types.is_dictionary(typ):
         typ = typ.value_type
+    string_view = getattr(pa.types, "is_string_view", None)  # pyarrow ≥ 16
     if not (
-        pa.types.is_string(typ) or pa.types.is_large_string(typ) or pa.types.is_string_view(typ)
+        pa.types.is_string(typ)
+        or pa.types.is_large_string(typ)
+        or (string_view is not None and string_view(typ))
     ):
         raise CorpusError(f"column {column!r} of {path} has type {typ}, not string")
 
