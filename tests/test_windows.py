@@ -296,3 +296,24 @@ def test_windows_refuse_a_length_with_no_room_for_a_token(minilm_dir):
         [101, 2070, 102],
         [101, 3793, 102],
     ]
+
+
+def test_windows_refuse_a_tokenizer_whose_special_tokens_cannot_be_found():
+    """The probe's special tokens must agree with the tokenizer's own count, and surround it."""
+    from embgeom_ray.inputs.windows import special_tokens_around
+
+    class Probe:
+        def __init__(self, wrapped: list[int], count: int) -> None:
+            self.wrapped, self.count = wrapped, count
+
+        def __call__(self, text, add_special_tokens=True, **_):
+            return {"input_ids": self.wrapped if add_special_tokens else [7]}
+
+        def num_special_tokens_to_add(self, pair=False):
+            return self.count
+
+    assert special_tokens_around(Probe([1, 7, 2], 2)) == ([1], [2])
+    with pytest.raises(ValueError, match="adds 3 special tokens to a text, but 'a' gains 2"):
+        special_tokens_around(Probe([1, 7, 2], 3))
+    with pytest.raises(ValueError, match="do not surround a text's own tokens"):
+        special_tokens_around(Probe([1, 8, 2], 2))

@@ -98,8 +98,14 @@ def special_tokens_around(tokenizer) -> tuple[list[int], list[int]]:
     tokenized with and without them, the difference found around it."""
     bare = list(tokenizer(_PROBE, add_special_tokens=False)["input_ids"])
     full = list(tokenizer(_PROBE, add_special_tokens=True)["input_ids"])
+    count = getattr(tokenizer, "num_special_tokens_to_add", None)
     for i in range(len(full) - len(bare) + 1):
         if full[i : i + len(bare)] == bare:
+            if callable(count) and count(pair=False) != len(full) - len(bare):
+                raise ValueError(
+                    f"the tokenizer adds {count(pair=False)} special tokens to a text, but "
+                    f"{_PROBE!r} gains {len(full) - len(bare)}; windows cannot be cut"
+                )
             return full[:i], full[i + len(bare) :]
     raise ValueError(
         f"the tokenizer's special tokens do not surround a text's own tokens ({_PROBE!r} gives "
