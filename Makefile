@@ -36,7 +36,7 @@ test: env
 test-fast: env
 	$(PY) -m pytest -q -m "not slow"
 
-# The declared lower bounds, tried (~15 min; not part of `make test`): the oldest transformers,
+# The declared lower bounds, tried (~11 min; not part of `make test`): the oldest transformers,
 # datasets, fsspec, pyarrow, numpy, pandas and Ray that pyproject.toml admits, laid over .venv
 # (build/floors first on PYTHONPATH), and the tests of the code they touch.
 FLOORS := transformers==4.45.2 tokenizers==0.20.3 huggingface_hub==0.29.3 datasets==2.19.2 \
