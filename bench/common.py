@@ -2,13 +2,20 @@
 
 from __future__ import annotations
 
+import importlib
+import io
 import json
 import os
 import platform
+import shutil
 import statistics
+import subprocess
+import sys
+import tarfile
 import time
 from collections.abc import Callable
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -16,6 +23,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 
 RESULTS = Path(__file__).resolve().parent / "results"
+REPO = Path(__file__).resolve().parents[1]
 
 
 def minilm_dir() -> str:
@@ -91,3 +99,27 @@ def save(name: str, result: dict[str, Any]) -> Path:
     path.write_text(json.dumps(result | {"machine": machine()}, indent=2) + "\n")
     print(f"wrote {path}")
     return path
+
+
+def baseline_module(ref: str, work: Path, module: str) -> ModuleType:
+    """Module ``module`` (e.g. ``"core.tables"``) of the package as it was at ``ref``, imported
+    beside this checkout's as ``embgeom_ray_baseline``: ``ref`` is a git revision (extracted
+    with ``git archive`` into ``work``) or a directory holding such an extracted
+    ``embgeom_ray`` package (for machines that get the working tree without ``.git``)."""
+    name = "embgeom_ray_baseline"
+    root = work / "baseline"
+    if Path(ref, "__init__.py").is_file():
+        shutil.copytree(ref, root / name)
+    else:
+        tar = subprocess.run(
+            ["git", "-C", str(REPO), "archive", "--format=tar", ref, "embgeom_ray"],
+            check=True,
+            capture_output=True,
+        ).stdout
+        with tarfile.open(fileobj=io.BytesIO(tar)) as tf:
+            tf.extractall(root, filter="data")
+        (root / "embgeom_ray").rename(root / name)  # the package imports itself relatively
+    for loaded in [m for m in sys.modules if m == name or m.startswith(f"{name}.")]:
+        del sys.modules[loaded]  # an earlier baseline's (another revision, another folder)
+    sys.path.insert(0, str(root))
+    return importlib.import_module(f"{name}.{module}")

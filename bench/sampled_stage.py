@@ -25,12 +25,7 @@ clusters: more cluster-adjusted IsoScores). ``--baseline none`` times the curren
 from __future__ import annotations
 
 import argparse
-import importlib
-import io
 import shutil
-import subprocess
-import sys
-import tarfile
 import tempfile
 from dataclasses import replace
 from pathlib import Path
@@ -39,27 +34,15 @@ from typing import Any
 
 import numpy as np
 
-from bench.common import median, save, timed
+from bench.common import baseline_module, median, save, timed
 
 #: the last revision before the sampled stage shared its kNN searches across half-samples
 BASELINE = "573a6e4"
-REPO = Path(__file__).resolve().parents[1]
 
 
 def baseline_tables(ref: str, work: Path) -> ModuleType:
     """``embgeom_ray.core.tables`` of git revision ``ref``, imported as a separate package."""
-    tar = subprocess.run(
-        ["git", "-C", str(REPO), "archive", "--format=tar", ref, "embgeom_ray"],
-        check=True,
-        capture_output=True,
-    ).stdout
-    root = work / "baseline"
-    with tarfile.open(fileobj=io.BytesIO(tar)) as tf:
-        tf.extractall(root, filter="data")
-    name = "embgeom_ray_baseline"
-    (root / "embgeom_ray").rename(root / name)  # the package imports itself relatively
-    sys.path.insert(0, str(root))
-    return importlib.import_module(f"{name}.core.tables")
+    return baseline_module(ref, work, "core.tables")
 
 
 def max_rel_diff(a: dict[str, Any], b: dict[str, Any]) -> float:

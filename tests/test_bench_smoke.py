@@ -90,10 +90,11 @@ def test_sampled_stage_smoke(results_dir):
     import subprocess
 
     from bench import sampled_stage
+    from bench.common import REPO
 
     # the baseline is this checkout's HEAD (its package imported under another name)
     git = subprocess.run(
-        ["git", "-C", str(sampled_stage.REPO), "rev-parse", "HEAD"], check=False, capture_output=True
+        ["git", "-C", str(REPO), "rev-parse", "HEAD"], check=False, capture_output=True
     )
     baseline = "HEAD" if git.returncode == 0 else "none"
     sampled_stage.main(f"--size 128 --layers 0 --repeats 1 --baseline {baseline}".split())
@@ -142,3 +143,31 @@ def test_comoment_smoke(results_dir):
     assert res["f32_upper"]["over_f32_upper"] == 1.0 and res["f64_full"]["seconds"] > 0
     # torch.mm(out_dtype=…) is CUDA's only (today); where it runs, bf16 pairs give ~3e-5
     assert "error" in res["bf16x3_full"] or res["bf16x3_full"]["rel_frobenius"] < 1e-4
+
+
+def test_fold_smoke(results_dir, tmp_path):
+    """The fold against a baseline package given as a folder (as on a machine without .git):
+    here this checkout's own package, so both fold to the same state."""
+    import shutil
+
+    from bench import fold
+    from bench.common import REPO
+
+    shutil.copytree(REPO / "embgeom_ray", tmp_path / "embgeom_ray")
+    fold.main(
+        f"--device cpu --dims 48 --batch-tokens 1024 --repeats 2 --warmup 1 --scatter "
+        f"--baseline {tmp_path / 'embgeom_ray'}".split()
+    )
+    res = read(results_dir, "fold")
+    assert [(r["dim"], r["comoment_precision"]) for r in res["folds"]] == [
+        (48, "float32"),
+        (48, "float64"),
+    ]
+    for row in res["folds"]:
+        assert row["tokens"] == 1024 - 1024 // 128  # one special token a window left out
+        assert row["state"]["same"] and row["state"]["max_rel_diff"] == 0.0
+        assert row["ratio"] > 0 and row["us_per_token_layer"]["current"] > 0
+    (scatter,) = res["scatter"]
+    assert scatter["rows"] == 1024 and 0 < scatter["types"] <= 1024
+    for way in ("index_add", "segment_reduce", "csr_matmul"):
+        assert scatter[way]["max_rel_err"] < 1e-12, way

@@ -12,6 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import embgeom_ray.core.statistics as statistics_module
+from embgeom_ray.core import group_sums
 from embgeom_ray.core.metrics import (
     cosine_metrics,
     dims_table,
@@ -28,14 +29,18 @@ from embgeom_ray.errors import StatisticsMismatchError
 from tests import sketch_fixtures
 
 
-@pytest.fixture(autouse=True, scope="module", params=["one block", "blocks of 5 rows"])
+@pytest.fixture(
+    autouse=True, scope="module", params=["one block", "blocks of 5 rows", "GPU's sums"]
+)
 def row_block(request):
-    """Every test twice: batches folded in one block of rows, and in many blocks of 5 rows
-    (the CPU fold walks blocks of ``CPU_ROW_BLOCK`` rows; its tests' batches are smaller)."""
-    saved = statistics_module.CPU_ROW_BLOCK
+    """Every test three times: batches folded in one block of rows, in many blocks of 5 rows
+    (the CPU fold walks blocks of ``CPU_ROW_BLOCK`` rows; its tests' batches are smaller), and
+    in one block with the sums by type and position as sparse products, as on a GPU."""
+    saved = statistics_module.CPU_ROW_BLOCK, group_sums.SPARSE_SUMS
     statistics_module.CPU_ROW_BLOCK = 5 if request.param == "blocks of 5 rows" else 1 << 30
+    group_sums.SPARSE_SUMS = request.param == "GPU's sums"
     yield request.param
-    statistics_module.CPU_ROW_BLOCK = saved
+    statistics_module.CPU_ROW_BLOCK, group_sums.SPARSE_SUMS = saved
 
 
 def make_batch(rng: np.random.Generator, n_layers=2, b=3, t=7, d=5, vocab=6, offset=0.0):
@@ -374,9 +379,15 @@ def test_extreme_counts_equal_argmax_counts(dtype):
     for which, ref in (("max", x.argmax(dim=1)), ("min", x.argmin(dim=1))):
         want = torch.bincount(ref, minlength=7)
         assert torch.equal(extreme_counts(x, which, scratch), want)
+        assert torch.equal(extreme_counts(x, which), want)  # the GPU's way: argmax itself
     x[:5] = 0.0  # ties: argmax takes the first dimension
-    want = torch.bincount(torch.as_tensor(x.double().numpy().argmax(1)), minlength=7)
-    assert torch.equal(extreme_counts(x, "max", scratch), want)
+    x[5:9, 2:5] = 9.0  # a tie for the maximum that is not in the first dimension
+    x[9:12, 4:] = -9.0
+    for which in ("max", "min"):
+        ref = getattr(x.double().numpy(), f"arg{which}")(1)
+        want = torch.bincount(torch.as_tensor(ref), minlength=7)
+        assert torch.equal(extreme_counts(x, which, scratch), want)
+        assert torch.equal(extreme_counts(x, which), want)
 
 
 @pytest.mark.parametrize("d", [1, 5, 96, 100, 385])

@@ -60,6 +60,7 @@ import numpy as np
 import torch
 
 from ..errors import StatisticsMismatchError
+from .group_sums import GroupMatrix, sparse_sums_on
 from .sketch import HEADER_KEY, Sketch, check_array, safetensors_into
 
 #: the ``format`` of the header (this name since the first version; see :data:`_READS`).
@@ -278,6 +279,8 @@ class _Groups(NamedTuple):
     counts: torch.Tensor  # (u,) rows per type
     pos: torch.Tensor | None  # (n,) position of each row in its window
     pos_counts: torch.Tensor | None  # (P,) rows per position
+    by_type: GroupMatrix | None = None  # on GPUs: the sums by type as sparse products
+    by_pos: GroupMatrix | None = None  # ... and by position
 
 
 def _column_blocks(d: int, block: int) -> list[int]:
@@ -335,22 +338,29 @@ def gram(xs: torch.Tensor, block: int = 96) -> torch.Tensor:
     return symmetric_from_upper(upper)
 
 
-def extreme_counts(x: torch.Tensor, which: str, scratch: torch.Tensor) -> torch.Tensor:
+def extreme_counts(
+    x: torch.Tensor, which: str, scratch: torch.Tensor | None = None
+) -> torch.Tensor:
     """How many rows of ``x`` (n × d, finite) have their first maximum (``which="max"``) or
     minimum (``"min"``) in each dimension: ``bincount(x.argmax(1), minlength=d)`` (Luo 2020).
 
-    Computed as the column sums of the 0/1 matrix ``x == rowmax(x)`` (written into the float32
-    ``scratch`` of x's shape, whatever x's dtype): vectorised passes, ~4x faster on CPUs than
-    the index-tracking ``argmax``. A row whose extreme value is tied between dimensions
+    With a float32 ``scratch`` of x's shape (the fold passes one on CPUs), computed as the
+    column sums of the 0/1 matrix ``x == rowmax(x)``: vectorised passes, ~4x faster on CPUs
+    than the index-tracking ``argmax``. A row whose extreme value is tied between dimensions
     would count twice there; then (rarely: the sums exceed n) the exact argmax is used.
+    Without ``scratch`` (on GPUs, where ``argmax`` is one read of x in its own dtype instead
+    of four passes, two of them over a float32 matrix, and a host synchronisation), the
+    argmax itself; both give ties to the first dimension.
     """
     n, d = x.shape
+    if scratch is None:
+        first = x.argmax(dim=1) if which == "max" else x.argmin(dim=1)
+        return torch.bincount(first, minlength=d)
     ext = x.amax(dim=1, keepdim=True) if which == "max" else x.amin(dim=1, keepdim=True)
     hits = torch.eq(x, ext, out=scratch).sum(dim=0)
     if int(hits.sum()) == n and n < 2**24:  # one extreme per row: exact 0/1 sums
         return hits.to(torch.int64)
-    first = x.argmax(dim=1) if which == "max" else x.argmin(dim=1)
-    return torch.bincount(first, minlength=d)
+    return extreme_counts(x, which)
 
 
 class EmbeddingStatistics(Sketch):
@@ -680,7 +690,11 @@ class EmbeddingStatistics(Sketch):
             row_slots, return_inverse=True, return_counts=True
         )
         pos_counts = None if pos is None else torch.bincount(pos, minlength=self.max_positions)
-        return _Groups(slots, inv, row_slots, counts, pos, pos_counts)
+        if not sparse_sums_on(self.device):
+            return _Groups(slots, inv, row_slots, counts, pos, pos_counts)
+        by_pos = None if pos is None else GroupMatrix.of_labels(pos, pos_counts)
+        by_type = GroupMatrix.of_sorted(counts, row_slots.numel())
+        return _Groups(slots, inv, row_slots, counts, pos, pos_counts, by_type, by_pos)
 
     def _workspace(self, name: str, n: int, dtype: torch.dtype = _F64) -> torch.Tensor:
         """An (n, d) scratch buffer, reused across batches (no per-batch allocation)."""
@@ -717,7 +731,8 @@ class EmbeddingStatistics(Sketch):
         Two passes over blocks of rows (:meth:`_row_blocks`), each block converted to float64
         where it is used: (1) tails, per-type sums, unit-vector sums, position sums; (2) per
         type the deviations from the type's batch mean (M2), and the co-moment product. On a
-        CPU a block's float64 copy and scratch stay in cache across the passes made over it.
+        CPU a block's float64 copy and scratch stay in cache across the passes made over it;
+        with one block (a GPU's whole batch) pass 2 reuses pass 1's float64 copy.
         """
         kept, g = self._finite_rows(li, kept, g)
         n, d, u = kept.shape[0], self.dim, g.slots.numel()
@@ -726,22 +741,34 @@ class EmbeddingStatistics(Sketch):
         dev = kept.device
         blocks = self._row_blocks(n)
         block = blocks[0][1]  # rows of the first (largest) block: the scratch buffers' size
-        hits = self._workspace("hits", block, torch.float32)  # 0/1 sums, exact below 2^24 rows
-        mean_b = self._workspace("mean_b", u).zero_()  # reused: no fresh pages to fault in
-        ps = None if g.pos is None else torch.zeros(self.max_positions, d, dtype=_F64, device=dev)
+        # tails: 0/1 column sums on a CPU (exact below 2^24 rows), argmax on a GPU
+        hits = self._workspace("hits", block, torch.float32) if dev.type == "cpu" else None
+        # sums by group: sparse products with the whole batch (GPUs), else index_add_
+        sparse = g.by_type is not None and len(blocks) == 1
+        if not sparse:
+            mean_b = self._workspace("mean_b", u).zero_()  # reused: no fresh pages to fault in
+            ps = (
+                None
+                if g.pos is None
+                else torch.zeros(self.max_positions, d, dtype=_F64, device=dev)
+            )
         for a, b in blocks:
             k = kept[a:b]
-            self._a["argmax_counts"][li] += extreme_counts(k, "max", hits[: b - a])
-            self._a["argmin_counts"][li] += extreme_counts(k, "min", hits[: b - a])
+            scratch = None if hits is None else hits[: b - a]
+            self._a["argmax_counts"][li] += extreme_counts(k, "max", scratch)
+            self._a["argmin_counts"][li] += extreme_counts(k, "min", scratch)
             x = self._workspace("x", block)[: b - a].copy_(k)  # float64 from here on
-            mean_b.index_add_(0, g.inv[a:b], x)
-            self._add_unit_sums(self._a["unit_sums"][li], x, g.row_slots[a:b], None)
+            if sparse:
+                mean_b = g.by_type.sums(x)
+                ps = None if g.by_pos is None else g.by_pos.sums(x)
+            else:
+                mean_b.index_add_(0, g.inv[a:b], x)
+                if ps is not None:
+                    ps.index_add_(0, g.pos[a:b], x)
+            by_type = g.by_type if sparse else None
+            self._add_unit_sums(self._a["unit_sums"][li], x, g, a, None, by_type)
             if self.clip_dims is not None:
-                self._add_unit_sums(
-                    self._a["clip_unit_sums"][li], x, g.row_slots[a:b], self.clip_dims
-                )
-            if ps is not None:
-                ps.index_add_(0, g.pos[a:b], x)
+                self._add_unit_sums(self._a["clip_unit_sums"][li], x, g, a, self.clip_dims, by_type)
         x_mean = mean_b.sum(dim=0) / n  # the batch's mean, from its per-type sums
         mean_b /= g.counts.to(_F64).unsqueeze(1)
         if ps is not None:
@@ -765,7 +792,9 @@ class EmbeddingStatistics(Sketch):
         m2_b = torch.zeros(u, dtype=_F64, device=dev)
         upper = torch.zeros(d, d, dtype=_F64, device=dev)
         for a, b in blocks:
-            x = self._workspace("x", block)[: b - a].copy_(kept[a:b])
+            x = self._workspace("x", block)[: b - a]
+            if len(blocks) > 1:  # one block (a GPU's batch): pass 1's float64 copy is intact
+                x.copy_(kept[a:b])
             dev_rows = self._workspace("tmp", block)[: b - a]
             torch.index_select(mean_b, 0, g.inv[a:b], out=dev_rows).sub_(x)
             m2_b.index_add_(0, g.inv[a:b], torch.linalg.vector_norm(dev_rows, dim=1).square_())
@@ -785,20 +814,27 @@ class EmbeddingStatistics(Sketch):
         self,
         sums: torch.Tensor,
         x: torch.Tensor,
-        row_slots: torch.Tensor,
+        g: _Groups,
+        a: int,
         clip_dims: list[int] | None,
+        by_type: GroupMatrix | None,
     ) -> None:
-        """Add Σ x/||x|| per type into ``sums`` (slots × d) straight from the rows ``x`` (each
-        to its slot in ``row_slots``); with ``clip_dims``, of x with those dimensions zeroed."""
+        """Add Σ x/||x|| per type into ``sums`` (slots × d) straight from the rows ``x`` (rows
+        a.. of the groups ``g``); with ``clip_dims``, of x with those dimensions zeroed. With
+        ``by_type`` (the whole batch), as one sparse product weighted by 1/||x||, added to the
+        batch's slots; else every unit vector is written and added to its slot."""
         unit = self._workspace("tmp", x.shape[0])
         if clip_dims is None:
-            norms = torch.linalg.vector_norm(x, dim=1, keepdim=True)
-            torch.div(x, norms.clamp_min_(torch.finfo(_F64).tiny), out=unit)
+            src = x
         else:
-            unit.copy_(x)[:, clip_dims] = 0.0
-            norms = torch.linalg.vector_norm(unit, dim=1, keepdim=True)
-            unit.div_(norms.clamp_min_(torch.finfo(_F64).tiny))
-        sums.index_add_(0, row_slots, unit)
+            src = unit.copy_(x)
+            src[:, clip_dims] = 0.0
+        norms = torch.linalg.vector_norm(src, dim=1, keepdim=True)
+        norms.clamp_min_(torch.finfo(_F64).tiny)
+        if by_type is not None:
+            sums.index_add_(0, g.slots, by_type.sums(src, norms.squeeze(1).reciprocal_()))
+        else:
+            sums.index_add_(0, g.row_slots[a : a + x.shape[0]], torch.div(src, norms, out=unit))
 
     # ---------------------------------------------------------------- merge
     def mismatches(self, other: Sketch, names: Sequence[str] | None = None) -> list[str]:

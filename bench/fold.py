@@ -1,0 +1,217 @@
+"""The fold alone: this checkout's ``EmbeddingStatistics.update`` against an earlier revision's,
+alternately in one process, on one device.
+
+Batches of synthetic hidden states, as an extractor folds them: ``--batch-tokens`` tokens a
+batch as windows of ``--max-length``, the model dtype ``--dtype`` (bf16 by default: standard
+normal values, one dimension offset by 100, a rogue dimension), token ids half uniform over
+``--vocab`` and half Zipf-distributed (a = 1.2, as ``bench.vocabulary``'s corpus), positions
+counted (``max_positions = --max-length``, as the job does), ``--layers`` hidden states a
+batch (one tensor passed for every layer: the fold's cost does not depend on the values).
+Both accumulators first fold the ``--warmup`` batches, so that every type of the timed batch
+is already seen (the steady state of a long run); then each folds the timed batch
+``--repeats`` times, alternately, the device synchronised before each clock read. Printed per
+width and co-moment precision: the fold's µs per token and layer, baseline and current, their
+ratio, and whether the two accumulators hold the same state afterwards (counts and tails
+exactly, moments to 1e-12 relative: an optimisation must not change what is computed).
+
+``--scatter`` also times the per-type sums of one batch's float64 rows, sorted by type, three
+ways: ``index_add_`` (what the fold does), ``torch.segment_reduce`` and a CSR matrix product.
+
+    python -m bench.fold [--device cuda] [--dims 2048,4096] [--batch-tokens 65536]
+        [--baseline 7975c32 | --baseline path/to/embgeom_ray] [--comoment-precision float32,float64]
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import tempfile
+import time
+import warnings
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from bench.common import baseline_module, median, save
+from embgeom_ray.core.statistics import EmbeddingStatistics
+
+#: the last revision before the GPU fold's argmax tails and reused float64 copy
+BASELINE = "7975c32"
+
+
+def token_ids(n: int, vocab: int, rng: np.random.Generator) -> np.ndarray:
+    """n ids: half uniform over 4..vocab − 1, half Zipf (a = 1.2) from id 4 (ids 0–3 special)."""
+    half = n // 2
+    uniform = rng.integers(4, vocab, size=half)
+    zipf = 4 + np.minimum(rng.zipf(1.2, size=n - half) - 1, vocab - 5)
+    ids = np.concatenate([uniform, zipf])
+    rng.shuffle(ids)
+    return ids
+
+
+def batches(args, d: int, dev: torch.device, dtype: torch.dtype) -> list[tuple[Any, ...]]:
+    """``--warmup`` + 1 batches (hidden, ids, keep, positions); the last is the timed one."""
+    rng = np.random.default_rng(0)
+    gen = torch.Generator(device=dev).manual_seed(0)
+    t = args.max_length
+    b = max(1, args.batch_tokens // t)
+    out = []
+    for _ in range(args.warmup + 1):
+        h = torch.randn(b, t, d, generator=gen, device=dev, dtype=torch.float32)
+        h[..., 1] += 100.0  # a rogue dimension
+        ids = torch.as_tensor(token_ids(b * t, args.vocab, rng).reshape(b, t), device=dev)
+        keep = torch.ones(b, t, dtype=torch.bool, device=dev)
+        keep[:, 0] = False  # a special token at the start of each window
+        pos = torch.arange(t, device=dev).expand(b, t)
+        out.append((h.to(dtype), ids, keep, pos))
+    # the warm-up batches hold every type of the timed one (the steady state)
+    out[0][1].view(-1)[: b * t] = out[-1][1].view(-1)
+    return out
+
+
+def same_state(a: EmbeddingStatistics, b: Any) -> dict[str, Any]:
+    """Exact equality of counts and tails, largest relative difference of the float arrays."""
+    sa, sb = a.state_dict(), b.state_dict()
+    worst, unequal = 0.0, []
+    for name in sorted(sa.keys() & sb.keys()):
+        x, y = np.asarray(sa[name]), np.asarray(sb[name])
+        if x.shape != y.shape:
+            unequal.append(name)
+        elif x.dtype.kind in "iub":
+            if not np.array_equal(x, y):
+                unequal.append(name)
+        else:
+            scale = max(float(np.abs(y).max(initial=0.0)), 1e-300)
+            worst = max(worst, float(np.abs(x - y).max(initial=0.0)) / scale)
+    return {"exact_fields_unequal": unequal, "max_rel_diff": worst, "same": not unequal}
+
+
+def time_folds(args, d: int, precision: str, dev: torch.device, modules: dict) -> dict:
+    dtype = getattr(torch, args.dtype)
+    data = batches(args, d, dev, dtype)
+    layers = list(range(args.layers))
+    cuda = dev.type == "cuda"
+
+    def clock() -> float:
+        if cuda:
+            torch.cuda.synchronize()
+        return time.perf_counter()
+
+    stats = {}
+    for name, module in modules.items():
+        s = module.EmbeddingStatistics(
+            layers, d, max_positions=args.max_length, device=dev, comoment_precision=precision
+        )
+        for h, ids, keep, pos in data[:-1]:
+            s.update([h] * len(layers), ids, keep, pos)
+        stats[name] = s
+    h, ids, keep, pos = data[-1]
+    n = int(keep.sum())
+    secs: dict[str, list[float]] = {name: [] for name in modules}
+    with torch.inference_mode():
+        for _ in range(args.repeats):
+            for name, s in stats.items():
+                t0 = clock()
+                s.update([h] * len(layers), ids, keep, pos)
+                secs[name].append(clock() - t0)
+    per = {name: median(v) / (n * len(layers)) * 1e6 for name, v in secs.items()}
+    row = {"dim": d, "comoment_precision": precision, "tokens": n, "us_per_token_layer": per}
+    if "baseline" in stats:
+        row["ratio"] = per["current"] / per["baseline"]
+        row["state"] = same_state(stats["current"], stats["baseline"])
+    return row
+
+
+def time_scatter(args, d: int, dev: torch.device) -> dict:
+    """Per-type sums of n float64 rows sorted by type: index_add_, segment_reduce, CSR @ rows."""
+    rng = np.random.default_rng(1)
+    n = args.batch_tokens
+    ids = torch.as_tensor(np.sort(token_ids(n, args.vocab, rng)), device=dev)
+    slots, inv, counts = torch.unique_consecutive(ids, return_inverse=True, return_counts=True)
+    u = slots.numel()
+    x = torch.randn(n, d, dtype=torch.float64, device=dev)
+    crow = torch.cat([counts.new_zeros(1), counts.cumsum(0)])
+    ones = torch.ones(n, dtype=torch.float64, device=dev)
+    with warnings.catch_warnings():  # "sparse CSR support is in beta"
+        warnings.simplefilter("ignore", UserWarning)
+        csr = torch.sparse_csr_tensor(crow, torch.arange(n, device=dev), ones, (u, n))
+    ways = {
+        "index_add": lambda: torch.zeros(u, d, dtype=torch.float64, device=dev).index_add_(
+            0, inv, x
+        ),
+        "segment_reduce": lambda: torch.segment_reduce(x, "sum", lengths=counts),
+        "csr_matmul": lambda: csr @ x,
+    }
+    ref = ways["index_add"]()
+    out: dict[str, Any] = {"dim": d, "rows": n, "types": u}
+    for name, fn in ways.items():
+        try:
+            err = float((fn() - ref).abs().max() / ref.abs().max())
+            ts = []
+            for _ in range(args.repeats):
+                if dev.type == "cuda":
+                    torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                fn()
+                if dev.type == "cuda":
+                    torch.cuda.synchronize()
+                ts.append(time.perf_counter() - t0)
+            out[name] = {"ms": median(ts) * 1e3, "max_rel_err": err}
+        except (RuntimeError, NotImplementedError) as e:  # a way this device lacks
+            out[name] = {"error": str(e).splitlines()[0]}
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--device", default="auto", help="cuda, cpu or auto")
+    p.add_argument("--dims", default="2048", help="hidden sizes d")
+    p.add_argument("--dtype", default="bfloat16", help="the hidden states' dtype")
+    p.add_argument("--vocab", type=int, default=128_256)
+    p.add_argument("--batch-tokens", type=int, default=65_536)
+    p.add_argument("--max-length", type=int, default=128)
+    p.add_argument("--layers", type=int, default=4, help="hidden states folded per batch")
+    p.add_argument("--warmup", type=int, default=2, help="batches folded before the timed one")
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--comoment-precision", default="float32,float64")
+    p.add_argument("--baseline", default=BASELINE, help="git revision, package path, or none")
+    p.add_argument("--scatter", action="store_true", help="also time the per-type sums")
+    p.add_argument("--name", default="fold")
+    args = p.parse_args(argv)
+    auto = "cuda" if torch.cuda.is_available() else "cpu"
+    dev = torch.device(auto if args.device == "auto" else args.device)
+    import embgeom_ray.core.statistics as current
+
+    work = Path(tempfile.mkdtemp(prefix="embgeom-bench-fold-"))
+    try:
+        modules = {"current": current}
+        if args.baseline.lower() != "none":
+            modules = {"baseline": baseline_module(args.baseline, work, "core.statistics")}
+            modules["current"] = current
+        rows, scatter = [], []
+        for d in (int(x) for x in args.dims.split(",")):
+            for precision in args.comoment_precision.split(","):
+                row = time_folds(args, d, precision, dev, modules)
+                rows.append(row)
+                print(row, flush=True)
+            if args.scatter:
+                scatter.append(time_scatter(args, d, dev))
+                print(scatter[-1], flush=True)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    save(
+        args.name,
+        {
+            "command": "python -m bench.fold",
+            "args": vars(args),
+            "device": str(dev),
+            "folds": rows,
+            "scatter": scatter,
+        },
+    )
+
+
+if __name__ == "__main__":
+    main()
