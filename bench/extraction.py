@@ -94,6 +94,7 @@ def bench_model(name: str, model: str, corpus: str, args, workdir: Path) -> dict
         "tokens": tokens,
         "dtype": args.dtype,
         "device": base.device,
+        "batch_tokens": base.batch_tokens,
         "seconds": {k: median(v) for k, v in times.items()},
         "fold_seconds": {k: median(v) for k, v in folds.items()},
         "tokens_per_s": {k: tokens / median(v) for k, v in times.items()},
@@ -101,6 +102,7 @@ def bench_model(name: str, model: str, corpus: str, args, workdir: Path) -> dict
     }
     print(
         f"{name:10s} L+1={len(layers):2d} d={identity.hidden_size:4d} tokens={tokens:,} "
+        f"batches of {base.batch_tokens:,} "
         f"bare {tokens / bare:8,.0f} tok/s | "
         + " | ".join(
             f"{v} {tokens / median(times[v]):8,.0f} tok/s ratio {bare / median(times[v]):.3f}"
@@ -116,7 +118,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--tokens", type=int, default=20_000, help="approximate tokens per shard")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--max-length", type=int, default=128)
-    p.add_argument("--batch-tokens", type=int, default=8192)
+    p.add_argument(
+        "--batch-tokens", type=int, default=None, help="default: the job's (8,192; more on GPUs)"
+    )
     p.add_argument("--sample-size", type=int, default=4096)
     p.add_argument("--dtype", default="float32")
     p.add_argument("--device", default="auto")

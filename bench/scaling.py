@@ -196,7 +196,7 @@ def memory_child(corpus: str, threads: int) -> dict:
         "peak_rss_mib": peak_mib(),
         "statistics_types": stats.num_types,
         "docs_per_chunk": cfg.docs_per_chunk,
-        "batch_tokens": cfg.batch_tokens,
+        "batch_tokens": proc.batch_tokens,
         "sample_size": cfg.sample_size,
     }
 

@@ -230,7 +230,7 @@ def fold_and_forward(
         "device": proc.device,
         "dtype": cfg.extraction.dtype,
         "comoment_precision": cfg.extraction.comoment_precision,
-        "batch_tokens": cfg.extraction.batch_tokens,
+        "batch_tokens": proc.batch_tokens,
         # per token: the forward's per block, the fold's per layer (a model of B blocks folding
         # all B + 1 layers then has fold/forward = (B + 1) · fold_layer / (B · forward_block))
         "forward_us_per_token_block": 1e6 * median(forward) / n / blocks,

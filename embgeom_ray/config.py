@@ -107,7 +107,13 @@ class JobConfig(BaseModel):
         "512MiB + 2 x share <= the budget), and at least --reducers; each asks Ray for that "
         "much memory [default: no bound]",
     )
-    batch_tokens: int = Field(8192, ge=16, description="padded tokens per forward batch")
+    batch_tokens: int | None = Field(
+        None,
+        ge=16,
+        description="padded tokens per forward batch [default: 8192; on a GPU as many as "
+        "8 GiB (or half the memory left free by the model) hold of the batch's hidden "
+        "states, fold scratch and feed-forward activations, 8192 to 65536]",
+    )
     docs_per_chunk: int = Field(
         512, ge=1, description="documents tokenized at a time per actor (bounds memory)"
     )
@@ -351,7 +357,7 @@ class ExtractionOptions:
     text_column: str
     split: str
     max_length: int
-    batch_tokens: int
+    batch_tokens: int | None
     docs_per_chunk: int
     keep_special: bool
     comoment_precision: str

@@ -164,6 +164,7 @@ def test_one_and_two_workers_agree(tmp_path, ray_local, minilm_dir):
         tmp_path, minilm_dir, docs, "w2", "c.jsonl", num_workers=2, cpus_per_worker=1, **opts
     )
     assert m2["workers"]["num_workers"] == 2
+    assert m2["workers"]["batch_tokens"] == 8192  # a CPU's default, as each extractor chose it
     for name in ("type_stats", "layers", "dims", "positions"):
         a, b = t1[name], t2[name]
         pd.testing.assert_frame_equal(a, b, check_exact=False, rtol=1e-9, atol=0)

@@ -61,6 +61,9 @@ class PoolPlan:
     extractor_peak_rss_bytes: int = 0
     #: the largest peak private (anonymous) memory any extractor reported (bytes; Linux)
     extractor_peak_private_bytes: int = 0
+    #: padded tokens per forward batch (``--batch-tokens``, or the largest an extractor chose
+    #: for its device where it was not given)
+    batch_tokens: int = 0
 
 
 def plan_pool(config: SchedulingOptions, num_shards: int) -> PoolPlan:
@@ -195,10 +198,11 @@ class ShardExtract:
                 "part of that shard and cannot be used"
             )
 
-    def ready(self) -> str:
+    def ready(self) -> dict[str, Any]:
+        """The loaded extractor's device and padded tokens per batch (or its loading error)."""
         if self.error is not None:
             raise self.error
-        return self.processor.device
+        return {"device": self.processor.device, "batch_tokens": self.processor.batch_tokens}
 
     def process(self, shard_json: dict[str, Any]) -> dict[str, Any]:
         """Fold one shard into the running statistics; returns its counts (small)."""
@@ -330,7 +334,7 @@ class _Scheduler:
     def on_started(self, ref: Any) -> None:
         actor = self.starting.pop(ref)
         try:
-            ray.get(ref)
+            started = ray.get(ref)
         except ray.exceptions.RayTaskError as exc:  # loading failed: no retry helps
             user = _unwrap_user_error(exc)
             if user is not None:
@@ -346,6 +350,7 @@ class _Scheduler:
             log.warning("an extractor died while starting (%s); starting another", exc)
             self.start_actor()
             return
+        self.pool.batch_tokens = max(self.pool.batch_tokens, started["batch_tokens"])
         self.idle.append(_Worker(actor))
         self.dispatch()
 
