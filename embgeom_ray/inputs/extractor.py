@@ -203,11 +203,12 @@ def default_batch_tokens(per_token_bytes: int, free_bytes: int | None) -> int:
     ``per_token_bytes`` each, in multiples of 1,024, between :data:`DEFAULT_BATCH_TOKENS` and
     :data:`GPU_BATCH_TOKENS_MAX`.
 
-    Why: a GPU folds the hidden states with a few dozen kernels per layer and batch whose
-    launch cost does not depend on the batch's size; at 8,192 tokens it is most of the fold
-    for d ≤ 2,048 (H200, bf16: the extractor at 0.45 of the bare forward for MiniLM, 0.71 at
-    65,536 tokens; README, On a GPU). The statistics and the sample do not depend on the
-    batching (``--batch-tokens`` is a scheduling option)."""
+    Why: a GPU folds the hidden states with some ninety kernels per layer and batch, whose
+    launch cost (~1.5 ms) does not depend on the batch's size; at 8,192 tokens it is most of
+    the fold for d ≤ 768 and about half at d = 2,048 (H200, bf16: the extractor at 0.45–0.49
+    of the bare forward for MiniLM, 0.66–0.71 at 65,536 tokens; README, On a GPU). The
+    statistics and the sample do not depend on the batching (``--batch-tokens`` is a
+    scheduling option)."""
     if free_bytes is None:
         return DEFAULT_BATCH_TOKENS
     budget = min(GPU_BATCH_BYTES, free_bytes // 2)
