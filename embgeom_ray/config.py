@@ -111,8 +111,8 @@ class JobConfig(BaseModel):
         None,
         ge=16,
         description="padded tokens per forward batch [default: 8192; on a GPU as many as "
-        "8 GiB (or half the memory left free by the model) hold of the batch's hidden "
-        "states, fold scratch and feed-forward activations, 8192 to 65536]",
+        "8 GiB (or half the memory the model and --worker-memory leave free) hold of the "
+        "batch's hidden states, activations and fold scratch, 8192 to 65536]",
     )
     docs_per_chunk: int = Field(
         512, ge=1, description="documents tokenized at a time per actor (bounds memory)"

@@ -194,8 +194,8 @@ def test_batch_tokens_default_to_8192_on_cpus_and_to_what_fits_on_a_gpu(
     tmp_path, tiny_bert, monkeypatch
 ):
     """Without --batch-tokens: 8,192 on a CPU; on a GPU as many as 8 GiB (or half the free
-    memory) hold at (L + 1)·d·b + 64·d + 3·ffn·b bytes a token, 8,192..65,536 in steps of
-    1,024 (the per-batch launch cost of the GPU fold is amortised over more tokens)."""
+    memory) hold at ((L + 1)·d + 3·ffn + heads·T)·b + 64·d bytes a token, 8,192..65,536 in
+    steps of 1,024 (the per-batch launch cost of the GPU fold is amortised over more tokens)."""
     import json
     from pathlib import Path
 
@@ -206,8 +206,9 @@ def test_batch_tokens_default_to_8192_on_cpus_and_to_what_fits_on_a_gpu(
 
     cfg = json.loads((Path(tiny_bert) / "config.json").read_text())
     d, ffn, blocks = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_hidden_layers"]
-    per_token = (blocks + 1) * d * 4 + 64 * d + 3 * ffn * 4  # float32 weights
-    assert extractor.batch_bytes_per_token(blocks + 1, d, ffn, 4) == per_token
+    scores = cfg["num_attention_heads"] * proc.options.max_length  # one layer's, a token
+    per_token = ((blocks + 1) * d + 3 * ffn + scores) * 4 + 64 * d  # float32 weights
+    assert extractor.batch_bytes_per_token(blocks + 1, d, ffn, 4, scores) == per_token
     text_config = proc.model.config.get_text_config()
     proc.device = "cuda"  # as on a GPU: the free memory decides
     for free, want in (
@@ -218,7 +219,8 @@ def test_batch_tokens_default_to_8192_on_cpus_and_to_what_fits_on_a_gpu(
         monkeypatch.setattr(torch.cuda, "mem_get_info", lambda free=free: (free, 80 << 30))
         assert proc._default_batch_tokens(text_config) == want
     # the 8 GiB bound, at the size of an 8B Llama in bf16 (33 hidden states, d = 4,096)
-    llama = extractor.batch_bytes_per_token(33, 4096, 14_336, 2)
-    assert llama == 33 * 4096 * 2 + 64 * 4096 + 3 * 14_336 * 2
+    llama = extractor.batch_bytes_per_token(33, 4096, 14_336, 2, 32 * 128)
+    assert llama == 33 * 4096 * 2 + 64 * 4096 + 3 * 14_336 * 2 + 32 * 128 * 2
+    assert extractor.default_batch_tokens(llama, 80 << 30) == 13_312
     assert extractor.default_batch_tokens(llama, 80 << 30) == (8 << 30) // llama // 1024 * 1024
     assert extractor.default_batch_tokens(llama, None) == 8192

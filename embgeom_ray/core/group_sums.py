@@ -17,14 +17,14 @@ from dataclasses import dataclass
 
 import torch
 
-#: use the sparse products: None on GPUs only (CPUs: ``index_add_``); True or False forces
-#: the choice everywhere (the tests fold on CPUs both ways).
+#: use the sparse products: None on CUDA devices only (elsewhere ``index_add_``); True or
+#: False forces the choice everywhere (the tests fold on CPUs both ways).
 SPARSE_SUMS: bool | None = None
 
 
 def sparse_sums_on(device: torch.device) -> bool:
     """Whether the fold on ``device`` sums rows by group with :class:`GroupMatrix`."""
-    return device.type != "cpu" if SPARSE_SUMS is None else SPARSE_SUMS
+    return device.type == "cuda" if SPARSE_SUMS is None else SPARSE_SUMS
 
 
 @dataclass(frozen=True)

@@ -184,16 +184,18 @@ GPU_BATCH_BYTES = 8 << 30
 FOLD_BYTES_PER_TOKEN_DIM = 64
 
 
-def batch_bytes_per_token(hidden_states: int, dim: int, intermediate: int, dtype_bytes: int) -> int:
+def batch_bytes_per_token(
+    hidden_states: int, dim: int, intermediate: int, dtype_bytes: int, scores: int = 0
+) -> int:
     """A GPU batch's device memory per padded token, beyond the model's weights: every hidden
     state the forward returns ((L + 1) · d values in the model's dtype), the fold's scratch
-    (:data:`FOLD_BYTES_PER_TOKEN_DIM` · d) and the feed-forward's intermediate activations
-    (three of ``intermediate`` values: gate, up and their product in gated MLPs)."""
-    return (
-        hidden_states * dim * dtype_bytes
-        + FOLD_BYTES_PER_TOKEN_DIM * dim
-        + 3 * intermediate * dtype_bytes
-    )
+    (:data:`FOLD_BYTES_PER_TOKEN_DIM` · d), the feed-forward's intermediate activations
+    (three of ``intermediate`` values: gate, up and their product in gated MLPs) and one
+    layer's attention scores (``scores`` = heads × window length values a token, where the
+    attention implementation materialises them; fused attention does not):
+    ((L + 1) · d + 3 · d_ff + heads · T) · b + 64 · d bytes."""
+    values = hidden_states * dim + 3 * intermediate + scores
+    return values * dtype_bytes + FOLD_BYTES_PER_TOKEN_DIM * dim
 
 
 def default_batch_tokens(per_token_bytes: int, free_bytes: int | None) -> int:
@@ -297,7 +299,8 @@ class ShardProcessor:
         dtype_bytes = next(self.model.parameters()).element_size()
         layers = int(getattr(text_config, "num_hidden_layers", len(self.layers) - 1))
         intermediate = int(getattr(text_config, "intermediate_size", None) or 4 * self.dim)
-        per_token = batch_bytes_per_token(layers + 1, self.dim, intermediate, dtype_bytes)
+        scores = int(getattr(text_config, "num_attention_heads", 0) or 0) * self.options.max_length
+        per_token = batch_bytes_per_token(layers + 1, self.dim, intermediate, dtype_bytes, scores)
         free, _ = torch.cuda.mem_get_info()
         # the running statistics, on the same device, may still grow to --worker-memory
         free = max(0, free - (self.options.worker_memory or 0))
