@@ -296,7 +296,7 @@ class ShardProcessor:
         leave free."""
         if self.device != "cuda" or self.device_map is not None:
             return default_batch_tokens(0, None)
-        dtype_bytes = next(self.model.parameters()).element_size()
+        dtype_bytes = getattr(torch, self.options.dtype).itemsize  # the hidden states'
         layers = int(getattr(text_config, "num_hidden_layers", len(self.layers) - 1))
         intermediate = int(getattr(text_config, "intermediate_size", None) or 4 * self.dim)
         scores = int(getattr(text_config, "num_attention_heads", 0) or 0) * self.options.max_length
