@@ -12,7 +12,11 @@ computed as
 * ``tf32_full`` – float32 inputs on the matrix units (TF32, 10-bit mantissa);
 * ``f32_upper4`` / ``f64_upper4`` – the block triangle in 4 column blocks (the GPU's);
 * ``bf16x3_full`` – each float32 row split as hi + lo (two bf16), hiᵀhi + hiᵀlo + loᵀhi with
-  float32 accumulation (``torch.mm(..., out_dtype=float32)``, on CUDA only);
+  float32 accumulation (``torch.mm(..., out_dtype=float32)`` on CUDA; elsewhere emulated by
+  float32 products of the bf16 values: the same numbers, for the error only);
+* ``bf16_split3`` – each float32 row split exactly as hi + mid + lo (three bf16), the four
+  largest of the nine products (hiᵀhi, midᵀmid, hiᵀmid, hiᵀlo and their transposes): a
+  candidate for an exact-as-float32 product on the bf16 matrix units;
 * ``bf16_pairs`` – the shift c rounded to bf16, so that x − c (two bf16 numbers) mostly splits
   exactly into hi + lo, and all four bf16 products (three matrix products).
 
@@ -59,24 +63,48 @@ def _tf32(xs: torch.Tensor) -> torch.Tensor:
         torch.backends.cuda.matmul.allow_tf32 = before
 
 
+def _mm32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a @ b of bf16 matrices with float32 accumulation and output: on CUDA the matrix units
+    (``out_dtype``); elsewhere the same numbers by a float32 product of the bf16 values (each
+    bf16 × bf16 product is exact in float32), for the error, not the time."""
+    if a.device.type == "cuda":
+        return torch.mm(a, b, out_dtype=torch.float32)
+    return a.to(torch.float32) @ b.to(torch.float32)
+
+
+def _split(xs: torch.Tensor, pieces: int) -> list[torch.Tensor]:
+    """bf16 pieces p_1, p_2, … of the float32 ``xs``: each the bf16 rounding of what the
+    previous ones leave (exact float32 differences); three hold all 24 bits of a float32."""
+    out, rest = [], xs
+    for _ in range(pieces):
+        out.append(rest.to(torch.bfloat16))
+        rest = rest - out[-1].to(torch.float32)
+    return out
+
+
 def _bf16x3(xs: torch.Tensor) -> torch.Tensor:
-    hi = xs.to(torch.bfloat16)
-    lo = (xs - hi.to(torch.float32)).to(torch.bfloat16)
-    f32 = torch.float32
-    g = torch.mm(hi.T, hi, out_dtype=f32)
-    cross = torch.mm(hi.T, lo, out_dtype=f32)
+    hi, lo = _split(xs, 2)
+    g = _mm32(hi.T, hi)
+    cross = _mm32(hi.T, lo)
     return (g + cross + cross.T).to(torch.float64)
+
+
+def _bf16_split3(xs: torch.Tensor) -> torch.Tensor:
+    """x = hi + mid + lo exactly (three bf16 of a float32: 8 + 8 + 8 bits), and the products
+    down to 2^-16 of the leading one: hiᵀhi + midᵀmid + S + Sᵀ, S = hiᵀmid + hiᵀlo (four bf16
+    matrix products; the dropped midᵀlo, loᵀmid, loᵀlo are ≤ 2^-23 of it)."""
+    hi, mid, lo = _split(xs, 3)
+    cross = _mm32(hi.T, mid) + _mm32(hi.T, lo)
+    return (_mm32(hi.T, hi) + _mm32(mid.T, mid) + cross + cross.T).to(torch.float64)
 
 
 def _bf16_pairs(xs: torch.Tensor) -> torch.Tensor:
     """x' = hi + lo (two bf16, exact when x' has ≤ 16 significant bits: the difference of two
     bf16 numbers, x − c with c rounded to bf16, close in magnitude); hiᵀhi + loᵀlo + hiᵀlo +
     (hiᵀlo)ᵀ, each bf16 product exact in float32 and accumulated in float32."""
-    hi = xs.to(torch.bfloat16)
-    lo = (xs - hi.to(torch.float32)).to(torch.bfloat16)
-    f32 = torch.float32
-    g = torch.mm(hi.T, hi, out_dtype=f32) + torch.mm(lo.T, lo, out_dtype=f32)
-    cross = torch.mm(hi.T, lo, out_dtype=f32)
+    hi, lo = _split(xs, 2)
+    g = _mm32(hi.T, hi) + _mm32(lo.T, lo)
+    cross = _mm32(hi.T, lo)
     return (g + cross + cross.T).to(torch.float64)
 
 
@@ -94,6 +122,7 @@ def variants() -> dict[
         "f32_full": (f32, _full, f32),
         "tf32_full": (f32, _tf32, f32),
         "bf16x3_full": (f32, _bf16x3, f32),
+        "bf16_split3": (f32, _bf16_split3, f32),
         "bf16_pairs": (f32, _bf16_pairs, bf16),
     }
 
