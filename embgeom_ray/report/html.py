@@ -702,6 +702,8 @@ def _workers(w: Any) -> str:
         parts.append(f"{w['num_gpus']} GPU each")
     if w.get("num_cpus"):
         parts.append(f"{w['num_cpus']} CPU each")
+    if w.get("batch_tokens"):
+        parts.append(f"batches of {w['batch_tokens']:,} tokens")
     return ", ".join(parts)
 
 
