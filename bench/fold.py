@@ -27,7 +27,6 @@ import argparse
 import shutil
 import tempfile
 import time
-import warnings
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +34,7 @@ import numpy as np
 import torch
 
 from bench.common import baseline_module, median, save
+from embgeom_ray.core.group_sums import GroupMatrix
 from embgeom_ray.core.statistics import EmbeddingStatistics
 
 #: the last revision before the GPU fold's argmax tails and reused float64 copy
@@ -132,17 +132,13 @@ def time_scatter(args, d: int, dev: torch.device) -> dict:
     slots, inv, counts = torch.unique_consecutive(ids, return_inverse=True, return_counts=True)
     u = slots.numel()
     x = torch.randn(n, d, dtype=torch.float64, device=dev)
-    crow = torch.cat([counts.new_zeros(1), counts.cumsum(0)])
-    ones = torch.ones(n, dtype=torch.float64, device=dev)
-    with warnings.catch_warnings():  # "sparse CSR support is in beta"
-        warnings.simplefilter("ignore", UserWarning)
-        csr = torch.sparse_csr_tensor(crow, torch.arange(n, device=dev), ones, (u, n))
+    by_type = GroupMatrix.of_sorted(counts, n)  # the fold's own sparse sums
     ways = {
         "index_add": lambda: torch.zeros(u, d, dtype=torch.float64, device=dev).index_add_(
             0, inv, x
         ),
         "segment_reduce": lambda: torch.segment_reduce(x, "sum", lengths=counts),
-        "csr_matmul": lambda: csr @ x,
+        "csr_matmul": lambda: by_type.sums(x),
     }
     ref = ways["index_add"]()
     out: dict[str, Any] = {"dim": d, "rows": n, "types": u}
