@@ -17,6 +17,9 @@ computed as
 * ``bf16_split3`` – each float32 row split exactly as hi + mid + lo (three bf16), the four
   largest of the nine products (hiᵀhi, midᵀmid, hiᵀmid, hiᵀlo and their transposes): a
   candidate for an exact-as-float32 product on the bf16 matrix units;
+* ``bf16_split3_k1024`` – ``bf16_split3`` over chunks of 1,024 rows (batched products), the
+  chunks' float32 products summed in float64: whether the error comes from the depth of the
+  device's float32 accumulation;
 * ``bf16_pairs`` – the shift c rounded to bf16, so that x − c (two bf16 numbers) mostly splits
   exactly into hi + lo, and all four bf16 products (three matrix products).
 
@@ -98,6 +101,27 @@ def _bf16_split3(xs: torch.Tensor) -> torch.Tensor:
     return (_mm32(hi.T, hi) + _mm32(mid.T, mid) + cross + cross.T).to(torch.float64)
 
 
+def _bmm32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Batched :func:`_mm32`."""
+    if a.device.type == "cuda":
+        return torch.bmm(a, b, out_dtype=torch.float32)
+    return a.to(torch.float32) @ b.to(torch.float32)
+
+
+def _bf16_split3_k1024(xs: torch.Tensor, chunk: int = 1024) -> torch.Tensor:
+    """:func:`_bf16_split3` for each chunk of ``chunk`` rows (the rows zero-padded to whole
+    chunks), the chunks' float32 products summed in float64."""
+    n, d = xs.shape
+    pad = -n % chunk
+    if pad:
+        xs = torch.cat([xs, xs.new_zeros(pad, d)])
+    hi, mid, lo = (p.view(-1, chunk, d) for p in _split(xs, 3))
+    hit, midt = hi.transpose(1, 2), mid.transpose(1, 2)
+    cross = _bmm32(hit, mid) + _bmm32(hit, lo)
+    per_chunk = _bmm32(hit, hi) + _bmm32(midt, mid) + cross + cross.transpose(1, 2)
+    return per_chunk.to(torch.float64).sum(0)
+
+
 def _bf16_pairs(xs: torch.Tensor) -> torch.Tensor:
     """x' = hi + lo (two bf16, exact when x' has ≤ 16 significant bits: the difference of two
     bf16 numbers, x − c with c rounded to bf16, close in magnitude); hiᵀhi + loᵀlo + hiᵀlo +
@@ -123,6 +147,7 @@ def variants() -> dict[
         "tf32_full": (f32, _tf32, f32),
         "bf16x3_full": (f32, _bf16x3, f32),
         "bf16_split3": (f32, _bf16_split3, f32),
+        "bf16_split3_k1024": (f32, _bf16_split3_k1024, f32),
         "bf16_pairs": (f32, _bf16_pairs, bf16),
     }
 

@@ -12,7 +12,9 @@ is already seen (the steady state of a long run); then each folds the timed batc
 ``--repeats`` times, alternately, the device synchronised before each clock read. Printed per
 width and co-moment precision: the fold's µs per token and layer, baseline and current, their
 ratio, and whether the two accumulators hold the same state afterwards (counts and tails
-exactly, moments to 1e-12 relative: an optimisation must not change what is computed).
+exactly, moments to 1e-12 relative: an optimisation must not change what is computed). On
+CUDA also how many times one update makes the host wait for the device (``host_syncs``:
+``torch.cuda.set_sync_debug_mode`` warnings; each stalls the kernels the host could queue).
 
 ``--scatter`` also times the per-type sums of one batch's float64 rows, sorted by type, three
 ways: ``index_add_`` (what the fold does), ``torch.segment_reduce`` and a CSR matrix product.
@@ -27,6 +29,8 @@ import argparse
 import shutil
 import tempfile
 import time
+import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -88,6 +92,19 @@ def same_state(a: EmbeddingStatistics, b: Any) -> dict[str, Any]:
     return {"exact_fields_unequal": unequal, "max_rel_diff": worst, "same": not unequal}
 
 
+def host_syncs(fn: Callable[[], None]) -> int:
+    """How many synchronising CUDA calls ``fn`` makes (the sync debug mode's warnings)."""
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            fn()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    return sum("synchroniz" in str(w.message) for w in caught)
+
+
 def time_folds(args, d: int, precision: str, dev: torch.device, modules: dict) -> dict:
     dtype = getattr(torch, args.dtype)
     data = batches(args, d, dev, dtype)
@@ -116,8 +133,15 @@ def time_folds(args, d: int, precision: str, dev: torch.device, modules: dict) -
                 t0 = clock()
                 s.update([h] * len(layers), ids, keep, pos)
                 secs[name].append(clock() - t0)
+        syncs = {
+            name: host_syncs(lambda s=s: s.update([h] * len(layers), ids, keep, pos))
+            for name, s in stats.items()
+            if cuda
+        }
     per = {name: median(v) / (n * len(layers)) * 1e6 for name, v in secs.items()}
     row = {"dim": d, "comoment_precision": precision, "tokens": n, "us_per_token_layer": per}
+    if syncs:
+        row["host_syncs"] = syncs
     if "baseline" in stats:
         row["ratio"] = per["current"] / per["baseline"]
         row["state"] = same_state(stats["current"], stats["baseline"])

@@ -3,7 +3,8 @@
 # engine-agnostic core runs without it). $STEPS picks them (default "comoment vocabulary"):
 #   comoment    the co-moment product's variants (bench.comoment)
 #   fold        the fold alone, this checkout against $FOLD_BASELINE (a git revision, or an
-#               extracted embgeom_ray package where the machine has no .git; bench.fold)
+#               extracted embgeom_ray package where the machine has no .git; bench.fold), with
+#               the host synchronisations of one update; FOLD_SCATTER=1 also times the sums
 #   vocabulary  the fold against the forward on a 128k-vocabulary Llama-shaped model, d = 2,048
 #               and 4,096 (vocabulary-2048, vocabulary-4096: one of them)
 #   extraction  the extractor against the bare forward (MiniLM, BERT-base size), batches of
@@ -50,7 +51,8 @@ if wanted comoment; then
 fi
 if wanted fold; then
   F="--device cuda --baseline ${FOLD_BASELINE:-7975c32} --comoment-precision float32,float64"
-  step 150 bench.fold $F --dims 2048,4096 --batch-tokens 65536 --scatter --name fold-gpu-65536
+  step 150 bench.fold $F --dims 2048,4096 --batch-tokens 65536 ${FOLD_SCATTER:+--scatter} \
+    --name fold-gpu-65536
   step 60 bench.fold $F --dims 2048,4096 --batch-tokens 8192 --name fold-gpu-8192
 fi
 V="--no-jobs --device cuda --dtype bfloat16 --ffn-mult 3.5 --kv-group 4 --fold-tokens 100000"

@@ -12,7 +12,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import embgeom_ray.core.statistics as statistics_module
-from embgeom_ray.core import group_sums
 from embgeom_ray.core.metrics import (
     cosine_metrics,
     dims_table,
@@ -30,17 +29,18 @@ from tests import sketch_fixtures
 
 
 @pytest.fixture(
-    autouse=True, scope="module", params=["one block", "blocks of 5 rows", "GPU's sums"]
+    autouse=True, scope="module", params=["one block", "blocks of 5 rows", "the GPU's way"]
 )
 def row_block(request):
     """Every test three times: batches folded in one block of rows, in many blocks of 5 rows
     (the CPU fold walks blocks of ``CPU_ROW_BLOCK`` rows; its tests' batches are smaller), and
-    in one block with the sums by type and position as sparse products, as on a GPU."""
-    saved = statistics_module.CPU_ROW_BLOCK, group_sums.SPARSE_SUMS
+    the GPU's way (``GPU_FOLD``: one block, tails by argmax, the sums by type and position as
+    sparse products)."""
+    saved = statistics_module.CPU_ROW_BLOCK, statistics_module.GPU_FOLD
     statistics_module.CPU_ROW_BLOCK = 5 if request.param == "blocks of 5 rows" else 1 << 30
-    group_sums.SPARSE_SUMS = request.param == "GPU's sums"
+    statistics_module.GPU_FOLD = request.param == "the GPU's way"
     yield request.param
-    statistics_module.CPU_ROW_BLOCK, group_sums.SPARSE_SUMS = saved
+    statistics_module.CPU_ROW_BLOCK, statistics_module.GPU_FOLD = saved
 
 
 def make_batch(rng: np.random.Generator, n_layers=2, b=3, t=7, d=5, vocab=6, offset=0.0):
@@ -388,6 +388,66 @@ def test_extreme_counts_equal_argmax_counts(dtype):
         want = torch.bincount(torch.as_tensor(ref), minlength=7)
         assert torch.equal(extreme_counts(x, which, scratch), want)
         assert torch.equal(extreme_counts(x, which), want)
+        for sc in (scratch, None):  # counts added into a vector the caller holds
+            into = torch.full((7,), 5, dtype=torch.int64)
+            assert extreme_counts(x, which, sc, into=into) is into
+            assert torch.equal(into, want + 5)
+
+
+#: torch calls that make the host wait for a GPU (a value read back, an output whose size
+#: depends on the data, a copy from host memory)
+_HOST_SYNCS = frozenset(
+    {"__bool__", "__int__", "__float__", "item", "tolist", "cpu", "numpy", "nonzero",
+     "unique", "unique_consecutive", "bincount", "tensor", "masked_select", "repeat_interleave"}
+)
+
+
+class _SyncCounter(torch.overrides.TorchFunctionMode):
+    """Counts the host-synchronising calls (:data:`_HOST_SYNCS`, and indexing by a bool mask)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[str] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        name = getattr(func, "__name__", str(func))
+        masked = name in ("__getitem__", "__setitem__") and any(
+            isinstance(a, torch.Tensor) and a.dtype == torch.bool
+            for a in (args[1] if isinstance(args[1], tuple) else (args[1],))
+        )
+        if name in _HOST_SYNCS or masked:
+            self.calls.append(name)
+        return func(*args, **(kwargs or {}))
+
+
+def test_the_gpu_fold_waits_for_the_device_once_per_batch_not_per_layer(row_block):
+    """Folding the GPU's way, the host synchronisations of a batch (grouping the token ids,
+    checking every layer for NaN/inf at once) do not grow with the number of layers: a GPU's
+    host queues every layer's kernels without waiting. The sample's update too."""
+    if row_block != "the GPU's way":
+        pytest.skip("the CPU's fold reads values back freely (its tie check, per layer)")
+    rng = np.random.default_rng(43)
+    counts = {}
+    for n_layers in (2, 6):
+        h, ids, keep = make_batch(rng, n_layers=n_layers, b=4, t=9, d=6, vocab=12)
+        h[-1, 0, 0, 0] = 1e39  # finite, but its float32 sum is not: that layer's exact route
+        layers = list(range(n_layers))
+        stats = EmbeddingStatistics(layers, 6, max_positions=9)
+        sample = ActivationSample(layers, 6, size=8)
+        for _ in range(2):  # the second batch: every type already has a slot
+            with _SyncCounter() as fold_calls:
+                fold(stats, h, ids, keep)
+            with _SyncCounter() as sample_calls:
+                sample.update(
+                    torch.as_tensor(h), torch.as_tensor(ids), torch.as_tensor(keep),
+                    torch.arange(4), torch.zeros(4, dtype=torch.int64),
+                )
+        counts[n_layers] = (len(fold_calls.calls), len(sample_calls.calls))
+        m = stats.layer(n_layers - 1)
+        assert m.nonfinite == 0 and m.n == 2 * int(keep.sum())
+    # the layer with the overflowing sum adds its exact route's reads once, in either run
+    assert counts[2] == counts[6], counts
+    assert counts[2][0] <= 12, counts
 
 
 @pytest.mark.parametrize("d", [1, 5, 96, 100, 385])

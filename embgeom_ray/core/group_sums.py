@@ -7,7 +7,8 @@ atomic scatter of every element; the same sums as one product of a sparse (group
 matrix in CSR form with the (n × d) rows — G = S X, S_{t,i} = w_i if row i is in group t —
 are ~1.5x faster (H200, n = 65,536 rows, d = 2,048, 32,738 types: 0.77 ms against 1.14 ms;
 ``python -m bench.fold --scatter``), and take per-row weights w_i (1/‖x_i‖ for
-the unit vectors) without writing the weighted rows first.
+the unit vectors) without writing the weighted rows first. The fold uses them where it folds
+the GPU's way (``statistics.gpu_fold``) on CUDA.
 """
 
 from __future__ import annotations
@@ -16,15 +17,6 @@ import warnings
 from dataclasses import dataclass
 
 import torch
-
-#: use the sparse products: None on CUDA devices only (elsewhere ``index_add_``); True or
-#: False forces the choice everywhere (the tests fold on CPUs both ways).
-SPARSE_SUMS: bool | None = None
-
-
-def sparse_sums_on(device: torch.device) -> bool:
-    """Whether the fold on ``device`` sums rows by group with :class:`GroupMatrix`."""
-    return device.type == "cuda" if SPARSE_SUMS is None else SPARSE_SUMS
 
 
 @dataclass(frozen=True)

@@ -47,7 +47,7 @@ import torch
 
 from ..config import JobConfig
 from ..errors import StatisticsMismatchError
-from .sketch import Sketch, check_array
+from .sketch import Sketch, check_array, finite_layers
 
 _OPTIONS = JobConfig.model_fields
 
@@ -146,10 +146,9 @@ def _first_of_runs(cols: Sequence[torch.Tensor], perm: torch.Tensor) -> torch.Te
 
 
 def _finite_rows(h: torch.Tensor) -> torch.Tensor:
-    """``isfinite(h).all(-1)``, cheaply: a row whose sum is finite is finite; the rest (NaN,
-    inf, or a sum that overflowed) are checked element by element."""
-    if bool(torch.isfinite(h.sum(dtype=torch.float32))):  # one vectorised reduction
-        return torch.ones(h.shape[:-1], dtype=torch.bool, device=h.device)
+    """``isfinite(h).all(-1)`` for a layer whose float32 sum is not finite
+    (:func:`~embgeom_ray.core.sketch.finite_layers`): a row whose sum is finite is finite; the
+    rest (NaN, inf, or a sum that overflowed) are checked element by element."""
     finite = torch.isfinite(h.sum(dim=-1))
     if not bool(finite.all()):
         bad = ~finite
@@ -388,8 +387,11 @@ class ActivationSample(Sketch):
             )
         hdev = hidden[0].device
         valid = keep.to(hdev).bool()
-        for h in hidden:  # an occurrence must be finite in every layer (never in place: keep)
-            valid = valid & _finite_rows(h).to(hdev)
+        # an occurrence must be finite in every layer (never in place: keep); the layers are
+        # checked together (one host synchronisation), rows only in a layer that is not finite
+        for h, finite in zip(hidden, finite_layers(hidden), strict=True):
+            if not finite:
+                valid = valid & _finite_rows(h).to(hdev)
         rows, cols_ = torch.nonzero(valid, as_tuple=True)
         if rows.numel() == 0:
             return

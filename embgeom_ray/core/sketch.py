@@ -145,6 +145,18 @@ def check_array(
     return a
 
 
+def finite_layers(hidden: Sequence[torch.Tensor]) -> list[bool]:
+    """Whether each layer's hidden states are all finite: one float32 sum per layer (a finite
+    sum has finite terms; a sum that overflows float32 only sends its layer down the exact
+    row-by-row check) and one host synchronisation for all layers together, not one per layer
+    (on a GPU every synchronisation stalls the kernels the host could queue meanwhile)."""
+    if not hidden:
+        return []
+    dev = hidden[0].device
+    sums = torch.stack([h.sum(dtype=torch.float32).to(dev) for h in hidden])
+    return torch.isfinite(sums).tolist()
+
+
 class Sketch(ABC):
     """Base of the job's sketches: header, serialisation, identity check, batch validation.
 

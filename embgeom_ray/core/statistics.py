@@ -60,8 +60,8 @@ import numpy as np
 import torch
 
 from ..errors import StatisticsMismatchError
-from .group_sums import GroupMatrix, sparse_sums_on
-from .sketch import HEADER_KEY, Sketch, check_array, safetensors_into
+from .group_sums import GroupMatrix
+from .sketch import HEADER_KEY, Sketch, check_array, finite_layers, safetensors_into
 
 #: the ``format`` of the header (this name since the first version; see :data:`_READS`).
 FORMAT = "embgeom_ray.statistics"
@@ -75,6 +75,21 @@ _I64 = torch.int64
 #: stay in the cache while every per-row pass runs over it (~1.7x faster than whole batches
 #: at d = 384); on a GPU the fold takes the whole batch at once.
 CPU_ROW_BLOCK = 1024
+#: fold the GPU's way: the whole batch as one block of rows, tails by ``argmax``, the sums by
+#: type and position as sparse products (CUDA), no host synchronisation per layer. None: on
+#: every device but the CPU; True or False forces the choice (the tests fold on CPUs both ways).
+GPU_FOLD: bool | None = None
+
+
+def gpu_fold(device: torch.device) -> bool:
+    """Whether statistics on ``device`` fold the GPU's way (:data:`GPU_FOLD`)."""
+    return device.type != "cpu" if GPU_FOLD is None else GPU_FOLD
+
+
+def _sparse_sums_on(device: torch.device) -> bool:
+    """Whether the GPU's fold sums rows by group with :class:`GroupMatrix` (CUDA, and CPUs
+    when :data:`GPU_FOLD` forces the GPU's way there: other devices lack sparse CSR)."""
+    return gpu_fold(device) and device.type in ("cuda", "cpu")
 
 # merge rules of the fields (see Field.merge)
 SUM = "sum"
@@ -339,7 +354,10 @@ def gram(xs: torch.Tensor, block: int = 96) -> torch.Tensor:
 
 
 def extreme_counts(
-    x: torch.Tensor, which: str, scratch: torch.Tensor | None = None
+    x: torch.Tensor,
+    which: str,
+    scratch: torch.Tensor | None = None,
+    into: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """How many rows of ``x`` (n × d, finite) have their first maximum (``which="max"``) or
     minimum (``"min"``) in each dimension: ``bincount(x.argmax(1), minlength=d)`` (Luo 2020).
@@ -350,17 +368,21 @@ def extreme_counts(
     would count twice there; then (rarely: the sums exceed n) the exact argmax is used.
     Without ``scratch`` (on GPUs, where ``argmax`` is one read of x in its own dtype instead
     of four passes, two of them over a float32 matrix, and a host synchronisation), the
-    argmax itself; both give ties to the first dimension.
+    argmax itself, counted by ``index_add_`` (``bincount`` would synchronise with the host
+    on CUDA to size its output); both give ties to the first dimension. With ``into`` (an
+    int64 vector of d), the counts are added into it and it is returned.
     """
     n, d = x.shape
+    if into is None:
+        into = torch.zeros(d, dtype=torch.int64, device=x.device)
     if scratch is None:
         first = x.argmax(dim=1) if which == "max" else x.argmin(dim=1)
-        return torch.bincount(first, minlength=d)
+        return into.index_add_(0, first, torch.ones_like(first))
     ext = x.amax(dim=1, keepdim=True) if which == "max" else x.amin(dim=1, keepdim=True)
     hits = torch.eq(x, ext, out=scratch).sum(dim=0)
     if int(hits.sum()) == n and n < 2**24:  # one extreme per row: exact 0/1 sums
-        return hits.to(torch.int64)
-    return extreme_counts(x, which)
+        return into.add_(hits.to(torch.int64))
+    return extreme_counts(x, which, into=into)
 
 
 class EmbeddingStatistics(Sketch):
@@ -548,9 +570,10 @@ class EmbeddingStatistics(Sketch):
         """Slots of the distinct token ids ``ids`` (int64, on device), assigning new ones."""
         if ids.numel() == 0:
             return ids
-        if int(ids.min()) < 0:
+        low, high = torch.stack(torch.aminmax(ids)).tolist()  # one host synchronisation
+        if low < 0:
             raise ValueError("token ids must be non-negative")
-        top = int(ids.max()) + 1
+        top = high + 1
         if top > self._id_to_slot.numel():
             size = max(top, 2 * self._id_to_slot.numel())
             grown = torch.full((size,), -1, dtype=torch.int64, device=self.device)
@@ -596,18 +619,20 @@ class EmbeddingStatistics(Sketch):
             m2.index_add_(0, s, m2_b[a:b] + cross)
 
     def _merge_layer(
-        self, li: int, n_b: torch.Tensor, mean_b: torch.Tensor, c_b: torch.Tensor
+        self, li: int, n_b: torch.Tensor | int, mean_b: torch.Tensor, c_b: torch.Tensor
     ) -> None:
-        """Chan-merge (n, mean, co-moment) of layer slot ``li`` (``LAYER_MOMENTS``)."""
+        """Chan-merge (n, mean, co-moment) of layer slot ``li`` (``LAYER_MOMENTS``). The fold
+        passes ``n_b`` as a Python int: neither a copy to the device nor a read back."""
         a = self._a
         n_a = a["n"][li]
         if int(n_b) == 0:
             return
+        nb = n_b.to(_F64) if isinstance(n_b, torch.Tensor) else float(n_b)  # the same floats
         delta = mean_b - a["mean"][li]
         n = n_a + n_b
-        w = (n_a.to(_F64) * n_b.to(_F64)) / n.to(_F64)
+        w = (n_a.to(_F64) * nb) / n.to(_F64)
         a["comoment"][li] += c_b + torch.outer(delta, delta) * w
-        a["mean"][li] += delta * (n_b.to(_F64) / n.to(_F64))
+        a["mean"][li] += delta * (nb / n.to(_F64))
         a["n"][li] = n
 
     def _merge_positions(self, li: int, counts_b: torch.Tensor, sums_b: torch.Tensor) -> None:
@@ -659,22 +684,24 @@ class EmbeddingStatistics(Sketch):
             if positions is None:
                 positions = torch.arange(shape[-1], device=dev).expand(shape)
             pos = positions.to(dev).reshape(-1).index_select(0, rows).long()
-            if int(pos.max()) >= self.max_positions or int(pos.min()) < 0:
+            low, high = torch.stack(torch.aminmax(pos)).tolist()  # one host synchronisation
+            if high >= self.max_positions or low < 0:
                 raise ValueError(
-                    f"position {int(pos.max())} outside 0..{self.max_positions - 1}; "
-                    "raise max_positions to the job's max_length"
+                    f"position {high if low >= 0 else low} outside "
+                    f"0..{self.max_positions - 1}; raise max_positions to the job's max_length"
                 )
         # the grouping of rows by type is the same in every layer: computed once per batch,
         # and the rows are taken in its order
         groups, order = self._group(ids, pos)
         rows = rows.index_select(0, order)
+        finite = finite_layers(hidden)  # for every layer at once: no synchronisation per layer
         for li, h in enumerate(hidden):
             # the model's dtype, into reused scratch (no fresh pages per layer and batch)
             flat = h.to(dev).reshape(-1, self.dim)
             kept = torch.index_select(
                 flat, 0, rows, out=self._workspace("kept", rows.numel(), flat.dtype)
             )
-            self._fold_layer(li, kept, groups)
+            self._fold_layer(li, kept, groups, finite[li])
 
     def _group(self, ids: torch.Tensor, pos: torch.Tensor | None) -> tuple[_Groups, torch.Tensor]:
         """(groups of the rows taken in ``order``, ``order``): rows sorted by slot (stable)."""
@@ -690,7 +717,7 @@ class EmbeddingStatistics(Sketch):
             row_slots, return_inverse=True, return_counts=True
         )
         pos_counts = None if pos is None else torch.bincount(pos, minlength=self.max_positions)
-        if not sparse_sums_on(self.device):
+        if not _sparse_sums_on(self.device):
             return _Groups(slots, inv, row_slots, counts, pos, pos_counts)
         by_pos = None if pos is None else GroupMatrix.of_labels(pos, pos_counts)
         by_type = GroupMatrix.of_sorted(counts, row_slots.numel())
@@ -706,13 +733,9 @@ class EmbeddingStatistics(Sketch):
         return buf[:n]
 
     def _finite_rows(self, li: int, kept: torch.Tensor, g: _Groups) -> tuple[torch.Tensor, _Groups]:
-        """``kept`` and ``g`` without the rows that hold a NaN/inf (counted in ``nonfinite``).
-
-        One float32 reduction tells whether anything is NaN/inf; only then are the rows
-        found (a finite sum that overflows float32 just takes the exact route).
-        """
-        if bool(torch.isfinite(kept.sum(dtype=torch.float32))):
-            return kept, g
+        """``kept`` and ``g`` without the rows that hold a NaN/inf (counted in ``nonfinite``):
+        the exact route, taken for a layer whose batch did not sum to a finite float32 number
+        (:func:`~embgeom_ray.core.sketch.finite_layers`)."""
         finite = torch.isfinite(kept).all(dim=1)
         if bool(finite.all()):
             return kept, g
@@ -721,20 +744,25 @@ class EmbeddingStatistics(Sketch):
         return kept[finite], self._groups_of(g.row_slots[finite], pos)
 
     def _row_blocks(self, n: int) -> list[tuple[int, int]]:
-        """Row ranges the fold walks through: :data:`CPU_ROW_BLOCK` rows on a CPU, else all."""
-        step = CPU_ROW_BLOCK if self.device.type == "cpu" else max(n, 1)
+        """Row ranges the fold walks through: :data:`CPU_ROW_BLOCK` rows on a CPU, else all
+        (:func:`gpu_fold`)."""
+        step = max(n, 1) if gpu_fold(self.device) else CPU_ROW_BLOCK
         return [(a, min(a + step, n)) for a in range(0, n, step)]
 
-    def _fold_layer(self, li: int, kept: torch.Tensor, g: _Groups) -> None:
-        """Fold the kept rows ``kept`` (n, d, the model's dtype) of layer slot ``li``.
+    def _fold_layer(self, li: int, kept: torch.Tensor, g: _Groups, finite: bool = True) -> None:
+        """Fold the kept rows ``kept`` (n, d, the model's dtype) of layer slot ``li``; unless
+        ``finite`` (the layer's batch is known to be finite), rows with a NaN/inf are left out.
 
         Two passes over blocks of rows (:meth:`_row_blocks`), each block converted to float64
         where it is used: (1) tails, per-type sums, unit-vector sums, position sums; (2) per
         type the deviations from the type's batch mean (M2), and the co-moment product. On a
         CPU a block's float64 copy and scratch stay in cache across the passes made over it;
-        with one block (a GPU's whole batch) pass 2 reuses pass 1's float64 copy.
+        with one block (a GPU's whole batch) pass 2 reuses pass 1's float64 copy. Nothing here
+        waits for the device (no value is read back to the host), so a GPU's host queues the
+        layers' kernels ahead of them.
         """
-        kept, g = self._finite_rows(li, kept, g)
+        if not finite:
+            kept, g = self._finite_rows(li, kept, g)
         n, d, u = kept.shape[0], self.dim, g.slots.numel()
         if n == 0:
             return
@@ -742,7 +770,7 @@ class EmbeddingStatistics(Sketch):
         blocks = self._row_blocks(n)
         block = blocks[0][1]  # rows of the first (largest) block: the scratch buffers' size
         # tails: 0/1 column sums on a CPU (exact below 2^24 rows), argmax on a GPU
-        hits = self._workspace("hits", block, torch.float32) if dev.type == "cpu" else None
+        hits = None if gpu_fold(dev) else self._workspace("hits", block, torch.float32)
         # sums by group: sparse products with the whole batch (GPUs), else index_add_
         sparse = g.by_type is not None and len(blocks) == 1
         if not sparse:
@@ -755,8 +783,8 @@ class EmbeddingStatistics(Sketch):
         for a, b in blocks:
             k = kept[a:b]
             scratch = None if hits is None else hits[: b - a]
-            self._a["argmax_counts"][li] += extreme_counts(k, "max", scratch)
-            self._a["argmin_counts"][li] += extreme_counts(k, "min", scratch)
+            extreme_counts(k, "max", scratch, into=self._a["argmax_counts"][li])
+            extreme_counts(k, "min", scratch, into=self._a["argmin_counts"][li])
             x = self._workspace("x", block)[: b - a].copy_(k)  # float64 from here on
             if sparse:
                 mean_b = g.by_type.sums(x)
@@ -784,7 +812,7 @@ class EmbeddingStatistics(Sketch):
         # In float32 the shift is c rounded to float32 (any shift is exact; this one makes
         # x' = x − c one correctly rounded float32 subtraction of the model's own values);
         # each block's float32 product is added to the float64 sum.
-        c = self._a["mean"][li].clone() if int(self._a["n"][li]) > 0 else x_mean
+        c = torch.where(self._a["n"][li] > 0, self._a["mean"][li], x_mean)  # a new tensor
         f32 = self.comoment_precision == "float32"
         if f32:
             c = c.to(torch.float32).to(_F64)
@@ -808,7 +836,7 @@ class EmbeddingStatistics(Sketch):
         self._merge_types(li, g.slots, g.counts, mean_b, m2_b)
         m_s = x_mean - c  # mean of x' (small)
         c_b = symmetric_from_upper(upper) - torch.outer(m_s, m_s) * n
-        self._merge_layer(li, torch.tensor(n, dtype=torch.int64, device=dev), c + m_s, c_b)
+        self._merge_layer(li, n, c + m_s, c_b)
 
     def _add_unit_sums(
         self,
