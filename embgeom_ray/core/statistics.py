@@ -255,28 +255,23 @@ def _chan_merge_mean_m2(
     mean_a: torch.Tensor,
     n_b: torch.Tensor,
     mean_b: torch.Tensor,
-    scratch: torch.Tensor | None = None,
+    scratch: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Return (n, mean, Δm2) of merging rows (n_a, mean_a) with (n_b, mean_b).
 
     Δm2 = ||δ||² n_a n_b / n is the cross term to add to M2_a + M2_b. Rows with n = 0 stay 0.
-    With ``scratch`` (two buffers of mean_a's shape stacked: (2, *mean_a.shape)) the mean is
-    computed in place in ``mean_a`` and δ in the scratch, with the same operations (the same
-    floats): fresh (u, d) temporaries of a large batch cost page faults at every call (7x
-    slower at u = 4,000 types, d = 512).
+    The mean is computed in place in ``mean_a`` and δ in ``scratch`` (a buffer of mean_a's
+    shape): fresh (u, d) temporaries of a large batch cost page faults at every call (7x
+    slower at u = 4,000 types, d = 512). Three passes over the rows: δ = mean_b − mean_a,
+    mean_a += δ · n_b/n (one ``addcmul_``) and ||δ|| (one reduction).
     """
     n = n_a + n_b
     n_f = n.to(_F64).clamp_min(1.0)
     w_b = (n_b.to(_F64) / n_f).unsqueeze(-1)
     w_ab = n_a.to(_F64) * n_b.to(_F64) / n_f
-    if scratch is None:
-        delta = mean_b - mean_a
-        mean = mean_a + delta * w_b
-        cross = (delta * delta).sum(-1) * w_ab
-        return n, mean, cross
-    delta = torch.sub(mean_b, mean_a, out=scratch[0])
-    mean = mean_a.add_(torch.mul(delta, w_b, out=scratch[1]))
-    cross = torch.mul(delta, delta, out=scratch[1]).sum(-1) * w_ab
+    delta = torch.sub(mean_b, mean_a, out=scratch)
+    mean = mean_a.addcmul_(delta, w_b)
+    cross = torch.linalg.vector_norm(delta, dim=-1).square_() * w_ab
     return n, mean, cross
 
 
@@ -605,15 +600,15 @@ class EmbeddingStatistics(Sketch):
         """Chan-merge batch (n, mean, M2) per type (``TYPE_MOMENTS``) into ``slots``.
 
         In blocks of rows (:meth:`_row_blocks`) through reused scratch (the ``merge``
-        workspace, three rows of d per type of a block): no fresh (types × d) temporaries,
+        workspace, two rows of d per type of a block): no fresh (types × d) temporaries,
         whose pages are faulted in at every call, and a block stays in cache."""
         counts, means, m2 = self._a["counts"][li], self._a["means"][li], self._a["m2"][li]
         for a, b in self._row_blocks(slots.numel()):
             s = slots[a:b]
-            work = self._workspace("merge", 3 * (b - a)).view(3, b - a, self.dim)
+            work = self._workspace("merge", 2 * (b - a)).view(2, b - a, self.dim)
             n_a = counts.index_select(0, s)
             mean_a = torch.index_select(means, 0, s, out=work[0])
-            n, mean, cross = _chan_merge_mean_m2(n_a, mean_a, n_b[a:b], mean_b[a:b], work[1:])
+            n, mean, cross = _chan_merge_mean_m2(n_a, mean_a, n_b[a:b], mean_b[a:b], work[1])
             counts.index_copy_(0, s, n)
             means.index_copy_(0, s, mean)
             m2.index_add_(0, s, m2_b[a:b] + cross)
