@@ -12,6 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import embgeom_ray.core.statistics as statistics_module
+from embgeom_ray.core import fold_kernels
 from embgeom_ray.core.metrics import (
     cosine_metrics,
     dims_table,
@@ -35,12 +36,25 @@ def row_block(request):
     """Every test three times: batches folded in one block of rows, in many blocks of 5 rows
     (the CPU fold walks blocks of ``CPU_ROW_BLOCK`` rows; its tests' batches are smaller), and
     the GPU's way (``GPU_FOLD``: one block, tails by argmax, the sums by type and position as
-    sparse products)."""
-    saved = statistics_module.CPU_ROW_BLOCK, statistics_module.GPU_FOLD
+    sparse products, the squared deviations by the fused kernel's traced graph)."""
+    saved = (
+        statistics_module.CPU_ROW_BLOCK,
+        statistics_module.GPU_FOLD,
+        fold_kernels.FUSE,
+        fold_kernels.BACKEND,
+    )
+    gpu = request.param == "the GPU's way"
     statistics_module.CPU_ROW_BLOCK = 5 if request.param == "blocks of 5 rows" else 1 << 30
-    statistics_module.GPU_FOLD = request.param == "the GPU's way"
+    statistics_module.GPU_FOLD = gpu
+    # the GPU's fused kernel too, traced (fullgraph) but run eagerly: building it is for GPUs
+    fold_kernels.FUSE, fold_kernels.BACKEND = gpu, "eager"
     yield request.param
-    statistics_module.CPU_ROW_BLOCK, statistics_module.GPU_FOLD = saved
+    (
+        statistics_module.CPU_ROW_BLOCK,
+        statistics_module.GPU_FOLD,
+        fold_kernels.FUSE,
+        fold_kernels.BACKEND,
+    ) = saved
 
 
 def make_batch(rng: np.random.Generator, n_layers=2, b=3, t=7, d=5, vocab=6, offset=0.0):

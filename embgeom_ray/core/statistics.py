@@ -60,6 +60,7 @@ import numpy as np
 import torch
 
 from ..errors import StatisticsMismatchError
+from .fold_kernels import fused_on, squared_deviations
 from .group_sums import GroupMatrix
 from .sketch import HEADER_KEY, Sketch, check_array, finite_layers, safetensors_into
 
@@ -818,9 +819,13 @@ class EmbeddingStatistics(Sketch):
             x = self._workspace("x", block)[: b - a]
             if len(blocks) > 1:  # one block (a GPU's batch): pass 1's float64 copy is intact
                 x.copy_(kept[a:b])
-            dev_rows = self._workspace("tmp", block)[: b - a]
-            torch.index_select(mean_b, 0, g.inv[a:b], out=dev_rows).sub_(x)
-            m2_b.index_add_(0, g.inv[a:b], torch.linalg.vector_norm(dev_rows, dim=1).square_())
+            if fused_on(dev):  # one compiled kernel (CUDA): no (n × d) scratch
+                sq = squared_deviations(mean_b, g.inv[a:b], x)
+            else:
+                dev_rows = self._workspace("tmp", block)[: b - a]
+                torch.index_select(mean_b, 0, g.inv[a:b], out=dev_rows).sub_(x)
+                sq = torch.linalg.vector_norm(dev_rows, dim=1).square_()
+            m2_b.index_add_(0, g.inv[a:b], sq)
             if f32:
                 xs = torch.sub(
                     kept[a:b], c32, out=self._workspace("xs", block, torch.float32)[: b - a]
