@@ -725,8 +725,10 @@ def test_merge_keeps_the_comoment_precision():
 def test_a_run_saves_its_comoment_precision_in_its_header(tmp_path, ray_local, row_block):
     """The statistics a run saves say which product it used: the job's default float32
     (whose reduce once started from a float64 accumulator and said float64), and float64.
-    The module runs each test twice; this one's two runs are the two precisions (the
-    fold's row blocks in the Ray actors are theirs, not this process's)."""
+    The module runs each test three times; this one's first two runs are the two precisions
+    (the fold's row blocks in the Ray actors are theirs, not this process's)."""
+    if row_block == "the GPU's way":
+        pytest.skip("a third job would repeat the float64 one: the actors fold their own way")
     from embgeom_ray.config import build_config
     from embgeom_ray.runs.pipeline import analyze
     from tests.conftest import write_jsonl
