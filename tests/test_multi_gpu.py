@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from embgeom_ray.config import build_config
+from embgeom_ray.core.sketch import finite_layers
 from embgeom_ray.core.split_statistics import SplitStatistics
 from embgeom_ray.core.statistics import EmbeddingStatistics
 from embgeom_ray.errors import ConfigError
@@ -26,18 +27,24 @@ LAYERS = [0, 3, 6, 7]
 )
 def test_split_statistics_equal_a_one_device_fold(groups, offset, clip):
     """Layers folded in separate parts (as on the GPUs of a device map), combined at a
-    flush: the same header and arrays as one object folding every layer, exactly."""
+    flush: the same header and arrays as one object folding every layer, exactly. The split
+    gets the batch's finite flags, as from the extractor; each part must take its own layers'
+    (a NaN in layer 6 of one batch is left out there only)."""
     rng = np.random.default_rng(3)
     options = {"max_positions": 9, "metadata": {"model_fingerprint": "m"}, "clip_dims": clip,
                "comoment_precision": "float64"}  # fmt: skip
     split = SplitStatistics(LAYERS, 6, groups=groups, **options)
     one = EmbeddingStatistics(LAYERS, 6, **options)
-    for _ in range(3):
+    for batch in range(3):
         h = torch.as_tensor(rng.normal(size=(len(LAYERS), 4, 9, 6)) + offset)
         ids = torch.as_tensor(rng.integers(0, 30, size=(4, 9)))
         keep = torch.as_tensor(rng.random((4, 9)) > 0.2)
-        split.update(list(h), ids, keep)
+        keep[1, 2] = True
+        if batch == 1:
+            h[2, 1, 2, 0] = float("nan")
+        split.update(list(h), ids, keep, finite=finite_layers(list(h)))
         one.update(h, ids, keep)
+    assert one.layer(6).nonfinite == 1 and one.layer(7).nonfinite == 0
     assert len(split.parts) == (1 if groups is None else len(groups))  # CPU: one device
     assert split.nbytes() >= sum(a.nbytes for a in one.state_dict().values())
     back = EmbeddingStatistics.from_bytes(split.to_bytes())

@@ -208,6 +208,26 @@ def test_finite_values_beyond_float32_are_not_taken_for_nonfinite():
     np.testing.assert_allclose(m.mean, h[0][keep].mean(0), rtol=1e-12)
 
 
+def test_finite_flags_from_the_caller_are_used_and_checked():
+    """The extractor computes each layer's finite flag once for the statistics and the sample:
+    given, they equal the fold's own check; a flag list of the wrong length is refused."""
+    from embgeom_ray.core.sketch import finite_layers
+
+    rng = np.random.default_rng(33)
+    h, ids, keep = make_batch(rng, n_layers=3, b=3, t=6, d=4, vocab=5)
+    keep[0, 1] = True
+    h[1, 0, 1, 2] = np.inf
+    hidden = list(torch.as_tensor(h))
+    assert finite_layers(hidden) == [True, False, True]
+    given = EmbeddingStatistics([0, 1, 2], 4)
+    given.update(hidden, torch.as_tensor(ids), torch.as_tensor(keep), finite=finite_layers(hidden))
+    own = fold(EmbeddingStatistics([0, 1, 2], 4), h, ids, keep)
+    assert_same_state(given, own)
+    assert given.layer(1).nonfinite == 1
+    with pytest.raises(ValueError, match="2 finite flags for 3 hidden states"):
+        given.update(hidden, torch.as_tensor(ids), torch.as_tensor(keep), finite=[True, True])
+
+
 def test_single_occurrence_variance_is_exactly_zero():
     rng = np.random.default_rng(4)
     h = rng.normal(size=(1, 1, 4, 3)) * 1e3 + 1e4

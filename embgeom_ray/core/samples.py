@@ -47,7 +47,7 @@ import torch
 
 from ..config import JobConfig
 from ..errors import StatisticsMismatchError
-from .sketch import Sketch, check_array, finite_layers
+from .sketch import Sketch, check_array
 
 _OPTIONS = JobConfig.model_fields
 
@@ -366,6 +366,7 @@ class ActivationSample(Sketch):
         doc_ids: torch.Tensor,
         window_index: torch.Tensor,
         positions: torch.Tensor | None = None,
+        finite: Sequence[bool] | None = None,
     ) -> None:
         """Fold one batch (the extractor's :class:`~embgeom_ray.inputs.windows.Batch`).
 
@@ -389,8 +390,8 @@ class ActivationSample(Sketch):
         valid = keep.to(hdev).bool()
         # an occurrence must be finite in every layer (never in place: keep); the layers are
         # checked together (one host synchronisation), rows only in a layer that is not finite
-        for h, finite in zip(hidden, finite_layers(hidden), strict=True):
-            if not finite:
+        for h, ok in zip(hidden, self._finite_flags(hidden, finite), strict=True):
+            if not ok:
                 valid = valid & _finite_rows(h).to(hdev)
         rows, cols_ = torch.nonzero(valid, as_tuple=True)
         if rows.numel() == 0:

@@ -375,3 +375,14 @@ class Sketch(ABC):
                     f"hidden state {li} has shape {tuple(h.shape)}, expected {(*shape, self.dim)}"
                 )
         return hidden, keep
+
+    @staticmethod
+    def _finite_flags(hidden: Sequence[torch.Tensor], finite: Sequence[bool] | None) -> list[bool]:
+        """Per layer, whether its hidden states are all finite: ``finite`` when the caller has
+        them (the extractor computes :func:`finite_layers` once for the statistics and the
+        sample of a batch), else :func:`finite_layers`."""
+        if finite is None:
+            return finite_layers(hidden)
+        if len(finite) != len(hidden):
+            raise ValueError(f"{len(finite)} finite flags for {len(hidden)} hidden states")
+        return [bool(f) for f in finite]

@@ -42,6 +42,7 @@ class Accumulator(Protocol):
         token_ids: torch.Tensor,
         keep: torch.Tensor | None = None,
         positions: torch.Tensor | None = None,
+        finite: Sequence[bool] | None = None,
     ) -> None: ...
 
     def held_bytes(self) -> int: ...
@@ -86,9 +87,10 @@ class SpillingStatistics:
         token_ids: torch.Tensor,
         keep: torch.Tensor | None = None,
         positions: torch.Tensor | None = None,
+        finite: Sequence[bool] | None = None,
     ) -> None:
         """Fold one batch; spill the accumulator once it holds ``budget`` bytes or more."""
-        self.current.update(hidden, token_ids, keep, positions)
+        self.current.update(hidden, token_ids, keep, positions, finite)
         if self.budget is not None and self.current.held_bytes() >= self.budget:
             data = self.current.to_bytes(self._buffer)
             self.current.clear()

@@ -102,8 +102,10 @@ class SplitStatistics:
         token_ids: torch.Tensor,
         keep: torch.Tensor | None = None,
         positions: torch.Tensor | None = None,
+        finite: Sequence[bool] | None = None,
     ) -> None:
-        """Fold one batch: each part folds its layers' hidden states on their device."""
+        """Fold one batch: each part folds its layers' hidden states on their device (with
+        their layers' ``finite`` flags, when given)."""
         if len(hidden) != len(self.layers):
             raise ValueError(
                 f"expected {len(self.layers)} layers' hidden states, got {len(hidden)}"
@@ -111,7 +113,8 @@ class SplitStatistics:
         if not self.parts:
             self._make_parts(hidden)
         for index, part in self.parts:
-            part.update([hidden[i] for i in index], token_ids, keep, positions)
+            flags = None if finite is None else [finite[i] for i in index]
+            part.update([hidden[i] for i in index], token_ids, keep, positions, flags)
 
     def nbytes(self) -> int:
         return sum(part.nbytes() for _, part in self.parts)

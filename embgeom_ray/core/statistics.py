@@ -62,7 +62,7 @@ import torch
 from ..errors import StatisticsMismatchError
 from .fold_kernels import fused_on, squared_deviations
 from .group_sums import GroupMatrix
-from .sketch import HEADER_KEY, Sketch, check_array, finite_layers, safetensors_into
+from .sketch import HEADER_KEY, Sketch, check_array, safetensors_into
 
 #: the ``format`` of the header (this name since the first version; see :data:`_READS`).
 FORMAT = "embgeom_ray.statistics"
@@ -650,6 +650,7 @@ class EmbeddingStatistics(Sketch):
         token_ids: torch.Tensor,
         keep: torch.Tensor | None = None,
         positions: torch.Tensor | None = None,
+        finite: Sequence[bool] | None = None,
     ) -> None:
         """Fold one batch.
 
@@ -662,6 +663,8 @@ class EmbeddingStatistics(Sketch):
                 already False). None keeps all.
             positions: (B, T) position of each token within its window (default: column
                 index). Needed only when ``max_positions > 0``.
+            finite: per layer, whether its hidden states are all finite
+                (:func:`~embgeom_ray.core.sketch.finite_layers`), when the caller has them.
         """
         if self.token_range != (0, None) or not self.holds_layer_state:
             raise ValueError(
@@ -690,7 +693,7 @@ class EmbeddingStatistics(Sketch):
         # and the rows are taken in its order
         groups, order = self._group(ids, pos)
         rows = rows.index_select(0, order)
-        finite = finite_layers(hidden)  # for every layer at once: no synchronisation per layer
+        finite = self._finite_flags(hidden, finite)  # every layer at once: one synchronisation
         for li, h in enumerate(hidden):
             # the model's dtype, into reused scratch (no fresh pages per layer and batch)
             flat = h.to(dev).reshape(-1, self.dim)

@@ -22,6 +22,7 @@ import torch
 
 from ..config import ExtractionOptions
 from ..core.samples import ActivationSample
+from ..core.sketch import finite_layers
 from ..core.split_statistics import SplitStatistics
 from ..core.statistics import EmbeddingStatistics
 from .corpus import CorpusSpec, Document, ReadReport, Shard, read_shard
@@ -413,9 +414,13 @@ class ShardProcessor:
             return
         self._synchronize()  # on a GPU the forward's kernels are its time, not the fold's
         t2 = time.perf_counter()
-        stats.update(hidden, batch.input_ids, batch.keep)
+        finite = finite_layers(hidden)  # once for the statistics and the sample
+        stats.update(hidden, batch.input_ids, batch.keep, finite=finite)
         if sample is not None:
-            sample.update(hidden, batch.input_ids, batch.keep, batch.doc_ids, batch.window_index)
+            sample.update(
+                hidden, batch.input_ids, batch.keep, batch.doc_ids, batch.window_index,
+                finite=finite,
+            )
         del hidden
         self._synchronize()
         t3 = time.perf_counter()
