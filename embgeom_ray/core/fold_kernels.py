@@ -7,10 +7,11 @@ over (n × d) float64 rows: gather the means into a scratch matrix, subtract the
 the norms: ~40 bytes of memory traffic per value for 8 of arithmetic. Compiled, it is one
 kernel that reads each row and its mean once and writes one number per row.
 
-The compiled kernel is built on the first CUDA batch (a few seconds, once per process) with
-dynamic shapes, so batches of other sizes reuse it. Where it cannot be built (no Triton, no C
-compiler on the node) the fold warns once and stays eager: the same numbers to float64
-rounding (only the order of the additions of a row's d squares differs).
+The compiled kernel is built on the first CUDA batch, once per process (its cost was
+measured only in aggregate: README, "On a GPU"), with dynamic shapes, meant to let batches of
+other sizes reuse it. Where it cannot be built (no Triton, no C compiler on the node) the fold
+warns once and stays eager: the same numbers to float64 rounding (only the order of the
+additions of a row's d squares differs).
 """
 
 from __future__ import annotations
