@@ -115,6 +115,7 @@ def section_throughput(args, work: Path) -> dict:
                         "shard_bytes": shard_bytes,
                         "sample_size": args.sample_size,
                         "kmeans_k_max": args.kmeans_k_max,
+                        "no_report": True,  # measured: the extraction (and the job's total)
                     },
                 )
                 t, manifest = timed(lambda cfg=cfg: analyze(cfg, echo=lambda *_: None))

@@ -175,6 +175,12 @@ class JobConfig(BaseModel):
         "they are removed, since statistics.safetensors and sample.safetensors hold the same "
         "information",
     )
+    no_report: bool = Field(
+        False,
+        description="write the tables and artefacts only, without plots/ and report.html "
+        "(python -m jobs.report OUT draws them later from the run directory). Not a result "
+        "option",
+    )
     outlier_mean_z: float = Field(
         3.0,
         gt=0,

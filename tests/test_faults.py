@@ -25,7 +25,7 @@ from embgeom_ray.inputs.corpus import CorpusSpec, plan_shards
 from embgeom_ray.inputs.extractor import ShardCounts, ShardProcessor
 from embgeom_ray.runs.checkpoints import CheckpointStore
 from embgeom_ray.runs.pipeline import analyze
-from tests.conftest import write_jsonl
+from tests.conftest import start_local_ray, write_jsonl
 from tests.test_job_end_to_end import english_documents
 
 pytestmark = pytest.mark.slow
@@ -41,6 +41,7 @@ def options(model: str, corpus: str, out: Path, **extra) -> dict:
         "max_length": 64,
         "sample_size": 512,
         "kmeans_k_max": 6,
+        "no_report": True,  # the report is tested elsewhere (tests/test_report.py)
         "layers": [0, 6],
         "shard_bytes": 2048,
         "num_workers": 2,
@@ -119,7 +120,7 @@ def clean(tmp_path_factory, corpus, minilm_dir) -> Path:
     import ray
 
     if not ray.is_initialized():
-        ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
+        start_local_ray()
     out = tmp_path_factory.mktemp("clean") / "run"
     analyze(build_config(None, options(minilm_dir, corpus, out)), echo=lambda *_: None)
     return out

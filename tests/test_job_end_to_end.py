@@ -37,8 +37,9 @@ def run_job(
 ) -> tuple[dict, dict]:
     corpus = write_jsonl(tmp_path / (corpus_name or f"{name}.jsonl"), docs)
     out = tmp_path / name
-    # sampling is exercised with a small sample (K-means model selection dominates otherwise)
-    options = {"sample_size": 512, "kmeans_k_max": 6} | options
+    # sampling is exercised with a small sample (K-means model selection dominates otherwise);
+    # the report only where a test asks for it (its figures take seconds a run)
+    options = {"sample_size": 512, "kmeans_k_max": 6, "no_report": True} | options
     cfg = build_config(None, {"model": model_dir, "corpus": corpus, "out": str(out), **options})
     manifest = analyze(cfg, echo=lambda *_: None)
     names = ("type_stats", "layers", "dims", "positions", "samples")
@@ -88,7 +89,9 @@ def assert_tables_close(ours: dict, ref: dict, *, rtol: float, cos_atol: float) 
 
 def test_minilm_on_real_english_equals_float64_reference(tmp_path, ray_local, minilm_dir):
     docs = english_documents(40, 500)
-    manifest, ours = run_job(tmp_path, minilm_dir, docs, "minilm", max_length=64, shard_bytes=4096)
+    manifest, ours = run_job(
+        tmp_path, minilm_dir, docs, "minilm", max_length=64, shard_bytes=4096, no_report=False
+    )
     ref = reference_tables(minilm_dir, docs, max_length=64)
     assert manifest["status"] == "complete"
     assert manifest["shards"]["total"] > 1

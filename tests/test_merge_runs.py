@@ -23,6 +23,7 @@ from embgeom_ray.core.statistics import EmbeddingStatistics
 from embgeom_ray.run_dir import RunDir
 from embgeom_ray.runs import merge as run_merge
 from jobs import merge
+from tests.conftest import start_local_ray
 from tests.test_statistics import assert_same_state
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
@@ -51,16 +52,12 @@ SHARD_BYTES = 1 << 20  # every input is a single shard
 
 
 @pytest.fixture(scope="module")
-def ray_session():
-    """One local Ray for the module (reused if the session already started one)."""
+def ray_session(_ray_session):
+    """The session's local Ray (started if none is up, and left running: conftest)."""
     import ray
 
-    started = not ray.is_initialized()
-    if started:
-        ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
-    yield
-    if started:
-        ray.shutdown()
+    if not ray.is_initialized():
+        start_local_ray()
 
 
 def _write_jsonl(path: Path, texts: list[str]) -> str:
@@ -81,6 +78,7 @@ def _analyze(model: str, corpus: str, out: Path) -> Path:
             "max_length": MAX_LENGTH,
             "sample_size": 512,
             "kmeans_k_max": 6,
+            "no_report": True,  # the merge's own report is drawn (tested below)
             "num_workers": 1,
             "shard_bytes": SHARD_BYTES,
             # the exact product: merged and whole runs agree to 1e-9 (the float32 default's
@@ -151,6 +149,11 @@ def test_merged_tables_equal_whole_run(runs, merged) -> None:
             if c in want.columns
         ]
         _assert_frames_equal(got, want, keys)
+    # the runs were made with --no-report; their merge draws its report all the same
+    assert not (runs["a"] / "report.html").exists() and not (runs["a"] / "plots").exists()
+    assert json.loads((runs["a"] / "manifest.json").read_text())["outputs"].get("report") is None
+    assert (merged / "report.html").is_file() and any((merged / "plots").glob("*.png"))
+    assert json.loads((merged / "manifest.json").read_text())["config"]["no_report"] is False
 
 
 def test_merge_partition_by_partition_equals_the_whole_merge(runs, merged, tmp_path) -> None:

@@ -55,7 +55,8 @@ DOCS = [
     "Tokens of the same type have similar vectors.",
     "The mat was red and the log was brown.",
 ]
-OPTIONS = {"max_length": 32, "sample_size": 256, "kmeans_k_max": 4, "num_workers": 1}
+OPTIONS = {"max_length": 32, "sample_size": 256, "kmeans_k_max": 4, "num_workers": 1,
+           "no_report": True}  # fmt: skip
 
 
 def _watchlist(path: Path, models: list[Any]) -> str:

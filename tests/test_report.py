@@ -681,9 +681,12 @@ def test_report_of_a_real_run(tmp_path):
         "512",
         "--kmeans-k-max",
         "6",
+        "--no-report",  # the run without its report; jobs.report draws it afterwards
     ]
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
+    assert json.loads((out / "manifest.json").read_text())["status"] == "complete"
+    assert not (out / "report.html").exists() and not (out / "plots").exists()
     proc = subprocess.run(
         [sys.executable, "-m", "jobs.report", str(out)],
         capture_output=True,

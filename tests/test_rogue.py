@@ -43,6 +43,7 @@ def run(tmp_path, model: str, docs: list[str], name: str, **opts) -> dict[str, p
             "max_length": 48,
             "sample_size": 512,
             "kmeans_k_max": 6,
+            "no_report": True,
             **opts,
         },
     )

@@ -756,7 +756,7 @@ def test_a_run_saves_its_comoment_precision_in_its_header(tmp_path, ray_local, r
 
     model = make_tiny_bert(str(tmp_path / "bert"))
     corpus = write_jsonl(tmp_path / "c.jsonl", [f"cats and dogs number {i}" for i in range(12)])
-    options = {"model": model, "corpus": corpus, "max_length": 16, "sample_size": 0}
+    options = {"model": model, "corpus": corpus, "max_length": 16, "sample_size": 0, "no_report": True}
     if row_block != "one block":
         options["comoment_precision"] = "float64"
     config = build_config(None, options | {"out": str(tmp_path / "run")})

@@ -123,6 +123,8 @@ def finish_run(
     outputs = manifest.outputs
     names = [*(outputs.tables if outputs else []), *(outputs.artefacts if outputs else [])]
     echo(f"outputs in {run.url}: {', '.join([*names, MANIFEST])}")
+    if config.no_report:
+        return manifest
     # some figures drawn by Ray tasks on this node while this process draws the others
     tasks = on_this_node(draw_figures)
     elsewhere = None if tasks is None else lambda names: tasks(run.url, names)
