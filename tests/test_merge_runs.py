@@ -23,7 +23,7 @@ from embgeom_ray.core.statistics import EmbeddingStatistics
 from embgeom_ray.run_dir import RunDir
 from embgeom_ray.runs import merge as run_merge
 from jobs import merge
-from tests.conftest import start_local_ray
+from tests.conftest import start_local_ray, write_jsonl
 from tests.test_statistics import assert_same_state
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
@@ -58,11 +58,6 @@ def ray_session(_ray_session):
 
     if not ray.is_initialized():
         start_local_ray()
-
-
-def _write_jsonl(path: Path, texts: list[str]) -> str:
-    path.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
-    return str(path)
 
 
 def _analyze(model: str, corpus: str, out: Path) -> Path:
@@ -101,8 +96,8 @@ def runs(ray_session, tmp_path_factory) -> dict[str, Path]:
     # (ids hash the path relative to the corpus root): the merged sample must equal the whole's
     (root / "corpus").mkdir()
     corpora = {
-        "a": _write_jsonl(root / "corpus" / "a.jsonl", DOCS[:half]),
-        "b": _write_jsonl(root / "corpus" / "b.jsonl", DOCS[half:]),
+        "a": write_jsonl(root / "corpus" / "a.jsonl", DOCS[:half]),
+        "b": write_jsonl(root / "corpus" / "b.jsonl", DOCS[half:]),
         "whole": str(root / "corpus"),
     }
     out = {name: _analyze(model, corpus, root / f"run-{name}") for name, corpus in corpora.items()}

@@ -156,8 +156,12 @@ def run_config(manifest: Manifest, out: str, min_count: int | None) -> JobConfig
     known = {k: v for k, v in manifest.config.items() if k in JobConfig.model_fields}
     # the corpus does not enter the tables; a merged run keeps the list of its corpora there
     # (and a merged run always gets its report, whatever the first run's --no-report)
-    known |= {"out": out, "overwrite": False, "corpus": _corpus_label(known.get("corpus"))}
-    known["no_report"] = False
+    known |= {
+        "out": out,
+        "overwrite": False,
+        "corpus": _corpus_label(known.get("corpus")),
+        "no_report": False,
+    }
     if min_count is not None:
         known["min_count"] = min_count
     try:
