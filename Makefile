@@ -88,6 +88,7 @@ bench: env
 	$(PY) -m bench.kmeans --sizes 1024,4096
 	$(PY) -m bench.kmeans --sizes 64 --ks 2 --no-serial --selection 4096 --name kmeans_selection
 	$(PY) -m bench.sampled_stage
+	$(PY) -m bench.fingerprint
 	$(PY) -m bench.scaling --sections memory --copies 1,2,4 --name scaling_memory
 	$(PY) -m bench.scaling --sections throughput --name scaling_throughput
 	$(PY) -m bench.scaling --sections artefact,reduce

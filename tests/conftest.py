@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -13,6 +14,8 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# the model fingerprints' cache (embgeom_ray.inputs.fingerprints) of this session, not ~/.cache
+os.environ.setdefault("EMBGEOM_CACHE_DIR", tempfile.mkdtemp(prefix="embgeom-test-cache-"))
 
 
 #: Ray's setting for the tests' local Rays: task workers stay alive while idle. By default Ray

@@ -173,3 +173,15 @@ def test_fold_smoke(results_dir, tmp_path):
     assert scatter["rows"] == 1024 and 0 < scatter["types"] <= 1024
     for way in ("index_add", "segment_reduce", "csr_matmul"):
         assert scatter[way]["max_rel_err"] < 1e-12, way
+
+
+def test_fingerprint_smoke(results_dir):
+    import os
+
+    from bench import fingerprint
+
+    before = os.environ.get("EMBGEOM_CACHE_DIR")
+    fingerprint.main("--gib 0.01 --files 2 --repeats 1".split())
+    res = read(results_dir, "fingerprint")
+    assert res["content_s"][0] > 0 and res["cached_s"][0] > 0 and res["ratio"] > 0
+    assert os.environ.get("EMBGEOM_CACHE_DIR") == before  # the bench's own cache, then put back

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import ConfigError, ModelError
+from .fingerprints import directory_fingerprint
 
 _DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}
 
@@ -241,23 +242,6 @@ def balanced_device_map(
             "or use a smaller --dtype"
         )
     return {name: int(v) for name, v in device_map.items()}
-
-
-def directory_fingerprint(path: str) -> str:
-    """sha256 over every file's relative path and bytes (hidden files and caches excluded)."""
-    h = hashlib.sha256()
-    for root, dirs, files in os.walk(path):
-        dirs[:] = sorted(d for d in dirs if not d.startswith(".") and d != "__pycache__")
-        for name in sorted(files):
-            if name.startswith("."):
-                continue
-            full = os.path.join(root, name)
-            h.update(os.path.relpath(full, path).encode() + b"\0")
-            with open(full, "rb") as f:
-                for block in iter(lambda f=f: f.read(1 << 20), b""):
-                    h.update(block)
-            h.update(b"\0")
-    return "sha256:" + h.hexdigest()
 
 
 def tokenizer_fingerprint(tokenizer: Any) -> str:

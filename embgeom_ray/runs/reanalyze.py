@@ -5,7 +5,8 @@ or a KubeRay schedule. For each model of the watch list it
 
 1. resolves exactly what would be measured: a hub model's revision ("latest" = the default
    branch, or a branch or tag) to its commit hash through the hub API, a local directory to
-   the content hash of its files (:func:`~embgeom_ray.inputs.model_loading.directory_fingerprint`);
+   the content hash of its files (:func:`~embgeom_ray.inputs.fingerprints.directory_fingerprint`;
+   cached while the files are unchanged, so an invocation with nothing new reads no weights);
 2. computes the **run key**, the sha256 of (model fingerprint — ``id@commit`` for hub models,
    the content hash for local directories —, tokenizer fingerprint, corpus fingerprint,
    result options), see :func:`run_key`;
