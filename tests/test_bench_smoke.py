@@ -185,3 +185,14 @@ def test_fingerprint_smoke(results_dir):
     res = read(results_dir, "fingerprint")
     assert res["content_s"][0] > 0 and res["cached_s"][0] > 0 and res["ratio"] > 0
     assert os.environ.get("EMBGEOM_CACHE_DIR") == before  # the bench's own cache, then put back
+
+
+def test_overlap_smoke(results_dir):
+    from bench import overlap
+
+    overlap.main("--max-batches 1 --repeats 1".split())
+    res = read(results_dir, "overlap")
+    assert res["batches"] == 1 and res["tokens"] > 0
+    # the overlapped fold folds the same batches in the same order: the same state, exactly
+    assert res["state"]["same"] and res["state"]["max_rel_diff"] == 0.0
+    assert set(res["ratio_to_bare"]) == {"sequential", "overlapped"}
