@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
+import shutil
 import tempfile
 from pathlib import Path
 
@@ -15,7 +17,9 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # the model fingerprints' cache (embgeom_ray.inputs.fingerprints) of this session, not ~/.cache
-os.environ.setdefault("EMBGEOM_CACHE_DIR", tempfile.mkdtemp(prefix="embgeom-test-cache-"))
+if "EMBGEOM_CACHE_DIR" not in os.environ:
+    os.environ["EMBGEOM_CACHE_DIR"] = tempfile.mkdtemp(prefix="embgeom-test-cache-")
+    atexit.register(shutil.rmtree, os.environ["EMBGEOM_CACHE_DIR"], ignore_errors=True)
 
 
 #: Ray's setting for the tests' local Rays: task workers stay alive while idle. By default Ray
