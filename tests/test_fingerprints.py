@@ -143,8 +143,14 @@ def test_the_cache_location(tmp_path, monkeypatch):
     monkeypatch.delenv(fingerprints.CACHE_ENV, raising=False)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
     assert fingerprints.cache_dir() == tmp_path / "xdg" / "embgeom_ray"
+    monkeypatch.setenv("XDG_CACHE_HOME", "relative/xdg")  # ignored, as the XDG spec says
+    assert fingerprints.cache_dir() == Path.home() / ".cache" / "embgeom_ray"
     monkeypatch.delenv("XDG_CACHE_HOME")
     assert fingerprints.cache_dir() == Path.home() / ".cache" / "embgeom_ray"
+    # no home at all (no HOME, no passwd entry): no cache, rather than a "~" folder in the cwd
+    monkeypatch.setattr(fingerprints.os.path, "expanduser", lambda p: p)
+    assert fingerprints.cache_dir() is None
+    monkeypatch.undo()
     monkeypatch.setenv(fingerprints.CACHE_ENV, str(tmp_path / "mine"))
     assert fingerprints.cache_dir() == tmp_path / "mine"
     for off in ("off", "", "0", "none"):

@@ -19,8 +19,9 @@ hashed every time until it has been quiet for that long. The value is the same f
 either way (the cache never changes what is computed, only whether it is recomputed).
 
 The cache is one small JSON file per directory under :func:`cache_dir`: ``$EMBGEOM_CACHE_DIR``,
-else ``$XDG_CACHE_HOME/embgeom_ray``, else ``~/.cache/embgeom_ray``. ``EMBGEOM_CACHE_DIR=off``
-turns it off. A cache that cannot be read or written is ignored (the hash is computed).
+else ``$XDG_CACHE_HOME/embgeom_ray`` (if absolute), else ``~/.cache/embgeom_ray``; none for a
+user without a home directory. ``EMBGEOM_CACHE_DIR=off`` turns it off. A cache that cannot be
+read or written is ignored (the hash is computed).
 """
 
 from __future__ import annotations
@@ -82,12 +83,18 @@ def stat_key(path: str) -> tuple[str, float]:
 
 
 def cache_dir() -> Path | None:
-    """Where fingerprints are cached (module docstring), or None when turned off."""
+    """Where fingerprints are cached (module docstring), or None when turned off or when there
+    is no home directory to put it in."""
     configured = os.environ.get(CACHE_ENV)
     if configured is not None:
         return None if configured.strip().lower() in {"", "off", "0", "none"} else Path(configured)
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    return Path(xdg or Path.home() / ".cache") / "embgeom_ray"
+    xdg = os.environ.get("XDG_CACHE_HOME", "")
+    if os.path.isabs(xdg):  # the XDG spec: a relative path is ignored
+        return Path(xdg) / "embgeom_ray"
+    home = os.path.expanduser("~")
+    if not os.path.isabs(home):  # no HOME and no passwd entry (a container's arbitrary user)
+        return None
+    return Path(home) / ".cache" / "embgeom_ray"
 
 
 def _entry(cache: Path, path: str) -> Path:
