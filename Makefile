@@ -80,7 +80,7 @@ analyze: env
 	$(PY) -m jobs.analyze --model "$(or $(MODEL),$(DEMO_MODEL))" \
 	    --corpus "$(CORPUS)" --out "$(OUT)" $(ARGS)
 
-# The README's benchmark numbers (2-core machine, ~30 min); results in bench/results/*.json.
+# The README's benchmark numbers (2-core machine, ~40 min); results in bench/results/*.json.
 bench: env
 	$(PY) -m bench.extraction --tokens 8000 --repeats 3
 	$(PY) -m bench.extraction --models minilm --tokens 40000 --repeats 5 --name extraction_minilm40k
@@ -90,6 +90,7 @@ bench: env
 	$(PY) -m bench.sampled_stage
 	$(PY) -m bench.fingerprint
 	$(PY) -m bench.overlap --repeats 3
+	$(PY) -m bench.warm_workers --repeats 2
 	$(PY) -m bench.scaling --sections memory --copies 1,2,4 --name scaling_memory
 	$(PY) -m bench.scaling --sections throughput --name scaling_throughput
 	$(PY) -m bench.scaling --sections artefact,reduce

@@ -3,9 +3,11 @@
 The points are MiniLM's hidden states at ``--layers`` of a bottom-k sample of ``--size``
 occurrences of the demo corpus (the extractor's own :class:`~embgeom_ray.core.samples.ActivationSample`,
 with a type-uniform part), as the job's sampled stage gets them. For every layer K-means
-(:func:`embgeom_ray.core.kmeans.select_k`, the job's defaults) is run once and timed; then,
-alternately ``--repeats`` times, single-threaded (one BLAS/OpenMP and one torch thread, as
-each Ray task of the stage runs):
+model selection (:func:`embgeom_ray.core.kmeans.select_k`, the job's defaults) is run
+alternately ``--repeats`` times with scikit-learn's own k-means++ seeding and with the job's
+(:class:`~embgeom_ray.core.kmeanspp.PlusPlus`, the float64 copy made once a fit), checked to
+give the same result, and timed; then, alternately ``--repeats`` times, single-threaded (one
+BLAS/OpenMP and one torch thread, as each Ray task of the stage runs, and as ``select_k`` ran):
 
   (a) baseline: :func:`~embgeom_ray.core.tables.sampled_row` of the package as it was at git
       revision ``--baseline`` (extracted with ``git archive`` and imported under another name);
@@ -56,10 +58,35 @@ def max_rel_diff(a: dict[str, Any], b: dict[str, Any]) -> float:
     return worst
 
 
-def bench_layer(layer: int, X, tok, tv, tables: dict[str, ModuleType], args) -> dict:
-    from embgeom_ray.core.kmeans import select_k
+def bench_select_k(X, args) -> tuple[dict[str, float], Any]:
+    """``select_k`` alternately with scikit-learn's own k-means++ seeding and with
+    :class:`~embgeom_ray.core.kmeanspp.PlusPlus` (the job's), ``--repeats`` times; median
+    seconds of each, and the job's result after checking that both are the same."""
+    import embgeom_ray.core.kmeans as km_module
 
-    t_km, km = timed(lambda: select_k(X, seed=args.seed))
+    ours = km_module.PlusPlus
+    times: dict[str, list[float]] = {"sklearn_seeding": [], "current": []}
+    results = {}
+    try:
+        for _ in range(args.repeats):
+            for name, init in (("sklearn_seeding", lambda: "k-means++"), ("current", ours)):
+                km_module.PlusPlus = init
+                t, results[name] = timed(lambda: km_module.select_k(X, seed=args.seed))
+                times[name].append(t)
+    finally:
+        km_module.PlusPlus = ours
+    a, b = results["sklearn_seeding"], results["current"]
+    same = repr((a.k, a.silhouettes, a.inertias, a.stability)) == repr(
+        (b.k, b.silhouettes, b.inertias, b.stability)
+    ) and np.array_equal(a.labels, b.labels)  # repr: NaN equals NaN
+    if not same:
+        raise AssertionError("select_k's result changed with the seeding")
+    return {name: median(ts) for name, ts in times.items()}, b
+
+
+def bench_layer(layer: int, X, tok, tv, tables: dict[str, ModuleType], args) -> dict:
+    km_secs, km = bench_select_k(X, args)
+    t_km = km_secs["current"]
     if args.clusters == "best" and km.best_labels is not None:
         km = replace(km, k=km.best_k, labels=km.best_labels)
     runs = {
@@ -83,9 +110,13 @@ def bench_layer(layer: int, X, tok, tv, tables: dict[str, ModuleType], args) -> 
         "n": len(X),
         "kmeans_k": int(km.k),
         "select_k_seconds": t_km,
+        "select_k_seconds_sklearn_seeding": km_secs["sklearn_seeding"],
         "seconds": secs,
     }
-    line = f"layer {layer}: select_k {t_km:5.2f}s | k={km.k:2d} | "
+    line = (
+        f"layer {layer}: select_k {km_secs['sklearn_seeding']:5.2f}s -> {t_km:5.2f}s with "
+        f"PlusPlus (same result) | k={km.k:2d} | "
+    )
     if "baseline" in tables:
         b, c = secs["baseline"], secs["current"]
         result["ratio"] = {part: b[part] / c[part] for part in b}

@@ -181,6 +181,12 @@ class JobConfig(BaseModel):
         "(python -m jobs.report OUT draws them later from the run directory). Not a result "
         "option",
     )
+    no_warm_workers: bool = Field(
+        False,
+        description="on a private local Ray, do not start the sampled-metrics and figure tasks' "
+        "worker processes (and their imports, at nice 19) on the CPUs the extractors leave "
+        "free while they run. Not a result option",
+    )
     outlier_mean_z: float = Field(
         3.0,
         gt=0,

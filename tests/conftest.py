@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from embgeom_ray.distributed.cluster import IDLE_WORKER_KEEP_MS
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -22,13 +24,14 @@ if "EMBGEOM_CACHE_DIR" not in os.environ:
     atexit.register(shutil.rmtree, os.environ["EMBGEOM_CACHE_DIR"], ignore_errors=True)
 
 
-#: Ray's setting for the tests' local Rays: task workers stay alive while idle. By default Ray
+#: Ray's setting for the tests' local Rays: task workers stay alive while idle (as on the job's
+#: own private local Ray: embgeom_ray.distributed.cluster.IDLE_WORKER_KEEP_MS). By default Ray
 #: ends an idle worker after 1 s when there are more workers than CPUs, which every
 #: extraction causes (its actor holds the CPUs), so each job's sampled-metrics and figure tasks
 #: would start in fresh processes and import scikit-learn, torch, pandas and matplotlib again
 #: (measured on a small MiniLM job: its sampled-metrics stage took 5.6 s with fresh workers and
 #: 0.5 s with kept ones). The jobs compute the same either way; only the tests' time differs.
-KEEP_IDLE_WORKERS = {"idle_worker_killing_time_threshold_ms": 3_600_000}
+KEEP_IDLE_WORKERS = {"idle_worker_killing_time_threshold_ms": IDLE_WORKER_KEEP_MS}
 
 
 def start_local_ray(num_cpus: int = 2) -> None:

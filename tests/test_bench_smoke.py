@@ -196,3 +196,16 @@ def test_overlap_smoke(results_dir):
     # the overlapped fold folds the same batches in the same order: the same state, exactly
     assert res["state"]["same"] and res["state"]["max_rel_diff"] == 0.0
     assert set(res["ratio_to_bare"]) == {"sequential", "overlapped"}
+
+
+def test_warm_workers_smoke(results_dir):
+    from bench import warm_workers
+
+    warm_workers.main(
+        ["--docs", "4", "--repeats", "1", "--extra-args",
+         "--sample-size 64 --kmeans-k-max 3 --kmeans-k-cap 3 --sampled-se-replicates 0 "
+         "--s-inter-draws 2 --no-report"]
+    )  # fmt: skip
+    res = read(results_dir, "warm_workers")
+    assert set(res["runs"]) == {"cold", "warm"} and len(res["runs"]["warm"]) == 1
+    assert res["median_s"]["warm"]["wall"] > 0 and res["ratio_warm_to_cold"]["wall"] > 0

@@ -54,6 +54,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from ..config import JobConfig
+from .kmeanspp import PlusPlus
 
 _OPTIONS = JobConfig.model_fields
 #: defaults of the model selection: the job's own option defaults (one home, JobConfig)
@@ -444,7 +445,8 @@ def fit_local(
 
     ``KMeans(n_clusters=k, init="k-means++", n_init=n_init, max_iter=max_iter, tol=tol,
     random_state=seed, algorithm="lloyd")`` on ``X`` cast to ``dtype``: greedy k-means++ seeding
-    (Arthur & Vassilvitskii 2007) and Lloyd (1982) iterations until Σ_c ||Δc||² ≤ tol ·
+    (Arthur & Vassilvitskii 2007; for float32 through :class:`~embgeom_ray.core.kmeanspp.PlusPlus`,
+    the same centres with the points' float64 copy made once a fit instead of once a step) and Lloyd (1982) iterations until Σ_c ||Δc||² ≤ tol ·
     mean_j Var(X_j) (the same relative tolerance as :func:`fit`), the lowest inertia of
     ``n_init`` runs. Its OpenMP threads follow ``threadpoolctl`` limits (the Ray layer sets them).
     Returns centres (float64, coordinates of ``X``), labels, inertia Σ_x ||x − c_{a(x)}||² in
@@ -467,7 +469,7 @@ def fit_local(
         raise ValueError(f"n_init must be >= 1, got {n_init}")
     model = KMeans(
         n_clusters=k,
-        init="k-means++",
+        init=PlusPlus() if dtype == np.float32 else "k-means++",
         n_init=n_init,
         max_iter=max_iter,
         tol=tol,

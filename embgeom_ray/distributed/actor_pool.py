@@ -292,9 +292,12 @@ class _Scheduler:
         on_group: Callable[[GroupResult], None],
         on_folded: Callable[[FoldReport], None],
         on_requeued: Callable[[list[FoldReport]], None],
+        on_ready: Callable[[PoolPlan], None] | None = None,
     ) -> None:
         self.config, self.pool, self._start = config, pool, start
         self.on_group, self.on_folded, self.on_requeued = on_group, on_folded, on_requeued
+        #: called once, when the first actor has loaded its model
+        self.on_ready = on_ready
         self.queue: deque[Shard] = deque(shards)
         self.losses: dict[str, int] = {}
         self.in_flight: dict[Any, _Worker] = {}  # process() or flush() ref -> its worker
@@ -353,6 +356,9 @@ class _Scheduler:
         self.pool.batch_tokens = max(self.pool.batch_tokens, started["batch_tokens"])
         self.idle.append(_Worker(actor))
         self.dispatch()
+        if self.on_ready is not None:
+            on_ready, self.on_ready = self.on_ready, None
+            on_ready(self.pool)
 
     def on_returned(self, ref: Any) -> None:
         worker = self.in_flight.pop(ref)
@@ -470,12 +476,15 @@ def run_shards(
     clip_dims: list[int] | None = None,
     on_folded: Callable[[FoldReport], None] | None = None,
     on_requeued: Callable[[list[FoldReport]], None] | None = None,
+    on_ready: Callable[[PoolPlan], None] | None = None,
 ) -> PoolPlan:
     """Process ``shards`` on a pool of extractor actors.
 
     ``on_group`` receives every flush (each shard in exactly one of them, once all is done);
     ``on_folded`` each shard as an actor folds it (progress), ``on_requeued`` the folded
-    shards an actor lost before flushing them (they are folded again later).
+    shards an actor lost before flushing them (they are folded again later); ``on_ready`` is
+    called once with the pool's plan, when the first actor has loaded its model and been
+    given its first shard.
     """
     pool = plan_pool(scheduling, len(shards))
     if not shards:
@@ -493,5 +502,6 @@ def run_shards(
         on_group,
         on_folded or (lambda _report: None),
         on_requeued or (lambda _reports: None),
+        on_ready,
     ).run()
     return pool

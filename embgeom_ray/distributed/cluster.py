@@ -59,7 +59,14 @@ DEFAULT_CLIENT_PORT = 10001
 #: set by Ray's job supervisor in the environment of a ``ray job submit`` entrypoint
 JOB_CONFIG_ENV = "RAY_JOB_CONFIG_JSON_ENV_VAR"
 
+#: on the private local Ray, Ray keeps an idle worker process this long (ms) before killing
+#: it when there are more workers than CPUs (Ray's default: 1 s): the task workers warmed
+#: during the extraction (:mod:`~embgeom_ray.distributed.warm_workers`) wait for the sampled stage
+IDLE_WORKER_KEEP_MS = 3_600_000
+
 _SIGNAL_NAMES = {signal.SIGTERM: "SIGTERM", signal.SIGINT: "SIGINT"}
+#: the GCS address of the private local Ray this process started, if it did
+_private_gcs: str | None = None
 
 
 @dataclass(frozen=True)
@@ -368,6 +375,19 @@ def _count(n: int, noun: str) -> str:
     return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
 
 
+def started_private_local() -> bool:
+    """Whether Ray is initialised here as the private local Ray that :func:`connect` started
+    (the job owns that machine and its workers; not a cluster, not a Ray someone else
+    initialised in this process)."""
+    import ray
+
+    return (
+        _private_gcs is not None
+        and ray.is_initialized()
+        and ray.get_runtime_context().gcs_address == _private_gcs
+    )
+
+
 def connect(
     address: str | None,
     *,
@@ -395,7 +415,10 @@ def connect(
                 runtime_env=runtime_env,
                 include_dashboard=False,
                 log_to_driver=True,
+                _system_config={"idle_worker_killing_time_threshold_ms": IDLE_WORKER_KEEP_MS},
             )
+        global _private_gcs
+        _private_gcs = ray.get_runtime_context().gcs_address
         print(describe_cluster(choice, None), file=sys.stderr, flush=True)
         return choice
 

@@ -41,6 +41,7 @@ from ..core.rogue import OutlierRules, flagged_dims
 from ..core.samples import ActivationSample
 from ..core.statistics import EmbeddingStatistics, state_bytes
 from ..distributed.process_memory import sampler
+from ..distributed.warm_workers import warm_task_workers
 from ..errors import ConfigError, CorpusError
 from ..inputs.corpus import CorpusSpec, Shard, ShardPlan, plan_shards
 from ..inputs.dedup import HASH, NORMALISATION, DedupPlan, plan_dedup
@@ -53,6 +54,7 @@ from ..inputs.model_loading import (
     resolve_layers,
 )
 from ..io_utils import join
+from ..report.plots import FIGURE_GROUPS
 from ..run_dir import (
     GROUPS,
     SAMPLE,
@@ -161,9 +163,31 @@ def _extract(
             clip_dims,
             on_folded=lambda r: show(1, r.counts.tokens),
             on_requeued=lambda rs: show(-len(rs), -sum(r.counts.tokens for r in rs)),
+            on_ready=lambda pool: warm_task_workers(warm_workers_wanted(config, len(layers), pool)),
         )
     finally:
         bar.close()
+
+
+def warm_workers_wanted(config: JobConfig, layers: int, pool: PoolPlan) -> int:
+    """How many task workers to warm while the extractors run
+    (:mod:`~embgeom_ray.distributed.warm_workers`): on the private local Ray only, unless
+    ``--no-warm-workers``, one per CPU the extractors leave free, and no more than the sampled
+    stage (two tasks per layer) and the report's figure groups drawn as tasks will use; 0
+    elsewhere. On a machine whose CPUs the extractors hold (a CPU-only run with the default
+    pool) that is none: the imports would slow the forward by about what they save later
+    (measured: README, fixed costs)."""
+    from ..distributed.cluster import started_private_local
+
+    if config.no_warm_workers or not started_private_local():
+        return 0
+    import ray
+
+    tasks = (2 * layers if config.sample_size > 0 else 0) + (
+        0 if config.no_report else len(FIGURE_GROUPS) - 1
+    )
+    spare = int(ray.cluster_resources().get("CPU", 0)) - pool.num_workers * pool.num_cpus
+    return max(0, min(tasks, spare))
 
 
 def reduce_groups(
