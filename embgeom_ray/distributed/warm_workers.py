@@ -27,6 +27,8 @@ The priority stays with the process: the stage's and the report's tasks then run
 well, which changes nothing while they have the cores to themselves (the driver waits for them)
 and lets the driver go first where it works beside them (the report's PCA views). Linux applies
 a nice value per thread; threads the task later starts (BLAS, OpenMP, torch) inherit it.
+Actors never inherit it: since Ray 2.0 an actor always gets a worker process of its own, never
+one that has run a task (ray-project/ray#28773), so no extractor or reducer runs niced.
 
 Nothing depends on the warm-up: a task that finds no idle worker gets a fresh one, as before,
 and a warm-up that fails only leaves its worker cold. Each warm worker holds the imported
