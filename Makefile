@@ -80,7 +80,7 @@ analyze: env
 	$(PY) -m jobs.analyze --model "$(or $(MODEL),$(DEMO_MODEL))" \
 	    --corpus "$(CORPUS)" --out "$(OUT)" $(ARGS)
 
-# The README's benchmark numbers (2-core machine, ~40 min); results in bench/results/*.json.
+# The README's benchmark numbers (2-core machine, ~45 min); results in bench/results/*.json.
 bench: env
 	$(PY) -m bench.extraction --tokens 8000 --repeats 3
 	$(PY) -m bench.extraction --models minilm --tokens 40000 --repeats 5 --name extraction_minilm40k
@@ -88,6 +88,8 @@ bench: env
 	$(PY) -m bench.kmeans --sizes 1024,4096
 	$(PY) -m bench.kmeans --sizes 64 --ks 2 --no-serial --selection 4096 --name kmeans_selection
 	$(PY) -m bench.sampled_stage
+	$(PY) -m bench.kmeans_shares --seeds 0,1 --repeats 2
+	$(PY) -m bench.kmeans_shares --layers 2 --seeds 0 --repeats 3 --name kmeans_shares_layer2
 	$(PY) -m bench.fingerprint
 	$(PY) -m bench.overlap --repeats 3
 	$(PY) -m bench.warm_workers --repeats 2

@@ -59,6 +59,17 @@ def test_kmeans_smoke(results_dir):
         assert all(r["k"] in (1, 2, 3) for r in sel["per_layer"][route].values())
 
 
+def test_kmeans_shares_smoke(results_dir):
+    from bench import kmeans_shares
+
+    kmeans_shares.main("--size 300 --layers 2,3 --seeds 0 --repeats 1".split())
+    (result,) = read(results_dir, "kmeans_shares")["results"]
+    assert result["same_results"] is True  # the fits spread over tasks change nothing
+    assert set(result["seconds"]) == {"one_share", "shares"}
+    assert set(result["k_searched"]) == {"2", "3"}
+    assert all(15 <= k <= 60 for k in result["k_searched"].values())
+
+
 def test_scaling_smoke(results_dir):
     from bench import scaling
 

@@ -159,14 +159,15 @@ def test_tiny_random_models_with_long_documents(tmp_path, ray_local, builder):
 def test_one_and_two_workers_agree(tmp_path, ray_local, minilm_dir):
     docs = english_documents(30, 400)
     # the exact co-moment product: one and two workers agree to 1e-9 (the float32 default's
-    # product depends on the batch order through its shift: ~1e-8)
-    opts = {"max_length": 48, "shard_bytes": 2048, "layers": [0, 3, 6]}
+    # product depends on the batch order through its shift: ~1e-8). One torch thread in each
+    # extractor: a shard gets the same batches whatever the worker, but the forward's float32
+    # rounding may follow the thread count (on an AVX-512 CPU, 1 thread against 2 moved MiniLM's
+    # layer 6 by up to 1.2e-6 relative, on half of the types)
+    opts = {"max_length": 48, "shard_bytes": 2048, "layers": [0, 3, 6], "cpus_per_worker": 1}
     opts["comoment_precision"] = "float64"
-    _, t1 = run_job(tmp_path, minilm_dir, docs, "w1", "c.jsonl", num_workers=1, **opts)
-    m2, t2 = run_job(
-        tmp_path, minilm_dir, docs, "w2", "c.jsonl", num_workers=2, cpus_per_worker=1, **opts
-    )
-    assert m2["workers"]["num_workers"] == 2
+    m1, t1 = run_job(tmp_path, minilm_dir, docs, "w1", "c.jsonl", num_workers=1, **opts)
+    m2, t2 = run_job(tmp_path, minilm_dir, docs, "w2", "c.jsonl", num_workers=2, **opts)
+    assert m1["workers"]["num_workers"] == 1 and m2["workers"]["num_workers"] == 2
     assert m2["workers"]["batch_tokens"] == 8192  # a CPU's default, as each extractor chose it
     for name in ("type_stats", "layers", "dims", "positions"):
         a, b = t1[name], t2[name]

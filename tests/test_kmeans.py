@@ -392,3 +392,71 @@ def test_fit_layers_on_ray_fits_distinct_points_on_both_routes(local_ray):
         np.testing.assert_array_equal(got.labels[300:], got.labels[:90])
         np.testing.assert_allclose(got.silhouette, ref.silhouette, rtol=1e-8)
         assert got.stability == pytest.approx(1.0)
+
+
+# ------------------------------------------------- a layer's fits spread over tasks
+def _fit_where(X, k, seed):
+    """A stand-in ``fit_one`` that says which process fitted (k, seed)."""
+    import os
+
+    return (os.getpid(), k, seed, float(X.sum()))
+
+
+def test_balanced_shares_split_by_k():
+    from embgeom_ray.distributed.kmeans import balanced_shares
+
+    specs = [(k, 0) for k in range(16, 31)]
+    for shares in (1, 2, 3, 4, 15, 40):
+        groups = balanced_shares(specs, shares)
+        assert len(groups) == min(shares, len(specs))
+        assert sorted(i for g in groups for i in g) == list(range(len(specs)))
+        assert all(g == sorted(g) and g for g in groups)
+        cost = [sum(specs[i][0] for i in g) for g in groups]
+        assert cost[0] == max(cost)  # the caller keeps the costliest share
+        # Graham's bound for LPT: within 4/3 of the perfect split (and of the largest fit)
+        assert max(cost) <= 4 / 3 * max(sum(k for k, _ in specs) / len(groups), 30)
+    # 15 fits of k = 16..30 in 2 shares: 180 against 165 (LPT), where the two halves by count
+    # (16..23 and 24..30) would cost 156 against 189
+    assert sorted(sum(specs[i][0] for i in g) for g in balanced_shares(specs, 2)) == [165, 180]
+    assert balanced_shares([], 3) == []
+
+
+def test_fit_shares_follow_the_cluster_cpus():
+    from embgeom_ray.distributed.kmeans import fit_shares
+
+    assert fit_shares(7, 1, cpus=2) == (1, 2)  # this machine: the grown ranges in 2 shares
+    assert fit_shares(7, 1, cpus=32) == (4, 32)
+    assert fit_shares(33, 2, cpus=16) == (1, 8)
+    assert fit_shares(3, 4, cpus=2) == (1, 1)  # fewer CPUs than a task takes: never split
+
+
+def test_ray_fits_keep_the_order_and_use_other_processes(local_ray):
+    import os
+
+    from embgeom_ray.distributed.kmeans import RayFits
+
+    X = np.arange(12.0).reshape(4, 3)
+    specs = [(k, 100 + k) for k in range(2, 9)]
+    got = RayFits(initial_shares=3, later_shares=1)(_fit_where, X, specs, initial=True)
+    assert [(k, s) for _, k, s, _ in got] == specs
+    assert all(total == float(X.sum()) for *_, total in got)  # every task saw the points
+    pids = {pid for pid, *_ in got}
+    assert os.getpid() in pids and len(pids) >= 2  # the caller's share and the tasks'
+    # one share: all fitted here, no task
+    alone = RayFits(initial_shares=3, later_shares=1)(_fit_where, X, specs, initial=False)
+    assert {pid for pid, *_ in alone} == {os.getpid()}
+
+
+def test_select_k_with_fits_over_tasks_equals_one_process(local_ray, many_blobs):
+    """The grown search (2..15, 16..30) and the refits, spread over Ray tasks: the same result."""
+    from embgeom_ray.distributed.kmeans import RayFits
+
+    X, _ = many_blobs
+    with threadpool_limits(1):  # the tasks run one thread each, as RayFits' default
+        ref = select_k(X, seed=0, stability_seeds=2)
+        got = select_k(X, seed=0, stability_seeds=2, map_fits=RayFits(2, 3, threads=1))
+    assert got.k == ref.k == 24 and got.k_searched == ref.k_searched == 30
+    assert got.silhouettes == ref.silhouettes and got.inertias == ref.inertias
+    assert got.stability == ref.stability == pytest.approx(1.0)
+    np.testing.assert_array_equal(got.labels, ref.labels)
+    np.testing.assert_array_equal(got.centers, ref.centers)

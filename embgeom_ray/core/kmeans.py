@@ -73,6 +73,14 @@ MAX_ITER, TOL = 300, 1e-4
 LOCAL_FIT_MAX_ELEMENTS = 4096 * 8192
 
 MapFn = Callable[[Callable[[Any], Any], Sequence[Any]], list[Any]]
+#: one K-means fit in one process: ``fit_one(X, k, seed=seed)`` (:func:`fit_local` with the
+#: search's ``n_init``, ``max_iter``, ``tol`` and dtype bound)
+FitOne = Callable[..., "KMeansResult"]
+#: how the one-process fits of one step of :func:`select_k` run: ``map_fits(fit_one, X, specs,
+#: initial=...)`` returns ``[fit_one(X, k, seed=s) for k, s in specs]``, in that order, computed
+#: anywhere (default :func:`serial_fits`; the Ray layer spreads them over tasks). ``initial``
+#: is True for the first range's fits, False for a grown range's and the stability refits.
+MapFits = Callable[..., list["KMeansResult"]]
 
 
 class Partition(NamedTuple):
@@ -171,6 +179,13 @@ def stability_seed(seed: int, replicate: int) -> int:
 def serial_map(fn: Callable[[Any], Any], parts: Sequence[Any]) -> list[Any]:
     """The default ``map_fn``: ``[fn(p) for p in parts]`` in this process."""
     return [fn(p) for p in parts]
+
+
+def serial_fits(
+    fit_one: FitOne, X: np.ndarray, specs: Sequence[tuple[int, int]], *, initial: bool = True
+) -> list[KMeansResult]:
+    """The default ``map_fits`` of :func:`select_k`: ``[fit_one(X, k, seed=s) for k, s in specs]``."""
+    return [fit_one(X, k, seed=s) for k, s in specs]
 
 
 def partition(X: np.ndarray, n_parts: int) -> list[Partition]:
@@ -558,6 +573,7 @@ def select_k(
     n_partitions: int = 1,
     local_max_elements: int | None = LOCAL_FIT_MAX_ELEMENTS,
     local_dtype: type[np.floating] = LOCAL_DTYPE,
+    map_fits: MapFits | None = None,
 ) -> SelectKResult:
     """Cai et al. (2021, Sec. 4)'s number of clusters: best silhouette over ``ks``, grown to an optimum.
 
@@ -587,6 +603,14 @@ def select_k(
     (k-means|| and Lloyd as a map over partitions: ``map_fn``/``parts``, or ``n_partitions``
     partitions of X mapped serially). Both take ``n_init``, ``max_iter``, ``tol`` and ``seed``;
     the fits differ only as two K-means runs with different random initialisations do.
+
+    The fits of one step (the k of ``ks``; then of each grown range; then the stability
+    refits) do not depend on each other: every k is fitted with ``seed``, each refit with its
+    own. On the one-process route they run through ``map_fits`` (:data:`MapFits`; default
+    :func:`serial_fits`, here, in order), which may spread them over processes
+    (:class:`~embgeom_ray.distributed.kmeans.RayFits`): the result is the same whoever fits
+    them, provided each fit runs with the same number of threads. The silhouettes are scored
+    here, on the one distance matrix.
     """
     from sklearn.metrics import adjusted_rand_score, pairwise_distances
 
@@ -617,19 +641,20 @@ def select_k(
     idx = silhouette_subsample(n, silhouette_max_points, seed)
     dist = pairwise_distances(Xc[idx]) if len(idx) >= 3 else None
 
-    def fit_k(k: int, fit_seed: int) -> KMeansResult:
+    fit_one = partial(fit_local, n_init=n_init, max_iter=max_iter, tol=tol, dtype=local_dtype)
+
+    def fit_all(specs: list[tuple[int, int]], initial: bool) -> list[KMeansResult]:
         if local:
-            return fit_local(Xc, k, n_init, max_iter, tol, fit_seed, dtype=local_dtype)
-        return fit(Xc, k, n_init, max_iter, tol, fit_seed, map_fn, parts=parts)
+            return (map_fits or serial_fits)(fit_one, Xc, specs, initial=initial)
+        return [fit(Xc, k, n_init, max_iter, tol, s, map_fn, parts=parts) for k, s in specs]
 
     fits: dict[int, KMeansResult] = {}
     sil: dict[int, float] = {}
 
-    def search(k_range: Iterable[int]) -> None:
-        for k in sorted({int(k) for k in k_range}):
-            if k < 2 or k >= n or k in fits:
-                continue
-            res = fits[k] = fit_k(k, seed)
+    def search(k_range: Iterable[int], initial: bool = False) -> None:
+        new = [k for k in sorted({int(k) for k in k_range}) if 2 <= k < n and k not in fits]
+        for k, res in zip(new, fit_all([(k, seed) for k in new], initial), strict=True):
+            fits[k] = res
             lab = res.labels[idx]
             n_lab = len(np.unique(lab))
             if dist is None or n_lab < 2 or n_lab >= len(idx):
@@ -638,7 +663,7 @@ def select_k(
                 sil[k] = silhouette_from_distances(dist, lab)
 
     ks = [int(k) for k in ks]
-    search(ks)
+    search(ks, initial=True)
     limit = min(max(int(k_cap), *ks, 2), n - 1) if ks else 0
     while True:
         scored = {k: s for k, s in sil.items() if np.isfinite(s)}
@@ -656,7 +681,8 @@ def select_k(
         extra |= {"best_k": best_k, "best_labels": best_labels}
         extra["at_cap"] = bool(best_k == k_searched and k_searched >= limit)
         if stability_seeds:
-            refits = [fit_k(best_k, stability_seed(seed, r)) for r in range(1, stability_seeds + 1)]
+            specs = [(best_k, stability_seed(seed, r)) for r in range(1, stability_seeds + 1)]
+            refits = fit_all(specs, initial=False)
             aris = [adjusted_rand_score(best_labels, f.labels) for f in refits]
             extra["stability"] = float(np.mean(aris))
     if best_k is None or best_s < min_silhouette:

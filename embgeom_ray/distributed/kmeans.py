@@ -7,12 +7,21 @@ the layer's sample:
 
 - small (n·d ≤ ``local_max_elements``, default
   :data:`~embgeom_ray.core.kmeans.LOCAL_FIT_MAX_ELEMENTS`: the default 4096-point samples of any
-  model up to d = 8192): one Ray task per layer fits every k in one process with
-  scikit-learn's KMeans (:func:`~embgeom_ray.core.kmeans.fit_local`, Lloyd in float32 on the
-  centred points unless ``local_dtype`` says otherwise). Each task reserves
+  model up to d = 8192): one Ray task per layer runs the model selection, and its fits are
+  scikit-learn's KMeans in one process each (:func:`~embgeom_ray.core.kmeans.fit_local`, Lloyd
+  in float32 on the centred points unless ``local_dtype`` says otherwise). Each task reserves
   ``cpus_per_task`` CPUs and caps its OpenMP/BLAS threads at that number (``threadpoolctl``),
   so concurrent tasks never run more threads than the CPUs Ray gave them. One thread per task
   is the default: at n = 4096 a second thread does not speed a fit up, a second layer does.
+  The fits of one step of the search are independent (:func:`~embgeom_ray.core.kmeans.select_k`),
+  so :class:`RayFits` spreads them over tasks of the same shape: the layer's task fits one
+  share itself and waits for the others (a task blocked in ``ray.get`` lends its CPU back).
+  The first range (k = 2..15) is split only where the cluster has more CPUs free, C, as the
+  stage starts than the layers take (``C // (L · cpus_per_task)`` shares); a grown range
+  (k = 16..30, 31..60) and the stability refits, which come when a layer's silhouette keeps
+  rising and other layers may be done, into as many shares as CPUs are free then, up to
+  ``C // cpus_per_task`` (:func:`fit_shares`). Shares are balanced by k (a fit's cost grows with k). The result is
+  the one a single task computes.
 - large: the sample is centred, split into partitions and put in the object store once
   (``ray.put``); every pass of the fit (k-means|| distance rounds, Lloyd partial sums, the
   final assignment) is one :func:`_apply` task per partition, whose results the layer's driver
@@ -28,6 +37,7 @@ sampled metrics of early layers overlap the K-means of later ones.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -44,13 +54,105 @@ from ..core.kmeans import (
     SILHOUETTE_MAX_POINTS,
     STABILITY_SEEDS,
     TOL,
+    FitOne,
     KMeansResult,
     SelectKResult,
     distinct_rows,
     fit,
     partition,
     select_k,
+    serial_fits,
 )
+
+
+def balanced_shares(specs: Sequence[tuple[int, int]], shares: int) -> list[list[int]]:
+    """Indices of ``specs`` ((k, seed) fits) in ≤ ``shares`` non-empty groups of similar cost.
+
+    A fit's cost is taken as k (Lloyd's distance computations grow with it): longest first,
+    each to the group with the least cost so far (Graham's LPT rule, within 4/3 of the best
+    split). Each group lists its indices in ascending order; the first group is the costliest.
+    """
+    shares = max(1, min(int(shares), len(specs)))
+    groups: list[list[int]] = [[] for _ in range(shares)]
+    cost = [0] * shares
+    for i in sorted(range(len(specs)), key=lambda i: (-specs[i][0], i)):
+        g = cost.index(min(cost))
+        groups[g].append(i)
+        cost[g] += specs[i][0]
+    order = sorted(range(shares), key=lambda g: -cost[g])
+    return [sorted(groups[g]) for g in order if groups[g]]
+
+
+@ray.remote(num_cpus=1)
+def _fit_share(
+    fit_one: FitOne, X: np.ndarray, specs: list[tuple[int, int]], threads: int
+) -> list[KMeansResult]:
+    from threadpoolctl import threadpool_limits
+
+    with threadpool_limits(limits=threads):
+        return serial_fits(fit_one, X, specs)
+
+
+@dataclass(frozen=True)
+class RayFits:
+    """A ``map_fits`` of :func:`~embgeom_ray.core.kmeans.select_k` that spreads a step's fits over Ray tasks.
+
+    ``initial_shares`` groups for the first range's fits; for a grown range's and the
+    stability refits, one more than the CPUs free at that moment allow tasks of ``threads``
+    CPUs (``ray.available_resources()``), at most ``later_shares`` (:func:`balanced_shares`):
+    a layer that grows while others still hold every CPU is not split (its share tasks would
+    only queue behind them, each in a new worker process), one that grows last is. The calling
+    process fits the costliest group itself; each other group is a task of ``threads`` CPUs
+    and threads (the caller's own thread cap, so every fit runs as it would in the caller: the
+    same result), reading the points from one ``ray.put``. One share: all fits here, no task.
+    """
+
+    initial_shares: int = 1
+    later_shares: int = 1
+    threads: int = 1
+
+    def __call__(
+        self,
+        fit_one: FitOne,
+        X: np.ndarray,
+        specs: Sequence[tuple[int, int]],
+        *,
+        initial: bool = True,
+    ) -> list[KMeansResult]:
+        specs = [(int(k), int(s)) for k, s in specs]
+        shares = self.initial_shares
+        if not initial:
+            free = ray.available_resources().get("CPU", 0.0) if self.later_shares > 1 else 0.0
+            shares = min(self.later_shares, 1 + int(free // self.threads))
+        groups = balanced_shares(specs, shares)
+        if len(groups) <= 1:
+            return serial_fits(fit_one, X, specs)
+        X_ref = ray.put(X)
+        task = _fit_share.options(num_cpus=self.threads)
+        refs = [
+            task.remote(fit_one, X_ref, [specs[i] for i in g], self.threads) for g in groups[1:]
+        ]
+        own = serial_fits(fit_one, X, [specs[i] for i in groups[0]])  # while the tasks run
+        out: list[KMeansResult | None] = [None] * len(specs)
+        for g, results in zip(groups, [own, *ray.get(refs)], strict=True):
+            for i, res in zip(g, results, strict=True):
+                out[i] = res
+        return out  # type: ignore[return-value]
+
+
+def fit_shares(layers: int, cpus_per_task: int, cpus: float | None = None) -> tuple[int, int]:
+    """(first range's, later steps') shares of a layer's fits on a cluster of ``cpus`` CPUs.
+
+    ``max(1, C // (layers · cpus_per_task))`` while every layer searches its first range, and
+    at most ``max(1, C // cpus_per_task)`` for a grown range or the stability refits
+    (:class:`RayFits`). ``cpus`` defaults to the CPUs the running cluster has free now
+    (``ray.available_resources()``: not those reducer actors, say, still hold).
+    """
+    if cpus is None:
+        cpus = float(ray.available_resources().get("CPU", 1))
+    per_task = max(1, int(cpus_per_task))
+    total = int(cpus) // per_task
+    return max(1, total // max(1, int(layers))), max(1, total)
 
 
 @ray.remote
@@ -156,6 +258,7 @@ def submit_layers_on_ray(
     local_max_elements: int | None = LOCAL_FIT_MAX_ELEMENTS,
     local_dtype: type[np.floating] = LOCAL_DTYPE,
     cpus_per_task: int = 1,
+    shares: tuple[int, int] | None = None,
 ) -> dict[int, ray.ObjectRef]:
     """Start Cai et al.'s K-means model selection for every layer, layers in parallel on Ray.
 
@@ -176,6 +279,8 @@ def submit_layers_on_ray(
         local_dtype: the dtype of those one-task fits' Lloyd iterations (as
             :func:`~embgeom_ray.core.kmeans.select_k`; float32).
         cpus_per_task: CPUs each one-task layer reserves, and its thread cap.
+        shares: (first range's, later steps') shares of each one-task layer's fits
+            (:class:`RayFits`); default :func:`fit_shares` of the running cluster's CPUs.
 
     Returns:
         layer -> object ref of its :class:`~embgeom_ray.core.kmeans.SelectKResult` (centres in the
@@ -196,6 +301,9 @@ def submit_layers_on_ray(
         "silhouette_max_points": silhouette_max_points,
         "stability_seeds": stability_seeds,
     }
+    if shares is None:
+        shares = fit_shares(len(samples_by_layer), cpus_per_task)
+    map_fits = RayFits(*shares, threads=cpus_per_task)
     refs = {}
     for layer, X in samples_by_layer.items():
         X = np.asarray(X, dtype=np.float64)
@@ -208,6 +316,7 @@ def submit_layers_on_ray(
                 cpus=cpus_per_task,
                 local_max_elements=local_max_elements,
                 local_dtype=local_dtype,
+                map_fits=map_fits,
                 **options,
             )
             continue
