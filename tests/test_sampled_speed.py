@@ -77,6 +77,18 @@ def test_knn_from_the_table_equals_a_fresh_search_on_every_subset(monkeypatch):
     )
 
 
+def test_exact_distances_are_the_norms_of_the_differences_bit_for_bit():
+    """The in-place passes give np.linalg.norm's floats, across blocks and with an offset."""
+    rng = np.random.default_rng(3)
+    X = rng.normal(size=(700, 48)) + 1e4  # a massive offset: the differences cancel it
+    rows = rng.permutation(700)[:650]
+    idx = rng.integers(0, 700, size=(650, 33))  # 650 rows: several blocks of 1M / (33 · 48)
+    got = neighbours.exact_distances(X, rows, idx)
+    want = np.linalg.norm(X[idx] - X[rows, None, :], axis=2)
+    assert got.shape == (650, 33) and np.array_equal(got, want)
+    assert np.array_equal(neighbours.exact_distances(X, rows[:1], idx[:1]), want[:1])
+
+
 def test_group_sums_are_add_at_bit_for_bit():
     rng = np.random.default_rng(2)
     u = rng.normal(size=(500, 17))
