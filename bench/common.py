@@ -80,6 +80,22 @@ def median(xs: list[float]) -> float:
     return float(statistics.median(xs))
 
 
+def alternate(
+    runs: dict[str, Callable[[], Any]], repeats: int
+) -> tuple[dict[str, list[float]], dict[str, Any]]:
+    """Each of ``runs`` ``repeats`` times, in turn (a, b, a, b, ...: drift hits all alike).
+
+    Returns (name -> its wall times, name -> its last output).
+    """
+    times: dict[str, list[float]] = {name: [] for name in runs}
+    out: dict[str, Any] = {}
+    for _ in range(repeats):
+        for name, run in runs.items():
+            t, out[name] = timed(run)
+            times[name].append(t)
+    return times, out
+
+
 def machine() -> dict[str, Any]:
     import torch
 

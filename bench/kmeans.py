@@ -45,7 +45,7 @@ from pathlib import Path
 
 import numpy as np
 
-from bench.common import english_jsonl, median, minilm_dir, save, timed
+from bench.common import alternate, english_jsonl, median, minilm_dir, save, timed
 
 
 def minilm_points(n: int, layer: int, work: Path, seed: int = 0) -> np.ndarray:
@@ -194,12 +194,7 @@ def bench_selection(sample, args) -> dict:
         "one_task_per_layer": lambda: fit_layers_on_ray(by_layer, **opts),
         "stage": stage,
     }
-    times: dict[str, list[float]] = {name: [] for name in runs}
-    out: dict[str, object] = {}
-    for _ in range(args.selection_repeats):
-        for name, run in runs.items():
-            t, out[name] = timed(run)
-            times[name].append(t)
+    times, out = alternate(runs, args.selection_repeats)
     secs = {name: median(ts) for name, ts in times.items()}
     per_layer = {
         name: {

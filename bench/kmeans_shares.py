@@ -31,7 +31,7 @@ from pathlib import Path
 
 import numpy as np
 
-from bench.common import median, save, timed
+from bench.common import alternate, median, save, timed
 from bench.kmeans import minilm_sample
 
 
@@ -70,12 +70,7 @@ def bench_seed(seed: int, args, work: Path) -> dict:
         "one_share": lambda: fit_layers_on_ray(by_layer, seed=seed, shares=(1, 1)),
         "shares": lambda: fit_layers_on_ray(by_layer, seed=seed),
     }
-    times: dict[str, list[float]] = {name: [] for name in runs}
-    out: dict[str, dict] = {}
-    for _ in range(args.repeats):
-        for name, run in runs.items():
-            t, out[name] = timed(run)
-            times[name].append(t)
+    times, out = alternate(runs, args.repeats)
     secs = {name: median(ts) for name, ts in times.items()}
     same = same_results(out["one_share"], out["shares"])
     bound = max(max(alone.values()), sum(alone.values()) / args.cpus)

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from bench.common import english_jsonl, median, minilm_dir, save, timed
+from bench.common import alternate, english_jsonl, median, minilm_dir, save, timed
 from bench.fold import same_state
 
 
@@ -101,12 +101,7 @@ def main(argv: list[str] | None = None) -> None:
     bare()  # warm-up at the measured thread count
     t_many, _ = timed(bare)
     runs = {"bare": bare, "sequential": sequential, "overlapped": overlapped}
-    times: dict[str, list[float]] = {name: [] for name in runs}
-    states = {}
-    for _ in range(args.repeats):
-        for name, fn in runs.items():
-            t, states[name] = timed(fn)
-            times[name].append(t)
+    times, states = alternate(runs, args.repeats)
     med = {name: median(ts) for name, ts in times.items()}
     same = same_state(states["overlapped"], states["sequential"])
     ratio = {name: med["bare"] / med[name] for name in ("sequential", "overlapped")}
