@@ -20,8 +20,8 @@ the layer's sample:
   stage starts than the layers take (``C // (L · cpus_per_task)`` shares); a grown range
   (k = 16..30, 31..60) and the stability refits, which come when a layer's silhouette keeps
   rising and other layers may be done, into as many shares as CPUs are free then, up to
-  ``C // cpus_per_task`` (:func:`fit_shares`). Shares are balanced by k (a fit's cost grows with k). The result is
-  the one a single task computes.
+  ``C // cpus_per_task`` (:func:`fit_shares`). Shares are balanced by k (a fit's cost grows
+  with k). The result is the one a single task computes.
 - large: the sample is centred, split into partitions and put in the object store once
   (``ray.put``); every pass of the fit (k-means|| distance rounds, Lloyd partial sums, the
   final assignment) is one :func:`_apply` task per partition, whose results the layer's driver
@@ -83,16 +83,6 @@ def balanced_shares(specs: Sequence[tuple[int, int]], shares: int) -> list[list[
     return [sorted(groups[g]) for g in order if groups[g]]
 
 
-@ray.remote(num_cpus=1)
-def _fit_share(
-    fit_one: FitOne, X: np.ndarray, specs: list[tuple[int, int]], threads: int
-) -> list[KMeansResult]:
-    from threadpoolctl import threadpool_limits
-
-    with threadpool_limits(limits=threads):
-        return serial_fits(fit_one, X, specs)
-
-
 @dataclass(frozen=True)
 class RayFits:
     """A ``map_fits`` of :func:`~embgeom_ray.core.kmeans.select_k` that spreads a step's fits over Ray tasks.
@@ -128,9 +118,9 @@ class RayFits:
         if len(groups) <= 1:
             return serial_fits(fit_one, X, specs)
         X_ref = ray.put(X)
-        task = _fit_share.options(num_cpus=self.threads)
         refs = [
-            task.remote(fit_one, X_ref, [specs[i] for i in g], self.threads) for g in groups[1:]
+            call_on_ray(serial_fits, fit_one, X_ref, [specs[i] for i in g], cpus=self.threads)
+            for g in groups[1:]
         ]
         own = serial_fits(fit_one, X, [specs[i] for i in groups[0]])  # while the tasks run
         out: list[KMeansResult | None] = [None] * len(specs)
