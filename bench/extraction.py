@@ -9,15 +9,24 @@ For each model, the same shard is processed alternately by
 same dtype, same threads, same process, ``--repeats`` times; the printed ratio is
 median(bare) / median(extractor) — the extractor's throughput as a fraction of the forward's.
 
+``--device-map`` adds the ``--gpus-per-worker`` path on the GPUs this process sees, one GPU
+included: the model loaded through accelerate's device map (:func:`balanced_device_map`, its
+dispatch hooks), every layer folded on the GPU that computed it into one statistics part per
+GPU (``SplitStatistics``), combined at the end; its statistics are compared with the plain
+extractor's (counts exactly, moments to rounding). Give ``--batch-tokens``: a split model
+otherwise gets the CPU default.
+
     python -m bench.extraction [--models minilm,bert-base] [--tokens 20000] [--repeats 3]
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import itertools
 import tempfile
 from pathlib import Path
+from unittest import mock
 
 import torch
 
@@ -41,8 +50,23 @@ def bare_forward(proc, shard) -> int:
     return tokens
 
 
+def device_map_over_visible_gpus(options, device: str) -> dict[str, int]:
+    """``gpu_device_map`` over every GPU this process sees, even one (where the job maps a
+    model only for ``--gpus-per-worker`` ≥ 2)."""
+    from embgeom_ray.inputs.model_loading import balanced_device_map
+
+    gpus = range(torch.cuda.device_count())
+    budget = {i: int(0.9 * torch.cuda.get_device_properties(i).total_memory) for i in gpus}
+    return balanced_device_map(
+        options.model, options.revision, options.dtype, options.trust_remote_code, budget
+    )
+
+
 def bench_model(name: str, model: str, corpus: str, args, workdir: Path) -> dict:
+    from bench.fold import same_state
     from embgeom_ray.config import build_config
+    from embgeom_ray.core.statistics import EmbeddingStatistics
+    from embgeom_ray.inputs import extractor
     from embgeom_ray.inputs.corpus import CorpusSpec, plan_shards
     from embgeom_ray.inputs.extractor import ShardProcessor
     from embgeom_ray.inputs.model_loading import resolve_identity, resolve_layers
@@ -57,6 +81,8 @@ def bench_model(name: str, model: str, corpus: str, args, workdir: Path) -> dict
             "comoment_precision": "float64",
         },
     }
+    if args.device_map:
+        variants["extractor_device_map"] = {"sample_size": args.sample_size}
     procs = {}
     for variant, overrides in variants.items():
         cfg = build_config(
@@ -72,7 +98,16 @@ def bench_model(name: str, model: str, corpus: str, args, workdir: Path) -> dict
                 **overrides,
             },
         )
-        procs[variant] = ShardProcessor(cfg.extraction, layers, {"model_fingerprint": "bench"})
+        mapped = variant == "extractor_device_map"
+        patch = (
+            mock.patch.object(extractor, "gpu_device_map", device_map_over_visible_gpus)
+            if mapped
+            else contextlib.nullcontext()
+        )
+        with patch:
+            procs[variant] = ShardProcessor(cfg.extraction, layers, {"model_fingerprint": "bench"})
+        if mapped:
+            assert procs[variant].device_map is not None
     shard = plan_shards(CorpusSpec(corpus), 1 << 40).shards[0]
     base = procs["extractor"]
     bare_forward(base, shard)  # warm-up
@@ -87,6 +122,12 @@ def bench_model(name: str, model: str, corpus: str, args, workdir: Path) -> dict
             times[variant].append(t)
             folds[variant].append(counts.fold_seconds)
     bare = median(times["bare_forward"])
+    same = None
+    if args.device_map:  # the split fold against the plain one, over the same shard
+        plain, _, _ = procs["extractor"].process(shard)
+        split, _, _ = procs["extractor_device_map"].process(shard)
+        same = same_state(EmbeddingStatistics.from_bytes(split.to_bytes()), plain)
+        print(f"{name}: device-map statistics against the plain extractor's: {same}")
     result = {
         "model": name,
         "layers": len(layers),
@@ -99,6 +140,7 @@ def bench_model(name: str, model: str, corpus: str, args, workdir: Path) -> dict
         "fold_seconds": {k: median(v) for k, v in folds.items()},
         "tokens_per_s": {k: tokens / median(v) for k, v in times.items()},
         "ratio_to_bare_forward": {v: bare / median(times[v]) for v in variants},
+        **({} if same is None else {"device_map_state": same}),
     }
     print(
         f"{name:10s} L+1={len(layers):2d} d={identity.hidden_size:4d} tokens={tokens:,} "
@@ -125,6 +167,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--dtype", default="float32")
     p.add_argument("--device", default="auto")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    p.add_argument(
+        "--device-map", action="store_true",
+        help="also the --gpus-per-worker path (accelerate's device map, split statistics)",
+    )  # fmt: skip
     p.add_argument("--name", default="extraction")
     args = p.parse_args(argv)
     if args.threads:

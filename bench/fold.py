@@ -16,6 +16,9 @@ exactly, moments to 1e-12 relative: an optimisation must not change what is comp
 CUDA also how many times one update makes the host wait for the device (``host_syncs``:
 ``torch.cuda.set_sync_debug_mode`` warnings; each stalls the kernels the host could queue).
 
+``--gram-blocks K`` runs this checkout's co-moment product in K column blocks on a GPU
+(``statistics.GPU_GRAM_BLOCKS``, 4 by default), the baseline's as it is.
+
 ``--scatter`` also times the per-type sums of one batch's float64 rows, sorted by type, three
 ways: ``index_add_`` (what the fold does), ``torch.segment_reduce`` and a CSR matrix product.
 
@@ -198,11 +201,18 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--comoment-precision", default="float32,float64")
     p.add_argument("--baseline", default=BASELINE, help="git revision, package path, or none")
     p.add_argument("--scatter", action="store_true", help="also time the per-type sums")
+    p.add_argument(
+        "--gram-blocks", type=int, default=None,
+        help="this checkout's co-moment column blocks on a GPU (statistics.GPU_GRAM_BLOCKS)",
+    )  # fmt: skip
     p.add_argument("--name", default="fold")
     args = p.parse_args(argv)
     auto = "cuda" if torch.cuda.is_available() else "cpu"
     dev = torch.device(auto if args.device == "auto" else args.device)
     import embgeom_ray.core.statistics as current
+
+    if args.gram_blocks is not None:
+        current.GPU_GRAM_BLOCKS = args.gram_blocks
 
     work = Path(tempfile.mkdtemp(prefix="embgeom-bench-fold-"))
     try:

@@ -158,6 +158,19 @@ def test_comoment_smoke(results_dir):
     assert 0 < res["bf16_split3"]["rel_frobenius"] < 5 * res["f32_upper"]["rel_frobenius"]
 
 
+def test_comoment_variants_smoke(results_dir):
+    """``--variants`` runs only the named ones (the GPU's block counts among them)."""
+    from bench import comoment
+
+    comoment.main("--dims 100 --rows 128 --repeats 1 --device cpu --variants "
+                  "f64_upper4,f64_upper8,f32_upper8".split())  # fmt: skip
+    res = read(results_dir, "comoment")["dims"]["100"]
+    assert set(res) == {"f64_upper4", "f64_upper8", "f32_upper8"}
+    assert res["f64_upper8"]["rel_frobenius"] < 1e-13 and res["f32_upper8"]["rel_frobenius"] < 1e-5
+    with pytest.raises(SystemExit):
+        comoment.main("--variants f64_upper5".split())
+
+
 def test_fold_smoke(results_dir, tmp_path):
     """The fold against a baseline package given as a folder (as on a machine without .git):
     here this checkout's own package, so both fold to the same state."""

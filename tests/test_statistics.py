@@ -500,6 +500,27 @@ def test_gram_block_triangle_equals_the_full_product(d, precision):
     np.testing.assert_allclose(g, ref, rtol=0, atol=tol * np.abs(ref).max())
 
 
+@pytest.mark.parametrize("d", [1, 5, 100, 385, 2048])
+@pytest.mark.parametrize("blocks", [4, 6, 8])
+def test_gpu_gram_blocks_are_aligned_and_cover_the_columns(d, blocks):
+    """The GPU's k column blocks (``add_gram``): edges at multiples of 64 columns (never
+    empty blocks), the product still the full one."""
+    from embgeom_ray.core.statistics import _column_blocks, add_gram_upper, symmetric_from_upper
+
+    edges = _column_blocks(d, -(-d // blocks), 64)
+    assert edges[0] == 0 and edges[-1] == d and all(b > a for a, b in itertools.pairwise(edges))
+    assert all(e % 64 == 0 for e in edges[1:-1]) and len(edges) - 1 <= blocks
+    if d == 2048:
+        assert len(edges) - 1 == blocks
+    rng = np.random.default_rng(d)
+    x = torch.as_tensor(rng.normal(size=(70, d)))
+    upper = torch.zeros(d, d, dtype=torch.float64)
+    add_gram_upper(upper, x, -(-d // blocks), 64)
+    np.testing.assert_allclose(
+        symmetric_from_upper(upper).numpy(), (x.T @ x).numpy(), rtol=1e-12, atol=1e-12
+    )
+
+
 def brute_cosines(x: np.ndarray, ids: np.ndarray):
     u = x / np.linalg.norm(x, axis=1, keepdims=True)
     c = u @ u.T

@@ -1,17 +1,28 @@
 """Passes of the GPU fold fused into one kernel each by ``torch.compile`` (CUDA only).
 
-The fold's second pass needs, for each kept row i of type t(i), the squared deviation from
-its type's batch mean, ``‖μ_{t(i)} − x_i‖²`` (float64), summed per type into M2_t (two-pass:
-no cancellation, whatever the offset; ``core/statistics.py``). Eagerly that is three passes
-over (n × d) float64 rows: gather the means into a scratch matrix, subtract the rows, take
-the norms: ~40 bytes of memory traffic per value for 8 of arithmetic. Compiled, it is one
-kernel that reads each row and its mean once and writes one number per row.
+Eagerly, each of the fold's per-row passes reads (and most write) the batch's (n × d) rows
+once: on a GPU they are bound by memory traffic, not arithmetic. Compiled, the passes that
+read the same rows become one kernel each (``core/statistics.py``, ``_fold_layer``):
 
-The compiled kernel is built on the first CUDA batch, once per process (its cost was
-measured only in aggregate: README, "On a GPU"), with dynamic shapes, meant to let batches of
-other sizes reuse it. Where it cannot be built (no Triton, no C compiler on the node) the fold
-warns once and stays eager: the same numbers to float64 rounding (only the order of the
-additions of a row's d squares differs).
+* :func:`float64_rows` – pass 1: the rows in float64 (every sum and square is taken there)
+  and each row's inverse norm 1/max(‖x_i‖, tiny), the weight of its unit vector x_i/‖x_i‖ in
+  the per-type unit-vector sums: one read of the model-dtype rows (2 bytes a value in bf16),
+  where the copy and the norm read the float64 rows once more (8 bytes).
+* :func:`deviations_and_centred` – pass 2, ``comoment_precision="float64"``: for each row i
+  of type t(i) the squared deviation from its type's batch mean, ``‖μ_{t(i)} − x_i‖²`` (summed
+  per type into M2_t: two-pass, no cancellation whatever the offset), and the row shifted by
+  the layer's running mean c, x_i − c (the co-moment product's input): one read of x where
+  the eager passes gather the means into an (n × d) scratch, subtract, take norms and then
+  shift x in place, ~56 bytes of traffic a value for 16 of arithmetic.
+* :func:`deviations_and_centred32` – the same with ``comoment_precision="float32"``: the
+  shifted rows are the model-dtype rows minus c rounded to float32, in float32.
+
+Each returns what its eager twin (``*_eager``) returns, to float64 rounding (only the order
+of the additions of a row's d squares differs). The kernels are built on the first CUDA
+batch, once per process and function (with dynamic shapes, meant to let batches of other
+sizes reuse them; their cost was measured only in aggregate: README, "On a GPU"). Where they
+cannot be built (no Triton, no C compiler on the node) the fold warns once and stays eager:
+the same statistics, slower.
 """
 
 from __future__ import annotations
@@ -27,8 +38,17 @@ FUSE: bool | None = None
 #: the ``torch.compile`` backend
 BACKEND = "inductor"
 
-_compiled: dict[str, Callable[..., torch.Tensor]] = {}
+_F64 = torch.float64
+_compiled: dict[tuple[str, str], Callable[..., object]] = {}
 _unavailable = False
+
+
+def float64_rows_eager(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x, w): the rows (n × d, any float dtype) in float64, and w_i = 1/max(‖x_i‖, tiny)
+    (a zero row gets a finite weight, and its unit vector stays 0)."""
+    x = rows.to(_F64)
+    norms = torch.linalg.vector_norm(x, dim=1)
+    return x, norms.clamp_min(torch.finfo(_F64).tiny).reciprocal()
 
 
 def squared_deviations_eager(
@@ -39,30 +59,67 @@ def squared_deviations_eager(
     return (torch.index_select(means, 0, inv) - x).square().sum(dim=1)
 
 
+def deviations_and_centred_eager(
+    means: torch.Tensor, inv: torch.Tensor, x: torch.Tensor, c: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(:func:`squared_deviations_eager`, x − c): ``c`` (d,) float64."""
+    return squared_deviations_eager(means, inv, x), x - c
+
+
+def deviations_and_centred32_eager(
+    means: torch.Tensor, inv: torch.Tensor, x: torch.Tensor, rows: torch.Tensor, c32: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(:func:`squared_deviations_eager`, rows − c32 in float32): ``rows`` the model-dtype rows
+    whose float64 copy is ``x``, ``c32`` (d,) float32; the difference is taken in the wider of
+    the two dtypes and rounded once to float32 (for bf16 or float32 rows, one correctly rounded
+    float32 subtraction of the model's own values)."""
+    return squared_deviations_eager(means, inv, x), torch.sub(rows, c32).to(torch.float32)
+
+
 def fused_on(device: torch.device) -> bool:
-    """Whether :func:`squared_deviations` on ``device`` runs the compiled kernel."""
+    """Whether the functions below run their compiled kernels on ``device``."""
     wanted = device.type == "cuda" if FUSE is None else FUSE
     return wanted and not _unavailable
 
 
-def squared_deviations(means: torch.Tensor, inv: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    """:func:`squared_deviations_eager` as one compiled kernel on CUDA (:func:`fused_on`),
-    eager elsewhere and where the kernel cannot be built."""
+def _run(eager: Callable[..., object], *args: torch.Tensor) -> object:
+    """``eager(*args)`` as one compiled kernel where :func:`fused_on` the arguments' device,
+    else (and where it cannot be built: one warning, then eager for good) eagerly."""
     global _unavailable
-    if fused_on(x.device):
+    if fused_on(args[0].device):
+        key = (eager.__name__, BACKEND)
         try:
-            if BACKEND not in _compiled:
-                _compiled[BACKEND] = torch.compile(
-                    squared_deviations_eager, dynamic=True, fullgraph=True, backend=BACKEND
-                )
-            return _compiled[BACKEND](means, inv, x)
-        except Exception as e:  # any failure to build the kernel: the eager passes instead
+            if key not in _compiled:
+                _compiled[key] = torch.compile(eager, dynamic=True, fullgraph=True, backend=BACKEND)
+            return _compiled[key](*args)
+        except Exception as e:  # any failure to build a kernel: the eager passes instead
             _unavailable = True
             warnings.warn(
                 f"the fold's fused kernel could not be built ({type(e).__name__}: "
                 f"{str(e).splitlines()[0][:200] if str(e) else ''}); folding with the eager "
                 "passes (the same statistics, slower)",
                 RuntimeWarning,
-                stacklevel=2,
+                stacklevel=3,
             )
-    return squared_deviations_eager(means, inv, x)
+    return eager(*args)
+
+
+def float64_rows(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`float64_rows_eager`, fused where :func:`fused_on`."""
+    return _run(float64_rows_eager, rows)  # type: ignore[return-value]
+
+
+def deviations_and_centred(
+    means: torch.Tensor, inv: torch.Tensor, x: torch.Tensor, c: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`deviations_and_centred_eager`, fused where :func:`fused_on`."""
+    return _run(deviations_and_centred_eager, means, inv, x, c)  # type: ignore[return-value]
+
+
+def deviations_and_centred32(
+    means: torch.Tensor, inv: torch.Tensor, x: torch.Tensor, rows: torch.Tensor, c32: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`deviations_and_centred32_eager`, fused where :func:`fused_on`."""
+    return _run(  # type: ignore[return-value]
+        deviations_and_centred32_eager, means, inv, x, rows, c32
+    )

@@ -60,7 +60,12 @@ import numpy as np
 import torch
 
 from ..errors import StatisticsMismatchError
-from .fold_kernels import fused_on, squared_deviations
+from .fold_kernels import (
+    deviations_and_centred,
+    deviations_and_centred32,
+    float64_rows,
+    fused_on,
+)
 from .group_sums import GroupMatrix
 from .sketch import HEADER_KEY, Sketch, check_array, safetensors_into
 
@@ -294,40 +299,54 @@ class _Groups(NamedTuple):
     by_pos: GroupMatrix | None = None  # ... and by position
 
 
-def _column_blocks(d: int, block: int) -> list[int]:
-    """Edges of about ``block``-wide column blocks of d columns (at least one block)."""
+def _column_blocks(d: int, block: int, align: int = 1) -> list[int]:
+    """Edges of about ``block``-wide column blocks of d columns (at least one block), the inner
+    edges rounded to multiples of ``align`` columns (blocks that would be empty are dropped)."""
     k = max(1, round(d / block))
-    return [d * i // k for i in range(k + 1)]
+    if align == 1:
+        return [d * i // k for i in range(k + 1)]
+    inner = {min(d, align * round(d * i / k / align)) for i in range(1, k)}
+    return sorted(inner - {0, d} | {0, d})
 
 
-def add_gram_upper(upper: torch.Tensor, xs: torch.Tensor, block: int = 96) -> None:
+def add_gram_upper(
+    upper: torch.Tensor, xs: torch.Tensor, block: int = 96, align: int = 1
+) -> None:
     """Add the upper block triangle of XᵀX (rows of ``xs``, multiplied in its dtype) to ``upper``.
 
     With the columns split into k blocks X = [X_1 … X_k] of about ``block`` columns, block row
     i is X_iᵀ [X_i … X_k]: (k + 1)/(2k) of the multiply-adds of ``xs.T @ xs`` (62% for
     d = 384, 51% for d = 4096) in k large matrix products, each added to ``upper`` (float64)
     in its own precision. Blocks strictly below the diagonal are left as they are;
-    :func:`symmetric_from_upper` makes the matrix.
+    :func:`symmetric_from_upper` makes the matrix. ``align``: the blocks' edges at multiples
+    of that many columns (:func:`_column_blocks`).
     """
-    for lo, hi in itertools.pairwise(_column_blocks(xs.shape[1], block)):
+    for lo, hi in itertools.pairwise(_column_blocks(xs.shape[1], block, align)):
         upper[lo:hi, lo:] += xs[:, lo:hi].T @ xs[:, lo:]  # block row: (hi − lo, d − lo)
 
 
 #: column blocks of the co-moment product on a GPU: a few wide products (the block triangle
-#: of k blocks is (k + 1)/(2k) of the full product's multiply-adds) rather than many skinny ones
-GPU_GRAM_BLOCKS = 4
+#: of k blocks is (k + 1)/(2k) of the full product's multiply-adds: 9/16 for 8) rather than many
+#: skinny ones. On an H100 (``python -m bench.comoment --rows 65536``), float64, d = 2,048:
+#: 4 blocks 6.20 ms, 8 blocks 5.51 ms; d = 4,096: 22.95 and 21.10 ms.
+GPU_GRAM_BLOCKS = 8
+#: the GPU blocks' edges at multiples of this many columns: 6 blocks of d = 2,048 (edges at odd
+#: columns such as 341) took 18.6 ms on that H100, three times as long as 4 or 8 blocks
+GPU_GRAM_ALIGN = 64
 
 
 def add_gram(upper: torch.Tensor, xs: torch.Tensor, block: int = 96) -> None:
     """Add the upper block triangle of XᵀX (rows of ``xs``, multiplied in its dtype) to
     ``upper`` (float64) (:func:`add_gram_upper`): on a CPU in blocks of ``block`` columns, on a
-    GPU in :data:`GPU_GRAM_BLOCKS` blocks (skinny products run far under a GPU's rate: on an
-    H200 at n = 8,192 rows and d = 2,048, float64 blocks of 96 columns take 4.9 ms, the full
-    product 1.1 ms; ``python -m bench.comoment``). :func:`symmetric_from_upper` makes the
-    matrix."""
+    GPU in :data:`GPU_GRAM_BLOCKS` blocks with edges at multiples of :data:`GPU_GRAM_ALIGN`
+    columns (skinny products run far under a GPU's rate: on an H200 at n = 8,192 rows and
+    d = 2,048, float64 blocks of 96 columns take 4.9 ms, the full product 1.1 ms;
+    ``python -m bench.comoment``). :func:`symmetric_from_upper` makes the matrix."""
     d = xs.shape[1]
-    gpu = xs.device.type != "cpu"
-    add_gram_upper(upper, xs, -(-d // GPU_GRAM_BLOCKS) if gpu else block)
+    if xs.device.type != "cpu":
+        add_gram_upper(upper, xs, -(-d // GPU_GRAM_BLOCKS), GPU_GRAM_ALIGN)
+    else:
+        add_gram_upper(upper, xs, block)
 
 
 def symmetric_from_upper(upper: torch.Tensor) -> torch.Tensor:
@@ -770,6 +789,7 @@ class EmbeddingStatistics(Sketch):
         block = blocks[0][1]  # rows of the first (largest) block: the scratch buffers' size
         # tails: 0/1 column sums on a CPU (exact below 2^24 rows), argmax on a GPU
         hits = None if gpu_fold(dev) else self._workspace("hits", block, torch.float32)
+        fuse = fused_on(dev)  # the per-row passes as compiled kernels (fold_kernels)
         # sums by group: sparse products with the whole batch (GPUs), else index_add_
         sparse = g.by_type is not None and len(blocks) == 1
         if not sparse:
@@ -784,7 +804,10 @@ class EmbeddingStatistics(Sketch):
             scratch = None if hits is None else hits[: b - a]
             extreme_counts(k, "max", scratch, into=self._a["argmax_counts"][li])
             extreme_counts(k, "min", scratch, into=self._a["argmin_counts"][li])
-            x = self._workspace("x", block)[: b - a].copy_(k)  # float64 from here on
+            if fuse:  # one compiled kernel (CUDA): the float64 rows and their 1/||x||
+                x, inv_norms = float64_rows(k)
+            else:
+                x, inv_norms = self._workspace("x", block)[: b - a].copy_(k), None
             if sparse:
                 mean_b = g.by_type.sums(x)
                 ps = None if g.by_pos is None else g.by_pos.sums(x)
@@ -793,7 +816,7 @@ class EmbeddingStatistics(Sketch):
                 if ps is not None:
                     ps.index_add_(0, g.pos[a:b], x)
             by_type = g.by_type if sparse else None
-            self._add_unit_sums(self._a["unit_sums"][li], x, g, a, None, by_type)
+            self._add_unit_sums(self._a["unit_sums"][li], x, g, a, None, by_type, inv_norms)
             if self.clip_dims is not None:
                 self._add_unit_sums(self._a["clip_unit_sums"][li], x, g, a, self.clip_dims, by_type)
         x_mean = mean_b.sum(dim=0) / n  # the batch's mean, from its per-type sums
@@ -819,22 +842,24 @@ class EmbeddingStatistics(Sketch):
         m2_b = torch.zeros(u, dtype=_F64, device=dev)
         upper = torch.zeros(d, d, dtype=_F64, device=dev)
         for a, b in blocks:
-            x = self._workspace("x", block)[: b - a]
-            if len(blocks) > 1:  # one block (a GPU's batch): pass 1's float64 copy is intact
-                x.copy_(kept[a:b])
-            if fused_on(dev):  # one compiled kernel (CUDA): no (n × d) scratch
-                sq = squared_deviations(mean_b, g.inv[a:b], x)
+            if len(blocks) > 1:  # one block (a GPU's batch): pass 1's float64 rows are intact
+                x = self._workspace("x", block)[: b - a].copy_(kept[a:b])
+            if fuse:  # one compiled kernel (CUDA) reads x once: no (n × d) scratch
+                if f32:
+                    sq, xs = deviations_and_centred32(mean_b, g.inv[a:b], x, kept[a:b], c32)
+                else:
+                    sq, xs = deviations_and_centred(mean_b, g.inv[a:b], x, c)
             else:
                 dev_rows = self._workspace("tmp", block)[: b - a]
                 torch.index_select(mean_b, 0, g.inv[a:b], out=dev_rows).sub_(x)
                 sq = torch.linalg.vector_norm(dev_rows, dim=1).square_()
+                if f32:
+                    xs = torch.sub(
+                        kept[a:b], c32, out=self._workspace("xs", block, torch.float32)[: b - a]
+                    )
+                else:
+                    xs = x.sub_(c)  # x is not needed any more: centre in place
             m2_b.index_add_(0, g.inv[a:b], sq)
-            if f32:
-                xs = torch.sub(
-                    kept[a:b], c32, out=self._workspace("xs", block, torch.float32)[: b - a]
-                )
-            else:
-                xs = x.sub_(c)  # x is not needed any more: centre in place
             add_gram(upper, xs)
         self._merge_types(li, g.slots, g.counts, mean_b, m2_b)
         m_s = x_mean - c  # mean of x' (small)
@@ -849,21 +874,31 @@ class EmbeddingStatistics(Sketch):
         a: int,
         clip_dims: list[int] | None,
         by_type: GroupMatrix | None,
+        inv_norms: torch.Tensor | None = None,
     ) -> None:
         """Add Σ x/||x|| per type into ``sums`` (slots × d) straight from the rows ``x`` (rows
         a.. of the groups ``g``); with ``clip_dims``, of x with those dimensions zeroed. With
         ``by_type`` (the whole batch), as one sparse product weighted by 1/||x||, added to the
-        batch's slots; else every unit vector is written and added to its slot."""
-        unit = self._workspace("tmp", x.shape[0])
+        batch's slots; else every unit vector is written and added to its slot. ``inv_norms``:
+        the rows' 1/max(||x||, tiny) when already computed (:func:`float64_rows`; not with
+        ``clip_dims``)."""
+        # scratch only where rows are written (the sparse product with 1/||x|| writes none)
+        unit = None if clip_dims is None and by_type is not None else self._workspace("tmp", len(x))
         if clip_dims is None:
             src = x
         else:
             src = unit.copy_(x)
             src[:, clip_dims] = 0.0
-        norms = torch.linalg.vector_norm(src, dim=1, keepdim=True)
-        norms.clamp_min_(torch.finfo(_F64).tiny)
+        if inv_norms is None:
+            norms = torch.linalg.vector_norm(src, dim=1, keepdim=True)
+            norms.clamp_min_(torch.finfo(_F64).tiny)
+            if by_type is not None:
+                inv_norms = norms.squeeze(1).reciprocal_()
         if by_type is not None:
-            sums.index_add_(0, g.slots, by_type.sums(src, norms.squeeze(1).reciprocal_()))
+            sums.index_add_(0, g.slots, by_type.sums(src, inv_norms))
+        elif inv_norms is not None:
+            rows = g.row_slots[a : a + x.shape[0]]
+            sums.index_add_(0, rows, torch.mul(src, inv_norms.unsqueeze(1), out=unit))
         else:
             sums.index_add_(0, g.row_slots[a : a + x.shape[0]], torch.div(src, norms, out=unit))
 
