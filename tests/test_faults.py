@@ -126,42 +126,6 @@ def clean(tmp_path_factory, corpus, minilm_dir) -> Path:
     return out
 
 
-def test_node_lost_mid_run(tmp_path, corpus, minilm_dir, clean, monkeypatch):
-    """A node disappears while its actor holds two shards it has not checkpointed yet."""
-    import ray
-    from ray.cluster_utils import Cluster
-
-    if ray.is_initialized():
-        ray.shutdown()
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0})
-    workers = [cluster.add_node(num_cpus=1) for _ in range(2)]
-    lost: list[FoldReport] = []
-
-    def lose_node(report: FoldReport) -> None:
-        if not lost and report.unflushed >= 2:
-            lost.append(report)
-            node = next(w for w in workers if w.node_id == report.node_id)
-            cluster.remove_node(node, allow_graceful=False)  # a spot node disappears
-            cluster.add_node(num_cpus=1)  # the autoscaler brings a new one
-
-    on_each_fold(monkeypatch, lose_node)
-    try:
-        ray.init(address=cluster.address, log_to_driver=False)
-        cluster.wait_for_nodes()
-        faulty_out = tmp_path / "faulty"
-        opts = options(minilm_dir, corpus, faulty_out, checkpoint_interval=3600)
-        manifest = analyze(build_config(None, opts), echo=lambda *_: None)
-        assert lost, "no actor folded two shards"
-        assert manifest["status"] == "complete"
-        assert manifest["workers"]["workers_lost"] >= 1
-        assert manifest["workers"]["shards_requeued"] >= 2
-        assert manifest["counts"] == json.loads((clean / "manifest.json").read_text())["counts"]
-        assert_same_tables(read_tables(faulty_out), read_tables(clean))
-    finally:
-        ray.shutdown()
-        cluster.shutdown()
-
-
 def test_actor_lost_with_unflushed_shards_matches_one_process(
     tmp_path, corpus, minilm_dir, ray_local, monkeypatch
 ):
@@ -292,13 +256,16 @@ def test_driver_killed_then_resumed(tmp_path, corpus, minilm_dir, clean, ray_loc
     assert_same_tables(read_tables(out), read_tables(clean))
 
 
-def test_pool_fits_actors_on_single_nodes(minilm_dir, tmp_path):
-    """Two 1-CPU nodes: one worker gets 1 CPU (not the cluster's 2, which no node has)."""
+# the tests on a simulated cluster, last: the tests' local Ray is shut down for it
+
+
+@pytest.fixture(scope="module")
+def two_nodes():
+    """A simulated cluster: a head with no CPU and two nodes of 1 CPU (started once for the
+    tests that need it, which run last in this module; the tests' local Ray is shut down for
+    it). A test that removes a node adds another of 1 CPU: two 1-CPU nodes stay alive."""
     import ray
     from ray.cluster_utils import Cluster
-
-    from embgeom_ray.distributed.actor_pool import plan_pool
-    from embgeom_ray.errors import ConfigError
 
     if ray.is_initialized():
         ray.shutdown()
@@ -306,8 +273,64 @@ def test_pool_fits_actors_on_single_nodes(minilm_dir, tmp_path):
     for _ in range(2):
         cluster.add_node(num_cpus=1)
     try:
-        ray.init(address=cluster.address, log_to_driver=False)
-        cluster.wait_for_nodes()
+        yield cluster
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+
+
+def join(cluster) -> None:
+    """This process's Ray on ``cluster`` (after a test's local Ray, if one ran in between)."""
+    import ray
+
+    if ray.is_initialized():
+        ray.shutdown()
+    ray.init(address=cluster.address, log_to_driver=False)
+    cluster.wait_for_nodes()
+
+
+@pytest.mark.own_ray_cluster
+def test_node_lost_mid_run(tmp_path, corpus, minilm_dir, clean, two_nodes, monkeypatch):
+    """A node disappears while its actor holds two shards it has not checkpointed yet."""
+    import ray
+
+    cluster = two_nodes
+    lost: list[FoldReport] = []
+
+    def lose_node(report: FoldReport) -> None:
+        if not lost and report.unflushed >= 2:
+            lost.append(report)
+            node = next(w for w in cluster.worker_nodes if w.node_id == report.node_id)
+            cluster.remove_node(node, allow_graceful=False)  # a spot node disappears
+            cluster.add_node(num_cpus=1)  # the autoscaler brings a new one
+
+    on_each_fold(monkeypatch, lose_node)
+    try:
+        join(cluster)
+        faulty_out = tmp_path / "faulty"
+        opts = options(minilm_dir, corpus, faulty_out, checkpoint_interval=3600)
+        manifest = analyze(build_config(None, opts), echo=lambda *_: None)
+        assert lost, "no actor folded two shards"
+        assert manifest["status"] == "complete"
+        assert manifest["workers"]["workers_lost"] >= 1
+        assert manifest["workers"]["shards_requeued"] >= 2
+        assert manifest["counts"] == json.loads((clean / "manifest.json").read_text())["counts"]
+        assert_same_tables(read_tables(faulty_out), read_tables(clean))
+    finally:
+        ray.shutdown()
+
+
+@pytest.mark.own_ray_cluster
+def test_pool_fits_actors_on_single_nodes(minilm_dir, tmp_path, two_nodes):
+    """Two 1-CPU nodes: one worker gets 1 CPU (not the cluster's 2, which no node has)."""
+    import ray
+
+    from embgeom_ray.distributed.actor_pool import plan_pool
+    from embgeom_ray.errors import ConfigError
+
+    try:
+        join(two_nodes)
+        assert sum(n["Alive"] for n in ray.nodes()) == 3  # the head and two 1-CPU nodes
         opts = {"model": minilm_dir, "corpus": "x", "out": str(tmp_path)}
         assert plan_pool(build_config(None, opts | {"num_workers": 1}).scheduling, 10).num_cpus == 1
         default = plan_pool(build_config(None, opts).scheduling, 10)
@@ -316,4 +339,3 @@ def test_pool_fits_actors_on_single_nodes(minilm_dir, tmp_path):
             plan_pool(build_config(None, opts | {"cpus_per_worker": 2}).scheduling, 10)
     finally:
         ray.shutdown()
-        cluster.shutdown()
