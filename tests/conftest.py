@@ -79,3 +79,31 @@ def write_jsonl(path: Path, texts: list[str], column: str = "text") -> str:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("".join(json.dumps({column: t}) + "\n" for t in texts))
     return str(path)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers",
+        "own_ray_cluster: the test shuts down the tests' local Ray to start a simulated cluster "
+        "of its own (run next to the other such tests: pytest_collection_modifyitems)",
+    )
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Run the tests marked ``own_ray_cluster`` next to each other: those of other modules
+    right after the module of the first one. Each such test shuts down the tests' local Ray,
+    which the next test that needs it starts again (~5 s) in fresh workers that import
+    scikit-learn, torch, pandas… again (~10 s on its first job); gathered, they leave it down
+    once. Within a module the order is kept, and a module's tests stay together (its
+    module-scoped fixtures are made once)."""
+    marked = [item for item in items if item.get_closest_marker("own_ray_cluster")]
+    if not marked:
+        return
+    first = marked[0].module
+    moving = [item for item in marked if item.module is not first]
+    if not moving:
+        return
+    moved = set(map(id, moving))
+    rest = [item for item in items if id(item) not in moved]
+    last = max(k for k, item in enumerate(rest) if item.module is first)
+    items[:] = [*rest[: last + 1], *moving, *rest[last + 1 :]]

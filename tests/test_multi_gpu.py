@@ -86,6 +86,7 @@ def test_a_worker_without_the_gpus_it_asks_for_says_so(tmp_path):
     )
 
 
+@pytest.mark.own_ray_cluster
 def test_actors_ask_for_gpus_per_worker_on_one_node(tmp_path):
     """A simulated cluster with fake GPUs: a node of 4 and a node of 2."""
     import ray
