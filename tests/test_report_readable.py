@@ -78,9 +78,15 @@ def crafted(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def crafted_html(crafted) -> str:
-    figs = make_all_plots(crafted, include_absent=True, strict=True)
-    return Path(write_report(str(crafted), figures=figs)).read_text(encoding="utf-8")
+def crafted_figs(crafted) -> list:
+    """Every figure of the crafted run (absent ones included), drawn once for the module: the
+    report's figures and the ones whose captions are checked (~6 s to draw)."""
+    return make_all_plots(Run(str(crafted)), include_absent=True, strict=True)
+
+
+@pytest.fixture(scope="module")
+def crafted_html(crafted, crafted_figs) -> str:
+    return Path(write_report(str(crafted), figures=crafted_figs)).read_text(encoding="utf-8")
 
 
 def _table_after(html: str, heading: str) -> str:
@@ -191,7 +197,7 @@ def test_report_marks_k_at_cap_and_k_1(crafted_html):
     assert "below --kmeans-min-silhouette (0.1)" in crafted_html
 
 
-def test_figures_mark_k_at_cap_and_k_1(crafted):
+def test_figures_mark_k_at_cap_and_k_1(crafted, crafted_figs):
     run = Run(str(crafted))
     assert kmeans_labels(run) == {
         0: "k=1 (best 4 rejected)",
@@ -209,7 +215,7 @@ def test_figures_mark_k_at_cap_and_k_1(crafted):
         4: "K-means cluster (k=2)",
     }
     assert NO_CLUSTERS == "no clusters (k = 1)"
-    figs = {f.name: f for f in make_all_plots(run, include_absent=True, strict=True)}
+    figs = {f.name: f for f in crafted_figs}
     assert "Layer 0: no clusters (k = 1)" in figs["pca_2d"].caption
     assert "▲ at cap" in figs["pca_2d"].caption
     assert "hollow point" in figs["intrinsic_dim"].caption
