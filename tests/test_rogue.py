@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pandas as pd
 import pytest
 
 from embgeom_ray.config import build_config
 from embgeom_ray.runs.pipeline import analyze
-from tests.conftest import write_jsonl
+from tests.conftest import start_local_ray, write_jsonl
 from tests.reference import _isoscore, brute_force_cosines, reference_activations
 from tests.test_job_end_to_end import english_documents
 from tests.tiny_models import make_tiny_bert, plant_outlier_dimension, plant_positional_dimension
@@ -51,8 +53,20 @@ def run(tmp_path, model: str, docs: list[str], name: str, **opts) -> dict[str, p
     return {t: pd.read_parquet(out / f"{t}.parquet") for t in ("layers", "dims", "positions")}
 
 
-def test_planted_dimensions_are_found_exactly(tmp_path, ray_local, planted, docs):
-    tables = run(tmp_path, planted, docs, "planted")
+@pytest.fixture(scope="module")
+def planted_run(tmp_path_factory, _ray_session, planted, docs) -> tuple[Path, dict]:
+    """The run of the planted model with the default options (its directory and tables),
+    made once: checked by one test, and the run another takes its clip dims from."""
+    import ray
+
+    if not ray.is_initialized():
+        start_local_ray()  # left running for the session's other tests (conftest)
+    root = tmp_path_factory.mktemp("rogue")
+    return root / "planted", run(root, planted, docs, "planted")
+
+
+def test_planted_dimensions_are_found_exactly(planted_run):
+    _, tables = planted_run
     dims = tables["dims"]
     for layer, group in dims.groupby("layer"):
         flagged = set(group.loc[group["outlier"], "dim"])
@@ -87,10 +101,12 @@ def test_position_correlation_equals_token_level_pearson(tmp_path, ray_local, pl
         np.testing.assert_allclose(ours, ref, rtol=1e-5, atol=1e-6)
 
 
-def test_exact_clipping_equals_float64_on_clipped_activations(tmp_path, ray_local, planted, docs):
-    first = run(tmp_path, planted, docs, "first")
+def test_exact_clipping_equals_float64_on_clipped_activations(
+    tmp_path, ray_local, planted, docs, planted_run
+):
+    first_out, first = planted_run
     flagged = sorted(set(first["dims"].loc[first["dims"]["outlier"], "dim"]))
-    clipped = run(tmp_path, planted, docs, "clipped", clip_dims_from=str(tmp_path / "first"))
+    clipped = run(tmp_path, planted, docs, "clipped", clip_dims_from=str(first_out))
     layers = clipped["layers"].set_index("layer")
     assert (layers["clip_dims_exact"] == ",".join(map(str, flagged))).all()
     acts = reference_activations(planted, docs, 48)
