@@ -226,7 +226,7 @@ def test_warm_workers_smoke(results_dir):
     from bench import warm_workers
 
     warm_workers.main(
-        ["--docs", "4", "--repeats", "1", "--extra-args",
+        ["--docs", "1", "--repeats", "1", "--extra-args",
          "--sample-size 64 --kmeans-k-max 3 --kmeans-k-cap 3 --sampled-se-replicates 0 "
          "--s-inter-draws 2 --no-report"]
     )  # fmt: skip
