@@ -53,13 +53,9 @@ def bare_forward(proc, shard) -> int:
 def device_map_over_visible_gpus(options, device: str) -> dict[str, int]:
     """``gpu_device_map`` over every GPU this process sees, even one (where the job maps a
     model only for ``--gpus-per-worker`` ≥ 2)."""
-    from embgeom_ray.inputs.model_loading import balanced_device_map
+    from embgeom_ray.inputs.extractor import device_map_over_gpus
 
-    gpus = range(torch.cuda.device_count())
-    budget = {i: int(0.9 * torch.cuda.get_device_properties(i).total_memory) for i in gpus}
-    return balanced_device_map(
-        options.model, options.revision, options.dtype, options.trust_remote_code, budget
-    )
+    return device_map_over_gpus(options, torch.cuda.device_count())
 
 
 def bench_model(name: str, model: str, corpus: str, args, workdir: Path) -> dict:

@@ -234,6 +234,12 @@ def gpu_device_map(options: ExtractionOptions, device: str) -> dict[str, int] | 
             f"--gpus-per-worker {gpus} needs {gpus} GPUs in each extractor, but this one sees "
             f"{visible} (device {device})"
         )
+    return device_map_over_gpus(options, gpus)
+
+
+def device_map_over_gpus(options: ExtractionOptions, gpus: int) -> dict[str, int]:
+    """The model's device map over GPUs 0..``gpus`` − 1 of this process, each filled to 90% of
+    its memory at most, blocks balanced between them (:func:`balanced_device_map`)."""
     budget = {i: int(0.9 * torch.cuda.get_device_properties(i).total_memory) for i in range(gpus)}
     return balanced_device_map(
         options.model, options.revision, options.dtype, options.trust_remote_code, budget
