@@ -816,7 +816,8 @@ class EmbeddingStatistics(Sketch):
                 if ps is not None:
                     ps.index_add_(0, g.pos[a:b], x)
             by_type = g.by_type if sparse else None
-            self._add_unit_sums(self._a["unit_sums"][li], x, g, a, None, by_type, inv_norms)
+            weights = inv_norms if sparse else None  # only the sparse product takes them
+            self._add_unit_sums(self._a["unit_sums"][li], x, g, a, None, by_type, weights)
             if self.clip_dims is not None:
                 self._add_unit_sums(self._a["clip_unit_sums"][li], x, g, a, self.clip_dims, by_type)
         x_mean = mean_b.sum(dim=0) / n  # the batch's mean, from its per-type sums
@@ -880,8 +881,8 @@ class EmbeddingStatistics(Sketch):
         a.. of the groups ``g``); with ``clip_dims``, of x with those dimensions zeroed. With
         ``by_type`` (the whole batch), as one sparse product weighted by 1/||x||, added to the
         batch's slots; else every unit vector is written and added to its slot. ``inv_norms``:
-        the rows' 1/max(||x||, tiny) when already computed (:func:`float64_rows`; not with
-        ``clip_dims``)."""
+        the rows' 1/max(||x||, tiny) when already computed (:func:`float64_rows`; only with
+        ``by_type`` and without ``clip_dims``)."""
         # scratch only where rows are written (the sparse product with 1/||x|| writes none)
         unit = None if clip_dims is None and by_type is not None else self._workspace("tmp", len(x))
         if clip_dims is None:
@@ -896,9 +897,6 @@ class EmbeddingStatistics(Sketch):
                 inv_norms = norms.squeeze(1).reciprocal_()
         if by_type is not None:
             sums.index_add_(0, g.slots, by_type.sums(src, inv_norms))
-        elif inv_norms is not None:
-            rows = g.row_slots[a : a + x.shape[0]]
-            sums.index_add_(0, rows, torch.mul(src, inv_norms.unsqueeze(1), out=unit))
         else:
             sums.index_add_(0, g.row_slots[a : a + x.shape[0]], torch.div(src, norms, out=unit))
 
