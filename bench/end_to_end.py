@@ -18,6 +18,10 @@ Printed, and saved in ``bench/results/NAME.json``:
   manifest;
 - marginal throughput: (F − 1)·N / (T_F − T_1) tokens/s — what each further token costs the
   job — as a fraction of the bare forward's tokens/s;
+- the same over the extraction stage alone, (F − 1)·N / (E_F − E_1) with E the manifests'
+  ``extract_wall``: the sampled stage's cost follows each run's sample (how far its K-means
+  search grew, printed per layer), not the tokens, so T_F − T_1 also holds the difference
+  between two samples' stages;
 - fixed cost: T_1 − N / marginal, split by stage from the N run's manifest and wall time
   (process start and Ray, plan, extraction beyond the marginal cost, reduce, metrics, write,
   report);
@@ -99,6 +103,16 @@ def run_job(model: str, corpus: str, out: Path, args) -> tuple[float, dict]:
     return wall, manifest
 
 
+def kmeans_searched(out: Path) -> list[int]:
+    """The largest k each layer's K-means model selection fitted (``kmeans_k_searched``): the
+    sampled stage's cost grows with it (the search grows past 15 while the best silhouette is
+    at the top of the range), so two runs' stages differ with their samples."""
+    import pandas as pd
+
+    layers = pd.read_parquet(out / "layers.parquet", columns=["layer", "kmeans_k_searched"])
+    return [int(k) for k in layers.sort_values("layer")["kmeans_k_searched"]]
+
+
 def fixed_cost_split(wall: float, manifest: dict, tokens: int, marginal: float) -> dict:
     """Where the N run's time beyond N / marginal went, stage by stage."""
     t = manifest["timings_s"]
@@ -110,6 +124,42 @@ def fixed_cost_split(wall: float, manifest: dict, tokens: int, marginal: float) 
         "metrics_tables_and_sampled": t["metrics"],
         "write": t["write"],
         "report": t.get("report", 0.0),
+    }
+
+
+def summarise(before: dict, after: dict, small: tuple[float, dict], large: tuple[float, dict]) -> dict:
+    """The bench's numbers from the two bare forwards (:func:`sorted_bare_forward`) and the two
+    jobs' (wall seconds, manifest) (:func:`run_job`) on N and F·N tokens."""
+    (t_small, m_small), (t_large, m_large) = small, large
+    bare_s = (before["seconds"] + after["seconds"]) / 2
+    n_small, n_large = m_small["counts"]["tokens"], m_large["counts"]["tokens"]
+    if n_large != before["tokens"]:
+        raise ValueError(f"the job counted {n_large} tokens, the bare forward {before['tokens']}")
+    bare_rate = n_large / bare_s
+    marginal = (n_large - n_small) / (t_large - t_small)
+    fixed = t_small - n_small / marginal
+    # the same difference over the extraction stage alone: free of the sampled stage, whose
+    # cost follows each run's sample (kmeans_searched), not the number of tokens
+    e_small, e_large = (m["timings_s"]["extract_wall"] for m in (m_small, m_large))
+    marginal_extract = (n_large - n_small) / (e_large - e_small)
+    return {
+        "tokens": {"N": n_small, "FN": n_large},
+        "padding_job": m_large["counts"].get("padding_ratio"),
+        "padding_bare_sorted": before["padding"],
+        "bare_forward_s": bare_s,
+        "bare_forward_before_after_s": [before["seconds"], after["seconds"]],
+        "bare_tokens_per_s": bare_rate,
+        "job_wall_s": {"N": t_small, "FN": t_large},
+        "job_timings_s": {"N": m_small["timings_s"], "FN": m_large["timings_s"]},
+        "marginal_tokens_per_s": marginal,
+        "marginal_ratio": marginal / bare_rate,
+        "marginal_extraction_tokens_per_s": marginal_extract,
+        "marginal_extraction_ratio": marginal_extract / bare_rate,
+        "fixed_cost_s": fixed,
+        "fixed_cost_split_s": fixed_cost_split(t_small, m_small, n_small, marginal),
+        "end_to_end_ratio_FN": bare_s / t_large,
+        # within the F·N run itself, free of the drift between runs
+        "forward_share_of_job_FN": m_large["timings_s"]["extract_forward_sum"] / t_large,
     }
 
 
@@ -133,36 +183,21 @@ def main(argv: list[str] | None = None) -> None:
     t_small, m_small = run_job(model, small, work / "small", args)
     t_large, m_large = run_job(model, large, work / "large", args)
     after = sorted_bare_forward(model, large, args.max_length, args.bare_rows)
-    bare_s = (before["seconds"] + after["seconds"]) / 2
-    n_small, n_large = m_small["counts"]["tokens"], m_large["counts"]["tokens"]
-    assert n_large == before["tokens"], (n_large, before["tokens"])
-    bare_rate = n_large / bare_s
-    marginal = (n_large - n_small) / (t_large - t_small)
-    fixed = t_small - n_small / marginal
     result = {
         "model": args.model,
-        "tokens": {"N": n_small, "FN": n_large},
         "threads": torch.get_num_threads(),
         "extra_args": args.extra_args,
-        "padding_job": m_large["counts"].get("padding_ratio"),
-        "padding_bare_sorted": before["padding"],
-        "bare_forward_s": bare_s,
-        "bare_forward_before_after_s": [before["seconds"], after["seconds"]],
-        "bare_tokens_per_s": bare_rate,
-        "job_wall_s": {"N": t_small, "FN": t_large},
-        "job_timings_s": {"N": m_small["timings_s"], "FN": m_large["timings_s"]},
-        "marginal_tokens_per_s": marginal,
-        "marginal_ratio": marginal / bare_rate,
-        "fixed_cost_s": fixed,
-        "fixed_cost_split_s": fixed_cost_split(t_small, m_small, n_small, marginal),
-        "end_to_end_ratio_FN": bare_s / t_large,
-        # within the F·N run itself, free of the drift between runs
-        "forward_share_of_job_FN": m_large["timings_s"]["extract_forward_sum"] / t_large,
+        **summarise(before, after, (t_small, m_small), (t_large, m_large)),
+        "kmeans_k_searched": {"N": kmeans_searched(work / "small"), "FN": kmeans_searched(work / "large")},
     }
+    marginal, marginal_extract = result["marginal_tokens_per_s"], result["marginal_extraction_tokens_per_s"]
+    fixed, bare_rate, n_large = result["fixed_cost_s"], result["bare_tokens_per_s"], result["tokens"]["FN"]
     print(
-        f"padding: job {result['padding_job']:.3f}, bare sorted {before['padding']:.3f}; "
+        f"padding: job {result['padding_job']:.3f}, bare sorted {result['padding_bare_sorted']:.3f}; "
         f"marginal {marginal:,.0f} tok/s = {result['marginal_ratio']:.3f} of the bare forward "
-        f"({bare_rate:,.0f} tok/s); fixed cost {fixed:.1f} s "
+        f"({bare_rate:,.0f} tok/s), extraction stage alone {marginal_extract:,.0f} tok/s = "
+        f"{result['marginal_extraction_ratio']:.3f}; K-means searched up to k = "
+        f"{result['kmeans_k_searched']} (N, F·N); fixed cost {fixed:.1f} s "
         f"{ {k: round(v, 1) for k, v in result['fixed_cost_split_s'].items()} }; "
         f"end to end at {n_large:,} tokens {result['end_to_end_ratio_FN']:.3f}"
     )
