@@ -8,6 +8,7 @@ length-bucketed batches on Ray actors and folds moments. Agreement is to float32
 from __future__ import annotations
 
 import json
+import re
 
 import numpy as np
 import pandas as pd
@@ -87,11 +88,21 @@ def assert_tables_close(ours: dict, ref: dict, *, rtol: float, cos_atol: float) 
         np.testing.assert_allclose(da[col], db[col], rtol=rtol, atol=rtol * scale, err_msg=col)
 
 
-def test_minilm_on_real_english_equals_float64_reference(tmp_path, ray_local, minilm_dir):
+def test_minilm_on_real_english_equals_float64_reference(tmp_path, ray_local, minilm_dir, capsys):
     docs = english_documents(40, 500)
     manifest, ours = run_job(
         tmp_path, minilm_dir, docs, "minilm", max_length=64, shard_bytes=4096, no_report=False
     )
+    # the sampled stage shows its progress by layer, with each layer's K-means search
+    bar = capsys.readouterr().err.replace("\r", "\n")
+    last = {int(m[1]): (int(m[2]), int(m[3])) for m in re.finditer(
+        r"layer (\d+): k = (\d+), searched to (\d+)", bar)}  # fmt: skip
+    assert re.search(r"sampled metrics: 100%.* 7/7 ", bar), bar
+    layers = ours["layers"].set_index("layer")
+    assert last and all(
+        (layers.at[layer, "kmeans_k"], layers.at[layer, "kmeans_k_searched"]) == ks
+        for layer, ks in last.items()
+    ), (last, layers[["kmeans_k", "kmeans_k_searched"]])
     ref = reference_tables(minilm_dir, docs, max_length=64)
     assert manifest["status"] == "complete"
     assert manifest["shards"]["total"] > 1

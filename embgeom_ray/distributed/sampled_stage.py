@@ -7,9 +7,11 @@ engine-free in :mod:`embgeom_ray.core.tables` (:func:`~embgeom_ray.core.tables.p
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 import pandas as pd
+from tqdm.auto import tqdm
 
 from ..config import SampledOptions
 from ..core.samples import ActivationSample
@@ -36,9 +38,7 @@ def add_sampled_metrics(
     plan = plan_sampled_metrics(sample, tables["dims"], tokenizer, options)
     if plan.skipped:
         return finish_sampled_metrics(tables, plan, {}, {})
-    import ray  # only here: the driver imports ray when there is Ray work to do
-
-    from .cluster import connect
+    from .cluster import connect  # only here: the driver imports ray when there is Ray work
     from .kmeans import call_on_ray, submit_layers_on_ray
 
     connect(address)
@@ -57,6 +57,25 @@ def add_sampled_metrics(
         )
         for layer, inputs in plan.layers.items()
     }
-    rows = dict(zip(row_refs, ray.get(list(row_refs.values())), strict=True))
-    kmeans = dict(zip(km_refs, ray.get(list(km_refs.values())), strict=True))
+    rows, kmeans = _gather(row_refs, km_refs)
     return finish_sampled_metrics(tables, plan, rows, kmeans)
+
+
+def _gather(row_refs: dict[int, Any], km_refs: dict[int, Any]) -> tuple[dict[int, Any], dict[int, Any]]:
+    """(metric rows, K-means results) by layer, collected as the layers finish, with a progress
+    bar on stderr (a layer whose K-means search grows to large k can hold the stage for a
+    minute): each finished layer's number of clusters and the largest k its search fitted."""
+    import ray
+
+    layer_of = {ref: layer for layer, ref in row_refs.items()}
+    pending, rows, kmeans = list(row_refs.values()), {}, {}
+    with tqdm(total=len(pending), desc="sampled metrics", unit="layer", file=sys.stderr,
+              dynamic_ncols=True, mininterval=2.0) as bar:  # fmt: skip
+        while pending:
+            done, pending = ray.wait(pending, num_returns=1)
+            layer = layer_of[done[0]]
+            rows[layer] = ray.get(done[0])
+            kmeans[layer] = km = ray.get(km_refs[layer])  # finished before its row started
+            bar.set_postfix_str(f"layer {layer}: k = {km.k}, searched to {km.k_searched}", refresh=False)
+            bar.update(1)
+    return {layer: rows[layer] for layer in row_refs}, {layer: kmeans[layer] for layer in row_refs}
