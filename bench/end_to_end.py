@@ -23,7 +23,8 @@ Printed, and saved in ``bench/results/NAME.json``:
   search grew, printed per layer), not the tokens, so T_F − T_1 also holds the difference
   between two samples' stages;
 - fixed cost: T_1 − N / marginal, split by stage from the N run's manifest and wall time
-  (process start and Ray, plan, extraction beyond the marginal cost, reduce, metrics, write,
+  (process start and exit, plan, Ray's start, extraction beyond the marginal cost, reduce,
+  metrics, write,
   report);
 - end to end: bare-forward time of the F·N tokens / T_F.
 
@@ -117,8 +118,11 @@ def fixed_cost_split(wall: float, manifest: dict, tokens: int, marginal: float) 
     """Where the N run's time beyond N / marginal went, stage by stage."""
     t = manifest["timings_s"]
     return {
-        "process_start_ray_and_exit": wall - t["total"] - t.get("report", 0.0),
+        # Python's start and imports, and Ray's shutdown at exit (before 2026-11-27 the split
+        # called this "process start and Ray", but Ray's start was inside extract_wall)
+        "process_start_and_exit": wall - t["total"] - t.get("report", 0.0),
         "plan": t["plan"],
+        "ray_start": t.get("ray_start", 0.0),
         "extraction_beyond_marginal": t["extract_wall"] - tokens / marginal,
         "reduce": t["reduce"],
         "metrics_tables_and_sampled": t["metrics"],

@@ -243,7 +243,7 @@ def test_end_to_end_numbers_from_two_runs():
     from bench.end_to_end import summarise
 
     def manifest(tokens: int, extract: float, forward: float) -> dict:
-        timings = {"plan": 1.5, "extract_wall": extract, "extract_forward_sum": forward,
+        timings = {"plan": 1.5, "ray_start": 5.7, "extract_wall": extract, "extract_forward_sum": forward,
                    "reduce": 0.9, "metrics": 46.8, "write": 2.1, "total": 86.0, "report": 6.6}  # fmt: skip
         return {"counts": {"tokens": tokens, "padding_ratio": 1.014}, "timings_s": timings}
 
@@ -258,7 +258,8 @@ def test_end_to_end_numbers_from_two_runs():
     assert res["marginal_extraction_tokens_per_s"] == pytest.approx(240_759 / 49.9)
     assert res["fixed_cost_s"] == pytest.approx(98.8 - 80_253 * 67.9 / 240_759)
     split = res["fixed_cost_split_s"]
-    assert split["process_start_ray_and_exit"] == pytest.approx(98.8 - 86.0 - 6.6)
+    assert split["process_start_and_exit"] == pytest.approx(98.8 - 86.0 - 6.6)
+    assert split["ray_start"] == 5.7
     assert split["extraction_beyond_marginal"] == pytest.approx(34.3 - 80_253 * 67.9 / 240_759)
     assert res["end_to_end_ratio_FN"] == pytest.approx(49.0 / 166.7)
     assert res["forward_share_of_job_FN"] == pytest.approx(56.1 / 166.7)

@@ -128,6 +128,7 @@ def fabricate_run(
         )
         manifest["clip_dims"] = [7]
         manifest["reducers"] = {"count": 3, "restarts": [0, 1, 0]}
+        manifest["timings_s"]["ray_start"] = 5.72  # recorded since 2026-11-27
         manifest["workers"]["batch_tokens"] = 65_536  # as an extractor on a GPU chose it
         manifest["memory"] = {"driver_peak_rss_bytes": 3 * 2**30,
                               "driver_peak_private_bytes": 2**30,
@@ -513,6 +514,7 @@ def test_report_of_full_run_is_self_contained(runs, full_report):
         "clip dims",
         "<dt>reducers</dt><dd>3 (statistics by token-id range and layer), 1 restored after a loss",
         "<dt>workers</dt><dd>1 actor(s), 2 CPU each, batches of 65,536 tokens</dd>",
+        "<dt>Ray start</dt><dd>5.7 s</dd><dt>extract (wall)</dt><dd>12.0 s</dd>",
         "<dt>peak memory</dt><dd>job 1.0 GB, extractor 2.0 GB resident, "
         "reducer (largest) 1.5 GB resident",
     ):
@@ -532,6 +534,7 @@ def test_report_without_optional_sections(runs, minimal_figs):
     text = check_report_html(path, n_images=len(CONTRACT_FIGURES))
     assert "Not in this run" in text and "Sampled metrics" not in text
     assert "<dt>reducers</dt>" not in text and "<dt>peak memory</dt>" not in text
+    assert "<dt>Ray start</dt>" not in text  # a manifest of before 2026-11-27
     assert 'href="samples.parquet"' not in text
     text = check_report_html(write_report(str(runs["bare"])), n_images=2)
     assert "not complete" in text

@@ -655,6 +655,7 @@ def _metadata_html(run: Run) -> str:
         ("started", _e(_when(m.started_at))),
         ("finished", _e(_when(m.finished_at))),
         ("total time", _seconds(timings.get("total"))),
+        ("Ray start", _seconds(timings.get("ray_start")) if "ray_start" in timings else None),
         ("extract (wall)", _seconds(timings.get("extract_wall"))),
         (
             "forward / fold (sum)",

@@ -508,6 +508,11 @@ def analyze(config: JobConfig, *, echo=print) -> dict[str, Any]:
     todo = [s for s in plan.shards if s.shard_id not in done]
     if resumed:
         echo(f"resuming {config.out}: {len(done)} of {len(plan.shards)} shards already done")
+    t_ray0 = time.perf_counter()
+    if todo:  # Ray is joined or started here, on its own clock (~5 s for a private local Ray)
+        from ..distributed.cluster import connect
+
+        connect(config.address)
     t_extract0 = time.perf_counter()
     early = start_reducers_early(config, store) if config.partitioned and todo else []
     try:
@@ -548,6 +553,7 @@ def analyze(config: JobConfig, *, echo=print) -> dict[str, Any]:
             timings_s={
                 "plan": round(t_plan - t_start, 3),
                 **({"dedup": round(t_dedup, 3)} if dedup is not None else {}),
+                "ray_start": round(t_extract0 - t_ray0, 3),
                 "extract_wall": round(t_extract1 - t_extract0, 3),
                 "extract_forward_sum": round(totals.forward_seconds, 3),
                 "extract_fold_sum": round(totals.fold_seconds, 3),
