@@ -133,11 +133,10 @@ def _extract(
     clip_dims: list[int] | None,
     store: CheckpointStore,
 ) -> PoolPlan:
-    """Run ``todo`` on Ray; every flushed group is checkpointed on arrival."""
+    """Run ``todo`` on Ray (joined or started by the caller); every flushed group is
+    checkpointed on arrival."""
     from ..distributed.actor_pool import run_shards
-    from ..distributed.cluster import connect
 
-    connect(config.address)
     bar = _progress(len(todo), 0)
     t0 = time.perf_counter()
     tokens = 0
