@@ -24,8 +24,7 @@ Printed, and saved in ``bench/results/NAME.json``:
   between two samples' stages;
 - fixed cost: T_1 − N / marginal, split by stage from the N run's manifest and wall time
   (process start and exit, plan, Ray's start, extraction beyond the marginal cost, reduce,
-  metrics, write,
-  report);
+  metrics, write, report);
 - end to end: bare-forward time of the F·N tokens / T_F.
 
     python -m bench.end_to_end [--model minilm] [--repeat 1] [--factor 4] [--extra-args "..."]
