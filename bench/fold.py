@@ -17,7 +17,7 @@ CUDA also how many times one update makes the host wait for the device (``host_s
 ``torch.cuda.set_sync_debug_mode`` warnings; each stalls the kernels the host could queue).
 
 ``--gram-blocks K`` runs this checkout's co-moment product in K column blocks on a GPU
-(``statistics.GPU_GRAM_BLOCKS``, 8 since 2026-11-27), the baseline's as it is.
+(``statistics.GPU_GRAM_BLOCKS``, 8 by default), the baseline's as it is.
 
 ``--scatter`` also times the per-type sums of one batch's float64 rows, sorted by type, three
 ways: ``index_add_`` (what the fold does), ``torch.segment_reduce`` and a CSR matrix product.

@@ -215,7 +215,8 @@ def default_batch_tokens(per_token_bytes: int, free_bytes: int | None) -> int:
     Why: a GPU folds the hidden states with some ninety kernels per layer and batch, whose
     launch cost (~1.5 ms) does not depend on the batch's size; at 8,192 tokens it is most of
     the fold for d ≤ 768 and about half at d = 2,048 (H200, bf16: the extractor at 0.45–0.49
-    of the bare forward for MiniLM, 0.66–0.71 at 65,536 tokens; README, On a GPU). The
+    of the bare forward for MiniLM, 0.66–0.71 at 65,536 tokens; ``docs/benchmarks.md``, NVIDIA
+    H200). The
     statistics and the sample do not depend on the batching (``--batch-tokens`` is a
     scheduling option)."""
     if free_bytes is None:

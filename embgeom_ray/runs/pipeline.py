@@ -175,7 +175,7 @@ def warm_workers_wanted(config: JobConfig, layers: int, pool: PoolPlan) -> int:
     stage (two tasks per layer) and the report's figure groups drawn as tasks will use; 0
     elsewhere. On a machine whose CPUs the extractors hold (a CPU-only run with the default
     pool) that is none: the imports would slow the forward by about what they save later
-    (measured: README, fixed costs)."""
+    (``docs/benchmarks.md``, warm workers)."""
     from ..distributed.cluster import started_private_local
 
     if config.no_warm_workers or not started_private_local():
