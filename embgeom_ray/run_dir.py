@@ -34,6 +34,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from .counts import Counts
 from .errors import UserError
 from .io_utils import atomic_write_bytes, atomic_write_json, exists, join, read_bytes, remove
 
@@ -92,23 +93,6 @@ class CorpusInfo(_Part):
     def leaves(self) -> list[str]:
         """Fingerprints of the corpora the run covers (several for a merged run)."""
         return list(self.merged_fingerprints or [self.fingerprint or ""])
-
-
-class Counts(_Part):
-    documents: int = 0
-    windows: int = 0
-    tokens: int = 0
-    padded_tokens: int = 0
-    positions: int = 0
-    special_tokens: int = 0
-    unk_tokens: int = 0
-    batches: int = 0
-    oom_batch_splits: int = 0
-    #: padded_tokens / positions: positions the model ran per real position
-    padding_ratio: float | None = None
-    #: unk_tokens / text tokens
-    unk_share: float | None = None
-    nonfinite_tokens_per_layer: dict[str, int] = Field(default_factory=dict)
 
 
 class DedupInfo(_Part):

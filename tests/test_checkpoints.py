@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from embgeom_ray.core.statistics import EmbeddingStatistics
+from embgeom_ray.counts import Counts
 from embgeom_ray.errors import OutputError
 from embgeom_ray.inputs.corpus import Shard, ShardPlan
-from embgeom_ray.inputs.extractor import ShardCounts
 from embgeom_ray.runs.checkpoints import CheckpointStore, group_id_for
 from embgeom_ray.runs.pipeline import reduce_groups
 
@@ -39,8 +39,8 @@ def fold(shards: list[int]) -> EmbeddingStatistics:
     return stats
 
 
-def counts(tokens: int) -> ShardCounts:
-    return ShardCounts(documents=1, tokens=tokens)
+def counts(tokens: int) -> Counts:
+    return Counts(documents=1, tokens=tokens)
 
 
 def started(tmp_path: Path, n: int = 5) -> CheckpointStore:

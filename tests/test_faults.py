@@ -20,9 +20,10 @@ import pytest
 from embgeom_ray.config import build_config
 from embgeom_ray.core.samples import ActivationSample
 from embgeom_ray.core.statistics import EmbeddingStatistics
+from embgeom_ray.counts import Counts
 from embgeom_ray.distributed.actor_pool import FoldReport
 from embgeom_ray.inputs.corpus import CorpusSpec, plan_shards
-from embgeom_ray.inputs.extractor import ShardCounts, ShardProcessor
+from embgeom_ray.inputs.extractor import ShardProcessor
 from embgeom_ray.runs.checkpoints import CheckpointStore
 from embgeom_ray.runs.pipeline import analyze
 from tests.conftest import start_local_ray, write_jsonl
@@ -178,7 +179,7 @@ def one_process(config):
     torch.set_num_threads(1)
     try:
         proc = ShardProcessor(config.extraction, config.layers, {})
-        stats, sample, counts = proc.new_statistics(), proc.new_sample(), ShardCounts()
+        stats, sample, counts = proc.new_statistics(), proc.new_sample(), Counts()
         for shard in plan_shards(CorpusSpec(config.corpus), config.shard_bytes).shards:
             counts.add(proc.fold_shard(shard, stats, sample))
     finally:

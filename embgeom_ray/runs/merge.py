@@ -34,9 +34,9 @@ from pydantic import ValidationError
 from ..config import JobConfig
 from ..core.samples import ActivationSample
 from ..core.statistics import EmbeddingStatistics
+from ..counts import Counts
 from ..errors import ModelError, OutputError, StatisticsMismatchError, UserError
 from ..inputs.dedup import shared_documents
-from ..inputs.extractor import ShardCounts
 from ..inputs.model_loading import load_tokenizer, tokenizer_fingerprint
 from ..io_utils import is_local, local_path
 from ..run_dir import (
@@ -290,22 +290,13 @@ def load_run_tokenizer(manifest: Manifest, tokenizer: str | None) -> Any:
     return tok
 
 
-def summed_counts(manifests: list[Manifest]) -> ShardCounts:
-    """The runs' counts added up (as the shards' counts of one run over their union)."""
-    total = ShardCounts()
-    for m in manifests:
-        c = m.counts
-        if c is None:
-            continue
-        total.add(
-            ShardCounts(
-                documents=c.documents, windows=c.windows, tokens=c.tokens,
-                padded_tokens=c.padded_tokens, positions=c.positions,
-                special_tokens=c.special_tokens, unk_tokens=c.unk_tokens, batches=c.batches,
-                oom_splits=c.oom_batch_splits, skipped=dict(m.skipped),
-            )
-        )  # fmt: skip
-    return total
+def summed_counts(manifests: list[Manifest]) -> Counts:
+    """The runs' counts added up (as the shards' counts of one run over their union), their
+    skipped items (the manifest's ``skipped``) with them."""
+    return Counts.total(
+        (m.counts or Counts()).model_copy(update={"skipped": dict(m.skipped)}, deep=True)
+        for m in manifests
+    )
 
 
 def _location(url: str) -> str:

@@ -40,12 +40,13 @@ from ..config import JobConfig
 from ..core.rogue import OutlierRules, flagged_dims
 from ..core.samples import ActivationSample
 from ..core.statistics import EmbeddingStatistics, state_bytes
+from ..counts import Counts as ShardCounts
+from ..counts import unk_warning
 from ..distributed.process_memory import sampler
 from ..distributed.warm_workers import warm_task_workers
 from ..errors import ConfigError, CorpusError
 from ..inputs.corpus import CorpusSpec, Shard, ShardPlan, plan_shards
 from ..inputs.dedup import HASH, NORMALISATION, DedupPlan, plan_dedup
-from ..inputs.extractor import ShardCounts, unk_warning
 from ..inputs.model_loading import (
     ModelIdentity,
     load_config,
