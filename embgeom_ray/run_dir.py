@@ -315,15 +315,75 @@ class RunDir:
     def write_table(self, name: str, df: pd.DataFrame) -> str:
         return write_table(self.url, name, df)
 
-    def read_table(self, name: str, columns: list[str] | None = None) -> pd.DataFrame:
-        """A table of the run; :class:`RunDirError` if it is missing or unreadable."""
+    def read_table(
+        self, name: str, columns: Sequence[str] | None = None, filters: Any = None
+    ) -> pd.DataFrame:
+        """A table of the run (:meth:`read_arrow`) as a DataFrame."""
+        return self.read_arrow(name, columns, filters).to_pandas()
+
+    def read_arrow(
+        self, name: str, columns: Sequence[str] | None = None, filters: Any = None
+    ) -> pa.Table:
+        """A table of the run, only ``columns`` (all when empty or None) and, with ``filters``
+        (pyarrow's, e.g. ``[("layer", "=", 3)]``), only the rows that match: a table written
+        with row groups by those columns (:data:`ROW_GROUP_KEYS`) is read only where they
+        match. :class:`RunDirError` if it is missing or unreadable."""
+        import fsspec
+
         url = self.path(name)
         if not exists(url):
             raise RunDirError(f"run {self.url} has no {url.rsplit('/', 1)[-1]}")
+        fs, path = fsspec.core.url_to_fs(url)
         try:
-            return pd.read_parquet(io.BytesIO(read_bytes(url)), columns=columns)
+            return pq.read_table(
+                path, filesystem=fs, columns=list(columns) if columns else None, filters=filters
+            )
         except Exception as exc:
             raise RunDirError(f"{url} cannot be read: {type(exc).__name__}: {exc}") from None
+
+    def columns(self, name: str) -> list[str]:
+        """The column names of a table of the run (its schema only); ``[]`` without the table."""
+        import fsspec
+
+        if not self.has(name):
+            return []
+        fs, path = fsspec.core.url_to_fs(self.path(name))
+        try:
+            with fs.open(path, "rb") as f:
+                return list(pq.ParquetFile(f).schema_arrow.names)
+        except Exception as exc:
+            raise RunDirError(f"{self.path(name)} cannot be read: {type(exc).__name__}: {exc}") from None
+
+    def sample_layers(self) -> list[int]:
+        """The layers ``samples.parquet`` holds vectors of (``[]`` without a sample)."""
+        if "layer" not in self.columns("samples"):
+            return []
+        layers = self.read_arrow("samples", ["layer"]).column("layer").to_numpy()
+        return sorted(int(x) for x in np.unique(layers))
+
+    def sample_vectors(
+        self, layer: int, sample: str = "uniform"
+    ) -> tuple[pd.DataFrame, np.ndarray] | None:
+        """One layer's rows of ``samples.parquet`` (``sample`` ``"uniform"`` or
+        ``"type_uniform"``): their ``layer``, ``token_id`` and ``cluster`` columns, and their
+        ``(n, d)`` vectors as float64 (stored float32, exact). Only that layer's row groups are
+        read. ``None`` when the run has no such rows."""
+        names = self.columns("samples")
+        if "vector" not in names or "layer" not in names:
+            return None
+        filters = [("layer", "=", int(layer))]
+        if "sample" in names:
+            filters.append(("sample", "=", sample))
+        cols = [c for c in ("layer", "token_id", "cluster", "vector") if c in names]
+        table = self.read_arrow("samples", cols, filters)
+        n = table.num_rows
+        if n == 0:
+            return None
+        vec = table.column("vector").combine_chunks()
+        flat = vec.flatten().to_numpy(zero_copy_only=False).astype(np.float64, copy=False)
+        if flat.size == 0 or flat.size % n:
+            return None
+        return table.drop(["vector"]).to_pandas(), flat.reshape(n, flat.size // n)
 
     def write_tables(self, tables: dict[str, pd.DataFrame]) -> list[str]:
         return [self.write_table(name, df) for name, df in tables.items()]

@@ -5,8 +5,9 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 import pyarrow.parquet as pq
+import pytest
 
-from embgeom_ray.run_dir import write_table
+from embgeom_ray.run_dir import RunDir, RunDirError, write_table
 
 
 def test_samples_have_one_row_group_per_layer_and_sample(tmp_path):
@@ -49,3 +50,44 @@ def test_samples_have_one_row_group_per_layer_and_sample(tmp_path):
     # an empty table is still a valid file with the columns
     write_table(str(tmp_path), "samples", df.iloc[:0])
     assert pd.read_parquet(tmp_path / "samples.parquet").columns.tolist() == df.columns.tolist()
+
+
+def test_run_dir_reads_one_layer_of_the_sample(tmp_path):
+    """:class:`RunDir` is the reader of a run's tables: schema, filtered rows, one layer's
+    sample vectors (float64, exactly the stored float32), the sampled layers."""
+    rng = np.random.default_rng(1)
+    frames = []
+    for layer in (0, 2):
+        for sample, n in (("uniform", 6), ("type_uniform", 3)):
+            frames.append(
+                pd.DataFrame(
+                    {
+                        "layer": np.full(n, layer, dtype=np.int64),
+                        "sample": [sample] * n,
+                        "token_id": rng.integers(0, 100, n),
+                        "vector": list(rng.normal(size=(n, 4)).astype(np.float32)),
+                        "cluster": pd.array(rng.integers(0, 3, n), dtype="Int64"),
+                    }
+                )
+            )
+    df = pd.concat(frames, ignore_index=True)
+    run = RunDir(str(tmp_path))
+    run.write_table("samples", df)
+    assert run.columns("samples") == df.columns.tolist() and run.columns("dims") == []
+    assert run.sample_layers() == [0, 2]
+    rows, vectors = run.sample_vectors(2)
+    want = df[(df.layer == 2) & (df["sample"] == "uniform")]
+    assert vectors.dtype == np.float64
+    np.testing.assert_array_equal(vectors, np.stack(want["vector"]).astype(np.float64))
+    assert rows["token_id"].tolist() == want["token_id"].tolist()
+    assert rows["cluster"].tolist() == want["cluster"].tolist()
+    _, types = run.sample_vectors(0, "type_uniform")
+    np.testing.assert_array_equal(types, np.stack(df["vector"][6:9]).astype(np.float64))
+    assert run.sample_vectors(5) is None
+    some = run.read_table("samples", ["token_id"], filters=[("layer", "=", 0)])
+    assert some.columns.tolist() == ["token_id"] and some["token_id"].tolist() == df["token_id"][:9].tolist()
+    with pytest.raises(RunDirError, match=r"has no layers\.parquet"):
+        run.read_table("layers")
+    (tmp_path / "layers.parquet").write_bytes(b"not parquet")
+    with pytest.raises(RunDirError, match="cannot be read"):
+        run.read_table("layers")
