@@ -3,11 +3,13 @@
 Layout of a run directory ``OUT`` (``docs/design.md``, "Output contract")::
 
     manifest.json              status, identity, counts, timings (:class:`Manifest`)
-    type_stats.parquet, layers.parquet, dims.parquet, positions.parquet, samples.parquet
+    type_stats.parquet, layers.parquet, dims.parquet, positions.parquet
+    samples.parquet            the sample, one row per (layer, sample, occurrence), with the
+                               sample's header in its metadata: the mergeable sample too
+                               (:class:`ActivationSample`, :meth:`RunDir.load_sample`)
     statistics.safetensors     the mergeable statistics (:class:`EmbeddingStatistics`), or
     statistics/                the same cut into partitions by reducer actors (``--reducers``):
                                index.json and one file per part (:meth:`RunDir.load_statistics`)
-    sample.safetensors         the mergeable sample (:class:`ActivationSample`)
     doc_hashes.npy             the kept documents' 16-byte keys (``--dedup`` runs only)
     report.html, plots/        the report
     run.json, groups/          the run's fingerprint and shard plan, the checkpoint groups
@@ -17,6 +19,10 @@ of a run and ``"complete"`` only after every table and artefact is in place
 (:meth:`RunDir.finalise`), so a reader can trust a complete manifest and nothing else.
 :class:`RunDir` is the one place that knows these names: the pipeline, the merge, the report,
 the comparison and the scheduled re-analysis all read and write runs through it.
+
+Runs written before ``samples.parquet`` held the sample's header also hold the sample as
+``sample.safetensors`` (the same vectors in the sketch file format); :meth:`RunDir.load_sample`
+reads either, and finalising such a run again (a re-tabling) leaves only the table.
 """
 
 from __future__ import annotations
@@ -40,7 +46,10 @@ from .io_utils import atomic_write_bytes, atomic_write_json, exists, join, read_
 
 MANIFEST = "manifest.json"
 STATISTICS = "statistics.safetensors"
+#: the sample of runs written before ``samples.parquet`` held its header (read, not written)
 SAMPLE = "sample.safetensors"
+#: the Parquet metadata key of the sample's header in ``samples.parquet`` (the sketch files' own)
+HEADER_KEY = b"embgeom_ray"
 REPORT = "report.html"
 #: ``(distinct documents, 16)`` uint8: the kept documents' keys of a ``--dedup`` run
 DOC_HASHES = "doc_hashes.npy"
@@ -205,12 +214,18 @@ def _runs(df: pd.DataFrame, keys: tuple[str, ...]) -> list[tuple[int, int]]:
     return [(int(a), int(b - a)) for a, b in zip(starts, ends, strict=True)]
 
 
-def write_table(out: str, name: str, df: pd.DataFrame) -> str:
+def write_table(
+    out: str, name: str, df: pd.DataFrame, header: dict[str, Any] | None = None
+) -> str:
     """Write ``df`` as ``OUT/name.parquet`` atomically; returns the file name.
 
-    Tables named in :data:`ROW_GROUP_KEYS` get one row group per run of their keys.
+    Tables named in :data:`ROW_GROUP_KEYS` get one row group per run of their keys. A
+    ``header`` (JSON) is kept in the file's metadata under :data:`HEADER_KEY`.
     """
     table = pa.Table.from_pandas(df, preserve_index=False)
+    if header is not None:
+        meta = (table.schema.metadata or {}) | {HEADER_KEY: json.dumps(header).encode()}
+        table = table.replace_schema_metadata(meta)
     buf = io.BytesIO()
     keys = ROW_GROUP_KEYS.get(name, ())
     if keys and all(k in df.columns for k in keys):
@@ -312,8 +327,8 @@ class RunDir:
         atomic_write_json(self.path(MANIFEST), manifest.to_json())
 
     # ------------------------------------------------------------------ tables and artefacts
-    def write_table(self, name: str, df: pd.DataFrame) -> str:
-        return write_table(self.url, name, df)
+    def write_table(self, name: str, df: pd.DataFrame, header: dict[str, Any] | None = None) -> str:
+        return write_table(self.url, name, df, header)
 
     def read_table(
         self, name: str, columns: Sequence[str] | None = None, filters: Any = None
@@ -385,8 +400,48 @@ class RunDir:
             return None
         return table.drop(["vector"]).to_pandas(), flat.reshape(n, flat.size // n)
 
-    def write_tables(self, tables: dict[str, pd.DataFrame]) -> list[str]:
-        return [self.write_table(name, df) for name, df in tables.items()]
+    def write_tables(
+        self, tables: dict[str, pd.DataFrame], headers: dict[str, dict[str, Any]] | None = None
+    ) -> list[str]:
+        """Every table of ``tables``, each with its header of ``headers`` (if any)."""
+        return [self.write_table(name, df, (headers or {}).get(name)) for name, df in tables.items()]
+
+    # ------------------------------------------------------------------ the sample
+    def table_header(self, name: str) -> dict[str, Any] | None:
+        """The header a table keeps in its metadata (:func:`write_table`); None without one."""
+        import fsspec
+
+        if not self.has(name):
+            return None
+        fs, path = fsspec.core.url_to_fs(self.path(name))
+        try:
+            with fs.open(path, "rb") as f:
+                meta = pq.read_schema(f).metadata or {}
+            return None if HEADER_KEY not in meta else json.loads(meta[HEADER_KEY])
+        except Exception as exc:
+            raise RunDirError(f"{self.path(name)} cannot be read: {type(exc).__name__}: {exc}") from None
+
+    def has_sample(self) -> bool:
+        """Whether the run holds its sample: ``samples.parquet`` with its header, or (runs of
+        earlier versions) ``sample.safetensors``."""
+        return self.table_header("samples") is not None or self.has(SAMPLE)
+
+    def load_sample(self) -> Any:
+        """The run's :class:`~embgeom_ray.core.samples.ActivationSample`, read from
+        ``samples.parquet`` (:meth:`ActivationSample.from_table
+        <embgeom_ray.core.samples.ActivationSample.from_table>`) or, for a run of an earlier
+        version, ``sample.safetensors``; None for a run without a sample (``--sample-size 0``).
+        """
+        from .core.samples import ActivationSample
+        from .errors import StatisticsMismatchError
+
+        header = self.table_header("samples")
+        if header is None:
+            return ActivationSample.load(self.path(SAMPLE)) if self.has(SAMPLE) else None
+        try:
+            return ActivationSample.from_table(self.read_arrow("samples"), header)
+        except StatisticsMismatchError as exc:
+            raise StatisticsMismatchError(f"{self.path('samples')}: {exc}") from None
 
     def write_doc_hashes(self, hashes: np.ndarray) -> str:
         """``doc_hashes.npy``: the ``(n, 16)`` uint8 keys of a ``--dedup`` run's kept documents."""
@@ -408,20 +463,17 @@ class RunDir:
             raise RunDirError(f"{url} holds {hashes.dtype} {hashes.shape}, not (n, 16) uint8 keys")
         return hashes
 
-    def save_artefacts(self, statistics: Any, sample: Any | None) -> list[str]:
+    def save_artefacts(self, statistics: Any) -> list[str]:
         """``statistics.safetensors`` (or ``statistics/`` when ``statistics`` is partitioned:
-        it says so with ``partitioned = True``) and (when sampling) ``sample.safetensors``;
-        their names."""
+        it says so with ``partitioned = True``); its name. (The sample is a table:
+        :meth:`finalise`.)"""
         partitioned = getattr(statistics, "partitioned", False)
         name = STATISTICS_PARTS + "/" if partitioned else STATISTICS
         remove(self.path(STATISTICS_PARTS))  # stale parts (any R) or the other form
         if partitioned:
             remove(self.path(STATISTICS))
         statistics.save(self.path(name.rstrip("/")))
-        if sample is None:
-            return [name]
-        sample.save(self.path(SAMPLE))
-        return [name, SAMPLE]
+        return [name]
 
     def has_statistics(self) -> bool:
         """Whether the run holds its statistics artefact, whole or partitioned."""
@@ -453,11 +505,24 @@ class RunDir:
     def finalise(
         self, manifest: Manifest, tables: dict[str, pd.DataFrame], statistics: Any, sample: Any
     ) -> Manifest:
-        """Write the artefacts and tables, then the manifest as ``complete`` (in that order)."""
-        artefacts = self.save_artefacts(statistics, sample)
+        """Write the artefacts and tables, then the manifest as ``complete`` (in that order).
+
+        ``sample`` (an :class:`~embgeom_ray.core.samples.ActivationSample`, or None) is written
+        as ``tables["samples"]`` (its :meth:`to_table` rows, with the sampled stage's columns)
+        with the sample's header in the file's metadata; a ``sample.safetensors`` of an earlier
+        version is then removed.
+        """
+        headers = {}
+        if sample is not None:
+            rows = len(sample.layers) * (sample.num_uniform + sample.num_types)
+            if "samples" not in tables or len(tables["samples"]) != rows:
+                raise ValueError(f"the samples table does not hold the sample's {rows} rows")
+            headers["samples"] = sample.header()
+        artefacts = self.save_artefacts(statistics)
         if manifest.dedup is not None:  # written by the caller before (pipeline, merge)
             artefacts.append(DOC_HASHES)
-        written = self.write_tables(tables)
+        written = self.write_tables(tables, headers)
+        remove(self.path(SAMPLE))  # the form an earlier version wrote beside the table
         manifest.set(
             status="complete",
             finished_at=now(),

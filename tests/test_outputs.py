@@ -91,3 +91,44 @@ def test_run_dir_reads_one_layer_of_the_sample(tmp_path):
     (tmp_path / "layers.parquet").write_bytes(b"not parquet")
     with pytest.raises(RunDirError, match="cannot be read"):
         run.read_table("layers")
+
+
+def _sample():
+    import torch
+
+    from embgeom_ray.core.samples import ActivationSample
+
+    gen = torch.Generator().manual_seed(0)
+    sample = ActivationSample([0, 2], 4, size=5, seed=1, type_size=3)
+    hidden = [torch.randn(2, 6, 4, generator=gen) for _ in range(2)]
+    ids = torch.randint(0, 9, (2, 6), generator=gen)
+    sample.update(hidden, ids, None, torch.tensor([0, 1]), torch.tensor([0, 0]))
+    return sample
+
+
+def test_a_run_keeps_its_sample_once_and_reads_an_earlier_runs_sample(tmp_path):
+    """The sample is written once, as samples.parquet with its header; a run directory of an
+    earlier version (samples.parquet without the header beside sample.safetensors) reads its
+    sample from sample.safetensors, and finalising it again leaves the table alone."""
+    from embgeom_ray.core.statistics import EmbeddingStatistics
+    from embgeom_ray.run_dir import SAMPLE, Manifest
+
+    sample = _sample()
+    table = sample.to_table()
+    old = RunDir(str(tmp_path / "old"))
+    old.write_table("samples", table)  # as an earlier version wrote it: no header
+    sample.save(old.path(SAMPLE))
+    assert old.table_header("samples") is None and old.has_sample()
+    assert old.load_sample().to_bytes() == sample.to_bytes()
+    stats = EmbeddingStatistics([0, 2], 4)
+    manifest = old.finalise(Manifest(), {"samples": table}, stats, old.load_sample())
+    assert manifest.outputs.artefacts == ["statistics.safetensors"]
+    assert manifest.outputs.tables == ["samples.parquet"]
+    assert not (tmp_path / "old" / SAMPLE).exists()
+    assert old.table_header("samples") == sample.header()
+    assert old.load_sample().to_bytes() == sample.to_bytes()
+    with pytest.raises(ValueError, match="samples table"):
+        old.finalise(Manifest(), {"samples": table.iloc[1:]}, stats, sample)
+    none = RunDir(str(tmp_path / "none"))
+    none.write_table("layers", pd.DataFrame({"layer": [0]}))
+    assert not none.has_sample() and none.load_sample() is None

@@ -44,13 +44,17 @@ RUN_FILES: list[tuple[str, str]] = [
     ),
     ("dims.parquet", "one row per (layer, dimension): mean, std, rogue-dimension scores and flags"),
     ("positions.parquet", "per (layer, position): count, mean norm, flagged dimensions' means"),
-    ("samples.parquet", "the bounded random token sample (vectors) behind the sampled metrics"),
+    (
+        "samples.parquet",
+        "the bounded random token sample (vectors, K-means clusters) behind the sampled metrics;"
+        " also the mergeable sample (merges with later runs)",
+    ),
     ("manifest.json", "configuration, model and corpus identity, counts, timings, versions"),
     (
         "statistics.safetensors",
         "the mergeable sufficient statistics (reload or merge with later runs)",
     ),
-    ("sample.safetensors", "the mergeable activation sample (merges with later runs)"),
+    ("sample.safetensors", "the sample as an earlier version wrote it beside samples.parquet"),
     ("report.html", "this report"),
     ("run.json", "the run's fingerprint and shard plan (for resuming)"),
 ]

@@ -28,7 +28,7 @@ same fingerprint, reuses the saved plan and skips the done shards. A run with an
 fingerprint refuses to mix with them. ``--checkpoint-interval`` is not part of the
 fingerprint: a resume may group shards differently. Once the run is complete the groups are
 removed (:meth:`CheckpointStore.remove_groups`; ``--keep-checkpoints`` keeps them): the run's
-own ``statistics.safetensors`` and ``sample.safetensors`` hold the same information.
+own ``statistics.safetensors`` and ``samples.parquet`` hold the same information.
 """
 
 from __future__ import annotations

@@ -58,7 +58,6 @@ from ..io_utils import join
 from ..report.plots import FIGURE_GROUPS
 from ..run_dir import (
     GROUPS,
-    SAMPLE,
     CorpusInfo,
     DedupInfo,
     Manifest,
@@ -473,7 +472,7 @@ def _retable(
     echo,
 ) -> dict[str, Any]:
     config = spec.config
-    sample = ActivationSample.load(run.path(SAMPLE)) if run.has(SAMPLE) else None
+    sample = run.load_sample()
     manifest = Manifest.model_validate(done.to_json()).set(
         status="running",
         started_at=now(),
