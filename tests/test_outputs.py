@@ -10,23 +10,26 @@ import pytest
 from embgeom_ray.run_dir import RunDir, RunDirError, write_table
 
 
+def sample_rows(rng, layers, sizes: tuple[int, int], dim: int) -> pd.DataFrame:
+    """Rows shaped like samples.parquet's: per layer, ``sizes`` uniform and type-uniform rows."""
+    frames = [
+        pd.DataFrame(
+            {
+                "layer": np.full(n, layer, dtype=np.int64),
+                "sample": [sample] * n,
+                "token_id": rng.integers(0, 100, n),
+                "vector": list(rng.normal(size=(n, dim)).astype(np.float32)),
+            }
+        )
+        for layer in layers
+        for sample, n in zip(("uniform", "type_uniform"), sizes, strict=True)
+    ]
+    return pd.concat(frames, ignore_index=True)
+
+
 def test_samples_have_one_row_group_per_layer_and_sample(tmp_path):
     """A reader filtering one layer's sample decodes only that row group; the rows round-trip."""
-    rng = np.random.default_rng(0)
-    frames = []
-    for layer in (0, 3, 6):
-        for sample, n in (("uniform", 7), ("type_uniform", 4)):
-            frames.append(
-                pd.DataFrame(
-                    {
-                        "layer": np.full(n, layer, dtype=np.int64),
-                        "sample": [sample] * n,
-                        "token_id": rng.integers(0, 100, n),
-                        "vector": list(rng.normal(size=(n, 5)).astype(np.float32)),
-                    }
-                )
-            )
-    df = pd.concat(frames, ignore_index=True)
+    df = sample_rows(np.random.default_rng(0), (0, 3, 6), (7, 4), dim=5)
     write_table(str(tmp_path), "samples", df)
     write_table(str(tmp_path), "other", df)
     meta = pq.ParquetFile(tmp_path / "samples.parquet").metadata
@@ -56,21 +59,8 @@ def test_run_dir_reads_one_layer_of_the_sample(tmp_path):
     """:class:`RunDir` is the reader of a run's tables: schema, filtered rows, one layer's
     sample vectors (float64, exactly the stored float32), the sampled layers."""
     rng = np.random.default_rng(1)
-    frames = []
-    for layer in (0, 2):
-        for sample, n in (("uniform", 6), ("type_uniform", 3)):
-            frames.append(
-                pd.DataFrame(
-                    {
-                        "layer": np.full(n, layer, dtype=np.int64),
-                        "sample": [sample] * n,
-                        "token_id": rng.integers(0, 100, n),
-                        "vector": list(rng.normal(size=(n, 4)).astype(np.float32)),
-                        "cluster": pd.array(rng.integers(0, 3, n), dtype="Int64"),
-                    }
-                )
-            )
-    df = pd.concat(frames, ignore_index=True)
+    df = sample_rows(rng, (0, 2), (6, 3), dim=4)
+    df["cluster"] = pd.array(rng.integers(0, 3, len(df)), dtype="Int64")
     run = RunDir(str(tmp_path))
     run.write_table("samples", df)
     assert run.columns("samples") == df.columns.tolist() and run.columns("dims") == []
