@@ -6,11 +6,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-import matplotlib as mpl
 import numpy as np
 
 from ..run_view import RunView
-from .common import COLORS, MARKERS, STYLE, annotate_top, int_layers, line, new_figure, save, title
+from .common import COLORS, MARKERS, annotate_top, int_layers, line, new_figure, save, styled, title
 
 
 @dataclass(frozen=True)
@@ -203,7 +202,7 @@ def plot_clipping(run: RunView) -> tuple[str | None, str]:
         return None, "Not drawn: layers.parquet has no clipped (outlier dims zeroed) metrics."
     layers = run.layers["layer"].to_numpy()
     n = run.layer_col("n_outlier_dims")
-    with mpl.rc_context(STYLE):
+    with styled():
         fig = new_figure(5.8 * len(panels), 4.6)
         axes = list(np.atleast_1d(fig.subplots(1, len(panels))))
         for ax, panel in zip(axes, panels, strict=True):

@@ -4,12 +4,11 @@ written in the figures (:func:`kmeans_labels`)."""
 
 from __future__ import annotations
 
-import matplotlib as mpl
 import numpy as np
 import pandas as pd
 
 from ..run_view import RunView
-from .common import COLORS, MARKERS, STYLE, fmt, int_layers, line, new_figure, pearson, save, title
+from .common import COLORS, MARKERS, fmt, int_layers, line, new_figure, pearson, save, styled, title
 
 #: appended to a k whose best k sits at the cap of the grown K-means search
 AT_CAP_MARK = "▲"
@@ -178,7 +177,7 @@ def plot_intrinsic_dimension(run: RunView) -> tuple[str | None, str]:
         return None, "Not drawn: the run has no sampled LID or silhouette columns (no sample)."
     layers = run.layers["layer"].to_numpy()
     panels = [p for p in (lid, sil) if p]
-    with mpl.rc_context(STYLE):
+    with styled():
         fig = new_figure(5.8 * len(panels), 4.2)
         axes = list(np.atleast_1d(fig.subplots(1, len(panels))))
         if lid:
@@ -202,7 +201,7 @@ def plot_isoscore_silhouette(run: RunView) -> tuple[str | None, str]:
     rs: dict[str, float] = {}
     markers = {"kmeans_silhouette": "o", "silhouette_types": "s"}
     names = {"kmeans_silhouette": "K-means clusters", "silhouette_types": "token types"}
-    with mpl.rc_context(STYLE):
+    with styled():
         fig = new_figure(6.8, 4.8)
         ax = fig.add_subplot()
         sc = None

@@ -10,8 +10,11 @@ from __future__ import annotations
 
 import io
 import math
-from collections.abc import Sequence
+import threading
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 
+import matplotlib as mpl
 import numpy as np
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure as MplFigure
@@ -50,8 +53,25 @@ COLORS = {
     "within": "#4c72b0",
     "between": "#dd8452",
 }
+#: held while a figure is drawn under :data:`STYLE` (:func:`styled`)
+_STYLE_LOCK = threading.RLock()
+
 #: the marker of each line style of the per-layer curves (solid, dashed, dotted)
 MARKERS = {"-": "o", "--": "s", ":": "^"}
+
+
+@contextmanager
+def styled() -> Iterator[None]:
+    """Draw one figure under :data:`STYLE`, one thread of the process at a time.
+
+    matplotlib's rcParams are one per process and ``rc_context`` restores them on exit: with
+    two threads drawing at once, the first to finish restores the defaults while the other is
+    still creating artists, and that figure comes out with default font sizes (seen with the
+    report's figure groups drawn in threads). Figures drawn in other processes (Ray tasks)
+    still draw in parallel.
+    """
+    with _STYLE_LOCK, mpl.rc_context(STYLE):
+        yield
 
 
 def new_figure(width: float, height: float) -> MplFigure:

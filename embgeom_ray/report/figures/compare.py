@@ -10,7 +10,7 @@ import matplotlib as mpl
 import numpy as np
 
 from ..run_view import RunView
-from .common import STYLE, hide_unused, new_figure, save
+from .common import hide_unused, new_figure, save, styled
 
 #: metrics overlaid in the comparison, when present in any run (in this order).
 # fmt: off
@@ -52,7 +52,7 @@ def plot_comparison(
     cmap = mpl.colormaps["tab10"]
     styles = ["-", "--", ":", "-."]  # runs that coincide stay visible
     markers = ["o", "s", "^", "D"]
-    with mpl.rc_context(STYLE):
+    with styled():
         fig = new_figure(3.4 * ncols + 0.4, 2.7 * nrows + 1.3)
         axes = np.atleast_1d(fig.subplots(nrows, ncols, squeeze=False)).ravel()
         for ax, metric in zip(axes, metrics, strict=False):

@@ -3,14 +3,12 @@
 
 from __future__ import annotations
 
-import matplotlib as mpl
 import numpy as np
 
 from ..run_view import RunView
 from .clusters import k_marks_note, kmeans_labels
 from .common import (
     COLORS,
-    STYLE,
     annotate_top,
     extreme,
     fmt,
@@ -18,6 +16,7 @@ from .common import (
     line,
     new_figure,
     save,
+    styled,
     title,
 )
 
@@ -132,7 +131,7 @@ def plot_cosine_isotropy(run: RunView) -> tuple[str | None, str]:
     if all(col(c) is None for c in ("anisotropy", "s_inter", "s_intra", "isoscore")):
         return None, "Not drawn: layers.parquet has no cosine or isotropy metrics."
     layers = run.layers["layer"].to_numpy()
-    with mpl.rc_context(STYLE):
+    with styled():
         fig = new_figure(11.5, 4.4)
         ax1, ax2 = fig.subplots(1, 2)
         extras = _cosine_panel(ax1, run, layers) + _isotropy_panel(ax2, run, layers)

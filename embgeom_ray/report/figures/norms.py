@@ -3,7 +3,6 @@ against V_t, and the per-layer split of the variance into within- and between-ty
 
 from __future__ import annotations
 
-import matplotlib as mpl
 import numpy as np
 import pandas as pd
 from matplotlib.colors import Normalize
@@ -11,7 +10,6 @@ from matplotlib.colors import Normalize
 from ..run_view import RunView
 from .common import (
     COLORS,
-    STYLE,
     extreme,
     fmt,
     grid,
@@ -20,6 +18,7 @@ from .common import (
     new_figure,
     pearson,
     save,
+    styled,
     title,
 )
 
@@ -110,7 +109,7 @@ def plot_norm_variance(run: RunView) -> tuple[str | None, str]:
         return None, "Not drawn: the run has no type_stats.parquet."
     layers = sorted(int(x) for x in ts["layer"].unique())
     ncols, nrows = grid(len(layers))
-    with mpl.rc_context(STYLE):
+    with styled():
         fig = new_figure(3.1 * ncols + 0.9, 2.6 * nrows + 0.8)
         axes = np.atleast_1d(fig.subplots(nrows, ncols, squeeze=False)).ravel()
         norm = Normalize(0.0, max(float(np.log10(ts["count"].max())), 1.0))
@@ -146,7 +145,7 @@ def plot_variance_split(run: RunView) -> tuple[str | None, str]:
     if ratio is None:
         with np.errstate(invalid="ignore", divide="ignore"):
             ratio = within / (within + between)
-    with mpl.rc_context(STYLE):
+    with styled():
         fig = new_figure(8.5, 4.4)
         ax = fig.add_subplot()
         ax.bar(layers, within, color=COLORS["within"], label="V_W within types", width=0.7)

@@ -14,7 +14,7 @@ from matplotlib.lines import Line2D
 
 from ..run_view import RunView
 from .clusters import AT_CAP_MARK, kmeans_labels
-from .common import STYLE, new_figure, pick_layers, save, title
+from .common import new_figure, pick_layers, save, styled, title
 
 MAX_PCA_POINTS = 5_000  # per layer of the PCA views
 MAX_PCA_LAYERS = 4
@@ -232,7 +232,7 @@ def _pca_plot(run: RunView, dims3: bool) -> tuple[str | None, str]:
     views = [v for v in ("cluster", "freq") if has[v]] or ["none"]
     colours = _Colours(run, layers)
     freq_axes: list = []
-    with mpl.rc_context(STYLE):
+    with styled():
         ncols, nrows = len(layers), len(views)
         side = 3.7 if dims3 else 3.3
         fig = new_figure(side * ncols + 1.4, (side + 0.3) * nrows + 0.9)

@@ -12,7 +12,7 @@ import pandas as pd
 from matplotlib.lines import Line2D
 
 from ..run_view import RunView
-from .common import STYLE, hide_unused, new_figure, pick_layers, save, title
+from .common import hide_unused, new_figure, pick_layers, save, styled, title
 
 MAX_POSITION_LAYERS = 8
 MAX_PROFILE_DIMS = 8
@@ -35,7 +35,7 @@ def _draw(run: RunView, pos: pd.DataFrame, shown_dims: list[str]) -> str:
     ncols = min(len(layers), 4)
     nrows = math.ceil(len(layers) / ncols)
     cmap = mpl.colormaps["tab10"]
-    with mpl.rc_context(STYLE):
+    with styled():
         fig = new_figure(3.6 * ncols + 1.2, 2.9 * nrows + 1.1)
         axes = np.atleast_1d(fig.subplots(nrows, ncols, squeeze=False)).ravel()
         for ax, layer in zip(axes, layers, strict=False):

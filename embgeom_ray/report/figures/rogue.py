@@ -4,13 +4,12 @@ with position, and the cells flagged as outliers."""
 
 from __future__ import annotations
 
-import matplotlib as mpl
 import numpy as np
 import pandas as pd
 from matplotlib.colors import Normalize, PowerNorm
 
 from ..run_view import RunView
-from .common import STYLE, new_figure, save, title
+from .common import new_figure, save, styled, title
 
 #: (column, colour-bar label, panel title) of each kind of heat map
 SHARE_PANELS = {
@@ -209,7 +208,7 @@ def plot_rogue_dims(run: RunView) -> tuple[str | None, str]:
         flags = dims.assign(outlier=dims["outlier"].astype(float))
         outlier = _dim_matrix(flags, "outlier", layers, d) > 0.5
     top_all: list[int] = []
-    with mpl.rc_context(STYLE):
+    with styled():
         fig = new_figure(12.0, 1.0 + len(panels) * max(2.4, 0.22 * len(layers) + 1.2))
         axes = np.atleast_1d(fig.subplots(len(panels), 1, squeeze=False)).ravel()
         for ax, (c, (mat, label, text)) in zip(axes, panels.items(), strict=True):
