@@ -374,7 +374,8 @@ def test_files_written_by_earlier_versions_load(name, tmp_path):
 def test_the_table_with_its_header_is_the_sample(tmp_path, type_uniform):
     """``samples.parquet`` (the table and the header in its metadata) reads back as the very
     sample written, so a run keeps its sample once; merging from tables is merging samples."""
-    from embgeom_ray.run_dir import RunDir
+    from embgeom_ray.core.sketch import HEADER_KEY as SKETCH_HEADER_KEY
+    from embgeom_ray.run_dir import HEADER_KEY, RunDir
 
     rng = np.random.default_rng(7)
     meta = {"model_fingerprint": "m1", "tokenizer_fingerprint": "t1"}
@@ -388,6 +389,7 @@ def test_the_table_with_its_header_is_the_sample(tmp_path, type_uniform):
     assert back.to_bytes() == a.to_bytes() and back.header() == a.header()
     run = RunDir(str(tmp_path))
     run.write_table("samples", table, a.header())
+    assert HEADER_KEY.decode() == SKETCH_HEADER_KEY  # one name for the header, file or table
     assert run.has_sample()
     assert run.load_sample().to_bytes() == a.to_bytes()
     merged = run.load_sample().merge(ActivationSample.from_table(b.to_table(), b.header()))
