@@ -227,7 +227,7 @@ def test_warm_workers_smoke(results_dir):
 
     warm_workers.main(
         ["--docs", "1", "--repeats", "1", "--extra-args",
-         "--sample-size 64 --kmeans-k-max 3 --kmeans-k-cap 3 --sampled-se-replicates 0 "
+         "--sample-size 64 --kmeans-k-max 3 --sampled-se-replicates 0 "
          "--s-inter-draws 2 --no-report"]
     )  # fmt: skip
     res = read(results_dir, "warm_workers")
