@@ -157,12 +157,7 @@ def bench_selection(sample, args) -> dict:
     layers = list(sample.layers)
     by_layer = {layer: sample.points(layer).vectors for layer in layers}
     n, d = by_layer[layers[0]].shape
-    opts = {
-        "ks": range(2, min(args.selection_k_max, n - 1) + 1),
-        "k_cap": args.selection_k_max,  # the search stops at k_max: routes compared like for like
-        "n_init": args.n_init,
-        "seed": args.seed,
-    }
+    opts = {"k_max": args.selection_k_max, "n_init": args.n_init, "seed": args.seed}
     cfg = build_config(
         None,
         {
@@ -170,7 +165,6 @@ def bench_selection(sample, args) -> dict:
             "corpus": "bench",
             "out": "unused",
             "kmeans_k_max": args.selection_k_max,
-            "kmeans_k_cap": args.selection_k_max,
             "kmeans_n_init": args.n_init,
             "sample_seed": args.seed,
         },
@@ -204,7 +198,7 @@ def bench_selection(sample, args) -> dict:
         for name in ("distributed", "one_task_per_layer")
     }
     print(
-        f"selection, {len(layers)} layers x n={n:,} d={d}, k=2..{max(opts['ks'])}: "
+        f"selection, {len(layers)} layers x n={n:,} d={d}, k=2..{opts['k_max']}: "
         f"distributed {secs['distributed']:.2f}s | one task per layer "
         f"{secs['one_task_per_layer']:.2f}s (x{secs['distributed'] / secs['one_task_per_layer']:.1f}"
         f" faster) | whole sampled-metrics stage {secs['stage']:.2f}s"

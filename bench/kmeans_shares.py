@@ -4,14 +4,13 @@ The points are MiniLM's hidden states at ``--layers`` (default all, 0..6) of a b
 of ``--size`` occurrences of the demo corpus (the extractor's own :class:`~embgeom_ray.core.samples.ActivationSample`, as in
 ``bench.kmeans``), for each seed of ``--seeds`` (another seed: another sample). On a local Ray
 of ``--cpus`` CPUs, every layer's model selection runs as the job runs it
-(:func:`embgeom_ray.distributed.kmeans.fit_layers_on_ray`: k = 2..15, grown while the best
-silhouette is the largest k tried, up to 60; 3 initialisations; 2 stability refits), alternately
-``--repeats`` times:
+(:func:`embgeom_ray.distributed.kmeans.fit_layers_on_ray`: the scan of
+:func:`~embgeom_ray.core.kmeans_selection.scan_ks` up to 60, one initialisation, 2 stability
+refits), alternately ``--repeats`` times:
 
   (a) one share: each layer's fits all in its own task (the job before the fits were spread);
-  (b) shares: the job's default (:func:`~embgeom_ray.distributed.kmeans.fit_shares`: a grown
-      range and the refits split over up to C tasks, the first range only where C exceeds the
-      layers).
+  (b) shares: the job's default (:func:`~embgeom_ray.distributed.kmeans.fit_shares`: the
+      refits split over up to C tasks, the scan only where C exceeds the layers).
 
 Printed per seed: the median wall time of each, their ratio, whether every layer's result is
 the same (k, silhouettes, inertias, labels, stability), and each layer's largest k searched and
@@ -53,7 +52,7 @@ def same_results(a, b) -> bool:
 def bench_seed(seed: int, args, work: Path) -> dict:
     from threadpoolctl import threadpool_limits
 
-    from embgeom_ray.core.kmeans import select_k
+    from embgeom_ray.core.kmeans_selection import select_k
     from embgeom_ray.distributed.kmeans import fit_layers_on_ray, fit_shares
 
     layers = [int(x) for x in args.layers.split(",")]

@@ -1,148 +1,126 @@
-"""The per-layer sampled metrics: this checkout's code against an earlier revision's, same process.
+"""A layer's share of the sampled-metrics stage: this checkout's code against an earlier revision's.
 
 The points are MiniLM's hidden states at ``--layers`` of a bottom-k sample of ``--size``
 occurrences of the demo corpus (the extractor's own :class:`~embgeom_ray.core.samples.ActivationSample`,
-with a type-uniform part), as the job's sampled stage gets them. For every layer K-means
-model selection (:func:`embgeom_ray.core.kmeans.select_k`, the job's defaults) is run
-alternately ``--repeats`` times with scikit-learn's own k-means++ seeding and with the job's
-(:class:`~embgeom_ray.core.kmeanspp.PlusPlus`, the float64 copy made once a fit), checked to
-give the same result, and timed; then, alternately ``--repeats`` times, single-threaded (one
-BLAS/OpenMP and one torch thread, as each Ray task of the stage runs, and as ``select_k`` ran):
+with a type-uniform part), as the job's sampled stage gets them. For every layer, alternately
+``--repeats`` times, single-threaded (one BLAS/OpenMP and one torch thread, as each Ray task
+of the stage runs):
 
-  (a) baseline: :func:`~embgeom_ray.core.tables.sampled_row` of the package as it was at git
-      revision ``--baseline`` (extracted with ``git archive`` and imported under another name);
-  (b) current: the same function of this checkout,
+  (a) baseline: the K-means model selection and :func:`~embgeom_ray.core.tables.sampled_row`
+      of the package as it was at git revision ``--baseline`` (extracted with ``git archive``
+      and imported under another name), with its defaults;
+  (b) current: :func:`~embgeom_ray.core.kmeans_selection.select_k` (with the sample's content
+      keys) and ``sampled_row`` of this checkout, with its defaults,
 
-on the same points and K-means result, each also without the half-sample standard errors
-(``se_replicates=0``) to split the time into the one-off metrics and the SEs. Printed per
-layer: median seconds of (a) and (b), their ratio, and the largest relative difference
-between any two output values (the optimisations must not change what is computed).
-``--clusters best`` uses the best-silhouette K-means labels even where k = 1 is chosen (more
-clusters: more cluster-adjusted IsoScores). ``--baseline none`` times the current code only.
+each also without the half-sample standard errors (``se_replicates=0``), to split the time into
+the selection, the one-off metrics and the SEs. Printed per layer: median seconds of each part
+of (a) and (b), the ratio of the layer's totals, and each side's k; then the totals over the
+layers (the stage's CPU time: the layers run as parallel tasks, so on C CPUs the stage takes
+about that over C). ``--baseline none`` times the current code only.
 
-    python -m bench.sampled_stage [--size 4096] [--layers 0,3,6] [--repeats 3]
-        [--baseline 573a6e4] [--clusters chosen|best]
+    python -m bench.sampled_stage [--size 4096] [--layers 0,...,6] [--repeats 3]
+        [--baseline 8e2597b]
 """
 
 from __future__ import annotations
 
 import argparse
+import inspect
 import shutil
 import tempfile
-from dataclasses import replace
 from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-import numpy as np
-
 from bench.common import baseline_module, median, save, timed
 
-#: the last revision before the sampled stage shared its kNN searches across half-samples
-BASELINE = "573a6e4"
+#: the last revision before K-means scanned a fixed set of k on points distinct by content
+BASELINE = "8e2597b"
 
 
-def baseline_tables(ref: str, work: Path) -> ModuleType:
-    """``embgeom_ray.core.tables`` of git revision ``ref``, imported as a separate package."""
-    return baseline_module(ref, work, "core.tables")
+def baseline_modules(ref: str, work: Path) -> dict[str, ModuleType]:
+    """``tables`` and the module holding ``select_k`` of git revision ``ref``."""
+    tables = baseline_module(ref, work, "core.tables")
+    package = tables.__name__.rsplit(".", 1)[0]
+    import importlib
 
-
-def max_rel_diff(a: dict[str, Any], b: dict[str, Any]) -> float:
-    """Largest |a − b| / |b| over the common keys (NaN = NaN; inf where only one is NaN)."""
-    worst = 0.0
-    for key in a.keys() & b.keys():
-        x, y = float(a[key]), float(b[key])
-        if (np.isnan(x) and np.isnan(y)) or x == y:
+    for name in ("kmeans_selection", "kmeans"):
+        try:
+            module = importlib.import_module(f"{package}.{name}")
+        except ImportError:
             continue
-        worst = max(worst, abs(x - y) / abs(y) if np.isfinite(x - y) and y else np.inf)
-    return worst
+        if hasattr(module, "select_k"):
+            return {"tables": tables, "selection": module}
+    raise SystemExit(f"revision {ref} has no select_k")
 
 
-def bench_select_k(X, args) -> tuple[dict[str, float], Any]:
-    """``select_k`` alternately with scikit-learn's own k-means++ seeding and with
-    :class:`~embgeom_ray.core.kmeanspp.PlusPlus` (the job's), ``--repeats`` times; median
-    seconds of each, and the job's result after checking that both are the same."""
-    import embgeom_ray.core.kmeans as km_module
+def layer_parts(mods: dict[str, ModuleType], X, tok, tv, keys) -> dict[str, Any]:
+    """The layer's three parts as callables of the given revision: selection, metrics (no SEs),
+    metrics (with SEs); passing the content keys where that revision takes them."""
+    select_k, sampled_row = mods["selection"].select_k, mods["tables"].sampled_row
+    takes_groups = "groups" in inspect.signature(select_k).parameters
+    extra = {"groups": keys} if takes_groups else {}
+    state: dict[str, Any] = {}
 
-    ours = km_module.PlusPlus
-    times: dict[str, list[float]] = {"sklearn_seeding": [], "current": []}
-    results = {}
-    try:
-        for _ in range(args.repeats):
-            for name, init in (("sklearn_seeding", lambda: "k-means++"), ("current", ours)):
-                km_module.PlusPlus = init
-                t, results[name] = timed(lambda: km_module.select_k(X, seed=args.seed))
-                times[name].append(t)
-    finally:
-        km_module.PlusPlus = ours
-    a, b = results["sklearn_seeding"], results["current"]
-    same = repr((a.k, a.silhouettes, a.inertias, a.stability)) == repr(
-        (b.k, b.silhouettes, b.inertias, b.stability)
-    ) and np.array_equal(a.labels, b.labels)  # repr: NaN equals NaN
-    if not same:
-        raise AssertionError("select_k's result changed with the seeding")
-    return {name: median(ts) for name, ts in times.items()}, b
+    def selection():
+        state["km"] = select_k(X, **extra)
+        return state["km"]
+
+    def metrics(se: bool):
+        opts = {} if se else {"se_replicates": 0}
+        return sampled_row(X, tok, tv, state["km"], [], **extra, **opts)
+
+    return {"select_k": selection, "no_se": lambda: metrics(False), "total": lambda: metrics(True)}
 
 
-def bench_layer(layer: int, X, tok, tv, tables: dict[str, ModuleType], args) -> dict:
-    km_secs, km = bench_select_k(X, args)
-    t_km = km_secs["current"]
-    if args.clusters == "best" and km.best_labels is not None:
-        km = replace(km, k=km.best_k, labels=km.best_labels)
-    runs = {
-        (name, part): (lambda mod=mod, opts=opts: mod.sampled_row(X, tok, tv, km, [], **opts))
-        for name, mod in tables.items()
-        for part, opts in (("total", {}), ("no_se", {"se_replicates": 0}))
+def bench_layer(layer: int, X, tok, tv, keys, revisions: dict[str, dict], args) -> dict:
+    parts = {name: layer_parts(mods, X, tok, tv, keys) for name, mods in revisions.items()}
+    times: dict[tuple[str, str], list[float]] = {
+        (name, part): [] for name in parts for part in ("select_k", "no_se", "total")
     }
-    times: dict[tuple[str, str], list[float]] = {key: [] for key in runs}
-    rows: dict[tuple[str, str], dict] = {}
+    results: dict[str, Any] = {}
     for _ in range(args.repeats):
-        for key, run in runs.items():
-            t, rows[key] = timed(run)
-            times[key].append(t)
+        for name, fns in parts.items():
+            for part in ("select_k", "no_se", "total"):
+                t, out = timed(fns[part])
+                times[name, part].append(t)
+                if part == "select_k":
+                    results[name] = out
     secs = {
-        name: {part: median(times[name, part]) for part in ("total", "no_se")} for name in tables
+        name: {part: median(times[name, part]) for part in ("select_k", "no_se", "total")}
+        for name in parts
     }
-    for s in secs.values():
+    for s in secs.values():  # "total" is the metrics with SEs; the layer is selection + that
         s["se"] = s["total"] - s["no_se"]
+        s["layer"] = s["select_k"] + s["total"]
     result = {
         "layer": layer,
         "n": len(X),
-        "kmeans_k": int(km.k),
-        "select_k_seconds": t_km,
-        "select_k_seconds_sklearn_seeding": km_secs["sklearn_seeding"],
         "seconds": secs,
+        "k": {name: int(km.k) for name, km in results.items()},
+        "best_k": {name: int(km.best_k) for name, km in results.items()},
     }
-    line = (
-        f"layer {layer}: select_k {km_secs['sklearn_seeding']:5.2f}s -> {t_km:5.2f}s with "
-        f"PlusPlus (same result) | k={km.k:2d} | "
-    )
-    if "baseline" in tables:
-        b, c = secs["baseline"], secs["current"]
-        result["ratio"] = {part: b[part] / c[part] for part in b}
-        result["max_rel_diff"] = max_rel_diff(rows["current", "total"], rows["baseline", "total"])
+    line = f"layer {layer}: "
+    for name, s in secs.items():
         line += (
-            f"sampled_row {b['total']:5.2f}s -> {c['total']:5.2f}s (x{result['ratio']['total']:.2f};"
-            f" without SEs {b['no_se']:4.2f} -> {c['no_se']:4.2f}, SEs {b['se']:4.2f} -> "
-            f"{c['se']:4.2f}) | max rel diff {result['max_rel_diff']:.1e}"
+            f"{name} select_k {s['select_k']:5.2f}s + metrics {s['no_se']:4.2f}s + SEs "
+            f"{s['se']:4.2f}s = {s['layer']:5.2f}s (k {result['k'][name]}, best "
+            f"{result['best_k'][name]}) | "
         )
-    else:
-        c = secs["current"]
-        line += (
-            f"sampled_row {c['total']:5.2f}s (without SEs {c['no_se']:4.2f}, SEs {c['se']:4.2f})"
-        )
-    print(line)
+    if "baseline" in secs:
+        result["ratio"] = secs["baseline"]["layer"] / secs["current"]["layer"]
+        line += f"baseline / current x{result['ratio']:.2f}"
+    print(line, flush=True)
     return result
 
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--size", type=int, default=4096, help="sampled occurrences per layer")
-    p.add_argument("--layers", default="0,3,6", help="MiniLM hidden-state layers (0..6)")
+    p.add_argument("--layers", default="0,1,2,3,4,5,6", help="MiniLM hidden-state layers (0..6)")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--baseline", default=BASELINE, help="git revision to compare with, or none")
-    p.add_argument("--clusters", choices=("chosen", "best"), default="chosen")
     p.add_argument("--name", default="sampled_stage")
     args = p.parse_args(argv)
     layers = [int(x) for x in args.layers.split(",")]
@@ -150,29 +128,35 @@ def main(argv: list[str] | None = None) -> None:
     import torch
     from threadpoolctl import threadpool_limits
 
-    import embgeom_ray.core.tables as current
+    import embgeom_ray.core.kmeans_selection as selection
+    import embgeom_ray.core.tables as tables
     from bench.kmeans import minilm_sample
 
     work = Path(tempfile.mkdtemp(prefix="embgeom-bench-sampled-"))
     try:
         sample = minilm_sample(args.size, layers, work, args.seed, type_size=args.size)
-        tables = {"current": current}
+        revisions = {"current": {"tables": tables, "selection": selection}}
         if args.baseline.lower() != "none":
-            tables = {"baseline": baseline_tables(args.baseline, work), **tables}
+            revisions = {"baseline": baseline_modules(args.baseline, work), **revisions}
         torch.set_num_threads(1)
         results = []
         with threadpool_limits(1):
             for layer in layers:
                 pts = sample.points(layer)
                 tv = sample.type_points(layer).vectors if sample.num_types >= 2 else None
-                results.append(bench_layer(layer, pts.vectors, pts.token_ids, tv, tables, args))
+                results.append(
+                    bench_layer(
+                        layer, pts.vectors, pts.token_ids, tv, pts.content_keys, revisions, args
+                    )
+                )
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    if "baseline" in tables:
-        per_layer = [r["seconds"] for r in results]
-        b = sum(s["baseline"]["total"] for s in per_layer)
-        c = sum(s["current"]["total"] for s in per_layer)
-        print(f"all {len(layers)} layers: sampled_row {b:.2f}s -> {c:.2f}s (x{b / c:.2f})")
+    totals = {name: sum(r["seconds"][name]["layer"] for r in results) for name in revisions}
+    print(
+        f"all {len(layers)} layers: "
+        + " | ".join(f"{name} {t:.2f}s" for name, t in totals.items())
+        + (f" | baseline / current x{totals['baseline'] / totals['current']:.2f}" if "baseline" in totals else "")
+    )
     save(
         args.name,
         {
@@ -180,6 +164,7 @@ def main(argv: list[str] | None = None) -> None:
             "args": vars(args),
             "points": {"model": "all-MiniLM-L6-v2", "dim": int(sample.dim)},
             "results": results,
+            "totals": totals,
         },
     )
 

@@ -23,6 +23,7 @@ import yaml
 from pydantic import BaseModel, ByteSize, ConfigDict, Field, ValidationError, field_validator
 from pydantic.fields import FieldInfo
 
+from .core import kmeans_selection as _selection
 from .errors import ConfigError
 
 #: marks a field as a result option: its value changes the statistics, so it enters the run
@@ -244,24 +245,27 @@ class JobConfig(BaseModel):
         0, description="seed of the sample's random keys", json_schema_extra=RESULT
     )
     kmeans_k_max: int = Field(
-        15, ge=2, description="K-means tries k = 2..this and keeps the best silhouette (Cai et al.)"
-    )
-    kmeans_k_cap: int = Field(
-        60,
+        _selection.K_MAX,
         ge=2,
-        description="while the best silhouette is at the largest k tried, K-means doubles the "
-        "range (16..30, 31..60, ...) up to this k; a best k at the cap is flagged "
-        "(kmeans_k_at_cap). At most --kmeans-k-max: Cai et al.'s fixed range",
+        description="K-means fits every k = 2..this and keeps the k of best silhouette (Cai et "
+        "al. scan 2..15); a best k at this end is flagged (kmeans_k_at_cap)",
     )
     kmeans_min_silhouette: float = Field(
-        0.1, ge=-1, le=1, description="below this best silhouette, k = 1 (no clusters)"
+        _selection.MIN_SILHOUETTE,
+        ge=-1,
+        le=1,
+        description="below this best silhouette, k = 1 (no clusters)",
     )
-    kmeans_n_init: int = Field(3, ge=1, description="K-means initialisations per k")
+    kmeans_n_init: int = Field(
+        _selection.N_INIT,
+        ge=1,
+        description="K-means initialisations (k-means++ chains) per k; the lowest inertia wins",
+    )
     kmeans_stability_seeds: int = Field(
-        2,
+        _selection.STABILITY_SEEDS,
         ge=0,
-        description="refits of the best k with other seeds; kmeans_stability is their mean "
-        "adjusted Rand index with the reported clusters (0: no check)",
+        description="refits of the best k from other initialisations; kmeans_stability is their "
+        "mean adjusted Rand index with the reported clusters (0: no check)",
     )
     cluster_min_size: int = Field(
         20,
@@ -285,7 +289,7 @@ class JobConfig(BaseModel):
         20, ge=3, description="nearest neighbours of the LID estimate (Levina-Bickel)"
     )
     silhouette_max_points: int = Field(
-        4096, ge=10, description="points a silhouette is computed on"
+        _selection.SILHOUETTE_MAX_POINTS, ge=10, description="points a silhouette is computed on"
     )
 
     @field_validator("layers")
@@ -411,7 +415,6 @@ class SampledOptions:
     """The sampled metrics' options (:func:`embgeom_ray.core.tables.plan_sampled_metrics`)."""
 
     kmeans_k_max: int
-    kmeans_k_cap: int
     kmeans_min_silhouette: float
     kmeans_n_init: int
     kmeans_stability_seeds: int

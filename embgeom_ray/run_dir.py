@@ -60,7 +60,7 @@ STATISTICS_PARTS = "statistics"
 PARTS_INDEX = "index.json"
 PARTS_FORMAT = "embgeom-partitioned-statistics/1"
 #: the exact tables of the output contract, and the sample's table
-TABLES = ("type_stats", "layers", "dims", "positions", "samples")
+TABLES = ("type_stats", "layers", "dims", "positions", "samples", "kmeans")
 
 
 class RunDirError(UserError):

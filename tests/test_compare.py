@@ -124,6 +124,7 @@ def test_compare_two_runs(two_runs, tmp_path, capsys) -> None:
     assert list(changes.columns) == [
         "run", "metric", "layer", "run_layer", "baseline", "value", "change", "relative", "score",
         "kind", "se_baseline", "se_run", "se_diff", "z", "within_noise", "evidence", "small_run",
+        "not_comparable",
     ]  # fmt: skip
     # every metric here is exact: no standard error, never within noise, ranked by score
     assert (changes["kind"] == "exact").all() and (changes["evidence"] == "exact").all()
@@ -340,6 +341,7 @@ def test_sampled_changes_ranked_by_z(tmp_path, capsys) -> None:
     assert summary["largest_changes"][3]["within_noise"] is None  # no standard error
     assert summary["evidence_counts"] == {
         "beyond noise": 2, "exact": 1, "no standard error": 2, "within noise": 2,
+        "clustering changed": 0,
     }  # fmt: skip
     assert "silhouette_types  layer 0: 0.5 -> 0.5312 (+0.03125, +6.2%; z +3.2)" in printed
     assert "anisotropy  layer 0: 0.25 -> 0.5 (+0.25, +100.0%; exact)" in printed
@@ -347,7 +349,51 @@ def test_sampled_changes_ranked_by_z(tmp_path, capsys) -> None:
         "kmeans_silhouette  layer 0: 0.0625 -> 0.3125 (+0.25, +400.0%; z +0.4, within noise)"
         in printed
     )
-    assert "2 changes of sampled metrics within noise (|z| < 2), ranked last" in printed
+    assert "2 changes of sampled metrics within noise (|z| < 2), ranked after the others" in printed
+
+
+def test_a_changed_clustering_is_not_ranked_by_z(tmp_path, capsys) -> None:
+    """Layer 0 chose k = 2 in the baseline and k = 1 in the run: its cluster-adjusted metrics
+    compare different partitions, so they are flagged, not ranked by z; layer 1 kept k = 3 and
+    its changes rank as usual; layer 2's best k moved, which only kmeans_stability depends on."""
+    from embgeom_ray.runs.compare import CLUSTER_ADJUSTED, changes_table, metric_columns
+
+    base = {
+        "layer": [0, 1, 2], "n_tokens": [1000] * 3, "kmeans_k": [2, 3, 1],
+        "kmeans_best_k": [2, 3, 4], "kmeans_k_at_cap": [False, False, False],
+        "adjusted_s_inter": [0.125, 0.125, 0.125], "adjusted_s_inter_se": [0.0625] * 3,
+        "kmeans_stability": [0.5, 0.5, 0.5],
+    }  # fmt: skip
+    other = base | {
+        "kmeans_k": [1, 3, 1], "kmeans_best_k": [2, 3, 5],
+        "adjusted_s_inter": [0.625, 0.25, 0.25], "kmeans_stability": [0.75, 0.75, 0.75],
+    }  # fmt: skip
+    a = make_run(tmp_path / "a", base, {}, num_layers=2)
+    b = make_run(tmp_path / "b", other, {}, num_layers=2)
+    runs = [load_run(a, "a"), load_run(b, "b")]
+    changes = changes_table(runs, metric_columns(runs), BY_INDEX)
+    rows = changes.set_index(["metric", "layer"])
+    flagged = rows.loc[("adjusted_s_inter", 0)]
+    assert flagged["evidence"] == "clustering changed" and math.isnan(flagged["z"])
+    assert flagged["not_comparable"] == "kmeans_k 2 -> 1" and pd.isna(flagged["within_noise"])
+    kept = rows.loc[("adjusted_s_inter", 1)]  # z = 0.125 / √(2 · 0.0625²) = √2
+    assert kept["evidence"] == "within noise" and kept["not_comparable"] == ""
+    assert kept["z"] == pytest.approx(math.sqrt(2))
+    stability = rows.loc[("kmeans_stability", 2)]
+    assert stability["evidence"] == "clustering changed"
+    assert stability["not_comparable"] == "kmeans_best_k 4 -> 5"
+    assert rows.loc[("kmeans_stability", 1), "evidence"] == "no standard error"
+    assert changes["evidence"].tolist()[-2:] == ["clustering changed"] * 2  # ranked last
+    assert "adjusted_s_inter" in CLUSTER_ADJUSTED and "adjusted_isoscore_se" in CLUSTER_ADJUSTED
+    summary = compare_runs([a, b], str(tmp_path / "cmp"), echo=print)
+    assert summary["evidence_counts"]["clustering changed"] == 2
+    assert summary["clustering_changed"] == [
+        "b layer 0: the K-means clustering changed (kmeans_k 2 -> 1): its 1 cluster-dependent "
+        "metric is not comparable and not ranked by z",
+        "b layer 2: the K-means clustering changed (kmeans_best_k 4 -> 5): its 1 "
+        "cluster-dependent metric is not comparable and not ranked by z",
+    ]
+    assert summary["clustering_changed"][0] in capsys.readouterr().out
 
 
 def test_z_score_edges() -> None:

@@ -93,16 +93,16 @@ def test_minilm_on_real_english_equals_float64_reference(tmp_path, ray_local, mi
     manifest, ours = run_job(
         tmp_path, minilm_dir, docs, "minilm", max_length=64, shard_bytes=4096, no_report=False
     )
-    # the sampled stage shows its progress by layer, with each layer's K-means search
+    # the sampled stage shows its progress by layer, with each layer's K-means result
     bar = capsys.readouterr().err.replace("\r", "\n")
     last = {int(m[1]): (int(m[2]), int(m[3])) for m in re.finditer(
-        r"layer (\d+): k = (\d+), searched to (\d+)", bar)}  # fmt: skip
+        r"layer (\d+): k = (\d+) \(best silhouette at k = (\d+)\)", bar)}  # fmt: skip
     assert re.search(r"sampled metrics: 100%.* 7/7 ", bar), bar
     layers = ours["layers"].set_index("layer")
     assert last and all(
-        (layers.at[layer, "kmeans_k"], layers.at[layer, "kmeans_k_searched"]) == ks
+        (layers.at[layer, "kmeans_k"], layers.at[layer, "kmeans_best_k"]) == ks
         for layer, ks in last.items()
-    ), (last, layers[["kmeans_k", "kmeans_k_searched"]])
+    ), (last, layers[["kmeans_k", "kmeans_best_k"]])
     ref = reference_tables(minilm_dir, docs, max_length=64)
     assert manifest["status"] == "complete"
     assert manifest["shards"]["total"] > 1

@@ -303,6 +303,23 @@ def fabricate_run(
             }
         )
         _write(table, out / "samples.parquet")
+
+        ks = np.array([*range(2, 16), 17, 19, 21, 24])
+        curves = []
+        for layer, k_chosen in zip(layers, lay["kmeans_k"], strict=True):
+            peak = k_chosen if k_chosen > 1 else 4  # k = 1: the best k (4) is rejected
+            sil = 0.05 + 0.08 * layer - 0.01 * np.abs(ks - peak)
+            if k_chosen == 1:
+                sil = 0.09 - 0.01 * np.abs(ks - peak)
+            curves.append(
+                pd.DataFrame(
+                    {
+                        "layer": layer, "k": ks, "silhouette": sil, "inertia": 1e4 / ks,
+                        "best": ks == peak, "chosen": ks == k_chosen,
+                    }
+                )
+            )  # fmt: skip
+        _write(pd.concat(curves, ignore_index=True), out / "kmeans.parquet")
     return out
 
 
@@ -447,6 +464,9 @@ def test_all_figures_of_a_full_run(runs, full_figs):
     assert "squared" in by["intrinsic_dim"].caption  # the LID convention is stated
     assert "Flagged dims: 7" in by["rogue_dims"].caption and "position" in by["rogue_dims"].caption
     assert "Like with like" in by["clipping"].caption and "(dotted)" in by["clipping"].caption
+    # the K-means curves: the scan fabricated (2..15, then to 24) and the run's threshold
+    assert "k = 2..15, then a 10% grid to 24" in by["kmeans_curve"].caption
+    assert "threshold 0.10" in by["kmeans_curve"].caption
 
 
 def test_runs_without_optional_sections_do_not_fail(runs, minimal_figs):
@@ -686,11 +706,7 @@ def test_report_of_a_real_run(tmp_path):
         "--sample-size",
         "512",
         "--kmeans-k-max",
-        "6",
-        # no search beyond k = 6: these repeated sentences form dozens of clusters, and growing
-        # the search to the default cap of 60 took ~13 s of CPU (tests/test_kmeans.py covers it)
-        "--kmeans-k-cap",
-        "6",
+        "6",  # a scan to k = 6 only (tests/test_kmeans_selection.py covers the default scan)
         "--no-report",  # the run without its report; jobs.report draws it afterwards
     ]
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env, timeout=600)

@@ -43,7 +43,7 @@ def _craft(out: Path, *, sampled: bool = True) -> Path:
     fabricate_run(out, n_layers=5, optional=True)
     manifest = json.loads((out / "manifest.json").read_text())
     manifest["model"]["id"] = MODEL_PATH
-    manifest["config"] |= {"model": MODEL_PATH, "kmeans_k_cap": 60, "kmeans_min_silhouette": 0.1}
+    manifest["config"] |= {"model": MODEL_PATH, "kmeans_k_max": 60, "kmeans_min_silhouette": 0.1}
     (out / "manifest.json").write_text(json.dumps(manifest))
     lay = pd.read_parquet(out / "layers.parquet")
     lay = lay.assign(
@@ -187,7 +187,7 @@ def test_report_marks_k_at_cap_and_k_1(crafted_html):
     assert [r[best] for r in rows][:2] == ["4", f"60 {AT_CAP}"]
     # the footnotes say what the mark and the k = 1 rows mean
     assert f"<b>{AT_CAP}</b> (layers 1, 3)" in crafted_html
-    assert "--kmeans-k-cap 60" in crafted_html and "no interior optimum" in crafted_html
+    assert "--kmeans-k-max 60" in crafted_html and "no interior optimum" in crafted_html
     assert "<b>k = 1</b> (layers 0)" in crafted_html
     assert "below --kmeans-min-silhouette (0.1)" in crafted_html
 

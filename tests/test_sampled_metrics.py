@@ -10,7 +10,7 @@ import pytest
 import torch
 from sklearn.metrics import pairwise_distances, silhouette_score
 
-from embgeom_ray.core.kmeans import select_k
+from embgeom_ray.core.kmeans_selection import select_k
 from embgeom_ray.core.sampled_metrics import (
     SAMPLED_LAYER_COLUMNS,
     cluster_adjusted,
@@ -205,7 +205,7 @@ def clustered_sample(seed=5, layers=(0, 4), n_docs=60, t=24, d=12):
 def test_sampled_layer_metrics_columns_and_values():
     sample = clustered_sample()
     X = sample.points(4).vectors
-    km = select_k(X, ks=range(2, 6), seed=0)
+    km = select_k(X, k_max=5, seed=0)
     row = sampled_layer_metrics(sample, 4, km, lid_k=10)
     assert list(row) == SAMPLED_LAYER_COLUMNS
     assert all(np.isfinite(v) for v in row.values()), row
@@ -233,7 +233,7 @@ def test_sampled_layer_metrics_columns_and_values():
     # K-means run here when no result is given
     assert sampled_layer_metrics(sample, 0, lid_k=10)["kmeans_k"] == 3
     with pytest.raises(ValueError, match="labels"):
-        sampled_layer_metrics(sample, 4, select_k(X[:50], ks=range(2, 4)))
+        sampled_layer_metrics(sample, 4, select_k(X[:50], k_max=3))
 
 
 def test_isoscore_silhouette_correlation():

@@ -10,7 +10,7 @@ import pytest
 from scipy.spatial.distance import cdist
 from sklearn.metrics import silhouette_score
 
-from embgeom_ray.core.kmeans import select_k
+from embgeom_ray.core.kmeans_selection import select_k
 from embgeom_ray.core.rogue import sampled_clipped_cosines
 from embgeom_ray.core.sampled_metrics import (
     SAMPLED_LAYER_COLUMNS,

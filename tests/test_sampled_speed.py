@@ -13,7 +13,8 @@ import pytest
 from sklearn.metrics import pairwise_distances
 
 from embgeom_ray.core import neighbours
-from embgeom_ray.core.kmeans import distinct_rows, select_k
+from embgeom_ray.core.distinct import distinct_rows
+from embgeom_ray.core.kmeans_selection import select_k
 from embgeom_ray.core.metrics import isoscore_from_covariance
 from embgeom_ray.core.neighbours import knn_distances, neighbour_table
 from embgeom_ray.core.partials import group_sums
@@ -117,7 +118,7 @@ def test_sampled_metrics_and_half_sample_ses_equal_direct_computations():
     X, tok = clustered_points()
     rng = np.random.default_rng(3)
     type_vectors = rng.normal(size=(80, X.shape[1])) + 1.0
-    km = select_k(X, ks=range(2, 6), seed=0)
+    km = select_k(X, k_max=5, seed=0)
     opts = {"lid_k": 10, "cluster_min_size": 20, "se_replicates": 6, "seed": 4}
     row = sampled_metrics_of_points(X, tok, type_vectors, km, **opts)
 
@@ -167,7 +168,7 @@ def test_sampled_metrics_and_half_sample_ses_equal_direct_computations():
 
 def test_lid_k_below_2_is_refused_on_every_path():
     X, tok = clustered_points(n=60)
-    km = select_k(X, ks=range(2, 4), seed=0)
+    km = select_k(X, k_max=3, seed=0)
     with pytest.raises(ValueError, match="lid_k must be >= 2"):
         sampled_metrics_of_points(X, tok, None, km, lid_k=1)
     with pytest.raises(ValueError, match="k must be >= 2"):
@@ -178,7 +179,7 @@ def test_repeated_directions_take_the_cosine_lid_without_a_table():
     """Two distinct points on one ray (x and 2x) share a unit vector: LID drops the copy."""
     X, tok = clustered_points(n=200)
     X[5] = 2.0 * X[4]
-    km = select_k(X, ks=range(2, 4), seed=0)
+    km = select_k(X, k_max=3, seed=0)
     row = sampled_metrics_of_points(X, tok, None, km, lid_k=10, se_replicates=0)
     Xd = X[distinct_rows(X)[0]]
     np.testing.assert_allclose(row["lid_cosine"], lid_mle(Xd, 10, "cosine"), rtol=1e-12)

@@ -52,6 +52,14 @@ def ref_type_key(seed: int, tok: int) -> int:
     return ref_splitmix(h ^ tok) & MASK63
 
 
+def ref_content_key(ids, p: int, rule: str = "window") -> int:
+    """The content key of position p of a window of token ids, on Python ints."""
+    d = ref_splitmix(samples_mod._DOMAIN_CONTENT % U64)
+    mix = [ref_splitmix(ref_splitmix(d ^ i) ^ int(t)) for i, t in enumerate(ids)]
+    acc = sum(mix[: p + 1] if rule == "prefix" else mix) % U64
+    return ref_splitmix(ref_splitmix(acc) ^ p) & MASK63
+
+
 def test_splitmix64_and_keys_equal_the_uint64_reference():
     rng = np.random.default_rng(0)
     vals = [0, 1, 2**63 - 1, -1, -(2**63), 2**62, *rng.integers(-(2**63), 2**63 - 1, 50).tolist()]
@@ -98,26 +106,29 @@ def make_windows(rng: np.random.Generator, n_windows: int, vocab: int, nan_rate:
 
 
 def make_batch(wins, extra_pad: int = 0):
-    """Right-padded batch of ``wins``; padding holds NaN vectors, random ids and keep=False."""
+    """Right-padded batch of ``wins``; padding holds NaN vectors, id 999, keep=False and
+    attention mask 0."""
     width = max(len(w[2]) for w in wins) + extra_pad
     b = len(wins)
     ids = torch.full((b, width), 999, dtype=torch.long)
     keep = torch.zeros(b, width, dtype=torch.bool)
+    mask = torch.zeros(b, width, dtype=torch.long)
     hidden = torch.full((len(LAYERS), b, width, D), float("nan"), dtype=torch.float64)
     for r, (_, _, wid, wkeep, vec) in enumerate(wins):
         n = len(wid)
         ids[r, :n] = torch.from_numpy(wid)
         keep[r, :n] = torch.from_numpy(wkeep)
+        mask[r, :n] = 1
         hidden[:, r, :n] = torch.from_numpy(vec)
     docs = torch.tensor([w[0] for w in wins], dtype=torch.int64)
     widx = torch.tensor([w[1] for w in wins], dtype=torch.int64)
-    return hidden, ids, keep, docs, widx
+    return hidden, ids, keep, docs, widx, mask
 
 
 def fold(sample: ActivationSample, wins, extra_pad: int = 0) -> ActivationSample:
     if wins:
-        hidden, ids, keep, docs, widx = make_batch(wins, extra_pad)
-        sample.update(list(hidden), ids, keep, docs, widx)
+        hidden, ids, keep, docs, widx, mask = make_batch(wins, extra_pad)
+        sample.update(list(hidden), ids, keep, docs, widx, attention_mask=mask)
     return sample
 
 
@@ -131,7 +142,8 @@ def brute_force(wins, size: int, type_size: int, seed: int):
     for doc, k, ids, keep, vec in wins:
         for p in range(len(ids)):
             if keep[p] and np.isfinite(vec[:, p]).all():
-                occ.append((ref_occurrence_key(seed, doc, k, p), doc, k, p, int(ids[p])))
+                key = ref_occurrence_key(seed, doc, k, p)
+                occ.append((key, doc, k, p, int(ids[p]), ref_content_key(ids, p)))
     occ = sorted(set(occ))
     uniform = occ[:size]
     best: dict[int, tuple] = {}
@@ -149,6 +161,7 @@ def as_tuples(points) -> list[tuple]:
             points.window_index.tolist(),
             points.positions.tolist(),
             points.token_ids.tolist(),
+            points.content_keys.tolist(),
             strict=True,
         )
     )
@@ -328,7 +341,7 @@ def test_merge_and_load_reject_different_measurements():
 
 def test_update_validates_shapes():
     sample = new_sample()
-    hidden, ids, keep, docs, widx = make_batch(make_windows(np.random.default_rng(6), 3, 5))
+    hidden, ids, keep, docs, widx, _ = make_batch(make_windows(np.random.default_rng(6), 3, 5))
     with pytest.raises(ValueError, match="hidden-state"):
         sample.update(list(hidden)[:2], ids, keep, docs, widx)
     with pytest.raises(ValueError, match="doc_ids"):
@@ -364,10 +377,20 @@ def test_files_written_by_earlier_versions_load(name, tmp_path):
     now = sketch_fixtures.fold_sample(ActivationSample)
     assert old.num_uniform == sketch_fixtures.SAMPLE_SIZE
     assert old.num_types == sketch_fixtures.SAMPLE_TYPE_SIZE
-    assert old.header() == now.header() and old.header()["format"] == "embgeom_ray.samples"
-    assert old.to_bytes() == now.to_bytes()
+    # version 1 had no content keys: they come from the vectors (rule "vectors")
+    assert old.header() == now.header() | {"content_rule": "vectors"}
+    assert old.header()["format"] == "embgeom_ray.samples"
+    for layer in sketch_fixtures.LAYERS:
+        a, b = old.points(layer), now.points(layer)
+        for field in a._fields:
+            if field != "content_keys":
+                np.testing.assert_array_equal(getattr(a, field), getattr(b, field))
+        vectors = np.stack([old.points(li).vectors for li in sketch_fixtures.LAYERS])
+        np.testing.assert_array_equal(a.content_keys, samples_mod.vector_content_keys(vectors))
+    # merging samples of different rules falls back to the vectors' keys on both sides
+    assert now.merge(old).to_bytes() == old.to_bytes()
     old.save(tmp_path / "again.safetensors")
-    assert ActivationSample.load(tmp_path / "again.safetensors").to_bytes() == now.to_bytes()
+    assert ActivationSample.load(tmp_path / "again.safetensors").to_bytes() == old.to_bytes()
 
 
 @pytest.mark.parametrize("type_uniform", [True, False])

@@ -9,7 +9,7 @@ import torch
 
 from embgeom_ray.config import JobConfig
 from embgeom_ray.core import metrics, partials, rogue
-from embgeom_ray.core.kmeans import select_k
+from embgeom_ray.core.kmeans_selection import select_k
 from embgeom_ray.core.sampled_metrics import SAMPLED_LAYER_COLUMNS, sampled_metrics_of_points
 from embgeom_ray.core.statistics import EmbeddingStatistics
 from embgeom_ray.core.tables import (
@@ -185,10 +185,19 @@ def test_mean_cosine_from_unit_sum_equals_brute_force():
 def run_locally(tables: dict[str, pd.DataFrame], sample, cfg: JobConfig) -> dict:
     """The sampled stage in this process: the plan, select_k and sampled_row per layer."""
     plan = plan_sampled_metrics(sample, tables["dims"], Tokenizer, cfg.sampled)
-    kmeans = {layer: select_k(x.vectors, **plan.kmeans_options) for layer, x in plan.layers.items()}
+    kmeans = {
+        layer: select_k(x.vectors, groups=x.content_keys, **plan.kmeans_options)
+        for layer, x in plan.layers.items()
+    }
     rows = {
         layer: sampled_row(
-            x.vectors, x.token_ids, x.type_vectors, kmeans[layer], x.clip_dims, **plan.row_options
+            x.vectors,
+            x.token_ids,
+            x.type_vectors,
+            kmeans[layer],
+            x.clip_dims,
+            groups=x.content_keys,
+            **plan.row_options,
         )
         for layer, x in plan.layers.items()
     }
@@ -204,7 +213,7 @@ def test_sampled_stage_parts(tables):
     out = run_locally(tables, sample, cfg)
     plan, kmeans, n = out["plan"], out["kmeans"], sample.num_uniform
     assert not plan.skipped and list(plan.layers) == LAYERS
-    assert list(plan.kmeans_options["ks"]) == [2, 3, 4, 5]
+    assert plan.kmeans_options["k_max"] == 5
     assert plan.row_options == {
         "lid_k": 10,
         "silhouette_max_points": 4096,
@@ -213,7 +222,7 @@ def test_sampled_stage_parts(tables):
         "s_inter_draws": 20,
         "se_replicates": 10,
     }
-    assert plan.kmeans_options["k_cap"] == 60 and plan.kmeans_options["stability_seeds"] == 2
+    assert plan.kmeans_options["n_init"] == 1 and plan.kmeans_options["stability_seeds"] == 2
     flagged = rogue.flagged_dims(tables["dims"])
     layers = tables["layers"].set_index("layer")
     for layer, x in plan.layers.items():
@@ -221,9 +230,11 @@ def test_sampled_stage_parts(tables):
         np.testing.assert_array_equal(x.vectors, pts.vectors)
         np.testing.assert_array_equal(x.type_vectors, sample.type_points(layer).vectors)
         assert x.clip_dims == flagged[layer]
+        np.testing.assert_array_equal(x.content_keys, pts.content_keys)
         expected = sampled_metrics_of_points(
-            pts.vectors, pts.token_ids, x.type_vectors, kmeans[layer], lid_k=10
-        )
+            pts.vectors, pts.token_ids, x.type_vectors, kmeans[layer], lid_k=10,
+            groups=pts.content_keys,
+        )  # fmt: skip
         for column in SAMPLED_LAYER_COLUMNS:
             np.testing.assert_array_equal(layers.loc[layer, column], expected[column])
         clipped = pts.vectors.copy()
@@ -236,6 +247,13 @@ def test_sampled_stage_parts(tables):
         uniform = samples[samples["sample"] == "uniform"]
         np.testing.assert_array_equal(uniform.cluster.to_numpy(int), kmeans[layer].labels)
         assert samples[samples["sample"] == "type_uniform"].cluster.isna().all()
+        curve = tables["kmeans"][tables["kmeans"].layer == layer]
+        km = kmeans[layer]
+        assert curve["k"].tolist() == sorted(km.silhouettes) == [2, 3, 4, 5]
+        np.testing.assert_array_equal(curve["silhouette"], [km.silhouettes[k] for k in curve["k"]])
+        np.testing.assert_array_equal(curve["inertia"], [km.inertias[k] for k in curve["k"]])
+        assert curve.loc[curve["best"], "k"].tolist() == [km.best_k]
+        assert curve.loc[curve["chosen"], "k"].tolist() == ([km.k] if km.k > 1 else [])
     pd.testing.assert_frame_equal(tables["layers"][exact_layers.columns], exact_layers)
     iso, sil = layers["isoscore"].to_numpy(), layers["kmeans_silhouette"].to_numpy()
     assert out["note"] == {

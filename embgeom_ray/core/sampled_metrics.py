@@ -3,12 +3,13 @@
 The exact, moment-based metrics are in :mod:`embgeom_ray.core.metrics`; these run on the bounded
 samples of :class:`~embgeom_ray.core.samples.ActivationSample` (uniform: the ``size`` occurrences
 of smallest key; type-uniform: one random occurrence per sampled token type), with the K-means
-model selection of :mod:`embgeom_ray.core.kmeans` / :mod:`embgeom_ray.distributed.kmeans`.
+model selection of :mod:`embgeom_ray.core.kmeans_selection` / :mod:`embgeom_ray.distributed.kmeans`.
 
 Cosine means over pairs use unit-vector sums: for unit vectors u_1..u_m with U = Σ u_i, the
 mean cosine over the m(m − 1) ordered pairs i ≠ j is (||U||² − m) / (m(m − 1)), exact.
 
-Exact duplicate points (repeated text gives identical vectors) are handled per metric (see
+Repeated points (repeated text: occurrences whose model input was the same, by the sample's
+content keys, :mod:`embgeom_ray.core.distinct`) are handled per metric (see
 :func:`sampled_metrics_of_points`): the geometry of the point set (clusters, silhouettes, LID)
 counts each distinct point once; occurrence averages that estimate an exact, corpus-wide
 quantity count every occurrence. Each layer's main metrics carry a standard error from
@@ -25,13 +26,14 @@ import pandas as pd
 from scipy.special import logsumexp
 
 from ..config import JobConfig
-from .kmeans import SILHOUETTE_MAX_POINTS, distinct_rows
+from .distinct import distinct_rows
+from .kmeans_selection import SILHOUETTE_MAX_POINTS
 from .metrics import isoscore_from_covariance, isoscore_from_spectrum
 from .neighbours import NeighbourTable, knn_distances, neighbour_table, smallest_per_row
 from .partials import group_sums, mean_cosine_from_unit_sum
 
 if TYPE_CHECKING:
-    from .kmeans import SelectKResult
+    from .kmeans_selection import SelectKResult
     from .samples import ActivationSample
 
 #: the metrics that get a half-sample standard error (column ``<metric>_se``)
@@ -273,11 +275,11 @@ def silhouette_by_labels(
 
     ``distances``: the (n, n) matrix of ``metric`` distances between the rows of ``X``, if
     already computed; the silhouette is then taken on its rows and columns of the selected
-    points (:func:`embgeom_ray.core.kmeans.silhouette_from_distances`, the same value).
+    points (:func:`embgeom_ray.core.kmeans_selection.silhouette_from_distances`, the same value).
     """
     from sklearn.metrics import silhouette_score
 
-    from .kmeans import silhouette_from_distances
+    from .kmeans_selection import silhouette_from_distances
 
     X = _as_points(X)
     labels = np.asarray(labels)
@@ -325,7 +327,7 @@ def _silhouette_of_rows(
     Takes one block of D, that of the scored points, instead of the block of ``rows`` and then
     its block of the scored points: the same matrix, so the same value.
     """
-    from .kmeans import silhouette_from_distances
+    from .kmeans_selection import silhouette_from_distances
 
     sel = _silhouette_selection(labels, max_points, seed, min_label_count)
     if sel is None:
@@ -558,7 +560,7 @@ def sampled_layer_metrics(
     sample of ``layer`` (rows of ``sample.points(layer)``) and, when the sample has a
     type-uniform part of ≥ 2 types, the type-uniform vectors
     ``sample.type_points(layer).vectors``. ``kmeans_result`` is
-    :func:`embgeom_ray.core.kmeans.select_k`'s result for these rows (e.g. from
+    :func:`embgeom_ray.core.kmeans_selection.select_k`'s result for these rows (e.g. from
     :func:`embgeom_ray.distributed.kmeans.fit_layers_on_ray`); None runs ``select_k`` here.
     """
     pts = sample.points(layer)
@@ -738,31 +740,35 @@ def sampled_metrics_of_points(
     cluster_min_size: int = CLUSTER_MIN_SIZE,
     s_inter_draws: int = S_INTER_DRAWS,
     se_replicates: int = SE_REPLICATES,
+    groups: np.ndarray | None = None,
 ) -> dict[str, float | int | bool]:
     """The sampled ``layers.parquet`` columns (:data:`SAMPLED_LAYER_COLUMNS`) of one layer's points.
 
-    On the uniform sample X (n, d) with the token id of each row. Exact duplicate rows (repeated
-    text gives identical vectors) are handled per metric:
+    On the uniform sample X (n, d) with the token id of each row and ``groups``, the rows'
+    content keys (:attr:`~embgeom_ray.core.samples.SamplePoints.content_keys`; None: rows are
+    the same point only when bit-identical). Repeated points are handled per metric:
 
     - the geometry of the point set (K-means and its silhouette, cluster-adjusted metrics,
       ``silhouette_types``, LIDs) uses each *distinct* point once
-      (:func:`embgeom_ray.core.kmeans.distinct_rows`): copies would sit at distance 0 (LID
-      undefined, silhouettes and clusters pulled toward the repeated text);
+      (:func:`embgeom_ray.core.distinct.distinct_rows` with ``groups``; the first row of each
+      point in the sample's canonical order stands for it): copies would sit at distance ~0
+      (LID undefined, silhouettes and clusters pulled toward the repeated text);
     - occurrence averages that estimate a corpus-wide, exact quantity (``isoscore_sample``,
       ``partition_isotropy*``, the sampled cosines of :func:`~.rogue.sampled_clipped_cosines`,
       ``s_inter_type_uniform``) count every occurrence, copies included, as the exact metrics
       do;
-    - ``sample_duplicate_points``: n − the number of distinct rows.
+    - ``sample_duplicate_points``: n − the number of distinct points.
 
     The columns:
 
     - ``kmeans_k``, ``kmeans_silhouette``: Cai et al.'s k and the best silhouette over the k
-      tried (:func:`embgeom_ray.core.kmeans.select_k`; reported even when k = 1 is chosen);
-      ``kmeans_best_k`` the k of that silhouette, ``kmeans_k_searched`` the largest k tried,
-      ``kmeans_k_at_cap`` whether the best k is at the cap of the grown search (no interior
-      optimum), ``kmeans_stability`` the mean adjusted Rand index of refits with other seeds.
-      ``kmeans_result`` is its result for these rows; None runs ``select_k`` here, in this
-      process (same ``seed`` and ``silhouette_max_points``, its other defaults).
+      tried (:func:`embgeom_ray.core.kmeans_selection.select_k`; reported even when k = 1 is chosen);
+      ``kmeans_best_k`` the k of that silhouette, ``kmeans_k_searched`` the largest k fitted
+      (every k from 2 to it is), ``kmeans_k_at_cap`` whether the best k is that largest k (no
+      interior optimum in the scan), ``kmeans_stability`` the mean adjusted Rand index of
+      refits from other initialisations. ``kmeans_result`` is its result for these rows; None
+      runs ``select_k`` here, in this process (same ``seed``, ``silhouette_max_points`` and
+      ``groups``, its other defaults).
     - ``adjusted_s_inter``, ``adjusted_s_intra``, ``adjusted_isoscore`` (Cai's unweighted
       means), ``adjusted_*_weighted`` (size-weighted over clusters of ≥ ``cluster_min_size``
       points; ``adjusted_clusters_used``/``_left_out``), ``adjusted_s_inter_draws_mean``/``_std``
@@ -794,7 +800,7 @@ def sampled_metrics_of_points(
     """
     from sklearn.metrics import pairwise_distances
 
-    from .kmeans import select_k
+    from .kmeans_selection import select_k
 
     X = _as_points(X)
     token_ids = np.asarray(token_ids)
@@ -803,13 +809,15 @@ def sampled_metrics_of_points(
     if lid_k < 2:
         raise ValueError(f"lid_k must be >= 2, got {lid_k}")
     if kmeans_result is None:
-        kmeans_result = select_k(X, seed=seed, silhouette_max_points=silhouette_max_points)
+        kmeans_result = select_k(
+            X, seed=seed, silhouette_max_points=silhouette_max_points, groups=groups
+        )
     labels = np.asarray(kmeans_result.labels)
     if labels.shape != (len(X),):
         raise ValueError(
             f"kmeans_result has {labels.shape[0]} labels for {len(X)} points: fit K-means on X"
         )
-    first, _ = distinct_rows(X)
+    first, _ = distinct_rows(X, groups)
     Xd = X[first]
     best = kmeans_result.best_labels
     dist = chord = euclid_nn = chord_nn = None

@@ -17,6 +17,20 @@ type-uniform sample (Cai et al. 2021's S_inter: one random occurrence per token 
     (:func:`type_keys`) are kept: a uniform random subset of the types seen (a KMV / bottom-k
     distinct-value sample, Bar-Yossef et al. 2002), so averages over types stay unbiased.
 
+content keys (which occurrences are the same point)
+    Every sampled occurrence also carries a 63-bit *content key* c(o) (:func:`content_keys`): a
+    hash of what the model saw for it. With the rule ``"window"`` (bidirectional encoders:
+    every position attends to the whole window) that is the window's token ids and the
+    position; with ``"prefix"`` (causal decoders: a position sees only the tokens up to it)
+    the token ids up to and including the position, and the position. Two occurrences with
+    equal content keys had the same input, so their hidden states are the same point up to the
+    forward's rounding (which depends on how the windows were batched): the sampled metrics
+    count such repeats as one point by their key (:func:`embgeom_ray.core.distinct.distinct_rows`),
+    not by float equality, so the point set does not depend on batching, sharding, workers,
+    device or dtype. Samples written before content keys existed (format version 1) get the
+    rule ``"vectors"`` on loading: a hash of the occurrence's stored vectors in every layer
+    (equal keys: bit-identical vectors), the behaviour of those versions.
+
 Both are *exactly* mergeable: ties are broken lexicographically on (key, doc_id, window,
 position) (and (type key, token_id)), a repeated occurrence is kept once, and the selected set
 depends only on the set of occurrences seen — never on batching, sharding, worker count or
@@ -53,13 +67,16 @@ _OPTIONS = JobConfig.model_fields
 
 #: the ``format`` of the header (this name since the first version).
 FORMAT = "embgeom_ray.samples"
-FORMAT_VERSION = 1
-#: format names and versions read.
-_READS = {FORMAT: frozenset({1})}
+FORMAT_VERSION = 2
+#: format names and versions read (version 1: no content keys; see the module docstring).
+_READS = {FORMAT: frozenset({1, 2})}
+#: rules of the content keys (:func:`content_keys`); "vectors" only for version-1 samples.
+CONTENT_RULES = ("window", "prefix", "vectors")
 
 #: columns of ``samples.parquet`` (:meth:`ActivationSample.to_table`).
 SAMPLE_COLUMNS = [
-    "layer", "sample", "key", "token_id", "token", "doc_id", "window", "position", "vector",
+    "layer", "sample", "key", "token_id", "token", "doc_id", "window", "position",
+    "content_key", "vector",
 ]  # fmt: skip
 
 _I64 = torch.int64
@@ -79,6 +96,7 @@ _MIX1 = _signed64(0xBF58476D1CE4E5B9)
 _MIX2 = _signed64(0x94D049BB133111EB)
 _DOMAIN_OCCURRENCE = _signed64(0x6F63637572656E63)  # "occurenc": key domain of occurrences
 _DOMAIN_TYPE = _signed64(0x746F6B656E747970)  # "tokentyp": key domain of token types
+_DOMAIN_CONTENT = _signed64(0x636F6E74656E7473)  # "contents": key domain of window contents
 
 
 def _shr(z: torch.Tensor, s: int) -> torch.Tensor:
@@ -125,6 +143,57 @@ def type_keys(seed: int, token_ids: torch.Tensor) -> torch.Tensor:
     return splitmix64(h ^ token_ids.to(_I64)) & _MASK63
 
 
+def content_keys(
+    token_ids: torch.Tensor,
+    attention_mask: torch.Tensor | None = None,
+    rule: str = "window",
+    positions: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """(B, T) 63-bit content keys of the occurrences of a batch of right-padded windows.
+
+    Each real position i of a row (``attention_mask`` 1; all positions when None) contributes
+    m(i, t_i) = SM(SM(D ⊕ p_i) ⊕ t_i), SM = :func:`splitmix64`, p_i its position within the
+    window (``positions``; default the column index) and t_i its token id; padding contributes
+    0. With ``rule="window"`` an occurrence at position p gets c = SM(SM(Σ_i m(i, t_i)) ⊕ p),
+    the sum over the whole window; with ``rule="prefix"`` the sum runs over the positions
+    p_i ≤ p only (a causal model's input for position p). Sums wrap modulo 2⁶⁴ (int64, as in
+    :func:`splitmix64`), so c depends on the window's content, never on the row's padding or on
+    the other rows of the batch. Equal keys for different inputs need a 64-bit collision.
+    """
+    if rule not in ("window", "prefix"):
+        raise ValueError(f"rule must be 'window' or 'prefix', got {rule!r}")
+    if token_ids.dim() != 2:
+        raise ValueError(f"token_ids must be (B, T), got shape {tuple(token_ids.shape)}")
+    dev = token_ids.device
+    if positions is None:
+        positions = torch.arange(token_ids.shape[1], device=dev).expand_as(token_ids)
+    positions = positions.to(dev, _I64)
+    pos_state = splitmix64(_seed_state(0, _DOMAIN_CONTENT, dev) ^ positions)
+    mix = splitmix64(pos_state ^ token_ids.to(_I64))
+    if attention_mask is not None:
+        mix = torch.where(attention_mask.to(dev).bool(), mix, torch.zeros_like(mix))
+    if rule == "prefix":
+        # the positions of a right-padded window ascend along the row: a running sum is a prefix
+        acc = torch.cumsum(mix, dim=1)
+    else:
+        acc = mix.sum(dim=1, keepdim=True).expand_as(mix)
+    return splitmix64(splitmix64(acc) ^ positions) & _MASK63
+
+
+def vector_content_keys(vectors: np.ndarray) -> np.ndarray:
+    """(n,) 63-bit keys of occurrences from their stored float32 vectors (L, n, d): a BLAKE2b
+    hash of each occurrence's bytes in every layer (the ``"vectors"`` rule of version-1
+    samples: equal keys for bit-identical vectors)."""
+    import hashlib
+
+    vectors = np.ascontiguousarray(np.asarray(vectors, dtype=np.float32).transpose(1, 0, 2))
+    out = np.empty(len(vectors), dtype=np.int64)
+    for i, v in enumerate(vectors):
+        digest = hashlib.blake2b(v.tobytes(), digest_size=8).digest()
+        out[i] = int.from_bytes(digest, "little") & _MASK63
+    return out
+
+
 def _lexsort(cols: Sequence[torch.Tensor]) -> torch.Tensor:
     """Permutation ordering rows lexicographically by ``cols`` (first = most significant)."""
     perm = torch.arange(cols[0].numel(), device=cols[0].device)
@@ -165,12 +234,13 @@ class SamplePoints(NamedTuple):
     window_index: np.ndarray  # (n,) int64
     positions: np.ndarray  # (n,) int64, position within the window
     vectors: np.ndarray  # (n, d) float64 (stored as float32)
+    content_keys: np.ndarray  # (n,) int64: equal for occurrences of the same input (module doc)
 
 
 # column names of the two tables, and the lexicographic order that defines "smallest"
 _OCC = ("key", "doc", "window", "position")
-_U_COLS = (*_OCC, "token")
-_T_COLS = ("token", "type_key", *_OCC)
+_U_COLS = (*_OCC, "token", "content")
+_T_COLS = ("token", "type_key", *_OCC, "content")
 _ARRAY_NAMES = {
     "key": "key",
     "doc": "doc_id",
@@ -178,6 +248,7 @@ _ARRAY_NAMES = {
     "position": "position",
     "token": "token_id",
     "type_key": "type_key",
+    "content": "content_key",
 }
 
 
@@ -273,14 +344,17 @@ class ActivationSample(Sketch):
         metadata: identity strings (model, tokenizer fingerprints, …); :meth:`merge` refuses
             samples whose :attr:`IDENTITY_KEYS` differ (:meth:`Sketch.check_compatible`).
         type_size: how many token types the type-uniform sample keeps (default ``size``).
+        content_rule: what makes two occurrences the same point (:func:`content_keys`):
+            ``"window"`` for models whose positions attend to the whole window, ``"prefix"``
+            for causal ones (:func:`~embgeom_ray.inputs.model_loading.content_rule`).
     """
 
     FORMAT = FORMAT
     FORMAT_VERSION = FORMAT_VERSION
     READS = _READS
     KIND = "samples"
-    HEADER_FIELDS = ("size", "type_size", "seed", "type_uniform")
-    MERGE_FIELDS = HEADER_FIELDS
+    HEADER_FIELDS = ("size", "type_size", "seed", "type_uniform", "content_rule")
+    MERGE_FIELDS = ("size", "type_size", "seed", "type_uniform")
 
     def __init__(
         self,
@@ -293,8 +367,12 @@ class ActivationSample(Sketch):
         metadata: Mapping[str, str] | None = None,
         *,
         type_size: int | None = None,
+        content_rule: str = "window",
     ) -> None:
         self._init_sketch(layers, dim, device, metadata)
+        if content_rule not in CONTENT_RULES:
+            raise ValueError(f"content_rule must be one of {CONTENT_RULES}, got {content_rule!r}")
+        self.content_rule = content_rule
         if size < 1:
             raise ValueError(f"size must be >= 1, got {size}")
         type_size = size if type_size is None else int(type_size)
@@ -367,6 +445,7 @@ class ActivationSample(Sketch):
         window_index: torch.Tensor,
         positions: torch.Tensor | None = None,
         finite: Sequence[bool] | None = None,
+        attention_mask: torch.Tensor | None = None,
     ) -> None:
         """Fold one batch (the extractor's :class:`~embgeom_ray.inputs.windows.Batch`).
 
@@ -378,7 +457,12 @@ class ActivationSample(Sketch):
             window_index: (B,) int64 window number within its document (``batch.window_index``).
             positions: (B, T) position within the window (default: the column index, which is
                 the position for right-padded windows).
+            attention_mask: (B, T) the real (non-padding) positions of each window
+                (``batch.attention_mask``), for the content keys (:func:`content_keys`, with
+                this sample's ``content_rule``); None: every position of a row is real.
         """
+        if self.content_rule == "vectors":
+            raise ValueError("a sample loaded from a version-1 file takes merges, not batches")
         hidden, keep = self._batch(hidden, token_ids, keep, positions)
         b, tlen = token_ids.shape
         if tuple(doc_ids.shape) != (b,) or tuple(window_index.shape) != (b,):
@@ -409,6 +493,11 @@ class ActivationSample(Sketch):
         if int(occ["token"].min()) < 0:
             raise ValueError("token ids must be non-negative")
         occ["key"] = occurrence_keys(self.seed, occ["doc"], occ["window"], occ["position"])
+        content = content_keys(
+            token_ids.to(dev), attention_mask, self.content_rule,
+            None if positions is None else positions.to(dev),
+        )  # fmt: skip
+        occ["content"] = content[rows, cols_]
 
         def gather(sel: torch.Tensor) -> torch.Tensor:
             """(L, len(sel), d) float32 vectors on ``dev`` (layers may live on other devices)."""
@@ -452,15 +541,36 @@ class ActivationSample(Sketch):
         """
         self.check_compatible(other)
         self._adopt_metadata(other)
+        vector_rule = self.content_rule != other.content_rule
+        if vector_rule:  # keys of different rules do not compare: both fall back to vectors
+            self._to_vector_rule()
         u = other._u
         if u.n:
             vu = u.vec[:, : u.n].to(self.device)
-            self._fold_uniform({k: u.used(k) for k in _U_COLS}, lambda s: vu.index_select(1, s))
+            self._fold_uniform(self._merge_cols(u, _U_COLS, vector_rule), lambda s: vu.index_select(1, s))
         t = other._t
         if t.n:
             vt = t.vec[:, : t.n].to(self.device)
-            self._fold_types({k: t.used(k) for k in _T_COLS}, lambda s: vt.index_select(1, s))
+            self._fold_types(self._merge_cols(t, _T_COLS, vector_rule), lambda s: vt.index_select(1, s))
         return self
+
+    @staticmethod
+    def _merge_cols(table: _Table, names: Sequence[str], vector_rule: bool) -> dict[str, torch.Tensor]:
+        """``table``'s used columns ``names``, with content keys of the ``"vectors"`` rule
+        (:func:`vector_content_keys`) when ``vector_rule``."""
+        cols = {k: table.used(k) for k in names}
+        if vector_rule:
+            vec = table.vec[:, : table.n].cpu().numpy()
+            cols["content"] = torch.from_numpy(vector_content_keys(vec)).to(cols["content"].device)
+        return cols
+
+    def _to_vector_rule(self) -> None:
+        """Replace the content keys by those of the ``"vectors"`` rule (:func:`vector_content_keys`)."""
+        for table in (self._u, self._t):
+            if table.n:
+                keys = vector_content_keys(table.vec[:, : table.n].cpu().numpy())
+                table.cols["content"][: table.n] = torch.from_numpy(keys).to(self.device)
+        self.content_rule = "vectors"
 
     # ------------------------------------------------------------ views
     def _layer_index(self, layer: int) -> int:
@@ -475,8 +585,9 @@ class ActivationSample(Sketch):
 
         vec = table.vec[li, : table.n][order].cpu().numpy().astype(np.float64)
         return SamplePoints(
-            np_("key"), np_("token"), np_("doc"), np_("window"), np_("position"), vec
-        )
+            np_("key"), np_("token"), np_("doc"), np_("window"), np_("position"), vec,
+            np_("content"),
+        )  # fmt: skip
 
     def _uniform_order(self) -> torch.Tensor:
         return self._u.canonical(_OCC)
@@ -525,6 +636,7 @@ class ActivationSample(Sketch):
                             "doc_id": col("doc"),
                             "window": col("window"),
                             "position": col("position"),
+                            "content_key": col("content"),
                             "vector": list(vec),
                         }
                     )
@@ -567,6 +679,7 @@ class ActivationSample(Sketch):
             device,
             header.get("metadata"),
             type_size=int(header["type_size"]),
+            content_rule=str(header.get("content_rule", "vectors" if version < 2 else "")),
         )
 
     def _set_state(self, arrays: Mapping[str, np.ndarray]) -> None:
@@ -583,7 +696,12 @@ class ActivationSample(Sketch):
                 raise StatisticsMismatchError(
                     f"samples array {vec_name!r} holds {n} entries, more than the {limit} kept"
                 )
-            cols = {
+            names = list(table.names)
+            derived = {}
+            if f"{prefix}_content_key" not in arrays and self.content_rule == "vectors":
+                names.remove("content")  # a version-1 sample: the keys come from its vectors
+                derived["content"] = torch.from_numpy(vector_content_keys(vec))
+            cols = derived | {
                 k: torch.from_numpy(
                     np.array(
                         check_array(
@@ -591,7 +709,7 @@ class ActivationSample(Sketch):
                         )
                     )
                 )
-                for k in table.names
+                for k in names
             }
             empty = torch.empty(0, dtype=torch.int64, device=self.device)
             table.replace(empty, cols, torch.from_numpy(np.array(vec)), limit)

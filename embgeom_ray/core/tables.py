@@ -13,7 +13,7 @@ partition or R give the same tables (:func:`build_tables_from`).
 The sampled stage (K-means, LID, silhouettes, cluster-adjusted and clipped cosines on the
 activation sample) is split in three: :func:`plan_sampled_metrics` (the samples table, the rule
 that skips too small a sample, each layer's inputs and options), one :func:`sampled_row` and
-one :func:`~embgeom_ray.core.kmeans.select_k` per layer (run as Ray tasks by
+one :func:`~embgeom_ray.core.kmeans_selection.select_k` per layer (run as Ray tasks by
 :func:`embgeom_ray.distributed.sampled_stage.add_sampled_metrics`, or anywhere else), and
 :func:`finish_sampled_metrics` (clusters into the samples table, the rows into ``layers``, the
 manifest's note).
@@ -43,7 +43,7 @@ from .rogue import (
 from .statistics import EmbeddingStatistics, LayerMoments, range_key
 
 if TYPE_CHECKING:
-    from .kmeans import SelectKResult
+    from .kmeans_selection import SelectKResult
     from .samples import ActivationSample
 
 #: fewer uniform sampled points than this and the sampled metrics are left empty (NaN)
@@ -208,6 +208,7 @@ class SampledLayer:
     token_ids: np.ndarray  # (n,)
     type_vectors: np.ndarray | None  # the type-uniform sample; None without one of >= 2 types
     clip_dims: list[int]  # the layer's flagged dimensions (dims.parquet)
+    content_keys: np.ndarray | None = None  # (n,) which rows are one point (core.distinct)
 
 
 @dataclass(frozen=True)
@@ -237,8 +238,8 @@ def plan_sampled_metrics(
     """The samples table and, unless the sample is too small, each layer's inputs.
 
     Skipped (no sampled metrics, NaN columns) when the uniform sample has fewer than
-    :data:`MIN_SAMPLE_POINTS` points. Otherwise K-means tries k = 2..min(``kmeans_k_max``,
-    n − 1), grown up to ``kmeans_k_cap`` while the best k is the largest tried, and LID uses
+    :data:`MIN_SAMPLE_POINTS` points. Otherwise K-means fits every k = 2..min(``kmeans_k_max``,
+    n − 1) (:func:`~.kmeans_selection.select_k`) on the distinct points by content key, and LID uses
     k = min(``lid_k``, n − 1) neighbours, n the uniform points; the clipped cosines zero the
     layer's dimensions flagged in ``dims`` (``dims.parquet``).
     """
@@ -259,11 +260,11 @@ def plan_sampled_metrics(
             pts.token_ids,
             sample.type_points(layer).vectors if with_types else None,
             flagged.get(layer, []),
+            pts.content_keys,
         )
     kmeans_options = {
-        "ks": range(2, min(options.kmeans_k_max, n_points - 1) + 1),
+        "k_max": options.kmeans_k_max,
         "min_silhouette": options.kmeans_min_silhouette,
-        "k_cap": options.kmeans_k_cap,
         "n_init": options.kmeans_n_init,
         "seed": options.sample_seed,
         "silhouette_max_points": options.silhouette_max_points,
@@ -280,6 +281,29 @@ def plan_sampled_metrics(
     return SampledPlan(samples, note, layers, kmeans_options, row_options)
 
 
+#: columns of ``kmeans.parquet`` (:func:`kmeans_table`)
+KMEANS_COLUMNS = ["layer", "k", "silhouette", "inertia", "best", "chosen"]
+
+
+def kmeans_table(results: Mapping[int, SelectKResult]) -> pd.DataFrame:
+    """``kmeans.parquet``: each layer's K-means scan, one row per k fitted.
+
+    ``silhouette`` and ``inertia`` of that k's fit (:meth:`~.kmeans_selection.SelectKResult.curve`),
+    ``best`` whether it is the k of best silhouette (``kmeans_best_k``), ``chosen`` whether it
+    is the reported ``kmeans_k`` (no row is chosen when k = 1 is: the best silhouette is below
+    the threshold). The curve shows whether k = 1 means no structure at any k, or structure
+    that the threshold rejected.
+    """
+    rows = [
+        {"layer": layer, **point, "best": point["k"] == res.best_k, "chosen": point["k"] == res.k}
+        for layer, res in results.items()
+        for point in res.curve()
+    ]
+    df = pd.DataFrame(rows, columns=KMEANS_COLUMNS)
+    return df.astype({"layer": np.int64, "k": np.int64, "silhouette": np.float64,
+                      "inertia": np.float64, "best": bool, "chosen": bool})  # fmt: skip
+
+
 def finish_sampled_metrics(
     tables: dict[str, pd.DataFrame],
     plan: SampledPlan,
@@ -289,8 +313,9 @@ def finish_sampled_metrics(
     """Put the sampled stage's results into ``tables``; return the manifest's note.
 
     ``rows``: layer -> :func:`sampled_row`; ``kmeans``: layer -> its
-    :class:`~.kmeans.SelectKResult` (both for every layer of ``plan``; ignored when skipped).
-    Sets ``tables["samples"]`` (each uniform occurrence's K-means ``cluster``), adds the
+    :class:`~.kmeans_selection.SelectKResult` (both for every layer of ``plan``; ignored when skipped).
+    Sets ``tables["samples"]`` (each uniform occurrence's K-means ``cluster``) and
+    ``tables["kmeans"]`` (:func:`kmeans_table`), adds the
     sampled columns to ``tables["layers"]``, and adds to the note the IsoScore–silhouette
     correlation across layers (:func:`~.sampled_metrics.isoscore_silhouette_correlation`) and
     the LID convention.
@@ -304,6 +329,7 @@ def finish_sampled_metrics(
     for layer in plan.layers:
         uniform = (samples["layer"] == layer) & (samples["sample"] == "uniform")
         samples.loc[uniform, "cluster"] = np.asarray(kmeans[layer].labels, dtype=np.int64)
+    tables["kmeans"] = kmeans_table({layer: kmeans[layer] for layer in plan.layers})
     sampled = pd.DataFrame([{"layer": layer} | dict(rows[layer]) for layer in plan.layers])
     layers = tables["layers"].merge(sampled, on="layer", how="left")
     tables["layers"] = layers

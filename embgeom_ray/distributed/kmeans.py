@@ -1,27 +1,26 @@
 """The thin Ray layer of the sampled metrics: per-layer K-means and metric tasks, partitions.
 
-Geometry lives in :mod:`embgeom_ray.core.kmeans` and :mod:`embgeom_ray.core.sampled_metrics`; this
+Geometry lives in :mod:`embgeom_ray.core.kmeans_selection`, :mod:`embgeom_ray.core.kmeans` and :mod:`embgeom_ray.core.sampled_metrics`; this
 module only decides where it runs. :func:`fit_layers_on_ray` (or :func:`submit_layers_on_ray`,
-which does not wait) runs :func:`~embgeom_ray.core.kmeans.select_k` for every layer, by the size of
+which does not wait) runs :func:`~embgeom_ray.core.kmeans_selection.select_k` for every layer, by the size of
 the layer's sample:
 
 - small (n·d ≤ ``local_max_elements``, default
-  :data:`~embgeom_ray.core.kmeans.LOCAL_FIT_MAX_ELEMENTS`: the default 4096-point samples of any
-  model up to d = 8192): one Ray task per layer runs the model selection, and its fits are
-  scikit-learn's KMeans in one process each (:func:`~embgeom_ray.core.kmeans.fit_local`, Lloyd
-  in float32 on the centred points unless ``local_dtype`` says otherwise). Each task reserves
-  ``cpus_per_task`` CPUs and caps its OpenMP/BLAS threads at that number (``threadpoolctl``),
-  so concurrent tasks never run more threads than the CPUs Ray gave them. One thread per task
-  is the default: at n = 4096 a second thread does not speed a fit up, a second layer does.
-  The fits of one step of the search are independent (:func:`~embgeom_ray.core.kmeans.select_k`),
-  so :class:`RayFits` spreads them over tasks of the same shape: the layer's task fits one
-  share itself and waits for the others (a task blocked in ``ray.get`` lends its CPU back).
-  The first range (k = 2..15) is split only where the cluster has more CPUs free, C, as the
-  stage starts than the layers take (``C // (L · cpus_per_task)`` shares); a grown range
-  (k = 16..30, 31..60) and the stability refits, which come when a layer's silhouette keeps
-  rising and other layers may be done, into as many shares as CPUs are free then, up to
-  ``C // cpus_per_task`` (:func:`fit_shares`). Shares are balanced by k (a fit's cost grows
-  with k). The result is the one a single task computes.
+  :data:`~embgeom_ray.core.kmeans_selection.LOCAL_FIT_MAX_ELEMENTS`: the default 4096-point
+  samples of any model up to d = 8192): one Ray task per layer runs the model selection, whose
+  fits are scikit-learn's Lloyd from k-means++ chains in one process each
+  (:func:`~embgeom_ray.core.kmeans_selection.fit_from_centres`, float32 on the centred
+  points unless ``local_dtype`` says otherwise). Each task reserves ``cpus_per_task`` CPUs and
+  caps its OpenMP/BLAS threads at that number (``threadpoolctl``), so concurrent tasks never
+  run more threads than the CPUs Ray gave them. One thread per task is the default: at
+  n = 4096 a second thread does not speed a fit up, a second layer does. The fits of the scan
+  (every k from every chain) are independent, so :class:`RayFits` spreads them over tasks of
+  the same shape: the layer's task fits one share itself and waits for the others (a task
+  blocked in ``ray.get`` lends its CPU back). The scan is split only where the cluster has
+  more CPUs free, C, as the stage starts than the layers take (``C // (L · cpus_per_task)``
+  shares); the stability refits, which come when other layers may be done, into as many
+  shares as CPUs are free then, up to ``C // cpus_per_task`` (:func:`fit_shares`). Shares are
+  balanced by k (a fit's cost grows with it). The result is the one a single task computes.
 - large: the sample is centred, split into partitions and put in the object store once
   (``ray.put``); every pass of the fit (k-means|| distance rounds, Lloyd partial sums, the
   final assignment) is one :func:`_apply` task per partition, whose results the layer's driver
@@ -36,62 +35,57 @@ sampled metrics of early layers overlap the K-means of later ones.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import ray
 
-from ..core.kmeans import (
-    K_CAP,
-    KS,
+from ..core.distinct import distinct_rows
+from ..core.kmeans import MAX_ITER, TOL, KMeansResult, fit, partition
+from ..core.kmeans_selection import (
+    K_MAX,
     LOCAL_DTYPE,
     LOCAL_FIT_MAX_ELEMENTS,
-    MAX_ITER,
     MIN_SILHOUETTE,
     N_INIT,
     SILHOUETTE_MAX_POINTS,
     STABILITY_SEEDS,
-    TOL,
     FitOne,
-    KMeansResult,
     SelectKResult,
-    distinct_rows,
-    fit,
-    partition,
     select_k,
     serial_fits,
 )
 
 
-def balanced_shares(specs: Sequence[tuple[int, int]], shares: int) -> list[list[int]]:
-    """Indices of ``specs`` ((k, seed) fits) in ≤ ``shares`` non-empty groups of similar cost.
+def balanced_shares(costs: Sequence[int], shares: int) -> list[list[int]]:
+    """Indices of fits of ``costs`` (each fit's k) in ≤ ``shares`` non-empty groups of similar cost.
 
     A fit's cost is taken as k (Lloyd's distance computations grow with it): longest first,
     each to the group with the least cost so far (Graham's LPT rule, within 4/3 of the best
     split). Each group lists its indices in ascending order; the first group is the costliest.
     """
-    shares = max(1, min(int(shares), len(specs)))
+    shares = max(1, min(int(shares), len(costs)))
     groups: list[list[int]] = [[] for _ in range(shares)]
     cost = [0] * shares
-    for i in sorted(range(len(specs)), key=lambda i: (-specs[i][0], i)):
+    for i in sorted(range(len(costs)), key=lambda i: (-costs[i], i)):
         g = cost.index(min(cost))
         groups[g].append(i)
-        cost[g] += specs[i][0]
+        cost[g] += costs[i]
     order = sorted(range(shares), key=lambda g: -cost[g])
     return [sorted(groups[g]) for g in order if groups[g]]
 
 
 @dataclass(frozen=True)
 class RayFits:
-    """A ``map_fits`` of :func:`~embgeom_ray.core.kmeans.select_k` that spreads a step's fits over Ray tasks.
+    """A ``map_fits`` of :func:`~embgeom_ray.core.kmeans_selection.select_k` that spreads a step's fits over Ray tasks.
 
-    ``initial_shares`` groups for the first range's fits; for a grown range's and the
-    stability refits, one more than the CPUs free at that moment allow tasks of ``threads``
-    CPUs (``ray.available_resources()``), at most ``later_shares`` (:func:`balanced_shares`):
-    a layer that grows while others still hold every CPU is not split (its share tasks would
-    only queue behind them, each in a new worker process), one that grows last is. The calling
+    ``initial_shares`` groups for the scan's fits; for the stability refits, one more than the
+    CPUs free at that moment allow tasks of ``threads`` CPUs (``ray.available_resources()``),
+    at most ``later_shares`` (:func:`balanced_shares`): a layer that refits while others still
+    hold every CPU is not split (its share tasks would only queue behind them, each in a new
+    worker process), one that refits last is. The calling
     process fits the costliest group itself; each other group is a task of ``threads`` CPUs
     and threads (the caller's own thread cap, so every fit runs as it would in the caller: the
     same result), reading the points from one ``ray.put``. One share: all fits here, no task.
@@ -105,25 +99,24 @@ class RayFits:
         self,
         fit_one: FitOne,
         X: np.ndarray,
-        specs: Sequence[tuple[int, int]],
+        inits: Sequence[np.ndarray],
         *,
         initial: bool = True,
     ) -> list[KMeansResult]:
-        specs = [(int(k), int(s)) for k, s in specs]
         shares = self.initial_shares
         if not initial:
             free = ray.available_resources().get("CPU", 0.0) if self.later_shares > 1 else 0.0
             shares = min(self.later_shares, 1 + int(free // self.threads))
-        groups = balanced_shares(specs, shares)
+        groups = balanced_shares([len(ids) for ids in inits], shares)
         if len(groups) <= 1:
-            return serial_fits(fit_one, X, specs)
+            return serial_fits(fit_one, X, inits)
         X_ref = ray.put(X)
         refs = [
-            call_on_ray(serial_fits, fit_one, X_ref, [specs[i] for i in g], cpus=self.threads)
+            call_on_ray(serial_fits, fit_one, X_ref, [inits[i] for i in g], cpus=self.threads)
             for g in groups[1:]
         ]
-        own = serial_fits(fit_one, X, [specs[i] for i in groups[0]])  # while the tasks run
-        out: list[KMeansResult | None] = [None] * len(specs)
+        own = serial_fits(fit_one, X, [inits[i] for i in groups[0]])  # while the tasks run
+        out: list[KMeansResult | None] = [None] * len(inits)
         for g, results in zip(groups, [own, *ray.get(refs)], strict=True):
             for i, res in zip(g, results, strict=True):
                 out[i] = res
@@ -133,8 +126,8 @@ class RayFits:
 def fit_shares(layers: int, cpus_per_task: int, cpus: float | None = None) -> tuple[int, int]:
     """(first range's, later steps') shares of a layer's fits on a cluster of ``cpus`` CPUs.
 
-    ``max(1, C // (layers · cpus_per_task))`` while every layer searches its first range, and
-    at most ``max(1, C // cpus_per_task)`` for a grown range or the stability refits
+    ``max(1, C // (layers · cpus_per_task))`` while every layer scans its k, and at most
+    ``max(1, C // cpus_per_task)`` for the stability refits
     (:class:`RayFits`). ``cpus`` defaults to the CPUs the running cluster has free now
     (``ray.available_resources()``: not those reducer actors, say, still hold).
     """
@@ -226,7 +219,7 @@ def fit_layers_on_ray(
     """Cai et al.'s K-means model selection for every layer, layers in parallel on Ray.
 
     Waits for :func:`submit_layers_on_ray` (same arguments) and returns layer ->
-    :class:`~embgeom_ray.core.kmeans.SelectKResult` (centres in the input coordinates).
+    :class:`~embgeom_ray.core.kmeans_selection.SelectKResult` (centres in the input coordinates).
     """
     refs = submit_layers_on_ray(samples_by_layer, **options)
     return dict(zip(refs, ray.get(list(refs.values())), strict=True))
@@ -235,9 +228,9 @@ def fit_layers_on_ray(
 def submit_layers_on_ray(
     samples_by_layer: Mapping[int, np.ndarray],
     *,
-    ks: Iterable[int] = KS,
+    groups: Mapping[int, np.ndarray | None] | None = None,
+    k_max: int = K_MAX,
     min_silhouette: float = MIN_SILHOUETTE,
-    k_cap: int = K_CAP,
     n_init: int = N_INIT,
     max_iter: int = MAX_ITER,
     tol: float = TOL,
@@ -258,32 +251,33 @@ def submit_layers_on_ray(
     Args:
         samples_by_layer: layer -> (n, d) sample points (e.g.
             ``sample.points(layer).vectors``); labels in the result follow these rows.
-        ks, min_silhouette, k_cap, n_init, max_iter, tol, seed, silhouette_max_points,
-            stability_seeds: as :func:`embgeom_ray.core.kmeans.select_k` (the same seed for
-            every layer; exact duplicate rows are fitted once on both routes).
+        groups: layer -> the rows' content keys (``sample.points(layer).content_keys``): rows
+            with equal keys are one point (:func:`~embgeom_ray.core.distinct.distinct_rows`);
+            a layer left out, or None: rows are one point when bit-identical.
+        k_max, min_silhouette, n_init, max_iter, tol, seed, silhouette_max_points,
+            stability_seeds: as :func:`embgeom_ray.core.kmeans_selection.select_k` (the same
+            seed for every layer).
         n_partitions: partitions per layer on the distributed path (default
             :func:`default_partitions`).
-        local_max_elements: a layer with n·d at most this is fitted in one task with
-            scikit-learn (:func:`~embgeom_ray.core.kmeans.fit_local`); larger ones, or all with
-            None, on the distributed k-means|| path (see the module docstring).
-        local_dtype: the dtype of those one-task fits' Lloyd iterations (as
-            :func:`~embgeom_ray.core.kmeans.select_k`; float32).
+        local_max_elements: a layer with n·d at most this is fitted in one task from
+            k-means++ chains; larger ones, or all with None, on the distributed k-means|| path
+            (see the module docstring).
+        local_dtype: the dtype of those one-task fits' Lloyd iterations (float32).
         cpus_per_task: CPUs each one-task layer reserves, and its thread cap.
-        shares: (first range's, later steps') shares of each one-task layer's fits
-            (:class:`RayFits`); default :func:`fit_shares` of the running cluster's CPUs.
+        shares: (scan's, refits') shares of each one-task layer's fits (:class:`RayFits`);
+            default :func:`fit_shares` of the running cluster's CPUs.
 
     Returns:
-        layer -> object ref of its :class:`~embgeom_ray.core.kmeans.SelectKResult` (centres in the
-        input coordinates); :func:`fit_layers_on_ray` waits for them.
+        layer -> object ref of its :class:`~embgeom_ray.core.kmeans_selection.SelectKResult`
+        (centres in the input coordinates); :func:`fit_layers_on_ray` waits for them.
     """
     if not ray.is_initialized():
         raise RuntimeError("fit_layers_on_ray needs a running Ray (ray.init or connect first)")
     if cpus_per_task < 1:
         raise ValueError(f"cpus_per_task must be >= 1, got {cpus_per_task}")
     options = {
-        "ks": list(ks),
+        "k_max": k_max,
         "min_silhouette": min_silhouette,
-        "k_cap": k_cap,
         "n_init": n_init,
         "max_iter": max_iter,
         "tol": tol,
@@ -291,6 +285,7 @@ def submit_layers_on_ray(
         "silhouette_max_points": silhouette_max_points,
         "stability_seeds": stability_seeds,
     }
+    groups = groups or {}
     if shares is None:
         shares = fit_shares(len(samples_by_layer), cpus_per_task)
     map_fits = RayFits(*shares, threads=cpus_per_task)
@@ -304,13 +299,14 @@ def submit_layers_on_ray(
                 select_k,
                 X,
                 cpus=cpus_per_task,
+                groups=groups.get(layer),
                 local_max_elements=local_max_elements,
                 local_dtype=local_dtype,
                 map_fits=map_fits,
                 **options,
             )
             continue
-        first, inverse = distinct_rows(X)
+        first, inverse = distinct_rows(X, groups.get(layer))
         if len(first) < len(X):
             X = X[first]
         else:

@@ -43,7 +43,9 @@ def add_sampled_metrics(
 
     connect(address)
     km_refs = submit_layers_on_ray(
-        {layer: inputs.vectors for layer, inputs in plan.layers.items()}, **plan.kmeans_options
+        {layer: inputs.vectors for layer, inputs in plan.layers.items()},
+        groups={layer: inputs.content_keys for layer, inputs in plan.layers.items()},
+        **plan.kmeans_options,
     )
     row_refs = {
         layer: call_on_ray(
@@ -53,6 +55,7 @@ def add_sampled_metrics(
             inputs.type_vectors,
             km_refs[layer],
             inputs.clip_dims,
+            groups=inputs.content_keys,
             **plan.row_options,
         )
         for layer, inputs in plan.layers.items()
@@ -63,8 +66,7 @@ def add_sampled_metrics(
 
 def _gather(row_refs: dict[int, Any], km_refs: dict[int, Any]) -> tuple[dict[int, Any], dict[int, Any]]:
     """(metric rows, K-means results) by layer, collected as the layers finish, with a progress
-    bar on stderr (a layer whose K-means search grows to large k can hold the stage for a
-    minute): each finished layer's number of clusters and the largest k its search fitted."""
+    bar on stderr: each finished layer's number of clusters and the k of its best silhouette."""
     import ray
 
     layer_of = {ref: layer for layer, ref in row_refs.items()}
@@ -76,6 +78,6 @@ def _gather(row_refs: dict[int, Any], km_refs: dict[int, Any]) -> tuple[dict[int
             layer = layer_of[done[0]]
             rows[layer] = ray.get(done[0])
             kmeans[layer] = km = ray.get(km_refs[layer])  # finished before its row started
-            bar.set_postfix_str(f"layer {layer}: k = {km.k}, searched to {km.k_searched}", refresh=False)
+            bar.set_postfix_str(f"layer {layer}: k = {km.k} (best silhouette at k = {km.best_k})", refresh=False)
             bar.update(1)
     return {layer: rows[layer] for layer in row_refs}, {layer: kmeans[layer] for layer in row_refs}

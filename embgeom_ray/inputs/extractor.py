@@ -26,7 +26,13 @@ from ..core.split_statistics import SplitStatistics
 from ..core.statistics import EmbeddingStatistics
 from ..counts import Counts
 from .corpus import CorpusSpec, Document, ReadReport, Shard, read_shard
-from .model_loading import balanced_device_map, load_model, load_tokenizer, unknown_token_id
+from .model_loading import (
+    balanced_device_map,
+    content_rule,
+    load_model,
+    load_tokenizer,
+    unknown_token_id,
+)
 from .windows import (
     MAX_PADDING,
     MIN_BATCH_POSITIONS,
@@ -232,6 +238,7 @@ class ShardProcessor:
             type_size=cfg.sample_type_size,
             device=self.device,
             metadata=self.metadata,
+            content_rule=content_rule(self.model.config),
         )
 
     @torch.inference_mode()
@@ -319,7 +326,7 @@ class ShardProcessor:
         if sample is not None:
             sample.update(
                 hidden, batch.input_ids, batch.keep, batch.doc_ids, batch.window_index,
-                finite=finite,
+                finite=finite, attention_mask=batch.attention_mask,
             )
         del hidden
         self._synchronize()

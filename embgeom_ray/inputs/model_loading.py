@@ -189,6 +189,31 @@ def load_model(
     return m.eval() if device_map is not None else m.eval().to(device)
 
 
+def content_rule(config: Any) -> str:
+    """What a hidden state depends on, for the sample's content keys
+    (:func:`embgeom_ray.core.samples.content_keys`): ``"prefix"`` for a causal model (a
+    position attends to the positions up to it only), ``"window"`` otherwise.
+
+    Causal: ``config.is_decoder`` (an encoder run as a decoder), or a ``model_type`` that has a
+    causal-LM class in transformers and no masked-LM one (GPT-2, Llama, Mistral, Qwen, Gemma,
+    ...; BERT and RoBERTa have both and are bidirectional as ``AutoModel`` loads them). A model
+    type transformers knows neither way gets ``"window"``: equal windows then still give equal
+    keys, only the repeats of a causal prefix in different windows stay apart.
+    """
+    from transformers.models.auto.modeling_auto import (
+        MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+        MODEL_FOR_MASKED_LM_MAPPING_NAMES,
+    )
+
+    config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    model_type = getattr(config, "model_type", None)
+    causal = bool(getattr(config, "is_decoder", False)) or (
+        model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+        and model_type not in MODEL_FOR_MASKED_LM_MAPPING_NAMES
+    )
+    return "prefix" if causal else "window"
+
+
 def dtype_argument(dtype: Any) -> dict[str, Any]:
     """The keyword that sets a model's dtype in ``from_pretrained``/``from_config``: ``dtype``
     since transformers 4.56, ``torch_dtype`` before (the range this project declares starts at

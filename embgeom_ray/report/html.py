@@ -49,6 +49,7 @@ RUN_FILES: list[tuple[str, str]] = [
         "the bounded random token sample (vectors, K-means clusters) behind the sampled metrics;"
         " also the mergeable sample (merges with later runs)",
     ),
+    ("kmeans.parquet", "per (layer, k): the silhouette and inertia of every K-means fit"),
     ("manifest.json", "configuration, model and corpus identity, counts, timings, versions"),
     (
         "statistics.safetensors",
@@ -84,9 +85,9 @@ COLUMNS: dict[str, tuple[str, str, str]] = {
     "kmeans_k": ("k", "K-means clusters chosen on the sample (Cai et al. 2021)", "int"),
     "kmeans_silhouette": ("silh. (k-m)", "silhouette of the K-means clustering", "unit"),
     "kmeans_best_k": ("best k", "k of the best silhouette (kept even when k = 1 is chosen)", "int"),
-    "kmeans_k_searched": ("k searched to", "largest k tried; the search grows while the best k is at its edge", "int"),
-    "kmeans_stability": ("k-m stability", "adjusted Rand index of refits with other seeds", "unit"),
-    "sample_duplicate_points": ("dup. points", "sampled points that repeat another exactly (counted once in K-means, silhouettes, LID)", "int"),
+    "kmeans_k_searched": ("k scanned to", "largest k fitted: every k to 15, then a 10% grid to it", "int"),
+    "kmeans_stability": ("k-m stability", "adjusted Rand index of refits from other seedings", "unit"),
+    "sample_duplicate_points": ("dup. points", "sampled occurrences whose model input repeats another's (counted once in K-means, silhouettes, LID)", "int"),
     "silhouette_types": ("silh. (types)", "silhouette with token types as labels", "unit"),
     "adjusted_s_inter": ("S_inter adj.", "S_inter inside clusters (Cai et al. 2021)", "unit"),
     "adjusted_s_intra": ("S_intra adj.", "S_intra inside clusters (Cai et al. 2021)", "unit"),
@@ -177,15 +178,15 @@ HOW_TO_READ: dict[str, str] = {
     "clusters": (
         "<b>Cai et al. 2021</b> find that contextual embeddings form a few clusters (often split "
         "by token frequency) and low-dimensional manifolds inside them. <b>Clusters.</b> K-means "
-        "runs on the sample for k = 2…--kmeans-k-max and keeps the k of the best silhouette; "
-        "while that best k is the largest tried the range grows, up to --kmeans-k-cap. "
-        f"<b>{AT_CAP}</b> marks a best k at that cap: the silhouette was still rising, there is "
-        "no interior optimum, and k (with every cluster-adjusted column) reports the range "
-        "searched rather than structure. <b>k = 1</b> means no clustering was preferred (best "
+        "fits the same k on every run, k = 2…15 and a 10% grid up to --kmeans-k-max, and keeps "
+        "the k of the best silhouette; the curve of every k is drawn below. "
+        f"<b>{AT_CAP}</b> marks a best k at the end of the scan: the silhouette was still rising, "
+        "there is no interior optimum, and k (with every cluster-adjusted column) reports the "
+        "range scanned rather than structure. <b>k = 1</b> means no clustering was preferred (best "
         "silhouette below --kmeans-min-silhouette); the silhouette then shown is that of the "
         "rejected best k &gt; 1, written in parentheses. <b>Stability</b> (0…1) is the adjusted "
-        "Rand index between the clustering and refits with other seeds: near 1 the clusters "
-        "are reproducible, low values mean k and the partition are seed noise. "
+        "Rand index between the clustering and refits from other seedings: near 1 the clusters "
+        "are reproducible, low values mean the partition is one of many of similar quality. "
         "<b>Cluster-adjusted metrics</b> subtract each cluster's mean first. Cai's columns "
         "(no “(w)”) average clusters without weights, so a tiny cluster of m types, whose "
         "centred mean cosine is near −1/(m − 1), can dominate them; “(w)” columns weight "
@@ -452,8 +453,8 @@ def kmeans_cells(row: pd.Series) -> dict[str, str]:
 _KMEANS_TIPS = {
     "rejected": "k = 1: no clustering preferred; the silhouette is that of the best k > 1, "
     "below --kmeans-min-silhouette, and was rejected",
-    "cap": "the best k is the largest k the search allowed (--kmeans-k-cap): the silhouette "
-    "was still rising there, so there is no interior optimum",
+    "cap": "the best k is the largest k fitted (--kmeans-k-max): the silhouette was still "
+    "rising there, so there is no interior optimum",
 }
 
 
@@ -526,11 +527,14 @@ def kmeans_notes(layers: pd.DataFrame, config: dict[str, Any]) -> str:
     if "kmeans_k_at_cap" in layers.columns and any(map(_truthy, layers["kmeans_k_at_cap"])):
         flags = zip(layers["layer"], layers["kmeans_k_at_cap"], strict=True)
         at = [int(x) for x, c in flags if _truthy(c)]
-        cap = config.get("kmeans_k_cap")
+        # runs of earlier versions grew their search up to --kmeans-k-cap
+        option = "kmeans_k_cap" if "kmeans_k_cap" in config else "kmeans_k_max"
+        flag = "--" + option.replace("_", "-")
+        cap = config.get(option)
         notes.append(
             f"<b>{AT_CAP}</b> (layers {', '.join(map(str, at))}): the best k is the largest k "
-            "the search allowed"
-            + (f" (--kmeans-k-cap {_e(cap)})" if cap is not None else " (--kmeans-k-cap)")
+            "fitted"
+            + (f" ({flag} {_e(cap)})" if cap is not None else f" ({flag})")
             + ". The silhouette was still highest at the edge, so there is no interior "
             "optimum: k reports the range searched, not the number of clusters, and every "
             "cluster-adjusted column inherits it."
@@ -968,7 +972,14 @@ def _run_labels(runs: Sequence[RunView], labels: Sequence[str] | None) -> list[s
 
 
 def _evidence_cell(r: pd.Series) -> str:
-    """How a change stands against its sampling noise (compare's ``kind`` / ``z``)."""
+    """How a change stands against its sampling noise (compare's ``kind`` / ``z``), or why it
+    compares different clusterings (``not_comparable``)."""
+    why = r.get("not_comparable")
+    if isinstance(why, str) and why:
+        return (
+            f'<span class="muted" title="computed inside K-means clusters that differ between '
+            f'the runs ({_e(why)}): not comparable, not ranked by z">clustering changed</span>'
+        )
     kind = r.get("kind")
     if kind is None or (isinstance(kind, float) and not _finite(kind)):
         return "—"
@@ -1021,7 +1032,9 @@ def _changes_html(
         "ranked by z = Δ / √(se_baseline² + se_run²), those with |z| ≥ 2 first, then exact "
         "metrics (computed over every token, no sampling error) by |Δ| over the metric's range "
         "across all runs and layers, then sampled metrics without a standard error, then "
-        "changes within noise (|z| < 2). ⚠ marks a run too small for its sampled metrics to "
+        "changes within noise (|z| < 2), then the cluster-adjusted metrics of layers whose "
+        "K-means clustering changed (another k: not one quantity measured twice, and not "
+        "ranked by z). ⚠ marks a run too small for its sampled metrics to "
         "be compared (see the warning); z does not capture the effect of a smaller sample on "
         f"K-means, silhouettes or LID. {_e(matching_note)}.</p>"
     )

@@ -19,6 +19,7 @@ variance_split        V_W and V_B stacked across layers, within_ratio           
 cosine_isotropy       anisotropy, S_inter, S_intra, IsoScore (+ cluster-adjusted)    layers
 intrinsic_dim         LID and silhouettes across layers (Cai et al. 2021)            sampled cols
 isoscore_silhouette   IsoScore against silhouette, one point per layer (Mickus 2024) sampled cols
+kmeans_curve          silhouette against k over the K-means scan, per layer (Cai)    kmeans
 rogue_dims            layer × dim heat map of argmax/argmin share (Luo 2020)         dims
 clipping              clipped vs unclipped, same estimator (Luo; Kulmizev et al.)    clipped cols
 positional_profile    per-position mean of flagged dims (Kulmizev et al. 2021)       positions
@@ -26,7 +27,7 @@ pca_2d, pca_3d        PCA of the uniform sample per selected layer (Cai et al.) 
 ====================  =============================================================  ============
 
 Families: :mod:`~.figures.norms` (norm_variance, variance_split), :mod:`~.figures.isotropy`
-(cosine_isotropy), :mod:`~.figures.clusters` (intrinsic_dim, isoscore_silhouette),
+(cosine_isotropy), :mod:`~.figures.clusters` (intrinsic_dim, isoscore_silhouette, kmeans_curve),
 :mod:`~.figures.pca`, :mod:`~.figures.rogue` (rogue_dims), :mod:`~.figures.clipping`,
 :mod:`~.figures.positions` (positional_profile); :mod:`~.figures.compare` draws the
 comparison of runs; :mod:`~.figures.common` holds what they share.
@@ -41,7 +42,11 @@ from dataclasses import dataclass
 
 from ..io_utils import join
 from .figures.clipping import plot_clipping
-from .figures.clusters import plot_intrinsic_dimension, plot_isoscore_silhouette
+from .figures.clusters import (
+    plot_intrinsic_dimension,
+    plot_isoscore_silhouette,
+    plot_kmeans_curve,
+)
 from .figures.common import PLOTS_DIR
 from .figures.isotropy import plot_cosine_isotropy
 from .figures.norms import plot_norm_variance, plot_variance_split
@@ -78,6 +83,7 @@ PLOTS: list[tuple[str, str, Callable[[RunView], tuple[str | None, str]]]] = [
     ("cosine_isotropy", "isotropy", plot_cosine_isotropy),
     ("intrinsic_dim", "clusters", plot_intrinsic_dimension),
     ("isoscore_silhouette", "clusters", plot_isoscore_silhouette),
+    ("kmeans_curve", "clusters", plot_kmeans_curve),
     ("pca_2d", "clusters", plot_pca_2d),
     ("pca_3d", "clusters", plot_pca_3d),
     ("rogue_dims", "rogue", plot_rogue_dims),
@@ -93,7 +99,7 @@ PLOTS: list[tuple[str, str, Callable[[RunView], tuple[str | None, str]]]] = [
 FIGURE_GROUPS: list[list[str]] = [
     ["pca_2d", "pca_3d"],
     ["norm_variance", "variance_split"],
-    ["cosine_isotropy", "intrinsic_dim", "isoscore_silhouette"],
+    ["cosine_isotropy", "intrinsic_dim", "isoscore_silhouette", "kmeans_curve"],
     ["rogue_dims", "clipping", "positional_profile"],
 ]
 

@@ -155,6 +155,12 @@ class RunView:
     def positions(self) -> pd.DataFrame | None:
         return self._optional("positions")
 
+    @cached_property
+    def kmeans(self) -> pd.DataFrame | None:
+        """``kmeans.parquet``: each layer's silhouette for every k fitted (None for runs of
+        earlier versions)."""
+        return self._optional("kmeans")
+
     def samples(
         self, layer: int, sample: str = "uniform"
     ) -> tuple[pd.DataFrame, np.ndarray] | None:

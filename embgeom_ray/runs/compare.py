@@ -9,15 +9,17 @@ The first run is the baseline. :func:`compare_runs` reads each run's ``manifest.
   label) — the runs side by side;
 - ``changes.parquet``: each later run against the baseline, per metric and matched layer
   (:func:`changes_table`): ``run, metric, layer, run_layer, baseline, value, change, relative,
-  score, kind, se_baseline, se_run, se_diff, z, within_noise, evidence, small_run`` with
+  score, kind, se_baseline, se_run, se_diff, z, within_noise, evidence, small_run,
+  not_comparable`` with
   change = value − baseline, relative = change / |baseline| (NaN for a zero baseline),
   score = |change| / the metric's range over all runs and layers (so variances and cosines
   rank on the same footing) and, for a sampled metric with a standard error in both runs,
   z = change / se_diff, se_diff = √(se_baseline² + se_run²); ranked by evidence (sampled
   changes beyond noise by |z|, then exact changes by score, then sampled changes without a
-  standard error, then those within noise; changes against a run smaller than
-  :func:`size_threshold` after the others of their group); counts (``n_tokens``, ``n_types``, ...), the
-  chosen ``kmeans_k`` and the ``*_se`` columns themselves are not ranked;
+  standard error, then those within noise, then the cluster-adjusted metrics of layers whose
+  K-means clustering changed, with ``not_comparable`` saying how; changes against a run
+  smaller than :func:`size_threshold` after the others of their group); counts (``n_tokens``,
+  ``n_types``, ...), the chosen ``kmeans_k`` and the ``*_se`` columns themselves are not ranked;
 - ``rogue_dims.parquet``: per later run and matched layer, the dimensions flagged as outliers
   (``dims.parquet`` column ``outlier``) that appeared (flagged in the run, not in the baseline)
   or vanished (the reverse), with both runs' mean and std of the dimension and ``reliable``
@@ -79,10 +81,19 @@ EXACT, SAMPLED_KIND = "exact", "sampled"
 #: |z| below this is within the sampling noise of the two runs (about 95% two-sided)
 NOISE_Z = 2.0
 #: the evidence of a change, best first: the order of :func:`changes_table`
-BEYOND_NOISE, EXACT_CHANGE, NO_SE, WITHIN_NOISE = (
-    "beyond noise", "exact", "no standard error", "within noise",
+BEYOND_NOISE, EXACT_CHANGE, NO_SE, WITHIN_NOISE, CLUSTERING_CHANGED = (
+    "beyond noise", "exact", "no standard error", "within noise", "clustering changed",
 )  # fmt: skip
-EVIDENCE_ORDER = (BEYOND_NOISE, EXACT_CHANGE, NO_SE, WITHIN_NOISE)
+EVIDENCE_ORDER = (BEYOND_NOISE, EXACT_CHANGE, NO_SE, WITHIN_NOISE, CLUSTERING_CHANGED)
+#: metrics computed within the reported K-means clusters: not comparable between two runs
+#: whose layer chose another number of clusters (``kmeans_k``) or sits at the scan's end in one
+#: run only (``kmeans_k_at_cap``)
+CLUSTER_ADJUSTED = tuple(
+    m for m in (*SAMPLED_LAYER_COLUMNS, *(f"{m}_se" for m in SE_METRICS))
+    if m.startswith("adjusted_")
+)  # fmt: skip
+#: metrics of the fits at the best k (``kmeans_best_k``): not comparable when it differs
+BEST_K_DEPENDENT = ("kmeans_stability",)
 #: token counts differing by more than this factor get the size warning
 SIZE_RATIO = 10.0
 #: the uniform sample size of a run that records none (the job's default ``--sample-size``)
@@ -297,6 +308,7 @@ def _metric_span(runs: Sequence[RunData], metric: str) -> float:
 CHANGE_COLUMNS = [
     "run", "metric", "layer", "run_layer", "baseline", "value", "change", "relative", "score",
     "kind", "se_baseline", "se_run", "se_diff", "z", "within_noise", "evidence", "small_run",
+    "not_comparable",
 ]  # fmt: skip
 
 
@@ -329,6 +341,35 @@ def _evidence(kind: str, z: float) -> str:
     return BEYOND_NOISE if abs(z) >= NOISE_Z else WITHIN_NOISE
 
 
+def clustering_change(base: RunData, b: int, run: RunData, o: int) -> dict[str, str]:
+    """Why the clustering of baseline layer ``b`` and run layer ``o`` differ, per affected metric.
+
+    ``{metric: reason}`` for the metrics of :data:`CLUSTER_ADJUSTED` when ``kmeans_k`` or
+    ``kmeans_k_at_cap`` differ, and of :data:`BEST_K_DEPENDENT` when ``kmeans_best_k`` does
+    (e.g. ``"kmeans_k 2 -> 1"``); empty when the clusterings agree or a run has no K-means. A
+    change of these metrics then compares clusters of different partitions, not one quantity
+    measured twice: its half-sample standard errors, which hold the clusters fixed, say nothing
+    of it.
+    """
+
+    def pair(col: str) -> tuple[Any, Any] | None:
+        a, v = base.value(col, b), run.value(col, o)
+        if not (math.isfinite(a) and math.isfinite(v)):
+            return None
+        return (int(a), int(v)) if col != "kmeans_k_at_cap" else (bool(a), bool(v))
+
+    reasons = [
+        f"{col} {x} -> {y}"
+        for col in ("kmeans_k", "kmeans_k_at_cap")
+        if (xy := pair(col)) is not None and (x := xy[0]) != (y := xy[1])
+    ]
+    out = {m: "; ".join(reasons) for m in CLUSTER_ADJUSTED} if reasons else {}
+    best = pair("kmeans_best_k")
+    if best is not None and best[0] != best[1]:
+        out |= {m: f"kmeans_best_k {best[0]} -> {best[1]}" for m in BEST_K_DEPENDENT}
+    return out
+
+
 def changes_table(runs: Sequence[RunData], metrics: Sequence[str], mode: str) -> pd.DataFrame:
     """Every later run against the baseline, per metric and matched layer, best evidence first.
 
@@ -343,7 +384,11 @@ def changes_table(runs: Sequence[RunData], metrics: Sequence[str], mode: str) ->
     2. ``exact``: exact metrics, by ``score`` = |change| / the metric's range over all runs and
        layers (a relative change explodes near a zero baseline; the range does not);
     3. ``no standard error``: sampled without ``_se`` in a run, by ``score``;
-    4. ``within noise``: sampled, |z| < 2, by |z|.
+    4. ``within noise``: sampled, |z| < 2, by |z|;
+    5. ``clustering changed``: a metric computed within K-means clusters at a layer whose
+       clustering differs between the runs (:func:`clustering_change`; ``not_comparable``
+       says how): not ranked by z (the standard error measures the noise of a fixed
+       clustering, not a change of it), by ``score``.
 
     ``small_run``: the run or the baseline has fewer tokens than :func:`size_threshold`; within
     each group its changes come after the others (z measures sampling noise, not how K-means,
@@ -358,6 +403,7 @@ def changes_table(runs: Sequence[RunData], metrics: Sequence[str], mode: str) ->
     for i, run in enumerate(runs[1:], start=1):
         pairs = match_layers(base, run, mode)
         tiny = base.label in small or run.label in small
+        clusterings = {(b, o): clustering_change(base, b, run, o) for b, o in pairs}
         for j, m in enumerate(ranked):
             if m not in base.layers.columns or m not in run.layers.columns:
                 continue
@@ -373,15 +419,18 @@ def changes_table(runs: Sequence[RunData], metrics: Sequence[str], mode: str) ->
                 if kind == SAMPLED_KIND:
                     se_b, se_r = base.value(f"{m}_se", b), run.value(f"{m}_se", o)
                     se_diff, z = z_score(d, se_b, se_r)
-                evidence = _evidence(kind, z)
-                within = pd.NA if evidence == NO_SE else evidence == WITHIN_NOISE
+                why = clusterings[b, o].get(m)
+                evidence = CLUSTERING_CHANGED if why else _evidence(kind, z)
+                if why:
+                    z = math.nan
+                within = pd.NA if evidence in (NO_SE, CLUSTERING_CHANGED) else evidence == WITHIN_NOISE
                 tier = EVIDENCE_ORDER.index(evidence)
-                strength = score if evidence in (EXACT_CHANGE, NO_SE) else abs(z)
+                strength = abs(z) if evidence in (BEYOND_NOISE, WITHIN_NOISE) else score
                 rows.append(
                     (
                         (tier, tiny, -strength, i, j, b),
                         [run.label, m, b, o, a, v, d, rel, score, kind, se_b, se_r, se_diff, z,
-                         within, evidence, tiny],
+                         within, evidence, tiny, why or ""],
                     )
                 )  # fmt: skip
     rows.sort(key=lambda r: r[0])
@@ -571,6 +620,20 @@ def _change_line(r: Any) -> str:
     )
 
 
+def clustering_notes(changes: pd.DataFrame) -> list[str]:
+    """One line per (run, layer) whose K-means clustering changed (:func:`clustering_change`)."""
+    moved = changes.loc[changes["evidence"] == CLUSTERING_CHANGED]
+    notes = []
+    for (run, layer), group in moved.groupby(["run", "layer"], sort=False):
+        why = "; ".join(dict.fromkeys(group["not_comparable"]))
+        notes.append(
+            f"{run} layer {layer}: the K-means clustering changed ({why}): its "
+            f"{len(group)} cluster-dependent metric{'s are' if len(group) != 1 else ' is'} "
+            "not comparable and not ranked by z"
+        )
+    return notes
+
+
 def compare_runs(
     run_dirs: Sequence[str],
     out: str,
@@ -634,6 +697,7 @@ def compare_runs(
         "not_ranked": [m for m in NOT_RANKED if m in metrics],
         "noise_z": NOISE_Z,
         "evidence_counts": {e: int((moved["evidence"] == e).sum()) for e in EVIDENCE_ORDER},
+        "clustering_changed": clustering_notes(changes),
         "largest_changes": json.loads(largest.to_json(orient="records", double_precision=15)),
         "rogue_dims": rogue_summary,
         "size_threshold": threshold,
@@ -653,7 +717,7 @@ def compare_runs(
         if quiet:
             echo(
                 f"{quiet} change{'s' if quiet != 1 else ''} of sampled metrics within noise "
-                f"(|z| < {NOISE_Z:g}), ranked last"
+                f"(|z| < {NOISE_Z:g}), ranked after the others"
             )
     else:
         echo("no metric changed")
@@ -663,6 +727,8 @@ def compare_runs(
             by_layer = s[change]
             text = "; ".join(f"layer {k}: {v}" for k, v in by_layer.items()) or "none"
             echo(f"rogue dimensions that {change} in {label}: {text}{caveat if by_layer else ''}")
+    for n in summary["clustering_changed"]:
+        echo(f"note: {n}")
     for n in rogue_notes:
         echo(f"note: {n}")
     try:

@@ -1,6 +1,6 @@
 """The sampled metrics across layers: local intrinsic dimension and silhouettes (Cai et al.
-2021; Mickus et al. 2024), IsoScore against silhouette, and how each layer's K-means k is
-written in the figures (:func:`kmeans_labels`)."""
+2021; Mickus et al. 2024), IsoScore against silhouette, each layer's K-means silhouette curve
+over k, and how each layer's K-means k is written in the figures (:func:`kmeans_labels`)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pandas as pd
 from ..run_view import RunView
 from .common import COLORS, MARKERS, fmt, int_layers, line, new_figure, pearson, save, styled, title
 
-#: appended to a k whose best k sits at the cap of the grown K-means search
+#: appended to a k whose best k is the largest k of the K-means scan
 AT_CAP_MARK = "▲"
 
 LID_COLUMNS = (
@@ -36,9 +36,9 @@ def k_marks_note(run: RunView) -> str:
     labels = kmeans_labels(run)
     if any(AT_CAP_MARK in t for t in labels.values()):
         text += (
-            f"; {AT_CAP_MARK}: the best k is at the cap of the grown search (--kmeans-k-cap), "
-            "the silhouette still rising there, so there is no interior optimum and k is the "
-            "range searched"
+            f"; {AT_CAP_MARK}: the best k is the largest k fitted (--kmeans-k-max), the "
+            "silhouette still rising there, so there is no interior optimum and k is the "
+            "range scanned"
         )
     if any(t.startswith("k=1") for t in labels.values()):
         text += (
@@ -51,7 +51,7 @@ def k_marks_note(run: RunView) -> str:
 def kmeans_labels(run: RunView, short: bool = False) -> dict[int, str]:
     """The k written at each layer's K-means point in the figures, by layer.
 
-    ``k=7``; ``k=15▲`` when the best k is at the cap of the grown search (``kmeans_k_at_cap``:
+    ``k=7``; ``k=60▲`` when the best k is the largest k of the scan (``kmeans_k_at_cap``:
     no interior optimum); with k = 1 (no clustering preferred) ``k=1 (best 4 rejected)``, or
     ``k=1`` with ``short``. Empty for a run without ``kmeans_k``.
     """
@@ -248,3 +248,54 @@ def plot_isoscore_silhouette(run: RunView) -> tuple[str | None, str]:
             "silhouette is that of the rejected best k > 1."
         )
     return path, caption
+
+
+def plot_kmeans_curve(run: RunView) -> tuple[str | None, str]:
+    """Each layer's silhouette against k over the K-means scan (``kmeans.parquet``), the best k
+    marked and the threshold below which k = 1 is chosen."""
+    km = run.kmeans
+    if km is None:
+        return None, "Not drawn: the run has no kmeans.parquet (no sample, or an earlier version)."
+    threshold = float(run.config.get("kmeans_min_silhouette", 0.1))
+    layers = sorted(int(x) for x in km["layer"].unique())
+    cmap = plt_colormap(len(layers))
+    with styled():
+        fig = new_figure(7.2, 4.4)
+        ax = fig.subplots()
+        for i, layer in enumerate(layers):
+            rows = km[km["layer"] == layer].sort_values("k")
+            color = cmap(i)
+            ax.plot(rows["k"], rows["silhouette"], marker=".", ms=3, lw=1.2, color=color,
+                    label=f"layer {layer}")  # fmt: skip
+            best = rows[rows["best"]]
+            if len(best):
+                chosen = bool(best["chosen"].iloc[0])
+                ax.scatter(best["k"], best["silhouette"], s=46, zorder=3, color=color,
+                           edgecolors="black", marker="o" if chosen else "X")  # fmt: skip
+        ax.axhline(threshold, color="#888888", ls="--", lw=1)
+        ax.text(ax.get_xlim()[1], threshold, f" k = 1 below {fmt(threshold)}", va="bottom",
+                ha="right", fontsize=8, color="#555555")  # fmt: skip
+        ax.set_xscale("log")
+        ticks = [k for k in (2, 3, 5, 10, 15, 20, 30, 40, 60) if k <= int(km["k"].max())]
+        ax.set_xticks(ticks, [str(k) for k in ticks])
+        ax.set_xlabel("k (K-means clusters)")
+        ax.set_ylabel("silhouette of the k's fit")
+        ax.legend(fontsize=8, ncols=2)
+        title(fig, "K-means silhouette over the scan of k, per layer", run.tag)
+        path = save(fig, run.out, "kmeans_curve")
+    ks = sorted(int(k) for k in km["k"].unique())
+    return path, (
+        "Silhouette (Rousseeuw 1987) of the K-means fit of every k the job scans "
+        f"(k = {ks[0]}..{min(15, ks[-1])}, then a 10% grid to {ks[-1]}), per layer; the best k "
+        "of each layer is marked (○ the reported k; ✕ rejected, k = 1 chosen, when its "
+        f"silhouette is below the dashed threshold {fmt(threshold)}; Cai et al. 2021). A curve "
+        "still rising at the right end has no interior optimum: more clusters keep separating "
+        "groups of occurrences of one token, not distinct regions of the space."
+    )
+
+
+def plt_colormap(n: int):
+    """A categorical colormap of ``n`` colours (viridis samples for many layers)."""
+    from matplotlib import colormaps
+
+    return colormaps["tab10"] if n <= 10 else colormaps["viridis"].resampled(n)
