@@ -126,3 +126,44 @@ def deviations_and_centred32(
     return _run(  # type: ignore[return-value]
         deviations_and_centred32_eager, means, inv, x, rows, c32
     )
+
+
+def deviations_and_residues_eager(
+    means: torch.Tensor,
+    inv: torch.Tensor,
+    x: torch.Tensor,
+    shift: torch.Tensor,
+    scale: torch.Tensor,
+    moduli: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(:func:`squared_deviations_eager`, the int8 residues of the shifted rows in fixed point,
+    (N, d, n)): the second pass of the integer co-moment product
+    (:func:`~embgeom_ray.core.integer_gram.residues_eager`)."""
+    from .integer_gram import residues_eager
+
+    return squared_deviations_eager(means, inv, x), residues_eager(x, shift, scale, moduli)
+
+
+def deviations_and_residues(
+    means: torch.Tensor,
+    inv: torch.Tensor,
+    x: torch.Tensor,
+    shift: torch.Tensor,
+    scale: torch.Tensor,
+    moduli: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`deviations_and_residues_eager`, fused where :func:`fused_on`: one read of the
+    float64 rows writes a number per row and N bytes per value."""
+    return _run(  # type: ignore[return-value]
+        deviations_and_residues_eager, means, inv, x, shift, scale, moduli
+    )
+
+
+def garner_reconstruct(
+    remainders: torch.Tensor, moduli: tuple[int, ...], inv: tuple[tuple[int, ...], ...]
+) -> torch.Tensor:
+    """:func:`~embgeom_ray.core.integer_gram.garner_eager`, fused where :func:`fused_on`: the
+    N remainder matrices are read once and the float64 Gram written once."""
+    from .integer_gram import garner_eager
+
+    return _run(garner_eager, remainders, moduli, inv)  # type: ignore[return-value,arg-type]

@@ -63,10 +63,12 @@ from ..errors import StatisticsMismatchError
 from .fold_kernels import (
     deviations_and_centred,
     deviations_and_centred32,
+    deviations_and_residues,
     float64_rows,
     fused_on,
 )
 from .group_sums import GroupMatrix
+from .integer_gram import IntegerGram, residues_eager
 from .sketch import HEADER_KEY, Sketch, check_array, safetensors_into
 
 #: the ``format`` of the header (this name since the first version; see :data:`_READS`).
@@ -90,6 +92,30 @@ GPU_FOLD: bool | None = None
 def gpu_fold(device: torch.device) -> bool:
     """Whether statistics on ``device`` fold the GPU's way (:data:`GPU_FOLD`)."""
     return device.type != "cpu" if GPU_FOLD is None else GPU_FOLD
+
+
+#: the co-moment product of ``comoment_precision="bounded"`` on int8 matrix units
+#: (:mod:`~embgeom_ray.core.integer_gram`). None: on CUDA devices, where it is the fast product
+#: within the bound; elsewhere the float64 product is (a CPU's float64 product beats twelve
+#: int8 products and their residues). True or False forces the choice (the tests run it on
+#: CPUs, on the CPU's own int8 units).
+INTEGER_PRODUCT: bool | None = None
+#: comoment_precision values: the product within the stated bound (``docs/precision.md``), the
+#: float64 reference, and the float32 product of earlier versions (no bound: its float32 sums
+#: over up to 1,024 rows may err by ~1e-5 relative)
+PRECISIONS = ("bounded", "float64", "float32")
+#: other names accepted for a precision
+PRECISION_ALIASES = {"reference": "float64"}
+
+
+def integer_product(device: torch.device, dim: int) -> bool:
+    """Whether the bounded co-moment product runs on int8 matrix units on ``device``
+    (:data:`INTEGER_PRODUCT`; never for d < 17, too narrow for them)."""
+    wanted = device.type == "cuda" if INTEGER_PRODUCT is None else INTEGER_PRODUCT
+    return wanted and dim >= 17 and not _integer_unavailable
+
+
+_integer_unavailable = False
 
 
 def _sparse_sums_on(device: torch.device) -> bool:
@@ -400,6 +426,46 @@ def extreme_counts(
     return extreme_counts(x, which, into=into)
 
 
+def _deviations_and_residues(
+    means: torch.Tensor,
+    inv: torch.Tensor,
+    x: torch.Tensor,
+    shift: torch.Tensor,
+    scale: torch.Tensor,
+    moduli: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The CPU's pass 2 of the integer product: ‖μ_t(i) − x_i‖² through a gathered (n × d)
+    copy of the means (as the float64 path), and the residues
+    (:func:`~embgeom_ray.core.integer_gram.residues_eager`)."""
+    dev_rows = torch.index_select(means, 0, inv).sub_(x)
+    sq = torch.linalg.vector_norm(dev_rows, dim=1).square_()
+    return sq, residues_eager(x, shift, scale, moduli)
+
+
+def _add_integer_gram(
+    upper: torch.Tensor, gram: IntegerGram, kept: torch.Tensor, shift: torch.Tensor
+) -> None:
+    """``gram.add_upper(upper)``; where the int8 product cannot run (no int8 kernel in this
+    torch build or for this device), one warning, the float64 product of the same shifted
+    rows instead, and float64 from then on."""
+    global _integer_unavailable
+    try:
+        total = torch.zeros_like(upper)
+        gram.add_upper(total)
+    except (RuntimeError, NotImplementedError) as e:
+        _integer_unavailable = True
+        warnings.warn(
+            f"the int8 co-moment product failed ({type(e).__name__}: "
+            f"{str(e).splitlines()[0][:200] if str(e) else ''}); computing it in float64 "
+            "(the same bound, slower)",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+        add_gram(upper, kept.to(_F64) - shift)
+        return
+    upper += total
+
+
 class EmbeddingStatistics(Sketch):
     """Mergeable per-layer, per-token-type moments of hidden states (see module docstring).
 
@@ -417,15 +483,19 @@ class EmbeddingStatistics(Sketch):
         clip_dims: dimensions to zero ("clip", Luo 2020; Kulmizev et al. 2021) for exact
             clipped cosine metrics: per type, the sum of unit vectors of the clipped vectors
             x' (x with these dimensions set to 0) is accumulated too. None: not tracked.
-        comoment_precision: "float64" (this class's default) or "float32" (the job's
-            default, ``--comoment-precision``): the dtype of the per-batch product
-            (X − c)ᵀ(X − c), the fold's one matrix product (float32 is ~2x faster on CPUs,
-            up to 32x on GPUs with slow float64). The rows are shifted by the layer's running
-            mean c (rounded to float32, an exact shift) and the result is accumulated in
-            float64, so float32 costs ~1e-6 relative error on covariance entries (IsoScore,
-            PCA spectrum, per-dimension std), nothing elsewhere. It is saved in the header;
-            statistics that both hold co-moments merge only with the same precision, and
-            statistics without any (e.g. an empty accumulator) take the other's.
+        comoment_precision: how the per-batch product (X − c)ᵀ(X − c), the fold's one
+            matrix product, is computed (:data:`PRECISIONS`; ``--comoment-precision``):
+            "float64" (this class's default, also called "reference"): in float64;
+            "bounded" (the job's default): within the stated bound |ΔC_ab| ≤ ε √(C_aa C_bb),
+            ε ≤ 2^−29 (``docs/precision.md``), on int8 matrix units where
+            :func:`integer_product` (CUDA; rows shifted by the batch's mean,
+            :mod:`~embgeom_ray.core.integer_gram`), else in float64; "float32": in float32
+            on rows shifted by the layer's running mean rounded to float32, accumulated in
+            float64 (earlier versions' default: ~1e-6 relative error on covariance entries in
+            practice, with no bound). Every other statistic is float64 whatever the choice.
+            It is saved in the header; statistics that both hold co-moments merge only with
+            the same precision, and statistics without any (e.g. an empty accumulator) take
+            the other's.
         partition: which part of a measurement these statistics hold (:class:`Partition`;
             made by :meth:`select`), None for all of it.
     """
@@ -457,9 +527,11 @@ class EmbeddingStatistics(Sketch):
         self.clip_dims: list[int] | None = (
             None if clip_dims is None else sorted({int(c) for c in clip_dims})
         )
-        if comoment_precision not in ("float64", "float32"):
+        comoment_precision = PRECISION_ALIASES.get(comoment_precision, comoment_precision)
+        if comoment_precision not in PRECISIONS:
             raise ValueError(
-                f"comoment_precision must be float64 or float32, got {comoment_precision!r}"
+                f"comoment_precision must be one of {', '.join(PRECISIONS)} (or reference), "
+                f"got {comoment_precision!r}"
             )
         self.comoment_precision = comoment_precision
         if self.clip_dims and not all(0 <= c < dim for c in self.clip_dims):
@@ -835,7 +907,15 @@ class EmbeddingStatistics(Sketch):
         # In float32 the shift is c rounded to float32 (any shift is exact; this one makes
         # x' = x − c one correctly rounded float32 subtraction of the model's own values);
         # each block's float32 product is added to the float64 sum.
+        # The bounded product on int8 units (integer_gram) shifts by the batch's own mean: its
+        # fixed point is relative to each column's largest |x − c|, and its bound to the
+        # batch's centred co-moment.
+        integer = self.comoment_precision == "bounded" and integer_product(dev, d)
         c = torch.where(self._a["n"][li] > 0, self._a["mean"][li], x_mean)  # a new tensor
+        if integer:
+            c = x_mean.clone()
+            gram = IntegerGram(kept, c, **self._gram_blocks(dev))
+            moduli = {id(grp): gram.moduli_tensor(grp, dev) for grp in gram.groups}
         f32 = self.comoment_precision == "float32"
         if f32:
             c = c.to(torch.float32).to(_F64)
@@ -845,6 +925,14 @@ class EmbeddingStatistics(Sketch):
         for a, b in blocks:
             if len(blocks) > 1:  # one block (a GPU's batch): pass 1's float64 rows are intact
                 x = self._workspace("x", block)[: b - a].copy_(kept[a:b])
+            if integer:  # the squared deviations and the rows' residues, piece by piece
+                for grp, s, e in gram.pieces(a, b):
+                    sq, res = (deviations_and_residues if fuse else _deviations_and_residues)(
+                        mean_b, g.inv[s:e], x[s - a : e - a], c, grp.scale, moduli[id(grp)]
+                    )
+                    m2_b.index_add_(0, g.inv[s:e], sq)
+                    gram.put(grp, s, e, res)
+                continue
             if fuse:  # one compiled kernel (CUDA) reads x once: no (n × d) scratch
                 if f32:
                     sq, xs = deviations_and_centred32(mean_b, g.inv[a:b], x, kept[a:b], c32)
@@ -862,10 +950,19 @@ class EmbeddingStatistics(Sketch):
                     xs = x.sub_(c)  # x is not needed any more: centre in place
             m2_b.index_add_(0, g.inv[a:b], sq)
             add_gram(upper, xs)
+        if integer:
+            _add_integer_gram(upper, gram, kept, c)
         self._merge_types(li, g.slots, g.counts, mean_b, m2_b)
         m_s = x_mean - c  # mean of x' (small)
         c_b = symmetric_from_upper(upper) - torch.outer(m_s, m_s) * n
         self._merge_layer(li, n, c + m_s, c_b)
+
+    def _gram_blocks(self, device: torch.device) -> dict[str, int]:
+        """Column blocks of the integer product: the GPU's few wide ones (as :func:`add_gram`),
+        else blocks of 96 columns; edges at multiples of 8 at least (int8 products)."""
+        if gpu_fold(device):
+            return {"block": -(-self.dim // GPU_GRAM_BLOCKS), "align": GPU_GRAM_ALIGN}
+        return {"block": 96, "align": 8}
 
     def _add_unit_sums(
         self,
