@@ -16,11 +16,17 @@ read the same rows become one kernel each (``core/statistics.py``, ``_fold_layer
   shift x in place, ~56 bytes of traffic a value for 16 of arithmetic.
 * :func:`deviations_and_centred32` – the same with ``comoment_precision="float32"``: the
   shifted rows are the model-dtype rows minus c rounded to float32, in float32.
+* :func:`deviations_and_residues` – the same for the bounded product on int8 units
+  (:mod:`~embgeom_ray.core.integer_gram`): instead of the shifted rows, their residues in
+  fixed point modulo each of the N moduli, N bytes a value (int8), transposed for the products.
+* :func:`garner_reconstruct` – the integer co-moment from its N residue matrices (Garner's
+  mixed radix, N(N − 1)/2 exact modular steps a value): one read of them, one write of the
+  float64 matrix.
 
 Each returns what its eager twin (``*_eager``) returns, to float64 rounding (only the order
 of the additions of a row's d squares differs). The kernels are built on the first CUDA
 batch, once per process and function (with dynamic shapes: batches of other sizes and widths
-reuse them). The three builds cost the first batch of an extractor process about 7 s on an
+reuse them). The first three builds cost the first batch of an extractor process about 7 s on an
 H100 (inferred from a bench run whose first repeat held them: README, "On a GPU");
 inductor keeps built kernels in its on-disk cache for later processes on the node (how much
 that saves was not measured). Where they
@@ -167,3 +173,13 @@ def garner_reconstruct(
     from .integer_gram import garner_eager
 
     return _run(garner_eager, remainders, moduli, inv)  # type: ignore[return-value,arg-type]
+
+
+def residues(
+    x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor, moduli: torch.Tensor
+) -> torch.Tensor:
+    """:func:`~embgeom_ray.core.integer_gram.residues_eager` alone, fused where
+    :func:`fused_on` (the product without the fold's deviations: ``bench.comoment``)."""
+    from .integer_gram import residues_eager
+
+    return _run(residues_eager, x, shift, scale, moduli)  # type: ignore[return-value]

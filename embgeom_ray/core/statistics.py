@@ -19,8 +19,11 @@ Only token types actually seen occupy memory (a slot table grows by doubling). E
 float64: each batch is cast to float64 on its device and shifted by the layer's running mean
 c; per type it is reduced centred on the type's own batch mean (two passes), per layer the
 co-moment is (X − c)ᵀ(X − c) − n m'm'ᵀ, which cancels only O(||μ_b − μ||²/V) digits instead
-of ||μ||²/V (with ``comoment_precision="float32"``, the job's default, that one product runs
-in float32 on the shifted rows and is accumulated in float64). Batch moments are merged into
+of ||μ||²/V. That one product is where the precisions differ (``comoment_precision``):
+float64; "bounded", the job's default, within |ΔC_ab| ≤ 2^−29 √(C_aa C_bb) on int8 matrix
+units where :func:`integer_product` (CUDA; rows shifted by the batch's own mean:
+:mod:`~embgeom_ray.core.integer_gram`, ``docs/precision.md``), else float64; float32 (earlier
+versions' default, no bound). Batch moments are merged into
 the running ones with the pairwise update of Chan, Golub & LeVeque (1979)::
 
     n = n_a + n_b,  δ = μ_b − μ_a,  μ = μ_a + δ n_b/n,
@@ -406,7 +409,9 @@ def extreme_counts(
     With a float32 ``scratch`` of x's shape (the fold passes one on CPUs), computed as the
     column sums of the 0/1 matrix ``x == rowmax(x)``: vectorised passes, ~4x faster on CPUs
     than the index-tracking ``argmax``. A row whose extreme value is tied between dimensions
-    would count twice there; then (rarely: the sums exceed n) the exact argmax is used.
+    would count twice there; then (the sums exceed n: in bf16, with 8 significant bits, a
+    tie somewhere in a block of 1,024 rows is the rule) only the tied rows are taken back
+    and counted by their exact argmax.
     Without ``scratch`` (on GPUs, where ``argmax`` is one read of x in its own dtype instead
     of four passes, two of them over a float32 matrix, and a host synchronisation), the
     argmax itself, counted by ``index_add_`` (``bincount`` would synchronise with the host
@@ -419,11 +424,16 @@ def extreme_counts(
     if scratch is None:
         first = x.argmax(dim=1) if which == "max" else x.argmin(dim=1)
         return into.index_add_(0, first, torch.ones_like(first))
+    if n >= 2**24:  # float32 sums of 0/1 values are exact below 2^24
+        return extreme_counts(x, which, into=into)
     ext = x.amax(dim=1, keepdim=True) if which == "max" else x.amin(dim=1, keepdim=True)
-    hits = torch.eq(x, ext, out=scratch).sum(dim=0)
-    if int(hits.sum()) == n and n < 2**24:  # one extreme per row: exact 0/1 sums
+    eq = torch.eq(x, ext, out=scratch)
+    hits = eq.sum(dim=0)
+    if int(hits.sum()) == n:  # one extreme per row: exact 0/1 sums
         return into.add_(hits.to(torch.int64))
-    return extreme_counts(x, which, into=into)
+    tied = (eq.sum(dim=1) > 1).nonzero().squeeze(1)  # the rows counted more than once
+    into.add_(hits.to(torch.int64)).sub_(eq.index_select(0, tied).sum(dim=0).to(torch.int64))
+    return extreme_counts(x.index_select(0, tied), which, into=into)
 
 
 def _deviations_and_residues(
