@@ -35,9 +35,9 @@ def shifted_gram(x: torch.Tensor, shift: torch.Tensor, block: int = 96, align: i
     gram = IntegerGram(x, shift, block=block, align=align)
     for g, s, e in gram.pieces(0, x.shape[0]):
         rows = x[s:e].to(torch.float64)
-        gram.put(
-            g, s, e, residues_eager(rows, gram.shift, g.scale, gram.moduli_tensor(g, x.device))
-        )
+        moduli = gram.moduli_tensor(g, x.device)
+        res = residues_eager(rows, gram.shift, g.scale, moduli, *gram.padding(g, s, e))
+        gram.put(g, s, e, res)
     upper = torch.zeros(x.shape[1], x.shape[1], dtype=torch.float64)
     gram.add_upper(upper)
     upper = torch.triu(upper)
@@ -239,8 +239,9 @@ def test_the_compiled_kernels_trace_whole(monkeypatch):
     means = torch.zeros(1, 33, dtype=torch.float64)
     inv = torch.zeros(77, dtype=torch.int64)
     sq, res = fold_kernels.deviations_and_residues(
-        means, inv, x, shift, g.scale, gram.moduli_tensor(g, x.device)
+        means, inv, x, shift, g.scale, gram.moduli_tensor(g, x.device), *gram.padding(g, s, e)
     )
+    assert res.shape == (len(g.moduli), 40, 80)  # padded: 33 → 40 columns, 77 → 80 rows
     np.testing.assert_allclose(sq.numpy(), (x.numpy() ** 2).sum(1), rtol=1e-13)
     gram.put(g, s, e, res)
     upper = torch.zeros(33, 33, dtype=torch.float64)

@@ -141,13 +141,16 @@ def deviations_and_residues_eager(
     shift: torch.Tensor,
     scale: torch.Tensor,
     moduli: torch.Tensor,
+    rows: int = 0,
+    cols: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(:func:`squared_deviations_eager`, the int8 residues of the shifted rows in fixed point,
-    (N, d, n)): the second pass of the integer co-moment product
-    (:func:`~embgeom_ray.core.integer_gram.residues_eager`)."""
+    (N, d, n) zero-padded to (N, ``cols``, ``rows``)): the second pass of the integer
+    co-moment product (:func:`~embgeom_ray.core.integer_gram.residues_eager`)."""
     from .integer_gram import residues_eager
 
-    return squared_deviations_eager(means, inv, x), residues_eager(x, shift, scale, moduli)
+    sq = squared_deviations_eager(means, inv, x)
+    return sq, residues_eager(x, shift, scale, moduli, rows, cols)
 
 
 def deviations_and_residues(
@@ -157,11 +160,13 @@ def deviations_and_residues(
     shift: torch.Tensor,
     scale: torch.Tensor,
     moduli: torch.Tensor,
+    rows: int = 0,
+    cols: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`deviations_and_residues_eager`, fused where :func:`fused_on`: one read of the
     float64 rows writes a number per row and N bytes per value."""
     return _run(  # type: ignore[return-value]
-        deviations_and_residues_eager, means, inv, x, shift, scale, moduli
+        deviations_and_residues_eager, means, inv, x, shift, scale, moduli, rows, cols
     )
 
 
@@ -176,10 +181,15 @@ def garner_reconstruct(
 
 
 def residues(
-    x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor, moduli: torch.Tensor
+    x: torch.Tensor,
+    shift: torch.Tensor,
+    scale: torch.Tensor,
+    moduli: torch.Tensor,
+    rows: int = 0,
+    cols: int = 0,
 ) -> torch.Tensor:
     """:func:`~embgeom_ray.core.integer_gram.residues_eager` alone, fused where
     :func:`fused_on` (the product without the fold's deviations: ``bench.comoment``)."""
     from .integer_gram import residues_eager
 
-    return _run(residues_eager, x, shift, scale, moduli)  # type: ignore[return-value]
+    return _run(residues_eager, x, shift, scale, moduli, rows, cols)  # type: ignore[return-value]

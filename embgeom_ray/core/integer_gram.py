@@ -59,6 +59,9 @@ MODULI: tuple[int, ...] = (256, 255, 253, 251, 247, 241, 239, 233, 229, 227, 223
 MAX_ROWS = 1 << 16
 #: columns of the narrowest block a product takes (``torch._int_mm`` on CUDA: more than 16)
 MIN_BLOCK = 24
+#: the residues' rows are zero-padded to a multiple of this: the int8 products' inner size
+#: and leading dimensions (cuBLASLt's int8 kernels want multiples of 4 to 16 bytes)
+ROW_ALIGN = 16
 
 
 def moduli_for(rows: int, bits: int = BITS) -> tuple[int, ...]:
@@ -90,18 +93,28 @@ def column_scales(absmax: torch.Tensor, bits: int = BITS) -> torch.Tensor:
 
 
 def residues_eager(
-    x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor, moduli: torch.Tensor
+    x: torch.Tensor,
+    shift: torch.Tensor,
+    scale: torch.Tensor,
+    moduli: torch.Tensor,
+    rows: int = 0,
+    cols: int = 0,
 ) -> torch.Tensor:
     """(N, d, n) int8: the balanced residues of x̃ = round((x − c) · scale) modulo each of the
     N ``moduli`` (float64), for the rows ``x`` (n × d, float64), transposed (the products'
-    operands are rows of it).
+    operands are rows of it); zero-padded to (N, ``cols``, ``rows``) where those are larger
+    (zero rows add nothing to a product; int8 products want aligned strides).
 
     r = x̃ − m ⌊x̃/m + ½⌋ ∈ [−m/2, m/2): exact in float64, since |x̃| ≤ 2^38 keeps x̃/m within
     2^−20 of its value, and for odd m the quotient is at least 1/(2m) from a half-integer (for
     m = 256 it is exact)."""
     z = torch.round((x - shift) * scale).t()  # (d, n) integers, |z| ≤ 2^(B−1)
     m = moduli.view(-1, 1, 1)
-    return (z - m * torch.floor(z / m + 0.5)).to(torch.int8)
+    r = (z - m * torch.floor(z / m + 0.5)).to(torch.int8)
+    n, d = x.shape
+    if rows > n or cols > d:
+        r = torch.nn.functional.pad(r, (0, max(rows - n, 0), 0, max(cols - d, 0)))
+    return r
 
 
 @functools.cache
@@ -164,12 +177,12 @@ def upper_blocks(d: int, block: int, align: int) -> list[int]:
     return edges
 
 
-def _products(res: torch.Tensor, edges: Sequence[int], n: int) -> torch.Tensor:
+def _products(res: torch.Tensor, edges: Sequence[int]) -> torch.Tensor:
     """The upper block triangle of RᵀR (int32, d × d) of one modulus' residues ``res``
     (d × n int8, a row per column of X). The rows are taken 8 at a time by the int8 product
-    (its inner size must be a multiple of 8); the last n mod 8 rows' products are added from a
-    float64 product of their values (exact)."""
-    d = res.shape[0]
+    (its inner size must be a multiple of 8); the last n mod 8 rows' products, if any, are
+    added from a float64 product of their values (exact)."""
+    d, n = res.shape
     whole = n - n % 8
     out = torch.zeros(d, d, dtype=torch.int32, device=res.device)
     for lo, hi in itertools.pairwise(edges):
@@ -192,7 +205,12 @@ class _Group:
     stop: int
     scale: torch.Tensor  # (d,) float64, 2^e per column
     moduli: tuple[int, ...]
-    residues: torch.Tensor | None = None  # (N, d_pad, rows) int8, once filled
+    residues: torch.Tensor | None = None  # (N, d_pad, rows_pad) int8, once filled
+
+    @property
+    def rows_pad(self) -> int:
+        """The group's rows rounded up to :data:`ROW_ALIGN` (the residues' row length)."""
+        return -(-(self.stop - self.start) // ROW_ALIGN) * ROW_ALIGN
 
 
 class IntegerGram:
@@ -238,14 +256,21 @@ class IntegerGram:
             _moduli_tensors[key] = torch.tensor(g.moduli, dtype=_F64, device=device)
         return _moduli_tensors[key]
 
+    def padding(self, g: _Group, s: int, e: int) -> tuple[int, int]:
+        """(rows, cols) to pad the residues of rows [s, e) to: the group's padded shape when
+        they are the whole group (a GPU's batch: the kernel writes them in place), else none
+        (:meth:`put` copies them into the group's buffer)."""
+        return (g.rows_pad, self.d_pad) if (s, e) == (g.start, g.stop) else (0, 0)
+
     def put(self, g: _Group, s: int, e: int, residues: torch.Tensor) -> None:
-        """The residues (N, d, e − s) of rows [s, e) of group ``g``: taken as they are when
-        they are the whole group (a GPU's batch), else copied into the group's buffer."""
-        if (s, e) == (g.start, g.stop) and self.d_pad == self.dim:
+        """The residues (N, d, e − s) of rows [s, e) of group ``g`` (padded as
+        :meth:`padding` says): taken as they are when they hold the whole group, else copied
+        into the group's zeroed buffer."""
+        shape = (len(g.moduli), self.d_pad, g.rows_pad)
+        if tuple(residues.shape) == shape:
             g.residues = residues
             return
-        if g.residues is None or g.residues.shape[1] != self.d_pad:
-            shape = (len(g.moduli), self.d_pad, g.stop - g.start)
+        if g.residues is None:
             g.residues = torch.zeros(shape, dtype=torch.int8, device=residues.device)
         g.residues[:, : self.dim, s - g.start : e - g.start] = residues
 
@@ -256,12 +281,11 @@ class IntegerGram:
         for g in self.groups:
             if g.residues is None:
                 raise RuntimeError("residues of some rows were never put")
-            rows = g.stop - g.start
             remainders = torch.empty(
                 (len(g.moduli), self.d_pad, self.d_pad), dtype=torch.uint8, device=upper.device
             )
             for k, m in enumerate(g.moduli):
-                p = _products(g.residues[k], self.edges, rows)
+                p = _products(g.residues[k], self.edges)
                 remainders[k] = torch.remainder(p, m).to(torch.uint8)
             g.residues = None  # the int8 copies are no longer needed
             value = garner(remainders, g.moduli)[:d, :d]

@@ -443,13 +443,15 @@ def _deviations_and_residues(
     shift: torch.Tensor,
     scale: torch.Tensor,
     moduli: torch.Tensor,
+    rows: int = 0,
+    cols: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The CPU's pass 2 of the integer product: ‖μ_t(i) − x_i‖² through a gathered (n × d)
     copy of the means (as the float64 path), and the residues
     (:func:`~embgeom_ray.core.integer_gram.residues_eager`)."""
     dev_rows = torch.index_select(means, 0, inv).sub_(x)
     sq = torch.linalg.vector_norm(dev_rows, dim=1).square_()
-    return sq, residues_eager(x, shift, scale, moduli)
+    return sq, residues_eager(x, shift, scale, moduli, rows, cols)
 
 
 def _add_integer_gram(
@@ -938,8 +940,9 @@ class EmbeddingStatistics(Sketch):
             if integer:  # the squared deviations and the rows' residues, piece by piece
                 for grp, s, e in gram.pieces(a, b):
                     sq, res = (deviations_and_residues if fuse else _deviations_and_residues)(
-                        mean_b, g.inv[s:e], x[s - a : e - a], c, grp.scale, moduli[id(grp)]
-                    )
+                        mean_b, g.inv[s:e], x[s - a : e - a], c, grp.scale, moduli[id(grp)],
+                        *gram.padding(grp, s, e),
+                    )  # fmt: skip
                     m2_b.index_add_(0, g.inv[s:e], sq)
                     gram.put(grp, s, e, res)
                 continue
