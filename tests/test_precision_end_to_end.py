@@ -1,6 +1,7 @@
 """MiniLM over real English text with planted massive activations: every table of the bounded
 co-moment path (int8 products, as on CUDA) against the float64 path's on the same hidden states
-at 1e-6, and against the independent float64 two-pass reference (tests/reference.py)."""
+at 1e-6, and against the independent float64 two-pass reference (tests/reference.py; IsoScore
+from the two-pass covariance: the IsoScore package takes √d in float32)."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from tests import reference as ref
 pytestmark = pytest.mark.slow
 
 MASSIVE = (11, 200)  # the planted dimensions: offset by 1e4 (μ²/V ~ 1e8), spiked at position 1
-OFFSET, SPIKE = 1e4, 3e3
+OFFSET, SPIKE = 1e4, 30.0
 
 
 def minilm_hidden_states(model_dir: str, docs: list[str], max_length: int, batch: int = 16):
@@ -109,8 +110,16 @@ def test_bounded_tables_equal_the_float64_path_and_the_reference_on_minilm(monke
         assert max(worst.values()) <= 1e-6, (layer, worst)
         lrow = ours["layers"].set_index("layer").loc[layer]
         for col in ("mean_norm", "total_variance", "within_variance", "between_variance",
-                    "within_ratio", "isoscore"):  # fmt: skip
+                    "within_ratio"):  # fmt: skip
             np.testing.assert_allclose(lrow[col], row[col], rtol=1e-6, err_msg=col)
+        # IsoScore from the two-pass float64 covariance of the points (the IsoScore package the
+        # reference calls takes √d in float32): ((tr C)² / ‖C‖_F² − 1) / (d − 1)
+        xc = np.concatenate(points[layer])
+        xc = xc - xc.mean(0)
+        cov = xc.T @ xc
+        iso = (np.trace(cov) ** 2 / np.sum(cov * cov) - 1) / (d - 1)
+        np.testing.assert_allclose(lrow["isoscore"], iso, rtol=1e-6, err_msg="isoscore")
+        np.testing.assert_allclose(lrow["isoscore"], row["isoscore"], rtol=1e-4)
         for col in ("anisotropy", "s_inter", "s_intra"):
             np.testing.assert_allclose(lrow[col], row[col], rtol=0, atol=1e-9, err_msg=col)
         dgot = ours["dims"][ours["dims"].layer == layer].reset_index(drop=True)

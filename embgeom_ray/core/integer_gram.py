@@ -179,18 +179,11 @@ def upper_blocks(d: int, block: int, align: int) -> list[int]:
 
 def _products(res: torch.Tensor, edges: Sequence[int]) -> torch.Tensor:
     """The upper block triangle of RᵀR (int32, d × d) of one modulus' residues ``res``
-    (d × n int8, a row per column of X). The rows are taken 8 at a time by the int8 product
-    (its inner size must be a multiple of 8); the last n mod 8 rows' products, if any, are
-    added from a float64 product of their values (exact)."""
-    d, n = res.shape
-    whole = n - n % 8
+    (d × n int8, a row per column of X, n a multiple of :data:`ROW_ALIGN`)."""
+    d = res.shape[0]
     out = torch.zeros(d, d, dtype=torch.int32, device=res.device)
     for lo, hi in itertools.pairwise(edges):
-        if whole:
-            out[lo:hi, lo:] = int8_matmul(res[lo:hi, :whole], res[lo:, :whole].t())
-        if whole < n:
-            tail = res[lo:hi, whole:].to(_F64) @ res[lo:, whole:].to(_F64).t()
-            out[lo:hi, lo:] += tail.to(torch.int32)
+        out[lo:hi, lo:] = int8_matmul(res[lo:hi], res[lo:].t())
     return out
 
 
