@@ -186,8 +186,7 @@ def _int8_upper(xs: torch.Tensor) -> torch.Tensor:
     )
     gram = IntegerGram(xs, zero, **blocks)
     for g, s, e in gram.pieces(0, n):
-        moduli = gram.moduli_tensor(g, xs.device)
-        res = fold_kernels.residues(xs[s:e], zero, g.scale, moduli, *gram.padding(g, s, e))
+        res = fold_kernels.residues(xs[s:e], zero, g.scale, g.moduli, *gram.padding(g, s, e))
         gram.put(g, s, e, res)
     upper = torch.zeros(d, d, dtype=torch.float64, device=xs.device)
     gram.add_upper(upper)

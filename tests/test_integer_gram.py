@@ -35,8 +35,7 @@ def shifted_gram(x: torch.Tensor, shift: torch.Tensor, block: int = 96, align: i
     gram = IntegerGram(x, shift, block=block, align=align)
     for g, s, e in gram.pieces(0, x.shape[0]):
         rows = x[s:e].to(torch.float64)
-        moduli = gram.moduli_tensor(g, x.device)
-        res = residues_eager(rows, gram.shift, g.scale, moduli, *gram.padding(g, s, e))
+        res = residues_eager(rows, gram.shift, g.scale, g.moduli, *gram.padding(g, s, e))
         gram.put(g, s, e, res)
     upper = torch.zeros(x.shape[1], x.shape[1], dtype=torch.float64)
     gram.add_upper(upper)
@@ -106,8 +105,7 @@ def test_residues_are_balanced_int8_and_exact():
     shift = x.mean(0)
     absmax = (x - shift).abs().amax(0)
     scale = column_scales(absmax)
-    moduli = torch.tensor(MODULI, dtype=torch.float64)
-    res = residues_eager(x, shift, scale, moduli)
+    res = residues_eager(x, shift, scale, MODULI)
     assert res.dtype == torch.int8 and res.shape == (len(MODULI), 9, 50)
     z = torch.round((x - shift) * scale)
     assert z.abs().max() <= 2 ** (BITS - 1) and z.abs().max() >= 2 ** (BITS - 2)
@@ -239,7 +237,7 @@ def test_the_compiled_kernels_trace_whole(monkeypatch):
     means = torch.zeros(1, 33, dtype=torch.float64)
     inv = torch.zeros(77, dtype=torch.int64)
     sq, res = fold_kernels.deviations_and_residues(
-        means, inv, x, shift, g.scale, gram.moduli_tensor(g, x.device), *gram.padding(g, s, e)
+        means, inv, x, shift, g.scale, g.moduli, *gram.padding(g, s, e)
     )
     assert res.shape == (len(g.moduli), 40, 80)  # padded: 33 → 40 columns, 77 → 80 rows
     np.testing.assert_allclose(sq.numpy(), (x.numpy() ** 2).sum(1), rtol=1e-13)

@@ -140,7 +140,7 @@ def deviations_and_residues_eager(
     x: torch.Tensor,
     shift: torch.Tensor,
     scale: torch.Tensor,
-    moduli: torch.Tensor,
+    moduli: tuple[int, ...],
     rows: int = 0,
     cols: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -159,7 +159,7 @@ def deviations_and_residues(
     x: torch.Tensor,
     shift: torch.Tensor,
     scale: torch.Tensor,
-    moduli: torch.Tensor,
+    moduli: tuple[int, ...],
     rows: int = 0,
     cols: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -184,7 +184,7 @@ def residues(
     x: torch.Tensor,
     shift: torch.Tensor,
     scale: torch.Tensor,
-    moduli: torch.Tensor,
+    moduli: tuple[int, ...],
     rows: int = 0,
     cols: int = 0,
 ) -> torch.Tensor:

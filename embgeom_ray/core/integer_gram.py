@@ -96,25 +96,28 @@ def residues_eager(
     x: torch.Tensor,
     shift: torch.Tensor,
     scale: torch.Tensor,
-    moduli: torch.Tensor,
+    moduli: tuple[int, ...],
     rows: int = 0,
     cols: int = 0,
 ) -> torch.Tensor:
     """(N, d, n) int8: the balanced residues of x̃ = round((x − c) · scale) modulo each of the
-    N ``moduli`` (float64), for the rows ``x`` (n × d, float64), transposed (the products'
-    operands are rows of it); zero-padded to (N, ``cols``, ``rows``) where those are larger
-    (zero rows add nothing to a product; int8 products want aligned strides).
+    N ``moduli``, for the rows ``x`` (n × d, float64), transposed (the products' operands are
+    rows of it); zero-padded to (N, ``cols``, ``rows``) where those are larger (zero rows add
+    nothing to a product; int8 products want aligned strides). One modulus at a time: eagerly
+    (a CPU, or a GPU without compiled kernels) the float64 temporaries are (d × n), not N of
+    them.
 
     r = x̃ − m ⌊x̃/m + ½⌋ ∈ [−m/2, m/2): exact in float64, since |x̃| ≤ 2^38 keeps x̃/m within
     2^−20 of its value, and for odd m the quotient is at least 1/(2m) from a half-integer (for
     m = 256 it is exact)."""
     z = torch.round((x - shift) * scale).t()  # (d, n) integers, |z| ≤ 2^(B−1)
-    m = moduli.view(-1, 1, 1)
-    r = (z - m * torch.floor(z / m + 0.5)).to(torch.int8)
     n, d = x.shape
-    if rows > n or cols > d:
-        r = torch.nn.functional.pad(r, (0, max(rows - n, 0), 0, max(cols - d, 0)))
-    return r
+    pad = (0, max(rows - n, 0), 0, max(cols - d, 0))
+    out = []
+    for m in moduli:
+        r = (z - m * torch.floor(z * (1.0 / m) + 0.5)).to(torch.int8)
+        out.append(torch.nn.functional.pad(r, pad) if any(pad) else r)
+    return torch.stack(out)
 
 
 @functools.cache
@@ -187,9 +190,6 @@ def _products(res: torch.Tensor, edges: Sequence[int]) -> torch.Tensor:
     return out
 
 
-_moduli_tensors: dict[tuple[tuple[int, ...], str], torch.Tensor] = {}
-
-
 @dataclass
 class _Group:
     """Rows [start, stop) of the batch with their own column scales and residues."""
@@ -239,15 +239,6 @@ class IntegerGram:
             s, e = max(a, g.start), min(b, g.stop)
             if s < e:
                 yield g, s, e
-
-    @staticmethod
-    def moduli_tensor(g: _Group, device: torch.device) -> torch.Tensor:
-        """The group's moduli as a float64 vector on ``device`` (made once per process: a
-        copy from the host would make a GPU's host wait)."""
-        key = (g.moduli, str(device))
-        if key not in _moduli_tensors:
-            _moduli_tensors[key] = torch.tensor(g.moduli, dtype=_F64, device=device)
-        return _moduli_tensors[key]
 
     def padding(self, g: _Group, s: int, e: int) -> tuple[int, int]:
         """(rows, cols) to pad the residues of rows [s, e) to: the group's padded shape when

@@ -442,7 +442,7 @@ def _deviations_and_residues(
     x: torch.Tensor,
     shift: torch.Tensor,
     scale: torch.Tensor,
-    moduli: torch.Tensor,
+    moduli: tuple[int, ...],
     rows: int = 0,
     cols: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -927,7 +927,6 @@ class EmbeddingStatistics(Sketch):
         if integer:
             c = x_mean.clone()
             gram = IntegerGram(kept, c, **self._gram_blocks(dev))
-            moduli = {id(grp): gram.moduli_tensor(grp, dev) for grp in gram.groups}
         f32 = self.comoment_precision == "float32"
         if f32:
             c = c.to(torch.float32).to(_F64)
@@ -940,7 +939,7 @@ class EmbeddingStatistics(Sketch):
             if integer:  # the squared deviations and the rows' residues, piece by piece
                 for grp, s, e in gram.pieces(a, b):
                     sq, res = (deviations_and_residues if fuse else _deviations_and_residues)(
-                        mean_b, g.inv[s:e], x[s - a : e - a], c, grp.scale, moduli[id(grp)],
+                        mean_b, g.inv[s:e], x[s - a : e - a], c, grp.scale, grp.moduli,
                         *gram.padding(grp, s, e),
                     )  # fmt: skip
                     m2_b.index_add_(0, g.inv[s:e], sq)
