@@ -180,16 +180,9 @@ def garner_reconstruct(
     return _run(garner_eager, remainders, moduli, inv)  # type: ignore[return-value,arg-type]
 
 
-def residues(
-    x: torch.Tensor,
-    shift: torch.Tensor,
-    scale: torch.Tensor,
-    moduli: tuple[int, ...],
-    rows: int = 0,
-    cols: int = 0,
-) -> torch.Tensor:
-    """:func:`~embgeom_ray.core.integer_gram.residues_eager` alone, fused where
-    :func:`fused_on` (the product without the fold's deviations: ``bench.comoment``)."""
+def residues(*args: object) -> torch.Tensor:
+    """:func:`~embgeom_ray.core.integer_gram.residues_eager` (the same arguments) alone, fused
+    where :func:`fused_on` (the product without the fold's deviations: ``bench.comoment``)."""
     from .integer_gram import residues_eager
 
-    return _run(residues_eager, x, shift, scale, moduli, rows, cols)  # type: ignore[return-value]
+    return _run(residues_eager, *args)  # type: ignore[return-value,arg-type]

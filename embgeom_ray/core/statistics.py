@@ -71,7 +71,7 @@ from .fold_kernels import (
     fused_on,
 )
 from .group_sums import GroupMatrix
-from .integer_gram import IntegerGram, residues_eager
+from .integer_gram import IntegerGram
 from .sketch import HEADER_KEY, Sketch, check_array, safetensors_into
 
 #: the ``format`` of the header (this name since the first version; see :data:`_READS`).
@@ -434,24 +434,6 @@ def extreme_counts(
     tied = (eq.sum(dim=1) > 1).nonzero().squeeze(1)  # the rows counted more than once
     into.add_(hits.to(torch.int64)).sub_(eq.index_select(0, tied).sum(dim=0).to(torch.int64))
     return extreme_counts(x.index_select(0, tied), which, into=into)
-
-
-def _deviations_and_residues(
-    means: torch.Tensor,
-    inv: torch.Tensor,
-    x: torch.Tensor,
-    shift: torch.Tensor,
-    scale: torch.Tensor,
-    moduli: tuple[int, ...],
-    rows: int = 0,
-    cols: int = 0,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The CPU's pass 2 of the integer product: ‖μ_t(i) − x_i‖² through a gathered (n × d)
-    copy of the means (as the float64 path), and the residues
-    (:func:`~embgeom_ray.core.integer_gram.residues_eager`)."""
-    dev_rows = torch.index_select(means, 0, inv).sub_(x)
-    sq = torch.linalg.vector_norm(dev_rows, dim=1).square_()
-    return sq, residues_eager(x, shift, scale, moduli, rows, cols)
 
 
 def _add_integer_gram(
@@ -938,7 +920,7 @@ class EmbeddingStatistics(Sketch):
                 x = self._workspace("x", block)[: b - a].copy_(kept[a:b])
             if integer:  # the squared deviations and the rows' residues, piece by piece
                 for grp, s, e in gram.pieces(a, b):
-                    sq, res = (deviations_and_residues if fuse else _deviations_and_residues)(
+                    sq, res = deviations_and_residues(  # one compiled kernel where fused
                         mean_b, g.inv[s:e], x[s - a : e - a], c, grp.scale, grp.moduli,
                         *gram.padding(grp, s, e),
                     )  # fmt: skip
