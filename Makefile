@@ -80,7 +80,7 @@ analyze: env
 	$(PY) -m jobs.analyze --model "$(or $(MODEL),$(DEMO_MODEL))" \
 	    --corpus "$(CORPUS)" --out "$(OUT)" $(ARGS)
 
-# The README's benchmark numbers (2-core machine, ~45 min); results in bench/results/*.json.
+# The CPU numbers of docs/benchmarks.md (2-core machine, ~45 min); results in bench/results/*.json.
 bench: env
 	$(PY) -m bench.extraction --tokens 8000 --repeats 3
 	$(PY) -m bench.extraction --models minilm --tokens 40000 --repeats 5 --name extraction_minilm40k

@@ -117,8 +117,7 @@ def fixed_cost_split(wall: float, manifest: dict, tokens: int, marginal: float) 
     """Where the N run's time beyond N / marginal went, stage by stage."""
     t = manifest["timings_s"]
     return {
-        # Python's start and imports, and Ray's shutdown at exit (before 2026-11-27 the split
-        # called this "process start and Ray", but Ray's start was inside extract_wall)
+        # Python's start and imports, and Ray's shutdown at exit (Ray's start is ray_start)
         "process_start_and_exit": wall - t["total"] - t.get("report", 0.0),
         "plan": t["plan"],
         "ray_start": t.get("ray_start", 0.0),

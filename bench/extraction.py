@@ -35,10 +35,10 @@ from bench.common import english_jsonl, median, minilm_dir, random_bert_dir, sav
 
 def bare_forward(proc, shard) -> int:
     """Tokenise and batch exactly as the extractor does, run the model, discard the output."""
+    from embgeom_ray.counts import Counts
     from embgeom_ray.inputs.corpus import ReadReport, read_shard
-    from embgeom_ray.inputs.extractor import ShardCounts
 
-    counts = ShardCounts()
+    counts = Counts()
     tokens = 0
     with torch.inference_mode():
         docs = read_shard(shard, proc.corpus, ReadReport())

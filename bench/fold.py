@@ -23,7 +23,7 @@ checkout's default against the default before it, 2026-11-27); a plain ``P`` is 
 (``statistics.INTEGER_PRODUCT``; by default on CUDA only).
 
 ``--gram-blocks K`` runs this checkout's co-moment product in K column blocks on a GPU
-(``statistics.GPU_GRAM_BLOCKS``, 8 since 2026-11-27), the baseline's as it is.
+(``statistics.GPU_GRAM_BLOCKS``, 8 by default), the baseline's as it is.
 
 ``--scatter`` also times the per-type sums of one batch's float64 rows, sorted by type, three
 ways: ``index_add_`` (what the fold does), ``torch.segment_reduce`` and a CSR matrix product.

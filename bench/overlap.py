@@ -42,8 +42,9 @@ def main(argv: list[str] | None = None) -> None:
 
     from embgeom_ray.config import build_config
     from embgeom_ray.core.sketch import finite_layers
+    from embgeom_ray.counts import Counts
     from embgeom_ray.inputs.corpus import CorpusSpec, ReadReport, plan_shards, read_shard
-    from embgeom_ray.inputs.extractor import ShardCounts, ShardProcessor
+    from embgeom_ray.inputs.extractor import ShardProcessor
     from embgeom_ray.inputs.model_loading import resolve_identity, resolve_layers
 
     work = Path(tempfile.mkdtemp(prefix="embgeom-bench-overlap-"))
@@ -54,7 +55,7 @@ def main(argv: list[str] | None = None) -> None:
     cfg = build_config(None, {"model": model, "corpus": corpus, "out": str(work / "unused")})
     proc = ShardProcessor(cfg.extraction, layers, {"model_fingerprint": "bench"})
     shard = plan_shards(CorpusSpec(corpus), 1 << 40).shards[0]
-    batches = list(proc.batches(read_shard(shard, proc.corpus, ReadReport()), ShardCounts()))
+    batches = list(proc.batches(read_shard(shard, proc.corpus, ReadReport()), Counts()))
     if args.max_batches:
         batches = batches[: args.max_batches]
     tokens = sum(b.num_tokens for b in batches)

@@ -156,8 +156,9 @@ def fold_and_forward(
     from bench.common import median
     from embgeom_ray.config import build_config
     from embgeom_ray.core.spilling import SpillingStatistics
+    from embgeom_ray.counts import Counts
     from embgeom_ray.inputs.corpus import CorpusSpec, ReadReport, plan_shards, read_shard
-    from embgeom_ray.inputs.extractor import ShardCounts, ShardProcessor
+    from embgeom_ray.inputs.extractor import ShardProcessor
     from embgeom_ray.inputs.model_loading import resolve_identity, resolve_layers
 
     identity, _ = resolve_identity(model, None, False)
@@ -180,7 +181,7 @@ def fold_and_forward(
     shard = plan_shards(CorpusSpec(corpus), 1 << 40).shards[0]
     with torch.inference_mode():
         batches, n = [], 0
-        for batch in proc.batches(read_shard(shard, proc.corpus, ReadReport()), ShardCounts()):
+        for batch in proc.batches(read_shard(shard, proc.corpus, ReadReport()), Counts()):
             batches.append(batch)
             n += batch.num_tokens
             if n >= tokens:

@@ -3,11 +3,13 @@
 Layout of a run directory ``OUT`` (``docs/design.md``, "Output contract")::
 
     manifest.json              status, identity, counts, timings (:class:`Manifest`)
-    type_stats.parquet, layers.parquet, dims.parquet, positions.parquet, samples.parquet
+    type_stats.parquet, layers.parquet, dims.parquet, positions.parquet
+    samples.parquet            the sample, one row per (layer, sample, occurrence), with the
+                               sample's header in its metadata: the mergeable sample too
+                               (:class:`ActivationSample`, :meth:`RunDir.load_sample`)
     statistics.safetensors     the mergeable statistics (:class:`EmbeddingStatistics`), or
     statistics/                the same cut into partitions by reducer actors (``--reducers``):
                                index.json and one file per part (:meth:`RunDir.load_statistics`)
-    sample.safetensors         the mergeable sample (:class:`ActivationSample`)
     doc_hashes.npy             the kept documents' 16-byte keys (``--dedup`` runs only)
     report.html, plots/        the report
     run.json, groups/          the run's fingerprint and shard plan, the checkpoint groups
@@ -17,6 +19,10 @@ of a run and ``"complete"`` only after every table and artefact is in place
 (:meth:`RunDir.finalise`), so a reader can trust a complete manifest and nothing else.
 :class:`RunDir` is the one place that knows these names: the pipeline, the merge, the report,
 the comparison and the scheduled re-analysis all read and write runs through it.
+
+Runs written before ``samples.parquet`` held the sample's header also hold the sample as
+``sample.safetensors`` (the same vectors in the sketch file format); :meth:`RunDir.load_sample`
+reads either, and finalising such a run again (a re-tabling) leaves only the table.
 """
 
 from __future__ import annotations
@@ -34,12 +40,16 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from .counts import Counts
 from .errors import UserError
 from .io_utils import atomic_write_bytes, atomic_write_json, exists, join, read_bytes, remove
 
 MANIFEST = "manifest.json"
 STATISTICS = "statistics.safetensors"
+#: the sample of runs written before ``samples.parquet`` held its header (read, not written)
 SAMPLE = "sample.safetensors"
+#: the Parquet metadata key of the sample's header in ``samples.parquet`` (the sketch files' own)
+HEADER_KEY = b"embgeom_ray"
 REPORT = "report.html"
 #: ``(distinct documents, 16)`` uint8: the kept documents' keys of a ``--dedup`` run
 DOC_HASHES = "doc_hashes.npy"
@@ -92,23 +102,6 @@ class CorpusInfo(_Part):
     def leaves(self) -> list[str]:
         """Fingerprints of the corpora the run covers (several for a merged run)."""
         return list(self.merged_fingerprints or [self.fingerprint or ""])
-
-
-class Counts(_Part):
-    documents: int = 0
-    windows: int = 0
-    tokens: int = 0
-    padded_tokens: int = 0
-    positions: int = 0
-    special_tokens: int = 0
-    unk_tokens: int = 0
-    batches: int = 0
-    oom_batch_splits: int = 0
-    #: padded_tokens / positions: positions the model ran per real position
-    padding_ratio: float | None = None
-    #: unk_tokens / text tokens
-    unk_share: float | None = None
-    nonfinite_tokens_per_layer: dict[str, int] = Field(default_factory=dict)
 
 
 class DedupInfo(_Part):
@@ -221,12 +214,18 @@ def _runs(df: pd.DataFrame, keys: tuple[str, ...]) -> list[tuple[int, int]]:
     return [(int(a), int(b - a)) for a, b in zip(starts, ends, strict=True)]
 
 
-def write_table(out: str, name: str, df: pd.DataFrame) -> str:
+def write_table(
+    out: str, name: str, df: pd.DataFrame, header: dict[str, Any] | None = None
+) -> str:
     """Write ``df`` as ``OUT/name.parquet`` atomically; returns the file name.
 
-    Tables named in :data:`ROW_GROUP_KEYS` get one row group per run of their keys.
+    Tables named in :data:`ROW_GROUP_KEYS` get one row group per run of their keys. A
+    ``header`` (JSON) is kept in the file's metadata under :data:`HEADER_KEY`.
     """
     table = pa.Table.from_pandas(df, preserve_index=False)
+    if header is not None:
+        meta = (table.schema.metadata or {}) | {HEADER_KEY: json.dumps(header).encode()}
+        table = table.replace_schema_metadata(meta)
     buf = io.BytesIO()
     keys = ROW_GROUP_KEYS.get(name, ())
     if keys and all(k in df.columns for k in keys):
@@ -328,21 +327,121 @@ class RunDir:
         atomic_write_json(self.path(MANIFEST), manifest.to_json())
 
     # ------------------------------------------------------------------ tables and artefacts
-    def write_table(self, name: str, df: pd.DataFrame) -> str:
-        return write_table(self.url, name, df)
+    def write_table(self, name: str, df: pd.DataFrame, header: dict[str, Any] | None = None) -> str:
+        return write_table(self.url, name, df, header)
 
-    def read_table(self, name: str, columns: list[str] | None = None) -> pd.DataFrame:
-        """A table of the run; :class:`RunDirError` if it is missing or unreadable."""
+    def read_table(
+        self, name: str, columns: Sequence[str] | None = None, filters: Any = None
+    ) -> pd.DataFrame:
+        """A table of the run (:meth:`read_arrow`) as a DataFrame."""
+        return self.read_arrow(name, columns, filters).to_pandas()
+
+    def read_arrow(
+        self, name: str, columns: Sequence[str] | None = None, filters: Any = None
+    ) -> pa.Table:
+        """A table of the run, only ``columns`` (all when empty or None) and, with ``filters``
+        (pyarrow's, e.g. ``[("layer", "=", 3)]``), only the rows that match: a table written
+        with row groups by those columns (:data:`ROW_GROUP_KEYS`) is read only where they
+        match. :class:`RunDirError` if it is missing or unreadable."""
+        import fsspec
+
         url = self.path(name)
         if not exists(url):
             raise RunDirError(f"run {self.url} has no {url.rsplit('/', 1)[-1]}")
+        fs, path = fsspec.core.url_to_fs(url)
         try:
-            return pd.read_parquet(io.BytesIO(read_bytes(url)), columns=columns)
+            return pq.read_table(
+                path, filesystem=fs, columns=list(columns) if columns else None, filters=filters
+            )
         except Exception as exc:
             raise RunDirError(f"{url} cannot be read: {type(exc).__name__}: {exc}") from None
 
-    def write_tables(self, tables: dict[str, pd.DataFrame]) -> list[str]:
-        return [self.write_table(name, df) for name, df in tables.items()]
+    def columns(self, name: str) -> list[str]:
+        """The column names of a table of the run (its schema only); ``[]`` without the table."""
+        import fsspec
+
+        if not self.has(name):
+            return []
+        fs, path = fsspec.core.url_to_fs(self.path(name))
+        try:
+            with fs.open(path, "rb") as f:
+                return list(pq.ParquetFile(f).schema_arrow.names)
+        except Exception as exc:
+            raise RunDirError(f"{self.path(name)} cannot be read: {type(exc).__name__}: {exc}") from None
+
+    def sample_layers(self) -> list[int]:
+        """The layers ``samples.parquet`` holds vectors of (``[]`` without a sample)."""
+        if "layer" not in self.columns("samples"):
+            return []
+        layers = self.read_arrow("samples", ["layer"]).column("layer").to_numpy()
+        return sorted(int(x) for x in np.unique(layers))
+
+    def sample_vectors(
+        self, layer: int, sample: str = "uniform"
+    ) -> tuple[pd.DataFrame, np.ndarray] | None:
+        """One layer's rows of ``samples.parquet`` (``sample`` ``"uniform"`` or
+        ``"type_uniform"``): their ``layer``, ``token_id`` and ``cluster`` columns, and their
+        ``(n, d)`` vectors as float64 (stored float32, exact). Only that layer's row groups are
+        read. ``None`` when the run has no such rows."""
+        names = self.columns("samples")
+        if "vector" not in names or "layer" not in names:
+            return None
+        filters = [("layer", "=", int(layer))]
+        if "sample" in names:
+            filters.append(("sample", "=", sample))
+        cols = [c for c in ("layer", "token_id", "cluster", "vector") if c in names]
+        table = self.read_arrow("samples", cols, filters)
+        n = table.num_rows
+        if n == 0:
+            return None
+        vec = table.column("vector").combine_chunks()
+        flat = vec.flatten().to_numpy(zero_copy_only=False).astype(np.float64, copy=False)
+        if flat.size == 0 or flat.size % n:
+            return None
+        return table.drop(["vector"]).to_pandas(), flat.reshape(n, flat.size // n)
+
+    def write_tables(
+        self, tables: dict[str, pd.DataFrame], headers: dict[str, dict[str, Any]] | None = None
+    ) -> list[str]:
+        """Every table of ``tables``, each with its header of ``headers`` (if any)."""
+        return [self.write_table(name, df, (headers or {}).get(name)) for name, df in tables.items()]
+
+    # ------------------------------------------------------------------ the sample
+    def table_header(self, name: str) -> dict[str, Any] | None:
+        """The header a table keeps in its metadata (:func:`write_table`); None without one."""
+        import fsspec
+
+        if not self.has(name):
+            return None
+        fs, path = fsspec.core.url_to_fs(self.path(name))
+        try:
+            with fs.open(path, "rb") as f:
+                meta = pq.read_schema(f).metadata or {}
+            return None if HEADER_KEY not in meta else json.loads(meta[HEADER_KEY])
+        except Exception as exc:
+            raise RunDirError(f"{self.path(name)} cannot be read: {type(exc).__name__}: {exc}") from None
+
+    def has_sample(self) -> bool:
+        """Whether the run holds its sample: ``samples.parquet`` with its header, or (runs of
+        earlier versions) ``sample.safetensors``."""
+        return self.table_header("samples") is not None or self.has(SAMPLE)
+
+    def load_sample(self) -> Any:
+        """The run's :class:`~embgeom_ray.core.samples.ActivationSample`, read from
+        ``samples.parquet`` (:meth:`ActivationSample.from_table
+        <embgeom_ray.core.samples.ActivationSample.from_table>`) or, for a run of an earlier
+        version, ``sample.safetensors``; None for a run without a sample (``--sample-size 0``).
+        """
+        from .core.samples import ActivationSample
+        from .errors import StatisticsMismatchError
+
+        header = self.table_header("samples")
+        if header is None:
+            return ActivationSample.load(self.path(SAMPLE)) if self.has(SAMPLE) else None
+        try:
+            return ActivationSample.from_table(self.read_arrow("samples"), header)
+        except StatisticsMismatchError as exc:
+            raise StatisticsMismatchError(f"{self.path('samples')}: {exc}") from None
 
     def write_doc_hashes(self, hashes: np.ndarray) -> str:
         """``doc_hashes.npy``: the ``(n, 16)`` uint8 keys of a ``--dedup`` run's kept documents."""
@@ -364,20 +463,17 @@ class RunDir:
             raise RunDirError(f"{url} holds {hashes.dtype} {hashes.shape}, not (n, 16) uint8 keys")
         return hashes
 
-    def save_artefacts(self, statistics: Any, sample: Any | None) -> list[str]:
+    def save_artefacts(self, statistics: Any) -> list[str]:
         """``statistics.safetensors`` (or ``statistics/`` when ``statistics`` is partitioned:
-        it says so with ``partitioned = True``) and (when sampling) ``sample.safetensors``;
-        their names."""
+        it says so with ``partitioned = True``); its name. (The sample is a table:
+        :meth:`finalise`.)"""
         partitioned = getattr(statistics, "partitioned", False)
         name = STATISTICS_PARTS + "/" if partitioned else STATISTICS
         remove(self.path(STATISTICS_PARTS))  # stale parts (any R) or the other form
         if partitioned:
             remove(self.path(STATISTICS))
         statistics.save(self.path(name.rstrip("/")))
-        if sample is None:
-            return [name]
-        sample.save(self.path(SAMPLE))
-        return [name, SAMPLE]
+        return [name]
 
     def has_statistics(self) -> bool:
         """Whether the run holds its statistics artefact, whole or partitioned."""
@@ -409,11 +505,24 @@ class RunDir:
     def finalise(
         self, manifest: Manifest, tables: dict[str, pd.DataFrame], statistics: Any, sample: Any
     ) -> Manifest:
-        """Write the artefacts and tables, then the manifest as ``complete`` (in that order)."""
-        artefacts = self.save_artefacts(statistics, sample)
+        """Write the artefacts and tables, then the manifest as ``complete`` (in that order).
+
+        ``sample`` (an :class:`~embgeom_ray.core.samples.ActivationSample`, or None) is written
+        as ``tables["samples"]`` (its :meth:`to_table` rows, with the sampled stage's columns)
+        with the sample's header in the file's metadata; a ``sample.safetensors`` of an earlier
+        version is then removed.
+        """
+        headers = {}
+        if sample is not None:
+            rows = len(sample.layers) * (sample.num_uniform + sample.num_types)
+            if "samples" not in tables or len(tables["samples"]) != rows:
+                raise ValueError(f"the samples table does not hold the sample's {rows} rows")
+            headers["samples"] = sample.header()
+        artefacts = self.save_artefacts(statistics)
         if manifest.dedup is not None:  # written by the caller before (pipeline, merge)
             artefacts.append(DOC_HASHES)
-        written = self.write_tables(tables)
+        written = self.write_tables(tables, headers)
+        remove(self.path(SAMPLE))  # the form an earlier version wrote beside the table
         manifest.set(
             status="complete",
             finished_at=now(),

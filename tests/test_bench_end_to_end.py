@@ -8,7 +8,7 @@ import pytest
 
 def test_end_to_end_numbers_from_two_runs():
     """bench.end_to_end's arithmetic (its whole run takes minutes: two jobs, two bare forwards),
-    on the timings of its 2026-11-27 run: the sampled stage took 46.8 s with N tokens and 61.1 s
+    on the timings of its run in docs/benchmarks.md (AVX-512 VM): the sampled stage took 46.8 s with N tokens and 61.1 s
     with 4N, so the whole-job marginal rate (3N / (T_4N − T_N)) is well below the extraction
     stage's own (3N / (E_4N − E_N))."""
     from bench.end_to_end import summarise

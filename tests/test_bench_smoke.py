@@ -2,7 +2,7 @@
 
 Results go to a temporary folder (``bench.common.RESULTS`` is patched), never over the real
 ``bench/results/*.json``. The numbers are not checked, only that every script runs end to end
-and writes its JSON with the keys the README's tables are built from.
+and writes its JSON with the keys the tables of ``docs/benchmarks.md`` are built from.
 """
 
 from __future__ import annotations

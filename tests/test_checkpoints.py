@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from embgeom_ray.core.statistics import EmbeddingStatistics
+from embgeom_ray.counts import Counts
 from embgeom_ray.errors import OutputError
 from embgeom_ray.inputs.corpus import Shard, ShardPlan
-from embgeom_ray.inputs.extractor import ShardCounts
 from embgeom_ray.runs.checkpoints import CheckpointStore, group_id_for
 from embgeom_ray.runs.pipeline import reduce_groups
 
@@ -39,8 +39,8 @@ def fold(shards: list[int]) -> EmbeddingStatistics:
     return stats
 
 
-def counts(tokens: int) -> ShardCounts:
-    return ShardCounts(documents=1, tokens=tokens)
+def counts(tokens: int) -> Counts:
+    return Counts(documents=1, tokens=tokens)
 
 
 def started(tmp_path: Path, n: int = 5) -> CheckpointStore:
@@ -79,6 +79,27 @@ def test_half_written_group_is_ignored_then_cleaned_on_resume(tmp_path):
         "f0-b0000-n1.safetensors",
         "f0-b0000-n1.sample.safetensors",
     ]
+
+
+def test_a_group_the_previous_version_wrote_resumes_with_its_counts(tmp_path):
+    """A checkpoint group written before the counts type was shared (its counts named
+    ``oom_splits``) is read back with every counter, and the reduce adds it up."""
+    store = started(tmp_path, 2)
+    store.save_group(ids(0), fold([0]).to_bytes(), None, counts(10))
+    store.save_group(ids(1), fold([1]).to_bytes(), None, Counts(documents=2, tokens=7, oom_batch_splits=1))
+    path = tmp_path / "out" / "groups" / "f0-b0000-n1.json"
+    saved = json.loads(path.read_text())
+    saved["counts"] = {
+        "documents": 1, "windows": 2, "tokens": 10, "padded_tokens": 14, "positions": 12,
+        "special_tokens": 2, "unk_tokens": 0, "batches": 1, "oom_splits": 3, "duplicates": 1,
+        "skipped": {"empty": 1}, "forward_seconds": 0.5, "fold_seconds": 0.25, "seconds": 1.0,
+    }  # fmt: skip
+    path.write_text(json.dumps(saved))
+    groups = CheckpointStore(str(tmp_path / "out")).groups_covering(ids(0, 1))
+    assert groups[0].counts.oom_batch_splits == 3 and groups[0].counts.skipped == {"empty": 1}
+    _, _, totals = reduce_groups(store, groups, EmbeddingStatistics(LAYERS, DIM), False)
+    assert (totals.documents, totals.tokens, totals.oom_batch_splits) == (3, 17, 4)
+    assert (totals.windows, totals.duplicates, totals.forward_seconds) == (2, 1, 0.5)
 
 
 def test_groups_cover_the_plan_exactly_once(tmp_path):

@@ -7,9 +7,10 @@ import pytest
 import torch
 
 from embgeom_ray.config import build_config
+from embgeom_ray.counts import unk_warning
 from embgeom_ray.inputs import extractor
 from embgeom_ray.inputs.corpus import CorpusSpec, plan_shards
-from embgeom_ray.inputs.extractor import ShardCounts, ShardProcessor, unk_warning
+from embgeom_ray.inputs.extractor import ShardProcessor
 from embgeom_ray.inputs.model_loading import resolve_identity
 from embgeom_ray.inputs.windows import (
     MAX_PADDING,
@@ -80,7 +81,7 @@ def test_out_of_memory_splits_the_batch_and_counts_every_token_once(
 
     monkeypatch.setattr(proc, "forward", forward_with_small_memory)
     stats, sample, counts = proc.process(shard)
-    assert counts.oom_splits >= 2
+    assert counts.oom_batch_splits >= 2
     assert counts.tokens == clean_counts.tokens
     for layer in (0, 2):
         a, b = clean.layer(layer), stats.layer(layer)
@@ -174,20 +175,6 @@ def test_unknown_tokens_are_counted(tmp_path, tiny_bert):
     assert message is not None
     assert f"{counts.unk_share:.1%}" in message and "[UNK]" in message
     assert unk_warning(counts, threshold=0.5) is None
-
-
-def test_shard_counts_add_and_old_json():
-    a = ShardCounts(tokens=10, padded_tokens=14, positions=13, special_tokens=3, unk_tokens=1)
-    b = ShardCounts(tokens=5, padded_tokens=8, positions=7, special_tokens=2, unk_tokens=0)
-    a.add(b)
-    names = ("tokens", "padded_tokens", "positions", "special_tokens", "unk_tokens")
-    assert [getattr(a, n) for n in names] == [15, 22, 20, 5, 1]
-    assert a.padding_ratio == 22 / 20
-    assert a.text_tokens == 20 - 5 + 1
-    assert a.unk_share == 1 / 16
-    assert ShardCounts.from_json(a.to_json()) == a
-    old = ShardCounts.from_json({"tokens": 5, "padded_tokens": 9, "windows": 1})
-    assert old.padding_ratio is None and old.unk_share is None and unk_warning(old) is None
 
 
 def test_batch_tokens_default_to_8192_on_cpus_and_to_what_fits_on_a_gpu(

@@ -18,11 +18,12 @@ import pandas as pd
 import pytest
 
 from embgeom_ray.config import build_config
-from embgeom_ray.core.samples import ActivationSample
 from embgeom_ray.core.statistics import EmbeddingStatistics
+from embgeom_ray.counts import Counts
 from embgeom_ray.distributed.actor_pool import FoldReport
 from embgeom_ray.inputs.corpus import CorpusSpec, plan_shards
-from embgeom_ray.inputs.extractor import ShardCounts, ShardProcessor
+from embgeom_ray.inputs.extractor import ShardProcessor
+from embgeom_ray.run_dir import RunDir
 from embgeom_ray.runs.checkpoints import CheckpointStore
 from embgeom_ray.runs.pipeline import analyze
 from tests.conftest import start_local_ray, write_jsonl
@@ -161,7 +162,7 @@ def test_actor_lost_with_unflushed_shards_matches_one_process(
         for field in ("means", "m2", "unit_sums", "mean", "comoment", "position_means"):
             np.testing.assert_allclose(getattr(a, field), getattr(b, field), rtol=1e-9, atol=1e-9)
         np.testing.assert_array_equal(a.argmax_counts, b.argmax_counts)
-    our_sample = ActivationSample.load(tmp_path / "run" / "sample.safetensors")
+    our_sample = RunDir(str(tmp_path / "run")).load_sample()
     for layer in config.layers:
         a, b = our_sample.points(layer), sample.points(layer)
         np.testing.assert_array_equal(a.keys, b.keys)
@@ -178,7 +179,7 @@ def one_process(config):
     torch.set_num_threads(1)
     try:
         proc = ShardProcessor(config.extraction, config.layers, {})
-        stats, sample, counts = proc.new_statistics(), proc.new_sample(), ShardCounts()
+        stats, sample, counts = proc.new_statistics(), proc.new_sample(), Counts()
         for shard in plan_shards(CorpusSpec(config.corpus), config.shard_bytes).shards:
             counts.add(proc.fold_shard(shard, stats, sample))
     finally:

@@ -260,3 +260,55 @@ def test_merged_run_merges_again(runs, merged, tmp_path, capsys) -> None:
     assert config.max_length == MAX_LENGTH
     assert merge.main(["--out", str(tmp_path / "out"), str(merged), str(runs["a"])]) == 2
     assert "twice" in capsys.readouterr().err
+
+
+def _as_previous_version(src: Path, dst: Path) -> Path:
+    """``src`` laid out as the previous version wrote runs: the sample in sample.safetensors
+    beside a samples.parquet without the sample's header, the manifest listing it."""
+    import pyarrow.parquet as pq
+
+    from embgeom_ray.run_dir import HEADER_KEY, SAMPLE
+
+    run = RunDir(str(_copy_run(src, dst)))
+    run.load_sample().save(run.path(SAMPLE))
+    table = pq.read_table(run.path("samples"))
+    meta = {k: v for k, v in table.schema.metadata.items() if k != HEADER_KEY}
+    pq.write_table(table.replace_schema_metadata(meta), run.path("samples"))
+    manifest = json.loads((dst / "manifest.json").read_text())
+    manifest["outputs"]["artefacts"].append(SAMPLE)
+    (dst / "manifest.json").write_text(json.dumps(manifest))
+    assert run.table_header("samples") is None
+    return dst
+
+
+def test_runs_of_the_previous_version_merge_the_same(runs, merged, tmp_path) -> None:
+    """A run written before samples.parquet held its sample (sample.safetensors beside it)
+    merges with a run of this version into the same tables, and the merge keeps one copy."""
+    old = _as_previous_version(runs["a"], tmp_path / "a-old")
+    out = tmp_path / "merged-old"
+    assert merge.main(["--out", str(out), str(old), str(runs["b"])]) == 0
+    for name in json.loads((merged / "manifest.json").read_text())["outputs"]["tables"]:
+        want = pd.read_parquet(merged / name)
+        keys = [c for c in ("layer", "sample", "key", "token_id", "dim", "position") if c in want]
+        _assert_frames_equal(pd.read_parquet(out / name), want, keys)
+    assert not (out / "sample.safetensors").exists()
+    assert RunDir(str(out)).load_sample().to_bytes() == RunDir(str(merged)).load_sample().to_bytes()
+
+
+def test_a_run_of_the_previous_version_is_retabled_with_its_sample(runs, tmp_path) -> None:
+    """Re-tabling (jobs.analyze again with another table option) a run of the previous layout
+    reads its sample from sample.safetensors and leaves it in samples.parquet alone."""
+    from embgeom_ray.config import build_config
+    from embgeom_ray.runs.pipeline import analyze
+
+    old = _as_previous_version(runs["a"], tmp_path / "a-old")
+    before = RunDir(str(runs["a"])).load_sample().to_bytes()
+    config = json.loads((old / "manifest.json").read_text())["config"]
+    said: list[str] = []
+    again = analyze(build_config(None, config | {"out": str(old), "min_count": 2}), echo=said.append)
+    assert "rebuilt" in said[0] and again["config"]["min_count"] == 2
+    assert "sample.safetensors" not in again["outputs"]["artefacts"]
+    assert not (old / "sample.safetensors").exists()
+    assert RunDir(str(old)).load_sample().to_bytes() == before
+    want = pd.read_parquet(runs["a"] / "samples.parquet")
+    _assert_frames_equal(pd.read_parquet(old / "samples.parquet"), want, ["layer", "sample", "key"])

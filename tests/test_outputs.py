@@ -5,27 +5,31 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 import pyarrow.parquet as pq
+import pytest
 
-from embgeom_ray.run_dir import write_table
+from embgeom_ray.run_dir import RunDir, RunDirError, write_table
+
+
+def sample_rows(rng, layers, sizes: tuple[int, int], dim: int) -> pd.DataFrame:
+    """Rows shaped like samples.parquet's: per layer, ``sizes`` uniform and type-uniform rows."""
+    frames = [
+        pd.DataFrame(
+            {
+                "layer": np.full(n, layer, dtype=np.int64),
+                "sample": [sample] * n,
+                "token_id": rng.integers(0, 100, n),
+                "vector": list(rng.normal(size=(n, dim)).astype(np.float32)),
+            }
+        )
+        for layer in layers
+        for sample, n in zip(("uniform", "type_uniform"), sizes, strict=True)
+    ]
+    return pd.concat(frames, ignore_index=True)
 
 
 def test_samples_have_one_row_group_per_layer_and_sample(tmp_path):
     """A reader filtering one layer's sample decodes only that row group; the rows round-trip."""
-    rng = np.random.default_rng(0)
-    frames = []
-    for layer in (0, 3, 6):
-        for sample, n in (("uniform", 7), ("type_uniform", 4)):
-            frames.append(
-                pd.DataFrame(
-                    {
-                        "layer": np.full(n, layer, dtype=np.int64),
-                        "sample": [sample] * n,
-                        "token_id": rng.integers(0, 100, n),
-                        "vector": list(rng.normal(size=(n, 5)).astype(np.float32)),
-                    }
-                )
-            )
-    df = pd.concat(frames, ignore_index=True)
+    df = sample_rows(np.random.default_rng(0), (0, 3, 6), (7, 4), dim=5)
     write_table(str(tmp_path), "samples", df)
     write_table(str(tmp_path), "other", df)
     meta = pq.ParquetFile(tmp_path / "samples.parquet").metadata
@@ -49,3 +53,72 @@ def test_samples_have_one_row_group_per_layer_and_sample(tmp_path):
     # an empty table is still a valid file with the columns
     write_table(str(tmp_path), "samples", df.iloc[:0])
     assert pd.read_parquet(tmp_path / "samples.parquet").columns.tolist() == df.columns.tolist()
+
+
+def test_run_dir_reads_one_layer_of_the_sample(tmp_path):
+    """:class:`RunDir` is the reader of a run's tables: schema, filtered rows, one layer's
+    sample vectors (float64, exactly the stored float32), the sampled layers."""
+    rng = np.random.default_rng(1)
+    df = sample_rows(rng, (0, 2), (6, 3), dim=4)
+    df["cluster"] = pd.array(rng.integers(0, 3, len(df)), dtype="Int64")
+    run = RunDir(str(tmp_path))
+    run.write_table("samples", df)
+    assert run.columns("samples") == df.columns.tolist() and run.columns("dims") == []
+    assert run.sample_layers() == [0, 2]
+    rows, vectors = run.sample_vectors(2)
+    want = df[(df.layer == 2) & (df["sample"] == "uniform")]
+    assert vectors.dtype == np.float64
+    np.testing.assert_array_equal(vectors, np.stack(want["vector"]).astype(np.float64))
+    assert rows["token_id"].tolist() == want["token_id"].tolist()
+    assert rows["cluster"].tolist() == want["cluster"].tolist()
+    _, types = run.sample_vectors(0, "type_uniform")
+    np.testing.assert_array_equal(types, np.stack(df["vector"][6:9]).astype(np.float64))
+    assert run.sample_vectors(5) is None
+    some = run.read_table("samples", ["token_id"], filters=[("layer", "=", 0)])
+    assert some.columns.tolist() == ["token_id"] and some["token_id"].tolist() == df["token_id"][:9].tolist()
+    with pytest.raises(RunDirError, match=r"has no layers\.parquet"):
+        run.read_table("layers")
+    (tmp_path / "layers.parquet").write_bytes(b"not parquet")
+    with pytest.raises(RunDirError, match="cannot be read"):
+        run.read_table("layers")
+
+
+def _sample():
+    import torch
+
+    from embgeom_ray.core.samples import ActivationSample
+
+    gen = torch.Generator().manual_seed(0)
+    sample = ActivationSample([0, 2], 4, size=5, seed=1, type_size=3)
+    hidden = [torch.randn(2, 6, 4, generator=gen) for _ in range(2)]
+    ids = torch.randint(0, 9, (2, 6), generator=gen)
+    sample.update(hidden, ids, None, torch.tensor([0, 1]), torch.tensor([0, 0]))
+    return sample
+
+
+def test_a_run_keeps_its_sample_once_and_reads_an_earlier_runs_sample(tmp_path):
+    """The sample is written once, as samples.parquet with its header; a run directory of an
+    earlier version (samples.parquet without the header beside sample.safetensors) reads its
+    sample from sample.safetensors, and finalising it again leaves the table alone."""
+    from embgeom_ray.core.statistics import EmbeddingStatistics
+    from embgeom_ray.run_dir import SAMPLE, Manifest
+
+    sample = _sample()
+    table = sample.to_table()
+    old = RunDir(str(tmp_path / "old"))
+    old.write_table("samples", table)  # as an earlier version wrote it: no header
+    sample.save(old.path(SAMPLE))
+    assert old.table_header("samples") is None and old.has_sample()
+    assert old.load_sample().to_bytes() == sample.to_bytes()
+    stats = EmbeddingStatistics([0, 2], 4)
+    manifest = old.finalise(Manifest(), {"samples": table}, stats, old.load_sample())
+    assert manifest.outputs.artefacts == ["statistics.safetensors"]
+    assert manifest.outputs.tables == ["samples.parquet"]
+    assert not (tmp_path / "old" / SAMPLE).exists()
+    assert old.table_header("samples") == sample.header()
+    assert old.load_sample().to_bytes() == sample.to_bytes()
+    with pytest.raises(ValueError, match="samples table"):
+        old.finalise(Manifest(), {"samples": table.iloc[1:]}, stats, sample)
+    none = RunDir(str(tmp_path / "none"))
+    none.write_table("layers", pd.DataFrame({"layer": [0]}))
+    assert not none.has_sample() and none.load_sample() is None

@@ -136,7 +136,7 @@ def test_reducers_give_the_tables_of_the_whole(
         assert parts.nonfinite() == {x: whole.layer(x).nonfinite for x in LAYERS}
         # the partitioned artefact loads back into the whole, exactly
         run = RunDir(str(tmp_path / "run"))
-        run.save_artefacts(parts, None)
+        run.save_artefacts(parts)
         assert run.has_statistics()
         back = run.load_statistics()
         assert back.partition is None
@@ -242,10 +242,10 @@ def test_a_whole_artefact_replaces_a_partitioned_one(tmp_path, ray_local):
     run = RunDir(str(tmp_path / "run"))
     parts = PartitionedStatistics(PartitionPlan.of(2, VOCAB, LAYERS), urls)
     try:
-        assert run.save_artefacts(parts, None) == ["statistics/"]
+        assert run.save_artefacts(parts) == ["statistics/"]
     finally:
         parts.close()
-    assert run.save_artefacts(whole, None) == ["statistics.safetensors"]
+    assert run.save_artefacts(whole) == ["statistics.safetensors"]
     assert not (tmp_path / "run" / "statistics").exists()
     assert_same_state(run.load_statistics(), whole)
 
@@ -300,7 +300,7 @@ def test_reducers_merge_runs_cut_into_other_partitions(tmp_path, ray_local):
         assert merged.plan.ranges[0][1] not in (14, 27)  # cut elsewhere than the first run
         assert_tables_close(merged.tables(Tokenizer, options), build_tables(whole, Tokenizer, options))
         run = RunDir(str(tmp_path / "merged"))
-        run.save_artefacts(merged, None)
+        run.save_artefacts(merged)
         assert_same_state(run.load_statistics(), whole, rtol=1e-12, comoment_rtol=1e-12)
     finally:
         merged.close()

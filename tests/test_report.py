@@ -26,8 +26,11 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from embgeom_ray.report.figures.common import pick_layers
 from embgeom_ray.report.html import write_comparison_report, write_report
-from embgeom_ray.report.plots import PLOTS, Run, RunDirectoryError, make_all_plots, pick_layers
+from embgeom_ray.report.plots import PLOTS, make_all_plots
+from embgeom_ray.report.run_view import RunView
+from embgeom_ray.run_dir import RunDirError
 from embgeom_ray.runs.compare import changes_table, layer_matching, load_run
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -128,7 +131,7 @@ def fabricate_run(
         )
         manifest["clip_dims"] = [7]
         manifest["reducers"] = {"count": 3, "restarts": [0, 1, 0]}
-        manifest["timings_s"]["ray_start"] = 5.72  # recorded since 2026-11-27
+        manifest["timings_s"]["ray_start"] = 5.72  # recorded by newer versions
         manifest["workers"]["batch_tokens"] = 65_536  # as an extractor on a GPU chose it
         manifest["memory"] = {"driver_peak_rss_bytes": 3 * 2**30,
                               "driver_peak_private_bytes": 2**30,
@@ -478,11 +481,11 @@ def test_pick_layers():
 
 
 def test_not_a_run_directory(tmp_path):
-    with pytest.raises(RunDirectoryError, match=r"no manifest\.json"):
-        Run(str(tmp_path))
+    with pytest.raises(RunDirError, match=r"no manifest\.json"):
+        RunView(str(tmp_path))
     (tmp_path / "manifest.json").write_text('{"status": "running"}')
-    with pytest.raises(RunDirectoryError, match="status: running"):
-        Run(str(tmp_path))
+    with pytest.raises(RunDirError, match="status: running"):
+        RunView(str(tmp_path))
 
 
 # --------------------------------------------------------------------------------------------
@@ -534,7 +537,7 @@ def test_report_without_optional_sections(runs, minimal_figs):
     text = check_report_html(path, n_images=len(CONTRACT_FIGURES))
     assert "Not in this run" in text and "Sampled metrics" not in text
     assert "<dt>reducers</dt>" not in text and "<dt>peak memory</dt>" not in text
-    assert "<dt>Ray start</dt>" not in text  # a manifest of before 2026-11-27
+    assert "<dt>Ray start</dt>" not in text  # a manifest without timings_s.ray_start
     assert 'href="samples.parquet"' not in text
     text = check_report_html(write_report(str(runs["bare"])), n_images=2)
     assert "not complete" in text
@@ -789,7 +792,7 @@ def test_figure_tasks_on_ray(runs, full_figs, tmp_path, ray_local, monkeypatch):
 def test_top_components_are_the_top_singular_vectors(n, d):
     """The PCA views' projections: the top 3 singular values and vectors of the centred points
     as numpy's full SVD gives them (up to sign), each vector's largest |entry| positive."""
-    from embgeom_ray.report.plots import top_components
+    from embgeom_ray.report.figures.pca import top_components
 
     rng = np.random.default_rng(n + d)
     x = rng.standard_normal((n, d)) * np.geomspace(4.0, 0.1, d) + 1e3

@@ -4,9 +4,9 @@ clipping figure and table comparing like with like.
 
 A fabricated run (:func:`tests.test_report.fabricate_run`) has its ``layers.parquet`` and
 manifest rewritten with layers crafted for each case; the checks read the HTML text and the
-data the figures plot (:func:`~embgeom_ray.report.plots.clipping_panels`,
-:func:`~embgeom_ray.report.plots.kmeans_labels`,
-:func:`~embgeom_ray.report.plots.pca_cluster_titles`).
+data the figures plot (:func:`~embgeom_ray.report.figures.clipping.clipping_panels`,
+:func:`~embgeom_ray.report.figures.clusters.kmeans_labels`,
+:func:`~embgeom_ray.report.figures.pca.pca_cluster_titles`).
 """
 
 from __future__ import annotations
@@ -19,6 +19,9 @@ import numpy as np
 import pandas as pd
 import pytest
 
+from embgeom_ray.report.figures.clipping import clipping_pairs, clipping_panels
+from embgeom_ray.report.figures.clusters import kmeans_labels
+from embgeom_ray.report.figures.pca import NO_CLUSTERS, pca_cluster_titles
 from embgeom_ray.report.html import (
     AT_CAP,
     clipping_table_html,
@@ -27,16 +30,8 @@ from embgeom_ray.report.html import (
     kmeans_cells,
     write_report,
 )
-from embgeom_ray.report.plots import (
-    NO_CLUSTERS,
-    Run,
-    clipping_pairs,
-    clipping_panels,
-    kmeans_labels,
-    make_all_plots,
-    model_name,
-    pca_cluster_titles,
-)
+from embgeom_ray.report.plots import make_all_plots
+from embgeom_ray.report.run_view import RunView, model_name
 from tests.test_report import fabricate_run
 
 MODEL_PATH = "/srv/models/my-minilm-l6/model"
@@ -81,7 +76,7 @@ def crafted(tmp_path_factory) -> Path:
 def crafted_figs(crafted) -> list:
     """Every figure of the crafted run (absent ones included), drawn once for the module: the
     report's figures and the ones whose captions are checked (~6 s to draw)."""
-    return make_all_plots(Run(str(crafted)), include_absent=True, strict=True)
+    return make_all_plots(RunView(str(crafted)), include_absent=True, strict=True)
 
 
 @pytest.fixture(scope="module")
@@ -198,7 +193,7 @@ def test_report_marks_k_at_cap_and_k_1(crafted_html):
 
 
 def test_figures_mark_k_at_cap_and_k_1(crafted, crafted_figs):
-    run = Run(str(crafted))
+    run = RunView(str(crafted))
     assert kmeans_labels(run) == {
         0: "k=1 (best 4 rejected)",
         1: "k=60▲",
@@ -283,7 +278,7 @@ def test_clipping_pairs_never_mix_estimators():
 
 
 def test_clipping_figure_plots_like_with_like(crafted):
-    run = Run(str(crafted))
+    run = RunView(str(crafted))
     panels = clipping_panels(run)
     by = {p.title: p for p in panels}
     assert list(by) == [
@@ -316,7 +311,7 @@ def test_clipping_figure_plots_like_with_like(crafted):
 
 
 def test_clipping_without_sampled_baseline(tmp_path):
-    run = Run(str(_craft(tmp_path / "old", sampled=False)))
+    run = RunView(str(_craft(tmp_path / "old", sampled=False)))
     titles = [p.title for p in clipping_panels(run)]
     assert not any(t.startswith("Sampled") for t in titles)  # no sampled clipped beside exact
     figs = {f.name: f for f in make_all_plots(run, include_absent=True, strict=True)}
@@ -353,7 +348,7 @@ def test_clipping_table_pairs_like_with_like(crafted_html):
 
 
 def test_clipping_table_without_clip_dims(crafted):
-    lay = Run(str(crafted)).layers
+    lay = RunView(str(crafted)).layers
     lay = lay.drop(columns=[c for c in lay.columns if c.endswith("_exact")])
     table = clipping_table_html(lay, clipping_pairs(lay.columns))
     assert "--clip-dims" not in table and "clip (exact)" not in table

@@ -368,3 +368,42 @@ def test_files_written_by_earlier_versions_load(name, tmp_path):
     assert old.to_bytes() == now.to_bytes()
     old.save(tmp_path / "again.safetensors")
     assert ActivationSample.load(tmp_path / "again.safetensors").to_bytes() == now.to_bytes()
+
+
+@pytest.mark.parametrize("type_uniform", [True, False])
+def test_the_table_with_its_header_is_the_sample(tmp_path, type_uniform):
+    """``samples.parquet`` (the table and the header in its metadata) reads back as the very
+    sample written, so a run keeps its sample once; merging from tables is merging samples."""
+    from embgeom_ray.core.sketch import HEADER_KEY as SKETCH_HEADER_KEY
+    from embgeom_ray.run_dir import HEADER_KEY, RunDir
+
+    rng = np.random.default_rng(7)
+    meta = {"model_fingerprint": "m1", "tokenizer_fingerprint": "t1"}
+    a = fold(new_sample(size=10, type_size=4, metadata=meta, type_uniform=type_uniform),
+             make_windows(rng, 15, vocab=9, nan_rate=0.05))  # fmt: skip
+    b = fold(new_sample(size=10, type_size=4, metadata=meta, type_uniform=type_uniform),
+             make_windows(rng, 12, vocab=9))  # fmt: skip
+    table = a.to_table(lambda ids: [f"tok{i}" for i in ids])
+    table["cluster"] = pd.array(rng.integers(0, 3, len(table)), dtype="Int64")  # ignored
+    back = ActivationSample.from_table(table, a.header())
+    assert back.to_bytes() == a.to_bytes() and back.header() == a.header()
+    run = RunDir(str(tmp_path))
+    run.write_table("samples", table, a.header())
+    assert HEADER_KEY.decode() == SKETCH_HEADER_KEY  # one name for the header, file or table
+    assert run.has_sample()
+    assert run.load_sample().to_bytes() == a.to_bytes()
+    merged = run.load_sample().merge(ActivationSample.from_table(b.to_table(), b.header()))
+    assert merged.to_bytes() == ActivationSample.from_bytes(a.to_bytes()).merge(b).to_bytes()
+    empty = new_sample(size=10, type_size=4, type_uniform=type_uniform)
+    assert ActivationSample.from_table(empty.to_table(), empty.header()).to_bytes() == empty.to_bytes()
+
+
+def test_a_table_whose_layers_disagree_is_refused():
+    sample = fold(new_sample(size=10, type_size=4), make_windows(np.random.default_rng(8), 10, vocab=9))
+    table = sample.to_table()
+    last = table.index[(table["layer"] == LAYERS[-1]) & (table["sample"] == "uniform")]
+    table.loc[last, "key"] = table.loc[last, "key"].to_numpy()[::-1]
+    with pytest.raises(StatisticsMismatchError, match="other uniform occurrences"):
+        ActivationSample.from_table(table, sample.header())
+    with pytest.raises(StatisticsMismatchError, match="not an embgeom_ray samples"):
+        ActivationSample.from_table(sample.to_table(), {"format": "something else"})

@@ -26,8 +26,9 @@ read the same rows become one kernel each (``core/statistics.py``, ``_fold_layer
 Each returns what its eager twin (``*_eager``) returns, to float64 rounding (only the order
 of the additions of a row's d squares differs). The kernels are built on the first CUDA
 batch, once per process and function (with dynamic shapes: batches of other sizes and widths
-reuse them). The first three builds cost the first batch of an extractor process about 7 s on an
-H100 (inferred from a bench run whose first repeat held them: README, "On a GPU");
+reuse them). The first three builds cost the first batch of an extractor process about 7 s on
+an H100 (inferred from a bench run whose first repeat held them: ``docs/benchmarks.md``,
+NVIDIA H100);
 inductor keeps built kernels in its on-disk cache for later processes on the node (how much
 that saves was not measured). Where they
 cannot be built (no Triton, no C compiler on the node) the fold warns once and stays eager:

@@ -5,9 +5,9 @@ The fold adds each batch's float64 rows into per-group sums: Σ_{i ∈ t} x_i pe
 ``index_add_`` over rows sorted by group is the fastest way. On a GPU ``index_add_`` is an
 atomic scatter of every element; the same sums as one product of a sparse (groups × n) 0/1
 matrix in CSR form with the (n × d) rows — G = S X, S_{t,i} = w_i if row i is in group t —
-are ~1.5x faster (H200, n = 65,536 rows, d = 2,048, 32,738 types: 0.77 ms against 1.14 ms;
-``python -m bench.fold --scatter``), and take per-row weights w_i (1/‖x_i‖ for
-the unit vectors) without writing the weighted rows first. The fold uses them where it folds
+are ~1.5x faster (H200, n = 65,536 rows, d = 2,048, 32,738 types: 0.76 ms against 1.14 ms;
+``python -m bench.fold --scatter``, docs/benchmarks.md), and take per-row weights w_i
+(1/‖x_i‖ for the unit vectors) without writing the weighted rows first. The fold uses them where it folds
 the GPU's way (``statistics.gpu_fold``) on CUDA.
 """
 

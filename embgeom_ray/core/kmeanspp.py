@@ -7,8 +7,9 @@ at every step, the squared distances of the candidates to all n points, and for 
 scikit-learn computes them in float64 (``sklearn.metrics.pairwise._euclidean_distances_upcast``):
 it copies the n points to float64 in chunks and recomputes their squared norms *at every step*.
 For the job's model selection (n = 4,096, d = 384, k = 2..15, 3 initialisations: ~440 steps a
-layer) those copies were most of the seeding's 1.3 s of one core, a quarter of ``select_k``
-(profiled 2026-11-26).
+layer) those copies were most of the seeding's time in a profile of ``select_k``.
+``python -m bench.sampled_stage --baseline none`` times both seedings (``docs/benchmarks.md``,
+2-core CPU VMs: ``select_k`` 8% faster with this one).
 
 :class:`PlusPlus` is the same algorithm as a ``KMeans(init=...)`` callable: the same draws from
 the same random state in the same order, the same float32 arithmetic on the potentials, and the

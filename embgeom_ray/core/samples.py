@@ -595,3 +595,63 @@ class ActivationSample(Sketch):
             }
             empty = torch.empty(0, dtype=torch.int64, device=self.device)
             table.replace(empty, cols, torch.from_numpy(np.array(vec)), limit)
+
+    # ------------------------------------------------------ the table form
+    @classmethod
+    def from_table(
+        cls,
+        table: Any,
+        header: Mapping[str, Any],
+        *,
+        device: str | torch.device = "cpu",
+    ) -> ActivationSample:
+        """The sample that :meth:`to_table` wrote (a ``pyarrow.Table`` or DataFrame of its
+        rows; other columns, such as the report's ``cluster``, are ignored), with its
+        :meth:`header`: ``samples.parquet`` keeps the header in its metadata, so the table is
+        the mergeable sample too.
+
+        Each sample's rows at the first layer give its occurrences (the columns named in the
+        state, :meth:`state_dict`), each layer's rows their vectors: every layer must hold the
+        same occurrences in the same order. The type-uniform sample's type keys are not in the
+        table; they are the function :func:`type_keys` of the seed and the token id. The result
+        equals the sample written (``to_bytes`` identical): the vectors are stored as float32
+        and the ids and keys as int64, both exactly.
+        """
+        import pyarrow as pa
+        import pyarrow.compute as pc
+
+        cls.check_header(header)
+        if not isinstance(table, pa.Table):
+            table = pa.Table.from_pandas(table, preserve_index=False)
+        layers, dim = [int(x) for x in header["layers"]], int(header["dim"])
+        arrays: dict[str, np.ndarray] = {}
+        for prefix, name, names in (("u", "uniform", _U_COLS), ("t", "type_uniform", _T_COLS)):
+            cols = [_ARRAY_NAMES[k] for k in names if _ARRAY_NAMES[k] in table.column_names]
+            vectors, first = [], None
+            for layer in layers:
+                rows = table.filter(
+                    pc.and_(pc.equal(table["layer"], layer), pc.equal(table["sample"], name))
+                )
+                ids = {c: rows[c].to_numpy().astype(np.int64, copy=False) for c in cols}
+                if first is None:
+                    first = ids
+                elif any(not np.array_equal(ids[c], first[c]) for c in cols):
+                    raise StatisticsMismatchError(
+                        f"samples table: layer {layer} holds other {name} occurrences than "
+                        f"layer {layers[0]}"
+                    )
+                flat = np.zeros(0, np.float32)  # no rows: the column may not even be a list
+                if rows.num_rows:
+                    flat = rows["vector"].combine_chunks().flatten().to_numpy(zero_copy_only=False)
+                if flat.size != rows.num_rows * dim:
+                    raise StatisticsMismatchError(
+                        f"samples table: layer {layer}'s {name} vectors are not of dim {dim}"
+                    )
+                vectors.append(np.asarray(flat, dtype=np.float32).reshape(rows.num_rows, dim))
+            for c, values in (first or {}).items():
+                arrays[f"{prefix}_{c}"] = values
+            arrays[f"{prefix}_vectors"] = np.stack(vectors)
+        if "t_type_key" not in arrays and "t_token_id" in arrays:
+            tokens = torch.from_numpy(np.array(arrays["t_token_id"], dtype=np.int64))
+            arrays["t_type_key"] = type_keys(int(header["seed"]), tokens).numpy()
+        return cls.from_state(header, arrays, device=device)

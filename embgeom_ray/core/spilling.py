@@ -13,8 +13,8 @@ One accumulator serves the extractor's whole life: a spill or a flush clears it 
 (:meth:`~embgeom_ray.core.statistics.EmbeddingStatistics.clear`), so the next interval folds
 into memory already written, with no doublings and no fresh pages. Folding into fresh
 statistics cost 1.2-1.9x folding into statistics that had seen the batch's types
-(``bench.vocabulary``); a new accumulator per interval made every interval under a budget a
-first one.
+(``bench.vocabulary``, docs/benchmarks.md); a new accumulator per interval made every interval
+under a budget a first one.
 
 Memory of the extractor: the budget plus one batch's growth (at most B · T new types: under a
 budget the per-type arrays are allocated once for the budget's slots and grow past them

@@ -356,7 +356,8 @@ def add_gram_upper(
 
 #: column blocks of the co-moment product on a GPU: a few wide products (the block triangle
 #: of k blocks is (k + 1)/(2k) of the full product's multiply-adds: 9/16 for 8) rather than many
-#: skinny ones. On an H100 (``python -m bench.comoment --rows 65536``), float64, d = 2,048:
+#: skinny ones. On an H100 (``python -m bench.comoment --rows 65536``; docs/benchmarks.md),
+#: float64, d = 2,048:
 #: 4 blocks 6.20 ms, 8 blocks 5.51 ms; d = 4,096: 22.95 and 21.10 ms.
 GPU_GRAM_BLOCKS = 8
 #: the GPU blocks' edges at multiples of this many columns: 6 blocks of d = 2,048 (edges at odd
@@ -370,7 +371,8 @@ def add_gram(upper: torch.Tensor, xs: torch.Tensor, block: int = 96) -> None:
     GPU in :data:`GPU_GRAM_BLOCKS` blocks with edges at multiples of :data:`GPU_GRAM_ALIGN`
     columns (skinny products run far under a GPU's rate: on an H200 at n = 8,192 rows and
     d = 2,048, float64 blocks of 96 columns take 4.9 ms, the full product 1.1 ms;
-    ``python -m bench.comoment``). :func:`symmetric_from_upper` makes the matrix."""
+    ``python -m bench.comoment``; docs/benchmarks.md). :func:`symmetric_from_upper` makes the
+    matrix."""
     d = xs.shape[1]
     if xs.device.type != "cpu":
         add_gram_upper(upper, xs, -(-d // GPU_GRAM_BLOCKS), GPU_GRAM_ALIGN)
@@ -626,7 +628,7 @@ class EmbeddingStatistics(Sketch):
         same slots, zeroed as they are assigned. An extractor that spills or flushes goes on
         in memory already written, with no doublings (each a copy of every per-type array)
         and no fresh pages: a fold into fresh statistics cost 1.2-1.9x one into statistics
-        that had seen its types (bench.vocabulary)."""
+        that had seen its types (``bench.vocabulary``; docs/benchmarks.md)."""
         self._id_to_slot[self._slot_ids] = -1
         self._slot_ids = self._slot_ids[:0]
         for f in self._fields(LAYER_FIELDS):

@@ -32,9 +32,10 @@ import ray
 
 from ..config import ExtractionOptions, SchedulingOptions
 from ..core.spilling import SpillingStatistics
+from ..counts import Counts
 from ..errors import ConfigError, UserError
 from ..inputs.corpus import Shard
-from ..inputs.extractor import ShardCounts, ShardProcessor
+from ..inputs.extractor import ShardProcessor
 from .process_memory import peak_rss_bytes, sampler
 
 log = logging.getLogger(__name__)
@@ -116,7 +117,7 @@ class FoldReport:
     """A shard an actor has folded into its running statistics (not yet checkpointed)."""
 
     shard: Shard
-    counts: ShardCounts
+    counts: Counts
     #: the actor's process id and Ray node id (diagnostics; the fault tests kill them)
     pid: int
     node_id: str
@@ -133,7 +134,7 @@ class GroupResult:
     shard_ids: list[str]
     stats: list[Any]
     sample: bytes | None
-    counts: ShardCounts
+    counts: Counts
 
     def pieces(self) -> Iterator[np.ndarray]:
         """The statistics pieces (bytes-like), fetched one at a time and let go of as they are
@@ -188,7 +189,7 @@ class ShardExtract:
     def _reset(self) -> None:
         """Start the next flush's shards (the statistics are cleared by their ``take``)."""
         self.sample: Any = None
-        self.counts = ShardCounts()
+        self.counts = Counts()
         self.shard_ids: list[str] = []
 
     def _check_whole(self) -> None:
@@ -392,7 +393,7 @@ class _Scheduler:
         assert worker.current is not None
         report = FoldReport(
             worker.current,
-            ShardCounts.from_json(result["counts"]),
+            Counts.from_json(result["counts"]),
             result["pid"],
             result["node_id"],
             result["unflushed"],
@@ -423,7 +424,7 @@ class _Scheduler:
         if sorted(shard_ids) != expected:
             raise RuntimeError(f"an extractor flushed shards {shard_ids}, expected {expected}")
         self.pool.spills += len(stats) - 1
-        self.on_group(GroupResult(list(shard_ids), stats, sample, ShardCounts.from_json(counts)))
+        self.on_group(GroupResult(list(shard_ids), stats, sample, Counts.from_json(counts)))
         self.pool.checkpoints += 1
         worker.unflushed, worker.since, worker.flushing = [], None, False
         self.idle.append(worker)

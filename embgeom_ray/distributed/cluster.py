@@ -1,6 +1,7 @@
 """Which Ray the job runs on, and joining it without hanging.
 
-The rule (the README's promise): the job joins a running cluster only when told to —
+The rule (``docs/operations.md``, "Which Ray"): the job joins a running cluster only when told
+to —
 
 1. an explicit address (``--address`` / ``address:`` in the config file),
 2. else ``RAY_ADDRESS``,

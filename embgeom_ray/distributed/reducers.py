@@ -141,7 +141,8 @@ def reducer_bytes(
 
 
 #: a reducer process's own memory before it holds any statistics (Python, torch, pyarrow, Ray's
-#: worker): 0.3–0.45 GiB private measured (``bench.vocabulary``), counted in every budget
+#: worker): 0.3–0.45 GiB private measured (``bench.vocabulary``, docs/benchmarks.md), counted in
+#: every budget
 REDUCER_BASE_BYTES = 512 * 2**20
 
 

@@ -6,8 +6,8 @@ layer, and the report three figure tasks (:mod:`~embgeom_ray.distributed.sampled
 that it cannot give an idle one, and the first task on each spends seconds importing
 scikit-learn, torch (the metrics' neighbour search, through the tables module) and matplotlib
 before it computes anything: in a Ray timeline of ``make demo`` on a 2-core machine, ~2 s in
-the first K-means task and ~1.9 s in the first metrics task of each of the two workers
-(2026-11-26), i.e. ~4 s of the stage's wall time on two cores.
+the first K-means task and ~1.9 s in the first metrics task of each of the two workers, i.e.
+~4 s of the stage's wall time on two cores.
 
 On a private local Ray (the job owns the machine: :func:`~embgeom_ray.distributed.cluster.connect`
 started it, with Ray's idle-worker killing held off so that these workers live until the
@@ -15,13 +15,10 @@ stage), :func:`warm_task_workers` starts those processes once the first extracto
 one task per CPU the extractors leave free (``count``: the pipeline's ``warm_workers_wanted``),
 each holding no CPU (so it does not wait for a CPU Ray has given the extractor), lowers its
 process to nice 19 and imports :data:`MODULES`. Ray then gives the stage's tasks to these idle
-workers. Measured on ``make demo``'s corpus on the 2-core machine (2026-11-26, two runs each,
-alternating, in one process): with one extractor of one CPU (``--cpus-per-worker 1``, one CPU
-free, one worker warmed) the job took 82.2 / 84.1 s warm against 87.4 / 92.4 s cold (the
-tables and sampled stage 30.1 / 30.5 s against 34.1 / 34.9 s). With the default extractor of
-both CPUs, warming two workers anyway took 4–5 s from the forward and gave about as much back
-to the stage (81.3 s against 82.3 s, means of three runs each: noise): an import's CPU time
-has to come from somewhere, so no worker is warmed where the extractors hold every CPU.
+workers. ``python -m bench.warm_workers`` measures the whole job with and without them
+(``docs/benchmarks.md``, 2-core CPU VMs). Where the extractors hold every CPU, warming workers
+anyway was tried: the imports' CPU time came out of the forward, about as much as the stage
+gained, so no worker is warmed there.
 
 The priority stays with the process: the stage's and the report's tasks then run at nice 19 as
 well, which changes nothing while they have the cores to themselves (the driver waits for them)
@@ -33,7 +30,8 @@ one that has run a task (ray-project/ray#28773), so no extractor or reducer runs
 Nothing depends on the warm-up: a task that finds no idle worker gets a fresh one, as before,
 and a warm-up that fails only leaves its worker cold. Each warm worker holds the imported
 libraries from the extraction's start instead of the stage's: 464 MiB resident, 291 MiB of
-it private, against 123 MiB for a fresh Ray worker (measured 2026-11-26).
+it private, against 123 MiB for a fresh Ray worker (``docs/design.md``, "Processes and their
+memory").
 """
 
 from __future__ import annotations

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -25,6 +24,7 @@ from ..core.samples import ActivationSample
 from ..core.sketch import finite_layers
 from ..core.split_statistics import SplitStatistics
 from ..core.statistics import EmbeddingStatistics
+from ..counts import Counts
 from .corpus import CorpusSpec, Document, ReadReport, Shard, read_shard
 from .model_loading import balanced_device_map, load_model, load_tokenizer, unknown_token_id
 from .windows import (
@@ -39,126 +39,19 @@ from .windows import (
 )
 
 
-@dataclass
-class ShardCounts:
-    """What one shard contributed; summed over shards into the manifest.
-
-    Positions, per batch that ran (``B × T`` for ``B`` windows, the longest ``T`` tokens):
-
-    * ``padded_tokens``: all positions the model ran, ``Σ B × T`` (padding included);
-    * ``positions``: the real ones, ``Σ`` window lengths (special tokens included);
-    * ``tokens``: the counted ones (not special, unless ``--keep-special``);
-    * ``special_tokens``: real positions holding a special token id ([CLS], [SEP], [UNK], …),
-      whether or not ``--keep-special`` counts them, so ``positions = tokens + special_tokens``
-      without it and ``positions = tokens`` with it;
-    * ``unk_tokens``: real positions holding the tokenizer's unknown token ([UNK], <unk>),
-      a subset of ``special_tokens``.
-
-    Counts saved before ``positions`` existed load with 0 there; :attr:`padding_ratio` and
-    :attr:`unk_share` are then ``None``.
-    """
-
-    documents: int = 0
-    windows: int = 0
-    tokens: int = 0
-    padded_tokens: int = 0
-    positions: int = 0
-    special_tokens: int = 0
-    unk_tokens: int = 0
-    batches: int = 0
-    oom_splits: int = 0
-    #: documents left out as duplicates of an earlier one (``--dedup``; not in ``documents``)
-    duplicates: int = 0
-    skipped: dict[str, int] = field(default_factory=dict)
-    forward_seconds: float = 0.0
-    fold_seconds: float = 0.0
-    seconds: float = 0.0
-
-    _INTS = (
-        "documents",
-        "windows",
-        "tokens",
-        "padded_tokens",
-        "positions",
-        "special_tokens",
-        "unk_tokens",
-        "batches",
-        "oom_splits",
-        "duplicates",
-    )
-
-    def add(self, other: ShardCounts) -> None:
-        for name in self._INTS:
-            setattr(self, name, getattr(self, name) + getattr(other, name))
-        for name in ("forward_seconds", "fold_seconds", "seconds"):
-            setattr(self, name, getattr(self, name) + getattr(other, name))
-        for k, v in other.skipped.items():
-            self.skipped[k] = self.skipped.get(k, 0) + v
-
-    def count_batch(self, batch: Batch, special_ids: Sequence[int], unk_id: int | None) -> None:
-        """Add one batch that ran: its positions, counted tokens, special and [UNK] tokens."""
-        real = batch.attention_mask.bool()
-        self.padded_tokens += int(batch.input_ids.numel())
-        self.positions += int(real.sum())
-        self.tokens += batch.num_tokens
-        if special_ids:
-            specials = torch.tensor(sorted(set(special_ids)), dtype=batch.input_ids.dtype)
-            self.special_tokens += int((torch.isin(batch.input_ids, specials) & real).sum())
-        if unk_id is not None:
-            self.unk_tokens += int(((batch.input_ids == unk_id) & real).sum())
-        self.batches += 1
-
-    @property
-    def padding_ratio(self) -> float | None:
-        """Positions the model ran per real position: ``padded_tokens / positions`` (≥ 1).
-
-        Without ``--keep-special`` this is ``padded_tokens / (tokens + special_tokens)``.
-        ``None`` before any batch ran.
-        """
-        return self.padded_tokens / self.positions if self.positions else None
-
-    @property
-    def text_tokens(self) -> int:
-        """Positions that stand for text: non-special ones plus [UNK] (which replaces text)."""
-        return self.positions - self.special_tokens + self.unk_tokens
-
-    @property
-    def unk_share(self) -> float | None:
-        """Share of the text's tokens that are the unknown token: ``unk_tokens / text_tokens``."""
-        return self.unk_tokens / self.text_tokens if self.text_tokens > 0 else None
-
-    def to_json(self) -> dict[str, Any]:
-        return dict(self.__dict__)
-
-    @classmethod
-    def from_json(cls, d: dict[str, Any]) -> ShardCounts:
-        return cls(**d)
-
-
-#: :func:`unk_warning` speaks up when more than this share of the text's tokens is [UNK].
-UNK_WARN_SHARE = 0.01
-
-
-def unk_warning(
-    counts: ShardCounts, unk_token: str | None = "[UNK]", threshold: float = UNK_WARN_SHARE
-) -> str | None:
-    """A one-line warning when the unknown token's share of the text exceeds ``threshold``.
-
-    A high share means the tokenizer does not cover the corpus (another script or language,
-    binary or mangled text, or a tokenizer that is not the model's): every such token is the
-    same id with one embedding, and without ``--keep-special`` it is not counted at all.
-    Returns ``None`` when the share is within the threshold or unknown.
-    """
-    share = counts.unk_share
-    if share is None or share <= threshold:
-        return None
-    name = unk_token or "unknown"
-    return (
-        f"warning: {share:.1%} of the corpus's text tokens are the tokenizer's {name} token "
-        f"({counts.unk_tokens:,} of {counts.text_tokens:,}): the tokenizer does not cover "
-        f"this text (another script or language, mangled text, or a tokenizer that is not the "
-        f"model's); {name} tokens are special and are not counted unless --keep-special"
-    )
+def count_batch(counts: Counts, batch: Batch, special_ids: Sequence[int], unk_id: int | None) -> None:
+    """Add one batch that ran to ``counts``: its positions, counted tokens, special and [UNK]
+    tokens (:class:`~embgeom_ray.counts.Counts` says what each counts)."""
+    real = batch.attention_mask.bool()
+    counts.padded_tokens += int(batch.input_ids.numel())
+    counts.positions += int(real.sum())
+    counts.tokens += batch.num_tokens
+    if special_ids:
+        specials = torch.tensor(sorted(set(special_ids)), dtype=batch.input_ids.dtype)
+        counts.special_tokens += int((torch.isin(batch.input_ids, specials) & real).sum())
+    if unk_id is not None:
+        counts.unk_tokens += int(((batch.input_ids == unk_id) & real).sum())
+    counts.batches += 1
 
 
 def resolve_device(device: str) -> str:
@@ -209,7 +102,8 @@ def default_batch_tokens(per_token_bytes: int, free_bytes: int | None) -> int:
     Why: a GPU folds the hidden states with some ninety kernels per layer and batch, whose
     launch cost (~1.5 ms) does not depend on the batch's size; at 8,192 tokens it is most of
     the fold for d ≤ 768 and about half at d = 2,048 (H200, bf16: the extractor at 0.45–0.49
-    of the bare forward for MiniLM, 0.66–0.71 at 65,536 tokens; README, On a GPU). The
+    of the bare forward for MiniLM, 0.66–0.71 at 65,536 tokens; ``docs/benchmarks.md``, NVIDIA
+    H200). The
     statistics and the sample do not depend on the batching (``--batch-tokens`` is a
     scheduling option)."""
     if free_bytes is None:
@@ -352,7 +246,7 @@ class ShardProcessor:
         hs = out.hidden_states
         return [hs[layer] for layer in self.layers]
 
-    def batches(self, docs: Iterator[Document], counts: ShardCounts) -> Iterator[Batch]:
+    def batches(self, docs: Iterator[Document], counts: Counts) -> Iterator[Batch]:
         """Windows of ``docs`` packed into batches, pool by pool (bounded memory).
 
         Documents are tokenized ``docs_per_chunk`` at a time; windows gather into pools of
@@ -395,7 +289,7 @@ class ShardProcessor:
         stats: EmbeddingStatistics,
         sample: ActivationSample | None,
         batch: Batch,
-        counts: ShardCounts,
+        counts: Counts,
     ) -> None:
         """Forward + fold one batch; if the forward runs out of device memory, split and retry.
 
@@ -414,7 +308,7 @@ class ShardProcessor:
                     f"one window of {batch.input_ids.shape[1]} tokens does not fit in device "
                     "memory; lower --max-length or --batch-tokens, or use a larger device"
                 ) from None
-            counts.oom_splits += 1
+            counts.oom_batch_splits += 1
             for half in batch.split():
                 self.fold_batch(stats, sample, half, counts)
             return
@@ -432,7 +326,7 @@ class ShardProcessor:
         t3 = time.perf_counter()
         counts.forward_seconds += t2 - t1
         counts.fold_seconds += t3 - t2
-        counts.count_batch(batch, self.special_ids, unknown_token_id(self.tokenizer))
+        count_batch(counts, batch, self.special_ids, unknown_token_id(self.tokenizer))
 
     def _synchronize(self) -> None:
         """Wait for the GPUs this extractor uses (all of them when the model is split), so
@@ -444,7 +338,7 @@ class ShardProcessor:
     @torch.inference_mode()
     def fold_shard(
         self, shard: Shard, stats: EmbeddingStatistics, sample: ActivationSample | None
-    ) -> ShardCounts:
+    ) -> Counts:
         """Fold every document of ``shard`` into ``stats`` and ``sample`` (in place).
 
         The accumulators may already hold other shards: an extractor actor keeps one running
@@ -453,7 +347,7 @@ class ShardProcessor:
         be discarded.
         """
         t0 = time.perf_counter()
-        counts = ShardCounts()
+        counts = Counts()
         report = ReadReport()
         docs = read_shard(shard, self.corpus, report)
         for batch in self.batches(docs, counts):
@@ -467,7 +361,7 @@ class ShardProcessor:
     @torch.inference_mode()
     def process(
         self, shard: Shard
-    ) -> tuple[EmbeddingStatistics, ActivationSample | None, ShardCounts]:
+    ) -> tuple[EmbeddingStatistics, ActivationSample | None, Counts]:
         """Fold every document of ``shard``; returns its own statistics, sample and counts."""
         stats = self.new_statistics()
         sample = self.new_sample()

@@ -3,9 +3,9 @@
 A local model is identified by :func:`directory_fingerprint`: sha256 over every file's
 relative path and bytes (hidden files and ``__pycache__`` left out), so a run, a resume and
 ``jobs.reanalyze``'s run key change exactly when the weights, config or tokenizer change.
-Hashing reads every byte: ~1.2 GiB/s on one core from the page cache (``bench.fingerprint``;
-0.09 s for MiniLM's 88 MB, ~13 s for an 8B model in bf16, ~2 min for a 70B one, more from a
-network filesystem), in the driver, before any work, at every run, resume and scheduled
+Hashing reads every byte: ~1.2 GiB/s on one core from the page cache (``bench.fingerprint``,
+docs/benchmarks.md; 0.09 s for MiniLM's 88 MB, ~13 s for an 8B model in bf16, ~2 min for a 70B
+one, more from a network filesystem), in the driver, before any work, at every run, resume and scheduled
 re-analysis.
 
 So the result is cached, keyed by the directory's **stat key**: sha256 over each file's

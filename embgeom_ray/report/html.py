@@ -28,21 +28,10 @@ from .. import __version__
 from ..core.sampled_metrics import SE_METRICS
 from ..io_utils import atomic_write_bytes, exists, is_local, join, local_path, read_bytes
 from ..run_dir import Manifest, ModelInfo, RunDir, TokenizerInfo, now
-from .plots import (
-    _STYLE,
-    SECTIONS,
-    ClipPair,
-    Elsewhere,
-    Figure,
-    Run,
-    RunDirectoryError,
-    _new_figure,
-    _save,
-    clipping_pairs,
-    make_all_plots,
-    model_name,
-    short_name,
-)
+from .figures.clipping import ClipPair, clipping_pairs
+from .figures.compare import COMPARE_METRICS, plot_comparison
+from .plots import SECTIONS, Elsewhere, Figure, make_all_plots
+from .run_view import RunView, model_name, short_name
 
 REPORT = "report.html"
 
@@ -55,13 +44,17 @@ RUN_FILES: list[tuple[str, str]] = [
     ),
     ("dims.parquet", "one row per (layer, dimension): mean, std, rogue-dimension scores and flags"),
     ("positions.parquet", "per (layer, position): count, mean norm, flagged dimensions' means"),
-    ("samples.parquet", "the bounded random token sample (vectors) behind the sampled metrics"),
+    (
+        "samples.parquet",
+        "the bounded random token sample (vectors, K-means clusters) behind the sampled metrics;"
+        " also the mergeable sample (merges with later runs)",
+    ),
     ("manifest.json", "configuration, model and corpus identity, counts, timings, versions"),
     (
         "statistics.safetensors",
         "the mergeable sufficient statistics (reload or merge with later runs)",
     ),
-    ("sample.safetensors", "the mergeable activation sample (merges with later runs)"),
+    ("sample.safetensors", "the sample as an earlier version wrote it beside samples.parquet"),
     ("report.html", "this report"),
     ("run.json", "the run's fingerprint and shard plan (for resuming)"),
 ]
@@ -607,7 +600,7 @@ def _rel(target: str, start: str) -> str:
 # one run
 
 
-def _metadata_html(run: Run) -> str:
+def _metadata_html(run: RunView) -> str:
     m = run.manifest
     model = m.model or ModelInfo(id=run.model)
     corpus, counts, timings = m.corpus, m.counts, m.timings_s
@@ -807,7 +800,7 @@ def clipping_table_html(
     layers: pd.DataFrame, pairs: Sequence[ClipPair], rule: str | None = None
 ) -> str:
     """The clipping table: each clipped column beside its unclipped counterpart of the same
-    estimator (:func:`~embgeom_ray.report.plots.clipping_pairs`), headers naming the estimator,
+    estimator (:func:`~embgeom_ray.report.figures.clipping.clipping_pairs`), headers naming the estimator,
     and a caption saying which pairs it holds. A sampled clipped value is never put beside an
     exact unclipped one.
     """
@@ -863,7 +856,7 @@ def clipping_table_html(
     return layers_table_html(layers, cols, headers=headers) + f'<p class="note">{caption}</p>'
 
 
-def render_report(run: Run, figures: Sequence[Figure]) -> str:
+def render_report(run: RunView, figures: Sequence[Figure]) -> str:
     """The HTML text of a run's report (see :func:`write_report`)."""
     layers = run.layers
     model_short, corpus_short = model_name(run.model), short_name(run.corpus)
@@ -947,10 +940,10 @@ def write_report(
 
     ``figures`` (from :func:`embgeom_ray.report.plots.make_all_plots` with ``include_absent=True``)
     skips re-drawing; ``elsewhere`` draws some of them in other processes (``make_all_plots``).
-    Raises :class:`~embgeom_ray.report.plots.RunDirectoryError` when ``out_dir`` is not a run
+    Raises :class:`~embgeom_ray.run_dir.RunDirError` when ``out_dir`` is not a run
     directory (no manifest.json or layers.parquet).
     """
-    run = Run(out_dir)
+    run = RunView(out_dir)
     if figures is None:
         figures = make_all_plots(run, include_absent=True, elsewhere=elsewhere)
     return _write(run.out, render_report(run, figures))
@@ -959,20 +952,7 @@ def write_report(
 # --------------------------------------------------------------------------------------------
 # comparison of runs
 
-#: metrics overlaid in the comparison, when present in any run (in this order).
-# fmt: off
-COMPARE_METRICS = [
-    "mean_norm", "total_variance", "within_variance", "between_variance", "within_ratio",
-    "norm_variance_corr", "anisotropy", "s_inter", "s_intra", "isoscore", "adjusted_s_inter",
-    "adjusted_s_intra", "adjusted_isoscore", "s_inter_type_uniform", "isoscore_sample",
-    "kmeans_k", "kmeans_silhouette", "silhouette_types", "lid_euclidean", "lid_cosine",
-    "partition_isotropy", "partition_isotropy_centered", "n_outlier_dims", "isoscore_clipped",
-    "anisotropy_clipped", "anisotropy_clipped_exact",
-]
-# fmt: on
-
-
-def _run_labels(runs: Sequence[Run], labels: Sequence[str] | None) -> list[str]:
+def _run_labels(runs: Sequence[RunView], labels: Sequence[str] | None) -> list[str]:
     if labels is not None:
         if len(labels) != len(runs):
             raise ValueError(f"{len(labels)} labels for {len(runs)} runs")
@@ -985,63 +965,6 @@ def _run_labels(runs: Sequence[Run], labels: Sequence[str] | None) -> list[str]:
     if len(set(base)) < len(runs):
         base = [f"{i + 1}: {b}" for i, b in enumerate(base)]
     return base
-
-
-def _comparison_plot(
-    runs: Sequence[Run], labels: Sequence[str], out_dir: str, metrics: list[str]
-) -> str:
-    import matplotlib as mpl
-
-    n_layers = {len(r.layers) for r in runs}
-    relative = len(n_layers) > 1
-    ncols = min(4, len(metrics))
-    nrows = math.ceil(len(metrics) / ncols)
-    cmap = mpl.colormaps["tab10"]
-    styles = ["-", "--", ":", "-."]  # runs that coincide stay visible
-    markers = ["o", "s", "^", "D"]
-    with mpl.rc_context(_STYLE):
-        fig = _new_figure(3.4 * ncols + 0.4, 2.7 * nrows + 1.3)
-        axes = np.atleast_1d(fig.subplots(nrows, ncols, squeeze=False)).ravel()
-        for ax, metric in zip(axes, metrics, strict=False):
-            for i, (run, label) in enumerate(zip(runs, labels, strict=True)):
-                v = run.layer_col(metric)
-                if v is None:
-                    continue
-                x = run.layers["layer"].to_numpy(dtype=np.float64)
-                if relative:
-                    x = x / max(x.max(), 1)
-                ax.plot(
-                    x,
-                    v,
-                    marker=markers[i % 4],
-                    ms=3.5,
-                    lw=1.5,
-                    color=cmap(i % 10),
-                    linestyle=styles[i % 4],
-                    alpha=0.9,
-                    label=label,
-                )
-            header = COLUMNS.get(metric, (metric,))[0]
-            ax.set_title(f"{header}  ({metric})", fontsize=9)
-            ax.set_ylabel(header, fontsize=8)
-            ax.set_xlabel("layer / last layer" if relative else "layer", fontsize=8)
-        for ax in axes[len(metrics) :]:
-            ax.set_visible(False)
-        handles, labs = axes[0].get_legend_handles_labels()
-        for ax in axes[1 : len(metrics)]:
-            for h, lab in zip(*ax.get_legend_handles_labels(), strict=True):
-                if lab not in labs:
-                    handles.append(h)
-                    labs.append(lab)
-        fig.legend(handles, labs, loc="outside lower center", ncols=min(len(labs), 4))
-        xdesc = (
-            "x: relative depth, layer / last layer (the runs have different numbers of layers)"
-            if relative
-            else "x: layer (hidden_states index; 0 = embedding output)"
-        )
-        fig.suptitle(f"Per-layer metrics of {len(runs)} runs\n{xdesc}", fontsize=11)
-        path = _save(fig, out_dir, "compare_metrics")
-    return path
 
 
 def _evidence_cell(r: pd.Series) -> str:
@@ -1110,32 +1033,9 @@ def _layer_pair(r: pd.Series) -> str:
     return str(base) if base == other else f"{base} / {other}"
 
 
-def write_comparison_report(
-    run_dirs: Sequence[str],
-    out_dir: str,
-    *,
-    changes: pd.DataFrame,
-    matching_note: str,
-    labels: Sequence[str] | None = None,
-    warning: str | None = None,
-) -> str:
-    """Write ``out_dir/report.html`` comparing runs layer by layer; returns its path.
-
-    The first run is the baseline. The page holds a table of the runs (model, revision,
-    corpus, tokens, status, link to each run's own report), overlaid per-layer lines of every
-    metric in :data:`COMPARE_METRICS` present in any run (x = layer index, or relative depth
-    when the runs have different numbers of layers), the largest ``changes`` — the table
-    :func:`embgeom_ray.runs.compare.changes_table` computed, layers matched as
-    ``matching_note`` says — and each run's headline table. Raises :class:`~embgeom_ray.report.plots.RunDirectoryError` for a
-    directory that is not a run, ``ValueError`` for fewer than two runs.
-    """
-    if len(run_dirs) < 2:
-        raise ValueError(f"a comparison needs at least two runs, got {len(run_dirs)}")
-    runs = [Run(d) for d in run_dirs]
-    labels = _run_labels(runs, labels)
-    metrics = [m for m in COMPARE_METRICS if any(r.layer_col(m) is not None for r in runs)]
-    out_dir = str(out_dir).rstrip("/") or "/"
-    plot = _comparison_plot(runs, labels, out_dir, metrics)
+def _runs_table_html(runs: Sequence[RunView], labels: Sequence[str], out_dir: str) -> str:
+    """The comparison's table of runs: model, revision, corpus, layers, tokens, status, and a
+    link to each run's own report."""
     rows = []
     for run, label in zip(runs, labels, strict=True):
         m = run.manifest
@@ -1152,13 +1052,61 @@ def write_comparison_report(
             f"<td>{fmt_value(m.counts.tokens if m.counts else None, 'int')}</td>"
             f"<td>{_status_badge(run.status)}</td></tr>"
         )
-    runs_table = (
+    return (
         '<div class="scroll"><table class="data"><thead><tr><th class="txt">run</th>'
         '<th class="txt">model</th><th class="txt">revision</th><th class="txt">corpus</th>'
         "<th>layers</th><th>tokens</th><th>status</th></tr></thead><tbody>"
         + "".join(rows)
         + "</tbody></table></div>"
     )
+
+
+def _comparison_caption(runs: Sequence[RunView]) -> str:
+    return (
+        "One panel per metric of layers.parquet, one line per run (colours as in the legend). "
+        + (
+            "The runs have different numbers of layers, so x is the relative depth "
+            "layer / last layer. "
+            if len({len(r.layers) for r in runs}) > 1
+            else ""
+        )
+        + "Definitions are in the per-layer tables' headers and in each run's report."
+    )
+
+
+def write_comparison_report(
+    run_dirs: Sequence[str],
+    out_dir: str,
+    *,
+    changes: pd.DataFrame,
+    matching_note: str,
+    labels: Sequence[str] | None = None,
+    warning: str | None = None,
+) -> str:
+    """Write ``out_dir/report.html`` comparing runs layer by layer; returns its path.
+
+    The first run is the baseline. The page holds a table of the runs (model, revision,
+    corpus, tokens, status, link to each run's own report), overlaid per-layer lines of every
+    metric in :data:`COMPARE_METRICS` present in any run (x = layer index, or relative depth
+    when the runs have different numbers of layers), the largest ``changes`` — the table
+    :func:`embgeom_ray.runs.compare.changes_table` computed, layers matched as
+    ``matching_note`` says — and each run's headline table. Raises :class:`~embgeom_ray.run_dir.RunDirError` for a
+    directory that is not a run, ``ValueError`` for fewer than two runs.
+    """
+    if len(run_dirs) < 2:
+        raise ValueError(f"a comparison needs at least two runs, got {len(run_dirs)}")
+    runs = [RunView(d) for d in run_dirs]
+    labels = _run_labels(runs, labels)
+    metrics = [m for m in COMPARE_METRICS if any(r.layer_col(m) is not None for r in runs)]
+    out_dir = str(out_dir).rstrip("/") or "/"
+    headers = {name: spec[0] for name, spec in COLUMNS.items()}
+    fig = Figure(
+        "compare_metrics",
+        plot_comparison(runs, labels, out_dir, metrics, headers),
+        _comparison_caption(runs),
+        "compare",
+    )
+    runs_table = _runs_table_html(runs, labels, out_dir)
     per_run = "".join(
         f"<h3>{_e(label)}</h3>"
         + layers_table_html(run.layers, EXACT_COLUMNS)
@@ -1172,17 +1120,6 @@ def write_comparison_report(
         if incomplete
         else ""
     )
-    caption = (
-        "One panel per metric of layers.parquet, one line per run (colours as in the legend). "
-        + (
-            "The runs have different numbers of layers, so x is the relative depth "
-            "layer / last layer. "
-            if len({len(r.layers) for r in runs}) > 1
-            else ""
-        )
-        + "Definitions are in the per-layer tables' headers and in each run's report."
-    )
-    fig = Figure("compare_metrics", plot, caption, "compare")
     nav = "".join(
         f'<a href="#{a}">{t}</a>'
         for a, t in (
@@ -1253,7 +1190,6 @@ def write_run_report(
 
 __all__ = [
     "REPORT",
-    "RunDirectoryError",
     "render_report",
     "write_comparison_report",
     "write_report",

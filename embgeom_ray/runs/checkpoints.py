@@ -28,7 +28,7 @@ same fingerprint, reuses the saved plan and skips the done shards. A run with an
 fingerprint refuses to mix with them. ``--checkpoint-interval`` is not part of the
 fingerprint: a resume may group shards differently. Once the run is complete the groups are
 removed (:meth:`CheckpointStore.remove_groups`; ``--keep-checkpoints`` keeps them): the run's
-own ``statistics.safetensors`` and ``sample.safetensors`` hold the same information.
+own ``statistics.safetensors`` and ``samples.parquet`` hold the same information.
 """
 
 from __future__ import annotations
@@ -43,9 +43,9 @@ import numpy as np
 
 from ..core.samples import ActivationSample
 from ..core.statistics import EmbeddingStatistics
+from ..counts import Counts
 from ..errors import OutputError
 from ..inputs.corpus import ShardPlan
-from ..inputs.extractor import ShardCounts
 from ..io_utils import atomic_write_bytes, atomic_write_json, exists, join, read_bytes
 
 #: directory of checkpoint groups
@@ -62,7 +62,7 @@ class CheckpointGroup:
 
     group_id: str
     shard_ids: tuple[str, ...]
-    counts: ShardCounts
+    counts: Counts
     #: statistics files: the extractor's pieces of these shards (spilled under
     #: ``--worker-memory``), merged in order
     parts: int = 1
@@ -197,7 +197,7 @@ class CheckpointStore:
                     CheckpointGroup(
                         name[: -len(DONE_SUFFIX)],
                         tuple(d["shards"]),
-                        ShardCounts.from_json(d["counts"]),
+                        Counts.from_json(d["counts"]),
                         int(d.get("parts", 1)),
                     )
                 )
@@ -272,7 +272,7 @@ class CheckpointStore:
         shard_ids: Iterable[str],
         stats_pieces: bytes | Iterable[bytes | np.ndarray],
         sample_bytes: bytes | None,
-        counts: ShardCounts,
+        counts: Counts,
     ) -> CheckpointGroup:
         """Statistics (one piece, or the pieces an extractor spilled, each written as it
         comes), then sample, then the JSON that marks all of ``shard_ids`` done."""

@@ -9,7 +9,6 @@ printed, and the report drawn (a report failure is recorded, never loses the run
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Union
@@ -18,13 +17,13 @@ from ..config import JobConfig, TableOptions
 from ..core.samples import ActivationSample
 from ..core.statistics import EmbeddingStatistics
 from ..core.tables import build_tables
+from ..counts import Counts
 from ..distributed.node_tasks import on_this_node
 from ..distributed.process_memory import peak_memory
 from ..distributed.sampled_stage import add_sampled_metrics
-from ..inputs.extractor import ShardCounts
 from ..report.html import write_run_report
 from ..report.plots import draw_figures
-from ..run_dir import MANIFEST, Counts, Manifest, RunDir, format_summary
+from ..run_dir import MANIFEST, Manifest, RunDir, format_summary
 
 if TYPE_CHECKING:
     from ..distributed.reducers import PartitionedStatistics
@@ -61,26 +60,16 @@ def memory_of(merged: Statistics, manifest: Manifest) -> dict[str, Any]:
     return memory
 
 
-#: ShardCounts' summed integer counts (the manifest's ``counts`` takes those it names)
-SUMMED = frozenset(f.name for f in dataclasses.fields(ShardCounts) if f.type in (int, "int"))
-
-
-def counts_of(totals: ShardCounts, merged: Statistics) -> Counts:
-    """The manifest's ``counts``: the shards' summed counts, non-finite tokens per layer."""
+def counts_of(totals: Counts, merged: Statistics) -> Counts:
+    """The manifest's ``counts``: the shards' summed counts with the non-finite tokens per
+    layer of the run's statistics (every field set, so the manifest writes every counter)."""
     nonfinite = (
         {layer: merged.layer(layer).nonfinite for layer in merged.layers}
         if isinstance(merged, EmbeddingStatistics)
         else merged.nonfinite()
     )
-    # the shard counts the manifest shares with ShardCounts, by name (one list: Counts' fields)
-    shared = {name: getattr(totals, name) for name in Counts.model_fields if name in SUMMED}
-    return Counts(
-        **shared,
-        oom_batch_splits=totals.oom_splits,
-        padding_ratio=None if totals.padding_ratio is None else round(totals.padding_ratio, 6),
-        unk_share=None if totals.unk_share is None else round(totals.unk_share, 6),
-        nonfinite_tokens_per_layer={str(layer): n for layer, n in nonfinite.items()},
-    )
+    per_layer = {str(layer): int(n) for layer, n in nonfinite.items()}
+    return Counts.from_json(totals.to_json() | {"nonfinite_tokens_per_layer": per_layer})
 
 
 def finish_run(

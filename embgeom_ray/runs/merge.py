@@ -1,7 +1,8 @@
 """Merging complete runs over disjoint corpora into the run over their union.
 
 Each run's ``statistics.safetensors`` holds mergeable sufficient statistics and its
-``sample.safetensors`` a mergeable bottom-k sample, so the merge is exact: the output gets the
+``samples.parquet`` a mergeable bottom-k sample (``sample.safetensors`` in runs of earlier
+versions: :meth:`RunDir.load_sample` reads either), so the merge is exact: the output gets the
 statistics, sample, tables and manifest that one analysis over all the corpora would have
 written (counts equal, floats equal up to float64 rounding; the sample is the same occurrences).
 
@@ -34,13 +35,12 @@ from pydantic import ValidationError
 from ..config import JobConfig
 from ..core.samples import ActivationSample
 from ..core.statistics import EmbeddingStatistics
+from ..counts import Counts
 from ..errors import ModelError, OutputError, StatisticsMismatchError, UserError
 from ..inputs.dedup import shared_documents
-from ..inputs.extractor import ShardCounts
 from ..inputs.model_loading import load_tokenizer, tokenizer_fingerprint
 from ..io_utils import is_local, local_path
 from ..run_dir import (
-    SAMPLE,
     STATISTICS,
     CorpusInfo,
     DedupInfo,
@@ -247,21 +247,21 @@ def merge_statistics(runs: list[str]) -> EmbeddingStatistics:
 
 
 def merge_samples(runs: list[str]) -> ActivationSample | None:
-    """Every run's ``sample.safetensors`` merged (bottom-k: the sample of the union), or None."""
+    """Every run's sample merged (bottom-k: the sample of the union), or None."""
     dirs = [RunDir(run) for run in runs]
-    present = [rd.has(SAMPLE) for rd in dirs]
+    present = [rd.has_sample() for rd in dirs]
     if not any(present):
         return None
     if not all(present):
         missing = [run for run, ok in zip(runs, present, strict=True) if not ok]
         raise RunError(
-            f"runs {missing} have no {SAMPLE} while the others do; they were run "
+            f"runs {missing} have no sample while the others do; they were run "
             "with different sampling options"
         )
-    merged = ActivationSample.load(dirs[0].path(SAMPLE))
+    merged = dirs[0].load_sample()
     for run, rd in zip(runs[1:], dirs[1:], strict=True):
         try:
-            merged.merge(ActivationSample.load(rd.path(SAMPLE)))
+            merged.merge(rd.load_sample())
         except StatisticsMismatchError as exc:
             raise StatisticsMismatchError(f"cannot merge the sample of {run}: {exc}") from None
     return merged
@@ -290,22 +290,13 @@ def load_run_tokenizer(manifest: Manifest, tokenizer: str | None) -> Any:
     return tok
 
 
-def summed_counts(manifests: list[Manifest]) -> ShardCounts:
-    """The runs' counts added up (as the shards' counts of one run over their union)."""
-    total = ShardCounts()
-    for m in manifests:
-        c = m.counts
-        if c is None:
-            continue
-        total.add(
-            ShardCounts(
-                documents=c.documents, windows=c.windows, tokens=c.tokens,
-                padded_tokens=c.padded_tokens, positions=c.positions,
-                special_tokens=c.special_tokens, unk_tokens=c.unk_tokens, batches=c.batches,
-                oom_splits=c.oom_batch_splits, skipped=dict(m.skipped),
-            )
-        )  # fmt: skip
-    return total
+def summed_counts(manifests: list[Manifest]) -> Counts:
+    """The runs' counts added up (as the shards' counts of one run over their union), their
+    skipped items (the manifest's ``skipped``) with them."""
+    return Counts.total(
+        (m.counts or Counts()).model_copy(update={"skipped": dict(m.skipped)}, deep=True)
+        for m in manifests
+    )
 
 
 def _location(url: str) -> str:

@@ -40,12 +40,13 @@ from ..config import JobConfig
 from ..core.rogue import OutlierRules, flagged_dims
 from ..core.samples import ActivationSample
 from ..core.statistics import EmbeddingStatistics, state_bytes
+from ..counts import Counts as ShardCounts
+from ..counts import unk_warning
 from ..distributed.process_memory import sampler
 from ..distributed.warm_workers import warm_task_workers
 from ..errors import ConfigError, CorpusError
 from ..inputs.corpus import CorpusSpec, Shard, ShardPlan, plan_shards
 from ..inputs.dedup import HASH, NORMALISATION, DedupPlan, plan_dedup
-from ..inputs.extractor import ShardCounts, unk_warning
 from ..inputs.model_loading import (
     ModelIdentity,
     load_config,
@@ -57,7 +58,6 @@ from ..io_utils import join
 from ..report.plots import FIGURE_GROUPS
 from ..run_dir import (
     GROUPS,
-    SAMPLE,
     CorpusInfo,
     DedupInfo,
     Manifest,
@@ -175,7 +175,7 @@ def warm_workers_wanted(config: JobConfig, layers: int, pool: PoolPlan) -> int:
     stage (two tasks per layer) and the report's figure groups drawn as tasks will use; 0
     elsewhere. On a machine whose CPUs the extractors hold (a CPU-only run with the default
     pool) that is none: the imports would slow the forward by about what they save later
-    (measured: README, fixed costs)."""
+    (``docs/benchmarks.md``, warm workers)."""
     from ..distributed.cluster import started_private_local
 
     if config.no_warm_workers or not started_private_local():
@@ -472,7 +472,7 @@ def _retable(
     echo,
 ) -> dict[str, Any]:
     config = spec.config
-    sample = ActivationSample.load(run.path(SAMPLE)) if run.has(SAMPLE) else None
+    sample = run.load_sample()
     manifest = Manifest.model_validate(done.to_json()).set(
         status="running",
         started_at=now(),
