@@ -79,7 +79,7 @@ else
   V2="--dim 2048 --blocks 8"; V4="--dim 4096 --blocks 2"
   E="--models minilm,bert-base --device cuda --dtype bfloat16 --tokens 100000 --repeats 3"
   DM="--tokens 100000 --repeats 2 --batch-tokens 65536"
-  PREC="--vocab 32000 --batch-tokens 16384"; REPEATS=5
+  PREC="--vocab 8192 --batch-tokens 16384"; REPEATS=5
   nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.max.sm --format=csv
 fi
 "$PYTHON" -c 'import torch, transformers; print("torch", torch.__version__, "transformers",

@@ -710,12 +710,16 @@ class EmbeddingStatistics(Sketch):
         n_a = a["n"][li]
         if int(n_b) == 0:
             return
-        nb = n_b.to(_F64) if isinstance(n_b, torch.Tensor) else float(n_b)  # the same floats
+        if isinstance(n_b, torch.Tensor):
+            nb = n_b.to(_F64)
+        else:  # a device scalar by a fill (no copy from the host): ``float / tensor`` would
+            # be computed as a reciprocal times the float, n_b/n = 1 then off by an ulp
+            nb = torch.full((), float(n_b), dtype=_F64, device=n_a.device)
         delta = mean_b - a["mean"][li]
         n = n_a + n_b
         w = (n_a.to(_F64) * nb) / n.to(_F64)
         a["comoment"][li] += c_b + torch.outer(delta, delta) * w
-        a["mean"][li] += delta * (nb / n.to(_F64))
+        a["mean"][li] += delta * (nb / n.to(_F64))  # n_b/n correctly rounded: 1 into empty
         a["n"][li] = n
 
     def _merge_positions(self, li: int, counts_b: torch.Tensor, sums_b: torch.Tensor) -> None:
