@@ -221,7 +221,7 @@ def test_precision_smoke(results_dir):
     diffs = res["relative_differences"]
     assert set(diffs) == {"type_stats", "layers", "dims", "positions"}
     assert all(not t["unequal_columns"] for t in diffs.values())
-    assert diffs["type_stats"]["variance"] == 0.0  # per-type statistics: the same float64 path
+    assert diffs["type_stats"]["variance"] < 1e-13  # per-type: float64 either way (rounding)
     assert diffs["layers"]["isoscore"] < 1e-9
 
 
