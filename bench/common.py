@@ -22,7 +22,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 
-RESULTS = Path(__file__).resolve().parent / "results"
+#: where results are written (``EMBGEOM_BENCH_RESULTS``: elsewhere, e.g. a smoke run's folder)
+RESULTS = Path(os.environ.get("EMBGEOM_BENCH_RESULTS") or Path(__file__).resolve().parent / "results")
 REPO = Path(__file__).resolve().parents[1]
 
 

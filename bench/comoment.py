@@ -23,7 +23,14 @@ computed as
   chunks' float32 products summed in float64: whether the error comes from the depth of the
   device's float32 accumulation;
 * ``bf16_pairs`` – the shift c rounded to bf16, so that x − c (two bf16 numbers) mostly splits
-  exactly into hi + lo, and all four bf16 products (three matrix products).
+  exactly into hi + lo, and all four bf16 products (three matrix products);
+* ``bf16_pairs_k256`` – ``bf16_pairs`` over chunks of 256 rows, the chunks' float32 products
+  summed in float64: split-K as the issue proposed. On a CPU the products run on the model of an
+  H100's tensor core (``bench/tensor_core_model.py``: blocks of 16, truncation), and only where
+  that emulation is cheap (rows · d² ≤ 2^26);
+* ``int8_upper`` – the bounded product (``core/integer_gram.py``: 39-bit fixed point, twelve
+  int8 products of residues, Garner's reconstruction), the block triangle as the fold takes it
+  on this device; its error is within 2^(2−B) √n of √(G_aa G_bb).
 
 Each is timed (median of ``--repeats`` after a warm-up, the device synchronised) and compared
 with the float64 product of the same rows: ‖G − G₆₄‖_F / ‖G₆₄‖_F and the largest relative
@@ -142,6 +149,50 @@ def _bf16_pairs(xs: torch.Tensor) -> torch.Tensor:
     return (g + cross + cross.T).to(torch.float64)
 
 
+def _bf16_pairs_k256(xs: torch.Tensor, chunk: int = 256) -> torch.Tensor:
+    """:func:`_bf16_pairs` per chunk of ``chunk`` rows, the chunks summed in float64; on a CPU
+    on the H100 model (:func:`bench.tensor_core_model.split_chunked_gram`)."""
+    if xs.device.type != "cuda":
+        from bench.tensor_core_model import split_chunked_gram
+
+        if xs.shape[0] * xs.shape[1] ** 2 > 2**26:
+            raise NotImplementedError("the tensor-core emulation is too slow at this size")
+        return split_chunked_gram(xs, chunk)
+    n, d = xs.shape
+    pad = -n % chunk
+    if pad:
+        xs = torch.cat([xs, xs.new_zeros(pad, d)])
+    hi, lo = (p.view(-1, chunk, d) for p in _split(xs, 2))
+    hit, lot = hi.transpose(1, 2), lo.transpose(1, 2)
+    cross = _bmm32(hit, lo)
+    per_chunk = _bmm32(hit, hi) + _bmm32(lot, lo) + cross + cross.transpose(1, 2)
+    return per_chunk.to(torch.float64).sum(0)
+
+
+def _int8_upper(xs: torch.Tensor) -> torch.Tensor:
+    """The bounded product of the (already shifted) rows ``xs`` as the fold computes it:
+    residues by the fold's kernel (compiled on CUDA), int8 products of the block triangle in
+    the fold's column blocks on this device, Garner's reconstruction."""
+    from embgeom_ray.core import fold_kernels
+    from embgeom_ray.core.integer_gram import IntegerGram
+    from embgeom_ray.core.statistics import GPU_GRAM_ALIGN, GPU_GRAM_BLOCKS
+
+    n, d = xs.shape
+    zero = torch.zeros(d, dtype=torch.float64, device=xs.device)
+    blocks = (
+        {"block": -(-d // GPU_GRAM_BLOCKS), "align": GPU_GRAM_ALIGN}
+        if xs.device.type == "cuda"
+        else {"block": 96, "align": 8}
+    )
+    gram = IntegerGram(xs, zero, **blocks)
+    for g, s, e in gram.pieces(0, n):
+        res = fold_kernels.residues(xs[s:e], zero, g.scale, g.moduli, *gram.padding(g, s, e))
+        gram.put(g, s, e, res)
+    upper = torch.zeros(d, d, dtype=torch.float64, device=xs.device)
+    gram.add_upper(upper)
+    return symmetric_from_upper(upper)
+
+
 #: name: (dtype of the shifted rows, the product, the shift c rounded to: float32 or bfloat16)
 def variants() -> dict[
     str, tuple[torch.dtype, Callable[[torch.Tensor], torch.Tensor], torch.dtype]
@@ -162,6 +213,8 @@ def variants() -> dict[
         "bf16_split3": (f32, _bf16_split3, f32),
         "bf16_split3_k1024": (f32, _bf16_split3_k1024, f32),
         "bf16_pairs": (f32, _bf16_pairs, bf16),
+        "bf16_pairs_k256": (f32, _bf16_pairs_k256, bf16),
+        "int8_upper": (f64, _int8_upper, f32),
     }
 
 

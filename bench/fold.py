@@ -16,6 +16,12 @@ exactly, moments to 1e-12 relative: an optimisation must not change what is comp
 CUDA also how many times one update makes the host wait for the device (``host_syncs``:
 ``torch.cuda.set_sync_debug_mode`` warnings; each stalls the kernels the host could queue).
 
+``--comoment-precision`` lists the co-moment precisions to time, each as ``CURRENT:BASELINE``
+where the two differ (the baseline may predate a precision: ``bounded:float32`` times this
+checkout's default against the default before it, 2026-11-27); a plain ``P`` is ``P:P``.
+``--integer-product`` runs this checkout's bounded product on int8 units on any device
+(``statistics.INTEGER_PRODUCT``; by default on CUDA only).
+
 ``--gram-blocks K`` runs this checkout's co-moment product in K column blocks on a GPU
 (``statistics.GPU_GRAM_BLOCKS``, 8 by default), the baseline's as it is.
 
@@ -23,7 +29,8 @@ CUDA also how many times one update makes the host wait for the device (``host_s
 ways: ``index_add_`` (what the fold does), ``torch.segment_reduce`` and a CSR matrix product.
 
     python -m bench.fold [--device cuda] [--dims 2048,4096] [--batch-tokens 65536]
-        [--baseline 7975c32 | --baseline path/to/embgeom_ray] [--comoment-precision float32,float64]
+        [--baseline 7975c32 | --baseline path/to/embgeom_ray]
+        [--comoment-precision bounded:float32,bounded:float64,float64] [--integer-product]
 """
 
 from __future__ import annotations
@@ -109,6 +116,9 @@ def host_syncs(fn: Callable[[], None]) -> int:
 
 
 def time_folds(args, d: int, precision: str, dev: torch.device, modules: dict) -> dict:
+    """``precision``: ``CURRENT[:BASELINE]`` (module docstring)."""
+    current, _, base = precision.partition(":")
+    precisions = {name: (base or current) if name == "baseline" else current for name in modules}
     dtype = getattr(torch, args.dtype)
     data = batches(args, d, dev, dtype)
     layers = list(range(args.layers))
@@ -122,8 +132,9 @@ def time_folds(args, d: int, precision: str, dev: torch.device, modules: dict) -
     stats = {}
     for name, module in modules.items():
         s = module.EmbeddingStatistics(
-            layers, d, max_positions=args.max_length, device=dev, comoment_precision=precision
-        )
+            layers, d, max_positions=args.max_length, device=dev,
+            comoment_precision=precisions[name],
+        )  # fmt: skip
         for h, ids, keep, pos in data[:-1]:
             s.update([h] * len(layers), ids, keep, pos)
         stats[name] = s
@@ -142,7 +153,10 @@ def time_folds(args, d: int, precision: str, dev: torch.device, modules: dict) -
             if cuda
         }
     per = {name: median(v) / (n * len(layers)) * 1e6 for name, v in secs.items()}
-    row = {"dim": d, "comoment_precision": precision, "tokens": n, "us_per_token_layer": per}
+    row = {
+        "dim": d, "comoment_precision": current, "baseline_precision": precisions.get("baseline"),
+        "tokens": n, "us_per_token_layer": per,
+    }  # fmt: skip
     if syncs:
         row["host_syncs"] = syncs
     if "baseline" in stats:
@@ -198,7 +212,14 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--layers", type=int, default=4, help="hidden states folded per batch")
     p.add_argument("--warmup", type=int, default=2, help="batches folded before the timed one")
     p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--comoment-precision", default="float32,float64")
+    p.add_argument(
+        "--comoment-precision", default="bounded:float32,float64",
+        help="CURRENT[:BASELINE] precisions, comma-separated",
+    )  # fmt: skip
+    p.add_argument(
+        "--integer-product", action="store_true",
+        help="this checkout's bounded product on int8 units on any device",
+    )  # fmt: skip
     p.add_argument("--baseline", default=BASELINE, help="git revision, package path, or none")
     p.add_argument("--scatter", action="store_true", help="also time the per-type sums")
     p.add_argument(
@@ -213,6 +234,8 @@ def main(argv: list[str] | None = None) -> None:
 
     if args.gram_blocks is not None:
         current.GPU_GRAM_BLOCKS = args.gram_blocks
+    if args.integer_product:
+        current.INTEGER_PRODUCT = True
 
     work = Path(tempfile.mkdtemp(prefix="embgeom-bench-fold-"))
     try:

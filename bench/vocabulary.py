@@ -345,7 +345,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument(
         "--batch-tokens",
         default="8192",
-        help="the fold measurement's --batch-tokens (comma-separated: each is measured)",
+        help="the fold measurement's --batch-tokens (comma-separated: each is measured; "
+        "auto: the size the job picks for the model on the device)",
     )
     p.add_argument(
         "--profile", action="store_true", help="list the kernels of one steady fold per V"
@@ -367,7 +368,9 @@ def main(argv: list[str] | None = None) -> None:
             )  # fmt: skip
             corpus = generated_corpus(work / f"corpus-{vocab}.jsonl", vocab, args.tokens)
             for batch_tokens, precision in itertools.product(
-                [int(b) for b in args.batch_tokens.split(",")] if args.fold_tokens else [],
+                [None if b == "auto" else int(b) for b in args.batch_tokens.split(",")]
+                if args.fold_tokens
+                else [],
                 args.comoment_precision.split(","),
             ):
                 options = {

@@ -218,13 +218,14 @@ class JobConfig(BaseModel):
         "its dims.parquet",
         json_schema_extra=RESULT,
     )
-    comoment_precision: Literal["float64", "float32"] = Field(
-        "float32",
-        description="dtype of the per-batch product of the centred rows behind the covariance "
-        "(IsoScore, PCA spectrum, dims std), accumulated in float64 either way: float32 (~1e-6 "
-        "relative error on covariance entries) is ~2x faster on CPUs and up to 32x on GPUs with "
-        "slow float64; float64 for the exact product. Every per-type statistic is float64 "
-        "regardless",
+    comoment_precision: Literal["bounded", "float64", "reference", "float32"] = Field(
+        "bounded",
+        description="how the per-batch product of the centred rows behind the covariance "
+        "(IsoScore, PCA spectrum, dims std) is computed: bounded (within 2^-29 · sqrt(C_aa "
+        "C_bb) of float64 on every entry, docs/precision.md: int8 matrix units on CUDA, float64 "
+        "elsewhere), float64 (the reference, also called reference), or float32 (earlier "
+        "versions' default, ~1e-6 relative error in practice, no bound). Every per-type "
+        "statistic is float64 regardless",
         json_schema_extra=RESULT,
     )
     sample_size: int = Field(
@@ -308,6 +309,12 @@ class JobConfig(BaseModel):
         if v is not None and any(d < 0 for d in v):
             raise ValueError(f"dimensions are non-negative, got {v}")
         return v
+
+    @field_validator("comoment_precision")
+    @classmethod
+    def _reference_is_float64(cls, v: str) -> str:
+        """``reference`` is float64's other name: one value in the run's identity."""
+        return "float64" if v == "reference" else v
 
     def result_options(self) -> dict[str, Any]:
         return {k: getattr(self, k) for k in RESULT_OPTIONS}

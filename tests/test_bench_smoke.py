@@ -156,6 +156,10 @@ def test_comoment_smoke(results_dir):
     # a float32 hold 16 of its 24 bits (~1e-5), three hold all of them (float32's ~1e-7)
     assert 1e-6 < res["bf16x3_full"]["rel_frobenius"] < 1e-4
     assert 0 < res["bf16_split3"]["rel_frobenius"] < 5 * res["f32_upper"]["rel_frobenius"]
+    # the bounded int8 product: float64's accuracy here (ε_n bounds it); the bf16 split over
+    # chunks of 256 rows on the H100 model: float32's
+    assert res["int8_upper"]["rel_frobenius"] < 1e-13
+    assert 0 < res["bf16_pairs_k256"]["rel_frobenius"] < 1e-5
 
 
 def test_comoment_variants_smoke(results_dir):
@@ -185,18 +189,62 @@ def test_fold_smoke(results_dir, tmp_path):
         f"--baseline {tmp_path / 'embgeom_ray'}".split()
     )
     res = read(results_dir, "fold")
-    assert [(r["dim"], r["comoment_precision"]) for r in res["folds"]] == [
-        (48, "float32"),
-        (48, "float64"),
+    # the default: this checkout's bounded product against the baseline's float32 (the default
+    # before it), and float64 against float64
+    assert [(r["dim"], r["comoment_precision"], r["baseline_precision"]) for r in res["folds"]] == [
+        (48, "bounded", "float32"),
+        (48, "float64", "float64"),
     ]
+    bounded, exact = res["folds"]
     for row in res["folds"]:
         assert row["tokens"] == 1024 - 1024 // 128  # one special token a window left out
-        assert row["state"]["same"] and row["state"]["max_rel_diff"] == 0.0
+        assert row["state"]["same"]  # counts and tails
         assert row["ratio"] > 0 and row["us_per_token_layer"]["current"] > 0
+    assert exact["state"]["max_rel_diff"] == 0.0
+    assert 0 < bounded["state"]["max_rel_diff"] < 1e-5  # float32's product against float64's
     (scatter,) = res["scatter"]
     assert scatter["rows"] == 1024 and 0 < scatter["types"] <= 1024
     for way in ("index_add", "segment_reduce", "csr_matmul"):
         assert scatter[way]["max_rel_err"] < 1e-12, way
+
+
+def test_precision_smoke(results_dir):
+    """Every table of the bounded path (int8 products, forced on the CPU) against the float64
+    path's on the same hidden states with planted massive activations."""
+    from bench import precision
+
+    precision.main("--device cpu --dims 40 --batch-tokens 512 --vocab 300".split())
+    (res,) = read(results_dir, "precision")["results"]
+    assert res["integer_product"] and res["tokens"] == 2 * 512
+    assert res["mu2_over_var_max"] > 1e4  # the planted massive dimensions (bf16)
+    assert 0 <= res["max_relative_difference"] < 1e-6
+    diffs = res["relative_differences"]
+    assert set(diffs) == {"type_stats", "layers", "dims", "positions"}
+    assert all(not t["unequal_columns"] for t in diffs.values())
+    assert diffs["type_stats"]["variance"] < 1e-13  # per-type: float64 either way (rounding)
+    assert diffs["layers"]["isoscore"] < 1e-9
+
+
+def test_gpu_script_smoke(tmp_path):
+    """bench/gpu.sh end to end on the CPU at tiny sizes (``SMOKE=1``): its cheaper steps, each
+    JSON copied to $OUT."""
+    import os
+    import subprocess
+    import sys
+
+    from bench.common import REPO
+
+    out = tmp_path / "out"
+    env = os.environ | {"SMOKE": "1", "OUT": str(out), "PYTHON": sys.executable,
+                        "STEPS": "precision comoment fold"}  # fmt: skip
+    done = subprocess.run(["bash", "bench/gpu.sh"], cwd=REPO, env=env, capture_output=True,
+                          text=True, timeout=3000)  # fmt: skip
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    log = (out / "log.txt").read_text()
+    assert "FAILED" not in log and "skipped" not in log
+    for name in ("gpu-precision", "gpu-comoment", "gpu-fold"):
+        assert "command" in json.loads((out / f"{name}.json").read_text()), name
+    assert (out / "results.tar").stat().st_size > 0
 
 
 def test_fingerprint_smoke(results_dir):

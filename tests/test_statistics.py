@@ -36,22 +36,27 @@ def row_block(request):
     """Every test three times: batches folded in one block of rows, in many blocks of 5 rows
     (the CPU fold walks blocks of ``CPU_ROW_BLOCK`` rows; its tests' batches are smaller), and
     the GPU's way (``GPU_FOLD``: one block, tails by argmax, the sums by type and position as
-    sparse products, the squared deviations by the fused kernel's traced graph)."""
+    sparse products, the squared deviations by the fused kernel's traced graph). The bounded
+    co-moment product runs on int8 units in all three (``INTEGER_PRODUCT``), as on CUDA."""
     saved = (
         statistics_module.CPU_ROW_BLOCK,
         statistics_module.GPU_FOLD,
+        statistics_module.INTEGER_PRODUCT,
         fold_kernels.FUSE,
         fold_kernels.BACKEND,
     )
     gpu = request.param == "the GPU's way"
     statistics_module.CPU_ROW_BLOCK = 5 if request.param == "blocks of 5 rows" else 1 << 30
     statistics_module.GPU_FOLD = gpu
+    # the bounded product on int8 units, as on CUDA (here on the CPU's own int8 units)
+    statistics_module.INTEGER_PRODUCT = True
     # the GPU's fused kernel too, traced (fullgraph) but run eagerly: building it is for GPUs
     fold_kernels.FUSE, fold_kernels.BACKEND = gpu, "eager"
     yield request.param
     (
         statistics_module.CPU_ROW_BLOCK,
         statistics_module.GPU_FOLD,
+        statistics_module.INTEGER_PRODUCT,
         fold_kernels.FUSE,
         fold_kernels.BACKEND,
     ) = saved
@@ -484,6 +489,24 @@ def test_the_gpu_fold_waits_for_the_device_once_per_batch_not_per_layer(row_bloc
     assert counts[2][0] <= 12, counts
 
 
+def test_the_integer_product_adds_no_host_synchronisation(row_block):
+    """The bounded product on int8 units, folded the GPU's way: its scales, residues, products
+    and reconstruction read nothing back, so the synchronisations of a batch do not grow with
+    the layers and equal the float64 product's."""
+    if row_block != "the GPU's way":
+        pytest.skip("the CPU's fold reads values back freely")
+    rng = np.random.default_rng(44)
+    counts = {}
+    for n_layers, precision in ((2, "bounded"), (6, "bounded"), (2, "float64")):
+        h, ids, keep = make_batch(rng, n_layers=n_layers, b=4, t=9, d=24, vocab=12)
+        stats = EmbeddingStatistics(list(range(n_layers)), 24, comoment_precision=precision)
+        for _ in range(2):  # the second batch: every type already has a slot
+            with _SyncCounter() as calls:
+                fold(stats, h, ids, keep)
+        counts[n_layers, precision] = len(calls.calls)
+    assert counts[2, "bounded"] == counts[6, "bounded"] == counts[2, "float64"], counts
+
+
 @pytest.mark.parametrize("d", [1, 5, 96, 100, 385])
 @pytest.mark.parametrize("precision", ["float64", "float32"])
 def test_gram_block_triangle_equals_the_full_product(d, precision):
@@ -637,6 +660,144 @@ def test_float32_comoment_is_centred_and_accurate_to_1e6():
     assert EmbeddingStatistics.from_bytes(fast.to_bytes()).comoment_precision == "float32"
 
 
+def comoment_errors(m, x: np.ndarray) -> np.ndarray:
+    """|C_ab − C₆₄_ab| / √(C₆₄_aa C₆₄_bb) of a layer's co-moment against the float64 two-pass
+    co-moment of its points ``x``."""
+    xc = x - x.mean(0)
+    ref = xc.T @ xc
+    scale = np.sqrt(np.outer(np.diag(ref), np.diag(ref)))
+    return np.abs(m.comoment - ref) / np.where(scale > 0, scale, 1.0)
+
+
+@st.composite
+def bounded_batches(draw):
+    """Batches of d ≥ 17 (the int8 product's): massive offsets in a few dimensions
+    (‖μ‖²/V ~ 1e8 and more), heavy-tailed dimensions, a type seen once, bf16 or float64."""
+    seed = draw(st.integers(0, 2**32 - 1))
+    rng = np.random.default_rng(seed)
+    d = draw(st.sampled_from([17, 24, 40]))
+    batches = []
+    for _ in range(draw(st.integers(1, 4))):
+        h, ids, keep = make_batch(
+            rng, n_layers=2, b=draw(st.integers(1, 6)), t=draw(st.integers(2, 24)), d=d,
+            vocab=draw(st.integers(2, 30)),
+        )  # fmt: skip
+        h[..., : draw(st.integers(0, 3))] += draw(st.sampled_from([1e3, 3e4, -1e5]))
+        if draw(st.booleans()):
+            h[..., 5] = rng.standard_t(1, size=h.shape[:-1])  # Cauchy-like
+        ids[0, 0] = 10_000 + len(batches)  # a type seen once
+        keep[0, 0] = True
+        batches.append((h, ids, keep))
+    return d, draw(st.sampled_from(["bfloat16", "float64"])), batches
+
+
+@settings(max_examples=10, deadline=None)
+@given(bounded_batches())
+def test_bounded_product_is_within_its_bound_and_merges(params):
+    """comoment_precision="bounded" on int8 units: the co-moment within ε √(C_aa C_bb) of the
+    float64 two-pass one (ε = integer_gram.bound of the batch's rows), IsoScore and the
+    per-dimension variances within 1e-9 relative; every other statistic as the float64 path's
+    (per type to 1e-12); batches folded into shards and merged in any order the same."""
+    from embgeom_ray.core.integer_gram import bound
+
+    d, dtype, batches = params
+    whole = EmbeddingStatistics([0, 1], d, max_positions=24, comoment_precision="bounded")
+    exact = EmbeddingStatistics([0, 1], d, max_positions=24)
+    shards = [EmbeddingStatistics([0, 1], d, max_positions=24, comoment_precision="bounded")
+              for _ in batches]  # fmt: skip
+    points = []
+    for (h, ids, keep), shard in zip(batches, shards, strict=True):
+        ht = torch.as_tensor(h).to(getattr(torch, dtype))
+        for stats in (whole, exact, shard):
+            stats.update(ht, torch.as_tensor(ids), torch.as_tensor(keep))
+        points.append(ht.double().numpy()[:, keep])
+    merged = EmbeddingStatistics([0, 1], d, max_positions=24, comoment_precision="bounded")
+    for i in np.random.default_rng(len(batches)).permutation(len(shards)):
+        merged.merge(shards[i])
+    eps = bound(max(int(k.sum()) for _, _, k in batches))
+    for li in range(2):
+        x = np.concatenate([p[li] for p in points])
+        for stats in (whole, merged):
+            m = stats.layer(li)
+            assert comoment_errors(m, x).max() <= eps + 1e-13
+            xc = x - x.mean(0)
+            np.testing.assert_allclose(
+                isoscore_from_covariance(m.covariance),
+                isoscore_from_covariance(xc.T @ xc / len(x)), rtol=1e-9, atol=1e-12,
+            )  # fmt: skip
+            np.testing.assert_allclose(np.diag(m.comoment), (xc**2).sum(0), rtol=1e-9)
+        assert_same_state(whole, exact, rtol=1e-12, comoment_rtol=1e-8)
+        assert_same_state(merged, exact, rtol=1e-10, comoment_rtol=1e-8)
+
+
+@pytest.mark.parametrize(("scale", "dtype"), [(3e3, "bfloat16"), (4e4, "float32")])
+def test_bounded_product_with_massive_activations(scale, dtype):
+    """μ²/V ~ 1e7–1e9 in two dimensions and one row per window far out in a third (a first
+    position's massive activation): the bounded product's co-moment within its bound, its IsoScore and
+    per-dimension std within 1e-9. In bf16 (8 significant bits) μ²/V stays below ~1e6 unless
+    a dimension is constant; float32 hidden states reach 1e9."""
+    from embgeom_ray.core.integer_gram import bound
+
+    rng = np.random.default_rng(15)
+    stats = EmbeddingStatistics([0], 32, comoment_precision="bounded")
+    chunks = []
+    for _ in range(4):
+        h, ids, keep = make_batch(rng, n_layers=1, b=8, t=32, d=32, vocab=50)
+        h[..., :2] += scale
+        h[0, :, 0, 7] += 60 * scale  # the first position of every window
+        keep[:, 0] = True
+        ht = torch.as_tensor(h).to(getattr(torch, dtype))
+        stats.update(ht, torch.as_tensor(ids), torch.as_tensor(keep))
+        chunks.append(ht.double().numpy()[0][keep])
+    x = np.concatenate(chunks)
+    m = stats.layer(0)
+    variances = np.diag(m.comoment) / m.n
+    ratio = 1e9 if dtype == "float32" else 1e5
+    assert (m.mean[:2] ** 2 / variances[:2] > ratio).all()  # μ²/V per massive dimension
+    assert comoment_errors(m, x).max() <= bound(8 * 32)
+    xc = x - x.mean(0)
+    np.testing.assert_allclose(
+        isoscore_from_covariance(m.covariance), isoscore_from_covariance(xc.T @ xc / len(x)),
+        rtol=1e-9,
+    )  # fmt: skip
+    np.testing.assert_allclose(np.sqrt(np.diag(m.covariance)), x.std(0), rtol=1e-9)
+
+
+def test_bounded_is_the_float64_product_where_int8_is_not_used(monkeypatch):
+    """On a CPU by default (and for d < 17 anywhere) the bounded product is the float64 one:
+    the same statistics, bit for bit; "reference" is float64's other name."""
+    monkeypatch.setattr(statistics_module, "INTEGER_PRODUCT", None)
+    rng = np.random.default_rng(16)
+    h, ids, keep = make_batch(rng, n_layers=2, b=5, t=20, d=24, vocab=9, offset=30.0)
+    bounded = fold(EmbeddingStatistics([0, 1], 24, comoment_precision="bounded"), h, ids, keep)
+    reference = fold(EmbeddingStatistics([0, 1], 24, comoment_precision="reference"), h, ids, keep)
+    assert reference.comoment_precision == "float64"
+    assert_same_state(bounded, reference)
+    with pytest.raises(ValueError, match=r"bounded, float64, float32 \(or reference\)"):
+        EmbeddingStatistics([0], 4, comoment_precision="bf16")
+
+
+def test_a_failing_int8_product_warns_once_and_computes_in_float64(monkeypatch):
+    """Where the int8 product cannot run (a torch build or device without it), the fold warns
+    once and computes the same product in float64 from then on."""
+    from embgeom_ray.core import integer_gram
+
+    def broken(a, b):
+        raise RuntimeError("_int_mm_out_cuda not compiled for CUDA 11.6")
+
+    monkeypatch.setattr(integer_gram, "int8_matmul", broken)
+    monkeypatch.setattr(statistics_module, "_integer_unavailable", False)
+    rng = np.random.default_rng(17)
+    h, ids, keep = make_batch(rng, n_layers=1, b=4, t=16, d=20, vocab=9, offset=5.0)
+    stats = EmbeddingStatistics([0], 20, comoment_precision="bounded")
+    with pytest.warns(RuntimeWarning, match=r"int8 co-moment product failed \(RuntimeError: _int_mm"):
+        fold(stats, h, ids, keep)
+    assert statistics_module._integer_unavailable
+    fold(stats, h, ids, keep)  # no second warning (the float64 product now)
+    x = np.concatenate([h[0][keep]] * 2)
+    assert comoment_errors(stats.layer(0), x).max() < 1e-12
+
+
 def test_one_type_far_from_the_layer_mean_keeps_its_variance():
     """GPT-2's massive activations sit on one position/type: that type's mean is ~3000 from
     the layer mean while its spread is ~1e-2 (ratio ~1e11); identical vectors give exactly 0."""
@@ -764,7 +925,7 @@ def test_merge_keeps_the_comoment_precision():
 
 @pytest.mark.slow
 def test_a_run_saves_its_comoment_precision_in_its_header(tmp_path, ray_local, row_block):
-    """The statistics a run saves say which product it used: the job's default float32
+    """The statistics a run saves say which product it used: the job's default, bounded
     (whose reduce once started from a float64 accumulator and said float64), and float64.
     The module runs each test three times; this one's first two runs are the two precisions
     (the fold's row blocks in the Ray actors are theirs, not this process's)."""
@@ -781,7 +942,7 @@ def test_a_run_saves_its_comoment_precision_in_its_header(tmp_path, ray_local, r
     if row_block != "one block":
         options["comoment_precision"] = "float64"
     config = build_config(None, options | {"out": str(tmp_path / "run")})
-    precision = "float32" if row_block == "one block" else "float64"
+    precision = "bounded" if row_block == "one block" else "float64"
     assert config.comoment_precision == precision
     analyze(config, echo=lambda *_: None)
     stats = EmbeddingStatistics.load(tmp_path / "run" / "statistics.safetensors")

@@ -19,8 +19,11 @@ Only token types actually seen occupy memory (a slot table grows by doubling). E
 float64: each batch is cast to float64 on its device and shifted by the layer's running mean
 c; per type it is reduced centred on the type's own batch mean (two passes), per layer the
 co-moment is (X − c)ᵀ(X − c) − n m'm'ᵀ, which cancels only O(||μ_b − μ||²/V) digits instead
-of ||μ||²/V (with ``comoment_precision="float32"``, the job's default, that one product runs
-in float32 on the shifted rows and is accumulated in float64). Batch moments are merged into
+of ||μ||²/V. That one product is where the precisions differ (``comoment_precision``):
+float64; "bounded", the job's default, within |ΔC_ab| ≤ 2^−29 √(C_aa C_bb) on int8 matrix
+units where :func:`integer_product` (CUDA; rows shifted by the batch's own mean:
+:mod:`~embgeom_ray.core.integer_gram`, ``docs/precision.md``), else float64; float32 (earlier
+versions' default, no bound). Batch moments are merged into
 the running ones with the pairwise update of Chan, Golub & LeVeque (1979)::
 
     n = n_a + n_b,  δ = μ_b − μ_a,  μ = μ_a + δ n_b/n,
@@ -63,10 +66,12 @@ from ..errors import StatisticsMismatchError
 from .fold_kernels import (
     deviations_and_centred,
     deviations_and_centred32,
+    deviations_and_residues,
     float64_rows,
     fused_on,
 )
 from .group_sums import GroupMatrix
+from .integer_gram import IntegerGram
 from .sketch import HEADER_KEY, Sketch, check_array, safetensors_into
 
 #: the ``format`` of the header (this name since the first version; see :data:`_READS`).
@@ -90,6 +95,30 @@ GPU_FOLD: bool | None = None
 def gpu_fold(device: torch.device) -> bool:
     """Whether statistics on ``device`` fold the GPU's way (:data:`GPU_FOLD`)."""
     return device.type != "cpu" if GPU_FOLD is None else GPU_FOLD
+
+
+#: the co-moment product of ``comoment_precision="bounded"`` on int8 matrix units
+#: (:mod:`~embgeom_ray.core.integer_gram`). None: on CUDA devices, where it is the fast product
+#: within the bound; elsewhere the float64 product is (a CPU's float64 product beats twelve
+#: int8 products and their residues). True or False forces the choice (the tests run it on
+#: CPUs, on the CPU's own int8 units).
+INTEGER_PRODUCT: bool | None = None
+#: comoment_precision values: the product within the stated bound (``docs/precision.md``), the
+#: float64 reference, and the float32 product of earlier versions (no bound: its float32 sums
+#: over up to 1,024 rows may err by ~1e-5 relative)
+PRECISIONS = ("bounded", "float64", "float32")
+#: other names accepted for a precision
+PRECISION_ALIASES = {"reference": "float64"}
+
+
+def integer_product(device: torch.device, dim: int) -> bool:
+    """Whether the bounded co-moment product runs on int8 matrix units on ``device``
+    (:data:`INTEGER_PRODUCT`; never for d < 17, too narrow for them)."""
+    wanted = device.type == "cuda" if INTEGER_PRODUCT is None else INTEGER_PRODUCT
+    return wanted and dim >= 17 and not _integer_unavailable
+
+
+_integer_unavailable = False
 
 
 def _sparse_sums_on(device: torch.device) -> bool:
@@ -382,7 +411,9 @@ def extreme_counts(
     With a float32 ``scratch`` of x's shape (the fold passes one on CPUs), computed as the
     column sums of the 0/1 matrix ``x == rowmax(x)``: vectorised passes, ~4x faster on CPUs
     than the index-tracking ``argmax``. A row whose extreme value is tied between dimensions
-    would count twice there; then (rarely: the sums exceed n) the exact argmax is used.
+    would count twice there; then (the sums exceed n: in bf16, with 8 significant bits, a
+    tie somewhere in a block of 1,024 rows is the rule) only the tied rows are taken back
+    and counted by their exact argmax.
     Without ``scratch`` (on GPUs, where ``argmax`` is one read of x in its own dtype instead
     of four passes, two of them over a float32 matrix, and a host synchronisation), the
     argmax itself, counted by ``index_add_`` (``bincount`` would synchronise with the host
@@ -395,11 +426,40 @@ def extreme_counts(
     if scratch is None:
         first = x.argmax(dim=1) if which == "max" else x.argmin(dim=1)
         return into.index_add_(0, first, torch.ones_like(first))
+    if n >= 2**24:  # float32 sums of 0/1 values are exact below 2^24
+        return extreme_counts(x, which, into=into)
     ext = x.amax(dim=1, keepdim=True) if which == "max" else x.amin(dim=1, keepdim=True)
-    hits = torch.eq(x, ext, out=scratch).sum(dim=0)
-    if int(hits.sum()) == n and n < 2**24:  # one extreme per row: exact 0/1 sums
+    eq = torch.eq(x, ext, out=scratch)
+    hits = eq.sum(dim=0)
+    if int(hits.sum()) == n:  # one extreme per row: exact 0/1 sums
         return into.add_(hits.to(torch.int64))
-    return extreme_counts(x, which, into=into)
+    tied = (eq.sum(dim=1) > 1).nonzero().squeeze(1)  # the rows counted more than once
+    into.add_(hits.to(torch.int64)).sub_(eq.index_select(0, tied).sum(dim=0).to(torch.int64))
+    return extreme_counts(x.index_select(0, tied), which, into=into)
+
+
+def _add_integer_gram(
+    upper: torch.Tensor, gram: IntegerGram, kept: torch.Tensor, shift: torch.Tensor
+) -> None:
+    """``gram.add_upper(upper)``; where the int8 product cannot run (no int8 kernel in this
+    torch build or for this device), one warning, the float64 product of the same shifted
+    rows instead, and float64 from then on."""
+    global _integer_unavailable
+    try:
+        total = torch.zeros_like(upper)
+        gram.add_upper(total)
+    except (RuntimeError, NotImplementedError) as e:
+        _integer_unavailable = True
+        warnings.warn(
+            f"the int8 co-moment product failed ({type(e).__name__}: "
+            f"{str(e).splitlines()[0][:200] if str(e) else ''}); computing it in float64 "
+            "(the same bound, slower)",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+        add_gram(upper, kept.to(_F64) - shift)
+        return
+    upper += total
 
 
 class EmbeddingStatistics(Sketch):
@@ -419,15 +479,19 @@ class EmbeddingStatistics(Sketch):
         clip_dims: dimensions to zero ("clip", Luo 2020; Kulmizev et al. 2021) for exact
             clipped cosine metrics: per type, the sum of unit vectors of the clipped vectors
             x' (x with these dimensions set to 0) is accumulated too. None: not tracked.
-        comoment_precision: "float64" (this class's default) or "float32" (the job's
-            default, ``--comoment-precision``): the dtype of the per-batch product
-            (X − c)ᵀ(X − c), the fold's one matrix product (float32 is ~2x faster on CPUs,
-            up to 32x on GPUs with slow float64). The rows are shifted by the layer's running
-            mean c (rounded to float32, an exact shift) and the result is accumulated in
-            float64, so float32 costs ~1e-6 relative error on covariance entries (IsoScore,
-            PCA spectrum, per-dimension std), nothing elsewhere. It is saved in the header;
-            statistics that both hold co-moments merge only with the same precision, and
-            statistics without any (e.g. an empty accumulator) take the other's.
+        comoment_precision: how the per-batch product (X − c)ᵀ(X − c), the fold's one
+            matrix product, is computed (:data:`PRECISIONS`; ``--comoment-precision``):
+            "float64" (this class's default, also called "reference"): in float64;
+            "bounded" (the job's default): within the stated bound |ΔC_ab| ≤ ε √(C_aa C_bb),
+            ε ≤ 2^−29 (``docs/precision.md``), on int8 matrix units where
+            :func:`integer_product` (CUDA; rows shifted by the batch's mean,
+            :mod:`~embgeom_ray.core.integer_gram`), else in float64; "float32": in float32
+            on rows shifted by the layer's running mean rounded to float32, accumulated in
+            float64 (earlier versions' default: ~1e-6 relative error on covariance entries in
+            practice, with no bound). Every other statistic is float64 whatever the choice.
+            It is saved in the header; statistics that both hold co-moments merge only with
+            the same precision, and statistics without any (e.g. an empty accumulator) take
+            the other's.
         partition: which part of a measurement these statistics hold (:class:`Partition`;
             made by :meth:`select`), None for all of it.
     """
@@ -459,9 +523,11 @@ class EmbeddingStatistics(Sketch):
         self.clip_dims: list[int] | None = (
             None if clip_dims is None else sorted({int(c) for c in clip_dims})
         )
-        if comoment_precision not in ("float64", "float32"):
+        comoment_precision = PRECISION_ALIASES.get(comoment_precision, comoment_precision)
+        if comoment_precision not in PRECISIONS:
             raise ValueError(
-                f"comoment_precision must be float64 or float32, got {comoment_precision!r}"
+                f"comoment_precision must be one of {', '.join(PRECISIONS)} (or reference), "
+                f"got {comoment_precision!r}"
             )
         self.comoment_precision = comoment_precision
         if self.clip_dims and not all(0 <= c < dim for c in self.clip_dims):
@@ -644,12 +710,16 @@ class EmbeddingStatistics(Sketch):
         n_a = a["n"][li]
         if int(n_b) == 0:
             return
-        nb = n_b.to(_F64) if isinstance(n_b, torch.Tensor) else float(n_b)  # the same floats
+        if isinstance(n_b, torch.Tensor):
+            nb = n_b.to(_F64)
+        else:  # a device scalar by a fill (no copy from the host): ``float / tensor`` would
+            # be computed as a reciprocal times the float, n_b/n = 1 then off by an ulp
+            nb = torch.full((), float(n_b), dtype=_F64, device=n_a.device)
         delta = mean_b - a["mean"][li]
         n = n_a + n_b
         w = (n_a.to(_F64) * nb) / n.to(_F64)
         a["comoment"][li] += c_b + torch.outer(delta, delta) * w
-        a["mean"][li] += delta * (nb / n.to(_F64))
+        a["mean"][li] += delta * (nb / n.to(_F64))  # n_b/n correctly rounded: 1 into empty
         a["n"][li] = n
 
     def _merge_positions(self, li: int, counts_b: torch.Tensor, sums_b: torch.Tensor) -> None:
@@ -837,7 +907,14 @@ class EmbeddingStatistics(Sketch):
         # In float32 the shift is c rounded to float32 (any shift is exact; this one makes
         # x' = x − c one correctly rounded float32 subtraction of the model's own values);
         # each block's float32 product is added to the float64 sum.
+        # The bounded product on int8 units (integer_gram) shifts by the batch's own mean: its
+        # fixed point is relative to each column's largest |x − c|, and its bound to the
+        # batch's centred co-moment.
+        integer = self.comoment_precision == "bounded" and integer_product(dev, d)
         c = torch.where(self._a["n"][li] > 0, self._a["mean"][li], x_mean)  # a new tensor
+        if integer:
+            c = x_mean.clone()
+            gram = IntegerGram(kept, c, **self._gram_blocks(dev))
         f32 = self.comoment_precision == "float32"
         if f32:
             c = c.to(torch.float32).to(_F64)
@@ -847,6 +924,15 @@ class EmbeddingStatistics(Sketch):
         for a, b in blocks:
             if len(blocks) > 1:  # one block (a GPU's batch): pass 1's float64 rows are intact
                 x = self._workspace("x", block)[: b - a].copy_(kept[a:b])
+            if integer:  # the squared deviations and the rows' residues, piece by piece
+                for grp, s, e in gram.pieces(a, b):
+                    sq, res = deviations_and_residues(  # one compiled kernel where fused
+                        mean_b, g.inv[s:e], x[s - a : e - a], c, grp.scale, grp.moduli,
+                        *gram.padding(grp, s, e),
+                    )  # fmt: skip
+                    m2_b.index_add_(0, g.inv[s:e], sq)
+                    gram.put(grp, s, e, res)
+                continue
             if fuse:  # one compiled kernel (CUDA) reads x once: no (n × d) scratch
                 if f32:
                     sq, xs = deviations_and_centred32(mean_b, g.inv[a:b], x, kept[a:b], c32)
@@ -864,10 +950,19 @@ class EmbeddingStatistics(Sketch):
                     xs = x.sub_(c)  # x is not needed any more: centre in place
             m2_b.index_add_(0, g.inv[a:b], sq)
             add_gram(upper, xs)
+        if integer:
+            _add_integer_gram(upper, gram, kept, c)
         self._merge_types(li, g.slots, g.counts, mean_b, m2_b)
         m_s = x_mean - c  # mean of x' (small)
         c_b = symmetric_from_upper(upper) - torch.outer(m_s, m_s) * n
         self._merge_layer(li, n, c + m_s, c_b)
+
+    def _gram_blocks(self, device: torch.device) -> dict[str, int]:
+        """Column blocks of the integer product: the GPU's few wide ones (as :func:`add_gram`),
+        else blocks of 96 columns; edges at multiples of 8 at least (int8 products)."""
+        if gpu_fold(device):
+            return {"block": -(-self.dim // GPU_GRAM_BLOCKS), "align": GPU_GRAM_ALIGN}
+        return {"block": 96, "align": 8}
 
     def _add_unit_sums(
         self,
