@@ -256,7 +256,7 @@ def test_refuses_existing_output(runs, merged, capsys) -> None:
 def test_merged_run_merges_again(runs, merged, tmp_path, capsys) -> None:
     """A merged run is a run: its options read back, and its corpora still count as used."""
     manifest = RunDir(str(merged)).complete_manifest("merging")
-    config = run_merge.run_config(manifest, str(tmp_path / "out"), None)
+    config = run_merge.run_config(manifest, str(tmp_path / "out"), {})
     assert config.max_length == MAX_LENGTH
     assert merge.main(["--out", str(tmp_path / "out"), str(merged), str(runs["a"])]) == 2
     assert "twice" in capsys.readouterr().err

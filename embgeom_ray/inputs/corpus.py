@@ -464,6 +464,14 @@ def _relative_path(root: str, path: str) -> str:
     return posixpath.basename(path)
 
 
+def plain_text_bytes(shard: Shard) -> int | None:
+    """The bytes of plain text a shard spans (an uncompressed text or JSON Lines byte range,
+    which bounds the text it holds), or None (compressed, Parquet, a dataset)."""
+    if shard.kind not in ("text", "jsonl") or _classify(shard.path)[1] is not None:
+        return None
+    return shard.stop - shard.start
+
+
 def _is_hidden(relpath: str) -> bool:
     return any(part.startswith((".", "_")) for part in relpath.split("/"))
 
