@@ -32,3 +32,8 @@ class OutputError(UserError):
 
 class StatisticsMismatchError(UserError):
     """Two statistics artefacts cannot be merged (different model, tokenizer, layers or dim)."""
+
+
+class StorageError(UserError):
+    """An object store cannot be reached, refuses the credentials, has no such bucket, or
+    refuses access (:mod:`embgeom_ray.storage`)."""

@@ -350,13 +350,15 @@ def gpu_budgets(
     return tokens, budget
 
 
-def extractor_own_bytes(shape: Shape, batch_tokens: int, gpu: bool) -> int:
+def extractor_own_bytes(shape: Shape, batch_tokens: int, gpus: int) -> int:
     """What an extractor holds besides its statistics and their serialised copy:
-    :data:`EXTRACTOR_BASE_BYTES` + w (the weights, on the host while they load) + B · b_tok
+    :data:`EXTRACTOR_BASE_BYTES` + w (the weights, on the host while they load; over N > 1
+    GPUs accelerate's device map places them one GPU's share, w / N, at a time) + B · b_tok
     (a CPU batch's activations; on a GPU they are in device memory) + 2 · Q (the sample and
     its serialised copy at a flush)."""
-    batch = 0 if gpu else batch_tokens * shape_batch_bytes_per_token(shape)
-    return EXTRACTOR_BASE_BYTES + shape.weight_bytes + batch + 2 * shape.sample_bytes
+    batch = 0 if gpus else batch_tokens * shape_batch_bytes_per_token(shape)
+    weights = shape.weight_bytes // max(gpus, 1)
+    return EXTRACTOR_BASE_BYTES + weights + batch + 2 * shape.sample_bytes
 
 
 def batch_growth_bytes(shape: Shape, types: int, batch_tokens: int) -> int:
@@ -366,22 +368,22 @@ def batch_growth_bytes(shape: Shape, types: int, batch_tokens: int) -> int:
 
 
 def extractor_bytes(
-    shape: Shape, types: int, batch_tokens: int, statistics: int | None, gpu: bool = False
+    shape: Shape, types: int, batch_tokens: int, statistics: int | None, gpus: int = 0
 ) -> int:
     """An extractor's memory (host, private): :func:`extractor_own_bytes` + 2 · (σ + g), σ its
     statistics budget (None: the whole S(V) + F) and one serialised copy of them. On a GPU the
     statistics are in device memory; the host holds their serialised copies."""
     held = shape.statistics_bytes(types) if statistics is None else statistics
     growth = 0 if statistics is None else batch_growth_bytes(shape, types, batch_tokens)
-    return extractor_own_bytes(shape, batch_tokens, gpu) + 2 * (held + growth)
+    return extractor_own_bytes(shape, batch_tokens, gpus) + 2 * (held + growth)
 
 
 def statistics_for(
-    shape: Shape, types: int, batch_tokens: int, memory: int, gpu: bool = False
+    shape: Shape, types: int, batch_tokens: int, memory: int, gpus: int = 0
 ) -> int:
     """The largest statistics budget σ an extractor of ``memory`` bytes holds
     (:func:`extractor_bytes` solved for σ)."""
-    own = extractor_own_bytes(shape, batch_tokens, gpu)
+    own = extractor_own_bytes(shape, batch_tokens, gpus)
     return (memory - own) // 2 - batch_growth_bytes(shape, types, batch_tokens)
 
 
@@ -498,6 +500,9 @@ class Reduce:
     reason: str
     #: reducers started while the extractors run (their processes ready for the reduce)
     early: int = 0
+    #: the node each reducer is placed on (:func:`place`), and each early one
+    nodes: list[str] = field(default_factory=list)
+    early_nodes: list[str] = field(default_factory=list)
 
     @property
     def partitioned(self) -> bool:
@@ -642,6 +647,17 @@ def _hosts(cluster: Cluster, cpus: int, gpus: int) -> list[int]:
     return out
 
 
+def slot_memory(count: int, hosts: Sequence[int], offers: Sequence[int]) -> int:
+    """The most memory each of ``count`` actors may ask for with all of them placed at once,
+    node n holding at most ``hosts[n]`` (by its CPUs and GPUs) and ``offers[n]`` bytes: the
+    ``count``-th largest of the shares offer_n / j, j = 1..hosts[n] (0 when they do not fit)."""
+    shares = sorted(
+        (o // j for o, h in zip(offers, hosts, strict=True) for j in range(1, min(h, count) + 1)),
+        reverse=True,
+    )
+    return shares[count - 1] if 0 < count <= len(shares) else 0
+
+
 def size_extractors(
     shape: Shape,
     types: int,
@@ -651,22 +667,23 @@ def size_extractors(
     driver: int,
 ) -> Pool:
     """The extractor pool and each actor's memory (``--worker-memory``) and statistics budget
-    (``--statistics-memory``): explicit options win; otherwise each asks for what its
-    statistics need unbounded, or, where that is more than the nodes hold, the smallest share
-    of a node's memory any node hosting extractors gives each of them; the statistics get what
-    is left of it."""
+    (``--statistics-memory``); explicit options win. Otherwise each actor asks for what its
+    statistics need unbounded, or, where the nodes do not hold that many of those, the most
+    that lets the whole pool be placed at once (:func:`slot_memory`), its statistics bounded
+    by what is left of it; a pool the nodes' memory cannot hold at the least an extractor
+    needs is made smaller (not below one) unless ``--num-workers`` names it."""
     count, gpus, cpus = plan_pool(
         cluster, shape, device=options.device, num_shards=num_shards,
         num_workers=options.num_workers, cpus_per_worker=options.cpus_per_worker,
         gpus_per_worker=options.gpus_per_worker,
     )  # fmt: skip
-    gpu = gpus > 0
-    batch = options.batch_tokens or (None if gpu else DEFAULT_BATCH_TOKENS)
+    batch = options.batch_tokens or (None if gpus else DEFAULT_BATCH_TOKENS)
     b = batch or DEFAULT_BATCH_TOKENS  # the least a GPU batch is: for the growth bound
     floor = shape.layer_state_bytes()
     formula = (
         f"{gib(EXTRACTOR_BASE_BYTES)} own + w {gib(shape.weight_bytes)}"
-        + ("" if gpu else f" + batch {b:,} × {shape_batch_bytes_per_token(shape):,} B")
+        + (f" / {gpus} GPUs" if gpus > 1 else "")
+        + ("" if gpus else f" + batch {b:,} × {shape_batch_bytes_per_token(shape):,} B")
         + f" + 2 · sample {gib(shape.sample_bytes)} + 2 · (σ + g)"
     )
     explicit_s = options.statistics_memory
@@ -677,57 +694,64 @@ def size_extractors(
             f"{shape.dim} and {shape.positions} positions (8·L·(d² + 3d + P·(d+1) + 2)); give "
             "more, or measure fewer --layers"
         )
-    whole = extractor_bytes(shape, types, b, None, gpu)
-    least = extractor_bytes(shape, types, b, floor + 1, gpu)
+    whole = extractor_bytes(shape, types, b, None, gpus)
+    least = extractor_bytes(shape, types, b, floor + 1, gpus)
+    if explicit_s is not None:
+        least = whole = extractor_bytes(shape, types, b, explicit_s, gpus)
     hosts = _hosts(cluster, cpus, gpus)
     offers = cluster.offers(driver)
-    shares = [o // h for o, h in zip(offers, hosts, strict=True) if h > 0]
     if options.worker_memory is not None:
         memory = int(options.worker_memory)
-        need = least if explicit_s is None else extractor_bytes(shape, types, b, explicit_s, gpu)
-        if memory < need:
+        if memory < least:
             what = "the fixed per-layer state" if explicit_s is None else "--statistics-memory"
             raise ConfigError(
-                f"--worker-memory {memory:,} bytes cannot hold an extractor: {need:,} bytes "
-                f"({gib(need)}) at least, with {what} ({formula}); give more, or measure "
+                f"--worker-memory {memory:,} bytes cannot hold an extractor: {least:,} bytes "
+                f"({gib(least)}) at least, with {what} ({formula}); give more, or measure "
                 "fewer --layers"
             )
-        statistics = explicit_s or statistics_for(shape, types, b, memory, gpu)
+        if max(offers, default=0) < memory:
+            raise ConfigError(
+                f"--worker-memory {memory:,} bytes is more than any node of the cluster offers "
+                f"Ray's actors ({max(offers, default=0):,} bytes on the largest); give less, or "
+                "add nodes with more memory"
+            )
         reason = f"--worker-memory {gib(memory)}"
     else:
-        want = whole if explicit_s is None else extractor_bytes(shape, types, b, explicit_s, gpu)
-        share = min(shares) if shares else want
-        memory = min(want, share) if shares else want
-        if memory < least:
+        fitted = count
+        while fitted > 1 and slot_memory(fitted, hosts, offers) < least:
+            fitted -= 1
+        room = slot_memory(fitted, hosts, offers) if any(hosts) else whole
+        if room < least or (options.num_workers and fitted < count):
             raise ConfigError(
                 f"an extractor needs at least {least:,} bytes ({gib(least)}: {formula} with σ "
-                f"the fixed per-layer state), but the nodes that host extractors offer "
-                f"{gib(share)} each to {count} extractor(s); measure fewer --layers, give fewer "
+                f"the {'--statistics-memory' if explicit_s else 'fixed per-layer state'}), "
+                f"but the nodes (offering {_offers(offers)}) hold {count} such extractor(s) "
+                f"at most {gib(slot_memory(count, hosts, offers))} each; measure fewer "
+                "--layers, lower --sample-size and --sample-type-size, give fewer "
                 "--num-workers or more --cpus-per-worker, or add nodes with more memory"
             )
+        memory = min(whole, room)
+        fewer = (
+            f"; {fitted} of the {count} extractors the CPUs/GPUs hold, so that each has that"
+            if fitted < count
+            else ""
+        )
+        count = fitted
         if explicit_s is not None:
-            statistics = explicit_s
-            reason = f"--statistics-memory {gib(explicit_s)}"
+            reason = f"--statistics-memory {gib(explicit_s)}{fewer}"
         elif memory >= whole:
-            statistics = None
             reason = (
                 f"the whole statistics S(V) + F = {gib(shape.statistics_bytes(types))} fit "
-                f"(nodes offer {gib(share)} an extractor)"
+                f"(the nodes hold {count} extractor(s) of {gib(room)}){fewer}"
             )
         else:
-            statistics = statistics_for(shape, types, b, memory, gpu)
             reason = (
-                f"S(V) + F = {gib(shape.statistics_bytes(types))} do not fit the "
-                f"{gib(share)} a node offers each extractor: they spill past σ"
+                f"S(V) + F = {gib(shape.statistics_bytes(types))} do not fit the {gib(room)} "
+                f"the nodes hold for each of {count} extractor(s): they spill past σ{fewer}"
             )
-    if statistics is not None and statistics >= shape.statistics_bytes(types):
-        statistics = None
-    if options.worker_memory is not None and max(offers, default=0) < memory:
-        raise ConfigError(
-            f"--worker-memory {memory:,} bytes is more than any node of the cluster offers "
-            f"Ray's actors ({max(offers, default=0):,} bytes on the largest); give less, or add "
-            "nodes with more memory"
-        )
+    statistics = explicit_s or statistics_for(shape, types, b, memory, gpus)
+    if (explicit_s is None and memory >= whole) or statistics >= shape.statistics_bytes(types):
+        statistics = None  # the whole statistics fit: no bound needed
     return Pool(count, cpus, float(gpus), memory, statistics, batch, formula, reason)
 
 
@@ -813,12 +837,39 @@ def size_reducers(
             f"{rows} over reducers of ≤ {gib(cap)} ({REDUCER_NODE_SHARE:g} of the largest "
             f"node's {gib(largest)}; nodes offer {_offers(offers)})"
         )
-    early = 0
+    early: list[str] = []
     if beside is not None:
         n_ext, cpus, gpus, each = beside
         taken = _placed(cluster, offers, n_ext, cpus, gpus, each)
-        early = max((k for k in range(count + 1) if fits(k, memory, offers, taken)), default=0)
-    return Reduce(count, memory, types, formula, reason, early)
+        early = place(cluster, offers, count, memory, taken, partial=True)
+    nodes = place(cluster, offers, count, memory)
+    return Reduce(count, memory, types, formula, reason, len(early), nodes, early)
+
+
+def place(
+    cluster: Cluster,
+    offers: Sequence[int],
+    count: int,
+    each: int,
+    taken: Sequence[int] = (),
+    *,
+    partial: bool = False,
+) -> list[str]:
+    """The node of each of ``count`` actors of ``each`` bytes: one at a time on the node with
+    the most memory left of its offer (less ``taken`` there already; a worker node before the
+    head at equal room), so the reduce spreads over the cluster and the head keeps its room
+    for the job's own process. ``partial``: as many as fit (else all, or a :class:`ValueError`)."""
+    room = [o - (taken[i] if i < len(taken) else 0) for i, o in enumerate(offers)]
+    nodes: list[str] = []
+    for _ in range(count):
+        best = max(range(len(room)), key=lambda i: (room[i], not cluster.nodes[i].head), default=None)
+        if best is None or room[best] < each:
+            if partial:
+                break
+            raise ValueError(f"{count} actors of {each:,} bytes do not fit offers {list(offers)}")
+        nodes.append(cluster.nodes[best].node_id)
+        room[best] -= each
+    return nodes
 
 
 def reducers_for_cap(shape: Shape, types: int, cap: int) -> int:
@@ -1010,7 +1061,8 @@ def describe_plan(
             f"{shown}{more}",
             f"  layers' state: reducer r holds layers r, r + R, … (⌈L/R⌉ = "
             f"{math.ceil(L / red.count)} at most)",
-            f"  started with the extractors: {red.early} (the rest at the reduce)",
+            f"  placed: {_placement(sizing.cluster, red.nodes)}; started with the extractors: "
+            f"{red.early} (the rest at the reduce)",
         ]
     else:
         lines.append(f"reduce: in the job's own process ({red.reason})")
@@ -1035,6 +1087,18 @@ def describe_plan(
     if lever:
         lines.append(lever)
     return lines
+
+
+def _placement(cluster: Cluster, nodes: Sequence[str]) -> str:
+    """``"2 on node 1 (worker, 64 GiB), 1 on node 0 (head, 16 GiB)"``."""
+    index = {n.node_id: i for i, n in enumerate(cluster.nodes)}
+    parts = []
+    for node_id in dict.fromkeys(nodes):
+        i = index[node_id]
+        n = cluster.nodes[i]
+        kind = "head" if n.head else "worker"
+        parts.append(f"{nodes.count(node_id)} on node {i} ({kind}, {gib(n.memory)})")
+    return ", ".join(parts)
 
 
 def layers_lever(sizing: Sizing, total_layers: int) -> str | None:

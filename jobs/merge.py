@@ -63,6 +63,14 @@ def main(argv: list[str] | None = None) -> int:
     except UserError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return exc.exit_code
+    except Exception as exc:  # an object store's fault is the user's to fix, wherever it arose
+        from embgeom_ray.storage import storage_error
+
+        error = storage_error(exc)
+        if error is None:
+            raise
+        print(f"error: {error}", file=sys.stderr)
+        return error.exit_code
     return 0
 
 

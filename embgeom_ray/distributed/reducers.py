@@ -280,6 +280,10 @@ class Reducer:
     def peak_memory(self) -> dict[str, int | None]:
         return peak_memory()
 
+    def node(self) -> str:
+        """The Ray node this reducer runs on."""
+        return ray.get_runtime_context().get_node_id()
+
     def save(self, directory: str) -> list[str]:
         """Write this reducer's parts into ``directory``; their file names."""
         names = []
@@ -311,11 +315,15 @@ class PartitionedStatistics:
         checkpoint_dir: str | None = None,
         checkpoint_seconds: float = math.inf,
         started: Sequence[Any] = (),
+        nodes: Sequence[str] = (),
     ) -> None:
         self.plan = plan
         self.group_urls = list(group_urls)
         self.cpus = cpus
         self.memory = memory  # bytes each reducer asks Ray for (``--reducer-memory``)
+        #: the node each reducer is placed on (:func:`~embgeom_ray.sizing.place`; a
+        #: preference: Ray places it elsewhere when that node is gone)
+        self.nodes = list(nodes)
         if memory:
             check_memory_offered(memory)
         self.checkpoint = (checkpoint_dir, checkpoint_seconds)
@@ -346,7 +354,7 @@ class PartitionedStatistics:
     def _start(self, r: int) -> Any:
         (actor,) = start_reducers(
             1, cpus=self.cpus, memory=self.memory, plan=self.plan, checkpoint=self.checkpoint,
-            first=r,
+            first=r, nodes=self.nodes[r : r + 1],
         )  # fmt: skip
         return actor
 
@@ -433,6 +441,7 @@ class PartitionedStatistics:
             "token_ranges": [list(r) for r in self.plan.ranges],
             "state_layers": [list(s) for s in self.plan.state_layers],
             "memory_budget_bytes": self.memory,
+            "nodes": [self._call(r, "node") for r in range(self.plan.reducers)],
             "restarts": list(self.restarts),
             "sources_restored_from_checkpoints": list(self.restored),
             "sources_read": list(self.read),
@@ -460,16 +469,25 @@ def start_reducers(
     plan: PartitionPlan | None = None,
     checkpoint: tuple[str | None, float] = (None, math.inf),
     first: int = 0,
+    nodes: Sequence[str] = (),
 ) -> list[Any]:
     """Start reducer actors ``first .. first + count − 1`` (``num_cpus=cpus``, ``memory`` bytes
-    each when given). Without a ``plan`` they start their processes and imports now and get
-    their plan later (:class:`PartitionedStatistics` ``started=``): the job starts its
-    ``--reducers`` while the extractors run, so the reduce does not wait for R processes."""
+    each when given; the i-th on ``nodes[i]`` when given, a soft preference). Without a
+    ``plan`` they start their processes and imports now and get their plan later
+    (:class:`PartitionedStatistics` ``started=``): the job starts reducers while the
+    extractors run, so the reduce does not wait for R processes."""
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
     options: dict[str, Any] = {"num_cpus": cpus}
     if memory:
         options["memory"] = memory
-    remote = _RemoteReducer.options(**options)
-    return [remote.remote(r, plan, *checkpoint) for r in range(first, first + count)]
+    actors = []
+    for i, r in enumerate(range(first, first + count)):
+        where = {}
+        if i < len(nodes):
+            where["scheduling_strategy"] = NodeAffinitySchedulingStrategy(nodes[i], soft=True)
+        actors.append(_RemoteReducer.options(**options, **where).remote(r, plan, *checkpoint))
+    return actors
 
 
 def stop_reducers(actors: Sequence[Any]) -> None:

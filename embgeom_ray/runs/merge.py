@@ -53,6 +53,8 @@ from ..run_dir import (
     versions,
 )
 from ..sizing import Reduce, Shape, gib, reducer_ranges, size_reduce
+from ..storage import check_output, user_errors
+from ..storage import probe as probe_store
 from .finish import Statistics, counts_of, finish_run
 
 if TYPE_CHECKING:
@@ -246,7 +248,7 @@ def merge_partitioned(
     from ..distributed.reducers import PartitionedStatistics, PartitionPlan
 
     plan = PartitionPlan.balanced(reduce.count, seen, layers)
-    return PartitionedStatistics(plan, urls, memory=reduce.memory)
+    return PartitionedStatistics(plan, urls, memory=reduce.memory, nodes=reduce.nodes)
 
 
 def describe_merge_plan(shape: Shape, reduce: Reduce, runs: list[str]) -> list[str]:
@@ -353,6 +355,7 @@ def check_arguments(runs: list[str], out: str, overwrite: bool) -> None:
         raise RunError("the same run is given twice; merging it would count its tokens twice")
     if _location(out) in keys:
         raise OutputError(f"--out {out} is one of the runs to merge; write the merge elsewhere")
+    check_output(out)
     if RunDir(out).has_manifest() and not overwrite:
         raise OutputError(f"{out} already holds a run (manifest.json); give --overwrite to replace it")
 
@@ -422,7 +425,11 @@ def merge_runs(
     started_at = now()
     runs, out = [r.rstrip("/") for r in runs], out.rstrip("/")
     check_arguments(runs, out, bool(options.get("overwrite")))
-    manifests = [load_manifest(run) for run in runs]
+    manifests = []
+    for run in runs:
+        probe_store(run, "run")
+        with user_errors(run, "run"):
+            manifests.append(load_manifest(run))
     check_mergeable(runs, manifests)
     dedup = check_dedup(runs, manifests)
     config = run_config(manifests[0], out, options)

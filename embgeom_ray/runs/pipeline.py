@@ -79,13 +79,13 @@ from ..sizing import (
     size_job,
     size_reduce,
 )
+from ..storage import check_output, user_errors
 from .checkpoints import CheckpointGroup, CheckpointStore
 from .finish import counts_of, finish_run
 
 if TYPE_CHECKING:  # ray is imported only when there is work to do
     from ..distributed.actor_pool import GroupResult, PoolPlan
     from ..distributed.reducers import PartitionedStatistics
-    from ..sizing import Cluster
 
 
 def run_fingerprint(
@@ -231,7 +231,9 @@ def start_reducers_early(reduce: Reduce, store: CheckpointStore, interval: float
     if not reduce.partitioned or not reduce.early:
         return []
     checkpoint = (store.reducer_dir(), interval)
-    return start_reducers(reduce.early, memory=reduce.memory, checkpoint=checkpoint)
+    return start_reducers(
+        reduce.early, memory=reduce.memory, checkpoint=checkpoint, nodes=reduce.early_nodes
+    )
 
 
 def reduce_partitioned(
@@ -264,6 +266,7 @@ def reduce_partitioned(
         checkpoint_dir=store.reducer_dir(),
         checkpoint_seconds=config.checkpoint_interval,
         started=started,
+        nodes=reduce.nodes,
     )
     totals = ShardCounts()
     sample: ActivationSample | None = None
@@ -328,7 +331,8 @@ class RunSpec:
 
 def prepare(config: JobConfig) -> RunSpec:
     """Check everything a user can get wrong (model, tokenizer, max_length, layers, clip dims,
-    corpus) before any work, and plan the shards."""
+    corpus, an object store's output location) before any work, and plan the shards."""
+    check_output(config.out)
     identity, tokenizer = resolve_identity(config.model, config.revision, config.trust_remote_code)
     model_config = load_config(config.model, config.revision, config.trust_remote_code)
     limit = max_window_length(model_config, tokenizer)
@@ -363,10 +367,10 @@ def prepare(config: JobConfig) -> RunSpec:
     )  # fmt: skip
 
 
-def size_run(spec: RunSpec, echo=print) -> tuple[Sizing, Cluster]:
+def size_run(spec: RunSpec, echo=print) -> Sizing:
     """Every decision of the run before any work (:func:`~embgeom_ray.sizing.size_job`: the
     extractors, the reduce, each process's memory), from its shape, its corpus and Ray's view
-    of the cluster (joined here), printed once; and that view. Refuses what cannot fit."""
+    of the cluster (joined here), printed once. Refuses what cannot fit."""
     from ..distributed.cluster import connect, read_cluster
 
     config = spec.config
@@ -376,13 +380,13 @@ def size_run(spec: RunSpec, echo=print) -> tuple[Sizing, Cluster]:
     sizing = size_job(spec.shape, spec.corpus_shape, cluster, config.scheduling, special=special)
     for line in sizing.lines():
         echo(line)
-    return sizing, cluster
+    return sizing
 
 
 def show_plan(spec: RunSpec, echo=print) -> dict[str, Any]:
     """``--plan``: what the run would do, where, with how much memory; nothing is run or
     written. Returns the decisions (the manifest's ``sizing`` a run would record)."""
-    sizing, _ = size_run(spec, echo=lambda _line: None)
+    sizing = size_run(spec, echo=lambda _line: None)
     for line in describe_plan(
         sizing, spec.corpus_shape, checkpoint_interval=spec.config.checkpoint_interval,
         total_layers=spec.total_layers,
@@ -477,7 +481,7 @@ def retable(run: RunDir, done: Manifest, spec: RunSpec, t_start: float, echo) ->
     if reduce.partitioned:  # the artefact read partition by partition, never whole here
         plan = PartitionPlan.balanced(reduce.count, seen, spec.layers)
         merged: EmbeddingStatistics | PartitionedStatistics = PartitionedStatistics(
-            plan, [url], memory=reduce.memory
+            plan, [url], memory=reduce.memory, nodes=reduce.nodes
         )
     else:
         merged = run.load_statistics()
@@ -529,9 +533,12 @@ def analyze(config: JobConfig, *, echo=print) -> dict[str, Any]:
     # Ray is joined or started here, on its own clock (~5 s for a private local Ray), and
     # everything is sized before anything is written
     t_ray0 = time.perf_counter()
-    sizing, cluster = size_run(spec, echo)
+    sizing = size_run(spec, echo)
     t_ray1 = time.perf_counter()
-    plan, resumed = store.start(spec.fingerprint, spec.identity_json, spec.plan, config.overwrite)
+    with user_errors(config.out, "output directory"):
+        plan, resumed = store.start(
+            spec.fingerprint, spec.identity_json, spec.plan, config.overwrite
+        )
     t_dedup0 = time.perf_counter()
     plan, dedup = dedup_shards(config, plan, echo)
     t_dedup = time.perf_counter() - t_dedup0
@@ -553,7 +560,10 @@ def analyze(config: JobConfig, *, echo=print) -> dict[str, Any]:
         pool = _extract(spec, sizing, todo, store, on_ready) if todo else None
         t_extract1 = time.perf_counter()
         groups = store.groups_covering(s.shard_id for s in plan.shards)
-        reduce, seen = reduce_decision(store, groups, spec, cluster, echo)
+        reduce, seen = reduce_decision(store, groups, spec, echo)
+        if reduce.partitioned and early:  # the reducers started early stay where they are
+            kept = min(len(early), reduce.count)
+            reduce.nodes[:kept] = sizing.reduce.early_nodes[:kept]
         manifest.set(sizing=sizing.to_json() | {"reduce": asdict(reduce)})
         if reduce.partitioned:
             merged, sample, totals = reduce_partitioned(store, groups, spec, reduce, seen, early)
@@ -608,15 +618,16 @@ def analyze(config: JobConfig, *, echo=print) -> dict[str, Any]:
 
 
 def reduce_decision(
-    store: CheckpointStore, groups: list[CheckpointGroup], spec: RunSpec, cluster: Cluster, echo
+    store: CheckpointStore, groups: list[CheckpointGroup], spec: RunSpec, echo
 ) -> tuple[Reduce, Any]:
     """Where the checkpoint ``groups`` are reduced, now that the types they hold are known
-    (:func:`~embgeom_ray.sizing.size_reduce`), and those types' ids (read from the groups'
-    files alone)."""
+    (:func:`~embgeom_ray.sizing.size_reduce`, on the cluster as Ray sees it now), and those
+    types' ids (read from the groups' files alone)."""
+    from ..distributed.cluster import read_cluster
     from ..distributed.reducers import seen_type_ids
 
     seen = seen_type_ids([url for g in groups for url in store.group_urls(g)])
-    reduce = size_reduce(spec.shape, len(seen), cluster, spec.config.scheduling)
+    reduce = size_reduce(spec.shape, len(seen), read_cluster(), spec.config.scheduling)
     echo(f"sizing: {len(seen):,} types seen: {reduce.describe()}")
     return reduce, seen
 
