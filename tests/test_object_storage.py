@@ -37,6 +37,7 @@ MOTO = Path(sys.executable).parent / "moto_server"
 BUCKET = "embgeom"
 #: options of every job here: small and quick (tables compared, not figures)
 QUICK = ["--max-length", "32", "--sample-size", "64", "--kmeans-k-max", "3", "--no-report",
+         "--comoment-precision", "float64",
          "--shard-bytes", "1024", "--checkpoint-interval", "0"]  # fmt: skip
 TABLES = {"type_stats": ["layer", "token_id"], "layers": ["layer"], "dims": ["layer", "dim"],
           "positions": ["layer", "position"]}  # fmt: skip
