@@ -125,9 +125,9 @@ class JobConfig(BaseModel):
         ge=1,
         description="reducer actors holding the statistics, partitioned by token id and layer; "
         "1 merges in the job's own process (same tables to float64 rounding) [default: "
-        "self-sized: the job's own process while 3 · (8·L·V_seen·(2d+2) + F) ≤ 1 GiB, else "
-        "the fewest reducers the nodes hold, each needing at most half the largest node's "
-        "memory; see --plan]",
+        "self-sized: the job's own process while reducing there keeps it within 1 GiB of its "
+        "start (3 · 8·L·V_seen·(2d+2) with the rest), else the fewest reducers the nodes "
+        "hold, each needing at most half the largest node's memory; see --plan]",
         json_schema_extra=SCHEDULING | MERGE,
     )
     reducer_memory: ByteSize | None = Field(
@@ -135,8 +135,8 @@ class JobConfig(BaseModel):
         description="bytes each reducer actor asks Ray for (e.g. 16GiB): the statistics are "
         "then reduced on as many reducer actors as it takes once the run's token types are "
         "known, and at least --reducers (each holds its share of 8·L·V_seen·(2d+2) bytes plus "
-        "the per-layer state of its layers, and peaks at 2.5 times that while merging, above "
-        "0.5 GiB of its own) [default: self-sized, what the share needs]",
+        "the per-layer state of its layers, and peaks at three times that while merging, "
+        "above 0.5 GiB of its own) [default: self-sized, what the share needs]",
         json_schema_extra=SCHEDULING | MERGE,
     )
     batch_tokens: int | None = Field(

@@ -157,23 +157,43 @@ def user_errors(url: str, what: str) -> Iterator[None]:
         raise error from None
 
 
-def check_output(url: str) -> None:
-    """Before a run is written to ``url`` on an object store: its endpoint answers
-    (:func:`probe`) and its bucket exists (the job never creates one)."""
-    if not is_remote(url):
-        return
-    probe(url, "output directory")
+def check_bucket(url: str, what: str) -> None:
+    """Raise :class:`StorageError` when ``url`` is on an object store whose bucket does not
+    exist (or cannot be read with these credentials)."""
     parts = urlsplit(url)
     if parts.scheme not in ("s3", "s3a", "gs", "gcs") or not parts.netloc:
         return
     import fsspec
 
-    with user_errors(url, "output directory"):
+    with user_errors(url, what):
         fs, _ = fsspec.core.url_to_fs(url)
-        exists = fs.exists(parts.netloc)
+        try:
+            if hasattr(fs, "call_s3"):  # s3fs: HEAD the bucket (404: none; 403: refused)
+                fs.call_s3("head_bucket", Bucket=parts.netloc)
+                exists = True
+            else:
+                exists = fs.exists(parts.netloc)
+        except FileNotFoundError:
+            exists = False
     if not exists:
         raise StorageError(
-            f"no such bucket {parts.netloc!r} for the output directory {url} (object store at "
-            f"{endpoint_of(url) or 'its default endpoint'}); create it first: the job does not "
-            "create buckets"
+            f"no such bucket {parts.netloc!r} for the {what} {url} (object store at "
+            f"{endpoint_of(url) or 'its default endpoint'})"
+            + ("; create it first: the job does not create buckets" if what.startswith("output") else "")
         )
+
+
+def check_input(url: str, what: str) -> None:
+    """Before the job reads ``url`` on an object store: its endpoint answers (:func:`probe`)
+    and its bucket exists."""
+    if is_remote(url):
+        probe(url, what)
+        check_bucket(url, what)
+
+
+def check_output(url: str) -> None:
+    """Before a run is written to ``url`` on an object store: its endpoint answers
+    (:func:`probe`) and its bucket exists (the job never creates one)."""
+    if is_remote(url):
+        probe(url, "output directory")
+        check_bucket(url, "output directory")

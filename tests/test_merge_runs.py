@@ -260,3 +260,18 @@ def test_merged_run_merges_again(runs, merged, tmp_path, capsys) -> None:
     assert config.max_length == MAX_LENGTH
     assert merge.main(["--out", str(tmp_path / "out"), str(merged), str(runs["a"])]) == 2
     assert "twice" in capsys.readouterr().err
+
+
+def test_merge_plan_says_where_it_would_merge_and_writes_nothing(runs, tmp_path, capsys) -> None:
+    """``--plan``: the merge's sizing (the runs' types, where they would be merged), nothing
+    merged or written; the command line is the job's options marked for the merge."""
+    out = tmp_path / "planned"
+    assert merge.main(["--plan", "--out", str(out), str(runs["a"]), str(runs["b"])]) == 0
+    text = capsys.readouterr().out
+    types = pd.read_parquet(runs["whole"] / "type_stats.parquet")["token_id"].nunique()
+    assert f"V_seen = {types:,} types" in text and "reduce in the job's own process" in text
+    assert not out.exists()
+    flags = {a.dest for a in merge.build_parser()._actions}
+    from embgeom_ray.config import MERGE_OPTIONS
+
+    assert set(MERGE_OPTIONS) <= flags and "worker_memory" not in flags

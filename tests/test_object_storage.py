@@ -105,13 +105,14 @@ def s3(tmp_path_factory) -> Iterator[S3]:
 
 @pytest.fixture(scope="module")
 def corpus(s3, tmp_path_factory) -> dict[str, object]:
-    """Two halves of an English corpus and their union, in the bucket; a tiny BERT."""
+    """Two halves of an English corpus in the bucket, the whole being the folder that holds
+    them (so its shards, and their batches, are the halves'); a tiny BERT."""
     from tests.test_job_end_to_end import english_documents
     from tests.tiny_models import make_tiny_bert
 
     docs = english_documents(40, 400)
     fs = s3.fs()
-    for name, part in (("a", docs[:20]), ("b", docs[20:]), ("whole", docs)):
+    for name, part in (("a", docs[:20]), ("b", docs[20:])):
         fs.pipe(f"{BUCKET}/corpus/{name}.jsonl",
                 "".join(json.dumps({"text": t}) + "\n" for t in part).encode())  # fmt: skip
     model = make_tiny_bert(str(tmp_path_factory.mktemp("model") / "bert"))
@@ -148,8 +149,8 @@ def manifest(s3: S3, url: str) -> dict:
 def test_a_run_a_resume_and_a_merge_in_a_bucket(s3, corpus):
     model, url = corpus["model"], corpus["url"]
     runs = f"s3://{BUCKET}/runs"
-    done = job(s3, "jobs.analyze", "--model", model, "--corpus", f"{url}/whole.jsonl",
-               "--out", f"{runs}/whole", *QUICK)  # fmt: skip
+    done = job(s3, "jobs.analyze", "--model", model, "--corpus", url, "--out",
+               f"{runs}/whole", *QUICK)  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     whole = manifest(s3, f"{runs}/whole")
     assert whole["status"] == "complete" and whole["sizing"]["reduce"]["count"] == 0
@@ -226,9 +227,10 @@ def test_reducers_on_two_nodes_read_the_groups_from_the_bucket(s3, corpus, monke
         ray.init(address=cluster.address, log_to_driver=False)
         cluster.wait_for_nodes()
         model, url = corpus["model"], corpus["url"]
-        base = {"model": model, "corpus": f"{url}/whole.jsonl", "max_length": 32,
-                "sample_size": 64, "kmeans_k_max": 3, "no_report": True, "shard_bytes": 1024,
-                "checkpoint_interval": 0, "device": "cpu"}  # fmt: skip
+        base = {"model": model, "corpus": url, "max_length": 32, "sample_size": 64,
+                "kmeans_k_max": 3, "no_report": True, "shard_bytes": 1024,
+                "checkpoint_interval": 0, "device": "cpu",
+                "comoment_precision": "float64"}  # fmt: skip
         out = f"s3://{BUCKET}/cluster"
         two = analyze(build_config(None, base | {"out": f"{out}/two", "reducers": 2}),
                       echo=lambda *_: None)  # fmt: skip
@@ -271,7 +273,8 @@ def test_storage_faults_end_in_one_line(s3, corpus, tmp_path):
 
     def refused(argv: list[str], env: dict[str, str], *names: str) -> None:
         t0 = time.monotonic()
-        done = subprocess.run([sys.executable, "-m", "jobs.analyze", "--model", model, *argv],
+        done = subprocess.run([sys.executable, "-m", "jobs.analyze", "--model", model,
+                               "--max-length", "32", *argv],
                               cwd=REPO, env=os.environ | env | {"PYTHONPATH": str(REPO)},
                               capture_output=True, text=True, timeout=300)  # fmt: skip
         assert time.monotonic() - t0 < 120

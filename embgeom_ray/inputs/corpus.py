@@ -51,7 +51,7 @@ import pyarrow.parquet as pq
 from fsspec.implementations.local import LocalFileSystem
 
 from embgeom_ray.errors import ConfigError, CorpusError
-from embgeom_ray.storage import probe, storage_error, user_errors
+from embgeom_ray.storage import check_input, storage_error, user_errors
 
 __all__ = [
     "SUPPORTED_EXTENSIONS",
@@ -326,7 +326,7 @@ def plan_shards(spec: CorpusSpec, shard_bytes: int | None = None) -> ShardPlan:
         raise CorpusError("the text column name is empty")
     if _is_hub_dataset(spec.source):
         return _plan_dataset(spec, _hub_path(spec.source), shard_bytes)
-    probe(spec.source, "corpus")  # an object store's endpoint answers, within seconds
+    check_input(spec.source, "corpus")  # an object store answers, within seconds; the bucket exists
     with user_errors(spec.source, "corpus"):
         return _plan_files(spec, shard_bytes)
 

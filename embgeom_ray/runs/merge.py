@@ -53,8 +53,7 @@ from ..run_dir import (
     versions,
 )
 from ..sizing import Reduce, Shape, gib, reducer_ranges, size_reduce
-from ..storage import check_output, user_errors
-from ..storage import probe as probe_store
+from ..storage import check_input, check_output, user_errors
 from .finish import Statistics, counts_of, finish_run
 
 if TYPE_CHECKING:
@@ -427,7 +426,7 @@ def merge_runs(
     check_arguments(runs, out, bool(options.get("overwrite")))
     manifests = []
     for run in runs:
-        probe_store(run, "run")
+        check_input(run, "run")
         with user_errors(run, "run"):
             manifests.append(load_manifest(run))
     check_mergeable(runs, manifests)

@@ -4,7 +4,10 @@
 a run trustworthy:
 
 1. everything a user can get wrong is checked before any work (model, tokenizer, layers,
-   max_length, corpus, output directory);
+   max_length, corpus, output directory), and the job sizes itself from the model's shape, the
+   corpus and Ray's view of the cluster (:mod:`~embgeom_ray.sizing`: the extractors, the
+   reduce, every process's memory; printed once, recorded in the manifest's ``sizing``;
+   ``--plan`` stops here), refusing what cannot fit;
 2. the output directory gets ``run.json`` (fingerprint + plan) and a manifest saying
    ``running``; finished shards of an earlier identical run are reused; with ``--dedup`` the
    driver reads the corpus once more and attaches to each shard the ids of its documents
@@ -14,7 +17,8 @@ a run trustworthy:
    statistics object; the driver checkpoints each actor's flush (every
    ``--checkpoint-interval`` seconds, and when the queue is drained) as one group of shards;
 4. the reduce checks that the checkpoint groups cover every shard exactly once and merges
-   them in group-id order (deterministic for a given grouping);
+   them in group-id order (deterministic for a given grouping), in the job's own process or
+   on reducer actors as the sizing decides for the types the groups hold;
 5. the tables, the sampled metrics, the statistics artefact and the sample are written
    atomically, and only then the manifest says ``complete`` (:mod:`.finish`, shared with
    the merge of runs); the checkpoint groups are then removed unless ``--keep-checkpoints``.
