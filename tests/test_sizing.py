@@ -87,8 +87,8 @@ def test_small_statistics_are_reduced_in_the_jobs_own_process():
 
 def test_reducers_follow_the_policy_on_nodes_of_different_memory():
     """Self-sized: the fewest reducers each needing at most half the largest node's offer,
-    that the nodes hold together; placed one at a time where most memory is left (a worker
-    before the head at equal room)."""
+    that the nodes hold together, at least one on each node that can hold one; placed one at
+    a time where most memory is left (a worker before the head at equal room)."""
     nodes = (
         Node("head", 16 * GiB, cpus=8, head=True),
         *(Node(f"big-{i}", 160 * GiB, cpus=32) for i in range(4)),
@@ -99,11 +99,14 @@ def test_reducers_follow_the_policy_on_nodes_of_different_memory():
     cap = 80 * GiB  # half the largest node's 160 GiB
     offers = [12 * GiB, *[160 * GiB] * 4, 32 * GiB]  # the head less the job's own 4 GiB
     r = reduce.count
+
+    def allowed(k: int) -> bool:
+        need = reducer_need(k, 33, 4096, V_SEEN, 128)
+        return (need <= cap and sum(o // need for o in offers) >= k
+                and k >= sum(o >= need for o in offers))  # fmt: skip
+
     need = reducer_need(r, 33, 4096, V_SEEN, 128)
-    assert reduce.memory == need <= cap and sum(o // need for o in offers) >= r
-    # the fewest: one fewer would need more than the cap (or more than the nodes hold)
-    fewer = reducer_need(r - 1, 33, 4096, V_SEEN, 128)
-    assert fewer > cap or sum(o // fewer for o in offers) < r - 1
+    assert reduce.memory == need and allowed(r) and not any(allowed(k) for k in range(1, r))
     # 133 GiB of rows three times over in ≤ 80 GiB pieces (each also its layers' state and 0.5 GiB)
     assert r >= math.ceil(3 * rows(33, 4096, V_SEEN) / cap)
     # placed on the big nodes first, one each while their room is equal
@@ -176,6 +179,13 @@ def test_gpus_per_worker_from_the_weights_and_ray_accelerator_type():
     pool = size_extractors(LLAMA_8B, V_SEEN, h100, options(), 64, driver=0)
     assert (pool.num_workers, pool.num_gpus) == (8, 1)  # 16 GB ≤ half of 80 GB
     assert pool.batch_tokens is None  # decided on each GPU
+    # the host holds the one serialised copy of what the GPU can hold: 0.8 of what the
+    # weights and the least batch (8,192 tokens) leave of 80 GB
+    per_token = (33 * 4096 + 3 * 14_336 + 32 * 128) * 2 + 64 * 4096
+    on_gpu = int(0.8 * (80 * 10**9 - 16 * 10**9 - 8192 * per_token))
+    growth = 8192 * (8 * 33 * (2 * 4096 + 2) + 8)
+    own = 512 * MiB + 16 * 10**9 + 2 * LLAMA_8B.sample_bytes
+    assert pool.memory == own + on_gpu + growth
     big = Shape(**{**LLAMA_8B.__dict__, "weight_bytes": 141 * 10**9, "dim": 8192, "layers": 81})
     pool = size_extractors(big, V_SEEN, h100, options(), 64, driver=0)
     assert (pool.num_workers, pool.num_gpus) == (2, 4)  # 141 GB ≤ half of 4 × 80 GB

@@ -14,6 +14,7 @@ from .formulas import (
     DRIVER_BASE_BYTES,
     DRIVER_REDUCE_FACTOR,
     EXTRACTOR_BASE_BYTES,
+    GPU_STATISTICS_SHARE,
     REDUCER_BASE_BYTES,
     REDUCER_MERGE_FACTOR,
     TYPE_ROW_BYTES,
@@ -212,6 +213,18 @@ def gpus_for_weights(cluster: Cluster, shape: Shape) -> int:
     return max(1, min(need, node.gpus))
 
 
+def device_statistics(cluster: Cluster, shape: Shape, gpus: int) -> int | None:
+    """The most statistics an extractor's ``gpus`` GPUs hold beside the model and the least
+    batch (:data:`GPU_STATISTICS_SHARE` of what they leave), where Ray's accelerator type
+    gives every GPU node's memory; None otherwise (or on CPUs)."""
+    memories = [n.gpu_memory for n in cluster.nodes if n.gpus]
+    if not gpus or not memories or any(m is None for m in memories):
+        return None
+    left = gpus * min(m for m in memories if m is not None) - shape.weight_bytes
+    left -= DEFAULT_BATCH_TOKENS * shape_batch_bytes_per_token(shape)
+    return int(GPU_STATISTICS_SHARE * max(0, left))
+
+
 def size_extractors(
     shape: Shape,
     types: int,
@@ -249,6 +262,14 @@ def size_extractors(
             "more, or measure fewer --layers"
         )
     whole = extractor_bytes(shape, types, b, None, gpus)
+    on_device = device_statistics(cluster, shape, gpus)
+    if on_device is not None and on_device >= shape.statistics_bytes(types):
+        on_device = None  # the GPUs hold the whole statistics
+    if on_device is not None:
+        # the statistics live on the GPUs and spill past what those hold: the host needs no
+        # more than the copy of that
+        on_device = max(on_device, floor + 1)
+        whole = extractor_bytes(shape, types, b, on_device, gpus)
     least = extractor_bytes(shape, types, b, floor + 1, gpus)
     if explicit_s is not None:
         least = whole = extractor_bytes(shape, types, b, explicit_s, gpus)
@@ -293,6 +314,13 @@ def size_extractors(
         count = fitted
         if explicit_s is not None:
             reason = f"--statistics-memory {gib(explicit_s)}{fewer}"
+        elif on_device is not None and memory >= whole:
+            reason = (
+                f"S(V) + F = {gib(shape.statistics_bytes(types))} do not fit the GPUs: they "
+                f"spill past σ = {gib(on_device)} ({GPU_STATISTICS_SHARE:g} of what the model "
+                f"and the least batch leave of {gpus} GPU(s)); the host holds their serialised "
+                f"copy{fewer}"
+            )
         elif memory >= whole:
             reason = (
                 f"the whole statistics S(V) + F = {gib(shape.statistics_bytes(types))} fit "
@@ -304,7 +332,8 @@ def size_extractors(
                 f"the nodes hold for each of {count} extractor(s): they spill past σ{fewer}"
             )
     statistics = explicit_s or statistics_for(shape, types, b, memory, gpus)
-    if (explicit_s is None and memory >= whole) or statistics >= shape.statistics_bytes(types):
+    unbounded = explicit_s is None and on_device is None and memory >= whole
+    if unbounded or statistics >= shape.statistics_bytes(types):
         statistics = None  # the whole statistics fit: no bound needed
     return Pool(count, cpus, float(gpus), memory, statistics, batch, formula, reason)
 
@@ -375,10 +404,15 @@ def size_reducers(
         cap = int(REDUCER_NODE_SHARE * largest)
         most = max(types, shape.layers, 1)
         first = reducers_for_cap(shape, types, cap)
+
+        def spread(r: int) -> bool:  # at least one reducer on each node that can hold one
+            return r >= sum(o >= budget(r) for o in offers)
+
         count = next(
-            (r for r in range(max(first, 1), most + 1) if first and fits(r, budget(r), offers)),
+            (r for r in range(max(first, 1), most + 1)
+             if first and fits(r, budget(r), offers) and spread(r)),
             0,
-        )
+        )  # fmt: skip
         if not count:
             raise ConfigError(
                 f"the statistics, {rows}, do not fit the cluster: reducers of at most "
@@ -389,7 +423,8 @@ def size_reducers(
         memory = budget(count)
         reason = (
             f"{rows} over reducers of ≤ {gib(cap)} ({REDUCER_NODE_SHARE:g} of the largest "
-            f"node's {gib(largest)}; nodes offer {_offers(offers)})"
+            f"node's {gib(largest)}), at least one on each node that holds one (nodes offer "
+            f"{_offers(offers)})"
         )
     early: list[str] = []
     if beside is not None:
@@ -481,6 +516,10 @@ def io_sizes(sizing: Sizing, corpus: CorpusShape) -> dict[str, Any]:
         if pool.statistics is not None
         else "≤ S(V) + F, one piece",
         "checkpoint_bytes_bound": sum(per_shard),
+        # unbounded, a flush is one piece; under σ, as many pieces as the interval spilled
+        "checkpoint_bytes_per_interval": None
+        if pool.statistics is not None
+        else pool.num_workers * (piece + shape.sample_bytes),
         "artefact_bytes": whole + shape.sample_bytes,
         "tables_bytes": tables,
     }

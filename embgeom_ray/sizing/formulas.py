@@ -309,11 +309,17 @@ def extractor_bytes(
     shape: Shape, types: int, batch_tokens: int, statistics: int | None, gpus: int = 0
 ) -> int:
     """An extractor's memory (host, private): :func:`extractor_own_bytes` + 2 · (σ + g), σ its
-    statistics budget (None: the whole S(V) + F) and one serialised copy of them. On a GPU the
-    statistics are in device memory; the host holds their serialised copies."""
+    statistics budget (None: the whole S(V) + F) and one serialised copy of them; on a GPU the
+    statistics are in device memory and the host holds their serialised copy alone: + (σ + g)."""
     held = shape.statistics_bytes(types) if statistics is None else statistics
     growth = 0 if statistics is None else batch_growth_bytes(shape, types, batch_tokens)
-    return extractor_own_bytes(shape, batch_tokens, gpus) + 2 * (held + growth)
+    return extractor_own_bytes(shape, batch_tokens, gpus) + copies(gpus) * (held + growth)
+
+
+def copies(gpus: int) -> int:
+    """The copies of its statistics an extractor holds in host memory: the running statistics
+    and one serialised copy on a CPU; the serialised copy alone on a GPU."""
+    return 1 if gpus else 2
 
 
 def statistics_for(
@@ -322,7 +328,7 @@ def statistics_for(
     """The largest statistics budget σ an extractor of ``memory`` bytes holds
     (:func:`extractor_bytes` solved for σ)."""
     own = extractor_own_bytes(shape, batch_tokens, gpus)
-    return (memory - own) // 2 - batch_growth_bytes(shape, types, batch_tokens)
+    return (memory - own) // copies(gpus) - batch_growth_bytes(shape, types, batch_tokens)
 
 
 def reducer_bytes(

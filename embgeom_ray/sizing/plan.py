@@ -85,8 +85,15 @@ def describe_plan(
         f"flush: pieces of ≤ {gib(io['flush_piece_bytes'])} ({io['flush_formula']}), one "
         f"checkpoint group per flush (every {checkpoint_interval:g} s of an extractor's work, "
         "and when the queue drains)",
-        f"checkpoint groups on disk: ≤ {gib(io['checkpoint_bytes_bound'])} (at most one group "
-        "a shard, each ≤ the statistics of its types + Q; removed when the run completes)",
+        "checkpoint groups on disk: one per extractor and --checkpoint-interval ("
+        + (
+            f"≤ {gib(io['checkpoint_bytes_per_interval'])} an interval for the "
+            f"{pool.num_workers} extractor(s), each group the statistics of the types it saw + Q"
+            if io["checkpoint_bytes_per_interval"] is not None
+            else "each group a piece of ≤ σ + g a spill, and the sample Q"
+        )
+        + f"), ≤ {gib(io['checkpoint_bytes_bound'])} in all (a group a shard at most); removed "
+        "when the run completes",
         f"artefact: statistics S(V) + F + sample Q = {gib(io['artefact_bytes'])}",
         "tables (before compression): "
         + ", ".join(f"{k} {gib(v)}" for k, v in io["tables_bytes"].items()),
