@@ -83,21 +83,29 @@ def probe(url: str, what: str, timeout: float = PROBE_TIMEOUT_S) -> None:
     port = parts.port or (443 if parts.scheme == "https" else 80)
     if not host:
         return
-    try:
-        with socket.create_connection((host, port), timeout=timeout):
-            return
-    except socket.gaierror as exc:
-        reason = f"host {host!r} cannot be resolved ({exc.strerror})"
-    except ConnectionRefusedError:
-        reason = "connection refused (nothing listens there)"
-    except TimeoutError:
-        reason = f"no answer within {timeout:g} s"
-    except OSError as exc:
-        reason = exc.strerror or str(exc)
+    reason = unreachable(host, port, timeout, refused="nothing listens there")
+    if reason is None:
+        return
     raise StorageError(
         f"cannot reach the object store at {endpoint} for the {what} {url}: {reason}; check "
         "the endpoint (AWS_ENDPOINT_URL_S3, AWS_ENDPOINT_URL, the region) and the network"
     )
+
+
+def unreachable(host: str, port: int, timeout: float, refused: str) -> str | None:
+    """Why a TCP connection to ``host:port`` fails within ``timeout`` seconds (``refused``:
+    what a refused connection means there), or None when something accepts it."""
+    try:
+        with socket.create_connection((host, port), timeout=timeout):
+            return None
+    except socket.gaierror as exc:
+        return f"host {host!r} cannot be resolved ({exc.strerror})"
+    except ConnectionRefusedError:
+        return f"connection refused: {refused}"
+    except TimeoutError:
+        return f"no answer within {timeout:g} s"
+    except OSError as exc:
+        return exc.strerror or str(exc)
 
 
 def _names(exc: BaseException) -> set[str]:

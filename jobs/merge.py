@@ -23,7 +23,7 @@ import sys
 
 from embgeom_ray.config import MERGE_OPTIONS, SCHEDULING_OPTIONS
 from embgeom_ray.config import build_parser as job_parser
-from embgeom_ray.errors import ConfigError, UserError
+from embgeom_ray.errors import ConfigError, exit_status
 from embgeom_ray.runs.merge import merge_runs
 
 PROG = "python -m jobs.merge"
@@ -56,23 +56,13 @@ def main(argv: list[str] | None = None) -> int:
         format="%(levelname)s %(name)s: %(message)s",
     )
     options = {k: getattr(args, k) for k in MERGE_OPTIONS if k != "out"}
-    try:
+
+    def run() -> None:
         if args.out is None:
             raise ConfigError("--out is required")
         merge_runs(args.runs, args.out, tokenizer=args.tokenizer, **options)
-    except UserError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return exc.exit_code
-    except Exception as exc:  # an object store's fault is the user's to fix, wherever it arose
-        from embgeom_ray.storage import storage_error
 
-        error = storage_error(exc)
-        if error is None:
-            raise
-        print(f"error: {error}", file=sys.stderr)
-        return error.exit_code
-    return 0
-
+    return exit_status(run)
 
 if __name__ == "__main__":
     sys.exit(main())

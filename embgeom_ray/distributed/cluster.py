@@ -47,6 +47,7 @@ from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
 from ..errors import ConfigError
+from ..storage import unreachable
 
 if TYPE_CHECKING:
     from ..sizing import Cluster
@@ -188,17 +189,11 @@ def probe(address: str, timeout: float = PROBE_TIMEOUT_S, where: str = "the Ray 
     """
     default = DEFAULT_CLIENT_PORT if address.startswith("ray://") else DEFAULT_GCS_PORT
     host, port = split_host_port(address, default, where)
-    try:
-        with socket.create_connection((host, port), timeout=timeout):
-            return
-    except socket.gaierror as exc:
-        reason = f"host {host!r} cannot be resolved ({exc.strerror})"
-    except ConnectionRefusedError:
-        reason = "connection refused: no Ray head listens there (dead, or not started yet)"
-    except TimeoutError:
-        reason = f"no answer within {timeout:g} s"
-    except OSError as exc:
-        reason = exc.strerror or str(exc)
+    reason = unreachable(
+        host, port, timeout, refused="no Ray head listens there (dead, or not started yet)"
+    )
+    if reason is None:
+        return
     raise ConfigError(
         f"cannot reach the Ray cluster at {address} ({where}): {reason}. Start the head "
         "(`ray start --head`), fix the address, or leave it out for a private local Ray"

@@ -251,7 +251,8 @@ def size_extractors(
         f"{gib(EXTRACTOR_BASE_BYTES)} own + w {gib(shape.weight_bytes)}"
         + (f" / {gpus} GPUs" if gpus > 1 else "")
         + ("" if gpus else f" + batch {b:,} × {shape_batch_bytes_per_token(shape):,} B")
-        + f" + 2 · sample {gib(shape.sample_bytes)} + 2 · (σ + g)"
+        + f" + 2 · sample {gib(shape.sample_bytes)} + "
+        + ("(σ + g) serialised from the GPUs" if gpus else "2 · (σ + g)")
     )
     explicit_s = options.statistics_memory
     if explicit_s is not None and explicit_s <= floor:
