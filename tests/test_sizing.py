@@ -225,3 +225,21 @@ def test_early_reducers_fit_beside_the_extractors():
     # a small corpus: self-sized reducers start at the reduce
     small_corpus = CorpusShape("c", 1, 10 * MiB, 1)
     assert size_job(shape, small_corpus, cluster, options(device="cpu")).reduce.early == 0
+
+
+def test_before_the_corpus_is_read_only_what_cannot_fit_whatever_the_types_is_refused():
+    """At the bound on the types (before the corpus is read) a request the types seen may fit
+    is sized and noted, not refused; at the reduce, with the types seen, it is refused. What
+    cannot fit whatever the types (reducers' own 512 MiB each) is refused at once."""
+    cluster = Cluster((Node("h", 8 * GiB, cpus=2, head=True),))
+    shape = Shape(layers=7, dim=384, positions=128, vocab=30_522)
+    budget = reducer_need(2, 7, 384, 2000, 128)  # two of these hold 2,000 types
+    opts = options(reducer_memory=budget)
+    early = size_reducers(shape, 30_522, cluster, opts, driver=0, final=False)
+    assert early.count > 8 and "sized again for the types seen" in early.reason
+    assert len(early.nodes) < early.count  # as many placed as fit
+    with pytest.raises(ConfigError, match=r"need .* reducers of that"):
+        size_reducers(shape, 30_522, cluster, opts, driver=0)  # the types seen: refused
+    assert size_reducers(shape, 2000, cluster, opts, driver=0).count == 2
+    with pytest.raises(ConfigError, match="--reducers 40: each needs"):
+        size_reducers(shape, 30_522, cluster, options(reducers=40), driver=0, final=False)

@@ -347,6 +347,7 @@ def size_reducers(
     driver: int,
     *,
     beside: tuple[int, int, int, int] | None = None,
+    final: bool = True,
 ) -> Reduce:
     """Where the statistics of ``types`` types are reduced (explicit options win):
 
@@ -358,7 +359,11 @@ def size_reducers(
       :data:`REDUCER_NODE_SHARE` of the largest node's offer that the nodes hold together.
 
     ``beside`` (extractors, CPUs, GPUs, memory each): the extractor pool, to start as many
-    reducers as fit beside it while it runs (``early``).
+    reducers as fit beside it while it runs (``early``). ``final``: ``types`` are the types
+    seen, and reducers the nodes cannot hold are refused; before the corpus is read (a bound
+    on the types) only what cannot fit whatever the types is refused (reducers of more than
+    any node offers, more reducers than the nodes hold at their least), and a decision the
+    bound does not fit says so: the reduce is sized again for the types seen.
     """
     state = shape.statistics_bytes(types)
     rows = f"8·L·V·(2d+2) + F = {gib(state)}"
@@ -381,6 +386,18 @@ def size_reducers(
                 f"{rows} ({driver_formula(True)}), within its "
                 f"{gib(DRIVER_ALLOWANCE_BYTES)}",
             )  # fmt: skip
+    unsure = ""  # why the decision at a bound on the types does not fit (not final)
+
+    def refuse_or_note(message: str, least_count: int, least_each: int) -> str:
+        """Refuse ``message`` when final, or when even the least the request needs whatever
+        the types (``least_count`` reducers of ``least_each`` bytes) does not fit."""
+        if final or not fits(least_count, least_each, offers):
+            raise ConfigError(message)
+        return (
+            f"; at this bound on the types they do not all fit the nodes at once: the reduce "
+            f"is sized again for the types seen ({message})"
+        )
+
     if explicit_b is not None:
         memory = int(explicit_b)
         count = max(explicit_r or 1, reducers_for(memory, shape.layers, shape.dim, types,
@@ -391,16 +408,26 @@ def size_reducers(
                 f"Ray's actors ({largest:,} bytes on the largest); give less, or add nodes "
                 "with more memory"
             )
-        reason = f"--reducer-memory {gib(memory)}: {rows} over reducers of that"
+        if not fits(count, memory, offers):
+            unsure = refuse_or_note(
+                f"--reducer-memory {memory:,} bytes: {rows} need {count} reducers of that, "
+                f"and the nodes, offering {_offers(offers)}, hold fewer; give more "
+                "--reducer-memory, measure fewer --layers, or add nodes",
+                explicit_r or 1,
+                memory,
+            )
+        reason = f"--reducer-memory {gib(memory)}: {rows} over reducers of that{unsure}"
     elif explicit_r is not None:
         count, memory = explicit_r, budget(explicit_r)
         if not fits(count, memory, offers):
-            raise ConfigError(
+            unsure = refuse_or_note(
                 f"--reducers {count}: each needs {memory:,} bytes ({gib(memory)}: {formula} "
                 f"for {rows}), and the nodes, offering {_offers(offers)}, do not hold "
-                f"{count} of them; give more --reducers, measure fewer --layers, or add nodes"
+                f"{count} of them; give more --reducers, measure fewer --layers, or add nodes",
+                count,
+                shape_reducer_budget(shape, count, 0),
             )
-        reason = f"--reducers {count}: {rows} over {count}"
+        reason = f"--reducers {count}: {rows} over {count}{unsure}"
     else:
         cap = int(REDUCER_NODE_SHARE * largest)
         most = max(types, shape.layers, 1)
@@ -414,25 +441,33 @@ def size_reducers(
              if first and fits(r, budget(r), offers) and spread(r)),
             0,
         )  # fmt: skip
-        if not count:
-            raise ConfigError(
-                f"the statistics, {rows}, do not fit the cluster: reducers of at most "
-                f"{gib(cap)} (half the largest node's offer; nodes offer {_offers(offers)}) "
-                "cannot hold them; measure fewer --layers, or add nodes with more memory "
-                "(or give --reducer-memory)"
+        message = (
+            f"the statistics, {rows}, do not fit the cluster: reducers of at most "
+            f"{gib(cap)} (half the largest node's offer; nodes offer {_offers(offers)}) "
+            "cannot hold them; measure fewer --layers, or add nodes with more memory "
+            "(or give --reducer-memory)"
+        )
+        if not count and (final or not first):
+            raise ConfigError(message)
+        if not count:  # at the bound: the fewest within the cap, which the types seen may fit
+            count = first
+            unsure = (
+                "; at this bound on the types they do not all fit the nodes at once: the "
+                "reduce is sized again for the types seen, and refused then if they still "
+                "do not"
             )
         memory = budget(count)
         reason = (
             f"{rows} over reducers of ≤ {gib(cap)} ({REDUCER_NODE_SHARE:g} of the largest "
             f"node's {gib(largest)}), at least one on each node that holds one (nodes offer "
-            f"{_offers(offers)})"
+            f"{_offers(offers)}){unsure}"
         )
     early: list[str] = []
     if beside is not None:
         n_ext, cpus, gpus, each = beside
         taken = _placed(cluster, offers, n_ext, cpus, gpus, each)
         early = place(cluster, offers, count, memory, taken, partial=True)
-    nodes = place(cluster, offers, count, memory)
+    nodes = place(cluster, offers, count, memory, partial=bool(unsure))
     return Reduce(count, memory, types, formula, reason, len(early), nodes, early)
 
 
@@ -465,7 +500,7 @@ def size_job(
     beside = (pool.num_workers, pool.num_cpus, int(pool.num_gpus), pool.memory)
     if options.reducers is None and corpus.bytes < EARLY_REDUCERS_MIN_BYTES:
         beside = None  # self-sized reducers start early only for a long extraction
-    reduce = size_reducers(shape, types, cluster, options, reserve, beside=beside)
+    reduce = size_reducers(shape, types, cluster, options, reserve, beside=beside, final=False)
     driver = driver_bytes(shape, types, not reduce.partitioned)
     head = max((n.memory for n in cluster.nodes if n.head), default=0)
     if head and DRIVER_BASE_BYTES + driver > head:
