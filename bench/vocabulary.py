@@ -70,6 +70,24 @@ def parse_bytes(text: str) -> int:
     return int(TypeAdapter(ByteSize).validate_python(text))
 
 
+def wordlevel_tokenizer(vocab: int):
+    """A fast tokenizer of ``vocab`` entries mapping the words ``w{i}`` to id i (i ≥ 4), after
+    ``<unk> <s> </s> <pad>``; it adds ``<s>`` before a text, as Llama's does."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    words = {tok: i for i, tok in enumerate(SPECIALS)} | {f"w{i}": i for i in range(4, vocab)}
+    backend = Tokenizer(models.WordLevel(words, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    backend.post_processor = processors.TemplateProcessing(
+        single="<s> $A", special_tokens=[("<s>", 1)]
+    )
+    return PreTrainedTokenizerFast(
+        tokenizer_object=backend, bos_token="<s>", eos_token="</s>", unk_token="<unk>",
+        pad_token="<pad>",
+    )  # fmt: skip
+
+
 def wordlevel_llama_dir(
     path: Path,
     vocab: int,
@@ -88,19 +106,9 @@ def wordlevel_llama_dir(
     ~(2 + 2/kv_group + 3 · ffn_mult) · d² multiply-adds plus attention, as in the real models.
     """
     import torch
-    from tokenizers import Tokenizer, models, pre_tokenizers, processors
-    from transformers import LlamaConfig, LlamaModel, PreTrainedTokenizerFast
+    from transformers import LlamaConfig, LlamaModel
 
-    words = {tok: i for i, tok in enumerate(SPECIALS)} | {f"w{i}": i for i in range(4, vocab)}
-    backend = Tokenizer(models.WordLevel(words, unk_token="<unk>"))
-    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    backend.post_processor = processors.TemplateProcessing(
-        single="<s> $A", special_tokens=[("<s>", 1)]
-    )
-    tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=backend, bos_token="<s>", eos_token="</s>", unk_token="<unk>",
-        pad_token="<pad>",
-    )  # fmt: skip
+    tokenizer = wordlevel_tokenizer(vocab)
     torch.manual_seed(0)
     heads = max(2, dim // head_dim)
     config = LlamaConfig(

@@ -29,6 +29,13 @@ from .errors import ConfigError
 #: marks a field as a result option: its value changes the statistics, so it enters the run
 #: fingerprint and the run key of scheduled re-analyses
 RESULT = {"result": True}
+#: marks a field as a scheduling option: it decides how a run is scheduled (where, how many
+#: processes, how much memory), never what its statistics or tables hold
+SCHEDULING = {"scheduling": True}
+#: marks a field that runs must agree on to be merged (``jobs.merge`` refuses runs that differ)
+AGREE = {"agree": True}
+#: marks a field as an option of ``jobs.merge`` too (its command line is generated from these)
+MERGE = {"merge": True}
 
 
 class JobConfig(BaseModel):
@@ -49,7 +56,10 @@ class JobConfig(BaseModel):
         description="a .txt/.jsonl/.parquet file, a glob, a directory, an fsspec URL (s3://, "
         "gs://) or hf:NAME[:CONFIG] (required)"
     )
-    out: str = Field(description="output directory, local or fsspec URL (required)")
+    out: str = Field(
+        description="output directory, local or fsspec URL (required)",
+        json_schema_extra=SCHEDULING | MERGE,
+    )
     text_column: str = Field(
         "text", description="text column of .jsonl/.parquet/HF corpora", json_schema_extra=RESULT
     )
@@ -60,7 +70,7 @@ class JobConfig(BaseModel):
         le=1_000_000,
         description="tokens per window, special tokens included; longer documents are split "
         "into consecutive windows",
-        json_schema_extra=RESULT,
+        json_schema_extra=RESULT | AGREE,
     )
     layers: list[int] | None = Field(
         None,
@@ -75,38 +85,60 @@ class JobConfig(BaseModel):
         "machine) or local (a private local Ray). Default: RAY_ADDRESS, or the cluster of a "
         "`ray job submit`, else a private local Ray (never a cluster merely running on this "
         "machine). An address nobody answers on fails at once (exit status 2)",
+        json_schema_extra=SCHEDULING | MERGE,
     )
     num_workers: int | None = Field(
-        None, ge=1, description="extractor actors [default: one per GPU, else CPUs // cpus-per-worker]"
+        None,
+        ge=1,
+        description="extractor actors [default: one per --gpus-per-worker GPUs, else CPUs // "
+        "cpus-per-worker]",
+        json_schema_extra=SCHEDULING,
     )
     cpus_per_worker: int | None = Field(
         None,
         ge=1,
         description="CPUs (torch threads) per extractor actor [default: 1 with a GPU, else "
         "min(4, CPUs)]",
+        json_schema_extra=SCHEDULING,
     )
     worker_memory: ByteSize | None = Field(
+        None,
+        description="bytes of memory each extractor actor asks Ray for and stays within (e.g. "
+        "16GiB): its own share (libraries, the weights while they load, a CPU batch, the "
+        "sample) plus twice its statistics budget (the running statistics and one serialised "
+        "copy). [default: self-sized: what the statistics need unbounded, or, where the nodes "
+        "hold less, the smallest share of a node's memory any node hosting extractors gives "
+        "each; see --plan]",
+        json_schema_extra=SCHEDULING,
+    )
+    statistics_memory: ByteSize | None = Field(
         None,
         description="bytes an extractor's running statistics may hold (e.g. 8GiB): past it, "
         "within a shard, it spills them to Ray's object store and starts afresh, and flushes a "
         "checkpoint group after that shard, whatever --checkpoint-interval says. Must exceed "
-        "the fixed per-layer state 8·L·(d² + 3d + P·(d+1) + 2) [default: no bound]",
+        "the fixed per-layer state 8·L·(d² + 3d + P·(d+1) + 2) [default: what --worker-memory "
+        "leaves, and on a GPU no more than its memory holds beside the model and a batch; "
+        "none where the whole statistics fit]",
+        json_schema_extra=SCHEDULING,
     )
-    reducers: int = Field(
-        1,
+    reducers: int | None = Field(
+        None,
         ge=1,
         description="reducer actors holding the statistics, partitioned by token id and layer; "
-        "1 merges in the job's own process. Use several when L x V_seen x (2d+2) x 8 bytes "
-        "does not fit one process (same tables to float64 rounding)",
+        "1 merges in the job's own process (same tables to float64 rounding) [default: "
+        "self-sized: the job's own process while reducing there keeps it within 1 GiB of its "
+        "start (3 · 8·L·V_seen·(2d+2) with the rest), else the fewest reducers the nodes "
+        "hold, each needing at most half the largest node's memory; see --plan]",
+        json_schema_extra=SCHEDULING | MERGE,
     )
     reducer_memory: ByteSize | None = Field(
         None,
-        description="bytes each reducer actor may hold (e.g. 16GiB): the statistics are then "
-        "reduced on reducer actors, as many as it takes once the run's token types are known "
-        "(each holds its share of 8·L·V_seen·(2d+2) bytes plus the per-layer state of its "
-        "layers; it peaks at about twice that while merging, above ~0.5 GiB of its own: "
-        "512MiB + 2 x share <= the budget), and at least --reducers; each asks Ray for that "
-        "much memory [default: no bound]",
+        description="bytes each reducer actor asks Ray for (e.g. 16GiB): the statistics are "
+        "then reduced on as many reducer actors as it takes once the run's token types are "
+        "known, and at least --reducers (each holds its share of 8·L·V_seen·(2d+2) bytes plus "
+        "the per-layer state of its layers, and peaks at three times that while merging, "
+        "above 0.5 GiB of its own) [default: self-sized, what the share needs]",
+        json_schema_extra=SCHEDULING | MERGE,
     )
     batch_tokens: int | None = Field(
         None,
@@ -114,27 +146,36 @@ class JobConfig(BaseModel):
         description="padded tokens per forward batch [default: 8192; on a GPU as many as "
         "8 GiB (or half the memory the model and --worker-memory leave free) hold of the "
         "batch's hidden states, activations and fold scratch, 8192 to 65536]",
+        json_schema_extra=SCHEDULING,
     )
     docs_per_chunk: int = Field(
-        512, ge=1, description="documents tokenized at a time per actor (bounds memory)"
+        512,
+        ge=1,
+        description="documents tokenized at a time per actor (bounds memory)",
+        json_schema_extra=SCHEDULING,
     )
     dtype: Literal["float32", "bfloat16", "float16"] = Field(
         "float32",
         description="dtype the model runs in; statistics are float64 regardless",
-        json_schema_extra=RESULT,
+        json_schema_extra=RESULT | AGREE,
     )
-    device: Literal["auto", "cpu", "cuda"] = Field("auto", description="device of the extractors")
-    gpus_per_worker: int = Field(
-        1,
+    device: Literal["auto", "cpu", "cuda"] = Field(
+        "auto", description="device of the extractors", json_schema_extra=SCHEDULING
+    )
+    gpus_per_worker: int | None = Field(
+        None,
         ge=1,
         description="GPUs of one node per extractor actor: N > 1 loads a model larger than one "
         "GPU across N GPUs (blocks balanced between them, accelerate's device map) and folds "
-        "each layer on the GPU that computed it; needs --device cuda or auto on GPU nodes",
+        "each layer on the GPU that computed it; needs --device cuda or auto on GPU nodes "
+        "[default: self-sized: the fewest GPUs of one node whose memory holds twice the "
+        "weights, by Ray's accelerator type; 1 where that does not tell the GPU's memory]",
+        json_schema_extra=SCHEDULING,
     )
     keep_special: bool = Field(
         False,
         description="count special tokens ([CLS], [SEP], BOS, …) too [default: excluded]",
-        json_schema_extra=RESULT,
+        json_schema_extra=RESULT | AGREE,
     )
     dedup: bool = Field(
         False,
@@ -145,7 +186,10 @@ class JobConfig(BaseModel):
         json_schema_extra=RESULT,
     )
     min_count: int = Field(
-        5, ge=2, description="minimum occurrences for a type to enter norm_variance_corr"
+        5,
+        ge=2,
+        description="minimum occurrences for a type to enter norm_variance_corr",
+        json_schema_extra=MERGE,
     )
     shard_bytes: int | None = Field(
         None,
@@ -157,10 +201,25 @@ class JobConfig(BaseModel):
         False, description="allow model code from the hub (off unless given)", json_schema_extra=RESULT
     )
     overwrite: bool = Field(
-        False, description="discard an earlier run in --out instead of resuming it"
+        False,
+        description="discard an earlier run in --out instead of resuming it",
+        json_schema_extra=SCHEDULING | MERGE,
+    )
+    plan: bool = Field(
+        False,
+        description="print what will run where and exit before any work: the shards, the "
+        "actors and their CPUs and GPUs, the batch tokens, every process's memory as number "
+        "and formula, the reducers and their ranges, the bytes per flush, the checkpoints' "
+        "disk and the artefact's and tables' sizes (reads the model's config and tokenizer, "
+        "never its weights; the corpus's listing; the cluster's resources). Refuses what "
+        "cannot fit with the message the run would give",
+        json_schema_extra=SCHEDULING | MERGE,
     )
     max_shard_retries: int = Field(
-        3, ge=0, description="times a shard is retried after losing its worker"
+        3,
+        ge=0,
+        description="times a shard is retried after losing its worker",
+        json_schema_extra=SCHEDULING,
     )
     checkpoint_interval: float = Field(
         300.0,
@@ -169,12 +228,14 @@ class JobConfig(BaseModel):
         "are checkpointed together (at most this much work per worker is redone after a "
         "failure); 0 checkpoints every shard on its own. Not a result option: it only decides "
         "grouping",
+        json_schema_extra=SCHEDULING,
     )
     keep_checkpoints: bool = Field(
         False,
         description="keep the checkpoint groups (groups/) after the run completes; by default "
         "they are removed, since statistics.safetensors and sample.safetensors hold the same "
         "information",
+        json_schema_extra=SCHEDULING,
     )
     no_report: bool = Field(
         False,
@@ -210,7 +271,7 @@ class JobConfig(BaseModel):
         None,
         description="dimensions to zero for exact clipped cosine metrics over the whole corpus, "
         "e.g. 12,300",
-        json_schema_extra=RESULT,
+        json_schema_extra=RESULT | AGREE,
     )
     clip_dims_from: str | None = Field(
         None,
@@ -233,17 +294,17 @@ class JobConfig(BaseModel):
         ge=0,
         description="token occurrences in the uniform sample (the same in every layer) for "
         "K-means, LID, silhouette and sampled cosines; 0 turns sampling off",
-        json_schema_extra=RESULT,
+        json_schema_extra=RESULT | AGREE,
     )
     sample_type_size: int | None = Field(
         None,
         ge=1,
         description="token types in the type-uniform sample (one random occurrence each; Cai's "
         "S_inter) [default: --sample-size]",
-        json_schema_extra=RESULT,
+        json_schema_extra=RESULT | AGREE,
     )
     sample_seed: int = Field(
-        0, description="seed of the sample's random keys", json_schema_extra=RESULT
+        0, description="seed of the sample's random keys", json_schema_extra=RESULT | AGREE
     )
     kmeans_k_max: int = Field(
         _selection.K_MAX,
@@ -342,24 +403,30 @@ class JobConfig(BaseModel):
         """What the sampled metrics need: K-means model selection, LID, silhouettes."""
         return self._group(SampledOptions)
 
-    @property
-    def partitioned(self) -> bool:
-        """Whether the statistics are reduced on reducer actors (``--reducers R > 1`` or
-        ``--reducer-memory``) rather than in the job's own process."""
-        return self.reducers > 1 or self.reducer_memory is not None
-
     def options_digest(self) -> str:
         return hashlib.sha256(
             json.dumps(self.result_options(), sort_keys=True).encode()
         ).hexdigest()
 
 
+def options_marked(marker: dict[str, Any]) -> tuple[str, ...]:
+    """The options (field names, in order) whose ``json_schema_extra`` holds ``marker``."""
+    (key,) = marker
+    return tuple(
+        name
+        for name, field in JobConfig.model_fields.items()
+        if isinstance(field.json_schema_extra, dict) and field.json_schema_extra.get(key)
+    )
+
+
 #: options whose value changes the statistics; they enter the run fingerprint.
-RESULT_OPTIONS: tuple[str, ...] = tuple(
-    name
-    for name, field in JobConfig.model_fields.items()
-    if isinstance(field.json_schema_extra, dict) and field.json_schema_extra.get("result")
-)
+RESULT_OPTIONS: tuple[str, ...] = options_marked(RESULT)
+#: options that only decide how a run is scheduled, never what its tables hold
+SCHEDULING_OPTIONS: tuple[str, ...] = options_marked(SCHEDULING)
+#: options that runs must agree on to be merged
+AGREE_OPTIONS: tuple[str, ...] = options_marked(AGREE)
+#: the options of ``jobs.merge``'s command line
+MERGE_OPTIONS: tuple[str, ...] = options_marked(MERGE)
 
 
 # ---------------------------------------------------------------------------- option groups
@@ -387,8 +454,9 @@ class ExtractionOptions:
     sample_size: int
     sample_type_size: int | None
     sample_seed: int
-    gpus_per_worker: int
+    gpus_per_worker: int | None
     worker_memory: int | None
+    statistics_memory: int | None
 
 
 @dataclass(frozen=True)
@@ -401,10 +469,12 @@ class SchedulingOptions:
     cpus_per_worker: int | None
     checkpoint_interval: float
     max_shard_retries: int
-    reducers: int
+    reducers: int | None
     reducer_memory: int | None
     worker_memory: int | None
-    gpus_per_worker: int
+    statistics_memory: int | None
+    gpus_per_worker: int | None
+    batch_tokens: int | None
 
 
 @dataclass(frozen=True)
@@ -490,12 +560,15 @@ def _flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
-def _argument(name: str, field: FieldInfo) -> dict[str, Any]:
-    """argparse keywords for one JobConfig field: type, choices, help with its default."""
+def _argument(name: str, field: FieldInfo, shown_default: str | None = None) -> dict[str, Any]:
+    """argparse keywords for one JobConfig field: type, choices, help with its default (or
+    ``shown_default`` in its place)."""
     annotation = field.annotation
     optional = get_origin(annotation) in (Union, types.UnionType)
     kind = next(a for a in get_args(annotation) if a is not type(None)) if optional else annotation
     help_text = field.description or ""
+    if shown_default is not None:
+        help_text = help_text.split(" [default:")[0] + f" [default: {shown_default}]"
     required = field.is_required()
     default = None if required else field.get_default(call_default_factory=True)
     if "[default:" not in help_text and default is not None and kind is not bool:
@@ -513,22 +586,38 @@ def _argument(name: str, field: FieldInfo) -> dict[str, Any]:
     return kw
 
 
-def build_parser(prog: str, description: str, epilog: str = "") -> argparse.ArgumentParser:
-    """The command line of ``jobs.analyze``, generated from :class:`JobConfig`'s fields.
+def build_parser(
+    prog: str,
+    description: str,
+    epilog: str = "",
+    *,
+    options: tuple[str, ...] | None = None,
+    usage: str | None = None,
+    config_file: bool = True,
+    shown_defaults: dict[str, str] | None = None,
+) -> argparse.ArgumentParser:
+    """The command line of ``jobs.analyze`` (every field), or of another command (``options``:
+    the fields it takes, e.g. :data:`MERGE_OPTIONS`), generated from :class:`JobConfig`'s
+    fields (``shown_defaults``: the default a flag's help shows, where it is not the field's).
 
-    Every field is a flag; a flag left out is ``None`` and does not override the YAML file.
+    Every field is a flag; a flag left out is ``None`` and does not override the YAML file
+    (or, for ``jobs.merge``, the first run's options).
     """
     parser = argparse.ArgumentParser(
         prog=prog,
-        usage=f"{prog} --model M --corpus C --out DIR [options]",
+        usage=usage or f"{prog} --model M --corpus C --out DIR [options]",
         description=description,
         epilog=epilog,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument(
-        "--config", help="YAML file of options (keys as below, with underscores); flags override it"
-    )
+    if config_file:
+        parser.add_argument(
+            "--config",
+            help="YAML file of options (keys as below, with underscores); flags override it",
+        )
     for name, field in JobConfig.model_fields.items():
-        parser.add_argument(_flag(name), **_argument(name, field))
+        if options is None or name in options:
+            shown = (shown_defaults or {}).get(name)
+            parser.add_argument(_flag(name), **_argument(name, field, shown))
     parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
     return parser

@@ -7,6 +7,9 @@ is a bug and keeps its traceback.
 
 from __future__ import annotations
 
+import sys
+from collections.abc import Callable
+
 
 class UserError(Exception):
     """A mistake in the user's input or environment, reported as one clear message."""
@@ -32,3 +35,32 @@ class OutputError(UserError):
 
 class StatisticsMismatchError(UserError):
     """Two statistics artefacts cannot be merged (different model, tokenizer, layers or dim)."""
+
+
+class StorageError(UserError):
+    """An object store cannot be reached, refuses the credentials, has no such bucket, or
+    refuses access (:mod:`embgeom_ray.storage`)."""
+
+
+def as_user_error(exc: BaseException) -> UserError | None:
+    """``exc`` as the user error it is: itself, or an object store's fault
+    (:func:`embgeom_ray.storage.storage_error`); None for anything else (a bug)."""
+    if isinstance(exc, UserError):
+        return exc
+    from .storage import storage_error
+
+    return storage_error(exc)
+
+
+def exit_status(run: Callable[[], object]) -> int:
+    """A command's exit status: 0 when ``run()`` returns; a user error's status (2) after its
+    message as one line on stderr; anything else keeps its traceback."""
+    try:
+        run()
+    except Exception as exc:
+        error = as_user_error(exc)
+        if error is None:
+            raise
+        print(f"error: {error}", file=sys.stderr)
+        return error.exit_code
+    return 0

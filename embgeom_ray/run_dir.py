@@ -173,6 +173,9 @@ class Manifest(_Part):
     reducers: dict[str, Any] | None = None
     #: peak resident memory (bytes) of the driver, the extractors and each reducer
     memory: dict[str, Any] | None = None
+    #: every sizing decision with its reason (:mod:`embgeom_ray.sizing`): at the start, and
+    #: ``reduce`` once the types seen are known
+    sizing: dict[str, Any] | None = None
     timings_s: dict[str, float] = Field(default_factory=dict)
     throughput: dict[str, float | None] = Field(default_factory=dict)
     sample: dict[str, Any] | None = None

@@ -15,7 +15,7 @@ import sys
 
 from embgeom_ray.config import build_config
 from embgeom_ray.config import build_parser as job_parser
-from embgeom_ray.errors import UserError
+from embgeom_ray.errors import exit_status
 
 EXAMPLES = """\
 examples:
@@ -42,16 +42,13 @@ def main(argv: list[str] | None = None) -> int:
         format="%(levelname)s %(name)s: %(message)s",
     )
     overrides = {k: v for k, v in vars(args).items() if k not in {"config", "verbose"}}
-    try:
-        config = build_config(args.config, overrides)
+
+    def run() -> None:
         from embgeom_ray.runs.pipeline import analyze
 
-        analyze(config)
-    except UserError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return exc.exit_code
-    return 0
+        analyze(build_config(args.config, overrides))
 
+    return exit_status(run)
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 import torch
 
+from embgeom_ray import sizing
 from embgeom_ray.config import build_config
 from embgeom_ray.counts import unk_warning
 from embgeom_ray.inputs import extractor
@@ -195,19 +196,27 @@ def test_batch_tokens_default_to_8192_on_cpus_and_to_what_fits_on_a_gpu(
     d, ffn, blocks = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_hidden_layers"]
     scores = cfg["num_attention_heads"] * proc.options.max_length  # one layer's, a token
     per_token = ((blocks + 1) * d + 3 * ffn + scores) * 4 + 64 * d  # float32 weights
-    assert extractor.batch_bytes_per_token(blocks + 1, d, ffn, 4, scores) == per_token
+    assert sizing.batch_bytes_per_token(blocks + 1, d, ffn, 4, scores) == per_token
     text_config = proc.model.config.get_text_config()
     proc.device = "cuda"  # as on a GPU: the free memory decides
+    state = sizing.Shape(
+        layers=2, dim=d, positions=proc.options.max_length, vocab=len(proc.tokenizer),
+        sample_entries=2 * proc.options.sample_size,
+    ).statistics_bytes(len(proc.tokenizer))  # fmt: skip
     for free, want in (
         (80 << 30, 65_536),  # 8 GiB hold more than the cap
         (2 * 20 * 1024 * per_token + 2 * per_token - 2, 20 * 1024),  # half the free memory,
         (4 << 20, 8192),  # never fewer than on a CPU                # in steps of 1,024
     ):
         monkeypatch.setattr(torch.cuda, "mem_get_info", lambda free=free: (free, 80 << 30))
-        assert proc._default_batch_tokens(text_config) == want
+        tokens, budget = proc._budgets(text_config)
+        assert tokens == want
+        # the statistics get 0.8 of what the batch leaves, unless the whole vocabulary fits
+        left = int(0.8 * max(0, free - want * per_token))
+        assert budget == (None if left >= state else left)
     # the 8 GiB bound, at the size of an 8B Llama in bf16 (33 hidden states, d = 4,096)
-    llama = extractor.batch_bytes_per_token(33, 4096, 14_336, 2, 32 * 128)
+    llama = sizing.batch_bytes_per_token(33, 4096, 14_336, 2, 32 * 128)
     assert llama == 33 * 4096 * 2 + 64 * 4096 + 3 * 14_336 * 2 + 32 * 128 * 2
-    assert extractor.default_batch_tokens(llama, 80 << 30) == 13_312
-    assert extractor.default_batch_tokens(llama, 80 << 30) == (8 << 30) // llama // 1024 * 1024
-    assert extractor.default_batch_tokens(llama, None) == 8192
+    assert sizing.default_batch_tokens(llama, 80 << 30) == 13_312
+    assert sizing.default_batch_tokens(llama, 80 << 30) == (8 << 30) // llama // 1024 * 1024
+    assert sizing.default_batch_tokens(llama, None) == 8192

@@ -256,7 +256,7 @@ def test_refuses_existing_output(runs, merged, capsys) -> None:
 def test_merged_run_merges_again(runs, merged, tmp_path, capsys) -> None:
     """A merged run is a run: its options read back, and its corpora still count as used."""
     manifest = RunDir(str(merged)).complete_manifest("merging")
-    config = run_merge.run_config(manifest, str(tmp_path / "out"), None)
+    config = run_merge.run_config(manifest, str(tmp_path / "out"), {})
     assert config.max_length == MAX_LENGTH
     assert merge.main(["--out", str(tmp_path / "out"), str(merged), str(runs["a"])]) == 2
     assert "twice" in capsys.readouterr().err
@@ -312,3 +312,18 @@ def test_a_run_of_the_previous_version_is_retabled_with_its_sample(runs, tmp_pat
     assert RunDir(str(old)).load_sample().to_bytes() == before
     want = pd.read_parquet(runs["a"] / "samples.parquet")
     _assert_frames_equal(pd.read_parquet(old / "samples.parquet"), want, ["layer", "sample", "key"])
+
+
+def test_merge_plan_says_where_it_would_merge_and_writes_nothing(runs, tmp_path, capsys) -> None:
+    """``--plan``: the merge's sizing (the runs' types, where they would be merged), nothing
+    merged or written; the command line is the job's options marked for the merge."""
+    out = tmp_path / "planned"
+    assert merge.main(["--plan", "--out", str(out), str(runs["a"]), str(runs["b"])]) == 0
+    text = capsys.readouterr().out
+    types = pd.read_parquet(runs["whole"] / "type_stats.parquet")["token_id"].nunique()
+    assert f"V_seen = {types:,} types" in text and "reduce in the job's own process" in text
+    assert not out.exists()
+    flags = {a.dest for a in merge.build_parser()._actions}
+    from embgeom_ray.config import MERGE_OPTIONS
+
+    assert set(MERGE_OPTIONS) <= flags and "worker_memory" not in flags

@@ -64,25 +64,26 @@ def test_balanced_plan_gives_every_reducer_the_same_number_of_seen_types():
 
 def test_reducer_memory_gives_the_fewest_reducers_that_fit():
     """``--reducer-memory``: the fewest R whose largest reducer (⌈V/R⌉ types' rows and ⌈L/R⌉
-    layers' state, 8-byte numbers) fits twice over in the budget beside the process's own
-    512 MiB; too small a budget for even one layer's state is refused with what it takes."""
+    layers' state, 8-byte numbers) fits three times over in the budget beside the process's
+    own 512 MiB; too small a budget for even one layer's state is refused with what it takes."""
     base = 512 * 2**20
 
-    def largest(r: int, layers: int, d: int, types: int, positions: int) -> int:
+    def need(r: int, layers: int, d: int, types: int, positions: int) -> int:
         share = -(-types // r)
         rows = 8 * (layers * share * (2 * d + 2) + share)
-        return base // 2 + rows + 8 * -(-layers // r) * (d * d + 3 * d + positions * (d + 1) + 2)
+        state = 8 * -(-layers // r) * (d * d + 3 * d + positions * (d + 1) + 2)
+        return base + 3 * (rows + state)
 
     for layers, d, types, positions in [(2, 384, 500, 48), (33, 4096, 66_000, 128), (7, 64, 3, 8)]:
         for r_want in (1, 2, 3, 5):
-            budget = 2 * largest(r_want, layers, d, types, positions)
+            budget = need(r_want, layers, d, types, positions)
             got = reducers_for(budget, layers, d, types, positions)
-            assert got <= r_want and 2 * largest(got, layers, d, types, positions) <= budget
+            assert got <= r_want and need(got, layers, d, types, positions) <= budget
             if got > 1:
-                assert 2 * largest(got - 1, layers, d, types, positions) > budget
-    assert reducers_for(2 * largest(1, 2, 384, 500, 48), 2, 384, 500, 48) == 1
-    assert reducers_for(2 * largest(2, 2, 384, 500, 48), 2, 384, 500, 48) == 2
-    one_layer = base + 2 * 8 * (384 * 384 + 3 * 384 + 48 * 385 + 2)
+                assert need(got - 1, layers, d, types, positions) > budget
+    assert reducers_for(need(1, 2, 384, 500, 48), 2, 384, 500, 48) == 1
+    assert reducers_for(need(2, 2, 384, 500, 48), 2, 384, 500, 48) == 2
+    one_layer = base + 3 * 8 * (384 * 384 + 3 * 384 + 48 * 385 + 2)
     with pytest.raises(ConfigError, match=f"{one_layer:,} bytes"):
         reducers_for(one_layer - 1, 2, 384, 0, 48)
 
@@ -378,7 +379,7 @@ def test_the_job_with_reducers_equals_the_job_without(tmp_path, ray_local, minil
     types = one["type_stats"]["token_id"].nunique()
     per_layer = 384 * 384 + 3 * 384 + 48 * 385 + 2
     share = -(-types // 2)
-    budget = 512 * 2**20 + 2 * (8 * (2 * share * (2 * 384 + 2) + share) + 8 * per_layer)
+    budget = 512 * 2**20 + 3 * (8 * (2 * share * (2 * 384 + 2) + share) + 8 * per_layer)
     m2, two = run_job(tmp_path, minilm_dir, docs, "rm", "c.jsonl", reducer_memory=budget, **opts)
     assert m2["reducers"]["count"] == 2 and m2["reducers"]["memory_budget_bytes"] == budget
     assert m2["config"]["reducer_memory"] == budget and "statistics/" in m2["outputs"]["artefacts"]

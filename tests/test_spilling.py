@@ -181,6 +181,8 @@ def test_spills_reuse_one_buffer_when_the_spill_copies():
     assert not isinstance(given[0], np.ndarray) and sum(reused) >= len(given) - 3  # all but
     # the first and a piece over 1.25 x the first
     pieces = spilling.take()
+    # the flush's last piece is built in the same buffer (the caller hands it on first)
+    assert np.shares_memory(np.asarray(pieces[-1]), buffer)
     merged = EmbeddingStatistics.from_bytes(pieces[0])
     for data in pieces[1:]:
         merged.merge(EmbeddingStatistics.from_bytes(data))

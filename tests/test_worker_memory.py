@@ -1,4 +1,5 @@
-"""An extractor's memory bound (``--worker-memory``) and the statistics' size formula."""
+"""An extractor's memory bounds (``--worker-memory``, ``--statistics-memory``) and the
+statistics' size formula."""
 
 from __future__ import annotations
 
@@ -10,7 +11,6 @@ import torch
 from embgeom_ray.config import build_config
 from embgeom_ray.core.statistics import EmbeddingStatistics, state_bytes
 from embgeom_ray.errors import ConfigError
-from embgeom_ray.runs.pipeline import check_worker_memory
 
 
 @pytest.mark.parametrize("clip", [None, [1, 3]])
@@ -34,15 +34,28 @@ def test_state_bytes_is_the_arrays_and_nbytes_what_is_allocated(clip):
 
 
 def test_a_budget_below_the_fixed_state_is_refused():
-    cfg = build_config(None, {"model": "m", "corpus": "c", "out": "o", "worker_memory": "1KiB",
-                              "max_length": 128})  # fmt: skip
+    """``--statistics-memory`` must exceed the fixed per-layer state; ``--worker-memory`` must
+    hold an extractor whose statistics hold that much (the fixed state, once more serialised,
+    beside the process's own share): both refused before any work, with what it takes."""
+    from embgeom_ray.sizing import Cluster, Node, Shape, extractor_bytes, size_extractors
+
+    shape = Shape(layers=7, dim=384, positions=128, vocab=30_522, weight_bytes=90 * 2**20)
+    cluster = Cluster((Node("n", 64 * 2**30, cpus=4, head=True),))
+    opts = {"model": "m", "corpus": "c", "out": "o", "max_length": 128, "device": "cpu"}
+
+    def size(**extra):
+        return size_extractors(shape, 30_522, cluster, build_config(None, opts | extra).scheduling,
+                               num_shards=4, driver=0)  # fmt: skip
+
     fixed = state_bytes(7, 384, 0, 128)
     with pytest.raises(ConfigError, match=f"{fixed:,} bytes"):
-        check_worker_memory(cfg, 7, 384)
-    cfg = build_config(None, {"model": "m", "corpus": "c", "out": "o", "worker_memory": fixed + 1,
-                              "max_length": 128})  # fmt: skip
-    check_worker_memory(cfg, 7, 384)
-    assert cfg.scheduling.worker_memory == fixed + 1
+        size(statistics_memory="1KiB")
+    assert size(statistics_memory=fixed + 1).statistics == fixed + 1
+    least = extractor_bytes(shape, 30_522, 8192, fixed + 1)
+    with pytest.raises(ConfigError, match=f"--worker-memory {least - 1:,} bytes cannot hold"):
+        size(worker_memory=least - 1)
+    pool = size(worker_memory=least)
+    assert pool.memory == least and pool.statistics is not None and pool.statistics > fixed
     with pytest.raises(ConfigError):
         build_config(None, {"model": "m", "corpus": "c", "out": "o", "worker_memory": "lots"})
 
@@ -59,8 +72,8 @@ def test_a_worker_at_its_budget_spills_and_flushes_and_the_tables_hold(tmp_path,
     free, t_free = run_job(tmp_path, model_dir, docs, "free", "c.jsonl", **opts)
     # the fixed state of 3 layers of d = 32 with 32 positions, plus a few types' worth
     budget = state_bytes(3, 32, 8, 32)
-    bound, t_bound = run_job(tmp_path, model_dir, docs, "bound", "c.jsonl", worker_memory=budget,
-                             **opts)  # fmt: skip
+    bound, t_bound = run_job(tmp_path, model_dir, docs, "bound", "c.jsonl",
+                             statistics_memory=budget, **opts)  # fmt: skip
     shards = bound["shards"]["computed"]
     assert shards > 2
     assert free["shards"]["checkpoint_groups"] == 1  # one flush when the queue drained

@@ -108,8 +108,10 @@ class SpillingStatistics:
 
     def take(self) -> list[Any]:
         """The spilled handles and the accumulator's own bytes (last), in fold order; the
-        accumulator is cleared."""
-        pieces = [*self.spilled, self.current.to_bytes()]
+        accumulator is cleared. The last bytes are built in the spills' buffer when there is
+        one (the caller hands them on, as ``spill`` would, before the next spill reuses it):
+        a flush then holds the accumulator and one serialised copy, as a spill does."""
+        pieces = [*self.spilled, self.current.to_bytes(self._buffer)]
         self.current.clear()
         self.spilled, self.spilled_bytes = [], 0
         return pieces

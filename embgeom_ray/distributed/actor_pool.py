@@ -33,9 +33,11 @@ import ray
 from ..config import ExtractionOptions, SchedulingOptions
 from ..core.spilling import SpillingStatistics
 from ..counts import Counts
-from ..errors import ConfigError, UserError
+from ..errors import UserError
 from ..inputs.corpus import Shard
 from ..inputs.extractor import ShardProcessor
+from ..sizing import Pool
+from .cluster import read_cluster
 from .process_memory import peak_rss_bytes, sampler
 
 log = logging.getLogger(__name__)
@@ -65,51 +67,37 @@ class PoolPlan:
     #: padded tokens per forward batch (``--batch-tokens``, or the largest an extractor chose
     #: for its device where it was not given)
     batch_tokens: int = 0
+    #: bytes of memory each extractor asked Ray for (``--worker-memory``; 0: none asked)
+    memory_bytes: int = 0
+    #: the largest statistics budget an extractor used (``--statistics-memory``, or what its
+    #: device holds; None: unbounded)
+    statistics_bytes: int | None = None
 
 
 def plan_pool(config: SchedulingOptions, num_shards: int) -> PoolPlan:
-    """The extractor pool: one actor per ``gpus_per_worker`` GPUs of a node, else CPU actors
-    of ``cpus_per_worker`` CPUs.
+    """The extractor pool on the cluster Ray is joined to (:func:`embgeom_ray.sizing.plan_pool`:
+    actors, CPUs and GPUs each), for a model whose weights' size is not known."""
+    from ..sizing import Shape
+    from ..sizing import plan_pool as decide
 
-    With ``--device cuda`` GPU actors are requested even if the cluster shows no GPU yet, so
-    an autoscaling cluster whose GPU workers start at 0 adds them (``--num-workers`` of them,
-    default 1 until GPUs are visible).
-    """
-    res = ray.cluster_resources()
-    gpus = int(res.get("GPU", 0))
-    cpus = max(int(res.get("CPU", 1)), 1)
-    # an actor lives on one node: never ask for more CPUs than the largest node has
-    node_cpus = [int(n["Resources"].get("CPU", 0)) for n in ray.nodes() if n.get("Alive")]
-    largest = max([c for c in node_cpus if c > 0], default=cpus)
-    per_gpu = config.gpus_per_worker
-    if config.device == "cuda" or (gpus and config.device == "auto"):
-        node_gpus = [int(n["Resources"].get("GPU", 0)) for n in ray.nodes() if n.get("Alive")]
-        most = max(node_gpus, default=0)
-        if gpus and per_gpu > most:
-            raise ConfigError(
-                f"--gpus-per-worker {per_gpu} exceeds the GPUs of the largest node ({most}); "
-                "an extractor actor, and the model it loads, lives on one node"
-            )
-        fit = sum(g // per_gpu for g in node_gpus)
-        n = config.num_workers or max(fit, 1)
-        return PoolPlan(min(n, num_shards), float(per_gpu), config.cpus_per_worker or 1)
-    if per_gpu > 1:
-        raise ConfigError(
-            f"--gpus-per-worker {per_gpu} needs GPUs, but the cluster has none and --device is "
-            f"{config.device}"
-        )
-    if config.num_workers:
-        per = config.cpus_per_worker or max(1, min(largest, cpus // config.num_workers))
-        n = config.num_workers
-    else:
-        per = config.cpus_per_worker or min(4, largest)
-        n = max(1, cpus // per)
-    if per > largest:
-        raise ConfigError(
-            f"--cpus-per-worker {per} exceeds the CPUs of the largest node ({largest}); "
-            "an extractor actor runs on one node"
-        )
-    return PoolPlan(max(1, min(n, num_shards)), 0.0, per)
+    count, gpus, cpus = decide(
+        read_cluster(), Shape(layers=1, dim=1, positions=0, vocab=1), device=config.device,
+        num_shards=num_shards, num_workers=config.num_workers,
+        cpus_per_worker=config.cpus_per_worker, gpus_per_worker=config.gpus_per_worker,
+    )  # fmt: skip
+    return PoolPlan(count, float(gpus), cpus)
+
+
+def pool_plan(pool: Pool) -> PoolPlan:
+    """The :class:`PoolPlan` of the pool the job's sizing decided (:class:`~embgeom_ray.sizing.Pool`)."""
+    return PoolPlan(
+        pool.num_workers,
+        pool.num_gpus,
+        pool.num_cpus,
+        memory_bytes=pool.memory,
+        statistics_bytes=pool.statistics,
+        batch_tokens=pool.batch_tokens or 0,
+    )
 
 
 @dataclass
@@ -200,20 +188,25 @@ class ShardExtract:
             )
 
     def ready(self) -> dict[str, Any]:
-        """The loaded extractor's device and padded tokens per batch (or its loading error)."""
+        """The loaded extractor's device, padded tokens per batch and statistics budget (or
+        its loading error)."""
         if self.error is not None:
             raise self.error
-        return {"device": self.processor.device, "batch_tokens": self.processor.batch_tokens}
+        return {
+            "device": self.processor.device,
+            "batch_tokens": self.processor.batch_tokens,
+            "statistics_budget": self.processor.statistics_budget,
+        }
 
     def process(self, shard_json: dict[str, Any]) -> dict[str, Any]:
         """Fold one shard into the running statistics; returns its counts (small)."""
         self._check_whole()
         shard = Shard(**shard_json)
         if self.stats is None:
-            # under --worker-memory, pieces past the budget go to the object store (ray.put)
+            # past the statistics budget, pieces go to the object store (ray.put)
             self.stats = SpillingStatistics(
                 self.processor.new_statistics(),
-                self.processor.options.worker_memory,
+                self.processor.statistics_budget,
                 lambda data: ray.put(as_array(data)),
                 spill_copies=True,  # ray.put copies into the object store
             )
@@ -272,6 +265,8 @@ class _Worker:
     """The driver's view of one live actor."""
 
     actor: Any
+    #: the bytes its running statistics may hold (None: no bound)
+    budget: int | None = None
     #: the shard its ``process`` call is folding; None while idle or flushing
     current: Shard | None = None
     #: shards folded since its last flush, oldest first
@@ -355,7 +350,10 @@ class _Scheduler:
             self.start_actor()
             return
         self.pool.batch_tokens = max(self.pool.batch_tokens, started["batch_tokens"])
-        self.idle.append(_Worker(actor))
+        budget = started.get("statistics_budget")
+        if budget is not None:
+            self.pool.statistics_bytes = max(self.pool.statistics_bytes or 0, budget)
+        self.idle.append(_Worker(actor, budget))
         self.dispatch()
         if self.on_ready is not None:
             on_ready, self.on_ready = self.on_ready, None
@@ -380,11 +378,10 @@ class _Scheduler:
 
     def flush_due(self, worker: _Worker, state_bytes: int) -> bool:
         """Flush when the queue is drained, the oldest unflushed shard is old enough, or the
-        actor's running statistics hold ``--worker-memory`` bytes or more."""
+        actor's running statistics hold its statistics budget or more."""
         assert worker.since is not None
         age = time.monotonic() - worker.since
-        budget = self.config.worker_memory
-        over = budget is not None and state_bytes >= budget
+        over = worker.budget is not None and state_bytes >= worker.budget
         if over:
             self.pool.budget_flushes += 1
         return over or not self.queue or age >= self.config.checkpoint_interval
@@ -478,8 +475,12 @@ def run_shards(
     on_folded: Callable[[FoldReport], None] | None = None,
     on_requeued: Callable[[list[FoldReport]], None] | None = None,
     on_ready: Callable[[PoolPlan], None] | None = None,
+    pool: Pool | None = None,
 ) -> PoolPlan:
-    """Process ``shards`` on a pool of extractor actors.
+    """Process ``shards`` on a pool of extractor actors: ``pool``, as the job's sizing decided
+    it (:func:`~embgeom_ray.sizing.size_extractors`: actors, CPUs, GPUs, the memory each asks
+    Ray for, its statistics budget, its batch tokens), else :func:`plan_pool`'s with the
+    options' budgets.
 
     ``on_group`` receives every flush (each shard in exactly one of them, once all is done);
     ``on_folded`` each shard as an actor folds it (progress), ``on_requeued`` the folded
@@ -487,17 +488,27 @@ def run_shards(
     called once with the pool's plan, when the first actor has loaded its model and been
     given its first shard.
     """
-    pool = plan_pool(scheduling, len(shards))
+    plan = plan_pool(scheduling, len(shards)) if pool is None else pool_plan(pool)
     if not shards:
-        return pool
-    options: dict[str, Any] = {"num_cpus": pool.num_cpus, "max_restarts": 0}
-    if pool.num_gpus:
-        options["num_gpus"] = pool.num_gpus
+        return plan
+    options: dict[str, Any] = {"num_cpus": plan.num_cpus, "max_restarts": 0}
+    if plan.num_gpus:
+        options["num_gpus"] = plan.num_gpus
+    if plan.memory_bytes:
+        options["memory"] = plan.memory_bytes
+    extraction = dataclasses.replace(extraction, gpus_per_worker=int(plan.num_gpus) or 1)
+    if pool is not None:  # the actors get the decided budgets
+        extraction = dataclasses.replace(
+            extraction,
+            worker_memory=pool.memory,
+            statistics_memory=pool.statistics,
+            batch_tokens=pool.batch_tokens,
+        )
     actor_cls = ShardExtractActor.options(**options)
-    args = (dataclasses.asdict(extraction), layers, metadata, pool.num_cpus, clip_dims)
+    args = (dataclasses.asdict(extraction), layers, metadata, plan.num_cpus, clip_dims)
     _Scheduler(
         scheduling,
-        pool,
+        plan,
         lambda: actor_cls.remote(*args),
         shards,
         on_group,
@@ -505,4 +516,4 @@ def run_shards(
         on_requeued or (lambda _reports: None),
         on_ready,
     ).run()
-    return pool
+    return plan

@@ -44,10 +44,14 @@ import time
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from types import FrameType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
 from ..errors import ConfigError
+from ..storage import unreachable
+
+if TYPE_CHECKING:
+    from ..sizing import Cluster
 
 #: seconds a TCP connection to the head may take before the address counts as unreachable
 PROBE_TIMEOUT_S = 10.0
@@ -186,17 +190,11 @@ def probe(address: str, timeout: float = PROBE_TIMEOUT_S, where: str = "the Ray 
     """
     default = DEFAULT_CLIENT_PORT if address.startswith("ray://") else DEFAULT_GCS_PORT
     host, port = split_host_port(address, default, where)
-    try:
-        with socket.create_connection((host, port), timeout=timeout):
-            return
-    except socket.gaierror as exc:
-        reason = f"host {host!r} cannot be resolved ({exc.strerror})"
-    except ConnectionRefusedError:
-        reason = "connection refused: no Ray head listens there (dead, or not started yet)"
-    except TimeoutError:
-        reason = f"no answer within {timeout:g} s"
-    except OSError as exc:
-        reason = exc.strerror or str(exc)
+    reason = unreachable(
+        host, port, timeout, refused="no Ray head listens there (dead, or not started yet)"
+    )
+    if reason is None:
+        return
     raise ConfigError(
         f"cannot reach the Ray cluster at {address} ({where}): {reason}. Start the head "
         "(`ray start --head`), fix the address, or leave it out for a private local Ray"
@@ -447,3 +445,30 @@ def connect(
             ) from None
     print(describe_cluster(choice, target), file=sys.stderr, flush=True)
     return choice
+
+
+def read_cluster() -> Cluster:
+    """Ray's view of the cluster the job runs on (joined by :func:`connect`): every live node's
+    ``memory`` resource (what actors may reserve), CPUs, GPUs, whether it is the head and its
+    GPUs' accelerator type: what :mod:`embgeom_ray.sizing` decides from."""
+    import ray
+
+    from ..sizing import Cluster, Node
+
+    nodes = []
+    for n in ray.nodes():
+        if not n.get("Alive"):
+            continue
+        res = n.get("Resources") or {}
+        types = [k.split(":", 1)[1] for k in res if k.startswith("accelerator_type:")]
+        nodes.append(
+            Node(
+                node_id=str(n.get("NodeID", "")),
+                memory=int(res.get("memory", 0)),
+                cpus=int(res.get("CPU", 0)),
+                gpus=int(res.get("GPU", 0)),
+                head="node:__internal_head__" in res,
+                gpu_type=types[0] if types else None,
+            )
+        )
+    return Cluster(tuple(nodes))

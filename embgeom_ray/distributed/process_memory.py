@@ -43,6 +43,8 @@ class PeakMemory:
     def __init__(self, interval: float = 0.02) -> None:
         self.interval = interval
         self.peak = anon_bytes() or 0
+        #: the anonymous resident memory when sampling started (the process's libraries)
+        self.start = self.peak
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="peak-memory", daemon=True)
         if anon_bytes() is not None:
@@ -75,5 +77,7 @@ def sampler() -> PeakMemory:
 
 
 def peak_memory() -> dict[str, int | None]:
-    """``{"rss": peak resident bytes, "private": peak anonymous bytes}`` of this process."""
-    return {"rss": peak_rss_bytes(), "private": sampler().peak_bytes()}
+    """``{"rss": peak resident bytes, "private": peak anonymous bytes, "start": anonymous bytes
+    when sampling started}`` of this process."""
+    own = sampler()
+    return {"rss": peak_rss_bytes(), "private": own.peak_bytes(), "start": own.start or None}

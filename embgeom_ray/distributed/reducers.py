@@ -14,18 +14,16 @@ its ``type_stats`` rows), and builds the tables with
 :func:`~embgeom_ray.core.tables.build_tables_from`. Each reducer writes its parts as files of
 the partitioned artefact (:mod:`embgeom_ray.run_dir`).
 
-Memory (bytes, float64; V_r the types of range r seen in the corpus, L the measured layers,
-L_r ≤ ⌈L / R⌉ the layers whose state r holds, P positions, G the largest checkpoint group):
+Memory: reducer r holds the per-type rows of its range (⌈V_seen / R⌉ types, the ranges cut
+at the quantiles of the ids seen) in every measured layer and the per-layer state of its
+⌈L / R⌉ layers, plus its part of one group being read; the driver one layer's state at a time,
+the O(d) partial sums and the ``type_stats`` rows. The formulas, and how many reducers of how
+much memory a run gets, are :mod:`embgeom_ray.sizing`'s (:func:`~embgeom_ray.sizing.reducer_budget`).
 
-- reducer r: L · V_r · (2d + 2) · 8 (V_r ≈ V_seen / R) (+ L · V_r · d · 8 with ``--clip-dims``)
-  + L_r · (d² + P·d + 3d) · 8, plus its part of one group being read (the whole group G when
-  the groups are on a remote filesystem; a group is one extractor flush);
-- driver: one layer's state d² · 8 + P · d · 8 at a time, the O(d) partial sums, and the
-  ``type_stats`` rows (L · V_seen rows of a few scalars, the table it writes).
-
-The job starts its ``--reducers`` actors while the extractors run (:func:`start_reducers`,
-without a plan), so the reduce does not wait for R processes to start and import; each gets
-the plan (:meth:`Reducer.configure`), cut from the ids seen, before it reads anything.
+The job starts reducers while the extractors run (:func:`start_reducers`, without a plan), as
+many as fit beside them, so the reduce does not wait for R processes to start and import;
+each gets the plan (:meth:`Reducer.configure`), cut from the ids seen, before it reads
+anything.
 
 Faults: a reducer's part is a pure function of the group files, which stay on disk until the
 run is complete, and a group is applied once (keyed by its URL). In a run, each reducer
@@ -53,15 +51,22 @@ import numpy as np
 import ray
 
 from ..config import TableOptions
-from ..core.statistics import EmbeddingStatistics, LayerMoments, state_bytes
+from ..core.statistics import EmbeddingStatistics, LayerMoments
 from ..core.tables import TypeSummary, build_tables_from, summarise_types
 from ..errors import ConfigError, OutputError
 from ..io_utils import atomic_write_json, exists, join, read_bytes, remove
 from ..run_dir import PARTS_FORMAT, PARTS_INDEX, load_statistics_part, statistics_type_ids
+from ..sizing import REDUCER_BASE_BYTES, reducer_budget, reducer_bytes, reducers_for
 from .process_memory import peak_memory, sampler
 
 #: how often one reducer is started again after it was lost, before the run fails
 MAX_REDUCER_RESTARTS = 3
+
+#: the memory formulas of a reducer live with every other process's (:mod:`embgeom_ray.sizing`)
+__all__ = [
+    "REDUCER_BASE_BYTES", "PartitionPlan", "PartitionedStatistics", "Reducer", "reducer_budget",
+    "reducer_bytes", "reducers_for", "seen_type_ids", "start_reducers", "stop_reducers",
+]  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -127,51 +132,6 @@ class PartitionPlan:
     def owner(self, layer: int) -> int:
         """The reducer that holds ``layer``'s per-layer state."""
         return next(r for r, held in enumerate(self.state_layers) if layer in held)
-
-
-def reducer_bytes(
-    reducers: int, layers: int, dim: int, types: int, positions: int, clip: int = 0
-) -> int:
-    """What the largest of ``reducers`` reducers holds: its share of the per-type rows,
-    ⌈types / R⌉ of them (:func:`~embgeom_ray.core.statistics.state_bytes` of the types alone),
-    and the per-layer state of its ⌈L / R⌉ layers."""
-    share = math.ceil(types / reducers)
-    rows = state_bytes(layers, dim, share, 0, clip) - state_bytes(layers, dim, 0, 0)
-    return rows + state_bytes(math.ceil(layers / reducers), dim, 0, positions)
-
-
-#: a reducer process's own memory before it holds any statistics (Python, torch, pyarrow, Ray's
-#: worker): 0.3–0.45 GiB private measured (``bench.vocabulary``, docs/benchmarks.md), counted in
-#: every budget
-REDUCER_BASE_BYTES = 512 * 2**20
-
-
-def reducer_budget(
-    reducers: int, layers: int, dim: int, types: int, positions: int, clip: int = 0
-) -> int:
-    """The memory the largest of ``reducers`` reducers needs: :data:`REDUCER_BASE_BYTES` plus
-    twice what it holds (:func:`reducer_bytes`; a reducer peaks at about twice that while it
-    merges a group's part into its own, measured)."""
-    return REDUCER_BASE_BYTES + 2 * reducer_bytes(reducers, layers, dim, types, positions, clip)
-
-
-def reducers_for(
-    budget: int, layers: int, dim: int, types: int, positions: int, clip: int = 0
-) -> int:
-    """The fewest reducers whose largest needs at most ``budget`` bytes (:func:`reducer_budget`:
-    the process itself, and twice its share). Raises :class:`ConfigError` when even one layer's
-    state per reducer needs more than that."""
-    most = max(types, layers, 1)  # one type and one layer each: no cut holds less
-    for reducers in range(1, most + 1):
-        if reducer_budget(reducers, layers, dim, types, positions, clip) <= budget:
-            return reducers
-    need = reducer_budget(most, layers, dim, types, positions, clip)
-    raise ConfigError(
-        f"--reducer-memory {budget:,} bytes cannot hold a reducer's part: one layer's state "
-        f"alone needs {need:,} bytes: the process's own {REDUCER_BASE_BYTES // 2**20} MiB and "
-        f"2 · 8·(d² + 3d + P·(d+1) + 2) for d = {dim}, P = {positions} (the merge's headroom); "
-        "give at least that"
-    )
 
 
 def check_memory_offered(memory: int) -> None:
@@ -320,6 +280,10 @@ class Reducer:
     def peak_memory(self) -> dict[str, int | None]:
         return peak_memory()
 
+    def node(self) -> str:
+        """The Ray node this reducer runs on."""
+        return ray.get_runtime_context().get_node_id()
+
     def save(self, directory: str) -> list[str]:
         """Write this reducer's parts into ``directory``; their file names."""
         names = []
@@ -351,11 +315,15 @@ class PartitionedStatistics:
         checkpoint_dir: str | None = None,
         checkpoint_seconds: float = math.inf,
         started: Sequence[Any] = (),
+        nodes: Sequence[str] = (),
     ) -> None:
         self.plan = plan
         self.group_urls = list(group_urls)
         self.cpus = cpus
         self.memory = memory  # bytes each reducer asks Ray for (``--reducer-memory``)
+        #: the node each reducer is placed on (:func:`~embgeom_ray.sizing.place`; a
+        #: preference: Ray places it elsewhere when that node is gone)
+        self.nodes = list(nodes)
         if memory:
             check_memory_offered(memory)
         self.checkpoint = (checkpoint_dir, checkpoint_seconds)
@@ -386,7 +354,7 @@ class PartitionedStatistics:
     def _start(self, r: int) -> Any:
         (actor,) = start_reducers(
             1, cpus=self.cpus, memory=self.memory, plan=self.plan, checkpoint=self.checkpoint,
-            first=r,
+            first=r, nodes=self.nodes[r : r + 1],
         )  # fmt: skip
         return actor
 
@@ -473,6 +441,7 @@ class PartitionedStatistics:
             "token_ranges": [list(r) for r in self.plan.ranges],
             "state_layers": [list(s) for s in self.plan.state_layers],
             "memory_budget_bytes": self.memory,
+            "nodes": [self._call(r, "node") for r in range(self.plan.reducers)],
             "restarts": list(self.restarts),
             "sources_restored_from_checkpoints": list(self.restored),
             "sources_read": list(self.read),
@@ -500,16 +469,25 @@ def start_reducers(
     plan: PartitionPlan | None = None,
     checkpoint: tuple[str | None, float] = (None, math.inf),
     first: int = 0,
+    nodes: Sequence[str] = (),
 ) -> list[Any]:
     """Start reducer actors ``first .. first + count − 1`` (``num_cpus=cpus``, ``memory`` bytes
-    each when given). Without a ``plan`` they start their processes and imports now and get
-    their plan later (:class:`PartitionedStatistics` ``started=``): the job starts its
-    ``--reducers`` while the extractors run, so the reduce does not wait for R processes."""
+    each when given; the i-th on ``nodes[i]`` when given, a soft preference). Without a
+    ``plan`` they start their processes and imports now and get their plan later
+    (:class:`PartitionedStatistics` ``started=``): the job starts reducers while the
+    extractors run, so the reduce does not wait for R processes."""
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
     options: dict[str, Any] = {"num_cpus": cpus}
     if memory:
         options["memory"] = memory
-    remote = _RemoteReducer.options(**options)
-    return [remote.remote(r, plan, *checkpoint) for r in range(first, first + count)]
+    actors = []
+    for i, r in enumerate(range(first, first + count)):
+        where = {}
+        if i < len(nodes):
+            where["scheduling_strategy"] = NodeAffinitySchedulingStrategy(nodes[i], soft=True)
+        actors.append(_RemoteReducer.options(**options, **where).remote(r, plan, *checkpoint))
+    return actors
 
 
 def stop_reducers(actors: Sequence[Any]) -> None:

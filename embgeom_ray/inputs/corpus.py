@@ -51,6 +51,7 @@ import pyarrow.parquet as pq
 from fsspec.implementations.local import LocalFileSystem
 
 from embgeom_ray.errors import ConfigError, CorpusError
+from embgeom_ray.storage import check_input, storage_error, user_errors
 
 __all__ = [
     "SUPPORTED_EXTENSIONS",
@@ -325,11 +326,21 @@ def plan_shards(spec: CorpusSpec, shard_bytes: int | None = None) -> ShardPlan:
         raise CorpusError("the text column name is empty")
     if _is_hub_dataset(spec.source):
         return _plan_dataset(spec, _hub_path(spec.source), shard_bytes)
+    check_input(spec.source, "corpus")  # an object store answers, within seconds; the bucket exists
+    with user_errors(spec.source, "corpus"):
+        return _plan_files(spec, shard_bytes)
+
+
+def _plan_files(spec: CorpusSpec, shard_bytes: int | None) -> ShardPlan:
+    """:func:`plan_shards` of files (or a saved dataset directory), local or remote."""
     fs, root = _url_to_fs(spec.source)
     try:
         saved = _saved_dataset_dir(fs, root)
         files = [] if saved is not None else _list_files(spec.source, fs, root)
     except OSError as e:  # no credentials, no permission, no network: the user must act
+        error = storage_error(e, spec.source, "corpus")
+        if error is not None:
+            raise error from None
         raise CorpusError(f"cannot list corpus {spec.source!r}: {type(e).__name__}: {e}") from e
     if saved is not None:
         return _plan_dataset(spec, saved, shard_bytes)
@@ -462,6 +473,14 @@ def _relative_path(root: str, path: str) -> str:
     if path.startswith(prefix):
         return path[len(prefix) :]
     return posixpath.basename(path)
+
+
+def plain_text_bytes(shard: Shard) -> int | None:
+    """The bytes of plain text a shard spans (an uncompressed text or JSON Lines byte range,
+    which bounds the text it holds), or None (compressed, Parquet, a dataset)."""
+    if shard.kind not in ("text", "jsonl") or _classify(shard.path)[1] is not None:
+        return None
+    return shard.stop - shard.start
 
 
 def _is_hidden(relpath: str) -> bool:

@@ -25,6 +25,7 @@ from ..core.sketch import finite_layers
 from ..core.split_statistics import SplitStatistics
 from ..core.statistics import EmbeddingStatistics
 from ..counts import Counts
+from ..sizing import DEFAULT_BATCH_TOKENS, gpu_budgets, run_shape
 from .corpus import CorpusSpec, Document, ReadReport, Shard, read_shard
 from .model_loading import (
     balanced_device_map,
@@ -70,60 +71,11 @@ def resolve_device(device: str) -> str:
     return device
 
 
-#: ``--batch-tokens`` when it is not given: on CPUs, and the least on a GPU.
-DEFAULT_BATCH_TOKENS = 8192
-#: the most padded tokens a batch gets on a GPU without ``--batch-tokens``.
-GPU_BATCH_TOKENS_MAX = 65_536
-#: the device memory one batch may take on a GPU without ``--batch-tokens`` (or half the
-#: memory left free once the model is loaded, if that is less).
-GPU_BATCH_BYTES = 8 << 30
-#: bytes of the fold's scratch per kept token and hidden dimension on a GPU, at most: the
-#: kept rows (model dtype) and three float64/float32 copies (22 bytes with a bf16 model, 24
-#: with float32), plus ≤ 40 bytes of per-type sums and merge scratch (a batch of n tokens
-#: holds u ≤ n types); see docs/design.md, Memory.
-FOLD_BYTES_PER_TOKEN_DIM = 64
-
-
-def batch_bytes_per_token(
-    hidden_states: int, dim: int, intermediate: int, dtype_bytes: int, scores: int = 0
-) -> int:
-    """A GPU batch's device memory per padded token, beyond the model's weights: every hidden
-    state the forward returns ((L + 1) · d values in the model's dtype), the fold's scratch
-    (:data:`FOLD_BYTES_PER_TOKEN_DIM` · d), the feed-forward's intermediate activations
-    (three of ``intermediate`` values: gate, up and their product in gated MLPs) and one
-    layer's attention scores (``scores`` = heads × window length values a token, where the
-    attention implementation materialises them; fused attention does not):
-    ((L + 1) · d + 3 · d_ff + heads · T) · b + 64 · d bytes."""
-    values = hidden_states * dim + 3 * intermediate + scores
-    return values * dtype_bytes + FOLD_BYTES_PER_TOKEN_DIM * dim
-
-
-def default_batch_tokens(per_token_bytes: int, free_bytes: int | None) -> int:
-    """``--batch-tokens`` when it is not given: :data:`DEFAULT_BATCH_TOKENS` on a CPU
-    (``free_bytes`` None); on a GPU as many tokens as :data:`GPU_BATCH_BYTES` (or half of
-    ``free_bytes``, the memory left once the model is loaded, if less) hold at
-    ``per_token_bytes`` each, in multiples of 1,024, between :data:`DEFAULT_BATCH_TOKENS` and
-    :data:`GPU_BATCH_TOKENS_MAX`.
-
-    Why: a GPU folds the hidden states with some ninety kernels per layer and batch, whose
-    launch cost (~1.5 ms) does not depend on the batch's size; at 8,192 tokens it is most of
-    the fold for d ≤ 768 and about half at d = 2,048 (H200, bf16: the extractor at 0.45–0.49
-    of the bare forward for MiniLM, 0.66–0.71 at 65,536 tokens; ``docs/benchmarks.md``, NVIDIA
-    H200). The
-    statistics and the sample do not depend on the batching (``--batch-tokens`` is a
-    scheduling option)."""
-    if free_bytes is None:
-        return DEFAULT_BATCH_TOKENS
-    budget = min(GPU_BATCH_BYTES, free_bytes // 2)
-    tokens = budget // max(per_token_bytes, 1) // 1024 * 1024
-    return int(min(GPU_BATCH_TOKENS_MAX, max(DEFAULT_BATCH_TOKENS, tokens)))
-
-
 def gpu_device_map(options: ExtractionOptions, device: str) -> dict[str, int] | None:
     """The device map of a model split over ``--gpus-per-worker`` GPUs (None for one
     device): the GPUs Ray gave this actor (``CUDA_VISIBLE_DEVICES``), each filled to 90% of its
     memory at most, blocks balanced between them."""
-    gpus = options.gpus_per_worker
+    gpus = options.gpus_per_worker or 1
     if gpus <= 1:
         return None
     from ..errors import ConfigError
@@ -188,7 +140,9 @@ class ShardProcessor:
         )  # fmt: skip
         text_config = self.model.config.get_text_config()
         self.dim = int(text_config.hidden_size)
-        self.batch_tokens = options.batch_tokens or self._default_batch_tokens(text_config)
+        #: padded tokens per batch, and the bytes the running statistics may hold before they
+        #: spill (None: no bound)
+        self.batch_tokens, self.statistics_budget = self._budgets(text_config)
         self.pad_id = self.tokenizer.pad_token_id
         if self.pad_id is None:
             self.pad_id = 0  # masked out by attention_mask and keep; never counted
@@ -197,21 +151,25 @@ class ShardProcessor:
         if self.device == "cuda":
             torch.backends.cuda.matmul.allow_tf32 = False  # the model's own matmuls stay fp32
 
-    def _default_batch_tokens(self, text_config: Any) -> int:
-        """:func:`default_batch_tokens` for this model on this device (the CPU default for a
-        model split over several GPUs), from the memory the model and ``--worker-memory``
-        leave free."""
+    def _budgets(self, text_config: Any) -> tuple[int, int | None]:
+        """The batch tokens and the statistics budget: the options' (``--batch-tokens``, and
+        the ``--statistics-memory`` the job decided, :mod:`embgeom_ray.sizing`) on a CPU or a
+        model split over GPUs; on one GPU, decided from the memory the model leaves free
+        (:func:`~embgeom_ray.sizing.gpu_budgets`: the batch, then the statistics, no more than
+        the options' budget)."""
+        options = self.options
         if self.device != "cuda" or self.device_map is not None:
-            return default_batch_tokens(0, None)
-        dtype_bytes = getattr(torch, self.options.dtype).itemsize  # the hidden states'
-        layers = int(getattr(text_config, "num_hidden_layers", len(self.layers) - 1))
-        intermediate = int(getattr(text_config, "intermediate_size", None) or 4 * self.dim)
-        scores = int(getattr(text_config, "num_attention_heads", 0) or 0) * self.options.max_length
-        per_token = batch_bytes_per_token(layers + 1, self.dim, intermediate, dtype_bytes, scores)
+            return options.batch_tokens or DEFAULT_BATCH_TOKENS, options.statistics_memory
+        sample = 0 if options.sample_size == 0 else options.sample_size + (
+            options.sample_type_size or options.sample_size
+        )
+        shape = run_shape(
+            text_config, layers=len(self.layers), positions=options.max_length,
+            vocab=len(self.tokenizer), clip=len(self.clip_dims or []), sample_entries=sample,
+            weight_bytes=0, dtype=options.dtype,
+        )  # fmt: skip
         free, _ = torch.cuda.mem_get_info()
-        # the running statistics, on the same device, may still grow to --worker-memory
-        free = max(0, free - (self.options.worker_memory or 0))
-        return default_batch_tokens(per_token, free)
+        return gpu_budgets(shape, free, options.batch_tokens, options.statistics_memory)
 
     def new_statistics(self) -> EmbeddingStatistics | SplitStatistics:
         """The running statistics: on the model's device, or one part per GPU holding the

@@ -225,6 +225,31 @@ def dtype_argument(dtype: Any) -> dict[str, Any]:
     return {"dtype" if new else "torch_dtype": dtype}
 
 
+def empty_model(model: str, revision: str | None, dtype: str, trust_remote_code: bool) -> Any:
+    """The model built from its config with no weights (accelerate's ``init_empty_weights``:
+    every parameter on the meta device), in ``dtype``: its structure and sizes, nothing loaded."""
+    import torch
+    from accelerate import init_empty_weights
+    from transformers import AutoConfig, AutoModel
+
+    try:
+        cfg = AutoConfig.from_pretrained(model, revision=revision, trust_remote_code=trust_remote_code)
+    except Exception as exc:
+        raise _load_error("config", model, exc) from None
+    with init_empty_weights():
+        return AutoModel.from_config(
+            cfg,
+            trust_remote_code=trust_remote_code,
+            **dtype_argument(getattr(torch, _DTYPES[dtype])),
+        )
+
+
+def weight_bytes(model: str, revision: str | None, dtype: str, trust_remote_code: bool) -> int:
+    """Bytes of the model's weights in ``dtype``, from its empty-weight copy (:func:`empty_model`)."""
+    empty = empty_model(model, revision, dtype, trust_remote_code)
+    return int(sum(p.numel() * p.element_size() for p in empty.parameters()))
+
+
 def balanced_device_map(
     model: str,
     revision: str | None,
@@ -238,19 +263,11 @@ def balanced_device_map(
     nothing is loaded; no GPU is needed to compute it). A :class:`ConfigError` when the
     weights do not fit the GPUs, since offloading to the CPU would be orders slower."""
     import torch
-    from accelerate import infer_auto_device_map, init_empty_weights
+    from accelerate import infer_auto_device_map
     from accelerate.utils import get_balanced_memory
-    from transformers import AutoConfig, AutoModel
 
-    try:
-        cfg = AutoConfig.from_pretrained(model, revision=revision, trust_remote_code=trust_remote_code)
-    except Exception as exc:
-        raise _load_error("config", model, exc) from None
     torch_dtype = getattr(torch, _DTYPES[dtype])
-    with init_empty_weights():
-        empty = AutoModel.from_config(
-            cfg, trust_remote_code=trust_remote_code, **dtype_argument(torch_dtype)
-        )
+    empty = empty_model(model, revision, dtype, trust_remote_code)
     no_split = list(getattr(empty, "_no_split_modules", None) or [])
     balanced = get_balanced_memory(
         empty, max_memory=max_memory, no_split_module_classes=no_split, dtype=torch_dtype

@@ -48,6 +48,7 @@ def memory_of(merged: Statistics, manifest: Manifest) -> dict[str, Any]:
     memory: dict[str, Any] = {
         "driver_peak_rss_bytes": own["rss"],
         "driver_peak_private_bytes": own["private"],
+        "driver_start_private_bytes": own["start"],
     }
     workers = manifest.workers or {}
     for key in ("extractor_peak_rss_bytes", "extractor_peak_private_bytes"):

@@ -27,16 +27,17 @@ import hashlib
 import json
 import os
 import time
+from dataclasses import asdict
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from pydantic import ValidationError
 
-from ..config import JobConfig
+from ..config import AGREE_OPTIONS, MERGE_OPTIONS, SCHEDULING_OPTIONS, JobConfig
 from ..core.samples import ActivationSample
 from ..core.statistics import EmbeddingStatistics
 from ..counts import Counts
-from ..errors import ModelError, OutputError, StatisticsMismatchError, UserError
+from ..errors import ConfigError, ModelError, OutputError, StatisticsMismatchError
 from ..inputs.dedup import shared_documents
 from ..inputs.model_loading import load_tokenizer, tokenizer_fingerprint
 from ..io_utils import is_local, local_path
@@ -51,17 +52,12 @@ from ..run_dir import (
     now,
     versions,
 )
+from ..sizing import Reduce, Shape, gib, reducer_ranges, size_reduce
+from ..storage import check_input, check_output, user_errors
 from .finish import Statistics, counts_of, finish_run
 
 if TYPE_CHECKING:
     from ..distributed.reducers import PartitionedStatistics
-
-#: options that change the statistics of a run; runs merge only if they agree on all of them
-#: (model, tokenizer, layers and clip dims are checked by the statistics themselves too).
-MERGE_OPTIONS = (
-    "max_length", "dtype", "keep_special", "clip_dims", "sample_size", "sample_type_size",
-    "sample_seed",
-)  # fmt: skip
 
 #: manifest keys that describe what the merged runs share (taken from the first run)
 SHARED_KEYS = ("model", "tokenizer", "clip_dims", "outlier_rules")
@@ -82,7 +78,7 @@ def check_mergeable(runs: list[str], manifests: list[Manifest]) -> None:
         cfg = manifest.config
         diffs = [
             f"{key} {cfg.get(key)!r} != {first_cfg.get(key)!r}"
-            for key in MERGE_OPTIONS
+            for key in AGREE_OPTIONS  # the options marked AGREE: they change the statistics
             if cfg.get(key) != first_cfg.get(key)
         ]
         if diffs:
@@ -151,23 +147,31 @@ def _corpus_label(corpus: Any) -> str:
     return str(corpus)
 
 
-def run_config(manifest: Manifest, out: str, min_count: int | None) -> JobConfig:
-    """The first run's options (they decide how the tables are computed), writing to ``out``."""
-    known = {k: v for k, v in manifest.config.items() if k in JobConfig.model_fields}
+def run_config(manifest: Manifest, out: str, options: dict[str, Any]) -> JobConfig:
+    """The first run's options (they decide how the tables are computed), with its scheduling
+    options back at their defaults (the merge sizes itself), writing to ``out``, under the
+    merge's own ``options`` (``jobs.merge``'s flags: :data:`~embgeom_ray.config.MERGE_OPTIONS`,
+    those given)."""
+    fields = JobConfig.model_fields
+    known = {
+        k: v
+        for k, v in manifest.config.items()
+        if k in fields and k not in SCHEDULING_OPTIONS
+    }
     # the corpus does not enter the tables; a merged run keeps the list of its corpora there
     # (and a merged run always gets its report, whatever the first run's --no-report)
-    known |= {
-        "out": out,
-        "overwrite": False,
-        "corpus": _corpus_label(known.get("corpus")),
-        "no_report": False,
-    }
-    if min_count is not None:
-        known["min_count"] = min_count
+    known |= {"out": out, "corpus": _corpus_label(known.get("corpus")), "no_report": False}
+    known |= {k: v for k, v in options.items() if v is not None}
     try:
         return JobConfig(**known)
     except ValidationError as exc:
-        raise RunError(f"the options of the first run cannot be read back: {exc}") from None
+        from ..config import _format_validation_error
+
+        message = _format_validation_error(exc)
+        given = [k for k in options if k in message.replace("-", "_")]
+        if given:
+            raise ConfigError(message) from None
+        raise RunError(f"the options of the first run cannot be read back: {message}") from None
 
 
 def load_statistics(run: str) -> EmbeddingStatistics:
@@ -204,35 +208,63 @@ def check_statistics(
     return urls, probes[0]
 
 
-def merge_partitioned(
-    runs: list[str],
-    layers: list[int],
-    reducers: int,
-    address: str | None,
-    memory: int | None = None,
-) -> PartitionedStatistics:
-    """The runs' statistics merged by ``reducers`` reducer actors (or as many as ``memory``
-    bytes each need, :func:`~embgeom_ray.distributed.reducers.reducers_for`), partition by
-    partition: each reads its token range and layers from every run (any run's artefact, whole
-    or cut into other partitions) and merges them in the order given, so no process holds
-    more than its partition (:mod:`~embgeom_ray.distributed.reducers`)."""
-    from ..distributed.cluster import connect
-    from ..distributed.reducers import (
-        PartitionedStatistics,
-        PartitionPlan,
-        reducers_for,
-        seen_type_ids,
+def merge_shape(probe: EmbeddingStatistics, layers: list[int], config: JobConfig, vocab: int) -> Shape:
+    """The merge's :class:`~embgeom_ray.sizing.Shape`: the runs' layers, d, positions and
+    clipped dimensions (from the first run's first-layer state) and their sample."""
+    sample = 0 if config.sample_size == 0 else config.sample_size + (
+        config.sample_type_size or config.sample_size
     )
+    return Shape(
+        layers=len(layers), dim=probe.dim, positions=probe.max_positions, vocab=vocab,
+        clip=len(probe.clip_dims or []), sample_entries=sample, name="merge",
+    )  # fmt: skip
 
-    urls, probe = check_statistics(runs, layers)
-    connect(address)
+
+def size_merge(
+    urls: list[str], shape: Shape, config: JobConfig, echo=print
+) -> tuple[Reduce, np.ndarray]:
+    """Where the runs' statistics are merged (:func:`~embgeom_ray.sizing.size_reduce`, with the
+    types they hold, read from their files alone, and Ray's view of the cluster, joined here),
+    printed once; and those types' ids."""
+    from ..distributed.cluster import connect, read_cluster
+    from ..distributed.reducers import seen_type_ids
+
+    connect(config.address)
     seen = seen_type_ids(urls)
-    if memory is not None:
-        clip = len(probe.clip_dims) if probe.clip_dims else 0
-        need = reducers_for(memory, len(layers), probe.dim, len(seen), probe.max_positions, clip)
-        reducers = max(reducers, need)
-    plan = PartitionPlan.balanced(reducers, seen, layers)
-    return PartitionedStatistics(plan, urls, memory=memory)
+    reduce = size_reduce(shape, len(seen), read_cluster(), config.scheduling)
+    echo(f"sizing: {len(seen):,} types in the runs: {reduce.describe()}")
+    return reduce, seen
+
+
+def merge_partitioned(
+    urls: list[str], layers: list[int], reduce: Reduce, seen: np.ndarray
+) -> PartitionedStatistics:
+    """The runs' statistics (``urls``: their artefacts, whole or cut into other partitions)
+    merged by ``reduce.count`` reducer actors of ``reduce.memory`` bytes each, partition by
+    partition: each reads its token range and layers from every run and merges them in the
+    order given, so no process holds more than its partition
+    (:mod:`~embgeom_ray.distributed.reducers`)."""
+    from ..distributed.reducers import PartitionedStatistics, PartitionPlan
+
+    plan = PartitionPlan.balanced(reduce.count, seen, layers)
+    return PartitionedStatistics(plan, urls, memory=reduce.memory, nodes=reduce.nodes)
+
+
+def describe_merge_plan(shape: Shape, reduce: Reduce, runs: list[str]) -> list[str]:
+    """What ``jobs.merge --plan`` prints."""
+    state = shape.statistics_bytes(reduce.types)
+    lines = [
+        f"merge: {len(runs)} runs, L = {shape.layers} layers, d = {shape.dim:,}, P = "
+        f"{shape.positions}, V_seen = {reduce.types:,} types (read from the runs' artefacts)",
+        f"statistics S(V) + F = {gib(state)}; sample Q = {gib(shape.sample_bytes)}",
+        reduce.describe(),
+    ]
+    if reduce.partitioned:
+        ranges = reducer_ranges(reduce.count, reduce.types)
+        lines.append(
+            f"  = {reduce.formula}; {len(ranges)} ranges of equal numbers of the ids seen"
+        )
+    return lines
 
 
 def merge_statistics(runs: list[str]) -> EmbeddingStatistics:
@@ -304,21 +336,16 @@ def _location(url: str) -> str:
     return os.path.realpath(local_path(url)) if is_local(url) else url.rstrip("/")
 
 
-def check_arguments(
-    runs: list[str], out: str, min_count: int | None, overwrite: bool, reducers: int = 1
-) -> None:
+def check_arguments(runs: list[str], out: str, overwrite: bool) -> None:
     """Refuse what cannot be merged before reading anything large."""
     if len(runs) < 2:
         raise RunError("give at least two runs to merge")
-    if reducers < 1:
-        raise UserError(f"--reducers must be at least 1 (got {reducers})")
-    if min_count is not None and min_count < 2:
-        raise UserError(f"--min-count must be at least 2 (got {min_count})")
     keys = [_location(r) for r in runs]
     if len(set(keys)) != len(keys):
         raise RunError("the same run is given twice; merging it would count its tokens twice")
     if _location(out) in keys:
         raise OutputError(f"--out {out} is one of the runs to merge; write the merge elsewhere")
+    check_output(out)
     if RunDir(out).has_manifest() and not overwrite:
         raise OutputError(f"{out} already holds a run (manifest.json); give --overwrite to replace it")
 
@@ -367,35 +394,47 @@ def merge_runs(
     runs: list[str],
     out: str,
     *,
-    min_count: int | None = None,
     tokenizer: str | None = None,
-    overwrite: bool = False,
-    reducers: int = 1,
-    reducer_memory: int | None = None,
     echo=print,
+    **options: Any,
 ) -> dict[str, Any]:
     """Merge complete ``runs`` into ``out``; returns the manifest written there.
 
-    ``reducers`` 1 merges the statistics in this process (it holds them whole); more (or a
-    ``reducer_memory`` budget per reducer) merges them partition by partition on reducer
-    actors (:func:`merge_partitioned`) and writes the partitioned artefact: the same tables
-    to float64 rounding.
+    ``options`` are ``jobs.merge``'s (:data:`~embgeom_ray.config.MERGE_OPTIONS`: ``min_count``,
+    ``reducers``, ``reducer_memory``, ``address``, ``overwrite``, ``plan``); the others are the
+    first run's. The merge sizes itself as a run's reduce does
+    (:func:`~embgeom_ray.sizing.size_reduce`, from the types the runs hold): in this process
+    while that is small, else partition by partition on reducer actors
+    (:func:`merge_partitioned`), writing the partitioned artefact: the same tables to float64
+    rounding. With ``plan`` it only says so (nothing is merged or written).
     """
-    partitioned = reducers > 1 or reducer_memory is not None
+    unknown = sorted(set(options) - set(MERGE_OPTIONS))
+    if unknown:
+        raise TypeError(f"merge_runs() got options jobs.merge does not take: {unknown}")
     t0 = time.perf_counter()
     started_at = now()
     runs, out = [r.rstrip("/") for r in runs], out.rstrip("/")
-    check_arguments(runs, out, min_count, overwrite, reducers)
-    manifests = [load_manifest(run) for run in runs]
+    check_arguments(runs, out, bool(options.get("overwrite")))
+    manifests = []
+    for run in runs:
+        check_input(run, "run")
+        with user_errors(run, "run"):
+            manifests.append(load_manifest(run))
     check_mergeable(runs, manifests)
     dedup = check_dedup(runs, manifests)
-    config = run_config(manifests[0], out, min_count)
+    config = run_config(manifests[0], out, options)
     tok = load_run_tokenizer(manifests[0], tokenizer)
+    layers = manifests[0].layers or []
+    urls, probe = check_statistics(runs, layers)
+    shape = merge_shape(probe, layers, config, len(tok))
+    reduce, seen = size_merge(urls, shape, config, echo)
+    if config.plan:
+        for line in describe_merge_plan(shape, reduce, runs):
+            echo(line)
+        return {"sizing": {"reduce": asdict(reduce)}}
     t_load = time.perf_counter()
-    if partitioned:
-        merged: Statistics = merge_partitioned(
-            runs, manifests[0].layers or [], reducers, config.address, reducer_memory
-        )
+    if reduce.partitioned:
+        merged: Statistics = merge_partitioned(urls, layers, reduce, seen)
     else:
         merged = merge_statistics(runs)
     try:
@@ -403,6 +442,7 @@ def merge_runs(
         t_merge = time.perf_counter()
         run = RunDir(out)
         manifest = merged_manifest(runs, manifests, config, started_at)
+        manifest.set(sizing={"reduce": asdict(reduce)})
         run.write_manifest(manifest)
         totals = summed_counts(manifests)
         if dedup is not None:
@@ -416,7 +456,7 @@ def merge_runs(
         )
         finish_run(run, manifest, merged, sample, tok, config, t_start=t0, echo=echo)
     finally:
-        if partitioned:
+        if reduce.partitioned:
             merged.close()
     echo(f"merged {len(runs)} runs into {out}")
     return manifest.to_json()

@@ -4,7 +4,10 @@
 a run trustworthy:
 
 1. everything a user can get wrong is checked before any work (model, tokenizer, layers,
-   max_length, corpus, output directory);
+   max_length, corpus, output directory), and the job sizes itself from the model's shape, the
+   corpus and Ray's view of the cluster (:mod:`~embgeom_ray.sizing`: the extractors, the
+   reduce, every process's memory; printed once, recorded in the manifest's ``sizing``;
+   ``--plan`` stops here), refusing what cannot fit;
 2. the output directory gets ``run.json`` (fingerprint + plan) and a manifest saying
    ``running``; finished shards of an earlier identical run are reused; with ``--dedup`` the
    driver reads the corpus once more and attaches to each shard the ids of its documents
@@ -14,7 +17,8 @@ a run trustworthy:
    statistics object; the driver checkpoints each actor's flush (every
    ``--checkpoint-interval`` seconds, and when the queue is drained) as one group of shards;
 4. the reduce checks that the checkpoint groups cover every shard exactly once and merges
-   them in group-id order (deterministic for a given grouping);
+   them in group-id order (deterministic for a given grouping), in the job's own process or
+   on reducer actors as the sizing decides for the types the groups hold;
 5. the tables, the sampled metrics, the statistics artefact and the sample are written
    atomically, and only then the manifest says ``complete`` (:mod:`.finish`, shared with
    the merge of runs); the checkpoint groups are then removed unless ``--keep-checkpoints``.
@@ -30,22 +34,22 @@ import json
 import sys
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
 import pandas as pd
 from tqdm.auto import tqdm
 
-from ..config import JobConfig
+from ..config import SCHEDULING_OPTIONS, JobConfig
 from ..core.rogue import OutlierRules, flagged_dims
 from ..core.samples import ActivationSample
-from ..core.statistics import EmbeddingStatistics, state_bytes
-from ..counts import Counts as ShardCounts
+from ..core.statistics import EmbeddingStatistics
+from ..counts import Counts
 from ..counts import unk_warning
 from ..distributed.process_memory import sampler
 from ..distributed.warm_workers import warm_task_workers
 from ..errors import ConfigError, CorpusError
-from ..inputs.corpus import CorpusSpec, Shard, ShardPlan, plan_shards
+from ..inputs.corpus import CorpusSpec, Shard, ShardPlan, plain_text_bytes, plan_shards
 from ..inputs.dedup import HASH, NORMALISATION, DedupPlan, plan_dedup
 from ..inputs.model_loading import (
     ModelIdentity,
@@ -53,6 +57,7 @@ from ..inputs.model_loading import (
     max_window_length,
     resolve_identity,
     resolve_layers,
+    weight_bytes,
 )
 from ..io_utils import join
 from ..report.plots import FIGURE_GROUPS
@@ -68,10 +73,21 @@ from ..run_dir import (
     now,
     versions,
 )
+from ..sizing import (
+    CorpusShape,
+    Reduce,
+    Shape,
+    Sizing,
+    describe_plan,
+    run_shape,
+    size_job,
+    size_reduce,
+)
+from ..storage import check_output, user_errors
 from .checkpoints import CheckpointGroup, CheckpointStore
 from .finish import counts_of, finish_run
 
-if TYPE_CHECKING:  # ray is imported only when there is extraction to do
+if TYPE_CHECKING:  # ray is imported only when there is work to do
     from ..distributed.actor_pool import GroupResult, PoolPlan
     from ..distributed.reducers import PartitionedStatistics
 
@@ -126,17 +142,18 @@ def _progress(total: int, tokens_done: int) -> tqdm:
 
 
 def _extract(
-    config: JobConfig,
-    layers: list[int],
-    metadata: dict[str, str],
+    spec: RunSpec,
+    sizing: Sizing,
     todo: list[Shard],
-    clip_dims: list[int] | None,
     store: CheckpointStore,
+    on_ready: Any,
 ) -> PoolPlan:
-    """Run ``todo`` on Ray (joined or started by the caller); every flushed group is
-    checkpointed on arrival."""
+    """Run ``todo`` on Ray (joined by :func:`size_run`) on the pool ``sizing`` decided; every
+    flushed group is checkpointed on arrival; ``on_ready(pool)`` once the first extractor is
+    ready."""
     from ..distributed.actor_pool import run_shards
 
+    config = spec.config
     bar = _progress(len(todo), 0)
     t0 = time.perf_counter()
     tokens = 0
@@ -155,14 +172,15 @@ def _extract(
         return run_shards(
             config.extraction,
             config.scheduling,
-            layers,
-            metadata,
+            spec.layers,
+            spec.metadata,
             todo,
             on_group,
-            clip_dims,
+            spec.clip_dims,
             on_folded=lambda r: show(1, r.counts.tokens),
             on_requeued=lambda rs: show(-len(rs), -sum(r.counts.tokens for r in rs)),
-            on_ready=lambda pool: warm_task_workers(warm_workers_wanted(config, len(layers), pool)),
+            on_ready=on_ready,
+            pool=sizing.pool,
         )
     finally:
         bar.close()
@@ -194,9 +212,9 @@ def reduce_groups(
     groups: list[CheckpointGroup],
     merged: EmbeddingStatistics,
     with_sample: bool,
-) -> tuple[EmbeddingStatistics, ActivationSample | None, ShardCounts]:
+) -> tuple[EmbeddingStatistics, ActivationSample | None, Counts]:
     """Merge the checkpoint ``groups`` into ``merged`` in their (deterministic) order."""
-    totals = ShardCounts()
+    totals = Counts()
     sample: ActivationSample | None = None
     for group in groups:
         stats, group_sample = store.load_group(group, with_sample)
@@ -207,69 +225,54 @@ def reduce_groups(
     return merged, sample, totals
 
 
-def reducer_count(config: JobConfig, spec: RunSpec, types: int) -> int:
-    """``--reducers``, or more when ``--reducer-memory`` needs more for ``types`` token types
-    (:func:`~embgeom_ray.distributed.reducers.reducers_for`)."""
-    from ..distributed.reducers import reducers_for
+def start_reducers_early(reduce: Reduce, store: CheckpointStore, interval: float) -> list[Any]:
+    """The reducers that fit beside the extractors (``reduce.early``, :mod:`~embgeom_ray.sizing`),
+    started while the extraction runs so that their processes and imports are ready when the
+    reduce begins (they get their plan then, from the types seen: :func:`reduce_partitioned`).
+    The rest start at the reduce."""
+    from ..distributed.reducers import start_reducers
 
-    if config.reducer_memory is None:
-        return config.reducers
-    clip = len(spec.clip_dims) if spec.clip_dims else 0
-    need = reducers_for(
-        config.reducer_memory, len(spec.layers), spec.identity.hidden_size, types, config.max_length, clip
+    if not reduce.partitioned or not reduce.early:
+        return []
+    checkpoint = (store.reducer_dir(), interval)
+    return start_reducers(
+        reduce.early, memory=reduce.memory, checkpoint=checkpoint, nodes=reduce.early_nodes
     )
-    return max(config.reducers, need)
-
-
-def start_reducers_early(config: JobConfig, store: CheckpointStore) -> list[Any]:
-    """The run's ``--reducers`` reducer actors, started before the extraction so that their
-    processes and imports are ready when the reduce begins (they get their plan then, from
-    the types seen: :func:`reduce_partitioned`). ``--reducer-memory`` may need more; those
-    start at the reduce."""
-    from ..distributed.cluster import connect
-    from ..distributed.reducers import check_memory_offered, start_reducers
-
-    connect(config.address)
-    if config.reducer_memory:
-        check_memory_offered(config.reducer_memory)
-    checkpoint = (store.reducer_dir(), config.checkpoint_interval)
-    return start_reducers(config.reducers, memory=config.reducer_memory, checkpoint=checkpoint)
 
 
 def reduce_partitioned(
     store: CheckpointStore,
     groups: list[CheckpointGroup],
     spec: RunSpec,
+    reduce: Reduce,
+    seen: Any,
     started: Sequence[Any] = (),
-) -> tuple[PartitionedStatistics, ActivationSample | None, ShardCounts]:
-    """The checkpoint ``groups`` merged by ``--reducers`` reducer actors, each holding a
-    partition of the statistics (:mod:`~embgeom_ray.distributed.reducers`; ``started``:
-    reducers already started, :func:`start_reducers_early`); the sample and the counts merged
-    here, in group order."""
-    from ..distributed.cluster import connect
-    from ..distributed.reducers import PartitionedStatistics, PartitionPlan, seen_type_ids
+) -> tuple[PartitionedStatistics, ActivationSample | None, Counts]:
+    """The checkpoint ``groups`` merged by ``reduce.count`` reducer actors, each holding a
+    partition of the statistics (:mod:`~embgeom_ray.distributed.reducers`; ``seen``: the
+    token ids the groups hold; ``started``: reducers already started,
+    :func:`start_reducers_early`); the sample and the counts merged here, in group order."""
+    from ..distributed.reducers import PartitionedStatistics, PartitionPlan
 
     config = spec.config
-    connect(config.address)
     urls = [url for g in groups for url in store.group_urls(g)]
-    seen = seen_type_ids(urls)
-    reducers = reducer_count(config, spec, len(seen))
     saved = store.reducer_plan()
     plan = None if saved is None else PartitionPlan.from_json(saved)
-    if plan is None or plan.reducers != reducers or list(plan.layers) != spec.layers:
+    if plan is None or plan.reducers != reduce.count or list(plan.layers) != spec.layers:
         # ranges of equal numbers of the ids seen; kept for the run, so that the reducers'
         # checkpoints stay usable when a resumed run adds groups
-        plan = PartitionPlan.balanced(reducers, seen, spec.layers)
+        plan = PartitionPlan.balanced(reduce.count, seen, spec.layers)
         store.save_reducer_plan(plan.to_json())
     merged = PartitionedStatistics(
         plan,
         urls,
-        memory=config.reducer_memory,
+        memory=reduce.memory,
         checkpoint_dir=store.reducer_dir(),
         checkpoint_seconds=config.checkpoint_interval,
         started=started,
+        nodes=reduce.nodes,
     )
-    totals = ShardCounts()
+    totals = Counts()
     sample: ActivationSample | None = None
     for group in groups:
         if spec.config.sample_size > 0:
@@ -291,6 +294,21 @@ class RunSpec:
     plan: ShardPlan
     identity_json: dict[str, Any]
     fingerprint: str
+    #: what the memory of the run's processes depends on (:mod:`~embgeom_ray.sizing`)
+    shape: Shape
+    #: hidden states the model has (blocks + 1): the layers it could measure
+    total_layers: int
+
+    @property
+    def corpus_shape(self) -> CorpusShape:
+        """The corpus as the sizing sees it: its bytes and shards."""
+        return CorpusShape(
+            self.config.corpus,
+            len(self.plan.files),
+            self.plan.total_bytes,
+            len(self.plan.shards),
+            tuple(plain_text_bytes(s) for s in self.plan.shards),
+        )
 
     @property
     def metadata(self) -> dict[str, str]:
@@ -315,40 +333,29 @@ class RunSpec:
         )
 
 
-def check_worker_memory(config: JobConfig, layers: int, dim: int) -> None:
-    """``--worker-memory`` must leave room for token types beyond the fixed per-layer state
-    (:func:`~embgeom_ray.core.statistics.state_bytes` with no types)."""
-    budget = config.worker_memory
-    if budget is None:
-        return
-    fixed = state_bytes(layers, dim, 0, config.max_length)
-    if budget <= fixed:
-        raise ConfigError(
-            f"--worker-memory {budget:,} bytes is not more than the fixed per-layer state of "
-            f"the statistics, {fixed:,} bytes for {layers} layers of d = {dim} and "
-            f"{config.max_length} positions (8·L·(d² + 3d + P·(d+1) + 2)); give more, or "
-            "measure fewer layers"
-        )
-
-
 def prepare(config: JobConfig) -> RunSpec:
     """Check everything a user can get wrong (model, tokenizer, max_length, layers, clip dims,
-    corpus) before any work, and plan the shards."""
+    corpus, an object store's output location) before any work, and plan the shards."""
+    check_output(config.out)
     identity, tokenizer = resolve_identity(config.model, config.revision, config.trust_remote_code)
-    limit = max_window_length(
-        load_config(config.model, config.revision, config.trust_remote_code), tokenizer
-    )
+    model_config = load_config(config.model, config.revision, config.trust_remote_code)
+    limit = max_window_length(model_config, tokenizer)
     if limit is not None and config.max_length > limit:
         raise ConfigError(
             f"--max-length {config.max_length} exceeds what {config.model!r} accepts ({limit} positions)"
         )
     layers = resolve_layers(config.layers, identity.num_layers)
     clip_dims = resolve_clip_dims(config, identity.hidden_size)
-    check_worker_memory(config, len(layers), identity.hidden_size)
-    if config.reducer_memory is not None:  # room for one layer's state per reducer, at least
-        from ..distributed.reducers import reducers_for
-
-        reducers_for(config.reducer_memory, len(layers), identity.hidden_size, 0, config.max_length)
+    sample = 0 if config.sample_size == 0 else config.sample_size + (
+        config.sample_type_size or config.sample_size
+    )
+    shape = run_shape(
+        model_config, layers=len(layers), positions=config.max_length, vocab=len(tokenizer),
+        clip=len(clip_dims or []), sample_entries=sample, dtype=config.dtype, name=config.model,
+        weight_bytes=weight_bytes(
+            config.model, config.revision, config.dtype, config.trust_remote_code
+        ),
+    )  # fmt: skip
     plan = plan_shards(CorpusSpec(config.corpus, config.text_column, config.split), config.shard_bytes)
     identity_json = identity.to_json() | {
         "corpus": config.corpus,
@@ -358,7 +365,38 @@ def prepare(config: JobConfig) -> RunSpec:
         "clip_dims": clip_dims,
     }
     fingerprint = run_fingerprint(identity_json, plan.fingerprint, config, layers)
-    return RunSpec(config, identity, tokenizer, layers, clip_dims, plan, identity_json, fingerprint)
+    return RunSpec(
+        config, identity, tokenizer, layers, clip_dims, plan, identity_json, fingerprint, shape,
+        identity.num_layers + 1,
+    )  # fmt: skip
+
+
+def size_run(spec: RunSpec, echo=print) -> Sizing:
+    """Every decision of the run before any work (:func:`~embgeom_ray.sizing.size_job`: the
+    extractors, the reduce, each process's memory), from its shape, its corpus and Ray's view
+    of the cluster (joined here), printed once. Refuses what cannot fit."""
+    from ..distributed.cluster import connect, read_cluster
+
+    config = spec.config
+    connect(config.address)
+    cluster = read_cluster()
+    special = len(spec.tokenizer.all_special_ids) if config.keep_special else 0
+    sizing = size_job(spec.shape, spec.corpus_shape, cluster, config.scheduling, special=special)
+    for line in sizing.lines():
+        echo(line)
+    return sizing
+
+
+def show_plan(spec: RunSpec, echo=print) -> dict[str, Any]:
+    """``--plan``: what the run would do, where, with how much memory; nothing is run or
+    written. Returns the decisions (the manifest's ``sizing`` a run would record)."""
+    sizing = size_run(spec, echo=lambda _line: None)
+    for line in describe_plan(
+        sizing, spec.corpus_shape, checkpoint_interval=spec.config.checkpoint_interval,
+        total_layers=spec.total_layers,
+    ):  # fmt: skip
+        echo(line)
+    return sizing.to_json()
 
 
 def start_manifest(spec: RunSpec, started_at: str) -> Manifest:
@@ -397,14 +435,6 @@ def start_manifest(spec: RunSpec, started_at: str) -> Manifest:
     )
 
 
-#: options that only decide how a run is scheduled, never what its tables hold
-SCHEDULING_OPTIONS = frozenset({
-    "out", "overwrite", "num_workers", "cpus_per_worker", "batch_tokens", "docs_per_chunk",
-    "device", "max_shard_retries", "checkpoint_interval", "keep_checkpoints", "address",
-    "reducers", "reducer_memory", "worker_memory", "gpus_per_worker",
-})  # fmt: skip
-
-
 def already_complete(run: RunDir, fingerprint: str) -> Manifest | None:
     """The manifest of a complete run of this fingerprint whose checkpoints were removed."""
     if run.has(GROUPS) or not run.has_statistics() or not run.has_manifest():
@@ -439,27 +469,30 @@ def reuse_complete(
 
 def retable(run: RunDir, done: Manifest, spec: RunSpec, t_start: float, echo) -> dict[str, Any]:
     """A complete run's tables again from its own artefacts, under ``spec.config``'s table
-    options (``--min-count``, outlier rules, K-means, LID, …): no extraction. With
-    ``--reducers R > 1`` the artefact is read partition by partition by reducer actors (never
-    whole in this process) and written back partitioned."""
-    config = spec.config
-    if config.partitioned:  # the artefact read partition by partition, never whole here
-        from ..distributed.cluster import connect
-        from ..distributed.reducers import PartitionedStatistics, PartitionPlan, seen_type_ids
+    options (``--min-count``, outlier rules, K-means, LID, …): no extraction. Where the sizing
+    puts the reduce on reducer actors (:func:`~embgeom_ray.sizing.size_reduce`, the types the
+    artefact holds) they read it partition by partition (never whole in this process) and
+    write it back partitioned."""
+    from ..distributed.cluster import connect, read_cluster
+    from ..distributed.reducers import PartitionedStatistics, PartitionPlan, seen_type_ids
 
-        connect(config.address)
-        url = run.statistics_url()
-        seen = seen_type_ids([url])
-        plan = PartitionPlan.balanced(reducer_count(config, spec, len(seen)), seen, spec.layers)
+    config = spec.config
+    connect(config.address)
+    url = run.statistics_url()
+    seen = seen_type_ids([url])
+    reduce = size_reduce(spec.shape, len(seen), read_cluster(), config.scheduling)
+    echo(f"sizing: {len(seen):,} types: {reduce.describe()}")
+    if reduce.partitioned:  # the artefact read partition by partition, never whole here
+        plan = PartitionPlan.balanced(reduce.count, seen, spec.layers)
         merged: EmbeddingStatistics | PartitionedStatistics = PartitionedStatistics(
-            plan, [url], memory=config.reducer_memory
+            plan, [url], memory=reduce.memory, nodes=reduce.nodes
         )
     else:
         merged = run.load_statistics()
     try:
-        return _retable(run, done, spec, merged, t_start, echo)
+        return _retable(run, done, spec, merged, t_start, echo, reduce)
     finally:
-        if config.partitioned:
+        if reduce.partitioned:
             merged.close()
 
 
@@ -470,6 +503,7 @@ def _retable(
     merged: EmbeddingStatistics | PartitionedStatistics,
     t_start: float,
     echo,
+    reduce: Reduce,
 ) -> dict[str, Any]:
     config = spec.config
     sample = run.load_sample()
@@ -479,6 +513,7 @@ def _retable(
         config=config.model_dump(),
         outlier_rules=OutlierRules.of(config.tables).describe(),
         timings_s={"plan": round(time.perf_counter() - t_start, 3)},
+        sizing=(done.sizing or {}) | {"reduce": asdict(reduce)},
     )
     run.write_manifest(manifest)
     finish_run(run, manifest, merged, sample, spec.tokenizer, config, t_start=t_start, echo=echo)
@@ -486,47 +521,62 @@ def _retable(
 
 
 def analyze(config: JobConfig, *, echo=print) -> dict[str, Any]:
-    """Run the whole analysis for ``config``; returns the manifest written to ``config.out``."""
+    """Run the whole analysis for ``config``; returns the manifest written to ``config.out``
+    (with ``--plan``, the decisions a run would make, and nothing is run or written)."""
     t_start = time.perf_counter()
     started_at = now()
     sampler()  # the driver's peak private memory, for the manifest
     spec = prepare(config)
+    if config.plan:
+        return show_plan(spec, echo)
     t_plan = time.perf_counter()
     run, store = RunDir(config.out), CheckpointStore(config.out)
-    plan, resumed = store.start(spec.fingerprint, spec.identity_json, spec.plan, config.overwrite)
-    done_before = already_complete(run, spec.fingerprint) if resumed else None
+    done_before = None if config.overwrite else already_complete(run, spec.fingerprint)
     if done_before is not None:
         return reuse_complete(run, done_before, spec, t_start, echo)
+    # Ray is joined or started here, on its own clock (~5 s for a private local Ray), and
+    # everything is sized before anything is written
+    t_ray0 = time.perf_counter()
+    sizing = size_run(spec, echo)
+    t_ray1 = time.perf_counter()
+    with user_errors(config.out, "output directory"):
+        plan, resumed = store.start(
+            spec.fingerprint, spec.identity_json, spec.plan, config.overwrite
+        )
     t_dedup0 = time.perf_counter()
     plan, dedup = dedup_shards(config, plan, echo)
     t_dedup = time.perf_counter() - t_dedup0
-    manifest = start_manifest(spec, started_at)
+    manifest = start_manifest(spec, started_at).set(sizing=sizing.to_json())
     run.write_manifest(manifest)
 
     done = store.done_shards() & {s.shard_id for s in plan.shards}
     todo = [s for s in plan.shards if s.shard_id not in done]
     if resumed:
         echo(f"resuming {config.out}: {len(done)} of {len(plan.shards)} shards already done")
-    t_ray0 = time.perf_counter()
-    if todo:  # Ray is joined or started here, on its own clock (~5 s for a private local Ray)
-        from ..distributed.cluster import connect
+    early: list[Any] = []
 
-        connect(config.address)
+    def on_ready(pool: PoolPlan) -> None:  # the first extractor has loaded its model
+        early.extend(start_reducers_early(sizing.reduce, store, config.checkpoint_interval))
+        warm_task_workers(warm_workers_wanted(config, len(spec.layers), pool))
+
     t_extract0 = time.perf_counter()
-    early = start_reducers_early(config, store) if config.partitioned and todo else []
     try:
-        pool = _extract(config, spec.layers, spec.metadata, todo, spec.clip_dims, store) if todo else None
+        pool = _extract(spec, sizing, todo, store, on_ready) if todo else None
         t_extract1 = time.perf_counter()
         groups = store.groups_covering(s.shard_id for s in plan.shards)
-        if config.partitioned:
-            merged, sample, totals = reduce_partitioned(store, groups, spec, early)
+        reduce, seen = reduce_decision(store, groups, spec, echo)
+        if reduce.partitioned and early:  # the reducers started early stay where they are
+            kept = min(len(early), reduce.count)
+            reduce.nodes[:kept] = sizing.reduce.early_nodes[:kept]
+        manifest.set(sizing=sizing.to_json() | {"reduce": asdict(reduce)})
+        if reduce.partitioned:
+            merged, sample, totals = reduce_partitioned(store, groups, spec, reduce, seen, early)
+        elif early:  # reducers started for a reduce the job's own process does
+            stop_early(early)
     except BaseException:
-        if early:  # reducers started for a reduce that will not happen
-            from ..distributed.reducers import stop_reducers
-
-            stop_reducers(early)
+        stop_early(early)
         raise
-    if not config.partitioned:
+    if not reduce.partitioned:
         merged, sample, totals = reduce_groups(
             store, groups, spec.empty_statistics(), config.sample_size > 0
         )
@@ -552,7 +602,7 @@ def analyze(config: JobConfig, *, echo=print) -> dict[str, Any]:
             timings_s={
                 "plan": round(t_plan - t_start, 3),
                 **({"dedup": round(t_dedup, 3)} if dedup is not None else {}),
-                "ray_start": round(t_extract0 - t_ray0, 3),
+                "ray_start": round(t_ray1 - t_ray0, 3),
                 "extract_wall": round(t_extract1 - t_extract0, 3),
                 "extract_forward_sum": round(totals.forward_seconds, 3),
                 "extract_fold_sum": round(totals.fold_seconds, 3),
@@ -564,11 +614,35 @@ def analyze(config: JobConfig, *, echo=print) -> dict[str, Any]:
         )
         finish_run(run, manifest, merged, sample, spec.tokenizer, config, t_start=t_start, echo=echo)
     finally:
-        if config.partitioned:
+        if reduce.partitioned:
             merged.close()
     if not config.keep_checkpoints:
         store.remove_groups()
     return manifest.to_json()
+
+
+def reduce_decision(
+    store: CheckpointStore, groups: list[CheckpointGroup], spec: RunSpec, echo
+) -> tuple[Reduce, Any]:
+    """Where the checkpoint ``groups`` are reduced, now that the types they hold are known
+    (:func:`~embgeom_ray.sizing.size_reduce`, on the cluster as Ray sees it now), and those
+    types' ids (read from the groups' files alone)."""
+    from ..distributed.cluster import read_cluster
+    from ..distributed.reducers import seen_type_ids
+
+    seen = seen_type_ids([url for g in groups for url in store.group_urls(g)])
+    reduce = size_reduce(spec.shape, len(seen), read_cluster(), spec.config.scheduling)
+    echo(f"sizing: {len(seen):,} types seen: {reduce.describe()}")
+    return reduce, seen
+
+
+def stop_early(reducers: list[Any]) -> None:
+    """End reducers started for a reduce that will not use them."""
+    if reducers:
+        from ..distributed.reducers import stop_reducers
+
+        stop_reducers(reducers)
+        reducers.clear()
 
 
 def dedup_shards(
@@ -586,7 +660,7 @@ def dedup_shards(
     return dedup.apply(plan), dedup
 
 
-def dedup_info(dedup: DedupPlan, totals: ShardCounts, corpus: str) -> DedupInfo:
+def dedup_info(dedup: DedupPlan, totals: Counts, corpus: str) -> DedupInfo:
     """The manifest's ``dedup``, once the extractors' counts confirm the plan's."""
     if (totals.documents, totals.duplicates) != (dedup.distinct_kept, dedup.duplicates_dropped):
         raise CorpusError(
@@ -604,7 +678,7 @@ def dedup_info(dedup: DedupPlan, totals: ShardCounts, corpus: str) -> DedupInfo:
     )
 
 
-def throughput(totals: ShardCounts, resumed: bool, extract_s: float) -> float | None:
+def throughput(totals: Counts, resumed: bool, extract_s: float) -> float | None:
     """Tokens per second of the extraction stage's wall time (None for a resumed run, whose
     tokens were partly counted before)."""
     if resumed or not totals.tokens or extract_s <= 0:
@@ -612,7 +686,7 @@ def throughput(totals: ShardCounts, resumed: bool, extract_s: float) -> float | 
     return round(totals.tokens / extract_s, 1)
 
 
-def check_not_empty(merged: EmbeddingStatistics | PartitionedStatistics, totals: ShardCounts, corpus: str) -> None:
+def check_not_empty(merged: EmbeddingStatistics | PartitionedStatistics, totals: Counts, corpus: str) -> None:
     """A :class:`CorpusError` when no token was counted, with what was read and skipped."""
     if merged.token_count() == 0:
         skipped = ", ".join(f"{v} {k}" for k, v in sorted(totals.skipped.items())) or "none"

@@ -1,0 +1,90 @@
+"""Peak memory of every process of a job run with the default options, for two vocabularies.
+
+For each V in ``--vocab``: a random Llama-shaped model with a WordLevel tokenizer of V entries
+(bench.vocabulary: ``--dim``, ``--blocks``) and a generated corpus of ``--tokens`` words; then
+``python -m jobs.analyze --model M --corpus C --out OUT`` with nothing else, in a fresh process
+with its own private Ray, as a user runs it. Printed per V: the types seen, the per-type state
+8·L·V_seen·(2d+2), what the job decided (extractors × the memory each asked Ray for and their
+statistics budget; reducers × their budget, or the job's own process), and each process's peak
+private memory against its budget: the job's own process above its memory at start (≤ 1 GiB),
+the extractor against what it asked Ray for, every reducer against its budget.
+
+    python -m bench.self_sized [--vocab 32000,128256] [--dim 256] [--blocks 4] [--tokens 300000]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from bench.common import REPO, save
+from bench.vocabulary import generated_corpus, wordlevel_llama_dir
+
+MIB = 2**20
+
+
+def run_default(model: str, corpus: str, out: Path) -> dict:
+    """The job with the default options in a fresh process; its manifest."""
+    env = os.environ | {"PYTHONPATH": str(REPO)}
+    argv = [sys.executable, "-m", "jobs.analyze", "--model", model, "--corpus", corpus,
+            "--out", str(out)]  # fmt: skip
+    done = subprocess.run(argv, cwd=REPO, env=env, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise SystemExit(f"the job failed:\n{done.stderr[-3000:]}")
+    return json.loads((out / "manifest.json").read_text())
+
+
+def row(vocab: int, m: dict, seconds: float) -> dict:
+    """One line of the table: decisions and peaks (MiB)."""
+    memory, sizing = m["memory"], m["sizing"]
+    reduce, layers, d = sizing["reduce"], len(m["layers"]), m["model"]["hidden_size"]
+    return {
+        "vocab": vocab,
+        "types_seen": reduce["types"],
+        "per_type_state_mib": round(8 * layers * reduce["types"] * (2 * d + 2) / MIB),
+        "extractors": m["workers"]["num_workers"],
+        "extractor_asked_mib": round(m["workers"]["memory_bytes"] / MIB),
+        "extractor_statistics_mib": None
+        if m["workers"]["statistics_bytes"] is None
+        else round(m["workers"]["statistics_bytes"] / MIB),
+        "extractor_peak_private_mib": round(memory["extractor_peak_private_bytes"] / MIB),
+        "reducers": reduce["count"],
+        "reducer_budget_mib": None if not reduce["count"] else round(reduce["memory"] / MIB),
+        "reducer_peak_private_mib": [round(p / MIB) for p in memory.get("reducer_peak_private_bytes", [])],
+        "driver_start_private_mib": round(memory["driver_start_private_bytes"] / MIB),
+        "driver_peak_private_mib": round(memory["driver_peak_private_bytes"] / MIB),
+        "driver_above_start_mib": round(
+            (memory["driver_peak_private_bytes"] - memory["driver_start_private_bytes"]) / MIB
+        ),
+        "seconds": round(seconds, 1),
+    }
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
+    p.add_argument("--vocab", default="32000,128256")
+    p.add_argument("--dim", type=int, default=256)
+    p.add_argument("--blocks", type=int, default=4)
+    p.add_argument("--tokens", type=int, default=300_000)
+    p.add_argument("--name", default="self_sized")
+    args = p.parse_args(argv)
+    work = Path(tempfile.mkdtemp(prefix="embgeom-self-sized-"))
+    rows = []
+    for vocab in (int(v) for v in args.vocab.split(",")):
+        model = wordlevel_llama_dir(work / f"model-{vocab}", vocab, args.dim, args.blocks)
+        corpus = generated_corpus(work / f"corpus-{vocab}.jsonl", vocab, args.tokens)
+        t0 = time.perf_counter()
+        m = run_default(model, corpus, work / f"run-{vocab}")
+        rows.append(row(vocab, m, time.perf_counter() - t0))
+        print(json.dumps(rows[-1]), flush=True)
+    save(args.name, {"args": vars(args), "rows": rows})
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,569 @@
+"""The sizing's decisions: the extractor pool, where the statistics are reduced, the job's own
+process; explicit options win, what cannot fit is refused here with the option that fixes it."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from ..errors import ConfigError
+from .formulas import (
+    DEFAULT_BATCH_TOKENS,
+    DRIVER_ALLOWANCE_BYTES,
+    DRIVER_BASE_BYTES,
+    DRIVER_REDUCE_FACTOR,
+    EXTRACTOR_BASE_BYTES,
+    GPU_STATISTICS_SHARE,
+    REDUCER_BASE_BYTES,
+    REDUCER_MERGE_FACTOR,
+    TYPE_ROW_BYTES,
+    TYPE_ROW_DISK_BYTES,
+    CorpusShape,
+    MiB,
+    Shape,
+    batch_growth_bytes,
+    driver_bytes,
+    driver_formula,
+    extractor_bytes,
+    gib,
+    reducers_for,
+    shape_batch_bytes_per_token,
+    shape_reducer_budget,
+    statistics_for,
+    types_bound,
+)  # fmt: skip
+from .nodes import Cluster, _hosts, _offers, _placed, fits, place, slot_memory
+
+#: a self-sized reducer asks for at most this share of the largest node's offer, so that a
+#: node holds two and the reduce is spread over the cluster
+REDUCER_NODE_SHARE = 0.5
+#: reducers start while the extractors run (their processes and imports ready for the
+#: reduce, ~5 s saved) only for corpora of at least this many bytes, whose extraction takes
+#: minutes; for smaller ones the start would cost more than it saves
+EARLY_REDUCERS_MIN_BYTES = 64 * MiB
+#: self-sized ``--gpus-per-worker``: the fewest GPUs of one node whose memory holds the
+#: weights in this share (the rest: the batch's activations and the statistics)
+GPU_WEIGHT_SHARE = 0.5
+
+@dataclass
+class Pool:
+    """The extractor actors: how many, what each asks Ray for, and what each may hold."""
+
+    num_workers: int
+    num_cpus: int
+    num_gpus: float
+    #: bytes of memory each asks Ray for and stays within (``--worker-memory``)
+    memory: int
+    #: bytes its running statistics may hold before they spill (None: no bound needed; on a
+    #: GPU the actor lowers it to what its device holds)
+    statistics: int | None
+    #: padded tokens per batch (None: decided on each GPU once the model is loaded)
+    batch_tokens: int | None
+    formula: str
+    reason: str
+
+
+@dataclass
+class Reduce:
+    """Where the statistics are reduced: in the job's process (``count`` 0) or on ``count``
+    reducer actors of ``memory`` bytes each."""
+
+    count: int
+    memory: int | None
+    types: int
+    formula: str
+    reason: str
+    #: reducers started while the extractors run (their processes ready for the reduce)
+    early: int = 0
+    #: the node each reducer is placed on (:func:`place`), and each early one
+    nodes: list[str] = field(default_factory=list)
+    early_nodes: list[str] = field(default_factory=list)
+
+    @property
+    def partitioned(self) -> bool:
+        return self.count > 0
+
+    def describe(self) -> str:
+        """One line: where the reduce runs, and why."""
+        if not self.partitioned:
+            return f"reduce in the job's own process: {self.reason}"
+        early = f"; {self.early} started with the extractors" if self.early else ""
+        return f"reducers: {self.count} × {gib(self.memory)}: {self.reason}{early}"
+
+
+@dataclass
+class Sizing:
+    """Every decision of a run, made before any work (:func:`size_job`), with its reason."""
+
+    shape: Shape
+    cluster: Cluster
+    types: int
+    types_reason: str
+    pool: Pool
+    reduce: Reduce
+    driver: int
+    driver_formula: str
+    extras: dict[str, Any] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        """The manifest's ``sizing`` (what ``--plan`` prints, as numbers)."""
+        return {
+            "types_bound": self.types,
+            "types_reason": self.types_reason,
+            "extractors": asdict(self.pool),
+            "reducers": asdict(self.reduce),
+            "driver_bytes": self.driver,
+            "driver_formula": self.driver_formula,
+            **self.extras,
+        }
+
+    def lines(self) -> list[str]:
+        """The decisions, one line each, printed once when the job starts."""
+        p = self.pool
+        gpus = f", {p.num_gpus:g} GPU{'s' if p.num_gpus != 1 else ''}" if p.num_gpus else ""
+        batch = "decided on its GPU" if p.batch_tokens is None else f"{p.batch_tokens:,}"
+        stats = "the whole state" if p.statistics is None else gib(p.statistics)
+        out = [
+            f"sizing: {self.types_reason}",
+            f"sizing: extractors: {p.num_workers} × ({p.num_cpus} CPU{gpus}) × {gib(p.memory)}"
+            f" (statistics ≤ {stats}, batch {batch} tokens): {p.reason}",
+        ]
+        out.append(f"sizing: {self.reduce.describe()}")
+        out.append(f"sizing: job's own process ≤ {gib(self.driver)} above its start: "
+                   f"{self.driver_formula}")  # fmt: skip
+        if self.driver > DRIVER_ALLOWANCE_BYTES:
+            out.append(f"sizing: warning: {self.driver_warning()}")
+        return out
+
+    def driver_warning(self) -> str:
+        """Why the job's own process needs more than :data:`DRIVER_ALLOWANCE_BYTES`."""
+        shape = self.shape
+        return (
+            f"the job's own process needs {gib(self.driver)} above its start, more than "
+            f"{gib(DRIVER_ALLOWANCE_BYTES)}: the sample (2 · Q = "
+            f"{gib(2 * shape.sample_bytes)}) and the type_stats rows "
+            f"({gib(shape.layers * self.types * TYPE_ROW_BYTES)}) are held there; "
+            "--sample-size, --sample-type-size and --layers lower them"
+        )
+
+
+def plan_pool(
+    cluster: Cluster,
+    shape: Shape,
+    *,
+    device: str,
+    num_shards: int,
+    num_workers: int | None = None,
+    cpus_per_worker: int | None = None,
+    gpus_per_worker: int | None = None,
+) -> tuple[int, int, int]:
+    """(actors, CPUs each, GPUs each): one actor per ``--gpus-per-worker`` GPUs of a node (self
+    sized: the fewest GPUs of one node whose memory holds the weights in
+    :data:`GPU_WEIGHT_SHARE`, 1 where Ray's accelerator type does not give the GPU's memory),
+    else CPU actors of ``--cpus-per-worker`` CPUs (default min(4, the largest node's CPUs)).
+
+    With ``--device cuda`` GPU actors are asked for even if the cluster shows no GPU yet, so
+    an autoscaling cluster whose GPU workers start at 0 adds them (``--num-workers`` of them,
+    default 1 until GPUs are visible).
+    """
+    alive = cluster.nodes
+    cpus = max(cluster.cpus, 1)
+    largest = max([n.cpus for n in alive if n.cpus > 0], default=cpus)
+    if device == "cuda" or (cluster.gpus and device == "auto"):
+        most = max((n.gpus for n in alive), default=0)
+        per_gpu = gpus_per_worker or gpus_for_weights(cluster, shape)
+        if cluster.gpus and per_gpu > most:
+            raise ConfigError(
+                f"--gpus-per-worker {per_gpu} exceeds the GPUs of the largest node ({most}); "
+                "an extractor actor, and the model it loads, lives on one node"
+            )
+        fit = sum(n.gpus // per_gpu for n in alive)
+        n = num_workers or max(fit, 1)
+        return min(n, num_shards), per_gpu, cpus_per_worker or 1
+    if (gpus_per_worker or 1) > 1:
+        raise ConfigError(
+            f"--gpus-per-worker {gpus_per_worker} needs GPUs, but the cluster has none and "
+            f"--device is {device}"
+        )
+    if num_workers:
+        per = cpus_per_worker or max(1, min(largest, cpus // num_workers))
+        n = num_workers
+    else:
+        per = cpus_per_worker or min(4, largest)
+        n = max(1, cpus // per)
+    if per > largest:
+        raise ConfigError(
+            f"--cpus-per-worker {per} exceeds the CPUs of the largest node ({largest}); "
+            "an extractor actor runs on one node"
+        )
+    return max(1, min(n, num_shards)), 0, per
+
+
+def gpus_for_weights(cluster: Cluster, shape: Shape) -> int:
+    """The fewest GPUs of one node whose memory holds the weights in
+    :data:`GPU_WEIGHT_SHARE`; all of the largest node's when none is enough (the device map
+    then decides, and refuses weights beyond 90% of them); 1 when the GPUs' memory is unknown."""
+    gpu_nodes = [n for n in cluster.nodes if n.gpus and n.gpu_memory]
+    if not gpu_nodes or not shape.weight_bytes:
+        return 1
+    node = max(gpu_nodes, key=lambda n: n.gpus * (n.gpu_memory or 0))
+    per = node.gpu_memory or 1
+    need = math.ceil(shape.weight_bytes / (GPU_WEIGHT_SHARE * per))
+    return max(1, min(need, node.gpus))
+
+
+def device_statistics(cluster: Cluster, shape: Shape, gpus: int) -> int | None:
+    """The most statistics an extractor's ``gpus`` GPUs hold beside the model and the least
+    batch (:data:`GPU_STATISTICS_SHARE` of what they leave), where Ray's accelerator type
+    gives every GPU node's memory; None otherwise (or on CPUs)."""
+    memories = [n.gpu_memory for n in cluster.nodes if n.gpus]
+    if not gpus or not memories or any(m is None for m in memories):
+        return None
+    left = gpus * min(m for m in memories if m is not None) - shape.weight_bytes
+    left -= DEFAULT_BATCH_TOKENS * shape_batch_bytes_per_token(shape)
+    return int(GPU_STATISTICS_SHARE * max(0, left))
+
+
+def size_extractors(
+    shape: Shape,
+    types: int,
+    cluster: Cluster,
+    options: Any,
+    num_shards: int,
+    driver: int,
+) -> Pool:
+    """The extractor pool and each actor's memory (``--worker-memory``) and statistics budget
+    (``--statistics-memory``); explicit options win. Otherwise each actor asks for what its
+    statistics need unbounded, or, where the nodes do not hold that many of those, the most
+    that lets the whole pool be placed at once (:func:`slot_memory`), its statistics bounded
+    by what is left of it; a pool the nodes' memory cannot hold at the least an extractor
+    needs is made smaller (not below one) unless ``--num-workers`` names it."""
+    count, gpus, cpus = plan_pool(
+        cluster, shape, device=options.device, num_shards=num_shards,
+        num_workers=options.num_workers, cpus_per_worker=options.cpus_per_worker,
+        gpus_per_worker=options.gpus_per_worker,
+    )  # fmt: skip
+    batch = options.batch_tokens or (None if gpus else DEFAULT_BATCH_TOKENS)
+    b = batch or DEFAULT_BATCH_TOKENS  # the least a GPU batch is: for the growth bound
+    floor = shape.layer_state_bytes()
+    formula = (
+        f"{gib(EXTRACTOR_BASE_BYTES)} own + w {gib(shape.weight_bytes)}"
+        + (f" / {gpus} GPUs" if gpus > 1 else "")
+        + ("" if gpus else f" + batch {b:,} × {shape_batch_bytes_per_token(shape):,} B")
+        + f" + 2 · sample {gib(shape.sample_bytes)} + "
+        + ("(σ + g) serialised from the GPUs" if gpus else "2 · (σ + g)")
+    )
+    explicit_s = options.statistics_memory
+    if explicit_s is not None and explicit_s <= floor:
+        raise ConfigError(
+            f"--statistics-memory {explicit_s:,} bytes is not more than the fixed per-layer "
+            f"state of the statistics, {floor:,} bytes for {shape.layers} layers of d = "
+            f"{shape.dim} and {shape.positions} positions (8·L·(d² + 3d + P·(d+1) + 2)); give "
+            "more, or measure fewer --layers"
+        )
+    whole = extractor_bytes(shape, types, b, None, gpus)
+    on_device = device_statistics(cluster, shape, gpus)
+    if on_device is not None and on_device >= shape.statistics_bytes(types):
+        on_device = None  # the GPUs hold the whole statistics
+    if on_device is not None:
+        # the statistics live on the GPUs and spill past what those hold: the host needs no
+        # more than the copy of that
+        on_device = max(on_device, floor + 1)
+        whole = extractor_bytes(shape, types, b, on_device, gpus)
+    least = extractor_bytes(shape, types, b, floor + 1, gpus)
+    if explicit_s is not None:
+        least = whole = extractor_bytes(shape, types, b, explicit_s, gpus)
+    hosts = _hosts(cluster, cpus, gpus)
+    offers = cluster.offers(driver)
+    if options.worker_memory is not None:
+        memory = int(options.worker_memory)
+        if memory < least:
+            what = "the fixed per-layer state" if explicit_s is None else "--statistics-memory"
+            raise ConfigError(
+                f"--worker-memory {memory:,} bytes cannot hold an extractor: {least:,} bytes "
+                f"({gib(least)}) at least, with {what} ({formula}); give more, or measure "
+                "fewer --layers"
+            )
+        if max(offers, default=0) < memory:
+            raise ConfigError(
+                f"--worker-memory {memory:,} bytes is more than any node of the cluster offers "
+                f"Ray's actors ({max(offers, default=0):,} bytes on the largest); give less, or "
+                "add nodes with more memory"
+            )
+        reason = f"--worker-memory {gib(memory)}"
+    else:
+        fitted = count
+        while fitted > 1 and slot_memory(fitted, hosts, offers) < least:
+            fitted -= 1
+        room = slot_memory(fitted, hosts, offers) if any(hosts) else whole
+        if room < least or (options.num_workers and fitted < count):
+            raise ConfigError(
+                f"an extractor needs at least {least:,} bytes ({gib(least)}: {formula} with σ "
+                f"the {'--statistics-memory' if explicit_s else 'fixed per-layer state'}), "
+                f"but the nodes (offering {_offers(offers)}) hold {count} such extractor(s) "
+                f"at most {gib(slot_memory(count, hosts, offers))} each; measure fewer "
+                "--layers, lower --sample-size and --sample-type-size, give fewer "
+                "--num-workers or more --cpus-per-worker, or add nodes with more memory"
+            )
+        memory = min(whole, room)
+        fewer = (
+            f"; {fitted} of the {count} extractors the CPUs/GPUs hold, so that each has that"
+            if fitted < count
+            else ""
+        )
+        count = fitted
+        if explicit_s is not None:
+            reason = f"--statistics-memory {gib(explicit_s)}{fewer}"
+        elif on_device is not None and memory >= whole:
+            reason = (
+                f"S(V) + F = {gib(shape.statistics_bytes(types))} do not fit the GPUs: they "
+                f"spill past σ = {gib(on_device)} ({GPU_STATISTICS_SHARE:g} of what the model "
+                f"and the least batch leave of {gpus} GPU(s)); the host holds their serialised "
+                f"copy{fewer}"
+            )
+        elif memory >= whole:
+            reason = (
+                f"the whole statistics S(V) + F = {gib(shape.statistics_bytes(types))} fit "
+                f"(the nodes hold {count} extractor(s) of {gib(room)}){fewer}"
+            )
+        else:
+            reason = (
+                f"S(V) + F = {gib(shape.statistics_bytes(types))} do not fit the {gib(room)} "
+                f"the nodes hold for each of {count} extractor(s): they spill past σ{fewer}"
+            )
+    statistics = explicit_s or statistics_for(shape, types, b, memory, gpus)
+    unbounded = explicit_s is None and on_device is None and memory >= whole
+    if unbounded or statistics >= shape.statistics_bytes(types):
+        statistics = None  # the whole statistics fit: no bound needed
+    return Pool(count, cpus, float(gpus), memory, statistics, batch, formula, reason)
+
+
+def size_reducers(
+    shape: Shape,
+    types: int,
+    cluster: Cluster,
+    options: Any,
+    driver: int,
+    *,
+    beside: tuple[int, int, int, int] | None = None,
+    final: bool = True,
+) -> Reduce:
+    """Where the statistics of ``types`` types are reduced (explicit options win):
+
+    - ``--reducers 1``: in the job's own process; ``--reducers R > 1``: R reducers, each
+      asking for what its share needs; ``--reducer-memory B``: the fewest reducers of B each
+      (at least ``--reducers``);
+    - otherwise in the job's process while :data:`DRIVER_REDUCE_FACTOR` · (S(V) + F) ≤
+      :data:`DRIVER_ALLOWANCE_BYTES`, else on the fewest reducers each needing at most
+      :data:`REDUCER_NODE_SHARE` of the largest node's offer that the nodes hold together.
+
+    ``beside`` (extractors, CPUs, GPUs, memory each): the extractor pool, to start as many
+    reducers as fit beside it while it runs (``early``). ``final``: ``types`` are the types
+    seen, and reducers the nodes cannot hold are refused; before the corpus is read (a bound
+    on the types) only what cannot fit whatever the types is refused (reducers of more than
+    any node offers, more reducers than the nodes hold at their least), and a decision the
+    bound does not fit says so: the reduce is sized again for the types seen.
+    """
+    state = shape.statistics_bytes(types)
+    rows = f"8·L·V·(2d+2) + F = {gib(state)}"
+    offers = cluster.offers(driver)
+    largest = max(offers, default=0)
+    explicit_r, explicit_b = options.reducers, options.reducer_memory
+
+    def budget(r: int) -> int:
+        return shape_reducer_budget(shape, r, types)
+
+    formula = f"{gib(REDUCER_BASE_BYTES)} + {REDUCER_MERGE_FACTOR:g} · (⌈V/R⌉ types' rows + ⌈L/R⌉ layers' state)"
+    if explicit_b is None and explicit_r == 1:
+        return Reduce(0, None, types, f"{DRIVER_REDUCE_FACTOR} · (S(V) + F)", "--reducers 1", 0)
+    if explicit_b is None and explicit_r is None:
+        in_driver = driver_bytes(shape, types, in_process=True)
+        if in_driver <= DRIVER_ALLOWANCE_BYTES:
+            return Reduce(
+                0, None, types, f"{DRIVER_REDUCE_FACTOR} · (S(V) + F)",
+                f"the job's process would take {gib(in_driver)} above its start with "
+                f"{rows} ({driver_formula(True)}), within its "
+                f"{gib(DRIVER_ALLOWANCE_BYTES)}",
+            )  # fmt: skip
+    unsure = ""  # why the decision at a bound on the types does not fit (not final)
+
+    def refuse_or_note(message: str, least_count: int, least_each: int) -> str:
+        """Refuse ``message`` when final, or when even the least the request needs whatever
+        the types (``least_count`` reducers of ``least_each`` bytes) does not fit."""
+        if final or not fits(least_count, least_each, offers):
+            raise ConfigError(message)
+        return (
+            f"; at this bound on the types they do not all fit the nodes at once: the reduce "
+            f"is sized again for the types seen ({message})"
+        )
+
+    if explicit_b is not None:
+        memory = int(explicit_b)
+        count = max(explicit_r or 1, reducers_for(memory, shape.layers, shape.dim, types,
+                                                  shape.positions, shape.clip))  # fmt: skip
+        if memory > largest:
+            raise ConfigError(
+                f"--reducer-memory {memory:,} bytes is more than any node of the cluster offers "
+                f"Ray's actors ({largest:,} bytes on the largest); give less, or add nodes "
+                "with more memory"
+            )
+        if not fits(count, memory, offers):
+            unsure = refuse_or_note(
+                f"--reducer-memory {memory:,} bytes: {rows} need {count} reducers of that, "
+                f"and the nodes, offering {_offers(offers)}, hold fewer; give more "
+                "--reducer-memory, measure fewer --layers, or add nodes",
+                explicit_r or 1,
+                memory,
+            )
+        reason = f"--reducer-memory {gib(memory)}: {rows} over reducers of that{unsure}"
+    elif explicit_r is not None:
+        count, memory = explicit_r, budget(explicit_r)
+        if not fits(count, memory, offers):
+            unsure = refuse_or_note(
+                f"--reducers {count}: each needs {memory:,} bytes ({gib(memory)}: {formula} "
+                f"for {rows}), and the nodes, offering {_offers(offers)}, do not hold "
+                f"{count} of them; give more --reducers, measure fewer --layers, or add nodes",
+                count,
+                shape_reducer_budget(shape, count, 0),
+            )
+        reason = f"--reducers {count}: {rows} over {count}{unsure}"
+    else:
+        cap = int(REDUCER_NODE_SHARE * largest)
+        most = max(types, shape.layers, 1)
+        first = reducers_for_cap(shape, types, cap)
+
+        def spread(r: int) -> bool:  # at least one reducer on each node that can hold one
+            return r >= sum(o >= budget(r) for o in offers)
+
+        count = next(
+            (r for r in range(max(first, 1), most + 1)
+             if first and fits(r, budget(r), offers) and spread(r)),
+            0,
+        )  # fmt: skip
+        message = (
+            f"the statistics, {rows}, do not fit the cluster: reducers of at most "
+            f"{gib(cap)} (half the largest node's offer; nodes offer {_offers(offers)}) "
+            "cannot hold them; measure fewer --layers, or add nodes with more memory "
+            "(or give --reducer-memory)"
+        )
+        if not count and (final or not first):
+            raise ConfigError(message)
+        if not count:  # at the bound: the fewest within the cap, which the types seen may fit
+            count = first
+            unsure = (
+                "; at this bound on the types they do not all fit the nodes at once: the "
+                "reduce is sized again for the types seen, and refused then if they still "
+                "do not"
+            )
+        memory = budget(count)
+        reason = (
+            f"{rows} over reducers of ≤ {gib(cap)} ({REDUCER_NODE_SHARE:g} of the largest "
+            f"node's {gib(largest)}), at least one on each node that holds one (nodes offer "
+            f"{_offers(offers)}){unsure}"
+        )
+    early: list[str] = []
+    if beside is not None:
+        n_ext, cpus, gpus, each = beside
+        taken = _placed(cluster, offers, n_ext, cpus, gpus, each)
+        early = place(cluster, offers, count, memory, taken, partial=True)
+    nodes = place(cluster, offers, count, memory, partial=bool(unsure))
+    return Reduce(count, memory, types, formula, reason, len(early), nodes, early)
+
+
+def reducers_for_cap(shape: Shape, types: int, cap: int) -> int:
+    """The fewest reducers within ``cap`` bytes each (0 when none is)."""
+    try:
+        return reducers_for(cap, shape.layers, shape.dim, types, shape.positions, shape.clip)
+    except ConfigError:
+        return 0
+
+
+def driver_reserve(shape: Shape, types: int = 0) -> int:
+    """What the head node keeps for the job's own process: its start
+    (:data:`DRIVER_BASE_BYTES`) and its allowance (:data:`DRIVER_ALLOWANCE_BYTES`), or what it
+    needs with the statistics on reducers where that is more (:func:`driver_bytes`)."""
+    need = driver_bytes(shape, types, in_process=False)
+    return DRIVER_BASE_BYTES + max(DRIVER_ALLOWANCE_BYTES, need)
+
+
+def size_job(
+    shape: Shape, corpus: CorpusShape, cluster: Cluster, options: Any, *, special: int = 0
+) -> Sizing:
+    """Every decision of a run before any work (module docstring; explicit options win), at the
+    most types the corpus can hold (:func:`types_bound`; ``special``: the special ids counted
+    with ``--keep-special``). Raises :class:`ConfigError` for what cannot fit, naming the
+    option that fixes it."""
+    types, types_reason = types_bound(shape.vocab, corpus.text_bytes, special)
+    reserve = driver_reserve(shape, types)
+    pool = size_extractors(shape, types, cluster, options, corpus.shards, reserve)
+    beside = (pool.num_workers, pool.num_cpus, int(pool.num_gpus), pool.memory)
+    if options.reducers is None and corpus.bytes < EARLY_REDUCERS_MIN_BYTES:
+        beside = None  # self-sized reducers start early only for a long extraction
+    reduce = size_reducers(shape, types, cluster, options, reserve, beside=beside, final=False)
+    driver = driver_bytes(shape, types, not reduce.partitioned)
+    head = max((n.memory for n in cluster.nodes if n.head), default=0)
+    if head and DRIVER_BASE_BYTES + driver > head:
+        raise ConfigError(
+            f"the job's own process would need {gib(DRIVER_BASE_BYTES + driver)} "
+            f"({gib(DRIVER_BASE_BYTES)} at its start + {driver_formula(not reduce.partitioned)}"
+            f": the sample Q = {gib(shape.sample_bytes)}, the type_stats rows "
+            f"{gib(shape.layers * types * TYPE_ROW_BYTES)}), more than the head node's "
+            f"{gib(head)}; lower --sample-size and --sample-type-size, or measure fewer --layers"
+        )
+    sizing = Sizing(
+        shape, cluster, types, types_reason, pool, reduce, driver,
+        driver_formula(not reduce.partitioned),
+    )  # fmt: skip
+    sizing.extras["io"] = io_sizes(sizing, corpus)
+    return sizing
+
+
+def size_reduce(shape: Shape, types: int, cluster: Cluster, options: Any) -> Reduce:
+    """Where ``types`` token types (known now: V_seen, at most the bound the run was sized
+    for) are reduced, by the rule of :func:`size_reducers`: self-sized, the same or fewer
+    reducers, each asking for what its share of V_seen needs, or the job's own process."""
+    return size_reducers(shape, types, cluster, options, driver_reserve(shape, types))
+
+
+def io_sizes(sizing: Sizing, corpus: CorpusShape) -> dict[str, Any]:
+    """Bytes that move and are stored: a flush's pieces, the checkpoint groups on disk (at
+    most one group per shard, each at most the statistics of that shard's types), the
+    artefact and the tables."""
+    shape, types, pool = sizing.shape, sizing.types, sizing.pool
+    whole = shape.statistics_bytes(types)
+    piece = whole if pool.statistics is None else min(
+        whole,
+        pool.statistics + batch_growth_bytes(shape, types, pool.batch_tokens or DEFAULT_BATCH_TOKENS),
+    )
+    per_shard = [
+        shape.statistics_bytes(types if b is None else min(types, b + 1)) + shape.sample_bytes
+        for b in (corpus.shard_text_bytes or (None,) * corpus.shards)
+    ]
+    tables = {
+        "type_stats": shape.layers * types * TYPE_ROW_DISK_BYTES,
+        "dims": shape.layers * shape.dim * TYPE_ROW_DISK_BYTES,
+        "positions": shape.layers * shape.positions * TYPE_ROW_DISK_BYTES,
+        "samples": shape.layers * shape.sample_entries * (4 * shape.dim + 64),
+    }
+    return {
+        "flush_piece_bytes": piece,
+        "flush_formula": "a piece ≤ σ + g (spilled or last); a flush: the pieces of one interval"
+        if pool.statistics is not None
+        else "≤ S(V) + F, one piece",
+        "checkpoint_bytes_bound": sum(per_shard),
+        # unbounded, a flush is one piece; under σ, as many pieces as the interval spilled
+        "checkpoint_bytes_per_interval": None
+        if pool.statistics is not None
+        else pool.num_workers * (piece + shape.sample_bytes),
+        "artefact_bytes": whole + shape.sample_bytes,
+        "tables_bytes": tables,
+    }
+
+
+@dataclass(frozen=True)
+class _NoOptions:
+    """No explicit option: every decision self-sized."""
+
+    reducers: int | None = None
+    reducer_memory: int | None = None

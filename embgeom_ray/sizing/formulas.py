@@ -1,0 +1,411 @@
+"""The sizing formulas: what every process of a job holds, in L, V, d, P and the corpus, and
+the constants measured behind them (docs/sizing.md, with the commands that measured them).
+
+Notation (bytes; numbers are float64 or int64, 8 bytes): L measured layers, d hidden size,
+P positions (``--max-length``), V token types (V_seen: those the corpus holds), c clipped
+dimensions, s the sample's entries (``--sample-size`` + ``--sample-type-size``), w the
+weights' bytes, B batch tokens.
+
+- per-type state S(V) = 8 · L · V · (2d + 2) + 8 · V  (+ 8 · L · V · d with ``--clip-dims``)
+- per-layer state F = 8 · L · (d² + 3d + P · (d + 1) + 2)
+- sample Q = 4 · L · s · d + 48 · s
+- a type's rows r = 8 · L · (2d + 2) + 8 (+ 8 · L · d)
+
+Processes:
+
+- **driver** (the job's own process): above its memory at the start, what it adds whatever the
+  statistics (:data:`DRIVER_RUN_BYTES`: Ray's core worker, the libraries of the sampled
+  metrics and the report), one layer's state 8 · (d² + P·d + 3d) at a time, the
+  ``type_stats`` rows (:data:`TYPE_ROW_BYTES` each, L · V of them) and two samples (merged and
+  being merged): :func:`driver_bytes`; when it reduces the statistics itself,
+  :data:`DRIVER_REDUCE_FACTOR` · (S(V) + F) instead of the layer's state. It reduces them
+  itself only while all that is within :data:`DRIVER_ALLOWANCE_BYTES`.
+- **extractor**: :data:`EXTRACTOR_BASE_BYTES` + w + B · b_tok + 2 · Q + 2 · (σ + g), σ its
+  statistics budget, g = min(B, V) · r one batch's new types beyond it, b_tok the batch's bytes
+  per token on a CPU (:func:`batch_bytes_per_token`): :func:`extractor_bytes`.
+- **reducer** r of R: :data:`REDUCER_BASE_BYTES` + :data:`REDUCER_MERGE_FACTOR` · (its
+  ⌈V/R⌉ types' rows + the state of its ⌈L/R⌉ layers): :func:`reducer_budget`.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+from typing import Any
+
+from ..core.statistics import state_bytes
+from ..errors import ConfigError
+
+KiB, MiB, GiB = 2**10, 2**20, 2**30
+
+#: what the job's own process may hold above its memory at the start, whatever V · d: it
+#: reduces the statistics itself only within this, else on reducer actors
+DRIVER_ALLOWANCE_BYTES = 1 * GiB
+#: the driver's memory at the start (Python, torch, transformers, pandas, pyarrow): 0.23 GiB
+#: measured; kept off what the head node offers actors, with what it may add
+DRIVER_BASE_BYTES = 512 * MiB
+#: what the driver adds to its start while it runs, whatever the statistics: Ray's core
+#: worker, the libraries and arrays of the sampled metrics and the report (0.38–0.57 GiB
+#: measured on jobs whose statistics were 23–549 MiB)
+DRIVER_RUN_BYTES = 512 * MiB
+#: a driver reducing the statistics itself peaks at this many times S(V) + F (the merged
+#: statistics, a checkpoint group being merged, the tables; 2.9–2.95 measured, bench.vocabulary)
+DRIVER_REDUCE_FACTOR = 3
+#: bytes of one ``type_stats`` row as the driver builds the table (eight numbers and the
+#: token's string in pandas)
+TYPE_ROW_BYTES = 160
+#: bytes of one ``type_stats`` row on disk, at most (eight numbers and the token, before
+#: Parquet's compression)
+TYPE_ROW_DISK_BYTES = 80
+#: a reducer process's own memory before it holds any statistics (Python, torch, pyarrow, Ray's
+#: worker): 0.2–0.45 GiB private measured, counted in every budget
+REDUCER_BASE_BYTES = 512 * MiB
+#: a reducer peaks at this many times what it holds while it merges a group's part into its
+#: own (its rows, the part read, one field's copy while its arrays grow): 2.5 measured over
+#: one checkpoint group, 3.0 over seven
+REDUCER_MERGE_FACTOR = 3
+#: an extractor process's own memory besides the weights (Python, torch, transformers, the
+#: tokenizer, Ray's worker, the tokenized pool): 0.2–0.3 GiB measured
+EXTRACTOR_BASE_BYTES = 512 * MiB
+#: ``--batch-tokens`` when it is not given: on CPUs, and the least on a GPU
+DEFAULT_BATCH_TOKENS = 8192
+#: the most padded tokens a batch gets on a GPU without ``--batch-tokens``
+GPU_BATCH_TOKENS_MAX = 65_536
+#: the device memory one batch may take on a GPU without ``--batch-tokens`` (or half the
+#: memory left free once the model is loaded, if that is less)
+GPU_BATCH_BYTES = 8 * GiB
+#: bytes of the fold's scratch per kept token and hidden dimension, at most: the kept rows
+#: (model dtype) and three float64/float32 copies (22 bytes with a bf16 model, 24 with
+#: float32), plus ≤ 40 bytes of per-type sums and merge scratch (a batch of n tokens holds
+#: u ≤ n types); see docs/design.md, Memory
+FOLD_BYTES_PER_TOKEN_DIM = 64
+#: of a GPU's memory left once the model and a batch are placed, the share an extractor's
+#: statistics may take (the allocator's fragmentation and CUDA's own take the rest)
+GPU_STATISTICS_SHARE = 0.8
+
+def gib(n: float | None) -> str:
+    """``n`` bytes in GiB (MiB below 1 GiB), for messages and the plan."""
+    if n is None:
+        return "unbounded"
+    if abs(n) < KiB:
+        return f"{n:,.0f} B"
+    if abs(n) < MiB:
+        return f"{n / KiB:,.0f} KiB"
+    if abs(n) < GiB:
+        return f"{n / MiB:,.0f} MiB"
+    return f"{n / GiB:,.1f} GiB"
+
+
+@dataclass(frozen=True)
+class Shape:
+    """What the memory of a run's processes depends on: the model, the layers measured, the
+    windows and the sample (module docstring's notation)."""
+
+    #: L: the layers measured
+    layers: int
+    #: d
+    dim: int
+    #: P: ``--max-length``
+    positions: int
+    #: the tokenizer's entries (the most types a corpus can hold)
+    vocab: int
+    #: c: clipped dimensions (0 without ``--clip-dims``)
+    clip: int = 0
+    #: s: ``--sample-size`` + ``--sample-type-size`` (0: no sample)
+    sample_entries: int = 0
+    #: hidden states the forward returns: the model's blocks + 1
+    hidden_states: int = 0
+    #: the feed-forward's width d_ff
+    intermediate: int = 0
+    #: attention heads
+    heads: int = 0
+    #: w: the weights' bytes in the run's dtype
+    weight_bytes: int = 0
+    #: bytes of one number in the model's dtype
+    dtype_bytes: int = 4
+    #: the model's name, for the plan
+    name: str = ""
+
+    def type_bytes(self, types: int) -> int:
+        """S(V): the per-type rows of ``types`` types in every measured layer."""
+        return state_bytes(self.layers, self.dim, types, 0, self.clip) - state_bytes(
+            self.layers, self.dim, 0, 0
+        )
+
+    def layer_state_bytes(self, layers: int | None = None) -> int:
+        """F: the per-layer state (n, μ, co-moment, tails, positions) of ``layers`` layers."""
+        return state_bytes(self.layers if layers is None else layers, self.dim, 0, self.positions)
+
+    def statistics_bytes(self, types: int) -> int:
+        """S(V) + F: the whole statistics (the artefact's size)."""
+        return self.type_bytes(types) + self.layer_state_bytes()
+
+    @property
+    def row_bytes(self) -> int:
+        """r: one type's rows in every measured layer."""
+        return self.type_bytes(1)
+
+    @property
+    def sample_bytes(self) -> int:
+        """Q: the sample, 4 · L · s · d float32 numbers and six int64 per entry."""
+        return 4 * self.layers * self.sample_entries * self.dim + 48 * self.sample_entries
+
+    def with_layers(self, layers: int) -> Shape:
+        return replace(self, layers=layers)
+
+
+def run_shape(
+    model_config: Any,
+    *,
+    layers: int,
+    positions: int,
+    vocab: int,
+    clip: int,
+    sample_entries: int,
+    weight_bytes: int,
+    dtype: str,
+    name: str = "",
+) -> Shape:
+    """The :class:`Shape` of a run from the model's (text) config, read for its blocks,
+    feed-forward width and heads, and the run's options."""
+    def attr(*names: str) -> int:
+        return next((int(getattr(model_config, n)) for n in names
+                     if getattr(model_config, n, None)), 0)  # fmt: skip
+
+    dim = attr("hidden_size", "n_embd", "d_model")
+    return Shape(
+        layers=layers,
+        dim=dim,
+        positions=positions,
+        vocab=vocab,
+        clip=clip,
+        sample_entries=sample_entries,
+        hidden_states=attr("num_hidden_layers", "n_layer", "num_layers") + 1,
+        intermediate=attr("intermediate_size", "n_inner", "ffn_dim") or 4 * dim,
+        heads=attr("num_attention_heads", "n_head"),
+        weight_bytes=weight_bytes,
+        dtype_bytes={"float32": 4, "bfloat16": 2, "float16": 2}[dtype],
+        name=name,
+    )
+
+
+def types_bound(vocab: int, text_bytes: int | None, special: int = 0) -> tuple[int, str]:
+    """V_seen before the corpus is read: at most the tokenizer's entries, and at most one type
+    per byte of plain text (every token but a special one stands for at least one byte of
+    text; ``special``: the special ids counted with ``--keep-special``, and one for a
+    SentencePiece prefix); the bound and why."""
+    if text_bytes is not None and text_bytes + special + 1 < vocab:
+        bound = text_bytes + special + 1
+        return bound, (
+            f"V_seen ≤ {bound:,}: the corpus's {text_bytes:,} bytes of plain text hold at most "
+            "one type per byte (the tokenizer has "
+            f"{vocab:,} entries)"
+        )
+    return vocab, (
+        f"V_seen ≤ V = {vocab:,}, the tokenizer's entries (assumed all seen: the corpus is not "
+        "read before the run)"
+    )
+
+
+@dataclass(frozen=True)
+class CorpusShape:
+    """What the plan needs of the corpus: its size and shards (nothing of it is read)."""
+
+    source: str
+    files: int
+    bytes: int
+    shards: int
+    #: each shard's bytes of plain text (None: compressed, Parquet or a dataset, where the
+    #: bytes do not bound the text)
+    shard_text_bytes: tuple[int | None, ...] = ()
+
+    @property
+    def text_bytes(self) -> int | None:
+        """The corpus's bytes of plain text (None when a shard's are unknown)."""
+        if not self.shard_text_bytes or any(b is None for b in self.shard_text_bytes):
+            return None
+        return sum(b for b in self.shard_text_bytes if b is not None)
+
+
+def batch_bytes_per_token(
+    hidden_states: int, dim: int, intermediate: int, dtype_bytes: int, scores: int = 0
+) -> int:
+    """A batch's memory per padded token, beyond the model's weights: every hidden state the
+    forward returns ((L + 1) · d values in the model's dtype), the fold's scratch
+    (:data:`FOLD_BYTES_PER_TOKEN_DIM` · d), the feed-forward's intermediate activations
+    (three of ``intermediate`` values: gate, up and their product in gated MLPs) and one
+    layer's attention scores (``scores`` = heads × window length values a token, where the
+    attention implementation materialises them; fused attention does not):
+    ((L + 1) · d + 3 · d_ff + heads · T) · b + 64 · d bytes."""
+    values = hidden_states * dim + 3 * intermediate + scores
+    return values * dtype_bytes + FOLD_BYTES_PER_TOKEN_DIM * dim
+
+
+def default_batch_tokens(per_token_bytes: int, free_bytes: int | None) -> int:
+    """``--batch-tokens`` when it is not given: :data:`DEFAULT_BATCH_TOKENS` on a CPU
+    (``free_bytes`` None); on a GPU as many tokens as :data:`GPU_BATCH_BYTES` (or half of
+    ``free_bytes``, the memory left once the model is loaded, if less) hold at
+    ``per_token_bytes`` each, in multiples of 1,024, between :data:`DEFAULT_BATCH_TOKENS` and
+    :data:`GPU_BATCH_TOKENS_MAX`.
+
+    Why: a GPU folds the hidden states with some ninety kernels per layer and batch, whose
+    launch cost (~1.5 ms) does not depend on the batch's size; at 8,192 tokens it is most of
+    the fold for d ≤ 768 and about half at d = 2,048 (H200, bf16: the extractor at 0.45–0.49
+    of the bare forward for MiniLM, 0.66–0.71 at 65,536 tokens). The statistics and the
+    sample do not depend on the batching (``--batch-tokens`` is a scheduling option)."""
+    if free_bytes is None:
+        return DEFAULT_BATCH_TOKENS
+    budget = min(GPU_BATCH_BYTES, free_bytes // 2)
+    tokens = budget // max(per_token_bytes, 1) // 1024 * 1024
+    return int(min(GPU_BATCH_TOKENS_MAX, max(DEFAULT_BATCH_TOKENS, tokens)))
+
+
+def shape_batch_bytes_per_token(shape: Shape) -> int:
+    """:func:`batch_bytes_per_token` of ``shape`` (scores of every head over P positions)."""
+    return batch_bytes_per_token(
+        shape.hidden_states or shape.layers,
+        shape.dim,
+        shape.intermediate or 4 * shape.dim,
+        shape.dtype_bytes,
+        shape.heads * shape.positions,
+    )
+
+
+def gpu_budgets(
+    shape: Shape, free_bytes: int, batch_tokens: int | None, host_statistics: int | None
+) -> tuple[int, int | None]:
+    """An extractor's batch tokens and statistics budget on a GPU with ``free_bytes`` left
+    once the model is loaded: the batch first (``batch_tokens``, or
+    :func:`default_batch_tokens`), then the statistics get :data:`GPU_STATISTICS_SHARE` of
+    what the batch leaves, and no more than ``host_statistics`` (what the host's
+    ``--worker-memory`` holds of their serialised copies; None: no bound there)."""
+    per_token = shape_batch_bytes_per_token(shape)
+    tokens = batch_tokens or default_batch_tokens(per_token, free_bytes)
+    on_gpu = int(GPU_STATISTICS_SHARE * max(0, free_bytes - tokens * per_token))
+    budget = on_gpu if host_statistics is None else min(on_gpu, host_statistics)
+    if budget >= shape.statistics_bytes(shape.vocab):
+        return tokens, None  # every type of the vocabulary fits: no bound needed
+    return tokens, budget
+
+
+def extractor_own_bytes(shape: Shape, batch_tokens: int, gpus: int) -> int:
+    """What an extractor holds besides its statistics and their serialised copy:
+    :data:`EXTRACTOR_BASE_BYTES` + w (the weights, on the host while they load; over N > 1
+    GPUs accelerate's device map places them one GPU's share, w / N, at a time) + B · b_tok
+    (a CPU batch's activations; on a GPU they are in device memory) + 2 · Q (the sample and
+    its serialised copy at a flush)."""
+    batch = 0 if gpus else batch_tokens * shape_batch_bytes_per_token(shape)
+    weights = shape.weight_bytes // max(gpus, 1)
+    return EXTRACTOR_BASE_BYTES + weights + batch + 2 * shape.sample_bytes
+
+
+def batch_growth_bytes(shape: Shape, types: int, batch_tokens: int) -> int:
+    """g = min(B, V) · r: one batch's new types beyond the statistics budget (the budget is
+    checked after every batch)."""
+    return min(batch_tokens, types) * shape.row_bytes
+
+
+def extractor_bytes(
+    shape: Shape, types: int, batch_tokens: int, statistics: int | None, gpus: int = 0
+) -> int:
+    """An extractor's memory (host, private): :func:`extractor_own_bytes` + 2 · (σ + g), σ its
+    statistics budget (None: the whole S(V) + F) and one serialised copy of them; on a GPU the
+    statistics are in device memory and the host holds their serialised copy alone: + (σ + g)."""
+    held = shape.statistics_bytes(types) if statistics is None else statistics
+    growth = 0 if statistics is None else batch_growth_bytes(shape, types, batch_tokens)
+    return extractor_own_bytes(shape, batch_tokens, gpus) + copies(gpus) * (held + growth)
+
+
+def copies(gpus: int) -> int:
+    """The copies of its statistics an extractor holds in host memory: the running statistics
+    and one serialised copy on a CPU; the serialised copy alone on a GPU."""
+    return 1 if gpus else 2
+
+
+def statistics_for(
+    shape: Shape, types: int, batch_tokens: int, memory: int, gpus: int = 0
+) -> int:
+    """The largest statistics budget σ an extractor of ``memory`` bytes holds
+    (:func:`extractor_bytes` solved for σ)."""
+    own = extractor_own_bytes(shape, batch_tokens, gpus)
+    return (memory - own) // copies(gpus) - batch_growth_bytes(shape, types, batch_tokens)
+
+
+def reducer_bytes(
+    reducers: int, layers: int, dim: int, types: int, positions: int, clip: int = 0
+) -> int:
+    """What the largest of ``reducers`` reducers holds: its share of the per-type rows,
+    ⌈types / R⌉ of them (:func:`~embgeom_ray.core.statistics.state_bytes` of the types alone),
+    and the per-layer state of its ⌈L / R⌉ layers."""
+    share = math.ceil(types / reducers)
+    rows = state_bytes(layers, dim, share, 0, clip) - state_bytes(layers, dim, 0, 0)
+    return rows + state_bytes(math.ceil(layers / reducers), dim, 0, positions)
+
+
+def reducer_budget(
+    reducers: int, layers: int, dim: int, types: int, positions: int, clip: int = 0
+) -> int:
+    """The memory the largest of ``reducers`` reducers needs: :data:`REDUCER_BASE_BYTES` plus
+    :data:`REDUCER_MERGE_FACTOR` times what it holds (:func:`reducer_bytes`)."""
+    held = reducer_bytes(reducers, layers, dim, types, positions, clip)
+    return REDUCER_BASE_BYTES + math.ceil(REDUCER_MERGE_FACTOR * held)
+
+
+def reducers_for(
+    budget: int, layers: int, dim: int, types: int, positions: int, clip: int = 0
+) -> int:
+    """The fewest reducers whose largest needs at most ``budget`` bytes (:func:`reducer_budget`).
+    Raises :class:`ConfigError` when even one layer's state per reducer needs more than that."""
+    most = max(types, layers, 1)  # one type and one layer each: no cut holds less
+    low, high = 1, most
+    if reducer_budget(most, layers, dim, types, positions, clip) > budget:
+        need = reducer_budget(most, layers, dim, types, positions, clip)
+        raise ConfigError(
+            f"--reducer-memory {budget:,} bytes cannot hold a reducer's part: one layer's "
+            f"state alone needs {need:,} bytes: the process's own {REDUCER_BASE_BYTES // MiB} "
+            f"MiB and {REDUCER_MERGE_FACTOR:g} · 8·(d² + 3d + P·(d+1) + 2) for d = {dim}, "
+            f"P = {positions} (the merge's headroom); give at least that"
+        )
+    while low < high:  # reducer_budget falls as R grows
+        mid = (low + high) // 2
+        if reducer_budget(mid, layers, dim, types, positions, clip) <= budget:
+            high = mid
+        else:
+            low = mid + 1
+    return low
+
+
+def shape_reducer_budget(shape: Shape, reducers: int, types: int) -> int:
+    return reducer_budget(reducers, shape.layers, shape.dim, types, shape.positions, shape.clip)
+
+
+def driver_bytes(shape: Shape, types: int, in_process: bool) -> int:
+    """The driver's memory above its start: :data:`DRIVER_RUN_BYTES`; reducing in process
+    :data:`DRIVER_REDUCE_FACTOR` · (S(V) + F), else one layer's state 8 · (d² + P·d + 3d)
+    fetched at a time; the ``type_stats`` rows (L · V of :data:`TYPE_ROW_BYTES`) and two
+    samples (2 · Q)."""
+    d, p = shape.dim, shape.positions
+    reduce = (
+        DRIVER_REDUCE_FACTOR * shape.statistics_bytes(types)
+        if in_process
+        else 8 * (d * d + p * d + 3 * d)
+    )
+    rows = shape.layers * types * TYPE_ROW_BYTES
+    return DRIVER_RUN_BYTES + reduce + rows + 2 * shape.sample_bytes
+
+
+def driver_formula(in_process: bool) -> str:
+    reduce = (
+        f"{DRIVER_REDUCE_FACTOR} · (S(V) + F)" if in_process else "one layer's state 8·(d² + P·d + 3d)"
+    )
+    return (
+        f"{gib(DRIVER_RUN_BYTES)} (Ray, the metrics' and report's libraries) + {reduce} + L · V "
+        f"type_stats rows of {TYPE_ROW_BYTES} B + 2 · sample"
+    )
+
+
+def reducer_ranges(count: int, types: int) -> list[tuple[int, int | None]]:
+    """Equal ranges of token ids over [0, ``types``) (the last open), the reducers' ranges
+    before the ids seen are known (the run cuts them at the ids' quantiles)."""
+    width = max(1, math.ceil(types / count))
+    return [(r * width, (r + 1) * width if r + 1 < count else None) for r in range(count)]

@@ -1,0 +1,140 @@
+"""What ``--plan`` prints: what runs where, every process's memory as number and formula, the
+bytes that move and are stored, and what measuring fewer layers saves."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+from ..errors import ConfigError
+from .decisions import Sizing, _NoOptions, driver_reserve, io_sizes, size_reducers
+from .formulas import (
+    DRIVER_ALLOWANCE_BYTES,
+    GPU_STATISTICS_SHARE,
+    CorpusShape,
+    gib,
+    reducer_bytes,
+    reducer_ranges,
+    shape_batch_bytes_per_token,
+)  # fmt: skip
+from .nodes import Cluster
+
+
+def describe_plan(
+    sizing: Sizing, corpus: CorpusShape, *, checkpoint_interval: float, total_layers: int
+) -> list[str]:
+    """What ``--plan`` prints: what runs where, every process's memory as number and formula,
+    the bytes that move and are stored, and what measuring fewer layers saves."""
+    shape, types, pool, red = sizing.shape, sizing.types, sizing.pool, sizing.reduce
+    io = sizing.extras.get("io") or io_sizes(sizing, corpus)
+    d, L, P = shape.dim, shape.layers, shape.positions
+    gpus = f"{pool.num_gpus:g} GPU(s) + " if pool.num_gpus else ""
+    batch = (
+        f"{pool.batch_tokens:,} padded tokens a batch"
+        if pool.batch_tokens
+        else "batch tokens decided on each GPU once the model is loaded: min(8 GiB, half the "
+        f"free memory) at {shape_batch_bytes_per_token(shape):,} B a token, 8,192 to 65,536"
+    )
+    stats = (
+        "the whole S(V) + F (no bound needed)"
+        if pool.statistics is None
+        else f"σ = {gib(pool.statistics)} (spills past it; on a GPU no more than "
+        f"{GPU_STATISTICS_SHARE:g} of what the model and a batch leave)"
+    )
+    lines = [
+        f"model: {shape.name}: {shape.hidden_states - 1} blocks, d = {d:,}, d_ff = "
+        f"{shape.intermediate:,}, {shape.heads} heads, V = {shape.vocab:,} tokenizer entries, "
+        f"weights w = {gib(shape.weight_bytes)}",
+        f"measured: L = {L} of {total_layers} layers, P = {P} positions, sample s = "
+        f"{shape.sample_entries:,} entries" + (f", {shape.clip} clipped dims" if shape.clip else ""),
+        f"corpus: {corpus.source}: {corpus.files:,} file(s), {gib(corpus.bytes)}, "
+        f"{corpus.shards:,} shards",
+        f"cluster: {sizing.cluster.describe()}",
+        f"types: {sizing.types_reason}",
+        "",
+        f"extractors: {pool.num_workers} actor(s), each {gpus}{pool.num_cpus} CPU(s), {batch}",
+        f"  memory each: {gib(pool.memory)} asked of Ray ({pool.reason})",
+        f"    = {pool.formula}",
+        f"  statistics budget: {stats}",
+    ]
+    if red.partitioned:
+        ranges = reducer_ranges(red.count, types)
+        shown = ", ".join(f"[{lo:,}, {'∞' if hi is None else f'{hi:,}'})" for lo, hi in ranges[:4])
+        more = f", … ({len(ranges)} ranges)" if len(ranges) > 4 else ""
+        per = reducer_bytes(red.count, L, d, types, P, shape.clip)
+        lines += [
+            f"reducers: {red.count} actor(s) × {gib(red.memory)} asked of Ray ({red.reason})",
+            f"    = {red.formula}: holds {gib(per)}",
+            f"  token ranges: equal numbers of the ids seen, cut at the reduce; over [0, V): "
+            f"{shown}{more}",
+            f"  layers' state: reducer r holds layers r, r + R, … (⌈L/R⌉ = "
+            f"{math.ceil(L / red.count)} at most)",
+            f"  placed: {_placement(sizing.cluster, red.nodes)}; started with the extractors: "
+            f"{red.early} (the rest at the reduce)",
+        ]
+    else:
+        lines.append(f"reduce: in the job's own process ({red.reason})")
+    lines += [
+        f"driver (the job's own process): ≤ {gib(sizing.driver)} above its start = "
+        f"{sizing.driver_formula}",
+        *([f"  warning: {sizing.driver_warning()}"] if sizing.driver > DRIVER_ALLOWANCE_BYTES else []),
+        "",
+        f"per-type state S(V) = 8·L·V·(2d+2) + 8V = {gib(shape.type_bytes(types))}; per-layer "
+        f"state F = 8·L·(d² + 3d + P·(d+1) + 2) = {gib(shape.layer_state_bytes())}; sample Q = "
+        f"4·L·s·d + 48s = {gib(shape.sample_bytes)}",
+        f"flush: pieces of ≤ {gib(io['flush_piece_bytes'])} ({io['flush_formula']}), one "
+        f"checkpoint group per flush (every {checkpoint_interval:g} s of an extractor's work, "
+        "and when the queue drains)",
+        "checkpoint groups on disk: one per extractor and --checkpoint-interval ("
+        + (
+            f"≤ {gib(io['checkpoint_bytes_per_interval'])} an interval for the "
+            f"{pool.num_workers} extractor(s), each group the statistics of the types it saw + Q"
+            if io["checkpoint_bytes_per_interval"] is not None
+            else "each group a piece of ≤ σ + g a spill, and the sample Q"
+        )
+        + f"), ≤ {gib(io['checkpoint_bytes_bound'])} in all (a group a shard at most); removed "
+        "when the run completes",
+        f"artefact: statistics S(V) + F + sample Q = {gib(io['artefact_bytes'])}",
+        "tables (before compression): "
+        + ", ".join(f"{k} {gib(v)}" for k, v in io["tables_bytes"].items()),
+    ]
+    lever = layers_lever(sizing, total_layers)
+    if lever:
+        lines.append(lever)
+    return lines
+
+
+def _placement(cluster: Cluster, nodes: Sequence[str]) -> str:
+    """``"2 on node 1 (worker, 64 GiB), 1 on node 0 (head, 16 GiB)"``."""
+    index = {n.node_id: i for i, n in enumerate(cluster.nodes)}
+    parts = []
+    for node_id in dict.fromkeys(nodes):
+        i = index[node_id]
+        n = cluster.nodes[i]
+        kind = "head" if n.head else "worker"
+        parts.append(f"{nodes.count(node_id)} on node {i} ({kind}, {gib(n.memory)})")
+    return ", ".join(parts)
+
+
+def layers_lever(sizing: Sizing, total_layers: int) -> str | None:
+    """What measuring every 4th layer would save (``--layers``, the cheapest lever)."""
+    shape = sizing.shape
+    fewer = len(range(0, total_layers, 4))
+    if fewer >= shape.layers:
+        return None
+    small = shape.with_layers(fewer)
+    state = small.statistics_bytes(sizing.types)
+    try:
+        red = size_reducers(
+            small, sizing.types, sizing.cluster, _NoOptions(), driver_reserve(small, sizing.types)
+        )
+        where = (
+            f"{red.count} reducer(s) × {gib(red.memory)}" if red.partitioned else "the job's process"
+        )
+    except ConfigError:
+        where = "still too large for this cluster"
+    return (
+        f"--layers every 4th layer (L = {fewer}): S(V) + F = {gib(state)} instead of "
+        f"{gib(shape.statistics_bytes(sizing.types))} (÷{shape.layers / fewer:.1f}), reduced "
+        f"on {where}"
+    )

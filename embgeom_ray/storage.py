@@ -1,0 +1,207 @@
+"""Object storage (``s3://``, ``gs://``, …) as the job meets it: its faults are user errors.
+
+An endpoint that answers nothing, credentials the store refuses, a bucket that does not exist,
+a location the job may not write: each ends the job with one line naming the URL and the
+endpoint, exit status 2 (:class:`~embgeom_ray.errors.StorageError`), not a library's
+traceback, and within a bounded time: before the job reads a corpus or writes a run on an
+object store it opens a TCP connection to the store's endpoint (:func:`probe`,
+:data:`PROBE_TIMEOUT_S`), as it does to a Ray head, instead of leaving an unreachable
+endpoint to the client library's retries and timeouts (minutes for a host that drops
+packets). A bucket is never created by the job: writing a run into one that does not exist is
+refused (:func:`check_output`).
+
+The client libraries' exceptions are recognised by name (:func:`storage_error`: botocore's,
+and the ``OSError`` subclasses s3fs and gcsfs translate them into), so nothing here imports
+them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+from collections.abc import Iterator
+from urllib.parse import urlsplit
+
+from .errors import StorageError, UserError
+
+#: seconds a TCP connection to an object store's endpoint may take before it counts as
+#: unreachable
+PROBE_TIMEOUT_S = 10.0
+
+#: endpoints of the stores whose client does not name one
+DEFAULT_ENDPOINTS = {
+    "gs": "https://storage.googleapis.com",
+    "gcs": "https://storage.googleapis.com",
+}
+
+#: botocore exceptions that mean the endpoint cannot be reached
+_UNREACHABLE = {"EndpointConnectionError", "ConnectTimeoutError", "ConnectionClosedError",
+                "ReadTimeoutError", "ProxyConnectionError", "ClientConnectorError"}  # fmt: skip
+#: botocore exceptions that mean there are no usable credentials
+_NO_CREDENTIALS = {"NoCredentialsError", "PartialCredentialsError", "CredentialRetrievalError"}
+#: S3 error codes (ClientError) that mean the store refused these credentials or this access
+_REFUSED = {"InvalidAccessKeyId", "SignatureDoesNotMatch", "AccessDenied", "ExpiredToken",
+            "InvalidToken", "Forbidden", "403"}  # fmt: skip
+
+
+def is_remote(url: str) -> bool:
+    """Whether ``url`` names an object store or another non-local filesystem (``scheme://``,
+    not ``file://``)."""
+    scheme = urlsplit(url).scheme
+    return bool(scheme) and scheme not in ("file", "local") and "://" in url
+
+
+def endpoint_of(url: str) -> str | None:
+    """The endpoint the client library sends ``url``'s requests to (``s3://``: the one boto
+    resolves from ``AWS_ENDPOINT_URL_S3``, ``AWS_ENDPOINT_URL``, the config or the region;
+    ``gs://``: Google's), or None where it cannot tell. Nothing is sent."""
+    scheme = urlsplit(url).scheme
+    if scheme in DEFAULT_ENDPOINTS:
+        return DEFAULT_ENDPOINTS[scheme]
+    if scheme not in ("s3", "s3a"):
+        return None
+    try:
+        import fsspec
+
+        fs, _ = fsspec.core.url_to_fs(url)
+        fs.connect()  # builds the client: resolves the endpoint, sends nothing
+        return str(fs.s3.meta.endpoint_url)
+    except Exception:
+        return None
+
+
+def probe(url: str, what: str, timeout: float = PROBE_TIMEOUT_S) -> None:
+    """Raise :class:`StorageError` unless the endpoint of ``url`` (``what``: ``"corpus"``,
+    ``"output directory"``, …) accepts a TCP connection within ``timeout`` seconds."""
+    if not is_remote(url):
+        return
+    endpoint = endpoint_of(url)
+    if endpoint is None:
+        return
+    parts = urlsplit(endpoint)
+    host = parts.hostname
+    port = parts.port or (443 if parts.scheme == "https" else 80)
+    if not host:
+        return
+    reason = unreachable(host, port, timeout, refused="nothing listens there")
+    if reason is None:
+        return
+    raise StorageError(
+        f"cannot reach the object store at {endpoint} for the {what} {url}: {reason}; check "
+        "the endpoint (AWS_ENDPOINT_URL_S3, AWS_ENDPOINT_URL, the region) and the network"
+    )
+
+
+def unreachable(host: str, port: int, timeout: float, refused: str) -> str | None:
+    """Why a TCP connection to ``host:port`` fails within ``timeout`` seconds (``refused``:
+    what a refused connection means there), or None when something accepts it."""
+    try:
+        with socket.create_connection((host, port), timeout=timeout):
+            return None
+    except socket.gaierror as exc:
+        return f"host {host!r} cannot be resolved ({exc.strerror})"
+    except ConnectionRefusedError:
+        return f"connection refused: {refused}"
+    except TimeoutError:
+        return f"no answer within {timeout:g} s"
+    except OSError as exc:
+        return exc.strerror or str(exc)
+
+
+def _names(exc: BaseException) -> set[str]:
+    return {cls.__name__ for cls in type(exc).__mro__}
+
+
+def _code(exc: BaseException) -> str | None:
+    response = getattr(exc, "response", None)
+    if isinstance(response, dict):
+        return str((response.get("Error") or {}).get("Code") or "") or None
+    return None
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
+def storage_error(exc: BaseException, url: str | None = None, what: str = "") -> StorageError | None:
+    """The :class:`StorageError` an object store's fault means (``url``: what the job was
+    reading or writing, ``what`` it is), or None when ``exc`` is not one."""
+    if isinstance(exc, UserError):
+        return None
+    names = _names(exc)
+    where = f" for the {what} {url}" if url else ""
+    endpoint = (endpoint_of(url) if url else None) or getattr(exc, "kwargs", {}).get("endpoint_url")
+    at = f" at {endpoint}" if endpoint else ""
+    if names & _UNREACHABLE:
+        return StorageError(f"cannot reach the object store{at}{where}: {_first_line(exc)}")
+    if names & _NO_CREDENTIALS:
+        return StorageError(
+            f"no credentials for the object store{at}{where}: {_first_line(exc)}; set "
+            "AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (or a profile, or a role)"
+        )
+    code = _code(exc)
+    text = _first_line(exc)
+    if (code in _REFUSED) or (isinstance(exc, PermissionError) and url and is_remote(url)):
+        return StorageError(
+            f"the object store{at} refused access{where}: {text}; check the credentials and "
+            "their permissions"
+        )
+    if code == "NoSuchBucket" or "bucket does not exist" in text.lower():
+        return StorageError(f"no such bucket{where} (object store{at}): {text}")
+    return None
+
+
+@contextlib.contextmanager
+def user_errors(url: str, what: str) -> Iterator[None]:
+    """Within: an object store's fault while reading or writing ``url`` (the ``what``) is raised
+    as one :class:`StorageError`."""
+    try:
+        yield
+    except Exception as exc:
+        error = storage_error(exc, url, what)
+        if error is None:
+            raise
+        raise error from None
+
+
+def check_bucket(url: str, what: str) -> None:
+    """Raise :class:`StorageError` when ``url`` is on an object store whose bucket does not
+    exist (or cannot be read with these credentials)."""
+    parts = urlsplit(url)
+    if parts.scheme not in ("s3", "s3a", "gs", "gcs") or not parts.netloc:
+        return
+    import fsspec
+
+    with user_errors(url, what):
+        fs, _ = fsspec.core.url_to_fs(url)
+        try:
+            if hasattr(fs, "call_s3"):  # s3fs: HEAD the bucket (404: none; 403: refused)
+                fs.call_s3("head_bucket", Bucket=parts.netloc)
+                exists = True
+            else:
+                exists = fs.exists(parts.netloc)
+        except FileNotFoundError:
+            exists = False
+    if not exists:
+        raise StorageError(
+            f"no such bucket {parts.netloc!r} for the {what} {url} (object store at "
+            f"{endpoint_of(url) or 'its default endpoint'})"
+            + ("; create it first: the job does not create buckets" if what.startswith("output") else "")
+        )
+
+
+def check_input(url: str, what: str) -> None:
+    """Before the job reads ``url`` on an object store: its endpoint answers (:func:`probe`)
+    and its bucket exists."""
+    if is_remote(url):
+        probe(url, what)
+        check_bucket(url, what)
+
+
+def check_output(url: str) -> None:
+    """Before a run is written to ``url`` on an object store: its endpoint answers
+    (:func:`probe`) and its bucket exists (the job never creates one)."""
+    if is_remote(url):
+        probe(url, "output directory")
+        check_bucket(url, "output directory")

@@ -1,0 +1,245 @@
+"""The job sizes itself (embgeom_ray/sizing.py): every process's memory and count from the
+model's shape, the corpus and the cluster, by the documented policy; explicit options win;
+what cannot fit is refused before any work, naming the option that fixes it.
+
+The expected numbers are computed here from the formulas of docs/sizing.md, written out
+(8-byte numbers: per-type rows 8·L·V·(2d+2) + 8V, per-layer state 8·L·(d² + 3d + P(d+1) + 2)),
+not from the module's own helpers.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from embgeom_ray.config import build_config
+from embgeom_ray.errors import ConfigError
+from embgeom_ray.sizing import (
+    Cluster,
+    CorpusShape,
+    Node,
+    Shape,
+    place,
+    size_extractors,
+    size_job,
+    size_reduce,
+    size_reducers,
+    types_bound,
+)
+
+GiB, MiB = 2**30, 2**20
+BASE = 512 * MiB  # a reducer's own
+
+
+def rows(layers: int, d: int, types: int) -> int:
+    return 8 * (layers * types * (2 * d + 2) + types)
+
+
+def layer_state(layers: int, d: int, positions: int) -> int:
+    return 8 * layers * (d * d + 3 * d + positions * (d + 1) + 2)
+
+
+def reducer_need(r: int, layers: int, d: int, types: int, positions: int) -> int:
+    held = rows(layers, d, -(-types // r)) + layer_state(-(-layers // r), d, positions)
+    return BASE + 3 * held
+
+
+def options(**extra):
+    return build_config(None, {"model": "m", "corpus": "c", "out": "o"} | extra).scheduling
+
+
+#: an 8B Llama-class model measured in every hidden state: L = 33, d = 4096, P = 128
+LLAMA_8B = Shape(
+    layers=33, dim=4096, positions=128, vocab=128_256, hidden_states=33, intermediate=14_336,
+    heads=32, weight_bytes=16 * 10**9, dtype_bytes=2, sample_entries=512, name="8B",
+)  # fmt: skip
+V_SEEN = 66_000
+
+
+def test_the_formulas():
+    s = Shape(layers=5, dim=256, positions=128, vocab=128_256, clip=0, sample_entries=8192)
+    assert s.type_bytes(1000) == 8 * 5 * 1000 * 514 + 8 * 1000
+    assert s.layer_state_bytes() == 8 * 5 * (256**2 + 3 * 256 + 128 * 257 + 2)
+    assert s.statistics_bytes(1000) == s.type_bytes(1000) + s.layer_state_bytes()
+    assert s.row_bytes == 8 * 5 * 514 + 8
+    assert s.sample_bytes == 4 * 5 * 8192 * 256 + 48 * 8192
+    clipped = Shape(layers=5, dim=256, positions=128, vocab=10, clip=3)
+    assert clipped.type_bytes(1000) == s.type_bytes(1000) + 8 * 5 * 1000 * 256
+    # the issue's example: 8B over web text, 8·L·V·(2d+2) ≈ 133 GiB
+    assert LLAMA_8B.type_bytes(V_SEEN) / GiB == pytest.approx(133.0, abs=0.05)
+
+
+def test_the_types_seen_are_bounded_by_the_vocabulary_and_the_plain_text():
+    assert types_bound(30_522, None)[0] == 30_522  # compressed or Parquet: the vocabulary
+    assert types_bound(30_522, 10**9)[0] == 30_522
+    bound, why = types_bound(30_522, 1000)
+    assert bound == 1001 and "1,000 bytes" in why  # one type a byte, and a SentencePiece ▁
+    assert types_bound(30_522, 1000, special=5)[0] == 1006  # --keep-special: its ids too
+
+
+def test_small_statistics_are_reduced_in_the_jobs_own_process():
+    small = Shape(layers=7, dim=384, positions=128, vocab=30_522)
+    cluster = Cluster((Node("h", 16 * GiB, cpus=2, head=True),))
+    reduce = size_reducers(small, 300, cluster, options(), driver=0)
+    assert not reduce.partitioned and "within its 1.0 GiB" in reduce.reason
+
+
+def test_reducers_follow_the_policy_on_nodes_of_different_memory():
+    """Self-sized: the fewest reducers each needing at most half the largest node's offer,
+    that the nodes hold together, at least one on each node that can hold one; placed one at
+    a time where most memory is left (a worker before the head at equal room)."""
+    nodes = (
+        Node("head", 16 * GiB, cpus=8, head=True),
+        *(Node(f"big-{i}", 160 * GiB, cpus=32) for i in range(4)),
+        Node("small", 32 * GiB, cpus=8),
+    )
+    cluster = Cluster(nodes)
+    reduce = size_reducers(LLAMA_8B, V_SEEN, cluster, options(), driver=4 * GiB)
+    cap = 80 * GiB  # half the largest node's 160 GiB
+    offers = [12 * GiB, *[160 * GiB] * 4, 32 * GiB]  # the head less the job's own 4 GiB
+    r = reduce.count
+
+    def allowed(k: int) -> bool:
+        need = reducer_need(k, 33, 4096, V_SEEN, 128)
+        return (need <= cap and sum(o // need for o in offers) >= k
+                and k >= sum(o >= need for o in offers))  # fmt: skip
+
+    need = reducer_need(r, 33, 4096, V_SEEN, 128)
+    assert reduce.memory == need and allowed(r) and not any(allowed(k) for k in range(1, r))
+    # 133 GiB of rows three times over in ≤ 80 GiB pieces (each also its layers' state and 0.5 GiB)
+    assert r >= math.ceil(3 * rows(33, 4096, V_SEEN) / cap)
+    # placed on the big nodes first, one each while their room is equal
+    assert sorted(reduce.nodes[:4]) == [f"big-{i}" for i in range(4)]
+    for node, offer in zip(nodes, offers, strict=True):
+        assert reduce.nodes.count(node.node_id) * need <= offer
+    assert "over reducers of ≤ 80.0 GiB" in reduce.reason and "4 × 160.0 GiB" in reduce.reason
+    # the types seen at the reduce (fewer than the bound): fewer reducers, each asking less
+    later = size_reduce(LLAMA_8B, V_SEEN // 4, cluster, options())
+    assert later.count < r and later.memory <= need
+
+
+def test_placement_spreads_and_refuses_what_does_not_fit():
+    cluster = Cluster((Node("h", 10, head=True), Node("a", 10), Node("b", 6)))
+    assert place(cluster, [10, 10, 6], 3, 5) == ["a", "h", "b"]
+    assert place(cluster, [10, 10, 6], 6, 5, partial=True) == ["a", "h", "b", "a", "h"]
+    with pytest.raises(ValueError):
+        place(cluster, [10, 10, 6], 6, 5)
+
+
+def test_explicit_options_win():
+    cluster = Cluster((Node("h", 16 * GiB, cpus=4, head=True), Node("w", 256 * GiB, cpus=16)))
+    # --reducers 1: the job's own process, however large
+    assert not size_reducers(LLAMA_8B, 1000, cluster, options(reducers=1), driver=0).partitioned
+    # --reducers R: R reducers, each asking for what its share needs
+    r3 = size_reducers(LLAMA_8B, 1000, cluster, options(reducers=3), driver=0)
+    assert (r3.count, r3.memory) == (3, reducer_need(3, 33, 4096, 1000, 128))
+    # --reducer-memory B: the fewest reducers of B each, at least --reducers
+    budget = reducer_need(2, 33, 4096, 1000, 128)
+    rb = size_reducers(LLAMA_8B, 1000, cluster, options(reducer_memory=budget), driver=0)
+    assert (rb.count, rb.memory) == (2, budget)
+    rb5 = size_reducers(LLAMA_8B, 1000, cluster, options(reducer_memory=budget, reducers=5), 0)
+    assert rb5.count == 5
+    # --worker-memory and --statistics-memory: taken as given
+    pool = size_extractors(LLAMA_8B, V_SEEN, cluster, options(device="cpu", worker_memory=100 * GiB,
+                                                              statistics_memory=8 * GiB), 8, 0)  # fmt: skip
+    assert (pool.memory, pool.statistics) == (100 * GiB, 8 * GiB)
+    # --num-workers, --cpus-per-worker
+    pool = size_extractors(LLAMA_8B, V_SEEN, cluster, options(device="cpu", num_workers=2,
+                                                              cpus_per_worker=3), 8, 0)  # fmt: skip
+    assert (pool.num_workers, pool.num_cpus) == (2, 3)
+
+
+def test_extractors_take_what_their_statistics_need_or_a_share_of_the_node():
+    """Each extractor asks for its own share (libraries, weights, a CPU batch, two samples)
+    plus twice the whole statistics where the nodes hold that; else the smallest share of a
+    node's memory any node hosting extractors gives each of them, the statistics then
+    bounded by what is left of it (halved: one serialised copy)."""
+    small = Shape(layers=3, dim=128, positions=128, vocab=128_256, hidden_states=3,
+                  intermediate=448, heads=2, weight_bytes=70 * MiB, sample_entries=8192)  # fmt: skip
+    whole = rows(3, 128, 128_256) + layer_state(3, 128, 128)
+    per_token = (3 * 128 + 3 * 448 + 2 * 128) * 4 + 64 * 128
+    own = 512 * MiB + 70 * MiB + 8192 * per_token + 2 * small.sample_bytes
+    roomy = Cluster((Node("h", 16 * GiB, cpus=2, head=True),))
+    pool = size_extractors(small, 128_256, roomy, options(device="cpu"), 4, driver=GiB)
+    assert (pool.num_workers, pool.num_cpus, pool.memory) == (1, 2, own + 2 * whole)
+    assert pool.statistics is None
+    # 8 CPUs in 2 extractors of 4 on a node offering 2 GiB: 1 GiB each, the statistics bounded
+    tight = Cluster((Node("h", 2 * GiB + GiB, cpus=8, head=True),))
+    pool = size_extractors(small, 128_256, tight, options(device="cpu"), 4, driver=GiB)
+    assert (pool.num_workers, pool.num_cpus, pool.memory) == (2, 4, GiB)
+    growth = 8192 * (8 * 3 * 258 + 8)
+    assert pool.statistics == (GiB - own) // 2 - growth
+    assert "do not fit" in pool.reason
+
+
+def test_gpus_per_worker_from_the_weights_and_ray_accelerator_type():
+    h100 = Cluster((Node("h", 64 * GiB, cpus=8, head=True),
+                    Node("g", 1024 * GiB, cpus=64, gpus=8, gpu_type="H100")))  # fmt: skip
+    pool = size_extractors(LLAMA_8B, V_SEEN, h100, options(), 64, driver=0)
+    assert (pool.num_workers, pool.num_gpus) == (8, 1)  # 16 GB ≤ half of 80 GB
+    assert pool.batch_tokens is None  # decided on each GPU
+    # the host holds the one serialised copy of what the GPU can hold: 0.8 of what the
+    # weights and the least batch (8,192 tokens) leave of 80 GB
+    per_token = (33 * 4096 + 3 * 14_336 + 32 * 128) * 2 + 64 * 4096
+    on_gpu = int(0.8 * (80 * 10**9 - 16 * 10**9 - 8192 * per_token))
+    growth = 8192 * (8 * 33 * (2 * 4096 + 2) + 8)
+    own = 512 * MiB + 16 * 10**9 + 2 * LLAMA_8B.sample_bytes
+    assert pool.memory == own + on_gpu + growth
+    big = Shape(**{**LLAMA_8B.__dict__, "weight_bytes": 141 * 10**9, "dim": 8192, "layers": 81})
+    pool = size_extractors(big, V_SEEN, h100, options(), 64, driver=0)
+    assert (pool.num_workers, pool.num_gpus) == (2, 4)  # 141 GB ≤ half of 4 × 80 GB
+    unknown = Cluster((Node("g", 1024 * GiB, cpus=64, gpus=8, head=True),))
+    assert size_extractors(LLAMA_8B, V_SEEN, unknown, options(), 64, driver=0).num_gpus == 1
+    assert size_extractors(big, V_SEEN, h100, options(gpus_per_worker=8), 64, 0).num_gpus == 8
+
+
+def test_what_cannot_fit_is_refused_naming_the_option():
+    tiny = Cluster((Node("h", 4 * GiB, cpus=2, head=True), Node("w", 8 * GiB, cpus=2)))
+    corpus = CorpusShape("c", 1, 10**12, 1000)
+    with pytest.raises(ConfigError, match="--layers"):  # 133 GiB of rows, 8 GiB nodes
+        size_job(LLAMA_8B, corpus, tiny, options(device="cpu", worker_memory=2 * GiB))
+    with pytest.raises(ConfigError, match=r"--reducer-memory .* more than any node"):
+        size_reducers(LLAMA_8B, 10, tiny, options(reducer_memory=64 * GiB), driver=0)
+    with pytest.raises(ConfigError, match="--reducers 2: each needs"):
+        size_reducers(LLAMA_8B, V_SEEN, tiny, options(reducers=2), driver=0)
+    with pytest.raises(ConfigError, match=r"--worker-memory .* cannot hold"):
+        size_extractors(LLAMA_8B, V_SEEN, tiny, options(device="cpu", worker_memory="1GiB"), 8, 0)
+    with pytest.raises(ConfigError, match="--num-workers"):  # weights alone exceed the share
+        size_extractors(LLAMA_8B, V_SEEN, tiny, options(device="cpu"), 8, 0)
+    huge_sample = Shape(**{**LLAMA_8B.__dict__, "sample_entries": 200_000})
+    roomy = Cluster((Node("h", 16 * GiB, cpus=0, head=True), Node("w", 8192 * GiB, cpus=16)))
+    with pytest.raises(ConfigError, match="--sample-size"):
+        size_job(huge_sample, corpus, roomy, options(device="cpu"))
+
+
+def test_early_reducers_fit_beside_the_extractors():
+    """Reducers start with the extractors only as far as both fit the nodes at once."""
+    shape = Shape(layers=5, dim=256, positions=128, vocab=128_256, weight_bytes=140 * MiB)
+    cluster = Cluster((Node("h", 12 * GiB, cpus=2, head=True),))
+    big_corpus = CorpusShape("c", 1, 10 * GiB, 100)
+    sizing = size_job(shape, big_corpus, cluster, options(device="cpu", reducers=2))
+    pool, reduce = sizing.pool, sizing.reduce
+    room = 12 * GiB - 512 * MiB - GiB - pool.memory  # the head less the job's own, the pool
+    assert reduce.early == min(2, room // reduce.memory)
+    # a small corpus: self-sized reducers start at the reduce
+    small_corpus = CorpusShape("c", 1, 10 * MiB, 1)
+    assert size_job(shape, small_corpus, cluster, options(device="cpu")).reduce.early == 0
+
+
+def test_before_the_corpus_is_read_only_what_cannot_fit_whatever_the_types_is_refused():
+    """At the bound on the types (before the corpus is read) a request the types seen may fit
+    is sized and noted, not refused; at the reduce, with the types seen, it is refused. What
+    cannot fit whatever the types (reducers' own 512 MiB each) is refused at once."""
+    cluster = Cluster((Node("h", 8 * GiB, cpus=2, head=True),))
+    shape = Shape(layers=7, dim=384, positions=128, vocab=30_522)
+    budget = reducer_need(2, 7, 384, 2000, 128)  # two of these hold 2,000 types
+    opts = options(reducer_memory=budget)
+    early = size_reducers(shape, 30_522, cluster, opts, driver=0, final=False)
+    assert early.count > 8 and "sized again for the types seen" in early.reason
+    assert len(early.nodes) < early.count  # as many placed as fit
+    with pytest.raises(ConfigError, match=r"need .* reducers of that"):
+        size_reducers(shape, 30_522, cluster, opts, driver=0)  # the types seen: refused
+    assert size_reducers(shape, 2000, cluster, opts, driver=0).count == 2
+    with pytest.raises(ConfigError, match="--reducers 40: each needs"):
+        size_reducers(shape, 30_522, cluster, options(reducers=40), driver=0, final=False)
