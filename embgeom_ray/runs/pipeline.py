@@ -44,8 +44,7 @@ from ..config import SCHEDULING_OPTIONS, JobConfig
 from ..core.rogue import OutlierRules, flagged_dims
 from ..core.samples import ActivationSample
 from ..core.statistics import EmbeddingStatistics
-from ..counts import Counts
-from ..counts import unk_warning
+from ..counts import Counts, unk_warning
 from ..distributed.process_memory import sampler
 from ..distributed.warm_workers import warm_task_workers
 from ..errors import ConfigError, CorpusError
