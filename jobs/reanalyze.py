@@ -20,6 +20,7 @@ import json
 import logging
 import sys
 
+from embgeom_ray.config import add_options
 from embgeom_ray.errors import ConfigError, UserError
 
 
@@ -36,11 +37,6 @@ def build_parser() -> argparse.ArgumentParser:
         required=True,
         help="YAML file: models: [{model: HUB_ID_OR_DIR, revision: latest|BRANCH|TAG|COMMIT, "
         "options: {...}}] (see deploy/models.yaml)",
-    )
-    a(
-        "--corpus",
-        help="corpus of every run, as for jobs.analyze (file, glob, directory, fsspec URL, "
-        "hf:NAME[:CONFIG]) [default: 'corpus' of --config]",
     )
     a(
         "--store",
@@ -77,6 +73,8 @@ def build_parser() -> argparse.ArgumentParser:
         "invocation follows or retries them) instead of waiting for the jobs",
     )
     a("-v", "--verbose", action="store_true", help="log at INFO level")
+    # the corpus of every run: the job's own option, generated from its field
+    add_options(p, ("corpus",), {"corpus": "'corpus' of --config"})
     return p
 
 

@@ -51,21 +51,24 @@ import numpy as np
 
 from .distinct import distinct_rows
 from .kmeans import MAX_ITER, TOL, KMeansResult, MapFn, fit, partition
+from .options import SampledOptions
 
-#: the largest k fitted
-K_MAX = 60
+_DEFAULTS = SampledOptions()
+#: the largest k fitted (``kmeans_k_max``)
+K_MAX: int = _DEFAULTS.kmeans_k_max
 #: every k = 2..K_DENSE is fitted (Cai et al.'s range); above it the scan grows by K_GROWTH
 K_DENSE = 15
 #: the factor between consecutive k fitted above K_DENSE (:func:`scan_ks`)
 K_GROWTH = 1.1
-#: below this best silhouette, k = 1 (Cai et al. 2021)
-MIN_SILHOUETTE = 0.1
-#: k-means++ chains (initialisations) per k; the lowest inertia wins
-N_INIT = 1
-#: chains fitted at the chosen k for the stability check
-STABILITY_SEEDS = 2
-#: points a silhouette is computed on (a subsample drawn once when there are more)
-SILHOUETTE_MAX_POINTS = 4096
+#: below this best silhouette, k = 1 (Cai et al. 2021; ``kmeans_min_silhouette``)
+MIN_SILHOUETTE: float = _DEFAULTS.kmeans_min_silhouette
+#: k-means++ chains (initialisations) per k; the lowest inertia wins (``kmeans_n_init``)
+N_INIT: int = _DEFAULTS.kmeans_n_init
+#: chains fitted at the chosen k for the stability check (``kmeans_stability_seeds``)
+STABILITY_SEEDS: int = _DEFAULTS.kmeans_stability_seeds
+#: points a silhouette is computed on, a subsample drawn once when there are more
+#: (``silhouette_max_points``)
+SILHOUETTE_MAX_POINTS: int = _DEFAULTS.silhouette_max_points
 #: dtype of the one-process fits' Lloyd iterations
 LOCAL_DTYPE: type[np.floating] = np.float32
 #: samples with n·d at most this (4096 points × d = 8192, 256 MiB in float64) are fitted in one

@@ -14,7 +14,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import pandas as pd
 
-from ..config import JobConfig
+from .options import TableOptions
 from .partials import (
     CosineSums,
     TypePartials,
@@ -35,8 +35,8 @@ LAYER_COLUMNS = [
 ]  # fmt: skip
 DIM_COLUMNS = ["layer", "dim", "mean", "std"]
 
-#: default minimum count of a type in norm_variance_corr (the job's ``--min-count``)
-MIN_COUNT: int = JobConfig.model_fields["min_count"].default
+#: default minimum count of a type in norm_variance_corr (:class:`~.options.TableOptions`)
+MIN_COUNT: int = TableOptions().min_count
 
 
 def self_similarity(m: LayerMoments, unit_sums: np.ndarray | None = None) -> np.ndarray:

@@ -24,7 +24,6 @@ from dataclasses import dataclass
 import numpy as np
 import pandas as pd
 
-from ..config import JobConfig, TableOptions
 from .metrics import (
     DIM_COLUMNS,
     cosines_from_unit_sums,
@@ -32,6 +31,7 @@ from .metrics import (
     dim_variances,
     isoscore_from_covariance,
 )
+from .options import TableOptions
 from .partials import TypePartials, group_sums, type_partials
 from .statistics import EmbeddingStatistics, LayerMoments
 
@@ -44,16 +44,17 @@ FLAG_COLUMNS = [
 DIMS_COLUMNS = DIM_COLUMNS + FLAG_COLUMNS
 
 
-_OPTIONS = JobConfig.model_fields
+_DEFAULTS = TableOptions()
 
 
 @dataclass(frozen=True)
 class OutlierRules:
-    """When a dimension is flagged as an outlier (defaults: the job's ``--outlier-*`` options)."""
+    """When a dimension is flagged as an outlier (defaults: the ``outlier_*`` options of
+    :class:`~.options.TableOptions`)."""
 
-    mean_z: float = _OPTIONS["outlier_mean_z"].default
-    variance_ratio: float = _OPTIONS["outlier_variance_ratio"].default
-    tail_share: float = _OPTIONS["outlier_tail_share"].default
+    mean_z: float = _DEFAULTS.outlier_mean_z
+    variance_ratio: float = _DEFAULTS.outlier_variance_ratio
+    tail_share: float = _DEFAULTS.outlier_tail_share
 
     @classmethod
     def of(cls, options: TableOptions) -> OutlierRules:

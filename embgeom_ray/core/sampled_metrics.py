@@ -25,11 +25,11 @@ import numpy as np
 import pandas as pd
 from scipy.special import logsumexp
 
-from ..config import JobConfig
 from .distinct import distinct_rows
 from .kmeans_selection import SILHOUETTE_MAX_POINTS
 from .metrics import isoscore_from_covariance, isoscore_from_spectrum
 from .neighbours import NeighbourTable, knn_distances, neighbour_table, smallest_per_row
+from .options import SampledOptions
 from .partials import group_sums, mean_cosine_from_unit_sum
 
 if TYPE_CHECKING:
@@ -58,12 +58,12 @@ SAMPLED_LAYER_COLUMNS = [
     *(f"{m}_se" for m in SE_METRICS),
 ]  # fmt: skip
 
-_OPTIONS = JobConfig.model_fields
-#: defaults of the sampled metrics: the job's own option defaults (one home, JobConfig)
-LID_K: int = _OPTIONS["lid_k"].default
-CLUSTER_MIN_SIZE: int = _OPTIONS["cluster_min_size"].default
-S_INTER_DRAWS: int = _OPTIONS["s_inter_draws"].default
-SE_REPLICATES: int = _OPTIONS["sampled_se_replicates"].default
+_DEFAULTS = SampledOptions()
+#: defaults of the sampled metrics: their option group's (:class:`~.options.SampledOptions`)
+LID_K: int = _DEFAULTS.lid_k
+CLUSTER_MIN_SIZE: int = _DEFAULTS.cluster_min_size
+S_INTER_DRAWS: int = _DEFAULTS.s_inter_draws
+SE_REPLICATES: int = _DEFAULTS.sampled_se_replicates
 
 
 def _as_points(X: np.ndarray, name: str = "X") -> np.ndarray:

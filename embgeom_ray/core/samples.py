@@ -59,11 +59,11 @@ import numpy as np
 import pandas as pd
 import torch
 
-from ..config import JobConfig
 from ..errors import StatisticsMismatchError
+from .options import SampleOptions
 from .sketch import Sketch, check_array
 
-_OPTIONS = JobConfig.model_fields
+_DEFAULTS = SampleOptions()
 
 #: the ``format`` of the header (this name since the first version).
 FORMAT = "embgeom_ray.samples"
@@ -360,8 +360,8 @@ class ActivationSample(Sketch):
         self,
         layers: Sequence[int],
         dim: int,
-        size: int = _OPTIONS["sample_size"].default,
-        seed: int = _OPTIONS["sample_seed"].default,
+        size: int = _DEFAULTS.sample_size,
+        seed: int = _DEFAULTS.sample_seed,
         type_uniform: bool = True,
         device: str | torch.device = "cpu",
         metadata: Mapping[str, str] | None = None,

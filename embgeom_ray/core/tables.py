@@ -28,8 +28,8 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import numpy as np
 import pandas as pd
 
-from ..config import SampledOptions, TableOptions
 from .metrics import layer_row_from, type_stats_rows, with_token_names
+from .options import SampledOptions, TableOptions
 from .partials import TypePartials, merge_partials, type_partials
 from .rogue import (
     OutlierRules,

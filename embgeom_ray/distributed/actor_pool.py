@@ -30,14 +30,15 @@ from typing import Any
 import numpy as np
 import ray
 
-from ..config import ExtractionOptions, SchedulingOptions
 from ..core.spilling import SpillingStatistics
 from ..counts import Counts
 from ..errors import UserError
 from ..inputs.corpus import Shard
 from ..inputs.extractor import ShardProcessor
+from ..inputs.options import ExtractionOptions
 from ..sizing import Pool
 from .cluster import read_cluster
+from .options import SchedulingOptions
 from .process_memory import peak_rss_bytes, sampler
 
 log = logging.getLogger(__name__)
@@ -496,16 +497,17 @@ def run_shards(
         options["num_gpus"] = plan.num_gpus
     if plan.memory_bytes:
         options["memory"] = plan.memory_bytes
-    extraction = dataclasses.replace(extraction, gpus_per_worker=int(plan.num_gpus) or 1)
+    extraction = extraction.model_copy(update={"gpus_per_worker": int(plan.num_gpus) or 1})
     if pool is not None:  # the actors get the decided budgets
-        extraction = dataclasses.replace(
-            extraction,
-            worker_memory=pool.memory,
-            statistics_memory=pool.statistics,
-            batch_tokens=pool.batch_tokens,
+        extraction = extraction.model_copy(
+            update={
+                "worker_memory": pool.memory,
+                "statistics_memory": pool.statistics,
+                "batch_tokens": pool.batch_tokens,
+            }
         )
     actor_cls = ShardExtractActor.options(**options)
-    args = (dataclasses.asdict(extraction), layers, metadata, plan.num_cpus, clip_dims)
+    args = (extraction.model_dump(), layers, metadata, plan.num_cpus, clip_dims)
     _Scheduler(
         scheduling,
         plan,

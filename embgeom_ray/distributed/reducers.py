@@ -50,7 +50,7 @@ from typing import Any
 import numpy as np
 import ray
 
-from ..config import TableOptions
+from ..core.options import TableOptions
 from ..core.statistics import EmbeddingStatistics, LayerMoments
 from ..core.tables import TypeSummary, build_tables_from, summarise_types
 from ..errors import ConfigError, OutputError

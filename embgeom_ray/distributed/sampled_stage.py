@@ -13,7 +13,7 @@ from typing import Any
 import pandas as pd
 from tqdm.auto import tqdm
 
-from ..config import SampledOptions
+from ..core.options import SampledOptions
 from ..core.samples import ActivationSample
 from ..core.tables import finish_sampled_metrics, plan_sampled_metrics, sampled_row
 

@@ -19,7 +19,6 @@ from typing import Any
 
 import torch
 
-from ..config import ExtractionOptions
 from ..core.samples import ActivationSample
 from ..core.sketch import finite_layers
 from ..core.split_statistics import SplitStatistics
@@ -34,6 +33,7 @@ from .model_loading import (
     load_tokenizer,
     unknown_token_id,
 )
+from .options import ExtractionOptions
 from .windows import (
     MAX_PADDING,
     MIN_BATCH_POSITIONS,
@@ -113,7 +113,7 @@ class ShardProcessor:
     """Model + tokenizer loaded once; :meth:`process` folds one shard.
 
     Args:
-        options: the extraction options (:attr:`JobConfig.extraction`).
+        options: the extraction options (:class:`~.options.ExtractionOptions`).
         layers: resolved HF hidden-state indices to keep.
         metadata: identity strings stamped on every statistics object (model and tokenizer
             fingerprints, …), so shards of different measurements can never be merged.

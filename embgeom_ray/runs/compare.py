@@ -54,7 +54,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from ..config import JobConfig
+from ..core.options import SampleOptions
 from ..core.rogue import flagged_dims
 from ..core.sampled_metrics import SAMPLED_LAYER_COLUMNS, SE_METRICS
 from ..errors import UserError
@@ -97,7 +97,7 @@ BEST_K_DEPENDENT = ("kmeans_stability",)
 #: token counts differing by more than this factor get the size warning
 SIZE_RATIO = 10.0
 #: the uniform sample size of a run that records none (the job's default ``--sample-size``)
-DEFAULT_SAMPLE_SIZE: int = JobConfig.model_fields["sample_size"].default
+DEFAULT_SAMPLE_SIZE: int = SampleOptions().sample_size
 #: column names of the wide table that a label may not take
 RESERVED_LABELS = ("metric", "layer", "depth")
 BY_INDEX, BY_DEPTH = "layer_index", "relative_depth"

@@ -13,7 +13,8 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Union
 
-from ..config import JobConfig, TableOptions
+from ..config import JobConfig
+from ..core.options import TableOptions
 from ..core.samples import ActivationSample
 from ..core.statistics import EmbeddingStatistics
 from ..core.tables import build_tables
