@@ -48,7 +48,7 @@ from collections.abc import Callable
 import torch
 
 from bench.common import median, save
-from embgeom_ray.core.statistics import add_gram_upper, symmetric_from_upper
+from embgeom_ray.core.gram import add_gram_upper, symmetric_from_upper
 
 
 def _upper(xs: torch.Tensor, block: int = 96) -> torch.Tensor:
@@ -174,17 +174,12 @@ def _int8_upper(xs: torch.Tensor) -> torch.Tensor:
     residues by the fold's kernel (compiled on CUDA), int8 products of the block triangle in
     the fold's column blocks on this device, Garner's reconstruction."""
     from embgeom_ray.core import fold_kernels
+    from embgeom_ray.core.gram import integer_blocks
     from embgeom_ray.core.integer_gram import IntegerGram
-    from embgeom_ray.core.statistics import GPU_GRAM_ALIGN, GPU_GRAM_BLOCKS
 
     n, d = xs.shape
     zero = torch.zeros(d, dtype=torch.float64, device=xs.device)
-    blocks = (
-        {"block": -(-d // GPU_GRAM_BLOCKS), "align": GPU_GRAM_ALIGN}
-        if xs.device.type == "cuda"
-        else {"block": 96, "align": 8}
-    )
-    gram = IntegerGram(xs, zero, **blocks)
+    gram = IntegerGram(xs, zero, **integer_blocks(d, xs.device.type == "cuda"))
     for g, s, e in gram.pieces(0, n):
         res = fold_kernels.residues(xs[s:e], zero, g.scale, g.moduli, *gram.padding(g, s, e))
         gram.put(g, s, e, res)

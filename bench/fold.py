@@ -23,7 +23,7 @@ checkout's default against the default before it, 2026-11-27); a plain ``P`` is 
 (``statistics.INTEGER_PRODUCT``; by default on CUDA only).
 
 ``--gram-blocks K`` runs this checkout's co-moment product in K column blocks on a GPU
-(``statistics.GPU_GRAM_BLOCKS``, 8 by default), the baseline's as it is.
+(``gram.GPU_GRAM_BLOCKS``, 8 by default), the baseline's as it is.
 
 ``--scatter`` also times the per-type sums of one batch's float64 rows, sorted by type, three
 ways: ``index_add_`` (what the fold does), ``torch.segment_reduce`` and a CSR matrix product.
@@ -224,16 +224,17 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--scatter", action="store_true", help="also time the per-type sums")
     p.add_argument(
         "--gram-blocks", type=int, default=None,
-        help="this checkout's co-moment column blocks on a GPU (statistics.GPU_GRAM_BLOCKS)",
+        help="this checkout's co-moment column blocks on a GPU (gram.GPU_GRAM_BLOCKS)",
     )  # fmt: skip
     p.add_argument("--name", default="fold")
     args = p.parse_args(argv)
     auto = "cuda" if torch.cuda.is_available() else "cpu"
     dev = torch.device(auto if args.device == "auto" else args.device)
+    import embgeom_ray.core.gram as gram
     import embgeom_ray.core.statistics as current
 
     if args.gram_blocks is not None:
-        current.GPU_GRAM_BLOCKS = args.gram_blocks
+        gram.GPU_GRAM_BLOCKS = args.gram_blocks
     if args.integer_product:
         current.INTEGER_PRODUCT = True
 

@@ -410,7 +410,7 @@ def test_tails_count_the_first_extreme_dimension_on_ties():
 def test_extreme_counts_equal_argmax_counts(dtype):
     """Tails from the column sums of x == rowmax(x) equal bincount(argmax) in every dtype, also
     beyond 256 rows (where a bf16 sum would round) and with ties (first dimension wins)."""
-    from embgeom_ray.core.statistics import extreme_counts
+    from embgeom_ray.core.layer_state import extreme_counts
 
     rng = np.random.default_rng(41)
     x = torch.as_tensor(rng.normal(size=(3000, 7)) * [1, 1, 1.5, 1, 1, 1, 0.5]).to(dtype)
@@ -511,7 +511,7 @@ def test_the_integer_product_adds_no_host_synchronisation(row_block):
 @pytest.mark.parametrize("precision", ["float64", "float32"])
 def test_gram_block_triangle_equals_the_full_product(d, precision):
     """The co-moment product multiplies only the upper block triangle and mirrors it."""
-    from embgeom_ray.core.statistics import gram
+    from embgeom_ray.core.gram import gram
 
     rng = np.random.default_rng(d)
     x = rng.normal(size=(257, d)) * rng.uniform(0.1, 10.0, size=d)
@@ -528,7 +528,7 @@ def test_gram_block_triangle_equals_the_full_product(d, precision):
 def test_gpu_gram_blocks_are_aligned_and_cover_the_columns(d, blocks):
     """The GPU's k column blocks (``add_gram``): edges at multiples of 64 columns (never
     empty blocks), the product still the full one."""
-    from embgeom_ray.core.statistics import _column_blocks, add_gram_upper, symmetric_from_upper
+    from embgeom_ray.core.gram import _column_blocks, add_gram_upper, symmetric_from_upper
 
     edges = _column_blocks(d, -(-d // blocks), 64)
     assert edges[0] == 0 and edges[-1] == d and all(b > a for a, b in itertools.pairwise(edges))

@@ -1,0 +1,101 @@
+"""The co-moment's product XᵀX in float64 or float32, in column blocks.
+
+The fold's one matrix product is G = X'ᵀX' of a batch's rows shifted by a centre c,
+x'_i = x_i − c (n × d), added to the layer's co-moment (``core/layer_state.py``). G is
+symmetric, so only its upper block triangle is multiplied: with the columns split into k blocks
+X = [X_1 … X_k], block row i is X_iᵀ [X_i … X_k], (k + 1)/(2k) of the full product's
+multiply-adds (62% for d = 384 in blocks of 96, 51% for d = 4,096), in k large matrix products
+each added to a float64 sum in its own precision; :func:`symmetric_from_upper` mirrors the
+triangle. The same product on int8 matrix units, within a stated bound, is
+:mod:`~embgeom_ray.core.integer_gram`.
+
+On a GPU the blocks are few and wide (:data:`GPU_GRAM_BLOCKS`, edges at multiples of
+:data:`GPU_GRAM_ALIGN` columns): skinny products run far under a GPU's rate.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import torch
+
+_F64 = torch.float64
+
+#: column blocks of the co-moment product on a GPU: a few wide products (the block triangle
+#: of k blocks is (k + 1)/(2k) of the full product's multiply-adds: 9/16 for 8) rather than many
+#: skinny ones. On an H100 (``python -m bench.comoment --rows 65536``; docs/benchmarks.md),
+#: float64, d = 2,048:
+#: 4 blocks 6.20 ms, 8 blocks 5.51 ms; d = 4,096: 22.95 and 21.10 ms.
+GPU_GRAM_BLOCKS = 8
+#: the GPU blocks' edges at multiples of this many columns: 6 blocks of d = 2,048 (edges at odd
+#: columns such as 341) took 18.6 ms on that H100, three times as long as 4 or 8 blocks
+GPU_GRAM_ALIGN = 64
+
+
+def _column_blocks(d: int, block: int, align: int = 1) -> list[int]:
+    """Edges of about ``block``-wide column blocks of d columns (at least one block), the inner
+    edges rounded to multiples of ``align`` columns (blocks that would be empty are dropped)."""
+    k = max(1, round(d / block))
+    if align == 1:
+        return [d * i // k for i in range(k + 1)]
+    inner = {min(d, align * round(d * i / k / align)) for i in range(1, k)}
+    return sorted(inner - {0, d} | {0, d})
+
+
+def add_gram_upper(
+    upper: torch.Tensor, xs: torch.Tensor, block: int = 96, align: int = 1
+) -> None:
+    """Add the upper block triangle of XᵀX (rows of ``xs``, multiplied in its dtype) to ``upper``.
+
+    With the columns split into k blocks X = [X_1 … X_k] of about ``block`` columns, block row
+    i is X_iᵀ [X_i … X_k]: (k + 1)/(2k) of the multiply-adds of ``xs.T @ xs`` (62% for
+    d = 384, 51% for d = 4096) in k large matrix products, each added to ``upper`` (float64)
+    in its own precision. Blocks strictly below the diagonal are left as they are;
+    :func:`symmetric_from_upper` makes the matrix. ``align``: the blocks' edges at multiples
+    of that many columns (:func:`_column_blocks`).
+    """
+    for lo, hi in itertools.pairwise(_column_blocks(xs.shape[1], block, align)):
+        upper[lo:hi, lo:] += xs[:, lo:hi].T @ xs[:, lo:]  # block row: (hi − lo, d − lo)
+
+
+def add_gram(upper: torch.Tensor, xs: torch.Tensor, block: int = 96) -> None:
+    """Add the upper block triangle of XᵀX (rows of ``xs``, multiplied in its dtype) to
+    ``upper`` (float64) (:func:`add_gram_upper`): on a CPU in blocks of ``block`` columns, on a
+    GPU in :data:`GPU_GRAM_BLOCKS` blocks with edges at multiples of :data:`GPU_GRAM_ALIGN`
+    columns (skinny products run far under a GPU's rate: on an H200 at n = 8,192 rows and
+    d = 2,048, float64 blocks of 96 columns take 4.9 ms, the full product 1.1 ms;
+    ``python -m bench.comoment``; docs/benchmarks.md). :func:`symmetric_from_upper` makes the
+    matrix."""
+    d = xs.shape[1]
+    if xs.device.type != "cpu":
+        add_gram_upper(upper, xs, -(-d // GPU_GRAM_BLOCKS), GPU_GRAM_ALIGN)
+    else:
+        add_gram_upper(upper, xs, block)
+
+
+def integer_blocks(d: int, gpu: bool) -> dict[str, int]:
+    """Column blocks of the product on int8 units (``IntegerGram``'s ``block`` and ``align``):
+    on a GPU its few wide ones (as :func:`add_gram`), else blocks of 96 columns; edges at
+    multiples of 8 at least (int8 products)."""
+    if gpu:
+        return {"block": -(-d // GPU_GRAM_BLOCKS), "align": GPU_GRAM_ALIGN}
+    return {"block": 96, "align": 8}
+
+
+def symmetric_from_upper(upper: torch.Tensor) -> torch.Tensor:
+    """The symmetric matrix whose upper triangle (diagonal included) is ``upper``'s."""
+    upper = torch.triu(upper)  # diagonal blocks too: the result is exactly symmetric
+    return upper + torch.triu(upper, diagonal=1).T
+
+
+def gram(xs: torch.Tensor, block: int = 96) -> torch.Tensor:
+    """XᵀX (d × d, float64) of the rows of ``xs`` (n × d), multiplied in ``xs``'s dtype.
+
+    XᵀX is symmetric, so only its upper block triangle is multiplied
+    (:func:`add_gram_upper`) and the lower triangle is mirrored. Pass float32 rows (already
+    centred) for the ``comoment_precision="float32"`` product.
+    """
+    d = xs.shape[1]
+    upper = torch.zeros(d, d, dtype=_F64, device=xs.device)
+    add_gram(upper, xs, block)
+    return symmetric_from_upper(upper)

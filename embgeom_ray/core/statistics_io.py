@@ -1,0 +1,254 @@
+"""The files of :class:`~embgeom_ray.core.statistics.EmbeddingStatistics`: writing, reading,
+reading a part, and the versions read.
+
+A statistics file is the sketches' safetensors file (``core/sketch.py``): named little-endian
+arrays, no pickle, and a JSON header ::
+
+    {"format": "embgeom_ray.statistics", "version": 2, "layers": [...], "dim": d,
+     "max_positions": P, "clip_dims": [...] | null, "comoment_precision": "...",
+     "partition": {"of_layers": [...], "token_range": [lo, hi], "layer_state": bool} | null,
+     "metadata": {...}}
+
+The arrays are the held :data:`FIELDS <embgeom_ray.core.statistics_fields.FIELDS>` (per-type
+ones (L, T, *tail), per-layer ones (L, *tail)) and ``type_ids`` (T,): the types sorted by id,
+unused slots dropped, so equal statistics give equal bytes, and a token range is one contiguous
+run of rows that :func:`load_part` reads alone. Versions read (:data:`READS`): 1, without the
+``partition`` record (a whole), and 2.
+"""
+
+from __future__ import annotations
+
+import json
+import warnings
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+
+from ..errors import StatisticsMismatchError
+from .partitions import Partition, range_text, requested_part
+from .sketch import HEADER_KEY, check_array, safetensors_into
+from .statistics_fields import FIELDS
+
+if TYPE_CHECKING:
+    from .statistics import EmbeddingStatistics
+
+#: the ``format`` of the header (this name since the first version; see :data:`READS`).
+FORMAT = "embgeom_ray.statistics"
+#: version 2 adds the header's ``partition`` record; version 1 files (no record) are wholes.
+FORMAT_VERSION = 2
+#: format names and versions read.
+READS = {FORMAT: frozenset({1, 2})}
+
+
+def state_arrays(stats: EmbeddingStatistics) -> dict[str, np.ndarray]:
+    """The held fields plus ``type_ids``: types sorted by id, unused slots dropped, all on
+    the CPU (:meth:`EmbeddingStatistics.state_dict`)."""
+    order = stats.type_moments.order()
+    t = stats.num_types
+    arrays = stats.arrays
+    out = {"type_ids": stats.type_moments.slot_ids[order]}
+    for f in stats.held_fields():
+        a = arrays[f.name]
+        out[f.name] = a[:, :t][:, order] if f.per_type else a
+    return {k: np.ascontiguousarray(v.detach().cpu().numpy()) for k, v in out.items()}
+
+
+def to_bytes(
+    stats: EmbeddingStatistics, into: np.ndarray | None = None
+) -> bytearray | np.ndarray:
+    """The safetensors file of :func:`state_arrays` and the header, each array gathered
+    straight into its place in the file's buffer (:func:`~embgeom_ray.core.sketch.safetensors_into`;
+    ``into``: a uint8 array to reuse as that buffer where it is large enough)."""
+    order = stats.type_moments.order()
+    t = stats.num_types
+    arrays = stats.arrays
+    sources = {"type_ids": (stats.type_moments.slot_ids, False)}
+    sources |= {f.name: (arrays[f.name], f.per_type) for f in stats.held_fields()}
+    specs = {}
+    for name, (a, per_type) in sources.items():
+        shape = (t,) if name == "type_ids" else ((a.shape[0], t, *a.shape[2:]) if per_type else tuple(a.shape))  # fmt: skip
+        specs[name] = (a.dtype, shape)
+
+    def fill(name: str, out: torch.Tensor) -> None:
+        a, per_type = sources[name]
+        if name == "type_ids":
+            out.copy_(a.index_select(0, order))
+        elif per_type and a.device == out.device:
+            torch.index_select(a[:, :t], 1, order, out=out)
+        elif per_type:
+            out.copy_(a[:, :t].index_select(1, order))
+        else:
+            out.copy_(a)
+
+    return safetensors_into(specs, fill, {HEADER_KEY: json.dumps(stats.header())}, into)
+
+
+def empty_statistics(
+    cls: type[EmbeddingStatistics], header: Mapping[str, Any], version: int, device: Any
+) -> EmbeddingStatistics:
+    """Empty statistics with the header's fields (version 1: a whole, no partition)."""
+    record = header.get("partition") if version >= 2 else None
+    return cls(
+        [int(x) for x in header["layers"]],
+        int(header["dim"]),
+        max_positions=int(header.get("max_positions", 0)),
+        device=device,
+        metadata=header.get("metadata"),
+        initial_types=1,
+        clip_dims=header.get("clip_dims"),
+        comoment_precision=header.get("comoment_precision", "float64"),
+        partition=None if record is None else Partition.from_json(record),
+    )
+
+
+def set_state(stats: EmbeddingStatistics, arrays: Mapping[str, np.ndarray]) -> None:
+    """Fill the new, empty ``stats`` from :func:`state_arrays`'s arrays, each checked against
+    its field."""
+    t = int(np.asarray(arrays["type_ids"]).shape[0]) if "type_ids" in arrays else 0
+    ids = check_array(arrays, "type_ids", (t,), np.int64, stats.KIND)
+    lo, hi = stats.token_range
+    if t and ((np.diff(ids) <= 0).any() or ids[0] < lo or (hi is not None and ids[-1] >= hi)):
+        raise StatisticsMismatchError(
+            f"statistics type_ids are not increasing ids in {range_text((lo, hi))}"
+        )
+    shape = (len(stats.layers), t, stats.dim, stats.max_positions)
+    if t:
+        stats.type_moments.slots_for(torch.from_numpy(np.array(ids)).to(stats.device))  # 0..t-1
+    # one field at a time, and the per-type rows copied straight from the (read-only)
+    # arrays into their slots: a reader holds the arrays read and these statistics, not a
+    # third copy of everything
+    for f in stats.held_fields():
+        a = check_array(arrays, f.name, f.shape(*shape), f.numpy_dtype, stats.KIND)
+        if f.per_type:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", UserWarning)  # a read-only view, copied
+                stats.type_moments.arrays[f.name][:, :t] = torch.from_numpy(np.asarray(a)).to(
+                    stats.device
+                )
+        else:
+            stats.layer_state.arrays[f.name] = (
+                torch.from_numpy(np.array(a)).to(stats.device).contiguous()
+            )
+
+
+def load_part(
+    cls: type[EmbeddingStatistics],
+    path: str,
+    layers: Sequence[int] | None,
+    token_range: tuple[int, int | None],
+    layer_state: bool,
+) -> EmbeddingStatistics:
+    """``cls.load(path).select(layers, token_range, layer_state=layer_state)``, reading only
+    that part's bytes when ``path`` is a local file of a whole (version 2 and later).
+
+    Files store the types sorted by id, so a token range is one contiguous run of rows: each
+    per-type array is read as ``[layer, a:b]`` slices and each per-layer array only for the
+    kept layers (safetensors' lazy slices). What a reducer holds while reading a checkpoint
+    group is then its part, not the group. Remote URLs and files that are themselves parts
+    are read whole and selected.
+    """
+    from safetensors import safe_open
+
+    from ..io_utils import is_local, local_path
+
+    url = str(path)
+    if is_local(url):
+        with safe_open(local_path(url), framework="numpy") as f:
+            header = _open_header(cls, f, url)
+            if cls.check_header(header) >= 2:
+                return _read_part(cls, f, header, layers, token_range, layer_state)
+    return cls.load(url).select(layers, token_range, layer_state=layer_state)
+
+
+def read_header(cls: type[EmbeddingStatistics], path: str) -> dict[str, Any]:
+    """The header of a statistics file, read alone from a local file, else from the loaded
+    file."""
+    from safetensors import safe_open
+
+    from ..io_utils import is_local, local_path
+
+    url = str(path)
+    if is_local(url):
+        with safe_open(local_path(url), framework="numpy") as f:
+            header = _open_header(cls, f, url)
+        cls.check_header(header)
+        return header
+    return cls.load(url).header()
+
+
+def read_type_ids(cls: type[EmbeddingStatistics], path: str) -> np.ndarray:
+    """The increasing token ids a statistics file holds rows for, read alone from a local
+    file (the other arrays stay on disk), else from the loaded file."""
+    from safetensors import safe_open
+
+    from ..io_utils import is_local, local_path
+
+    url = str(path)
+    if is_local(url):
+        with safe_open(local_path(url), framework="numpy") as f:
+            if "type_ids" in f.keys():
+                return f.get_tensor("type_ids")
+    return cls.load(url).state_dict()["type_ids"]
+
+
+def _open_header(cls: type[EmbeddingStatistics], f: Any, url: str) -> dict[str, Any]:
+    """The JSON header of an open safetensors file (``safe_open``), or a one-line error."""
+    try:
+        return json.loads((f.metadata() or {})[HEADER_KEY])
+    except (KeyError, ValueError) as exc:
+        raise StatisticsMismatchError(
+            f"{url}: not an embgeom_ray {cls.KIND} artefact ({exc})"
+        ) from None
+
+
+def _read_part(
+    cls: type[EmbeddingStatistics],
+    f: Any,
+    header: dict[str, Any],
+    layers: Sequence[int] | None,
+    token_range: tuple[int, int | None],
+    layer_state: bool,
+) -> EmbeddingStatistics:
+    """The part of an open safetensors file (:func:`load_part`): of a whole, or of a part
+    that holds what is asked (:func:`~embgeom_ray.core.partitions.requested_part`)."""
+    record = header.get("partition")
+    held = [int(x) for x in header["layers"]]
+    kept, part = requested_part(
+        held, None if record is None else Partition.from_json(record), layers, token_range,
+        layer_state,
+    )  # fmt: skip
+    lis = [held.index(x) for x in kept]
+    arrays = _read_rows(f, header.get("clip_dims") is not None, lis, token_range, layer_state)
+    record = None if part is None else part.to_json()
+    return cls.from_state(header | {"layers": kept, "partition": record}, arrays)
+
+
+def _read_rows(
+    f: Any,
+    clip: bool,
+    lis: Sequence[int],
+    token_range: tuple[int, int | None],
+    layer_state: bool,
+) -> dict[str, np.ndarray]:
+    """The arrays of layer slots ``lis`` and the types in ``token_range`` of an open
+    safetensors file of statistics (with ``clip_unit_sums`` if ``clip``; the per-layer fields
+    if ``layer_state``), each read as slices."""
+    lo, hi = token_range
+    ids = f.get_tensor("type_ids")
+    a = int(np.searchsorted(ids, lo, "left"))
+    b = len(ids) if hi is None else int(np.searchsorted(ids, hi, "left"))
+    arrays = {"type_ids": ids[a:b]}
+    for field in FIELDS:
+        if (field.clip and not clip) or (not field.per_type and not layer_state):
+            continue
+        lazy = f.get_slice(field.name)
+        shape = lazy.get_shape()
+        if field.per_type and a == b:  # no row in the range (safetensors refuses [n:n])
+            arrays[field.name] = np.empty((len(lis), 0, *shape[2:]), field.numpy_dtype)
+            continue
+        rows = [lazy[li : li + 1, a:b] if field.per_type else lazy[li : li + 1] for li in lis]
+        none = (0, b - a, *shape[2:]) if field.per_type else (0, *shape[1:])  # no layer kept
+        arrays[field.name] = np.concatenate(rows) if rows else np.empty(none, field.numpy_dtype)
+    return arrays
