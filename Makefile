@@ -47,12 +47,12 @@ test-floors: env
 	PYTHONPATH=build/floors $(PY) -c 'import transformers, datasets, pyarrow, numpy, ray; \
 	    print("floors:", transformers.__version__, datasets.__version__, pyarrow.__version__, \
 	    numpy.__version__, ray.__version__)'
-	PYTHONPATH=build/floors $(PY) -m pytest -q -p no:cacheprovider tests/test_windows.py \
-	    tests/test_extractor.py tests/test_model_loading.py tests/test_statistics.py \
-	    tests/test_multi_gpu.py tests/test_samples.py tests/test_corpus.py tests/test_dedup.py \
-	    tests/test_tables.py tests/test_outputs.py tests/test_report.py tests/test_rogue.py \
-	    tests/test_sampled_metrics.py tests/test_reducers.py tests/test_cluster_connect.py \
-	    tests/test_job_end_to_end.py tests/test_faults.py tests/test_ray_submit.py
+	PYTHONPATH=build/floors $(PY) -m pytest -q -p no:cacheprovider tests/inputs/test_windows.py \
+	    tests/inputs/test_extractor.py tests/inputs/test_model_loading.py tests/core/test_statistics.py \
+	    tests/inputs/test_multi_gpu.py tests/core/test_samples.py tests/inputs/test_corpus.py tests/inputs/test_dedup.py \
+	    tests/core/test_tables.py tests/runs/test_outputs.py tests/report/test_report.py tests/core/test_rogue.py \
+	    tests/core/test_sampled_metrics.py tests/distributed/test_reducers.py tests/distributed/test_cluster_connect.py \
+	    tests/runs/test_job_end_to_end.py tests/distributed/test_faults.py tests/jobs/test_ray_submit.py
 
 lint: env
 	$(PY) -m ruff check embgeom_ray jobs tests bench

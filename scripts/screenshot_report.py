@@ -10,7 +10,7 @@ temporary profile, no sandbox, no GPU and no background networking, so it works 
 container and never touches the network (the report is self-contained anyway). Install it on
 Debian/Ubuntu with ``apt-get install -y chromium``.
 
-The helpers :func:`screenshot` and :func:`dump_dom` are used by ``tests/test_report.py``.
+The helpers :func:`screenshot` and :func:`dump_dom` are used by ``tests/report/test_report.py``.
 """
 
 from __future__ import annotations

@@ -1,0 +1,189 @@
+"""An extractor's statistics under a byte budget (core/spilling.py) and the accumulator they
+keep for an extractor's life (EmbeddingStatistics.clear / fit_budget)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from embgeom_ray.core.spilling import SpillingStatistics
+from embgeom_ray.core.split_statistics import SplitStatistics
+from embgeom_ray.core.statistics import EmbeddingStatistics, state_bytes
+from tests.core.test_statistics import assert_same_state
+
+LAYERS, D = [0, 2], 8
+
+
+def batches(n: int, vocab: int, offset: float = 0.0, seed: int = 5):
+    rng = np.random.default_rng(seed)
+    for _ in range(n):
+        h = torch.as_tensor(rng.normal(size=(len(LAYERS), 4, 16, D)) + offset)
+        yield h, torch.as_tensor(rng.integers(0, vocab, size=(4, 16)))
+
+
+def new(initial_types: int = 8) -> EmbeddingStatistics:
+    return EmbeddingStatistics(LAYERS, D, max_positions=16, initial_types=initial_types)
+
+
+@pytest.mark.parametrize("offset", [0.0, 1e4])
+def test_spilled_pieces_merge_into_the_one_pass_statistics(offset):
+    """Under a budget the accumulator holds at most the budget plus one batch's growth, and
+    its arrays are never allocated past that; its pieces, merged in order, equal one pass to
+    float64 rounding."""
+    probe = new()
+    probe.update(*next(batches(1, 2000)))  # the per-batch scratch buffers count too
+    scratch = sum(b.numel() * b.element_size() for b in probe._buffers.values())
+    budget = scratch + state_bytes(len(LAYERS), D, 120, 16)  # room for ~120 types
+    one_batch = state_bytes(len(LAYERS), D, 64, 16) - state_bytes(len(LAYERS), D, 0, 16)
+    spilling = SpillingStatistics(new(), budget)
+    one = new()
+    held, allocated = [], []
+    for h, ids in batches(40, 2000, offset):
+        spilling.update(h, ids)
+        one.update(h, ids)
+        held.append(spilling.current.held_bytes())
+        allocated.append(spilling.current.nbytes())
+    assert 3 <= spilling.spills < 40  # not every batch
+    assert max(held) < budget + one_batch
+    assert max(allocated) < budget + one_batch + scratch  # no doubling past the budget
+    assert spilling.nbytes() == spilling.current.held_bytes() + spilling.spilled_bytes
+    pieces = spilling.take()
+    assert len(pieces) == spilling.spills + 1 and spilling.spilled == []
+    merged = EmbeddingStatistics.from_bytes(pieces[0])
+    for data in pieces[1:]:
+        merged.merge(EmbeddingStatistics.from_bytes(data))
+    assert merged.token_count() == one.token_count() == 40 * 64
+    assert_same_state(merged, one, rtol=1e-11, comoment_rtol=1e-11)
+
+
+def test_without_a_budget_nothing_spills():
+    spilling = SpillingStatistics(EmbeddingStatistics(LAYERS, D), None)
+    for h, ids in batches(5, 50):
+        spilling.update(h, ids)
+    assert spilling.spills == 0 and len(spilling.take()) == 1
+
+
+@pytest.mark.parametrize("offset", [0.0, 1e6])
+def test_a_cleared_accumulator_folds_as_new_statistics_in_the_same_memory(offset):
+    """clear() forgets every type and the per-layer state but keeps the arrays: the next
+    batches fold into the same memory (no growth, no new allocation) and give exactly what
+    new statistics give, also with offsets where the first batch's shift matters."""
+    stats = new(initial_types=1)
+    for h, ids in batches(5, 300, offset):
+        stats.update(h, ids)
+    seen, capacity = stats.num_types, stats._capacity()
+    pointers = {name: a.data_ptr() for name, a in stats._a.items()}
+    stats.clear()
+    assert stats.num_types == 0 and stats.token_count() == 0
+    assert stats.held_bytes() == stats.nbytes() - capacity * stats._row_bytes()  # no type held
+    assert_same_state(stats, new())  # empty: nothing held
+    fresh = new(initial_types=1)
+    for h, ids in batches(3, 300, offset, seed=9):
+        stats.update(h, ids)
+        fresh.update(h, ids)
+    assert 100 < stats.num_types <= seen and stats._capacity() == capacity
+    assert {name: a.data_ptr() for name, a in stats._a.items()} == pointers
+    assert_same_state(stats, fresh)
+
+
+def test_flushes_and_spills_clear_one_accumulator():
+    """take() and a spill return the accumulator's bytes and clear it in place: the same
+    object, its capacity kept, so the next interval does not grow it again."""
+    stats = new(initial_types=1)
+    spilling = SpillingStatistics(stats, None)
+    for h, ids in batches(5, 300):
+        spilling.update(h, ids)
+    capacity = stats._capacity()
+    (first,) = spilling.take()
+    assert spilling.current is stats and stats.num_types == 0 and stats._capacity() == capacity
+    one = new(initial_types=1)
+    for h, ids in batches(3, 300, seed=9):
+        spilling.update(h, ids)
+        one.update(h, ids)
+    assert stats._capacity() == capacity
+    assert_same_state(EmbeddingStatistics.from_bytes(spilling.take()[-1]), one)
+    assert EmbeddingStatistics.from_bytes(first).num_types > 100
+
+
+def test_growth_stops_doubling_at_the_budget():
+    """fit_budget: the per-type arrays get the slots that fit the budget at once (no
+    doublings), then grow only by what a batch needs."""
+    stats = new(initial_types=4)
+    row = stats._row_bytes() + 8
+    fixed = stats.held_bytes()
+    stats.fit_budget(fixed + 50 * row)  # 50 slots
+    assert stats._max_doubling == stats._capacity() == 50
+    for h, ids in batches(1, 10_000):  # 64 new types in one batch: past the limit
+        stats.update(h, ids)
+    assert stats._capacity() == stats.num_types == 64  # what the batch needed, not 2 x 32
+    held = stats.held_bytes()
+    assert held == stats.nbytes()  # every allocated slot holds a type
+
+
+def test_split_statistics_clear_and_share_the_budget_by_layers():
+    """Per-device parts: each part's growth stops at its layers' share of the budget, and
+    clear() empties every part, which then folds as new."""
+    split = SplitStatistics([0, 1, 2], D, groups=[[0], [1, 2]], max_positions=16)
+    split.fit_budget(3_000_000)
+    rng = np.random.default_rng(1)
+    h = [torch.as_tensor(rng.normal(size=(4, 16, D))) for _ in range(3)]
+    ids = torch.as_tensor(rng.integers(0, 500, size=(4, 16)))
+    split.update(h, ids)
+    (_, one), (_, two) = split.parts
+    assert one._max_doubling < two._max_doubling
+    assert split.held_bytes() == one.held_bytes() + two.held_bytes()
+    split.clear()
+    assert one.num_types == two.num_types == 0 and split.held_bytes() < 3_000_000
+    ref = SplitStatistics([0, 1, 2], D, groups=[[0], [1, 2]], max_positions=16)
+    split.update(h, ids)
+    ref.update(h, ids)
+    assert_same_state(split.combined(), ref.combined())
+
+
+def test_statistics_folded_under_inference_mode_clear_outside_it():
+    """An extractor folds under torch.inference_mode (its arrays may be inference tensors)
+    and flushes outside it: clear() must work there."""
+    stats = new(initial_types=1)
+    with torch.inference_mode():
+        for h, ids in batches(2, 300):
+            stats.update(h, ids)
+    stats.clear()
+    assert stats.num_types == 0
+    with torch.inference_mode():
+        for h, ids in batches(1, 300):
+            stats.update(h, ids)
+    assert stats.token_count() == 64
+
+
+def test_spills_reuse_one_buffer_when_the_spill_copies():
+    """With spill_copies (ray.put copies), the spills after the first are built in the first
+    one's buffer (no new allocation), and the copies merge into the one-pass statistics."""
+    probe = new()
+    probe.update(*next(batches(1, 2000)))
+    scratch = sum(b.numel() * b.element_size() for b in probe._buffers.values())
+    budget = scratch + state_bytes(len(LAYERS), D, 120, 16)
+    given: list = []
+
+    def spill(data):
+        given.append(data)
+        return bytes(memoryview(data).cast("B"))  # a copy, as ray.put makes
+
+    spilling = SpillingStatistics(new(), budget, spill, spill_copies=True)
+    one = new()
+    for h, ids in batches(40, 2000, seed=3):
+        spilling.update(h, ids)
+        one.update(h, ids)
+    assert spilling.spills >= 3
+    buffer = spilling._buffer
+    assert buffer is not None
+    reused = [np.shares_memory(np.asarray(d), buffer) for d in given[1:]]
+    assert not isinstance(given[0], np.ndarray) and sum(reused) >= len(given) - 3  # all but
+    # the first and a piece over 1.25 x the first
+    pieces = spilling.take()
+    # the flush's last piece is built in the same buffer (the caller hands it on first)
+    assert np.shares_memory(np.asarray(pieces[-1]), buffer)
+    merged = EmbeddingStatistics.from_bytes(pieces[0])
+    for data in pieces[1:]:
+        merged.merge(EmbeddingStatistics.from_bytes(data))
+    assert_same_state(merged, one, rtol=1e-11, comoment_rtol=1e-11)

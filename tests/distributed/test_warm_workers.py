@@ -1,0 +1,166 @@
+"""Task workers warmed while the extractor runs (embgeom_ray.distributed.warm_workers)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+
+from embgeom_ray.config import JobConfig
+from embgeom_ray.distributed import cluster
+from embgeom_ray.distributed.actor_pool import PoolPlan
+from embgeom_ray.distributed.warm_workers import MODULES, warm_up
+from embgeom_ray.report.plots import FIGURE_GROUPS
+from embgeom_ray.runs import pipeline
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def in_thread(fn, *args):
+    """``fn(*args)`` in a thread of its own: Linux applies a nice value per thread, so the
+    test process itself keeps its priority."""
+    out: dict = {}
+    t = threading.Thread(target=lambda: out.update(value=fn(*args)))
+    t.start()
+    t.join()
+    return out["value"]
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="nice values are per thread on Linux only")
+def test_warm_up_lowers_priority_and_imports():
+    name = "embgeom_ray.core.neighbours"
+    sys.modules.pop(name, None)
+    result = in_thread(warm_up, (name, "no_such_module_embgeom"), 19)
+    assert result["pid"] == os.getpid()
+    assert result["nice"] == 19
+    assert result["failed"] == ["no_such_module_embgeom"]  # left for the real task to report
+    assert name in sys.modules
+    assert os.nice(0) < 19  # this thread was not lowered
+
+
+def test_the_warm_modules_are_what_the_stage_imports():
+    # every module exists (a rename would leave the workers cold without an error)
+    failed = in_thread(warm_up, MODULES, 0)["failed"]
+    assert failed == []
+
+
+def config(**kw) -> JobConfig:
+    return JobConfig(model="m", corpus="c", out="o", **kw)
+
+
+@pytest.mark.parametrize(
+    ("cpus", "workers", "per", "kw", "expected"),
+    [
+        (2, 1, 2, {}, 0),  # the default CPU run: the extractor holds every CPU
+        (2, 1, 1, {}, 1),  # one CPU free
+        (16, 1, 1, {}, 15),  # a GPU machine: one extractor of one CPU
+        (64, 1, 1, {}, 7 * 2 + len(FIGURE_GROUPS) - 1),  # no more than the tasks
+        (64, 1, 1, {"sample_size": 0}, len(FIGURE_GROUPS) - 1),
+        (64, 1, 1, {"sample_size": 0, "no_report": True}, 0),
+    ],
+)
+def test_warm_workers_wanted(monkeypatch, cpus, workers, per, kw, expected):
+    import ray
+
+    monkeypatch.setattr(cluster, "started_private_local", lambda: True)
+    monkeypatch.setattr(ray, "cluster_resources", lambda: {"CPU": float(cpus)})
+    pool = PoolPlan(num_workers=workers, num_gpus=0.0, num_cpus=per)
+    assert pipeline.warm_workers_wanted(config(**kw), 7, pool) == expected
+    monkeypatch.setattr(cluster, "started_private_local", lambda: False)
+    assert pipeline.warm_workers_wanted(config(**kw), 7, pool) == 0
+
+
+def test_not_private_when_ray_was_started_by_someone_else(ray_local):
+    # the tests' Ray was not started by connect(): never warm workers on it
+    assert not cluster.started_private_local()
+
+
+SCRIPT = """
+import json, os, time
+import ray
+from embgeom_ray.distributed.cluster import connect, started_private_local
+from embgeom_ray.distributed.warm_workers import warm_task_workers
+
+connect(None)
+assert started_private_local()
+cpus = int(ray.cluster_resources()["CPU"])
+
+@ray.remote(num_cpus=cpus)
+class Holder:  # the extractor: every CPU held
+    def ready(self):
+        return os.getpid()
+
+holder = Holder.remote()
+ray.get(holder.ready.remote())
+warm = ray.get(warm_task_workers(cpus))
+ray.kill(holder)
+time.sleep(2)  # idle past Ray's default 1 s, with more workers than CPUs while the actor lived
+
+@ray.remote(num_cpus=1)
+def task():
+    time.sleep(0.5)
+    return os.getpid(), os.nice(0)
+
+after = ray.get([task.remote() for _ in range(cpus)])
+print(json.dumps({"warm": warm, "after": after}))
+"""
+
+
+@pytest.mark.slow
+def test_stage_tasks_run_on_the_warm_workers(tmp_path):
+    """On the private local Ray the warm workers outlive an idle spell and take the next
+    1-CPU tasks, which run at their lowered priority."""
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    env["PYTHONPATH"] = str(ROOT)
+    proc = subprocess.run(
+        [sys.executable, "-c", SCRIPT],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=tmp_path,
+        timeout=180,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    warm_pids = {w["pid"] for w in out["warm"]}
+    assert len(warm_pids) == len(out["warm"]) >= 1
+    assert all(w["nice"] == 19 and w["failed"] == [] for w in out["warm"])
+    assert {pid for pid, _ in out["after"]} <= warm_pids
+    assert all(nice == 19 for _, nice in out["after"])
+
+
+@pytest.mark.slow
+def test_the_pool_calls_on_ready_once_with_its_plan(ray_local, tmp_path, monkeypatch):
+    """Two extractors, several shards: the warm-up is decided once, when the first actor has
+    loaded its model, from the pool's plan; on the tests' Ray (not private) nothing is warmed."""
+    from embgeom_ray.config import build_config
+    from tests.conftest import write_jsonl
+    from tests.runs.test_job_end_to_end import english_documents
+    from tests.tiny_models import make_tiny_bert
+
+    calls: list[tuple[PoolPlan, int]] = []
+    real = pipeline.warm_workers_wanted
+
+    def wanted(config, layers, pool):
+        calls.append((pool, real(config, layers, pool)))
+        return calls[-1][1]
+
+    monkeypatch.setattr(pipeline, "warm_workers_wanted", wanted)
+    model = make_tiny_bert(tmp_path / "bert")
+    corpus = write_jsonl(tmp_path / "c.jsonl", english_documents(40, 400))
+    cfg = build_config(
+        None,
+        {"model": model, "corpus": corpus, "out": str(tmp_path / "out"), "num_workers": 2,
+         "cpus_per_worker": 1, "shard_bytes": 2000, "sample_size": 0, "no_report": True,
+         "max_length": 32},
+    )  # fmt: skip
+    manifest = pipeline.analyze(cfg, echo=lambda *_: None)
+    assert manifest["shards"]["total"] > 2
+    assert len(calls) == 1
+    pool, count = calls[0]
+    assert (pool.num_workers, pool.num_cpus) == (2, 1) and count == 0

@@ -1,0 +1,296 @@
+"""Every input a user can get wrong: one clear message, exit status 2, nothing left as complete."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from jobs.analyze import main
+from tests.conftest import write_jsonl
+from tests.tiny_models import make_tiny_bert
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory) -> str:
+    return make_tiny_bert(str(tmp_path_factory.mktemp("m")), max_position=256)
+
+
+@pytest.fixture
+def corpus(tmp_path) -> str:
+    return write_jsonl(tmp_path / "c.jsonl", ["the cat sat on the mat", "a dog barked"])
+
+
+def run(capsys, *argv: str) -> tuple[int, str]:
+    # (the runs that succeed need no report: tests/report/test_report.py draws them)
+    code = main([*argv, "--no-report"])
+    err = capsys.readouterr().err
+    return code, err
+
+
+def error_lines(err: str) -> list[str]:
+    return [line for line in err.splitlines() if line.startswith("error:")]
+
+
+def assert_user_error(code: int, err: str, *fragments: str) -> None:
+    assert code == 2, err
+    lines = error_lines(err)
+    assert len(lines) == 1, err
+    assert "Traceback" not in err
+    for fragment in fragments:
+        assert fragment in lines[0], lines[0]
+
+
+def test_missing_model(capsys, tmp_path, corpus):
+    code, err = run(
+        capsys,
+        "--model",
+        str(tmp_path / "no-such-model"),
+        "--corpus",
+        corpus,
+        "--out",
+        str(tmp_path / "o"),
+    )
+    assert_user_error(code, err, "cannot load", "no-such-model")
+    assert not (tmp_path / "o" / "manifest.json").exists()
+
+
+def test_unreadable_model_weights(capsys, tmp_path, model, corpus, ray_local):
+    import shutil
+
+    broken = tmp_path / "broken"
+    shutil.copytree(model, broken)
+    (broken / "model.safetensors").write_bytes(b"not a safetensors file")
+    code, err = run(
+        capsys, "--model", str(broken), "--corpus", corpus, "--out", str(tmp_path / "o")
+    )
+    assert_user_error(code, err, "cannot load the weights", "broken")
+    assert json.loads((tmp_path / "o" / "manifest.json").read_text())["status"] == "running"
+
+
+def test_missing_corpus(capsys, tmp_path, model):
+    code, err = run(
+        capsys,
+        "--model",
+        model,
+        "--corpus",
+        str(tmp_path / "nothing*.jsonl"),
+        "--out",
+        str(tmp_path / "o"),
+    )
+    assert_user_error(code, err, "nothing")
+
+
+def test_missing_text_column(capsys, tmp_path, model):
+    corpus = write_jsonl(tmp_path / "c.jsonl", ["some text"], column="body")
+    code, err = run(capsys, "--model", model, "--corpus", corpus, "--out", str(tmp_path / "o"))
+    assert_user_error(code, err, "no column 'text'", "body")
+    code, err = run(
+        capsys,
+        "--model",
+        model,
+        "--corpus",
+        corpus,
+        "--out",
+        str(tmp_path / "o"),
+        "--text-column",
+        "body",
+    )
+    assert code == 0, err
+
+
+def test_non_text_values_and_empty_documents_are_skipped_and_counted(
+    capsys, tmp_path, model, ray_local
+):
+    path = tmp_path / "c.jsonl"
+    rows = [
+        {"text": "the cat sat"},
+        {"text": 42},
+        {"text": None},
+        {"text": "   "},
+        {"text": ""},
+        {"text": "a dog"},
+    ]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    code, err = run(capsys, "--model", model, "--corpus", str(path), "--out", str(tmp_path / "o"))
+    assert code == 0, err
+    manifest = json.loads((tmp_path / "o" / "manifest.json").read_text())
+    assert manifest["status"] == "complete"
+    assert manifest["counts"]["documents"] == 2
+    assert manifest["skipped"] == {"non-text value": 2, "empty": 2}
+
+
+def test_empty_corpus(capsys, tmp_path, model, ray_local):
+    path = tmp_path / "empty.txt"
+    path.write_text("\n   \n\n")
+    code, err = run(capsys, "--model", model, "--corpus", str(path), "--out", str(tmp_path / "o"))
+    assert_user_error(code, err, "no tokens", "empty")
+    assert json.loads((tmp_path / "o" / "manifest.json").read_text())["status"] == "running"
+    assert not (tmp_path / "o" / "layers.parquet").exists()
+
+
+def test_corrupt_parquet(capsys, tmp_path, model):
+    good = tmp_path / "corpus" / "a.parquet"
+    good.parent.mkdir()
+    pq.write_table(pa.table({"text": ["fine text"]}), good)
+    (tmp_path / "corpus" / "b.parquet").write_bytes(b"PAR1 this is not parquet")
+    code, err = run(
+        capsys, "--model", model, "--corpus", str(tmp_path / "corpus"), "--out", str(tmp_path / "o")
+    )
+    assert_user_error(code, err, "b.parquet")
+
+
+@pytest.mark.parametrize("layers", ["9", "-4", "0,0"])
+def test_unknown_or_repeated_layer(capsys, tmp_path, model, corpus, layers):
+    code, err = run(
+        capsys,
+        "--model",
+        model,
+        "--corpus",
+        corpus,
+        "--out",
+        str(tmp_path / "o"),
+        "--layers",
+        layers,
+    )
+    assert_user_error(code, err, "layer")
+    if layers == "9":
+        assert "0..2" in err
+
+
+@pytest.mark.parametrize(
+    ("flags", "fragment"),
+    [
+        (["--max-length", "2"], "--max-length"),
+        (["--max-length", "4096"], "exceeds"),
+        (["--num-workers", "0"], "--num-workers"),
+        (["--outlier-tail-share", "2"], "--outlier-tail-share"),
+        (["--clip-dims", "5000"], "outside"),
+        (["--clip-dims", "1", "--clip-dims-from", "/x"], "not both"),
+        (["--reducer-memory", "1KiB"], "--reducer-memory 1,024 bytes cannot hold"),
+        (["--reducer-memory", "lots"], "--reducer-memory"),
+    ],
+)
+def test_invalid_options(capsys, tmp_path, model, corpus, flags, fragment):
+    code, err = run(
+        capsys, "--model", model, "--corpus", corpus, "--out", str(tmp_path / "o"), *flags
+    )
+    assert_user_error(code, err, fragment)
+
+
+def test_missing_required_option(capsys, corpus):
+    code, err = run(capsys, "--corpus", corpus)
+    assert_user_error(code, err, "--model is required", "--out is required")
+
+
+def test_bad_config_file(capsys, tmp_path, model, corpus):
+    cfg = tmp_path / "job.yaml"
+    cfg.write_text("max_length: [unclosed\n")
+    code, err = run(
+        capsys,
+        "--config",
+        str(cfg),
+        "--model",
+        model,
+        "--corpus",
+        corpus,
+        "--out",
+        str(tmp_path / "o"),
+    )
+    assert_user_error(code, err, "not valid YAML")
+    cfg.write_text("max_lenght: 64\n")
+    code, err = run(
+        capsys,
+        "--config",
+        str(cfg),
+        "--model",
+        model,
+        "--corpus",
+        corpus,
+        "--out",
+        str(tmp_path / "o"),
+    )
+    assert_user_error(code, err, "unknown option 'max_lenght'")
+
+
+def test_output_directory_cannot_be_written(capsys, tmp_path, model, corpus):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("x")
+    code, err = run(capsys, "--model", model, "--corpus", corpus, "--out", str(blocker / "out"))
+    assert_user_error(code, err, "cannot write to the output directory")
+
+
+def test_different_run_in_output_directory_is_refused(capsys, tmp_path, model, corpus, ray_local):
+    out = str(tmp_path / "o")
+    assert (
+        run(capsys, "--model", model, "--corpus", corpus, "--out", out, "--max-length", "16")[0]
+        == 0
+    )
+    code, err = run(
+        capsys, "--model", model, "--corpus", corpus, "--out", out, "--max-length", "32"
+    )
+    assert_user_error(code, err, "different configuration", "--overwrite")
+    code, err = run(
+        capsys,
+        "--model",
+        model,
+        "--corpus",
+        corpus,
+        "--out",
+        out,
+        "--max-length",
+        "32",
+        "--overwrite",
+    )
+    assert code == 0, err
+    manifest = json.loads((tmp_path / "o" / "manifest.json").read_text())
+    assert manifest["config"]["max_length"] == 32 and manifest["status"] == "complete"
+
+
+def test_exit_status_of_the_real_command(tmp_path, corpus):
+    """The same through a real process: status 2 and one line on stderr, no traceback."""
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "jobs.analyze",
+            "--model",
+            str(tmp_path / "nope"),
+            "--corpus",
+            corpus,
+            "--out",
+            str(tmp_path / "o"),
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 2
+    assert proc.stderr.strip().startswith("error: cannot load") and "Traceback" not in proc.stderr
+    help_text = subprocess.run(
+        [sys.executable, "-m", "jobs.analyze", "--help"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    ).stdout
+    for flag in (
+        "--model",
+        "--corpus",
+        "--out",
+        "--max-length",
+        "--num-workers",
+        "--layers",
+        "--config",
+        "--clip-dims",
+        "--trust-remote-code",
+    ):
+        assert flag in help_text

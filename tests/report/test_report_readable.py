@@ -1,0 +1,389 @@
+"""The report says what it shows (issue 19): the k at the cap of the K-means search, layers
+where k = 1 was chosen, one number notation per column, the model's short name, and the
+clipping figure and table comparing like with like.
+
+A fabricated run (:func:`tests.report.test_report.fabricate_run`) has its ``layers.parquet`` and
+manifest rewritten with layers crafted for each case; the checks read the HTML text and the
+data the figures plot (:func:`~embgeom_ray.report.figures.clipping.clipping_panels`,
+:func:`~embgeom_ray.report.figures.clusters.kmeans_labels`,
+:func:`~embgeom_ray.report.figures.pca.pca_cluster_titles`).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from embgeom_ray.report.figures.clipping import clipping_pairs, clipping_panels
+from embgeom_ray.report.figures.clusters import kmeans_labels
+from embgeom_ray.report.figures.pca import NO_CLUSTERS, pca_cluster_titles
+from embgeom_ray.report.html import (
+    AT_CAP,
+    clipping_table_html,
+    fmt_value,
+    format_column,
+    kmeans_cells,
+    write_report,
+)
+from embgeom_ray.report.plots import make_all_plots
+from embgeom_ray.report.run_view import RunView, model_name
+from tests.report.test_report import fabricate_run
+
+MODEL_PATH = "/srv/models/my-minilm-l6/model"
+
+
+def _craft(out: Path, *, sampled: bool = True) -> Path:
+    """A 5-layer run: k = 1 at layer 0, the best k at the cap at layers 1 and 3, I(W) spanning
+    5.57e-4 … 0.4, LIDs needing different decimals, a local model path, standard errors."""
+    fabricate_run(out, n_layers=5, optional=True)
+    manifest = json.loads((out / "manifest.json").read_text())
+    manifest["model"]["id"] = MODEL_PATH
+    manifest["config"] |= {"model": MODEL_PATH, "kmeans_k_max": 60, "kmeans_min_silhouette": 0.1}
+    (out / "manifest.json").write_text(json.dumps(manifest))
+    lay = pd.read_parquet(out / "layers.parquet")
+    lay = lay.assign(
+        kmeans_k=[1, 60, 3, 60, 2],
+        kmeans_best_k=[4, 60, 3, 60, 2],
+        kmeans_k_searched=[15, 60, 15, 60, 15],
+        kmeans_k_at_cap=[False, True, False, True, False],
+        kmeans_stability=[0.41, 0.62, 0.97, 0.55, 0.99],
+        kmeans_silhouette=[0.08, 0.134, 0.3, 0.2, 0.25],
+        partition_isotropy=[5.57e-4, 0.1176, 0.2, 0.3, 0.4],
+        lid_euclidean=[19.7, 27.3, 123.46, 9.99996, 5.0],
+        lid_euclidean_median=[5.3, 14.6, 12.0, 8.0, 4.0],
+        lid_euclidean_cai=[9.1, 13.2, 60.1, 4.9, 2.4],
+        adjusted_s_inter_weighted=[0.028, 0.03, 0.04, 0.05, 0.06],
+        kmeans_silhouette_se=[0.004, 0.0031, 0.002, 0.0051, 0.0012],
+        lid_euclidean_se=[0.4, 0.31, 0.2, 0.51, 0.12],
+    )
+    if not sampled:
+        lay = lay.drop(columns=["anisotropy_sampled", "s_inter_sampled", "s_intra_sampled"])
+    lay.to_parquet(out / "layers.parquet", index=False)
+    return out
+
+
+@pytest.fixture(scope="module")
+def crafted(tmp_path_factory) -> Path:
+    return _craft(tmp_path_factory.mktemp("crafted") / "run")
+
+
+@pytest.fixture(scope="module")
+def crafted_figs(crafted) -> list:
+    """Every figure of the crafted run (absent ones included), drawn once for the module: the
+    report's figures and the ones whose captions are checked (~6 s to draw)."""
+    return make_all_plots(RunView(str(crafted)), include_absent=True, strict=True)
+
+
+@pytest.fixture(scope="module")
+def crafted_html(crafted, crafted_figs) -> str:
+    return Path(write_report(str(crafted), figures=crafted_figs)).read_text(encoding="utf-8")
+
+
+def _table_after(html: str, heading: str) -> str:
+    start = html.index(f"<h3>{heading}</h3>")
+    return html[start : html.index("</table>", start)]
+
+
+def _headers(table: str) -> list[str]:
+    return re.findall(r"<th[^>]*>([^<]*)</th>", table)
+
+
+def _rows(table: str) -> list[list[str]]:
+    body = table[table.index("<tbody>") :]
+    return [
+        [re.sub(r"<[^>]+>", "", c) for c in re.findall(r"<td[^>]*>(.*?)</td>", row)]
+        for row in re.findall(r"<tr>(.*?)</tr>", body)
+    ]
+
+
+# --------------------------------------------------------------------------------------------
+# the number formatter
+
+
+def test_format_column_one_notation_per_column():
+    # a column with a value below 1e-3 is scientific in every cell (I(W) of issue 19)
+    assert format_column([5.57e-4, 0.1176, None, float("nan")], "sci") == [
+        "5.570e−4",
+        "1.176e−1",
+        "—",
+        "—",
+    ]
+    # otherwise fixed, 4 significant digits, thousands separated, U+2212 minus
+    assert format_column([0.1176, 12.3456, 1234.56, 99999.0, 9.99996, -0.5, 0.00123456]) == [
+        "0.1176",
+        "12.35",
+        "1,235",
+        "99,999",
+        "10.00",
+        "−0.5000",
+        "0.001235",
+    ]
+    assert format_column([2.5e6, 3.0]) == ["2.500e6", "3.000e0"]  # huge values: scientific
+    assert format_column([0.0, 0.5]) == ["0", "0.5000"]  # zero does not force scientific
+    assert format_column([0.5, -0.25, 1e-5], "unit") == ["0.500", "−0.250", "0.000"]
+    assert format_column([-0.43, 0.1], "corr") == ["−0.43", "+0.10"]
+    assert format_column([80253, 1.0, None], "int") == ["80,253", "1", "—"]
+    assert format_column(["3,7", None, "x" * 60], "text") == ["3, 7", "—", "x" * 47 + "…"]
+    # one cell alone is a column of one
+    assert fmt_value(5.57e-4) == "5.570e−4" and fmt_value(0.1176) == "0.1176"
+
+
+def test_report_columns_use_one_notation(crafted_html):
+    table = _table_after(crafted_html, "Sampled metrics")
+    heads = _headers(table)
+    rows = _rows(table)
+    col = heads.index("I(W)")
+    assert [r[col] for r in rows] == ["5.570e−4", "1.176e−1", "2.000e−1", "3.000e−1", "4.000e−1"]
+    col = heads.index("LID eucl.")
+    assert [r[col] for r in rows] == ["19.70", "27.30", "123.5", "10.00", "5.000"]
+    # nowhere in the report's tables does one column mix notations
+    for t in re.findall(r"<table.*?</table>", crafted_html, re.S):
+        cells = _rows(t)
+        for j in range(max(map(len, cells), default=0)):
+            values = [r[j] for r in cells if j < len(r)]
+            sci = [bool(re.fullmatch(r"−?\d\.\d{3}e−?\d+", v)) for v in values if v != "—"]
+            assert all(sci) or not any(sci), values
+
+
+# --------------------------------------------------------------------------------------------
+# K-means: the cap and k = 1
+
+
+def test_kmeans_cells():
+    cap = pd.Series({"kmeans_k": 60, "kmeans_best_k": 60, "kmeans_k_at_cap": True})
+    cap["kmeans_silhouette"] = 0.134
+    assert kmeans_cells(cap) == {
+        "kmeans_k": f"60 {AT_CAP}",
+        "kmeans_best_k": f"60 {AT_CAP}",
+        "kmeans_silhouette": "0.134",
+    }
+    one = pd.Series({"kmeans_k": 1, "kmeans_best_k": 4, "kmeans_silhouette": 0.08})
+    cells = kmeans_cells(one)
+    assert cells["kmeans_k"] == "1 (best k&gt;1: 4, silhouette 0.080, rejected)"
+    assert cells["kmeans_silhouette"] == "(0.080, rejected)"
+    # an older run without kmeans_best_k / kmeans_k_at_cap
+    old = pd.Series({"kmeans_k": 1, "kmeans_silhouette": 0.05})
+    assert kmeans_cells(old)["kmeans_k"] == "1 (silhouette 0.050, rejected)"
+    assert kmeans_cells(pd.Series({"kmeans_k": 3, "kmeans_silhouette": 0.3}))["kmeans_k"] == "3"
+
+
+def test_report_marks_k_at_cap_and_k_1(crafted_html):
+    table = _table_after(crafted_html, "Sampled metrics")
+    heads, rows = _headers(table), _rows(table)
+    k, sil, best = heads.index("k"), heads.index("silh. (k-m)"), heads.index("best k")
+    assert [r[k] for r in rows] == [
+        "1 (best k&gt;1: 4, silhouette 0.080, rejected)",
+        f"60 {AT_CAP}",
+        "3",
+        f"60 {AT_CAP}",
+        "2",
+    ]
+    assert [r[sil] for r in rows] == ["(0.080, rejected)", "0.134", "0.300", "0.200", "0.250"]
+    assert [r[best] for r in rows][:2] == ["4", f"60 {AT_CAP}"]
+    # the footnotes say what the mark and the k = 1 rows mean
+    assert f"<b>{AT_CAP}</b> (layers 1, 3)" in crafted_html
+    assert "--kmeans-k-max 60" in crafted_html and "no interior optimum" in crafted_html
+    assert "<b>k = 1</b> (layers 0)" in crafted_html
+    assert "below --kmeans-min-silhouette (0.1)" in crafted_html
+
+
+def test_figures_mark_k_at_cap_and_k_1(crafted, crafted_figs):
+    run = RunView(str(crafted))
+    assert kmeans_labels(run) == {
+        0: "k=1 (best 4 rejected)",
+        1: "k=60▲",
+        2: "k=3",
+        3: "k=60▲",
+        4: "k=2",
+    }
+    assert kmeans_labels(run, short=True)[0] == "k=1"
+    titles = pca_cluster_titles(run, [0, 1, 2, 4])
+    assert titles == {
+        0: NO_CLUSTERS,
+        1: "K-means cluster (k=60▲)",
+        2: "K-means cluster (k=3)",
+        4: "K-means cluster (k=2)",
+    }
+    assert NO_CLUSTERS == "no clusters (k = 1)"
+    figs = {f.name: f for f in crafted_figs}
+    assert "Layer 0: no clusters (k = 1)" in figs["pca_2d"].caption
+    assert "▲ at cap" in figs["pca_2d"].caption
+    assert "hollow point" in figs["intrinsic_dim"].caption
+    assert "“k=1, rejected”" in figs["isoscore_silhouette"].caption
+    assert "no interior optimum" in figs["intrinsic_dim"].caption
+    assert "no interior optimum" in figs["cosine_isotropy"].caption
+    # the size-weighted cluster-adjusted cosine is drawn and said so (the run has it)
+    assert "Dash-dotted" in figs["cosine_isotropy"].caption
+    assert "median" in figs["intrinsic_dim"].caption and "exact convention" in (
+        figs["intrinsic_dim"].caption
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# the model's name
+
+
+def test_model_name():
+    assert model_name("org/fake-bert") == "org/fake-bert"
+    assert model_name("bert-base-uncased") == "bert-base-uncased"
+    assert model_name("hf://org/x") == "org/x"
+    assert model_name(MODEL_PATH) == "my-minilm-l6"
+    assert model_name("/data/checkpoints/run7/") == "run7"
+    snap = "/root/.cache/huggingface/hub/models--sentence-transformers--all-MiniLM-L6-v2/"
+    assert model_name(snap + "snapshots/" + "0a" * 20) == "sentence-transformers/all-MiniLM-L6-v2"
+    assert model_name("s3://bucket/models/my-bert") == "my-bert"
+
+
+def test_report_names_the_model_by_its_short_name(crafted_html):
+    title = re.search(r"<title>(.*?)</title>", crafted_html).group(1)
+    assert title.startswith("Embedding geometry: my-minilm-l6 · ")
+    assert f'<span title="{MODEL_PATH}">my-minilm-l6</span>' in crafted_html  # header, card
+    assert f'<span class="mono">{MODEL_PATH}</span>' in crafted_html  # full path in the card
+    assert MODEL_PATH not in re.search(r"<h1>.*?</h1>", crafted_html, re.S).group(0).replace(
+        f'title="{MODEL_PATH}"', ""
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# clipping: like with like
+
+
+def test_clipping_pairs_never_mix_estimators():
+    cols = [
+        "isoscore", "anisotropy", "s_inter", "s_intra", "isoscore_clipped",
+        "anisotropy_clipped", "s_inter_clipped", "s_intra_clipped", "anisotropy_sampled",
+        "s_inter_sampled", "s_intra_sampled", "anisotropy_clipped_exact",
+        "s_inter_clipped_exact", "s_intra_clipped_exact", "isoscore_clipped_exact",
+    ]  # fmt: skip
+    pairs = {(p.base, p.clipped, p.estimator) for p in clipping_pairs(cols)}
+    assert pairs == {
+        ("isoscore", "isoscore_clipped", "exact"),
+        ("anisotropy_sampled", "anisotropy_clipped", "sampled"),
+        ("s_inter_sampled", "s_inter_clipped", "sampled"),
+        ("s_intra_sampled", "s_intra_clipped", "sampled"),
+        ("anisotropy", "anisotropy_clipped_exact", "exact"),
+        ("s_inter", "s_inter_clipped_exact", "exact"),
+        ("s_intra", "s_intra_clipped_exact", "exact"),
+        ("isoscore", "isoscore_clipped_exact", "exact"),
+    }
+    # without the sampled unclipped columns, the sampled clipped ones have no counterpart
+    old = [c for c in cols if not c.endswith("_sampled")]
+    lone = {p.clipped for p in clipping_pairs(old) if p.base is None}
+    assert lone == {"anisotropy_clipped", "s_inter_clipped", "s_intra_clipped"}
+
+
+def test_clipping_figure_plots_like_with_like(crafted):
+    run = RunView(str(crafted))
+    panels = clipping_panels(run)
+    by = {p.title: p for p in panels}
+    assert list(by) == [
+        "Sampled cosines: sampled unclipped vs sampled clipped",
+        "Exact cosines: exact unclipped vs exact clipped (--clip-dims)",
+        "IsoScore: exact unclipped vs exact clipped",
+    ]
+    sampled = by["Sampled cosines: sampled unclipped vs sampled clipped"]
+    assert [c for c, _, _ in sampled.lines] == [
+        "anisotropy_sampled", "anisotropy_clipped", "s_inter_sampled", "s_inter_clipped",
+        "s_intra_sampled", "s_intra_clipped",
+    ]  # fmt: skip
+    assert all(label.endswith("(sampled)") for _, label, _ in sampled.lines)
+    exact = by["Exact cosines: exact unclipped vs exact clipped (--clip-dims)"]
+    assert [c for c, _, _ in exact.lines] == [
+        "anisotropy", "anisotropy_clipped_exact", "s_inter", "s_inter_clipped_exact", "s_intra",
+        "s_intra_clipped_exact",
+    ]  # fmt: skip
+    assert all(label.endswith("(exact)") for _, label, _ in exact.lines)
+    assert ("s_intra_clipped_exact", "S_intra, dims 7 zeroed (exact)", ":") in exact.lines
+    iso = by["IsoScore: exact unclipped vs exact clipped"]
+    assert [c for c, _, _ in iso.lines] == [
+        "isoscore",
+        "isoscore_clipped",
+        "isoscore_clipped_exact",
+    ]
+    # the plotted values are the columns' own
+    lay = pd.read_parquet(crafted / "layers.parquet")
+    np.testing.assert_allclose(run.layer_col("s_intra_sampled"), lay["s_intra_sampled"])
+
+
+def test_clipping_without_sampled_baseline(tmp_path):
+    run = RunView(str(_craft(tmp_path / "old", sampled=False)))
+    titles = [p.title for p in clipping_panels(run)]
+    assert not any(t.startswith("Sampled") for t in titles)  # no sampled clipped beside exact
+    figs = {f.name: f for f in make_all_plots(run, include_absent=True, strict=True)}
+    assert "Not drawn: anisotropy_clipped, s_inter_clipped, s_intra_clipped" in (
+        figs["clipping"].caption
+    )
+    table = clipping_table_html(run.layers, clipping_pairs(run.layers.columns))
+    heads = _headers(table)
+    assert heads[heads.index("S_inter clipped (sampled)") - 1] == "aniso. clipped (sampled)"
+    assert "no unclipped counterpart of the same estimator" in table
+
+
+def test_clipping_table_pairs_like_with_like(crafted_html):
+    table = _table_after(crafted_html, "Outlier dimensions and clipping")
+    heads = _headers(table)
+    for base, clipped in (
+        ("IsoScore (exact)", "IsoScore clipped (exact)"),
+        ("aniso. (sampled)", "aniso. clipped (sampled)"),
+        ("S_inter (sampled)", "S_inter clipped (sampled)"),
+        ("S_intra (sampled)", "S_intra clipped (sampled)"),
+        ("aniso. (exact)", "aniso. clipped (exact)"),
+        ("S_inter (exact)", "S_inter clipped (exact)"),
+        ("S_intra (exact)", "S_intra clipped (exact)"),
+    ):
+        assert heads[heads.index(clipped) - 1] == base, heads
+    # every clipped column sits beside a counterpart of the same estimator
+    for i, h in enumerate(heads):
+        if " clipped (" in h and not h.startswith("IsoScore clipped (exact)"):
+            assert heads[i - 1].endswith(h[h.index("(") :]), h
+    start = crafted_html.index("<h3>Outlier dimensions and clipping</h3>")
+    note = crafted_html[start : crafted_html.index("</p>", start)]
+    assert "Like with like" in note and "<b>Sampled</b>" in note and "<b>Exact</b>" in note
+    assert "exact cosines with the --clip-dims dims zeroed" in note
+
+
+def test_clipping_table_without_clip_dims(crafted):
+    lay = RunView(str(crafted)).layers
+    lay = lay.drop(columns=[c for c in lay.columns if c.endswith("_exact")])
+    table = clipping_table_html(lay, clipping_pairs(lay.columns))
+    assert "--clip-dims" not in table and "clip (exact)" not in table
+    assert _headers(table)[3:5] == ["IsoScore (exact)", "IsoScore clipped (exact)"]
+
+
+# --------------------------------------------------------------------------------------------
+# how to read, standard errors
+
+
+def test_how_to_read_explains_the_new_columns(crafted_html):
+    start = crafted_html.index('id="sec-clusters"')
+    howto = crafted_html[start : crafted_html.index("</div>", start)]
+    for needle in (
+        AT_CAP,
+        "no interior optimum",
+        "<b>k = 1</b>",
+        "<b>Stability</b>",
+        "adjusted Rand index",
+        "average clusters without weights",
+        "“(w)” columns weight clusters by size",
+        "the median is robust",
+        "“LID (Cai)” is their exact convention",
+        "<code>_se</code>",
+    ):
+        assert needle in howto, needle
+    assert "like with like" in crafted_html
+
+
+def test_standard_errors_table(crafted_html):
+    assert "<summary>Standard errors of the sampled metrics</summary>" in crafted_html
+    start = crafted_html.index("<summary>Standard errors of the sampled metrics</summary>")
+    table = crafted_html[start : crafted_html.index("</table>", start)]
+    heads, rows = _headers(table), _rows(table)
+    assert heads == ["layer", "silh. (k-m) se", "LID eucl. se"]
+    assert [r[1] for r in rows] == ["0.004000", "0.003100", "0.002000", "0.005100", "0.001200"]
+    # the sampled table does not repeat them
+    assert "se</th>" not in _table_after(crafted_html, "Sampled metrics")

@@ -1,0 +1,210 @@
+"""The job's tables against an independent float64 computation (tests/reference.py).
+
+The reference runs every window alone (no padding) straight through transformers and computes
+every column two-pass in float64, cosines by brute force over all pairs; the job runs padded,
+length-bucketed batches on Ray actors and folds moments. Agreement is to float32 noise.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from embgeom_ray.config import build_config
+from embgeom_ray.runs.pipeline import analyze
+from tests.conftest import write_jsonl
+from tests.reference import reference_tables
+from tests.tiny_models import make_tiny_bert, make_tiny_gpt2, make_tiny_llama, make_tiny_roberta
+
+pytestmark = pytest.mark.slow
+
+COSINE_COLUMNS = {"self_similarity", "anisotropy", "s_inter", "s_intra"}
+
+
+def english_documents(n: int, max_chars: int) -> list[str]:
+    """Real English prose: the Python Language Reference's text that ships with CPython."""
+    from embgeom_ray.inputs.demo_corpus import python_docs_documents
+
+    docs = python_docs_documents()
+    return [d[:max_chars] for d in docs[:n]]
+
+
+def run_job(
+    tmp_path, model_dir: str, docs: list[str], name: str, corpus_name: str | None = None, **options
+) -> tuple[dict, dict]:
+    corpus = write_jsonl(tmp_path / (corpus_name or f"{name}.jsonl"), docs)
+    out = tmp_path / name
+    # sampling is exercised with a small sample (K-means model selection dominates otherwise);
+    # the report only where a test asks for it (its figures take seconds a run)
+    options = {"sample_size": 512, "kmeans_k_max": 6, "no_report": True} | options
+    cfg = build_config(None, {"model": model_dir, "corpus": corpus, "out": str(out), **options})
+    manifest = analyze(cfg, echo=lambda *_: None)
+    names = ("type_stats", "layers", "dims", "positions", "samples")
+    tables = {t: pd.read_parquet(out / f"{t}.parquet") for t in names}
+    return manifest, tables
+
+
+def assert_tables_close(ours: dict, ref: dict, *, rtol: float, cos_atol: float) -> None:
+    # type_stats: same rows, counts exact, floats close
+    a = ours["type_stats"].sort_values(["layer", "token_id"]).reset_index(drop=True)
+    b = ref["type_stats"].sort_values(["layer", "token_id"]).reset_index(drop=True)
+    assert len(a) == len(b)
+    np.testing.assert_array_equal(
+        a[["layer", "token_id", "count"]], b[["layer", "token_id", "count"]]
+    )
+    assert (a["token"].astype(str) == b["token"].astype(str)).all()
+    for col in ("mean_norm", "sq_norm_mean", "variance"):
+        scale = float(np.abs(b[col]).max())
+        np.testing.assert_allclose(a[col], b[col], rtol=rtol, atol=rtol * scale, err_msg=col)
+    np.testing.assert_allclose(
+        a["self_similarity"], b["self_similarity"], rtol=0, atol=cos_atol, err_msg="self_similarity"
+    )
+    # layers
+    la, lb = ours["layers"].set_index("layer"), ref["layers"].set_index("layer")
+    assert la.index.tolist() == lb.index.tolist()
+    np.testing.assert_array_equal(la["n_tokens"], lb["n_tokens"])
+    np.testing.assert_array_equal(la["n_types"], lb["n_types"])
+    for col in lb.columns:
+        if col in {"n_tokens", "n_types"}:
+            continue
+        if col in COSINE_COLUMNS:
+            np.testing.assert_allclose(la[col], lb[col], rtol=0, atol=cos_atol, err_msg=col)
+        elif col == "norm_variance_corr":
+            np.testing.assert_allclose(la[col], lb[col], rtol=0, atol=1e-4, err_msg=col)
+        else:
+            # absolute floor: float64 rounding of quantities that are exactly 0 (e.g. within-type
+            # variance of a layer-0 embedding without position embeddings), far below rtol
+            floor = 1e-12 * float(np.abs(lb["total_variance"]).max())
+            np.testing.assert_allclose(la[col], lb[col], rtol=rtol, atol=floor, err_msg=col)
+    # dims
+    da = ours["dims"].sort_values(["layer", "dim"]).reset_index(drop=True)
+    db = ref["dims"].sort_values(["layer", "dim"]).reset_index(drop=True)
+    for col in ("mean", "std"):
+        scale = float(np.abs(db[col]).max())
+        np.testing.assert_allclose(da[col], db[col], rtol=rtol, atol=rtol * scale, err_msg=col)
+
+
+def test_minilm_on_real_english_equals_float64_reference(tmp_path, ray_local, minilm_dir, capsys):
+    docs = english_documents(40, 500)
+    manifest, ours = run_job(
+        tmp_path, minilm_dir, docs, "minilm", max_length=64, shard_bytes=4096, no_report=False
+    )
+    # the sampled stage shows its progress by layer, with each layer's K-means result
+    bar = capsys.readouterr().err.replace("\r", "\n")
+    last = {int(m[1]): (int(m[2]), int(m[3])) for m in re.finditer(
+        r"layer (\d+): k = (\d+) \(best silhouette at k = (\d+)\)", bar)}  # fmt: skip
+    assert re.search(r"sampled metrics: 100%.* 7/7 ", bar), bar
+    layers = ours["layers"].set_index("layer")
+    assert last and all(
+        (layers.at[layer, "kmeans_k"], layers.at[layer, "kmeans_best_k"]) == ks
+        for layer, ks in last.items()
+    ), (last, layers[["kmeans_k", "kmeans_best_k"]])
+    ref = reference_tables(minilm_dir, docs, max_length=64)
+    assert manifest["status"] == "complete"
+    assert manifest["shards"]["total"] > 1
+    assert_tables_close(ours, ref, rtol=1e-5, cos_atol=1e-6)
+    # documents longer than max_length were split, nothing dropped
+    assert manifest["counts"]["windows"] > len(docs)
+    on_disk = json.loads((tmp_path / "minilm" / "manifest.json").read_text())
+    assert on_disk["status"] == "complete" and on_disk["counts"]["tokens"] == int(
+        ref["layers"]["n_tokens"].iloc[0]
+    )
+    # the report is written after the tables and its time recorded with the other stages
+    assert on_disk["outputs"]["report"] == "report.html"
+    assert on_disk["timings_s"]["report"] > 0
+    assert 0 <= on_disk["timings_s"]["ray_start"] < 1.0  # the tests' Ray is already running
+    # real positions = counted tokens + [CLS]/[SEP] of every window; padding is what the model
+    # ran beyond them, recorded as a ratio
+    counts = on_disk["counts"]
+    assert counts["positions"] == counts["tokens"] + 2 * counts["windows"]
+    assert counts["padding_ratio"] == pytest.approx(counts["padded_tokens"] / counts["positions"])
+    # (shards of 4 KB: their last, tiny batches are merged into wider ones; on whole corpora
+    # the bound is 1.02, tests/inputs/test_windows.py)
+    assert 1.0 <= counts["padding_ratio"] <= 1.10
+    assert counts["unk_tokens"] == 0 and counts["unk_share"] == 0.0
+    # the checkpoint groups are removed once the run is complete; a rerun of the same command
+    # finds the complete run and does nothing
+    out = tmp_path / "minilm"
+    assert not (out / "groups").exists() and (out / "statistics.safetensors").exists()
+    said: list[str] = []
+    again = analyze(build_config(None, on_disk["config"]), echo=said.append)
+    assert json.dumps(again) == json.dumps(on_disk)  # (NaN-safe)
+    assert "already holds this complete run" in said[0]
+    # a rerun with another table option rebuilds the tables from the run's own artefacts
+    # (no extraction): norm_variance_corr over types with at least 2 occurrences
+    said.clear()
+    again = analyze(build_config(None, on_disk["config"] | {"min_count": 2}), echo=said.append)
+    assert "rebuilt" in said[0] and "min_count" in said[0]
+    assert again["config"]["min_count"] == 2 and again["counts"] == on_disk["counts"]
+    types = pd.read_parquet(out / "type_stats.parquet")
+    layers = pd.read_parquet(out / "layers.parquet").set_index("layer")
+    for layer, rows in types.loc[types["count"] >= 2].groupby("layer"):
+        r = np.corrcoef(rows["mean_norm"], rows["variance"])[0, 1]
+        assert layers.at[layer, "norm_variance_corr"] == pytest.approx(r, abs=1e-9)
+
+
+@pytest.mark.parametrize(
+    "builder", [make_tiny_bert, make_tiny_gpt2, make_tiny_llama, make_tiny_roberta]
+)
+def test_tiny_random_models_with_long_documents(tmp_path, ray_local, builder):
+    from transformers import AutoTokenizer
+
+    model_dir = builder(str(tmp_path / "model"))
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    # ASCII prose (tiny Llama's tokenizer maps non-ASCII to <unk>, a special token)
+    docs = [d.encode("ascii", "ignore").decode() for d in english_documents(12, 900)]
+    docs = [d for d in docs if d.strip()]
+    manifest, ours = run_job(
+        tmp_path, model_dir, docs, "run", max_length=32, shard_bytes=2048, batch_tokens=256
+    )
+    expected_tokens = sum(len(tok(d, add_special_tokens=False)["input_ids"]) for d in docs)
+    assert manifest["counts"]["tokens"] == expected_tokens
+    assert manifest["counts"]["windows"] > len(docs)
+    ref = reference_tables(model_dir, docs, max_length=32)
+    assert_tables_close(ours, ref, rtol=1e-5, cos_atol=1e-6)
+
+
+def test_one_and_two_workers_agree(tmp_path, ray_local, minilm_dir):
+    docs = english_documents(30, 400)
+    # the exact co-moment product: one and two workers agree to 1e-9 (the float32 default's
+    # product depends on the batch order through its shift: ~1e-8). One torch thread in each
+    # extractor: a shard gets the same batches whatever the worker, but the forward's float32
+    # rounding may follow the thread count (on an AVX-512 CPU, 1 thread against 2 moved MiniLM's
+    # layer 6 by up to 1.2e-6 relative, on half of the types)
+    opts = {"max_length": 48, "shard_bytes": 2048, "layers": [0, 3, 6], "cpus_per_worker": 1}
+    opts["comoment_precision"] = "float64"
+    m1, t1 = run_job(tmp_path, minilm_dir, docs, "w1", "c.jsonl", num_workers=1, **opts)
+    m2, t2 = run_job(tmp_path, minilm_dir, docs, "w2", "c.jsonl", num_workers=2, **opts)
+    assert m1["workers"]["num_workers"] == 1 and m2["workers"]["num_workers"] == 2
+    assert m2["workers"]["batch_tokens"] == 8192  # a CPU's default, as each extractor chose it
+    for name in ("type_stats", "layers", "dims", "positions"):
+        a, b = t1[name], t2[name]
+        pd.testing.assert_frame_equal(a, b, check_exact=False, rtol=1e-9, atol=0)
+    # the sample is the same occurrences whatever the number of workers
+    s1, s2 = t1["samples"], t2["samples"]
+    pd.testing.assert_frame_equal(
+        s1.drop(columns=["vector", "cluster"]), s2.drop(columns=["vector", "cluster"])
+    )
+    np.testing.assert_allclose(np.stack(s1["vector"]), np.stack(s2["vector"]), rtol=1e-5, atol=1e-5)
+    # every sampled metric is filled and finite
+    sampled = [
+        "kmeans_k",
+        "kmeans_silhouette",
+        "adjusted_s_inter",
+        "adjusted_s_intra",
+        "adjusted_isoscore",
+        "s_inter_type_uniform",
+        "isoscore_sample",
+        "lid_euclidean",
+        "lid_cosine",
+        "silhouette_types",
+        "partition_isotropy",
+        "partition_isotropy_centered",
+        "anisotropy_clipped",
+    ]
+    assert np.isfinite(t1["layers"][sampled].to_numpy(dtype=float)).all()
+    assert t1["layers"]["layer"].tolist() == [0, 3, 6]

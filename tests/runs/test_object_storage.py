@@ -1,0 +1,306 @@
+"""Object storage and several nodes, tested as deployed: a real S3 API on loopback (moto's
+server mode, ``moto_server``, on a free port), the corpus and the runs in a bucket there.
+
+- a run, a resume after its driver was killed (SIGKILL), and the merge of two runs, all in the
+  bucket, each as users run it (``python -m jobs.analyze`` / ``jobs.merge`` in a fresh
+  process, its own private Ray): the merge's tables equal one run's over the whole corpus;
+- reducers on two nodes of a simulated cluster, each reading the checkpoint groups from the
+  bucket; the self-sized defaults on the same cluster give the same tables;
+- storage faults are user errors: an endpoint that answers nothing, refused credentials, a
+  missing bucket (for the corpus, and for the run, which is not created) and a run directory
+  the job cannot write to each end in one line naming the URL (and the endpoint), exit 2.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+from embgeom_ray.errors import StorageError
+from embgeom_ray.storage import probe
+from tests.ray_processes import free_ports
+
+REPO = Path(__file__).resolve().parents[2]
+MOTO = Path(sys.executable).parent / "moto_server"
+BUCKET = "embgeom"
+#: options of every job here: small and quick (tables compared, not figures)
+QUICK = ["--max-length", "32", "--sample-size", "64", "--kmeans-k-max", "3", "--no-report",
+         "--comoment-precision", "float64",
+         "--shard-bytes", "1024", "--checkpoint-interval", "0"]  # fmt: skip
+TABLES = {"type_stats": ["layer", "token_id"], "layers": ["layer"], "dims": ["layer", "dim"],
+          "positions": ["layer", "position"]}  # fmt: skip
+
+
+@dataclass
+class S3:
+    """A moto server on loopback and the environment that points boto at it."""
+
+    endpoint: str
+    env: dict[str, str]
+
+    def fs(self):
+        import s3fs
+
+        s3fs.S3FileSystem.clear_instance_cache()
+        return s3fs.S3FileSystem(client_kwargs={"endpoint_url": self.endpoint},
+                                 key=self.env["AWS_ACCESS_KEY_ID"],
+                                 secret=self.env["AWS_SECRET_ACCESS_KEY"])  # fmt: skip
+
+
+@contextlib.contextmanager
+def moto_server(log: Path, **env: str) -> Iterator[str]:
+    """``moto_server`` on a free loopback port (its own process group, stopped at the end)."""
+    (port,) = free_ports(1)
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(
+            [str(MOTO), "-H", "127.0.0.1", "-p", str(port)], stdout=out,
+            stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
+            env=os.environ | env,
+        )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), 1):
+                break
+            if proc.poll() is not None or time.monotonic() > deadline:
+                pytest.fail(f"moto_server did not start:\n{log.read_text()}")
+            time.sleep(0.2)
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=10)
+
+
+def s3_env(endpoint: str) -> dict[str, str]:
+    return {
+        "AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
+        "AWS_DEFAULT_REGION": "us-east-1", "AWS_ENDPOINT_URL_S3": endpoint,
+    }  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def s3(tmp_path_factory) -> Iterator[S3]:
+    with moto_server(tmp_path_factory.mktemp("moto") / "moto.log") as endpoint:
+        store = S3(endpoint, s3_env(endpoint))
+        store.fs().mkdir(BUCKET)
+        yield store
+
+
+@pytest.fixture(scope="module")
+def corpus(s3, tmp_path_factory) -> dict[str, object]:
+    """Two halves of an English corpus in the bucket, the whole being the folder that holds
+    them (so its shards, and their batches, are the halves'); a tiny BERT."""
+    from tests.runs.test_job_end_to_end import english_documents
+    from tests.tiny_models import make_tiny_bert
+
+    docs = english_documents(40, 400)
+    fs = s3.fs()
+    for name, part in (("a", docs[:20]), ("b", docs[20:])):
+        fs.pipe(f"{BUCKET}/corpus/{name}.jsonl",
+                "".join(json.dumps({"text": t}) + "\n" for t in part).encode())  # fmt: skip
+    model = make_tiny_bert(str(tmp_path_factory.mktemp("model") / "bert"))
+    return {"model": model, "url": f"s3://{BUCKET}/corpus"}
+
+
+def job(s3: S3, module: str, *argv: str, timeout: float = 600) -> subprocess.CompletedProcess:
+    env = os.environ | s3.env | {"PYTHONPATH": str(REPO)}
+    return subprocess.run([sys.executable, "-m", module, *argv], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=timeout)  # fmt: skip
+
+
+def read_tables(s3: S3, url: str) -> dict[str, pd.DataFrame]:
+    fs = s3.fs()
+    out = {}
+    for name, keys in TABLES.items():
+        with fs.open(f"{url.removeprefix('s3://')}/{name}.parquet", "rb") as f:
+            out[name] = pd.read_parquet(f).sort_values(keys).reset_index(drop=True)
+    return out
+
+
+def assert_same_tables(got: dict, want: dict) -> None:
+    for name in TABLES:
+        pd.testing.assert_frame_equal(got[name], want[name], check_exact=False, rtol=1e-9,
+                                      atol=1e-12, obj=name)  # fmt: skip
+
+
+def manifest(s3: S3, url: str) -> dict:
+    return json.loads(s3.fs().cat(f"{url.removeprefix('s3://')}/manifest.json"))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1200)
+def test_a_run_a_resume_and_a_merge_in_a_bucket(s3, corpus):
+    model, url = corpus["model"], corpus["url"]
+    runs = f"s3://{BUCKET}/runs"
+    done = job(s3, "jobs.analyze", "--model", model, "--corpus", url, "--out",
+               f"{runs}/whole", *QUICK)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    whole = manifest(s3, f"{runs}/whole")
+    assert whole["status"] == "complete" and whole["sizing"]["reduce"]["count"] == 0
+    # run a: its driver killed once two checkpoint groups are in the bucket, then resumed
+    argv = ["--model", model, "--corpus", f"{url}/a.jsonl", "--out", f"{runs}/a", *QUICK,
+            "--num-workers", "1"]  # fmt: skip
+    env = os.environ | s3.env | {"PYTHONPATH": str(REPO)}
+    proc = subprocess.Popen([sys.executable, "-m", "jobs.analyze", *argv], cwd=REPO, env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            start_new_session=True)  # fmt: skip
+    fs = s3.fs()
+    deadline = time.monotonic() + 400
+    groups: list[str] = []
+    while proc.poll() is None and time.monotonic() < deadline:
+        fs.invalidate_cache()
+        with contextlib.suppress(FileNotFoundError):
+            groups = [p for p in fs.ls(f"{BUCKET}/runs/a/groups") if p.endswith("-n1.json")]
+        if len(groups) >= 2:
+            break
+        time.sleep(0.3)
+    assert len(groups) >= 2, "the run did not checkpoint two groups"
+    os.killpg(proc.pid, signal.SIGKILL)  # the driver and the private Ray it started
+    proc.wait(timeout=30)
+    resumed = job(s3, "jobs.analyze", *argv)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resuming" in resumed.stdout
+    a = manifest(s3, f"{runs}/a")
+    assert a["shards"]["reused_from_checkpoints"] >= 2
+    assert a["shards"]["reused_from_checkpoints"] + a["shards"]["computed"] == a["shards"]["total"]
+    done = job(s3, "jobs.analyze", "--model", model, "--corpus", f"{url}/b.jsonl",
+               "--out", f"{runs}/b", *QUICK)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    # the merge of a (resumed) and b, in the bucket, is the run over the whole corpus
+    merged = job(s3, "jobs.merge", "--out", f"{runs}/ab", f"{runs}/a", f"{runs}/b")
+    assert merged.returncode == 0, merged.stderr[-3000:]
+    ab = manifest(s3, f"{runs}/ab")
+    assert ab["counts"]["tokens"] == whole["counts"]["tokens"]
+    assert ab["sizing"]["reduce"]["types"] == whole["sizing"]["reduce"]["types"]
+    got, want = read_tables(s3, f"{runs}/ab"), read_tables(s3, f"{runs}/whole")
+    for name in ("type_stats", "dims", "positions"):
+        pd.testing.assert_frame_equal(got[name], want[name], check_exact=False, rtol=1e-9,
+                                      atol=1e-12, obj=name)  # fmt: skip
+    exact = ["layer", "n_tokens", "n_types", "mean_norm", "total_variance", "within_ratio",
+             "anisotropy", "s_inter", "s_intra"]  # fmt: skip
+    pd.testing.assert_frame_equal(got["layers"][exact], want["layers"][exact],
+                                  check_exact=False, rtol=1e-9, atol=1e-12)  # fmt: skip
+
+
+@pytest.mark.slow
+@pytest.mark.own_ray_cluster
+@pytest.mark.timeout(1200)
+def test_reducers_on_two_nodes_read_the_groups_from_the_bucket(s3, corpus, monkeypatch):
+    """A simulated cluster of a head and two 1-CPU nodes (their processes inherit the
+    bucket's endpoint): ``--reducers 2`` places one reducer on each worker node, each reading
+    every checkpoint group from the bucket; the self-sized defaults give the same tables."""
+    import ray
+    import s3fs
+    from ray.cluster_utils import Cluster
+
+    from embgeom_ray.config import build_config
+    from embgeom_ray.runs.pipeline import analyze
+
+    for key, value in s3.env.items():
+        monkeypatch.setenv(key, value)
+    s3fs.S3FileSystem.clear_instance_cache()  # the job's filesystem: this endpoint
+    if ray.is_initialized():
+        ray.shutdown()
+    (port,) = free_ports(1)
+    GiB = 2**30
+    cluster = Cluster(initialize_head=True, head_node_args={
+        "num_cpus": 0, "memory": 2 * GiB, "gcs_server_port": port, "include_dashboard": False})  # fmt: skip
+    nodes = [cluster.add_node(num_cpus=1, memory=3 * GiB) for _ in range(2)]
+    try:
+        ray.init(address=cluster.address, log_to_driver=False)
+        cluster.wait_for_nodes()
+        model, url = corpus["model"], corpus["url"]
+        base = {"model": model, "corpus": url, "max_length": 32, "sample_size": 64,
+                "kmeans_k_max": 3, "no_report": True, "shard_bytes": 1024,
+                "checkpoint_interval": 0, "device": "cpu",
+                "comoment_precision": "float64"}  # fmt: skip
+        out = f"s3://{BUCKET}/cluster"
+        two = analyze(build_config(None, base | {"out": f"{out}/two", "reducers": 2}),
+                      echo=lambda *_: None)  # fmt: skip
+        groups = two["shards"]["checkpoint_groups"]
+        assert groups > 1 and two["reducers"]["sources_read"] == [groups, groups]
+        worker_ids = {n.node_id for n in nodes}
+        assert set(two["reducers"]["nodes"]) == worker_ids  # one on each worker node
+        assert two["workers"]["num_workers"] == 2
+        default = analyze(build_config(None, base | {"out": f"{out}/default"}),
+                          echo=lambda *_: None)  # fmt: skip
+        assert default["status"] == "complete" and "sizing" in default
+        assert_same_tables(read_tables(s3, f"{out}/two"), read_tables(s3, f"{out}/default"))
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+
+
+def test_probe_names_an_endpoint_nobody_listens_on(monkeypatch):
+    (port,) = free_ports(1)
+    monkeypatch.setenv("AWS_ENDPOINT_URL_S3", f"http://127.0.0.1:{port}")
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "x")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "y")
+    import s3fs
+
+    s3fs.S3FileSystem.clear_instance_cache()
+    try:
+        with pytest.raises(StorageError, match=f"at http://127.0.0.1:{port} for the corpus s3://b/c"):
+            probe("s3://b/c.jsonl", "corpus")
+        probe("/a/local/path", "corpus")  # nothing to probe
+    finally:
+        s3fs.S3FileSystem.clear_instance_cache()  # the next test's endpoint is another
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_storage_faults_end_in_one_line(s3, corpus, tmp_path):
+    """Each fault: exit status 2, one line on stderr naming the URL (and the endpoint), no
+    traceback, within a bounded time."""
+    model, url = corpus["model"], corpus["url"]
+
+    def refused(argv: list[str], env: dict[str, str], *names: str) -> None:
+        t0 = time.monotonic()
+        done = subprocess.run([sys.executable, "-m", "jobs.analyze", "--model", model,
+                               "--max-length", "32", *argv],
+                              cwd=REPO, env=os.environ | env | {"PYTHONPATH": str(REPO)},
+                              capture_output=True, text=True, timeout=300)  # fmt: skip
+        assert time.monotonic() - t0 < 120
+        assert done.returncode == 2, done.stderr[-3000:]
+        lines = [line for line in done.stderr.splitlines() if line.strip()]
+        assert "Traceback" not in done.stderr and lines[-1].startswith("error: "), done.stderr
+        for name in names:
+            assert name in lines[-1], (name, lines[-1])
+
+    out = str(tmp_path / "run")
+    # an endpoint that answers nothing
+    (port,) = free_ports(1)
+    dead = s3_env(f"http://127.0.0.1:{port}")
+    refused(["--corpus", f"{url}/a.jsonl", "--out", out], dead, f"{url}/a.jsonl",
+            f"http://127.0.0.1:{port}", "cannot reach")  # fmt: skip
+    # a missing bucket: for the corpus, and for the run (never created)
+    refused(["--corpus", "s3://no-such-bucket/a.jsonl", "--out", out], s3.env,
+            "s3://no-such-bucket/a.jsonl", "no such bucket")  # fmt: skip
+    refused(["--corpus", f"{url}/a.jsonl", "--out", "s3://no-such-bucket/run"], s3.env,
+            "s3://no-such-bucket/run", "no such bucket", s3.endpoint)  # fmt: skip
+    assert "no-such-bucket" not in s3.fs().ls("")
+    # a run directory the job cannot write to (below a regular file: even root cannot)
+    (tmp_path / "file").write_text("not a directory")
+    refused(["--corpus", f"{url}/a.jsonl", "--out", str(tmp_path / "file" / "run")], s3.env,
+            str(tmp_path / "file" / "run"), "cannot write")  # fmt: skip
+    # credentials the store refuses (a server that checks them)
+    with moto_server(tmp_path / "moto-auth.log", INITIAL_NO_AUTH_ACTION_COUNT="0") as endpoint:
+        refused(["--corpus", f"s3://{BUCKET}/a.jsonl", "--out", out], s3_env(endpoint),
+                f"s3://{BUCKET}/a.jsonl", endpoint, "refused access")  # fmt: skip

@@ -1,0 +1,496 @@
+"""``jobs.reanalyze``: each model of a watch list is analysed once per exact revision.
+
+The end-to-end test (slow) runs the real job in-process on a local Ray, on a watch list of two
+tiny local BERTs and one hub id: run twice, each local model is analysed exactly once and the
+hub id, unresolvable offline, is reported without stopping the others; after one model's
+weights change, exactly one new run. Then jobs.compare finds the planted rogue dimension.
+
+The fast tests replace ``pipeline.analyze`` by a stand-in that writes a complete run (manifest
+with the real model, tokenizer and corpus fingerprints, and layers.parquet) in milliseconds,
+to check failures and retries, dry runs, rebuilding the index, moved model directories, and
+``--submit`` against a stand-in Ray job server (stable submission ids, duplicates recognised,
+retries after a failed job).
+"""
+
+from __future__ import annotations
+
+import json
+import shlex
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+import pytest
+import yaml
+
+from embgeom_ray.config import JobConfig, build_config
+from embgeom_ray.errors import ConfigError, CorpusError, ModelError
+from embgeom_ray.inputs.corpus import CorpusSpec, plan_shards
+from embgeom_ray.inputs.model_loading import resolve_identity
+from embgeom_ray.runs import pipeline, reanalyze
+from embgeom_ray.runs.reanalyze import (
+    INDEX_COLUMNS,
+    analyze_argv,
+    load_watchlist,
+    read_index,
+    resolve_hub_revision,
+    submission_id,
+)
+from jobs import analyze as analyze_cli
+from jobs import reanalyze as reanalyze_cli
+from tests.conftest import write_jsonl
+from tests.tiny_models import make_tiny_bert, plant_outlier_dimension
+
+REPO = Path(__file__).resolve().parents[2]
+HUB_ID = "hf-internal-testing/tiny-random-bert"  # resolving "latest" needs the network
+DOCS = [
+    "The cat sat on the mat.",
+    "A bank can hold money; the river bank holds water.",
+    "Ray schedules actors on the nodes of a cluster.",
+    "The dog sat on the log, and the cat watched it.",
+    "Contextual embeddings are anisotropic in most layers.",
+    "She walked along the river bank at dawn.",
+    "Tokens of the same type have similar vectors.",
+    "The mat was red and the log was brown.",
+]
+OPTIONS = {"max_length": 32, "sample_size": 256, "kmeans_k_max": 4, "num_workers": 1,
+           "no_report": True}  # fmt: skip
+
+
+def _watchlist(path: Path, models: list[Any]) -> str:
+    path.write_text(yaml.safe_dump({"models": models}))
+    return str(path)
+
+
+def _job_config(path: Path, options: dict[str, Any] = OPTIONS) -> str:
+    path.write_text(yaml.safe_dump(options))
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory) -> dict[str, str]:
+    root = tmp_path_factory.mktemp("models")
+    return {
+        "a": make_tiny_bert(root / "tiny-a", seed=0),
+        "b": make_tiny_bert(root / "tiny-b", seed=1),
+    }
+
+
+@pytest.fixture
+def corpus(tmp_path) -> str:
+    return write_jsonl(tmp_path / "corpus.jsonl", DOCS)
+
+
+# ------------------------------------------------------------------------------------------
+# a stand-in for pipeline.analyze: a complete run, without Ray
+
+
+class FakeAnalyze:
+    """Writes what a complete run of ``config`` would: the manifest and layers.parquet."""
+
+    def __init__(self, fail: set[str] | None = None):
+        self.calls: list[str] = []
+        self.fail = set(fail or ())
+
+    def __call__(self, config: JobConfig, *, echo=print) -> dict[str, Any]:
+        self.calls.append(config.model)
+        if config.model in self.fail:
+            self.fail.discard(config.model)  # fails once
+            raise CorpusError("the corpus went away (simulated)")
+        return write_complete_run(config)
+
+
+def write_complete_run(config: JobConfig) -> dict[str, Any]:
+    identity, _ = resolve_identity(config.model, config.revision, False)
+    spec = CorpusSpec(config.corpus, config.text_column, config.split)
+    out = Path(config.out)
+    out.mkdir(parents=True, exist_ok=True)
+    layers = pd.DataFrame(
+        {
+            "layer": [0, 1, 2],
+            "n_tokens": [50, 50, 50],
+            "anisotropy": [0.5, 0.25, 0.125],
+            "isoscore": [0.25, 0.5, 0.75],
+            "within_ratio": [0.25, 0.5, 0.75],
+            "s_intra": [0.75, 0.5, 0.5],
+        }
+    )
+    layers.to_parquet(out / "layers.parquet")
+    manifest = {
+        "status": "complete",
+        "started_at": "2026-01-01T00:00:00+00:00",
+        "finished_at": "2026-01-01T00:00:01+00:00",
+        "fingerprint": "f" * 64,
+        "config": config.model_dump(),
+        "model": {
+            "id": config.model,
+            "revision": identity.revision,
+            "model_fingerprint": identity.model_fingerprint,
+            "num_layers": 2,
+            "hidden_size": 32,
+        },
+        "tokenizer": {"fingerprint": identity.tokenizer_fingerprint},
+        "corpus": {"source": config.corpus, "fingerprint": plan_shards(spec).fingerprint},
+        "counts": {"tokens": 50},
+        "timings_s": {"total": 1.0},
+    }
+    (out / "manifest.json").write_text(json.dumps(manifest))
+    return manifest
+
+
+@pytest.fixture
+def fake_analyze(monkeypatch) -> FakeAnalyze:
+    fake = FakeAnalyze()
+    monkeypatch.setattr(pipeline, "analyze", fake)
+    return fake
+
+
+def _run(watchlist: str, corpus: str, store: Path, **kwargs) -> reanalyze.ReanalyzeResult:
+    kwargs.setdefault("echo", lambda s: None)
+    kwargs.setdefault("warn", lambda s: None)
+    return reanalyze.reanalyze(watchlist, str(store), corpus=corpus, **kwargs)
+
+
+# ------------------------------------------------------------------------------------------
+# fast tests
+
+
+def test_watch_list_format(tmp_path) -> None:
+    entries = load_watchlist(str(REPO / "deploy" / "models.yaml"))
+    assert [e.revision for e in entries] == ["latest"] * 4
+    assert entries[2].options == {"max_length": 256}
+
+    bad = {
+        "models: []": "non-empty list 'models:'",
+        "models: [{model: m, branch: x}]": "unknown keys ['branch']",
+        "models: [{model: m, options: {out: /x}}]": "cannot be set per model",
+        "models: [{revision: main}]": "'model' must be a hub id or a directory",
+        "models: [": "is not valid YAML",
+    }
+    for text, message in bad.items():
+        (tmp_path / "w.yaml").write_text(text)
+        with pytest.raises(ConfigError, match=message.replace("[", r"\[").replace("(", r"\(")):
+            load_watchlist(str(tmp_path / "w.yaml"))
+
+
+def test_hub_revision_offline_is_a_clear_error(monkeypatch) -> None:
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    import huggingface_hub.constants
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    with pytest.raises(ModelError, match="offline mode is on") as info:
+        resolve_hub_revision(HUB_ID, "latest")
+    assert HUB_ID in str(info.value) and "\n" not in str(info.value)
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    assert resolve_hub_revision(HUB_ID, commit) == commit  # exact already: no network
+
+
+def test_analyze_argv_round_trips_through_jobs_analyze() -> None:
+    config = build_config(
+        None,
+        {
+            "model": "/models/x y",
+            "revision": "abc",
+            "corpus": "s3://b/c/",
+            "out": "/store/runs/x-1",
+            "layers": [-1, 0, 3],
+            "clip_dims": [5, 7],
+            "keep_special": True,
+            "outlier_mean_z": 2.5,
+            "sample_size": 256,
+            "num_workers": 3,
+        },
+    )
+    argv = shlex.split(shlex.join(analyze_argv(config)))
+    assert argv[:3] == ["python", "-m", "jobs.analyze"]
+    args = analyze_cli.build_parser().parse_args(argv[3:])
+    overrides = {k: v for k, v in vars(args).items() if k not in {"config", "verbose"}}
+    assert build_config(None, overrides) == config
+
+
+def test_idempotent_failures_retried_index_rebuilt(models, corpus, tmp_path, fake_analyze) -> None:
+    store = tmp_path / "store"
+    watch = _watchlist(tmp_path / "models.yaml", [{"model": models["a"]}, {"model": models["b"]}])
+    fake_analyze.fail = {models["b"]}
+
+    # dry run: says what would run, writes nothing
+    result = _run(watch, corpus, store, dry_run=True)
+    assert [o.status for o in result.outcomes] == ["would run", "would run"]
+    assert not store.exists() and fake_analyze.calls == []
+
+    # first run: a analysed, b fails (recorded, exit status non-zero)
+    result = _run(watch, corpus, store)
+    assert [o.status for o in result.outcomes] == ["analysed", "failed"]
+    assert "went away" in result.outcomes[1].message
+    index = read_index(str(store)).set_index("model")
+    assert list(read_index(str(store)).columns) == list(INDEX_COLUMNS)
+    assert index.loc[models["a"], "status"] == "complete"
+    assert index.loc[models["b"], "status"] == "failed"
+    assert "went away" in index.loc[models["b"], "error"]
+    assert index.loc[models["a"], "anisotropy_last"] == 0.125
+    assert index.loc[models["a"], "within_ratio_mean"] == 0.5
+    assert index.loc[models["a"], "n_tokens"] == 50
+    assert index.loc[models["a"], "revision"].startswith("sha256:")
+
+    # second run: only the failed one is retried
+    result = _run(watch, corpus, store)
+    assert [o.status for o in result.outcomes] == ["up to date", "analysed"]
+    assert fake_analyze.calls == [models["a"], models["b"], models["b"]]
+    index = read_index(str(store)).set_index("model")
+    assert index.loc[models["b"], "status"] == "complete"
+    assert index.loc[models["b"], "attempts"] == 2
+    for key, out in zip(index["key"], index["out"], strict=True):
+        assert Path(out).parent == store / "runs" and out.endswith(key[:12])
+
+    # third run: nothing to do
+    lines: list[str] = []
+    result = _run(watch, corpus, store, echo=lines.append)
+    assert result.ok and len(fake_analyze.calls) == 3
+    assert lines[-1].startswith("up to date: all 2 models have a complete run")
+
+    # the index is rebuilt from the run directories without running anything
+    before = read_index(str(store)).drop(columns=["attempts"]).sort_values("key")
+    (store / "runs.parquet").unlink()
+    assert _run(watch, corpus, store).ok and len(fake_analyze.calls) == 3
+    after = read_index(str(store)).drop(columns=["attempts"]).sort_values("key")
+    pd.testing.assert_frame_equal(before.reset_index(drop=True), after.reset_index(drop=True))
+
+
+def test_key_follows_content_and_result_options(models, corpus, tmp_path, fake_analyze) -> None:
+    store = tmp_path / "store"
+    moved = shutil.copytree(models["a"], tmp_path / "renamed-copy")
+    config = _job_config(tmp_path / "job.yaml", OPTIONS)
+    watch = _watchlist(
+        tmp_path / "models.yaml",
+        [
+            {"model": models["a"]},
+            {"model": models["a"], "options": {"num_workers": 2, "batch_tokens": 64}},
+            {"model": models["a"], "options": {"max_length": 16}},
+        ],
+    )
+    result = _run(watch, corpus, store, config_path=config)
+    assert [o.status for o in result.outcomes] == ["analysed", "analysed", "analysed"]
+    # worker counts and batch sizes do not change the numbers: same key, one run
+    assert result.outcomes[1].key == result.outcomes[0].key
+    assert result.outcomes[2].key != result.outcomes[0].key
+    assert len(fake_analyze.calls) == 2
+
+    # the same weights in another directory: the content hash, so the key, is the same
+    watch2 = _watchlist(tmp_path / "moved.yaml", [{"model": str(moved)}])
+    result = _run(watch2, corpus, store, config_path=config)
+    assert [o.status for o in result.outcomes] == ["up to date"]
+    assert result.outcomes[0].out == str(store / "runs" / Path(models["a"]).name) + (
+        f"-{result.outcomes[0].key[:12]}"
+    )
+    assert len(fake_analyze.calls) == 2
+
+    # model, revision, corpus and output cannot come from the shared --config
+    bad = _job_config(tmp_path / "bad.yaml", {"out": "/elsewhere"})
+    with pytest.raises(ConfigError, match="sets 'out'"):
+        _run(watch, corpus, store, config_path=bad)
+    # a local directory has no revisions
+    bad_watch = _watchlist(tmp_path / "rev.yaml", [{"model": models["a"], "revision": "main"}])
+    result = _run(bad_watch, corpus, store)
+    assert "applies to hub models only" in result.outcomes[0].message
+
+
+class FakeJobServer:
+    """The part of JobSubmissionClient that reanalyze uses; jobs are finished by the test."""
+
+    def __init__(self) -> None:
+        self.jobs: dict[str, dict[str, Any]] = {}
+        self.submitted: list[str] = []
+
+    def get_job_info(self, sid: str):
+        if sid not in self.jobs:
+            raise RuntimeError(f"Request failed with status code 404: Job {sid} does not exist.")
+        job = self.jobs[sid]
+        return type("Info", (), {"status": job["status"], "message": job.get("message", "")})
+
+    def submit_job(self, *, entrypoint, submission_id, runtime_env, metadata):
+        if submission_id in self.jobs:
+            raise RuntimeError(f"Job with submission_id {submission_id} already exists.")
+        self.jobs[submission_id] = {"status": "PENDING", "entrypoint": entrypoint}
+        self.submitted.append(submission_id)
+        return submission_id
+
+    def finish(self, sid: str, ok: bool) -> None:
+        """Run the job's entrypoint with the stand-in analysis (or fail it)."""
+        job = self.jobs[sid]
+        if ok:
+            argv = shlex.split(job["entrypoint"])
+            assert argv[:3] == ["python", "-m", "jobs.analyze"]
+            args = analyze_cli.build_parser().parse_args(argv[3:])
+            overrides = {k: v for k, v in vars(args).items() if k not in {"config", "verbose"}}
+            write_complete_run(build_config(None, overrides))
+        job.update(status="SUCCEEDED" if ok else "FAILED", message="" if ok else "boom")
+
+
+def test_submit_stable_ids_duplicates_and_retries(
+    models, corpus, tmp_path, fake_analyze, monkeypatch
+) -> None:
+    store = tmp_path / "store"
+    server = FakeJobServer()
+    watch = _watchlist(tmp_path / "models.yaml", [{"model": models["a"]}])
+    kwargs = {"submit": "http://head:8265", "client": server, "runtime_env": {}, "poll_s": 0.01}
+
+    def run_while_jobs_finish(ok: bool) -> reanalyze.ReanalyzeResult:
+        """reanalyze waiting for its jobs, which finish (ok or not) while it waits."""
+
+        def sleep(_: float) -> None:
+            for sid, job in server.jobs.items():
+                if job["status"] in ("PENDING", "RUNNING"):
+                    server.finish(sid, ok=ok)
+
+        with monkeypatch.context() as m:
+            m.setattr(reanalyze.time, "sleep", sleep)
+            return _run(watch, corpus, store, **kwargs)
+
+    result = _run(watch, corpus, store, wait=False, **kwargs)
+    (outcome,) = result.outcomes
+    first = submission_id(outcome.key)
+    assert outcome.status == "submitted" and outcome.submission_id == first
+    assert first == f"embgeom-{outcome.key[:24]}" and server.submitted == [first]
+    row = read_index(str(store)).iloc[0]
+    assert (row["status"], row["submission_id"], row["attempts"]) == ("submitted", first, 1)
+
+    # still pending: recognised, not submitted again; it fails while we wait
+    server.jobs[first]["status"] = "RUNNING"
+    result = run_while_jobs_finish(ok=False)
+    assert result.outcomes[0].submission_id == first and server.submitted == [first]
+    assert result.outcomes[0].status == "failed"
+    row = read_index(str(store)).iloc[0]
+    assert row["status"] == "failed" and row["error"] == f"Ray job {first} ended FAILED: boom"
+
+    # the next invocation submits attempt 1 under the next stable id, and waits for it
+    retry = submission_id(outcome.key, 1)
+    assert retry == f"{first}-1"
+    result = run_while_jobs_finish(ok=True)
+    assert server.submitted == [first, retry]
+    assert result.outcomes[0].status == "analysed"
+    row = read_index(str(store)).iloc[0]
+    assert (row["status"], row["submission_id"], row["attempts"]) == ("complete", retry, 2)
+    assert row["anisotropy_last"] == 0.125
+    assert fake_analyze.calls == []  # nothing ran in this process
+
+    # and now it is up to date: nothing is submitted
+    result = _run(watch, corpus, store, **kwargs)
+    assert result.outcomes[0].status == "up to date" and len(server.submitted) == 2
+
+
+def test_cli_flags_of_the_cronjob_exist() -> None:
+    text = reanalyze_cli.build_parser().format_help()
+    for flag in ("--watchlist", "--corpus", "--store", "--config", "--dry-run", "--submit"):
+        assert flag in text
+
+
+# ------------------------------------------------------------------------------------------
+# end to end: the real job
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_reanalyze_end_to_end(tmp_path, corpus, ray_local, capsys, monkeypatch) -> None:
+    import huggingface_hub.constants
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)  # even if online
+    a = make_tiny_bert(tmp_path / "models" / "tiny-a", seed=0)
+    b = make_tiny_bert(tmp_path / "models" / "tiny-b", seed=1)
+    store = tmp_path / "store"
+    watch = _watchlist(
+        tmp_path / "models.yaml",
+        [{"model": a}, {"model": HUB_ID, "revision": "latest"}, {"model": b}],
+    )
+    config = _job_config(tmp_path / "job.yaml")
+    argv = ["--watchlist", watch, "--corpus", corpus, "--store", str(store), "--config", config]
+
+    calls: list[str] = []
+    real_analyze = pipeline.analyze
+
+    def counting(cfg, **kw):
+        calls.append(cfg.model)
+        return real_analyze(cfg, **kw)
+
+    pipeline.analyze = counting
+    try:
+        timings = []
+        t0 = time.perf_counter()
+        assert reanalyze_cli.main(argv) == 1  # the hub id cannot be resolved offline
+        timings.append(time.perf_counter() - t0)
+        err = capsys.readouterr().err
+        assert f"model 2 ({HUB_ID}): cannot resolve revision 'latest'" in err
+        assert "offline mode is on" in err and f"1 model(s) failed: {HUB_ID}" in err
+        assert sorted(calls) == sorted([a, b])  # both local models analysed once
+
+        first = read_index(str(store)).set_index("model")
+        assert set(first.index) == {a, b} and (first["status"] == "complete").all()
+        for model in (a, b):
+            row = first.loc[model]
+            manifest = json.loads((Path(row["out"]) / "manifest.json").read_text())
+            assert manifest["status"] == "complete"
+            assert manifest["model"]["revision"] == row["revision"]
+            assert manifest["corpus"]["fingerprint"] == row["corpus_fingerprint"]
+            assert row["run_fingerprint"] == manifest["fingerprint"]
+            assert row["n_tokens"] == manifest["counts"]["tokens"] > 0
+            assert row["n_layers"] == 3
+            layers = pd.read_parquet(Path(row["out"]) / "layers.parquet")
+            assert row["anisotropy_last"] == pytest.approx(layers["anisotropy"].iloc[-1])
+            assert row["within_ratio_mean"] == pytest.approx(layers["within_ratio"].mean())
+
+        # second invocation: nothing runs
+        t0 = time.perf_counter()
+        assert reanalyze_cli.main(argv) == 1
+        timings.append(time.perf_counter() - t0)
+        out = capsys.readouterr().out
+        assert len(calls) == 2 and out.count("up to date: ") == 2
+        pd.testing.assert_frame_equal(read_index(str(store)).set_index("model"), first)
+
+        # b's weights change: exactly one new run, b's old run stays in the index
+        plant_outlier_dimension(b, dim=5, scale=8.0)
+        t0 = time.perf_counter()
+        assert reanalyze_cli.main(argv) == 1
+        timings.append(time.perf_counter() - t0)
+        capsys.readouterr()
+        assert calls == [a, b, b]
+        index = read_index(str(store))
+        assert len(index) == 3 and (index["status"] == "complete").all()
+        new_b = index[(index["model"] == b) & (index["key"] != first.loc[b, "key"])]
+        assert len(new_b) == 1 and new_b["revision"].iloc[0] != first.loc[b, "revision"]
+        print("reanalyze invocations took " + ", ".join(f"{t:.1f}s" for t in timings))
+    finally:
+        pipeline.analyze = real_analyze
+
+    # jobs.compare on b before and after: the planted dimension appears as a rogue dimension
+    from jobs import compare as compare_cli
+
+    old_out, new_out = first.loc[b, "out"], new_b["out"].iloc[0]
+    cmp = tmp_path / "cmp"
+    assert compare_cli.main([old_out, new_out, "--out", str(cmp), "--labels", "old,new"]) == 0
+    rogue = pd.read_parquet(cmp / "rogue_dims.parquet")
+    old_flags = pd.read_parquet(Path(old_out) / "dims.parquet").query("outlier")
+    new_flags = pd.read_parquet(Path(new_out) / "dims.parquet").query("outlier")
+    assert set(new_flags.loc[new_flags["dim"] == 5, "layer"]) == {0, 1, 2}
+    appeared = rogue[(rogue["change"] == "appeared") & (rogue["dim"] == 5)]
+    assert set(appeared["layer"]) == {0, 1, 2} - set(old_flags.loc[old_flags["dim"] == 5, "layer"])
+    assert (cmp / "report.html").is_file()
+
+
+def test_a_result_option_added_later_counts_as_its_default() -> None:
+    """A run made before an option existed (its manifest does not name it) ran as the
+    option's default: same key, so an upgrade does not redo every watched run."""
+    from embgeom_ray.run_dir import CorpusInfo, Manifest, ModelInfo, TokenizerInfo
+    from embgeom_ray.runs.reanalyze import manifest_key
+
+    config = build_config(None, {"model": "m", "corpus": "c", "out": "o"}).model_dump()
+
+    def manifest(cfg: dict) -> Manifest:
+        return Manifest(
+            status="complete", config=cfg, model=ModelInfo(id="m", model_fingerprint="sha256:a"),
+            tokenizer=TokenizerInfo(fingerprint="t"), corpus=CorpusInfo(fingerprint="c"),
+        )  # fmt: skip
+
+    old = {k: v for k, v in config.items() if k != "dedup"}
+    assert manifest_key(manifest(old)) == manifest_key(manifest(config)) is not None
+    assert manifest_key(manifest(config | {"dedup": True})) != manifest_key(manifest(config))

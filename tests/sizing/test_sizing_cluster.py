@@ -1,0 +1,132 @@
+"""The job sizes itself on a simulated cluster (``ray.cluster_utils.Cluster``: nodes of
+different memory, fake GPUs of a named accelerator type): Ray's view is read as given, the
+reducers land where the policy places them, ``--plan`` prints the decisions the run then
+records, and what cannot fit is refused before anything is written."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from embgeom_ray.config import build_config
+from embgeom_ray.errors import ConfigError
+from tests.conftest import write_jsonl
+from tests.ray_processes import free_ports
+
+pytestmark = [pytest.mark.slow, pytest.mark.own_ray_cluster, pytest.mark.timeout(600)]
+
+GiB = 2**30
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    """A head of 6 GiB and no CPUs, a CPU node of 5 GiB and a GPU node of 3 GiB with two fake
+    H100s (Ray's ``memory`` resources as given here)."""
+    import ray
+    from ray.cluster_utils import Cluster
+
+    if ray.is_initialized():
+        ray.shutdown()
+    (port,) = free_ports(1)
+    c = Cluster(
+        initialize_head=True,
+        head_node_args={"num_cpus": 0, "memory": 6 * GiB, "gcs_server_port": port, "include_dashboard": False},
+    )
+    c.add_node(num_cpus=2, memory=5 * GiB)
+    c.add_node(num_cpus=1, num_gpus=2, memory=3 * GiB, resources={"accelerator_type:H100": 2})
+    try:
+        ray.init(address=c.address, log_to_driver=False)
+        c.wait_for_nodes()
+        yield c
+    finally:
+        ray.shutdown()
+        c.shutdown()
+
+
+def test_ray_view_of_the_cluster(cluster):
+    from embgeom_ray.distributed.cluster import read_cluster
+
+    view = read_cluster()
+    got = sorted((n.head, n.memory, n.cpus, n.gpus, n.gpu_type) for n in view.nodes)
+    assert got == [
+        (False, 3 * GiB, 1, 2, "H100"),
+        (False, 5 * GiB, 2, 0, None),
+        (True, 6 * GiB, 0, 0, None),
+    ]
+    gpu_node = next(n for n in view.nodes if n.gpus)
+    assert gpu_node.gpu_memory == 80 * 10**9
+
+
+def test_plan_is_what_the_run_records_and_reducers_land_where_placed(cluster, tmp_path):
+    """``--plan`` and then the run, on the same cluster: the run's manifest holds the plan's
+    decisions; its two reducers run on the nodes the policy placed them on (the two with the
+    most memory left: the CPU node, then the head less the job's own share)."""
+    from embgeom_ray.runs.pipeline import analyze
+    from tests.runs.test_job_end_to_end import english_documents
+    from tests.tiny_models import make_tiny_bert
+
+    model = make_tiny_bert(str(tmp_path / "model"))
+    corpus = write_jsonl(tmp_path / "c.jsonl", english_documents(12, 300))
+    opts = {"model": model, "corpus": corpus, "out": str(tmp_path / "run"), "device": "cpu",
+            "reducers": 2, "sample_size": 64, "kmeans_k_max": 3, "no_report": True,
+            "shard_bytes": 1024, "max_length": 32}  # fmt: skip
+    lines: list[str] = []
+    planned = analyze(build_config(None, opts | {"plan": True}), echo=lines.append)
+    assert not (tmp_path / "run").exists()  # the plan writes nothing
+    text = "\n".join(lines)
+    for what in ("extractors:", "memory each:", "reducers: 2 actor(s)", "token ranges:",
+                 "driver (the job's own process)", "flush:", "checkpoint groups on disk:",
+                 "artefact:", "tables (before compression):"):  # fmt: skip
+        assert what in text, what
+    manifest = analyze(build_config(None, opts), echo=lambda *_: None)
+    recorded = dict(manifest["sizing"])
+    reduce = recorded.pop("reduce")
+    assert recorded == json.loads(json.dumps(planned))
+    # the CPU node hosts the extractors (the head has no CPUs, the GPU node's actors would
+    # need CUDA: --device cpu), each asking Ray for what the plan says
+    assert manifest["workers"]["memory_bytes"] == planned["extractors"]["memory"]
+    assert manifest["memory"]["extractor_peak_private_bytes"] <= planned["extractors"]["memory"]
+    # the reducers: two, started with the extractors where both fit, on the nodes placed
+    assert manifest["reducers"]["count"] == 2 == reduce["count"]
+    assert manifest["reducers"]["started_during_extraction"] == planned["reducers"]["early"] == 2
+    assert reduce["nodes"] == planned["reducers"]["early_nodes"]
+    assert manifest["reducers"]["nodes"] == reduce["nodes"]
+    budget = manifest["reducers"]["memory_budget_bytes"]
+    # the budget for the types seen, within what the reducers started early asked for
+    assert budget == reduce["memory"] <= planned["reducers"]["memory"]
+    assert all(p <= budget for p in manifest["memory"]["reducer_peak_private_bytes"])
+    # placed one at a time where most memory is left: the head (6 GiB less the job's own
+    # 1.5 GiB) before the CPU node (5 GiB less the extractor's), then by what is left
+    from embgeom_ray.distributed.cluster import read_cluster
+    from embgeom_ray.sizing import DRIVER_ALLOWANCE_BYTES, DRIVER_BASE_BYTES
+
+    nodes = {n.node_id: n for n in read_cluster().nodes}
+    room = {i: n.memory - (DRIVER_BASE_BYTES + DRIVER_ALLOWANCE_BYTES if n.head else 0)
+            for i, n in nodes.items()}  # fmt: skip
+    cpu_node = next(i for i, n in nodes.items() if n.cpus == 2)
+    room[cpu_node] -= planned["extractors"]["memory"]
+    for node in reduce["nodes"]:
+        assert room[node] == max(room.values())
+        room[node] -= budget
+
+
+def test_what_cannot_fit_is_refused_before_anything_is_written(cluster, tmp_path):
+    from embgeom_ray.runs.pipeline import analyze
+    from tests.tiny_models import make_tiny_bert
+
+    model = make_tiny_bert(str(tmp_path / "model"))
+    corpus = write_jsonl(tmp_path / "c.jsonl", ["the cat sat on the mat"] * 4)
+    out = tmp_path / "run"
+    base = {"model": model, "corpus": corpus, "out": str(out), "device": "cpu", "max_length": 32}
+    for extra, match in (
+        ({"reducer_memory": "8GiB"}, "--reducer-memory .* more than any node"),
+        ({"worker_memory": "7GiB"}, "--worker-memory .* more than any node"),
+        ({"reducers": 40}, "--reducers 40: each needs"),
+        ({"cpus_per_worker": 4}, "--cpus-per-worker 4 exceeds"),
+    ):
+        with pytest.raises(ConfigError, match=match):
+            analyze(build_config(None, base | extra), echo=lambda *_: None)
+        with pytest.raises(ConfigError, match=match):  # --plan says the same
+            analyze(build_config(None, base | extra | {"plan": True}), echo=lambda *_: None)
+        assert not out.exists()

@@ -1,0 +1,117 @@
+"""A Llama-shaped model with Llama 3's 128,256-entry vocabulary, run, re-analysed and merged
+with the default options (no memory option): every process sizes itself and stays within
+its budget.
+
+The model is random (bench.vocabulary: d = 192, 2 blocks, so L = 3 hidden states) and the
+corpus generated in two halves of 60,000 words (each half uniform over the vocabulary, half
+Zipf: ~30,000 types each, ~55,000 together), so the per-type state, 8·L·V_seen·(2d+2), is
+more than the job's own process may reduce within 1 GiB of its start. As users run them, each
+in a fresh process (its own private Ray):
+
+1. ``jobs.reanalyze`` of a watch list naming the model, over half A: the run it makes;
+2. ``jobs.analyze`` over half B;
+3. ``jobs.merge`` of the two runs;
+4. ``jobs.analyze --reducers 1`` over both halves (the job's own process reducing).
+
+Each job's own process peaks ≤ 1 GiB above its memory at start; every reducer's peak private
+memory is ≤ the budget it was sized with; every extractor's ≤ the memory it asked Ray for; the
+merge's tables equal the ``--reducers 1`` run's over the union to float64 rounding.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
+
+REPO = Path(__file__).resolve().parents[2]
+GiB = 2**30
+VOCAB, DIM, BLOCKS, WORDS = 128_256, 192, 2, 60_000
+
+
+def run(module: str, *argv: str) -> str:
+    """``python -m module argv`` in a fresh process; its stdout."""
+    env = os.environ | {"PYTHONPATH": str(REPO)}
+    done = subprocess.run([sys.executable, "-m", module, *argv], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=1500)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-4000:]
+    return done.stdout
+
+
+def within_budgets(m: dict) -> None:
+    """The job's own process, every reducer and every extractor within its budget."""
+    memory = m["memory"]
+    assert memory["driver_peak_private_bytes"] - memory["driver_start_private_bytes"] <= GiB
+    if "reducers" in m:
+        budget = m["reducers"]["memory_budget_bytes"]
+        assert budget == m["sizing"]["reduce"]["memory"]
+        assert all(peak <= budget for peak in memory["reducer_peak_private_bytes"])
+    if m.get("workers"):
+        assert m["workers"]["memory_bytes"] == m["sizing"]["extractors"]["memory"]
+        assert memory["extractor_peak_private_bytes"] <= m["workers"]["memory_bytes"]
+
+
+def test_default_options_size_themselves_within_every_budget(tmp_path):
+    from bench.vocabulary import generated_corpus, wordlevel_llama_dir
+
+    model = wordlevel_llama_dir(tmp_path / "model", VOCAB, DIM, BLOCKS)
+    halves = tmp_path / "corpus"
+    halves.mkdir()
+    a = generated_corpus(halves / "a.jsonl", VOCAB, WORDS, seed=1)
+    b = generated_corpus(halves / "b.jsonl", VOCAB, WORDS, seed=2)
+
+    # 1. the scheduled re-analysis of half A, no memory option in the watch list
+    watchlist = tmp_path / "models.yaml"
+    watchlist.write_text(f"models:\n  - model: {model}\n")
+    store = tmp_path / "store"
+    run("jobs.reanalyze", "--watchlist", str(watchlist), "--corpus", a, "--store", str(store))
+    (run_a,) = (store / "runs").iterdir()
+    m_a = json.loads((run_a / "manifest.json").read_text())
+    # 2. half B
+    run("jobs.analyze", "--model", model, "--corpus", b, "--out", str(tmp_path / "b"))
+    m_b = json.loads((tmp_path / "b" / "manifest.json").read_text())
+    for m in (m_a, m_b):
+        assert m["sizing"]["types_bound"] == VOCAB  # each half's bytes exceed the vocabulary
+        types = m["sizing"]["reduce"]["types"]
+        assert 8 * 3 * types * (2 * DIM + 2) > 0.25 * GiB  # too much to reduce in the driver
+        assert m["sizing"]["reduce"]["count"] >= 1 and m["reducers"]["count"] >= 1
+        within_budgets(m)
+
+    # 3. their merge
+    out = run("jobs.merge", "--out", str(tmp_path / "ab"), str(run_a), str(tmp_path / "b"))
+    assert "types in the runs: reducers:" in out
+    m_ab = json.loads((tmp_path / "ab" / "manifest.json").read_text())
+    assert m_ab["sizing"]["reduce"]["count"] >= 1 and m_ab["reducers"]["count"] >= 1
+    within_budgets(m_ab)
+
+    # 4. the reference: both halves, reduced in the job's own process
+    run("jobs.analyze", "--model", model, "--corpus", str(halves), "--out",
+        str(tmp_path / "one"), "--reducers", "1", "--no-report")  # fmt: skip
+    one = json.loads((tmp_path / "one" / "manifest.json").read_text())
+    assert one["sizing"]["reduce"]["count"] == 0 and "reducers" not in one
+    assert one["counts"]["tokens"] == m_ab["counts"]["tokens"]
+    exact = ["layer", "n_tokens", "n_types", "mean_norm", "within_variance",
+             "norm_variance_corr", "anisotropy", "s_inter", "s_intra"]  # fmt: skip
+    comoment = ["layer", "total_variance", "between_variance", "within_ratio", "isoscore"]
+    # the co-moment's per-batch products are float32 (the default --comoment-precision): a
+    # merge of two runs, batched otherwise than one run over both, agrees on what derives
+    # from it (the total variance, IsoScore, the dimensions' std) to ~1e-6 relative, on the
+    # rest to rounding
+    for name, keys, columns, rtol in (
+        ("type_stats", ["layer", "token_id"], None, 1e-9),
+        ("positions", ["layer", "position"], None, 1e-9),
+        ("layers", ["layer"], exact, 1e-9),
+        ("layers", ["layer"], comoment, 1e-6),
+        ("dims", ["layer", "dim"], None, 1e-6),
+    ):
+        got = pd.read_parquet(tmp_path / "ab" / f"{name}.parquet", columns=columns)
+        want = pd.read_parquet(tmp_path / "one" / f"{name}.parquet", columns=columns)
+        got, want = (t.sort_values(keys).reset_index(drop=True) for t in (got, want))
+        pd.testing.assert_frame_equal(got, want, check_exact=False, rtol=rtol, atol=1e-12)
