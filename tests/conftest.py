@@ -89,13 +89,23 @@ def pytest_configure(config: pytest.Config) -> None:
     )
 
 
+#: The fixtures that start Ray: a test that uses one is slow (``make test-fast`` leaves it out).
+RAY_FIXTURES = frozenset({"ray_local", "local_ray"})
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Run the tests marked ``own_ray_cluster`` next to each other: those of other modules
+    """Mark ``slow`` every test that starts Ray (:data:`RAY_FIXTURES`, ``own_ray_cluster``),
+    then run the tests marked ``own_ray_cluster`` next to each other: those of other modules
     right after the module of the first one. Each such test shuts down the tests' local Ray,
     which the next test that needs it starts again (~5 s) in fresh workers that import
     scikit-learn, torch, pandas… again (~10 s on its first job); gathered, they leave it down
     once. Within a module the order is kept, and a module's tests stay together (its
     module-scoped fixtures are made once)."""
+    for item in items:
+        if RAY_FIXTURES & set(getattr(item, "fixturenames", ())) or item.get_closest_marker(
+            "own_ray_cluster"
+        ):
+            item.add_marker(pytest.mark.slow)
     marked = [item for item in items if item.get_closest_marker("own_ray_cluster")]
     if not marked:
         return

@@ -357,6 +357,7 @@ def _job(tmpdir: Path, work: Path, model: str, timeout: float, **options) -> tup
     return proc.returncode, proc.stderr
 
 
+@pytest.mark.slow
 def test_an_explicit_dead_address_fails_at_once(private_tmp, tmp_path, tiny_model) -> None:
     (dead,) = free_ports(1)
     t0 = time.monotonic()

@@ -88,6 +88,7 @@ def test_missing_corpus(capsys, tmp_path, model):
     assert_user_error(code, err, "nothing")
 
 
+@pytest.mark.slow
 def test_missing_text_column(capsys, tmp_path, model):
     corpus = write_jsonl(tmp_path / "c.jsonl", ["some text"], column="body")
     code, err = run(capsys, "--model", model, "--corpus", corpus, "--out", str(tmp_path / "o"))
@@ -254,6 +255,7 @@ def test_different_run_in_output_directory_is_refused(capsys, tmp_path, model, c
     assert manifest["config"]["max_length"] == 32 and manifest["status"] == "complete"
 
 
+@pytest.mark.slow
 def test_exit_status_of_the_real_command(tmp_path, corpus):
     """The same through a real process: status 2 and one line on stderr, no traceback."""
     proc = subprocess.run(
