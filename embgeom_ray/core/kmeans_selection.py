@@ -341,20 +341,14 @@ def select_k(
     """
     from functools import partial
 
-    from sklearn.metrics import adjusted_rand_score, pairwise_distances
+    from sklearn.metrics import pairwise_distances
 
     X = np.asarray(X, dtype=np.float64)
     if stability_seeds < 0:
         raise ValueError(f"stability_seeds must be >= 0, got {stability_seeds}")
     if n_init < 1:
         raise ValueError(f"n_init must be >= 1, got {n_init}")
-    inverse = None
-    if parts is None and X.ndim == 2:
-        first, inverse = distinct_rows(X, groups)
-        if len(first) < len(X):
-            X = X[first]
-        else:
-            inverse = None
+    X, inverse = (X, None) if parts is not None or X.ndim != 2 else _distinct_points(X, groups)
     n = len(X)
     local = (
         map_fn is None
@@ -373,50 +367,24 @@ def select_k(
     ks = scan_ks(top)
     idx = silhouette_subsample(n, silhouette_max_points, seed)
     dist = pairwise_distances(Xc[idx]) if len(idx) >= 3 and ks else None
-    trials = chain_trials(top)
-    fit_one = partial(fit_from_centres, max_iter=max_iter, tol=tol, dtype=local_dtype)
-
-    def fits_at(jobs: Sequence[tuple[Any, int]], initial: bool) -> list[KMeansResult]:
-        """One fit per (chain seed, k) of ``jobs``, from that chain's first k centres."""
-        if not local:
-            return [
-                fit(Xc, k, 1, max_iter, tol, _int_seed(s), map_fn, parts=parts) for s, k in jobs
-            ]
-        lengths: dict[Any, int] = {}
-        for s, k in jobs:
-            lengths[s] = max(lengths.get(s, 0), k)
-        chains = {s: plus_plus_chain(Xc, k, s, trials) for s, k in lengths.items()}
-        inits = [chains[s][:k] for s, k in jobs]
-        return (map_fits or serial_fits)(fit_one, Xc, inits, initial=initial)
-
-    # the scan: every k from every chain
+    fits_at = partial(
+        _fits_at, Xc, local=local, trials=chain_trials(top), map_fits=map_fits or serial_fits,
+        fit_one=partial(fit_from_centres, max_iter=max_iter, tol=tol, dtype=local_dtype),
+        max_iter=max_iter, tol=tol, map_fn=map_fn, parts=parts,
+    )  # fmt: skip
     jobs = [((int(seed) % 2**63, c), k) for k in ks for c in range(n_init)]
-    fits: dict[int, KMeansResult] = {}
-    for (_, k), res in zip(jobs, fits_at(jobs, True) if jobs else [], strict=True):
-        if k not in fits or res.inertia < fits[k].inertia:
-            fits[k] = res
-    sil: dict[int, float] = {}
-    for k, res in fits.items():
-        lab = res.labels[idx]
-        n_lab = len(np.unique(lab))
-        if dist is None or n_lab < 2 or n_lab >= len(idx):
-            sil[k] = float("nan")
-        else:
-            sil[k] = silhouette_from_distances(dist, lab)
-    scored = {k: s for k, s in sil.items() if np.isfinite(s)}
-    best_k = max(scored, key=lambda k: (scored[k], -k)) if scored else None
-    best_s = scored[best_k] if best_k is not None else float("nan")
-    inertias = {k: r.inertia for k, r in fits.items()}
-    k_searched = max(fits, default=1)
-    extra: dict[str, Any] = {"k_searched": k_searched, "n_distinct": n}
+    fits = _lowest_inertia(jobs, fits_at(jobs, True) if jobs else [])
+    sil = _silhouettes(fits, idx, dist)
+    best_k, best_s = _best_silhouette(sil)
+    extra: dict[str, Any] = {"k_searched": max(fits, default=1), "n_distinct": n}
     if best_k is not None:
         best_labels = fits[best_k].labels
-        extra |= {"best_k": best_k, "best_labels": best_labels, "at_cap": best_k == k_searched}
+        at_cap = best_k == extra["k_searched"]
+        extra |= {"best_k": best_k, "best_labels": best_labels, "at_cap": at_cap}
         if stability_seeds:
             refit_jobs = [(stability_seed(seed, r), best_k) for r in range(1, stability_seeds + 1)]
-            refits = fits_at(refit_jobs, False)
-            aris = [adjusted_rand_score(best_labels, f.labels) for f in refits]
-            extra["stability"] = float(np.mean(aris))
+            extra["stability"] = _stability(best_labels, fits_at(refit_jobs, False))
+    inertias = {k: r.inertia for k, r in fits.items()}
     if best_k is None or best_s < min_silhouette:
         center = Xc.mean(axis=0, keepdims=True)
         inertia = float(((Xc - center) ** 2).sum())
@@ -429,3 +397,84 @@ def select_k(
             best_k, best_s, r.centers + shift, r.labels, r.inertia, sil, inertias, **extra
         )
     return out if inverse is None else out.expanded(inverse)
+
+
+def _distinct_points(
+    X: np.ndarray, groups: np.ndarray | None
+) -> tuple[np.ndarray, np.ndarray | None]:
+    """X's distinct points (:func:`distinct_rows` with ``groups``) and each row's point: X
+    and None when every row is its own point."""
+    first, inverse = distinct_rows(X, groups)
+    return (X[first], inverse) if len(first) < len(X) else (X, None)
+
+
+def _fits_at(
+    Xc: np.ndarray,
+    jobs: Sequence[tuple[Any, int]],
+    initial: bool,
+    *,
+    local: bool,
+    trials: int,
+    fit_one: FitOne,
+    map_fits: MapFits,
+    max_iter: int,
+    tol: float,
+    map_fn: MapFn | None,
+    parts: Sequence[Any],
+) -> list[KMeansResult]:
+    """One fit of Xc per (chain seed, k) of ``jobs``, in order: from that chain's first k
+    centres (:func:`plus_plus_chain`, each chain seeded once to its largest k) by
+    ``map_fits(fit_one, ...)`` when ``local``, else by the partitioned
+    :func:`~embgeom_ray.core.kmeans.fit` over ``parts``."""
+    if not local:
+        return [fit(Xc, k, 1, max_iter, tol, _int_seed(s), map_fn, parts=parts) for s, k in jobs]
+    lengths: dict[Any, int] = {}
+    for s, k in jobs:
+        lengths[s] = max(lengths.get(s, 0), k)
+    chains = {s: plus_plus_chain(Xc, k, s, trials) for s, k in lengths.items()}
+    inits = [chains[s][:k] for s, k in jobs]
+    return map_fits(fit_one, Xc, inits, initial=initial)
+
+
+def _lowest_inertia(
+    jobs: Sequence[tuple[Any, int]], results: Sequence[KMeansResult]
+) -> dict[int, KMeansResult]:
+    """Per k of ``jobs`` (in their order), the fit of lowest inertia among its chains (the
+    first on a tie)."""
+    fits: dict[int, KMeansResult] = {}
+    for (_, k), res in zip(jobs, results, strict=True):
+        if k not in fits or res.inertia < fits[k].inertia:
+            fits[k] = res
+    return fits
+
+
+def _silhouettes(
+    fits: dict[int, KMeansResult], idx: np.ndarray, dist: np.ndarray | None
+) -> dict[int, float]:
+    """Per k, the silhouette of its fit's labels on the subsample ``idx`` from its distance
+    matrix ``dist`` (:func:`silhouette_from_distances`); NaN without a matrix or unless the
+    subsample holds 2 ≤ #labels < len(idx)."""
+    sil: dict[int, float] = {}
+    for k, res in fits.items():
+        lab = res.labels[idx]
+        n_lab = len(np.unique(lab))
+        if dist is None or n_lab < 2 or n_lab >= len(idx):
+            sil[k] = float("nan")
+        else:
+            sil[k] = silhouette_from_distances(dist, lab)
+    return sil
+
+
+def _best_silhouette(sil: dict[int, float]) -> tuple[int | None, float]:
+    """k* = argmax of the finite silhouettes (the smaller k on a tie) and s(k*); (None, NaN)
+    when none is finite."""
+    scored = {k: s for k, s in sil.items() if np.isfinite(s)}
+    best_k = max(scored, key=lambda k: (scored[k], -k)) if scored else None
+    return best_k, scored[best_k] if best_k is not None else float("nan")
+
+
+def _stability(labels: np.ndarray, refits: Sequence[KMeansResult]) -> float:
+    """Mean adjusted Rand index (Hubert & Arabie 1985) between ``labels`` and each refit's."""
+    from sklearn.metrics import adjusted_rand_score
+
+    return float(np.mean([adjusted_rand_score(labels, f.labels) for f in refits]))
