@@ -451,50 +451,24 @@ def cluster_adjusted(
     clusters = np.unique(labels)
     sizes, inters, intras, isos, expected = [], [], [], [], []
     drawn = np.full((len(clusters), max(draws, 0)), np.nan)
-    nan = float("nan")
     for ci, c in enumerate(clusters):
         rows = np.flatnonzero(labels == c)
         sizes.append(len(rows))
-        Xc = X[rows] - X[rows].mean(axis=0)
-        u, ok = _unit_rows(Xc)
-        tok = token_ids[rows][ok]
-        types, first, inv, cnt = np.unique(
-            tok, return_index=True, return_inverse=True, return_counts=True
-        )
-        inv = inv.reshape(-1)
-        pick = first if inter_mask is None else np.flatnonzero(inter_mask[rows][ok])
-        m = len(pick)
-        if m >= 2:
-            s = u[pick].sum(axis=0)
-            inters.append(mean_cosine_from_unit_sum(s @ s, m))
-        else:
-            inters.append(nan)
-        sums = group_sums(u, inv, len(types))
-        multi = cnt >= 2
-        if multi.any():
-            n_t = cnt[multi].astype(np.float64)
-            u2 = np.einsum("td,td->t", sums[multi], sums[multi])
-            intras.append(float(np.mean(mean_cosine_from_unit_sum(u2, n_t))))
-        else:
-            intras.append(nan)
-        isos.append(isoscore_points(X[rows]) if len(rows) >= 2 else nan)
-        n_types = len(types)
-        if n_types >= 2:
-            means = sums / cnt[:, None]
-            total = means.sum(axis=0)
-            own = float(np.einsum("td,td->", means, means))
-            expected.append((float(total @ total) - own) / (n_types * (n_types - 1)))
-            for r in range(drawn.shape[1]):
-                s = u[_one_per_type(inv, rng.random(len(inv)))].sum(axis=0)
-                drawn[ci, r] = mean_cosine_from_unit_sum(s @ s, n_types)
-        else:
-            expected.append(nan)
+        inter, intra, iso, mean_inter = _one_cluster(
+            X[rows], token_ids[rows], None if inter_mask is None else inter_mask[rows],
+            rng, drawn[ci],
+        )  # fmt: skip
+        inters.append(inter)
+        intras.append(intra)
+        isos.append(iso)
+        expected.append(mean_inter)
     if weighted_clusters is None:
         used = np.asarray(sizes) >= min_size
     else:
         used = np.isin(clusters, np.asarray(weighted_clusters))
     w = np.where(used, np.asarray(sizes, dtype=np.float64), 0.0)
     draw_means = [_mean(drawn[:, r]) for r in range(drawn.shape[1])]
+    nan = float("nan")
     return ClusterAdjusted(
         _mean(inters),
         _mean(intras),
@@ -508,6 +482,53 @@ def cluster_adjusted(
         _mean(expected) if inter_mask is None else nan,
         float(np.std(draw_means, ddof=1)) if len(draw_means) >= 2 else nan,
     )
+
+
+def _one_cluster(
+    X: np.ndarray,
+    token_ids: np.ndarray,
+    inter_mask: np.ndarray | None,
+    rng: np.random.Generator,
+    drawn: np.ndarray,
+) -> tuple[float, float, float, float]:
+    """S_inter, S_intra, IsoScore and the draws' mean S_inter of one cluster's points X
+    (:func:`cluster_adjusted`'s definitions; NaN where undefined), and into ``drawn`` the
+    S_inter of ``len(drawn)`` random one-occurrence-per-type draws from ``rng`` (left as
+    they are with fewer than two types)."""
+    nan = float("nan")
+    Xc = X - X.mean(axis=0)
+    u, ok = _unit_rows(Xc)
+    tok = token_ids[ok]
+    types, first, inv, cnt = np.unique(
+        tok, return_index=True, return_inverse=True, return_counts=True
+    )
+    inv = inv.reshape(-1)
+    pick = first if inter_mask is None else np.flatnonzero(inter_mask[ok])
+    m = len(pick)
+    if m >= 2:
+        s = u[pick].sum(axis=0)
+        inter = mean_cosine_from_unit_sum(s @ s, m)
+    else:
+        inter = nan
+    sums = group_sums(u, inv, len(types))
+    multi = cnt >= 2
+    if multi.any():
+        n_t = cnt[multi].astype(np.float64)
+        u2 = np.einsum("td,td->t", sums[multi], sums[multi])
+        intra = float(np.mean(mean_cosine_from_unit_sum(u2, n_t)))
+    else:
+        intra = nan
+    iso = isoscore_points(X) if len(X) >= 2 else nan
+    n_types = len(types)
+    if n_types < 2:
+        return inter, intra, iso, nan
+    means = sums / cnt[:, None]
+    total = means.sum(axis=0)
+    own = float(np.einsum("td,td->", means, means))
+    for r in range(len(drawn)):
+        s = u[_one_per_type(inv, rng.random(len(inv)))].sum(axis=0)
+        drawn[r] = mean_cosine_from_unit_sum(s @ s, n_types)
+    return inter, intra, iso, (float(total @ total) - own) / (n_types * (n_types - 1))
 
 
 def half_sample_se(
@@ -798,44 +819,17 @@ def sampled_metrics_of_points(
     neighbours from one table per matrix (:mod:`.neighbours`: each point's 3(``lid_k`` + 1)
     nearest points and their exact distances) instead of searching the block again.
     """
-    from sklearn.metrics import pairwise_distances
-
-    from .kmeans_selection import select_k
-
     X = _as_points(X)
     token_ids = np.asarray(token_ids)
     if token_ids.shape != (len(X),):
         raise ValueError(f"token_ids must be ({len(X)},), got {token_ids.shape}")
     if lid_k < 2:
         raise ValueError(f"lid_k must be >= 2, got {lid_k}")
-    if kmeans_result is None:
-        kmeans_result = select_k(
-            X, seed=seed, silhouette_max_points=silhouette_max_points, groups=groups
-        )
+    kmeans_result = _kmeans_of(X, kmeans_result, seed, silhouette_max_points, groups)
     labels = np.asarray(kmeans_result.labels)
-    if labels.shape != (len(X),):
-        raise ValueError(
-            f"kmeans_result has {labels.shape[0]} labels for {len(X)} points: fit K-means on X"
-        )
     first, _ = distinct_rows(X, groups)
-    Xd = X[first]
-    best = kmeans_result.best_labels
-    dist = chord = euclid_nn = chord_nn = None
-    if silhouette_max_points is not None and 2 <= len(Xd) <= silhouette_max_points:
-        dist = pairwise_distances(Xd - Xd.mean(axis=0))
-        U, nonzero = _unit_rows(Xd)
-        chord = pairwise_distances(U) if nonzero.all() else None
-        if len(Xd) > lid_k:
-            euclid_nn = neighbour_table(Xd, dist, lid_k)
-            chord_nn = None if chord is None else neighbour_table(U, chord, lid_k)
-    pts = _PointSet(
-        Xd,
-        token_ids[first],
-        None if best is None else np.asarray(best)[first],
-        dist,
-        chord,
-        euclid_nn,
-        chord_nn,
+    pts = _distinct_point_set(
+        X[first], token_ids[first], kmeans_result.best_labels, first, lid_k, silhouette_max_points
     )
     options = {
         "lid_k": lid_k,
@@ -843,35 +837,15 @@ def sampled_metrics_of_points(
         "min_type_count": min_type_count,
     }
     adj = cluster_adjusted(
-        Xd, labels[first], pts.token_ids, min_size=cluster_min_size, draws=s_inter_draws, seed=seed
+        pts.X, labels[first], pts.token_ids, min_size=cluster_min_size, draws=s_inter_draws,
+        seed=seed,
+    )  # fmt: skip
+    row: dict[str, Any] = (
+        _kmeans_columns(kmeans_result)
+        | _adjusted_columns(adj)
+        | _occurrence_columns(X, type_vectors)
+        | {"sample_duplicate_points": int(len(X) - len(pts.X))}
     )
-    row: dict[str, Any] = {
-        "kmeans_k": int(kmeans_result.k),
-        "kmeans_silhouette": float(kmeans_result.silhouette),
-        "adjusted_s_inter": adj.s_inter,
-        "adjusted_s_intra": adj.s_intra,
-        "adjusted_isoscore": adj.isoscore,
-        "s_inter_type_uniform": (
-            float("nan") if type_vectors is None else mean_pairwise_cosine(type_vectors)
-        ),
-        "isoscore_sample": isoscore_points(X),
-        "partition_isotropy": partition_isotropy(X) if len(X) else float("nan"),
-        "partition_isotropy_centered": (
-            partition_isotropy(X, centered=True) if len(X) else float("nan")
-        ),
-        "kmeans_best_k": int(kmeans_result.best_k),
-        "kmeans_k_searched": int(kmeans_result.k_searched),
-        "kmeans_k_at_cap": bool(kmeans_result.at_cap),
-        "kmeans_stability": float(kmeans_result.stability),
-        "sample_duplicate_points": int(len(X) - len(Xd)),
-        "adjusted_s_inter_weighted": adj.s_inter_weighted,
-        "adjusted_s_intra_weighted": adj.s_intra_weighted,
-        "adjusted_isoscore_weighted": adj.isoscore_weighted,
-        "adjusted_clusters_used": adj.clusters_used,
-        "adjusted_clusters_left_out": adj.clusters_left_out,
-        "adjusted_s_inter_draws_mean": adj.s_inter_draws_mean,
-        "adjusted_s_inter_draws_std": adj.s_inter_draws_std,
-    }
     row |= _point_set_metrics(pts, kmeans_silhouette=False, seed=seed, lid_cai_too=True, **options)
     clusters, sizes = np.unique(labels[first], return_counts=True)
     row |= _standard_errors(
@@ -885,6 +859,103 @@ def sampled_metrics_of_points(
         **options,
     )
     return {k: row[k] for k in SAMPLED_LAYER_COLUMNS}
+
+
+def _kmeans_of(
+    X: np.ndarray,
+    kmeans_result: SelectKResult | None,
+    seed: int,
+    silhouette_max_points: int | None,
+    groups: np.ndarray | None,
+) -> SelectKResult:
+    """``kmeans_result``, checked to label every row of X, or (None)
+    :func:`~embgeom_ray.core.kmeans_selection.select_k` of X run here."""
+    from .kmeans_selection import select_k
+
+    if kmeans_result is None:
+        kmeans_result = select_k(
+            X, seed=seed, silhouette_max_points=silhouette_max_points, groups=groups
+        )
+    labels = np.asarray(kmeans_result.labels)
+    if labels.shape != (len(X),):
+        raise ValueError(
+            f"kmeans_result has {labels.shape[0]} labels for {len(X)} points: fit K-means on X"
+        )
+    return kmeans_result
+
+
+def _distinct_point_set(
+    Xd: np.ndarray,
+    token_ids: np.ndarray,
+    best_labels: np.ndarray | None,
+    first: np.ndarray,
+    lid_k: int,
+    max_points: int | None,
+) -> _PointSet:
+    """The :class:`_PointSet` of the distinct points Xd (rows ``first`` of the sample, with
+    their ``token_ids``; ``best_labels`` per sample row). With 2 ≤ len(Xd) ≤ ``max_points``
+    it holds their Euclidean distances (of Xd minus its mean) and, when no point is zero,
+    those of their unit vectors, and with more than ``lid_k`` points each matrix's
+    neighbour table (:func:`~.neighbours.neighbour_table`)."""
+    from sklearn.metrics import pairwise_distances
+
+    dist = chord = euclid_nn = chord_nn = None
+    if max_points is not None and 2 <= len(Xd) <= max_points:
+        dist = pairwise_distances(Xd - Xd.mean(axis=0))
+        U, nonzero = _unit_rows(Xd)
+        chord = pairwise_distances(U) if nonzero.all() else None
+        if len(Xd) > lid_k:
+            euclid_nn = neighbour_table(Xd, dist, lid_k)
+            chord_nn = None if chord is None else neighbour_table(U, chord, lid_k)
+    best = None if best_labels is None else np.asarray(best_labels)[first]
+    return _PointSet(Xd, token_ids, best, dist, chord, euclid_nn, chord_nn)
+
+
+def _kmeans_columns(result: SelectKResult) -> dict[str, Any]:
+    """The ``kmeans_*`` columns of :func:`sampled_metrics_of_points` from ``select_k``'s result
+    (``kmeans_silhouette``: the best silhouette of the scan)."""
+    return {
+        "kmeans_k": int(result.k),
+        "kmeans_silhouette": float(result.silhouette),
+        "kmeans_best_k": int(result.best_k),
+        "kmeans_k_searched": int(result.k_searched),
+        "kmeans_k_at_cap": bool(result.at_cap),
+        "kmeans_stability": float(result.stability),
+    }
+
+
+def _adjusted_columns(adj: ClusterAdjusted) -> dict[str, Any]:
+    """The ``adjusted_*`` columns of :func:`sampled_metrics_of_points`: :func:`cluster_adjusted`'s
+    values under their column names."""
+    return {
+        "adjusted_s_inter": adj.s_inter,
+        "adjusted_s_intra": adj.s_intra,
+        "adjusted_isoscore": adj.isoscore,
+        "adjusted_s_inter_weighted": adj.s_inter_weighted,
+        "adjusted_s_intra_weighted": adj.s_intra_weighted,
+        "adjusted_isoscore_weighted": adj.isoscore_weighted,
+        "adjusted_clusters_used": adj.clusters_used,
+        "adjusted_clusters_left_out": adj.clusters_left_out,
+        "adjusted_s_inter_draws_mean": adj.s_inter_draws_mean,
+        "adjusted_s_inter_draws_std": adj.s_inter_draws_std,
+    }
+
+
+def _occurrence_columns(X: np.ndarray, type_vectors: np.ndarray | None) -> dict[str, float]:
+    """The occurrence averages, every row of the sample X counted (copies included):
+    ``isoscore_sample`` and ``partition_isotropy*`` of X, ``s_inter_type_uniform`` the mean
+    pairwise cosine of ``type_vectors`` (NaN without them); NaN partition isotropies for
+    an empty X."""
+    return {
+        "s_inter_type_uniform": (
+            float("nan") if type_vectors is None else mean_pairwise_cosine(type_vectors)
+        ),
+        "isoscore_sample": isoscore_points(X),
+        "partition_isotropy": partition_isotropy(X) if len(X) else float("nan"),
+        "partition_isotropy_centered": (
+            partition_isotropy(X, centered=True) if len(X) else float("nan")
+        ),
+    }
 
 
 def isoscore_silhouette_correlation(
