@@ -229,6 +229,21 @@ def plan_batches(
         raise ValueError(f"batch_tokens must be positive, got {batch_tokens}")
     if not max_padding >= 0:
         raise ValueError(f"max_padding must be >= 0, got {max_padding}")
+    full, leftovers = _full_batches(lengths, batch_tokens)
+    merging = _Leftovers(leftovers, batch_tokens)
+    merging.merge_within_budget(max_padding * float(sum(lengths)))
+    merging.merge_small(min_positions)
+    batches = full + merging.batches()
+    batches.sort(key=lambda members: (lengths[members[-1]], members[0]))
+    return batches
+
+
+def _full_batches(
+    lengths: Sequence[int], batch_tokens: int
+) -> tuple[list[list[int]], list[_Segment]]:
+    """The windows of each length ℓ (ascending; within one, in index order) as full batches
+    of ⌊batch_tokens / ℓ⌋ rows (at least one), and the rest of each length as one leftover
+    segment, in length order."""
     order = sorted(range(len(lengths)), key=lambda i: (lengths[i], i))
     full: list[list[int]] = []
     segments: list[_Segment] = []
@@ -239,79 +254,103 @@ def plan_batches(
         full.extend(run[s : s + rows] for s in range(0, whole, rows))
         if whole < len(run):
             segments.append(_Segment(run[whole:], length))
-    budget = max_padding * float(sum(lengths))
-    spent = 0
-    n = len(segments)
-    nxt = list(range(1, n + 1))
-    prv = list(range(-1, n - 1))
-    alive = [True] * n
-    heap: list[tuple[int, int, int, int, int]] = []
+    return full, segments
 
-    def offer(a: int) -> None:
-        b = nxt[a]
-        if b < n:
-            ra, rb = len(segments[a].members), len(segments[b].members)
-            wa, wb = segments[a].width, segments[b].width
-            if (ra + rb) * wb <= batch_tokens:
-                heapq.heappush(heap, (ra * (wb - wa), a, b, ra, rb))
 
-    for a in range(n):
-        offer(a)
-    while heap:
-        cost, a, b, ra, rb = heapq.heappop(heap)
-        if not (
-            alive[a]
-            and alive[b]
-            and nxt[a] == b
-            and len(segments[a].members) == ra
-            and len(segments[b].members) == rb
-        ):
-            continue  # stale: a or b has merged since this offer
-        if spent + cost > budget:
-            break  # the cheapest possible merge no longer fits, so none does
-        spent += cost
-        segments[b].members = segments[a].members + segments[b].members
-        alive[a] = False
-        p = prv[a]
-        prv[b] = p
-        if p >= 0:
-            nxt[p] = b
-            offer(p)
-        offer(b)
-    # batches too small to run well are merged into a neighbour even past the budget
-    s = 0
-    while s < n:
-        if not alive[s]:
-            s += 1
-            continue
-        rows, width = len(segments[s].members), segments[s].width
-        if rows * width >= min_positions:
-            s = nxt[s]
-            continue
-        p, b = prv[s], nxt[s]
-        options = []
-        if p >= 0:
-            rp = len(segments[p].members)
-            if (rp + rows) * width <= batch_tokens:
-                options.append((rp * (width - segments[p].width), 0, p, s))
-        if b < n:
-            wb = segments[b].width
-            if (rows + len(segments[b].members)) * wb <= batch_tokens:
-                options.append((rows * (wb - width), 1, s, b))
-        options = [o for o in options if o[0] < min_positions]
-        if not options:
-            s = b
-            continue
-        _, _, a, into = min(options)
-        segments[into].members = segments[a].members + segments[into].members
-        alive[a] = False
-        prv[into] = prv[a]
-        if prv[a] >= 0:
-            nxt[prv[a]] = into
-        s = into
-    batches = full + [s.members for s, ok in zip(segments, alive, strict=True) if ok]
-    batches.sort(key=lambda members: (lengths[members[-1]], members[0]))
-    return batches
+class _Leftovers:
+    """The leftover segments of :func:`plan_batches` in length order, as a doubly linked list
+    whose neighbours merge (the narrower into the wider) into batches of at most
+    ``batch_tokens`` positions."""
+
+    def __init__(self, segments: list[_Segment], batch_tokens: int) -> None:
+        n = len(segments)
+        self.segments = segments
+        self.batch_tokens = batch_tokens
+        self.nxt = list(range(1, n + 1))  # the next live segment (n: none)
+        self.prv = list(range(-1, n - 1))  # the previous live segment (-1: none)
+        self.alive = [True] * n
+
+    def fits(self, a: int, b: int) -> bool:
+        """Whether segments a and b (the wider) together fit one batch."""
+        rows = len(self.segments[a].members) + len(self.segments[b].members)
+        return rows * self.segments[b].width <= self.batch_tokens
+
+    def cost(self, a: int, b: int) -> int:
+        """The padded positions of merging a into its wider neighbour b: rows_a × (w_b − w_a)."""
+        return len(self.segments[a].members) * (self.segments[b].width - self.segments[a].width)
+
+    def merge(self, a: int, into: int) -> None:
+        """Merge segment a into its next live segment ``into`` (a's members first)."""
+        self.segments[into].members = self.segments[a].members + self.segments[into].members
+        self.alive[a] = False
+        self.prv[into] = self.prv[a]
+        if self.prv[a] >= 0:
+            self.nxt[self.prv[a]] = into
+
+    def merge_within_budget(self, budget: float) -> None:
+        """Merge neighbours that fit one batch, cheapest first (ties: narrower first), while
+        the padded positions they add stay within ``budget`` (a heap of offers; an offer is
+        stale once either side has merged since)."""
+        n = len(self.segments)
+        heap: list[tuple[int, int, int, int, int]] = []
+
+        def offer(a: int) -> None:
+            b = self.nxt[a]
+            if b < n and self.fits(a, b):
+                ra, rb = len(self.segments[a].members), len(self.segments[b].members)
+                heapq.heappush(heap, (self.cost(a, b), a, b, ra, rb))
+
+        for a in range(n):
+            offer(a)
+        spent = 0
+        while heap:
+            cost, a, b, ra, rb = heapq.heappop(heap)
+            if not (
+                self.alive[a]
+                and self.alive[b]
+                and self.nxt[a] == b
+                and len(self.segments[a].members) == ra
+                and len(self.segments[b].members) == rb
+            ):
+                continue  # stale: a or b has merged since this offer
+            if spent + cost > budget:
+                break  # the cheapest possible merge no longer fits, so none does
+            spent += cost
+            self.merge(a, b)
+            if self.prv[b] >= 0:
+                offer(self.prv[b])
+            offer(b)
+
+    def merge_small(self, min_positions: int) -> None:
+        """Merge each segment of fewer than ``min_positions`` positions, narrowest first, into
+        the neighbour where that costs less, if it fits and costs fewer than ``min_positions``
+        padded positions (ties: into the previous one), past the budget."""
+        n = len(self.segments)
+        s = 0
+        while s < n:
+            if not self.alive[s]:
+                s += 1
+                continue
+            if len(self.segments[s].members) * self.segments[s].width >= min_positions:
+                s = self.nxt[s]
+                continue
+            p, b = self.prv[s], self.nxt[s]
+            options = []
+            if p >= 0 and self.fits(p, s):
+                options.append((self.cost(p, s), 0, p, s))
+            if b < n and self.fits(s, b):
+                options.append((self.cost(s, b), 1, s, b))
+            options = [o for o in options if o[0] < min_positions]
+            if not options:
+                s = b
+                continue
+            _, _, a, into = min(options)
+            self.merge(a, into)
+            s = into
+
+    def batches(self) -> list[list[int]]:
+        """The live segments' members, in length order."""
+        return [s.members for s, ok in zip(self.segments, self.alive, strict=True) if ok]
 
 
 def make_batches(
