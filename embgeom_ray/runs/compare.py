@@ -643,15 +643,7 @@ def compare_runs(
     echo: Callable[[str], None] = print,
 ) -> dict[str, Any]:
     """Compare complete runs (the first is the baseline); writes ``out``; returns the summary."""
-    if len(run_dirs) < 2:
-        raise CompareError(f"a comparison needs at least two runs, got {len(run_dirs)}")
-    out = str(out).rstrip("/") or "/"
-    for d in run_dirs:
-        if _same_place(d, out):
-            raise CompareError(
-                f"--out {out} is one of the runs compared; its report.html would be replaced: "
-                "give another directory"
-            )
+    out = _checked_out(run_dirs, out)
     labels = check_labels(labels if labels is not None else default_labels(run_dirs), len(run_dirs))
     runs = [load_run(d, lab) for d, lab in zip(run_dirs, labels, strict=True)]
     mode, note = layer_matching(runs)
@@ -674,23 +666,7 @@ def compare_runs(
     summary: dict[str, Any] = {
         "created_at": now(),
         "baseline": labels[0],
-        "runs": [
-            {
-                "label": r.label,
-                "path": r.path,
-                "model": r.manifest.model.id if r.manifest.model else None,
-                "revision": r.manifest.model.revision if r.manifest.model else None,
-                "corpus": r.manifest.corpus.source,
-                "corpus_fingerprint": r.manifest.corpus.fingerprint,
-                "fingerprint": r.manifest.fingerprint,
-                "num_layers": r.num_layers,
-                "hidden_size": r.hidden_size,
-                "tokens": r.manifest.counts.tokens if r.manifest.counts else None,
-                "sample_size": r.sample_size,
-                "layers": [int(x) for x in r.layers["layer"]],
-            }
-            for r in runs
-        ],
+        "runs": [_run_summary(r) for r in runs],
         "layer_matching": mode,
         "layer_matching_note": note,
         "metrics": metrics,
@@ -709,41 +685,103 @@ def compare_runs(
     echo(f"{compared_line(labels)}; {note}")
     if warning:
         echo(f"warning: {warning}")
-    if len(largest):
-        echo(f"largest changes against {labels[0]} (sampled beyond noise by |z|, then exact):")
-        for r in largest.head(10).itertuples():
-            echo("  " + _change_line(r))
-        quiet = int((moved["evidence"] == WITHIN_NOISE).sum())
-        if quiet:
-            echo(
-                f"{quiet} change{'s' if quiet != 1 else ''} of sampled metrics within noise "
-                f"(|z| < {NOISE_Z:g}), ranked after the others"
+    _echo_changes(largest, moved, labels[0], echo)
+    _echo_rogue(rogue_summary, echo)
+    for n in summary["clustering_changed"]:
+        echo(f"note: {n}")
+    for n in rogue_notes:
+        echo(f"note: {n}")
+    _write_report(runs, out, largest, summary, echo)
+    atomic_write_json(join(out, SUMMARY), summary)
+    echo(f"outputs in {out}: {', '.join([*files, SUMMARY])}")
+    return summary
+
+
+def _checked_out(run_dirs: Sequence[str], out: str) -> str:
+    """``out`` without a trailing slash, once at least two runs are given and ``out`` is none
+    of them (its report.html would replace theirs); a :class:`CompareError` otherwise."""
+    if len(run_dirs) < 2:
+        raise CompareError(f"a comparison needs at least two runs, got {len(run_dirs)}")
+    out = str(out).rstrip("/") or "/"
+    for d in run_dirs:
+        if _same_place(d, out):
+            raise CompareError(
+                f"--out {out} is one of the runs compared; its report.html would be replaced: "
+                "give another directory"
             )
-    else:
+    return out
+
+
+def _run_summary(r: RunData) -> dict[str, Any]:
+    """One run's entry in ``comparison.json``'s ``runs``: where it is, what it measured
+    (model, revision, corpus, fingerprints), its shape, ``tokens`` and ``sample_size``."""
+    return {
+        "label": r.label,
+        "path": r.path,
+        "model": r.manifest.model.id if r.manifest.model else None,
+        "revision": r.manifest.model.revision if r.manifest.model else None,
+        "corpus": r.manifest.corpus.source,
+        "corpus_fingerprint": r.manifest.corpus.fingerprint,
+        "fingerprint": r.manifest.fingerprint,
+        "num_layers": r.num_layers,
+        "hidden_size": r.hidden_size,
+        "tokens": r.manifest.counts.tokens if r.manifest.counts else None,
+        "sample_size": r.sample_size,
+        "layers": [int(x) for x in r.layers["layer"]],
+    }
+
+
+def _echo_changes(
+    largest: pd.DataFrame, moved: pd.DataFrame, baseline: str, echo: Callable[[str], None]
+) -> None:
+    """Print the ten largest changes (``largest``: ranked) and how many of the non-zero
+    changes ``moved`` are within noise, or that no metric changed."""
+    if not len(largest):
         echo("no metric changed")
+        return
+    echo(f"largest changes against {baseline} (sampled beyond noise by |z|, then exact):")
+    for r in largest.head(10).itertuples():
+        echo("  " + _change_line(r))
+    quiet = int((moved["evidence"] == WITHIN_NOISE).sum())
+    if quiet:
+        echo(
+            f"{quiet} change{'s' if quiet != 1 else ''} of sampled metrics within noise "
+            f"(|z| < {NOISE_Z:g}), ranked after the others"
+        )
+
+
+def _echo_rogue(rogue_summary: dict[str, Any], echo: Callable[[str], None]) -> None:
+    """Print, per later run, the rogue dimensions that appeared and vanished per layer
+    (:func:`rogue_changes`' summary), with a caveat when the comparison is not reliable."""
     for label, s in rogue_summary.items():
         caveat = "" if s["reliable"] else " (not reliable: a run has fewer tokens than the sample)"
         for change in ("appeared", "vanished"):
             by_layer = s[change]
             text = "; ".join(f"layer {k}: {v}" for k, v in by_layer.items()) or "none"
             echo(f"rogue dimensions that {change} in {label}: {text}{caveat if by_layer else ''}")
-    for n in summary["clustering_changed"]:
-        echo(f"note: {n}")
-    for n in rogue_notes:
-        echo(f"note: {n}")
+
+
+def _write_report(
+    runs: Sequence[RunData],
+    out: str,
+    largest: pd.DataFrame,
+    summary: dict[str, Any],
+    echo: Callable[[str], None],
+) -> None:
+    """Write ``report.html`` (:func:`~embgeom_ray.report.html.write_comparison_report`) and
+    record it in ``summary`` (``report`` and ``files``), or, when it fails, record and print
+    why (``report_error``): the tables are written already and must not be lost."""
     try:
         from ..report.html import write_comparison_report
 
         write_comparison_report(
-            [r.path for r in runs], out, changes=largest, matching_note=note, labels=labels,
-            warning=warning,
-        )
+            [r.path for r in runs], out, changes=largest,
+            matching_note=summary["layer_matching_note"], labels=[r.label for r in runs],
+            warning=summary["size_warning"],
+        )  # fmt: skip
     except Exception as exc:  # the tables are written; a plotting failure must not lose them
         summary["report_error"] = f"{type(exc).__name__}: {exc}"
         echo(f"warning: the report could not be written ({summary['report_error']})")
     else:
         summary["report"] = "report.html"
-        files.append("report.html")
-    atomic_write_json(join(out, SUMMARY), summary)
-    echo(f"outputs in {out}: {', '.join([*files, SUMMARY])}")
-    return summary
+        summary["files"].append("report.html")
