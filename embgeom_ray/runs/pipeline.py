@@ -35,7 +35,7 @@ import sys
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import pandas as pd
 from tqdm.auto import tqdm
@@ -533,8 +533,48 @@ def analyze(config: JobConfig, *, echo=print) -> dict[str, Any]:
     done_before = None if config.overwrite else already_complete(run, spec.fingerprint)
     if done_before is not None:
         return reuse_complete(run, done_before, spec, t_start, echo)
-    # Ray is joined or started here, on its own clock (~5 s for a private local Ray), and
-    # everything is sized before anything is written
+    started = _start_run(spec, run, store, started_at, echo)
+    reduced = _extract_and_reduce(spec, started, store, echo)
+    merged, manifest = reduced.merged, started.manifest
+    try:
+        t_reduce = time.perf_counter()
+        _record_run(
+            run, spec, started, reduced, echo,
+            plan_s=t_plan - t_start, reduce_s=t_reduce - reduced.t_extract1,
+        )  # fmt: skip
+        finish_run(
+            run, manifest, merged, reduced.sample, spec.tokenizer, config, t_start=t_start,
+            echo=echo,
+        )  # fmt: skip
+    finally:
+        if reduced.reduce.partitioned:
+            merged.close()
+    if not config.keep_checkpoints:
+        store.remove_groups()
+    return manifest.to_json()
+
+
+class _Started(NamedTuple):
+    """What :func:`_start_run` decided and wrote before the extraction."""
+
+    sizing: Sizing
+    plan: ShardPlan  # the run's shards (with --dedup, each with its documents to leave out)
+    resumed: bool
+    dedup: DedupPlan | None
+    manifest: Manifest  # as written, ``running``
+    done: set[int]  # shards of the plan already checkpointed
+    todo: list[Shard]  # the others, to extract
+    ray_start_s: float
+    dedup_s: float
+
+
+def _start_run(
+    spec: RunSpec, run: RunDir, store: CheckpointStore, started_at: str, echo
+) -> _Started:
+    """Size the run on Ray (joined or started here, on its own clock: ~5 s for a private local
+    Ray), start or resume its checkpoints, plan the dedup and write the ``running`` manifest:
+    everything is sized before anything is written. Returns the shards left to extract."""
+    config = spec.config
     t_ray0 = time.perf_counter()
     sizing = size_run(spec, echo)
     t_ray1 = time.perf_counter()
@@ -552,6 +592,30 @@ def analyze(config: JobConfig, *, echo=print) -> dict[str, Any]:
     todo = [s for s in plan.shards if s.shard_id not in done]
     if resumed:
         echo(f"resuming {config.out}: {len(done)} of {len(plan.shards)} shards already done")
+    return _Started(sizing, plan, resumed, dedup, manifest, done, todo, t_ray1 - t_ray0, t_dedup)
+
+
+class _Reduced(NamedTuple):
+    """What :func:`_extract_and_reduce` produced."""
+
+    pool: PoolPlan | None  # the extractors' pool (None: nothing left to extract)
+    groups: list[CheckpointGroup]
+    reduce: Reduce
+    merged: EmbeddingStatistics | PartitionedStatistics  # the caller closes a partitioned one
+    sample: ActivationSample | None
+    totals: Counts
+    t_extract0: float
+    t_extract1: float
+
+
+def _extract_and_reduce(
+    spec: RunSpec, started: _Started, store: CheckpointStore, echo
+) -> _Reduced:
+    """Extract the shards left (reducers that fit beside the extractors and task workers
+    started once the first extractor is ready), then reduce every checkpoint group of the
+    plan where :func:`reduce_decision` says (recorded in the manifest's ``sizing``); reducers
+    started early are stopped when the extraction fails or the reduce does not use them."""
+    config, sizing, manifest = spec.config, started.sizing, started.manifest
     early: list[Any] = []
 
     def on_ready(pool: PoolPlan) -> None:  # the first extractor has loaded its model
@@ -560,9 +624,9 @@ def analyze(config: JobConfig, *, echo=print) -> dict[str, Any]:
 
     t_extract0 = time.perf_counter()
     try:
-        pool = _extract(spec, sizing, todo, store, on_ready) if todo else None
+        pool = _extract(spec, sizing, started.todo, store, on_ready) if started.todo else None
         t_extract1 = time.perf_counter()
-        groups = store.groups_covering(s.shard_id for s in plan.shards)
+        groups = store.groups_covering(s.shard_id for s in started.plan.shards)
         reduce, seen = reduce_decision(store, groups, spec, echo)
         if reduce.partitioned and early:  # the reducers started early stay where they are
             kept = min(len(early), reduce.count)
@@ -579,45 +643,52 @@ def analyze(config: JobConfig, *, echo=print) -> dict[str, Any]:
         merged, sample, totals = reduce_groups(
             store, groups, spec.empty_statistics(), config.sample_size > 0
         )
-    try:
-        t_reduce = time.perf_counter()
-        check_not_empty(merged, totals, config.corpus)
-        warning = unk_warning(totals, spec.tokenizer.unk_token)
-        if warning:
-            echo(warning)
-        if dedup is not None:
-            manifest.set(dedup=dedup_info(dedup, totals, config.corpus))
-            run.write_doc_hashes(dedup.hashes)
-        manifest.set(
-            counts=counts_of(totals, merged),
-            skipped=totals.skipped,
-            shards=ShardsInfo(
-                total=len(plan.shards),
-                reused_from_checkpoints=len(done),
-                computed=len(todo),
-                checkpoint_groups=len(groups),
-            ),
-            workers=None if pool is None else pool.__dict__,
-            timings_s={
-                "plan": round(t_plan - t_start, 3),
-                **({"dedup": round(t_dedup, 3)} if dedup is not None else {}),
-                "ray_start": round(t_ray1 - t_ray0, 3),
-                "extract_wall": round(t_extract1 - t_extract0, 3),
-                "extract_forward_sum": round(totals.forward_seconds, 3),
-                "extract_fold_sum": round(totals.fold_seconds, 3),
-                "reduce": round(t_reduce - t_extract1, 3),
-            },
-            throughput={
-                "tokens_per_s_extract_wall": throughput(totals, resumed, t_extract1 - t_extract0)
-            },
-        )
-        finish_run(run, manifest, merged, sample, spec.tokenizer, config, t_start=t_start, echo=echo)
-    finally:
-        if reduce.partitioned:
-            merged.close()
-    if not config.keep_checkpoints:
-        store.remove_groups()
-    return manifest.to_json()
+    return _Reduced(pool, groups, reduce, merged, sample, totals, t_extract0, t_extract1)
+
+
+def _record_run(
+    run: RunDir,
+    spec: RunSpec,
+    started: _Started,
+    reduced: _Reduced,
+    echo,
+    *,
+    plan_s: float,
+    reduce_s: float,
+) -> None:
+    """Check that tokens were counted (and, with --dedup, that the extractors left out what
+    the plan did, writing its document hashes), print the unknown-token warning, and set the
+    manifest's counts, shards, workers, timings and throughput."""
+    config, manifest, totals, dedup = spec.config, started.manifest, reduced.totals, started.dedup
+    check_not_empty(reduced.merged, totals, config.corpus)
+    warning = unk_warning(totals, spec.tokenizer.unk_token)
+    if warning:
+        echo(warning)
+    if dedup is not None:
+        manifest.set(dedup=dedup_info(dedup, totals, config.corpus))
+        run.write_doc_hashes(dedup.hashes)
+    extract_s = reduced.t_extract1 - reduced.t_extract0
+    manifest.set(
+        counts=counts_of(totals, reduced.merged),
+        skipped=totals.skipped,
+        shards=ShardsInfo(
+            total=len(started.plan.shards),
+            reused_from_checkpoints=len(started.done),
+            computed=len(started.todo),
+            checkpoint_groups=len(reduced.groups),
+        ),
+        workers=None if reduced.pool is None else reduced.pool.__dict__,
+        timings_s={
+            "plan": round(plan_s, 3),
+            **({"dedup": round(started.dedup_s, 3)} if dedup is not None else {}),
+            "ray_start": round(started.ray_start_s, 3),
+            "extract_wall": round(extract_s, 3),
+            "extract_forward_sum": round(totals.forward_seconds, 3),
+            "extract_fold_sum": round(totals.fold_seconds, 3),
+            "reduce": round(reduce_s, 3),
+        },
+        throughput={"tokens_per_s_extract_wall": throughput(totals, started.resumed, extract_s)},
+    )
 
 
 def reduce_decision(
