@@ -27,6 +27,7 @@ from embgeom_ray.distributed.reducers import (
 )
 from embgeom_ray.errors import ConfigError
 from embgeom_ray.run_dir import RunDir, load_statistics_part, statistics_type_ids
+from tests.conftest import start_local_ray
 from tests.core.test_partials import Tokenizer, assert_tables_close
 from tests.core.test_statistics import assert_same_state
 
@@ -115,60 +116,81 @@ def group_files(tmp_path, clip: bool, offset: float) -> tuple[list[str], Embeddi
     return urls, whole
 
 
+@pytest.fixture(scope="module")
+def reducer_sets(tmp_path_factory, _ray_session):
+    """Reducers over :func:`group_files` by (reducers, clip, offset, balanced plan), started
+    once for the module: each reducer is a fresh process that imports torch and pandas (Ray
+    never gives an actor a worker that ran a task), so the tests that only read reducers share
+    them. A test that kills one leaves it restored (``PartitionedStatistics`` restarts it)."""
+    import ray
+
+    made: dict[tuple, tuple[list[str], EmbeddingStatistics, PartitionedStatistics]] = {}
+
+    def get(reducers: int, clip: bool, offset: float, balanced: bool):
+        key = (reducers, clip, offset, balanced)
+        if key not in made:
+            if not ray.is_initialized():
+                start_local_ray()
+            urls, whole = group_files(tmp_path_factory.mktemp("groups"), clip, offset)
+            plan = (
+                PartitionPlan.balanced(reducers, whole.state_dict()["type_ids"], LAYERS)
+                if balanced
+                else PartitionPlan.of(reducers, VOCAB, LAYERS)
+            )
+            made[key] = urls, whole, PartitionedStatistics(plan, urls)
+        return made[key]
+
+    try:
+        yield get
+    finally:
+        for *_, parts in made.values():
+            parts.close()
+
+
 @pytest.mark.parametrize(("reducers", "clip", "offset", "balanced"), [(1, False, 0.0, False), (2, True, 1e4, True), (3, True, 0.0, False), (5, False, 0.0, True)])  # fmt: skip
 def test_reducers_give_the_tables_of_the_whole(
-    tmp_path, ray_local, reducers, clip, offset, balanced
+    tmp_path, reducer_sets, reducers, clip, offset, balanced
 ):
-    urls, whole = group_files(tmp_path, clip, offset)
+    urls, whole, parts = reducer_sets(reducers, clip, offset, balanced)
     options = JobConfig(model="m", corpus="c", out="o", min_count=2).tables
     seen = np.unique(np.concatenate([EmbeddingStatistics.read_type_ids(u) for u in urls]))
     np.testing.assert_array_equal(seen, whole.state_dict()["type_ids"])
-    plan = (
+    assert parts.plan == (
         PartitionPlan.balanced(reducers, seen, LAYERS)
         if balanced
         else PartitionPlan.of(reducers, VOCAB, LAYERS)
     )
-    parts = PartitionedStatistics(plan, urls)
-    try:
-        assert_tables_close(
-            parts.tables(Tokenizer, options), build_tables(whole, Tokenizer, options)
-        )
-        assert parts.token_count() == whole.token_count()
-        assert parts.nonfinite() == {x: whole.layer(x).nonfinite for x in LAYERS}
-        # the partitioned artefact loads back into the whole, exactly
-        run = RunDir(str(tmp_path / "run"))
-        run.save_artefacts(parts)
-        assert run.has_statistics()
-        back = run.load_statistics()
-        assert back.partition is None
-        assert_same_state(back, whole)
-    finally:
-        parts.close()
+    assert_tables_close(parts.tables(Tokenizer, options), build_tables(whole, Tokenizer, options))
+    assert parts.token_count() == whole.token_count()
+    assert parts.nonfinite() == {x: whole.layer(x).nonfinite for x in LAYERS}
+    # the partitioned artefact loads back into the whole, exactly
+    run = RunDir(str(tmp_path / "run"))
+    run.save_artefacts(parts)
+    assert run.has_statistics()
+    back = run.load_statistics()
+    assert back.partition is None
+    assert_same_state(back, whole)
 
 
-def test_a_lost_reducer_is_restored_and_the_tables_are_the_same(tmp_path, ray_local):
+def test_a_lost_reducer_is_restored_and_the_tables_are_the_same(reducer_sets):
     import ray
 
-    urls, whole = group_files(tmp_path, True, 0.0)
+    urls, whole, parts = reducer_sets(3, True, 0.0, False)
     options = JobConfig(model="m", corpus="c", out="o", min_count=2).tables
-    parts = PartitionedStatistics(PartitionPlan.of(3, VOCAB, LAYERS), urls)
-    try:
-        ray.kill(parts.actors[1])  # holds a token range and layer 2's state
-        got = parts.tables(Tokenizer, options)
-        assert parts.restarts == [0, 1, 0]
-        # lost while loading: restored once, the groups read once (not twice)
-        dead = parts.actors[0]
-        ray.kill(dead)
-        with pytest.raises(ray.exceptions.RayActorError):  # wait until it is gone
-            for _ in range(100):
-                ray.get(dead.peak_memory.remote())
-                time.sleep(0.1)
-        assert parts._get(0, dead.load.remote(urls), "load") is None
-        assert parts.restarts == [1, 1, 0]
-        assert_tables_close(parts.tables(Tokenizer, options), got)
-        assert_tables_close(got, build_tables(whole, Tokenizer, options))
-    finally:
-        parts.close()
+    ray.kill(parts.actors[1])  # holds a token range and layer 2's state
+    got = parts.tables(Tokenizer, options)
+    assert parts.restarts == [0, 1, 0]
+    # lost while loading: restored once, the groups read once (not twice)
+    dead = parts.actors[0]
+    ray.kill(dead)
+    with pytest.raises(ray.exceptions.RayActorError):  # wait until it is gone
+        for _ in range(100):
+            ray.get(dead.peak_memory.remote())
+            time.sleep(0.1)
+    assert parts._get(0, dead.load.remote(urls), "load") is None
+    assert parts.restarts == [1, 1, 0]
+    assert_tables_close(parts.tables(Tokenizer, options), got)
+    assert_tables_close(got, build_tables(whole, Tokenizer, options))
 
 
 def test_reducers_started_before_the_plan_give_the_same_tables(tmp_path, ray_local):
@@ -238,29 +260,21 @@ def test_reducers_checkpoint_and_a_lost_one_replays_only_what_follows(tmp_path, 
         other.close()
 
 
-def test_a_whole_artefact_replaces_a_partitioned_one(tmp_path, ray_local):
-    urls, whole = group_files(tmp_path, False, 0.0)
+def test_a_whole_artefact_replaces_a_partitioned_one(tmp_path, reducer_sets):
+    _, whole, parts = reducer_sets(2, True, 1e4, True)
     run = RunDir(str(tmp_path / "run"))
-    parts = PartitionedStatistics(PartitionPlan.of(2, VOCAB, LAYERS), urls)
-    try:
-        assert run.save_artefacts(parts) == ["statistics/"]
-    finally:
-        parts.close()
+    assert run.save_artefacts(parts) == ["statistics/"]
     assert run.save_artefacts(whole) == ["statistics.safetensors"]
     assert not (tmp_path / "run" / "statistics").exists()
     assert_same_state(run.load_statistics(), whole)
 
 
-def test_a_partitioned_artefact_reads_back_any_part(tmp_path, ray_local):
+def test_a_partitioned_artefact_reads_back_any_part(tmp_path, reducer_sets):
     """``load_statistics_part`` on a ``statistics/`` directory cut by 3 reducers gives, for
     parts cut anywhere else (other ranges, layer subsets, per-layer state or not), exactly
     what selecting them from the whole gives, reading only the files that meet the part."""
-    urls, whole = group_files(tmp_path, True, 1e4)
-    parts = PartitionedStatistics(PartitionPlan.of(3, VOCAB, LAYERS), urls)
-    try:
-        parts.save(str(tmp_path / "statistics"))
-    finally:
-        parts.close()
+    urls, whole, parts = reducer_sets(3, True, 0.0, False)
+    parts.save(str(tmp_path / "statistics"))
     directory = str(tmp_path / "statistics")
     np.testing.assert_array_equal(statistics_type_ids(directory), whole.state_dict()["type_ids"])
     for layers, token_range, state in [
@@ -310,11 +324,12 @@ def test_reducers_merge_runs_cut_into_other_partitions(tmp_path, ray_local):
 @pytest.mark.slow
 def test_the_job_with_reducers_equals_the_job_without(tmp_path, ray_local, minilm_dir):
     from embgeom_ray.runs.pipeline import analyze
-    from tests.runs.test_job_end_to_end import english_documents, run_job
+    from tests.runs.test_job_end_to_end import LIGHT_SAMPLED, english_documents, run_job
 
-    docs = english_documents(14, 400)
+    docs = english_documents(8, 400)  # 3 KB: 2 shards of 2 KB, so 2 checkpoint groups
     opts = {"max_length": 48, "shard_bytes": 2048, "layers": [0, 6], "sample_size": 128}
     opts["comoment_precision"] = "float64"
+    opts |= LIGHT_SAMPLED  # the sampled stage is the same with and without reducers
     _, one = run_job(tmp_path, minilm_dir, docs, "r1", "c.jsonl", **opts)
     # reducers checkpoint after every group, and the checkpoints are kept (for the resume below)
     ckpt = {"checkpoint_interval": 0, "keep_checkpoints": True}
@@ -374,13 +389,19 @@ def test_the_job_with_reducers_equals_the_job_without(tmp_path, ray_local, minil
     pd.testing.assert_frame_equal(
         got[list(want.columns)], want, check_exact=False, rtol=1e-9, atol=1e-12
     )
-    # --reducer-memory (last: run_job writes the corpus again): as many reducers as the
-    # budget needs for the types seen (here 2)
+    # --reducer-memory: as many reducers as the budget needs for the types seen (here 2). The
+    # run resumes r3's checkpoint groups (copied without its outputs and reducer checkpoints):
+    # the reduce is sized from the types the groups hold, as after an extraction
     types = one["type_stats"]["token_id"].nunique()
     per_layer = 384 * 384 + 3 * 384 + 48 * 385 + 2
     share = -(-types // 2)
     budget = 512 * 2**20 + 3 * (8 * (2 * share * (2 * 384 + 2) + share) + 8 * per_layer)
-    m2, two = run_job(tmp_path, minilm_dir, docs, "rm", "c.jsonl", reducer_memory=budget, **opts)
+    rm = tmp_path / "rm"
+    shutil.copytree(out, rm, ignore=shutil.ignore_patterns("manifest.json", "*.parquet", "statistics", "reducers"))  # fmt: skip
+    options = manifest["config"] | {"out": str(rm), "reducers": None, "reducer_memory": budget}
+    m2 = analyze(JobConfig(**(options | {"overwrite": False})), echo=lambda *_: None)
+    two = {name: pd.read_parquet(rm / f"{name}.parquet") for name in ("type_stats", "layers", "dims")}  # fmt: skip
+    assert m2["shards"]["computed"] == 0 and m2["shards"]["checkpoint_groups"] == groups
     assert m2["reducers"]["count"] == 2 and m2["reducers"]["memory_budget_bytes"] == budget
     assert m2["config"]["reducer_memory"] == budget and "statistics/" in m2["outputs"]["artefacts"]
     for name in ("type_stats", "layers", "dims"):

@@ -24,6 +24,11 @@ pytestmark = pytest.mark.slow
 
 COSINE_COLUMNS = {"self_similarity", "anisotropy", "s_inter", "s_intra"}
 
+#: for runs whose sampled metrics are not what a test checks: no half-sample standard errors
+#: (tests/core/test_sampled_robust.py) and no K-means stability refits
+#: (tests/core/test_kmeans_selection.py); the MiniLM test below runs them with their defaults
+LIGHT_SAMPLED = {"sampled_se_replicates": 0, "kmeans_stability_seeds": 0}
+
 
 def english_documents(n: int, max_chars: int) -> list[str]:
     """Real English prose: the Python Language Reference's text that ships with CPython."""
@@ -89,7 +94,9 @@ def assert_tables_close(ours: dict, ref: dict, *, rtol: float, cos_atol: float) 
 
 
 def test_minilm_on_real_english_equals_float64_reference(tmp_path, ray_local, minilm_dir, capsys):
-    docs = english_documents(40, 500)
+    # 16 documents of 500 characters (7 KB of JSON lines): 2 shards of 4 KB, every document
+    # longer than one 64-token window
+    docs = english_documents(16, 500)
     manifest, ours = run_job(
         tmp_path, minilm_dir, docs, "minilm", max_length=64, shard_bytes=4096, no_report=False
     )
@@ -135,9 +142,11 @@ def test_minilm_on_real_english_equals_float64_reference(tmp_path, ray_local, mi
     assert json.dumps(again) == json.dumps(on_disk)  # (NaN-safe)
     assert "already holds this complete run" in said[0]
     # a rerun with another table option rebuilds the tables from the run's own artefacts
-    # (no extraction): norm_variance_corr over types with at least 2 occurrences
+    # (no extraction): norm_variance_corr over types with at least 2 occurrences (its report
+    # and sampled extras left out: the run above drew them)
     said.clear()
-    again = analyze(build_config(None, on_disk["config"] | {"min_count": 2}), echo=said.append)
+    retable = on_disk["config"] | {"min_count": 2, "no_report": True} | LIGHT_SAMPLED
+    again = analyze(build_config(None, retable), echo=said.append)
     assert "rebuilt" in said[0] and "min_count" in said[0]
     assert again["config"]["min_count"] == 2 and again["counts"] == on_disk["counts"]
     types = pd.read_parquet(out / "type_stats.parquet")
@@ -156,11 +165,14 @@ def test_tiny_random_models_with_long_documents(tmp_path, ray_local, builder):
     model_dir = builder(str(tmp_path / "model"))
     tok = AutoTokenizer.from_pretrained(model_dir)
     # ASCII prose (tiny Llama's tokenizer maps non-ASCII to <unk>, a special token)
-    docs = [d.encode("ascii", "ignore").decode() for d in english_documents(12, 900)]
+    # 6 documents of up to 900 characters (5 KB): 3 shards of 2 KB, each document several
+    # 32-token windows
+    docs = [d.encode("ascii", "ignore").decode() for d in english_documents(6, 900)]
     docs = [d for d in docs if d.strip()]
     manifest, ours = run_job(
-        tmp_path, model_dir, docs, "run", max_length=32, shard_bytes=2048, batch_tokens=256
-    )
+        tmp_path, model_dir, docs, "run", max_length=32, shard_bytes=2048, batch_tokens=256,
+        **LIGHT_SAMPLED,
+    )  # fmt: skip
     expected_tokens = sum(len(tok(d, add_special_tokens=False)["input_ids"]) for d in docs)
     assert manifest["counts"]["tokens"] == expected_tokens
     assert manifest["counts"]["windows"] > len(docs)
@@ -169,7 +181,7 @@ def test_tiny_random_models_with_long_documents(tmp_path, ray_local, builder):
 
 
 def test_one_and_two_workers_agree(tmp_path, ray_local, minilm_dir):
-    docs = english_documents(30, 400)
+    docs = english_documents(16, 400)  # 6 KB: 3 shards of 2 KB for the two workers
     # the exact co-moment product: one and two workers agree to 1e-9 (the float32 default's
     # product depends on the batch order through its shift: ~1e-8). One torch thread in each
     # extractor: a shard gets the same batches whatever the worker, but the forward's float32
@@ -177,6 +189,7 @@ def test_one_and_two_workers_agree(tmp_path, ray_local, minilm_dir):
     # layer 6 by up to 1.2e-6 relative, on half of the types)
     opts = {"max_length": 48, "shard_bytes": 2048, "layers": [0, 3, 6], "cpus_per_worker": 1}
     opts["comoment_precision"] = "float64"
+    opts |= LIGHT_SAMPLED  # the sampled columns checked below are filled without them
     m1, t1 = run_job(tmp_path, minilm_dir, docs, "w1", "c.jsonl", num_workers=1, **opts)
     m2, t2 = run_job(tmp_path, minilm_dir, docs, "w2", "c.jsonl", num_workers=2, **opts)
     assert m1["workers"]["num_workers"] == 1 and m2["workers"]["num_workers"] == 2

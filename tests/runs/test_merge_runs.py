@@ -73,6 +73,10 @@ def _analyze(model: str, corpus: str, out: Path) -> Path:
             "max_length": MAX_LENGTH,
             "sample_size": 512,
             "kmeans_k_max": 6,
+            # no half-sample standard errors nor K-means stability refits (runs and merges:
+            # tests/core/test_sampled_robust.py, tests/core/test_kmeans_selection.py)
+            "sampled_se_replicates": 0,
+            "kmeans_stability_seeds": 0,
             "no_report": True,  # the merge's own report is drawn (tested below)
             "num_workers": 1,
             "shard_bytes": SHARD_BYTES,
