@@ -5,10 +5,18 @@ server mode, ``moto_server``, on a free port), the corpus and the runs in a buck
   bucket, each as users run it (``python -m jobs.analyze`` / ``jobs.merge`` in a fresh
   process, its own private Ray): the merge's tables equal one run's over the whole corpus;
 - reducers on two nodes of a simulated cluster, each reading the checkpoint groups from the
-  bucket; the self-sized defaults on the same cluster give the same tables;
+  bucket; the self-sized defaults on the same cluster give the same tables (that run over the
+  whole corpus is the one the merge above is compared with: one job for both tests);
 - storage faults are user errors: an endpoint that answers nothing, refused credentials, a
   missing bucket (for the corpus, and for the run, which is not created) and a run directory
-  the job cannot write to each end in one line naming the URL (and the endpoint), exit 2.
+  the job cannot write to each end in one line naming the URL (and the endpoint), exit 2
+  (the first through the command in a fresh process, the others through its ``main``).
+
+The jobs' sample has 16 points, fewer than the sampled metrics need
+(:data:`~embgeom_ray.core.tables.MIN_SAMPLE_POINTS`): it is drawn, written to the bucket and
+merged from it, but no K-means/LID task runs (those are tested in tests/core/test_sampled_metrics.py,
+tests/runs/test_job_end_to_end.py and tests/runs/test_merge_runs.py); the tables compared here
+are the exact ones.
 """
 
 from __future__ import annotations
@@ -35,8 +43,10 @@ from tests.ray_processes import free_ports
 REPO = Path(__file__).resolve().parents[2]
 MOTO = Path(sys.executable).parent / "moto_server"
 BUCKET = "embgeom"
-#: options of every job here: small and quick (tables compared, not figures)
-QUICK = ["--max-length", "32", "--sample-size", "64", "--kmeans-k-max", "3", "--no-report",
+#: options of every job here: small and quick (tables compared, not figures; a sample below
+#: MIN_SAMPLE_POINTS: stored and merged, no sampled-metrics tasks)
+SAMPLE = 16
+QUICK = ["--max-length", "32", "--sample-size", str(SAMPLE), "--kmeans-k-max", "3", "--no-report",
          "--comoment-precision", "float64",
          "--shard-bytes", "1024", "--checkpoint-interval", "0"]  # fmt: skip
 TABLES = {"type_stats": ["layer", "token_id"], "layers": ["layer"], "dims": ["layer", "dim"],
@@ -144,68 +154,12 @@ def manifest(s3: S3, url: str) -> dict:
     return json.loads(s3.fs().cat(f"{url.removeprefix('s3://')}/manifest.json"))
 
 
-@pytest.mark.slow
-@pytest.mark.timeout(1200)
-def test_a_run_a_resume_and_a_merge_in_a_bucket(s3, corpus):
-    model, url = corpus["model"], corpus["url"]
-    runs = f"s3://{BUCKET}/runs"
-    done = job(s3, "jobs.analyze", "--model", model, "--corpus", url, "--out",
-               f"{runs}/whole", *QUICK)  # fmt: skip
-    assert done.returncode == 0, done.stderr[-3000:]
-    whole = manifest(s3, f"{runs}/whole")
-    assert whole["status"] == "complete" and whole["sizing"]["reduce"]["count"] == 0
-    # run a: its driver killed once two checkpoint groups are in the bucket, then resumed
-    argv = ["--model", model, "--corpus", f"{url}/a.jsonl", "--out", f"{runs}/a", *QUICK,
-            "--num-workers", "1"]  # fmt: skip
-    env = os.environ | s3.env | {"PYTHONPATH": str(REPO)}
-    proc = subprocess.Popen([sys.executable, "-m", "jobs.analyze", *argv], cwd=REPO, env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            start_new_session=True)  # fmt: skip
-    fs = s3.fs()
-    deadline = time.monotonic() + 400
-    groups: list[str] = []
-    while proc.poll() is None and time.monotonic() < deadline:
-        fs.invalidate_cache()
-        with contextlib.suppress(FileNotFoundError):
-            groups = [p for p in fs.ls(f"{BUCKET}/runs/a/groups") if p.endswith("-n1.json")]
-        if len(groups) >= 2:
-            break
-        time.sleep(0.3)
-    assert len(groups) >= 2, "the run did not checkpoint two groups"
-    os.killpg(proc.pid, signal.SIGKILL)  # the driver and the private Ray it started
-    proc.wait(timeout=30)
-    resumed = job(s3, "jobs.analyze", *argv)
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert "resuming" in resumed.stdout
-    a = manifest(s3, f"{runs}/a")
-    assert a["shards"]["reused_from_checkpoints"] >= 2
-    assert a["shards"]["reused_from_checkpoints"] + a["shards"]["computed"] == a["shards"]["total"]
-    done = job(s3, "jobs.analyze", "--model", model, "--corpus", f"{url}/b.jsonl",
-               "--out", f"{runs}/b", *QUICK)  # fmt: skip
-    assert done.returncode == 0, done.stderr[-3000:]
-    # the merge of a (resumed) and b, in the bucket, is the run over the whole corpus
-    merged = job(s3, "jobs.merge", "--out", f"{runs}/ab", f"{runs}/a", f"{runs}/b")
-    assert merged.returncode == 0, merged.stderr[-3000:]
-    ab = manifest(s3, f"{runs}/ab")
-    assert ab["counts"]["tokens"] == whole["counts"]["tokens"]
-    assert ab["sizing"]["reduce"]["types"] == whole["sizing"]["reduce"]["types"]
-    got, want = read_tables(s3, f"{runs}/ab"), read_tables(s3, f"{runs}/whole")
-    for name in ("type_stats", "dims", "positions"):
-        pd.testing.assert_frame_equal(got[name], want[name], check_exact=False, rtol=1e-9,
-                                      atol=1e-12, obj=name)  # fmt: skip
-    exact = ["layer", "n_tokens", "n_types", "mean_norm", "total_variance", "within_ratio",
-             "anisotropy", "s_inter", "s_intra"]  # fmt: skip
-    pd.testing.assert_frame_equal(got["layers"][exact], want["layers"][exact],
-                                  check_exact=False, rtol=1e-9, atol=1e-12)  # fmt: skip
-
-
-@pytest.mark.slow
-@pytest.mark.own_ray_cluster
-@pytest.mark.timeout(1200)
-def test_reducers_on_two_nodes_read_the_groups_from_the_bucket(s3, corpus, monkeypatch):
-    """A simulated cluster of a head and two 1-CPU nodes (their processes inherit the
-    bucket's endpoint): ``--reducers 2`` places one reducer on each worker node, each reading
-    every checkpoint group from the bucket; the self-sized defaults give the same tables."""
+@pytest.fixture(scope="module")
+def on_cluster(s3, corpus) -> Iterator[dict[str, object]]:
+    """A simulated cluster of a head and two 1-CPU nodes (their processes inherit the bucket's
+    endpoint) and, on it, two runs over the whole corpus in the bucket: ``--reducers 2``
+    (``two``) and the self-sized defaults (``whole``); their manifests and the worker nodes.
+    The cluster is shut down before the tests read them."""
     import ray
     import s3fs
     from ray.cluster_utils import Cluster
@@ -213,39 +167,123 @@ def test_reducers_on_two_nodes_read_the_groups_from_the_bucket(s3, corpus, monke
     from embgeom_ray.config import build_config
     from embgeom_ray.runs.pipeline import analyze
 
-    for key, value in s3.env.items():
-        monkeypatch.setenv(key, value)
-    s3fs.S3FileSystem.clear_instance_cache()  # the job's filesystem: this endpoint
-    if ray.is_initialized():
-        ray.shutdown()
-    (port,) = free_ports(1)
-    GiB = 2**30
-    cluster = Cluster(initialize_head=True, head_node_args={
-        "num_cpus": 0, "memory": 2 * GiB, "gcs_server_port": port, "include_dashboard": False})  # fmt: skip
-    nodes = [cluster.add_node(num_cpus=1, memory=3 * GiB) for _ in range(2)]
-    try:
-        ray.init(address=cluster.address, log_to_driver=False)
-        cluster.wait_for_nodes()
-        model, url = corpus["model"], corpus["url"]
-        base = {"model": model, "corpus": url, "max_length": 32, "sample_size": 64,
-                "kmeans_k_max": 3, "no_report": True, "shard_bytes": 1024,
-                "checkpoint_interval": 0, "device": "cpu",
-                "comoment_precision": "float64"}  # fmt: skip
-        out = f"s3://{BUCKET}/cluster"
-        two = analyze(build_config(None, base | {"out": f"{out}/two", "reducers": 2}),
-                      echo=lambda *_: None)  # fmt: skip
-        groups = two["shards"]["checkpoint_groups"]
-        assert groups > 1 and two["reducers"]["sources_read"] == [groups, groups]
-        worker_ids = {n.node_id for n in nodes}
-        assert set(two["reducers"]["nodes"]) == worker_ids  # one on each worker node
-        assert two["workers"]["num_workers"] == 2
-        default = analyze(build_config(None, base | {"out": f"{out}/default"}),
+    with pytest.MonkeyPatch.context() as mp:
+        for key, value in s3.env.items():
+            mp.setenv(key, value)
+        s3fs.S3FileSystem.clear_instance_cache()  # the job's filesystem: this endpoint
+        if ray.is_initialized():
+            ray.shutdown()
+        (port,) = free_ports(1)
+        GiB = 2**30
+        cluster = Cluster(initialize_head=True, head_node_args={
+            "num_cpus": 0, "memory": 2 * GiB, "gcs_server_port": port, "include_dashboard": False})  # fmt: skip
+        nodes = [cluster.add_node(num_cpus=1, memory=3 * GiB) for _ in range(2)]
+        try:
+            ray.init(address=cluster.address, log_to_driver=False)
+            cluster.wait_for_nodes()
+            base = {"model": corpus["model"], "corpus": corpus["url"], "max_length": 32,
+                    "sample_size": SAMPLE, "kmeans_k_max": 3, "no_report": True,
+                    "shard_bytes": 1024, "checkpoint_interval": 0, "device": "cpu",
+                    "comoment_precision": "float64"}  # fmt: skip
+            out = f"s3://{BUCKET}/cluster"
+            two = analyze(build_config(None, base | {"out": f"{out}/two", "reducers": 2}),
                           echo=lambda *_: None)  # fmt: skip
-        assert default["status"] == "complete" and "sizing" in default
-        assert_same_tables(read_tables(s3, f"{out}/two"), read_tables(s3, f"{out}/default"))
+            whole = analyze(build_config(None, base | {"out": f"{out}/whole"}),
+                            echo=lambda *_: None)  # fmt: skip
+            workers = {n.node_id for n in nodes}
+        finally:
+            ray.shutdown()
+            cluster.shutdown()
+            s3fs.S3FileSystem.clear_instance_cache()
+    return {"two": two, "whole": whole, "workers": workers,
+            "two_url": f"{out}/two", "whole_url": f"{out}/whole"}  # fmt: skip
+
+
+@pytest.mark.slow
+@pytest.mark.own_ray_cluster
+@pytest.mark.timeout(1200)
+def test_reducers_on_two_nodes_read_the_groups_from_the_bucket(s3, on_cluster):
+    """A simulated cluster of a head and two 1-CPU nodes (their processes inherit the
+    bucket's endpoint): ``--reducers 2`` places one reducer on each worker node, each reading
+    every checkpoint group from the bucket; the self-sized defaults give the same tables."""
+    two = on_cluster["two"]
+    groups = two["shards"]["checkpoint_groups"]
+    assert groups > 1 and two["reducers"]["sources_read"] == [groups, groups]
+    assert set(two["reducers"]["nodes"]) == on_cluster["workers"]  # one on each worker node
+    assert two["workers"]["num_workers"] == 2
+    default = on_cluster["whole"]
+    assert default["status"] == "complete" and "sizing" in default
+    assert_same_tables(read_tables(s3, on_cluster["two_url"]),
+                       read_tables(s3, on_cluster["whole_url"]))  # fmt: skip
+
+
+@pytest.mark.slow
+@pytest.mark.own_ray_cluster
+@pytest.mark.timeout(1200)
+def test_a_run_a_resume_and_a_merge_in_a_bucket(s3, corpus, on_cluster, tmp_path):
+    """Run a (its driver killed, then resumed) and run b, each in a fresh process with its
+    own private Ray, b while a runs; their merge equals the run over the whole corpus (the
+    self-sized one on the simulated cluster: :func:`on_cluster`)."""
+    model, url = corpus["model"], corpus["url"]
+    runs = f"s3://{BUCKET}/runs"
+    whole = manifest(s3, on_cluster["whole_url"])
+    assert whole["status"] == "complete" and whole["sizing"]["reduce"]["count"] == 0
+    env = os.environ | s3.env | {"PYTHONPATH": str(REPO)}
+    # run b, in its own process beside run a's
+    b_log = tmp_path / "b.log"
+    with open(b_log, "wb") as log:
+        b_proc = subprocess.Popen([sys.executable, "-m", "jobs.analyze", "--model", model,
+                                   "--corpus", f"{url}/b.jsonl", "--out", f"{runs}/b", *QUICK],
+                                  cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=log,
+                                  start_new_session=True)  # fmt: skip
+    try:
+        # run a: its driver killed once two checkpoint groups are in the bucket, then resumed
+        argv = ["--model", model, "--corpus", f"{url}/a.jsonl", "--out", f"{runs}/a", *QUICK,
+                "--num-workers", "1"]  # fmt: skip
+        proc = subprocess.Popen([sys.executable, "-m", "jobs.analyze", *argv], cwd=REPO,
+                                env=env, stdout=subprocess.DEVNULL,
+                                stderr=subprocess.DEVNULL, start_new_session=True)  # fmt: skip
+        fs = s3.fs()
+        deadline = time.monotonic() + 400
+        groups: list[str] = []
+        while proc.poll() is None and time.monotonic() < deadline:
+            fs.invalidate_cache()
+            with contextlib.suppress(FileNotFoundError):
+                groups = [p for p in fs.ls(f"{BUCKET}/runs/a/groups") if p.endswith("-n1.json")]
+            if len(groups) >= 2:
+                break
+            time.sleep(0.3)
+        assert len(groups) >= 2, "the run did not checkpoint two groups"
+        os.killpg(proc.pid, signal.SIGKILL)  # the driver and the private Ray it started
+        proc.wait(timeout=30)
+        resumed = job(s3, "jobs.analyze", *argv)
+        assert resumed.returncode == 0, resumed.stderr[-3000:]
+        assert "resuming" in resumed.stdout
+        a = manifest(s3, f"{runs}/a")
+        assert a["shards"]["reused_from_checkpoints"] >= 2
+        shards = a["shards"]
+        assert shards["reused_from_checkpoints"] + shards["computed"] == shards["total"]
+        assert b_proc.wait(timeout=600) == 0, b_log.read_text()[-3000:]
     finally:
-        ray.shutdown()
-        cluster.shutdown()
+        if b_proc.poll() is None:
+            os.killpg(b_proc.pid, signal.SIGKILL)
+            b_proc.wait(timeout=30)
+    # the merge of a (resumed) and b, in the bucket, is the run over the whole corpus
+    merged = job(s3, "jobs.merge", "--out", f"{runs}/ab", f"{runs}/a", f"{runs}/b")
+    assert merged.returncode == 0, merged.stderr[-3000:]
+    ab = manifest(s3, f"{runs}/ab")
+    assert ab["counts"]["tokens"] == whole["counts"]["tokens"]
+    assert ab["sizing"]["reduce"]["types"] == whole["sizing"]["reduce"]["types"]
+    got, want = read_tables(s3, f"{runs}/ab"), read_tables(s3, on_cluster["whole_url"])
+    for name in ("type_stats", "dims", "positions"):
+        pd.testing.assert_frame_equal(got[name], want[name], check_exact=False, rtol=1e-9,
+                                      atol=1e-12, obj=name)  # fmt: skip
+    exact = ["layer", "n_tokens", "n_types", "mean_norm", "total_variance", "within_ratio",
+             "anisotropy", "s_inter", "s_intra"]  # fmt: skip
+    pd.testing.assert_frame_equal(got["layers"][exact], want["layers"][exact],
+                                  check_exact=False, rtol=1e-9, atol=1e-12)  # fmt: skip
+    # the runs' samples, merged from the bucket (bottom-k): as many points as the whole run's
+    assert ab["sample"]["uniform_points"] == whole["sample"]["uniform_points"] == SAMPLE
 
 
 def test_probe_names_an_endpoint_nobody_listens_on(monkeypatch):
@@ -266,21 +304,41 @@ def test_probe_names_an_endpoint_nobody_listens_on(monkeypatch):
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-def test_storage_faults_end_in_one_line(s3, corpus, tmp_path):
+def test_storage_faults_end_in_one_line(s3, corpus, tmp_path, monkeypatch, capsys):
     """Each fault: exit status 2, one line on stderr naming the URL (and the endpoint), no
-    traceback, within a bounded time."""
+    traceback, within a bounded time. The first through ``python -m jobs.analyze`` in a fresh
+    process (the command's exit status and stderr as a user sees them); the others through
+    the same command's ``main`` in this process (its status and stderr: what the command
+    exits with and prints), sparing a process start each."""
+    import s3fs
+
+    from jobs.analyze import main
+
     model, url = corpus["model"], corpus["url"]
 
-    def refused(argv: list[str], env: dict[str, str], *names: str) -> None:
+    def refused(argv: list[str], env: dict[str, str], *names: str, fresh: bool = False) -> None:
+        argv = ["--model", model, "--max-length", "32", *argv]
         t0 = time.monotonic()
-        done = subprocess.run([sys.executable, "-m", "jobs.analyze", "--model", model,
-                               "--max-length", "32", *argv],
-                              cwd=REPO, env=os.environ | env | {"PYTHONPATH": str(REPO)},
-                              capture_output=True, text=True, timeout=300)  # fmt: skip
+        if fresh:
+            done = subprocess.run([sys.executable, "-m", "jobs.analyze", *argv],
+                                  cwd=REPO, env=os.environ | env | {"PYTHONPATH": str(REPO)},
+                                  capture_output=True, text=True, timeout=300)  # fmt: skip
+            status, stderr = done.returncode, done.stderr
+        else:
+            with monkeypatch.context() as mp:
+                for key, value in env.items():
+                    mp.setenv(key, value)
+                s3fs.S3FileSystem.clear_instance_cache()  # this fault's endpoint
+                capsys.readouterr()
+                try:
+                    status = main(argv)
+                finally:
+                    s3fs.S3FileSystem.clear_instance_cache()
+                stderr = capsys.readouterr().err
         assert time.monotonic() - t0 < 120
-        assert done.returncode == 2, done.stderr[-3000:]
-        lines = [line for line in done.stderr.splitlines() if line.strip()]
-        assert "Traceback" not in done.stderr and lines[-1].startswith("error: "), done.stderr
+        assert status == 2, stderr[-3000:]
+        lines = [line for line in stderr.splitlines() if line.strip()]
+        assert "Traceback" not in stderr and lines[-1].startswith("error: "), stderr
         for name in names:
             assert name in lines[-1], (name, lines[-1])
 
@@ -289,7 +347,7 @@ def test_storage_faults_end_in_one_line(s3, corpus, tmp_path):
     (port,) = free_ports(1)
     dead = s3_env(f"http://127.0.0.1:{port}")
     refused(["--corpus", f"{url}/a.jsonl", "--out", out], dead, f"{url}/a.jsonl",
-            f"http://127.0.0.1:{port}", "cannot reach")  # fmt: skip
+            f"http://127.0.0.1:{port}", "cannot reach", fresh=True)  # fmt: skip
     # a missing bucket: for the corpus, and for the run (never created)
     refused(["--corpus", "s3://no-such-bucket/a.jsonl", "--out", out], s3.env,
             "s3://no-such-bucket/a.jsonl", "no such bucket")  # fmt: skip

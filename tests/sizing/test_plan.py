@@ -29,8 +29,10 @@ def test_minilm_plan_is_what_the_run_records(ray_local, minilm_dir, tmp_path, ca
     from tests.runs.test_job_end_to_end import english_documents
 
     corpus = write_jsonl(tmp_path / "c.jsonl", english_documents(8, 300))
+    # a sample of 16 points: drawn and sized (Q), too small for the sampled metrics' tasks
+    # (MIN_SAMPLE_POINTS; those are tested in tests/core/test_sampled_metrics.py)
     argv = ["--model", minilm_dir, "--corpus", corpus, "--out", str(tmp_path / "run"),
-            "--sample-size", "128", "--kmeans-k-max", "3", "--no-report"]  # fmt: skip
+            "--sample-size", "16", "--kmeans-k-max", "3", "--no-report"]  # fmt: skip
     assert main([*argv, "--plan"]) == 0
     printed = capsys.readouterr().out
     assert not (tmp_path / "run").exists()
@@ -38,7 +40,7 @@ def test_minilm_plan_is_what_the_run_records(ray_local, minilm_dir, tmp_path, ca
                  "memory each:", "reduce", "driver (the job's own process)", "artefact:"):  # fmt: skip
         assert what in printed, what
     config = build_config(None, {"model": minilm_dir, "corpus": corpus,
-                                 "out": str(tmp_path / "run"), "sample_size": 128,
+                                 "out": str(tmp_path / "run"), "sample_size": 16,
                                  "kmeans_k_max": 3, "no_report": True})  # fmt: skip
     planned = analyze(config.model_copy(update={"plan": True}), echo=lambda *_: None)
     manifest = analyze(config, echo=lambda *_: None)

@@ -68,8 +68,10 @@ def test_plan_is_what_the_run_records_and_reducers_land_where_placed(cluster, tm
 
     model = make_tiny_bert(str(tmp_path / "model"))
     corpus = write_jsonl(tmp_path / "c.jsonl", english_documents(12, 300))
+    # a sample of 16 points: drawn and sized (Q), too small for the sampled metrics' tasks
+    # (MIN_SAMPLE_POINTS; those are tested in tests/core/test_sampled_metrics.py)
     opts = {"model": model, "corpus": corpus, "out": str(tmp_path / "run"), "device": "cpu",
-            "reducers": 2, "sample_size": 64, "kmeans_k_max": 3, "no_report": True,
+            "reducers": 2, "sample_size": 16, "kmeans_k_max": 3, "no_report": True,
             "shard_bytes": 1024, "max_length": 32}  # fmt: skip
     lines: list[str] = []
     planned = analyze(build_config(None, opts | {"plan": True}), echo=lines.append)

@@ -16,6 +16,17 @@ in a fresh process (its own private Ray):
 Each job's own process peaks ≤ 1 GiB above its memory at start; every reducer's peak private
 memory is ≤ the budget it was sized with; every extractor's ≤ the memory it asked Ray for; the
 merge's tables equal the ``--reducers 1`` run's over the union to float64 rounding.
+
+No option that sizes anything is given: the sample keeps its default size (the driver holds two
+samples, Q each); only the sampled metrics' work on it is cut (``--kmeans-k-max 3``,
+``--sampled-se-replicates 0``: the K-means scan and the standard errors are tested in
+tests/core/test_kmeans_selection.py and tests/core/test_sampled_robust.py), and run B writes no
+report (run A's and the merge's do; the report itself: tests/report). Jobs 1 and 2, then 3
+and 4, run at the same time (each still in its own process with its own private Ray).
+
+The corpus is about the least that keeps the assertion below: ~30,300 types in a half (60,000
+words), and 8·L·V·(2d+2) > 0.25 GiB needs V > 28,976 at L = 3, d = 192 (the driver would
+reduce in process only below ~17,400 types: 512 MiB + 3·(S(V) + F) + 160·L·V + 2Q ≤ 1 GiB).
 """
 
 from __future__ import annotations
@@ -24,6 +35,7 @@ import json
 import os
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pandas as pd
@@ -34,6 +46,9 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
 REPO = Path(__file__).resolve().parents[2]
 GiB = 2**30
 VOCAB, DIM, BLOCKS, WORDS = 128_256, 192, 2, 60_000
+#: the sampled metrics' work cut, the sample's size (and every sizing input) left at its default
+METRICS = {"kmeans_k_max": 3, "sampled_se_replicates": 0}
+QUICK_METRICS = [f"--{k.replace('_', '-')}={v}" for k, v in METRICS.items()]
 
 
 def run(module: str, *argv: str) -> str:
@@ -67,15 +82,20 @@ def test_default_options_size_themselves_within_every_budget(tmp_path):
     a = generated_corpus(halves / "a.jsonl", VOCAB, WORDS, seed=1)
     b = generated_corpus(halves / "b.jsonl", VOCAB, WORDS, seed=2)
 
-    # 1. the scheduled re-analysis of half A, no memory option in the watch list
+    # 1. the scheduled re-analysis of half A, no memory option in the watch list, and
+    # 2. half B, at the same time
     watchlist = tmp_path / "models.yaml"
-    watchlist.write_text(f"models:\n  - model: {model}\n")
+    watchlist.write_text(f"models:\n  - model: {model}\n    options: {json.dumps(METRICS)}\n")
     store = tmp_path / "store"
-    run("jobs.reanalyze", "--watchlist", str(watchlist), "--corpus", a, "--store", str(store))
+    with ThreadPoolExecutor(2) as pool:
+        jobs = [pool.submit(run, "jobs.reanalyze", "--watchlist", str(watchlist), "--corpus", a,
+                            "--store", str(store)),
+                pool.submit(run, "jobs.analyze", "--model", model, "--corpus", b, "--out",
+                            str(tmp_path / "b"), *QUICK_METRICS, "--no-report")]  # fmt: skip
+        for done in jobs:
+            done.result()
     (run_a,) = (store / "runs").iterdir()
     m_a = json.loads((run_a / "manifest.json").read_text())
-    # 2. half B
-    run("jobs.analyze", "--model", model, "--corpus", b, "--out", str(tmp_path / "b"))
     m_b = json.loads((tmp_path / "b" / "manifest.json").read_text())
     for m in (m_a, m_b):
         assert m["sizing"]["types_bound"] == VOCAB  # each half's bytes exceed the vocabulary
@@ -84,16 +104,21 @@ def test_default_options_size_themselves_within_every_budget(tmp_path):
         assert m["sizing"]["reduce"]["count"] >= 1 and m["reducers"]["count"] >= 1
         within_budgets(m)
 
-    # 3. their merge
-    out = run("jobs.merge", "--out", str(tmp_path / "ab"), str(run_a), str(tmp_path / "b"))
+    # 3. their merge, and 4. the reference: both halves, reduced in the job's own process, at
+    # the same time
+    with ThreadPoolExecutor(2) as pool:
+        merge = pool.submit(run, "jobs.merge", "--out", str(tmp_path / "ab"), str(run_a),
+                            str(tmp_path / "b"))  # fmt: skip
+        reference = pool.submit(run, "jobs.analyze", "--model", model, "--corpus", str(halves),
+                                "--out", str(tmp_path / "one"), "--reducers", "1",
+                                "--no-report", *QUICK_METRICS)  # fmt: skip
+        out = merge.result()
+        reference.result()
     assert "types in the runs: reducers:" in out
     m_ab = json.loads((tmp_path / "ab" / "manifest.json").read_text())
     assert m_ab["sizing"]["reduce"]["count"] >= 1 and m_ab["reducers"]["count"] >= 1
     within_budgets(m_ab)
 
-    # 4. the reference: both halves, reduced in the job's own process
-    run("jobs.analyze", "--model", model, "--corpus", str(halves), "--out",
-        str(tmp_path / "one"), "--reducers", "1", "--no-report")  # fmt: skip
     one = json.loads((tmp_path / "one" / "manifest.json").read_text())
     assert one["sizing"]["reduce"]["count"] == 0 and "reducers" not in one
     assert one["counts"]["tokens"] == m_ab["counts"]["tokens"]
