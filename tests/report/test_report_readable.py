@@ -30,7 +30,7 @@ from embgeom_ray.report.html import (
     kmeans_cells,
     write_report,
 )
-from embgeom_ray.report.plots import make_all_plots
+from embgeom_ray.report.plots import draw_figures, make_all_plots
 from embgeom_ray.report.run_view import RunView, model_name
 from tests.report.test_report import fabricate_run
 
@@ -311,10 +311,13 @@ def test_clipping_figure_plots_like_with_like(crafted):
 
 
 def test_clipping_without_sampled_baseline(tmp_path):
+    """A run without the sampled unclipped columns: its clipping figure alone is drawn (every
+    figure of a run without optional parts: test_report.py's
+    test_runs_without_optional_sections_do_not_fail)."""
     run = RunView(str(_craft(tmp_path / "old", sampled=False)))
     titles = [p.title for p in clipping_panels(run)]
     assert not any(t.startswith("Sampled") for t in titles)  # no sampled clipped beside exact
-    figs = {f.name: f for f in make_all_plots(run, include_absent=True, strict=True)}
+    figs = {f.name: f for f in draw_figures(run, ["clipping"], strict=True)}
     assert "Not drawn: anisotropy_clipped, s_inter_clipped, s_intra_clipped" in (
         figs["clipping"].caption
     )
