@@ -102,6 +102,8 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     once. Within a module the order is kept, and a module's tests stay together (its
     module-scoped fixtures are made once)."""
     for item in items:
+        # with pytest-xdist's --dist loadgroup, a module's tests run in one worker, in order
+        item.add_marker(pytest.mark.xdist_group(item.module.__name__))
         if RAY_FIXTURES & set(getattr(item, "fixturenames", ())) or item.get_closest_marker(
             "own_ray_cluster"
         ):
