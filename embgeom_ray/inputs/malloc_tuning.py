@@ -11,13 +11,13 @@ tokens). Each one above the threshold, and each heap top freed past the trim thr
 a fresh mapping on the next batch, faulted in page by page (4 KiB each, zeroed by the
 kernel): MiniLM's bare forward at 8,192 tokens faulted ~21 pages a token and spent 35–40 µs
 a token in the kernel, against 0.2–3 µs at 1,024–2,048 tokens, for ~270 µs a token of its own
-work (one thread; docs/benchmarks.md, CPU batch size).
+work (one thread, ``python -m bench.bare_forward``).
 
 :func:`reuse_freed_memory` fixes the mmap threshold at its largest (which also stops its
 rising) and raises the trim threshold, so that tensors up to 32 MiB are taken from the heap
 and, once freed, stay there for the next batch. Larger blocks (the statistics' arrays, a
 flush's serialised copy) are still mapped and unmapped, so the memory a process keeps beyond
-what it uses is bounded by the trim threshold. :func:`embgeom_ray.inputs.extractor.cpu_batch_tokens`
+what it uses is bounded by the trim threshold. :func:`embgeom_ray.sizing.cpu_batch_tokens`
 keeps a batch's tensors within the mmap threshold.
 """
 

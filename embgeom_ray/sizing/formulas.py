@@ -290,9 +290,9 @@ def cpu_batch_tokens(shape: Shape) -> int:
     batches spent 34–39 µs a position in the kernel (glibc's defaults) and 9–19 µs (tuned),
     against 0.1–1.8 µs at 2,048–5,120 tokens tuned, beside ~270 µs of its own work, which
     did not change with the batch size (265–281 µs from 2,048 to 8,192 tokens: the caches
-    do not decide here; one thread, 2-core VM, docs/benchmarks.md). Smaller batches cost
-    the fold more (~20 ms a batch for MiniLM's 7 layers whatever its size), hence the
-    largest batch within the threshold. Nothing computed depends on the batching
+    do not decide here; one thread, 2-core VM, ``python -m bench.bare_forward``). Smaller
+    batches cost the fold more (~20 ms a batch for MiniLM's 7 layers whatever its size),
+    hence the largest batch within the threshold. Nothing computed depends on the batching
     (``--batch-tokens`` is a scheduling option)."""
     tokens = MMAP_THRESHOLD_MAX // max(layer_bytes_per_token(shape), 1) // 1024 * 1024
     return int(min(CPU_BATCH_TOKENS_MAX, max(CPU_BATCH_TOKENS_MIN, tokens)))
