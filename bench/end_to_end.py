@@ -3,14 +3,19 @@
 The corpus is the demo corpus (Python Language Reference prose) ``--repeat`` times over (N
 tokens) and ``--factor`` times that (F·N tokens). In one process, in this order:
 
-1. the bare forward over the F·N corpus, the ideal a user compares with: every window of the
-   corpus tokenised, sorted by length over the whole corpus, run in batches of ``--bare-rows``
-   windows (almost no padding), ``model(..., output_hidden_states=True)``, outputs discarded;
-2. ``python -m jobs.analyze`` on the N corpus and on the F·N corpus, as a user runs it (a fresh
+1. the best bare forward (:mod:`bench.bare_forward`): over the N corpus, every batching of
+   ``--bare-batchings`` (64 windows a batch; packed to 1,024 … 8,192 padded tokens), with
+   ``--bare-threads`` torch threads and glibc's allocator as it is or tuned as the job's CPU
+   extractors tune it, each (threads, allocator) pair in a process of its own, alternately;
+   the fastest configuration is what the job is compared with;
+2. that bare forward over the F·N corpus, the ideal a user compares with: every window of the
+   corpus tokenised, sorted by length over the whole corpus, run under the best configuration,
+   ``model(..., output_hidden_states=True)``, outputs discarded (a fresh process);
+3. ``python -m jobs.analyze`` on the N corpus and on the F·N corpus, as a user runs it (a fresh
    process: Ray start, model load in the actor, extraction, reduce, tables, sampled metrics,
    report);
-3. the bare forward again (this machine's speed drifts by ±10-20% over minutes; the ratios use
-   the mean of the two).
+4. the best bare forward over F·N again (this machine's speed drifts by ±10-20% over minutes;
+   the ratios use the mean of the two).
 
 Printed, and saved in ``bench/results/NAME.json``:
 
@@ -28,6 +33,7 @@ Printed, and saved in ``bench/results/NAME.json``:
 - end to end: bare-forward time of the F·N tokens / T_F.
 
     python -m bench.end_to_end [--model minilm] [--repeat 1] [--factor 4] [--extra-args "..."]
+        [--bare-batchings rows:64,tokens:2048] [--bare-threads 1,2] [--bare-allocators default]
 """
 
 from __future__ import annotations
@@ -42,47 +48,24 @@ import tempfile
 import time
 from pathlib import Path
 
-import torch
-
+from bench.bare_forward import (
+    ALLOCATORS,
+    BATCHINGS,
+    best_bare_forward,
+    print_sweep,
+    timed_bare_forward,
+)
 from bench.common import english_jsonl, minilm_dir, random_bert_dir, save
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def sorted_bare_forward(model_dir: str, corpus: str, max_length: int, rows: int) -> dict:
-    """Every window of ``corpus`` sorted by length, ``rows`` windows a batch, model run."""
-    from transformers import AutoModel, AutoTokenizer
-
-    from embgeom_ray.inputs.corpus import CorpusSpec, ReadReport, plan_shards, read_shard
-    from embgeom_ray.inputs.windows import tokenize_windows
-
-    tok = AutoTokenizer.from_pretrained(model_dir)
-    model = AutoModel.from_pretrained(model_dir).eval()
-    t0 = time.perf_counter()
-    windows = []
-    for shard in plan_shards(CorpusSpec(corpus), 1 << 40).shards:
-        docs = list(read_shard(shard, CorpusSpec(corpus), ReadReport()))
-        windows += tokenize_windows(tok, [d.doc_id for d in docs], [d.text for d in docs], max_length)
-    windows.sort(key=lambda w: len(w.input_ids))
-    special = set(tok.all_special_ids)
-    tokens = sum(1 for w in windows for i in w.input_ids if i not in special)
-    positions = padded = 0
-    with torch.inference_mode():
-        for start in range(0, len(windows), rows):
-            chunk = windows[start : start + rows]
-            width = max(len(w.input_ids) for w in chunk)
-            ids = torch.full((len(chunk), width), tok.pad_token_id or 0, dtype=torch.long)
-            mask = torch.zeros((len(chunk), width), dtype=torch.long)
-            for r, w in enumerate(chunk):
-                ids[r, : len(w.input_ids)] = torch.tensor(w.input_ids)
-                mask[r, : len(w.input_ids)] = 1
-            model(input_ids=ids, attention_mask=mask, output_hidden_states=True)
-            positions += int(mask.sum())
-            padded += ids.numel()
-    seconds = time.perf_counter() - t0
-    print(f"bare forward (sorted corpus, {rows} windows a batch): {tokens:,} tokens in "
-          f"{seconds:.1f} s = {tokens / seconds:,.0f} tok/s, padded/real {padded / positions:.3f}")
-    return {"seconds": seconds, "tokens": tokens, "padding": padded / positions}
+def print_bare(res: dict, best: dict) -> None:
+    print(
+        f"bare forward (sorted corpus, {best['batching']}, {best['threads']} threads, "
+        f"{best['allocator']} allocator): {res['tokens']:,} tokens in {res['seconds']:.1f} s = "
+        f"{res['tokens'] / res['seconds']:,.0f} tok/s, padded/real {res['padding']:.3f}"
+    )
 
 
 def run_job(model: str, corpus: str, out: Path, args) -> tuple[float, dict]:
@@ -130,7 +113,7 @@ def fixed_cost_split(wall: float, manifest: dict, tokens: int, marginal: float) 
 
 
 def summarise(before: dict, after: dict, small: tuple[float, dict], large: tuple[float, dict]) -> dict:
-    """The bench's numbers from the two bare forwards (:func:`sorted_bare_forward`) and the two
+    """The bench's numbers from the two bare forwards (:func:`bench.bare_forward.timed_bare_forward`) and the two
     jobs' (wall seconds, manifest) (:func:`run_job`) on N and F·N tokens."""
     (t_small, m_small), (t_large, m_large) = small, large
     bare_s = (before["seconds"] + after["seconds"]) / 2
@@ -143,6 +126,7 @@ def summarise(before: dict, after: dict, small: tuple[float, dict], large: tuple
     # the same difference over the extraction stage alone: free of the sampled stage, whose
     # cost follows each run's sample (kmeans_searched), not the number of tokens
     e_small, e_large = (m["timings_s"]["extract_wall"] for m in (m_small, m_large))
+    forward_large = m_large["timings_s"]["extract_forward_sum"]
     marginal_extract = (n_large - n_small) / (e_large - e_small)
     return {
         "tokens": {"N": n_small, "FN": n_large},
@@ -161,7 +145,13 @@ def summarise(before: dict, after: dict, small: tuple[float, dict], large: tuple
         "fixed_cost_split_s": fixed_cost_split(t_small, m_small, n_small, marginal),
         "end_to_end_ratio_FN": bare_s / t_large,
         # within the F·N run itself, free of the drift between runs
-        "forward_share_of_job_FN": m_large["timings_s"]["extract_forward_sum"] / t_large,
+        "forward_share_of_job_FN": forward_large / t_large,
+        # the model inside the job (its forward calls alone, no tokenising, no fold) against
+        # the bare forward (whose clock includes tokenising)
+        "job_forward_tokens_per_s_FN": n_large / forward_large,
+        "job_forward_ratio_FN": n_large / forward_large / bare_rate,
+        "job_fold_per_forward_FN": m_large["timings_s"].get("extract_fold_sum", 0.0)
+        / forward_large,
     }
 
 
@@ -171,7 +161,13 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--repeat", type=int, default=1, help="copies of the demo corpus in N")
     p.add_argument("--factor", type=int, default=4, help="the larger corpus is this times N")
     p.add_argument("--max-length", type=int, default=128)
-    p.add_argument("--bare-rows", type=int, default=64, help="windows a bare-forward batch")
+    p.add_argument(
+        "--bare-batchings", default=",".join(BATCHINGS),
+        help="the bare forward's batchings to try: rows:R (R windows a batch), tokens:N",
+    )  # fmt: skip
+    p.add_argument("--bare-threads", default=str(os.cpu_count() or 1), help="a list to try")
+    p.add_argument("--bare-allocators", default=",".join(ALLOCATORS), help="default, reuse")
+    p.add_argument("--bare-repeats", type=int, default=2, help="per process of the sweep")
     p.add_argument("--extra-args", default="", help="more jobs.analyze flags, quoted")
     p.add_argument("--name", default="end_to_end")
     args = p.parse_args(argv)
@@ -179,16 +175,25 @@ def main(argv: list[str] | None = None) -> None:
     small = english_jsonl(work / "small.jsonl", repeat=args.repeat)
     large = english_jsonl(work / "large.jsonl", repeat=args.repeat * args.factor)
     model = minilm_dir() if args.model == "minilm" else random_bert_dir(work / "bert-base")
-    torch.set_num_threads(os.cpu_count() or 1)
-
-    before = sorted_bare_forward(model, large, args.max_length, args.bare_rows)
+    sweep = best_bare_forward(
+        model, small, args.max_length, args.bare_batchings.split(","),
+        [int(t) for t in args.bare_threads.split(",")], args.bare_allocators.split(","),
+        args.bare_repeats,
+    )  # fmt: skip
+    print_sweep(sweep)
+    best = sweep["best"]
+    before = timed_bare_forward(model, large, args.max_length, best)
+    print_bare(before, best)
     t_small, m_small = run_job(model, small, work / "small", args)
     t_large, m_large = run_job(model, large, work / "large", args)
-    after = sorted_bare_forward(model, large, args.max_length, args.bare_rows)
+    after = timed_bare_forward(model, large, args.max_length, best)
+    print_bare(after, best)
     result = {
         "model": args.model,
-        "threads": torch.get_num_threads(),
+        "bare_forward_best": best,
+        "bare_forward_sweep": sweep,
         "extra_args": args.extra_args,
+        "load_average": os.getloadavg(),
         **summarise(before, after, (t_small, m_small), (t_large, m_large)),
         "kmeans_k_searched": {"N": kmeans_searched(work / "small"), "FN": kmeans_searched(work / "large")},
     }
@@ -201,7 +206,10 @@ def main(argv: list[str] | None = None) -> None:
         f"{result['marginal_extraction_ratio']:.3f}; K-means searched up to k = "
         f"{result['kmeans_k_searched']} (N, F·N); fixed cost {fixed:.1f} s "
         f"{ {k: round(v, 1) for k, v in result['fixed_cost_split_s'].items()} }; "
-        f"end to end at {n_large:,} tokens {result['end_to_end_ratio_FN']:.3f}"
+        f"end to end at {n_large:,} tokens {result['end_to_end_ratio_FN']:.3f}; the forward "
+        f"inside the F·N job {result['job_forward_tokens_per_s_FN']:,.0f} tok/s = "
+        f"{result['job_forward_ratio_FN']:.3f} of the bare forward, its fold "
+        f"{result['job_fold_per_forward_FN']:.3f} of its forward"
     )
     save(args.name, {"command": "python -m bench.end_to_end", "args": vars(args), **result})
 

@@ -8,13 +8,17 @@ For each model, the same shard is processed alternately by
       the sample, and with ``comoment_precision="float64"``,
 same dtype, same threads, same process, ``--repeats`` times; the printed ratio is
 median(bare) / median(extractor) — the extractor's throughput as a fraction of the forward's.
+The bare forward also runs at each batch size of ``--bare-batch-tokens`` (alternated with the
+rest): the extractor is compared with the fastest of them too, since its own batch size need
+not be the forward's best. On a CPU the process's allocator is tuned as the job's extractors
+tune theirs (:func:`~embgeom_ray.inputs.malloc_tuning.reuse_freed_memory`).
 
 ``--device-map`` adds the ``--gpus-per-worker`` path on the GPUs this process sees, one GPU
 included: the model loaded through accelerate's device map (:func:`balanced_device_map`, its
 dispatch hooks), every layer folded on the GPU that computed it into one statistics part per
 GPU (``SplitStatistics``), combined at the end; its statistics are compared with the plain
 extractor's (counts exactly, moments to rounding). Give ``--batch-tokens``: a split model
-otherwise gets the CPU default.
+otherwise gets 8,192 tokens a batch.
 
     python -m bench.extraction [--models minilm,bert-base] [--tokens 20000] [--repeats 3]
 """
@@ -33,18 +37,23 @@ import torch
 from bench.common import english_jsonl, median, minilm_dir, random_bert_dir, save, timed
 
 
-def bare_forward(proc, shard) -> int:
-    """Tokenise and batch exactly as the extractor does, run the model, discard the output."""
+def bare_forward(proc, shard, batch_tokens: int | None = None) -> int:
+    """Tokenise and batch as the extractor does (at ``batch_tokens`` padded tokens a batch,
+    default the extractor's own), run the model, discard the output."""
     from embgeom_ray.counts import Counts
     from embgeom_ray.inputs.corpus import ReadReport, read_shard
 
     counts = Counts()
     tokens = 0
-    with torch.inference_mode():
-        docs = read_shard(shard, proc.corpus, ReadReport())
-        for batch in proc.batches(docs, counts):
-            proc.forward(batch)
-            tokens += batch.num_tokens
+    own, proc.batch_tokens = proc.batch_tokens, batch_tokens or proc.batch_tokens
+    try:
+        with torch.inference_mode():
+            docs = read_shard(shard, proc.corpus, ReadReport())
+            for batch in proc.batches(docs, counts):
+                proc.forward(batch)
+                tokens += batch.num_tokens
+    finally:
+        proc.batch_tokens = own
     if proc.device == "cuda":
         torch.cuda.synchronize()  # the clock stops when the device has finished
     return tokens
@@ -107,17 +116,23 @@ def bench_model(name: str, model: str, corpus: str, args, workdir: Path) -> dict
     shard = plan_shards(CorpusSpec(corpus), 1 << 40).shards[0]
     base = procs["extractor"]
     bare_forward(base, shard)  # warm-up
-    times: dict[str, list[float]] = {"bare_forward": [], **{v: [] for v in variants}}
+    # the bare forward at the extractor's batch size, and at each other one tried
+    others = [b for b in args.bare_batch_tokens if b != base.batch_tokens]
+    bares = {"bare_forward": None, **{f"bare_forward_{b}": b for b in others}}
+    times: dict[str, list[float]] = {**{k: [] for k in bares}, **{v: [] for v in variants}}
     tokens = 0
     folds: dict[str, list[float]] = {v: [] for v in variants}
     for _ in range(args.repeats):
-        t, tokens = timed(lambda: bare_forward(base, shard))
-        times["bare_forward"].append(t)
+        for key, size in bares.items():
+            t, tokens = timed(lambda size=size: bare_forward(base, shard, size))
+            times[key].append(t)
         for variant, proc in procs.items():
             t, (_, _, counts) = timed(lambda proc=proc: proc.process(shard))
             times[variant].append(t)
             folds[variant].append(counts.fold_seconds)
     bare = median(times["bare_forward"])
+    best_bare = min(bares, key=lambda k: median(times[k]))
+    best = median(times[best_bare])
     same = None
     if args.device_map:  # the split fold against the plain one, over the same shard
         plain, _, _ = procs["extractor"].process(shard)
@@ -136,14 +151,21 @@ def bench_model(name: str, model: str, corpus: str, args, workdir: Path) -> dict
         "fold_seconds": {k: median(v) for k, v in folds.items()},
         "tokens_per_s": {k: tokens / median(v) for k, v in times.items()},
         "ratio_to_bare_forward": {v: bare / median(times[v]) for v in variants},
+        # against the fastest bare forward over the same shard, whatever its batch size
+        "bare_forward_best": {
+            "batch_tokens": bares[best_bare] or base.batch_tokens, "seconds": best
+        },
+        "ratio_to_best_bare_forward": {v: best / median(times[v]) for v in variants},
         **({} if same is None else {"device_map_state": same}),
     }
     print(
         f"{name:10s} L+1={len(layers):2d} d={identity.hidden_size:4d} tokens={tokens:,} "
         f"batches of {base.batch_tokens:,} "
-        f"bare {tokens / bare:8,.0f} tok/s | "
+        f"bare {tokens / bare:8,.0f} tok/s, best bare {tokens / best:8,.0f} tok/s at "
+        f"{bares[best_bare] or base.batch_tokens:,} | "
         + " | ".join(
-            f"{v} {tokens / median(times[v]):8,.0f} tok/s ratio {bare / median(times[v]):.3f}"
+            f"{v} {tokens / median(times[v]):8,.0f} tok/s ratio {bare / median(times[v]):.3f} "
+            f"(to the best bare {best / median(times[v]):.3f})"
             for v in variants
         )
     )
@@ -157,8 +179,13 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--max-length", type=int, default=128)
     p.add_argument(
-        "--batch-tokens", type=int, default=None, help="default: the job's (8,192; more on GPUs)"
+        "--batch-tokens", type=int, default=None,
+        help="default: the job's (on a CPU from the model's shape, 1,024-8,192; more on GPUs)",
     )
+    p.add_argument(
+        "--bare-batch-tokens", default="1024,2048,4096,5120,8192",
+        help="the bare forward's batch sizes tried besides the extractor's (the best is kept)",
+    )  # fmt: skip
     p.add_argument("--sample-size", type=int, default=4096)
     p.add_argument("--dtype", default="float32")
     p.add_argument("--device", default="auto")
@@ -169,8 +196,14 @@ def main(argv: list[str] | None = None) -> None:
     )  # fmt: skip
     p.add_argument("--name", default="extraction")
     args = p.parse_args(argv)
+    args.bare_batch_tokens = [int(b) for b in args.bare_batch_tokens.split(",") if b]
     if args.threads:
         torch.set_num_threads(args.threads)
+    from embgeom_ray.inputs.extractor import resolve_device
+    from embgeom_ray.inputs.malloc_tuning import reuse_freed_memory
+
+    if resolve_device(args.device) == "cpu":
+        reuse_freed_memory()  # as the job's CPU extractors do
     work = Path(tempfile.mkdtemp(prefix="embgeom-bench-"))
     corpus_full = english_jsonl(work / "full.jsonl")
     # a shard of about --tokens tokens: the first documents of the demo corpus

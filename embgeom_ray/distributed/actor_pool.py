@@ -35,6 +35,7 @@ from ..counts import Counts
 from ..errors import UserError
 from ..inputs.corpus import Shard
 from ..inputs.extractor import ShardProcessor
+from ..inputs.malloc_tuning import reuse_freed_memory
 from ..inputs.options import ExtractionOptions
 from ..sizing import Pool
 from .cluster import read_cluster
@@ -143,7 +144,9 @@ def as_array(data: bytes | bytearray) -> np.ndarray:
 
 class ShardExtract:
     """Actor body: a :class:`ShardProcessor` with torch limited to the actor's CPUs, and the
-    running statistics, sample and counts of the shards folded since the last flush.
+    running statistics, sample and counts of the shards folded since the last flush. On a
+    CPU the process's allocator keeps the forward's freed tensors for the next batch
+    (:func:`~embgeom_ray.inputs.malloc_tuning.reuse_freed_memory`): the actor owns its process.
 
     An error while loading (bad weights, missing files, …) is kept and raised again by
     :meth:`ready`, so the driver sees the original exception instead of a dead actor, and
@@ -172,6 +175,8 @@ class ShardExtract:
         try:
             options = ExtractionOptions(**options_json)
             self.processor = ShardProcessor(options, layers, metadata, clip_dims)
+            if self.processor.device == "cpu":
+                reuse_freed_memory()
         except Exception as exc:
             self.error = exc
 

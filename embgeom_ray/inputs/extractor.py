@@ -24,7 +24,7 @@ from ..core.sketch import finite_layers
 from ..core.split_statistics import SplitStatistics
 from ..core.statistics import EmbeddingStatistics
 from ..counts import Counts
-from ..sizing import DEFAULT_BATCH_TOKENS, gpu_budgets, run_shape
+from ..sizing import DEFAULT_BATCH_TOKENS, cpu_batch_tokens, gpu_budgets, run_shape
 from .corpus import CorpusSpec, Document, ReadReport, Shard, read_shard
 from .model_loading import (
     balanced_device_map,
@@ -154,12 +154,12 @@ class ShardProcessor:
     def _budgets(self, text_config: Any) -> tuple[int, int | None]:
         """The batch tokens and the statistics budget: the options' (``--batch-tokens``, and
         the ``--statistics-memory`` the job decided, :mod:`embgeom_ray.sizing`) on a CPU or a
-        model split over GPUs; on one GPU, decided from the memory the model leaves free
+        model split over GPUs, the batch where not given from the model's shape on a CPU
+        (:func:`~embgeom_ray.sizing.cpu_batch_tokens`) and :data:`DEFAULT_BATCH_TOKENS`
+        over GPUs; on one GPU, decided from the memory the model leaves free
         (:func:`~embgeom_ray.sizing.gpu_budgets`: the batch, then the statistics, no more than
         the options' budget)."""
         options = self.options
-        if self.device != "cuda" or self.device_map is not None:
-            return options.batch_tokens or DEFAULT_BATCH_TOKENS, options.statistics_memory
         sample = 0 if options.sample_size == 0 else options.sample_size + (
             options.sample_type_size or options.sample_size
         )
@@ -168,6 +168,9 @@ class ShardProcessor:
             vocab=len(self.tokenizer), clip=len(self.clip_dims or []), sample_entries=sample,
             weight_bytes=0, dtype=options.dtype,
         )  # fmt: skip
+        if self.device != "cuda" or self.device_map is not None:
+            default = cpu_batch_tokens(shape) if self.device == "cpu" else DEFAULT_BATCH_TOKENS
+            return options.batch_tokens or default, options.statistics_memory
         free, _ = torch.cuda.mem_get_info()
         return gpu_budgets(shape, free, options.batch_tokens, options.statistics_memory)
 

@@ -44,9 +44,10 @@ class WorkerOptions(OptionGroup):
     batch_tokens: int | None = Field(
         None,
         ge=16,
-        description="padded tokens per forward batch [default: 8192; on a GPU as many as "
-        "8 GiB (or half the memory the model and --worker-memory leave free) hold of the "
-        "batch's hidden states, activations and fold scratch, 8192 to 65536]",
+        description="padded tokens per forward batch [default: on a CPU as many as keep one "
+        "layer's largest tensor within 32 MiB, 1024 to 8192 (5120 for MiniLM); on a GPU as "
+        "many as 8 GiB (or half the memory the model and --worker-memory leave free) hold of "
+        "the batch's hidden states, activations and fold scratch, 8192 to 65536]",
         json_schema_extra=SCHEDULING,
     )
     worker_memory: ByteSize | None = Field(

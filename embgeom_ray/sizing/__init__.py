@@ -29,6 +29,8 @@ from .decisions import (
     size_reducers,
 )
 from .formulas import (
+    CPU_BATCH_TOKENS_MAX,
+    CPU_BATCH_TOKENS_MIN,
     DEFAULT_BATCH_TOKENS,
     DRIVER_ALLOWANCE_BYTES,
     DRIVER_BASE_BYTES,
@@ -45,6 +47,7 @@ from .formulas import (
     CorpusShape,
     Shape,
     batch_bytes_per_token,
+    cpu_batch_tokens,
     default_batch_tokens,
     driver_bytes,
     extractor_bytes,
@@ -62,15 +65,15 @@ from .nodes import GPU_MEMORY_BY_TYPE, Cluster, Node, fits, place, slot_memory
 from .plan import describe_plan
 
 __all__ = [
-    "DEFAULT_BATCH_TOKENS", "DRIVER_ALLOWANCE_BYTES", "DRIVER_BASE_BYTES",
-    "DRIVER_REDUCE_FACTOR", "DRIVER_RUN_BYTES", "EARLY_REDUCERS_MIN_BYTES",
-    "EXTRACTOR_BASE_BYTES", "FOLD_BYTES_PER_TOKEN_DIM", "GPU_BATCH_BYTES",
-    "GPU_BATCH_TOKENS_MAX", "GPU_MEMORY_BY_TYPE", "GPU_STATISTICS_SHARE", "GPU_WEIGHT_SHARE",
-    "REDUCER_BASE_BYTES", "REDUCER_MERGE_FACTOR", "REDUCER_NODE_SHARE", "TYPE_ROW_BYTES",
-    "Cluster", "CorpusShape", "Node", "Pool", "Reduce", "Shape", "Sizing",
-    "batch_bytes_per_token", "default_batch_tokens", "describe_plan", "driver_bytes",
-    "driver_reserve", "extractor_bytes", "fits", "gib", "gpu_budgets", "gpus_for_weights",
-    "io_sizes", "place", "plan_pool", "reducer_budget", "reducer_bytes", "reducer_ranges",
-    "reducers_for", "run_shape", "size_extractors", "size_job", "size_reduce",
+    "CPU_BATCH_TOKENS_MAX", "CPU_BATCH_TOKENS_MIN", "DEFAULT_BATCH_TOKENS",
+    "DRIVER_ALLOWANCE_BYTES", "DRIVER_BASE_BYTES", "DRIVER_REDUCE_FACTOR", "DRIVER_RUN_BYTES",
+    "EARLY_REDUCERS_MIN_BYTES", "EXTRACTOR_BASE_BYTES", "FOLD_BYTES_PER_TOKEN_DIM",
+    "GPU_BATCH_BYTES", "GPU_BATCH_TOKENS_MAX", "GPU_MEMORY_BY_TYPE", "GPU_STATISTICS_SHARE",
+    "GPU_WEIGHT_SHARE", "REDUCER_BASE_BYTES", "REDUCER_MERGE_FACTOR", "REDUCER_NODE_SHARE",
+    "TYPE_ROW_BYTES", "Cluster", "CorpusShape", "Node", "Pool", "Reduce", "Shape", "Sizing",
+    "batch_bytes_per_token", "cpu_batch_tokens", "default_batch_tokens", "describe_plan",
+    "driver_bytes", "driver_reserve", "extractor_bytes", "fits", "gib", "gpu_budgets",
+    "gpus_for_weights", "io_sizes", "place", "plan_pool", "reducer_budget", "reducer_bytes",
+    "reducer_ranges", "reducers_for", "run_shape", "size_extractors", "size_job", "size_reduce",
     "size_reducers", "slot_memory", "statistics_for", "types_bound",
 ]  # fmt: skip

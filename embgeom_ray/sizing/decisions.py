@@ -9,6 +9,8 @@ from typing import Any
 
 from ..errors import ConfigError
 from .formulas import (
+    CPU_BATCH_TOKENS_MAX,
+    CPU_BATCH_TOKENS_MIN,
     DEFAULT_BATCH_TOKENS,
     DRIVER_ALLOWANCE_BYTES,
     DRIVER_BASE_BYTES,
@@ -23,10 +25,12 @@ from .formulas import (
     MiB,
     Shape,
     batch_growth_bytes,
+    cpu_batch_tokens,
     driver_bytes,
     driver_formula,
     extractor_bytes,
     gib,
+    layer_bytes_per_token,
     reducers_for,
     shape_batch_bytes_per_token,
     shape_reducer_budget,
@@ -62,6 +66,8 @@ class Pool:
     batch_tokens: int | None
     formula: str
     reason: str
+    #: why ``batch_tokens``: the option, or the CPU rule and its numbers ("": on each GPU)
+    batch_reason: str = ""
 
 
 @dataclass
@@ -244,7 +250,16 @@ def size_extractors(
         num_workers=options.num_workers, cpus_per_worker=options.cpus_per_worker,
         gpus_per_worker=options.gpus_per_worker,
     )  # fmt: skip
-    batch = options.batch_tokens or (None if gpus else DEFAULT_BATCH_TOKENS)
+    batch = options.batch_tokens or (None if gpus else cpu_batch_tokens(shape))
+    batch_reason = (
+        "--batch-tokens"
+        if options.batch_tokens
+        else ""
+        if gpus
+        else f"a CPU's: one layer's largest tensor, max(d_ff, d) · b = "
+        f"{layer_bytes_per_token(shape):,} B a token, within glibc's 32 MiB mmap threshold, "
+        f"{CPU_BATCH_TOKENS_MIN:,} to {CPU_BATCH_TOKENS_MAX:,}"
+    )
     b = batch or DEFAULT_BATCH_TOKENS  # the least a GPU batch is: for the growth bound
     floor = shape.layer_state_bytes()
     formula = (
@@ -336,7 +351,7 @@ def size_extractors(
     unbounded = explicit_s is None and on_device is None and memory >= whole
     if unbounded or statistics >= shape.statistics_bytes(types):
         statistics = None  # the whole statistics fit: no bound needed
-    return Pool(count, cpus, float(gpus), memory, statistics, batch, formula, reason)
+    return Pool(count, cpus, float(gpus), memory, statistics, batch, formula, reason, batch_reason)
 
 
 def size_reducers(

@@ -35,6 +35,7 @@ from typing import Any
 
 from ..core.statistics import state_bytes
 from ..errors import ConfigError
+from ..inputs.malloc_tuning import MMAP_THRESHOLD_MAX
 
 KiB, MiB, GiB = 2**10, 2**20, 2**30
 
@@ -67,8 +68,12 @@ REDUCER_MERGE_FACTOR = 3
 #: an extractor process's own memory besides the weights (Python, torch, transformers, the
 #: tokenizer, Ray's worker, the tokenized pool): 0.2–0.3 GiB measured
 EXTRACTOR_BASE_BYTES = 512 * MiB
-#: ``--batch-tokens`` when it is not given: on CPUs, and the least on a GPU
+#: ``--batch-tokens`` when it is not given: the least on a GPU, and a model split over GPUs
 DEFAULT_BATCH_TOKENS = 8192
+#: the fewest and the most padded tokens a CPU batch gets without ``--batch-tokens``
+#: (:func:`cpu_batch_tokens`)
+CPU_BATCH_TOKENS_MIN = 1024
+CPU_BATCH_TOKENS_MAX = 8192
 #: the most padded tokens a batch gets on a GPU without ``--batch-tokens``
 GPU_BATCH_TOKENS_MAX = 65_536
 #: the device memory one batch may take on a GPU without ``--batch-tokens`` (or half the
@@ -242,11 +247,12 @@ def batch_bytes_per_token(
 
 
 def default_batch_tokens(per_token_bytes: int, free_bytes: int | None) -> int:
-    """``--batch-tokens`` when it is not given: :data:`DEFAULT_BATCH_TOKENS` on a CPU
-    (``free_bytes`` None); on a GPU as many tokens as :data:`GPU_BATCH_BYTES` (or half of
-    ``free_bytes``, the memory left once the model is loaded, if less) hold at
-    ``per_token_bytes`` each, in multiples of 1,024, between :data:`DEFAULT_BATCH_TOKENS` and
-    :data:`GPU_BATCH_TOKENS_MAX`.
+    """``--batch-tokens`` on GPUs when it is not given: :data:`DEFAULT_BATCH_TOKENS` for a
+    model split over several GPUs (``free_bytes`` None); on one GPU as many tokens as
+    :data:`GPU_BATCH_BYTES` (or half of ``free_bytes``, the memory left once the model is
+    loaded, if less) hold at ``per_token_bytes`` each, in multiples of 1,024, between
+    :data:`DEFAULT_BATCH_TOKENS` and :data:`GPU_BATCH_TOKENS_MAX` (on a CPU:
+    :func:`cpu_batch_tokens`).
 
     Why: a GPU folds the hidden states with some ninety kernels per layer and batch, whose
     launch cost (~1.5 ms) does not depend on the batch's size; at 8,192 tokens it is most of
@@ -258,6 +264,38 @@ def default_batch_tokens(per_token_bytes: int, free_bytes: int | None) -> int:
     budget = min(GPU_BATCH_BYTES, free_bytes // 2)
     tokens = budget // max(per_token_bytes, 1) // 1024 * 1024
     return int(min(GPU_BATCH_TOKENS_MAX, max(DEFAULT_BATCH_TOKENS, tokens)))
+
+
+def layer_bytes_per_token(shape: Shape) -> int:
+    """Bytes a token takes in one layer's largest tensor on a CPU: the feed-forward's inner
+    activations (d_ff values) or the hidden state (d), max(d_ff, d) · b. The attention
+    scores are not counted: torch's CPU attention (sdpa, the default of every architecture
+    that has it) runs in blocks and never holds them (an eager one would hold heads × T a
+    token, and pay in page faults where they pass 32 MiB)."""
+    return max(shape.intermediate or 4 * shape.dim, shape.dim) * shape.dtype_bytes
+
+
+def cpu_batch_tokens(shape: Shape) -> int:
+    """``--batch-tokens`` on a CPU when it is not given: as many tokens as keep one layer's
+    largest tensor (:func:`layer_bytes_per_token`) within glibc's largest mmap threshold,
+    32 MiB (:data:`~embgeom_ray.inputs.malloc_tuning.MMAP_THRESHOLD_MAX`), in multiples of
+    1,024 between :data:`CPU_BATCH_TOKENS_MIN` and :data:`CPU_BATCH_TOKENS_MAX`: MiniLM
+    (d_ff = 1,536, float32: 6 KiB a token) gets 5,120 tokens, a BERT-base-sized model
+    (d_ff = 3,072) 2,048, an 8B Llama (d_ff = 14,336) 1,024.
+
+    Why: a tensor within the threshold comes from the heap, where a CPU extractor's allocator
+    keeps it for the next batch once freed
+    (:func:`~embgeom_ray.inputs.malloc_tuning.reuse_freed_memory`); a larger one is a fresh
+    mapping every batch, faulted in page by page. MiniLM's bare forward with 8,192-token
+    batches spent 34–39 µs a position in the kernel (glibc's defaults) and 9–19 µs (tuned),
+    against 0.1–1.8 µs at 2,048–5,120 tokens tuned, beside ~270 µs of its own work, which
+    did not change with the batch size (265–281 µs from 2,048 to 8,192 tokens: the caches
+    do not decide here; one thread, 2-core VM, ``python -m bench.bare_forward``). Smaller
+    batches cost the fold more (~20 ms a batch for MiniLM's 7 layers whatever its size),
+    hence the largest batch within the threshold. Nothing computed depends on the batching
+    (``--batch-tokens`` is a scheduling option)."""
+    tokens = MMAP_THRESHOLD_MAX // max(layer_bytes_per_token(shape), 1) // 1024 * 1024
+    return int(min(CPU_BATCH_TOKENS_MAX, max(CPU_BATCH_TOKENS_MIN, tokens)))
 
 
 def shape_batch_bytes_per_token(shape: Shape) -> int:

@@ -31,6 +31,7 @@ def describe_plan(
     gpus = f"{pool.num_gpus:g} GPU(s) + " if pool.num_gpus else ""
     batch = (
         f"{pool.batch_tokens:,} padded tokens a batch"
+        + (f" ({pool.batch_reason})" if pool.batch_reason else "")
         if pool.batch_tokens
         else "batch tokens decided on each GPU once the model is loaded: min(8 GiB, half the "
         f"free memory) at {shape_batch_bytes_per_token(shape):,} B a token, 8,192 to 65,536"

@@ -15,7 +15,8 @@ def test_end_to_end_numbers_from_two_runs():
 
     def manifest(tokens: int, extract: float, forward: float) -> dict:
         timings = {"plan": 1.5, "ray_start": 5.7, "extract_wall": extract, "extract_forward_sum": forward,
-                   "reduce": 0.9, "metrics": 46.8, "write": 2.1, "total": 86.0, "report": 6.6}  # fmt: skip
+                   "extract_fold_sum": forward / 4, "reduce": 0.9, "metrics": 46.8, "write": 2.1,
+                   "total": 86.0, "report": 6.6}  # fmt: skip
         return {"counts": {"tokens": tokens, "padding_ratio": 1.014}, "timings_s": timings}
 
     before = {"seconds": 47.0, "tokens": 321_012, "padding": 1.011}
@@ -34,5 +35,8 @@ def test_end_to_end_numbers_from_two_runs():
     assert split["extraction_beyond_marginal"] == pytest.approx(34.3 - 80_253 * 67.9 / 240_759)
     assert res["end_to_end_ratio_FN"] == pytest.approx(49.0 / 166.7)
     assert res["forward_share_of_job_FN"] == pytest.approx(56.1 / 166.7)
+    assert res["job_forward_tokens_per_s_FN"] == pytest.approx(321_012 / 56.1)
+    assert res["job_forward_ratio_FN"] == pytest.approx(49.0 / 56.1)  # same tokens both sides
+    assert res["job_fold_per_forward_FN"] == pytest.approx(0.25)
     with pytest.raises(ValueError, match="counted 321012 tokens, the bare forward 1000"):
         summarise({**before, "tokens": 1000}, after, small, large)

@@ -34,11 +34,44 @@ def test_extraction_smoke(results_dir):
     """On one document of the demo prose (``--tokens 100``: its first, ~150 tokens)."""
     from bench import extraction
 
-    extraction.main(["--models", "minilm", "--tokens", "100", "--repeats", "1"])
+    extraction.main(
+        ["--models", "minilm", "--tokens", "100", "--repeats", "1", "--bare-batch-tokens", "1024"]
+    )
     (res,) = read(results_dir, "extraction")["results"]
     assert res["model"] == "minilm" and res["tokens"] > 0
-    assert {"bare_forward", "extractor"} <= res["tokens_per_s"].keys()
+    assert {"bare_forward", "bare_forward_1024", "extractor"} <= res["tokens_per_s"].keys()
     assert res["ratio_to_bare_forward"]["extractor"] > 0
+    best = res["bare_forward_best"]
+    assert best["batch_tokens"] in (1024, res["batch_tokens"])
+    seconds = res["seconds"]
+    assert best["seconds"] == min(seconds["bare_forward"], seconds["bare_forward_1024"])
+    assert res["ratio_to_best_bare_forward"]["extractor"] == pytest.approx(
+        best["seconds"] / res["seconds"]["extractor"]
+    )
+
+
+def test_bare_forward_sweep_smoke(tmp_path):
+    """bench.bare_forward's sweep (a process per allocator) and its timed run, on 8 documents."""
+    from bench.bare_forward import best_bare_forward, timed_bare_forward
+    from bench.common import english_jsonl, minilm_dir
+
+    lines = open(english_jsonl(tmp_path / "full.jsonl")).read().splitlines(keepends=True)
+    corpus = tmp_path / "small.jsonl"
+    corpus.write_text("".join(lines[:8]))
+    res = best_bare_forward(
+        minilm_dir(), str(corpus), 128, ["rows:8", "tokens:1024"], [1], ["default", "reuse"],
+        repeats=1, rounds=1,
+    )  # fmt: skip
+    batchings, allocators = ("rows:8", "tokens:1024"), ("default", "reuse")
+    configs = {f"{b} threads:1 {a}" for b in batchings for a in allocators}
+    assert set(res["positions_per_s"]) == configs
+    best = res["best"]
+    key = f"{best['batching']} threads:{best['threads']} {best['allocator']}"
+    assert best["positions_per_s"] == max(r[0] for r in res["positions_per_s"].values())
+    assert res["positions_per_s"][key] == [best["positions_per_s"]]
+    assert res["padding"]["tokens:1024"] >= 1.0
+    timed = timed_bare_forward(minilm_dir(), str(corpus), 128, best)
+    assert timed["tokens"] > 0 and timed["seconds"] > 0 and timed["padding"] >= 1.0
 
 
 def test_kmeans_smoke(results_dir, ray_local):

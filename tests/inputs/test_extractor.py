@@ -108,16 +108,19 @@ def processor(tiny_bert: str, corpus: str, out, **options) -> ShardProcessor:
     return ShardProcessor(cfg.extraction, [0, 2], {"model_fingerprint": identity.model_fingerprint})
 
 
+@pytest.mark.parametrize("wide_tokens", [4096, None])
 def test_batching_changes_neither_counts_nor_statistics_nor_sample(
-    tmp_path, tiny_bert, monkeypatch
+    tmp_path, tiny_bert, monkeypatch, wide_tokens
 ):
-    """Wide pooled batches with a padding budget against small unpooled exact-length ones."""
+    """Wide pooled batches with a padding budget (4,096 tokens, or the CPU default) against
+    small unpooled exact-length ones."""
     rng = np.random.default_rng(0)
     words = ["cat", "dog", "sat", "mat", "the", "a", "on", "ran", "blue", "sky", "tree", "sun"]
     texts = [" ".join(rng.choice(words, size=int(rng.integers(1, 40)))) for _ in range(120)]
     corpus = write_jsonl(tmp_path / "c.jsonl", texts)
     shard = plan_shards(CorpusSpec(corpus)).shards[0]
-    wide = processor(tiny_bert, corpus, tmp_path / "a", max_length=24, batch_tokens=4096)
+    wide = processor(tiny_bert, corpus, tmp_path / "a", max_length=24, batch_tokens=wide_tokens)
+    assert wide.batch_tokens == (wide_tokens or 8192)  # a tiny model: the CPU cap
     stats_a, sample_a, counts_a = wide.process(shard)
 
     monkeypatch.setattr(extractor, "POOL_BATCHES", 1)
@@ -178,22 +181,30 @@ def test_unknown_tokens_are_counted(tmp_path, tiny_bert):
     assert unk_warning(counts, threshold=0.5) is None
 
 
-def test_batch_tokens_default_to_8192_on_cpus_and_to_what_fits_on_a_gpu(
+def test_batch_tokens_default_to_what_the_allocator_reuses_on_cpus_and_fits_on_a_gpu(
     tmp_path, tiny_bert, monkeypatch
 ):
-    """Without --batch-tokens: 8,192 on a CPU; on a GPU as many as 8 GiB (or half the free
-    memory) hold at ((L + 1)·d + 3·ffn + heads·T)·b + 64·d bytes a token, 8,192..65,536 in
-    steps of 1,024 (the per-batch launch cost of the GPU fold is amortised over more tokens)."""
+    """Without --batch-tokens: on a CPU as many as keep one layer's largest tensor,
+    max(ffn, d)·b bytes a token, within glibc's 32 MiB mmap threshold, 1,024..8,192 in steps
+    of 1,024; on a GPU as many as 8 GiB (or half the free memory) hold at
+    ((L + 1)·d + 3·ffn + heads·T)·b + 64·d bytes a token, 8,192..65,536 in steps of 1,024
+    (the per-batch launch cost of the GPU fold is amortised over more tokens)."""
     import json
     from pathlib import Path
 
     corpus = write_jsonl(tmp_path / "c.jsonl", ["the cat sat"])
     proc = processor(tiny_bert, corpus, tmp_path / "o")
-    assert proc.batch_tokens == 8192
-    assert processor(tiny_bert, corpus, tmp_path / "o", batch_tokens=640).batch_tokens == 640
-
     cfg = json.loads((Path(tiny_bert) / "config.json").read_text())
     d, ffn, blocks = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_hidden_layers"]
+    assert max(ffn, d) * 4 * 8192 < 32 << 20  # a tiny model: the most a CPU batch gets
+    assert proc.batch_tokens == 8192
+    assert processor(tiny_bert, corpus, tmp_path / "o", batch_tokens=640).batch_tokens == 640
+    # the same rule as the job's sizing, from this model's shape: with a threshold of 3,000
+    # tokens of float32 d_ff, 2,048 tokens in float32 and 5,120 in bfloat16 (6,000 tokens)
+    monkeypatch.setattr(sizing.formulas, "MMAP_THRESHOLD_MAX", 3000 * max(ffn, d) * 4)
+    assert processor(tiny_bert, corpus, tmp_path / "o").batch_tokens == 2048
+    assert processor(tiny_bert, corpus, tmp_path / "o", dtype="bfloat16").batch_tokens == 5120
+    monkeypatch.undo()
     scores = cfg["num_attention_heads"] * proc.options.max_length  # one layer's, a token
     per_token = ((blocks + 1) * d + 3 * ffn + scores) * 4 + 64 * d  # float32 weights
     assert sizing.batch_bytes_per_token(blocks + 1, d, ffn, 4, scores) == per_token
@@ -206,7 +217,7 @@ def test_batch_tokens_default_to_8192_on_cpus_and_to_what_fits_on_a_gpu(
     for free, want in (
         (80 << 30, 65_536),  # 8 GiB hold more than the cap
         (2 * 20 * 1024 * per_token + 2 * per_token - 2, 20 * 1024),  # half the free memory,
-        (4 << 20, 8192),  # never fewer than on a CPU                # in steps of 1,024
+        (4 << 20, 8192),  # never fewer than 8,192 on a GPU           # in steps of 1,024
     ):
         monkeypatch.setattr(torch.cuda, "mem_get_info", lambda free=free: (free, 80 << 30))
         tokens, budget = proc._budgets(text_config)

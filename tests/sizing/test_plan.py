@@ -39,6 +39,8 @@ def test_minilm_plan_is_what_the_run_records(ray_local, minilm_dir, tmp_path, ca
     for what in ("model: ", "6 blocks, d = 384", "V = 30,522 tokenizer entries", "extractors:",
                  "memory each:", "reduce", "driver (the job's own process)", "artefact:"):  # fmt: skip
         assert what in printed, what
+    # a CPU's batch from MiniLM's shape: d_ff = 1,536 float32 values a token within 32 MiB
+    assert "5,120 padded tokens a batch (a CPU's: one layer's largest tensor" in printed
     config = build_config(None, {"model": minilm_dir, "corpus": corpus,
                                  "out": str(tmp_path / "run"), "sample_size": 16,
                                  "kmeans_k_max": 3, "no_report": True})  # fmt: skip
@@ -49,6 +51,7 @@ def test_minilm_plan_is_what_the_run_records(ray_local, minilm_dir, tmp_path, ca
     assert recorded == json.loads(json.dumps(planned))
     assert manifest["workers"]["memory_bytes"] == planned["extractors"]["memory"]
     assert manifest["workers"]["num_workers"] == planned["extractors"]["num_workers"]
+    assert manifest["workers"]["batch_tokens"] == planned["extractors"]["batch_tokens"] == 5120
     assert manifest["memory"]["extractor_peak_private_bytes"] <= planned["extractors"]["memory"]
 
 

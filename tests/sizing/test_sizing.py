@@ -70,6 +70,28 @@ def test_the_formulas():
     assert LLAMA_8B.type_bytes(V_SEEN) / GiB == pytest.approx(133.0, abs=0.05)
 
 
+def test_cpu_batches_keep_a_layers_largest_tensor_within_32_mib():
+    """max(d_ff, d)·b bytes a token, 32 MiB / that rounded down to 1,024s, 1,024..8,192; a
+    CPU pool gets it where --batch-tokens is not given."""
+    from embgeom_ray.sizing import cpu_batch_tokens
+
+    minilm = Shape(layers=7, dim=384, positions=128, vocab=30_522, hidden_states=7,
+                   intermediate=1536, heads=12, weight_bytes=90 * MiB)  # fmt: skip
+    assert cpu_batch_tokens(minilm) == 5120 == (32 * MiB) // (1536 * 4) // 1024 * 1024
+    bert_base = Shape(**{**minilm.__dict__, "dim": 768, "intermediate": 3072})
+    assert cpu_batch_tokens(bert_base) == 2048  # 2,730
+    assert cpu_batch_tokens(Shape(**{**minilm.__dict__, "dtype_bytes": 2})) == 8192  # 10,922
+    assert cpu_batch_tokens(LLAMA_8B) == 1024  # 14,336 · 2 bytes a token: 1,170
+    wide = Shape(**{**minilm.__dict__, "dim": 16_384, "intermediate": 0})  # 4d: 256 KiB
+    assert cpu_batch_tokens(wide) == 1024  # 128, raised to the least
+    roomy = Cluster((Node("h", 16 * GiB, cpus=2, head=True),))
+    pool = size_extractors(minilm, 30_522, roomy, options(device="cpu"), 4, driver=GiB)
+    assert pool.batch_tokens == 5120
+    assert "6,144 B a token, within glibc's 32 MiB" in pool.batch_reason  # what --plan prints
+    given = size_extractors(minilm, 30_522, roomy, options(device="cpu", batch_tokens=640), 4, GiB)
+    assert (given.batch_tokens, given.batch_reason) == (640, "--batch-tokens")
+
+
 def test_the_types_seen_are_bounded_by_the_vocabulary_and_the_plain_text():
     assert types_bound(30_522, None)[0] == 30_522  # compressed or Parquet: the vocabulary
     assert types_bound(30_522, 10**9)[0] == 30_522

@@ -37,7 +37,14 @@ def test_a_budget_below_the_fixed_state_is_refused():
     """``--statistics-memory`` must exceed the fixed per-layer state; ``--worker-memory`` must
     hold an extractor whose statistics hold that much (the fixed state, once more serialised,
     beside the process's own share): both refused before any work, with what it takes."""
-    from embgeom_ray.sizing import Cluster, Node, Shape, extractor_bytes, size_extractors
+    from embgeom_ray.sizing import (
+        Cluster,
+        Node,
+        Shape,
+        cpu_batch_tokens,
+        extractor_bytes,
+        size_extractors,
+    )
 
     shape = Shape(layers=7, dim=384, positions=128, vocab=30_522, weight_bytes=90 * 2**20)
     cluster = Cluster((Node("n", 64 * 2**30, cpus=4, head=True),))
@@ -51,7 +58,9 @@ def test_a_budget_below_the_fixed_state_is_refused():
     with pytest.raises(ConfigError, match=f"{fixed:,} bytes"):
         size(statistics_memory="1KiB")
     assert size(statistics_memory=fixed + 1).statistics == fixed + 1
-    least = extractor_bytes(shape, 30_522, 8192, fixed + 1)
+    batch = cpu_batch_tokens(shape)  # MiniLM's shape: 5,120 tokens a CPU batch
+    assert batch == 5120
+    least = extractor_bytes(shape, 30_522, batch, fixed + 1)
     with pytest.raises(ConfigError, match=f"--worker-memory {least - 1:,} bytes cannot hold"):
         size(worker_memory=least - 1)
     pool = size(worker_memory=least)

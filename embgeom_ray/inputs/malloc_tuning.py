@@ -1,0 +1,64 @@
+"""glibc's allocator set to reuse a CPU forward's freed tensors instead of handing them back to
+the operating system and faulting fresh pages in for the next batch.
+
+glibc serves an allocation of at least its *mmap threshold* with a mapping of its own, which
+``free`` unmaps; the threshold starts at 128 KiB and rises to the size of each mapped block
+freed, up to 32 MiB (``DEFAULT_MMAP_THRESHOLD_MAX`` on 64-bit systems). Smaller blocks come
+from the heap, whose free top is returned to the system once it exceeds the *trim threshold*
+(twice the mmap threshold). A forward on a CPU allocates the same tensors batch after batch:
+one layer's feed-forward activations are n · d_ff · 4 bytes (48 MiB for MiniLM at 8,192
+tokens). Each one above the threshold, and each heap top freed past the trim threshold, is
+a fresh mapping on the next batch, faulted in page by page (4 KiB each, zeroed by the
+kernel): MiniLM's bare forward at 8,192 tokens faulted ~21 pages a token and spent 35–40 µs
+a token in the kernel, against 0.2–3 µs at 1,024–2,048 tokens, for ~270 µs a token of its own
+work (one thread, ``python -m bench.bare_forward``).
+
+:func:`reuse_freed_memory` fixes the mmap threshold at its largest (which also stops its
+rising) and raises the trim threshold, so that tensors up to 32 MiB are taken from the heap
+and, once freed, stay there for the next batch. Larger blocks (the statistics' arrays, a
+flush's serialised copy) are still mapped and unmapped, so the memory a process keeps beyond
+what it uses is bounded by the trim threshold. :func:`embgeom_ray.sizing.cpu_batch_tokens`
+keeps a batch's tensors within the mmap threshold.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import functools
+
+#: ``mallopt`` parameters (glibc's malloc.h)
+M_TRIM_THRESHOLD = -1
+M_MMAP_THRESHOLD = -3
+#: glibc's largest mmap threshold on 64-bit systems (``DEFAULT_MMAP_THRESHOLD_MAX``): blocks
+#: this large or smaller can come from the heap
+MMAP_THRESHOLD_MAX = 32 << 20
+#: free heap kept at its top before glibc returns it to the system
+TRIM_THRESHOLD = 256 << 20
+
+
+@functools.cache
+def _mallopt():
+    """glibc's ``mallopt``, or None (another C library: musl, macOS)."""
+    name = ctypes.util.find_library("c")
+    try:
+        fn = ctypes.CDLL(name).mallopt
+    except (OSError, AttributeError, TypeError):
+        return None
+    fn.argtypes = [ctypes.c_int, ctypes.c_int]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+def reuse_freed_memory(
+    mmap_threshold: int = MMAP_THRESHOLD_MAX, trim_threshold: int = TRIM_THRESHOLD
+) -> bool:
+    """Set this process's glibc mmap threshold to ``mmap_threshold`` and trim threshold to
+    ``trim_threshold`` (both fixed from then on); True where glibc took both, False where
+    the C library has no ``mallopt`` or refused a value (nothing else changes)."""
+    mallopt = _mallopt()
+    if mallopt is None:
+        return False
+    return bool(mallopt(M_MMAP_THRESHOLD, mmap_threshold)) and bool(
+        mallopt(M_TRIM_THRESHOLD, trim_threshold)
+    )
