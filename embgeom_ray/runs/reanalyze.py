@@ -570,10 +570,12 @@ def analyze_argv(config: JobConfig) -> list[str]:
     return argv
 
 
-#: what a runtime environment's working_dir must not upload
+#: what a runtime environment's working_dir must not upload (gitignore patterns, as Ray reads
+#: them: a leading ``/`` anchors a pattern at the checkout's top, so ``/runs`` leaves out the
+#: runs' outputs and keeps the package ``embgeom_ray/runs/``)
 WORKING_DIR_EXCLUDES = [
-    ".venv", ".git", "runs", "build", ".hypothesis", ".pytest_cache", ".ruff_cache",
-    "*.egg-info", "bench/results", "__pycache__",
+    "/.venv", "/.git", "/runs", "/build", ".hypothesis", ".pytest_cache", ".ruff_cache",
+    "*.egg-info", "/bench/results", "__pycache__",
 ]  # fmt: skip
 
 
@@ -584,7 +586,7 @@ def default_runtime_env() -> dict[str, Any]:
         if os.environ.get(name):
             env_vars[name] = os.environ[name]
     runtime_env: dict[str, Any] = {"env_vars": env_vars}
-    repo = Path(__file__).resolve().parents[1]
+    repo = Path(__file__).resolve().parents[2]
     if (repo / "jobs" / "analyze.py").is_file():
         runtime_env |= {"working_dir": str(repo), "excludes": list(WORKING_DIR_EXCLUDES)}
     return runtime_env

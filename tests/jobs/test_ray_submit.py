@@ -50,6 +50,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
+from embgeom_ray.runs.reanalyze import WORKING_DIR_EXCLUDES
 from tests.ray_processes import free_ports, kill_marked, marked_pids
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
@@ -58,19 +59,8 @@ REPO = Path(__file__).resolve().parents[2]
 VENV_BIN = Path(sys.executable).parent
 RAY_CLI = VENV_BIN / "ray"
 
-#: what ``working_dir`` must not upload (Ray also honours .gitignore; this is explicit).
-EXCLUDES = [
-    ".venv",
-    ".git",
-    "runs",
-    "build",
-    ".hypothesis",
-    ".pytest_cache",
-    ".ruff_cache",
-    "*.egg-info",
-    "bench/results",
-    "__pycache__",
-]
+#: what ``working_dir`` must not upload: the job's own list (Ray also honours .gitignore)
+EXCLUDES = list(WORKING_DIR_EXCLUDES)
 
 #: short documents: with --max-length 32 every one fits in a single window.
 DOCS = [

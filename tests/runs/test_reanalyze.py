@@ -494,3 +494,26 @@ def test_a_result_option_added_later_counts_as_its_default() -> None:
     old = {k: v for k, v in config.items() if k != "dedup"}
     assert manifest_key(manifest(old)) == manifest_key(manifest(config)) is not None
     assert manifest_key(manifest(config | {"dedup": True})) != manifest_key(manifest(config))
+
+
+def test_the_working_dir_is_the_checkout_and_uploads_the_whole_package() -> None:
+    """The runtime environment a submission uploads: this checkout, every file of the package,
+    the jobs and the configs, none of the runs' outputs, builds or the environment (matched
+    with Ray's own reader of ``excludes``). The README's ``ray job submit`` lists the same."""
+    from ray._private.runtime_env.packaging import _get_excludes
+
+    from embgeom_ray.runs.reanalyze import WORKING_DIR_EXCLUDES, default_runtime_env
+
+    env = default_runtime_env()
+    assert Path(env["working_dir"]) == REPO
+    excluded = _get_excludes(REPO, env["excludes"])
+    kept = [p for d in ("embgeom_ray", "jobs", "configs") for p in (REPO / d).rglob("*.py*")]
+    kept = [p for p in kept if "__pycache__" not in p.parts]
+    assert len(kept) > 50 and not [p for p in kept if excluded(p)]
+    assert (REPO / "embgeom_ray" / "runs" / "pipeline.py") in kept
+    for left_out in ("runs/demo/manifest.json", "build/demo/x.jsonl", ".venv/bin/python",
+                     ".git/HEAD", "bench/results/fold.json", "embgeom_ray/__pycache__/x.pyc"):
+        assert excluded(REPO / left_out), left_out  # fmt: skip
+    readme = (REPO / "README.md").read_text()
+    shown = json.loads(readme.split("--runtime-env-json '")[1].split("'")[0])["excludes"]
+    assert set(shown) <= set(WORKING_DIR_EXCLUDES)
