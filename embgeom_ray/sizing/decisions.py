@@ -231,45 +231,37 @@ def device_statistics(cluster: Cluster, shape: Shape, gpus: int) -> int | None:
     return int(GPU_STATISTICS_SHARE * max(0, left))
 
 
-def size_extractors(
-    shape: Shape,
-    types: int,
-    cluster: Cluster,
-    options: Any,
-    num_shards: int,
-    driver: int,
-) -> Pool:
-    """The extractor pool and each actor's memory (``--worker-memory``) and statistics budget
-    (``--statistics-memory``); explicit options win. Otherwise each actor asks for what its
-    statistics need unbounded, or, where the nodes do not hold that many of those, the most
-    that lets the whole pool be placed at once (:func:`slot_memory`), its statistics bounded
-    by what is left of it; a pool the nodes' memory cannot hold at the least an extractor
-    needs is made smaller (not below one) unless ``--num-workers`` names it."""
-    count, gpus, cpus = plan_pool(
-        cluster, shape, device=options.device, num_shards=num_shards,
-        num_workers=options.num_workers, cpus_per_worker=options.cpus_per_worker,
-        gpus_per_worker=options.gpus_per_worker,
-    )  # fmt: skip
-    batch = options.batch_tokens or (None if gpus else cpu_batch_tokens(shape))
-    batch_reason = (
-        "--batch-tokens"
-        if options.batch_tokens
-        else ""
-        if gpus
-        else f"a CPU's: one layer's largest tensor, max(d_ff, d) · b = "
+def _cpu_batch(shape: Shape, options: Any, gpus: int) -> tuple[int | None, str]:
+    """The batch tokens an extractor is given (None: a GPU sizes its own) and why."""
+    if options.batch_tokens:
+        return options.batch_tokens, "--batch-tokens"
+    if gpus:
+        return None, ""
+    return cpu_batch_tokens(shape), (
+        f"a CPU's: one layer's largest tensor, max(d_ff, d) · b = "
         f"{layer_bytes_per_token(shape):,} B a token, within glibc's 32 MiB mmap threshold, "
         f"{CPU_BATCH_TOKENS_MIN:,} to {CPU_BATCH_TOKENS_MAX:,}"
     )
-    b = batch or DEFAULT_BATCH_TOKENS  # the least a GPU batch is: for the growth bound
-    floor = shape.layer_state_bytes()
-    formula = (
+
+
+def _extractor_formula(shape: Shape, b: int, gpus: int) -> str:
+    """An extractor's memory as a formula (:func:`extractor_bytes`), for messages and plans."""
+    return (
         f"{gib(EXTRACTOR_BASE_BYTES)} own + w {gib(shape.weight_bytes)}"
         + (f" / {gpus} GPUs" if gpus > 1 else "")
         + ("" if gpus else f" + batch {b:,} × {shape_batch_bytes_per_token(shape):,} B")
         + f" + 2 · sample {gib(shape.sample_bytes)} + "
         + ("(σ + g) serialised from the GPUs" if gpus else "2 · (σ + g)")
     )
-    explicit_s = options.statistics_memory
+
+
+def _extractor_range(
+    shape: Shape, types: int, b: int, cluster: Cluster, gpus: int, explicit_s: int | None
+) -> tuple[int, int, int | None]:
+    """(whole, least, on_device): an extractor's memory with its statistics unbounded (or
+    bounded by the GPUs' share, ``on_device``, where they spill on the device), and the least
+    it can run with (the statistics at their fixed per-layer floor, or ``--statistics-memory``)."""
+    floor = shape.layer_state_bytes()
     if explicit_s is not None and explicit_s <= floor:
         raise ConfigError(
             f"--statistics-memory {explicit_s:,} bytes is not more than the fixed per-layer "
@@ -289,69 +281,222 @@ def size_extractors(
     least = extractor_bytes(shape, types, b, floor + 1, gpus)
     if explicit_s is not None:
         least = whole = extractor_bytes(shape, types, b, explicit_s, gpus)
-    hosts = _hosts(cluster, cpus, gpus)
+    return whole, least, on_device
+
+
+def _explicit_worker_memory(
+    memory: int, least: int, offers: list[int], formula: str, explicit_s: int | None
+) -> str:
+    """``--worker-memory``, checked against the least an extractor needs and the largest
+    node's offer; the reason recorded."""
+    if memory < least:
+        what = "the fixed per-layer state" if explicit_s is None else "--statistics-memory"
+        raise ConfigError(
+            f"--worker-memory {memory:,} bytes cannot hold an extractor: {least:,} bytes "
+            f"({gib(least)}) at least, with {what} ({formula}); give more, or measure "
+            "fewer --layers"
+        )
+    if max(offers, default=0) < memory:
+        raise ConfigError(
+            f"--worker-memory {memory:,} bytes is more than any node of the cluster offers "
+            f"Ray's actors ({max(offers, default=0):,} bytes on the largest); give less, or "
+            "add nodes with more memory"
+        )
+    return f"--worker-memory {gib(memory)}"
+
+
+def _fitted_pool(
+    shape: Shape, types: int, options: Any, count: int, hosts: list[int], offers: list[int],
+    bounds: tuple[int, int, int | None], gpus: int, formula: str,
+) -> tuple[int, int, str]:
+    """(count, memory, reason) with no ``--worker-memory``: each extractor asks for what its
+    statistics need unbounded (``whole``) or, where the nodes do not hold ``count`` of those,
+    the most that lets the pool be placed at once (:func:`slot_memory`); a pool the nodes
+    cannot hold at the ``least`` an extractor needs is made smaller, not below one, unless
+    ``--num-workers`` names it (then refused)."""
+    whole, least, on_device = bounds
+    explicit_s = options.statistics_memory
+    fitted = count
+    while fitted > 1 and slot_memory(fitted, hosts, offers) < least:
+        fitted -= 1
+    room = slot_memory(fitted, hosts, offers) if any(hosts) else whole
+    if room < least or (options.num_workers and fitted < count):
+        raise ConfigError(
+            f"an extractor needs at least {least:,} bytes ({gib(least)}: {formula} with σ "
+            f"the {'--statistics-memory' if explicit_s else 'fixed per-layer state'}), "
+            f"but the nodes (offering {_offers(offers)}) hold {count} such extractor(s) "
+            f"at most {gib(slot_memory(count, hosts, offers))} each; measure fewer "
+            "--layers, lower --sample-size and --sample-type-size, give fewer "
+            "--num-workers or more --cpus-per-worker, or add nodes with more memory"
+        )
+    memory = min(whole, room)
+    fewer = (
+        f"; {fitted} of the {count} extractors the CPUs/GPUs hold, so that each has that"
+        if fitted < count
+        else ""
+    )
+    state = gib(shape.statistics_bytes(types))
+    if explicit_s is not None:
+        reason = f"--statistics-memory {gib(explicit_s)}{fewer}"
+    elif on_device is not None and memory >= whole:
+        reason = (
+            f"S(V) + F = {state} do not fit the GPUs: they "
+            f"spill past σ = {gib(on_device)} ({GPU_STATISTICS_SHARE:g} of what the model "
+            f"and the least batch leave of {gpus} GPU(s)); the host holds their serialised "
+            f"copy{fewer}"
+        )
+    elif memory >= whole:
+        reason = (
+            f"the whole statistics S(V) + F = {state} fit "
+            f"(the nodes hold {fitted} extractor(s) of {gib(room)}){fewer}"
+        )
+    else:
+        reason = (
+            f"S(V) + F = {state} do not fit the {gib(room)} "
+            f"the nodes hold for each of {fitted} extractor(s): they spill past σ{fewer}"
+        )
+    return fitted, memory, reason
+
+
+def size_extractors(
+    shape: Shape,
+    types: int,
+    cluster: Cluster,
+    options: Any,
+    num_shards: int,
+    driver: int,
+) -> Pool:
+    """The extractor pool and each actor's memory (``--worker-memory``) and statistics budget
+    (``--statistics-memory``); explicit options win. Otherwise each actor asks for what its
+    statistics need unbounded, or, where the nodes do not hold that many of those, the most
+    that lets the whole pool be placed at once (:func:`slot_memory`), its statistics bounded
+    by what is left of it; a pool the nodes' memory cannot hold at the least an extractor
+    needs is made smaller (not below one) unless ``--num-workers`` names it."""
+    count, gpus, cpus = plan_pool(
+        cluster, shape, device=options.device, num_shards=num_shards,
+        num_workers=options.num_workers, cpus_per_worker=options.cpus_per_worker,
+        gpus_per_worker=options.gpus_per_worker,
+    )  # fmt: skip
+    batch, batch_reason = _cpu_batch(shape, options, gpus)
+    b = batch or DEFAULT_BATCH_TOKENS  # the least a GPU batch is: for the growth bound
+    formula = _extractor_formula(shape, b, gpus)
+    explicit_s = options.statistics_memory
+    bounds = _extractor_range(shape, types, b, cluster, gpus, explicit_s)
+    whole, least, on_device = bounds
     offers = cluster.offers(driver)
     if options.worker_memory is not None:
         memory = int(options.worker_memory)
-        if memory < least:
-            what = "the fixed per-layer state" if explicit_s is None else "--statistics-memory"
-            raise ConfigError(
-                f"--worker-memory {memory:,} bytes cannot hold an extractor: {least:,} bytes "
-                f"({gib(least)}) at least, with {what} ({formula}); give more, or measure "
-                "fewer --layers"
-            )
-        if max(offers, default=0) < memory:
-            raise ConfigError(
-                f"--worker-memory {memory:,} bytes is more than any node of the cluster offers "
-                f"Ray's actors ({max(offers, default=0):,} bytes on the largest); give less, or "
-                "add nodes with more memory"
-            )
-        reason = f"--worker-memory {gib(memory)}"
+        reason = _explicit_worker_memory(memory, least, offers, formula, explicit_s)
     else:
-        fitted = count
-        while fitted > 1 and slot_memory(fitted, hosts, offers) < least:
-            fitted -= 1
-        room = slot_memory(fitted, hosts, offers) if any(hosts) else whole
-        if room < least or (options.num_workers and fitted < count):
-            raise ConfigError(
-                f"an extractor needs at least {least:,} bytes ({gib(least)}: {formula} with σ "
-                f"the {'--statistics-memory' if explicit_s else 'fixed per-layer state'}), "
-                f"but the nodes (offering {_offers(offers)}) hold {count} such extractor(s) "
-                f"at most {gib(slot_memory(count, hosts, offers))} each; measure fewer "
-                "--layers, lower --sample-size and --sample-type-size, give fewer "
-                "--num-workers or more --cpus-per-worker, or add nodes with more memory"
-            )
-        memory = min(whole, room)
-        fewer = (
-            f"; {fitted} of the {count} extractors the CPUs/GPUs hold, so that each has that"
-            if fitted < count
-            else ""
+        hosts = _hosts(cluster, cpus, gpus)
+        count, memory, reason = _fitted_pool(
+            shape, types, options, count, hosts, offers, bounds, gpus, formula
         )
-        count = fitted
-        if explicit_s is not None:
-            reason = f"--statistics-memory {gib(explicit_s)}{fewer}"
-        elif on_device is not None and memory >= whole:
-            reason = (
-                f"S(V) + F = {gib(shape.statistics_bytes(types))} do not fit the GPUs: they "
-                f"spill past σ = {gib(on_device)} ({GPU_STATISTICS_SHARE:g} of what the model "
-                f"and the least batch leave of {gpus} GPU(s)); the host holds their serialised "
-                f"copy{fewer}"
-            )
-        elif memory >= whole:
-            reason = (
-                f"the whole statistics S(V) + F = {gib(shape.statistics_bytes(types))} fit "
-                f"(the nodes hold {count} extractor(s) of {gib(room)}){fewer}"
-            )
-        else:
-            reason = (
-                f"S(V) + F = {gib(shape.statistics_bytes(types))} do not fit the {gib(room)} "
-                f"the nodes hold for each of {count} extractor(s): they spill past σ{fewer}"
-            )
     statistics = explicit_s or statistics_for(shape, types, b, memory, gpus)
     unbounded = explicit_s is None and on_device is None and memory >= whole
     if unbounded or statistics >= shape.statistics_bytes(types):
         statistics = None  # the whole statistics fit: no bound needed
     return Pool(count, cpus, float(gpus), memory, statistics, batch, formula, reason, batch_reason)
+
+
+def _refuse_or_note(message: str, final: bool, least: tuple[int, int], offers: list[int]) -> str:
+    """Refuse ``message`` when final, or when even the least the request needs whatever the
+    types (``least``: that many reducers of that many bytes) does not fit; else the note that
+    the reduce is sized again for the types seen."""
+    if final or not fits(*least, offers):
+        raise ConfigError(message)
+    return (
+        f"; at this bound on the types they do not all fit the nodes at once: the reduce "
+        f"is sized again for the types seen ({message})"
+    )
+
+
+def _by_reducer_memory(
+    shape: Shape, types: int, options: Any, offers: list[int], rows: str, final: bool
+) -> tuple[int, int, str, bool]:
+    """``--reducer-memory B``: the fewest reducers of B each (at least ``--reducers``)."""
+    memory, explicit_r = int(options.reducer_memory), options.reducers
+    count = max(explicit_r or 1, reducers_for(memory, shape.layers, shape.dim, types,
+                                              shape.positions, shape.clip))  # fmt: skip
+    largest = max(offers, default=0)
+    if memory > largest:
+        raise ConfigError(
+            f"--reducer-memory {memory:,} bytes is more than any node of the cluster offers "
+            f"Ray's actors ({largest:,} bytes on the largest); give less, or add nodes "
+            "with more memory"
+        )
+    unsure = ""
+    if not fits(count, memory, offers):
+        unsure = _refuse_or_note(
+            f"--reducer-memory {memory:,} bytes: {rows} need {count} reducers of that, "
+            f"and the nodes, offering {_offers(offers)}, hold fewer; give more "
+            "--reducer-memory, measure fewer --layers, or add nodes",
+            final, (explicit_r or 1, memory), offers,
+        )  # fmt: skip
+    reason = f"--reducer-memory {gib(memory)}: {rows} over reducers of that{unsure}"
+    return count, memory, reason, bool(unsure)
+
+
+def _by_reducer_count(
+    shape: Shape, types: int, count: int, offers: list[int], rows: str, formula: str,
+    final: bool,
+) -> tuple[int, int, str, bool]:
+    """``--reducers R > 1``: R reducers, each asking for what its share needs."""
+    memory = shape_reducer_budget(shape, count, types)
+    unsure = ""
+    if not fits(count, memory, offers):
+        unsure = _refuse_or_note(
+            f"--reducers {count}: each needs {memory:,} bytes ({gib(memory)}: {formula} "
+            f"for {rows}), and the nodes, offering {_offers(offers)}, do not hold "
+            f"{count} of them; give more --reducers, measure fewer --layers, or add nodes",
+            final, (count, shape_reducer_budget(shape, count, 0)), offers,
+        )  # fmt: skip
+    return count, memory, f"--reducers {count}: {rows} over {count}{unsure}", bool(unsure)
+
+
+def _by_node_share(
+    shape: Shape, types: int, offers: list[int], rows: str, final: bool
+) -> tuple[int, int, str, bool]:
+    """No reducer option: the fewest reducers, each needing at most
+    :data:`REDUCER_NODE_SHARE` of the largest node's offer, that the nodes hold together, at
+    least one on each node that can hold one."""
+    largest = max(offers, default=0)
+    cap = int(REDUCER_NODE_SHARE * largest)
+    most = max(types, shape.layers, 1)
+    first = reducers_for_cap(shape, types, cap)
+
+    def budget(r: int) -> int:
+        return shape_reducer_budget(shape, r, types)
+
+    def spread(r: int) -> bool:  # at least one reducer on each node that can hold one
+        return r >= sum(o >= budget(r) for o in offers)
+
+    count = next(
+        (r for r in range(max(first, 1), most + 1)
+         if first and fits(r, budget(r), offers) and spread(r)),
+        0,
+    )  # fmt: skip
+    if not count and (final or not first):
+        raise ConfigError(
+            f"the statistics, {rows}, do not fit the cluster: reducers of at most "
+            f"{gib(cap)} (half the largest node's offer; nodes offer {_offers(offers)}) "
+            "cannot hold them; measure fewer --layers, or add nodes with more memory "
+            "(or give --reducer-memory)"
+        )
+    unsure = ""
+    if not count:  # at the bound: the fewest within the cap, which the types seen may fit
+        count = first
+        unsure = (
+            "; at this bound on the types they do not all fit the nodes at once: the "
+            "reduce is sized again for the types seen, and refused then if they still "
+            "do not"
+        )
+    reason = (
+        f"{rows} over reducers of ≤ {gib(cap)} ({REDUCER_NODE_SHARE:g} of the largest "
+        f"node's {gib(largest)}), at least one on each node that holds one (nodes offer "
+        f"{_offers(offers)}){unsure}"
+    )
+    return count, budget(count), reason, bool(unsure)
 
 
 def size_reducers(
@@ -380,15 +525,9 @@ def size_reducers(
     any node offers, more reducers than the nodes hold at their least), and a decision the
     bound does not fit says so: the reduce is sized again for the types seen.
     """
-    state = shape.statistics_bytes(types)
-    rows = f"8·L·V·(2d+2) + F = {gib(state)}"
+    rows = f"8·L·V·(2d+2) + F = {gib(shape.statistics_bytes(types))}"
     offers = cluster.offers(driver)
-    largest = max(offers, default=0)
     explicit_r, explicit_b = options.reducers, options.reducer_memory
-
-    def budget(r: int) -> int:
-        return shape_reducer_budget(shape, r, types)
-
     formula = f"{gib(REDUCER_BASE_BYTES)} + {REDUCER_MERGE_FACTOR:g} · (⌈V/R⌉ types' rows + ⌈L/R⌉ layers' state)"
     if explicit_b is None and explicit_r == 1:
         return Reduce(0, None, types, f"{DRIVER_REDUCE_FACTOR} · (S(V) + F)", "--reducers 1", 0)
@@ -401,88 +540,22 @@ def size_reducers(
                 f"{rows} ({driver_formula(True)}), within its "
                 f"{gib(DRIVER_ALLOWANCE_BYTES)}",
             )  # fmt: skip
-    unsure = ""  # why the decision at a bound on the types does not fit (not final)
-
-    def refuse_or_note(message: str, least_count: int, least_each: int) -> str:
-        """Refuse ``message`` when final, or when even the least the request needs whatever
-        the types (``least_count`` reducers of ``least_each`` bytes) does not fit."""
-        if final or not fits(least_count, least_each, offers):
-            raise ConfigError(message)
-        return (
-            f"; at this bound on the types they do not all fit the nodes at once: the reduce "
-            f"is sized again for the types seen ({message})"
-        )
-
     if explicit_b is not None:
-        memory = int(explicit_b)
-        count = max(explicit_r or 1, reducers_for(memory, shape.layers, shape.dim, types,
-                                                  shape.positions, shape.clip))  # fmt: skip
-        if memory > largest:
-            raise ConfigError(
-                f"--reducer-memory {memory:,} bytes is more than any node of the cluster offers "
-                f"Ray's actors ({largest:,} bytes on the largest); give less, or add nodes "
-                "with more memory"
-            )
-        if not fits(count, memory, offers):
-            unsure = refuse_or_note(
-                f"--reducer-memory {memory:,} bytes: {rows} need {count} reducers of that, "
-                f"and the nodes, offering {_offers(offers)}, hold fewer; give more "
-                "--reducer-memory, measure fewer --layers, or add nodes",
-                explicit_r or 1,
-                memory,
-            )
-        reason = f"--reducer-memory {gib(memory)}: {rows} over reducers of that{unsure}"
+        count, memory, reason, unsure = _by_reducer_memory(
+            shape, types, options, offers, rows, final
+        )
     elif explicit_r is not None:
-        count, memory = explicit_r, budget(explicit_r)
-        if not fits(count, memory, offers):
-            unsure = refuse_or_note(
-                f"--reducers {count}: each needs {memory:,} bytes ({gib(memory)}: {formula} "
-                f"for {rows}), and the nodes, offering {_offers(offers)}, do not hold "
-                f"{count} of them; give more --reducers, measure fewer --layers, or add nodes",
-                count,
-                shape_reducer_budget(shape, count, 0),
-            )
-        reason = f"--reducers {count}: {rows} over {count}{unsure}"
+        count, memory, reason, unsure = _by_reducer_count(
+            shape, types, explicit_r, offers, rows, formula, final
+        )
     else:
-        cap = int(REDUCER_NODE_SHARE * largest)
-        most = max(types, shape.layers, 1)
-        first = reducers_for_cap(shape, types, cap)
-
-        def spread(r: int) -> bool:  # at least one reducer on each node that can hold one
-            return r >= sum(o >= budget(r) for o in offers)
-
-        count = next(
-            (r for r in range(max(first, 1), most + 1)
-             if first and fits(r, budget(r), offers) and spread(r)),
-            0,
-        )  # fmt: skip
-        message = (
-            f"the statistics, {rows}, do not fit the cluster: reducers of at most "
-            f"{gib(cap)} (half the largest node's offer; nodes offer {_offers(offers)}) "
-            "cannot hold them; measure fewer --layers, or add nodes with more memory "
-            "(or give --reducer-memory)"
-        )
-        if not count and (final or not first):
-            raise ConfigError(message)
-        if not count:  # at the bound: the fewest within the cap, which the types seen may fit
-            count = first
-            unsure = (
-                "; at this bound on the types they do not all fit the nodes at once: the "
-                "reduce is sized again for the types seen, and refused then if they still "
-                "do not"
-            )
-        memory = budget(count)
-        reason = (
-            f"{rows} over reducers of ≤ {gib(cap)} ({REDUCER_NODE_SHARE:g} of the largest "
-            f"node's {gib(largest)}), at least one on each node that holds one (nodes offer "
-            f"{_offers(offers)}){unsure}"
-        )
+        count, memory, reason, unsure = _by_node_share(shape, types, offers, rows, final)
     early: list[str] = []
     if beside is not None:
         n_ext, cpus, gpus, each = beside
         taken = _placed(cluster, offers, n_ext, cpus, gpus, each)
         early = place(cluster, offers, count, memory, taken, partial=True)
-    nodes = place(cluster, offers, count, memory, partial=bool(unsure))
+    nodes = place(cluster, offers, count, memory, partial=unsure)
     return Reduce(count, memory, types, formula, reason, len(early), nodes, early)
 
 
