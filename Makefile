@@ -29,9 +29,11 @@ $(VENV)/.installed: pyproject.toml
 
 env: $(VENV)/.installed
 
+# Two pytest-xdist workers, a module's tests in one of them (tests/conftest.py; docs/testing.md).
+TEST_WORKERS ?= 2
 test: env
 	$(PY) -m ruff check embgeom_ray jobs tests bench
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup
 
 test-fast: env
 	$(PY) -m pytest -q -m "not slow"
