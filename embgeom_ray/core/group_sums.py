@@ -9,6 +9,12 @@ are ~1.5x faster (H200, n = 65,536 rows, d = 2,048, 32,738 types: 0.76 ms agains
 ``python -m bench.fold --scatter``, docs/benchmarks.md), and take per-row weights w_i
 (1/‖x_i‖ for the unit vectors) without writing the weighted rows first. The fold uses them where it folds
 the GPU's way (``statistics.gpu_fold``) on CUDA.
+
+:func:`split_sums` takes the same sums in float32 arithmetic only, within a stated bound and
+in any order, by an error-free split of the values (docs/precision.md). The fold does not use
+it: on a CPU it took 5–15× the float64 ``index_add_`` (``bench.fold --scatter-only``), and on a
+GPU it reads more bytes than the float64 product of the rows' float64 copy, which the fold makes
+anyway (``bash bench/gpu.sh``, step ``sums``, measures it there).
 """
 
 from __future__ import annotations
