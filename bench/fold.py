@@ -32,7 +32,9 @@ float32 ``index_add_`` or CSR product (one piece, no bound) and the float32 erro
 (``group_sums.split_sums``, within 2^-36 of each column's largest value; its levels for the
 batch's largest type), each with its error against the float64 sums of those rows.
 ``--scatter-only`` times only these. ``--profile`` lists the operators (kernels on a GPU) of
-one more steady fold of this checkout, by their own time.
+one more steady fold of this checkout, by their own time. ``--split-sums`` also folds with this
+checkout's per-type and per-position sums in float32 by the split (``statistics.SPLIT_SUMS``),
+alternated with the others, and prints its time against this checkout's default fold.
 
     python -m bench.fold [--device cuda] [--dims 2048,4096] [--batch-tokens 65536]
         [--baseline 7975c32 | --baseline path/to/embgeom_ray]
@@ -135,14 +137,20 @@ def time_folds(args, d: int, precision: str, dev: torch.device, modules: dict) -
             torch.cuda.synchronize()
         return time.perf_counter()
 
+    def update(name: str, s: Any, batch: tuple[Any, ...]) -> None:
+        if "split" in modules:  # one module, the split on for its own entry only
+            modules["split"].SPLIT_SUMS = True if name == "split" else None
+        h, ids, keep, pos = batch
+        s.update([h] * len(layers), ids, keep, pos)
+
     stats = {}
     for name, module in modules.items():
         s = module.EmbeddingStatistics(
             layers, d, max_positions=args.max_length, device=dev,
             comoment_precision=precisions[name],
         )  # fmt: skip
-        for h, ids, keep, pos in data[:-1]:
-            s.update([h] * len(layers), ids, keep, pos)
+        for batch in data[:-1]:
+            update(name, s, batch)
         stats[name] = s
     h, ids, keep, pos = data[-1]
     n = int(keep.sum())
@@ -151,13 +159,15 @@ def time_folds(args, d: int, precision: str, dev: torch.device, modules: dict) -
         for _ in range(args.repeats):
             for name, s in stats.items():
                 t0 = clock()
-                s.update([h] * len(layers), ids, keep, pos)
+                update(name, s, data[-1])
                 secs[name].append(clock() - t0)
         syncs = {
-            name: host_syncs(lambda s=s: s.update([h] * len(layers), ids, keep, pos))
+            name: host_syncs(lambda name=name, s=s: update(name, s, data[-1]))
             for name, s in stats.items()
             if cuda
         }
+    if "split" in modules:
+        modules["split"].SPLIT_SUMS = None
     per = {name: median(v) / (n * len(layers)) * 1e6 for name, v in secs.items()}
     if args.profile:
         print(profile_update(stats["current"], (h, ids, keep, pos), len(layers), cuda))
@@ -170,6 +180,9 @@ def time_folds(args, d: int, precision: str, dev: torch.device, modules: dict) -
     if "baseline" in stats:
         row["ratio"] = per["current"] / per["baseline"]
         row["state"] = same_state(stats["current"], stats["baseline"])
+    if "split" in stats:
+        row["split_ratio"] = per["split"] / per["current"]
+        row["split_state"] = same_state(stats["split"], stats["current"])
     return row
 
 
@@ -262,6 +275,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--scatter-only", action="store_true", help="time only the per-type sums")
     p.add_argument("--profile", action="store_true", help="list the ops of one more fold")
     p.add_argument(
+        "--split-sums", action="store_true",
+        help="also fold with the float32 split sums (statistics.SPLIT_SUMS)",
+    )  # fmt: skip
+    p.add_argument(
         "--gram-blocks", type=int, default=None,
         help="this checkout's co-moment column blocks on a GPU (gram.GPU_GRAM_BLOCKS)",
     )  # fmt: skip
@@ -283,6 +300,8 @@ def main(argv: list[str] | None = None) -> None:
         if args.baseline.lower() != "none":
             modules = {"baseline": baseline_module(args.baseline, work, "core.statistics")}
             modules["current"] = current
+        if args.split_sums:
+            modules["split"] = current
         rows, scatter = [], []
         for d in (int(x) for x in args.dims.split(",")):
             for precision in [] if args.scatter_only else args.comoment_precision.split(","):

@@ -17,9 +17,10 @@
 #               d = 2,048 and 4,096, 65,536 tokens; against $FOLD_BASELINE too when it is set (a
 #               git revision, or an extracted embgeom_ray package where the machine has no
 #               .git) (bench.fold)
-#   sums        the per-type sums of 65,536 rows, d = 2,048 and 4,096: the fold's float64 CSR
-#               product against float32 ones and the float32 error-free split (bench.fold
-#               --scatter-only; group_sums.split_sums)
+#   sums        the per-type sums in float32 by the error-free split (group_sums.split_sums):
+#               the fold with them against the fold without, alternated, and the sums alone
+#               against the fold's float64 CSR product, 65,536 tokens, d = 2,048 and 4,096
+#               (bench.fold --split-sums --scatter)
 #   blocks      the float64 and float32 products in 4, 6 or 8 column blocks (bench.comoment)
 #   device-map  the --gpus-per-worker path (accelerate's device map, split statistics) on the
 #               GPUs there are, against the plain extractor (BERT-base size, 65,536 tokens)
@@ -111,8 +112,8 @@ if wanted fold; then
     --name gpu-fold
 fi
 if wanted sums; then
-  step 60 bench.fold $DEV --dims $D2,$D4 --batch-tokens $TOK --repeats $REPEATS --dtype $DT \
-    --baseline none --scatter-only --name gpu-sums
+  step 120 bench.fold $DEV --dims $D2,$D4 --batch-tokens $TOK --repeats $REPEATS --dtype $DT \
+    --baseline none --comoment-precision bounded --split-sums --scatter --name gpu-sums
 fi
 if wanted blocks; then
   step 60 bench.comoment $DEV --dims $D2,$D4 --rows $ROWS --repeats $REPEATS \
