@@ -26,7 +26,15 @@ checkout's default against the default before it, 2026-11-27); a plain ``P`` is 
 (``gram.GPU_GRAM_BLOCKS``, 8 by default), the baseline's as it is.
 
 ``--scatter`` also times the per-type sums of one batch's float64 rows, sorted by type, three
-ways: ``index_add_`` (what the fold does), ``torch.segment_reduce`` and a CSR matrix product.
+ways: ``index_add_`` (what the fold does on CPUs), ``torch.segment_reduce`` and a CSR matrix
+product (the GPU fold's); and of the same rows in ``--dtype`` without a float64 copy: one
+float32 ``index_add_`` or CSR product (one piece, no bound) and the float32 error-free split
+(``group_sums.split_sums``, within 2^-36 of each column's largest value; its levels for the
+batch's largest type), each with its error against the float64 sums of those rows.
+``--scatter-only`` times only these. ``--profile`` lists the operators (kernels on a GPU) of
+one more steady fold of this checkout, by their own time. ``--split-sums`` also folds with this
+checkout's per-type and per-position sums in float32 by the split (``statistics.SPLIT_SUMS``),
+alternated with the others, and prints its time against this checkout's default fold.
 
     python -m bench.fold [--device cuda] [--dims 2048,4096] [--batch-tokens 65536]
         [--baseline 7975c32 | --baseline path/to/embgeom_ray]
@@ -48,7 +56,7 @@ import numpy as np
 import torch
 
 from bench.common import baseline_module, median, save
-from embgeom_ray.core.group_sums import GroupMatrix
+from embgeom_ray.core.group_sums import GroupMatrix, split_levels, split_sums
 from embgeom_ray.core.statistics import EmbeddingStatistics
 
 #: the last revision before the GPU fold's argmax tails and reused float64 copy
@@ -129,14 +137,20 @@ def time_folds(args, d: int, precision: str, dev: torch.device, modules: dict) -
             torch.cuda.synchronize()
         return time.perf_counter()
 
+    def update(name: str, s: Any, batch: tuple[Any, ...]) -> None:
+        if "split" in modules:  # one module, the split on for its own entry only
+            modules["split"].SPLIT_SUMS = True if name == "split" else None
+        h, ids, keep, pos = batch
+        s.update([h] * len(layers), ids, keep, pos)
+
     stats = {}
     for name, module in modules.items():
         s = module.EmbeddingStatistics(
             layers, d, max_positions=args.max_length, device=dev,
             comoment_precision=precisions[name],
         )  # fmt: skip
-        for h, ids, keep, pos in data[:-1]:
-            s.update([h] * len(layers), ids, keep, pos)
+        for batch in data[:-1]:
+            update(name, s, batch)
         stats[name] = s
     h, ids, keep, pos = data[-1]
     n = int(keep.sum())
@@ -145,14 +159,18 @@ def time_folds(args, d: int, precision: str, dev: torch.device, modules: dict) -
         for _ in range(args.repeats):
             for name, s in stats.items():
                 t0 = clock()
-                s.update([h] * len(layers), ids, keep, pos)
+                update(name, s, data[-1])
                 secs[name].append(clock() - t0)
         syncs = {
-            name: host_syncs(lambda s=s: s.update([h] * len(layers), ids, keep, pos))
+            name: host_syncs(lambda name=name, s=s: update(name, s, data[-1]))
             for name, s in stats.items()
             if cuda
         }
+    if "split" in modules:
+        modules["split"].SPLIT_SUMS = None
     per = {name: median(v) / (n * len(layers)) * 1e6 for name, v in secs.items()}
+    if args.profile:
+        print(profile_update(stats["current"], (h, ids, keep, pos), len(layers), cuda))
     row = {
         "dim": d, "comoment_precision": current, "baseline_precision": precisions.get("baseline"),
         "tokens": n, "us_per_token_layer": per,
@@ -162,42 +180,74 @@ def time_folds(args, d: int, precision: str, dev: torch.device, modules: dict) -
     if "baseline" in stats:
         row["ratio"] = per["current"] / per["baseline"]
         row["state"] = same_state(stats["current"], stats["baseline"])
+    if "split" in stats:
+        row["split_ratio"] = per["split"] / per["current"]
+        row["split_state"] = same_state(stats["split"], stats["current"])
     return row
 
 
+def profile_update(stats: Any, batch: tuple[Any, ...], layers: int, cuda: bool) -> str:
+    """The operators (kernels on a GPU) of one more fold of ``batch``, by their own time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    h, ids, keep, pos = batch
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with torch.inference_mode(), profile(activities=activities) as prof:
+        stats.update([h] * layers, ids, keep, pos)
+        if cuda:
+            torch.cuda.synchronize()
+    key = "self_cuda_time_total" if cuda else "self_cpu_time_total"
+    return prof.key_averages().table(sort_by=key, row_limit=20, max_name_column_width=50)
+
+
 def time_scatter(args, d: int, dev: torch.device) -> dict:
-    """Per-type sums of n float64 rows sorted by type: index_add_, segment_reduce, CSR @ rows."""
+    """Per-type sums of n rows sorted by type, the ways of the module docstring, alternated."""
     rng = np.random.default_rng(1)
     n = args.batch_tokens
     ids = torch.as_tensor(np.sort(token_ids(n, args.vocab, rng)), device=dev)
     slots, inv, counts = torch.unique_consecutive(ids, return_inverse=True, return_counts=True)
     u = slots.numel()
     x = torch.randn(n, d, dtype=torch.float64, device=dev)
+    x[:, 0] += 100.0  # an offset dimension, as the fold's batches
+    low = x.to(getattr(torch, args.dtype))  # the model's rows
+    x = low.to(torch.float64)
+    x32 = low.to(torch.float32)
     by_type = GroupMatrix.of_sorted(counts, n)  # the fold's own sparse sums
+    n_max = int(counts.max())
     ways = {
         "index_add": lambda: torch.zeros(u, d, dtype=torch.float64, device=dev).index_add_(
             0, inv, x
         ),
         "segment_reduce": lambda: torch.segment_reduce(x, "sum", lengths=counts),
         "csr_matmul": lambda: by_type.sums(x),
+        "f64_copy_csr": lambda: by_type.sums(low.to(torch.float64)),
+        "f32_index_add": lambda: torch.zeros(u, d, device=dev).index_add_(0, inv, x32),
+        "f32_csr": lambda: by_type.sums(x32),
+        "split_f32": lambda: split_sums(low, inv, u, n_max),
     }
     ref = ways["index_add"]()
-    out: dict[str, Any] = {"dim": d, "rows": n, "types": u}
+    out: dict[str, Any] = {
+        "dim": d, "rows": n, "types": u, "largest_type": n_max, "levels": split_levels(n_max)
+    }  # fmt: skip
+    runs: dict[str, list[float]] = {}
     for name, fn in ways.items():
         try:
-            err = float((fn() - ref).abs().max() / ref.abs().max())
-            ts = []
-            for _ in range(args.repeats):
-                if dev.type == "cuda":
-                    torch.cuda.synchronize()
-                t0 = time.perf_counter()
-                fn()
-                if dev.type == "cuda":
-                    torch.cuda.synchronize()
-                ts.append(time.perf_counter() - t0)
-            out[name] = {"ms": median(ts) * 1e3, "max_rel_err": err}
+            err = float((fn().to(torch.float64) - ref).abs().max() / ref.abs().max())
+            out[name] = {"max_rel_err": err}
+            runs[name] = []
         except (RuntimeError, NotImplementedError) as e:  # a way this device lacks
             out[name] = {"error": str(e).splitlines()[0]}
+    for _ in range(args.repeats):  # the ways alternated: the machine's load shared alike
+        for name, ts in runs.items():
+            if dev.type == "cuda":
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            ways[name]()
+            if dev.type == "cuda":
+                torch.cuda.synchronize()
+            ts.append(time.perf_counter() - t0)
+    for name, ts in runs.items():
+        out[name]["ms"] = median(ts) * 1e3
     return out
 
 
@@ -222,6 +272,12 @@ def main(argv: list[str] | None = None) -> None:
     )  # fmt: skip
     p.add_argument("--baseline", default=BASELINE, help="git revision, package path, or none")
     p.add_argument("--scatter", action="store_true", help="also time the per-type sums")
+    p.add_argument("--scatter-only", action="store_true", help="time only the per-type sums")
+    p.add_argument("--profile", action="store_true", help="list the ops of one more fold")
+    p.add_argument(
+        "--split-sums", action="store_true",
+        help="also fold with the float32 split sums (statistics.SPLIT_SUMS)",
+    )  # fmt: skip
     p.add_argument(
         "--gram-blocks", type=int, default=None,
         help="this checkout's co-moment column blocks on a GPU (gram.GPU_GRAM_BLOCKS)",
@@ -244,13 +300,15 @@ def main(argv: list[str] | None = None) -> None:
         if args.baseline.lower() != "none":
             modules = {"baseline": baseline_module(args.baseline, work, "core.statistics")}
             modules["current"] = current
+        if args.split_sums:
+            modules["split"] = current
         rows, scatter = [], []
         for d in (int(x) for x in args.dims.split(",")):
-            for precision in args.comoment_precision.split(","):
+            for precision in [] if args.scatter_only else args.comoment_precision.split(","):
                 row = time_folds(args, d, precision, dev, modules)
                 rows.append(row)
                 print(row, flush=True)
-            if args.scatter:
+            if args.scatter or args.scatter_only:
                 scatter.append(time_scatter(args, d, dev))
                 print(scatter[-1], flush=True)
     finally:

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU measurements, in one call on a machine with an NVIDIA GPU and no Ray (the
 # engine-agnostic core runs without it), within $DEADLINE seconds (default 480). $STEPS picks
-# them, in this order (default "precision vocabulary extraction comoment fold"):
+# them, in this order (default "precision vocabulary extraction comoment fold sums"):
 #   precision   every table of the bounded co-moment path against the float64 path's, on the
 #               same bf16 hidden states with planted massive activations, d = 2,048 and 4,096
 #               (bench.precision: the contract is 1e-6 relative)
@@ -17,6 +17,10 @@
 #               d = 2,048 and 4,096, 65,536 tokens; against $FOLD_BASELINE too when it is set (a
 #               git revision, or an extracted embgeom_ray package where the machine has no
 #               .git) (bench.fold)
+#   sums        the per-type sums in float32 by the error-free split (group_sums.split_sums):
+#               the fold with them against the fold without, alternated, and the sums alone
+#               against the fold's float64 CSR product, 65,536 tokens, d = 2,048 and 4,096
+#               (bench.fold --split-sums --scatter)
 #   blocks      the float64 and float32 products in 4, 6 or 8 column blocks (bench.comoment)
 #   device-map  the --gpus-per-worker path (accelerate's device map, split statistics) on the
 #               GPUs there are, against the plain extractor (BERT-base size, 65,536 tokens)
@@ -35,7 +39,7 @@
 # (bench/results/*.json; a smoke run's results folder is $OUT/results).
 set -u
 OUT=${OUT:-/tmp/embgeom-gpu}
-STEPS=" ${STEPS:-precision vocabulary extraction comoment fold} "
+STEPS=" ${STEPS:-precision vocabulary extraction comoment fold sums} "
 PYTHON=${PYTHON:-python3}
 mkdir -p "$OUT"
 if [ -n "${WHEELS:-}" ]; then
@@ -106,6 +110,10 @@ if wanted fold; then
   step 90 bench.fold $DEV --dims $D2,$D4 --batch-tokens $TOK --repeats $REPEATS \
     --baseline "${FOLD_BASELINE:-none}" --comoment-precision bounded:float64,float64 \
     --name gpu-fold
+fi
+if wanted sums; then
+  step 120 bench.fold $DEV --dims $D2,$D4 --batch-tokens $TOK --repeats $REPEATS --dtype $DT \
+    --baseline none --comoment-precision bounded --split-sums --scatter --name gpu-sums
 fi
 if wanted blocks; then
   step 60 bench.comoment $DEV --dims $D2,$D4 --rows $ROWS --repeats $REPEATS \

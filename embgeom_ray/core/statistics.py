@@ -72,7 +72,7 @@ from .fold_kernels import (
     fused_on,
 )
 from .gram import add_gram, integer_blocks, symmetric_from_upper
-from .group_sums import GroupMatrix
+from .group_sums import GroupMatrix, split_sums
 from .integer_gram import IntegerGram
 from .layer_state import LayerState
 from .partitions import Partition, joint_part, range_key, requested_part
@@ -89,6 +89,7 @@ __all__ = [
     "GPU_FOLD",
     "INTEGER_PRODUCT",
     "PRECISIONS",
+    "SPLIT_SUMS",
     "EmbeddingStatistics",
     "Field",
     "LayerMoments",
@@ -96,6 +97,7 @@ __all__ = [
     "gpu_fold",
     "integer_product",
     "range_key",
+    "split_sums_on",
     "state_bytes",
 ]
 
@@ -137,6 +139,21 @@ def integer_product(device: torch.device, dim: int) -> bool:
 
 
 _integer_unavailable = False
+
+#: pass 1's per-type and per-position sums in float32 arithmetic within the bound, by the
+#: error-free split of :func:`~embgeom_ray.core.group_sums.split_sums` (``docs/precision.md``),
+#: instead of float64. None (the default) or False: nowhere (it took 5–15× the float64 sums on
+#: a CPU, and on a GPU it reads more bytes than the float64 product of the rows' float64 copy,
+#: which the fold makes anyway); True: wherever :func:`split_sums_on` (``bench.fold
+#: --split-sums`` measures it; the tests fold with it).
+SPLIT_SUMS: bool | None = None
+
+
+def split_sums_on(precision: str, dtype: torch.dtype) -> bool:
+    """Whether pass 1 sums rows of ``dtype`` by the float32 split (:data:`SPLIT_SUMS`): never
+    for ``comoment_precision="float64"`` (the reference path keeps float64 everywhere) nor for
+    float64 rows."""
+    return bool(SPLIT_SUMS) and precision != "float64" and dtype != torch.float64
 
 
 def _sparse_sums_on(device: torch.device) -> bool:
@@ -195,6 +212,7 @@ class _Groups(NamedTuple):
     pos_counts: torch.Tensor | None  # (P,) rows per position
     by_type: GroupMatrix | None = None  # on GPUs: the sums by type as sparse products
     by_pos: GroupMatrix | None = None  # ... and by position
+    largest: int = 0  # with SPLIT_SUMS: the most rows of one type or position (else 0)
 
 
 def _add_integer_gram(
@@ -481,11 +499,15 @@ class EmbeddingStatistics(Sketch):
             row_slots, return_inverse=True, return_counts=True
         )
         pos_counts = None if pos is None else torch.bincount(pos, minlength=self.max_positions)
+        largest = 0
+        if SPLIT_SUMS and counts.numel():  # one host synchronisation a batch
+            top = counts.max()
+            largest = int(top if pos_counts is None else torch.maximum(top, pos_counts.max()))
         if not _sparse_sums_on(self.device):
-            return _Groups(slots, inv, row_slots, counts, pos, pos_counts)
+            return _Groups(slots, inv, row_slots, counts, pos, pos_counts, largest=largest)
         by_pos = None if pos is None else GroupMatrix.of_labels(pos, pos_counts)
         by_type = GroupMatrix.of_sorted(counts, row_slots.numel())
-        return _Groups(slots, inv, row_slots, counts, pos, pos_counts, by_type, by_pos)
+        return _Groups(slots, inv, row_slots, counts, pos, pos_counts, by_type, by_pos, largest)
 
     def _workspace(self, name: str, n: int, dtype: torch.dtype = _F64) -> torch.Tensor:
         """An (n, d) scratch buffer, reused across batches (no per-batch allocation)."""
@@ -567,9 +589,11 @@ class EmbeddingStatistics(Sketch):
         block = blocks[0][1]  # rows of the first (largest) block: the scratch buffers' size
         # tails: 0/1 column sums on a CPU (exact below 2^24 rows), argmax on a GPU
         hits = None if gpu_fold(dev) else self._workspace("hits", block, torch.float32)
-        # sums by group: sparse products with the whole batch (GPUs), else index_add_
+        # sums by group: sparse products with the whole batch (GPUs), else index_add_; or in
+        # float32 by the error-free split (SPLIT_SUMS)
+        split = split_sums_on(self.comoment_precision, kept.dtype)
         sparse = g.by_type is not None and len(blocks) == 1
-        if not sparse:
+        if not sparse or split:
             sums = self._workspace("mean_b", u).zero_()  # reused: no fresh pages to fault in
             ps = (
                 None
@@ -585,7 +609,12 @@ class EmbeddingStatistics(Sketch):
                 x, inv_norms = float64_rows(k)
             else:
                 x, inv_norms = self._workspace("x", block)[: b - a].copy_(k), None
-            if sparse:
+            if split:  # groups of at most n_max rows: the split's levels (group_sums)
+                n_max = min(b - a, g.largest)
+                sums += split_sums(k, g.inv[a:b], u, n_max)
+                if ps is not None:
+                    ps += split_sums(k, g.pos[a:b], self.max_positions, n_max)
+            elif sparse:
                 sums = g.by_type.sums(x)
                 ps = None if g.by_pos is None else g.by_pos.sums(x)
             else:

@@ -730,6 +730,119 @@ def test_bounded_product_is_within_its_bound_and_merges(params):
         assert_same_state(merged, exact, rtol=1e-10, comoment_rtol=1e-8)
 
 
+class split_sums_forced:
+    """``SPLIT_SUMS`` forced on inside a ``with`` block (hypothesis tests take no
+    function-scoped fixtures, so no ``monkeypatch``)."""
+
+    def __enter__(self) -> None:
+        self.saved = statistics_module.SPLIT_SUMS
+        statistics_module.SPLIT_SUMS = True
+
+    def __exit__(self, *exc: object) -> None:
+        statistics_module.SPLIT_SUMS = self.saved
+
+
+def assert_split_bound(m, x: np.ndarray, ids: np.ndarray, batches: int) -> None:
+    """The per-type statistics of a fold whose sums took the float32 split, against the float64
+    two-pass values of its points ``x`` (ids ``ids``), within the split's bound
+    (docs/precision.md): ‖Δμ_t‖ ≤ 2^-35 ‖M‖, |ΔV_t| ≤ 2^-33 ‖M‖ √V_t (Chan's cross terms between
+    batches; within a batch second order), M the columns' largest |x|; and within 1e-6 for the
+    types conditioned for it (‖μ_t‖ ≥ 1.5e-5 ‖M‖ and √V_t ≥ 6e-5 ‖M‖)."""
+    big = float(np.linalg.norm(np.abs(x).max(axis=0)))
+    ref = two_pass(x, ids)
+    var = type_variances(m)
+    for k, t in enumerate(m.type_ids):
+        n, mu, v = ref[int(t)]
+        assert m.counts[k] == n
+        dmu = float(np.linalg.norm(m.means[k] - mu))
+        assert dmu <= 2.0**-35 * big + 1e-12 * np.linalg.norm(mu)
+        slack = 2.0**-70 * big**2 * batches + 1e-11 * v + 1e-300
+        assert abs(var[k] - v) <= 2.0**-33 * big * np.sqrt(v) + slack
+        norm, ref_norm = np.linalg.norm(m.means[k]), np.linalg.norm(mu)
+        if ref_norm >= 1.5e-5 * big and np.sqrt(v) >= 6e-5 * big:
+            np.testing.assert_allclose(norm, ref_norm, rtol=1e-6)
+            np.testing.assert_allclose(var[k], v, rtol=1e-6)
+            np.testing.assert_allclose(norm**2 + var[k], ref_norm**2 + v, rtol=1e-6)
+
+
+@settings(max_examples=10, deadline=None)
+@given(bounded_batches())
+def test_split_sums_fold_within_their_bound(params):
+    """``SPLIT_SUMS``: the per-type sums in float32 by the error-free split, on blocks of rows,
+    one block and the GPU's way (the module's fixture), massive offsets, heavy-tailed
+    dimensions, types seen once, into one accumulator and into shards merged in random order:
+    every per-type statistic within the split's bound of the float64 two-pass values, the
+    per-position means within 2^-35 of their columns' largest |x|; counts exact; the float64
+    reference path takes no split (the same state as without it)."""
+    d, dtype, batches = params
+    make = lambda precision: EmbeddingStatistics(  # noqa: E731
+        [0, 1], d, max_positions=24, comoment_precision=precision
+    )
+    with split_sums_forced():
+        whole, reference = make("bounded"), make("float64")
+        shards = [make("bounded") for _ in batches]
+        for (h, ids, keep), shard in zip(batches, shards, strict=True):
+            ht = torch.as_tensor(h).to(getattr(torch, dtype))
+            for stats in (whole, reference, shard):
+                stats.update(ht, torch.as_tensor(ids), torch.as_tensor(keep))
+        merged = make("bounded")
+        for i in np.random.default_rng(len(batches)).permutation(len(shards)):
+            merged.merge(shards[i])
+    plain = make("float64")
+    for h, ids, keep in batches:
+        plain.update(torch.as_tensor(h).to(getattr(torch, dtype)), torch.as_tensor(ids),
+                     torch.as_tensor(keep))  # fmt: skip
+    assert_same_state(reference, plain, rtol=0.0, comoment_rtol=0.0)
+    for li in range(2):
+        pts = [(torch.as_tensor(h).to(getattr(torch, dtype)).double().numpy()[li][k], i[k])
+               for h, i, k in batches]  # fmt: skip
+        x = np.concatenate([p for p, _ in pts])
+        ids = np.concatenate([i for _, i in pts])
+        pos = np.concatenate([np.nonzero(k)[1] for _, _, k in batches])
+        for stats in (whole, merged):
+            m = stats.layer(li)
+            assert_split_bound(m, x, ids, len(batches))
+            for p in np.unique(pos):
+                want = x[pos == p].mean(axis=0)
+                err = np.abs(m.position_means[p] - want)
+                assert np.all(err <= 2.0**-35 * np.abs(x).max(axis=0) + 1e-12 * np.abs(want))
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_split_sums_of_a_heavy_type_with_massive_activations(dtype):
+    """Batches of 8,192 rows, one type holding ~80% of them, types seen once, μ²/V ≈ 1e6-1e8 in
+    three dimensions, rows in random order: with ``SPLIT_SUMS`` every type's ‖μ_t‖, V_t and Q_t
+    within 1e-6 of the float64 two-pass values (and within the split's bound)."""
+    rng = np.random.default_rng(36)
+    d, n = 24, 8192
+    stats = EmbeddingStatistics([0], d, comoment_precision="bounded")
+    chunks, all_ids = [], []
+    for batch in range(2):
+        ids = np.where(rng.uniform(size=n) < 0.8, 5, rng.integers(6, 400, size=n))
+        ids[:50] = 1_000 + 50 * batch + np.arange(50)  # seen once
+        ids = rng.permutation(ids)
+        centres = rng.normal(size=(1_100 + 50 * batch, d)) * 3
+        h = centres[ids] + rng.normal(size=(n, d))
+        h[:, :3] += 3e3  # massive dimensions
+        ht = torch.as_tensor(h).to(getattr(torch, dtype))
+        with split_sums_forced():
+            stats.update(ht.view(1, 1, n, d), torch.as_tensor(ids).view(1, n))
+        chunks.append(ht.double().numpy())
+        all_ids.append(ids)
+    x, ids = np.concatenate(chunks), np.concatenate(all_ids)
+    m = stats.layer(0)
+    assert m.counts[m.type_ids.tolist().index(5)] > 0.75 * 2 * n
+    assert_split_bound(m, x, ids, 2)
+    ref = two_pass(x, ids)
+    var = type_variances(m)
+    for k, t in enumerate(m.type_ids):
+        _, mu, v = ref[int(t)]
+        norm = np.linalg.norm(m.means[k])
+        np.testing.assert_allclose(norm, np.linalg.norm(mu), rtol=1e-6)
+        np.testing.assert_allclose(var[k], v, rtol=1e-6, atol=0 if v else 0.0)
+        np.testing.assert_allclose(norm**2 + var[k], np.linalg.norm(mu) ** 2 + v, rtol=1e-6)
+
+
 @pytest.mark.parametrize(("scale", "dtype"), [(3e3, "bfloat16"), (4e4, "float32")])
 def test_bounded_product_with_massive_activations(scale, dtype):
     """μ²/V ~ 1e7–1e9 in two dimensions and one row per window far out in a third (a first
