@@ -238,30 +238,36 @@ def plan_sampled_metrics(
     """The samples table and, unless the sample is too small, each layer's inputs.
 
     Skipped (no sampled metrics, NaN columns) when the uniform sample has fewer than
-    :data:`MIN_SAMPLE_POINTS` points. Otherwise K-means fits every k = 2..min(``kmeans_k_max``,
-    n − 1) (:func:`~.kmeans_selection.select_k`) on the distinct points by content key, and LID uses
-    k = min(``lid_k``, n − 1) neighbours, n the uniform points; the clipped cosines zero the
-    layer's dimensions flagged in ``dims`` (``dims.parquet``).
+    :data:`MIN_SAMPLE_POINTS` points (:func:`sampled_note`). Otherwise K-means fits every
+    k = 2..min(``kmeans_k_max``, n − 1) (:func:`~.kmeans_selection.select_k`) on the distinct
+    points by content key, and LID uses k = min(``lid_k``, n − 1) neighbours, n the uniform
+    points (:func:`sampled_options`); the clipped cosines zero the layer's dimensions flagged
+    in ``dims`` (``dims.parquet``; :func:`sampled_layer`). A whole sample in memory; the run
+    itself plans a layer at a time (:func:`embgeom_ray.distributed.sampled_stage.add_sampled_metrics`).
     """
     samples = sample.to_table(tokenizer.convert_ids_to_tokens)
     samples["cluster"] = pd.array([None] * len(samples), dtype="Int64")
+    note = sampled_note(sample)
+    if "skipped" in note:
+        return SampledPlan(samples, note)
+    flagged = flagged_dims(dims)
+    layers = {layer: sampled_layer(sample, layer, flagged.get(layer, [])) for layer in sample.layers}
+    return SampledPlan(samples, note, layers, *sampled_options(options, sample.num_uniform))
+
+
+def sampled_note(sample: ActivationSample) -> dict[str, Any]:
+    """The manifest's note of the sampled stage as planned: the points of each sample, and
+    ``skipped`` (why) when the uniform sample has fewer than :data:`MIN_SAMPLE_POINTS`."""
     n_points = sample.num_uniform
     note: dict[str, Any] = {"uniform_points": n_points, "type_uniform_points": sample.num_types}
     if n_points < MIN_SAMPLE_POINTS:
         note["skipped"] = f"sample of {n_points} points < {MIN_SAMPLE_POINTS}: no sampled metrics"
-        return SampledPlan(samples, note)
-    flagged = flagged_dims(dims)
-    with_types = sample.type_uniform and sample.num_types >= 2
-    layers = {}
-    for layer in sample.layers:
-        pts = sample.points(layer)
-        layers[layer] = SampledLayer(
-            pts.vectors,
-            pts.token_ids,
-            sample.type_points(layer).vectors if with_types else None,
-            flagged.get(layer, []),
-            pts.content_keys,
-        )
+    return note
+
+
+def sampled_options(options: SampledOptions, n_points: int) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(K-means options, :func:`sampled_row` options) of every layer, for ``n_points``
+    uniform points."""
     kmeans_options = {
         "k_max": options.kmeans_k_max,
         "min_silhouette": options.kmeans_min_silhouette,
@@ -278,7 +284,17 @@ def plan_sampled_metrics(
         "s_inter_draws": options.s_inter_draws,
         "se_replicates": options.sampled_se_replicates,
     }
-    return SampledPlan(samples, note, layers, kmeans_options, row_options)
+    return kmeans_options, row_options
+
+
+def sampled_layer(sample: ActivationSample, layer: int, clip_dims: list[int]) -> SampledLayer:
+    """Layer ``layer``'s inputs (``sample`` holds it: the whole sample or its one-layer
+    sample): the uniform points in canonical order, their token ids and content keys, the
+    type-uniform points (None without >= 2 types) and the layer's flagged dimensions."""
+    pts = sample.points(layer)
+    with_types = sample.type_uniform and sample.num_types >= 2
+    types = sample.type_points(layer).vectors if with_types else None
+    return SampledLayer(pts.vectors, pts.token_ids, types, clip_dims, pts.content_keys)
 
 
 #: columns of ``kmeans.parquet`` (:func:`kmeans_table`)
@@ -320,8 +336,6 @@ def finish_sampled_metrics(
     correlation across layers (:func:`~.sampled_metrics.isoscore_silhouette_correlation`) and
     the LID convention.
     """
-    from .sampled_metrics import isoscore_silhouette_correlation
-
     samples = plan.samples
     tables["samples"] = samples
     if plan.skipped:
@@ -329,11 +343,25 @@ def finish_sampled_metrics(
     for layer in plan.layers:
         uniform = (samples["layer"] == layer) & (samples["sample"] == "uniform")
         samples.loc[uniform, "cluster"] = np.asarray(kmeans[layer].labels, dtype=np.int64)
-    tables["kmeans"] = kmeans_table({layer: kmeans[layer] for layer in plan.layers})
-    sampled = pd.DataFrame([{"layer": layer} | dict(rows[layer]) for layer in plan.layers])
-    layers = tables["layers"].merge(sampled, on="layer", how="left")
-    tables["layers"] = layers
-    return plan.note | {
-        "isoscore_silhouette_corr": isoscore_silhouette_correlation(layers),
+    return finish_sampled_columns(tables, plan.note, list(plan.layers), rows, kmeans)
+
+
+def finish_sampled_columns(
+    tables: dict[str, pd.DataFrame],
+    note: Mapping[str, Any],
+    layers: Sequence[int],
+    rows: Mapping[int, Mapping[str, Any]],
+    kmeans: Mapping[int, SelectKResult],
+) -> dict[str, Any]:
+    """:func:`finish_sampled_metrics` but the samples table (which the run writes a layer at a
+    time): ``tables["kmeans"]``, the sampled columns of ``tables["layers"]``, the note."""
+    from .sampled_metrics import isoscore_silhouette_correlation
+
+    tables["kmeans"] = kmeans_table({layer: kmeans[layer] for layer in layers})
+    sampled = pd.DataFrame([{"layer": layer} | dict(rows[layer]) for layer in layers])
+    merged = tables["layers"].merge(sampled, on="layer", how="left")
+    tables["layers"] = merged
+    return dict(note) | {
+        "isoscore_silhouette_corr": isoscore_silhouette_correlation(merged),
         "lid_convention": LID_CONVENTION,
     }

@@ -25,6 +25,7 @@ from ..distributed.sampled_stage import add_sampled_metrics
 from ..report.html import write_run_report
 from ..report.plots import draw_figures
 from ..run_dir import MANIFEST, Manifest, RunDir, format_summary
+from .sample_layers import SampleLayers, as_layers
 
 if TYPE_CHECKING:
     from ..distributed.reducers import PartitionedStatistics
@@ -78,7 +79,7 @@ def finish_run(
     run: RunDir,
     manifest: Manifest,
     merged: Statistics,
-    sample: ActivationSample | None,
+    sample: ActivationSample | SampleLayers | None,
     tokenizer: Any,
     config: JobConfig,
     *,
@@ -89,18 +90,24 @@ def finish_run(
 
     ``manifest`` holds what the caller knows (identity, counts, its own timings); this adds
     ``timings_s.metrics``/``write``/``total``, ``sample`` and ``outputs`` and writes it as
-    ``complete`` only after every table and artefact is in place.
+    ``complete`` only after every table and artefact is in place. ``sample``: whole, or a
+    layer at a time (:mod:`~embgeom_ray.runs.sample_layers`); either way the sampled stage
+    and ``samples.parquet`` take it one layer at a time.
     """
     t0 = time.perf_counter()
     tables = exact_tables(merged, tokenizer, config.tables)
-    note = (
-        None
-        if sample is None
-        else add_sampled_metrics(tables, sample, tokenizer, config.sampled, config.address)
+    layers = as_layers(sample)
+    note, clusters = (
+        (None, {})
+        if layers is None
+        else add_sampled_metrics(tables, layers, config.sampled, config.address)
     )
     t1 = time.perf_counter()
     manifest.set(sample=note, timings_s=manifest.timings_s | {"metrics": round(t1 - t0, 3)})
-    run.finalise(manifest, tables, merged, sample)
+    run.finalise(
+        manifest, tables, merged, layers, id_to_token=tokenizer.convert_ids_to_tokens,
+        clusters=clusters,
+    )  # fmt: skip
     t2 = time.perf_counter()
     manifest.set(
         timings_s=manifest.timings_s

@@ -147,10 +147,10 @@ class Sizing:
         shape = self.shape
         return (
             f"the job's own process needs {gib(self.driver)} above its start, more than "
-            f"{gib(DRIVER_ALLOWANCE_BYTES)}: the sample (2 · Q = "
-            f"{gib(2 * shape.sample_bytes)}) and the type_stats rows "
-            f"({gib(shape.layers * self.types * TYPE_ROW_BYTES)}) are held there; "
-            "--sample-size, --sample-type-size and --layers lower them"
+            f"{gib(DRIVER_ALLOWANCE_BYTES)}: the type_stats rows "
+            f"({gib(shape.layers * self.types * TYPE_ROW_BYTES)}) and the sample a layer at a "
+            f"time ({gib(shape.driver_sample_bytes)}) are held there; --layers lowers the "
+            "first, --sample-size and --sample-type-size the second"
         )
 
 
@@ -595,7 +595,7 @@ def size_job(
         raise ConfigError(
             f"the job's own process would need {gib(DRIVER_BASE_BYTES + driver)} "
             f"({gib(DRIVER_BASE_BYTES)} at its start + {driver_formula(not reduce.partitioned)}"
-            f": the sample Q = {gib(shape.sample_bytes)}, the type_stats rows "
+            f": the sample a layer at a time {gib(shape.driver_sample_bytes)}, the type_stats rows "
             f"{gib(shape.layers * types * TYPE_ROW_BYTES)}), more than the head node's "
             f"{gib(head)}; lower --sample-size and --sample-type-size, or measure fewer --layers"
         )
