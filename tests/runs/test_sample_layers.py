@@ -257,3 +257,31 @@ def test_the_drivers_peak_holds_one_layer_of_the_sample(tmp_path):
     assert peak_large <= 128 * 2**20 + bound, (peak_large, bound)  # the fixed part: < 128 MiB
     assert bound < len(layers) * q_large / 3
     assert run(large, "whole") > len(layers) * q_large
+
+
+def test_the_plans_driver_figure_is_one_layer_of_the_sample_whatever_l():
+    """size_job's driver figure (what --plan prints and the manifest records) is the formula
+    with the sample a layer at a time: 512 MiB + one layer's state + L·V rows of 160 B +
+    10·(4·s·d + 48·s) + 256 B·s, written out here; doubling L adds only the rows and the
+    layer's state is unchanged, where the whole sample (2·Q) doubled before."""
+    from embgeom_ray.config import build_config
+    from embgeom_ray.sizing import Cluster, CorpusShape, Node, Shape, size_job
+
+    gib = 2**30
+    opts = build_config(None, {"model": "m", "corpus": "c", "out": "o", "device": "cpu"}).scheduling
+    cluster = Cluster((Node("h", 64 * gib, cpus=4, head=True), Node("w", 4096 * gib, cpus=64)))
+    corpus = CorpusShape("c", 1, 10**12, 1000)
+    s, d, p, v = 8192, 4096, 128, 128_256
+    figures = {}
+    for layers in (33, 66):
+        shape = Shape(layers=layers, dim=d, positions=p, vocab=v, hidden_states=67,
+                      intermediate=14_336, heads=32, weight_bytes=16 * 10**9, dtype_bytes=2,
+                      sample_entries=s)  # fmt: skip
+        sizing = size_job(shape, corpus, cluster, opts)
+        assert sizing.reduce.partitioned
+        want = (512 * 2**20 + 8 * (d * d + p * d + 3 * d) + layers * v * 160
+                + 10 * (4 * s * d + 48 * s) + 256 * s)  # fmt: skip
+        assert sizing.driver == want
+        assert "the sample a layer at a time 10 · (4·s·d + 48s)" in sizing.driver_formula
+        figures[layers] = sizing.driver
+    assert figures[66] - figures[33] == 33 * v * 160
