@@ -444,6 +444,29 @@ class RunDir:
         """Every table of ``tables``, each with its header of ``headers`` (if any)."""
         return [self.write_table(name, df, (headers or {}).get(name)) for name, df in tables.items()]
 
+    @contextlib.contextmanager
+    def table_writer(self, name: str) -> Iterator[Callable[[pd.DataFrame], None]]:
+        """A table written a part at a time: the block calls the function given with each
+        part's rows (a DataFrame of the same columns each time), each written as it comes
+        (row groups of that part) and let go of; the table is moved into place when the block
+        ends without an error (a staged file, as :meth:`write_samples`), never half-written
+        under its name. ``type_stats`` is written this way a layer at a time."""
+        writer: list[pq.ParquetWriter] = []
+        with _staged(self.path(name)) as path:
+            def write(df: pd.DataFrame) -> None:
+                table = pa.Table.from_pandas(df, preserve_index=False)
+                if not writer:
+                    writer.append(pq.ParquetWriter(path, table.schema, compression="zstd"))
+                writer[0].write_table(table.replace_schema_metadata(writer[0].schema.metadata))
+
+            try:
+                yield write
+            finally:
+                if writer:
+                    writer[0].close()
+            if not writer:
+                raise ValueError(f"table {name} was given no rows")
+
     # ------------------------------------------------------------------ the sample
     def write_samples(
         self,
@@ -591,6 +614,7 @@ class RunDir:
         *,
         id_to_token: Callable[[Sequence[int]], Sequence[str]] | None = None,
         clusters: Mapping[int, np.ndarray] | None = None,
+        written_before: Sequence[str] = (),
     ) -> Manifest:
         """Write the artefacts and tables, then the manifest as ``complete`` (in that order).
 
@@ -600,7 +624,8 @@ class RunDir:
         (:class:`~embgeom_ray.runs.sample_layers.SampleLayers`) that :meth:`write_samples`
         writes a layer at a time (``id_to_token``, ``clusters``: as there). Either way the
         sample's header goes into the file's metadata; a ``sample.safetensors`` of an earlier
-        version is then removed.
+        version is then removed. ``written_before``: tables the caller wrote already (a part at
+        a time, :meth:`table_writer`), listed first among the outputs.
         """
         headers = {}
         if sample is not None and "samples" in tables:
@@ -611,9 +636,11 @@ class RunDir:
         artefacts = self.save_artefacts(statistics)
         if manifest.dedup is not None:  # written by the caller before (pipeline, merge)
             artefacts.append(DOC_HASHES)
-        written = self.write_tables(tables, headers)
+        written = [*written_before, *self.write_tables(tables, headers)]
         if sample is not None and "samples" not in tables:
             written.append(self.write_samples(sample, id_to_token, clusters or {}))
+        order = {f"{name}.parquet": i for i, name in enumerate(TABLES)}
+        written.sort(key=lambda f: order.get(f, len(order)))  # the contract's order
         remove(self.path(SAMPLE))  # the form an earlier version wrote beside the table
         manifest.set(
             status="complete",

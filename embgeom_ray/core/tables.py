@@ -59,7 +59,7 @@ class _LayerParts(NamedTuple):
     """What one layer contributes to the exact tables."""
 
     row: dict[str, Any]  # its row of layers.parquet
-    types: pd.DataFrame  # its rows of type_stats.parquet (no token names yet)
+    types: pd.DataFrame | None  # its rows of type_stats.parquet (no token names yet)
     dims: pd.DataFrame  # its rows of dims.parquet
     positions: tuple[np.ndarray, np.ndarray]  # position counts (P,) and means (P, d)
 
@@ -104,10 +104,15 @@ def _layer_parts(
 Summariser = Callable[[int, np.ndarray], Sequence[TypeSummary]]
 
 
+#: receives each layer's rows of ``type_stats.parquet`` in turn (token names set)
+TypeRowsSink = Callable[[pd.DataFrame], None]
+
+
 def build_tables(
     merged: EmbeddingStatistics | Sequence[EmbeddingStatistics],
     tokenizer: Any,
     options: TableOptions,
+    type_rows: TypeRowsSink | None = None,
 ) -> dict[str, pd.DataFrame]:
     """Every exact table of the output contract, from the corpus statistics alone.
 
@@ -138,7 +143,7 @@ def build_tables(
             for p in holders
         ]
 
-    return build_tables_from(layer_states, summaries, tokenizer, options)
+    return build_tables_from(layer_states, summaries, tokenizer, options, type_rows)
 
 
 def build_tables_from(
@@ -146,6 +151,7 @@ def build_tables_from(
     summaries: Summariser,
     tokenizer: Any,
     options: TableOptions,
+    type_rows: TypeRowsSink | None = None,
 ) -> dict[str, pd.DataFrame]:
     """Every exact table from each layer's own state and its token partitions' summaries.
 
@@ -160,16 +166,24 @@ def build_tables_from(
     ``summaries(layer, mean)`` gives the layer's :class:`TypeSummary` per token partition, in
     token-id order (:func:`build_tables` computes them here; a partitioned run, where the
     partitions live). Only the layer states, the O(d) partials and the type rows meet here.
+
+    ``type_rows``: given, each layer's ``type_stats`` rows go to it as soon as the layer is
+    summarised (the same rows, in the same order) and are let go of, and the result has no
+    ``type_stats``: a caller writing them a layer at a time holds one layer's V rows, not L·V.
     """
     rules = OutlierRules.of(options)
-    parts = {
-        layer: _layer_parts(state, summaries(layer, state.mean), rules)
-        for layer, state in layer_states.items()
-    }
+    parts = {}
+    for layer, state in layer_states.items():
+        part = _layer_parts(state, summaries(layer, state.mean), rules)
+        if type_rows is not None:
+            type_rows(with_token_names(part.types, tokenizer.convert_ids_to_tokens))
+            part = part._replace(types=None)
+        parts[layer] = part
     dims = pd.concat([p.dims for p in parts.values()], ignore_index=True)
-    types = pd.concat([p.types for p in parts.values()], ignore_index=True)
+    streamed = type_rows is not None
+    types = None if streamed else pd.concat([p.types for p in parts.values()], ignore_index=True)
     return {
-        "type_stats": with_token_names(types, tokenizer.convert_ids_to_tokens),
+        **({} if streamed else {"type_stats": with_token_names(types, tokenizer.convert_ids_to_tokens)}),
         "layers": pd.DataFrame([p.row for p in parts.values()]),
         "dims": dims,
         "positions": positions_table(

@@ -34,11 +34,15 @@ if TYPE_CHECKING:
 Statistics = Union[EmbeddingStatistics, "PartitionedStatistics"]
 
 
-def exact_tables(merged: Statistics, tokenizer: Any, options: TableOptions) -> dict[str, Any]:
-    """Every exact table, built here or from the reducers' partial sums (same tables)."""
+def exact_tables(
+    merged: Statistics, tokenizer: Any, options: TableOptions, type_rows: Any = None
+) -> dict[str, Any]:
+    """Every exact table, built here or from the reducers' partial sums (same tables);
+    ``type_rows``: where the ``type_stats`` rows go a layer at a time
+    (:func:`~embgeom_ray.core.tables.build_tables_from`)."""
     if isinstance(merged, EmbeddingStatistics):
-        return build_tables(merged, tokenizer, options)
-    return merged.tables(tokenizer, options)
+        return build_tables(merged, tokenizer, options, type_rows)
+    return merged.tables(tokenizer, options, type_rows)
 
 
 def memory_of(merged: Statistics, manifest: Manifest) -> dict[str, Any]:
@@ -95,7 +99,8 @@ def finish_run(
     and ``samples.parquet`` take it one layer at a time.
     """
     t0 = time.perf_counter()
-    tables = exact_tables(merged, tokenizer, config.tables)
+    with run.table_writer("type_stats") as type_rows:  # a layer's rows at a time, not L·V
+        tables = exact_tables(merged, tokenizer, config.tables, type_rows)
     layers = as_layers(sample)
     note, clusters = (
         (None, {})
@@ -106,7 +111,7 @@ def finish_run(
     manifest.set(sample=note, timings_s=manifest.timings_s | {"metrics": round(t1 - t0, 3)})
     run.finalise(
         manifest, tables, merged, layers, id_to_token=tokenizer.convert_ids_to_tokens,
-        clusters=clusters,
+        clusters=clusters, written_before=["type_stats.parquet"],
     )  # fmt: skip
     t2 = time.perf_counter()
     manifest.set(

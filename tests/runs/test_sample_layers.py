@@ -285,3 +285,40 @@ def test_the_plans_driver_figure_is_one_layer_of_the_sample_whatever_l():
         assert "the sample a layer at a time 10 · (4·s·d + 48s)" in sizing.driver_formula
         figures[layers] = sizing.driver
     assert figures[66] - figures[33] == 33 * v * 160
+
+
+def test_type_stats_written_a_layer_at_a_time_equal_the_whole_table(tmp_path):
+    """build_tables with a type_rows sink hands over each layer's type_stats rows in turn and
+    keeps none: written through RunDir.table_writer they make the very table that the whole
+    build wrote (rows, order, dtypes, token names), the other tables unchanged; a partition of
+    the statistics (build_tables of token ranges) streams the same rows."""
+    from embgeom_ray.config import build_config
+    from embgeom_ray.core.statistics import EmbeddingStatistics
+    from embgeom_ray.core.tables import build_tables
+
+    class Tok:
+        convert_ids_to_tokens = staticmethod(tokens)
+
+    rng = np.random.default_rng(3)
+    stats = EmbeddingStatistics(LAYERS, D, max_positions=6)
+    h = torch.from_numpy(rng.normal(size=(len(LAYERS), 4, 6, D)))
+    ids = torch.from_numpy(rng.integers(0, 40, (4, 6)))
+    stats.update(list(h), ids, torch.ones(4, 6, dtype=torch.bool))
+    options = build_config(None, {"model": "m", "corpus": "c", "out": "o"}).tables
+    whole = build_tables(stats, Tok, options)
+    halves = [stats.select(LAYERS, (0, 20)), stats.select(LAYERS, (20, None), layer_state=False)]
+    for parts in (stats, halves):
+        run = RunDir(str(tmp_path / f"run{len(parts) if isinstance(parts, list) else 1}"))
+        got: list[int] = []
+        with run.table_writer("type_stats") as write:
+
+            def sink(df: pd.DataFrame, got: list[int] = got, write=write) -> None:
+                got.append(len(df))
+                write(df)
+
+            streamed = build_tables(parts, Tok, options, sink)
+        per_layer = [int((whole["type_stats"].layer == la).sum()) for la in LAYERS]
+        assert "type_stats" not in streamed and got == per_layer
+        for name in ("layers", "dims", "positions"):
+            pd.testing.assert_frame_equal(streamed[name], whole[name])
+        pd.testing.assert_frame_equal(run.read_table("type_stats"), whole["type_stats"])
