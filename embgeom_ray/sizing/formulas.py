@@ -16,7 +16,7 @@ Processes:
 - **driver** (the job's own process): above its memory at the start, what it adds whatever the
   statistics (:data:`DRIVER_RUN_BYTES`: Ray's core worker, the libraries of the sampled
   metrics and the report), one layer's state 8 · (d² + P·d + 3d) at a time, the
-  ``type_stats`` rows (:data:`TYPE_ROW_BYTES` each, L · V of them) and one layer of the sample
+  ``type_stats`` rows of one layer at a time (:data:`TYPE_ROW_BYTES` each, V of them) and one layer of the sample
   at a time (:func:`driver_sample_bytes`, :mod:`embgeom_ray.runs.sample_layers`):
   :func:`driver_bytes`; when it reduces the statistics itself,
   :data:`DRIVER_REDUCE_FACTOR` · (S(V) + F) instead of the layer's state. It reduces them
@@ -444,7 +444,8 @@ def driver_sample_bytes(layers: int, entries: int, dim: int) -> int:
 def driver_bytes(shape: Shape, types: int, in_process: bool) -> int:
     """The driver's memory above its start: :data:`DRIVER_RUN_BYTES`; reducing in process
     :data:`DRIVER_REDUCE_FACTOR` · (S(V) + F), else one layer's state 8 · (d² + P·d + 3d)
-    fetched at a time; the ``type_stats`` rows (L · V of :data:`TYPE_ROW_BYTES`) and a few
+    fetched at a time; one layer's ``type_stats`` rows (V of :data:`TYPE_ROW_BYTES`: they are
+    written a layer at a time) and a few
     layers of the sample (:func:`driver_sample_bytes`)."""
     d, p = shape.dim, shape.positions
     reduce = (
@@ -452,7 +453,7 @@ def driver_bytes(shape: Shape, types: int, in_process: bool) -> int:
         if in_process
         else 8 * (d * d + p * d + 3 * d)
     )
-    rows = shape.layers * types * TYPE_ROW_BYTES
+    rows = types * TYPE_ROW_BYTES
     return DRIVER_RUN_BYTES + reduce + rows + shape.driver_sample_bytes
 
 
@@ -461,8 +462,8 @@ def driver_formula(in_process: bool) -> str:
         f"{DRIVER_REDUCE_FACTOR} · (S(V) + F)" if in_process else "one layer's state 8·(d² + P·d + 3d)"
     )
     return (
-        f"{gib(DRIVER_RUN_BYTES)} (Ray, the metrics' and report's libraries) + {reduce} + L · V "
-        f"type_stats rows of {TYPE_ROW_BYTES} B + the sample a layer at a time "
+        f"{gib(DRIVER_RUN_BYTES)} (Ray, the metrics' and report's libraries) + {reduce} + a "
+        f"layer's V type_stats rows of {TYPE_ROW_BYTES} B + the sample a layer at a time "
         f"{DRIVER_SAMPLE_LAYERS} · (4·s·d + 48s) + {DRIVER_SAMPLE_ROW_BYTES} B · s"
     )
 
