@@ -27,10 +27,13 @@ reads either, and finalising such a run again (a re-tabling) leaves only the tab
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
+import os
 import platform
-from collections.abc import Sequence
+import tempfile
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from datetime import datetime, timezone
 from typing import Any, Literal
 
@@ -215,6 +218,38 @@ def _runs(df: pd.DataFrame, keys: tuple[str, ...]) -> list[tuple[int, int]]:
     starts = np.flatnonzero(change)
     ends = np.append(starts[1:], len(df))
     return [(int(a), int(b - a)) for a, b in zip(starts, ends, strict=True)]
+
+
+@contextlib.contextmanager
+def _staged(url: str) -> Iterator[str]:
+    """A local path to write ``url``'s file into: a temporary name beside it, renamed into
+    place (local), or a temporary file uploaded in one PUT (object stores) when the block
+    ends without an error; removed either way."""
+    import fsspec
+
+    from .io_utils import is_local, local_path
+
+    local = is_local(url)
+    directory = os.path.dirname(os.path.abspath(local_path(url))) if local else None
+    if directory:
+        os.makedirs(directory, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".parquet", dir=directory)
+    os.close(fd)
+    try:
+        yield tmp
+        if local:
+            os.chmod(tmp, 0o666 & ~_UMASK)
+            os.replace(tmp, local_path(url))
+        else:
+            fs, path = fsspec.core.url_to_fs(url)
+            fs.put_file(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+_UMASK = os.umask(0)
+os.umask(_UMASK)
 
 
 def write_table(
@@ -409,7 +444,72 @@ class RunDir:
         """Every table of ``tables``, each with its header of ``headers`` (if any)."""
         return [self.write_table(name, df, (headers or {}).get(name)) for name, df in tables.items()]
 
+    @contextlib.contextmanager
+    def table_writer(self, name: str) -> Iterator[Callable[[pd.DataFrame], None]]:
+        """A table written a part at a time: the block calls the function given with each
+        part's rows (a DataFrame of the same columns each time), each written as it comes
+        (row groups of that part) and let go of; the table is moved into place when the block
+        ends without an error (a staged file, as :meth:`write_samples`), never half-written
+        under its name. ``type_stats`` is written this way a layer at a time."""
+        writer: list[pq.ParquetWriter] = []
+        with _staged(self.path(name)) as path:
+            def write(df: pd.DataFrame) -> None:
+                table = pa.Table.from_pandas(df, preserve_index=False)
+                if not writer:
+                    writer.append(pq.ParquetWriter(path, table.schema, compression="zstd"))
+                writer[0].write_table(table.replace_schema_metadata(writer[0].schema.metadata))
+
+            try:
+                yield write
+            finally:
+                if writer:
+                    writer[0].close()
+            if not writer:
+                raise ValueError(f"table {name} was given no rows")
+
     # ------------------------------------------------------------------ the sample
+    def write_samples(
+        self,
+        sample: Any,
+        id_to_token: Callable[[Sequence[int]], Sequence[str]] | None,
+        clusters: Mapping[int, np.ndarray],
+    ) -> str:
+        """``samples.parquet`` written a layer at a time from ``sample`` (a
+        :class:`~embgeom_ray.runs.sample_layers.SampleLayers`): each layer's rows
+        (:meth:`ActivationSample.to_table <embgeom_ray.core.samples.ActivationSample.to_table>`)
+        with the uniform rows' K-means ``cluster`` from ``clusters`` (layer -> labels in the
+        canonical order; a layer left out has none), as that layer's row groups (one per
+        sample, :data:`ROW_GROUP_KEYS`), then dropped: the rows, their order and the header
+        are those of the whole table, and this process holds one layer of them at a time.
+        Written to a temporary file and moved into place (uploaded, on an object store), so
+        the table is never half-written under its name."""
+        writer: pq.ParquetWriter | None = None
+        header: dict[str, Any] | None = None
+        with _staged(self.path("samples")) as path:
+            try:
+                for layer in sample.layers:
+                    one = sample.layer(layer)
+                    df = one.to_table(id_to_token)
+                    if header is None:
+                        header = one.header() | {"layers": list(sample.layers)}
+                    del one
+                    df["cluster"] = pd.array([None] * len(df), dtype="Int64")
+                    if layer in clusters:
+                        uniform = (df["sample"] == "uniform").to_numpy()
+                        df.loc[uniform, "cluster"] = np.asarray(clusters[layer], dtype=np.int64)
+                    table = pa.Table.from_pandas(df, preserve_index=False)
+                    if writer is None:
+                        meta = (table.schema.metadata or {}) | {HEADER_KEY: json.dumps(header).encode()}
+                        writer = pq.ParquetWriter(path, table.schema.with_metadata(meta), compression="zstd")
+                    table = table.replace_schema_metadata(writer.schema.metadata)
+                    for start, length in _runs(df, ROW_GROUP_KEYS["samples"]):
+                        writer.write_table(table.slice(start, length))
+                    del df, table
+            finally:
+                if writer is not None:
+                    writer.close()
+        return "samples.parquet"
+
     def table_header(self, name: str) -> dict[str, Any] | None:
         """The header a table keeps in its metadata (:func:`write_table`); None without one."""
         import fsspec
@@ -506,25 +606,41 @@ class RunDir:
         raise RunDirError(f"run {self.url} has no {STATISTICS} nor {STATISTICS_PARTS}/")
 
     def finalise(
-        self, manifest: Manifest, tables: dict[str, pd.DataFrame], statistics: Any, sample: Any
+        self,
+        manifest: Manifest,
+        tables: dict[str, pd.DataFrame],
+        statistics: Any,
+        sample: Any,
+        *,
+        id_to_token: Callable[[Sequence[int]], Sequence[str]] | None = None,
+        clusters: Mapping[int, np.ndarray] | None = None,
+        written_before: Sequence[str] = (),
     ) -> Manifest:
         """Write the artefacts and tables, then the manifest as ``complete`` (in that order).
 
-        ``sample`` (an :class:`~embgeom_ray.core.samples.ActivationSample`, or None) is written
-        as ``tables["samples"]`` (its :meth:`to_table` rows, with the sampled stage's columns)
-        with the sample's header in the file's metadata; a ``sample.safetensors`` of an earlier
-        version is then removed.
+        ``sample``: None, an :class:`~embgeom_ray.core.samples.ActivationSample` whose rows
+        ``tables["samples"]`` holds (its :meth:`to_table` rows, with the sampled stage's
+        columns), or, without ``tables["samples"]``, a sample given a layer at a time
+        (:class:`~embgeom_ray.runs.sample_layers.SampleLayers`) that :meth:`write_samples`
+        writes a layer at a time (``id_to_token``, ``clusters``: as there). Either way the
+        sample's header goes into the file's metadata; a ``sample.safetensors`` of an earlier
+        version is then removed. ``written_before``: tables the caller wrote already (a part at
+        a time, :meth:`table_writer`), listed first among the outputs.
         """
         headers = {}
-        if sample is not None:
+        if sample is not None and "samples" in tables:
             rows = len(sample.layers) * (sample.num_uniform + sample.num_types)
-            if "samples" not in tables or len(tables["samples"]) != rows:
+            if len(tables["samples"]) != rows:
                 raise ValueError(f"the samples table does not hold the sample's {rows} rows")
             headers["samples"] = sample.header()
         artefacts = self.save_artefacts(statistics)
         if manifest.dedup is not None:  # written by the caller before (pipeline, merge)
             artefacts.append(DOC_HASHES)
-        written = self.write_tables(tables, headers)
+        written = [*written_before, *self.write_tables(tables, headers)]
+        if sample is not None and "samples" not in tables:
+            written.append(self.write_samples(sample, id_to_token, clusters or {}))
+        order = {f"{name}.parquet": i for i, name in enumerate(TABLES)}
+        written.sort(key=lambda f: order.get(f, len(order)))  # the contract's order
         remove(self.path(SAMPLE))  # the form an earlier version wrote beside the table
         manifest.set(
             status="complete",

@@ -52,6 +52,7 @@ The type is a sketch in the Apache DataSketches sense
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
@@ -606,19 +607,37 @@ class ActivationSample(Sketch):
         """The type-uniform sample at ``layer``: one occurrence per type, ordered by token id."""
         return self._points(self._t, self._type_order(), self._layer_index(layer))
 
+    def layer_sample(self, layer: int) -> ActivationSample:
+        """The one-layer sample of ``layer``: the same occurrences (both samples, same keys),
+        with that layer's vectors only (a copy; Q/L bytes of the whole sample's Q)."""
+        li = self._layer_index(layer)
+        out = self._empty(self.header() | {"layers": [int(layer)]}, FORMAT_VERSION, self.device)
+        for src, dst, limit in ((self._u, out._u, self.size), (self._t, out._t, self.type_size)):
+            if src.n:
+                empty = torch.empty(0, dtype=_I64, device=self.device)
+                cols = {k: src.used(k).clone() for k in src.names}
+                dst.replace(empty, cols, src.vec[li : li + 1, : src.n].clone(), limit)
+        return out
+
     def to_table(
-        self, id_to_token: Callable[[Sequence[int]], Sequence[str]] | None = None
+        self,
+        id_to_token: Callable[[Sequence[int]], Sequence[str]] | None = None,
+        layers: Sequence[int] | None = None,
     ) -> pd.DataFrame:
         """``samples.parquet``: one row per (layer, sample, occurrence), :data:`SAMPLE_COLUMNS`.
 
         ``sample`` is ``"uniform"`` or ``"type_uniform"``; ``key`` the occurrence key;
-        ``vector`` a float32 array (Parquet list<float>), exactly as stored.
+        ``vector`` a float32 array (Parquet list<float>), exactly as stored. ``layers``: only
+        these layers' rows (default all), in the order of :attr:`layers`.
         """
         frames = []
         tables = [("uniform", self._u, self._uniform_order())]
         if self.type_uniform:
             tables.append(("type_uniform", self._t, self._type_order()))
+        wanted = set(self.layers if layers is None else (int(x) for x in layers))
         for li, layer in enumerate(self.layers):
+            if layer not in wanted:
+                continue
             for name, table, order in tables:
                 n = table.n
 
@@ -712,7 +731,50 @@ class ActivationSample(Sketch):
                 for k in names
             }
             empty = torch.empty(0, dtype=torch.int64, device=self.device)
-            table.replace(empty, cols, torch.from_numpy(np.array(vec)), limit)
+            # replace copies the vectors into the table: a writable array needs no copy first
+            writable = vec.flags.writeable and vec.flags.c_contiguous
+            table.replace(empty, cols, torch.from_numpy(vec if writable else np.array(vec)), limit)
+
+    @classmethod
+    def load_layer(cls, url: str, layer: int, *, device: str | torch.device = "cpu") -> ActivationSample:
+        """The one-layer sample of ``layer`` (:meth:`layer_sample`) of the sample :meth:`save`
+        wrote at ``url``, reading only that layer's vectors: the safetensors header gives each
+        array's byte range, the ``(L, n, d)`` vectors are layer-major, so layer i's are the
+        i-th ``n·d·4`` bytes of their range (ranged reads, local or object store). A sample of
+        the ``"vectors"`` content rule derives its keys from every layer: refused here
+        (:class:`StatisticsMismatchError`); load it whole."""
+        import fsspec
+
+        from .sketch import HEADER_KEY
+
+        dtypes = {"F32": np.dtype("<f4"), "I64": np.dtype("<i8")}
+        with fsspec.open(url, "rb") as f:
+            size = int.from_bytes(f.read(8), "little")
+            try:
+                raw = json.loads(f.read(size).decode("utf-8"))
+                header = json.loads(raw["__metadata__"][HEADER_KEY])
+            except (ValueError, KeyError, TypeError, UnicodeDecodeError) as exc:
+                raise StatisticsMismatchError(f"{url}: not an embgeom_ray samples artefact ({exc})") from None
+            version = cls.check_header(header)
+            rule = header.get("content_rule", "vectors" if version < 2 else "")
+            if rule == "vectors":
+                raise StatisticsMismatchError(f"{url}: a sample of the 'vectors' content rule loads whole")
+            li = [int(x) for x in header["layers"]].index(int(layer))
+            base, arrays = 8 + size, {}
+            for name, spec in raw.items():
+                if name == "__metadata__":
+                    continue
+                dtype, shape = dtypes[spec["dtype"]], [int(x) for x in spec["shape"]]
+                start, end = (int(x) for x in spec["data_offsets"])
+                if name.endswith("_vectors") and len(shape) == 3:
+                    per = shape[1] * shape[2] * dtype.itemsize
+                    start, end, shape = start + li * per, start + (li + 1) * per, [1, *shape[1:]]
+                f.seek(base + start)
+                data = bytearray(end - start)  # writable: loading copies it once, not twice
+                if f.readinto(data) != len(data):
+                    raise StatisticsMismatchError(f"{url}: truncated samples artefact")
+                arrays[name] = np.frombuffer(data, dtype=dtype).reshape(shape)
+        return cls.from_state(header | {"layers": [int(layer)]}, arrays, device=device)
 
     # ------------------------------------------------------ the table form
     @classmethod

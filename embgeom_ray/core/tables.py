@@ -59,7 +59,7 @@ class _LayerParts(NamedTuple):
     """What one layer contributes to the exact tables."""
 
     row: dict[str, Any]  # its row of layers.parquet
-    types: pd.DataFrame  # its rows of type_stats.parquet (no token names yet)
+    types: pd.DataFrame | None  # its rows of type_stats.parquet (no token names yet)
     dims: pd.DataFrame  # its rows of dims.parquet
     positions: tuple[np.ndarray, np.ndarray]  # position counts (P,) and means (P, d)
 
@@ -104,10 +104,15 @@ def _layer_parts(
 Summariser = Callable[[int, np.ndarray], Sequence[TypeSummary]]
 
 
+#: receives each layer's rows of ``type_stats.parquet`` in turn (token names set)
+TypeRowsSink = Callable[[pd.DataFrame], None]
+
+
 def build_tables(
     merged: EmbeddingStatistics | Sequence[EmbeddingStatistics],
     tokenizer: Any,
     options: TableOptions,
+    type_rows: TypeRowsSink | None = None,
 ) -> dict[str, pd.DataFrame]:
     """Every exact table of the output contract, from the corpus statistics alone.
 
@@ -138,7 +143,7 @@ def build_tables(
             for p in holders
         ]
 
-    return build_tables_from(layer_states, summaries, tokenizer, options)
+    return build_tables_from(layer_states, summaries, tokenizer, options, type_rows)
 
 
 def build_tables_from(
@@ -146,6 +151,7 @@ def build_tables_from(
     summaries: Summariser,
     tokenizer: Any,
     options: TableOptions,
+    type_rows: TypeRowsSink | None = None,
 ) -> dict[str, pd.DataFrame]:
     """Every exact table from each layer's own state and its token partitions' summaries.
 
@@ -160,16 +166,24 @@ def build_tables_from(
     ``summaries(layer, mean)`` gives the layer's :class:`TypeSummary` per token partition, in
     token-id order (:func:`build_tables` computes them here; a partitioned run, where the
     partitions live). Only the layer states, the O(d) partials and the type rows meet here.
+
+    ``type_rows``: given, each layer's ``type_stats`` rows go to it as soon as the layer is
+    summarised (the same rows, in the same order) and are let go of, and the result has no
+    ``type_stats``: a caller writing them a layer at a time holds one layer's V rows, not L·V.
     """
     rules = OutlierRules.of(options)
-    parts = {
-        layer: _layer_parts(state, summaries(layer, state.mean), rules)
-        for layer, state in layer_states.items()
-    }
+    parts = {}
+    for layer, state in layer_states.items():
+        part = _layer_parts(state, summaries(layer, state.mean), rules)
+        if type_rows is not None:
+            type_rows(with_token_names(part.types, tokenizer.convert_ids_to_tokens))
+            part = part._replace(types=None)
+        parts[layer] = part
     dims = pd.concat([p.dims for p in parts.values()], ignore_index=True)
-    types = pd.concat([p.types for p in parts.values()], ignore_index=True)
+    streamed = type_rows is not None
+    types = None if streamed else pd.concat([p.types for p in parts.values()], ignore_index=True)
     return {
-        "type_stats": with_token_names(types, tokenizer.convert_ids_to_tokens),
+        **({} if streamed else {"type_stats": with_token_names(types, tokenizer.convert_ids_to_tokens)}),
         "layers": pd.DataFrame([p.row for p in parts.values()]),
         "dims": dims,
         "positions": positions_table(
@@ -238,30 +252,36 @@ def plan_sampled_metrics(
     """The samples table and, unless the sample is too small, each layer's inputs.
 
     Skipped (no sampled metrics, NaN columns) when the uniform sample has fewer than
-    :data:`MIN_SAMPLE_POINTS` points. Otherwise K-means fits every k = 2..min(``kmeans_k_max``,
-    n − 1) (:func:`~.kmeans_selection.select_k`) on the distinct points by content key, and LID uses
-    k = min(``lid_k``, n − 1) neighbours, n the uniform points; the clipped cosines zero the
-    layer's dimensions flagged in ``dims`` (``dims.parquet``).
+    :data:`MIN_SAMPLE_POINTS` points (:func:`sampled_note`). Otherwise K-means fits every
+    k = 2..min(``kmeans_k_max``, n − 1) (:func:`~.kmeans_selection.select_k`) on the distinct
+    points by content key, and LID uses k = min(``lid_k``, n − 1) neighbours, n the uniform
+    points (:func:`sampled_options`); the clipped cosines zero the layer's dimensions flagged
+    in ``dims`` (``dims.parquet``; :func:`sampled_layer`). A whole sample in memory; the run
+    itself plans a layer at a time (:func:`embgeom_ray.distributed.sampled_stage.add_sampled_metrics`).
     """
     samples = sample.to_table(tokenizer.convert_ids_to_tokens)
     samples["cluster"] = pd.array([None] * len(samples), dtype="Int64")
+    note = sampled_note(sample)
+    if "skipped" in note:
+        return SampledPlan(samples, note)
+    flagged = flagged_dims(dims)
+    layers = {layer: sampled_layer(sample, layer, flagged.get(layer, [])) for layer in sample.layers}
+    return SampledPlan(samples, note, layers, *sampled_options(options, sample.num_uniform))
+
+
+def sampled_note(sample: ActivationSample) -> dict[str, Any]:
+    """The manifest's note of the sampled stage as planned: the points of each sample, and
+    ``skipped`` (why) when the uniform sample has fewer than :data:`MIN_SAMPLE_POINTS`."""
     n_points = sample.num_uniform
     note: dict[str, Any] = {"uniform_points": n_points, "type_uniform_points": sample.num_types}
     if n_points < MIN_SAMPLE_POINTS:
         note["skipped"] = f"sample of {n_points} points < {MIN_SAMPLE_POINTS}: no sampled metrics"
-        return SampledPlan(samples, note)
-    flagged = flagged_dims(dims)
-    with_types = sample.type_uniform and sample.num_types >= 2
-    layers = {}
-    for layer in sample.layers:
-        pts = sample.points(layer)
-        layers[layer] = SampledLayer(
-            pts.vectors,
-            pts.token_ids,
-            sample.type_points(layer).vectors if with_types else None,
-            flagged.get(layer, []),
-            pts.content_keys,
-        )
+    return note
+
+
+def sampled_options(options: SampledOptions, n_points: int) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(K-means options, :func:`sampled_row` options) of every layer, for ``n_points``
+    uniform points."""
     kmeans_options = {
         "k_max": options.kmeans_k_max,
         "min_silhouette": options.kmeans_min_silhouette,
@@ -278,7 +298,17 @@ def plan_sampled_metrics(
         "s_inter_draws": options.s_inter_draws,
         "se_replicates": options.sampled_se_replicates,
     }
-    return SampledPlan(samples, note, layers, kmeans_options, row_options)
+    return kmeans_options, row_options
+
+
+def sampled_layer(sample: ActivationSample, layer: int, clip_dims: list[int]) -> SampledLayer:
+    """Layer ``layer``'s inputs (``sample`` holds it: the whole sample or its one-layer
+    sample): the uniform points in canonical order, their token ids and content keys, the
+    type-uniform points (None without >= 2 types) and the layer's flagged dimensions."""
+    pts = sample.points(layer)
+    with_types = sample.type_uniform and sample.num_types >= 2
+    types = sample.type_points(layer).vectors if with_types else None
+    return SampledLayer(pts.vectors, pts.token_ids, types, clip_dims, pts.content_keys)
 
 
 #: columns of ``kmeans.parquet`` (:func:`kmeans_table`)
@@ -320,8 +350,6 @@ def finish_sampled_metrics(
     correlation across layers (:func:`~.sampled_metrics.isoscore_silhouette_correlation`) and
     the LID convention.
     """
-    from .sampled_metrics import isoscore_silhouette_correlation
-
     samples = plan.samples
     tables["samples"] = samples
     if plan.skipped:
@@ -329,11 +357,25 @@ def finish_sampled_metrics(
     for layer in plan.layers:
         uniform = (samples["layer"] == layer) & (samples["sample"] == "uniform")
         samples.loc[uniform, "cluster"] = np.asarray(kmeans[layer].labels, dtype=np.int64)
-    tables["kmeans"] = kmeans_table({layer: kmeans[layer] for layer in plan.layers})
-    sampled = pd.DataFrame([{"layer": layer} | dict(rows[layer]) for layer in plan.layers])
-    layers = tables["layers"].merge(sampled, on="layer", how="left")
-    tables["layers"] = layers
-    return plan.note | {
-        "isoscore_silhouette_corr": isoscore_silhouette_correlation(layers),
+    return finish_sampled_columns(tables, plan.note, list(plan.layers), rows, kmeans)
+
+
+def finish_sampled_columns(
+    tables: dict[str, pd.DataFrame],
+    note: Mapping[str, Any],
+    layers: Sequence[int],
+    rows: Mapping[int, Mapping[str, Any]],
+    kmeans: Mapping[int, SelectKResult],
+) -> dict[str, Any]:
+    """:func:`finish_sampled_metrics` but the samples table (which the run writes a layer at a
+    time): ``tables["kmeans"]``, the sampled columns of ``tables["layers"]``, the note."""
+    from .sampled_metrics import isoscore_silhouette_correlation
+
+    tables["kmeans"] = kmeans_table({layer: kmeans[layer] for layer in layers})
+    sampled = pd.DataFrame([{"layer": layer} | dict(rows[layer]) for layer in layers])
+    merged = tables["layers"].merge(sampled, on="layer", how="left")
+    tables["layers"] = merged
+    return dict(note) | {
+        "isoscore_silhouette_corr": isoscore_silhouette_correlation(merged),
         "lid_convention": LID_CONVENTION,
     }

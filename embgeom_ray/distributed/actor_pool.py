@@ -123,7 +123,9 @@ class GroupResult:
 
     shard_ids: list[str]
     stats: list[Any]
-    sample: bytes | None
+    #: the sample's file as a uint8 array: the driver reads it from the object store without a
+    #: private copy (zero-copy numpy), and writes it to the checkpoint group
+    sample: np.ndarray | None
     counts: Counts
 
     def pieces(self) -> Iterator[np.ndarray]:
@@ -236,7 +238,7 @@ class ShardExtract:
             "peak_private_bytes": sampler().peak_bytes(),
         }
 
-    def flush(self) -> tuple[list[str], list[Any], bytes | None, dict[str, Any]]:
+    def flush(self) -> tuple[list[str], list[Any], np.ndarray | None, dict[str, Any]]:
         """(shard ids, statistics pieces, sample bytes, summed counts) since the last flush;
         the pieces are ObjectRefs of what was spilled, then the running statistics' bytes.
 
@@ -249,7 +251,7 @@ class ShardExtract:
         out = (
             list(self.shard_ids),
             [*pieces[:-1], as_array(pieces[-1])],
-            None if self.sample is None else self.sample.to_bytes(),
+            None if self.sample is None else as_array(self.sample.to_bytes()),
             self.counts.to_json(),
         )
         self._reset()

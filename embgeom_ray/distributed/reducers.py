@@ -404,13 +404,17 @@ class PartitionedStatistics:
             self._get(r, ref, "summarise", layer, mean, min_count) for r, ref in enumerate(refs)
         ]
 
-    def tables(self, tokenizer: Any, options: TableOptions) -> dict[str, Any]:
-        """Every exact table (:func:`~embgeom_ray.core.tables.build_tables_from`)."""
+    def tables(
+        self, tokenizer: Any, options: TableOptions, type_rows: Any = None
+    ) -> dict[str, Any]:
+        """Every exact table (:func:`~embgeom_ray.core.tables.build_tables_from`; ``type_rows``
+        as there)."""
         return build_tables_from(
             self.layer_states(),
             lambda layer, mean: self.summaries(layer, mean, options.min_count),
             tokenizer,
             options,
+            type_rows,
         )
 
     def nonfinite(self) -> dict[int, int]:

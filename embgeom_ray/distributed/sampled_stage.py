@@ -1,54 +1,77 @@
 """The sampled-metrics stage on Ray: one K-means model selection and one metrics task per layer.
 
 Only where things run is decided here; what runs, and how its results become tables, is
-engine-free in :mod:`embgeom_ray.core.tables` (:func:`~embgeom_ray.core.tables.plan_sampled_metrics`,
-:func:`~embgeom_ray.core.tables.sampled_row`, :func:`~embgeom_ray.core.tables.finish_sampled_metrics`).
+engine-free in :mod:`embgeom_ray.core.tables` (:func:`~embgeom_ray.core.tables.sampled_layer`,
+:func:`~embgeom_ray.core.tables.sampled_row`, :func:`~embgeom_ray.core.tables.finish_sampled_columns`).
 """
 
 from __future__ import annotations
 
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import pandas as pd
 from tqdm.auto import tqdm
 
 from ..core.options import SampledOptions
-from ..core.samples import ActivationSample
-from ..core.tables import finish_sampled_metrics, plan_sampled_metrics, sampled_row
+from ..core.rogue import flagged_dims
+from ..core.tables import (
+    finish_sampled_columns,
+    sampled_layer,
+    sampled_note,
+    sampled_options,
+    sampled_row,
+)
+
+if TYPE_CHECKING:
+    from ..runs.sample_layers import SampleLayers
 
 
 def add_sampled_metrics(
     tables: dict[str, pd.DataFrame],
-    sample: ActivationSample,
-    tokenizer: Any,
+    sample: SampleLayers,
     options: SampledOptions,
     address: str | None = None,
-) -> dict[str, Any]:
+) -> tuple[dict[str, Any], dict[int, np.ndarray]]:
     """K-means, LID, silhouettes, cluster-adjusted and clipped cosines on the sample, on Ray.
 
     Every layer's K-means model selection is a Ray task (or, for samples too large for one
     worker, a distributed fit: :func:`~embgeom_ray.distributed.kmeans.submit_layers_on_ray`), and so
     is its :func:`~embgeom_ray.core.tables.sampled_row`, which starts as soon as the layer's
-    clusters are ready; each task holds one CPU and runs one thread. Adds the sampled columns
-    to ``tables["layers"]`` and the ``samples`` table (with each uniform occurrence's K-means
-    ``cluster``); returns what the manifest records. A sample too small for the metrics
+    clusters are ready; each task holds one CPU and runs one thread. The layers are planned
+    and submitted one at a time (``sample`` gives one layer's sample at a time: its points go
+    to the object store with the layer's tasks, and this process drops them before the next
+    layer's), so this process never holds more than one layer of the sample. Adds the
+    sampled columns to ``tables["layers"]`` and ``tables["kmeans"]``; returns what the
+    manifest records and each layer's K-means ``cluster`` of the uniform occurrences, in
+    canonical order (for ``samples.parquet``, written a layer at a time by
+    :meth:`~embgeom_ray.run_dir.RunDir.finalise`). A sample too small for the metrics
     (:data:`~embgeom_ray.core.tables.MIN_SAMPLE_POINTS`) needs no Ray.
     """
-    plan = plan_sampled_metrics(sample, tables["dims"], tokenizer, options)
-    if plan.skipped:
-        return finish_sampled_metrics(tables, plan, {}, {})
+    layers = list(sample.layers)
+    first = sample.layer(layers[0])
+    note = sampled_note(first)
+    if "skipped" in note:
+        return note, {}
     from .cluster import connect  # only here: the driver imports ray when there is Ray work
-    from .kmeans import call_on_ray, submit_layers_on_ray
+    from .kmeans import call_on_ray, fit_shares, submit_layers_on_ray
 
     connect(address)
-    km_refs = submit_layers_on_ray(
-        {layer: inputs.vectors for layer, inputs in plan.layers.items()},
-        groups={layer: inputs.content_keys for layer, inputs in plan.layers.items()},
-        **plan.kmeans_options,
-    )
-    row_refs = {
-        layer: call_on_ray(
+    kmeans_options, row_options = sampled_options(options, first.num_uniform)
+    flagged = flagged_dims(tables["dims"])
+    shares = fit_shares(len(layers), 1)
+    km_refs, row_refs = {}, {}
+    for layer in layers:
+        one = first if layer == layers[0] else sample.layer(layer)
+        first = None
+        inputs = sampled_layer(one, layer, flagged.get(layer, []))
+        del one
+        km_refs[layer] = submit_layers_on_ray(
+            {layer: inputs.vectors}, groups={layer: inputs.content_keys}, shares=shares,
+            **kmeans_options,
+        )[layer]  # fmt: skip
+        row_refs[layer] = call_on_ray(
             sampled_row,
             inputs.vectors,
             inputs.token_ids,
@@ -56,12 +79,12 @@ def add_sampled_metrics(
             km_refs[layer],
             inputs.clip_dims,
             groups=inputs.content_keys,
-            **plan.row_options,
+            **row_options,
         )
-        for layer, inputs in plan.layers.items()
-    }
+        del inputs
     rows, kmeans = _gather(row_refs, km_refs)
-    return finish_sampled_metrics(tables, plan, rows, kmeans)
+    clusters = {layer: np.asarray(kmeans[layer].labels, dtype=np.int64) for layer in layers}
+    return finish_sampled_columns(tables, note, layers, rows, kmeans), clusters
 
 
 def _gather(row_refs: dict[int, Any], km_refs: dict[int, Any]) -> tuple[dict[int, Any], dict[int, Any]]:

@@ -233,8 +233,13 @@ class CheckpointStore:
         themselves)."""
         return [self._path(GROUPS, piece_name(group.group_id, i)) for i in range(group.parts)]
 
+    def sample_url(self, group: CheckpointGroup) -> str:
+        """Where ``group``'s merged sample is (read a layer at a time at the finish:
+        :func:`~embgeom_ray.runs.sample_layers.sample_layers`)."""
+        return self._path(GROUPS, group.group_id + SAMPLE_SUFFIX)
+
     def load_sample(self, group: CheckpointGroup) -> ActivationSample:
-        return ActivationSample.load(self._path(GROUPS, group.group_id + SAMPLE_SUFFIX))
+        return ActivationSample.load(self.sample_url(group))
 
     def load_group(
         self, group: CheckpointGroup, with_sample: bool
@@ -271,7 +276,7 @@ class CheckpointStore:
         self,
         shard_ids: Iterable[str],
         stats_pieces: bytes | Iterable[bytes | np.ndarray],
-        sample_bytes: bytes | None,
+        sample_bytes: bytes | np.ndarray | None,
         counts: Counts,
     ) -> CheckpointGroup:
         """Statistics (one piece, or the pieces an extractor spilled, each written as it

@@ -25,6 +25,7 @@ from ..distributed.sampled_stage import add_sampled_metrics
 from ..report.html import write_run_report
 from ..report.plots import draw_figures
 from ..run_dir import MANIFEST, Manifest, RunDir, format_summary
+from .sample_layers import SampleLayers, as_layers
 
 if TYPE_CHECKING:
     from ..distributed.reducers import PartitionedStatistics
@@ -33,11 +34,15 @@ if TYPE_CHECKING:
 Statistics = Union[EmbeddingStatistics, "PartitionedStatistics"]
 
 
-def exact_tables(merged: Statistics, tokenizer: Any, options: TableOptions) -> dict[str, Any]:
-    """Every exact table, built here or from the reducers' partial sums (same tables)."""
+def exact_tables(
+    merged: Statistics, tokenizer: Any, options: TableOptions, type_rows: Any = None
+) -> dict[str, Any]:
+    """Every exact table, built here or from the reducers' partial sums (same tables);
+    ``type_rows``: where the ``type_stats`` rows go a layer at a time
+    (:func:`~embgeom_ray.core.tables.build_tables_from`)."""
     if isinstance(merged, EmbeddingStatistics):
-        return build_tables(merged, tokenizer, options)
-    return merged.tables(tokenizer, options)
+        return build_tables(merged, tokenizer, options, type_rows)
+    return merged.tables(tokenizer, options, type_rows)
 
 
 def memory_of(merged: Statistics, manifest: Manifest) -> dict[str, Any]:
@@ -78,7 +83,7 @@ def finish_run(
     run: RunDir,
     manifest: Manifest,
     merged: Statistics,
-    sample: ActivationSample | None,
+    sample: ActivationSample | SampleLayers | None,
     tokenizer: Any,
     config: JobConfig,
     *,
@@ -89,18 +94,25 @@ def finish_run(
 
     ``manifest`` holds what the caller knows (identity, counts, its own timings); this adds
     ``timings_s.metrics``/``write``/``total``, ``sample`` and ``outputs`` and writes it as
-    ``complete`` only after every table and artefact is in place.
+    ``complete`` only after every table and artefact is in place. ``sample``: whole, or a
+    layer at a time (:mod:`~embgeom_ray.runs.sample_layers`); either way the sampled stage
+    and ``samples.parquet`` take it one layer at a time.
     """
     t0 = time.perf_counter()
-    tables = exact_tables(merged, tokenizer, config.tables)
-    note = (
-        None
-        if sample is None
-        else add_sampled_metrics(tables, sample, tokenizer, config.sampled, config.address)
+    with run.table_writer("type_stats") as type_rows:  # a layer's rows at a time, not L·V
+        tables = exact_tables(merged, tokenizer, config.tables, type_rows)
+    layers = as_layers(sample)
+    note, clusters = (
+        (None, {})
+        if layers is None
+        else add_sampled_metrics(tables, layers, config.sampled, config.address)
     )
     t1 = time.perf_counter()
     manifest.set(sample=note, timings_s=manifest.timings_s | {"metrics": round(t1 - t0, 3)})
-    run.finalise(manifest, tables, merged, sample)
+    run.finalise(
+        manifest, tables, merged, layers, id_to_token=tokenizer.convert_ids_to_tokens,
+        clusters=clusters, written_before=["type_stats.parquet"],
+    )  # fmt: skip
     t2 = time.perf_counter()
     manifest.set(
         timings_s=manifest.timings_s

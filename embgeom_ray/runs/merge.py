@@ -34,7 +34,6 @@ import numpy as np
 from pydantic import ValidationError
 
 from ..config import AGREE_OPTIONS, MERGE_OPTIONS, SCHEDULING_OPTIONS, JobConfig
-from ..core.samples import ActivationSample
 from ..core.statistics import EmbeddingStatistics
 from ..counts import Counts
 from ..errors import ConfigError, ModelError, OutputError, StatisticsMismatchError
@@ -55,6 +54,7 @@ from ..run_dir import (
 from ..sizing import Reduce, Shape, gib, reducer_ranges, size_reduce
 from ..storage import check_input, check_output, user_errors
 from .finish import Statistics, counts_of, finish_run
+from .sample_layers import SampleLayers, merged_layers, run_samples
 
 if TYPE_CHECKING:
     from ..distributed.reducers import PartitionedStatistics
@@ -278,8 +278,10 @@ def merge_statistics(runs: list[str]) -> EmbeddingStatistics:
     return merged
 
 
-def merge_samples(runs: list[str]) -> ActivationSample | None:
-    """Every run's sample merged (bottom-k: the sample of the union), or None."""
+def merge_samples(runs: list[str]) -> SampleLayers | None:
+    """Every run's sample merged (bottom-k: the sample of the union), a layer at a time when
+    the run finishes (:func:`~embgeom_ray.runs.sample_layers.merged_layers`: the job's process
+    holds one layer of it), or None; samples that cannot merge are refused here."""
     dirs = [RunDir(run) for run in runs]
     present = [rd.has_sample() for rd in dirs]
     if not any(present):
@@ -290,13 +292,7 @@ def merge_samples(runs: list[str]) -> ActivationSample | None:
             f"runs {missing} have no sample while the others do; they were run "
             "with different sampling options"
         )
-    merged = dirs[0].load_sample()
-    for run, rd in zip(runs[1:], dirs[1:], strict=True):
-        try:
-            merged.merge(rd.load_sample())
-        except StatisticsMismatchError as exc:
-            raise StatisticsMismatchError(f"cannot merge the sample of {run}: {exc}") from None
-    return merged
+    return merged_layers([run_samples(rd) for rd in dirs], runs)
 
 
 def load_run_tokenizer(manifest: Manifest, tokenizer: str | None) -> Any:

@@ -42,7 +42,6 @@ from tqdm.auto import tqdm
 
 from ..config import SCHEDULING_OPTIONS, JobConfig
 from ..core.rogue import OutlierRules, flagged_dims
-from ..core.samples import ActivationSample
 from ..core.statistics import EmbeddingStatistics
 from ..counts import Counts, unk_warning
 from ..distributed.process_memory import sampler
@@ -85,6 +84,7 @@ from ..sizing import (
 from ..storage import check_output, user_errors
 from .checkpoints import CheckpointGroup, CheckpointStore
 from .finish import counts_of, finish_run
+from .sample_layers import SampleLayers, run_samples, sample_layers
 
 if TYPE_CHECKING:  # ray is imported only when there is work to do
     from ..distributed.actor_pool import GroupResult, PoolPlan
@@ -211,17 +211,22 @@ def reduce_groups(
     groups: list[CheckpointGroup],
     merged: EmbeddingStatistics,
     with_sample: bool,
-) -> tuple[EmbeddingStatistics, ActivationSample | None, Counts]:
-    """Merge the checkpoint ``groups`` into ``merged`` in their (deterministic) order."""
+) -> tuple[EmbeddingStatistics, SampleLayers | None, Counts]:
+    """Merge the checkpoint ``groups`` into ``merged`` in their (deterministic) order; their
+    samples are merged a layer at a time when the run finishes (:func:`group_samples`)."""
     totals = Counts()
-    sample: ActivationSample | None = None
     for group in groups:
-        stats, group_sample = store.load_group(group, with_sample)
+        stats, _ = store.load_group(group, with_sample=False)
         merged.merge(stats)
-        if group_sample is not None:
-            sample = group_sample if sample is None else sample.merge(group_sample)
         totals.add(group.counts)
-    return merged, sample, totals
+    return merged, group_samples(store, groups) if with_sample else None, totals
+
+
+def group_samples(store: CheckpointStore, groups: list[CheckpointGroup]) -> SampleLayers | None:
+    """The checkpoint ``groups``' samples, merged in group order a layer at a time
+    (:func:`~embgeom_ray.runs.sample_layers.sample_layers`): the job's process never holds the
+    whole merged sample."""
+    return sample_layers([store.sample_url(group) for group in groups])
 
 
 def start_reducers_early(reduce: Reduce, store: CheckpointStore, interval: float) -> list[Any]:
@@ -246,11 +251,12 @@ def reduce_partitioned(
     reduce: Reduce,
     seen: Any,
     started: Sequence[Any] = (),
-) -> tuple[PartitionedStatistics, ActivationSample | None, Counts]:
+) -> tuple[PartitionedStatistics, SampleLayers | None, Counts]:
     """The checkpoint ``groups`` merged by ``reduce.count`` reducer actors, each holding a
     partition of the statistics (:mod:`~embgeom_ray.distributed.reducers`; ``seen``: the
     token ids the groups hold; ``started``: reducers already started,
-    :func:`start_reducers_early`); the sample and the counts merged here, in group order."""
+    :func:`start_reducers_early`); the counts summed here, the samples merged a layer at a
+    time when the run finishes (:func:`group_samples`)."""
     from ..distributed.reducers import PartitionedStatistics, PartitionPlan
 
     config = spec.config
@@ -272,12 +278,9 @@ def reduce_partitioned(
         nodes=reduce.nodes,
     )
     totals = Counts()
-    sample: ActivationSample | None = None
     for group in groups:
-        if spec.config.sample_size > 0:
-            part = store.load_sample(group)
-            sample = part if sample is None else sample.merge(part)
         totals.add(group.counts)
+    sample = group_samples(store, groups) if spec.config.sample_size > 0 else None
     return merged, sample, totals
 
 
@@ -505,7 +508,7 @@ def _retable(
     reduce: Reduce,
 ) -> dict[str, Any]:
     config = spec.config
-    sample = run.load_sample()
+    sample = run_samples(run)
     manifest = Manifest.model_validate(done.to_json()).set(
         status="running",
         started_at=now(),
@@ -602,7 +605,7 @@ class _Reduced(NamedTuple):
     groups: list[CheckpointGroup]
     reduce: Reduce
     merged: EmbeddingStatistics | PartitionedStatistics  # the caller closes a partitioned one
-    sample: ActivationSample | None
+    sample: SampleLayers | None
     totals: Counts
     t_extract0: float
     t_extract1: float

@@ -147,10 +147,10 @@ class Sizing:
         shape = self.shape
         return (
             f"the job's own process needs {gib(self.driver)} above its start, more than "
-            f"{gib(DRIVER_ALLOWANCE_BYTES)}: the sample (2 · Q = "
-            f"{gib(2 * shape.sample_bytes)}) and the type_stats rows "
-            f"({gib(shape.layers * self.types * TYPE_ROW_BYTES)}) are held there; "
-            "--sample-size, --sample-type-size and --layers lower them"
+            f"{gib(DRIVER_ALLOWANCE_BYTES)}: the sample a layer at a time "
+            f"({gib(shape.driver_sample_bytes)}) and a layer's type_stats rows "
+            f"({gib(self.types * TYPE_ROW_BYTES)}) are held there; --sample-size and "
+            "--sample-type-size lower the first"
         )
 
 
@@ -595,8 +595,8 @@ def size_job(
         raise ConfigError(
             f"the job's own process would need {gib(DRIVER_BASE_BYTES + driver)} "
             f"({gib(DRIVER_BASE_BYTES)} at its start + {driver_formula(not reduce.partitioned)}"
-            f": the sample Q = {gib(shape.sample_bytes)}, the type_stats rows "
-            f"{gib(shape.layers * types * TYPE_ROW_BYTES)}), more than the head node's "
+            f": the sample a layer at a time {gib(shape.driver_sample_bytes)}, the type_stats rows "
+            f"{gib(types * TYPE_ROW_BYTES)} a layer), more than the head node's "
             f"{gib(head)}; lower --sample-size and --sample-type-size, or measure fewer --layers"
         )
     sizing = Sizing(

@@ -16,8 +16,9 @@ Processes:
 - **driver** (the job's own process): above its memory at the start, what it adds whatever the
   statistics (:data:`DRIVER_RUN_BYTES`: Ray's core worker, the libraries of the sampled
   metrics and the report), one layer's state 8 · (d² + P·d + 3d) at a time, the
-  ``type_stats`` rows (:data:`TYPE_ROW_BYTES` each, L · V of them) and two samples (merged and
-  being merged): :func:`driver_bytes`; when it reduces the statistics itself,
+  ``type_stats`` rows of one layer at a time (:data:`TYPE_ROW_BYTES` each, V of them) and one layer of the sample
+  at a time (:func:`driver_sample_bytes`, :mod:`embgeom_ray.runs.sample_layers`):
+  :func:`driver_bytes`; when it reduces the statistics itself,
   :data:`DRIVER_REDUCE_FACTOR` · (S(V) + F) instead of the layer's state. It reduces them
   itself only while all that is within :data:`DRIVER_ALLOWANCE_BYTES`.
 - **extractor**: :data:`EXTRACTOR_BASE_BYTES` + w + B · b_tok + 2 · Q + 2 · (σ + g), σ its
@@ -52,6 +53,15 @@ DRIVER_RUN_BYTES = 512 * MiB
 #: a driver reducing the statistics itself peaks at this many times S(V) + F (the merged
 #: statistics, a checkpoint group being merged, the tables; 2.9–2.95 measured, bench.vocabulary)
 DRIVER_REDUCE_FACTOR = 3
+#: the driver's peak for the sample, in one-layer samples Q_l = 4·s·d + 48·s, whatever L: the
+#: layer's merge and a part being read and merged into it, the layer's float64 points for the
+#: sampled stage, the layer's rows of samples.parquet as pandas, as Arrow and encoded
+#: (8.3 · Q_l measured between d = 256 and d = 1024 at s = 2048, L = 40, above a fixed part of the
+#: libraries loaded on first use that DRIVER_RUN_BYTES holds; tests/runs/test_sample_layers.py)
+DRIVER_SAMPLE_LAYERS = 10
+#: bytes per sampled entry the driver adds to each one-layer sample's as it writes the
+#: layer's rows (pandas' row objects: the vector's array, the token's string)
+DRIVER_SAMPLE_ROW_BYTES = 256
 #: bytes of one ``type_stats`` row as the driver builds the table (eight numbers and the
 #: token's string in pandas)
 TYPE_ROW_BYTES = 160
@@ -154,6 +164,11 @@ class Shape:
     def sample_bytes(self) -> int:
         """Q: the sample, 4 · L · s · d float32 numbers and six int64 per entry."""
         return 4 * self.layers * self.sample_entries * self.dim + 48 * self.sample_entries
+
+    @property
+    def driver_sample_bytes(self) -> int:
+        """What the driver holds of the sample (:func:`driver_sample_bytes`)."""
+        return driver_sample_bytes(self.layers, self.sample_entries, self.dim)
 
     def with_layers(self, layers: int) -> Shape:
         return replace(self, layers=layers)
@@ -417,19 +432,29 @@ def shape_reducer_budget(shape: Shape, reducers: int, types: int) -> int:
     return reducer_budget(reducers, shape.layers, shape.dim, types, shape.positions, shape.clip)
 
 
+def driver_sample_bytes(layers: int, entries: int, dim: int) -> int:
+    """What the driver holds of the sample: :data:`DRIVER_SAMPLE_LAYERS` one-layer samples
+    Q_l = 4·s·d + 48·s and :data:`DRIVER_SAMPLE_ROW_BYTES` a sampled entry, whatever L (the
+    sample is merged, planned and written a layer at a time; ``layers`` only bounds it by
+    the whole sample's multiple for a sample of fewer layers)."""
+    one = 4 * entries * dim + 48 * entries
+    return min(DRIVER_SAMPLE_LAYERS, max(layers, 1)) * one + DRIVER_SAMPLE_ROW_BYTES * entries
+
+
 def driver_bytes(shape: Shape, types: int, in_process: bool) -> int:
     """The driver's memory above its start: :data:`DRIVER_RUN_BYTES`; reducing in process
     :data:`DRIVER_REDUCE_FACTOR` · (S(V) + F), else one layer's state 8 · (d² + P·d + 3d)
-    fetched at a time; the ``type_stats`` rows (L · V of :data:`TYPE_ROW_BYTES`) and two
-    samples (2 · Q)."""
+    fetched at a time; one layer's ``type_stats`` rows (V of :data:`TYPE_ROW_BYTES`: they are
+    written a layer at a time) and a few
+    layers of the sample (:func:`driver_sample_bytes`)."""
     d, p = shape.dim, shape.positions
     reduce = (
         DRIVER_REDUCE_FACTOR * shape.statistics_bytes(types)
         if in_process
         else 8 * (d * d + p * d + 3 * d)
     )
-    rows = shape.layers * types * TYPE_ROW_BYTES
-    return DRIVER_RUN_BYTES + reduce + rows + 2 * shape.sample_bytes
+    rows = types * TYPE_ROW_BYTES
+    return DRIVER_RUN_BYTES + reduce + rows + shape.driver_sample_bytes
 
 
 def driver_formula(in_process: bool) -> str:
@@ -437,8 +462,9 @@ def driver_formula(in_process: bool) -> str:
         f"{DRIVER_REDUCE_FACTOR} · (S(V) + F)" if in_process else "one layer's state 8·(d² + P·d + 3d)"
     )
     return (
-        f"{gib(DRIVER_RUN_BYTES)} (Ray, the metrics' and report's libraries) + {reduce} + L · V "
-        f"type_stats rows of {TYPE_ROW_BYTES} B + 2 · sample"
+        f"{gib(DRIVER_RUN_BYTES)} (Ray, the metrics' and report's libraries) + {reduce} + a "
+        f"layer's V type_stats rows of {TYPE_ROW_BYTES} B + the sample a layer at a time "
+        f"{DRIVER_SAMPLE_LAYERS} · (4·s·d + 48s) + {DRIVER_SAMPLE_ROW_BYTES} B · s"
     )
 
 

@@ -1,0 +1,177 @@
+"""A run's activation sample, one layer at a time: what the job's own process holds of it.
+
+The merged sample of a run is (size + type_size) occurrences × L layers × d float32: Q =
+4 · L · s · d + 48 · s bytes (gigabytes for an 8B model at the default 4096 + 4096). Its
+*selection* (which occurrences: keys, ids, positions) does not depend on the vectors, and is
+the same in every layer (:mod:`embgeom_ray.core.samples`); so the one-layer sample of layer l
+of the merge of some samples is the merge of their one-layer samples of l, bit for bit. A
+:class:`SampleLayers` gives one-layer samples one at a time, so that the driver holds one
+layer of the merge and one layer of a part (Q/L each), never the whole sample:
+
+- :class:`FileSample`: a sample file (a checkpoint group's), read only in the layer's byte
+  range (:meth:`ActivationSample.load_layer <embgeom_ray.core.samples.ActivationSample.load_layer>`);
+- :class:`RunSamples`: a finished run's ``samples.parquet``, each layer's row groups read alone;
+- :class:`InMemorySample`: a sample whole in memory, sliced;
+- :class:`MergedSamples`: the merge of several of these, redone per layer in their order.
+
+One exception keeps the whole merge: samples of the ``"vectors"`` content rule (format
+version 1, whose keys hash every layer's vectors) or of different rules (their merge falls
+back to that rule) merge whole (:func:`merged_layers`), as before.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+from ..core.samples import ActivationSample
+from ..core.sketch import read_header
+from ..errors import StatisticsMismatchError
+from ..run_dir import RunDir
+
+
+class SampleLayers(Protocol):
+    """A sample given one layer at a time (the module docstring)."""
+
+    layers: list[int]
+    #: the sample's header (every layer): its content rule, sizes, seed, metadata
+    header: dict[str, Any]
+
+    def layer(self, layer: int) -> ActivationSample:
+        """The one-layer sample of ``layer`` (its header that of the whole sample but the
+        ``layers``)."""
+
+
+def _rule(header: dict[str, Any]) -> str:
+    """The content rule of a sample of ``header`` (version 1: ``"vectors"``)."""
+    version = ActivationSample.check_header(header)
+    return str(header.get("content_rule", "vectors" if version < 2 else ""))
+
+
+class InMemorySample:
+    """A whole :class:`ActivationSample` as a :class:`SampleLayers`."""
+
+    def __init__(self, sample: ActivationSample) -> None:
+        self.sample = sample
+        self.layers = list(sample.layers)
+        self.header = sample.header()
+
+    def layer(self, layer: int) -> ActivationSample:
+        return self.sample.layer_sample(layer)
+
+    def whole(self) -> ActivationSample:
+        return self.sample
+
+
+class FileSample:
+    """The sample :meth:`~embgeom_ray.core.sketch.Sketch.save` wrote at ``url``; only its
+    header is read here."""
+
+    def __init__(self, url: str) -> None:
+        import fsspec
+
+        self.url = url
+        with fsspec.open(url, "rb") as f:
+            head = f.read(8)
+            head += f.read(int.from_bytes(head, "little")) if len(head) == 8 else b""
+        try:
+            self.header = read_header(head, ActivationSample.KIND)
+        except StatisticsMismatchError as exc:
+            raise StatisticsMismatchError(f"{url}: {exc}") from None
+        self.layers = [int(x) for x in self.header["layers"]]
+
+    def layer(self, layer: int) -> ActivationSample:
+        return ActivationSample.load_layer(self.url, layer)
+
+    def whole(self) -> ActivationSample:
+        return ActivationSample.load(self.url)
+
+
+class RunSamples:
+    """The sample of a finished run's ``samples.parquet``, a layer at a time: that layer's
+    row groups (:data:`~embgeom_ray.run_dir.ROW_GROUP_KEYS`) read alone
+    (:meth:`ActivationSample.from_table <embgeom_ray.core.samples.ActivationSample.from_table>`
+    of them)."""
+
+    def __init__(self, run: RunDir, header: dict[str, Any]) -> None:
+        self.run, self.header = run, header
+        self.layers = [int(x) for x in header["layers"]]
+
+    def layer(self, layer: int) -> ActivationSample:
+        rows = self.run.read_arrow("samples", filters=[("layer", "=", int(layer))])
+        try:
+            return ActivationSample.from_table(rows, self.header | {"layers": [int(layer)]})
+        except StatisticsMismatchError as exc:
+            raise StatisticsMismatchError(f"{self.run.path('samples')}: {exc}") from None
+
+    def whole(self) -> ActivationSample:
+        return self.run.load_sample()
+
+
+class MergedSamples:
+    """The merge of ``parts`` (in that order), a layer at a time: each part's one-layer
+    sample of the layer merged (each read once per layer: its columns, O(s), and one layer's
+    vectors)."""
+
+    def __init__(self, parts: Sequence[SampleLayers]) -> None:
+        self.parts = list(parts)
+        self.layers = list(self.parts[0].layers)
+        self.header = self.parts[0].header
+
+    def layer(self, layer: int) -> ActivationSample:
+        merged = self.parts[0].layer(layer)
+        for part in self.parts[1:]:
+            merged.merge(part.layer(layer))
+        return merged
+
+
+def run_samples(run: RunDir) -> RunSamples | InMemorySample | None:
+    """A finished run's sample a layer at a time (:class:`RunSamples`), or whole for a run
+    of an earlier version that keeps it as ``sample.safetensors``; None without one."""
+    header = run.table_header("samples")
+    if header is not None:
+        return RunSamples(run, header)
+    sample = run.load_sample()
+    return None if sample is None else InMemorySample(sample)
+
+
+def merged_layers(
+    parts: Sequence[Any], names: Sequence[str] | None = None
+) -> SampleLayers | None:
+    """``parts`` (:class:`FileSample`, :class:`RunSamples`, :class:`InMemorySample`: each a
+    :class:`SampleLayers` with a ``whole()``) merged in order: a layer at a time (:class:`MergedSamples`), or whole when a
+    layer-wise merge would differ from the whole one (the module docstring). Parts that
+    cannot merge (other layers, sizes, seed, model) are refused here, before any layer is
+    read, naming the part (``names``, default its index). None without parts."""
+    if not parts:
+        return None
+    names = list(names) if names is not None else [str(i) for i in range(len(parts))]
+    check = _empty(parts[0].header)
+    for part, name in zip(parts[1:], names[1:], strict=True):
+        try:
+            check.check_compatible(_empty(part.header))
+        except StatisticsMismatchError as exc:
+            raise StatisticsMismatchError(f"cannot merge the sample of {name}: {exc}") from None
+    rules = {_rule(part.header) for part in parts}
+    if len(rules) == 1 and "vectors" not in rules:
+        return parts[0] if len(parts) == 1 else MergedSamples(parts)
+    merged = parts[0].whole()
+    for part in parts[1:]:
+        merged.merge(part.whole())
+    return InMemorySample(merged)
+
+
+def _empty(header: dict[str, Any]) -> ActivationSample:
+    """An empty sample of ``header`` (to compare what may merge)."""
+    return ActivationSample._empty(header, ActivationSample.check_header(header), "cpu")
+
+
+def sample_layers(urls: Sequence[str]) -> SampleLayers | None:
+    """The sample files at ``urls`` (checkpoint groups') merged in order a layer at a time
+    (:func:`merged_layers`); None without any."""
+    return merged_layers([FileSample(url) for url in urls], urls)
+
+
+def as_layers(sample: ActivationSample | SampleLayers | None) -> SampleLayers | None:
+    """``sample`` as a :class:`SampleLayers` (a whole sample wrapped)."""
+    return InMemorySample(sample) if isinstance(sample, ActivationSample) else sample
