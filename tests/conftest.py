@@ -92,6 +92,72 @@ def pytest_configure(config: pytest.Config) -> None:
 #: The fixtures that start Ray: a test that uses one is slow (``make test-fast`` leaves it out).
 RAY_FIXTURES = frozenset({"ray_local", "local_ray"})
 
+#: Each test's seconds (set-up, call and tear-down) in the last ``make test`` that recorded them
+#: (:func:`pytest_sessionfinish`); the tests not listed took under half a second.
+DURATIONS_FILE = Path(__file__).with_name("durations.json")
+#: Where a run writes its tests' seconds when this variable names a file (``make test-durations``).
+RECORD_DURATIONS = "EMBGEOM_RECORD_DURATIONS"
+#: Modules whose tests pytest-xdist may hand to either worker: tests that share none of the
+#: module's module-scoped fixtures are independent there (each makes its own run, cluster or
+#: files), so they form groups of their own (:func:`xdist_groups`) and the heaviest module
+#: does not decide when the suite ends.
+SPLIT_MODULES = frozenset(
+    {
+        "tests/bench/test_bench_smoke.py",
+        "tests/distributed/test_reducers.py",
+        "tests/distributed/test_cluster_connect.py",
+        "tests/runs/test_job_end_to_end.py",
+    }
+)
+
+
+def _module_fixtures(item: pytest.Item) -> set[str]:
+    """The names of the module-scoped fixtures ``item`` uses."""
+    defs = getattr(getattr(item, "_fixtureinfo", None), "name2fixturedefs", {})
+    return {name for name, d in defs.items() if d and d[-1].scope == "module"}
+
+
+def _root(parent: list[int], k: int) -> int:
+    while parent[k] != k:
+        k = parent[k]
+    return k
+
+
+def xdist_groups(items: list[pytest.Item]) -> dict[int, str]:
+    """The pytest-xdist group of each item (by ``id``): its module; in :data:`SPLIT_MODULES`,
+    the tests joined by the module-scoped fixtures they share (connected components, union by
+    a fixture), named by the first test of each."""
+    groups: dict[int, str] = {}
+    by_module: dict[str, list[pytest.Item]] = {}
+    for item in items:
+        by_module.setdefault(item.nodeid.split("::")[0], []).append(item)
+    for path, members in by_module.items():
+        if path not in SPLIT_MODULES:
+            groups.update((id(item), path) for item in members)
+            continue
+        parent = list(range(len(members)))
+        holder: dict[str, int] = {}  # a module fixture -> the first test that uses it
+        for k, item in enumerate(members):
+            for name in _module_fixtures(item):
+                first = holder.setdefault(name, k)
+                low, high = sorted((_root(parent, first), _root(parent, k)))
+                parent[high] = low
+        groups.update((id(it), members[_root(parent, k)].nodeid) for k, it in enumerate(members))
+    return groups
+
+
+def _heaviest_groups_first(items: list[pytest.Item], groups: dict[int, str]) -> None:
+    """Order ``items`` by their group's recorded seconds (:data:`DURATIONS_FILE`), the heaviest
+    first, the order kept within a group and among equals: with ``--no-loadscope-reorder``
+    pytest-xdist hands groups out in this order, each to the worker that frees up first
+    (longest-first scheduling, so the two workers end together)."""
+    seconds = json.loads(DURATIONS_FILE.read_text()) if DURATIONS_FILE.exists() else {}
+    weight: dict[str, float] = {}
+    for item in items:
+        group = groups[id(item)]
+        weight[group] = weight.get(group, 0.0) + seconds.get(item.nodeid, 0.2)
+    items.sort(key=lambda item: -weight[groups[id(item)]])
+
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Mark ``slow`` every test that starts Ray (:data:`RAY_FIXTURES`, ``own_ray_cluster``),
@@ -100,14 +166,21 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     which the next test that needs it starts again (~5 s) in fresh workers that import
     scikit-learn, torch, pandas… again (~10 s on its first job); gathered, they leave it down
     once. Within a module the order is kept, and a module's tests stay together (its
-    module-scoped fixtures are made once)."""
+    module-scoped fixtures are made once).
+
+    In a pytest-xdist worker (``make test``), each test also gets its group
+    (:func:`xdist_groups`) and the groups are ordered heaviest first."""
+    groups = xdist_groups(items)
     for item in items:
-        # with pytest-xdist's --dist loadgroup, a module's tests run in one worker, in order
-        item.add_marker(pytest.mark.xdist_group(item.module.__name__))
+        # with pytest-xdist's --dist loadgroup, a group's tests run in one worker, in order
+        item.add_marker(pytest.mark.xdist_group(groups[id(item)]))
         if RAY_FIXTURES & set(getattr(item, "fixturenames", ())) or item.get_closest_marker(
             "own_ray_cluster"
         ):
             item.add_marker(pytest.mark.slow)
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        _heaviest_groups_first(items, groups)
+        return
     marked = [item for item in items if item.get_closest_marker("own_ray_cluster")]
     if not marked:
         return
@@ -119,3 +192,22 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     rest = [item for item in items if id(item) not in moved]
     last = max(k for k, item in enumerate(rest) if item.module is first)
     items[:] = [*rest[: last + 1], *moving, *rest[last + 1 :]]
+
+
+_durations: dict[str, float] = {}
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    """Add up each test's seconds when :data:`RECORD_DURATIONS` is set (in the process that
+    writes the report: pytest-xdist's controller, or the only one)."""
+    if os.environ.get(RECORD_DURATIONS) and not os.environ.get("PYTEST_XDIST_WORKER"):
+        _durations[report.nodeid] = _durations.get(report.nodeid, 0.0) + report.duration
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    """Write the tests of half a second or more to the file :data:`RECORD_DURATIONS` names, to one
+    decimal, by node id."""
+    target = os.environ.get(RECORD_DURATIONS)
+    if target and not os.environ.get("PYTEST_XDIST_WORKER") and _durations:
+        slow = {k: round(v, 1) for k, v in sorted(_durations.items()) if v >= 0.5}
+        Path(target).write_text(json.dumps(slow, indent=0) + "\n")
