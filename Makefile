@@ -32,7 +32,7 @@ env: $(VENV)/.installed
 # Two pytest-xdist workers, a module's tests in one of them, the heaviest groups first by the
 # seconds in tests/durations.json (tests/conftest.py; docs/testing.md).
 TEST_WORKERS ?= 2
-XDIST := -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder
+XDIST := -n $(TEST_WORKERS) --dist loadgroup
 test: env
 	$(PY) -m ruff check embgeom_ray jobs tests bench
 	$(PY) -m pytest -q $(XDIST)

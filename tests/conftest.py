@@ -87,6 +87,12 @@ def pytest_configure(config: pytest.Config) -> None:
         "own_ray_cluster: the test shuts down the tests' local Ray to start a simulated cluster "
         "of its own (run next to the other such tests: pytest_collection_modifyitems)",
     )
+    if getattr(config.option, "dist", "no") == "loadgroup" and GROUPS_FILE not in os.environ:
+        # pytest-xdist's controller, before it starts the workers (they inherit the variable)
+        fd, path = tempfile.mkstemp(prefix="embgeom-xdist-groups-", suffix=".json")
+        os.close(fd)
+        os.environ[GROUPS_FILE] = path
+        atexit.register(lambda: Path(path).unlink(missing_ok=True))
 
 
 #: The fixtures that start Ray: a test that uses one is slow (``make test-fast`` leaves it out).
@@ -97,6 +103,8 @@ RAY_FIXTURES = frozenset({"ray_local", "local_ray"})
 DURATIONS_FILE = Path(__file__).with_name("durations.json")
 #: Where a run writes its tests' seconds when this variable names a file (``make test-durations``).
 RECORD_DURATIONS = "EMBGEOM_RECORD_DURATIONS"
+#: The file, made by pytest-xdist's controller, where its workers write each test's group.
+GROUPS_FILE = "EMBGEOM_XDIST_GROUPS"
 #: Modules whose tests pytest-xdist may hand to either worker: tests that share none of the
 #: module's module-scoped fixtures are independent there (each makes its own run, cluster or
 #: files), so they form groups of their own (:func:`xdist_groups`) and the heaviest module
@@ -146,17 +154,49 @@ def xdist_groups(items: list[pytest.Item]) -> dict[int, str]:
     return groups
 
 
-def _heaviest_groups_first(items: list[pytest.Item], groups: dict[int, str]) -> None:
-    """Order ``items`` by their group's recorded seconds (:data:`DURATIONS_FILE`), the heaviest
-    first, the order kept within a group and among equals: with ``--no-loadscope-reorder``
-    pytest-xdist hands groups out in this order, each to the worker that frees up first
-    (longest-first scheduling, so the two workers end together)."""
-    seconds = json.loads(DURATIONS_FILE.read_text()) if DURATIONS_FILE.exists() else {}
-    weight: dict[str, float] = {}
-    for item in items:
-        group = groups[id(item)]
-        weight[group] = weight.get(group, 0.0) + seconds.get(item.nodeid, 0.2)
-    items.sort(key=lambda item: -weight[groups[id(item)]])
+def recorded_seconds() -> dict[str, float]:
+    return json.loads(DURATIONS_FILE.read_text()) if DURATIONS_FILE.exists() else {}
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log):
+    """``--dist loadgroup`` (``make test``): :func:`heaviest_first_scheduler`'s."""
+    if config.getvalue("dist") == "loadgroup":
+        return heaviest_first_scheduler(config, log)
+    return None
+
+
+def heaviest_first_scheduler(config: pytest.Config, log):
+    """pytest-xdist's group scheduling, with the groups read from :data:`GROUPS_FILE` (which
+    the workers write when they collect: :func:`pytest_collection_modifyitems`) instead of the
+    node ids' ``@group`` suffix, which pytest-xdist 3.8 writes where pytest 9.2 no longer reads
+    it (pytest-xdist issue 1386: every test became a group of its own, a module's fixtures were
+    made on both workers); and each worker that frees up takes the heaviest group left, by the
+    seconds in :data:`DURATIONS_FILE` (a test not listed counts 0.2 s): longest-first
+    scheduling, so the two workers end at about the same time, where pytest-xdist's order (the
+    groups with the most tests first) left the minutes-long modules of one or a few tests to
+    the end."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    seconds = recorded_seconds()
+
+    class HeaviestFirst(LoadScopeScheduling):
+        groups: dict[str, str] | None = None
+
+        def _split_scope(self, nodeid: str) -> str:
+            if self.groups is None:  # read once the workers have collected
+                self.groups = json.loads(Path(os.environ[GROUPS_FILE]).read_text())
+            plain = nodeid.split("@")[0] if "@" in nodeid.rsplit("]", 1)[-1] else nodeid
+            return self.groups.get(plain, plain.split("::")[0])
+
+        def _assign_work_unit(self, node) -> None:
+            def weight(scope: str) -> float:
+                return sum(seconds.get(n.split("@")[0], 0.2) for n in self.workqueue[scope])
+
+            self.workqueue.move_to_end(max(self.workqueue, key=weight), last=False)
+            super()._assign_work_unit(node)
+
+    return HeaviestFirst(config, log)
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
@@ -168,18 +208,23 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     once. Within a module the order is kept, and a module's tests stay together (its
     module-scoped fixtures are made once).
 
-    In a pytest-xdist worker (``make test``), each test also gets its group
-    (:func:`xdist_groups`) and the groups are ordered heaviest first."""
+    In a pytest-xdist worker (``make test``), the tests' groups (:func:`xdist_groups`) go to
+    :data:`GROUPS_FILE` for the controller's scheduler (:func:`heaviest_first_scheduler`), and
+    the order is the scheduler's."""
     groups = xdist_groups(items)
     for item in items:
-        # with pytest-xdist's --dist loadgroup, a group's tests run in one worker, in order
+        # the group as pytest-xdist's own mark too (heaviest_first_scheduler strips the suffix
+        # it adds to the node ids under a pytest that reads it)
         item.add_marker(pytest.mark.xdist_group(groups[id(item)]))
         if RAY_FIXTURES & set(getattr(item, "fixturenames", ())) or item.get_closest_marker(
             "own_ray_cluster"
         ):
             item.add_marker(pytest.mark.slow)
     if os.environ.get("PYTEST_XDIST_WORKER"):
-        _heaviest_groups_first(items, groups)
+        if GROUPS_FILE in os.environ:  # for the controller's scheduler (heaviest_first_scheduler)
+            mine = Path(os.environ[GROUPS_FILE] + "." + os.environ["PYTEST_XDIST_WORKER"])
+            mine.write_text(json.dumps({item.nodeid: groups[id(item)] for item in items}))
+            mine.replace(os.environ[GROUPS_FILE])
         return
     marked = [item for item in items if item.get_closest_marker("own_ray_cluster")]
     if not marked:
@@ -201,7 +246,8 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
     """Add up each test's seconds when :data:`RECORD_DURATIONS` is set (in the process that
     writes the report: pytest-xdist's controller, or the only one)."""
     if os.environ.get(RECORD_DURATIONS) and not os.environ.get("PYTEST_XDIST_WORKER"):
-        _durations[report.nodeid] = _durations.get(report.nodeid, 0.0) + report.duration
+        nodeid = report.nodeid.split("@")[0]  # without a pytest-xdist group suffix
+        _durations[nodeid] = _durations.get(nodeid, 0.0) + report.duration
 
 
 def pytest_sessionfinish(session: pytest.Session) -> None:
