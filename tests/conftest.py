@@ -196,6 +196,17 @@ def heaviest_first_scheduler(config: pytest.Config, log):
             self.workqueue.move_to_end(max(self.workqueue, key=weight), last=False)
             super()._assign_work_unit(node)
 
+        def _reschedule(self, node) -> None:
+            # the next group when the worker is down to its last test (pytest-xdist waits for
+            # the next before running it), not one test earlier: a worker on a minutes-long
+            # test takes no group the other could have run
+            if node.shutting_down:
+                return
+            if not self.workqueue:
+                node.shutdown()
+            elif self._pending_of(self.assigned_work[node]) <= 1:
+                self._assign_work_unit(node)
+
     return HeaviestFirst(config, log)
 
 
