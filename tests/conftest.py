@@ -87,10 +87,127 @@ def pytest_configure(config: pytest.Config) -> None:
         "own_ray_cluster: the test shuts down the tests' local Ray to start a simulated cluster "
         "of its own (run next to the other such tests: pytest_collection_modifyitems)",
     )
+    if getattr(config.option, "dist", "no") == "loadgroup" and GROUPS_FILE not in os.environ:
+        # pytest-xdist's controller, before it starts the workers (they inherit the variable)
+        fd, path = tempfile.mkstemp(prefix="embgeom-xdist-groups-", suffix=".json")
+        os.close(fd)
+        os.environ[GROUPS_FILE] = path
+        atexit.register(lambda: Path(path).unlink(missing_ok=True))
 
 
 #: The fixtures that start Ray: a test that uses one is slow (``make test-fast`` leaves it out).
 RAY_FIXTURES = frozenset({"ray_local", "local_ray"})
+
+#: Each test's seconds (set-up, call and tear-down) in the last ``make test`` that recorded them
+#: (:func:`pytest_sessionfinish`); the tests not listed took under half a second.
+DURATIONS_FILE = Path(__file__).with_name("durations.json")
+#: Where a run writes its tests' seconds when this variable names a file (``make test-durations``).
+RECORD_DURATIONS = "EMBGEOM_RECORD_DURATIONS"
+#: The file, made by pytest-xdist's controller, where its workers write each test's group.
+GROUPS_FILE = "EMBGEOM_XDIST_GROUPS"
+#: Modules whose tests pytest-xdist may hand to either worker: tests that share none of the
+#: module's module-scoped fixtures are independent there (each makes its own run, cluster or
+#: files), so they form groups of their own (:func:`xdist_groups`) and the heaviest module
+#: does not decide when the suite ends.
+SPLIT_MODULES = frozenset(
+    {
+        "tests/bench/test_bench_smoke.py",
+        "tests/distributed/test_reducers.py",
+        "tests/distributed/test_cluster_connect.py",
+        "tests/runs/test_job_end_to_end.py",
+    }
+)
+
+
+def _module_fixtures(item: pytest.Item) -> set[str]:
+    """The names of the module-scoped fixtures ``item`` uses."""
+    defs = getattr(getattr(item, "_fixtureinfo", None), "name2fixturedefs", {})
+    return {name for name, d in defs.items() if d and d[-1].scope == "module"}
+
+
+def _root(parent: list[int], k: int) -> int:
+    while parent[k] != k:
+        k = parent[k]
+    return k
+
+
+def xdist_groups(items: list[pytest.Item]) -> dict[int, str]:
+    """The pytest-xdist group of each item (by ``id``): its module; in :data:`SPLIT_MODULES`,
+    the tests joined by the module-scoped fixtures they share (connected components, union by
+    a fixture), named by the first test of each."""
+    groups: dict[int, str] = {}
+    by_module: dict[str, list[pytest.Item]] = {}
+    for item in items:
+        by_module.setdefault(item.nodeid.split("::")[0], []).append(item)
+    for path, members in by_module.items():
+        if path not in SPLIT_MODULES:
+            groups.update((id(item), path) for item in members)
+            continue
+        parent = list(range(len(members)))
+        holder: dict[str, int] = {}  # a module fixture -> the first test that uses it
+        for k, item in enumerate(members):
+            for name in _module_fixtures(item):
+                first = holder.setdefault(name, k)
+                low, high = sorted((_root(parent, first), _root(parent, k)))
+                parent[high] = low
+        groups.update((id(it), members[_root(parent, k)].nodeid) for k, it in enumerate(members))
+    return groups
+
+
+def recorded_seconds() -> dict[str, float]:
+    return json.loads(DURATIONS_FILE.read_text()) if DURATIONS_FILE.exists() else {}
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log):
+    """``--dist loadgroup`` (``make test``): :func:`heaviest_first_scheduler`'s."""
+    if config.getvalue("dist") == "loadgroup":
+        return heaviest_first_scheduler(config, log)
+    return None
+
+
+def heaviest_first_scheduler(config: pytest.Config, log):
+    """pytest-xdist's group scheduling, with the groups read from :data:`GROUPS_FILE` (which
+    the workers write when they collect: :func:`pytest_collection_modifyitems`) instead of the
+    node ids' ``@group`` suffix, which pytest-xdist 3.8 writes where pytest 9.2 no longer reads
+    it (pytest-xdist issue 1386: every test became a group of its own, a module's fixtures were
+    made on both workers); and each worker that frees up takes the heaviest group left, by the
+    seconds in :data:`DURATIONS_FILE` (a test not listed counts 0.2 s): longest-first
+    scheduling, so the two workers end at about the same time, where pytest-xdist's order (the
+    groups with the most tests first) left the minutes-long modules of one or a few tests to
+    the end."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    seconds = recorded_seconds()
+
+    class HeaviestFirst(LoadScopeScheduling):
+        groups: dict[str, str] | None = None
+
+        def _split_scope(self, nodeid: str) -> str:
+            if self.groups is None:  # read once the workers have collected
+                self.groups = json.loads(Path(os.environ[GROUPS_FILE]).read_text())
+            plain = nodeid.split("@")[0] if "@" in nodeid.rsplit("]", 1)[-1] else nodeid
+            return self.groups.get(plain, plain.split("::")[0])
+
+        def _assign_work_unit(self, node) -> None:
+            def weight(scope: str) -> float:
+                return sum(seconds.get(n.split("@")[0], 0.2) for n in self.workqueue[scope])
+
+            self.workqueue.move_to_end(max(self.workqueue, key=weight), last=False)
+            super()._assign_work_unit(node)
+
+        def _reschedule(self, node) -> None:
+            # the next group when the worker is down to its last test (pytest-xdist waits for
+            # the next before running it), not one test earlier: a worker on a minutes-long
+            # test takes no group the other could have run
+            if node.shutting_down:
+                return
+            if not self.workqueue:
+                node.shutdown()
+            elif self._pending_of(self.assigned_work[node]) <= 1:
+                self._assign_work_unit(node)
+
+    return HeaviestFirst(config, log)
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
@@ -100,14 +217,26 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     which the next test that needs it starts again (~5 s) in fresh workers that import
     scikit-learn, torch, pandas… again (~10 s on its first job); gathered, they leave it down
     once. Within a module the order is kept, and a module's tests stay together (its
-    module-scoped fixtures are made once)."""
+    module-scoped fixtures are made once).
+
+    In a pytest-xdist worker (``make test``), the tests' groups (:func:`xdist_groups`) go to
+    :data:`GROUPS_FILE` for the controller's scheduler (:func:`heaviest_first_scheduler`), and
+    the order is the scheduler's."""
+    groups = xdist_groups(items)
     for item in items:
-        # with pytest-xdist's --dist loadgroup, a module's tests run in one worker, in order
-        item.add_marker(pytest.mark.xdist_group(item.module.__name__))
+        # the group as pytest-xdist's own mark too (heaviest_first_scheduler strips the suffix
+        # it adds to the node ids under a pytest that reads it)
+        item.add_marker(pytest.mark.xdist_group(groups[id(item)]))
         if RAY_FIXTURES & set(getattr(item, "fixturenames", ())) or item.get_closest_marker(
             "own_ray_cluster"
         ):
             item.add_marker(pytest.mark.slow)
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        if GROUPS_FILE in os.environ:  # for the controller's scheduler (heaviest_first_scheduler)
+            mine = Path(os.environ[GROUPS_FILE] + "." + os.environ["PYTEST_XDIST_WORKER"])
+            mine.write_text(json.dumps({item.nodeid: groups[id(item)] for item in items}))
+            mine.replace(os.environ[GROUPS_FILE])
+        return
     marked = [item for item in items if item.get_closest_marker("own_ray_cluster")]
     if not marked:
         return
@@ -119,3 +248,23 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     rest = [item for item in items if id(item) not in moved]
     last = max(k for k, item in enumerate(rest) if item.module is first)
     items[:] = [*rest[: last + 1], *moving, *rest[last + 1 :]]
+
+
+_durations: dict[str, float] = {}
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    """Add up each test's seconds when :data:`RECORD_DURATIONS` is set (in the process that
+    writes the report: pytest-xdist's controller, or the only one)."""
+    if os.environ.get(RECORD_DURATIONS) and not os.environ.get("PYTEST_XDIST_WORKER"):
+        nodeid = report.nodeid.split("@")[0]  # without a pytest-xdist group suffix
+        _durations[nodeid] = _durations.get(nodeid, 0.0) + report.duration
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    """Write the tests of half a second or more to the file :data:`RECORD_DURATIONS` names, to one
+    decimal, by node id."""
+    target = os.environ.get(RECORD_DURATIONS)
+    if target and not os.environ.get("PYTEST_XDIST_WORKER") and _durations:
+        slow = {k: round(v, 1) for k, v in sorted(_durations.items()) if v >= 0.5}
+        Path(target).write_text(json.dumps(slow, indent=0) + "\n")

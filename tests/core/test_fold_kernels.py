@@ -64,6 +64,9 @@ def test_the_compiled_path_traces_whole_and_takes_every_shape(monkeypatch):
     """Forced on (as the tests of the GPU's fold do), each kernel is traced as one graph
     (``fullgraph``: no break falls back to Python) and gives the eager values for batches of
     other sizes and widths."""
+    # dynamo's caches and its recompile limit are the process's: a test that compiled the same
+    # kernels before in this worker must not leave them at their limit (they then run eagerly)
+    torch._dynamo.reset()
     monkeypatch.setattr(fold_kernels, "FUSE", True)
     monkeypatch.setattr(fold_kernels, "BACKEND", "eager")
     monkeypatch.setattr(fold_kernels, "_compiled", {})
