@@ -153,6 +153,7 @@ def bench_selection(sample, args) -> dict:
     from embgeom_ray.config import build_config
     from embgeom_ray.distributed.kmeans import fit_layers_on_ray
     from embgeom_ray.distributed.sampled_stage import add_sampled_metrics
+    from embgeom_ray.runs.sample_layers import InMemorySample
 
     layers = list(sample.layers)
     by_layer = {layer: sample.points(layer).vectors for layer in layers}
@@ -170,17 +171,12 @@ def bench_selection(sample, args) -> dict:
         },
     )
 
-    class Tokens:  # the stage names tokens in its samples table; ids will do here
-        @staticmethod
-        def convert_ids_to_tokens(ids):
-            return [str(i) for i in ids]
-
     def stage():
         tables = {
             "layers": pd.DataFrame({"layer": layers, "isoscore": np.nan}),
             "dims": pd.DataFrame({"layer": [], "dim": [], "outlier": []}),
         }
-        add_sampled_metrics(tables, sample, Tokens, cfg.sampled)
+        add_sampled_metrics(tables, InMemorySample(sample), cfg.sampled)
         return tables["layers"]
 
     runs = {
