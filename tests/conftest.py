@@ -63,6 +63,12 @@ def ray_local(_ray_session):
     needed its own cluster shut it down)."""
     import ray
 
+    from embgeom_ray.distributed import cluster
+
+    if ray.is_initialized() and cluster.started_private_local():
+        # a job run in this worker process left the private Ray its connect() started: the
+        # tests' Ray is another (test_warm_workers depends on it)
+        ray.shutdown()
     if not ray.is_initialized():
         start_local_ray()
     return ray
