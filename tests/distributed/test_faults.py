@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -191,35 +190,12 @@ def one_process(config):
     return stats, sample, counts
 
 
-def test_resume_after_a_group_json_is_missing(tmp_path, minilm_dir, clean, ray_local):
-    """The driver died after writing a group's statistics but before its JSON: the group is
-    redone, its stale files are cleaned, and nothing is counted twice."""
-    out = tmp_path / "copy"
-    shutil.copytree(clean, out)
-    store = CheckpointStore(str(out))
-    victim = store.completed_groups()[-1]
-    (out / "groups" / f"{victim.group_id}.json").unlink()
-    (out / "groups" / ".tmp-crashed-write").write_bytes(b"partial")
-    total = json.loads((clean / "manifest.json").read_text())["shards"]["total"]
-    assert len(done_shards(out)) == total - len(victim.shard_ids)
-
-    opts = json.loads((clean / "manifest.json").read_text())["config"] | {"out": str(out)}
-    manifest = analyze(build_config(None, opts), echo=lambda *_: None)
-    assert manifest["shards"]["computed"] == len(victim.shard_ids)
-    assert manifest["shards"]["reused_from_checkpoints"] == total - len(victim.shard_ids)
-    names = [p.name for p in (out / "groups").iterdir()]
-    assert not [n for n in names if n.startswith(".")]
-    stems = {n.split(".")[0] for n in names}
-    assert {f"{s}.json" for s in stems} <= set(names)  # no statistics without their JSON
-    store.groups_covering(s for g in store.completed_groups() for s in g.shard_ids)
-    assert len(done_shards(out)) == total
-    assert manifest["counts"] == json.loads((clean / "manifest.json").read_text())["counts"]
-    assert_same_tables(read_tables(out), read_tables(clean))
-
-
 def test_driver_killed_then_resumed(tmp_path, corpus, minilm_dir, clean, ray_local):
     """Checkpoint interval 0: one group per shard. The driver is killed, the rerun resumes
-    with nothing done twice and the same tables as an uninterrupted run."""
+    with nothing done twice and the same tables as an uninterrupted run. One group is as if
+    the driver had died after writing its statistics but before its JSON (and a write of
+    its was cut short): that group is redone, its stale files are cleaned, and nothing is
+    counted twice."""
     total = json.loads((clean / "manifest.json").read_text())["shards"]["total"]
 
     out = tmp_path / "killed"
@@ -252,12 +228,25 @@ def test_driver_killed_then_resumed(tmp_path, corpus, minilm_dir, clean, ray_loc
     assert not (out / "layers.parquet").exists()
     done_before = len(done_shards(out))
     assert 2 <= done_before < total
+    # the last group: its statistics written, its JSON not; a write cut short beside it
+    store = CheckpointStore(str(out))
+    victim = store.completed_groups()[-1]
+    (out / "groups" / f"{victim.group_id}.json").unlink()
+    (out / "groups" / ".tmp-crashed-write").write_bytes(b"partial")
+    assert len(done_shards(out)) == done_before - 1
+    kept = done_before - 1
 
     manifest = analyze(build_config(None, opts), echo=lambda *_: None)
-    assert manifest["shards"]["reused_from_checkpoints"] == done_before
-    assert manifest["shards"]["computed"] == total - done_before
-    groups = CheckpointStore(str(out)).completed_groups()
+    assert manifest["shards"]["reused_from_checkpoints"] == kept
+    assert manifest["shards"]["computed"] == total - kept
+    names = [p.name for p in (out / "groups").iterdir()]
+    assert not [n for n in names if n.startswith(".")]
+    stems = {n.split(".")[0] for n in names}
+    assert {f"{s}.json" for s in stems} <= set(names)  # no statistics without their JSON
+    groups = store.completed_groups()
     assert len(groups) == total and all(len(g.shard_ids) == 1 for g in groups)
+    assert len(done_shards(out)) == total
+    assert manifest["counts"] == json.loads((clean / "manifest.json").read_text())["counts"]
     assert_same_tables(read_tables(out), read_tables(clean))
 
 

@@ -2,8 +2,9 @@
 server mode, ``moto_server``, on a free port), the corpus and the runs in a bucket there.
 
 - a run, a resume after its driver was killed (SIGKILL), and the merge of two runs, all in the
-  bucket, each as users run it (``python -m jobs.analyze`` / ``jobs.merge`` in a fresh
-  process, its own private Ray): the merge's tables equal one run's over the whole corpus;
+  bucket, as users run them (the runs ``python -m jobs.analyze`` in fresh processes, each with
+  its own private Ray; the resume and the merge through their commands' ``main``): the
+  merge's tables equal one run's over the whole corpus;
 - reducers on two nodes of a simulated cluster, each reading the checkpoint groups from the
   bucket; the self-sized defaults on the same cluster give the same tables (that run over the
   whole corpus is the one the merge above is compared with: one job for both tests);
@@ -129,12 +130,6 @@ def corpus(s3, tmp_path_factory) -> dict[str, object]:
     return {"model": model, "url": f"s3://{BUCKET}/corpus"}
 
 
-def job(s3: S3, module: str, *argv: str, timeout: float = 600) -> subprocess.CompletedProcess:
-    env = os.environ | s3.env | {"PYTHONPATH": str(REPO)}
-    return subprocess.run([sys.executable, "-m", module, *argv], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=timeout)  # fmt: skip
-
-
 def read_tables(s3: S3, url: str) -> dict[str, pd.DataFrame]:
     fs = s3.fs()
     out = {}
@@ -220,10 +215,13 @@ def test_reducers_on_two_nodes_read_the_groups_from_the_bucket(s3, on_cluster):
 @pytest.mark.slow
 @pytest.mark.own_ray_cluster
 @pytest.mark.timeout(1200)
-def test_a_run_a_resume_and_a_merge_in_a_bucket(s3, corpus, on_cluster, tmp_path):
+def test_a_run_a_resume_and_a_merge_in_a_bucket(s3, corpus, on_cluster, tmp_path, monkeypatch,
+                                                capsys):  # fmt: skip
     """Run a (its driver killed, then resumed) and run b, each in a fresh process with its
     own private Ray, b while a runs; their merge equals the run over the whole corpus (the
-    self-sized one on the simulated cluster: :func:`on_cluster`)."""
+    self-sized one on the simulated cluster: :func:`on_cluster`). The resume and the merge
+    run through their commands' ``main`` in this process (the environment pointing at the
+    bucket), sparing two process starts."""
     model, url = corpus["model"], corpus["url"]
     runs = f"s3://{BUCKET}/runs"
     whole = manifest(s3, on_cluster["whole_url"])
@@ -256,9 +254,18 @@ def test_a_run_a_resume_and_a_merge_in_a_bucket(s3, corpus, on_cluster, tmp_path
         assert len(groups) >= 2, "the run did not checkpoint two groups"
         os.killpg(proc.pid, signal.SIGKILL)  # the driver and the private Ray it started
         proc.wait(timeout=30)
-        resumed = job(s3, "jobs.analyze", *argv)
-        assert resumed.returncode == 0, resumed.stderr[-3000:]
-        assert "resuming" in resumed.stdout
+        for key, value in s3.env.items():
+            monkeypatch.setenv(key, value)
+        import s3fs
+
+        from jobs import analyze, merge
+
+        s3fs.S3FileSystem.clear_instance_cache()  # the jobs' filesystem: this endpoint
+        capsys.readouterr()
+        status = analyze.main(argv)
+        resumed = capsys.readouterr()
+        assert status == 0, resumed.err[-3000:]
+        assert "resuming" in resumed.out
         a = manifest(s3, f"{runs}/a")
         assert a["shards"]["reused_from_checkpoints"] >= 2
         shards = a["shards"]
@@ -269,8 +276,8 @@ def test_a_run_a_resume_and_a_merge_in_a_bucket(s3, corpus, on_cluster, tmp_path
             os.killpg(b_proc.pid, signal.SIGKILL)
             b_proc.wait(timeout=30)
     # the merge of a (resumed) and b, in the bucket, is the run over the whole corpus
-    merged = job(s3, "jobs.merge", "--out", f"{runs}/ab", f"{runs}/a", f"{runs}/b")
-    assert merged.returncode == 0, merged.stderr[-3000:]
+    status = merge.main(["--out", f"{runs}/ab", f"{runs}/a", f"{runs}/b"])
+    assert status == 0, capsys.readouterr().err[-3000:]
     ab = manifest(s3, f"{runs}/ab")
     assert ab["counts"]["tokens"] == whole["counts"]["tokens"]
     assert ab["sizing"]["reduce"]["types"] == whole["sizing"]["reduce"]["types"]

@@ -9,24 +9,28 @@ more than the job's own process may reduce within 1 GiB of its start. As users r
 in a fresh process (its own private Ray):
 
 1. ``jobs.reanalyze`` of a watch list naming the model, over half A: the run it makes;
-2. ``jobs.analyze`` over half B;
-3. ``jobs.merge`` of the two runs;
-4. ``jobs.analyze --reducers 1`` over both halves (the job's own process reducing).
+2. ``jobs.analyze`` over half B (both at the same time, each in its own process with its own
+   private Ray);
+3. ``jobs.merge`` of the two runs.
 
 Each job's own process peaks ≤ 1 GiB above its memory at start; every reducer's peak private
-memory is ≤ the budget it was sized with; every extractor's ≤ the memory it asked Ray for; the
-merge's tables equal the ``--reducers 1`` run's over the union to float64 rounding.
+memory is ≤ the budget it was sized with; every extractor's ≤ the memory it asked Ray for. The
+merge's statistics and tables equal an independent reference: the two runs' statistics
+artefacts loaded here, merged by the core in one process
+(:meth:`~embgeom_ray.core.statistics.EmbeddingStatistics.merge`) and tabled
+(:func:`~embgeom_ray.core.tables.build_tables`), to float64 rounding. (That the merge of two
+runs equals one run over the union, and the driver reducing in process, are tested at a small
+vocabulary in tests/runs/test_merge_runs.py and tests/distributed/test_reducers.py.)
 
-No option that sizes anything is given: the sample keeps its default size (the driver holds two
-samples, Q each); only the sampled metrics' work on it is cut (``--kmeans-k-max 3``,
-``--sampled-se-replicates 0``: the K-means scan and the standard errors are tested in
-tests/core/test_kmeans_selection.py and tests/core/test_sampled_robust.py), and run B writes no
-report (run A's and the merge's do; the report itself: tests/report). Jobs 1 and 2, then 3
-and 4, run at the same time (each still in its own process with its own private Ray).
+No option that sizes anything is given: the sample keeps its default size; only the sampled
+metrics' work on it is cut (``--kmeans-k-max 3``, ``--sampled-se-replicates 0``: the K-means
+scan and the standard errors are tested in tests/core/test_kmeans_selection.py and
+tests/core/test_sampled_robust.py), and run B writes no report (run A's and the merge's do;
+the report itself: tests/report).
 
 The corpus is about the least that keeps the assertion below: ~30,300 types in a half (60,000
 words), and 8·L·V·(2d+2) > 0.25 GiB needs V > 28,976 at L = 3, d = 192 (the driver would
-reduce in process only below ~17,400 types: 512 MiB + 3·(S(V) + F) + 160·L·V + 2Q ≤ 1 GiB).
+reduce in process only below ~17,400 types).
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import numpy as np
 import pandas as pd
 import pytest
 
@@ -104,39 +109,36 @@ def test_default_options_size_themselves_within_every_budget(tmp_path):
         assert m["sizing"]["reduce"]["count"] >= 1 and m["reducers"]["count"] >= 1
         within_budgets(m)
 
-    # 3. their merge, and 4. the reference: both halves, reduced in the job's own process, at
-    # the same time
-    with ThreadPoolExecutor(2) as pool:
-        merge = pool.submit(run, "jobs.merge", "--out", str(tmp_path / "ab"), str(run_a),
-                            str(tmp_path / "b"))  # fmt: skip
-        reference = pool.submit(run, "jobs.analyze", "--model", model, "--corpus", str(halves),
-                                "--out", str(tmp_path / "one"), "--reducers", "1",
-                                "--no-report", *QUICK_METRICS)  # fmt: skip
-        out = merge.result()
-        reference.result()
+    # 3. their merge
+    out = run("jobs.merge", "--out", str(tmp_path / "ab"), str(run_a), str(tmp_path / "b"))
     assert "types in the runs: reducers:" in out
     m_ab = json.loads((tmp_path / "ab" / "manifest.json").read_text())
     assert m_ab["sizing"]["reduce"]["count"] >= 1 and m_ab["reducers"]["count"] >= 1
     within_budgets(m_ab)
+    assert m_ab["counts"]["tokens"] == m_a["counts"]["tokens"] + m_b["counts"]["tokens"]
 
-    one = json.loads((tmp_path / "one" / "manifest.json").read_text())
-    assert one["sizing"]["reduce"]["count"] == 0 and "reducers" not in one
-    assert one["counts"]["tokens"] == m_ab["counts"]["tokens"]
-    exact = ["layer", "n_tokens", "n_types", "mean_norm", "within_variance",
-             "norm_variance_corr", "anisotropy", "s_inter", "s_intra"]  # fmt: skip
-    comoment = ["layer", "total_variance", "between_variance", "within_ratio", "isoscore"]
-    # the co-moment's per-batch products are float32 (the default --comoment-precision): a
-    # merge of two runs, batched otherwise than one run over both, agrees on what derives
-    # from it (the total variance, IsoScore, the dimensions' std) to ~1e-6 relative, on the
-    # rest to rounding
-    for name, keys, columns, rtol in (
-        ("type_stats", ["layer", "token_id"], None, 1e-9),
-        ("positions", ["layer", "position"], None, 1e-9),
-        ("layers", ["layer"], exact, 1e-9),
-        ("layers", ["layer"], comoment, 1e-6),
-        ("dims", ["layer", "dim"], None, 1e-6),
-    ):
-        got = pd.read_parquet(tmp_path / "ab" / f"{name}.parquet", columns=columns)
-        want = pd.read_parquet(tmp_path / "one" / f"{name}.parquet", columns=columns)
+    # the reference: the runs' statistics merged by the core in this process, and tabled
+    from embgeom_ray.core.options import TableOptions
+    from embgeom_ray.core.tables import build_tables
+    from embgeom_ray.inputs.model_loading import load_tokenizer
+    from embgeom_ray.run_dir import RunDir
+
+    merged = RunDir(str(run_a)).load_statistics().merge(RunDir(str(tmp_path / "b")).load_statistics())
+    theirs = RunDir(str(tmp_path / "ab")).load_statistics()
+    for layer in (0, 1, 2):
+        want, got = merged.layer(layer), theirs.layer(layer)
+        assert got.n == want.n == m_ab["counts"]["tokens"]
+        np.testing.assert_array_equal(got.type_ids, want.type_ids)
+        np.testing.assert_array_equal(got.counts, want.counts)
+        for field in ("means", "m2", "mean", "comoment"):
+            np.testing.assert_allclose(getattr(got, field), getattr(want, field), rtol=1e-9,
+                                       atol=1e-12, err_msg=f"{field} of layer {layer}")  # fmt: skip
+    tables = build_tables(merged, load_tokenizer(model, None, False), TableOptions())
+    for name, keys in (("type_stats", ["layer", "token_id"]), ("positions", ["layer", "position"]),
+                       ("layers", ["layer"]), ("dims", ["layer", "dim"])):  # fmt: skip
+        got = pd.read_parquet(tmp_path / "ab" / f"{name}.parquet")
+        want = tables[name][[c for c in got.columns if c in tables[name].columns]]
+        got = got[want.columns]
         got, want = (t.sort_values(keys).reset_index(drop=True) for t in (got, want))
-        pd.testing.assert_frame_equal(got, want, check_exact=False, rtol=rtol, atol=1e-12)
+        pd.testing.assert_frame_equal(got, want, check_exact=False, rtol=1e-9, atol=1e-12,
+                                      check_dtype=False, obj=name)  # fmt: skip
