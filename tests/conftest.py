@@ -11,6 +11,16 @@ from pathlib import Path
 
 import pytest
 
+#: OpenMP threads that wait by sleeping, not spinning, in every process of the tests (set before
+#: torch loads libgomp, and inherited by the jobs' subprocesses and Ray's workers). The suite
+#: always runs more compute threads than cores: two pytest-xdist workers, each with jobs whose
+#: extractors run torch on two threads beside Ray's tasks. libgomp's default spins a waiting
+#: thread for a while first, which on an oversubscribed machine burns the CPU the others need:
+#: two 2-thread processes of small matrix products on the 2-core machine took 91 s each with the
+#: default and 14 s each with PASSIVE (one process alone: 7 s and 10 s). Results do not depend on
+#: it; docs/testing.md.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
 from embgeom_ray.distributed.cluster import IDLE_WORKER_KEEP_MS
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
