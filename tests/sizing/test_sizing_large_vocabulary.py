@@ -23,9 +23,9 @@ runs equals one run over the union, and the driver reducing in process, are test
 vocabulary in tests/runs/test_merge_runs.py and tests/distributed/test_reducers.py.)
 
 No option that sizes anything is given: the sample keeps its default size; only the sampled
-metrics' work on it is cut (``--kmeans-k-max 3``, ``--sampled-se-replicates 0``: the K-means
-scan and the standard errors are tested in tests/core/test_kmeans_selection.py and
-tests/core/test_sampled_robust.py), and run B writes no report (run A's and the merge's do;
+metrics' work on it is cut (``--kmeans-k-max 3``, ``--sampled-se-replicates 0``,
+``--kmeans-stability-seeds 0``, ``--s-inter-draws 2``, ``--silhouette-max-points 1024``: the
+K-means scan, the standard errors and the other metrics are tested in tests/core), and run B writes no report (run A's and the merge's do;
 the report itself: tests/report).
 
 The corpus is about the least that keeps the assertion below: ~30,300 types in a half (60,000
@@ -52,7 +52,8 @@ REPO = Path(__file__).resolve().parents[2]
 GiB = 2**30
 VOCAB, DIM, BLOCKS, WORDS = 128_256, 192, 2, 60_000
 #: the sampled metrics' work cut, the sample's size (and every sizing input) left at its default
-METRICS = {"kmeans_k_max": 3, "sampled_se_replicates": 0}
+METRICS = {"kmeans_k_max": 3, "sampled_se_replicates": 0, "kmeans_stability_seeds": 0,
+           "s_inter_draws": 2, "silhouette_max_points": 1024}
 QUICK_METRICS = [f"--{k.replace('_', '-')}={v}" for k, v in METRICS.items()]
 
 
