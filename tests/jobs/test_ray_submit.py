@@ -51,6 +51,7 @@ import pandas as pd
 import pytest
 
 from embgeom_ray.runs.reanalyze import WORKING_DIR_EXCLUDES
+from tests.conftest import SHORT_DOCS
 from tests.ray_processes import free_ports, kill_marked, marked_pids
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
@@ -63,16 +64,7 @@ RAY_CLI = VENV_BIN / "ray"
 EXCLUDES = list(WORKING_DIR_EXCLUDES)
 
 #: short documents: with --max-length 32 every one fits in a single window.
-DOCS = [
-    "The cat sat on the mat.",
-    "A bank can hold money; the river bank holds water.",
-    "Ray schedules actors on the nodes of a cluster.",
-    "The dog sat on the log, and the cat watched it.",
-    "Contextual embeddings are anisotropic in most layers.",
-    "She walked along the river bank at dawn.",
-    "Tokens of the same type have similar vectors.",
-    "The mat was red and the log was brown.",
-]
+DOCS = SHORT_DOCS
 MAX_LENGTH = 32
 
 HEAD_START_TIMEOUT_S = 90

@@ -40,21 +40,12 @@ from embgeom_ray.runs.reanalyze import (
 )
 from jobs import analyze as analyze_cli
 from jobs import reanalyze as reanalyze_cli
-from tests.conftest import write_jsonl
+from tests.conftest import SHORT_DOCS, write_jsonl
 from tests.tiny_models import make_tiny_bert, plant_outlier_dimension
 
 REPO = Path(__file__).resolve().parents[2]
 HUB_ID = "hf-internal-testing/tiny-random-bert"  # resolving "latest" needs the network
-DOCS = [
-    "The cat sat on the mat.",
-    "A bank can hold money; the river bank holds water.",
-    "Ray schedules actors on the nodes of a cluster.",
-    "The dog sat on the log, and the cat watched it.",
-    "Contextual embeddings are anisotropic in most layers.",
-    "She walked along the river bank at dawn.",
-    "Tokens of the same type have similar vectors.",
-    "The mat was red and the log was brown.",
-]
+DOCS = SHORT_DOCS
 OPTIONS = {"max_length": 32, "sample_size": 256, "kmeans_k_max": 4, "num_workers": 1,
            "no_report": True}  # fmt: skip
 
