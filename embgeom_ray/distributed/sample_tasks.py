@@ -18,7 +18,9 @@ file URLs, a run directory, or the sample itself when it is in memory):
   (layer, sample), which the driver fetches and writes one at a time
   (:meth:`~embgeom_ray.run_dir.RunDir.write_samples`).
 
-The tasks run the driver's own functions on the same inputs, so every array and row is the
+A sample read from local files (checkpoint groups or a run on this machine's disk) is read
+by tasks on the driver's node (:func:`placement`), which other nodes' tasks could not read;
+from object storage, anywhere. The tasks run the driver's own functions on the same inputs, so every array and row is the
 same bit for bit; only ``samples.parquet``'s row groups are cut finer (readers do not depend
 on them).
 """
@@ -55,10 +57,40 @@ def _layer_inputs(sample: SampleLayers, layer: int, clip_dims: list[int]) -> tup
     return note, inputs.vectors, inputs.token_ids, inputs.type_vectors, inputs.content_keys
 
 
-def submit_inputs(source: Any, layer: int, clip_dims: list[int]) -> list[ray.ObjectRef]:
+def _reads_local_files(sample: Any) -> bool:
+    """Whether ``sample`` (or one of its merged parts) is read from this machine's files
+    (a group's sample file, a run's ``samples.parquet``), which other nodes may not see."""
+    from ..io_utils import is_local
+
+    for part in getattr(sample, "parts", [sample]):
+        url = getattr(part, "url", None) or getattr(getattr(part, "run", None), "url", None)
+        if url is not None and is_local(url):
+            return True
+    return False
+
+
+def placement(sample: Any) -> dict[str, Any]:
+    """Ray options of the tasks that read ``sample``: on this node when it is read from
+    local files and this node has a CPU for them (else anywhere: a shared file system, or
+    object storage, as the reducers read the checkpoint groups)."""
+    if not _reads_local_files(sample):
+        return {}
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    node = ray.get_runtime_context().get_node_id()
+    here = [n for n in ray.nodes() if n.get("NodeID") == node and n.get("Alive")]
+    if not here or here[0]["Resources"].get("CPU", 0) < 1:
+        return {}
+    return {"scheduling_strategy": NodeAffinitySchedulingStrategy(node, soft=False)}
+
+
+def submit_inputs(
+    source: Any, layer: int, clip_dims: list[int], where: dict[str, Any] | None = None
+) -> list[ray.ObjectRef]:
     """Object refs of ``layer``'s (note, vectors, token ids, type vectors, content keys),
-    computed by a task from ``source`` (the sample's object ref)."""
-    return list(_layer_inputs.remote(source, layer, clip_dims))
+    computed by a task from ``source`` (the sample's object ref), placed by ``where``
+    (:func:`placement`)."""
+    return list(_layer_inputs.options(**(where or {})).remote(source, layer, clip_dims))
 
 
 @ray.remote
@@ -131,7 +163,7 @@ def table_pieces_on_ray(
     source, names = ray.put(sample), ray.put(id_to_token)
     rows = _piece_rows(int(sample.header["dim"]))
     pieces = _pieces_at_most(sample.header, rows)
-    task = ray.remote(_layer_pieces).options(num_returns=1 + pieces)
+    task = ray.remote(_layer_pieces).options(num_returns=1 + pieces, **placement(sample))
     layers = list(sample.layers)
     submitted: list[list[ray.ObjectRef]] = []
     for i in range(len(layers)):

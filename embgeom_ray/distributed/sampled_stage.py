@@ -43,12 +43,15 @@ def add_sampled_metrics(
     clusters are ready; each task holds one CPU and runs one thread. The layers are planned
     and submitted one at a time (``sample`` gives one layer's sample at a time: its points go
     to the object store with the layer's tasks, and this process drops them before the next
-    layer's), so this process never holds more than one layer of the sample. Adds the
+    layer's), so this process never holds more than one layer of the sample; a sample whose
+    one layer reaches :data:`~embgeom_ray.sizing.formulas.SAMPLE_ON_WORKERS_BYTES`
+    (:func:`~embgeom_ray.runs.sample_layers.on_workers`) has each layer's inputs made by a
+    Ray task instead, and this process holds none of it. Adds the
     sampled columns to ``tables["layers"]`` and ``tables["kmeans"]``; returns what the
     manifest records and each layer's K-means ``cluster`` of the uniform occurrences, in
     canonical order (for ``samples.parquet``, written a layer at a time by
     :meth:`~embgeom_ray.run_dir.RunDir.finalise`). A sample too small for the metrics
-    (:data:`~embgeom_ray.core.tables.MIN_SAMPLE_POINTS`) needs no Ray.
+    (:data:`~embgeom_ray.core.tables.MIN_SAMPLE_POINTS`) needs no Ray (unless it is that large).
     """
     layers = list(sample.layers)
     if on_workers(sample):
@@ -101,13 +104,13 @@ def _on_workers(
 
     from .cluster import connect
     from .kmeans import call_on_ray, fit_shares
-    from .sample_tasks import select_k_of, submit_inputs
+    from .sample_tasks import placement, select_k_of, submit_inputs
 
     connect(address)
     layers = list(sample.layers)
     flagged = flagged_dims(tables["dims"])
-    source = ray.put(sample)
-    inputs = {layer: submit_inputs(source, layer, flagged.get(layer, [])) for layer in layers}
+    source, where = ray.put(sample), placement(sample)
+    inputs = {layer: submit_inputs(source, layer, flagged.get(layer, []), where) for layer in layers}
     note = ray.get(inputs[layers[0]][0])
     if "skipped" in note:
         return note, {}

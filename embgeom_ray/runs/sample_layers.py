@@ -6,7 +6,10 @@ The merged sample of a run is (size + type_size) occurrences × L layers × d fl
 the same in every layer (:mod:`embgeom_ray.core.samples`); so the one-layer sample of layer l
 of the merge of some samples is the merge of their one-layer samples of l, bit for bit. A
 :class:`SampleLayers` gives one-layer samples one at a time, so that the driver holds one
-layer of the merge and one layer of a part (Q/L each), never the whole sample:
+layer of the merge and one layer of a part (Q/L each), never the whole sample; from a one-layer
+sample of :data:`~embgeom_ray.sizing.formulas.SAMPLE_ON_WORKERS_BYTES` (:func:`on_workers`),
+Ray tasks take the :class:`SampleLayers` and read their layer themselves
+(:mod:`embgeom_ray.distributed.sample_tasks`), and the driver holds none of it:
 
 - :class:`FileSample`: a sample file (a checkpoint group's), read only in the layer's byte
   range (:meth:`ActivationSample.load_layer <embgeom_ray.core.samples.ActivationSample.load_layer>`);
