@@ -33,7 +33,7 @@ import json
 import os
 import platform
 import tempfile
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from datetime import datetime, timezone
 from typing import Any, Literal
 
@@ -206,14 +206,14 @@ class Manifest(_Part):
 ROW_GROUP_KEYS: dict[str, tuple[str, ...]] = {"samples": ("layer", "sample")}
 
 
-def _runs(df: pd.DataFrame, keys: tuple[str, ...]) -> list[tuple[int, int]]:
+def _runs(df: pd.DataFrame | pa.Table, keys: tuple[str, ...]) -> list[tuple[int, int]]:
     """(start, length) of the runs of consecutive rows with equal values in ``keys``."""
     if not len(df):
         return [(0, 0)]
     change = np.zeros(len(df), dtype=bool)
     change[0] = True
     for key in keys:
-        col = df[key].to_numpy()
+        col = np.asarray(df[key].to_numpy())
         change[1:] |= col[1:] != col[:-1]
     starts = np.flatnonzero(change)
     ends = np.append(starts[1:], len(df))
@@ -250,6 +250,38 @@ def _staged(url: str) -> Iterator[str]:
 
 _UMASK = os.umask(0)
 os.umask(_UMASK)
+
+
+def sample_layer_table(
+    one: Any,
+    id_to_token: Callable[[Sequence[int]], Sequence[str]] | None,
+    labels: np.ndarray | None,
+) -> pa.Table:
+    """One layer's rows of ``samples.parquet`` from its one-layer sample ``one``
+    (:meth:`ActivationSample.to_table <embgeom_ray.core.samples.ActivationSample.to_table>`)
+    with the uniform rows' K-means ``cluster`` (``labels`` in canonical order; None: none),
+    as Arrow (with pandas' metadata, as every layer's)."""
+    df = one.to_table(id_to_token)
+    df["cluster"] = pd.array([None] * len(df), dtype="Int64")
+    if labels is not None:
+        uniform = (df["sample"] == "uniform").to_numpy()
+        df.loc[uniform, "cluster"] = np.asarray(labels, dtype=np.int64)
+    return pa.Table.from_pandas(df, preserve_index=False)
+
+
+def sample_table_pieces(
+    sample: Any,
+    id_to_token: Callable[[Sequence[int]], Sequence[str]] | None,
+    clusters: Mapping[int, np.ndarray],
+) -> Iterator[tuple[dict[str, Any], pa.Table]]:
+    """Each layer of ``sample`` (a :class:`~embgeom_ray.runs.sample_layers.SampleLayers`) in
+    turn: its one-layer sample's header and :func:`sample_layer_table` (built here)."""
+    for layer in sample.layers:
+        one = sample.layer(layer)
+        header = one.header()
+        table = sample_layer_table(one, id_to_token, clusters.get(layer))
+        del one
+        yield header, table
 
 
 def write_table(
@@ -473,38 +505,34 @@ class RunDir:
         sample: Any,
         id_to_token: Callable[[Sequence[int]], Sequence[str]] | None,
         clusters: Mapping[int, np.ndarray],
+        pieces: Iterable[tuple[dict[str, Any], pa.Table]] | None = None,
     ) -> str:
         """``samples.parquet`` written a layer at a time from ``sample`` (a
         :class:`~embgeom_ray.runs.sample_layers.SampleLayers`): each layer's rows
-        (:meth:`ActivationSample.to_table <embgeom_ray.core.samples.ActivationSample.to_table>`)
-        with the uniform rows' K-means ``cluster`` from ``clusters`` (layer -> labels in the
-        canonical order; a layer left out has none), as that layer's row groups (one per
-        sample, :data:`ROW_GROUP_KEYS`), then dropped: the rows, their order and the header
-        are those of the whole table, and this process holds one layer of them at a time.
-        Written to a temporary file and moved into place (uploaded, on an object store), so
-        the table is never half-written under its name."""
+        (:func:`sample_layer_table`, with the uniform rows' K-means ``cluster`` from
+        ``clusters``: layer -> labels in the canonical order; a layer left out has none), as
+        that layer's row groups (at least one per sample, :data:`ROW_GROUP_KEYS`), then
+        dropped: the rows, their order and the header are those of the whole table, and this
+        process holds one layer of them at a time. ``pieces``: those rows already built, in
+        order, each with its one-layer sample's header (as :func:`sample_table_pieces` gives
+        them; e.g. by Ray tasks, :func:`embgeom_ray.distributed.sample_tasks.table_pieces_on_ray`,
+        so that this process holds one piece at a time). Written to a temporary file and moved
+        into place (uploaded, on an object store), so the table is never half-written under
+        its name."""
+        if pieces is None:
+            pieces = sample_table_pieces(sample, id_to_token, clusters)
         writer: pq.ParquetWriter | None = None
-        header: dict[str, Any] | None = None
         with _staged(self.path("samples")) as path:
             try:
-                for layer in sample.layers:
-                    one = sample.layer(layer)
-                    df = one.to_table(id_to_token)
-                    if header is None:
-                        header = one.header() | {"layers": list(sample.layers)}
-                    del one
-                    df["cluster"] = pd.array([None] * len(df), dtype="Int64")
-                    if layer in clusters:
-                        uniform = (df["sample"] == "uniform").to_numpy()
-                        df.loc[uniform, "cluster"] = np.asarray(clusters[layer], dtype=np.int64)
-                    table = pa.Table.from_pandas(df, preserve_index=False)
+                for one_header, table in pieces:
                     if writer is None:
+                        header = one_header | {"layers": list(sample.layers)}
                         meta = (table.schema.metadata or {}) | {HEADER_KEY: json.dumps(header).encode()}
                         writer = pq.ParquetWriter(path, table.schema.with_metadata(meta), compression="zstd")
                     table = table.replace_schema_metadata(writer.schema.metadata)
-                    for start, length in _runs(df, ROW_GROUP_KEYS["samples"]):
+                    for start, length in _runs(table, ROW_GROUP_KEYS["samples"]):
                         writer.write_table(table.slice(start, length))
-                    del df, table
+                    del table
             finally:
                 if writer is not None:
                     writer.close()
@@ -615,6 +643,7 @@ class RunDir:
         id_to_token: Callable[[Sequence[int]], Sequence[str]] | None = None,
         clusters: Mapping[int, np.ndarray] | None = None,
         written_before: Sequence[str] = (),
+        sample_pieces: Iterable[tuple[dict[str, Any], pa.Table]] | None = None,
     ) -> Manifest:
         """Write the artefacts and tables, then the manifest as ``complete`` (in that order).
 
@@ -622,7 +651,8 @@ class RunDir:
         ``tables["samples"]`` holds (its :meth:`to_table` rows, with the sampled stage's
         columns), or, without ``tables["samples"]``, a sample given a layer at a time
         (:class:`~embgeom_ray.runs.sample_layers.SampleLayers`) that :meth:`write_samples`
-        writes a layer at a time (``id_to_token``, ``clusters``: as there). Either way the
+        writes a layer at a time (``id_to_token``, ``clusters``, ``sample_pieces``: its
+        ``pieces``, as there). Either way the
         sample's header goes into the file's metadata; a ``sample.safetensors`` of an earlier
         version is then removed. ``written_before``: tables the caller wrote already (a part at
         a time, :meth:`table_writer`), listed first among the outputs.
@@ -638,7 +668,7 @@ class RunDir:
             artefacts.append(DOC_HASHES)
         written = [*written_before, *self.write_tables(tables, headers)]
         if sample is not None and "samples" not in tables:
-            written.append(self.write_samples(sample, id_to_token, clusters or {}))
+            written.append(self.write_samples(sample, id_to_token, clusters or {}, sample_pieces))
         order = {f"{name}.parquet": i for i, name in enumerate(TABLES)}
         written.sort(key=lambda f: order.get(f, len(order)))  # the contract's order
         remove(self.path(SAMPLE))  # the form an earlier version wrote beside the table

@@ -149,30 +149,56 @@ def flagged_dims(dims: pd.DataFrame) -> dict[int, list[int]]:
     return out
 
 
+def position_profile(counts: np.ndarray, means: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(``counts`` (P,), ‖mean‖ at each position seen) of a layer's ``position_counts`` and
+    ``position_means`` (P, d)."""
+    return counts, np.linalg.norm(means[counts > 0], axis=1)
+
+
+def position_columns(counts: np.ndarray, means: np.ndarray, dims: Sequence[int]) -> np.ndarray:
+    """The position means (P, d) at dimensions ``dims``, at the positions seen: (seen, len(dims))."""
+    return means[counts > 0][:, list(dims)]
+
+
 def positions_table(
     profiles: Mapping[int, tuple[np.ndarray, np.ndarray]], flagged: Mapping[int, Sequence[int]]
 ) -> pd.DataFrame:
     """``positions.parquet``: per (layer, position) count, ‖mean‖ and the mean of flagged dims.
 
     ``profiles``: layer -> (``position_counts`` (P,), ``position_means`` (P, d)) of its
-    :class:`~embgeom_ray.core.statistics.LayerMoments` (small arrays, which a caller reading
-    one layer view at a time can keep); ``flagged``: layer -> flagged dimensions
-    (:func:`flagged_dims`). One row per position seen; columns ``dim_<d>`` for every
-    dimension flagged in any layer, that dimension's mean at each position.
+    :class:`~embgeom_ray.core.statistics.LayerMoments`; ``flagged``: layer -> flagged
+    dimensions (:func:`flagged_dims`). One row per position seen; columns ``dim_<d>`` for
+    every dimension flagged in any layer, that dimension's mean at each position
+    (:func:`positions_table_from` of :func:`position_profile` and :func:`position_columns`).
     """
     dims = sorted({d for ds in flagged.values() for d in ds})
+    return positions_table_from(
+        {
+            layer: (*position_profile(counts, means), position_columns(counts, means, dims))
+            for layer, (counts, means) in profiles.items()
+        },
+        dims,
+    )
+
+
+def positions_table_from(
+    profiles: Mapping[int, tuple[np.ndarray, np.ndarray, np.ndarray]], dims: Sequence[int]
+) -> pd.DataFrame:
+    """:func:`positions_table` from each layer's (counts (P,), ‖mean‖ at the positions seen,
+    the means at ``dims`` there), ``dims`` every dimension flagged in any layer, sorted: what
+    a layer's owner sends, O(P · (1 + len(dims))) rather than its P × d means."""
     frames = []
-    for layer, (counts, means) in profiles.items():
+    for layer, (counts, norms, columns) in profiles.items():
         seen = counts > 0
         pos = np.flatnonzero(seen)
         frame = {
             "layer": np.full(pos.shape, layer, dtype=np.int64),
             "position": pos.astype(np.int64),
             "count": counts[seen].astype(np.int64),
-            "mean_norm": np.linalg.norm(means[seen], axis=1),
+            "mean_norm": norms,
         }
-        for d in dims:
-            frame[f"dim_{d}"] = means[seen, d]
+        for j, d in enumerate(dims):
+            frame[f"dim_{d}"] = columns[:, j]
         frames.append(pd.DataFrame(frame))
     return pd.concat(frames, ignore_index=True)
 

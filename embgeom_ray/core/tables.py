@@ -21,9 +21,9 @@ manifest's note).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
 import numpy as np
 import pandas as pd
@@ -37,7 +37,9 @@ from .rogue import (
     dims_rows,
     exact_clipped_cosines_from,
     flagged_dims,
-    positions_table,
+    position_columns,
+    position_profile,
+    positions_table_from,
     sampled_clipped_cosines,
 )
 from .statistics import EmbeddingStatistics, LayerMoments, range_key
@@ -55,13 +57,68 @@ LID_CONVENTION = (
 )
 
 
-class _LayerParts(NamedTuple):
-    """What one layer contributes to the exact tables."""
+class LayerAnalysis(NamedTuple):
+    """What one layer's own state gives the exact tables, with its token types' merged
+    partials (:func:`analyse_layer`): O(d + P), never its d × d co-moment."""
 
     row: dict[str, Any]  # its row of layers.parquet
-    types: pd.DataFrame | None  # its rows of type_stats.parquet (no token names yet)
     dims: pd.DataFrame  # its rows of dims.parquet
-    positions: tuple[np.ndarray, np.ndarray]  # position counts (P,) and means (P, d)
+    positions: tuple[np.ndarray, np.ndarray]  # position counts (P,), ‖mean‖ at the positions seen
+
+
+def analyse_layer(state: LayerMoments, types: TypePartials, rules: OutlierRules) -> LayerAnalysis:
+    """A layer's row of ``layers.parquet`` (:func:`~.metrics.layer_row_from`,
+    :func:`~.rogue.clipping_row` with its flagged dimensions,
+    :func:`~.rogue.exact_clipped_cosines_from`), its rows of ``dims.parquet``
+    (:func:`~.rogue.dims_rows`) and its position profile (:func:`~.rogue.position_profile`),
+    from its own state (n, μ, C, tails, positions) and ``types``, the merged partials of its
+    token types. Runs where the state lives (e.g. the reducer actor that owns the layer)."""
+    dims = dims_rows(state, rules)
+    flagged = flagged_dims(dims).get(state.layer, [])
+    row = (
+        layer_row_from(state, types)
+        | clipping_row(state, flagged)
+        | exact_clipped_cosines_from(state, types)
+    )
+    return LayerAnalysis(row, dims, position_profile(state.position_counts, state.position_means))
+
+
+class LayerStates(Protocol):
+    """Each measured layer's own state, where it lives: what :func:`build_tables_from` asks
+    of it (O(d + P) answers)."""
+
+    def __iter__(self) -> Iterator[int]:
+        """The layers, in order."""
+
+    def mean(self, layer: int) -> np.ndarray:
+        """The layer's mean μ (d,)."""
+
+    def analyse(self, layer: int, types: TypePartials, rules: OutlierRules) -> LayerAnalysis:
+        """:func:`analyse_layer` of the layer's state."""
+
+    def position_columns(self, layer: int, dims: Sequence[int]) -> np.ndarray:
+        """The layer's position means at ``dims``, at the positions seen
+        (:func:`~.rogue.position_columns`)."""
+
+
+class StatesHere:
+    """:class:`LayerStates` of states in this process (layer -> :class:`LayerMoments`)."""
+
+    def __init__(self, states: Mapping[int, LayerMoments]) -> None:
+        self.states = states
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self.states)
+
+    def mean(self, layer: int) -> np.ndarray:
+        return self.states[layer].mean
+
+    def analyse(self, layer: int, types: TypePartials, rules: OutlierRules) -> LayerAnalysis:
+        return analyse_layer(self.states[layer], types, rules)
+
+    def position_columns(self, layer: int, dims: Sequence[int]) -> np.ndarray:
+        state = self.states[layer]
+        return position_columns(state.position_counts, state.position_means, dims)
 
 
 class TypeSummary(NamedTuple):
@@ -81,23 +138,6 @@ def summarise_types(
     O(types x d)."""
     m = part if isinstance(part, LayerMoments) else part.layer(layer)
     return TypeSummary(type_partials(m, layer_mean, min_count), type_stats_rows(m))
-
-
-def _layer_parts(
-    state: LayerMoments, summaries: Sequence[TypeSummary], rules: OutlierRules
-) -> _LayerParts:
-    """A layer's share of every exact table, from its own state (n, μ, C, tails, positions)
-    and the summaries of its token partitions, in token-id order."""
-    dims = dims_rows(state, rules)
-    flagged = flagged_dims(dims).get(state.layer, [])
-    types = merge_partials([s.partials for s in summaries])
-    row = (
-        layer_row_from(state, types)
-        | clipping_row(state, flagged)
-        | exact_clipped_cosines_from(state, types)
-    )
-    rows = pd.concat([s.rows for s in summaries], ignore_index=True)
-    return _LayerParts(row, rows, dims, (state.position_counts, state.position_means))
 
 
 #: layer -> its token partitions' summaries, given the layer's mean (in token-id order)
@@ -147,7 +187,7 @@ def build_tables(
 
 
 def build_tables_from(
-    layer_states: Mapping[int, LayerMoments],
+    layer_states: Mapping[int, LayerMoments] | LayerStates,
     summaries: Summariser,
     tokenizer: Any,
     options: TableOptions,
@@ -163,32 +203,47 @@ def build_tables_from(
     - ``dims``: :func:`~.rogue.dims_rows` of every layer (``options.outlier_*`` rules);
     - ``positions``: :func:`~.rogue.positions_table` with the dimensions flagged in any layer.
 
+    ``layer_states``: layer -> its state here, or a :class:`LayerStates` that analyses each
+    layer where its state lives (:func:`analyse_layer`; a partitioned run, on the reducer
+    that owns the layer), so that only O(d + P) per layer meets here, never a d × d state.
     ``summaries(layer, mean)`` gives the layer's :class:`TypeSummary` per token partition, in
     token-id order (:func:`build_tables` computes them here; a partitioned run, where the
-    partitions live). Only the layer states, the O(d) partials and the type rows meet here.
+    partitions live). Only the O(d) partials and the type rows meet here.
 
     ``type_rows``: given, each layer's ``type_stats`` rows go to it as soon as the layer is
     summarised (the same rows, in the same order) and are let go of, and the result has no
     ``type_stats``: a caller writing them a layer at a time holds one layer's V rows, not L·V.
     """
     rules = OutlierRules.of(options)
-    parts = {}
-    for layer, state in layer_states.items():
-        part = _layer_parts(state, summaries(layer, state.mean), rules)
+    states = StatesHere(layer_states) if isinstance(layer_states, Mapping) else layer_states
+    parts: dict[int, LayerAnalysis] = {}
+    types = []
+    for layer in states:
+        found = summaries(layer, states.mean(layer))
+        parts[layer] = states.analyse(layer, merge_partials([s.partials for s in found]), rules)
+        rows = pd.concat([s.rows for s in found], ignore_index=True)
+        del found
         if type_rows is not None:
-            type_rows(with_token_names(part.types, tokenizer.convert_ids_to_tokens))
-            part = part._replace(types=None)
-        parts[layer] = part
+            type_rows(with_token_names(rows, tokenizer.convert_ids_to_tokens))
+        else:
+            types.append(rows)
+        del rows
     dims = pd.concat([p.dims for p in parts.values()], ignore_index=True)
+    flagged = flagged_dims(dims)
+    columns = sorted({d for ds in flagged.values() for d in ds})
+    profiles = {
+        layer: (*p.positions, states.position_columns(layer, columns)) for layer, p in parts.items()
+    }
     streamed = type_rows is not None
-    types = None if streamed else pd.concat([p.types for p in parts.values()], ignore_index=True)
     return {
-        **({} if streamed else {"type_stats": with_token_names(types, tokenizer.convert_ids_to_tokens)}),
+        **(
+            {}
+            if streamed
+            else {"type_stats": with_token_names(pd.concat(types, ignore_index=True), tokenizer.convert_ids_to_tokens)}
+        ),
         "layers": pd.DataFrame([p.row for p in parts.values()]),
         "dims": dims,
-        "positions": positions_table(
-            {layer: p.positions for layer, p in parts.items()}, flagged_dims(dims)
-        ),
+        "positions": positions_table_from(profiles, columns),
     }
 
 

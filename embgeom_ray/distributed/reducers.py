@@ -8,16 +8,18 @@ per-layer state (n, μ, co-moment, tails, positions) of the layers
 the run, in group-id order, and only those bytes
 (:meth:`~embgeom_ray.core.statistics.EmbeddingStatistics.load_part`), and merges it (Chan's update,
 row by row), so its part equals the same part of the unpartitioned merge exactly. The driver
-never holds a per-type table: per layer it fetches the layer's state from its owner and asks
-every reducer for the :class:`~embgeom_ray.core.tables.TypeSummary` of its range (O(d) sums and
-its ``type_stats`` rows), and builds the tables with
+never holds a per-type table nor a layer's d × d state: per layer it asks the layer's owner
+for its mean, every reducer for the :class:`~embgeom_ray.core.tables.TypeSummary` of its range
+(O(d) sums and its ``type_stats`` rows), and the owner for the layer's analysis with the merged
+sums (:func:`~embgeom_ray.core.tables.analyse_layer`: its rows of ``layers`` and ``dims``, its
+position profile), and builds the tables with
 :func:`~embgeom_ray.core.tables.build_tables_from`. Each reducer writes its parts as files of
 the partitioned artefact (:mod:`embgeom_ray.run_dir`).
 
 Memory: reducer r holds the per-type rows of its range (⌈V_seen / R⌉ types, the ranges cut
 at the quantiles of the ids seen) in every measured layer and the per-layer state of its
-⌈L / R⌉ layers, plus its part of one group being read; the driver one layer's state at a time,
-the O(d) partial sums and the ``type_stats`` rows. The formulas, and how many reducers of how
+⌈L / R⌉ layers, plus its part of one group being read (or one layer's analysis); the driver
+the O(d + P) answers and one layer's ``type_stats`` rows. The formulas, and how many reducers of how
 much memory a run gets, are :mod:`embgeom_ray.sizing`'s (:func:`~embgeom_ray.sizing.reducer_budget`).
 
 The job starts reducers while the extractors run (:func:`start_reducers`, without a plan), as
@@ -51,8 +53,17 @@ import numpy as np
 import ray
 
 from ..core.options import TableOptions
+from ..core.partials import TypePartials
+from ..core.rogue import OutlierRules, position_columns
 from ..core.statistics import EmbeddingStatistics, LayerMoments
-from ..core.tables import TypeSummary, build_tables_from, summarise_types
+from ..core.tables import (
+    LayerAnalysis,
+    LayerStates,
+    TypeSummary,
+    analyse_layer,
+    build_tables_from,
+    summarise_types,
+)
 from ..errors import ConfigError, OutputError
 from ..io_utils import atomic_write_json, exists, join, read_bytes, remove
 from ..run_dir import PARTS_FORMAT, PARTS_INDEX, load_statistics_part, statistics_type_ids
@@ -272,6 +283,23 @@ class Reducer:
             raise ValueError(f"reducer {self.index} does not hold layer {layer}'s state")
         return self.state.layer(layer)
 
+    def layer_counts(self, layer: int) -> tuple[int, int]:
+        """(tokens, non-finite tokens) of ``layer``, which this reducer owns."""
+        state = self.layer_state(layer)
+        return int(state.n), int(state.nonfinite)
+
+    def layer_mean(self, layer: int) -> np.ndarray:
+        return self.layer_state(layer).mean
+
+    def analyse_layer(self, layer: int, types: TypePartials, rules: OutlierRules) -> LayerAnalysis:
+        """:func:`~embgeom_ray.core.tables.analyse_layer` of ``layer``'s state, here: the
+        driver gets O(d + P), not the d × d co-moment."""
+        return analyse_layer(self.layer_state(layer), types, rules)
+
+    def position_columns(self, layer: int, dims: list[int]) -> np.ndarray:
+        state = self.layer_state(layer)
+        return position_columns(state.position_counts, state.position_means, dims)
+
     def summarise(self, layer: int, layer_mean: np.ndarray, min_count: int) -> TypeSummary:
         if self.rows is None:
             raise ValueError(f"reducer {self.index} has no statistics (load groups first)")
@@ -398,6 +426,11 @@ class PartitionedStatistics:
         """Layer → its state, fetched when read (one layer's d² at a time in the driver)."""
         return _LazyStates(self)
 
+    def states(self) -> LayerStates:
+        """The layers' states where they live: each layer analysed by its owner
+        (:class:`~embgeom_ray.core.tables.LayerStates`; the driver never holds a d × d state)."""
+        return _OwnedStates(self)
+
     def summaries(self, layer: int, mean: np.ndarray, min_count: int) -> list[TypeSummary]:
         refs = [a.summarise.remote(layer, mean, min_count) for a in self.actors]
         return [
@@ -410,19 +443,22 @@ class PartitionedStatistics:
         """Every exact table (:func:`~embgeom_ray.core.tables.build_tables_from`; ``type_rows``
         as there)."""
         return build_tables_from(
-            self.layer_states(),
+            self.states(),
             lambda layer, mean: self.summaries(layer, mean, options.min_count),
             tokenizer,
             options,
             type_rows,
         )
 
+    def _on_owner(self, layer: int, method: str, *args: Any) -> Any:
+        return self._call(self.plan.owner(layer), method, layer, *args)
+
     def nonfinite(self) -> dict[int, int]:
-        return {layer: self.layer_state(layer).nonfinite for layer in self.plan.layers}
+        return {layer: self._on_owner(layer, "layer_counts")[1] for layer in self.plan.layers}
 
     def token_count(self) -> int:
         """Tokens counted in the first measured layer (as ``EmbeddingStatistics``)."""
-        return self.layer_state(self.plan.layers[0]).n
+        return self._on_owner(self.plan.layers[0], "layer_counts")[0]
 
     def save(self, directory: str) -> None:
         """The partitioned artefact: every reducer's parts (written by the reducers at once),
@@ -514,3 +550,22 @@ class _LazyStates(Mapping[int, LayerMoments]):
 
     def __len__(self) -> int:
         return len(self.parts.plan.layers)
+
+
+class _OwnedStates:
+    """:class:`~embgeom_ray.core.tables.LayerStates` of the layers the reducers own."""
+
+    def __init__(self, parts: PartitionedStatistics) -> None:
+        self.parts = parts
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self.parts.plan.layers)
+
+    def mean(self, layer: int) -> np.ndarray:
+        return self.parts._on_owner(layer, "layer_mean")
+
+    def analyse(self, layer: int, types: TypePartials, rules: OutlierRules) -> LayerAnalysis:
+        return self.parts._on_owner(layer, "analyse_layer", types, rules)
+
+    def position_columns(self, layer: int, dims: Sequence[int]) -> np.ndarray:
+        return self.parts._on_owner(layer, "position_columns", list(dims))

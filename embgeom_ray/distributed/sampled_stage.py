@@ -23,6 +23,7 @@ from ..core.tables import (
     sampled_options,
     sampled_row,
 )
+from ..runs.sample_layers import on_workers
 
 if TYPE_CHECKING:
     from ..runs.sample_layers import SampleLayers
@@ -42,14 +43,19 @@ def add_sampled_metrics(
     clusters are ready; each task holds one CPU and runs one thread. The layers are planned
     and submitted one at a time (``sample`` gives one layer's sample at a time: its points go
     to the object store with the layer's tasks, and this process drops them before the next
-    layer's), so this process never holds more than one layer of the sample. Adds the
+    layer's), so this process never holds more than one layer of the sample; a sample whose
+    one layer reaches :data:`~embgeom_ray.sizing.formulas.SAMPLE_ON_WORKERS_BYTES`
+    (:func:`~embgeom_ray.runs.sample_layers.on_workers`) has each layer's inputs made by a
+    Ray task instead, and this process holds none of it. Adds the
     sampled columns to ``tables["layers"]`` and ``tables["kmeans"]``; returns what the
     manifest records and each layer's K-means ``cluster`` of the uniform occurrences, in
     canonical order (for ``samples.parquet``, written a layer at a time by
     :meth:`~embgeom_ray.run_dir.RunDir.finalise`). A sample too small for the metrics
-    (:data:`~embgeom_ray.core.tables.MIN_SAMPLE_POINTS`) needs no Ray.
+    (:data:`~embgeom_ray.core.tables.MIN_SAMPLE_POINTS`) needs no Ray (unless it is that large).
     """
     layers = list(sample.layers)
+    if on_workers(sample):
+        return _on_workers(tables, sample, options, address)
     first = sample.layer(layers[0])
     note = sampled_note(first)
     if "skipped" in note:
@@ -82,6 +88,60 @@ def add_sampled_metrics(
             **row_options,
         )
         del inputs
+    return _finish(tables, note, layers, row_refs, km_refs)
+
+
+def _on_workers(
+    tables: dict[str, pd.DataFrame],
+    sample: SampleLayers,
+    options: SampledOptions,
+    address: str | None,
+) -> tuple[dict[str, Any], dict[int, np.ndarray]]:
+    """:func:`add_sampled_metrics` with each layer's inputs made by a Ray task from the
+    sample (:mod:`~embgeom_ray.distributed.sample_tasks`): the same tasks on the same arrays,
+    none of which passes through this process."""
+    import ray
+
+    from .cluster import connect
+    from .kmeans import call_on_ray, fit_shares
+    from .sample_tasks import placement, select_k_of, submit_inputs
+
+    connect(address)
+    layers = list(sample.layers)
+    flagged = flagged_dims(tables["dims"])
+    source, where = ray.put(sample), placement(sample)
+    inputs = {layer: submit_inputs(source, layer, flagged.get(layer, []), where) for layer in layers}
+    note = ray.get(inputs[layers[0]][0])
+    if "skipped" in note:
+        return note, {}
+    kmeans_options, row_options = sampled_options(options, note["uniform_points"])
+    shares = fit_shares(len(layers), 1)
+    km_refs, row_refs = {}, {}
+    for layer in layers:
+        _, vectors, token_ids, type_vectors, content_keys = inputs.pop(layer)
+        km_refs[layer] = select_k_of.remote(vectors, content_keys, shares, kmeans_options)
+        row_refs[layer] = call_on_ray(
+            sampled_row,
+            vectors,
+            token_ids,
+            type_vectors,
+            km_refs[layer],
+            flagged.get(layer, []),
+            groups=content_keys,
+            **row_options,
+        )
+    return _finish(tables, note, layers, row_refs, km_refs)
+
+
+def _finish(
+    tables: dict[str, pd.DataFrame],
+    note: dict[str, Any],
+    layers: list[int],
+    row_refs: dict[int, Any],
+    km_refs: dict[int, Any],
+) -> tuple[dict[str, Any], dict[int, np.ndarray]]:
+    """The sampled columns into ``tables`` once every layer's tasks are done; (the note,
+    each layer's K-means labels)."""
     rows, kmeans = _gather(row_refs, km_refs)
     clusters = {layer: np.asarray(kmeans[layer].labels, dtype=np.int64) for layer in layers}
     return finish_sampled_columns(tables, note, layers, rows, kmeans), clusters

@@ -938,18 +938,22 @@ def render_report(run: RunView, figures: Sequence[Figure]) -> str:
 
 
 def write_report(
-    out_dir: str, *, figures: Sequence[Figure] | None = None, elsewhere: Elsewhere | None = None
+    out_dir: str,
+    *,
+    figures: Sequence[Figure] | None = None,
+    elsewhere: Elsewhere | None = None,
+    draw_here: bool = True,
 ) -> str:
     """Draw the run's figures and write ``out_dir/report.html``; returns its path.
 
     ``figures`` (from :func:`embgeom_ray.report.plots.make_all_plots` with ``include_absent=True``)
-    skips re-drawing; ``elsewhere`` draws some of them in other processes (``make_all_plots``).
-    Raises :class:`~embgeom_ray.run_dir.RunDirError` when ``out_dir`` is not a run
+    skips re-drawing; ``elsewhere`` draws some of them in other processes, or all of them
+    with ``draw_here=False`` (``make_all_plots``). Raises :class:`~embgeom_ray.run_dir.RunDirError` when ``out_dir`` is not a run
     directory (no manifest.json or layers.parquet).
     """
     run = RunView(out_dir)
     if figures is None:
-        figures = make_all_plots(run, include_absent=True, elsewhere=elsewhere)
+        figures = make_all_plots(run, include_absent=True, elsewhere=elsewhere, draw_here=draw_here)
     return _write(run.out, render_report(run, figures))
 
 
@@ -1178,17 +1182,19 @@ def write_run_report(
     manifest: Manifest,
     echo: Callable[[str], None] = print,
     elsewhere: Elsewhere | None = None,
+    draw_here: bool = True,
 ) -> None:
     """Plots and ``report.html`` for a finished run; recorded in (and rewrites) the manifest.
 
     The measurement is already complete and saved: a failure here is reported, not raised.
-    ``elsewhere`` draws some figures in other processes (:func:`write_report`).
+    ``elsewhere`` draws some figures in other processes, all with ``draw_here=False``
+    (:func:`write_report`).
     """
     import time
 
     t0 = time.perf_counter()
     try:
-        path = write_report(run.url, elsewhere=elsewhere)
+        path = write_report(run.url, elsewhere=elsewhere, draw_here=draw_here)
     except Exception as exc:  # plotting must never lose a finished run
         manifest.set(report_error=f"{type(exc).__name__}: {exc}")
         echo(f"warning: the report could not be written ({manifest.report_error})")

@@ -144,6 +144,7 @@ def make_all_plots(
     include_absent: bool = False,
     strict: bool = False,
     elsewhere: Elsewhere | None = None,
+    draw_here: bool = True,
 ) -> list[Figure]:
     """Draw every figure of the run in ``out_dir`` into ``out_dir/plots/``.
 
@@ -155,15 +156,16 @@ def make_all_plots(
 
     With ``elsewhere``, every group of :data:`FIGURE_GROUPS` but the first is handed to it
     (e.g. Ray tasks on this node: :func:`embgeom_ray.distributed.node_tasks.on_this_node`)
-    while this process draws the first; the figures are the same (each is a function of the
-    run's files).
+    while this process draws the first (with ``draw_here=False``, that one too: the PCA views
+    read a layer of the sample, which the job's own process does not hold for a large
+    sample); the figures are the same (each is a function of the run's files).
     """
     run = out_dir if isinstance(out_dir, RunView) else RunView(out_dir)
     if elsewhere is None:
         figures = draw_figures(run, [name for name, _, _ in PLOTS], strict=strict)
     else:
-        waits = [elsewhere(group) for group in FIGURE_GROUPS[1:]]
-        figures = draw_figures(run, FIGURE_GROUPS[0], strict=strict)
+        waits = [elsewhere(group) for group in FIGURE_GROUPS[0 if not draw_here else 1 :]]
+        figures = draw_figures(run, FIGURE_GROUPS[0], strict=strict) if draw_here else []
         for wait in waits:
             figures += wait()
         order = {name: i for i, (name, _, _) in enumerate(PLOTS)}

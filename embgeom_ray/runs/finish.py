@@ -25,7 +25,7 @@ from ..distributed.sampled_stage import add_sampled_metrics
 from ..report.html import write_run_report
 from ..report.plots import draw_figures
 from ..run_dir import MANIFEST, Manifest, RunDir, format_summary
-from .sample_layers import SampleLayers, as_layers
+from .sample_layers import SampleLayers, as_layers, on_workers
 
 if TYPE_CHECKING:
     from ..distributed.reducers import PartitionedStatistics
@@ -96,7 +96,8 @@ def finish_run(
     ``timings_s.metrics``/``write``/``total``, ``sample`` and ``outputs`` and writes it as
     ``complete`` only after every table and artefact is in place. ``sample``: whole, or a
     layer at a time (:mod:`~embgeom_ray.runs.sample_layers`); either way the sampled stage
-    and ``samples.parquet`` take it one layer at a time.
+    and ``samples.parquet`` take it one layer at a time, and a large one is handled by Ray
+    tasks that read it themselves (:mod:`~embgeom_ray.distributed.sample_tasks`).
     """
     t0 = time.perf_counter()
     with run.table_writer("type_stats") as type_rows:  # a layer's rows at a time, not L·V
@@ -109,9 +110,15 @@ def finish_run(
     )
     t1 = time.perf_counter()
     manifest.set(sample=note, timings_s=manifest.timings_s | {"metrics": round(t1 - t0, 3)})
+    id_to_token = tokenizer.convert_ids_to_tokens
+    pieces = None
+    if layers is not None and on_workers(layers):  # built by Ray tasks, fetched a piece at a time
+        from ..distributed.sample_tasks import table_pieces_on_ray
+
+        pieces = table_pieces_on_ray(layers, id_to_token, clusters, config.address)
     run.finalise(
-        manifest, tables, merged, layers, id_to_token=tokenizer.convert_ids_to_tokens,
-        clusters=clusters, written_before=["type_stats.parquet"],
+        manifest, tables, merged, layers, id_to_token=id_to_token, clusters=clusters,
+        written_before=["type_stats.parquet"], sample_pieces=pieces,
     )  # fmt: skip
     t2 = time.perf_counter()
     manifest.set(
@@ -131,5 +138,7 @@ def finish_run(
     # some figures drawn by Ray tasks on this node while this process draws the others
     tasks = on_this_node(draw_figures)
     elsewhere = None if tasks is None else lambda names: tasks(run.url, names)
-    write_run_report(run, manifest, echo, elsewhere=elsewhere)
+    # a large sample's PCA views are drawn in tasks too: this process holds no layer of it
+    large = layers is not None and on_workers(layers)
+    write_run_report(run, manifest, echo, elsewhere=elsewhere, draw_here=not large or elsewhere is None)
     return manifest

@@ -6,7 +6,10 @@ The merged sample of a run is (size + type_size) occurrences × L layers × d fl
 the same in every layer (:mod:`embgeom_ray.core.samples`); so the one-layer sample of layer l
 of the merge of some samples is the merge of their one-layer samples of l, bit for bit. A
 :class:`SampleLayers` gives one-layer samples one at a time, so that the driver holds one
-layer of the merge and one layer of a part (Q/L each), never the whole sample:
+layer of the merge and one layer of a part (Q/L each), never the whole sample; from a one-layer
+sample of :data:`~embgeom_ray.sizing.formulas.SAMPLE_ON_WORKERS_BYTES` (:func:`on_workers`),
+Ray tasks take the :class:`SampleLayers` and read their layer themselves
+(:mod:`embgeom_ray.distributed.sample_tasks`), and the driver holds none of it:
 
 - :class:`FileSample`: a sample file (a checkpoint group's), read only in the layer's byte
   range (:meth:`ActivationSample.load_layer <embgeom_ray.core.samples.ActivationSample.load_layer>`);
@@ -28,6 +31,7 @@ from ..core.samples import ActivationSample
 from ..core.sketch import read_header
 from ..errors import StatisticsMismatchError
 from ..run_dir import RunDir
+from ..sizing.formulas import SAMPLE_ON_WORKERS_BYTES, sample_layer_bytes
 
 
 class SampleLayers(Protocol):
@@ -170,6 +174,21 @@ def sample_layers(urls: Sequence[str]) -> SampleLayers | None:
     """The sample files at ``urls`` (checkpoint groups') merged in order a layer at a time
     (:func:`merged_layers`); None without any."""
     return merged_layers([FileSample(url) for url in urls], urls)
+
+
+def sample_entries(header: dict[str, Any]) -> tuple[int, int]:
+    """(uniform, type-uniform) entries a sample of ``header`` holds at most."""
+    types = int(header.get("type_size", header["size"])) if header.get("type_uniform", True) else 0
+    return int(header["size"]), types
+
+
+def on_workers(sample: SampleLayers) -> bool:
+    """Whether ``sample``'s per-layer work (the sampled stage's inputs, the rows of
+    ``samples.parquet``) runs in Ray tasks that read it themselves
+    (:mod:`embgeom_ray.distributed.sample_tasks`): when its one-layer sample can reach
+    :data:`~embgeom_ray.sizing.formulas.SAMPLE_ON_WORKERS_BYTES` (from its header's sizes)."""
+    entries = sum(sample_entries(sample.header))
+    return sample_layer_bytes(entries, int(sample.header["dim"])) >= SAMPLE_ON_WORKERS_BYTES
 
 
 def as_layers(sample: ActivationSample | SampleLayers | None) -> SampleLayers | None:

@@ -147,7 +147,7 @@ class Sizing:
         shape = self.shape
         return (
             f"the job's own process needs {gib(self.driver)} above its start, more than "
-            f"{gib(DRIVER_ALLOWANCE_BYTES)}: the sample a layer at a time "
+            f"{gib(DRIVER_ALLOWANCE_BYTES)}: its share of the sample "
             f"({gib(shape.driver_sample_bytes)}) and a layer's type_stats rows "
             f"({gib(self.types * TYPE_ROW_BYTES)}) are held there; --sample-size and "
             "--sample-type-size lower the first"
@@ -537,7 +537,7 @@ def size_reducers(
             return Reduce(
                 0, None, types, f"{DRIVER_REDUCE_FACTOR} · (S(V) + F)",
                 f"the job's process would take {gib(in_driver)} above its start with "
-                f"{rows} ({driver_formula(True)}), within its "
+                f"{rows} ({driver_formula(True, shape)}), within its "
                 f"{gib(DRIVER_ALLOWANCE_BYTES)}",
             )  # fmt: skip
     if explicit_b is not None:
@@ -594,14 +594,14 @@ def size_job(
     if head and DRIVER_BASE_BYTES + driver > head:
         raise ConfigError(
             f"the job's own process would need {gib(DRIVER_BASE_BYTES + driver)} "
-            f"({gib(DRIVER_BASE_BYTES)} at its start + {driver_formula(not reduce.partitioned)}"
-            f": the sample a layer at a time {gib(shape.driver_sample_bytes)}, the type_stats rows "
+            f"({gib(DRIVER_BASE_BYTES)} at its start + {driver_formula(not reduce.partitioned, shape)}"
+            f": its share of the sample {gib(shape.driver_sample_bytes)}, the type_stats rows "
             f"{gib(types * TYPE_ROW_BYTES)} a layer), more than the head node's "
             f"{gib(head)}; lower --sample-size and --sample-type-size, or measure fewer --layers"
         )
     sizing = Sizing(
         shape, cluster, types, types_reason, pool, reduce, driver,
-        driver_formula(not reduce.partitioned),
+        driver_formula(not reduce.partitioned, shape),
     )  # fmt: skip
     sizing.extras["io"] = io_sizes(sizing, corpus)
     return sizing

@@ -15,11 +15,14 @@ Processes:
 
 - **driver** (the job's own process): above its memory at the start, what it adds whatever the
   statistics (:data:`DRIVER_RUN_BYTES`: Ray's core worker, the libraries of the sampled
-  metrics and the report), one layer's state 8 · (d² + P·d + 3d) at a time, the
-  ``type_stats`` rows of one layer at a time (:data:`TYPE_ROW_BYTES` each, V of them) and one layer of the sample
-  at a time (:func:`driver_sample_bytes`, :mod:`embgeom_ray.runs.sample_layers`):
+  metrics and the report), the ``dims`` rows of every layer (:data:`DIMS_ROW_BYTES` each,
+  L·d of them: each layer is analysed by the reducer that holds its state), the
+  ``type_stats`` rows of one layer at a time (:data:`TYPE_ROW_BYTES` each, V of them) and
+  the sample: one layer of it at a time, or, from a one-layer sample of
+  :data:`SAMPLE_ON_WORKERS_BYTES`, pieces of its rows while Ray tasks do the rest
+  (:func:`driver_sample_bytes`, :mod:`embgeom_ray.runs.sample_layers`):
   :func:`driver_bytes`; when it reduces the statistics itself,
-  :data:`DRIVER_REDUCE_FACTOR` · (S(V) + F) instead of the layer's state. It reduces them
+  :data:`DRIVER_REDUCE_FACTOR` · (S(V) + F) instead of the dims rows. It reduces them
   itself only while all that is within :data:`DRIVER_ALLOWANCE_BYTES`.
 - **extractor**: :data:`EXTRACTOR_BASE_BYTES` + w + B · b_tok + 2 · Q + 2 · (σ + g), σ its
   statistics budget, g = min(B, V) · r one batch's new types beyond it, b_tok the batch's bytes
@@ -62,6 +65,24 @@ DRIVER_SAMPLE_LAYERS = 10
 #: bytes per sampled entry the driver adds to each one-layer sample's as it writes the
 #: layer's rows (pandas' row objects: the vector's array, the token's string)
 DRIVER_SAMPLE_ROW_BYTES = 256
+#: a one-layer sample Q_l of at least this many bytes is merged, widened for the sampled
+#: stage and turned into rows of samples.parquet by Ray tasks, one per layer, that read it
+#: themselves (:mod:`embgeom_ray.distributed.sample_tasks`); the driver then holds none of
+#: its vectors, only the pieces of samples.parquet it writes, one at a time
+SAMPLE_ON_WORKERS_BYTES = 16 * MiB
+#: the most bytes of rows of samples.parquet in one piece a task hands the driver
+SAMPLE_PIECE_BYTES = 8 * MiB
+#: the driver's peak for the sample handled by Ray tasks, in pieces of
+#: :data:`SAMPLE_PIECE_BYTES`: the piece being written and its Parquet encoding (the piece
+#: itself is read from the object store without a copy). Measured above a warmed start:
+#: 2.7 MiB for an 8B-shaped sample (d = 4,096, s = 8,192, L = 3, the whole sampled stage)
+#: and 3.8 MiB for a 70B-shaped one (d = 8,192), against 643 MiB with the driver doing it
+#: (tests/distributed/test_sample_tasks.py checks it at d = 2,048)
+DRIVER_SAMPLE_PIECES = 4
+#: bytes of one ``dims`` row as the driver holds that table until it is written (L·d rows:
+#: nine numbers, a flag and the rule's string in pandas): 146 B measured (RssAnon) while the
+#: layers' rows are concatenated, 92 B once they are
+DIMS_ROW_BYTES = 160
 #: bytes of one ``type_stats`` row as the driver builds the table (eight numbers and the
 #: token's string in pandas)
 TYPE_ROW_BYTES = 160
@@ -432,39 +453,66 @@ def shape_reducer_budget(shape: Shape, reducers: int, types: int) -> int:
     return reducer_budget(reducers, shape.layers, shape.dim, types, shape.positions, shape.clip)
 
 
+def sample_layer_bytes(entries: int, dim: int) -> int:
+    """Q_l = 4·s·d + 48·s: one layer of a sample of ``entries`` entries."""
+    return 4 * entries * dim + 48 * entries
+
+
+def sample_on_workers(entries: int, dim: int) -> bool:
+    """Whether the sample's per-layer work runs in Ray tasks (:data:`SAMPLE_ON_WORKERS_BYTES`)."""
+    return sample_layer_bytes(entries, dim) >= SAMPLE_ON_WORKERS_BYTES
+
+
 def driver_sample_bytes(layers: int, entries: int, dim: int) -> int:
-    """What the driver holds of the sample: :data:`DRIVER_SAMPLE_LAYERS` one-layer samples
-    Q_l = 4·s·d + 48·s and :data:`DRIVER_SAMPLE_ROW_BYTES` a sampled entry, whatever L (the
-    sample is merged, planned and written a layer at a time; ``layers`` only bounds it by
-    the whole sample's multiple for a sample of fewer layers)."""
-    one = 4 * entries * dim + 48 * entries
+    """What the driver holds of the sample: with Q_l = 4·s·d + 48·s at least
+    :data:`SAMPLE_ON_WORKERS_BYTES`, :data:`DRIVER_SAMPLE_PIECES` pieces of
+    :data:`SAMPLE_PIECE_BYTES` and every layer's K-means labels (8·L·s); below it,
+    :data:`DRIVER_SAMPLE_LAYERS` one-layer samples and :data:`DRIVER_SAMPLE_ROW_BYTES` a
+    sampled entry, whatever L (the sample is merged, planned and written a layer at a time
+    in the driver; ``layers`` only bounds it by the whole sample's multiple for a sample of
+    fewer layers)."""
+    if sample_on_workers(entries, dim):
+        return DRIVER_SAMPLE_PIECES * SAMPLE_PIECE_BYTES + 8 * max(layers, 1) * entries
+    one = sample_layer_bytes(entries, dim)
     return min(DRIVER_SAMPLE_LAYERS, max(layers, 1)) * one + DRIVER_SAMPLE_ROW_BYTES * entries
 
 
 def driver_bytes(shape: Shape, types: int, in_process: bool) -> int:
     """The driver's memory above its start: :data:`DRIVER_RUN_BYTES`; reducing in process
-    :data:`DRIVER_REDUCE_FACTOR` · (S(V) + F), else one layer's state 8 · (d² + P·d + 3d)
-    fetched at a time; one layer's ``type_stats`` rows (V of :data:`TYPE_ROW_BYTES`: they are
-    written a layer at a time) and a few
-    layers of the sample (:func:`driver_sample_bytes`)."""
-    d, p = shape.dim, shape.positions
+    :data:`DRIVER_REDUCE_FACTOR` · (S(V) + F), else the ``dims`` rows of every layer (L·d of
+    :data:`DIMS_ROW_BYTES`: each layer is analysed where its state lives, and only O(d + P)
+    of it comes here); one layer's ``type_stats`` rows (V of :data:`TYPE_ROW_BYTES`: they are
+    written a layer at a time) and what it holds of the sample (:func:`driver_sample_bytes`)."""
     reduce = (
         DRIVER_REDUCE_FACTOR * shape.statistics_bytes(types)
         if in_process
-        else 8 * (d * d + p * d + 3 * d)
+        else shape.layers * shape.dim * DIMS_ROW_BYTES
     )
     rows = types * TYPE_ROW_BYTES
     return DRIVER_RUN_BYTES + reduce + rows + shape.driver_sample_bytes
 
 
-def driver_formula(in_process: bool) -> str:
+def driver_formula(in_process: bool, shape: Shape | None = None) -> str:
+    """:func:`driver_bytes` in words (``shape``: the sample's part as it is handled for it;
+    None: in the driver)."""
     reduce = (
-        f"{DRIVER_REDUCE_FACTOR} · (S(V) + F)" if in_process else "one layer's state 8·(d² + P·d + 3d)"
+        f"{DRIVER_REDUCE_FACTOR} · (S(V) + F)"
+        if in_process
+        else f"the dims rows L·d × {DIMS_ROW_BYTES} B (each layer analysed by its reducer)"
     )
+    if shape is not None and sample_on_workers(shape.sample_entries, shape.dim):
+        sample = (
+            f"the sample on Ray tasks ({gib(SAMPLE_ON_WORKERS_BYTES)} ≤ 4·s·d + 48s a layer): "
+            f"{DRIVER_SAMPLE_PIECES} pieces of {gib(SAMPLE_PIECE_BYTES)} + the K-means labels 8·L·s"
+        )
+    else:
+        sample = (
+            f"the sample a layer at a time {DRIVER_SAMPLE_LAYERS} · (4·s·d + 48s) + "
+            f"{DRIVER_SAMPLE_ROW_BYTES} B · s"
+        )
     return (
         f"{gib(DRIVER_RUN_BYTES)} (Ray, the metrics' and report's libraries) + {reduce} + a "
-        f"layer's V type_stats rows of {TYPE_ROW_BYTES} B + the sample a layer at a time "
-        f"{DRIVER_SAMPLE_LAYERS} · (4·s·d + 48s) + {DRIVER_SAMPLE_ROW_BYTES} B · s"
+        f"layer's V type_stats rows of {TYPE_ROW_BYTES} B + {sample}"
     )
 
 

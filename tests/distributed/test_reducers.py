@@ -18,7 +18,7 @@ import torch
 
 from embgeom_ray.config import JobConfig
 from embgeom_ray.core.statistics import EmbeddingStatistics
-from embgeom_ray.core.tables import build_tables
+from embgeom_ray.core.tables import build_tables, build_tables_from
 from embgeom_ray.distributed.reducers import (
     PartitionedStatistics,
     PartitionPlan,
@@ -160,7 +160,14 @@ def test_reducers_give_the_tables_of_the_whole(
         if balanced
         else PartitionPlan.of(reducers, VOCAB, LAYERS)
     )
-    assert_tables_close(parts.tables(Tokenizer, options), build_tables(whole, Tokenizer, options))
+    got = parts.tables(Tokenizer, options)
+    assert_tables_close(got, build_tables(whole, Tokenizer, options))
+    # each layer analysed on its owner: bit for bit what the driver computed from the state
+    here = build_tables_from(
+        parts.layer_states(), lambda la, mean: parts.summaries(la, mean, 2), Tokenizer, options
+    )
+    for name in ("type_stats", "layers", "dims", "positions"):
+        pd.testing.assert_frame_equal(got[name], here[name], check_exact=True)
     assert parts.token_count() == whole.token_count()
     assert parts.nonfinite() == {x: whole.layer(x).nonfinite for x in LAYERS}
     # the partitioned artefact loads back into the whole, exactly

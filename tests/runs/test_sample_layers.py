@@ -259,32 +259,31 @@ def test_the_drivers_peak_holds_one_layer_of_the_sample(tmp_path):
     assert run(large, "whole") > len(layers) * q_large
 
 
-def test_the_plans_driver_figure_is_one_layer_of_the_sample_whatever_l():
-    """size_job's driver figure (what --plan prints and the manifest records) is the formula
-    with the sample and the type_stats rows a layer at a time: 512 MiB + one layer's state +
-    V rows of 160 B + 10·(4·s·d + 48·s) + 256 B·s, written out here; doubling L leaves it
-    unchanged, where the whole sample (2·Q) and the L·V rows doubled before."""
+def test_the_plans_driver_figure_holds_no_layer_of_the_sample_nor_of_the_state():
+    """size_job's driver figure (what --plan prints and the manifest records) for 8B- and
+    70B-shaped models at the default sample, written out here: 512 MiB + the dims rows
+    L·d × 160 B (each layer analysed by its reducer) + V rows of 160 B + the sample on Ray
+    tasks, 4 pieces of 8 MiB + the labels 8·L·s; within 1 GiB, where one layer's sample
+    (10 · Q_l) and one layer's state were held before (1.9 and 3.5 GiB)."""
     from embgeom_ray.config import build_config
     from embgeom_ray.sizing import Cluster, CorpusShape, Node, Shape, size_job
 
-    gib = 2**30
+    gib, mib = 2**30, 2**20
     opts = build_config(None, {"model": "m", "corpus": "c", "out": "o", "device": "cpu"}).scheduling
     cluster = Cluster((Node("h", 64 * gib, cpus=4, head=True), Node("w", 4096 * gib, cpus=64)))
     corpus = CorpusShape("c", 1, 10**12, 1000)
-    s, d, p, v = 8192, 4096, 128, 128_256
-    figures = {}
-    for layers in (33, 66):
-        shape = Shape(layers=layers, dim=d, positions=p, vocab=v, hidden_states=67,
-                      intermediate=14_336, heads=32, weight_bytes=16 * 10**9, dtype_bytes=2,
+    s, p, v = 8192, 128, 128_256
+    for layers, d in ((33, 4096), (66, 4096), (81, 8192)):
+        shape = Shape(layers=layers, dim=d, positions=p, vocab=v, hidden_states=layers,
+                      intermediate=4 * d, heads=32, weight_bytes=16 * 10**9, dtype_bytes=2,
                       sample_entries=s)  # fmt: skip
         sizing = size_job(shape, corpus, cluster, opts)
         assert sizing.reduce.partitioned
-        want = (512 * 2**20 + 8 * (d * d + p * d + 3 * d) + v * 160
-                + 10 * (4 * s * d + 48 * s) + 256 * s)  # fmt: skip
-        assert sizing.driver == want
-        assert "the sample a layer at a time 10 · (4·s·d + 48s)" in sizing.driver_formula
-        figures[layers] = sizing.driver
-    assert figures[66] == figures[33] < 2 * 2**30
+        want = 512 * mib + layers * d * 160 + v * 160 + 4 * 8 * mib + 8 * layers * s
+        assert sizing.driver == want < gib
+        assert "the sample on Ray tasks" in sizing.driver_formula
+        assert "the dims rows L·d × 160 B" in sizing.driver_formula
+        assert not any("warning" in line for line in sizing.lines())
 
 
 def test_type_stats_written_a_layer_at_a_time_equal_the_whole_table(tmp_path):

@@ -1,0 +1,180 @@
+"""The sample's per-layer work as Ray tasks, so that the job's own process holds none of its vectors.
+
+A one-layer sample is Q_l = 4·s·d + 48·s bytes (s entries of d float32 and six int64): 128 MiB
+for an 8B model at the default s = 8,192, 256 MiB for a 70B one. Merging it from its parts,
+widening its points for the sampled stage and encoding its rows of ``samples.parquet`` take
+about ten times that (:data:`~embgeom_ray.sizing.formulas.DRIVER_SAMPLE_LAYERS`), more than the
+driver's allowance. From :data:`~embgeom_ray.sizing.formulas.SAMPLE_ON_WORKERS_BYTES` on
+(:func:`~embgeom_ray.runs.sample_layers.on_workers`) this work runs in Ray tasks, one per layer, each reading its layer itself
+(the :class:`~embgeom_ray.runs.sample_layers.SampleLayers` is put in the object store once:
+file URLs, a run directory, or the sample itself when it is in memory):
+
+- :func:`submit_inputs`: the layer's :func:`~embgeom_ray.core.tables.sampled_layer` inputs,
+  returned as separate objects that the K-means and metrics tasks take as arguments
+  (:func:`embgeom_ray.distributed.sampled_stage.add_sampled_metrics`);
+- :func:`table_pieces_on_ray`: the layer's rows of ``samples.parquet``
+  (:func:`~embgeom_ray.run_dir.sample_layer_table`, the same code as in the driver), cut into
+  pieces of at most :data:`~embgeom_ray.sizing.formulas.SAMPLE_PIECE_BYTES` within each run of
+  (layer, sample), which the driver fetches and writes one at a time
+  (:meth:`~embgeom_ray.run_dir.RunDir.write_samples`).
+
+A sample read from local files (checkpoint groups or a run on this machine's disk) is read
+by tasks on the driver's node (:func:`placement`), which other nodes' tasks could not read;
+from object storage, anywhere. The tasks run the driver's own functions on the same inputs, so every array and row is the
+same bit for bit; only ``samples.parquet``'s row groups are cut finer (readers do not depend
+on them).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import ray
+
+from ..runs.sample_layers import sample_entries
+from ..sizing.formulas import SAMPLE_PIECE_BYTES
+
+if TYPE_CHECKING:
+    import pyarrow as pa
+
+    from ..runs.sample_layers import SampleLayers
+
+
+@ray.remote(num_returns=5)
+def _layer_inputs(sample: SampleLayers, layer: int, clip_dims: list[int]) -> tuple[Any, ...]:
+    """(the stage's note, then the uniform vectors, token ids, type-uniform vectors and
+    content keys) of ``layer``: :func:`~embgeom_ray.core.tables.sampled_layer` of its
+    one-layer sample."""
+    from ..core.tables import sampled_layer, sampled_note
+
+    one = sample.layer(layer)
+    note = sampled_note(one)
+    inputs = sampled_layer(one, layer, clip_dims)
+    del one
+    return note, inputs.vectors, inputs.token_ids, inputs.type_vectors, inputs.content_keys
+
+
+def _reads_local_files(sample: Any) -> bool:
+    """Whether ``sample`` (or one of its merged parts) is read from this machine's files
+    (a group's sample file, a run's ``samples.parquet``), which other nodes may not see."""
+    from ..io_utils import is_local
+
+    for part in getattr(sample, "parts", [sample]):
+        url = getattr(part, "url", None) or getattr(getattr(part, "run", None), "url", None)
+        if url is not None and is_local(url):
+            return True
+    return False
+
+
+def placement(sample: Any) -> dict[str, Any]:
+    """Ray options of the tasks that read ``sample``: on this node when it is read from
+    local files and this node has a CPU for them (else anywhere: a shared file system, or
+    object storage, as the reducers read the checkpoint groups)."""
+    if not _reads_local_files(sample):
+        return {}
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    node = ray.get_runtime_context().get_node_id()
+    here = [n for n in ray.nodes() if n.get("NodeID") == node and n.get("Alive")]
+    if not here or here[0]["Resources"].get("CPU", 0) < 1:
+        return {}
+    return {"scheduling_strategy": NodeAffinitySchedulingStrategy(node, soft=False)}
+
+
+def submit_inputs(
+    source: Any, layer: int, clip_dims: list[int], where: dict[str, Any] | None = None
+) -> list[ray.ObjectRef]:
+    """Object refs of ``layer``'s (note, vectors, token ids, type vectors, content keys),
+    computed by a task from ``source`` (the sample's object ref), placed by ``where``
+    (:func:`placement`)."""
+    return list(_layer_inputs.options(**(where or {})).remote(source, layer, clip_dims))
+
+
+@ray.remote
+def select_k_of(
+    vectors: np.ndarray, groups: np.ndarray | None, shares: tuple[int, int], options: dict[str, Any]
+) -> Any:
+    """One layer's :func:`~embgeom_ray.distributed.kmeans.submit_layers_on_ray` (its
+    one-task fit or its distributed one, as the driver would start it), from a task: the
+    layer's points need not pass through the driver."""
+    from .kmeans import submit_layers_on_ray
+
+    ref = submit_layers_on_ray({0: vectors}, groups={0: groups}, shares=shares, **options)[0]
+    return ray.get(ref)
+
+
+def _piece_rows(dim: int) -> int:
+    """Rows of one piece: :data:`~embgeom_ray.sizing.formulas.SAMPLE_PIECE_BYTES` of rows of a
+    float32 vector of ``dim`` and six int64, a token and a sample name."""
+    return max(1, SAMPLE_PIECE_BYTES // (4 * dim + 96))
+
+
+def _pieces_at_most(header: Mapping[str, Any], rows: int) -> int:
+    """How many pieces of ``rows`` rows one layer's rows make at most (within each sample)."""
+    return max(1, sum(math.ceil(n / rows) for n in sample_entries(header)))
+
+
+def _layer_pieces(
+    sample: SampleLayers,
+    layer: int,
+    id_to_token: Callable[[Sequence[int]], Sequence[str]] | None,
+    labels: np.ndarray | None,
+    rows: int,
+    pieces: int,
+) -> list[Any]:
+    """[``layer``'s one-layer header, then its rows of ``samples.parquet`` in ``pieces``
+    tables of at most ``rows`` rows within each run of (layer, sample) (copies, so that each
+    travels alone; None past the last)]."""
+    from ..run_dir import ROW_GROUP_KEYS, _runs, sample_layer_table
+
+    one = sample.layer(layer)
+    header = one.header()
+    table = sample_layer_table(one, id_to_token, labels)
+    del one
+    cut = [
+        (start + i, min(rows, length - i))
+        for start, length in _runs(table, ROW_GROUP_KEYS["samples"])
+        for i in range(0, max(length, 1), rows)
+    ]
+    if len(cut) > pieces:
+        raise ValueError(f"layer {layer}: {len(cut)} pieces of rows, more than the {pieces} planned")
+    out = [table.slice(a, n).take(np.arange(n)) for a, n in cut]
+    return [header, *out, *([None] * (pieces - len(out)))]
+
+
+def table_pieces_on_ray(
+    sample: SampleLayers,
+    id_to_token: Callable[[Sequence[int]], Sequence[str]] | None,
+    clusters: Mapping[int, np.ndarray],
+    address: str | None = None,
+    ahead: int = 2,
+) -> Iterator[tuple[dict[str, Any], pa.Table]]:
+    """The rows of ``samples.parquet`` as :meth:`~embgeom_ray.run_dir.RunDir.write_samples`
+    takes them (each with its layer's header), built by one task per layer from the sample
+    (``clusters``: layer -> the uniform rows' K-means labels) and fetched one piece at a time;
+    at most ``ahead`` layers' tasks are running or waiting to be fetched. Joins the cluster
+    of ``address`` (:func:`~embgeom_ray.distributed.cluster.connect`) when first iterated."""
+    from .cluster import connect
+
+    connect(address)
+    source, names = ray.put(sample), ray.put(id_to_token)
+    rows = _piece_rows(int(sample.header["dim"]))
+    pieces = _pieces_at_most(sample.header, rows)
+    task = ray.remote(_layer_pieces).options(num_returns=1 + pieces, **placement(sample))
+    layers = list(sample.layers)
+    submitted: list[list[ray.ObjectRef]] = []
+    for i in range(len(layers)):
+        while len(submitted) < min(len(layers) - i, ahead):
+            nxt = layers[i + len(submitted)]
+            submitted.append(task.remote(source, nxt, names, clusters.get(nxt), rows, pieces))
+        refs = submitted.pop(0)
+        header = ray.get(refs[0])
+        for j in range(1, len(refs)):
+            piece = ray.get(refs[j])
+            refs[j] = None  # the piece leaves the object store once written
+            if piece is not None:
+                yield header, piece
+            del piece
