@@ -10,11 +10,15 @@ from ..errors import ConfigError
 from .decisions import Sizing, _NoOptions, driver_reserve, io_sizes, size_reducers
 from .formulas import (
     DRIVER_ALLOWANCE_BYTES,
+    DRIVER_SAMPLE_LAYERS,
     GPU_STATISTICS_SHARE,
     CorpusShape,
+    Shape,
     gib,
     reducer_bytes,
     reducer_ranges,
+    sample_layer_bytes,
+    sample_on_workers,
     shape_batch_bytes_per_token,
 )  # fmt: skip
 from .nodes import Cluster
@@ -79,6 +83,7 @@ def describe_plan(
         f"driver (the job's own process): ≤ {gib(sizing.driver)} above its start = "
         f"{sizing.driver_formula}",
         *([f"  warning: {sizing.driver_warning()}"] if sizing.driver > DRIVER_ALLOWANCE_BYTES else []),
+        *_sample_tasks(shape),
         "",
         f"per-type state S(V) = 8·L·V·(2d+2) + 8V = {gib(shape.type_bytes(types))}; per-layer "
         f"state F = 8·L·(d² + 3d + P·(d+1) + 2) = {gib(shape.layer_state_bytes())}; sample Q = "
@@ -103,6 +108,22 @@ def describe_plan(
     if lever:
         lines.append(lever)
     return lines
+
+
+def _sample_tasks(shape: Shape) -> list[str]:
+    """The line on the sample's Ray tasks, where the sample is handled by them
+    (:func:`~embgeom_ray.sizing.formulas.sample_on_workers`): what each holds, which Ray is
+    not asked for."""
+    if not sample_on_workers(shape.sample_entries, shape.dim):
+        return []
+    q = sample_layer_bytes(shape.sample_entries, shape.dim)
+    return [
+        f"sample tasks: one Ray task a layer merges that layer's sample, builds the sampled "
+        f"metrics' inputs and its rows of samples.parquet (on the driver's node when read "
+        f"from local files), each ≈ {DRIVER_SAMPLE_LAYERS} · Q_l = "
+        f"{gib(DRIVER_SAMPLE_LAYERS * q)} at its peak, Q_l = 4·s·d + 48s = {gib(q)} (not "
+        "asked of Ray: no option bounds it but --sample-size)"
+    ]
 
 
 def _placement(cluster: Cluster, nodes: Sequence[str]) -> str:

@@ -267,6 +267,8 @@ def test_the_plans_driver_figure_holds_no_layer_of_the_sample_nor_of_the_state()
     (10 · Q_l) and one layer's state were held before (1.9 and 3.5 GiB)."""
     from embgeom_ray.config import build_config
     from embgeom_ray.sizing import Cluster, CorpusShape, Node, Shape, size_job
+    from embgeom_ray.sizing.formulas import gib as gib_text
+    from embgeom_ray.sizing.plan import describe_plan
 
     gib, mib = 2**30, 2**20
     opts = build_config(None, {"model": "m", "corpus": "c", "out": "o", "device": "cpu"}).scheduling
@@ -284,6 +286,12 @@ def test_the_plans_driver_figure_holds_no_layer_of_the_sample_nor_of_the_state()
         assert "the sample on Ray tasks" in sizing.driver_formula
         assert "the dims rows L·d × 160 B" in sizing.driver_formula
         assert not any("warning" in line for line in sizing.lines())
+        # --plan names the sample's tasks and what each holds at its peak, 10 · Q_l
+        printed = "\n".join(describe_plan(sizing, corpus, checkpoint_interval=600,
+                                           total_layers=layers))  # fmt: skip
+        q = 4 * s * d + 48 * s
+        assert "sample tasks: one Ray task a layer" in printed
+        assert f"each ≈ 10 · Q_l = {gib_text(10 * q)} at its peak" in printed
 
 
 def test_type_stats_written_a_layer_at_a_time_equal_the_whole_table(tmp_path):
