@@ -160,33 +160,17 @@ def position_columns(counts: np.ndarray, means: np.ndarray, dims: Sequence[int])
     return means[counts > 0][:, list(dims)]
 
 
-def positions_table(
-    profiles: Mapping[int, tuple[np.ndarray, np.ndarray]], flagged: Mapping[int, Sequence[int]]
-) -> pd.DataFrame:
-    """``positions.parquet``: per (layer, position) count, ‖mean‖ and the mean of flagged dims.
-
-    ``profiles``: layer -> (``position_counts`` (P,), ``position_means`` (P, d)) of its
-    :class:`~embgeom_ray.core.statistics.LayerMoments`; ``flagged``: layer -> flagged
-    dimensions (:func:`flagged_dims`). One row per position seen; columns ``dim_<d>`` for
-    every dimension flagged in any layer, that dimension's mean at each position
-    (:func:`positions_table_from` of :func:`position_profile` and :func:`position_columns`).
-    """
-    dims = sorted({d for ds in flagged.values() for d in ds})
-    return positions_table_from(
-        {
-            layer: (*position_profile(counts, means), position_columns(counts, means, dims))
-            for layer, (counts, means) in profiles.items()
-        },
-        dims,
-    )
-
-
 def positions_table_from(
     profiles: Mapping[int, tuple[np.ndarray, np.ndarray, np.ndarray]], dims: Sequence[int]
 ) -> pd.DataFrame:
-    """:func:`positions_table` from each layer's (counts (P,), ‖mean‖ at the positions seen,
-    the means at ``dims`` there), ``dims`` every dimension flagged in any layer, sorted: what
-    a layer's owner sends, O(P · (1 + len(dims))) rather than its P × d means."""
+    """``positions.parquet``: per (layer, position) count, ‖mean‖ and the mean of flagged dims.
+
+    ``profiles``: layer -> (counts (P,), ‖mean‖ at the positions seen, the means at ``dims``
+    there): :func:`position_profile` and :func:`position_columns` of the layer's
+    ``position_counts`` and ``position_means`` (P, d), what a layer's owner sends,
+    O(P · (1 + len(dims))) rather than its P × d means. ``dims``: every dimension flagged in
+    any layer (:func:`flagged_dims`), sorted. One row per position seen; a column ``dim_<d>``
+    for each of ``dims``."""
     frames = []
     for layer, (counts, norms, columns) in profiles.items():
         seen = counts > 0

@@ -201,7 +201,7 @@ def build_tables_from(
       :func:`~.rogue.clipping_row` with the layer's flagged dimensions and
       :func:`~.rogue.exact_clipped_cosines_from` (when the statistics track ``clip_dims``);
     - ``dims``: :func:`~.rogue.dims_rows` of every layer (``options.outlier_*`` rules);
-    - ``positions``: :func:`~.rogue.positions_table` with the dimensions flagged in any layer.
+    - ``positions``: :func:`~.rogue.positions_table_from` with the dimensions flagged in any layer.
 
     ``layer_states``: layer -> its state here, or a :class:`LayerStates` that analyses each
     layer where its state lives (:func:`analyse_layer`; a partitioned run, on the reducer

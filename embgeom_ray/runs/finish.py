@@ -111,8 +111,10 @@ def finish_run(
     t1 = time.perf_counter()
     manifest.set(sample=note, timings_s=manifest.timings_s | {"metrics": round(t1 - t0, 3)})
     id_to_token = tokenizer.convert_ids_to_tokens
+    # a large sample is handled by Ray tasks: this process holds no layer of it
+    large = layers is not None and on_workers(layers)
     pieces = None
-    if layers is not None and on_workers(layers):  # built by Ray tasks, fetched a piece at a time
+    if large:  # its rows built by Ray tasks, fetched a piece at a time
         from ..distributed.sample_tasks import table_pieces_on_ray
 
         pieces = table_pieces_on_ray(layers, id_to_token, clusters, config.address)
@@ -138,7 +140,6 @@ def finish_run(
     # some figures drawn by Ray tasks on this node while this process draws the others
     tasks = on_this_node(draw_figures)
     elsewhere = None if tasks is None else lambda names: tasks(run.url, names)
-    # a large sample's PCA views are drawn in tasks too: this process holds no layer of it
-    large = layers is not None and on_workers(layers)
+    # a large sample's PCA views are drawn in tasks too
     write_run_report(run, manifest, echo, elsewhere=elsewhere, draw_here=not large or elsewhere is None)
     return manifest
