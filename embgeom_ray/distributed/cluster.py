@@ -35,6 +35,7 @@ import contextlib
 import json
 import logging
 import os
+import re
 import select
 import signal
 import socket
@@ -199,6 +200,32 @@ def probe(address: str, timeout: float = PROBE_TIMEOUT_S, where: str = "the Ray 
         f"cannot reach the Ray cluster at {address} ({where}): {reason}. Start the head "
         "(`ray start --head`), fix the address, or leave it out for a private local Ray"
     )
+
+
+def check_credentials(address: str, where: str = "the Ray address") -> None:
+    """Raise :class:`ConfigError` at once if the GCS at ``address`` refuses this client's
+    credentials (Ray's token authentication), where ``ray.init`` would retry for ~20 s before
+    failing with a message that does not say why. One request (Ray's ``GcsClient``: a few
+    milliseconds when the head answers); anything else it meets is left to ``ray.init``, as is
+    a Ray Client address (``ray://``)."""
+    if address.startswith("ray://"):
+        return
+    import ray
+
+    try:
+        from ray._raylet import GcsClient  # Ray's own client of the GCS (not a public API)
+    except ImportError:
+        return
+    try:
+        GcsClient(address=address)
+    except ray.exceptions.AuthenticationError as exc:
+        said = re.split(r"\.\s", str(exc).splitlines()[0])[0]  # Ray's first sentence
+        raise ConfigError(
+            f"cannot join the Ray cluster at {address} ({where}): it refused this client's "
+            f"credentials ({said}). {_auth_hint()}"
+        ) from None
+    except Exception:  # not a refusal of the credentials: ray.init decides
+        return
 
 
 class _ConnectGuard:
@@ -432,6 +459,7 @@ def connect(
     with guard.active():
         probe(target, probe_timeout_s, where)
         guard.arm(join_timeout_s)
+        check_credentials(target, where)
         try:
             ray.init(address=target, runtime_env=runtime_env, log_to_driver=True)
         except ray.exceptions.AuthenticationError as exc:
