@@ -54,15 +54,17 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
-import pandas as pd
 import torch
 
 from ..errors import StatisticsMismatchError
 from .options import SampleOptions
 from .sketch import Sketch, check_array
+
+if TYPE_CHECKING:  # pandas is imported where a table is built: the extractors never build one
+    import pandas as pd
 
 _DEFAULTS = SampleOptions()
 
@@ -630,6 +632,8 @@ class ActivationSample(Sketch):
         ``vector`` a float32 array (Parquet list<float>), exactly as stored. ``layers``: only
         these layers' rows (default all), in the order of :attr:`layers`.
         """
+        import pandas as pd
+
         frames = []
         tables = [("uniform", self._u, self._uniform_order())]
         if self.type_uniform:
