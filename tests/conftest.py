@@ -201,29 +201,36 @@ def heaviest_first_scheduler(config: pytest.Config, log):
     the workers write when they collect: :func:`pytest_collection_modifyitems`) instead of the
     node ids' ``@group`` suffix, which pytest-xdist 3.8 writes where pytest 9.2 no longer reads
     it (pytest-xdist issue 1386: every test became a group of its own, a module's fixtures were
-    made on both workers); and each worker that frees up takes the heaviest group left, by the
+    made on both workers); and each worker that frees up takes the heaviest group left of the
+    earliest phase (:data:`OWN_CLUSTER_PHASE`, :data:`RAY_PHASE`, :data:`FAST_PHASE`), by the
     seconds in :data:`DURATIONS_FILE` (a test not listed counts 0.2 s): longest-first
-    scheduling, so the two workers end at about the same time, where pytest-xdist's order (the
-    groups with the most tests first) left the minutes-long modules of one or a few tests to
-    the end."""
+    scheduling within a phase, so the two workers end at about the same time, where
+    pytest-xdist's order (the groups with the most tests first) left the minutes-long modules
+    of one or a few tests to the end."""
     from xdist.scheduler import LoadScopeScheduling
 
     seconds = recorded_seconds()
 
     class HeaviestFirst(LoadScopeScheduling):
-        groups: dict[str, str] | None = None
+        groups: dict[str, list] | None = None  # node id -> [group, phase]
 
         def _split_scope(self, nodeid: str) -> str:
             if self.groups is None:  # read once the workers have collected
                 self.groups = json.loads(Path(os.environ[GROUPS_FILE]).read_text())
             plain = nodeid.split("@")[0] if "@" in nodeid.rsplit("]", 1)[-1] else nodeid
-            return self.groups.get(plain, plain.split("::")[0])
+            group, _phase = self.groups.get(plain, (plain.split("::")[0], RAY_PHASE))
+            return group
 
         def _assign_work_unit(self, node) -> None:
+            def phase_of(scope: str) -> int:
+                return min(self.groups.get(n.split("@")[0], ("", RAY_PHASE))[1]
+                           for n in self.workqueue[scope])  # fmt: skip
+
             def weight(scope: str) -> float:
                 return sum(seconds.get(n.split("@")[0], 0.2) for n in self.workqueue[scope])
 
-            self.workqueue.move_to_end(max(self.workqueue, key=weight), last=False)
+            first = min(self.workqueue, key=lambda scope: (phase_of(scope), -weight(scope)))
+            self.workqueue.move_to_end(first, last=False)
             super()._assign_work_unit(node)
 
         def _reschedule(self, node) -> None:
@@ -238,6 +245,21 @@ def heaviest_first_scheduler(config: pytest.Config, log):
                 self._assign_work_unit(node)
 
     return HeaviestFirst(config, log)
+
+
+#: The order in which :func:`heaviest_first_scheduler` hands out groups: first the groups with
+#: a test that starts a cluster of its own (``own_ray_cluster``: it shuts down the worker's
+#: local Ray), then the other slow ones (most use that local Ray), then the rest. A worker so
+#: starts the tests' local Ray about once, not again after each cluster of its own (each start
+#: ~5 s, and ~10 s more in fresh workers importing scikit-learn, torch… on its first job).
+OWN_CLUSTER_PHASE, RAY_PHASE, FAST_PHASE = 0, 1, 2
+
+
+def phase(item: pytest.Item) -> int:
+    """The scheduling phase of ``item`` (:data:`OWN_CLUSTER_PHASE` …), once it is marked."""
+    if item.get_closest_marker("own_ray_cluster"):
+        return OWN_CLUSTER_PHASE
+    return RAY_PHASE if item.get_closest_marker("slow") else FAST_PHASE
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
@@ -264,7 +286,7 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     if os.environ.get("PYTEST_XDIST_WORKER"):
         if GROUPS_FILE in os.environ:  # for the controller's scheduler (heaviest_first_scheduler)
             mine = Path(os.environ[GROUPS_FILE] + "." + os.environ["PYTEST_XDIST_WORKER"])
-            mine.write_text(json.dumps({item.nodeid: groups[id(item)] for item in items}))
+            mine.write_text(json.dumps({it.nodeid: [groups[id(it)], phase(it)] for it in items}))
             mine.replace(os.environ[GROUPS_FILE])
         return
     marked = [item for item in items if item.get_closest_marker("own_ray_cluster")]
@@ -298,3 +320,4 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
     if target and not os.environ.get("PYTEST_XDIST_WORKER") and _durations:
         slow = {k: round(v, 1) for k, v in sorted(_durations.items()) if v >= 0.5}
         Path(target).write_text(json.dumps(slow, indent=0) + "\n")
+

@@ -159,8 +159,9 @@ A_DOCS = [DOCS[0], DOCS[1], DOCS[0], DOCS[2], " " + DOCS[1].replace(" ", "  "), 
 B_DOCS = [DOCS[4], DOCS[5], DOCS[4], DOCS[6], DOCS[7], DOCS[6] + "\n", DOCS[5]]
 #: the same, de-duplicated by hand
 A_HAND, B_HAND = DOCS[:4], DOCS[4:]
-#: c.jsonl shares two documents with a.jsonl (one of them with other whitespace)
-C_DOCS = [DOCS[2] + "  ", "An entirely new sentence about geometry.", DOCS[3]]
+#: run c: run b with two of its kept documents' keys replaced by those of two documents of
+#: a.jsonl, one of them with other whitespace (what a run over a corpus sharing them keeps)
+C_SHARED = [DOCS[2] + "  ", DOCS[3]]
 MAX_LENGTH = 32
 TABLES = ("type_stats", "layers", "dims", "positions")
 
@@ -208,7 +209,6 @@ def runs(tmp_path_factory, _ray_session) -> dict[str, Path]:
         "a": write_jsonl(root / "corpus" / "a.jsonl", A_DOCS),
         "b": write_jsonl(root / "corpus" / "b.jsonl", B_DOCS),
         "hand": str(Path(write_jsonl(root / "hand" / "a.jsonl", A_HAND)).parent),
-        "c": write_jsonl(root / "other" / "c.jsonl", C_DOCS),
     }
     write_jsonl(root / "hand" / "b.jsonl", B_HAND)
     out = {"root": root}
@@ -219,9 +219,13 @@ def runs(tmp_path_factory, _ray_session) -> dict[str, Path]:
     out["whole"] = root / "whole"
     out["hand"] = root / "hand-run"
     analyze_run(model, corpus["hand"], out["hand"])
-    for name in ("a", "b", "c"):
+    for name in ("a", "b"):
         out[name] = root / f"run-{name}"
         analyze_run(model, corpus[name], out[name], dedup=True)
+    out["c"] = Path(shutil.copytree(out["b"], root / "run-c"))
+    hashes = RunDir(str(out["c"])).read_doc_hashes().copy()
+    hashes[:2] = [np.frombuffer(document_hash(d), dtype=np.uint8) for d in C_SHARED]
+    np.save(out["c"] / "doc_hashes.npy", hashes)
     # b as a run without --dedup would have written it (what the merge reads: the option)
     out["b-plain"] = Path(shutil.copytree(out["b"], root / "run-b-plain"))
     manifest = manifest_of(out["b-plain"])
