@@ -320,4 +320,3 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
     if target and not os.environ.get("PYTEST_XDIST_WORKER") and _durations:
         slow = {k: round(v, 1) for k, v in sorted(_durations.items()) if v >= 0.5}
         Path(target).write_text(json.dumps(slow, indent=0) + "\n")
-
