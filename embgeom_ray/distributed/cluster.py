@@ -219,13 +219,19 @@ def check_credentials(address: str, where: str = "the Ray address") -> None:
     try:
         GcsClient(address=address)
     except ray.exceptions.AuthenticationError as exc:
-        said = re.split(r"\.\s", str(exc).splitlines()[0])[0]  # Ray's first sentence
-        raise ConfigError(
-            f"cannot join the Ray cluster at {address} ({where}): it refused this client's "
-            f"credentials ({said}). {_auth_hint()}"
-        ) from None
+        raise _credentials_refused(address, where, exc) from None
     except Exception:  # not a refusal of the credentials: ray.init decides
         return
+
+
+def _credentials_refused(address: str, where: str, exc: Exception) -> ConfigError:
+    """The one-line error for a cluster that refused this client's credentials: Ray's first
+    sentence, and what to set."""
+    said = re.split(r"\.\s", str(exc).splitlines()[0])[0]
+    return ConfigError(
+        f"cannot join the Ray cluster at {address} ({where}): it refused this client's "
+        f"credentials ({said}). {_auth_hint()}"
+    )
 
 
 class _ConnectGuard:
@@ -463,10 +469,7 @@ def connect(
         try:
             ray.init(address=target, runtime_env=runtime_env, log_to_driver=True)
         except ray.exceptions.AuthenticationError as exc:
-            raise ConfigError(
-                f"the Ray cluster at {target} ({where}) refused this client's credentials: "
-                f"{str(exc).splitlines()[0]}"
-            ) from None
+            raise _credentials_refused(target, where, exc) from None
         except (ConnectionError, TimeoutError) as exc:
             raise ConfigError(
                 f"cannot join the Ray cluster at {target} ({where}): {exc}. {_auth_hint()}"

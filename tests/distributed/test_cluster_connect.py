@@ -40,6 +40,7 @@ import yaml
 
 from embgeom_ray.distributed.cluster import (
     ClusterChoice,
+    check_credentials,
     choose_cluster,
     probe,
     resolve_address,
@@ -241,6 +242,45 @@ def test_probe_of_an_unanswering_host_times_out() -> None:
         with pytest.raises(ConfigError, match=r"no answer within 1 s"):
             probe(f"127.0.0.1:{port}", timeout=1)
         assert time.monotonic() - t0 < 3
+
+
+def test_refused_credentials_end_at_once_and_other_failures_are_left_to_ray_init(
+    monkeypatch,
+) -> None:
+    """One request to the GCS with the client's credentials: a refusal is a one-line error
+    naming what to set (the head's own refusal end to end:
+    :func:`test_a_live_foreign_head_is_not_joined_unless_named`); anything else, and a Ray
+    Client address, are left to ``ray.init``."""
+    import ray
+    import ray._raylet
+
+    calls: list[str] = []
+
+    def refusing(address: str):
+        calls.append(address)
+        raise ray.exceptions.AuthenticationError(
+            "RPC error: InvalidAuthToken: Authentication token is missing or incorrect. Note: …"
+        )
+
+    monkeypatch.setattr(ray._raylet, "GcsClient", refusing)
+    monkeypatch.delenv("RAY_AUTH_MODE", raising=False)
+    with pytest.raises(ConfigError) as err:
+        check_credentials("10.0.0.1:6379", "--address")
+    assert str(err.value) == (
+        "cannot join the Ray cluster at 10.0.0.1:6379 (--address): it refused this client's "
+        "credentials (RPC error: InvalidAuthToken: Authentication token is missing or "
+        "incorrect). If the cluster uses token authentication, this client needs "
+        "RAY_AUTH_MODE=token and the cluster's token (RAY_AUTH_TOKEN, RAY_AUTH_TOKEN_PATH or "
+        "~/.ray/auth_token)"
+    )
+    check_credentials("ray://10.0.0.1:10001")  # Ray Client: not asked
+    assert calls == ["10.0.0.1:6379"]
+
+    def timing_out(address: str):
+        raise TimeoutError("Timed out while waiting for GCS to become available.")
+
+    monkeypatch.setattr(ray._raylet, "GcsClient", timing_out)
+    assert check_credentials("10.0.0.1:6379") is None
 
 
 # ---------------------------------------------- stuck connecting: signals, deadline
