@@ -65,7 +65,8 @@ class Counts(BaseModel):
     #: items skipped, by reason (the manifest's top-level ``skipped``)
     skipped: dict[str, int] = Field(default_factory=dict, exclude=True)
     #: seconds the model's forward passes, the folds and the whole shard took, summed over the
-    #: extractors (the manifest's ``timings_s.extract_forward_sum`` / ``extract_fold_sum``)
+    #: extractors and their CPU lanes (the manifest's ``timings_s.extract_forward_sum`` /
+    #: ``extract_fold_sum``; lanes run their forwards at once)
     forward_seconds: float = Field(0.0, exclude=True)
     fold_seconds: float = Field(0.0, exclude=True)
     seconds: float = Field(0.0, exclude=True)

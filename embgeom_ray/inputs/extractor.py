@@ -26,6 +26,7 @@ from ..core.statistics import EmbeddingStatistics
 from ..counts import Counts
 from ..sizing import DEFAULT_BATCH_TOKENS, cpu_batch_tokens, gpu_budgets, run_shape
 from .corpus import CorpusSpec, Document, ReadReport, Shard, read_shard
+from .lanes import in_lanes, intra_op_threads, lanes_for
 from .model_loading import (
     balanced_device_map,
     content_rule,
@@ -44,6 +45,9 @@ from .windows import (
     pools,
     tokenize_windows,
 )
+
+#: a batch (or part of one) run through the model: its hidden states and the forward's seconds
+_Forwarded = tuple[Batch, list[torch.Tensor], float]
 
 
 def count_batch(counts: Counts, batch: Batch, special_ids: Sequence[int], unk_id: int | None) -> None:
@@ -147,6 +151,8 @@ class ShardProcessor:
         if self.pad_id is None:
             self.pad_id = 0  # masked out by attention_mask and keep; never counted
         self.special_ids = list(self.tokenizer.all_special_ids)
+        #: read once: a lane folding must not call into the tokenizer while another tokenizes
+        self.unk_id = unknown_token_id(self.tokenizer)
         self.corpus = CorpusSpec(options.corpus, options.text_column, options.split)
         if self.device == "cuda":
             torch.backends.cuda.matmul.allow_tf32 = False  # the model's own matmuls stay fp32
@@ -259,28 +265,54 @@ class ShardProcessor:
         batch: Batch,
         counts: Counts,
     ) -> None:
-        """Forward + fold one batch; if the forward runs out of device memory, split and retry.
+        """Forward + fold one batch; if the forward runs out of device memory, split and retry
+        (:meth:`_forwards`): each part is folded before the next one runs."""
+        splits = [0]
+        for part, hidden, seconds in self._forwards(batch, splits):
+            self._fold(stats, sample, part, hidden, seconds, counts)
+            del hidden
+        counts.oom_batch_splits += splits[0]
 
-        Only the forward pass is retried: it has no side effects. The fold runs after it, so a
-        batch is folded exactly once. A single window that still does not fit raises an error
-        that says what to change.
+    def _forwards(self, batch: Batch, splits: list[int]) -> Iterator[_Forwarded]:
+        """(part, its hidden states, the forward's seconds): the whole batch, or, where its
+        forward runs out of device memory, its halves (recursively, each split counted in
+        ``splits[0]``), each run when the previous one has been taken.
+
+        Only the forward pass is retried: it has no side effects, and a part is folded once.
+        A single window that still does not fit raises an error that says what to change.
         """
         t1 = time.perf_counter()
         try:
             hidden = self.forward(batch)
         except torch.OutOfMemoryError:
+            hidden = None  # retried below, outside the handler (its traceback holds memory)
+        if hidden is None:
             if self.device == "cuda":
                 torch.cuda.empty_cache()
             if batch.input_ids.shape[0] == 1:
                 raise torch.OutOfMemoryError(
                     f"one window of {batch.input_ids.shape[1]} tokens does not fit in device "
                     "memory; lower --max-length or --batch-tokens, or use a larger device"
-                ) from None
-            counts.oom_batch_splits += 1
+                )
+            splits[0] += 1
             for half in batch.split():
-                self.fold_batch(stats, sample, half, counts)
+                for part, h, seconds in self._forwards(half, splits):
+                    yield part, h, seconds
+                    del h
             return
         self._synchronize()  # on a GPU the forward's kernels are its time, not the fold's
+        yield batch, hidden, time.perf_counter() - t1
+
+    def _fold(
+        self,
+        stats: EmbeddingStatistics,
+        sample: ActivationSample | None,
+        batch: Batch,
+        hidden: list[torch.Tensor],
+        forward_seconds: float,
+        counts: Counts,
+    ) -> None:
+        """Fold one batch's hidden states into ``stats`` and ``sample`` and count it."""
         t2 = time.perf_counter()
         finite = finite_layers(hidden)  # once for the statistics and the sample
         stats.update(hidden, batch.input_ids, batch.keep, finite=finite)
@@ -289,12 +321,47 @@ class ShardProcessor:
                 hidden, batch.input_ids, batch.keep, batch.doc_ids, batch.window_index,
                 finite=finite, attention_mask=batch.attention_mask,
             )
-        del hidden
         self._synchronize()
-        t3 = time.perf_counter()
-        counts.forward_seconds += t2 - t1
-        counts.fold_seconds += t3 - t2
-        count_batch(counts, batch, self.special_ids, unknown_token_id(self.tokenizer))
+        counts.forward_seconds += forward_seconds
+        counts.fold_seconds += time.perf_counter() - t2
+        count_batch(counts, batch, self.special_ids, self.unk_id)
+
+    def lanes(self) -> int:
+        """The forward lanes this extractor runs (:mod:`.lanes`): on a CPU ``--cpu-lanes``,
+        else one a CPU thread torch has; one on GPUs."""
+        if self.device != "cpu":
+            return 1
+        return lanes_for(self.options.cpu_lanes, torch.get_num_threads())
+
+    def _fold_in_lanes(
+        self,
+        stats: EmbeddingStatistics,
+        sample: ActivationSample | None,
+        batches: Iterator[Batch],
+        counts: Counts,
+    ) -> None:
+        """Fold ``batches`` as :meth:`fold_batch` does, in :meth:`lanes` lanes on a CPU (the
+        forwards at once, one intra-op thread each, the folds in batch order:
+        :func:`~.lanes.in_lanes`)."""
+        lanes = self.lanes()
+        if lanes == 1:
+            for batch in batches:
+                self.fold_batch(stats, sample, batch, counts)
+            return
+
+        def work(batch: Batch) -> tuple[list[_Forwarded], int]:
+            splits = [0]
+            return list(self._forwards(batch, splits)), splits[0]
+
+        def finish(_: Batch, done: tuple[list[_Forwarded], int]) -> None:
+            parts, splits = done
+            for part, hidden, seconds in parts:
+                self._fold(stats, sample, part, hidden, seconds, counts)
+            counts.oom_batch_splits += splits
+            parts.clear()  # the hidden states go now, not when the lane takes its next batch
+
+        with intra_op_threads(max(1, torch.get_num_threads() // lanes)):
+            in_lanes(batches, work, finish, lanes)
 
     def _synchronize(self) -> None:
         """Wait for the GPUs this extractor uses (all of them when the model is split), so
@@ -318,8 +385,7 @@ class ShardProcessor:
         counts = Counts()
         report = ReadReport()
         docs = read_shard(shard, self.corpus, report)
-        for batch in self.batches(docs, counts):
-            self.fold_batch(stats, sample, batch, counts)
+        self._fold_in_lanes(stats, sample, self.batches(docs, counts), counts)
         counts.documents = report.documents
         counts.duplicates = report.duplicates
         counts.skipped = dict(report.skipped)

@@ -50,6 +50,14 @@ class WorkerOptions(OptionGroup):
         "the batch's hidden states, activations and fold scratch, 8192 to 65536]",
         json_schema_extra=SCHEDULING,
     )
+    cpu_lanes: int | None = Field(
+        None,
+        ge=1,
+        description="batches a CPU extractor runs through the model at once, each on its own "
+        "thread, folded in batch order (the same statistics); each lane holds one batch "
+        "[default: one a CPU of the extractor]",
+        json_schema_extra=SCHEDULING,
+    )
     worker_memory: ByteSize | None = Field(
         None,
         description="bytes of memory each extractor actor asks Ray for and stays within (e.g. "

@@ -4,10 +4,11 @@ process; explicit options win, what cannot fit is refused here with the option t
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from ..errors import ConfigError
+from ..inputs.lanes import lanes_for
 from .formulas import (
     CPU_BATCH_TOKENS_MAX,
     CPU_BATCH_TOKENS_MIN,
@@ -250,6 +251,7 @@ def _extractor_formula(shape: Shape, b: int, gpus: int) -> str:
         f"{gib(EXTRACTOR_BASE_BYTES)} own + w {gib(shape.weight_bytes)}"
         + (f" / {gpus} GPUs" if gpus > 1 else "")
         + ("" if gpus else f" + batch {b:,} × {shape_batch_bytes_per_token(shape):,} B")
+        + ("" if gpus or shape.lanes == 1 else f" ({shape.lanes} lanes)")
         + f" + 2 · sample {gib(shape.sample_bytes)} + "
         + ("(σ + g) serialised from the GPUs" if gpus else "2 · (σ + g)")
     )
@@ -377,6 +379,8 @@ def size_extractors(
         num_workers=options.num_workers, cpus_per_worker=options.cpus_per_worker,
         gpus_per_worker=options.gpus_per_worker,
     )  # fmt: skip
+    if not gpus:  # a CPU extractor holds a batch in each of its lanes
+        shape = replace(shape, lanes=lanes_for(options.cpu_lanes, cpus))
     batch, batch_reason = _cpu_batch(shape, options, gpus)
     b = batch or DEFAULT_BATCH_TOKENS  # the least a GPU batch is: for the growth bound
     formula = _extractor_formula(shape, b, gpus)

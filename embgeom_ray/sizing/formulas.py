@@ -26,7 +26,7 @@ Processes:
   itself only while all that is within :data:`DRIVER_ALLOWANCE_BYTES`.
 - **extractor**: :data:`EXTRACTOR_BASE_BYTES` + w + B · b_tok + 2 · Q + 2 · (σ + g), σ its
   statistics budget, g = min(B, V) · r one batch's new types beyond it, b_tok the batch's bytes
-  per token on a CPU (:func:`batch_bytes_per_token`): :func:`extractor_bytes`.
+  per token on a CPU, k lanes' batches (:func:`batch_bytes_per_token`): :func:`extractor_bytes`.
 - **reducer** r of R: :data:`REDUCER_BASE_BYTES` + :data:`REDUCER_MERGE_FACTOR` · (its
   ⌈V/R⌉ types' rows + the state of its ⌈L/R⌉ layers): :func:`reducer_budget`.
 """
@@ -161,6 +161,9 @@ class Shape:
     dtype_bytes: int = 4
     #: the model's name, for the plan
     name: str = ""
+    #: k: the forward lanes of a CPU extractor (:mod:`~embgeom_ray.inputs.lanes`), each
+    #: holding one batch; 1 on GPUs
+    lanes: int = 1
 
     def type_bytes(self, types: int) -> int:
         """S(V): the per-type rows of ``types`` types in every measured layer."""
@@ -269,17 +272,24 @@ class CorpusShape:
 
 
 def batch_bytes_per_token(
-    hidden_states: int, dim: int, intermediate: int, dtype_bytes: int, scores: int = 0
+    hidden_states: int,
+    dim: int,
+    intermediate: int,
+    dtype_bytes: int,
+    scores: int = 0,
+    lanes: int = 1,
 ) -> int:
     """A batch's memory per padded token, beyond the model's weights: every hidden state the
     forward returns ((L + 1) · d values in the model's dtype), the fold's scratch
     (:data:`FOLD_BYTES_PER_TOKEN_DIM` · d), the feed-forward's intermediate activations
     (three of ``intermediate`` values: gate, up and their product in gated MLPs) and one
     layer's attention scores (``scores`` = heads × window length values a token, where the
-    attention implementation materialises them; fused attention does not):
-    ((L + 1) · d + 3 · d_ff + heads · T) · b + 64 · d bytes."""
+    attention implementation materialises them; fused attention does not); a CPU extractor
+    of k ``lanes`` (:mod:`~embgeom_ray.inputs.lanes`) holds k batches' hidden states and
+    activations and one fold's scratch:
+    k · ((L + 1) · d + 3 · d_ff + heads · T) · b + 64 · d bytes."""
     values = hidden_states * dim + 3 * intermediate + scores
-    return values * dtype_bytes + FOLD_BYTES_PER_TOKEN_DIM * dim
+    return lanes * values * dtype_bytes + FOLD_BYTES_PER_TOKEN_DIM * dim
 
 
 def default_batch_tokens(per_token_bytes: int, free_bytes: int | None) -> int:
@@ -329,7 +339,9 @@ def cpu_batch_tokens(shape: Shape) -> int:
     do not decide here; one thread, 2-core VM, ``python -m bench.bare_forward``). Smaller
     batches cost the fold more (~20 ms a batch for MiniLM's 7 layers whatever its size),
     hence the largest batch within the threshold. Nothing computed depends on the batching
-    (``--batch-tokens`` is a scheduling option)."""
+    (``--batch-tokens`` is a scheduling option). The same in an extractor of several lanes
+    (:mod:`~embgeom_ray.inputs.lanes`): MiniLM's in two lanes took 13.8 s at 2,048 tokens
+    and 13.9 s at 5,120 (docs/benchmarks.md)."""
     tokens = MMAP_THRESHOLD_MAX // max(layer_bytes_per_token(shape), 1) // 1024 * 1024
     return int(min(CPU_BATCH_TOKENS_MAX, max(CPU_BATCH_TOKENS_MIN, tokens)))
 
@@ -342,6 +354,7 @@ def shape_batch_bytes_per_token(shape: Shape) -> int:
         shape.intermediate or 4 * shape.dim,
         shape.dtype_bytes,
         shape.heads * shape.positions,
+        shape.lanes,
     )
 
 

@@ -71,8 +71,8 @@ def test_the_formulas():
 
 
 def test_cpu_batches_keep_a_layers_largest_tensor_within_32_mib():
-    """max(d_ff, d)·b bytes a token, 32 MiB / that rounded down to 1,024s, 1,024..8,192; a
-    CPU pool gets it where --batch-tokens is not given."""
+    """max(d_ff, d)·b bytes a token, 32 MiB / that rounded down to 1,024s, 1,024..8,192, in
+    one lane or several; a CPU pool gets it where --batch-tokens is not given."""
     from embgeom_ray.sizing import cpu_batch_tokens
 
     minilm = Shape(layers=7, dim=384, positions=128, vocab=30_522, hidden_states=7,
@@ -85,6 +85,7 @@ def test_cpu_batches_keep_a_layers_largest_tensor_within_32_mib():
     wide = Shape(**{**minilm.__dict__, "dim": 16_384, "intermediate": 0})  # 4d: 256 KiB
     assert cpu_batch_tokens(wide) == 1024  # 128, raised to the least
     roomy = Cluster((Node("h", 16 * GiB, cpus=2, head=True),))
+    assert cpu_batch_tokens(Shape(**{**minilm.__dict__, "lanes": 2})) == 5120
     pool = size_extractors(minilm, 30_522, roomy, options(device="cpu"), 4, driver=GiB)
     assert pool.batch_tokens == 5120
     assert "6,144 B a token, within glibc's 32 MiB" in pool.batch_reason  # what --plan prints
@@ -180,18 +181,23 @@ def test_extractors_take_what_their_statistics_need_or_a_share_of_the_node():
     small = Shape(layers=3, dim=128, positions=128, vocab=128_256, hidden_states=3,
                   intermediate=448, heads=2, weight_bytes=70 * MiB, sample_entries=8192)  # fmt: skip
     whole = rows(3, 128, 128_256) + layer_state(3, 128, 128)
-    per_token = (3 * 128 + 3 * 448 + 2 * 128) * 4 + 64 * 128
-    own = 512 * MiB + 70 * MiB + 8192 * per_token + 2 * small.sample_bytes
+    def own(lanes: int) -> int:  # one batch in each of the extractor's lanes, one fold scratch
+        per_token = lanes * (3 * 128 + 3 * 448 + 2 * 128) * 4 + 64 * 128
+        return 512 * MiB + 70 * MiB + 8192 * per_token + 2 * small.sample_bytes
+
     roomy = Cluster((Node("h", 16 * GiB, cpus=2, head=True),))
     pool = size_extractors(small, 128_256, roomy, options(device="cpu"), 4, driver=GiB)
-    assert (pool.num_workers, pool.num_cpus, pool.memory) == (1, 2, own + 2 * whole)
+    assert (pool.num_workers, pool.num_cpus, pool.memory) == (1, 2, own(2) + 2 * whole)
     assert pool.statistics is None
+    assert "(2 lanes)" in pool.formula
+    pool = size_extractors(small, 128_256, roomy, options(device="cpu", cpu_lanes=1), 4, GiB)
+    assert pool.memory == own(1) + 2 * whole
     # 8 CPUs in 2 extractors of 4 on a node offering 2 GiB: 1 GiB each, the statistics bounded
     tight = Cluster((Node("h", 2 * GiB + GiB, cpus=8, head=True),))
     pool = size_extractors(small, 128_256, tight, options(device="cpu"), 4, driver=GiB)
     assert (pool.num_workers, pool.num_cpus, pool.memory) == (2, 4, GiB)
     growth = 8192 * (8 * 3 * 258 + 8)
-    assert pool.statistics == (GiB - own) // 2 - growth
+    assert pool.statistics == (GiB - own(4)) // 2 - growth
     assert "do not fit" in pool.reason
 
 

@@ -3,6 +3,8 @@ statistics' size formula."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pandas as pd
 import pytest
@@ -60,7 +62,8 @@ def test_a_budget_below_the_fixed_state_is_refused():
     assert size(statistics_memory=fixed + 1).statistics == fixed + 1
     batch = cpu_batch_tokens(shape)  # MiniLM's shape: 5,120 tokens a CPU batch
     assert batch == 5120
-    least = extractor_bytes(shape, 30_522, batch, fixed + 1)
+    # the node's 4 CPUs make one extractor of 4 lanes, each holding a batch
+    least = extractor_bytes(dataclasses.replace(shape, lanes=4), 30_522, batch, fixed + 1)
     with pytest.raises(ConfigError, match=f"--worker-memory {least - 1:,} bytes cannot hold"):
         size(worker_memory=least - 1)
     pool = size(worker_memory=least)
