@@ -1,16 +1,18 @@
 """The bare forward a user would compare the job with, at its best: every window of a corpus,
 sorted by length over the whole corpus, ``model(..., output_hidden_states=True)``, outputs
-discarded, under the batching, thread count and allocator that run it fastest.
+discarded, under the batching, thread count, lanes and allocator that run it fastest.
 
 A *batching* is ``rows:R`` (R windows a batch, in length order) or ``tokens:N`` (the windows
 packed to at most N padded positions a batch by the job's own
 :func:`~embgeom_ray.inputs.windows.plan_batches`, over the whole corpus). The *allocator* is
 glibc's default or :func:`~embgeom_ray.inputs.malloc_tuning.reuse_freed_memory` (what the job's
 CPU extractors set); it is process-wide, so each (threads, allocator) pair runs in a process
-of its own, which times every batching alternately, and the processes alternate too.
+of its own, which times every batching alternately, and the processes alternate too. *Lanes*
+K run K batches at once, the threads shared out (:mod:`embgeom_ray.inputs.lanes`, as the
+job's CPU extractors do; K > threads is not tried).
 
     python -m bench.bare_forward --corpus c.jsonl [--model minilm] [--batchings rows:64,tokens:2048]
-        [--threads 2] [--allocator default,reuse] [--repeats 2]
+        [--threads 2] [--lanes 1,2] [--allocator default,reuse] [--repeats 2]
 
 prints the sweep's table and the best configuration; :func:`best_bare_forward` and
 :func:`timed_bare_forward` are what ``bench.end_to_end`` runs.
@@ -78,12 +80,19 @@ def batches(windows: list, batching: str, pad_id: int) -> list[tuple[Any, Any]]:
     return out
 
 
-def run(model, plan: list[tuple[Any, Any]]) -> None:
+def run(model, plan: list[tuple[Any, Any]], lanes: int = 1) -> None:
+    """The forward over ``plan``'s batches, in ``lanes`` lanes as a CPU extractor runs them
+    (:mod:`embgeom_ray.inputs.lanes`: the batches at once, the torch threads shared out)."""
     import torch
 
-    with torch.inference_mode():
-        for ids, mask in plan:
-            model(input_ids=ids, attention_mask=mask, output_hidden_states=True)
+    from embgeom_ray.inputs.lanes import in_lanes, intra_op_threads
+
+    def forward(batch: tuple[Any, Any]) -> None:
+        ids, mask = batch
+        model(input_ids=ids, attention_mask=mask, output_hidden_states=True)
+
+    with torch.inference_mode(), intra_op_threads(max(1, torch.get_num_threads() // lanes)):
+        in_lanes(plan, forward, lambda *_: None, lanes)
 
 
 def load(model_dir: str, threads: int, allocator: str):
@@ -103,27 +112,30 @@ def load(model_dir: str, threads: int, allocator: str):
 
 def sweep_here(
     model_dir: str, corpus: str, max_length: int, batchings: list[str], threads: int,
-    allocator: str, repeats: int,
+    allocator: str, repeats: int, lanes: tuple[int, ...] = (1,),
 ) -> dict[str, Any]:  # fmt: skip
-    """In this process: the forward over ``corpus`` under each batching, alternately,
-    ``repeats`` times (tokenisation outside the clock: it is the same for all); real
-    positions (special tokens included) a second, per batching."""
+    """In this process: the forward over ``corpus`` under each batching and lane count
+    (``"B lanes:K"``), alternately, ``repeats`` times (tokenisation outside the clock: it is
+    the same for all); real positions (special tokens included) a second, per configuration."""
     tok, model = load(model_dir, threads, allocator)
     windows = corpus_windows(tok, corpus, max_length)
     positions = sum(len(w.input_ids) for w in windows)
     plans = {b: batches(windows, b, tok.pad_token_id or 0) for b in batchings}
     run(model, plans[batchings[0]][:2])  # warm-up
-    rates: dict[str, list[float]] = {b: [] for b in batchings}
-    kernel: dict[str, list[float]] = {b: [] for b in batchings}
-    faults: dict[str, list[float]] = {b: [] for b in batchings}
+    configs = [(b, k) for b in batchings for k in lanes]
+    keys = {c: f"{c[0]} lanes:{c[1]}" for c in configs}
+    rates: dict[str, list[float]] = {keys[c]: [] for c in configs}
+    kernel: dict[str, list[float]] = {keys[c]: [] for c in configs}
+    faults: dict[str, list[float]] = {keys[c]: [] for c in configs}
     for _ in range(repeats):
-        for b in batchings:
+        for b, k in configs:
+            key = keys[(b, k)]
             u0, t = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
-            run(model, plans[b])
+            run(model, plans[b], k)
             t, u1 = time.perf_counter() - t, resource.getrusage(resource.RUSAGE_SELF)
-            rates[b].append(positions / t)
-            kernel[b].append(1e6 * (u1.ru_stime - u0.ru_stime) / positions)
-            faults[b].append((u1.ru_minflt - u0.ru_minflt) / positions)
+            rates[key].append(positions / t)
+            kernel[key].append(1e6 * (u1.ru_stime - u0.ru_stime) / positions)
+            faults[key].append((u1.ru_minflt - u0.ru_minflt) / positions)
     padding = {b: sum(ids.numel() for ids, _ in plans[b]) / positions for b in batchings}
     return {
         "positions": positions,
@@ -136,8 +148,9 @@ def sweep_here(
 
 
 def timed_here(
-    model_dir: str, corpus: str, max_length: int, batching: str, threads: int, allocator: str
-) -> dict[str, Any]:
+    model_dir: str, corpus: str, max_length: int, batching: str, threads: int, allocator: str,
+    lanes: int = 1,
+) -> dict[str, Any]:  # fmt: skip
     """In this process: tokenise ``corpus``, sort its windows, run them under ``batching``;
     the clock covers tokenising and the forward (what a user's bare forward costs)."""
     import torch
@@ -147,7 +160,7 @@ def timed_here(
     t0 = time.perf_counter()
     windows = corpus_windows(tok, corpus, max_length)
     plan = batches(windows, batching, tok.pad_token_id or 0)
-    run(model, plan)
+    run(model, plan, lanes)
     seconds = time.perf_counter() - t0
     special = set(tok.all_special_ids)
     tokens = sum(1 for w in windows for i in w.input_ids if i not in special)
@@ -168,12 +181,12 @@ def in_subprocess(*args: str) -> dict[str, Any]:
 
 def best_bare_forward(
     model_dir: str, corpus: str, max_length: int, batchings: list[str], threads: list[int],
-    allocators: list[str], repeats: int = 2, rounds: int = 2,
+    allocators: list[str], repeats: int = 2, rounds: int = 2, lanes: tuple[int, ...] = (1,),
 ) -> dict[str, Any]:  # fmt: skip
     """The fastest bare forward over ``corpus``: every (threads, allocator) pair in a process
-    of its own, ``rounds`` times in turn, each process timing every batching ``repeats``
-    times alternately; the best configuration is the highest median rate. Returns the table
-    (positions a second per configuration, all runs) and the best one."""
+    of its own, ``rounds`` times in turn, each process timing every batching and lane count
+    ``repeats`` times alternately; the best configuration is the highest median rate. Returns
+    the table (positions a second per configuration, all runs) and the best one."""
     table: dict[str, list[float]] = {}
     kernel: dict[str, list[float]] = {}
     faults: dict[str, list[float]] = {}
@@ -185,15 +198,16 @@ def best_bare_forward(
                     "--model-dir", model_dir, "--corpus", corpus, "--max-length", str(max_length),
                     "--batchings", ",".join(batchings), "--threads", str(n),
                     "--allocator", allocator, "--repeats", str(repeats),
+                    "--lanes", ",".join(str(k) for k in lanes if k <= n),
                 )  # fmt: skip
-                for b, rates in res["rates"].items():
-                    config = f"{b} threads:{n} {allocator}"
+                for key, rates in res["rates"].items():
+                    config = f"{key} threads:{n} {allocator}"
                     table.setdefault(config, []).extend(rates)
-                    kernel.setdefault(config, []).extend(res["kernel_us"][b])
-                    faults.setdefault(config, []).extend(res["faults"][b])
-                    padding[b] = res["padding"][b]
+                    kernel.setdefault(config, []).extend(res["kernel_us"][key])
+                    faults.setdefault(config, []).extend(res["faults"][key])
+                padding.update(res["padding"])
     best = max(table, key=lambda k: median(table[k]))
-    batching, threads_s, allocator = best.split(" ")
+    batching, lanes_s, threads_s, allocator = best.split(" ")
     return {
         "positions_per_s": table,
         "kernel_us_per_position": kernel,
@@ -201,6 +215,7 @@ def best_bare_forward(
         "padding": padding,
         "best": {
             "batching": batching,
+            "lanes": int(lanes_s.split(":")[1]),
             "threads": int(threads_s.split(":")[1]),
             "allocator": allocator,
             "positions_per_s": median(table[best]),
@@ -227,7 +242,7 @@ def timed_bare_forward(model_dir: str, corpus: str, max_length: int, best: dict)
     return in_subprocess(
         "--model-dir", model_dir, "--corpus", corpus, "--max-length", str(max_length),
         "--batchings", best["batching"], "--threads", str(best["threads"]),
-        "--allocator", best["allocator"], "--timed",
+        "--allocator", best["allocator"], "--lanes", str(best.get("lanes", 1)), "--timed",
     )  # fmt: skip
 
 
@@ -240,6 +255,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--batchings", default=",".join(BATCHINGS))
     p.add_argument("--threads", default=str(os.cpu_count() or 1), help="torch threads, a list")
     p.add_argument("--allocator", default=",".join(ALLOCATORS), help="default, reuse, or both")
+    p.add_argument("--lanes", default=f"1,{os.cpu_count() or 1}", help="lane counts, a list")
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--timed", action="store_true", help="one timed run (tokenising included)")
@@ -251,22 +267,24 @@ def main(argv: list[str] | None = None) -> None:
         minilm_dir() if args.model == "minilm" else random_bert_dir(Path("/tmp/embgeom-bert-base"))
     )
     batchings = args.batchings.split(",")
+    lanes = tuple(sorted({max(1, int(k)) for k in args.lanes.split(",")}))
     if args.json:  # one process's share of a sweep, or one timed run
         threads, allocator = int(args.threads), args.allocator
         if args.timed:
             out = timed_here(
-                model_dir, args.corpus, args.max_length, batchings[0], threads, allocator
+                model_dir, args.corpus, args.max_length, batchings[0], threads, allocator, lanes[0]
             )
         else:
             out = sweep_here(
-                model_dir, args.corpus, args.max_length, batchings, threads, allocator, args.repeats
-            )
+                model_dir, args.corpus, args.max_length, batchings, threads, allocator,
+                args.repeats, lanes,
+            )  # fmt: skip
         print(json.dumps(out))
         return
     res = best_bare_forward(
         model_dir, args.corpus, args.max_length, batchings,
         [int(t) for t in args.threads.split(",")], args.allocator.split(","),
-        args.repeats, args.rounds,
+        args.repeats, args.rounds, lanes,
     )  # fmt: skip
     print_sweep(res)
     print(f"load {os.getloadavg()}")

@@ -5,7 +5,8 @@ tokens) and ``--factor`` times that (F·N tokens). In one process, in this order
 
 1. the best bare forward (:mod:`bench.bare_forward`): over the N corpus, every batching of
    ``--bare-batchings`` (64 windows a batch; packed to 1,024 … 8,192 padded tokens), with
-   ``--bare-threads`` torch threads and glibc's allocator as it is or tuned as the job's CPU
+   ``--bare-threads`` torch threads shared by ``--bare-lanes`` lanes (batches run at once, as
+   the job's CPU extractors run them) and glibc's allocator as it is or tuned as the job's CPU
    extractors tune it, each (threads, allocator) pair in a process of its own, alternately;
    the fastest configuration is what the job is compared with;
 2. that bare forward over the F·N corpus, the ideal a user compares with: every window of the
@@ -33,7 +34,8 @@ Printed, and saved in ``bench/results/NAME.json``:
 - end to end: bare-forward time of the F·N tokens / T_F.
 
     python -m bench.end_to_end [--model minilm] [--repeat 1] [--factor 4] [--extra-args "..."]
-        [--bare-batchings rows:64,tokens:2048] [--bare-threads 1,2] [--bare-allocators default]
+        [--bare-batchings rows:64,tokens:2048] [--bare-threads 1,2] [--bare-lanes 1,2]
+        [--bare-allocators default]
 """
 
 from __future__ import annotations
@@ -56,13 +58,15 @@ from bench.bare_forward import (
     timed_bare_forward,
 )
 from bench.common import english_jsonl, minilm_dir, random_bert_dir, save
+from embgeom_ray.inputs.lanes import lanes_for
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def print_bare(res: dict, best: dict) -> None:
     print(
-        f"bare forward (sorted corpus, {best['batching']}, {best['threads']} threads, "
+        f"bare forward (sorted corpus, {best['batching']}, {best['threads']} threads in "
+        f"{best.get('lanes', 1)} lane(s), "
         f"{best['allocator']} allocator): {res['tokens']:,} tokens in {res['seconds']:.1f} s = "
         f"{res['tokens'] / res['seconds']:,.0f} tok/s, padded/real {res['padding']:.3f}"
     )
@@ -84,6 +88,14 @@ def run_job(model: str, corpus: str, out: Path, args) -> tuple[float, dict]:
     print(f"job: {manifest['counts']['tokens']:,} tokens in {wall:.1f} s; "
           f"timings {manifest['timings_s']}")
     return wall, manifest
+
+
+def job_lanes(args) -> int:
+    """The CPU lanes of :func:`run_job`'s extractor: ``--cpu-lanes`` in ``--extra-args``, else
+    one a CPU (it has them all)."""
+    extra = shlex.split(args.extra_args)
+    given = extra[extra.index("--cpu-lanes") + 1] if "--cpu-lanes" in extra[:-1] else None
+    return lanes_for(int(given) if given else None, os.cpu_count() or 1)
 
 
 def kmeans_searched(out: Path) -> list[int]:
@@ -112,9 +124,13 @@ def fixed_cost_split(wall: float, manifest: dict, tokens: int, marginal: float) 
     }
 
 
-def summarise(before: dict, after: dict, small: tuple[float, dict], large: tuple[float, dict]) -> dict:
+def summarise(
+    before: dict, after: dict, small: tuple[float, dict], large: tuple[float, dict], lanes: int = 1
+) -> dict:
     """The bench's numbers from the two bare forwards (:func:`bench.bare_forward.timed_bare_forward`) and the two
-    jobs' (wall seconds, manifest) (:func:`run_job`) on N and F·N tokens."""
+    jobs' (wall seconds, manifest) (:func:`run_job`) on N and F·N tokens, whose extractor ran
+    ``lanes`` CPU lanes (its forwards' sum counts each lane's: divided by the lanes, the
+    forward's share of the wall time)."""
     (t_small, m_small), (t_large, m_large) = small, large
     bare_s = (before["seconds"] + after["seconds"]) / 2
     n_small, n_large = m_small["counts"]["tokens"], m_large["counts"]["tokens"]
@@ -126,7 +142,8 @@ def summarise(before: dict, after: dict, small: tuple[float, dict], large: tuple
     # the same difference over the extraction stage alone: free of the sampled stage, whose
     # cost follows each run's sample (kmeans_searched), not the number of tokens
     e_small, e_large = (m["timings_s"]["extract_wall"] for m in (m_small, m_large))
-    forward_large = m_large["timings_s"]["extract_forward_sum"]
+    forward_sum = m_large["timings_s"]["extract_forward_sum"]
+    forward_large = forward_sum / lanes
     marginal_extract = (n_large - n_small) / (e_large - e_small)
     return {
         "tokens": {"N": n_small, "FN": n_large},
@@ -150,8 +167,10 @@ def summarise(before: dict, after: dict, small: tuple[float, dict], large: tuple
         # the bare forward (whose clock includes tokenising)
         "job_forward_tokens_per_s_FN": n_large / forward_large,
         "job_forward_ratio_FN": n_large / forward_large / bare_rate,
+        # both sums over the lanes: the fold's CPU time against the forward's
         "job_fold_per_forward_FN": m_large["timings_s"].get("extract_fold_sum", 0.0)
-        / forward_large,
+        / forward_sum,
+        "lanes": lanes,
     }
 
 
@@ -166,6 +185,7 @@ def main(argv: list[str] | None = None) -> None:
         help="the bare forward's batchings to try: rows:R (R windows a batch), tokens:N",
     )  # fmt: skip
     p.add_argument("--bare-threads", default=str(os.cpu_count() or 1), help="a list to try")
+    p.add_argument("--bare-lanes", default=f"1,{os.cpu_count() or 1}", help="a list to try")
     p.add_argument("--bare-allocators", default=",".join(ALLOCATORS), help="default, reuse")
     p.add_argument("--bare-repeats", type=int, default=2, help="per process of the sweep")
     p.add_argument("--extra-args", default="", help="more jobs.analyze flags, quoted")
@@ -178,7 +198,7 @@ def main(argv: list[str] | None = None) -> None:
     sweep = best_bare_forward(
         model, small, args.max_length, args.bare_batchings.split(","),
         [int(t) for t in args.bare_threads.split(",")], args.bare_allocators.split(","),
-        args.bare_repeats,
+        args.bare_repeats, lanes=tuple(int(k) for k in args.bare_lanes.split(",")),
     )  # fmt: skip
     print_sweep(sweep)
     best = sweep["best"]
@@ -194,7 +214,7 @@ def main(argv: list[str] | None = None) -> None:
         "bare_forward_sweep": sweep,
         "extra_args": args.extra_args,
         "load_average": os.getloadavg(),
-        **summarise(before, after, (t_small, m_small), (t_large, m_large)),
+        **summarise(before, after, (t_small, m_small), (t_large, m_large), job_lanes(args)),
         "kmeans_k_searched": {"N": kmeans_searched(work / "small"), "FN": kmeans_searched(work / "large")},
     }
     marginal, marginal_extract = result["marginal_tokens_per_s"], result["marginal_extraction_tokens_per_s"]

@@ -37,21 +37,27 @@ import torch
 from bench.common import english_jsonl, median, minilm_dir, random_bert_dir, save, timed
 
 
-def bare_forward(proc, shard, batch_tokens: int | None = None) -> int:
+def bare_forward(proc, shard, batch_tokens: int | None = None, lanes: int = 1) -> int:
     """Tokenise and batch as the extractor does (at ``batch_tokens`` padded tokens a batch,
-    default the extractor's own), run the model, discard the output."""
+    default the extractor's own), run the model, discard the output; in ``lanes`` lanes as
+    the extractor's (:mod:`embgeom_ray.inputs.lanes`: the batches at once, one intra-op
+    thread each)."""
     from embgeom_ray.counts import Counts
     from embgeom_ray.inputs.corpus import ReadReport, read_shard
+    from embgeom_ray.inputs.lanes import in_lanes, intra_op_threads
 
     counts = Counts()
     tokens = 0
+
+    def count(batch, _) -> None:
+        nonlocal tokens
+        tokens += batch.num_tokens
+
     own, proc.batch_tokens = proc.batch_tokens, batch_tokens or proc.batch_tokens
     try:
-        with torch.inference_mode():
+        with torch.inference_mode(), intra_op_threads(max(1, torch.get_num_threads() // lanes)):
             docs = read_shard(shard, proc.corpus, ReadReport())
-            for batch in proc.batches(docs, counts):
-                proc.forward(batch)
-                tokens += batch.num_tokens
+            in_lanes(proc.batches(docs, counts), proc.forward, count, lanes)
     finally:
         proc.batch_tokens = own
     if proc.device == "cuda":
@@ -80,6 +86,7 @@ def bench_model(name: str, model: str, corpus: str, args, workdir: Path) -> dict
     layers = resolve_layers(None, identity.num_layers)
     variants = {
         "extractor": {"sample_size": args.sample_size},
+        "extractor_one_lane": {"sample_size": args.sample_size, "cpu_lanes": 1},
         "extractor_no_sample": {"sample_size": 0},
         "extractor_f64_comoment": {
             "sample_size": args.sample_size,
@@ -118,13 +125,16 @@ def bench_model(name: str, model: str, corpus: str, args, workdir: Path) -> dict
     bare_forward(base, shard)  # warm-up
     # the bare forward at the extractor's batch size, and at each other one tried
     others = [b for b in args.bare_batch_tokens if b != base.batch_tokens]
-    bares = {"bare_forward": None, **{f"bare_forward_{b}": b for b in others}}
+    # (batch tokens, lanes): the extractor's batch in one lane, and in its lanes
+    bares = {"bare_forward": (None, 1), **{f"bare_forward_{b}": (b, 1) for b in others}}
+    if base.lanes() > 1:
+        bares["bare_forward_lanes"] = (None, base.lanes())
     times: dict[str, list[float]] = {**{k: [] for k in bares}, **{v: [] for v in variants}}
     tokens = 0
     folds: dict[str, list[float]] = {v: [] for v in variants}
     for _ in range(args.repeats):
-        for key, size in bares.items():
-            t, tokens = timed(lambda size=size: bare_forward(base, shard, size))
+        for key, (size, lanes) in bares.items():
+            t, tokens = timed(lambda size=size, lanes=lanes: bare_forward(base, shard, size, lanes))
             times[key].append(t)
         for variant, proc in procs.items():
             t, (_, _, counts) = timed(lambda proc=proc: proc.process(shard))
@@ -152,8 +162,11 @@ def bench_model(name: str, model: str, corpus: str, args, workdir: Path) -> dict
         "tokens_per_s": {k: tokens / median(v) for k, v in times.items()},
         "ratio_to_bare_forward": {v: bare / median(times[v]) for v in variants},
         # against the fastest bare forward over the same shard, whatever its batch size
+        "lanes": base.lanes(),
         "bare_forward_best": {
-            "batch_tokens": bares[best_bare] or base.batch_tokens, "seconds": best
+            "batch_tokens": bares[best_bare][0] or base.batch_tokens,
+            "lanes": bares[best_bare][1],
+            "seconds": best,
         },
         "ratio_to_best_bare_forward": {v: best / median(times[v]) for v in variants},
         **({} if same is None else {"device_map_state": same}),
@@ -162,7 +175,7 @@ def bench_model(name: str, model: str, corpus: str, args, workdir: Path) -> dict
         f"{name:10s} L+1={len(layers):2d} d={identity.hidden_size:4d} tokens={tokens:,} "
         f"batches of {base.batch_tokens:,} "
         f"bare {tokens / bare:8,.0f} tok/s, best bare {tokens / best:8,.0f} tok/s at "
-        f"{bares[best_bare] or base.batch_tokens:,} | "
+        f"{bares[best_bare][0] or base.batch_tokens:,} in {bares[best_bare][1]} lane(s) | "
         + " | ".join(
             f"{v} {tokens / median(times[v]):8,.0f} tok/s ratio {bare / median(times[v]):.3f} "
             f"(to the best bare {best / median(times[v]):.3f})"

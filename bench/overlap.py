@@ -4,8 +4,10 @@ Over the same batches of one shard (the demo prose, MiniLM, the extractor's own 
 alternately ``--repeats`` times in one process:
 
   (a) bare: the forward alone, hidden states discarded;
-  (b) sequential: forward, then fold into the statistics and the sample (what the extractor
-      does: :meth:`~embgeom_ray.inputs.extractor.ShardProcessor.fold_batch`);
+  (b) sequential: forward, then fold into the statistics and the sample (what an extractor
+      of one lane does: :meth:`~embgeom_ray.inputs.extractor.ShardProcessor.fold_batch`; the
+      job's CPU extractors run one lane a CPU, :mod:`embgeom_ray.inputs.lanes`, measured by
+      ``bench.extraction``);
   (c) overlapped: the fold of batch i in a second thread while the main thread runs the forward
       of batch i + 1 (at most one fold pending; folds in batch order, so the same state).
 

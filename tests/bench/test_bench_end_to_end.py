@@ -38,5 +38,10 @@ def test_end_to_end_numbers_from_two_runs():
     assert res["job_forward_tokens_per_s_FN"] == pytest.approx(321_012 / 56.1)
     assert res["job_forward_ratio_FN"] == pytest.approx(49.0 / 56.1)  # same tokens both sides
     assert res["job_fold_per_forward_FN"] == pytest.approx(0.25)
+    # two lanes: the forwards' sum counts both lanes' seconds, the fold's share is per sum
+    two = summarise(before, after, small, large, lanes=2)
+    assert two["job_forward_tokens_per_s_FN"] == pytest.approx(321_012 / 28.05)
+    assert two["forward_share_of_job_FN"] == pytest.approx(28.05 / 166.7)
+    assert two["job_fold_per_forward_FN"] == pytest.approx(0.25) and two["lanes"] == 2
     with pytest.raises(ValueError, match="counted 321012 tokens, the bare forward 1000"):
         summarise({**before, "tokens": 1000}, after, small, large)

@@ -39,19 +39,24 @@ def test_extraction_smoke(results_dir):
     )
     (res,) = read(results_dir, "extraction")["results"]
     assert res["model"] == "minilm" and res["tokens"] > 0
-    assert {"bare_forward", "bare_forward_1024", "extractor"} <= res["tokens_per_s"].keys()
+    assert {"bare_forward", "bare_forward_1024", "extractor", "extractor_one_lane"} <= res[
+        "tokens_per_s"
+    ].keys()
     assert res["ratio_to_bare_forward"]["extractor"] > 0
     best = res["bare_forward_best"]
     assert best["batch_tokens"] in (1024, res["batch_tokens"])
     seconds = res["seconds"]
-    assert best["seconds"] == min(seconds["bare_forward"], seconds["bare_forward_1024"])
+    bares = [k for k in seconds if k.startswith("bare_forward")]
+    assert ("bare_forward_lanes" in bares) == (res["lanes"] > 1)  # in the extractor's lanes too
+    assert best["seconds"] == min(seconds[k] for k in bares)
     assert res["ratio_to_best_bare_forward"]["extractor"] == pytest.approx(
         best["seconds"] / res["seconds"]["extractor"]
     )
 
 
 def test_bare_forward_sweep_smoke(tmp_path):
-    """bench.bare_forward's sweep (a process per allocator) and its timed run, on 8 documents."""
+    """bench.bare_forward's sweep (a process per thread count) and its timed run, on 8
+    documents: one lane, and two where there are two threads."""
     from bench.bare_forward import best_bare_forward, timed_bare_forward
     from bench.common import english_jsonl, minilm_dir
 
@@ -59,14 +64,15 @@ def test_bare_forward_sweep_smoke(tmp_path):
     corpus = tmp_path / "small.jsonl"
     corpus.write_text("".join(lines[:8]))
     res = best_bare_forward(
-        minilm_dir(), str(corpus), 128, ["rows:8", "tokens:1024"], [1], ["default", "reuse"],
-        repeats=1, rounds=1,
+        minilm_dir(), str(corpus), 128, ["rows:8", "tokens:1024"], [1, 2], ["reuse"],
+        repeats=1, rounds=1, lanes=(1, 2),
     )  # fmt: skip
-    batchings, allocators = ("rows:8", "tokens:1024"), ("default", "reuse")
-    configs = {f"{b} threads:1 {a}" for b in batchings for a in allocators}
+    batchings = ("rows:8", "tokens:1024")
+    configs = {f"{b} lanes:1 threads:{n} reuse" for b in batchings for n in (1, 2)}
+    configs |= {f"{b} lanes:2 threads:2 reuse" for b in batchings}  # lanes ≤ threads
     assert set(res["positions_per_s"]) == configs
     best = res["best"]
-    key = f"{best['batching']} threads:{best['threads']} {best['allocator']}"
+    key = f"{best['batching']} lanes:{best['lanes']} threads:{best['threads']} {best['allocator']}"
     assert best["positions_per_s"] == max(r[0] for r in res["positions_per_s"].values())
     assert res["positions_per_s"][key] == [best["positions_per_s"]]
     assert res["padding"]["tokens:1024"] >= 1.0
