@@ -85,13 +85,13 @@ def run(model, plan: list[tuple[Any, Any]], lanes: int = 1) -> None:
     (:mod:`embgeom_ray.inputs.lanes`: the batches at once, the torch threads shared out)."""
     import torch
 
-    from embgeom_ray.inputs.lanes import in_lanes, intra_op_threads
+    from embgeom_ray.inputs.lanes import in_lanes
 
     def forward(batch: tuple[Any, Any]) -> None:
         ids, mask = batch
         model(input_ids=ids, attention_mask=mask, output_hidden_states=True)
 
-    with torch.inference_mode(), intra_op_threads(max(1, torch.get_num_threads() // lanes)):
+    with torch.inference_mode():
         in_lanes(plan, forward, lambda *_: None, lanes)
 
 

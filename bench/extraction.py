@@ -44,7 +44,7 @@ def bare_forward(proc, shard, batch_tokens: int | None = None, lanes: int = 1) -
     thread each)."""
     from embgeom_ray.counts import Counts
     from embgeom_ray.inputs.corpus import ReadReport, read_shard
-    from embgeom_ray.inputs.lanes import in_lanes, intra_op_threads
+    from embgeom_ray.inputs.lanes import in_lanes
 
     counts = Counts()
     tokens = 0
@@ -55,7 +55,7 @@ def bare_forward(proc, shard, batch_tokens: int | None = None, lanes: int = 1) -
 
     own, proc.batch_tokens = proc.batch_tokens, batch_tokens or proc.batch_tokens
     try:
-        with torch.inference_mode(), intra_op_threads(max(1, torch.get_num_threads() // lanes)):
+        with torch.inference_mode():
             docs = read_shard(shard, proc.corpus, ReadReport())
             in_lanes(proc.batches(docs, counts), proc.forward, count, lanes)
     finally:

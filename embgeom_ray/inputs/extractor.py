@@ -26,7 +26,7 @@ from ..core.statistics import EmbeddingStatistics
 from ..counts import Counts
 from ..sizing import DEFAULT_BATCH_TOKENS, cpu_batch_tokens, gpu_budgets, run_shape
 from .corpus import CorpusSpec, Document, ReadReport, Shard, read_shard
-from .lanes import in_lanes, intra_op_threads, lanes_for
+from .lanes import in_lanes, lanes_for
 from .model_loading import (
     balanced_device_map,
     content_rule,
@@ -341,7 +341,7 @@ class ShardProcessor:
         counts: Counts,
     ) -> None:
         """Fold ``batches`` as :meth:`fold_batch` does, in :meth:`lanes` lanes on a CPU (the
-        forwards at once, one intra-op thread each, the folds in batch order:
+        forwards at once, the intra-op threads shared out, the folds in batch order:
         :func:`~.lanes.in_lanes`)."""
         lanes = self.lanes()
         if lanes == 1:
@@ -360,8 +360,7 @@ class ShardProcessor:
             counts.oom_batch_splits += splits
             parts.clear()  # the hidden states go now, not when the lane takes its next batch
 
-        with intra_op_threads(max(1, torch.get_num_threads() // lanes)):
-            in_lanes(batches, work, finish, lanes)
+        in_lanes(batches, work, finish, lanes)
 
     def _synchronize(self) -> None:
         """Wait for the GPUs this extractor uses (all of them when the model is split), so

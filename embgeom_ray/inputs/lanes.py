@@ -65,7 +65,9 @@ def in_lanes(
 
     Each lane takes the next item (the iterator is read under a lock, so it is read in order
     by one thread at a time), runs ``work`` on it, waits until every earlier item is finished,
-    then finishes its own. At most ``lanes`` items are taken and not yet finished. The first
+    then finishes its own. At most ``lanes`` items are taken and not yet finished. While the
+    lanes run, the process's torch intra-op threads are shared out among them (one each on
+    as many CPUs as lanes: :func:`intra_op_threads`), and restored after. The first
     exception raised in a lane (by the iterator, ``work`` or ``finish``) stops every lane
     once its current step ends and is raised here, after all have stopped: what was
     finished is a prefix of the items, without the failed one (earlier items still in
@@ -108,10 +110,11 @@ def in_lanes(
                     turn.notify_all()
 
     threads = [threading.Thread(target=lane, name=f"lane-{i}") for i in range(lanes)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    with intra_op_threads(max(1, torch.get_num_threads() // lanes)):
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
     if errors:
         raise errors[0]
 

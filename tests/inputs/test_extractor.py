@@ -194,7 +194,7 @@ def test_batch_tokens_default_to_what_the_allocator_reuses_on_cpus_and_fits_on_a
     from pathlib import Path
 
     corpus = write_jsonl(tmp_path / "c.jsonl", ["the cat sat"])
-    proc = processor(tiny_bert, corpus, tmp_path / "o", cpu_lanes=1)
+    proc = processor(tiny_bert, corpus, tmp_path / "o")
     cfg = json.loads((Path(tiny_bert) / "config.json").read_text())
     d, ffn, blocks = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_hidden_layers"]
     assert max(ffn, d) * 4 * 8192 < 32 << 20  # a tiny model: the most a CPU batch gets
@@ -203,10 +203,8 @@ def test_batch_tokens_default_to_what_the_allocator_reuses_on_cpus_and_fits_on_a
     # the same rule as the job's sizing, from this model's shape: with a threshold of 3,000
     # tokens of float32 d_ff, 2,048 tokens in float32 and 5,120 in bfloat16 (6,000 tokens)
     monkeypatch.setattr(sizing.formulas, "MMAP_THRESHOLD_MAX", 3000 * max(ffn, d) * 4)
-    one_lane = {"cpu_lanes": 1}
-    assert processor(tiny_bert, corpus, tmp_path / "o", **one_lane).batch_tokens == 2048
-    bf16 = {"dtype": "bfloat16"}
-    assert processor(tiny_bert, corpus, tmp_path / "o", **bf16, **one_lane).batch_tokens == 5120
+    assert processor(tiny_bert, corpus, tmp_path / "o").batch_tokens == 2048
+    assert processor(tiny_bert, corpus, tmp_path / "o", dtype="bfloat16").batch_tokens == 5120
     with intra_op_threads(2):  # the same in two lanes
         assert processor(tiny_bert, corpus, tmp_path / "o", cpu_lanes=2).batch_tokens == 2048
     monkeypatch.undo()

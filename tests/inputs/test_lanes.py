@@ -26,6 +26,7 @@ def test_items_are_finished_in_order_with_at_most_lanes_in_flight():
     finished: list[tuple[int, int]] = []
     in_flight, most = [0], [0]
     lock = threading.Lock()
+    threads = torch.get_num_threads()
 
     def work(i: int) -> int:
         with lock:
@@ -33,6 +34,7 @@ def test_items_are_finished_in_order_with_at_most_lanes_in_flight():
             most[0] = max(most[0], in_flight[0])
         time.sleep(delays[i])  # later items often done first
         assert torch.is_inference_mode_enabled()
+        assert torch.get_num_threads() == max(1, threads // 3)  # the threads shared out
         return i * i
 
     def finish(i: int, square: int) -> None:
@@ -42,6 +44,7 @@ def test_items_are_finished_in_order_with_at_most_lanes_in_flight():
 
     in_lanes(range(60), work, finish, lanes=3)
     assert finished == [(i, i * i) for i in range(60)]
+    assert torch.get_num_threads() == threads  # and given back
     assert 2 <= most[0] <= 3
 
 
