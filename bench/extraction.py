@@ -8,6 +8,8 @@ For each model, the same shard is processed alternately by
       the sample, and with ``comoment_precision="float64"``,
 same dtype, same threads, same process, ``--repeats`` times; the printed ratio is
 median(bare) / median(extractor) — the extractor's throughput as a fraction of the forward's.
+On a GPU each extractor first processes the shard once untimed (its fold compiles kernels on
+first use, tens of seconds for the int8 product's).
 The bare forward also runs at each batch size of ``--bare-batch-tokens`` (alternated with the
 rest): the extractor is compared with the fastest of them too, since its own batch size need
 not be the forward's best. On a CPU the process's allocator is tuned as the job's extractors
@@ -123,6 +125,9 @@ def bench_model(name: str, model: str, corpus: str, args, workdir: Path) -> dict
     shard = plan_shards(CorpusSpec(corpus), 1 << 40).shards[0]
     base = procs["extractor"]
     bare_forward(base, shard)  # warm-up
+    if torch.device(base.device).type != "cpu":  # a GPU's fold compiles its kernels once
+        for proc in procs.values():
+            proc.process(shard)
     # the bare forward at the extractor's batch size, and at each other one tried
     others = [b for b in args.bare_batch_tokens if b != base.batch_tokens]
     # (batch tokens, lanes): the extractor's batch in one lane, and in its lanes

@@ -1,22 +1,22 @@
 #!/usr/bin/env bash
 # The GPU measurements, in one call on a machine with an NVIDIA GPU and no Ray (the
 # engine-agnostic core runs without it), within $DEADLINE seconds (default 480). $STEPS picks
-# them, in this order (default "precision vocabulary extraction comoment fold sums"):
-#   precision   every table of the bounded co-moment path against the float64 path's, on the
-#               same bf16 hidden states with planted massive activations, d = 2,048 and 4,096
-#               (bench.precision: the contract is 1e-6 relative)
+# them, in this order (default "vocabulary extraction comoment fold precision"):
 #   vocabulary  fold / forward on 128k-vocabulary Llama-shaped bf16 models at the batch size
-#               the job picks, the bounded and the float64 product: d = 2,048 (8 blocks,
-#               vocabulary-2048) and d = 4,096 (2 blocks, vocabulary-4096); one of them by name
+#               the job picks, with the job's default product (on Hopper the float64 one):
+#               d = 2,048 (8 blocks, vocabulary-2048) and d = 4,096 (2 blocks,
+#               vocabulary-4096); one of them by name
 #   extraction  the extractor against the bare forward (MiniLM and a BERT-base-sized model,
 #               bf16, the batch size the job picks; bench.extraction)
 #   comoment    the co-moment product alone, 65,536 rows, d = 2,048 and 4,096: float64 and
-#               float32 in 8 blocks, the bounded int8 product, and bf16 hi + lo over chunks of
-#               256 rows summed in float64 (bench.comoment)
-#   fold        the fold alone, the bounded product against the float64 one in one process,
-#               d = 2,048 and 4,096, 65,536 tokens; against $FOLD_BASELINE too when it is set (a
-#               git revision, or an extracted embgeom_ray package where the machine has no
-#               .git) (bench.fold)
+#               float32 in 8 blocks, the int8 product, and bf16 hi + lo over chunks of 256 rows
+#               summed in float64 (bench.comoment)
+#   fold        the fold alone with the job's default product, d = 2,048 and 4,096, 65,536
+#               tokens; against $FOLD_BASELINE too when it is set (a git revision, or an
+#               extracted embgeom_ray package where the machine has no .git) (bench.fold)
+#   precision   every table of the int8 product (forced) against the float64 path's, on the
+#               same bf16 hidden states with planted massive activations, d = 2,048 and 4,096
+#               (bench.precision: the contract is 1e-6 relative)
 #   sums        the per-type sums in float32 by the error-free split (group_sums.split_sums):
 #               the fold with them against the fold without, alternated, and the sums alone
 #               against the fold's float64 CSR product, 65,536 tokens, d = 2,048 and 4,096
@@ -39,7 +39,7 @@
 # (bench/results/*.json; a smoke run's results folder is $OUT/results).
 set -u
 OUT=${OUT:-/tmp/embgeom-gpu}
-STEPS=" ${STEPS:-precision vocabulary extraction comoment fold sums} "
+STEPS=" ${STEPS:-vocabulary extraction comoment fold precision} "
 PYTHON=${PYTHON:-python3}
 mkdir -p "$OUT"
 if [ -n "${WHEELS:-}" ]; then
@@ -89,10 +89,7 @@ fi
 "$PYTHON" -c 'import torch, transformers; print("torch", torch.__version__, "transformers",
 transformers.__version__, torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU")'
 
-if wanted precision; then
-  step 90 bench.precision $DEV --dims $D2,$D4 $PREC --name gpu-precision
-fi
-V="--no-jobs $DEV --dtype $DT --ffn-mult 3.5 --kv-group 4 --comoment-precision bounded,float64"
+V="--no-jobs $DEV --dtype $DT --ffn-mult 3.5 --kv-group 4 --comoment-precision bounded"
 if wanted vocabulary vocabulary-2048; then
   step 150 bench.vocabulary $V $VOCAB $V2 --profile --name gpu-vocabulary-2048
 fi
@@ -100,7 +97,7 @@ if wanted vocabulary vocabulary-4096; then
   step 120 bench.vocabulary $V $VOCAB $V4 --name gpu-vocabulary-4096
 fi
 if wanted extraction; then
-  step 120 bench.extraction $E --name gpu-extraction
+  step 200 bench.extraction $E --name gpu-extraction
 fi
 if wanted comoment; then
   step 60 bench.comoment $DEV --dims $D2,$D4 --rows $ROWS --repeats $REPEATS --name gpu-comoment \
@@ -108,11 +105,14 @@ if wanted comoment; then
 fi
 if wanted fold; then
   step 90 bench.fold $DEV --dims $D2,$D4 --batch-tokens $TOK --repeats $REPEATS \
-    --baseline "${FOLD_BASELINE:-none}" --comoment-precision bounded:float64,float64 \
+    --baseline "${FOLD_BASELINE:-none}" --comoment-precision bounded \
     --name gpu-fold
 fi
+if wanted precision; then  # the int8 product forced: its kernels compile for ~50 s first
+  step 150 bench.precision $DEV --dims $D2,$D4 $PREC --name gpu-precision
+fi
 if wanted sums; then
-  step 120 bench.fold $DEV --dims $D2,$D4 --batch-tokens $TOK --repeats $REPEATS --dtype $DT \
+  step 180 bench.fold $DEV --dims $D2,$D4 --batch-tokens $TOK --repeats $REPEATS --dtype $DT \
     --baseline none --comoment-precision bounded --split-sums --scatter --name gpu-sums
 fi
 if wanted blocks; then

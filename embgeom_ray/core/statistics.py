@@ -23,9 +23,9 @@ c; per type it is reduced centred on the type's own batch mean (two passes), per
 co-moment is (X − c)ᵀ(X − c) − n m'm'ᵀ, which cancels only O(||μ_b − μ||²/V) digits instead
 of ||μ||²/V. That one product is where the precisions differ (``comoment_precision``):
 float64 (:mod:`~embgeom_ray.core.gram`); "bounded", the job's default, within
-|ΔC_ab| ≤ 2^−29 √(C_aa C_bb) on int8 matrix units where :func:`integer_product` (CUDA; rows
-shifted by the batch's own mean: :mod:`~embgeom_ray.core.integer_gram`, ``docs/precision.md``),
-else float64; float32 (earlier versions' default, no bound). Batch moments are merged into
+|ΔC_ab| ≤ 2^−29 √(C_aa C_bb) on int8 matrix units where :func:`integer_product` (CUDA cards
+without float64 matrix units; rows shifted by the batch's own mean:
+:mod:`~embgeom_ray.core.integer_gram`, ``docs/precision.md``), else float64; float32 (earlier versions' default, no bound). Batch moments are merged into
 the running ones with the pairwise update of Chan, Golub & LeVeque (1979)::
 
     n = n_a + n_b,  δ = μ_b − μ_a,  μ = μ_a + δ n_b/n,
@@ -54,6 +54,7 @@ The type is a sketch in the Apache DataSketches sense (:class:`~embgeom_ray.core
 
 from __future__ import annotations
 
+import functools
 import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -118,11 +119,17 @@ def gpu_fold(device: torch.device) -> bool:
 
 
 #: the co-moment product of ``comoment_precision="bounded"`` on int8 matrix units
-#: (:mod:`~embgeom_ray.core.integer_gram`). None: on CUDA devices, where it is the fast product
-#: within the bound; elsewhere the float64 product is (a CPU's float64 product beats twelve
-#: int8 products and their residues). True or False forces the choice (the tests run it on
-#: CPUs, on the CPU's own int8 units).
+#: (:mod:`~embgeom_ray.core.integer_gram`). None: on CUDA devices without float64 matrix units
+#: (:data:`FLOAT64_MATRIX_UNITS`), where twelve int8 products beat the float64 one; elsewhere
+#: the float64 product is the faster within the bound (a CPU's, and a Hopper GPU's float64
+#: tensor cores: docs/precision.md, "Cost, and where it runs"). True or False forces the
+#: choice (the tests run it on CPUs, on the CPU's own int8 units).
 INTEGER_PRODUCT: bool | None = None
+#: CUDA compute capabilities (major, minor) on which the bounded product is the float64 one:
+#: 9.0, Hopper (H100, H200), whose float64 tensor cores ran the product 1.6–3× faster than
+#: twelve int8 products through ``torch._int_mm`` (an Ampere-generation int8 kernel there):
+#: H200, 65,536 rows, 5.6 against 17.2 ms at d = 2,048, 21.1 against 33.3 ms at d = 4,096
+FLOAT64_MATRIX_UNITS = frozenset({(9, 0)})
 #: comoment_precision values: the product within the stated bound (``docs/precision.md``), the
 #: float64 reference, and the float32 product of earlier versions (no bound: its float32 sums
 #: over up to 1,024 rows may err by ~1e-5 relative)
@@ -133,9 +140,19 @@ PRECISION_ALIASES = {"reference": "float64"}
 
 def integer_product(device: torch.device, dim: int) -> bool:
     """Whether the bounded co-moment product runs on int8 matrix units on ``device``
-    (:data:`INTEGER_PRODUCT`; never for d < 17, too narrow for them)."""
-    wanted = device.type == "cuda" if INTEGER_PRODUCT is None else INTEGER_PRODUCT
-    return wanted and dim >= 17 and not _integer_unavailable
+    (:data:`INTEGER_PRODUCT`: by default on CUDA devices whose compute capability is not in
+    :data:`FLOAT64_MATRIX_UNITS`; never for d < 17, too narrow for them)."""
+    if dim < 17 or _integer_unavailable:
+        return False
+    if INTEGER_PRODUCT is not None:
+        return INTEGER_PRODUCT
+    return device.type == "cuda" and _capability(device) not in FLOAT64_MATRIX_UNITS
+
+
+@functools.cache
+def _capability(device: torch.device) -> tuple[int, int]:
+    """The compute capability of CUDA ``device`` (read once a device)."""
+    return tuple(torch.cuda.get_device_capability(device))
 
 
 _integer_unavailable = False
@@ -261,7 +278,8 @@ class EmbeddingStatistics(Sketch):
             "float64" (this class's default, also called "reference"): in float64;
             "bounded" (the job's default): within the stated bound |ΔC_ab| ≤ ε √(C_aa C_bb),
             ε ≤ 2^−29 (``docs/precision.md``), on int8 matrix units where
-            :func:`integer_product` (CUDA; rows shifted by the batch's mean,
+            :func:`integer_product` (CUDA cards without float64 matrix units; rows shifted
+            by the batch's mean,
             :mod:`~embgeom_ray.core.integer_gram`), else in float64; "float32": in float32
             on rows shifted by the layer's running mean rounded to float32, accumulated in
             float64 (earlier versions' default: ~1e-6 relative error on covariance entries in
