@@ -270,6 +270,10 @@ class EmbeddingStatistics(Sketch):
         metadata: strings identifying what was measured (model, revision, tokenizer, …);
             :meth:`merge` refuses statistics whose identifying metadata differ.
         initial_types: initial slot capacity (grows by doubling as new types appear).
+        max_types: the most distinct types there can be (the model's vocabulary: token ids
+            are below it), or None: the doubling stops there, so the per-type arrays never
+            hold more slots than types can exist (GPT-2's 50,257 ids would otherwise double
+            to 65,536 slots, Qwen's 151,936 to 262,144: on a GPU all of them allocated).
         clip_dims: dimensions to zero ("clip", Luo 2020; Kulmizev et al. 2021) for exact
             clipped cosine metrics: per type, the sum of unit vectors of the clipped vectors
             x' (x with these dimensions set to 0) is accumulated too. None: not tracked.
@@ -315,6 +319,7 @@ class EmbeddingStatistics(Sketch):
         clip_dims: Sequence[int] | None = None,
         comoment_precision: str = "float64",
         partition: Partition | None = None,
+        max_types: int | None = None,
     ) -> None:
         self._init_sketch(layers, dim, device, metadata)
         if max_positions < 0:
@@ -343,7 +348,7 @@ class EmbeddingStatistics(Sketch):
         n_layers = len(self.layers)
         self.type_moments = TypeMoments(
             n_layers, self.dim, self.device, clip=self.clip_dims is not None,
-            capacity=initial_types,
+            capacity=initial_types, max_types=max_types,
         )  # fmt: skip
         self.layer_state = (
             LayerState(n_layers, self.dim, self.max_positions, self.device)

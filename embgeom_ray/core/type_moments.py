@@ -75,19 +75,28 @@ class TypeMoments:
     """
 
     def __init__(
-        self, n_layers: int, dim: int, device: torch.device, *, clip: bool, capacity: int
+        self,
+        n_layers: int,
+        dim: int,
+        device: torch.device,
+        *,
+        clip: bool,
+        capacity: int,
+        max_types: int | None = None,
     ) -> None:
         self.dim, self.device = dim, device
         self.fields = [f for f in TYPE_FIELDS if clip or not f.clip]
         # token id -> slot (-1: unseen); grown on demand
         self._id_to_slot = torch.full((0,), -1, dtype=_I64, device=device)
         self.slot_ids = torch.empty(0, dtype=_I64, device=device)
-        cap = max(int(capacity), 1)
+        #: the most distinct types there can be (None: no limit); no capacity exceeds it
+        self.max_types = None if max_types is None else max(int(max_types), 1)
+        cap = max(min(int(capacity), self.max_types or int(capacity)), 1)
         self.arrays: dict[str, torch.Tensor] = {
             f.name: torch.zeros(f.shape(n_layers, cap, dim, 0), dtype=f.dtype, device=device)
             for f in self.fields
         }
-        self.max_doubling = 1 << 62
+        self.max_doubling = self.max_types or 1 << 62
 
     # ------------------------------------------------------------------ slots
     @property
@@ -116,8 +125,9 @@ class TypeMoments:
         return torch.argsort(self.slot_ids)
 
     def fit(self, slots: int) -> None:
-        """Allocate ``slots`` slots now and stop the doubling there: past them the arrays grow
-        only by what is needed."""
+        """Allocate ``slots`` slots now (at most :attr:`max_types`) and stop the doubling
+        there: past them the arrays grow only by what is needed."""
+        slots = min(slots, self.max_types or slots)
         self.max_doubling = slots
         self.grow(slots)
 

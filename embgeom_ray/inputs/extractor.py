@@ -188,6 +188,8 @@ class ShardProcessor:
             "metadata": self.metadata,
             "clip_dims": self.clip_dims,
             "comoment_precision": self.options.comoment_precision,
+            # no more slots than the tokenizer has tokens (the doubling would overshoot)
+            "max_types": len(self.tokenizer),
         }
         if self.device_map is not None:
             return SplitStatistics(self.layers, self.dim, **options)

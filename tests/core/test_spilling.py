@@ -121,6 +121,41 @@ def test_growth_stops_doubling_at_the_budget():
     assert held == stats.nbytes()  # every allocated slot holds a type
 
 
+@pytest.mark.parametrize("split", [False, True])
+def test_no_more_slots_than_the_vocabulary_has_types(split):
+    """max_types (an extractor's: its tokenizer's size) stops the doubling there, and a
+    budget's slots too: 37 possible types take 37 slots, where doubling from the 20 of a
+    first batch would take 40, and fold the same statistics."""
+    rng = np.random.default_rng(3)
+    folds = [
+        (torch.as_tensor(rng.normal(size=(len(LAYERS), 4, 16, D))), ids)
+        for ids in (torch.arange(64).reshape(4, 16) % v for v in (20, 37))
+    ]
+    cls = SplitStatistics if split else EmbeddingStatistics
+    capped = cls(LAYERS, D, initial_types=4, max_types=37)
+    plain = cls(LAYERS, D, initial_types=4)
+    for stats in (capped, plain):
+        for h, ids in folds:
+            stats.update(h, ids)
+
+    def capacities(stats):
+        return [p._capacity() for _, p in stats.parts] if split else [stats._capacity()]
+
+    assert capacities(capped) == [37] * len(capacities(capped))
+    assert capacities(plain) == [40] * len(capacities(plain))
+    assert_same_state(
+        EmbeddingStatistics.from_bytes(capped.to_bytes()),
+        EmbeddingStatistics.from_bytes(plain.to_bytes()),
+    )
+    budgeted = EmbeddingStatistics(LAYERS, D, initial_types=4, max_types=37)
+    budgeted.fit_budget(1 << 30)
+    assert budgeted._capacity() == budgeted._max_doubling == 37
+    few = EmbeddingStatistics(LAYERS, D, initial_types=100, max_types=10)
+    assert few._capacity() == 10
+    few.update(*folds[1])  # more types than stated: grown by what the batch needs, no error
+    assert few._capacity() == few.num_types == 37
+
+
 def test_split_statistics_clear_and_share_the_budget_by_layers():
     """Per-device parts: each part's growth stops at its layers' share of the budget, and
     clear() empties every part, which then folds as new."""

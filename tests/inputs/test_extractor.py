@@ -166,7 +166,9 @@ def test_unknown_tokens_are_counted(tmp_path, tiny_bert):
     corpus = write_jsonl(tmp_path / "c.jsonl", texts)
     shard = plan_shards(CorpusSpec(corpus)).shards[0]
     proc = processor(tiny_bert, corpus, tmp_path / "o", max_length=64)
-    _, _, counts = proc.process(shard)
+    stats, _, counts = proc.process(shard)
+    # the per-type arrays never get more slots than the tokenizer has tokens
+    assert stats.type_moments.max_types == len(tok) and stats._capacity() <= len(tok)
     ids = [tok(t)["input_ids"] for t in texts]  # the tokenizer alone; every text fits one window
     unk = sum(x.count(tok.unk_token_id) for x in ids)
     assert unk >= 4
