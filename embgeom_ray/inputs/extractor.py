@@ -193,6 +193,10 @@ class ShardProcessor:
         }
         if self.device_map is not None:
             return SplitStatistics(self.layers, self.dim, **options)
+        if self.device == "cuda" and self.statistics_budget is None:
+            # the sizing found room on the device for every type: all the slots at once, no
+            # doubling (whose last step would hold a field's old and new arrays together)
+            options["initial_types"] = len(self.tokenizer)
         return EmbeddingStatistics(self.layers, self.dim, device=self.device, **options)
 
     def new_sample(self) -> ActivationSample | None:

@@ -236,3 +236,28 @@ def test_batch_tokens_default_to_what_the_allocator_reuses_on_cpus_and_fits_on_a
     assert sizing.default_batch_tokens(llama, 80 << 30) == 13_312
     assert sizing.default_batch_tokens(llama, 80 << 30) == (8 << 30) // llama // 1024 * 1024
     assert sizing.default_batch_tokens(llama, None) == 8192
+
+
+@pytest.mark.parametrize(
+    ("device", "budget", "slots"),
+    [("cuda", None, "vocabulary"), ("cuda", 1 << 30, None), ("cpu", None, None)],
+)
+def test_a_gpu_holding_every_type_allocates_their_slots_at_once(
+    tmp_path, tiny_bert, monkeypatch, device, budget, slots
+):
+    """Where the sizing found room on the GPU for the statistics of every type (no budget),
+    the per-type arrays get all the tokenizer's slots at once: no doubling, whose last step
+    holds a field's old and new arrays together. Under a budget the budget's slots are given
+    by fit_budget instead, and on a CPU (pages touched only when a slot is assigned) the
+    arrays start small; the doubling stops at the tokenizer's size everywhere."""
+    from transformers import AutoTokenizer
+
+    corpus = write_jsonl(tmp_path / "c.jsonl", ["a few words"])
+    proc = processor(tiny_bert, corpus, tmp_path / "o")
+    made = {}
+    monkeypatch.setattr(extractor, "EmbeddingStatistics", lambda *a, **kw: made.update(kw))
+    proc.device, proc.statistics_budget = device, budget
+    proc.new_statistics()
+    vocabulary = len(AutoTokenizer.from_pretrained(tiny_bert))
+    assert made["max_types"] == vocabulary
+    assert made.get("initial_types") == (vocabulary if slots else None)
