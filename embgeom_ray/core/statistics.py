@@ -25,8 +25,9 @@ of ||μ||²/V. That one product is where the precisions differ (``comoment_preci
 float64 (:mod:`~embgeom_ray.core.gram`); "bounded", the job's default, within
 |ΔC_ab| ≤ 2^−29 √(C_aa C_bb) on int8 matrix units where :func:`integer_product` (CUDA cards
 without float64 matrix units; rows shifted by the batch's own mean:
-:mod:`~embgeom_ray.core.integer_gram`, ``docs/precision.md``), else float64; float32 (earlier versions' default, no bound). Batch moments are merged into
-the running ones with the pairwise update of Chan, Golub & LeVeque (1979)::
+:mod:`~embgeom_ray.core.integer_gram`, ``docs/precision.md``), else float64; float32
+(earlier versions' default, no bound). Batch moments are merged into the running ones with
+the pairwise update of Chan, Golub & LeVeque (1979)::
 
     n = n_a + n_b,  δ = μ_b − μ_a,  μ = μ_a + δ n_b/n,
     M2 = M2_a + M2_b + ||δ||² n_a n_b / n,   C = C_a + C_b + δδᵀ n_a n_b / n.
@@ -270,10 +271,11 @@ class EmbeddingStatistics(Sketch):
         metadata: strings identifying what was measured (model, revision, tokenizer, …);
             :meth:`merge` refuses statistics whose identifying metadata differ.
         initial_types: initial slot capacity (grows by doubling as new types appear).
-        max_types: the most distinct types there can be (the model's vocabulary: token ids
-            are below it), or None: the doubling stops there, so the per-type arrays never
-            hold more slots than types can exist (GPT-2's 50,257 ids would otherwise double
-            to 65,536 slots, Qwen's 151,936 to 262,144: on a GPU all of them allocated).
+        max_types: the most distinct types there can be (an extractor's: its tokenizer's
+            size), or None for no limit. The doubling stops there, so the per-type arrays
+            never hold more slots than there can be types (GPT-2's 50,257 tokens would
+            otherwise double to 65,536 slots, Qwen's 151,936 to 262,144: on a GPU every
+            slot is allocated).
         clip_dims: dimensions to zero ("clip", Luo 2020; Kulmizev et al. 2021) for exact
             clipped cosine metrics: per type, the sum of unit vectors of the clipped vectors
             x' (x with these dimensions set to 0) is accumulated too. None: not tracked.
@@ -283,11 +285,10 @@ class EmbeddingStatistics(Sketch):
             "bounded" (the job's default): within the stated bound |ΔC_ab| ≤ ε √(C_aa C_bb),
             ε ≤ 2^−29 (``docs/precision.md``), on int8 matrix units where
             :func:`integer_product` (CUDA cards without float64 matrix units; rows shifted
-            by the batch's mean,
-            :mod:`~embgeom_ray.core.integer_gram`), else in float64; "float32": in float32
-            on rows shifted by the layer's running mean rounded to float32, accumulated in
-            float64 (earlier versions' default: ~1e-6 relative error on covariance entries in
-            practice, with no bound). Every other statistic is float64 whatever the choice.
+            by the batch's mean, :mod:`~embgeom_ray.core.integer_gram`), else in float64;
+            "float32": in float32 on rows shifted by the layer's running mean rounded to
+            float32, accumulated in float64 (earlier versions' default: ~1e-6 relative error
+            on covariance entries in practice, with no bound). Every other statistic is float64 whatever the choice.
             It is saved in the header; statistics that both hold co-moments merge only with
             the same precision, and statistics without any (e.g. an empty accumulator) take
             the other's.

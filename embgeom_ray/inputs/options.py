@@ -143,9 +143,9 @@ class ExtractionOptions(SampleOptions, WorkerOptions):
         description="how the per-batch product of the centred rows behind the covariance "
         "(IsoScore, PCA spectrum, dims std) is computed: bounded (within 2^-29 · sqrt(C_aa "
         "C_bb) of float64 on every entry, docs/precision.md: int8 matrix units on CUDA cards "
-        "without float64 ones, float64 on CPUs and H100/H200), float64 (the reference, also called reference), or float32 (earlier "
-        "versions' default, ~1e-6 relative error in practice, no bound). Every per-type "
-        "statistic is float64 regardless",
+        "without float64 ones, float64 on CPUs and H100/H200), float64 (the reference, also "
+        "called reference), or float32 (earlier versions' default, ~1e-6 relative error in "
+        "practice, no bound). Every per-type statistic is float64 regardless",
         json_schema_extra=RESULT,
     )
 
