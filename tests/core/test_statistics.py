@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 
 import embgeom_ray.core.statistics as statistics_module
 from embgeom_ray.core import fold_kernels
+from embgeom_ray.core import gram as gram_module
 from embgeom_ray.core.metrics import (
     cosine_metrics,
     dims_table,
@@ -44,8 +45,11 @@ def row_block(request):
         statistics_module.INTEGER_PRODUCT,
         fold_kernels.FUSE,
         fold_kernels.BACKEND,
+        gram_module.CPU_SYRK,
     )
     gpu = request.param == "the GPU's way"
+    # the GPU's product, column blocks (dsyrk reads its operands into numpy: host reads)
+    gram_module.CPU_SYRK = not gpu
     statistics_module.CPU_ROW_BLOCK = 5 if request.param == "blocks of 5 rows" else 1 << 30
     statistics_module.GPU_FOLD = gpu
     # the bounded product on int8 units, as on CUDA (here on the CPU's own int8 units)
@@ -59,6 +63,7 @@ def row_block(request):
         statistics_module.INTEGER_PRODUCT,
         fold_kernels.FUSE,
         fold_kernels.BACKEND,
+        gram_module.CPU_SYRK,
     ) = saved
 
 
