@@ -100,8 +100,8 @@ def add_gram(upper: torch.Tensor, xs: torch.Tensor, block: int = 96) -> None:
     """Add the upper block triangle of XᵀX (rows of ``xs``, multiplied in its dtype) to
     ``upper`` (float64, C order) (:func:`add_gram_upper`): on a CPU float64 rows on one
     thread by ``dsyrk`` (:data:`CPU_SYRK`, the upper triangle alone), others in blocks of
-    ``block`` columns, on a GPU in :data:`GPU_GRAM_BLOCKS` blocks with edges at multiples of :data:`GPU_GRAM_ALIGN`
-    columns (skinny products run far under a GPU's rate: on an H200 at n = 8,192 rows and
+    ``block`` columns, on a GPU in :data:`GPU_GRAM_BLOCKS` blocks with edges at multiples of
+    :data:`GPU_GRAM_ALIGN` columns (skinny products run far under a GPU's rate: on an H200 at n = 8,192 rows and
     d = 2,048, float64 blocks of 96 columns take 4.9 ms, the full product 1.1 ms;
     ``python -m bench.comoment``; docs/benchmarks.md). :func:`symmetric_from_upper` makes the
     matrix."""
