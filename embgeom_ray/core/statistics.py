@@ -73,7 +73,7 @@ from .fold_kernels import (
     float64_rows,
     fused_on,
 )
-from .gram import add_gram, integer_blocks, symmetric_from_upper
+from .gram import add_gram, integer_blocks
 from .group_sums import GroupMatrix, split_sums
 from .integer_gram import IntegerGram
 from .layer_state import LayerState
@@ -593,9 +593,7 @@ class EmbeddingStatistics(Sketch):
             li, g.slots, g.counts, mean_b, m2_b, self._row_blocks(g.slots.numel()),
             self._workspace,
         )  # fmt: skip
-        m_s = x_mean - c  # mean of x' (small)
-        c_b = symmetric_from_upper(upper) - torch.outer(m_s, m_s) * n
-        self.layer_state.merge_moments(li, n, c + m_s, c_b)
+        self.layer_state.merge_product(li, n, c, x_mean - c, upper)  # x_mean − c: m' (small)
 
     def _first_pass(
         self,
