@@ -11,9 +11,11 @@
 #   comoment    the co-moment product alone, 65,536 rows, d = 2,048 and 4,096: float64 and
 #               float32 in 8 blocks, the int8 product, and bf16 hi + lo over chunks of 256 rows
 #               summed in float64 (bench.comoment)
-#   fold        the fold alone with the job's default product, d = 2,048 and 4,096, 65,536
-#               tokens; against $FOLD_BASELINE too when it is set (a git revision, or an
-#               extracted embgeom_ray package where the machine has no .git) (bench.fold)
+#   fold        the fold alone with the job's default product, d = 768 (BERT-base's width),
+#               2,048 and 4,096, 65,536 tokens, with each width's kernels listed by their
+#               time; against $FOLD_BASELINE too when it is set (a git revision, or an
+#               extracted embgeom_ray package where the machine has no .git: gpu_prepare.sh
+#               with BASELINE) (bench.fold)
 #   precision   every table of the int8 product (forced) against the float64 path's, on the
 #               same bf16 hidden states with planted massive activations, d = 2,048 and 4,096
 #               (bench.precision: the contract is 1e-6 relative)
@@ -74,13 +76,13 @@ wanted() {  # wanted NAME...: one of the names is in $STEPS
 }
 
 if [ -n "${SMOKE:-}" ]; then  # tiny sizes on the CPU
-  DEV="--device cpu"; D2=32; D4=48; ROWS=256; TOK=512; DT=float32
+  DEV="--device cpu"; D1=24; D2=32; D4=48; ROWS=256; TOK=512; DT=float32
   VOCAB="--vocab 600 --tokens 1000 --fold-tokens 300 --batch-tokens auto"
   V2="--dim 128 --blocks 1"; V4="--dim 256 --blocks 1"
   E="--models minilm --device cpu --tokens 400 --repeats 1"; DM="--tokens 400 --repeats 1"
   PREC="--vocab 500 --batch-tokens 512"; REPEATS=1
 else
-  DEV="--device cuda"; D2=2048; D4=4096; ROWS=65536; TOK=65536; DT=bfloat16
+  DEV="--device cuda"; D1=768; D2=2048; D4=4096; ROWS=65536; TOK=65536; DT=bfloat16
   VOCAB="--vocab 128256 --tokens 150000 --fold-tokens 100000 --batch-tokens auto"
   V2="--dim 2048 --blocks 8"; V4="--dim 4096 --blocks 2"
   E="--models minilm,bert-base --device cuda --dtype bfloat16 --tokens 100000 --repeats 3"
@@ -106,8 +108,8 @@ if wanted comoment; then
     --variants f64_upper8,f32_upper8,int8_upper,bf16_pairs_k256
 fi
 if wanted fold; then
-  step 90 bench.fold $DEV --dims $D2,$D4 --batch-tokens $TOK --repeats $REPEATS \
-    --baseline "${FOLD_BASELINE:-none}" --comoment-precision bounded \
+  step 120 bench.fold $DEV --dims $D1,$D2,$D4 --batch-tokens $TOK --repeats $REPEATS \
+    --baseline "${FOLD_BASELINE:-none}" --comoment-precision bounded --profile \
     --name gpu-fold
 fi
 if wanted precision; then  # the int8 product forced: its kernels compile for ~50 s first

