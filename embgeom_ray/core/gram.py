@@ -9,7 +9,8 @@ each added to a float64 sum in its own precision; :func:`symmetric_from_upper` m
 triangle. The same product on int8 matrix units, within a stated bound, is
 :mod:`~embgeom_ray.core.integer_gram`.
 
-On a GPU the blocks are few and wide (:data:`GPU_GRAM_BLOCKS`, edges at multiples of
+On a GPU the blocks are few and wide (:func:`gpu_block_width`: :data:`GPU_GRAM_BLOCKS` of
+them, none narrower than :data:`GPU_GRAM_MIN_WIDTH` columns, edges at multiples of
 :data:`GPU_GRAM_ALIGN` columns): skinny products run far under a GPU's rate. On a CPU fold of
 one thread (lanes), float64 rows go to BLAS's symmetric rank-k update ``dsyrk`` instead
 (:data:`CPU_SYRK`): the upper triangle alone, element by element.
@@ -35,6 +36,19 @@ GPU_GRAM_BLOCKS = 8
 #: the GPU blocks' edges at multiples of this many columns: 6 blocks of d = 2,048 (edges at odd
 #: columns such as 341) took 18.6 ms on that H100, three times as long as 4 or 8 blocks
 GPU_GRAM_ALIGN = 64
+#: the narrowest column block on a GPU: d / 8 columns would be 96 at d = 768 (BERT-base) and
+#: 48 at d = 384, where blocks of 96 columns took 5.4 times as long as 4 blocks at d = 2,048
+#: on an H200 (8,192 rows: 4.9 against 0.91 ms), while blocks of 256 columns (d = 2,048 in 8)
+#: ran at the wide blocks' rate on the H100 above. d = 2,048 and 4,096 keep their 8 blocks;
+#: d = 768 gets 3, d = 384 gets 2 and d < 384 the full product in one
+GPU_GRAM_MIN_WIDTH = 256
+
+
+def gpu_block_width(d: int) -> int:
+    """Columns per block of the GPU's product of d columns: d / :data:`GPU_GRAM_BLOCKS`, and
+    at least :data:`GPU_GRAM_MIN_WIDTH` (:func:`_column_blocks` then makes round(d / width)
+    blocks, at least one)."""
+    return max(-(-d // GPU_GRAM_BLOCKS), GPU_GRAM_MIN_WIDTH)
 
 
 def _column_blocks(d: int, block: int, align: int = 1) -> list[int]:
@@ -100,14 +114,14 @@ def add_gram(upper: torch.Tensor, xs: torch.Tensor, block: int = 96) -> None:
     """Add the upper block triangle of XᵀX (rows of ``xs``, multiplied in its dtype) to
     ``upper`` (float64, C order) (:func:`add_gram_upper`): on a CPU float64 rows on one
     thread by ``dsyrk`` (:data:`CPU_SYRK`, the upper triangle alone), others in blocks of
-    ``block`` columns, on a GPU in :data:`GPU_GRAM_BLOCKS` blocks with edges at multiples of
-    :data:`GPU_GRAM_ALIGN` columns (skinny products run far under a GPU's rate: on an H200 at n = 8,192 rows and
-    d = 2,048, float64 blocks of 96 columns take 4.9 ms, the full product 1.1 ms;
-    ``python -m bench.comoment``; docs/benchmarks.md). :func:`symmetric_from_upper` makes the
-    matrix."""
+    ``block`` columns, on a GPU in blocks of :func:`gpu_block_width` columns with edges at
+    multiples of :data:`GPU_GRAM_ALIGN` columns (skinny products run far under a GPU's rate:
+    on an H200 at n = 8,192 rows and d = 2,048, float64 blocks of 96 columns take 4.9 ms, the
+    full product 1.1 ms; ``python -m bench.comoment``; docs/benchmarks.md).
+    :func:`symmetric_from_upper` makes the matrix."""
     d = xs.shape[1]
     if xs.device.type != "cpu":
-        add_gram_upper(upper, xs, -(-d // GPU_GRAM_BLOCKS), GPU_GRAM_ALIGN)
+        add_gram_upper(upper, xs, gpu_block_width(d), GPU_GRAM_ALIGN)
     elif CPU_SYRK and torch.get_num_threads() == 1 and xs.dtype == _F64 and len(xs):
         _syrk_upper(upper, xs)
     else:
@@ -119,7 +133,7 @@ def integer_blocks(d: int, gpu: bool) -> dict[str, int]:
     on a GPU its few wide ones (as :func:`add_gram`), else blocks of 96 columns; edges at
     multiples of 8 at least (int8 products)."""
     if gpu:
-        return {"block": -(-d // GPU_GRAM_BLOCKS), "align": GPU_GRAM_ALIGN}
+        return {"block": gpu_block_width(d), "align": GPU_GRAM_ALIGN}
     return {"block": 96, "align": 8}
 
 

@@ -14,6 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from embgeom_ray.core import fold_kernels, integer_gram
+from embgeom_ray.core.gram import integer_blocks
 from embgeom_ray.core.integer_gram import (
     BITS,
     MAX_ROWS,
@@ -127,8 +128,9 @@ def test_emulated_int8_product_is_the_cpus_int8_product_bit_for_bit():
 @pytest.mark.parametrize("d", [17, 24, 100, 385, 2048, 4096])
 @pytest.mark.parametrize(("block", "align"), [(96, 8), (None, 64)])
 def test_blocks_are_aligned_wide_enough_and_cover_the_columns(d, block, align):
+    """The CPU's blocks, and the GPU's (``gram.integer_blocks(d, gpu=True)``)."""
     d_pad = max(24, -(-d // 8) * 8)
-    edges = upper_blocks(d_pad, block or -(-d_pad // 8), align)
+    edges = upper_blocks(d_pad, block or integer_blocks(d_pad, gpu=True)["block"], align)
     assert edges[0] == 0 and edges[-1] == d_pad
     widths = [b - a for a, b in itertools.pairwise(edges)]
     assert all(w >= integer_gram.MIN_BLOCK and w % 8 == 0 for w in widths)
@@ -142,7 +144,7 @@ def test_the_product_is_the_exact_integer_gram_of_the_fixed_point_rows():
     x = torch.as_tensor(rng.normal(size=(203, 30)) * rng.uniform(0.01, 100, size=30))
     x[:, 3] += 5e4
     shift = x.mean(0)
-    for block, align in ((8, 8), (96, 8), (16, 64)):
+    for block, align in ((8, 8), (96, 8), (16, 64), (256, 64)):  # the last: a GPU's, one block
         g_np, gram = shifted_gram(x, shift, block, align)
         scale = gram.groups[0].scale.numpy()
         z = torch.round((x - shift) * gram.groups[0].scale).to(torch.int64).numpy().astype(object)

@@ -549,6 +549,34 @@ def test_gpu_gram_blocks_are_aligned_and_cover_the_columns(d, blocks):
     )
 
 
+@pytest.mark.parametrize(
+    ("d", "edges"),
+    [
+        (128, [0, 128]),
+        (384, [0, 192, 384]),
+        (768, [0, 256, 512, 768]),
+        (1024, [0, 256, 512, 768, 1024]),
+        (2048, list(range(0, 2049, 256))),
+        (4096, list(range(0, 4097, 512))),
+    ],
+)
+def test_gpu_gram_blocks_are_never_skinny(d, edges):
+    """The GPU's column blocks (``gram.gpu_block_width``): d / 8 columns, but none narrower
+    than 256 (BERT-base's d = 768 in 3 blocks, not 8 of 96; below 384 one full product), and
+    the block triangle still the full product."""
+    from embgeom_ray.core import gram
+
+    width = gram.gpu_block_width(d)
+    assert gram._column_blocks(d, width, gram.GPU_GRAM_ALIGN) == edges
+    assert gram.integer_blocks(d, gpu=True)["block"] == width
+    x = torch.as_tensor(np.random.default_rng(d).normal(size=(40, d)))
+    upper = torch.zeros(d, d, dtype=torch.float64)
+    gram.add_gram_upper(upper, x, width, gram.GPU_GRAM_ALIGN)
+    np.testing.assert_allclose(
+        gram.symmetric_from_upper(upper).numpy(), (x.T @ x).numpy(), rtol=1e-12, atol=1e-12
+    )
+
+
 def brute_cosines(x: np.ndarray, ids: np.ndarray):
     u = x / np.linalg.norm(x, axis=1, keepdims=True)
     c = u @ u.T
