@@ -169,8 +169,6 @@ def time_folds(args, d: int, precision: str, dev: torch.device, modules: dict) -
     if "split" in modules:
         modules["split"].SPLIT_SUMS = None
     per = {name: median(v) / (n * len(layers)) * 1e6 for name, v in secs.items()}
-    if args.profile:
-        print(profile_update(stats["current"], (h, ids, keep, pos), len(layers), cuda))
     row = {
         "dim": d, "comoment_precision": current, "baseline_precision": precisions.get("baseline"),
         "tokens": n, "us_per_token_layer": per,
@@ -183,6 +181,8 @@ def time_folds(args, d: int, precision: str, dev: torch.device, modules: dict) -
     if "split" in stats:
         row["split_ratio"] = per["split"] / per["current"]
         row["split_state"] = same_state(stats["split"], stats["current"])
+    if args.profile:  # after the comparisons: the profiled fold is one more batch
+        print(profile_update(stats["current"], (h, ids, keep, pos), len(layers), cuda))
     return row
 
 

@@ -1,21 +1,21 @@
 #!/usr/bin/env bash
 # The GPU measurements, in one call on a machine with an NVIDIA GPU and no Ray (the
 # engine-agnostic core runs without it), within $DEADLINE seconds (default 480). $STEPS picks
-# them, in this order (default "vocabulary extraction comoment fold precision"):
+# them, in this order (default "fold extraction vocabulary comoment precision"):
+#   fold        the fold alone with the job's default product, d = 768 (BERT-base's width),
+#               2,048 and 4,096, 65,536 tokens, with each width's kernels listed by their
+#               time; against $FOLD_BASELINE too (a git revision, or an extracted embgeom_ray
+#               package where the machine has no .git: bench/gpu_prepare.sh with BASELINE
+#               makes .gpu/baseline/embgeom_ray, the default where it exists) (bench.fold)
+#   extraction  the extractor against the bare forward (MiniLM and a BERT-base-sized model,
+#               bf16, the batch size the job picks; bench.extraction)
 #   vocabulary  fold / forward on 128k-vocabulary Llama-shaped bf16 models at the batch size
 #               the job picks, with the job's default product (on Hopper the float64 one):
 #               d = 2,048 (8 blocks, vocabulary-2048) and d = 4,096 (2 blocks,
 #               vocabulary-4096); one of them by name
-#   extraction  the extractor against the bare forward (MiniLM and a BERT-base-sized model,
-#               bf16, the batch size the job picks; bench.extraction)
 #   comoment    the co-moment product alone, 65,536 rows, d = 2,048 and 4,096: float64 and
 #               float32 in 8 blocks, the int8 product, and bf16 hi + lo over chunks of 256 rows
 #               summed in float64 (bench.comoment)
-#   fold        the fold alone with the job's default product, d = 768 (BERT-base's width),
-#               2,048 and 4,096, 65,536 tokens, with each width's kernels listed by their
-#               time; against $FOLD_BASELINE too when it is set (a git revision, or an
-#               extracted embgeom_ray package where the machine has no .git: gpu_prepare.sh
-#               with BASELINE) (bench.fold)
 #   precision   every table of the int8 product (forced) against the float64 path's, on the
 #               same bf16 hidden states with planted massive activations, d = 2,048 and 4,096
 #               (bench.precision: the contract is 1e-6 relative)
@@ -43,7 +43,10 @@
 # (bench/results/*.json; a smoke run's results folder is $OUT/results).
 set -u
 OUT=${OUT:-/tmp/embgeom-gpu}
-STEPS=" ${STEPS:-vocabulary extraction comoment fold precision} "
+if [ -z "${FOLD_BASELINE:-}" ] && [ -d .gpu/baseline/embgeom_ray ]; then
+  FOLD_BASELINE=.gpu/baseline/embgeom_ray
+fi
+STEPS=" ${STEPS:-fold extraction vocabulary comoment precision} "
 PYTHON=${PYTHON:-python3}
 mkdir -p "$OUT"
 if [ -n "${WHEELS:-}" ]; then
@@ -94,23 +97,23 @@ fi
 transformers.__version__, torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU")'
 
 V="--no-jobs $DEV --dtype $DT --ffn-mult 3.5 --kv-group 4 --comoment-precision bounded"
+if wanted fold; then
+  step 180 bench.fold $DEV --dims $D1,$D2,$D4 --batch-tokens $TOK --repeats $REPEATS \
+    --baseline "${FOLD_BASELINE:-none}" --comoment-precision bounded --profile \
+    --name gpu-fold
+fi
+if wanted extraction; then
+  step 200 bench.extraction $E --name gpu-extraction
+fi
 if wanted vocabulary vocabulary-2048; then
   step 150 bench.vocabulary $V $VOCAB $V2 --profile --name gpu-vocabulary-2048
 fi
 if wanted vocabulary vocabulary-4096; then
   step 120 bench.vocabulary $V $VOCAB $V4 --name gpu-vocabulary-4096
 fi
-if wanted extraction; then
-  step 200 bench.extraction $E --name gpu-extraction
-fi
 if wanted comoment; then
   step 60 bench.comoment $DEV --dims $D2,$D4 --rows $ROWS --repeats $REPEATS --name gpu-comoment \
     --variants f64_upper8,f32_upper8,int8_upper,bf16_pairs_k256
-fi
-if wanted fold; then
-  step 120 bench.fold $DEV --dims $D1,$D2,$D4 --batch-tokens $TOK --repeats $REPEATS \
-    --baseline "${FOLD_BASELINE:-none}" --comoment-precision bounded --profile \
-    --name gpu-fold
 fi
 if wanted precision; then  # the int8 product forced: its kernels compile for ~50 s first
   step 150 bench.precision $DEV --dims $D2,$D4 $PREC --name gpu-precision

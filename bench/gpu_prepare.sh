@@ -7,11 +7,11 @@
 #   $DIR/minilm   MiniLM (all-MiniLM-L6-v2) saved in bfloat16, 45 MB instead of 91 (the GPU
 #                 steps run it in bfloat16 anyway): gpu.sh's EMBGEOM_BENCH_MINILM
 #   $DIR/baseline/embgeom_ray  with $BASELINE (a git revision), that revision's package: gpu.sh's
-#                 FOLD_BASELINE (the GPU machine's copy of the checkout has no .git)
+#                 FOLD_BASELINE, its default (the GPU machine's copy of the checkout has no .git)
 # Needs this checkout's environment (make env) and pip's access to PyPI.
 #
 #     bash bench/gpu_prepare.sh && OUT=/tmp/gpu WHEELS=.gpu/whl EMBGEOM_BENCH_MINILM=.gpu/minilm bash bench/gpu.sh
-#     BASELINE=f68d293 bash bench/gpu_prepare.sh   # then FOLD_BASELINE=.gpu/baseline/embgeom_ray
+#     BASELINE=f68d293 bash bench/gpu_prepare.sh   # gpu.sh then folds against it too
 set -eu
 DIR=${DIR:-.gpu}
 PY_VERSION=${PY_VERSION:-3.12}
