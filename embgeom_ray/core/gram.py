@@ -73,8 +73,8 @@ def add_gram_upper(
     :func:`symmetric_from_upper` makes the matrix. ``align``: the blocks' edges at multiples
     of that many columns (:func:`_column_blocks`). Rows in ``upper``'s dtype are multiplied
     into it (``addmm_``: BLAS's C += AB, no block-row temporary and no pass to add it; 0.96
-    and 0.97 of the time on two CPU threads at d = 384 and 768, 5,120 rows); float32 rows'
-    block rows are added to it after each product.
+    and 0.97 of the time on two CPU threads at d = 384 and 768, 5,120 rows;
+    docs/benchmarks.md); float32 rows' block rows are added to it after each product.
     """
     into = xs.dtype == upper.dtype
     for lo, hi in itertools.pairwise(_column_blocks(xs.shape[1], block, align)):
