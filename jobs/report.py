@@ -1,43 +1,11 @@
-"""Entry point: ``python -m jobs.report OUT_DIR`` (re)builds the plots and report of a run.
+"""``python -m jobs.report``: ``embgeom report`` (:mod:`embgeom_ray.cli.report`) under the name a checkout
+gives it, which ``ray job submit --working-dir .`` and the deploy manifests run."""
 
-Draws every figure into ``OUT_DIR/plots/`` and writes the self-contained ``OUT_DIR/report.html``
-for the output directory of an earlier ``python -m jobs.analyze`` run, then prints the report's
-path. Exit status: 0 done, 2 OUT_DIR is not a run directory (one-line message), 1 an internal
-error (with traceback).
-"""
-
-from __future__ import annotations
-
-import argparse
-import logging
 import sys
 
-from embgeom_ray.errors import UserError
+from embgeom_ray.cli.report import build_parser, main
 
-
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m jobs.report", description=__doc__.split("\n\n")[1])
-    p.add_argument("out_dir", metavar="OUT_DIR", help="output directory of a jobs.analyze run")
-    p.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
-    return p
-
-
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    logging.basicConfig(
-        level=logging.INFO if args.verbose else logging.WARNING,
-        format="%(levelname)s %(name)s: %(message)s",
-    )
-    try:
-        from embgeom_ray.report.html import write_report
-
-        path = write_report(args.out_dir)
-    except UserError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return exc.exit_code
-    print(path)
-    return 0
-
+__all__ = ["build_parser", "main"]
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(prog="python -m jobs.report"))

@@ -47,7 +47,7 @@ from .figures.clusters import (
     plot_isoscore_silhouette,
     plot_kmeans_curve,
 )
-from .figures.common import PLOTS_DIR
+from .figures.common import PLOTS_DIR, keeping
 from .figures.isotropy import plot_cosine_isotropy
 from .figures.norms import plot_norm_variance, plot_variance_split
 from .figures.pca import plot_pca_2d, plot_pca_3d
@@ -130,7 +130,7 @@ def draw_figures(
                 raise
             log.warning("figure %s failed", name, exc_info=True)
             path, caption = None, f"Not drawn: drawing failed ({type(exc).__name__}: {exc})."
-        if path is None:
+        if path is None and not keeping():
             stale = join(run.out, PLOTS_DIR, f"{name}.png")
             if os.path.exists(stale):  # a figure of an earlier report of this run
                 os.unlink(stale)

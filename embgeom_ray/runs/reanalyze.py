@@ -555,8 +555,9 @@ class ReanalyzeResult:
 
 
 def analyze_argv(config: JobConfig) -> list[str]:
-    """``python -m jobs.analyze`` with every set option of ``config`` as a flag."""
-    argv = ["python", "-m", "jobs.analyze"]
+    """``python -m embgeom_ray analyze`` with every set option of ``config`` as a flag (the
+    package's own command: found in a submitted checkout and in an installed package alike)."""
+    argv = ["python", "-m", "embgeom_ray", "analyze"]
     for name, value in config.model_dump().items():
         if value is None or value is False:
             continue  # None: the job's default; every boolean option defaults to False
@@ -580,7 +581,9 @@ WORKING_DIR_EXCLUDES = [
 
 
 def default_runtime_env() -> dict[str, Any]:
-    """This checkout as ``working_dir`` (if it has ``jobs/``), offline flags passed on."""
+    """The code the submitted jobs run, offline flags passed on: this checkout as
+    ``working_dir`` (if it has ``jobs/``), else the installed package as a ``py_modules``
+    entry (the same version as here; its dependencies must be on the nodes' image)."""
     env_vars = {"TOKENIZERS_PARALLELISM": "false"}
     for name in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_DATASETS_OFFLINE"):
         if os.environ.get(name):
@@ -589,6 +592,8 @@ def default_runtime_env() -> dict[str, Any]:
     repo = Path(__file__).resolve().parents[2]
     if (repo / "jobs" / "analyze.py").is_file():
         runtime_env |= {"working_dir": str(repo), "excludes": list(WORKING_DIR_EXCLUDES)}
+    else:
+        runtime_env |= {"py_modules": [str(Path(__file__).resolve().parents[1])]}
     return runtime_env
 
 

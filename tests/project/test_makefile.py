@@ -21,7 +21,7 @@ VENV = Path(sys.executable).parent.parent
 
 def _make(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run(
-        ["make", "-s", "-n", "-C", str(REPO), f"VENV={VENV}", "-o", f"{VENV}/.installed", *args],
+        ["make", "-s", "-n", "-C", str(REPO), f"VENV={VENV}", "-o", f"{VENV}/.installed-cpu", *args],
         capture_output=True,
         text=True,
         timeout=60,
@@ -78,7 +78,7 @@ def test_analyze_says_what_is_missing(args: list[str], missing: str) -> None:
 def test_offline_unless_online() -> None:
     def offline(*args: str) -> str:
         proc = subprocess.run(
-            ["make", "-s", "-C", str(REPO), "-p", "-n", "-o", f"{VENV}/.installed", *args, "lint"],
+            ["make", "-s", "-C", str(REPO), "-p", "-n", "-o", f"{VENV}/.installed-cpu", *args, "lint"],
             capture_output=True,
             text=True,
             timeout=60,

@@ -122,3 +122,45 @@ def test_a_run_keeps_its_sample_once_and_reads_an_earlier_runs_sample(tmp_path):
     none = RunDir(str(tmp_path / "none"))
     none.write_table("layers", pd.DataFrame({"layer": [0]}))
     assert not none.has_sample() and none.load_sample() is None
+
+
+def test_outputs_carry_their_format_version_and_newer_majors_are_refused(tmp_path):
+    """``manifest.json`` and every table record :data:`FORMAT_VERSION`; a reader reads a run
+    without one (written before versions were recorded) and a newer minor, and refuses a newer
+    major in one line that says to upgrade."""
+    import json
+
+    import pyarrow as pa
+
+    from embgeom_ray.run_dir import FORMAT_KEY, FORMAT_VERSION, Manifest
+
+    run = RunDir(str(tmp_path / "run"))
+    df = pd.DataFrame({"layer": [0, 1], "anisotropy": [0.1, 0.2]})
+    run.write_table("layers", df)
+    with run.table_writer("type_stats") as write:
+        write(pd.DataFrame({"layer": [0], "token_id": [5]}))
+    run.write_manifest(Manifest(status="complete"))
+    manifest = json.loads((tmp_path / "run" / "manifest.json").read_text())
+    assert manifest["format_version"] == FORMAT_VERSION
+    for name in ("layers", "type_stats"):
+        meta = pq.read_schema(tmp_path / "run" / f"{name}.parquet").metadata
+        assert meta[FORMAT_KEY] == FORMAT_VERSION.encode()
+    assert run.manifest().format_version == FORMAT_VERSION
+    pd.testing.assert_frame_equal(run.read_table("layers"), df)
+
+    major = int(FORMAT_VERSION.split(".")[0])
+    for version, readable in ((None, True), (f"{major}.99", True), (f"{major + 1}.0", False)):
+        data = {"status": "complete"} | ({"format_version": version} if version else {})
+        (tmp_path / "run" / "manifest.json").write_text(json.dumps(data))
+        table = pa.Table.from_pandas(df, preserve_index=False)
+        meta = {k: v for k, v in table.schema.metadata.items() if k != FORMAT_KEY}
+        if version:
+            meta[FORMAT_KEY] = version.encode()
+        pq.write_table(table.replace_schema_metadata(meta), tmp_path / "run" / "layers.parquet")
+        if readable:
+            assert run.manifest().format_version == version
+            pd.testing.assert_frame_equal(run.read_table("layers"), df)
+            continue
+        for read in (run.manifest, lambda: run.read_table("layers")):
+            with pytest.raises(RunDirError, match=rf"format {major + 1}\.0 by a newer embgeom_ray.*upgrade"):
+                read()

@@ -195,8 +195,8 @@ def test_analyze_argv_round_trips_through_jobs_analyze() -> None:
         },
     )
     argv = shlex.split(shlex.join(analyze_argv(config)))
-    assert argv[:3] == ["python", "-m", "jobs.analyze"]
-    args = analyze_cli.build_parser().parse_args(argv[3:])
+    assert argv[:4] == ["python", "-m", "embgeom_ray", "analyze"]
+    args = analyze_cli.build_parser().parse_args(argv[4:])
     overrides = {k: v for k, v in vars(args).items() if k not in {"config", "verbose"}}
     assert build_config(None, overrides) == config
 
@@ -312,8 +312,8 @@ class FakeJobServer:
         job = self.jobs[sid]
         if ok:
             argv = shlex.split(job["entrypoint"])
-            assert argv[:3] == ["python", "-m", "jobs.analyze"]
-            args = analyze_cli.build_parser().parse_args(argv[3:])
+            assert argv[:4] == ["python", "-m", "embgeom_ray", "analyze"]
+            args = analyze_cli.build_parser().parse_args(argv[4:])
             overrides = {k: v for k, v in vars(args).items() if k not in {"config", "verbose"}}
             write_complete_run(build_config(None, overrides))
         job.update(status="SUCCEEDED" if ok else "FAILED", message="" if ok else "boom")

@@ -3,7 +3,8 @@
 Rendering uses matplotlib's object API on an Agg canvas: pyplot and the process-wide backend
 are never touched, so this is safe to call from a Ray driver, a notebook or threads. PNGs are
 written atomically (:func:`embgeom_ray.io_utils.atomic_write_bytes`), so the output directory
-may be an fsspec URL as well as a local path.
+may be an fsspec URL as well as a local path. Within :func:`kept`, figures are kept as
+matplotlib figures instead (the Python API's ``Run.figures()``) and nothing is written.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import math
 import threading
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from contextvars import ContextVar
 
 import matplotlib as mpl
 import numpy as np
@@ -55,6 +57,24 @@ COLORS = {
 }
 #: held while a figure is drawn under :data:`STYLE` (:func:`styled`)
 _STYLE_LOCK = threading.RLock()
+#: the figures :func:`save` keeps instead of writing them, by name (None: write them)
+_KEPT: ContextVar[dict[str, MplFigure] | None] = ContextVar("kept_figures", default=None)
+
+
+@contextmanager
+def kept() -> Iterator[dict[str, MplFigure]]:
+    """Within: :func:`save` writes nothing and keeps each figure in the mapping yielded (name ->
+    matplotlib figure), in the order drawn."""
+    token = _KEPT.set({})
+    try:
+        yield _KEPT.get()  # type: ignore[misc]
+    finally:
+        _KEPT.reset(token)
+
+
+def keeping() -> bool:
+    """Whether figures are being kept rather than written (:func:`kept`)."""
+    return _KEPT.get() is not None
 
 #: the marker of each line style of the per-layer curves (solid, dashed, dotted)
 MARKERS = {"-": "o", "--": "s", ":": "^"}
@@ -82,7 +102,12 @@ def new_figure(width: float, height: float) -> MplFigure:
 
 
 def save(fig: MplFigure, run_out: str, name: str) -> str:
-    """Write ``fig`` as ``run_out/plots/name.png`` atomically; returns the path."""
+    """Write ``fig`` as ``run_out/plots/name.png`` atomically; returns the path (within
+    :func:`kept`: keeps ``fig`` instead, and returns the path it would have had)."""
+    figures = _KEPT.get()
+    if figures is not None:
+        figures[name] = fig
+        return join(run_out, PLOTS_DIR, f"{name}.png")
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=DPI, metadata={"Software": None})
     path = join(run_out, PLOTS_DIR, f"{name}.png")

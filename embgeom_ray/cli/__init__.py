@@ -1,0 +1,62 @@
+"""The command line: ``embgeom COMMAND [options]``, one module per command.
+
+=============  ==========================================================================
+command        what it does
+=============  ==========================================================================
+``analyze``    measure a model's embeddings over a corpus into a run directory
+``merge``      merge complete runs over disjoint corpora into the run over their union
+``compare``    compare complete runs layer by layer
+``report``     (re)draw a run's plots and ``report.html``
+``reanalyze``  keep a watch list of models analysed over a corpus (cron, KubeRay)
+=============  ==========================================================================
+
+Each command's module has ``build_parser(prog)`` and ``main(argv, prog) -> exit status``; the
+same parsers serve ``embgeom COMMAND`` (the console command the package installs),
+``python -m embgeom_ray COMMAND`` (anywhere the package is importable) and, in a checkout,
+``python -m jobs.COMMAND`` (what ``ray job submit --working-dir .`` runs).
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+#: the commands, in the order ``embgeom --help`` lists them, with their one-line summaries
+COMMANDS: dict[str, str] = {
+    "analyze": "measure a model's embeddings over a corpus into a run directory",
+    "merge": "merge complete runs over disjoint corpora into the run over their union",
+    "compare": "compare complete runs layer by layer",
+    "report": "(re)draw a run's plots and report.html",
+    "reanalyze": "keep a watch list of models analysed over a corpus",
+}
+
+USAGE = "usage: embgeom {" + ",".join(COMMANDS) + "} [options]   (embgeom COMMAND --help)"
+
+
+def _help() -> str:
+    from .. import __version__
+
+    rows = "\n".join(f"  {name:<10} {summary}" for name, summary in COMMANDS.items())
+    return (
+        f"{USAGE}\n\nembgeom_ray {__version__}: exact corpus-scale geometry of transformer "
+        f"contextual embeddings, on Ray.\n\ncommands:\n{rows}\n"
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``embgeom COMMAND [options]``: the command's ``main`` with the rest of ``argv``."""
+    args = sys.argv[1:] if argv is None else list(argv)
+    if not args or args[0] in ("-h", "--help"):
+        print(_help(), end="", file=sys.stdout if args else sys.stderr)
+        return 0 if args else 2
+    if args[0] == "--version":
+        from .. import __version__
+
+        print(f"embgeom_ray {__version__}")
+        return 0
+    command, rest = args[0], args[1:]
+    if command not in COMMANDS:
+        print(f"{USAGE}\nembgeom: error: unknown command {command!r}", file=sys.stderr)
+        return 2
+    module = importlib.import_module(f"{__name__}.{command}")
+    return module.main(rest, prog=f"embgeom {command}")
