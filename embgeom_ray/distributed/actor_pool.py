@@ -35,6 +35,7 @@ from ..counts import Counts
 from ..errors import UserError
 from ..inputs.corpus import Shard
 from ..inputs.extractor import ShardProcessor
+from ..inputs.hub_credentials import hub_credentials, use_hub_credentials
 from ..inputs.malloc_tuning import reuse_freed_memory
 from ..inputs.options import ExtractionOptions
 from ..sizing import Pool
@@ -150,9 +151,10 @@ class ShardExtract:
     CPU the process's allocator keeps the forward's freed tensors for the next batch
     (:func:`~embgeom_ray.inputs.malloc_tuning.reuse_freed_memory`): the actor owns its process.
 
-    An error while loading (bad weights, missing files, …) is kept and raised again by
-    :meth:`ready`, so the driver sees the original exception instead of a dead actor, and
-    does not retry what cannot succeed. An error while folding leaves part of a shard in the
+    ``credentials``: the driver's hub token (:mod:`embgeom_ray.inputs.hub_credentials`), set in
+    the actor's process where its node has none. An error while loading (bad weights, missing
+    files, …) is kept and raised again by :meth:`ready`, so the driver sees the original
+    exception instead of a dead actor, and does not retry what cannot succeed. An error while folding leaves part of a shard in the
     running statistics: the actor then refuses to flush or fold anything more.
     """
 
@@ -163,10 +165,12 @@ class ShardExtract:
         metadata: dict[str, str],
         threads: int,
         clip_dims: list[int] | None = None,
+        credentials: dict[str, str] | None = None,
     ) -> None:
         import torch
 
         torch.set_num_threads(max(1, threads))
+        use_hub_credentials(credentials or {})  # the driver's hub token, before any loading
         sampler()  # this process's peak private memory, sampled from now on
         self.error: Exception | None = None
         self.broken_on: str | None = None
@@ -514,7 +518,7 @@ def run_shards(
             }
         )
     actor_cls = ShardExtractActor.options(**options)
-    args = (extraction.model_dump(), layers, metadata, plan.num_cpus, clip_dims)
+    args = (extraction.model_dump(), layers, metadata, plan.num_cpus, clip_dims, hub_credentials())
     _Scheduler(
         scheduling,
         plan,

@@ -346,10 +346,18 @@ def _auth_hint() -> str:
 
 
 def _driver_runtime_env() -> dict[str, Any] | None:
-    """The driver's ``HF_*`` / ``TRANSFORMERS_*`` variables (offline mode, caches, tokens),
-    for the workers, except those a submitted job's runtime env already sets: Ray refuses a
-    driver runtime env that repeats one of the job's env_vars."""
-    env_vars = {k: v for k, v in os.environ.items() if k.startswith(("HF_", "TRANSFORMERS_"))}
+    """The driver's ``HF_*`` / ``TRANSFORMERS_*`` variables (offline mode, caches), for the
+    workers, except those a submitted job's runtime env already sets (Ray refuses a driver
+    runtime env that repeats one of the job's env_vars) and the hub token: Ray shows a runtime
+    env in its dashboard and writes it to its logs, so the token goes to the extractors as an
+    argument instead (:mod:`embgeom_ray.inputs.hub_credentials`)."""
+    from ..inputs.hub_credentials import TOKEN_VARIABLES
+
+    env_vars = {
+        k: v
+        for k, v in os.environ.items()
+        if k.startswith(("HF_", "TRANSFORMERS_")) and k not in TOKEN_VARIABLES
+    }
     job_config = os.environ.get(JOB_CONFIG_ENV)
     if job_config:
         job_vars = (json.loads(job_config).get("runtime_env") or {}).get("env_vars") or {}

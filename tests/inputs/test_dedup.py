@@ -30,6 +30,7 @@ from embgeom_ray.inputs.dedup import (
 from embgeom_ray.run_dir import Manifest, RunDir
 from embgeom_ray.runs.checkpoints import CheckpointStore
 from tests.conftest import start_local_ray, write_jsonl
+from tests.outputs_doc import assert_documented_outputs
 
 
 def blake(text: str) -> bytes:
@@ -257,6 +258,8 @@ def test_dedup_run_equals_the_run_over_the_corpus_deduplicated_by_hand(runs):
     want = np.array([list(blake(normalise(d))) for d in DOCS], dtype=np.uint8)
     np.testing.assert_array_equal(RunDir(str(runs["whole"])).read_doc_hashes(), want)
     assert not (runs["hand"] / "doc_hashes.npy").exists()
+    # what docs/outputs.md lists for a --dedup run with --keep-checkpoints and its report
+    assert_documented_outputs(runs["whole"], m)
     # the report's run summary shows the counts
     html = (runs["whole"] / "report.html").read_text()
     assert "duplicates dropped" in html and f"6 of {n_read} documents" in html
@@ -293,6 +296,7 @@ def test_dedup_with_the_partitioned_reduce(runs, tmp_path):
     assert m["dedup"] == manifest_of(runs["whole"])["dedup"]
     assert m["counts"]["documents"] == len(DOCS)
     assert_same_tables(out, runs["whole"])
+    assert_documented_outputs(out, m)  # statistics/ in parts, doc_hashes.npy
 
 
 @pytest.mark.slow

@@ -391,3 +391,16 @@ def test_token_checks_are_not_vacuous(rayjob) -> None:
 def test_every_manifest_is_checked() -> None:
     """A new file under deploy/ gets a test too."""
     assert {p.name for p in DEPLOY.glob("*.y*ml")} == {RAYJOB.name, CRONJOB.name, WATCHLIST.name}
+
+
+def test_the_shipped_watch_list_names_models_every_cluster_can_load() -> None:
+    """deploy/models.yaml, as shipped, holds hub models only: a local directory would have to
+    exist on every node of the user's cluster, and the nightly run would fail on it until
+    then (its example stays a comment)."""
+    from embgeom_ray.runs.reanalyze import load_watchlist
+
+    entries = load_watchlist(str(WATCHLIST))
+    assert len(entries) >= 3
+    for entry in entries:
+        assert not entry.model.startswith(("/", ".", "~")), entry.model
+        assert entry.model.count("/") <= 1, entry.model

@@ -11,6 +11,7 @@ runs' counts. The session's local Ray (``ray_local``) is the one the job joins.
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 
@@ -20,6 +21,7 @@ import pytest
 
 from tests.conftest import write_jsonl
 from tests.object_store import S3, moto_server, s3_env
+from tests.outputs_doc import assert_documented_outputs, documented_manifest_keys
 
 REPO = Path(__file__).resolve().parents[2]
 DOC = REPO / "docs" / "python.md"
@@ -72,6 +74,10 @@ def test_python_docs_examples_run(ray_local, minilm_dir, tmp_path, monkeypatch, 
 
     run = namespace["run"]
     assert Path(namespace["model"]) == Path(minilm_dir)
+    # the run holds what docs/outputs.md lists, and its manifest only keys documented there
+    manifest = json.loads((tmp_path / "runs" / "a" / "manifest.json").read_text())
+    assert_documented_outputs(tmp_path / "runs" / "a", manifest)
+    assert set(manifest) - documented_manifest_keys() == set()
     # the tables are the files' own
     for name in ("layers", "type_stats", "dims", "positions", "kmeans"):
         expected = pq.read_table(tmp_path / "runs" / "a" / f"{name}.parquet").to_pandas()

@@ -164,3 +164,15 @@ def test_outputs_carry_their_format_version_and_newer_majors_are_refused(tmp_pat
         for read in (run.manifest, lambda: run.read_table("layers")):
             with pytest.raises(RunDirError, match=rf"format {major + 1}\.0 by a newer embgeom_ray.*upgrade"):
                 read()
+
+
+def test_every_manifest_key_is_documented():
+    """docs/outputs.md's manifest table documents every key the typed manifest has (the keys
+    a real run writes are checked in tests/project/test_python_docs.py), and lists no
+    output file the code does not know."""
+    from embgeom_ray.run_dir import Manifest
+    from tests.outputs_doc import documented_files, documented_manifest_keys
+
+    keys = {field.alias or name for name, field in Manifest.model_fields.items()}
+    assert keys - documented_manifest_keys() == set()
+    assert "sample.safetensors" not in documented_files()  # read from older runs, not written

@@ -1,0 +1,78 @@
+"""docs/outputs.md as a contract the tests check: the files its "A run directory" table lists,
+and the keys its ``manifest.json`` table documents.
+
+:func:`assert_documented_outputs` checks that a run directory holds every file the table
+lists whose condition holds for the run's options (:data:`CONDITIONS`: a file the table lists
+and this mapping does not know is one every run writes). The end-to-end tests call it on runs
+whose options together cover every condition (tests/project/test_python_docs.py: a default run
+with its report; tests/inputs/test_dedup.py: ``--dedup`` with ``--keep-checkpoints``, and with
+``--reducers 2``).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+DOC = Path(__file__).resolve().parents[1] / "docs" / "outputs.md"
+
+#: a listed file written only by some runs -> whether the run of this manifest writes it
+CONDITIONS: dict[str, Callable[[dict[str, Any]], bool]] = {
+    "samples.parquet": lambda m: m["config"].get("sample_size", 1) > 0,
+    "kmeans.parquet": lambda m: "skipped" not in (m.get("sample") or {"skipped": True}),
+    "statistics.safetensors": lambda m: not _partitioned(m),
+    "statistics/": lambda m: _partitioned(m),
+    "doc_hashes.npy": lambda m: bool(m["config"].get("dedup")),
+    "report.html": lambda m: not m["config"].get("no_report"),
+    "plots/": lambda m: not m["config"].get("no_report"),
+    "groups/": lambda m: bool(m["config"].get("keep_checkpoints")),
+    "reducers/": lambda m: bool(m["config"].get("keep_checkpoints")) and _partitioned(m),
+}
+
+
+def _partitioned(manifest: dict[str, Any]) -> bool:
+    return (manifest["config"].get("reducers") or 1) > 1
+
+
+def _section(heading: str) -> str:
+    text = DOC.read_text()
+    start = text.index(f"\n## {heading}\n")
+    end = text.find("\n## ", start + 1)
+    return text[start : end if end >= 0 else None]
+
+
+def _first_cells(section: str) -> list[str]:
+    """The first cell of every row of the section's first table (header and rule left out)."""
+    rows = [line for line in section.splitlines() if line.startswith("| ")]
+    return [row.split("|")[1].strip() for row in rows[2:]]
+
+
+def documented_files() -> list[str]:
+    """Every file and directory the "A run directory" table lists (``plots/`` with its ``/``)."""
+    names = []
+    for cell in _first_cells(_section("A run directory")):
+        names += re.findall(r"`([^`]+)`", cell)
+    return names
+
+
+def documented_manifest_keys() -> set[str]:
+    """Every top-level key the ``manifest.json`` table documents."""
+    keys: set[str] = set()
+    for cell in _first_cells(_section("`manifest.json`")):
+        keys |= set(re.findall(r"`([^`]+)`", cell))
+    return keys
+
+
+def assert_documented_outputs(run: Path, manifest: dict[str, Any]) -> None:
+    """Every file docs/outputs.md lists, whose condition holds for the run (its ``manifest``),
+    is in ``run``."""
+    listed = documented_files()
+    assert listed, f"no files listed in {DOC}"
+    missing = [
+        name
+        for name in listed
+        if CONDITIONS.get(name, lambda _m: True)(manifest) and not (run / name.rstrip("/")).exists()
+    ]
+    assert not missing, f"{run} lacks {missing}, which docs/outputs.md lists as written"

