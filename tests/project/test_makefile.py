@@ -88,3 +88,27 @@ def test_offline_unless_online() -> None:
 
     assert offline() == "1"
     assert offline("ONLINE=1") == "0"
+
+
+def test_torch_cuda_builds_the_environment_with_a_cuda_torch() -> None:
+    """``make demo TORCH=cuda ARGS='--device cuda'`` (the README's GPU command): an environment
+    of its own whose torch must be a CUDA build (else reinstalled, from PyPI or TORCH_INDEX),
+    then the demo with the flags given; an unknown TORCH is one line."""
+
+    def plan(*args: str) -> str:
+        proc = subprocess.run(["make", "-s", "-n", "-C", str(REPO), f"VENV={VENV}", *args],
+                              capture_output=True, text=True, timeout=60)  # fmt: skip
+        assert proc.returncode == 0, proc.stderr
+        return _command(proc.stdout)
+
+    cpu = plan("-B", "env")
+    assert "torch.version.cuda" not in cpu and '"torch==' in cpu
+    cuda = plan("-B", "TORCH=cuda", "demo", "ARGS=--device cuda")
+    assert "assert torch.version.cuda" in cuda and "--force-reinstall" in cuda
+    assert f"touch {VENV}/.installed-cuda" in cuda
+    assert cuda.rstrip().endswith("--device cuda")
+    index = plan("-B", "TORCH=cuda", "TORCH_INDEX=https://download.pytorch.org/whl/cu126", "env")
+    assert "--index-url https://download.pytorch.org/whl/cu126" in index
+    bad = subprocess.run(["make", "-s", "-n", "-C", str(REPO), "TORCH=gpu", "env"],
+                         capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert bad.returncode == 2 and "TORCH must be cpu or cuda" in bad.stderr
