@@ -357,7 +357,7 @@ def layer_tables(
     else:
         total_variance = within = between = within_ratio = math.nan
     frequent = counts >= min_count
-    if frequent.sum() >= 2:
+    if frequent.sum() >= 3:  # docs/outputs.md: NaN when fewer than 3 types qualify
         with np.errstate(invalid="ignore", divide="ignore"):
             corr = float(np.corrcoef(mean_norms[frequent], variances[frequent])[0, 1])
     else:

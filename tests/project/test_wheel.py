@@ -6,8 +6,12 @@ model, as ``pip install 'embgeom-ray[s3]'`` users would.
   declares the ``embgeom`` command and the ``s3`` and ``gcs`` extras.
 - Installed without ``[s3]``: an ``s3://`` corpus is one line naming the extra, exit 2.
 - With ``[s3]``: ``embgeom analyze`` reads a corpus from a bucket of a real S3 API on loopback
-  (moto's server mode) and writes a complete run whose exact tables equal those of the same
-  job run from the checkout; ``python -m embgeom_ray`` is the same command.
+  (moto's server mode) and writes a complete run and its report, whose exact tables equal an
+  independent float64 computation (tests/reference.py); ``python -m embgeom_ray`` is the same
+  command.
+- That run has ``HF_TOKEN`` set, as a user of a gated model would: the token is in none of the
+  run's files, the command's output, or any file its private Ray wrote (logs included; Ray's
+  runtime environment, which Ray logs, is what used to carry it).
 
 The fresh environment's packages come from the package index (pip's cache after ``make
 env``); torch is the local CPU build, installed first, as the README says.
@@ -17,8 +21,11 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
+import shutil
 import subprocess
 import sys
+import tempfile
 import zipfile
 from pathlib import Path
 
@@ -27,10 +34,12 @@ import pytest
 
 from tests.conftest import SHORT_DOCS, write_jsonl
 from tests.object_store import S3, moto_server, s3_env
+from tests.reference import reference_tables
+from tests.runs.test_job_end_to_end import assert_tables_close
 
 REPO = Path(__file__).resolve().parents[2]
 TORCH = "torch==2.13.0"
-QUICK = ["--max-length", "32", "--sample-size", "16", "--no-report", "--num-workers", "1"]
+QUICK = ["--max-length", "32", "--sample-size", "16", "--num-workers", "1"]
 
 
 def _run(argv: list[str], timeout: float, **kw) -> subprocess.CompletedProcess:
@@ -102,25 +111,42 @@ def test_wheel_in_a_fresh_venv_runs_the_demo_model(wheel, minilm_dir, tmp_path) 
         assert refused.stderr.strip().count("\n") == 0 and "Traceback" not in refused.stderr
         assert "s3fs" in refused.stderr and "embgeom-ray[s3]" in refused.stderr
         assert not (tmp_path / "no").exists()
-        # with it: the run, through the console command
+        # with it: the run, through the console command, with a hub token in its environment
         _ok(_run([*pip, f"{wheel}[s3]"], 900))
-        done = _ok(_run([embgeom, "analyze", *argv, "--out", str(tmp_path / "run")], 600, **where))
-    manifest = json.loads((tmp_path / "run" / "manifest.json").read_text())
+        token = "hf_" + secrets.token_hex(16)
+        ray_dir = Path(tempfile.mkdtemp(prefix="ray-", dir="/tmp"))  # a short path: sockets
+        try:
+            env |= {"HF_TOKEN": token, "RAY_TMPDIR": str(ray_dir)}
+            done = _ok(_run([embgeom, "analyze", *argv, "--out", str(tmp_path / "run")], 600,
+                            **where))  # fmt: skip
+            ray_files = [p for p in ray_dir.rglob("*") if p.is_file() and not p.is_symlink()]
+            assert any(p.suffix in (".log", ".out") for p in ray_files)
+            assert _holding(token, ray_files) == []
+        finally:
+            shutil.rmtree(ray_dir, ignore_errors=True)
+    run = tmp_path / "run"
+    manifest = json.loads((run / "manifest.json").read_text())
     assert manifest["status"] == "complete" and manifest["counts"]["documents"] == len(SHORT_DOCS)
-    assert "ray: started a private local Ray" in done.stderr
-    # the same job from the checkout: the same exact tables
-    reference = tmp_path / "reference"
-    _ok(_run([sys.executable, "-m", "jobs.analyze", "--model", model_dir, "--corpus", corpus,
-              *QUICK, "--out", str(reference)], 600, cwd=REPO,
-             env=env | {"PATH": os.environ["PATH"]}))  # fmt: skip
-    for name, keys in (("layers", ["layer"]), ("type_stats", ["layer", "token_id"])):
-        got = pd.read_parquet(tmp_path / "run" / f"{name}.parquet").sort_values(keys)
-        want = pd.read_parquet(reference / f"{name}.parquet").sort_values(keys)
-        exact = [c for c in want.columns if c in got.columns and not c.endswith("_se")
-                 and not c.startswith(("kmeans", "lid", "silhouette", "adjusted", "partition",
-                                       "isoscore_sample", "s_inter_type"))]  # fmt: skip
-        pd.testing.assert_frame_equal(got[exact].reset_index(drop=True),
-                                      want[exact].reset_index(drop=True), rtol=1e-9)  # fmt: skip
+    assert "ray: started a private local Ray" in done.stderr and (run / "report.html").is_file()
+    # the hub token: in no file of the run, nor in what the command printed
+    assert token not in done.stdout + done.stderr
+    assert _holding(token, [p for p in run.rglob("*") if p.is_file()]) == []
+    # the exact tables: those of an independent float64 computation
+    ours = {name: pd.read_parquet(run / f"{name}.parquet") for name in ("type_stats", "layers", "dims")}
+    ref = reference_tables(minilm_dir, SHORT_DOCS, max_length=32)
+    assert_tables_close(ours, ref, rtol=1e-5, cos_atol=1e-6)
     # python -m embgeom_ray is the same command
     help_text = _ok(_run([str(venv / "bin" / "python"), "-m", "embgeom_ray", "--help"], 120, **where))
     assert "analyze" in help_text.stdout and "reanalyze" in help_text.stdout
+
+
+def _holding(secret: str, files: list[Path]) -> list[Path]:
+    """The files of ``files`` that hold ``secret`` (files gone or unreadable left out)."""
+    found = []
+    for path in files:
+        try:
+            if secret.encode() in path.read_bytes():
+                found.append(path)
+        except OSError:
+            continue
+    return found
