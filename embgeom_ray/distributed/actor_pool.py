@@ -451,8 +451,9 @@ class _Scheduler:
 
     def start_actor(self) -> None:
         actor = self._start()
-        record = {"node_id": None, "pid": None, "lost_s": None, "shards": 0}
-        record["requested_s"] = round(time.monotonic() - self.t0, 3)
+        requested = round(time.monotonic() - self.t0, 3)
+        record = {"node_id": None, "pid": None, "requested_s": requested, "ready_s": None,
+                  "lost_s": None, "shards": 0}  # fmt: skip
         self.starting[actor.ready.remote()] = _Worker(actor, record, added=self.first_started)
 
     def send(self, worker: _Worker, shard: Shard) -> None:
@@ -679,6 +680,7 @@ def run_shards(
         # a private local Ray has no autoscaler to ask
         ask=None if started_private_local() else ask_autoscaler,
         say=on_resized or log.info,
+        poll_s=POOL_POLL_S,
     )
     _Scheduler(
         scheduling,

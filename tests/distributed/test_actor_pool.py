@@ -44,7 +44,7 @@ def test_the_pool_grows_as_nodes_join_and_shrinks_as_they_leave(ray_local):
 
     def start():
         # the first extractor slow, so that the ones added find shards left
-        delay = 0.3 if not pool.extractors and not starts else 0.1
+        delay = 0.3 if not pool.extractors and not starts else 0.05
         starts.append(delay)
         return FakeExtractActor.options(num_cpus=0).remote(delay)
 
