@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import secrets
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -42,7 +43,7 @@ from tests.ray_processes import (
 )
 from tests.runs.test_job_end_to_end import english_documents
 
-pytestmark = [pytest.mark.slow, pytest.mark.own_ray_cluster, pytest.mark.timeout(400)]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(400)]
 
 REPO = Path(__file__).resolve().parents[2]
 JOB_TIMEOUT_S = 180
@@ -123,6 +124,9 @@ def cluster(tmp_path_factory) -> Iterator[TwoNodeRay]:
             time.sleep(0.2)
         yield ray
     finally:
+        for node in ray.nodes:  # both drain at once; then each is waited for
+            if node.proc.poll() is None:
+                node.proc.send_signal(signal.SIGTERM)
         for node in reversed(ray.nodes):
             node.stop()
         left = marked_pids([str(base)])
