@@ -19,9 +19,10 @@ cluster has room for it.
 The pool follows the cluster. It starts with the extractors the nodes hold (at least one,
 which waits for a node where none holds it), and every :data:`POOL_POLL_S` seconds while
 shards wait it reads Ray's view of the nodes again and starts more where room appeared, up to
-``--num-workers`` (else as many as the shards want): :mod:`embgeom_ray.sizing.growth` decides,
-the scheduler only asks and starts. Where the nodes do not hold the pool it wants, it asks the
-autoscaler for room (Ray's ``request_resources``, cleared when the extraction ends). An
+``--num-workers``, and no more than the autoscaler's node groups hold where Ray shows them
+(else as many as the shards want): :mod:`embgeom_ray.sizing.growth` decides, the scheduler only
+asks and starts. Where the nodes do not hold the pool it wants, it asks the autoscaler for
+room (Ray's ``request_resources``, cleared when the extraction ends). An
 extractor still waiting for a node never holds the job up: the others run the shards, and it
 is ended with the pool.
 """
@@ -51,10 +52,12 @@ from ..sizing import Cluster, Extractor, Pool
 from ..sizing.growth import (
     autoscaler_request,
     extractors_held,
+    extractors_possible,
     extractors_to_add,
+    pool_ceiling,
     pool_target,
 )
-from .cluster import read_cluster, started_private_local
+from .cluster import read_autoscaler_groups, read_cluster, started_private_local
 from .options import SchedulingOptions
 from .process_memory import peak_rss_bytes, sampler
 
@@ -73,7 +76,8 @@ class PoolPlan:
     num_workers: int
     num_gpus: float
     num_cpus: int
-    #: the most the pool may grow to: ``--num-workers`` (None: as many as the shards want)
+    #: the most the pool may grow to: ``--num-workers``, and no more than the autoscaler's
+    #: node groups hold where Ray shows them (None: as many as the shards want)
     max_workers: int | None = None
     #: the most extractors ready at once
     largest_workers: int = 0
@@ -333,7 +337,8 @@ class Growth:
     asked, and where a change of the pool is said."""
 
     each: Extractor
-    #: ``--num-workers`` (None: as many as the shards want)
+    #: the most extractors (:func:`~embgeom_ray.sizing.growth.pool_ceiling`: ``--num-workers``
+    #: and the autoscaler's node groups; None: as many as the shards want)
     num_workers: int | None
     #: bytes of the head's memory kept for the job's own process
     head_reserve: int = 0
@@ -673,9 +678,11 @@ def run_shards(
         )
     actor_cls = ShardExtractActor.options(**options)
     args = (extraction.model_dump(), layers, metadata, plan.num_cpus, clip_dims)
+    each = Extractor(plan.num_cpus, plan.num_gpus, plan.memory_bytes)
+    possible = extractors_possible(read_autoscaler_groups() or (), each)
     growth = Growth(
-        Extractor(plan.num_cpus, plan.num_gpus, plan.memory_bytes),
-        scheduling.num_workers,
+        each,
+        pool_ceiling(scheduling.num_workers, possible),
         head_reserve=0 if pool is None else pool.head_reserve,
         # a private local Ray has no autoscaler to ask
         ask=None if started_private_local() else ask_autoscaler,

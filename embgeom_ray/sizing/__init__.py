@@ -66,10 +66,12 @@ from .growth import (
     Extractor,
     autoscaler_request,
     extractors_held,
+    extractors_possible,
     extractors_to_add,
+    pool_ceiling,
     pool_target,
 )
-from .nodes import GPU_MEMORY_BY_TYPE, Cluster, Node, fits, place, slot_memory
+from .nodes import GPU_MEMORY_BY_TYPE, Cluster, Node, NodeGroup, fits, place, slot_memory
 from .plan import describe_plan
 
 __all__ = [
@@ -78,11 +80,12 @@ __all__ = [
     "EARLY_REDUCERS_MIN_BYTES", "EXTRACTOR_BASE_BYTES", "FOLD_BYTES_PER_TOKEN_DIM",
     "GPU_BATCH_BYTES", "GPU_BATCH_TOKENS_MAX", "GPU_MEMORY_BY_TYPE", "GPU_STATISTICS_SHARE",
     "GPU_WEIGHT_SHARE", "REDUCER_BASE_BYTES", "REDUCER_MERGE_FACTOR", "REDUCER_NODE_SHARE",
-    "TYPE_ROW_BYTES", "Cluster", "CorpusShape", "Extractor", "Node", "Pool", "Reduce", "Shape",
-    "Sizing", "autoscaler_request", "batch_bytes_per_token", "cpu_batch_tokens",
-    "default_batch_tokens", "describe_plan", "driver_bytes", "driver_reserve",
-    "extractor_bytes", "extractors_held", "extractors_to_add", "fits", "gib", "gpu_budgets",
-    "gpus_for_weights", "io_sizes", "place", "plan_pool", "pool_target", "reducer_budget",
-    "reducer_bytes", "reducer_ranges", "reducers_for", "run_shape", "size_extractors",
-    "size_job", "size_reduce", "size_reducers", "slot_memory", "statistics_for", "types_bound",
+    "TYPE_ROW_BYTES", "Cluster", "CorpusShape", "Extractor", "Node", "NodeGroup", "Pool",
+    "Reduce", "Shape", "Sizing", "autoscaler_request", "batch_bytes_per_token",
+    "cpu_batch_tokens", "default_batch_tokens", "describe_plan", "driver_bytes",
+    "driver_reserve", "extractor_bytes", "extractors_held", "extractors_possible",
+    "extractors_to_add", "fits", "gib", "gpu_budgets", "gpus_for_weights", "io_sizes", "place",
+    "plan_pool", "pool_ceiling", "pool_target", "reducer_budget", "reducer_bytes",
+    "reducer_ranges", "reducers_for", "run_shape", "size_extractors", "size_job", "size_reduce",
+    "size_reducers", "slot_memory", "statistics_for", "types_bound",
 ]  # fmt: skip

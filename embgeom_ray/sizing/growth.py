@@ -9,9 +9,10 @@ cluster every few seconds, calls them and does what they say. docs/sizing.md sta
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
-from .nodes import Cluster
+from .nodes import Cluster, NodeGroup
 
 
 @dataclass(frozen=True)
@@ -49,10 +50,40 @@ def extractors_held(cluster: Cluster, each: Extractor, head_reserve: int = 0) ->
     return held
 
 
+def extractors_possible(groups: Sequence[NodeGroup], each: Extractor) -> int | None:
+    """The most extractors of ``each`` the autoscaler's node groups hold with every group at
+    its most nodes: the sum over groups of max_count × what one of its nodes holds (a resource
+    a group does not state limits nothing). None where nothing tells: no group shown, a group
+    that holds one without a limit on its nodes, or no group that holds one (its resources
+    not stated as the extractor asks for them)."""
+    total = 0
+    for group in groups:
+        room = [group.cpus // each.cpus if each.cpus else None]
+        room.append(int(group.gpus // each.gpus) if each.gpus else None)
+        room.append(group.memory // each.memory if each.memory and group.memory else None)
+        limits = [r for r in room if r is not None]
+        per_node = min(limits) if limits else 0
+        if per_node <= 0 or group.max_count == 0:
+            continue
+        if group.max_count is None:
+            return None
+        total += per_node * group.max_count
+    return total or None
+
+
+def pool_ceiling(num_workers: int | None, possible: int | None) -> int | None:
+    """The most extractors the pool grows to: ``--num-workers``, and no more than the
+    autoscaler's node groups hold (``possible``: :func:`extractors_possible`); None: as many
+    as the shards want."""
+    bounds = [n for n in (num_workers, possible) if n is not None]
+    return min(bounds) if bounds else None
+
+
 def pool_target(*, running: int, starting: int, queued: int, num_workers: int | None) -> int:
     """The pool worth having now: the extractors it has (``running``: ready or still
     ``starting``), and one more for each shard waiting in the queue that no extractor still
-    starting will take; at most ``--num-workers`` (None: as many as the shards want)."""
+    starting will take; at most ``num_workers``, the pool's ceiling (:func:`pool_ceiling`;
+    None: as many as the shards want)."""
     want = running + max(0, queued - starting)
     return want if num_workers is None else min(num_workers, want)
 

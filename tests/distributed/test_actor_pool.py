@@ -119,3 +119,35 @@ def test_an_extractor_waiting_for_a_node_does_not_hold_the_job_up(ray_local):
     assert sorted(s for g in groups for s in g.shard_ids) == [s.shard_id for s in shards]
     assert len(started) == 2 and pool.num_workers == 2
     assert (pool.largest_workers, pool.workers_waiting) == (1, 1)
+
+
+def test_the_autoscalers_node_groups_as_ray_shows_them(ray_local):
+    """The cluster config an autoscaler reports to Ray's GCS (here written there by the test,
+    as cluster.yaml's would read): its node groups, and the most extractors they hold; none
+    reported, nothing tells."""
+    import ray
+    from ray.core.generated import autoscaler_pb2
+    from ray.experimental import internal_kv
+
+    from embgeom_ray.distributed.cluster import read_autoscaler_groups
+    from embgeom_ray.sizing import NodeGroup, extractors_possible
+
+    assert read_autoscaler_groups() is None  # a local Ray: no autoscaler reports one
+    config = autoscaler_pb2.ClusterConfig()
+    for name, resources, most in (("head.cpu", {"CPU": 0}, 1),
+                                  ("worker.gpu", {"CPU": 8, "GPU": 1, "memory": 24 * GiB}, 8)):  # fmt: skip
+        group = config.node_group_configs.add(name=name, max_count=most)
+        group.resources.update(resources)
+    key = ray._raylet.GCS_AUTOSCALER_CLUSTER_CONFIG_KEY.encode()
+    namespace = ray._raylet.GCS_AUTOSCALER_STATE_NAMESPACE.encode()
+    internal_kv._internal_kv_put(key, config.SerializeToString(), namespace=namespace)
+    try:
+        groups = read_autoscaler_groups()
+    finally:
+        internal_kv._internal_kv_del(key, namespace=namespace)
+    assert groups == (
+        NodeGroup("head.cpu", cpus=0, gpus=0, memory=0, max_count=1),
+        NodeGroup("worker.gpu", cpus=8, gpus=1, memory=24 * GiB, max_count=8),
+    )
+    assert extractors_possible(groups, Extractor(cpus=1, gpus=1, memory=4 * GiB)) == 8
+    assert read_autoscaler_groups() is None

@@ -138,3 +138,26 @@ def test_the_sizing_keeps_extractors_that_wait_for_nodes():
     some = pool(Cluster((HEAD, gpu_node("a"), gpu_node("b"))), num_workers=8)
     assert some.num_workers == 8 and "the nodes hold 2 of the 8 extractors now" in some.reason
     assert some.head_reserve == 2 * GiB  # what the growth leaves of the head's memory
+
+
+def test_what_the_autoscalers_node_groups_hold():
+    """cluster.yaml's node groups as an autoscaler that reports them shows them to Ray."""
+    from embgeom_ray.sizing import NodeGroup, extractors_possible, pool_ceiling
+
+    head = NodeGroup("head.cpu", cpus=0, memory=32 * GiB, max_count=1)
+    gpus = NodeGroup("worker.gpu", cpus=8, gpus=1, memory=24 * GiB, max_count=8)
+    one_gpu = Extractor(cpus=1, gpus=1, memory=4 * GiB)
+    assert extractors_possible([head, gpus], one_gpu) == 8
+    # four-GPU nodes, two extractors of two GPUs on each, at most 3 nodes; memory not stated
+    quads = NodeGroup("worker.4gpu", cpus=32, gpus=4, max_count=3)
+    assert extractors_possible([head, gpus, quads], Extractor(cpus=1, gpus=2)) == 6
+    # CPU extractors of 4 CPUs: 2 on each GPU node, none on the head
+    assert extractors_possible([head, gpus], Extractor(cpus=4)) == 16
+    # nothing tells: no group, a group without a limit, no group that holds one
+    assert extractors_possible([], one_gpu) is None
+    assert extractors_possible([head, NodeGroup("w", cpus=8, gpus=1, max_count=None)], one_gpu) is None
+    assert extractors_possible([head], one_gpu) is None
+    # the ceiling: --num-workers, within what the groups hold
+    assert pool_ceiling(None, None) is None
+    assert pool_ceiling(None, 8) == 8
+    assert pool_ceiling(4, 8) == 4 and pool_ceiling(16, 8) == 8 and pool_ceiling(4, None) == 4
