@@ -343,23 +343,27 @@ class Growth:
     #: bytes of the head's memory kept for the job's own process
     head_reserve: int = 0
     read: Callable[[], Cluster] = read_cluster
-    #: asks an autoscaler for room for these bundles (None: nobody to ask)
-    ask: Callable[[list[dict[str, float]]], None] | None = None
+    #: asks an autoscaler for room for these bundles; False: it could not (None: nobody to
+    #: ask)
+    ask: Callable[[list[dict[str, float]]], bool] | None = None
     #: one line each time the pool grows or shrinks
     say: Callable[[str], None] = log.info
     poll_s: float = POOL_POLL_S
 
 
-def ask_autoscaler(bundles: list[dict[str, float]]) -> None:
+def ask_autoscaler(bundles: list[dict[str, float]]) -> bool:
     """Ray's ``request_resources``: the cluster is to have room for ``bundles`` (replacing the
     last request; ``[]`` clears it). A hint: where it fails the pool grows as nodes join
-    anyway, so the failure is logged, not raised."""
+    anyway, so the failure is logged and False returned (the scheduler asks no more), not
+    raised."""
     from ray.autoscaler.sdk import request_resources
 
     try:
         request_resources(bundles=bundles)
     except Exception as exc:  # a client without the autoscaler's API, an old GCS …
         log.warning("could not ask the autoscaler for room (%s: %s)", type(exc).__name__, exc)
+        return False
+    return True
 
 
 def _node(node_id: str) -> str:
@@ -400,8 +404,9 @@ class _Scheduler:
         self.start_failures = 0
         self.t0 = time.monotonic()
         self.last_poll = self.t0
-        #: bundles last asked of the autoscaler (None: never asked)
+        #: bundles last asked of the autoscaler (None: never asked), and whether asking failed
         self.asked: int | None = None
+        self.ask_failed = False
 
     def run(self) -> None:
         self.t0 = time.monotonic()
@@ -432,8 +437,10 @@ class _Scheduler:
     def poll(self, force: bool = False) -> None:
         """Every :attr:`Growth.poll_s` seconds (or now, ``force``): start the extractors the
         cluster has room for now (:func:`~embgeom_ray.sizing.growth.extractors_to_add`) and
-        keep the autoscaler's request at the pool's target. The cluster is read only when
-        the pool wants more than it has, or an autoscaler's request is to be kept current."""
+        keep the autoscaler's request at the pool's target (where it cannot be asked, a pool
+        of a known ceiling starts its whole target: those no node holds wait, as the
+        autoscaler's demand). The cluster is read only when the pool wants more than it has,
+        or an autoscaler's request is to be kept current."""
         now = time.monotonic()
         if not force and now - self.last_poll < self.growth.poll_s:
             return
@@ -445,14 +452,15 @@ class _Scheduler:
         if target <= counts["running"] and counts["running"] and self.asked is None:
             return  # the pool has what it wants: nothing to read, nothing to ask
         held = sum(extractors_held(g.read(), g.each, g.head_reserve).values())
-        add = extractors_to_add(held, **counts, num_workers=g.num_workers)
+        if g.ask is not None and not self.ask_failed:
+            bundles = autoscaler_request(g.each, target, held, self.asked)
+            if bundles is not None and g.ask(bundles) is False:
+                self.ask_failed = True  # asked no more: extractors waiting are the demand
+            elif bundles is not None:
+                self.asked = len(bundles)
+        add = extractors_to_add(held, **counts, num_workers=g.num_workers, demand=self.ask_failed)
         for _ in range(add):
             self.start_actor()
-        if g.ask is not None:
-            bundles = autoscaler_request(g.each, target, held, self.asked)
-            if bundles is not None:
-                g.ask(bundles)
-                self.asked = len(bundles)
 
     def start_actor(self) -> None:
         actor = self._start()

@@ -89,15 +89,27 @@ def pool_target(*, running: int, starting: int, queued: int, num_workers: int | 
 
 
 def extractors_to_add(
-    held: int, *, running: int, starting: int, queued: int, num_workers: int | None
+    held: int,
+    *,
+    running: int,
+    starting: int,
+    queued: int,
+    num_workers: int | None,
+    demand: bool = False,
 ) -> int:
     """Extractors to start now: the pool's target (:func:`pool_target`) as far as the nodes
     hold it (``held``: the sum of :func:`extractors_held`), less those it has. And one when it
     has none and shards wait, even where no node holds it yet: it waits for a node (on an
     autoscaling cluster it is the demand that brings one), and the job never stalls with no
-    extractor asked for."""
+    extractor asked for.
+
+    ``demand``: the autoscaler cannot be asked for room (its request failed), so a pool of a
+    known ceiling (``num_workers``) starts its whole target at once, the extractors no node
+    holds waiting for nodes: their pending resources are the autoscaler's demand."""
     target = pool_target(running=running, starting=starting, queued=queued, num_workers=num_workers)
     add = max(0, min(held, target) - running)
+    if demand and num_workers is not None:
+        add = max(0, target - running)
     if running == 0 and queued > 0:
         add = max(add, 1)
     return add

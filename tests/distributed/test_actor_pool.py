@@ -121,6 +121,32 @@ def test_an_extractor_waiting_for_a_node_does_not_hold_the_job_up(ray_local):
     assert (pool.largest_workers, pool.workers_waiting) == (1, 1)
 
 
+def test_where_the_autoscaler_cannot_be_asked_extractors_wait_as_its_demand(ray_local):
+    """``--num-workers 3``, the nodes holding one, and the autoscaler's request failing (as
+    on a Ray Client connection): all three are asked for at once, the two no node holds
+    waiting (here: for a resource no node has) as the demand that would bring nodes."""
+    shards = [Shard(f"s{i}", "corpus.jsonl", "jsonl", i, i + 1, 0) for i in range(4)]
+    started, asked = [], []
+
+    def start():
+        started.append(1)
+        extra = {} if len(started) == 1 else {"resources": {"no_such_node": 1}}
+        return FakeExtractActor.options(num_cpus=0, **extra).remote(0.01)
+
+    def ask(bundles) -> bool:
+        asked.append(bundles)
+        return False  # request_resources failed
+
+    pool = PoolPlan(num_workers=3, num_gpus=0.0, num_cpus=1)
+    growth = Growth(Extractor(cpus=1), 3, read=lambda: Cluster((Node("a", GiB, cpus=1),)),
+                    ask=ask, say=lambda _: None, poll_s=0.05)  # fmt: skip
+    _Scheduler(SchedulingOptions(), pool, start, shards, lambda _: None, lambda _: None,
+               lambda _: None, growth=growth).run()  # fmt: skip
+    assert len(asked) == 1  # asked once, not again after it failed (nor to clear)
+    assert len(started) == 3 and pool.num_workers == 3
+    assert (pool.largest_workers, pool.workers_waiting) == (1, 2)
+
+
 def test_the_autoscalers_node_groups_as_ray_shows_them(ray_local):
     """The cluster config an autoscaler reports to Ray's GCS (here written there by the test,
     as cluster.yaml's would read): its node groups, and the most extractors they hold; none

@@ -84,6 +84,17 @@ def test_extractors_to_add(held, running, starting, queued, num_workers, add):
     ) == add
 
 
+def test_without_an_autoscaler_to_ask_a_known_pool_waits_for_nodes_as_demand():
+    """Where the autoscaler's request failed (a Ray Client connection), ``--num-workers 8``
+    with one GPU node up starts all 8: the 7 no node holds wait, their resources the demand
+    that brings nodes. Without a ceiling, only what the nodes hold (and one)."""
+    counts = {"running": 0, "starting": 0, "queued": 100}
+    assert extractors_to_add(1, **counts, num_workers=8, demand=True) == 8
+    assert extractors_to_add(1, **counts, num_workers=8) == 1
+    assert extractors_to_add(1, **counts, num_workers=None, demand=True) == 1
+    assert extractors_to_add(0, **counts, num_workers=None, demand=True) == 1
+
+
 def test_the_pool_grows_as_gpu_nodes_join():
     """cluster.yaml's autoscaling: GPU workers from 0 to 8, one extractor per GPU node."""
     each = Extractor(cpus=1, gpus=1, memory=4 * GiB)
