@@ -22,9 +22,9 @@ shards wait it reads Ray's view of the nodes again and starts more where room ap
 ``--num-workers``, and no more than the autoscaler's node groups hold where Ray shows them
 (else as many as the shards want): :mod:`embgeom_ray.sizing.growth` decides, the scheduler only
 asks and starts. Where the nodes do not hold the pool it wants, it asks the autoscaler for
-room (Ray's ``request_resources``, cleared when the extraction ends). An
-extractor still waiting for a node never holds the job up: the others run the shards, and it
-is ended with the pool.
+room (Ray's ``request_resources``, cleared when the extraction ends). An extractor still
+waiting for a node never holds the job up: the others run the shards, and it is ended with
+the pool.
 """
 
 from __future__ import annotations
@@ -410,10 +410,10 @@ class _Scheduler:
 
     def run(self) -> None:
         self.t0 = time.monotonic()
-        self.poll(force=True)
-        self.pool.num_workers = len(self.starting)
-        self.first_started = True
         try:
+            self.poll(force=True)  # the first pool: what the nodes hold now
+            self.pool.num_workers = len(self.starting)
+            self.first_started = True
             while self.queue or self.in_flight:
                 if not self.in_flight and not self.starting:
                     self.start_actor()  # every actor was lost: start again rather than stall
