@@ -13,7 +13,18 @@ the driver: a shard counts as done only there, so a shard's result is merged exa
 The scheduler keeps one shard in flight per actor (shards take seconds or more; the dispatch
 round trip is milliseconds). An actor that dies (process killed, node lost, spot
 preemption) loses every shard it folded since its last flush: they all go back to the queue,
-each counting one loss toward ``--max-shard-retries``, and a replacement actor starts.
+each counting one loss toward ``--max-shard-retries``, and a replacement starts where the
+cluster has room for it.
+
+The pool follows the cluster. It starts with the extractors the nodes hold (at least one,
+which waits for a node where none holds it), and every :data:`POOL_POLL_S` seconds while
+shards wait it reads Ray's view of the nodes again and starts more where room appeared, up to
+``--num-workers``, and no more than the autoscaler's node groups hold where Ray shows them
+(else as many as the shards want): :mod:`embgeom_ray.sizing.growth` decides, the scheduler only
+asks and starts. Where the nodes do not hold the pool it wants, it asks the autoscaler for
+room (Ray's ``request_resources``, cleared when the extraction ends). An extractor still
+waiting for a node never holds the job up: the others run the shards, and it is ended with
+the pool.
 """
 
 from __future__ import annotations
@@ -38,22 +49,46 @@ from ..inputs.extractor import ShardProcessor
 from ..inputs.hub_credentials import hub_credentials, use_hub_credentials
 from ..inputs.malloc_tuning import reuse_freed_memory
 from ..inputs.options import ExtractionOptions
-from ..sizing import Pool
-from .cluster import read_cluster
+from ..sizing import Cluster, Extractor, Pool
+from ..sizing.growth import (
+    autoscaler_request,
+    extractors_held,
+    extractors_possible,
+    extractors_to_add,
+    pool_ceiling,
+    pool_target,
+)
+from .cluster import read_autoscaler_groups, read_cluster, started_private_local
 from .options import SchedulingOptions
 from .process_memory import peak_rss_bytes, sampler
 
 log = logging.getLogger(__name__)
+
+#: seconds between two looks at the cluster for room for more extractors, while shards wait
+#: (one request to Ray's GCS: milliseconds)
+POOL_POLL_S = 5.0
 
 
 @dataclass
 class PoolPlan:
     """The extractor pool, and what happened to it (recorded in the manifest)."""
 
+    #: extractors started at first (the pool the nodes held when the extraction began)
     num_workers: int
     num_gpus: float
     num_cpus: int
+    #: the most the pool may grow to: ``--num-workers``, and no more than the autoscaler's
+    #: node groups hold where Ray shows them (None: as many as the shards want)
+    max_workers: int | None = None
+    #: the most extractors ready at once
+    largest_workers: int = 0
+    #: extractors started after the first ones: as nodes joined, or in place of one lost
+    workers_added: int = 0
+    #: extractors lost (their process or node died); their unflushed shards were queued again
     workers_lost: int = 0
+    #: extractors asked for that had not started when the extraction ended (still waiting for
+    #: a node, or loading their model); ended with the pool
+    workers_waiting: int = 0
     #: shards put back on the queue because their actor was lost before flushing them
     shards_requeued: int = 0
     #: flushes received, i.e. checkpoint groups written
@@ -75,6 +110,11 @@ class PoolPlan:
     #: the largest statistics budget an extractor used (``--statistics-memory``, or what its
     #: device holds; None: unbounded)
     statistics_bytes: int | None = None
+    #: every extractor that started, in the order they did: ``node_id`` (Ray's), ``pid``,
+    #: ``requested_s`` and ``ready_s`` (seconds from the extraction's start to when it was
+    #: asked for and when it had loaded its model), ``lost_s`` (when it was lost; None: it ran
+    #: to the end), ``shards`` (shards it folded that were checkpointed)
+    extractors: list[dict[str, Any]] = field(default_factory=list)
 
 
 def plan_pool(config: SchedulingOptions, num_shards: int) -> PoolPlan:
@@ -200,14 +240,16 @@ class ShardExtract:
             )
 
     def ready(self) -> dict[str, Any]:
-        """The loaded extractor's device, padded tokens per batch and statistics budget (or
-        its loading error)."""
+        """The loaded extractor's device, padded tokens per batch and statistics budget, its
+        process and node (or its loading error)."""
         if self.error is not None:
             raise self.error
         return {
             "device": self.processor.device,
             "batch_tokens": self.processor.batch_tokens,
             "statistics_budget": self.processor.statistics_budget,
+            "pid": os.getpid(),
+            "node_id": ray.get_runtime_context().get_node_id(),
         }
 
     def process(self, shard_json: dict[str, Any]) -> dict[str, Any]:
@@ -274,9 +316,13 @@ def _unwrap_user_error(exc: BaseException) -> UserError | None:
 
 @dataclass
 class _Worker:
-    """The driver's view of one live actor."""
+    """The driver's view of one actor, from when it is asked for."""
 
     actor: Any
+    #: what the manifest records of it (:attr:`PoolPlan.extractors`)
+    record: dict[str, Any]
+    #: started after the first pool: as a node joined, or in place of one lost
+    added: bool = False
     #: the bytes its running statistics may hold (None: no bound)
     budget: int | None = None
     #: the shard its ``process`` call is folding; None while idle or flushing
@@ -288,8 +334,50 @@ class _Worker:
     flushing: bool = False
 
 
+@dataclass
+class Growth:
+    """How the scheduler follows the cluster (:mod:`embgeom_ray.sizing.growth` decides): what
+    one extractor asks for, the pool's ceiling, where the cluster is read and an autoscaler
+    asked, and where a change of the pool is said."""
+
+    each: Extractor
+    #: the most extractors (:func:`~embgeom_ray.sizing.growth.pool_ceiling`: ``--num-workers``
+    #: and the autoscaler's node groups; None: as many as the shards want)
+    num_workers: int | None
+    #: bytes of the head's memory kept for the job's own process
+    head_reserve: int = 0
+    read: Callable[[], Cluster] = read_cluster
+    #: asks an autoscaler for room for these bundles; False: it could not (None: nobody to
+    #: ask)
+    ask: Callable[[list[dict[str, float]]], bool] | None = None
+    #: one line each time the pool grows or shrinks
+    say: Callable[[str], None] = log.info
+    poll_s: float = POOL_POLL_S
+
+
+def ask_autoscaler(bundles: list[dict[str, float]]) -> bool:
+    """Ray's ``request_resources``: the cluster is to have room for ``bundles`` (replacing the
+    last request; ``[]`` clears it). A hint: where it fails the pool grows as nodes join
+    anyway, so the failure is logged and False returned (the scheduler asks no more), not
+    raised."""
+    from ray.autoscaler.sdk import request_resources
+
+    try:
+        request_resources(bundles=bundles)
+    except Exception as exc:  # a client without the autoscaler's API, an old GCS …
+        log.warning("could not ask the autoscaler for room (%s: %s)", type(exc).__name__, exc)
+        return False
+    return True
+
+
+def _node(node_id: str) -> str:
+    """A node id as the progress lines show it (Ray's hex id, first 8 characters)."""
+    return node_id[:8] or "?"
+
+
 class _Scheduler:
-    """The driver loop of :func:`run_shards`: dispatch, flush, replace lost actors."""
+    """The driver loop of :func:`run_shards`: start extractors where the cluster has room,
+    dispatch, flush, and follow the cluster as nodes join and leave."""
 
     def __init__(
         self,
@@ -301,36 +389,89 @@ class _Scheduler:
         on_folded: Callable[[FoldReport], None],
         on_requeued: Callable[[list[FoldReport]], None],
         on_ready: Callable[[PoolPlan], None] | None = None,
+        growth: Growth | None = None,
     ) -> None:
         self.config, self.pool, self._start = config, pool, start
         self.on_group, self.on_folded, self.on_requeued = on_group, on_folded, on_requeued
         #: called once, when the first actor has loaded its model
         self.on_ready = on_ready
+        each = Extractor(pool.num_cpus, pool.num_gpus, pool.memory_bytes)
+        self.growth = growth or Growth(each, config.num_workers)
+        self.pool.max_workers = self.growth.num_workers
         self.queue: deque[Shard] = deque(shards)
         self.losses: dict[str, int] = {}
         self.in_flight: dict[Any, _Worker] = {}  # process() or flush() ref -> its worker
-        self.starting: dict[Any, Any] = {}  # ready() ref -> actor not yet known to be placed
+        self.starting: dict[Any, _Worker] = {}  # ready() ref -> actor not yet ready
         self.idle: list[_Worker] = []
+        self.ready = 0  # extractors ready and not lost
+        self.first_started = False  # the first pool asked for: those after it are added
         self.start_failures = 0
+        self.t0 = time.monotonic()
+        self.last_poll = self.t0
+        #: bundles last asked of the autoscaler (None: never asked), and whether asking failed
+        self.asked: int | None = None
+        self.ask_failed = False
 
     def run(self) -> None:
-        for _ in range(self.pool.num_workers):
-            self.start_actor()
+        self.t0 = time.monotonic()
         try:
+            self.poll(force=True)  # the first pool: what the nodes hold now
+            self.pool.num_workers = len(self.starting)
+            self.first_started = True
             while self.queue or self.in_flight:
                 if not self.in_flight and not self.starting:
                     self.start_actor()  # every actor was lost: start again rather than stall
-                ready, _ = ray.wait([*self.in_flight, *self.starting], num_returns=1)
-                if ready[0] in self.starting:
+                waiting = [*self.in_flight, *self.starting]
+                ready, _ = ray.wait(waiting, num_returns=1, timeout=self.until_poll())
+                if ready and ready[0] in self.starting:
                     self.on_started(ready[0])
-                else:
+                elif ready:
                     self.on_returned(ready[0])
+                self.poll()
         finally:
             self.shutdown()
 
+    def until_poll(self) -> float | None:
+        """Seconds ``ray.wait`` may block: until the next look at the cluster while shards
+        wait, else until something returns."""
+        if not self.queue:
+            return None
+        return max(0.0, self.last_poll + self.growth.poll_s - time.monotonic())
+
+    def poll(self, force: bool = False) -> None:
+        """Every :attr:`Growth.poll_s` seconds (or now, ``force``): start the extractors the
+        cluster has room for now (:func:`~embgeom_ray.sizing.growth.extractors_to_add`) and
+        keep the autoscaler's request at the pool's target (where it cannot be asked, a pool
+        of a known ceiling starts its whole target: those no node holds wait, as the
+        autoscaler's demand). The cluster is read only when the pool wants more than it has,
+        or an autoscaler's request is to be kept current."""
+        now = time.monotonic()
+        if not force and now - self.last_poll < self.growth.poll_s:
+            return
+        self.last_poll = now
+        g = self.growth
+        starting, queued = len(self.starting), len(self.queue)
+        counts = {"running": self.ready + starting, "starting": starting, "queued": queued}
+        target = pool_target(**counts, num_workers=g.num_workers)
+        if target <= counts["running"] and counts["running"] and self.asked is None:
+            return  # the pool has what it wants: nothing to read, nothing to ask
+        held = sum(extractors_held(g.read(), g.each, g.head_reserve).values())
+        if g.ask is not None and not self.ask_failed:
+            bundles = autoscaler_request(g.each, target, held, self.asked)
+            if bundles is not None and g.ask(bundles) is False:
+                self.ask_failed = True  # asked no more: extractors waiting are the demand
+            elif bundles is not None:
+                self.asked = len(bundles)
+        add = extractors_to_add(held, **counts, num_workers=g.num_workers, demand=self.ask_failed)
+        for _ in range(add):
+            self.start_actor()
+
     def start_actor(self) -> None:
         actor = self._start()
-        self.starting[actor.ready.remote()] = actor
+        requested = round(time.monotonic() - self.t0, 3)
+        record = {"node_id": None, "pid": None, "requested_s": requested, "ready_s": None,
+                  "lost_s": None, "shards": 0}  # fmt: skip
+        self.starting[actor.ready.remote()] = _Worker(actor, record, added=self.first_started)
 
     def send(self, worker: _Worker, shard: Shard) -> None:
         worker.current = shard
@@ -343,7 +484,7 @@ class _Scheduler:
             self.send(self.idle.pop(), self.queue.popleft())
 
     def on_started(self, ref: Any) -> None:
-        actor = self.starting.pop(ref)
+        worker = self.starting.pop(ref)
         try:
             started = ray.get(ref)
         except ray.exceptions.RayTaskError as exc:  # loading failed: no retry helps
@@ -353,19 +494,35 @@ class _Scheduler:
             raise RuntimeError(f"an extractor could not start: {exc}") from exc
         except ray.exceptions.RayActorError as exc:  # its process or node died
             self.start_failures += 1
-            if self.start_failures > 2 * self.pool.num_workers + 1:
+            most = max(self.pool.num_workers, self.pool.largest_workers)
+            if self.start_failures > 2 * most + 1:
                 raise RuntimeError(
                     f"extractor actors keep dying while starting ({self.start_failures} "
                     f"times); last error: {exc}"
                 ) from exc
             log.warning("an extractor died while starting (%s); starting another", exc)
-            self.start_actor()
+            self.poll(force=True)  # another where the cluster has room for it
             return
         self.pool.batch_tokens = max(self.pool.batch_tokens, started["batch_tokens"])
         budget = started.get("statistics_budget")
         if budget is not None:
             self.pool.statistics_bytes = max(self.pool.statistics_bytes or 0, budget)
-        self.idle.append(_Worker(actor, budget))
+        worker.budget = budget
+        worker.record.update(
+            node_id=started.get("node_id"),
+            pid=started.get("pid"),
+            ready_s=round(time.monotonic() - self.t0, 3),
+        )
+        self.pool.extractors.append(worker.record)
+        self.ready += 1
+        self.pool.largest_workers = max(self.pool.largest_workers, self.ready)
+        if worker.added:
+            self.pool.workers_added += 1
+            self.growth.say(
+                f"extractors: {self.ready} (+1 on node {_node(worker.record['node_id'] or '')}; "
+                f"{len(self.queue)} shards queued)"
+            )
+        self.idle.append(worker)
         self.dispatch()
         if self.on_ready is not None:
             on_ready, self.on_ready = self.on_ready, None
@@ -435,12 +592,15 @@ class _Scheduler:
         self.pool.spills += len(stats) - 1
         self.on_group(GroupResult(list(shard_ids), stats, sample, Counts.from_json(counts)))
         self.pool.checkpoints += 1
+        worker.record["shards"] += len(shard_ids)
         worker.unflushed, worker.since, worker.flushing = [], None, False
         self.idle.append(worker)
         self.dispatch()
 
     def on_lost(self, worker: _Worker, exc: BaseException) -> None:
-        """Its unflushed shards and the one in flight go back to the queue; replace it."""
+        """Its unflushed shards and the one in flight go back to the queue; another extractor
+        starts where the cluster has room for one (the pool shrinks where it has none: a
+        node that left)."""
         lost = [r.shard for r in worker.unflushed]
         if worker.current is not None:
             lost.append(worker.current)
@@ -455,25 +615,34 @@ class _Scheduler:
                 f"(last: {type(exc).__name__}); giving up"
             ) from exc
         log.warning(
-            "worker lost (%s) holding %d shard(s) not yet checkpointed (%s); they are queued "
-            "again and a replacement actor started",
+            "worker lost (%s) holding %d shard(s) not yet checkpointed (%s); queued again",
             type(exc).__name__,
             len(lost),
             ", ".join(s.shard_id for s in lost),
         )
         ray.kill(worker.actor, no_restart=True)
+        self.ready -= 1
+        worker.record["lost_s"] = round(time.monotonic() - self.t0, 3)
+        self.growth.say(
+            f"extractors: {self.ready} (-1: lost on node {_node(worker.record['node_id'] or '')}, "
+            f"{len(lost)} shards queued again)"
+        )
         if worker.unflushed:
             self.on_requeued(list(worker.unflushed))
         self.queue.extendleft(reversed(lost))
-        self.start_actor()
+        self.poll(force=True)  # another where the cluster has room for one
         self.dispatch()
 
     def shutdown(self) -> None:
-        """Kill every actor (their running tasks die with them)."""
-        actors = [*self.starting.values(), *(w.actor for w in self.idle)]
-        actors += [w.actor for w in self.in_flight.values()]
-        for actor in actors:
-            ray.kill(actor, no_restart=True)
+        """Kill every actor (their running tasks die with them), those still waiting for a
+        node too, and clear the autoscaler's request."""
+        self.pool.workers_waiting = len(self.starting)
+        workers = [*self.starting.values(), *self.idle, *self.in_flight.values()]
+        for worker in workers:
+            ray.kill(worker.actor, no_restart=True)
+        if self.asked is not None and self.growth.ask is not None:
+            self.growth.ask([])
+            self.asked = None
 
 
 def run_shards(
@@ -488,6 +657,7 @@ def run_shards(
     on_requeued: Callable[[list[FoldReport]], None] | None = None,
     on_ready: Callable[[PoolPlan], None] | None = None,
     pool: Pool | None = None,
+    on_resized: Callable[[str], None] | None = None,
 ) -> PoolPlan:
     """Process ``shards`` on a pool of extractor actors: ``pool``, as the job's sizing decided
     it (:func:`~embgeom_ray.sizing.size_extractors`: actors, CPUs, GPUs, the memory each asks
@@ -498,7 +668,8 @@ def run_shards(
     ``on_folded`` each shard as an actor folds it (progress), ``on_requeued`` the folded
     shards an actor lost before flushing them (they are folded again later); ``on_ready`` is
     called once with the pool's plan, when the first actor has loaded its model and been
-    given its first shard.
+    given its first shard; ``on_resized`` gets one line each time the pool grows or shrinks
+    (module docstring: the pool follows the cluster).
     """
     plan = plan_pool(scheduling, len(shards)) if pool is None else pool_plan(pool)
     if not shards:
@@ -519,6 +690,17 @@ def run_shards(
         )
     actor_cls = ShardExtractActor.options(**options)
     args = (extraction.model_dump(), layers, metadata, plan.num_cpus, clip_dims, hub_credentials())
+    each = Extractor(plan.num_cpus, plan.num_gpus, plan.memory_bytes)
+    possible = extractors_possible(read_autoscaler_groups() or (), each)
+    growth = Growth(
+        each,
+        pool_ceiling(scheduling.num_workers, possible),
+        head_reserve=0 if pool is None else pool.head_reserve,
+        # a private local Ray has no autoscaler to ask
+        ask=None if started_private_local() else ask_autoscaler,
+        say=on_resized or log.info,
+        poll_s=POOL_POLL_S,
+    )
     _Scheduler(
         scheduling,
         plan,
@@ -528,5 +710,6 @@ def run_shards(
         on_folded or (lambda _report: None),
         on_requeued or (lambda _reports: None),
         on_ready,
+        growth,
     ).run()
     return plan

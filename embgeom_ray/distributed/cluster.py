@@ -52,7 +52,7 @@ from ..errors import ConfigError
 from ..storage import unreachable
 
 if TYPE_CHECKING:
-    from ..sizing import Cluster
+    from ..sizing import Cluster, NodeGroup
 
 #: seconds a TCP connection to the head may take before the address counts as unreachable
 PROBE_TIMEOUT_S = 10.0
@@ -511,3 +511,31 @@ def read_cluster() -> Cluster:
             )
         )
     return Cluster(tuple(nodes))
+
+
+def read_autoscaler_groups() -> tuple[NodeGroup, ...] | None:
+    """The node types the cluster's autoscaler may start, with the most nodes of each, as Ray
+    shows them: the cluster config an autoscaler reports to Ray's GCS (what Ray Data reads
+    too; not a public API). None where none is reported (no autoscaler, or one that does not
+    report it: Ray's own cluster launcher and KubeRay's do not, in Ray 2.60) or it cannot be
+    read (a Ray Client connection, another Ray)."""
+    from ..sizing import NodeGroup
+
+    try:
+        from ray._private.state import state
+
+        config = state.get_cluster_config()
+    except Exception:  # not this Ray's API, or no GCS to ask: nothing tells
+        return None
+    if config is None or not config.node_group_configs:
+        return None
+    return tuple(
+        NodeGroup(
+            name=group.name,
+            cpus=int(group.resources.get("CPU", 0)),
+            gpus=int(group.resources.get("GPU", 0)),
+            memory=int(group.resources.get("memory", 0)),
+            max_count=None if group.max_count < 0 else int(group.max_count),
+        )
+        for group in config.node_group_configs
+    )

@@ -36,8 +36,10 @@ class SchedulingOptions(WorkerOptions):
     num_workers: int | None = Field(
         None,
         ge=1,
-        description="extractor actors [default: one per --gpus-per-worker GPUs, else CPUs // "
-        "cpus-per-worker]",
+        description="the most extractor actors: the pool starts with what the nodes hold and "
+        "grows to this as nodes join [default: as many as the shards want: one per "
+        "--gpus-per-worker GPUs, else per --cpus-per-worker CPUs, of every node, as nodes join "
+        "and leave]",
         json_schema_extra=SCHEDULING,
     )
     cpus_per_worker: int | None = Field(

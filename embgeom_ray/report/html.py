@@ -696,6 +696,8 @@ def _workers(w: Any) -> str:
     if not isinstance(w, dict):
         return ""
     parts = [f"{w.get('num_workers', '?')} actor(s)"]
+    if (w.get("largest_workers") or 0) > (w.get("num_workers") or 0):
+        parts.append(f"up to {w['largest_workers']} as nodes joined")
     if w.get("num_gpus"):
         parts.append(f"{w['num_gpus']} GPU each")
     if w.get("num_cpus"):

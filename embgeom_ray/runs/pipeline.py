@@ -147,9 +147,9 @@ def _extract(
     store: CheckpointStore,
     on_ready: Any,
 ) -> PoolPlan:
-    """Run ``todo`` on Ray (joined by :func:`size_run`) on the pool ``sizing`` decided; every
-    flushed group is checkpointed on arrival; ``on_ready(pool)`` once the first extractor is
-    ready."""
+    """Run ``todo`` on Ray (joined by :func:`size_run`) on the pool ``sizing`` decided, grown
+    and shrunk as nodes join and leave (one line on stderr each time); every flushed group is
+    checkpointed on arrival; ``on_ready(pool)`` once the first extractor is ready."""
     from ..distributed.actor_pool import run_shards
 
     config = spec.config
@@ -167,6 +167,10 @@ def _extract(
     def on_group(group: GroupResult) -> None:
         store.save_group(group.shard_ids, group.pieces(), group.sample, group.counts)
 
+    def on_resized(line: str) -> None:  # the pool grew or shrank: a line above the bar
+        with tqdm.external_write_mode(file=sys.stderr):
+            print(line, file=sys.stderr, flush=True)
+
     try:
         return run_shards(
             config.extraction,
@@ -180,6 +184,7 @@ def _extract(
             on_requeued=lambda rs: show(-len(rs), -sum(r.counts.tokens for r in rs)),
             on_ready=on_ready,
             pool=sizing.pool,
+            on_resized=on_resized,
         )
     finally:
         bar.close()

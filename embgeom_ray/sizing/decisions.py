@@ -69,6 +69,9 @@ class Pool:
     reason: str
     #: why ``batch_tokens``: the option, or the CPU rule and its numbers ("": on each GPU)
     batch_reason: str = ""
+    #: bytes of the head node's memory kept for the job's own process, which no extractor
+    #: may take (:func:`driver_reserve`): what the pool's growth leaves of the head's offer
+    head_reserve: int = 0
 
 
 @dataclass
@@ -168,11 +171,12 @@ def plan_pool(
     """(actors, CPUs each, GPUs each): one actor per ``--gpus-per-worker`` GPUs of a node (self
     sized: the fewest GPUs of one node whose memory holds the weights in
     :data:`GPU_WEIGHT_SHARE`, 1 where Ray's accelerator type does not give the GPU's memory),
-    else CPU actors of ``--cpus-per-worker`` CPUs (default min(4, the largest node's CPUs)).
+    else CPU actors of ``--cpus-per-worker`` CPUs (default min(4, the largest node's CPUs)),
+    as many as the nodes hold (``--num-workers``: that many).
 
-    With ``--device cuda`` GPU actors are asked for even if the cluster shows no GPU yet, so
-    an autoscaling cluster whose GPU workers start at 0 adds them (``--num-workers`` of them,
-    default 1 until GPUs are visible).
+    This is the pool the nodes hold when the job starts. With ``--device cuda`` GPU actors are
+    asked for even if the cluster shows no GPU yet (one, until GPUs are visible); the pool then
+    grows as nodes join (:mod:`.growth`, polled by the scheduler), up to ``--num-workers``.
     """
     alive = cluster.nodes
     cpus = max(cluster.cpus, 1)
@@ -198,7 +202,7 @@ def plan_pool(
         n = num_workers
     else:
         per = cpus_per_worker or min(4, largest)
-        n = max(1, cpus // per)
+        n = max(1, sum(node.cpus // per for node in alive))  # an actor's CPUs: one node's
     if per > largest:
         raise ConfigError(
             f"--cpus-per-worker {per} exceeds the CPUs of the largest node ({largest}); "
@@ -312,31 +316,43 @@ def _fitted_pool(
     bounds: tuple[int, int, int | None], gpus: int, formula: str,
 ) -> tuple[int, int, str]:
     """(count, memory, reason) with no ``--worker-memory``: each extractor asks for what its
-    statistics need unbounded (``whole``) or, where the nodes do not hold ``count`` of those,
-    the most that lets the pool be placed at once (:func:`slot_memory`); a pool the nodes
-    cannot hold at the ``least`` an extractor needs is made smaller, not below one, unless
-    ``--num-workers`` names it (then refused)."""
+    statistics need unbounded (``whole``) or, where the nodes do not hold as many of those as
+    their CPUs and GPUs hold of the ``count``, the most that lets those be placed at once
+    (:func:`slot_memory`); a pool the nodes cannot hold at the ``least`` an extractor needs is
+    made smaller, not below one, unless ``--num-workers`` names it (then refused). Extractors
+    of ``--num-workers`` that no node's CPUs or GPUs hold yet are kept: they wait for nodes
+    (an autoscaler's), asking for the same; where no node holds one, each asks for
+    ``whole``."""
     whole, least, on_device = bounds
     explicit_s = options.statistics_memory
-    fitted = count
+    placeable = min(count, sum(hosts))  # what the nodes' CPUs and GPUs hold now
+    fitted = max(1, placeable)
     while fitted > 1 and slot_memory(fitted, hosts, offers) < least:
         fitted -= 1
-    room = slot_memory(fitted, hosts, offers) if any(hosts) else whole
-    if room < least or (options.num_workers and fitted < count):
+    room = slot_memory(fitted, hosts, offers) if placeable else whole
+    if room < least or (options.num_workers and fitted < placeable):
         raise ConfigError(
             f"an extractor needs at least {least:,} bytes ({gib(least)}: {formula} with σ "
             f"the {'--statistics-memory' if explicit_s else 'fixed per-layer state'}), "
-            f"but the nodes (offering {_offers(offers)}) hold {count} such extractor(s) "
-            f"at most {gib(slot_memory(count, hosts, offers))} each; measure fewer "
+            f"but the nodes (offering {_offers(offers)}) hold {placeable} such extractor(s) "
+            f"at most {gib(slot_memory(placeable, hosts, offers))} each; measure fewer "
             "--layers, lower --sample-size and --sample-type-size, give fewer "
             "--num-workers or more --cpus-per-worker, or add nodes with more memory"
         )
     memory = min(whole, room)
     fewer = (
-        f"; {fitted} of the {count} extractors the CPUs/GPUs hold, so that each has that"
-        if fitted < count
+        f"; {fitted} of the {placeable} extractors the CPUs/GPUs hold, so that each has that"
+        if fitted < placeable
         else ""
     )
+    if options.num_workers and placeable < count:
+        fewer += (
+            f"; the nodes hold {placeable} of the {count} extractors now, the rest wait for "
+            "nodes to join"
+            if placeable
+            else f"; all {count} wait for nodes to join"
+        )
+        fitted = count
     state = gib(shape.statistics_bytes(types))
     if explicit_s is not None:
         reason = f"--statistics-memory {gib(explicit_s)}{fewer}"
@@ -347,15 +363,18 @@ def _fitted_pool(
             f"and the least batch leave of {gpus} GPU(s)); the host holds their serialised "
             f"copy{fewer}"
         )
+    elif memory >= whole and not placeable:
+        reason = f"the whole statistics S(V) + F = {state}: no node holds an extractor yet{fewer}"
     elif memory >= whole:
         reason = (
             f"the whole statistics S(V) + F = {state} fit "
-            f"(the nodes hold {fitted} extractor(s) of {gib(room)}){fewer}"
+            f"(the nodes hold {min(fitted, placeable)} extractor(s) of {gib(room)}){fewer}"
         )
     else:
         reason = (
             f"S(V) + F = {state} do not fit the {gib(room)} "
-            f"the nodes hold for each of {fitted} extractor(s): they spill past σ{fewer}"
+            f"the nodes hold for each of {min(fitted, placeable)} extractor(s): they spill "
+            f"past σ{fewer}"
         )
     return fitted, memory, reason
 
@@ -400,7 +419,10 @@ def size_extractors(
     unbounded = explicit_s is None and on_device is None and memory >= whole
     if unbounded or statistics >= shape.statistics_bytes(types):
         statistics = None  # the whole statistics fit: no bound needed
-    return Pool(count, cpus, float(gpus), memory, statistics, batch, formula, reason, batch_reason)
+    return Pool(
+        count, cpus, float(gpus), memory, statistics, batch, formula, reason, batch_reason,
+        head_reserve=driver,
+    )  # fmt: skip
 
 
 def _refuse_or_note(message: str, final: bool, least: tuple[int, int], offers: list[int]) -> str:

@@ -37,6 +37,20 @@ class Node:
 
 
 @dataclass(frozen=True)
+class NodeGroup:
+    """A node type the cluster's autoscaler may start, as Ray shows it (the cluster config an
+    autoscaler reports to Ray's GCS): one node's resources and the most nodes of the type."""
+
+    name: str
+    cpus: int = 0
+    gpus: int = 0
+    #: bytes of Ray's ``memory`` resource a node has (0: not stated)
+    memory: int = 0
+    #: the most nodes of the type (None: no limit)
+    max_count: int | None = 0
+
+
+@dataclass(frozen=True)
 class Cluster:
     """The live nodes of the cluster (:func:`~embgeom_ray.distributed.cluster.read_cluster`)."""
 

@@ -21,24 +21,19 @@ fresh random ``RAY_AUTH_TOKEN`` (the environment variable takes precedence over 
 ``RAY_AUTH_TOKEN_PATH`` is removed), so it exercises the secured path users have and passes
 whether or not a token file exists.
 
-Stopping. ``ray stop`` would stop every Ray on the machine (other people's too), so the test
-never calls it. The head runs as ``ray start --head --block`` in a new session; SIGTERM to
-that one process makes it drain the node and stop every process it started (GCS, raylet,
-dashboard, agents, workers). Anything of ours still alive afterwards (in the head's process
-group, or with this test's private directories on its command line, e.g. a job driver in its
-own session) gets SIGTERM, then SIGKILL, by pid. Teardown asserts that nothing is left.
+Stopping: never ``ray stop`` (tests/ray_processes.py). The head runs as ``ray start --head
+--block`` in a new session, stopped alone; anything of ours still alive afterwards (in the
+head's process group, or with this test's private directories on its command line, e.g. a
+job driver in its own session) is killed by pid. Teardown asserts that nothing is left.
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import secrets
 import shutil
-import signal
 import subprocess
-import sys
 import tempfile
 import time
 import urllib.error
@@ -52,13 +47,20 @@ import pytest
 
 from embgeom_ray.runs.reanalyze import WORKING_DIR_EXCLUDES
 from tests.conftest import SHORT_DOCS
-from tests.ray_processes import free_ports, kill_marked, marked_pids
+from tests.ray_processes import (
+    NODE_PORTS,
+    RAY_CLI,
+    RayNode,
+    free_ports,
+    marked_pids,
+    node_args,
+    ray_env,
+    start_ray_node,
+)
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
 REPO = Path(__file__).resolve().parents[2]
-VENV_BIN = Path(sys.executable).parent
-RAY_CLI = VENV_BIN / "ray"
 
 #: what ``working_dir`` must not upload: the job's own list (Ray also honours .gitignore)
 EXCLUDES = list(WORKING_DIR_EXCLUDES)
@@ -71,46 +73,20 @@ HEAD_START_TIMEOUT_S = 90
 SUBMIT_TIMEOUT_S = 200
 
 
-def _ray_env(token: str) -> dict[str, str]:
-    """The environment of the head and of the submit: same auth mode, same token."""
-    env = {k: v for k, v in os.environ.items() if k not in {"RAY_ADDRESS", "RAY_AUTH_TOKEN_PATH"}}
-    env.update(
-        RAY_AUTH_MODE="token",
-        RAY_AUTH_TOKEN=token,
-        RAY_USAGE_STATS_ENABLED="0",
-        HF_HUB_OFFLINE="1",
-        TRANSFORMERS_OFFLINE="1",
-        HF_DATASETS_OFFLINE="1",
-        TOKENIZERS_PARALLELISM="false",
-        PATH=f"{VENV_BIN}{os.pathsep}{os.environ.get('PATH', '')}",
-    )
-    return env
-
-
 @dataclass
 class Head:
-    proc: subprocess.Popen
+    node: RayNode
     dashboard: str
     env: dict[str, str]
-    log: Path
     work: Path
-    markers: list[str]
 
-    def stop(self) -> list[int]:
-        """Stop this head only; returns the pids that had to be killed after it stopped."""
-        # SIGTERM to `ray start --block` alone: it drains the node and stops the processes it
-        # started (a few seconds). SIGTERM to the whole group races with that drain.
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            self.proc.wait(timeout=45)
-        pgid = self.proc.pid
-        leftovers = marked_pids(self.markers, pgid)
-        kill_marked(self.markers, pgid)
-        if self.proc.poll() is None:
-            self.proc.kill()
-        self.proc.wait(timeout=10)
-        return leftovers
+    @property
+    def log(self) -> Path:
+        return self.node.log
+
+    @property
+    def proc(self) -> subprocess.Popen:
+        return self.node.proc
 
 
 def _status(url: str, token: str) -> int:
@@ -150,52 +126,27 @@ def ray_head(tmp_path_factory) -> Iterator[Head]:
     base = Path(tempfile.mkdtemp(prefix="egray-", dir="/tmp"))
     work = tmp_path_factory.mktemp("submit")
     token = secrets.token_hex(32)
-    env = _ray_env(token)
-    (gcs, dash, agent_http, agent_grpc, node_mgr, obj_mgr, rt_env, metrics, client) = free_ports(9)
-    log = work / "ray-start.log"
-    cmd = [
-        str(RAY_CLI), "start", "--head", "--block",
-        "--temp-dir", str(base),
-        "--node-ip-address", "127.0.0.1",
-        "--port", str(gcs),
+    env = ray_env(token)
+    gcs, dash, client, *ports = free_ports(3 + NODE_PORTS)
+    args = [
+        "--head", "--port", str(gcs),
         "--include-dashboard", "true",
         "--dashboard-host", "127.0.0.1",
         "--dashboard-port", str(dash),
-        "--dashboard-agent-listen-port", str(agent_http),
-        "--dashboard-agent-grpc-port", str(agent_grpc),
-        "--node-manager-port", str(node_mgr),
-        "--object-manager-port", str(obj_mgr),
-        "--runtime-env-agent-port", str(rt_env),
-        "--metrics-export-port", str(metrics),
         "--ray-client-server-port", str(client),
-        "--min-worker-port", "0",
-        "--max-worker-port", "0",
-        "--num-cpus", "2",
-        "--num-gpus", "0",
-        "--object-store-memory", str(100 * 1024**2),
-        "--disable-usage-stats",
+        *node_args(base, ports, cpus=2, object_store_bytes=100 * 1024**2),
     ]  # fmt: skip
-    with open(log, "wb") as out:
-        proc = subprocess.Popen(
-            cmd,
-            env=env,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            start_new_session=True,  # our own process group: stopped without `ray stop`
-            cwd=work,
-        )
-    head = Head(
-        proc, f"http://127.0.0.1:{dash}", env, log, work, markers=[str(base), f"{work}{os.sep}"]
-    )
+    markers = [str(base), f"{work}{os.sep}"]
+    node = start_ray_node(args, env, work / "ray-start.log", markers, work)
+    head = Head(node, f"http://127.0.0.1:{dash}", env, work)
     try:
         _wait_for_dashboard(head, token)
         # the head really checks *our* token (not one from ~/.ray): a wrong one is refused
         assert _status(f"{head.dashboard}/api/jobs/", secrets.token_hex(32)) in (401, 403)
         yield head
     finally:
-        killed = head.stop()
-        left = marked_pids(head.markers, proc.pid)
+        killed = node.stop()
+        left = marked_pids(node.markers, node.proc.pid)
         shutil.rmtree(base, ignore_errors=True)
         assert not left, f"Ray processes of the test head still running: {left}"
         if killed:  # typically dashboard module processes that outlive the head by a moment

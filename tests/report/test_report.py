@@ -133,6 +133,7 @@ def fabricate_run(
         manifest["reducers"] = {"count": 3, "restarts": [0, 1, 0]}
         manifest["timings_s"]["ray_start"] = 5.72  # recorded by newer versions
         manifest["workers"]["batch_tokens"] = 65_536  # as an extractor on a GPU chose it
+        manifest["workers"]["largest_workers"] = 4  # the pool grew as nodes joined
         manifest["memory"] = {"driver_peak_rss_bytes": 3 * 2**30,
                               "driver_peak_private_bytes": 2**30,
                               "extractor_peak_rss_bytes": 2**31,
@@ -536,7 +537,8 @@ def test_report_of_full_run_is_self_contained(runs, full_report):
         "argmax/argmin share &gt;= 0.25",
         "clip dims",
         "<dt>reducers</dt><dd>3 (statistics by token-id range and layer), 1 restored after a loss",
-        "<dt>workers</dt><dd>1 actor(s), 2 CPU each, batches of 65,536 tokens</dd>",
+        "<dt>workers</dt><dd>1 actor(s), up to 4 as nodes joined, 2 CPU each, batches of "
+        "65,536 tokens</dd>",
         "<dt>Ray start</dt><dd>5.7 s</dd><dt>extract (wall)</dt><dd>12.0 s</dd>",
         "<dt>peak memory</dt><dd>job 1.0 GB, extractor 2.0 GB resident, "
         "reducer (largest) 1.5 GB resident",

@@ -1,0 +1,179 @@
+"""The scheduler follows the cluster: extractors start where nodes join and are not replaced
+where nodes left, and every shard is checkpointed exactly once. Extractors without a model
+(tests/distributed/fake_extractors.py) on the tests' local Ray, and a scripted view of the
+cluster (the nodes the scheduler reads): the scheduler's part alone, in seconds. A real
+cluster that gains a node mid-run: tests/distributed/test_pool_growth.py."""
+
+from __future__ import annotations
+
+import itertools
+import os
+import signal
+import time
+
+from embgeom_ray.distributed.actor_pool import FoldReport, Growth, PoolPlan, _Scheduler
+from embgeom_ray.distributed.options import SchedulingOptions
+from embgeom_ray.inputs.corpus import Shard
+from embgeom_ray.sizing import Cluster, Extractor, Node
+from tests.distributed.fake_extractors import FakeExtractActor
+
+GiB = 2**30
+
+
+def gone(pid: int, timeout: float = 30.0) -> None:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        try:
+            if "\nState:\tZ" in open(f"/proc/{pid}/status").read():
+                return
+        except FileNotFoundError:
+            return
+        time.sleep(0.02)
+    raise AssertionError(f"process {pid} still alive {timeout} s after SIGKILL")
+
+
+def test_the_pool_grows_as_nodes_join_and_shrinks_as_they_leave(ray_local):
+    """One node of 1 CPU: one extractor. Two more nodes join after its second shard: two
+    more extractors start. One of them is killed and its node leaves: the pool goes on with
+    two, none started in its place; its shards are folded again by the others, and every
+    shard is in exactly one flush."""
+    import ray
+
+    shards = [Shard(f"s{i:03d}", "corpus.jsonl", "jsonl", i, i + 1, 0) for i in range(60)]
+    nodes = [Node("n0", 8 * GiB, cpus=1)]
+
+    def start():
+        # the first extractor slow, so that the ones added find shards left
+        delay = 0.3 if not pool.extractors and not starts else 0.05
+        starts.append(delay)
+        return FakeExtractActor.options(num_cpus=0).remote(delay)
+
+    def on_folded(report: FoldReport) -> None:
+        folds.append(report)
+        if len(folds) == 2:  # two nodes join
+            nodes.extend(Node(f"n{k}", 8 * GiB, cpus=1) for k in (1, 2))
+        elif not killed and pool.largest_workers == 3 and report.pid != folds[0].pid:
+            killed.append(report)
+            del nodes[-1]  # its node leaves
+            os.kill(report.pid, signal.SIGKILL)
+            gone(report.pid)
+
+    pool = PoolPlan(num_workers=1, num_gpus=0.0, num_cpus=1)
+    starts: list[float] = []
+    folds: list[FoldReport] = []
+    killed: list[FoldReport] = []
+    groups, lines, asked = [], [], []
+    growth = Growth(
+        Extractor(cpus=1), None, read=lambda: Cluster(tuple(nodes)), ask=asked.append,
+        say=lines.append, poll_s=0.05,
+    )  # fmt: skip
+    config = SchedulingOptions(checkpoint_interval=3600)  # each flushes when the queue drains
+    _Scheduler(config, pool, start, shards, groups.append, on_folded, lambda _: None,
+               growth=growth).run()  # fmt: skip
+
+    flushed = sorted(s for g in groups for s in g.shard_ids)
+    assert flushed == [s.shard_id for s in shards]  # each exactly once
+    assert killed, "no added extractor folded a shard while three ran"
+    assert len(starts) == 3  # none started in place of the one lost: its node had left
+    assert (pool.num_workers, pool.largest_workers, pool.workers_added) == (1, 3, 2)
+    assert (pool.workers_lost, pool.workers_waiting) == (1, 0)
+    assert pool.shards_requeued >= 1
+    here = ray.get_runtime_context().get_node_id()
+    assert [e["node_id"] for e in pool.extractors] == [here] * 3
+    assert [e["lost_s"] is not None for e in pool.extractors].count(True) == 1
+    assert sum(e["shards"] for e in pool.extractors) == len(shards)
+    assert all(e["requested_s"] <= e["ready_s"] for e in pool.extractors)
+    grew = [line for line in lines if "+1 on node" in line]
+    shrank = [line for line in lines if "-1: lost on node" in line]
+    assert len(grew) == 2 and grew[-1].startswith("extractors: 3 (+1")
+    assert len(shrank) == 1 and shrank[0].startswith("extractors: 2 (-1")
+    # the autoscaler asked for room for the shards' pool at first (one node held one of 60),
+    # asked again only when that changed (smaller as they ran out, larger when the lost
+    # extractor's shards came back), and the request cleared at the end
+    assert asked[0] == [{"CPU": 1.0}] * 60
+    sizes = [len(a) for a in asked]
+    assert all(a != b for a, b in itertools.pairwise(sizes))
+    assert 0 < sizes[-2] < 60 and sizes[-1] == 0
+
+
+def test_an_extractor_waiting_for_a_node_does_not_hold_the_job_up(ray_local):
+    """``--num-workers 2`` where the nodes hold one: the second is asked for and waits (here:
+    it asks for a resource no node has); the first runs every shard and the job ends,
+    ending the one still waiting."""
+    shards = [Shard(f"s{i}", "corpus.jsonl", "jsonl", i, i + 1, 0) for i in range(4)]
+    started = []
+
+    def start():
+        started.append(1)
+        if len(started) == 1:
+            return FakeExtractActor.options(num_cpus=0).remote(0.01)
+        return FakeExtractActor.options(num_cpus=0, resources={"no_such_node": 1}).remote(0.01)
+
+    pool = PoolPlan(num_workers=2, num_gpus=0.0, num_cpus=1)
+    groups = []
+    # the view says two nodes: the second extractor is asked for, and cannot be placed
+    view = Cluster((Node("a", GiB, cpus=1), Node("b", GiB, cpus=1)))
+    growth = Growth(Extractor(cpus=1), 2, read=lambda: view, say=lambda _: None, poll_s=0.05)
+    _Scheduler(SchedulingOptions(), pool, start, shards, groups.append, lambda _: None,
+               lambda _: None, growth=growth).run()  # fmt: skip
+    assert sorted(s for g in groups for s in g.shard_ids) == [s.shard_id for s in shards]
+    assert len(started) == 2 and pool.num_workers == 2
+    assert (pool.largest_workers, pool.workers_waiting) == (1, 1)
+
+
+def test_where_the_autoscaler_cannot_be_asked_extractors_wait_as_its_demand(ray_local):
+    """``--num-workers 3``, the nodes holding one, and the autoscaler's request failing (as
+    on a Ray Client connection): all three are asked for at once, the two no node holds
+    waiting (here: for a resource no node has) as the demand that would bring nodes."""
+    shards = [Shard(f"s{i}", "corpus.jsonl", "jsonl", i, i + 1, 0) for i in range(4)]
+    started, asked = [], []
+
+    def start():
+        started.append(1)
+        extra = {} if len(started) == 1 else {"resources": {"no_such_node": 1}}
+        return FakeExtractActor.options(num_cpus=0, **extra).remote(0.01)
+
+    def ask(bundles) -> bool:
+        asked.append(bundles)
+        return False  # request_resources failed
+
+    pool = PoolPlan(num_workers=3, num_gpus=0.0, num_cpus=1)
+    growth = Growth(Extractor(cpus=1), 3, read=lambda: Cluster((Node("a", GiB, cpus=1),)),
+                    ask=ask, say=lambda _: None, poll_s=0.05)  # fmt: skip
+    _Scheduler(SchedulingOptions(), pool, start, shards, lambda _: None, lambda _: None,
+               lambda _: None, growth=growth).run()  # fmt: skip
+    assert len(asked) == 1  # asked once, not again after it failed (nor to clear)
+    assert len(started) == 3 and pool.num_workers == 3
+    assert (pool.largest_workers, pool.workers_waiting) == (1, 2)
+
+
+def test_the_autoscalers_node_groups_as_ray_shows_them(ray_local):
+    """The cluster config an autoscaler reports to Ray's GCS (here written there by the test,
+    as cluster.yaml's would read): its node groups, and the most extractors they hold; none
+    reported, nothing tells."""
+    import ray
+    from ray.core.generated import autoscaler_pb2
+    from ray.experimental import internal_kv
+
+    from embgeom_ray.distributed.cluster import read_autoscaler_groups
+    from embgeom_ray.sizing import NodeGroup, extractors_possible
+
+    assert read_autoscaler_groups() is None  # a local Ray: no autoscaler reports one
+    config = autoscaler_pb2.ClusterConfig()
+    for name, resources, most in (("head.cpu", {"CPU": 0}, 1),
+                                  ("worker.gpu", {"CPU": 8, "GPU": 1, "memory": 24 * GiB}, 8)):  # fmt: skip
+        group = config.node_group_configs.add(name=name, max_count=most)
+        group.resources.update(resources)
+    key = ray._raylet.GCS_AUTOSCALER_CLUSTER_CONFIG_KEY.encode()
+    namespace = ray._raylet.GCS_AUTOSCALER_STATE_NAMESPACE.encode()
+    internal_kv._internal_kv_put(key, config.SerializeToString(), namespace=namespace)
+    try:
+        groups = read_autoscaler_groups()
+    finally:
+        internal_kv._internal_kv_del(key, namespace=namespace)
+    assert groups == (
+        NodeGroup("head.cpu", cpus=0, gpus=0, memory=0, max_count=1),
+        NodeGroup("worker.gpu", cpus=8, gpus=1, memory=24 * GiB, max_count=8),
+    )
+    assert extractors_possible(groups, Extractor(cpus=1, gpus=1, memory=4 * GiB)) == 8
+    assert read_autoscaler_groups() is None

@@ -1,0 +1,205 @@
+"""The extractor pool grows onto a node that joins a real cluster mid-run.
+
+A Ray of two nodes made as a user makes one, with token authentication: ``ray start --head``
+with 1 CPU, then, after the job has started, ``ray start --address`` for a second node of 1
+CPU (tests/ray_processes.py starts and stops them, never ``ray stop``). The job runs on CPUs
+with no ``--num-workers``, as a driver process of its own joined with ``--address``: it starts
+with the one extractor the head holds and starts another on the second node when it joins.
+Its tables equal a run on the head alone; its manifest records the pool's growth.
+
+The job's driver is ``DRIVER`` below: the job as ``jobs.analyze`` runs it, with hooks that tell
+the test when to add the node (the extraction has started: the job is sized and its pool
+asked for, on the head alone) and slow the head's extractor until the second one has folded
+a shard, so that the tiny model's shards are not all gone before the second node's extractor
+has loaded it.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+from tests.conftest import write_jsonl
+from tests.ray_processes import (
+    NODE_PORTS,
+    RayNode,
+    free_ports,
+    marked_pids,
+    node_args,
+    ray_env,
+    start_ray_node,
+)
+from tests.runs.test_job_end_to_end import english_documents
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(400)]
+
+REPO = Path(__file__).resolve().parents[2]
+JOB_TIMEOUT_S = 180
+
+#: the job as ``python -m jobs.analyze`` runs it (argv: the options as JSON, the file to write
+#: when the extraction starts, the seconds to slow each of the first node's shards by)
+DRIVER = """
+import json, sys, time
+from pathlib import Path
+
+from embgeom_ray.config import build_config
+from embgeom_ray.distributed import actor_pool
+from embgeom_ray.runs.pipeline import analyze
+
+options, marker, slow = json.loads(sys.argv[1]), Path(sys.argv[2]), float(sys.argv[3])
+actor_pool.POOL_POLL_S = 1.0  # the test's node is seen within a second of joining
+real = actor_pool.run_shards
+nodes, deadline = set(), time.monotonic() + 120
+
+
+def run_shards(*args, on_folded=None, **kwargs):
+    left = [len(args[4])]  # the shards
+
+    def folded(report):
+        on_folded(report)
+        nodes.add(report.node_id)
+        left[0] -= 1
+        if slow and len(nodes) == 1 and time.monotonic() < deadline:
+            # shards left for the joining node's extractor; the last few last longer, for a
+            # machine so loaded that the node takes long to start
+            time.sleep(slow if left[0] > 8 else 5 * slow)
+
+    marker.write_text("extracting")  # sized, its pool starting: the test adds a node now
+    return real(*args, on_folded=folded, **kwargs)
+
+
+actor_pool.run_shards = run_shards
+analyze(build_config(None, options), echo=lambda *_: None)
+"""
+
+
+@dataclass
+class TwoNodeRay:
+    """A head of 1 CPU started by the fixture, and the second node :meth:`join` starts."""
+
+    address: str
+    env: dict[str, str]
+    base: Path
+    work: Path
+    nodes: list[RayNode] = field(default_factory=list)
+
+    def join(self) -> RayNode:
+        """``ray start --address`` for a node of 1 CPU (not waited for: the job sees it
+        join)."""
+        args = ["--address", self.address, *node_args(self.base / "w", free_ports(NODE_PORTS), cpus=1)]
+        node = start_ray_node(args, self.env, self.work / "worker.log", [str(self.base)], self.work)
+        self.nodes.append(node)
+        return node
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory) -> Iterator[TwoNodeRay]:
+    # Ray's unix sockets live under --temp-dir, their paths limited to ~107 bytes: short
+    base = Path(tempfile.mkdtemp(prefix="egpool-", dir="/tmp"))
+    work = tmp_path_factory.mktemp("pool")
+    env = ray_env(secrets.token_hex(32))
+    gcs, client, *ports = free_ports(2 + NODE_PORTS)
+    args = ["--head", "--port", str(gcs), "--include-dashboard", "false",
+            "--ray-client-server-port", str(client), *node_args(base / "h", ports, cpus=1)]  # fmt: skip
+    head = start_ray_node(args, env, work / "head.log", [str(base)], work)
+    ray = TwoNodeRay(f"127.0.0.1:{gcs}", env, base, work, [head])
+    try:
+        address_file = base / "h" / "ray_current_cluster"  # written once the head is up
+        deadline = time.monotonic() + 120
+        while not address_file.is_file() or not address_file.read_text().strip():
+            if head.proc.poll() is not None or time.monotonic() > deadline:
+                pytest.fail(f"ray start --head did not come up:\n{head.log.read_text()}")
+            time.sleep(0.2)
+        yield ray
+    finally:
+        for node in ray.nodes:  # both drain at once; then each is waited for
+            if node.proc.poll() is None:
+                node.proc.send_signal(signal.SIGTERM)
+        for node in reversed(ray.nodes):
+            node.stop()
+        left = marked_pids([str(base)])
+        shutil.rmtree(base, ignore_errors=True)
+        assert not left, f"Ray processes of the test's nodes still running: {left}"
+
+
+def run_job(ray: TwoNodeRay, options: dict, *, slow: float = 0.0, on_start=None) -> dict:
+    """The job in a driver process of its own joined to ``ray`` (``--address``); ``on_start``
+    is called once its extraction has started. Returns its manifest."""
+    marker = Path(options["out"] + ".extracting")
+    argv = [sys.executable, "-c", DRIVER, json.dumps(options), str(marker), str(slow)]
+    log = Path(options["out"] + ".log")
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(argv, cwd=REPO, env=ray.env, stdout=out, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + JOB_TIMEOUT_S
+        while proc.poll() is None and time.monotonic() < deadline:
+            if on_start is not None and marker.is_file():
+                on_start, _ = None, on_start()
+            time.sleep(0.1)
+        if proc.poll() is None:
+            proc.kill()
+            pytest.fail(f"the job did not end within {JOB_TIMEOUT_S} s:\n{log.read_text()}")
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait(timeout=30)
+    assert proc.returncode == 0, log.read_text()
+    return json.loads((Path(options["out"]) / "manifest.json").read_text()) | {
+        "_log": log.read_text()
+    }
+
+
+TABLES = ("type_stats", "layers", "dims", "positions")
+
+
+def test_the_pool_grows_onto_a_node_that_joins(cluster, tmp_path_factory):
+    from tests.tiny_models import make_tiny_bert
+
+    tmp = tmp_path_factory.mktemp("growth")
+    model = make_tiny_bert(tmp / "model")
+    # 79 documents of the Python reference (up to 1,200 characters): ~80 shards of 1 KiB
+    corpus = write_jsonl(tmp / "c.jsonl", english_documents(79, 1200))
+    options = {
+        "model": model, "corpus": corpus, "address": cluster.address, "device": "cpu",
+        "cpus_per_worker": 1, "max_length": 32, "shard_bytes": 1024, "no_report": True,
+        # the exact tables only: the sample's invariance to workers is
+        # tests/runs/test_job_end_to_end.py's and test_sharding_invariance.py's
+        "sample_size": 0, "comoment_precision": "float64",
+    }  # fmt: skip
+
+    one = run_job(cluster, options | {"out": str(tmp / "one")})  # on the head alone
+    assert (one["workers"]["num_workers"], one["workers"]["largest_workers"]) == (1, 1)
+
+    t0 = time.monotonic()
+    two = run_job(cluster, options | {"out": str(tmp / "two")}, slow=0.4, on_start=cluster.join)
+    print(f"the run that grew took {time.monotonic() - t0:.1f} s")
+    workers = two["workers"]
+    assert two["status"] == "complete"
+    assert (workers["num_workers"], workers["largest_workers"]) == (1, 2)
+    assert workers["workers_added"] == 1 and workers["workers_lost"] == 0
+    assert workers["max_workers"] is None  # no --num-workers: as many as the shards want
+    started = workers["extractors"]
+    assert len({e["node_id"] for e in started}) == 2, started  # both nodes ran an extractor
+    assert started[0]["requested_s"] < started[1]["requested_s"]  # the second when it joined
+    assert all(e["shards"] > 0 for e in started)
+    assert sum(e["shards"] for e in started) == two["shards"]["total"]
+    assert "extractors: 2 (+1 on node " in two["_log"]
+
+    # every shard counted once: the same counts and tables as the head alone
+    assert two["counts"] == one["counts"]
+    for name in TABLES:
+        a = pd.read_parquet(tmp / "one" / f"{name}.parquet")
+        b = pd.read_parquet(tmp / "two" / f"{name}.parquet")
+        pd.testing.assert_frame_equal(a, b, check_exact=False, rtol=1e-9, atol=0, obj=name)
