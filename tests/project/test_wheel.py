@@ -53,8 +53,16 @@ def _ok(proc: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
 
 @pytest.fixture(scope="module")
 def wheel(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("dist")
-    _ok(_run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "-w", str(out), str(REPO)],
+    """The wheel of the repository's files (those git tracks or would), built from a copy: the
+    build writes nothing into the checkout."""
+    source, out = tmp_path_factory.mktemp("source"), tmp_path_factory.mktemp("dist")
+    files = _ok(_run(["git", "ls-files", "--cached", "--others", "--exclude-standard", "-z"], 60,
+                     cwd=REPO)).stdout.split("\0")  # fmt: skip
+    for name in filter(None, files):
+        if (REPO / name).is_file():
+            (source / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(REPO / name, source / name)
+    _ok(_run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "-w", str(out), str(source)],
              600))  # fmt: skip
     (path,) = out.glob("embgeom_ray-*.whl")
     return path
