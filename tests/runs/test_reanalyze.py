@@ -150,7 +150,7 @@ def _run(watchlist: str, corpus: str, store: Path, **kwargs) -> reanalyze.Reanal
 
 def test_watch_list_format(tmp_path) -> None:
     entries = load_watchlist(str(REPO / "deploy" / "models.yaml"))
-    assert [e.revision for e in entries] == ["latest"] * 4
+    assert [e.revision for e in entries] == ["latest"] * 3
     assert entries[2].options == {"max_length": 256}
 
     bad = {
