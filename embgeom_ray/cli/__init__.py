@@ -19,6 +19,7 @@ same parsers serve ``embgeom COMMAND`` (the console command the package installs
 from __future__ import annotations
 
 import importlib
+import logging
 import sys
 
 #: the commands, in the order ``embgeom --help`` lists them, with their one-line summaries
@@ -29,6 +30,14 @@ COMMANDS: dict[str, str] = {
     "report": "(re)draw a run's plots and report.html",
     "reanalyze": "keep a watch list of models analysed over a corpus",
 }
+
+def configure_logging(verbose: bool) -> None:
+    """A command's logging: INFO with ``-v/--verbose``, else WARNING, one line a record."""
+    logging.basicConfig(
+        level=logging.INFO if verbose else logging.WARNING,
+        format="%(levelname)s %(name)s: %(message)s",
+    )
+
 
 USAGE = "usage: embgeom {" + ",".join(COMMANDS) + "} [options]   (embgeom COMMAND --help)"
 

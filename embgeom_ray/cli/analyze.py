@@ -11,9 +11,9 @@ traceback).
 from __future__ import annotations
 
 import argparse
-import logging
 import sys
 
+from embgeom_ray.cli import configure_logging
 from embgeom_ray.config import build_config
 from embgeom_ray.config import build_parser as job_parser
 from embgeom_ray.errors import exit_status
@@ -41,10 +41,7 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None, prog: str = PROG) -> int:
     args = build_parser(prog).parse_args(argv)
-    logging.basicConfig(
-        level=logging.INFO if args.verbose else logging.WARNING,
-        format="%(levelname)s %(name)s: %(message)s",
-    )
+    configure_logging(args.verbose)
     overrides = {k: v for k, v in vars(args).items() if k not in {"config", "verbose"}}
 
     def run() -> None:

@@ -20,9 +20,9 @@ Exit status: 0 done, 2 a problem with the input (one-line message), 1 an interna
 from __future__ import annotations
 
 import argparse
-import logging
 import sys
 
+from embgeom_ray.cli import configure_logging
 from embgeom_ray.config import MERGE_OPTIONS, SCHEDULING_OPTIONS
 from embgeom_ray.config import build_parser as job_parser
 from embgeom_ray.errors import ConfigError, exit_status
@@ -53,10 +53,7 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None, prog: str = PROG) -> int:
     args = build_parser(prog).parse_args(argv)
-    logging.basicConfig(
-        level=logging.INFO if args.verbose else logging.WARNING,
-        format="%(levelname)s %(name)s: %(message)s",
-    )
+    configure_logging(args.verbose)
     options = {k: getattr(args, k) for k in MERGE_OPTIONS if k != "out"}
 
     def run() -> None:

@@ -19,9 +19,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 import sys
 
+from embgeom_ray.cli import configure_logging
 from embgeom_ray.config import add_options
 from embgeom_ray.errors import ConfigError, UserError
 
@@ -84,10 +84,7 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None, prog: str = PROG) -> int:
     args = build_parser(prog).parse_args(argv)
-    logging.basicConfig(
-        level=logging.INFO if args.verbose else logging.WARNING,
-        format="%(levelname)s %(name)s: %(message)s",
-    )
+    configure_logging(args.verbose)
     try:
         if (args.runtime_env_json or args.no_wait) and not args.submit:
             raise ConfigError("--runtime-env-json and --no-wait apply with --submit only")

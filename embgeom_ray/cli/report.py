@@ -11,9 +11,9 @@ error (with traceback).
 from __future__ import annotations
 
 import argparse
-import logging
 import sys
 
+from embgeom_ray.cli import configure_logging
 from embgeom_ray.errors import UserError
 
 PROG = "embgeom report"
@@ -28,10 +28,7 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None, prog: str = PROG) -> int:
     args = build_parser(prog).parse_args(argv)
-    logging.basicConfig(
-        level=logging.INFO if args.verbose else logging.WARNING,
-        format="%(levelname)s %(name)s: %(message)s",
-    )
+    configure_logging(args.verbose)
     try:
         from embgeom_ray.report.html import write_report
 
