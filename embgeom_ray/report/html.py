@@ -87,6 +87,8 @@ COLUMNS: dict[str, tuple[str, str, str]] = {
     "kmeans_best_k": ("best k", "k of the best silhouette (kept even when k = 1 is chosen)", "int"),
     "kmeans_k_searched": ("k scanned to", "largest k fitted: every k to 15, then a 10% grid to it", "int"),
     "kmeans_stability": ("k-m stability", "adjusted Rand index of refits from other seedings", "unit"),
+    "kmeans_k_support": ("k support", "share of bootstrap resamples of the sample that take the reported k (below 0.9: not robust)", "unit"),
+    "kmeans_structure_support": ("k=1/k≥2 support", "share of bootstrap resamples that make the same k = 1 vs k ≥ 2 decision", "unit"),
     "sample_duplicate_points": ("dup. points", "sampled occurrences whose model input repeats another's (counted once in K-means, silhouettes, LID)", "int"),
     "silhouette_types": ("silh. (types)", "silhouette with token types as labels", "unit"),
     "adjusted_s_inter": ("S_inter adj.", "S_inter inside clusters (Cai et al. 2021)", "unit"),
@@ -187,6 +189,10 @@ HOW_TO_READ: dict[str, str] = {
         "rejected best k &gt; 1, written in parentheses. <b>Stability</b> (0…1) is the adjusted "
         "Rand index between the clustering and refits from other seedings: near 1 the clusters "
         "are reproducible, low values mean the partition is one of many of similar quality. "
+        "<b>Support</b> (0…1) says how sure the k decision is: the share of bootstrap resamples "
+        "of the sample that take the same k (“k support”) and the same k = 1 vs k ≥ 2 decision; "
+        "below 0.9 the sample does not settle it. Each k's partition is the lowest inertia of "
+        "10 k-means++ seedings and 10 warm starts from the previous k (--kmeans-n-init). "
         "<b>Cluster-adjusted metrics</b> subtract each cluster's mean first. Cai's columns "
         "(no “(w)”) average clusters without weights, so a tiny cluster of m types, whose "
         "centred mean cosine is near −1/(m − 1), can dominate them; “(w)” columns weight "
