@@ -139,7 +139,8 @@ class SelectKResult:
     ``stability`` the mean adjusted Rand index between ``best_labels`` and refits of ``best_k``
     from other seedings (NaN when not checked). ``k_support`` and ``structure_support``: the
     shares of bootstrap resamples that take ``k``, and that take the same k = 1 vs k ≥ 2
-    decision (:func:`decision_support`; NaN when no k could be scored).
+    decision (:func:`decision_support`; NaN when no k could be scored). ``partitions``: per k
+    scanned, the labels (int32) of the ``n_distinct`` distinct points.
     """
 
     k: int
@@ -157,6 +158,7 @@ class SelectKResult:
     n_distinct: int = 0
     k_support: float = float("nan")
     structure_support: float = float("nan")
+    partitions: dict[int, np.ndarray] = field(default_factory=dict)
 
     def expanded(self, inverse: np.ndarray) -> SelectKResult:
         """This result, fitted on distinct points, with labels for every row: ``labels[inverse]``.
@@ -539,7 +541,11 @@ def select_k(
     }
     best_k, best_s = _best_silhouette(sil)
     chosen = 1 if best_k is None or best_s < min_silhouette else best_k
-    extra: dict[str, Any] = {"k_searched": max(fits, default=1), "n_distinct": n}
+    extra: dict[str, Any] = {
+        "k_searched": max(fits, default=1),
+        "n_distinct": n,
+        "partitions": {k: fits[k].labels.astype(np.int32) for k in scanned},
+    }
     if best_k is not None:
         best_labels = fits[best_k].labels
         at_cap = best_k == extra["k_searched"]
