@@ -27,7 +27,7 @@ corpus) give the same fits. How:
     best partition found so far from k to k;
   - a *downward* start (every k but the largest, in decreasing order, after the others): the
     next k's partition less the centres whose points would cost least to give to their
-    next-nearest centres (:func:`_merged_centres`), so that a better partition found at a
+    next-nearest centres (:func:`_merged_start`), so that a better partition found at a
     larger k carries back down.
 
   Of all of k's fits the lowest inertia wins (the first on a tie; labels are canonical, so a
@@ -78,7 +78,7 @@ import numpy as np
 from .distinct import distinct_rows
 from .kmeans import MAX_ITER, TOL, KMeansResult, MapFn, partition
 from .kmeans import fit as fit_partitioned
-from .lloyd import Points, Start, cluster_sums, lloyd_many
+from .lloyd import Points, Start, canonical, cluster_sums, lloyd_many
 from .options import SampledOptions
 
 _DEFAULTS = SampledOptions()
@@ -655,21 +655,25 @@ def _local_scan(
         prev = fits.get(k, prev)
     for k, above in reversed(list(pairwise(ks))):
         if above in fits and fits[above].k > k:
-            start = Start(_merged_centres(points, fits[above], k))
+            start = _merged_start(points, fits[above], k)
             down = lloyd_many(points, [start], max_iter=max_iter, tol=tol)
             fits = _lowest_inertia([(None, k)], down, fits)
     return fits
 
 
-def _merged_centres(points: Points, fit: KMeansResult, k: int) -> np.ndarray:
-    """``fit``'s centres less the fit.k − k whose points would cost least to give to their
-    next-nearest centres (Σ over their points of the rise in squared distance)."""
+def _merged_start(points: Points, fit: KMeansResult, k: int) -> Start:
+    """A warm start of k clusters from ``fit``: its centres less the fit.k − k whose points
+    would cost least to give to their next-nearest centres (Σ over their points of the rise in
+    squared distance), each point given to its nearest centre left, and their means."""
     C = fit.centers
     d2 = points.sq_norms[:, None] - 2.0 * (points.X @ C.T) + np.einsum("ij,ij->i", C, C)[None, :]
     two = np.partition(d2, 1, axis=1)[:, :2]
     rise = np.bincount(fit.labels, weights=two[:, 1] - two[:, 0], minlength=fit.k)
-    drop = np.argsort(rise, kind="stable")[: fit.k - k]
-    return np.delete(C, drop, axis=0)
+    keep = np.sort(np.argsort(rise, kind="stable")[fit.k - k :])
+    labels = canonical(d2[:, keep].argmin(axis=1), k)
+    sums = cluster_sums(points.X, labels, k)
+    cnt = np.bincount(labels, minlength=k).astype(np.float64)
+    return Start(sums / cnt[:, None], labels, sums, sums @ points.X.T)
 
 
 def _warm_starts(

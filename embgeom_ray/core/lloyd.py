@@ -135,8 +135,9 @@ def cluster_sums(X: np.ndarray, labels: np.ndarray, k: int) -> np.ndarray:
     import torch
 
     out = torch.zeros((k, X.shape[1]), dtype=torch.float64)
+    index = np.require(labels, dtype=np.int64, requirements=["C", "W"])  # torch: writable
     out.index_add_(
-        0, torch.from_numpy(np.ascontiguousarray(labels, dtype=np.int64)), torch.from_numpy(X)
+        0, torch.from_numpy(index), torch.from_numpy(np.require(X, requirements=["C", "W"]))
     )
     return out.numpy()
 
@@ -337,6 +338,8 @@ class _WarmBatch(_Batch):
     def assign(self) -> np.ndarray:
         if self.fresh:  # the start partition's nearest centre, or a nearer new one
             self.fresh = False
+            if self.k0 == self.k:
+                return np.repeat(self.pick0[None, :], self.F, axis=0)
             sub = self.DT[:, self.k0 : self.k]
             pick = sub.argmin(axis=1)
             near = np.take_along_axis(sub, pick[:, None, :], axis=1)[:, 0, :]
