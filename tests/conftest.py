@@ -105,6 +105,27 @@ SHORT_DOCS = [
 ]
 
 
+def repeated_sentences(n_sentences: int = 260) -> list[str]:
+    """Documents of one English sentence each (the demo corpus's prose: 6 to 40 words), a third
+    of them repeated 2–4 times: about 1.7 documents a sentence, in a seeded random order."""
+    import re
+
+    import numpy as np
+
+    from embgeom_ray.inputs.demo_corpus import python_docs_documents
+
+    sentences = [
+        s.strip()
+        for doc in python_docs_documents()
+        for s in re.split(r"(?<=[.!?])\s+", doc)
+        if 6 <= len(s.split()) <= 40
+    ]
+    rng = np.random.default_rng(0)
+    chosen = [sentences[i] for i in rng.choice(len(sentences), n_sentences, replace=False)]
+    docs = [s for i, s in enumerate(chosen) for _ in range(1 + (i % 3 == 0) * (2 + i % 3))]
+    return [docs[i] for i in rng.permutation(len(docs))]
+
+
 def write_jsonl(path: Path, texts: list[str], column: str = "text") -> str:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("".join(json.dumps({column: t}) + "\n" for t in texts))

@@ -88,8 +88,9 @@ class SampledOptions(SampleOptions):
     kmeans_k_max: int = Field(
         60,
         ge=2,
-        description="K-means fits every k = 2..this and keeps the k of best silhouette (Cai et "
-        "al. scan 2..15); a best k at this end is flagged (kmeans_k_at_cap)",
+        description="K-means fits every k = 2..15 and then k growing 1.1x a step up to this, and keeps "
+        "the k of best silhouette (Cai et al. scan 2..15); a best k at this end is flagged "
+        "(kmeans_k_at_cap)",
     )
     kmeans_min_silhouette: float = Field(
         0.1,
@@ -98,9 +99,10 @@ class SampledOptions(SampleOptions):
         description="below this best silhouette, k = 1 (no clusters)",
     )
     kmeans_n_init: int = Field(
-        1,
+        10,
         ge=1,
-        description="K-means initialisations (k-means++ chains) per k; the lowest inertia wins",
+        description="K-means++ seedings per k of 2..15 and warm starts (from the previous k's "
+        "partition) per k after the first; each k keeps the lowest inertia of its fits",
     )
     kmeans_stability_seeds: int = Field(
         2,

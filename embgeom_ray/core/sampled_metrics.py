@@ -50,7 +50,7 @@ SAMPLED_LAYER_COLUMNS = [
     "adjusted_isoscore", "s_inter_type_uniform", "isoscore_sample", "lid_euclidean",
     "lid_cosine", "silhouette_types", "partition_isotropy", "partition_isotropy_centered",
     "kmeans_best_k", "kmeans_k_searched", "kmeans_k_at_cap", "kmeans_stability",
-    "sample_duplicate_points",
+    "kmeans_k_support", "kmeans_structure_support", "sample_duplicate_points",
     "adjusted_s_inter_weighted", "adjusted_s_intra_weighted", "adjusted_isoscore_weighted",
     "adjusted_clusters_used", "adjusted_clusters_left_out",
     "adjusted_s_inter_draws_mean", "adjusted_s_inter_draws_std",
@@ -762,6 +762,7 @@ def sampled_metrics_of_points(
     s_inter_draws: int = S_INTER_DRAWS,
     se_replicates: int = SE_REPLICATES,
     groups: np.ndarray | None = None,
+    distances: np.ndarray | None = None,
 ) -> dict[str, float | int | bool]:
     """The sampled ``layers.parquet`` columns (:data:`SAMPLED_LAYER_COLUMNS`) of one layer's points.
 
@@ -785,9 +786,12 @@ def sampled_metrics_of_points(
     - ``kmeans_k``, ``kmeans_silhouette``: Cai et al.'s k and the best silhouette over the k
       tried (:func:`embgeom_ray.core.kmeans_selection.select_k`; reported even when k = 1 is chosen);
       ``kmeans_best_k`` the k of that silhouette, ``kmeans_k_searched`` the largest k fitted
-      (every k from 2 to it is), ``kmeans_k_at_cap`` whether the best k is that largest k (no
-      interior optimum in the scan), ``kmeans_stability`` the mean adjusted Rand index of
-      refits from other initialisations. ``kmeans_result`` is its result for these rows; None
+      (the scan's k up to it are: :func:`~embgeom_ray.core.kmeans_selection.scan_ks`),
+      ``kmeans_k_at_cap`` whether the best k is that largest k (no interior optimum in the
+      scan), ``kmeans_stability`` the mean adjusted Rand index of refits from other seedings,
+      ``kmeans_k_support`` / ``kmeans_structure_support`` the shares of bootstrap resamples
+      that take the reported k / its k = 1 vs k ≥ 2 decision
+      (:func:`~embgeom_ray.core.kmeans_selection.decision_support`). ``kmeans_result`` is its result for these rows; None
       runs ``select_k`` here, in this process (same ``seed``, ``silhouette_max_points`` and
       ``groups``, its other defaults).
     - ``adjusted_s_inter``, ``adjusted_s_intra``, ``adjusted_isoscore`` (Cai's unweighted
@@ -812,7 +816,9 @@ def sampled_metrics_of_points(
       NaN when ``se_replicates`` < 2.
 
     When the distinct points number at most ``silhouette_max_points``, their Euclidean distance
-    matrix (``sklearn.metrics.pairwise_distances`` of them minus their mean) and that of their
+    matrix (``sklearn.metrics.pairwise_distances`` of them minus their mean, or ``distances``,
+    the same matrix computed for the K-means selection:
+    :func:`~embgeom_ray.core.kmeans_selection.distinct_distances`) and that of their
     unit vectors are computed once and shared by the silhouettes, the LIDs and the
     half-samples (the same values: see :func:`lid_mle`'s ``distances``): a half-sample's
     silhouettes take its block of the matrix, and its LIDs read its points' nearest
@@ -829,8 +835,9 @@ def sampled_metrics_of_points(
     labels = np.asarray(kmeans_result.labels)
     first, _ = distinct_rows(X, groups)
     pts = _distinct_point_set(
-        X[first], token_ids[first], kmeans_result.best_labels, first, lid_k, silhouette_max_points
-    )
+        X[first], token_ids[first], kmeans_result.best_labels, first, lid_k, silhouette_max_points,
+        distances,
+    )  # fmt: skip
     options = {
         "lid_k": lid_k,
         "max_points": silhouette_max_points,
@@ -891,17 +898,18 @@ def _distinct_point_set(
     first: np.ndarray,
     lid_k: int,
     max_points: int | None,
+    distances: np.ndarray | None = None,
 ) -> _PointSet:
     """The :class:`_PointSet` of the distinct points Xd (rows ``first`` of the sample, with
     their ``token_ids``; ``best_labels`` per sample row). With 2 ≤ len(Xd) ≤ ``max_points``
-    it holds their Euclidean distances (of Xd minus its mean) and, when no point is zero,
-    those of their unit vectors, and with more than ``lid_k`` points each matrix's
-    neighbour table (:func:`~.neighbours.neighbour_table`)."""
+    it holds their Euclidean distances (of Xd minus its mean; ``distances`` when already
+    computed) and, when no point is zero, those of their unit vectors, and with more than
+    ``lid_k`` points each matrix's neighbour table (:func:`~.neighbours.neighbour_table`)."""
     from sklearn.metrics import pairwise_distances
 
     dist = chord = euclid_nn = chord_nn = None
     if max_points is not None and 2 <= len(Xd) <= max_points:
-        dist = pairwise_distances(Xd - Xd.mean(axis=0))
+        dist = distances if distances is not None else pairwise_distances(Xd - Xd.mean(axis=0))
         U, nonzero = _unit_rows(Xd)
         chord = pairwise_distances(U) if nonzero.all() else None
         if len(Xd) > lid_k:
@@ -921,6 +929,8 @@ def _kmeans_columns(result: SelectKResult) -> dict[str, Any]:
         "kmeans_k_searched": int(result.k_searched),
         "kmeans_k_at_cap": bool(result.at_cap),
         "kmeans_stability": float(result.stability),
+        "kmeans_k_support": float(result.k_support),
+        "kmeans_structure_support": float(result.structure_support),
     }
 
 

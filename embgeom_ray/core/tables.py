@@ -269,6 +269,33 @@ def sampled_row(
     ) | sampled_clipped_cosines(X, token_ids, clip_dims)
 
 
+def sampled_layer_results(
+    X: np.ndarray,
+    token_ids: np.ndarray,
+    type_vectors: np.ndarray | None,
+    clip_dims: list[int],
+    content_keys: np.ndarray | None,
+    kmeans_options: dict[str, Any],
+    row_options: dict[str, Any],
+    map_fits: Any = None,
+) -> tuple[dict[str, Any], SelectKResult]:
+    """One layer's K-means model selection and :func:`sampled_row`, from one distance matrix of
+    its distinct points (:func:`~.kmeans_selection.distinct_distances`): (the row, the
+    selection). The per-layer task of the sampled stage for samples fitted in one process;
+    the same numbers as :func:`~.kmeans_selection.select_k` and :func:`sampled_row` run apart."""
+    from .kmeans_selection import distinct_distances, select_k
+
+    shared = distinct_distances(X, content_keys, kmeans_options.get("silhouette_max_points"))
+    km = select_k(X, groups=content_keys, map_fits=map_fits, shared=shared, **kmeans_options)
+    distances = None if shared is None else shared[1]
+    del shared
+    row = sampled_row(
+        X, token_ids, type_vectors, km, clip_dims, groups=content_keys, distances=distances,
+        **row_options,
+    )  # fmt: skip
+    return row, km
+
+
 @dataclass(frozen=True)
 class SampledLayer:
     """One layer's inputs to :func:`sampled_row` (and its K-means on ``vectors``)."""
@@ -307,8 +334,9 @@ def plan_sampled_metrics(
     """The samples table and, unless the sample is too small, each layer's inputs.
 
     Skipped (no sampled metrics, NaN columns) when the uniform sample has fewer than
-    :data:`MIN_SAMPLE_POINTS` points (:func:`sampled_note`). Otherwise K-means fits every
-    k = 2..min(``kmeans_k_max``, n − 1) (:func:`~.kmeans_selection.select_k`) on the distinct
+    :data:`MIN_SAMPLE_POINTS` points (:func:`sampled_note`). Otherwise K-means fits the fixed
+    scan of k up to min(``kmeans_k_max``, n − 1) (every k = 2..15, then a 10% grid:
+    :func:`~.kmeans_selection.scan_ks`; :func:`~.kmeans_selection.select_k`) on the distinct
     points by content key, and LID uses k = min(``lid_k``, n − 1) neighbours, n the uniform
     points (:func:`sampled_options`); the clipped cosines zero the layer's dimensions flagged
     in ``dims`` (``dims.parquet``; :func:`sampled_layer`). A whole sample in memory; the run
@@ -373,10 +401,11 @@ KMEANS_COLUMNS = ["layer", "k", "silhouette", "inertia", "best", "chosen"]
 def kmeans_table(results: Mapping[int, SelectKResult]) -> pd.DataFrame:
     """``kmeans.parquet``: each layer's K-means scan, one row per k fitted.
 
-    ``silhouette`` and ``inertia`` of that k's fit (:meth:`~.kmeans_selection.SelectKResult.curve`),
-    ``best`` whether it is the k of best silhouette (``kmeans_best_k``), ``chosen`` whether it
-    is the reported ``kmeans_k`` (no row is chosen when k = 1 is: the best silhouette is below
-    the threshold). The curve shows whether k = 1 means no structure at any k, or structure
+    ``silhouette`` and ``inertia`` of that k's partition (the lowest inertia of its fits:
+    :meth:`~.kmeans_selection.SelectKResult.curve`), ``best`` whether it is the k of best
+    silhouette (``kmeans_best_k``: one row per layer, also when k = 1 is chosen), ``chosen``
+    whether it is the reported ``kmeans_k`` (the same row when k ≥ 2 is chosen; no row when
+    k = 1 is: the best silhouette is below the threshold, and k = 1 is not fitted). The curve shows whether k = 1 means no structure at any k, or structure
     that the threshold rejected.
     """
     rows = [

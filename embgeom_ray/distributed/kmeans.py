@@ -8,15 +8,16 @@ the layer's sample:
 - small (n·d ≤ ``local_max_elements``, default
   :data:`~embgeom_ray.core.kmeans_selection.LOCAL_FIT_MAX_ELEMENTS`: the default 4096-point
   samples of any model up to d = 8192): one Ray task per layer runs the model selection, whose
-  fits are scikit-learn's Lloyd from k-means++ chains in one process each
-  (:func:`~embgeom_ray.core.kmeans_selection.fit_from_centres`, float32 on the centred
+  fits are Lloyd's from k-means++ seedings and warm starts in one process
+  (:func:`~embgeom_ray.core.kmeans_selection.fit_many`, float32 distances on the centred
   points unless ``local_dtype`` says otherwise). Each task reserves ``cpus_per_task`` CPUs and
   caps its OpenMP/BLAS threads at that number (``threadpoolctl``), so concurrent tasks never
   run more threads than the CPUs Ray gave them. One thread per task is the default: at
-  n = 4096 a second thread does not speed a fit up, a second layer does. The fits of the scan
-  (every k from every chain) are independent, so :class:`RayFits` spreads them over tasks of
-  the same shape: the layer's task fits one share itself and waits for the others (a task
-  blocked in ``ray.get`` lends its CPU back). The scan is split only where the cluster has
+  n = 4096 a second thread does not speed a fit up, a second layer does. The seedings of a k
+  are independent, so :class:`RayFits` spreads them over tasks of the same shape (the warm
+  starts, each k's from the previous k's partition, stay in the layer's task): the layer's
+  task fits one share itself and waits for the others (a task blocked in ``ray.get`` lends its
+  CPU back). The scan is split only where the cluster has
   more CPUs free, C, as the stage starts than the layers take (``C // (L · cpus_per_task)``
   shares); the stability refits, which come when other layers may be done, into as many
   shares as CPUs are free then, up to ``C // cpus_per_task`` (:func:`fit_shares`). Shares are
@@ -52,7 +53,7 @@ from ..core.kmeans_selection import (
     N_INIT,
     SILHOUETTE_MAX_POINTS,
     STABILITY_SEEDS,
-    FitOne,
+    FitMany,
     SelectKResult,
     select_k,
     serial_fits,
@@ -97,8 +98,8 @@ class RayFits:
 
     def __call__(
         self,
-        fit_one: FitOne,
-        X: np.ndarray,
+        fit: FitMany,
+        X: Any,
         inits: Sequence[np.ndarray],
         *,
         initial: bool = True,
@@ -109,18 +110,18 @@ class RayFits:
             shares = min(self.later_shares, 1 + int(free // self.threads))
         groups = balanced_shares([len(ids) for ids in inits], shares)
         if len(groups) <= 1:
-            return serial_fits(fit_one, X, inits)
+            return serial_fits(fit, X, inits)
         X_ref = ray.put(X)
         refs = [
-            call_on_ray(serial_fits, fit_one, X_ref, [inits[i] for i in g], cpus=self.threads)
+            call_on_ray(serial_fits, fit, X_ref, [inits[i] for i in g], cpus=self.threads)
             for g in groups[1:]
         ]
-        own = serial_fits(fit_one, X, [inits[i] for i in groups[0]])  # while the tasks run
+        own = serial_fits(fit, X, [inits[i] for i in groups[0]])  # while the tasks run
         out: list[KMeansResult | None] = [None] * len(inits)
         for g, results in zip(groups, [own, *ray.get(refs)], strict=True):
             for i, res in zip(g, results, strict=True):
                 out[i] = res
-        return out  # type: ignore[return-value]
+        return out
 
 
 def fit_shares(layers: int, cpus_per_task: int, cpus: float | None = None) -> tuple[int, int]:

@@ -19,6 +19,7 @@ from ..core.rogue import flagged_dims
 from ..core.tables import (
     finish_sampled_columns,
     sampled_layer,
+    sampled_layer_results,
     sampled_note,
     sampled_options,
     sampled_row,
@@ -37,10 +38,12 @@ def add_sampled_metrics(
 ) -> tuple[dict[str, Any], dict[int, np.ndarray]]:
     """K-means, LID, silhouettes, cluster-adjusted and clipped cosines on the sample, on Ray.
 
-    Every layer's K-means model selection is a Ray task (or, for samples too large for one
-    worker, a distributed fit: :func:`~embgeom_ray.distributed.kmeans.submit_layers_on_ray`), and so
-    is its :func:`~embgeom_ray.core.tables.sampled_row`, which starts as soon as the layer's
-    clusters are ready; each task holds one CPU and runs one thread. The layers are planned
+    Every layer's K-means model selection and :func:`~embgeom_ray.core.tables.sampled_row` are
+    one Ray task (:func:`~embgeom_ray.core.tables.sampled_layer_results`: one distance matrix
+    of the layer's points serves both), or, for samples too large for one worker, a
+    distributed fit (:func:`~embgeom_ray.distributed.kmeans.submit_layers_on_ray`) followed by
+    the row's task, which starts as soon as the layer's clusters are ready; each task holds one
+    CPU and runs one thread. The layers are planned
     and submitted one at a time (``sample`` gives one layer's sample at a time: its points go
     to the object store with the layer's tasks, and this process drops them before the next
     layer's), so this process never holds more than one layer of the sample; a sample whose
@@ -60,8 +63,9 @@ def add_sampled_metrics(
     note = sampled_note(first)
     if "skipped" in note:
         return note, {}
+    from ..core.kmeans_selection import LOCAL_FIT_MAX_ELEMENTS
     from .cluster import connect  # only here: the driver imports ray when there is Ray work
-    from .kmeans import call_on_ray, fit_shares, submit_layers_on_ray
+    from .kmeans import RayFits, call_on_ray, fit_shares, submit_layers_on_ray
 
     connect(address)
     kmeans_options, row_options = sampled_options(options, first.num_uniform)
@@ -73,6 +77,15 @@ def add_sampled_metrics(
         first = None
         inputs = sampled_layer(one, layer, flagged.get(layer, []))
         del one
+        if inputs.vectors.size <= LOCAL_FIT_MAX_ELEMENTS:  # one task: one distance matrix
+            row_refs[layer] = call_on_ray(
+                sampled_layer_results, inputs.vectors, inputs.token_ids, inputs.type_vectors,
+                inputs.clip_dims, inputs.content_keys, kmeans_options, row_options,
+                RayFits(*shares),
+            )  # fmt: skip
+            km_refs[layer] = None
+            del inputs
+            continue
         km_refs[layer] = submit_layers_on_ray(
             {layer: inputs.vectors}, groups={layer: inputs.content_keys}, shares=shares,
             **kmeans_options,
@@ -159,8 +172,12 @@ def _gather(row_refs: dict[int, Any], km_refs: dict[int, Any]) -> tuple[dict[int
         while pending:
             done, pending = ray.wait(pending, num_returns=1)
             layer = layer_of[done[0]]
-            rows[layer] = ray.get(done[0])
-            kmeans[layer] = km = ray.get(km_refs[layer])  # finished before its row started
+            if km_refs[layer] is None:  # one task gave both
+                rows[layer], kmeans[layer] = ray.get(done[0])
+            else:
+                rows[layer] = ray.get(done[0])
+                kmeans[layer] = ray.get(km_refs[layer])  # finished before its row started
+            km = kmeans[layer]
             bar.set_postfix_str(f"layer {layer}: k = {km.k} (best silhouette at k = {km.best_k})", refresh=False)
             bar.update(1)
     return {layer: rows[layer] for layer in row_refs}, {layer: kmeans[layer] for layer in row_refs}

@@ -87,6 +87,8 @@ COLUMNS: dict[str, tuple[str, str, str]] = {
     "kmeans_best_k": ("best k", "k of the best silhouette (kept even when k = 1 is chosen)", "int"),
     "kmeans_k_searched": ("k scanned to", "largest k fitted: every k to 15, then a 10% grid to it", "int"),
     "kmeans_stability": ("k-m stability", "adjusted Rand index of refits from other seedings", "unit"),
+    "kmeans_k_support": ("k support", "share of bootstrap resamples of the sample that take the reported k (below 0.9: not robust)", "unit"),
+    "kmeans_structure_support": ("k=1/k≥2 support", "share of bootstrap resamples that make the same k = 1 vs k ≥ 2 decision", "unit"),
     "sample_duplicate_points": ("dup. points", "sampled occurrences whose model input repeats another's (counted once in K-means, silhouettes, LID)", "int"),
     "silhouette_types": ("silh. (types)", "silhouette with token types as labels", "unit"),
     "adjusted_s_inter": ("S_inter adj.", "S_inter inside clusters (Cai et al. 2021)", "unit"),
@@ -187,6 +189,10 @@ HOW_TO_READ: dict[str, str] = {
         "rejected best k &gt; 1, written in parentheses. <b>Stability</b> (0…1) is the adjusted "
         "Rand index between the clustering and refits from other seedings: near 1 the clusters "
         "are reproducible, low values mean the partition is one of many of similar quality. "
+        "<b>Support</b> (0…1) says how sure the k decision is: the share of bootstrap resamples "
+        "of the sample that take the same k (“k support”) and the same k = 1 vs k ≥ 2 decision; "
+        "below 0.9 the sample does not settle it. Each k's partition is the lowest inertia of "
+        "10 k-means++ seedings and 10 warm starts from the previous k (--kmeans-n-init). "
         "<b>Cluster-adjusted metrics</b> subtract each cluster's mean first. Cai's columns "
         "(no “(w)”) average clusters without weights, so a tiny cluster of m types, whose "
         "centred mean cosine is near −1/(m − 1), can dominate them; “(w)” columns weight "
@@ -981,6 +987,11 @@ def _evidence_cell(r: pd.Series) -> str:
     """How a change stands against its sampling noise (compare's ``kind`` / ``z``), or why it
     compares different clusterings (``not_comparable``)."""
     why = r.get("not_comparable")
+    if isinstance(why, str) and "not robust" in why:
+        return (
+            f'<span class="muted" title="the K-means k decision is not robust ({_e(why)}): '
+            f'not comparable, not a change">k not robust</span>'
+        )
     if isinstance(why, str) and why:
         return (
             f'<span class="muted" title="computed inside K-means clusters that differ between '
@@ -1001,12 +1012,24 @@ def _evidence_cell(r: pd.Series) -> str:
 
 
 def _changes_html(
-    df: pd.DataFrame, baseline: str, matching_note: str, warning: str | None = None
+    df: pd.DataFrame,
+    baseline: str,
+    matching_note: str,
+    warning: str | None = None,
+    agreed: int = 0,
 ) -> str:
     """The changes table of :func:`embgeom_ray.runs.compare.changes_table`, as HTML, with
-    the comparison's size warning above it."""
+    the comparison's size warning above it; ``agreed`` differences within the bounds of the
+    same result are counted, not listed."""
     banner = f'<div class="banner"><b>Runs of very different sizes.</b> {_e(warning)}</div>' if warning else ""
     if not len(df):
+        if agreed:
+            return banner + (
+                '<p class="note">No change: every metric agrees with the baseline\'s, exact ones '
+                "within 1e-6 relative (their stated bound), sampled ones within 1e-4 relative "
+                f"(how far the forward's rounding moves one sample); {agreed} differ within "
+                "these bounds.</p>"
+            )
         return banner + '<p class="note">No layer is shared by the runs, so there is nothing to compare.</p>'
     rows = []
     # one notation for the baseline and run columns together, one for Δ (format_column)
@@ -1040,7 +1063,9 @@ def _changes_html(
         "across all runs and layers, then sampled metrics without a standard error, then "
         "changes within noise (|z| < 2), then the cluster-adjusted metrics of layers whose "
         "K-means clustering changed (another k: not one quantity measured twice, and not "
-        "ranked by z). ⚠ marks a run too small for its sampled metrics to "
+        "ranked by z). Differences within the bounds of the same result (exact metrics 1e-6, "
+        "sampled 1e-4 relative) and those of layers whose k decision is not robust in a run "
+        "are not changes and are not listed. ⚠ marks a run too small for its sampled metrics to "
         "be compared (see the warning); z does not capture the effect of a smaller sample on "
         f"K-means, silhouettes or LID. {_e(matching_note)}.</p>"
     )
@@ -1101,6 +1126,7 @@ def write_comparison_report(
     matching_note: str,
     labels: Sequence[str] | None = None,
     warning: str | None = None,
+    agreed: int = 0,
 ) -> str:
     """Write ``out_dir/report.html`` comparing runs layer by layer; returns its path.
 
@@ -1109,7 +1135,8 @@ def write_comparison_report(
     metric in :data:`COMPARE_METRICS` present in any run (x = layer index, or relative depth
     when the runs have different numbers of layers), the largest ``changes`` — the table
     :func:`embgeom_ray.runs.compare.changes_table` computed, layers matched as
-    ``matching_note`` says — and each run's headline table. Raises :class:`~embgeom_ray.run_dir.RunDirError` for a
+    ``matching_note`` says; ``agreed`` differences within the bounds of the same result are
+    not among them — and each run's headline table. Raises :class:`~embgeom_ray.run_dir.RunDirError` for a
     directory that is not a run, ``ValueError`` for fewer than two runs.
     """
     if len(run_dirs) < 2:
@@ -1161,7 +1188,7 @@ def write_comparison_report(
         f"coincide mean the runs agree; exact metrics of the same model on two corpora differ "
         f"only through the text.</div>{_figure_html(fig)}</section>"
         f'<section id="sec-changes"><h2>Largest changes</h2>'
-        f"{_changes_html(changes, labels[0], matching_note, warning)}</section>"
+        f"{_changes_html(changes, labels[0], matching_note, warning, agreed)}</section>"
         f'<section id="sec-tables"><h2>Per-run tables</h2>{per_run}</section>'
         f"<footer>Generated {_e(_when(now()))} by embgeom_ray {__version__}. Self-contained: no network "
         f"access needed.</footer>"

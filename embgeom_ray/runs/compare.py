@@ -67,6 +67,7 @@ LONG, WIDE, CHANGES, ROGUE = "comparison", "comparison_wide", "changes", "rogue_
 #: or searched, and the standard errors themselves (they are the yardstick of the changes)
 NOT_RANKED = (
     "n_tokens", "n_types", "kmeans_k", "kmeans_best_k", "kmeans_k_searched",
+    "kmeans_k_support", "kmeans_structure_support",
     "sample_duplicate_points", "adjusted_clusters_used", "adjusted_clusters_left_out",
     *(f"{m}_se" for m in SE_METRICS),
 )  # fmt: skip
@@ -80,11 +81,26 @@ SAMPLED = frozenset(SAMPLED_LAYER_COLUMNS) | frozenset(SAMPLED_CLIPPED_COLUMNS)
 EXACT, SAMPLED_KIND = "exact", "sampled"
 #: |z| below this is within the sampling noise of the two runs (about 95% two-sided)
 NOISE_Z = 2.0
+#: an exact metric is a change only beyond this relative difference: the bound every exact
+#: number keeps against a float64 two-pass computation (docs/numerics.md)
+EXACT_BOUND = 1e-6
+#: a sampled metric is a change only beyond this relative difference: how far the forward's
+#: rounding (another sharding or batch size) moves a sampled metric of the same sample
+#: (tests/runs/test_sharding_invariance.py)
+SAMPLED_BOUND = 1e-4
+#: a k decision is robust when at least this share of the bootstrap resamples of its run take
+#: it (``kmeans_k_support``, :func:`embgeom_ray.core.kmeans_selection.decision_support`)
+ROBUST_SUPPORT = 0.9
 #: the evidence of a change, best first: the order of :func:`changes_table`
-BEYOND_NOISE, EXACT_CHANGE, NO_SE, WITHIN_NOISE, CLUSTERING_CHANGED = (
+BEYOND_NOISE, EXACT_CHANGE, NO_SE, WITHIN_NOISE, CLUSTERING_CHANGED, K_NOT_ROBUST, AGREE = (
     "beyond noise", "exact", "no standard error", "within noise", "clustering changed",
+    "k not robust", "agree",
 )  # fmt: skip
-EVIDENCE_ORDER = (BEYOND_NOISE, EXACT_CHANGE, NO_SE, WITHIN_NOISE, CLUSTERING_CHANGED)
+EVIDENCE_ORDER = (
+    BEYOND_NOISE, EXACT_CHANGE, NO_SE, WITHIN_NOISE, CLUSTERING_CHANGED, K_NOT_ROBUST, AGREE,
+)  # fmt: skip
+#: the evidence groups that are not a change: listed in changes.parquet, not among the changes
+NOT_A_CHANGE = (K_NOT_ROBUST, AGREE)
 #: metrics computed within the reported K-means clusters: not comparable between two runs
 #: whose layer chose another number of clusters (``kmeans_k``) or sits at the scan's end in one
 #: run only (``kmeans_k_at_cap``)
@@ -349,7 +365,8 @@ def clustering_change(base: RunData, b: int, run: RunData, o: int) -> dict[str, 
     (e.g. ``"kmeans_k 2 -> 1"``); empty when the clusterings agree or a run has no K-means. A
     change of these metrics then compares clusters of different partitions, not one quantity
     measured twice: its half-sample standard errors, which hold the clusters fixed, say nothing
-    of it.
+    of it. When either run's k decision is not robust (:func:`k_not_robust`), the reason says
+    so (``"kmeans_k 2 -> 1; k decision not robust: kmeans_k_support 0.55 -> 0.95"``).
     """
 
     def pair(col: str) -> tuple[Any, Any] | None:
@@ -367,7 +384,26 @@ def clustering_change(base: RunData, b: int, run: RunData, o: int) -> dict[str, 
     best = pair("kmeans_best_k")
     if best is not None and best[0] != best[1]:
         out |= {m: f"kmeans_best_k {best[0]} -> {best[1]}" for m in BEST_K_DEPENDENT}
-    return out
+    weak = k_not_robust(base, b, run, o)
+    return {m: f"{why}; {weak}" for m, why in out.items()} if weak else out
+
+
+def k_not_robust(base: RunData, b: int, run: RunData, o: int) -> str:
+    """``"k decision not robust: kmeans_k_support 0.55 -> 0.95"`` when either run's K-means k
+    decision at the layer has a support below :data:`ROBUST_SUPPORT` (the share of bootstrap
+    resamples of its sample that take it); empty when both are robust or a run does not say
+    (a run of an older version)."""
+    a, v = base.value("kmeans_k_support", b), run.value("kmeans_k_support", o)
+    if not (math.isfinite(a) and math.isfinite(v)) or min(a, v) >= ROBUST_SUPPORT:
+        return ""
+    return f"k decision not robust: kmeans_k_support {a:.2f} -> {v:.2f}"
+
+
+def agrees(kind: str, baseline: float, value: float) -> bool:
+    """Whether two values of a metric are the same result: within :data:`EXACT_BOUND` (exact)
+    or :data:`SAMPLED_BOUND` (sampled) of the larger magnitude."""
+    bound = EXACT_BOUND if kind == EXACT else SAMPLED_BOUND
+    return abs(value - baseline) <= bound * max(abs(baseline), abs(value))
 
 
 def changes_table(runs: Sequence[RunData], metrics: Sequence[str], mode: str) -> pd.DataFrame:
@@ -388,7 +424,12 @@ def changes_table(runs: Sequence[RunData], metrics: Sequence[str], mode: str) ->
     5. ``clustering changed``: a metric computed within K-means clusters at a layer whose
        clustering differs between the runs (:func:`clustering_change`; ``not_comparable``
        says how): not ranked by z (the standard error measures the noise of a fixed
-       clustering, not a change of it), by ``score``.
+       clustering, not a change of it), by ``score``;
+    6. ``k not robust``: the same, at a layer whose k decision is not robust in either run
+       (:func:`k_not_robust`): the k moved within what the run's own sample does not decide,
+       so neither the k nor these metrics changed in a way the runs can show: not a change;
+    7. ``agree``: the same result, within :data:`EXACT_BOUND` (exact) or
+       :data:`SAMPLED_BOUND` (sampled) relative (:func:`agrees`): not a change.
 
     ``small_run``: the run or the baseline has fewer tokens than :func:`size_threshold`; within
     each group its changes come after the others (z measures sampling noise, not how K-means,
@@ -420,10 +461,13 @@ def changes_table(runs: Sequence[RunData], metrics: Sequence[str], mode: str) ->
                     se_b, se_r = base.value(f"{m}_se", b), run.value(f"{m}_se", o)
                     se_diff, z = z_score(d, se_b, se_r)
                 why = clusterings[b, o].get(m)
-                evidence = CLUSTERING_CHANGED if why else _evidence(kind, z)
+                noise = _evidence(kind, z)
                 if why:
-                    z = math.nan
-                within = pd.NA if evidence in (NO_SE, CLUSTERING_CHANGED) else evidence == WITHIN_NOISE
+                    evidence = K_NOT_ROBUST if "not robust" in why else CLUSTERING_CHANGED
+                    z, within = math.nan, pd.NA
+                else:
+                    evidence = AGREE if agrees(kind, a, v) else noise
+                    within = pd.NA if noise == NO_SE else noise == WITHIN_NOISE
                 tier = EVIDENCE_ORDER.index(evidence)
                 strength = abs(z) if evidence in (BEYOND_NOISE, WITHIN_NOISE) else score
                 rows.append(
@@ -634,6 +678,21 @@ def clustering_notes(changes: pd.DataFrame) -> list[str]:
     return notes
 
 
+def not_robust_notes(changes: pd.DataFrame) -> list[str]:
+    """One line per (run, layer) whose K-means k moved where the decision is not robust
+    (:func:`k_not_robust`): not comparable, not a change."""
+    moved = changes.loc[changes["evidence"] == K_NOT_ROBUST]
+    notes = []
+    for (run, layer), group in moved.groupby(["run", "layer"], sort=False):
+        why = "; ".join(dict.fromkeys(group["not_comparable"]))
+        notes.append(
+            f"{run} layer {layer}: the K-means k decision is not robust ({why}): not a change, "
+            f"and its {len(group)} cluster-dependent metric{'s are' if len(group) != 1 else ' is'}"
+            " not comparable"
+        )
+    return notes
+
+
 def compare_runs(
     run_dirs: Sequence[str],
     out: str,
@@ -662,7 +721,8 @@ def compare_runs(
         write_table(out, ROGUE, rogue),
     ]
     moved = changes.loc[changes["change"] != 0]
-    largest = moved.head(top)
+    listed = moved.loc[~moved["evidence"].isin(NOT_A_CHANGE)]
+    largest = listed.head(top)
     summary: dict[str, Any] = {
         "created_at": now(),
         "baseline": labels[0],
@@ -674,6 +734,8 @@ def compare_runs(
         "noise_z": NOISE_Z,
         "evidence_counts": {e: int((moved["evidence"] == e).sum()) for e in EVIDENCE_ORDER},
         "clustering_changed": clustering_notes(changes),
+        "k_not_robust": not_robust_notes(changes),
+        "bounds": {"exact": EXACT_BOUND, "sampled": SAMPLED_BOUND, "robust_support": ROBUST_SUPPORT},
         "largest_changes": json.loads(largest.to_json(orient="records", double_precision=15)),
         "rogue_dims": rogue_summary,
         "size_threshold": threshold,
@@ -687,7 +749,7 @@ def compare_runs(
         echo(f"warning: {warning}")
     _echo_changes(largest, moved, labels[0], echo)
     _echo_rogue(rogue_summary, echo)
-    for n in summary["clustering_changed"]:
+    for n in summary["clustering_changed"] + summary["k_not_robust"]:
         echo(f"note: {n}")
     for n in rogue_notes:
         echo(f"note: {n}")
@@ -735,9 +797,16 @@ def _echo_changes(
     largest: pd.DataFrame, moved: pd.DataFrame, baseline: str, echo: Callable[[str], None]
 ) -> None:
     """Print the ten largest changes (``largest``: ranked) and how many of the non-zero
-    changes ``moved`` are within noise, or that no metric changed."""
+    changes ``moved`` are within noise or agree within the bounds, or that no metric changed."""
+    same = int((moved["evidence"] == AGREE).sum())
     if not len(largest):
-        echo("no metric changed")
+        echo(
+            f"no change: every metric agrees with {baseline}'s (exact ones within "
+            f"{EXACT_BOUND:g} relative, sampled ones within {SAMPLED_BOUND:g}; {same} differ "
+            "within these bounds)"
+            if same
+            else "no metric changed"
+        )
         return
     echo(f"largest changes against {baseline} (sampled beyond noise by |z|, then exact):")
     for r in largest.head(10).itertuples():
@@ -747,6 +816,11 @@ def _echo_changes(
         echo(
             f"{quiet} change{'s' if quiet != 1 else ''} of sampled metrics within noise "
             f"(|z| < {NOISE_Z:g}), ranked after the others"
+        )
+    if same:
+        echo(
+            f"{same} difference{'s' if same != 1 else ''} within the bounds of the same result "
+            f"(exact {EXACT_BOUND:g}, sampled {SAMPLED_BOUND:g} relative): not changes"
         )
 
 
@@ -777,7 +851,7 @@ def _write_report(
         write_comparison_report(
             [r.path for r in runs], out, changes=largest,
             matching_note=summary["layer_matching_note"], labels=[r.label for r in runs],
-            warning=summary["size_warning"],
+            warning=summary["size_warning"], agreed=summary["evidence_counts"][AGREE],
         )  # fmt: skip
     except Exception as exc:  # the tables are written; a plotting failure must not lose them
         summary["report_error"] = f"{type(exc).__name__}: {exc}"

@@ -159,6 +159,16 @@ def test_sampled_stage_smoke(results_dir):
         assert res["k"]["baseline"] == res["k"]["current"] and res["ratio"] > 0
 
 
+def test_kmeans_quality_smoke(results_dir):
+    from bench import kmeans_quality
+
+    kmeans_quality.main("--size 200 --layers 3 --k-max 17".split())
+    (res,) = read(results_dir, "kmeans_quality")["results"]
+    assert res["layer"] == 3 and sorted(map(int, res["ratio"])) == [*range(2, 16), 17]
+    assert res["max_low"] >= res["median_low"] > 0 and res["max_high"] > 0
+    assert {"k", "best_k", "k_support"} <= res["ours"].keys() and res["sklearn"]["best_k"] >= 2
+
+
 def test_vocabulary_fold_smoke(results_dir, tmp_path):
     from bench import vocabulary
 

@@ -126,8 +126,10 @@ def test_compare_two_runs(two_runs, tmp_path, capsys) -> None:
         "kind", "se_baseline", "se_run", "se_diff", "z", "within_noise", "evidence", "small_run",
         "not_comparable",
     ]  # fmt: skip
-    # every metric here is exact: no standard error, never within noise, ranked by score
-    assert (changes["kind"] == "exact").all() and (changes["evidence"] == "exact").all()
+    # every metric here is exact: no standard error, never within noise, ranked by score; the
+    # unchanged ones agree (listed last, not among the changes)
+    assert (changes["kind"] == "exact").all()
+    assert changes["evidence"].tolist() == ["exact"] * 3 + ["agree"] * 6
     assert changes[["se_baseline", "se_run", "se_diff", "z"]].isna().all().all()
     assert not changes["within_noise"].any()
     got = list(changes[["metric", "layer", "baseline", "value", "change"]].itertuples(index=False))
@@ -341,7 +343,7 @@ def test_sampled_changes_ranked_by_z(tmp_path, capsys) -> None:
     assert summary["largest_changes"][3]["within_noise"] is None  # no standard error
     assert summary["evidence_counts"] == {
         "beyond noise": 2, "exact": 1, "no standard error": 2, "within noise": 2,
-        "clustering changed": 0,
+        "clustering changed": 0, "k not robust": 0, "agree": 0,
     }  # fmt: skip
     assert "silhouette_types  layer 0: 0.5 -> 0.5312 (+0.03125, +6.2%; z +3.2)" in printed
     assert "anisotropy  layer 0: 0.25 -> 0.5 (+0.25, +100.0%; exact)" in printed
@@ -394,6 +396,81 @@ def test_a_changed_clustering_is_not_ranked_by_z(tmp_path, capsys) -> None:
         "cluster-dependent metric is not comparable and not ranked by z",
     ]
     assert summary["clustering_changed"][0] in capsys.readouterr().out
+
+
+def test_differences_within_the_bounds_are_no_change(tmp_path, capsys) -> None:
+    """Two runs of one corpus: an exact metric 6e-9 apart (float64 rounding, within the stated
+    1e-6 relative) and sampled metrics 1e-6 apart (the forward's rounding of one sample, within
+    1e-4): the runs agree, nothing is listed as a change; 2e-6 and 2e-4 are changes."""
+    from embgeom_ray.runs.compare import EXACT_BOUND, SAMPLED_BOUND, agrees
+
+    base = {
+        "layer": [0, 1], "n_tokens": [5000, 5000], "norm_variance_corr": [-0.5, 0.25],
+        "isoscore": [0.125, 0.5], "kmeans_silhouette": [0.25, 0.125],
+        "kmeans_silhouette_se": [0.01, 0.01], "lid_euclidean_cai": [8.0, 9.0],
+    }  # fmt: skip
+    same = base | {
+        "norm_variance_corr": [-0.5 - 6e-9, 0.25], "kmeans_silhouette": [0.25 * (1 + 1e-6), 0.125],
+        "lid_euclidean_cai": [8.0 * (1 - 1e-6), 9.0],
+    }  # fmt: skip
+    a = make_run(tmp_path / "one_shard", base, {}, num_layers=1)
+    b = make_run(tmp_path / "many_shards", same, {}, num_layers=1)
+    summary = compare_runs([a, b], str(tmp_path / "cmp"), echo=print)
+    printed = capsys.readouterr().out
+    assert summary["largest_changes"] == []
+    assert "no change: every metric agrees with one_shard's" in printed
+    assert "3 differ within these bounds" in printed
+    assert summary["evidence_counts"]["agree"] == 3
+    assert sum(n for e, n in summary["evidence_counts"].items() if e != "agree") == 0
+    changes = pd.read_parquet(tmp_path / "cmp" / "changes.parquet")
+    assert (changes["evidence"] == "agree").all()
+    assert summary["bounds"]["exact"] == EXACT_BOUND == 1e-6
+    assert summary["bounds"]["sampled"] == SAMPLED_BOUND == 1e-4
+    # beyond the bounds, the same differences are changes
+    assert not agrees("exact", -0.5, -0.5 * (1 + 2e-6)) and agrees("exact", -0.5, -0.5 - 4e-7)
+    assert not agrees("sampled", 8.0, 8.0 * (1 + 2e-4)) and agrees("sampled", 8.0, 8.0 * (1 + 5e-5))
+    assert agrees("exact", 0.0, 0.0) and not agrees("exact", 0.0, 1e-300)
+    moved = base | {"norm_variance_corr": [-0.5 * (1 + 2e-6), 0.25]}
+    c = make_run(tmp_path / "moved", moved, {}, num_layers=1)
+    summary = compare_runs([a, c], str(tmp_path / "cmp2"), echo=print)
+    assert [r["metric"] for r in summary["largest_changes"]] == ["norm_variance_corr"]
+    assert summary["largest_changes"][0]["evidence"] == "exact"
+
+
+def test_a_k_that_moved_without_a_robust_decision_is_not_a_change(tmp_path, capsys) -> None:
+    """Layer 0 chose k = 2 and then k = 1, but the baseline's decision had the support of 55%
+    of its resamples only: not comparable, not a change. Layer 1 moved from k = 3 to 4 with
+    both decisions robust: the clustering changed."""
+    base = {
+        "layer": [0, 1], "n_tokens": [4000] * 2, "kmeans_k": [2, 3], "kmeans_best_k": [2, 3],
+        "kmeans_k_at_cap": [False, False], "kmeans_k_support": [0.55, 0.975],
+        "kmeans_structure_support": [0.55, 1.0], "adjusted_s_inter": [0.125, 0.125],
+        "adjusted_s_inter_se": [0.0625] * 2,
+    }  # fmt: skip
+    other = base | {
+        "kmeans_k": [1, 4], "kmeans_best_k": [2, 4], "kmeans_k_support": [0.95, 0.925],
+        "adjusted_s_inter": [0.5, 0.5],
+    }  # fmt: skip
+    a = make_run(tmp_path / "a", base, {}, num_layers=1)
+    b = make_run(tmp_path / "b", other, {}, num_layers=1)
+    summary = compare_runs([a, b], str(tmp_path / "cmp"), echo=print)
+    printed = capsys.readouterr().out
+    changes = pd.read_parquet(tmp_path / "cmp" / "changes.parquet").set_index(["metric", "layer"])
+    weak = changes.loc[("adjusted_s_inter", 0)]
+    assert weak["evidence"] == "k not robust" and math.isnan(weak["z"])
+    assert weak["not_comparable"] == (
+        "kmeans_k 2 -> 1; k decision not robust: kmeans_k_support 0.55 -> 0.95"
+    )
+    assert changes.loc[("adjusted_s_inter", 1), "evidence"] == "clustering changed"
+    assert [r["layer"] for r in summary["largest_changes"]] == [1]  # the robust one only
+    assert summary["k_not_robust"] == [
+        "b layer 0: the K-means k decision is not robust (kmeans_k 2 -> 1; k decision not "
+        "robust: kmeans_k_support 0.55 -> 0.95): not a change, and its 1 cluster-dependent "
+        "metric is not comparable"
+    ]
+    assert summary["k_not_robust"][0] in printed
+    assert summary["clustering_changed"] and "layer 1" in summary["clustering_changed"][0]
+    assert "kmeans_k_support" in summary["not_ranked"]
 
 
 def test_z_score_edges() -> None:

@@ -259,6 +259,7 @@ def plot_kmeans_curve(run: RunView) -> tuple[str | None, str]:
     threshold = float(run.config.get("kmeans_min_silhouette", 0.1))
     layers = sorted(int(x) for x in km["layer"].unique())
     cmap = plt_colormap(len(layers))
+    support = _k_support(run)
     with styled():
         fig = new_figure(7.2, 4.4)
         ax = fig.subplots()
@@ -266,7 +267,7 @@ def plot_kmeans_curve(run: RunView) -> tuple[str | None, str]:
             rows = km[km["layer"] == layer].sort_values("k")
             color = cmap(i)
             ax.plot(rows["k"], rows["silhouette"], marker=".", ms=3, lw=1.2, color=color,
-                    label=f"layer {layer}")  # fmt: skip
+                    label=f"layer {layer}{support.get(layer, '')}")  # fmt: skip
             best = rows[rows["best"]]
             if len(best):
                 chosen = bool(best["chosen"].iloc[0])
@@ -291,7 +292,30 @@ def plot_kmeans_curve(run: RunView) -> tuple[str | None, str]:
         f"silhouette is below the dashed threshold {fmt(threshold)}; Cai et al. 2021). A curve "
         "still rising at the right end has no interior optimum: more clusters keep separating "
         "groups of occurrences of one token, not distinct regions of the space."
+        + (
+            " Beside each layer: its reported k and that decision's support, the share of "
+            "bootstrap resamples of the sample (each point's silhouettes held fixed) that take "
+            "the same k; below 0.9 the sample does not settle the decision, and jobs.compare "
+            "treats a change of it as not comparable."
+            if support
+            else ""
+        )
     )
+
+
+def _k_support(run: RunView) -> dict[int, str]:
+    """``: k = 4, support 0.93`` per layer, from ``kmeans_k`` and ``kmeans_k_support`` (empty
+    for a run without the support)."""
+    lay = run.layers
+    if "kmeans_k_support" not in lay.columns or "kmeans_k" not in lay.columns:
+        return {}
+    out = {}
+    for _, r in lay.iterrows():
+        k = pd.to_numeric(r["kmeans_k"], errors="coerce")
+        sup = pd.to_numeric(r["kmeans_k_support"], errors="coerce")
+        if np.isfinite(k) and np.isfinite(sup):
+            out[int(r["layer"])] = f": k = {int(k)}, support {sup:.2f}"
+    return out
 
 
 def plt_colormap(n: int):
