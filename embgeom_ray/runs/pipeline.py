@@ -37,7 +37,6 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any, NamedTuple
 
-import pandas as pd
 from tqdm.auto import tqdm
 
 from ..config import SCHEDULING_OPTIONS, JobConfig
@@ -46,7 +45,7 @@ from ..core.statistics import EmbeddingStatistics
 from ..counts import Counts, unk_warning
 from ..distributed.process_memory import sampler
 from ..distributed.warm_workers import warm_task_workers
-from ..errors import ConfigError, CorpusError
+from ..errors import ConfigError, CorpusError, IntegrityError, OutputError
 from ..inputs.corpus import CorpusSpec, Shard, ShardPlan, plain_text_bytes, plan_shards
 from ..inputs.dedup import HASH, NORMALISATION, DedupPlan, plan_dedup
 from ..inputs.model_loading import (
@@ -57,7 +56,7 @@ from ..inputs.model_loading import (
     resolve_layers,
     weight_bytes,
 )
-from ..io_utils import join
+from ..integrity import integrity_error
 from ..report.plots import FIGURE_GROUPS
 from ..run_dir import (
     GROUPS,
@@ -111,9 +110,10 @@ def resolve_clip_dims(config: JobConfig, dim: int) -> list[int] | None:
         raise ConfigError("give --clip-dims or --clip-dims-from, not both")
     dims = config.clip_dims
     if config.clip_dims_from is not None:
-        path = join(config.clip_dims_from, "dims.parquet")
-        try:
-            table = pd.read_parquet(path, columns=["layer", "dim", "outlier"])
+        try:  # checked against the digest that run recorded, as every read of a run
+            table = RunDir(config.clip_dims_from).read_table("dims", ["layer", "dim", "outlier"])
+        except IntegrityError:
+            raise
         except Exception as exc:
             raise ConfigError(
                 f"--clip-dims-from {config.clip_dims_from}: cannot read its dims.parquet "
@@ -485,7 +485,7 @@ def retable(run: RunDir, done: Manifest, spec: RunSpec, t_start: float, echo) ->
 
     config = spec.config
     connect(config.address)
-    url = run.statistics_url()
+    url = run.statistics_ref()
     seen = seen_type_ids([url])
     reduce = size_reduce(spec.shape, len(seen), read_cluster(), config.scheduling)
     echo(f"sizing: {len(seen):,} types: {reduce.describe()}")
@@ -542,24 +542,81 @@ def analyze(config: JobConfig, *, echo=print) -> dict[str, Any]:
     if done_before is not None:
         return reuse_complete(run, done_before, spec, t_start, echo)
     started = _start_run(spec, run, store, started_at, echo)
-    reduced = _extract_and_reduce(spec, started, store, echo)
-    merged, manifest = reduced.merged, started.manifest
-    try:
-        t_reduce = time.perf_counter()
-        _record_run(
-            run, spec, started, reduced, echo,
-            plan_s=t_plan - t_start, reduce_s=t_reduce - reduced.t_extract1,
-        )  # fmt: skip
-        finish_run(
-            run, manifest, merged, reduced.sample, spec.tokenizer, config, t_start=t_start,
-            echo=echo,
-        )  # fmt: skip
-    finally:
-        if reduced.reduce.partitioned:
-            merged.close()
+    manifest = _extract_reduce_finish(spec, run, store, started, t_start, t_plan, echo)
     if not config.keep_checkpoints:
         store.remove_groups()
     return manifest.to_json()
+
+
+def _extract_reduce_finish(
+    spec: RunSpec,
+    run: RunDir,
+    store: CheckpointStore,
+    started: _Started,
+    t_start: float,
+    t_plan: float,
+    echo,
+) -> Manifest:
+    """Extract, reduce and write the run (a corrupt checkpoint group found on the way is
+    redone: :func:`redo_corrupt_group`); the manifest written."""
+    config = spec.config
+    for redo in range(MAX_CORRUPT_GROUPS + 1):
+        try:
+            reduced = _extract_and_reduce(spec, started, store, echo)
+            merged, manifest = reduced.merged, started.manifest
+            try:
+                t_reduce = time.perf_counter()
+                _record_run(
+                    run, spec, started, reduced, echo,
+                    plan_s=t_plan - t_start, reduce_s=t_reduce - reduced.t_extract1,
+                )  # fmt: skip
+                finish_run(
+                    run, manifest, merged, reduced.sample, spec.tokenizer, config,
+                    t_start=t_start, echo=echo,
+                )  # fmt: skip
+            finally:
+                if reduced.reduce.partitioned:
+                    merged.close()
+            return manifest
+        except Exception as exc:
+            started = redo_corrupt_group(store, started, exc, redo, echo)
+    raise AssertionError("unreachable: the last redo raises")
+
+
+#: corrupt checkpoint groups a run redoes before it gives up (each one is reported)
+MAX_CORRUPT_GROUPS = 3
+
+
+def redo_corrupt_group(
+    store: CheckpointStore, started: _Started, exc: Exception, redo: int, echo
+) -> _Started:
+    """After ``exc``: when it says a checkpoint group's file is corrupt (its bytes do not
+    match the digest its JSON records), discard that group (and the reducer checkpoints that
+    read it: :meth:`~.checkpoints.CheckpointStore.discard_group`), say so in one line, and
+    return the run's state with the group's shards to extract again; nothing of the group is
+    merged. Any other error, or more than :data:`MAX_CORRUPT_GROUPS` corrupt groups, is
+    raised."""
+    corrupt = integrity_error(exc)
+    group = None if corrupt is None else store.group_of(corrupt.url)
+    if group is None:
+        raise exc
+    if redo >= MAX_CORRUPT_GROUPS:
+        raise OutputError(
+            f"{corrupt}; {redo + 1} checkpoint groups in {store.out} were corrupt: check the "
+            "storage, then rerun the same command to resume"
+        ) from None
+    store.discard_group(group)
+    echo(
+        f"checkpoint group {group.group_id} is corrupt ({corrupt.url.rsplit('/', 1)[-1]}: "
+        f"{corrupt.detail}); its {len(group.shard_ids)} shard(s) are redone"
+    )
+    redone = set(group.shard_ids)
+    computed = redone | {s.shard_id for s in started.todo}
+    return started._replace(
+        done=started.done - redone,
+        todo=[s for s in started.plan.shards if s.shard_id in computed],
+        pending=[s for s in started.plan.shards if s.shard_id in redone],
+    )
 
 
 class _Started(NamedTuple):
@@ -571,7 +628,8 @@ class _Started(NamedTuple):
     dedup: DedupPlan | None
     manifest: Manifest  # as written, ``running``
     done: set[int]  # shards of the plan already checkpointed
-    todo: list[Shard]  # the others, to extract
+    todo: list[Shard]  # the others, extracted by this run
+    pending: list[Shard]  # those still to extract (todo, then a corrupt group's shards)
     ray_start_s: float
     dedup_s: float
 
@@ -600,7 +658,9 @@ def _start_run(
     todo = [s for s in plan.shards if s.shard_id not in done]
     if resumed:
         echo(f"resuming {config.out}: {len(done)} of {len(plan.shards)} shards already done")
-    return _Started(sizing, plan, resumed, dedup, manifest, done, todo, t_ray1 - t_ray0, t_dedup)
+    return _Started(
+        sizing, plan, resumed, dedup, manifest, done, todo, todo, t_ray1 - t_ray0, t_dedup
+    )
 
 
 class _Reduced(NamedTuple):
@@ -632,7 +692,7 @@ def _extract_and_reduce(
 
     t_extract0 = time.perf_counter()
     try:
-        pool = _extract(spec, sizing, started.todo, store, on_ready) if started.todo else None
+        pool = _extract(spec, sizing, started.pending, store, on_ready) if started.pending else None
         t_extract1 = time.perf_counter()
         groups = store.groups_covering(s.shard_id for s in started.plan.shards)
         reduce, seen = reduce_decision(store, groups, spec, echo)
