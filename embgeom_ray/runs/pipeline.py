@@ -80,7 +80,7 @@ from ..sizing import (
     size_job,
     size_reduce,
 )
-from ..storage import check_output, user_errors
+from ..storage import check_output, resumable, user_errors
 from .checkpoints import CheckpointGroup, CheckpointStore
 from .finish import counts_of, finish_run
 from .sample_layers import SampleLayers, run_samples, sample_layers
@@ -542,9 +542,10 @@ def analyze(config: JobConfig, *, echo=print) -> dict[str, Any]:
     if done_before is not None:
         return reuse_complete(run, done_before, spec, t_start, echo)
     started = _start_run(spec, run, store, started_at, echo)
-    manifest = _extract_reduce_finish(spec, run, store, started, t_start, t_plan, echo)
-    if not config.keep_checkpoints:
-        store.remove_groups()
+    with resumable(config.out):
+        manifest = _extract_reduce_finish(spec, run, store, started, t_start, t_plan, echo)
+        if not config.keep_checkpoints:
+            store.remove_groups()
     return manifest.to_json()
 
 
