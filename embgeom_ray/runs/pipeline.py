@@ -80,6 +80,7 @@ from ..sizing import (
     size_job,
     size_reduce,
 )
+from ..sizing.checkpoints import FLOOR_S, Pacer
 from ..storage import check_output, resumable, user_errors
 from .checkpoints import CheckpointGroup, CheckpointStore
 from .finish import counts_of, finish_run
@@ -146,10 +147,13 @@ def _extract(
     todo: list[Shard],
     store: CheckpointStore,
     on_ready: Any,
+    pacer: Pacer,
 ) -> PoolPlan:
     """Run ``todo`` on Ray (joined by :func:`size_run`) on the pool ``sizing`` decided, grown
     and shrunk as nodes join and leave (one line on stderr each time); every flushed group is
-    checkpointed on arrival; ``on_ready(pool)`` once the first extractor is ready."""
+    checkpointed on arrival, its bytes and the seconds its write took told to ``pacer``, which
+    sets the checkpoint interval (a line when it changes by a quarter or more);
+    ``on_ready(pool)`` once the first extractor is ready."""
     from ..distributed.actor_pool import run_shards
 
     config = spec.config
@@ -164,8 +168,17 @@ def _extract(
         bar.set_postfix(tokens=tokens, tok_per_s=f"{rate:,.0f}", refresh=False)
         bar.update(shards)
 
+    said = [pacer.last]
+
     def on_group(group: GroupResult) -> None:
-        store.save_group(group.shard_ids, group.pieces(), group.sample, group.counts)
+        t0 = time.perf_counter()
+        saved = store.save_group(group.shard_ids, group.pieces(), group.sample, group.counts)
+        pacer.wrote(sum(d.size for d in saved.digests.values()), time.perf_counter() - t0)
+        if pacer.given is None:
+            now = pacer.interval(max(1, pacer.extractors))
+            if said[0] is None or abs(now - said[0]) >= 0.25 * said[0]:
+                said[0] = now
+                on_resized(f"checkpoints: every {pacer.reason()}")
 
     def on_resized(line: str) -> None:  # the pool grew or shrank: a line above the bar
         with tqdm.external_write_mode(file=sys.stderr):
@@ -185,6 +198,7 @@ def _extract(
             on_ready=on_ready,
             pool=sizing.pool,
             on_resized=on_resized,
+            interval=pacer.interval,
         )
     finally:
         bar.close()
@@ -249,6 +263,14 @@ def start_reducers_early(reduce: Reduce, store: CheckpointStore, interval: float
     )
 
 
+def reducer_checkpoint_seconds(config: JobConfig, pacer: Pacer | None) -> float:
+    """How often reducers checkpoint their partitions while reading groups: the option, else
+    the extractors' interval last chosen (else its floor)."""
+    if config.checkpoint_interval is not None:
+        return config.checkpoint_interval
+    return (pacer.last if pacer is not None else None) or FLOOR_S
+
+
 def reduce_partitioned(
     store: CheckpointStore,
     groups: list[CheckpointGroup],
@@ -256,6 +278,7 @@ def reduce_partitioned(
     reduce: Reduce,
     seen: Any,
     started: Sequence[Any] = (),
+    pacer: Pacer | None = None,
 ) -> tuple[PartitionedStatistics, SampleLayers | None, Counts]:
     """The checkpoint ``groups`` merged by ``reduce.count`` reducer actors, each holding a
     partition of the statistics (:mod:`~embgeom_ray.distributed.reducers`; ``seen``: the
@@ -278,7 +301,7 @@ def reduce_partitioned(
         urls,
         memory=reduce.memory,
         checkpoint_dir=store.reducer_dir(),
-        checkpoint_seconds=config.checkpoint_interval,
+        checkpoint_seconds=reducer_checkpoint_seconds(config, pacer),
         started=started,
         nodes=reduce.nodes,
     )
@@ -631,6 +654,7 @@ class _Started(NamedTuple):
     done: set[int]  # shards of the plan already checkpointed
     todo: list[Shard]  # the others, extracted by this run
     pending: list[Shard]  # those still to extract (todo, then a corrupt group's shards)
+    pacer: Pacer  # the checkpoint interval (sizing/checkpoints.py)
     ray_start_s: float
     dedup_s: float
 
@@ -659,9 +683,12 @@ def _start_run(
     todo = [s for s in plan.shards if s.shard_id not in done]
     if resumed:
         echo(f"resuming {config.out}: {len(done)} of {len(plan.shards)} shards already done")
+    pacer = Pacer(config.checkpoint_interval)
+    echo(f"sizing: checkpoints: every {pacer.reason()}")
     return _Started(
-        sizing, plan, resumed, dedup, manifest, done, todo, todo, t_ray1 - t_ray0, t_dedup
-    )
+        sizing, plan, resumed, dedup, manifest, done, todo, todo, pacer, t_ray1 - t_ray0,
+        t_dedup,
+    )  # fmt: skip
 
 
 class _Reduced(NamedTuple):
@@ -688,12 +715,18 @@ def _extract_and_reduce(
     early: list[Any] = []
 
     def on_ready(pool: PoolPlan) -> None:  # the first extractor has loaded its model
-        early.extend(start_reducers_early(sizing.reduce, store, config.checkpoint_interval))
+        early.extend(start_reducers_early(
+            sizing.reduce, store, reducer_checkpoint_seconds(config, started.pacer)
+        ))  # fmt: skip
         warm_task_workers(warm_workers_wanted(config, len(spec.layers), pool))
 
     t_extract0 = time.perf_counter()
     try:
-        pool = _extract(spec, sizing, started.pending, store, on_ready) if started.pending else None
+        pool = (
+            _extract(spec, sizing, started.pending, store, on_ready, started.pacer)
+            if started.pending
+            else None
+        )
         t_extract1 = time.perf_counter()
         groups = store.groups_covering(s.shard_id for s in started.plan.shards)
         reduce, seen = reduce_decision(store, groups, spec, echo)
@@ -702,7 +735,9 @@ def _extract_and_reduce(
             reduce.nodes[:kept] = sizing.reduce.early_nodes[:kept]
         manifest.set(sizing=sizing.to_json() | {"reduce": asdict(reduce)})
         if reduce.partitioned:
-            merged, sample, totals = reduce_partitioned(store, groups, spec, reduce, seen, early)
+            merged, sample, totals = reduce_partitioned(
+                store, groups, spec, reduce, seen, early, started.pacer
+            )
         elif early:  # reducers started for a reduce the job's own process does
             stop_early(early)
     except BaseException:
@@ -758,6 +793,7 @@ def _record_run(
         },
         throughput={"tokens_per_s_extract_wall": throughput(totals, started.resumed, extract_s)},
     )
+    manifest.set(sizing=(manifest.sizing or {}) | {"checkpoints": started.pacer.to_json(extract_s)})
 
 
 def reduce_decision(

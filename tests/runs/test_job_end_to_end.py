@@ -178,6 +178,11 @@ def test_tiny_random_models_with_long_documents(tmp_path, ray_local, builder):
     assert manifest["counts"]["windows"] > len(docs)
     ref = reference_tables(model_dir, docs, max_length=32)
     assert_tables_close(ours, ref, rtol=1e-5, cos_atol=1e-6)
+    # no --checkpoint-interval: sized, from what the run's own flushes measured
+    pace = manifest["sizing"]["checkpoints"]
+    assert pace["given_s"] is None and pace["flushes"] == manifest["shards"]["checkpoint_groups"]
+    assert pace["bytes_written"] > 0 and pace["bandwidth_bytes_per_s"] > 0
+    assert 60 <= pace["interval_s"] <= 3600 and 0 < pace["write_share"] < 1
 
 
 def test_one_and_two_workers_agree(tmp_path, ray_local, minilm_dir):
