@@ -7,7 +7,9 @@ with its own private Ray, as a user runs it. Printed per V: the types seen, the 
 8·L·V_seen·(2d+2), what the job decided (extractors × the memory each asked Ray for and their
 statistics budget; reducers × their budget, or the job's own process), and each process's peak
 private memory against its budget: the job's own process above its memory at start (≤ 1 GiB),
-the extractor against what it asked Ray for, every reducer against its budget.
+the extractor against what it asked Ray for, every reducer against its budget; and the
+checkpoint interval the job chose, with the bytes its checkpoints wrote and their share of
+the extraction's time (``sizing.checkpoints``).
 
     python -m bench.self_sized [--vocab 32000,128256] [--dim 256] [--blocks 4] [--tokens 300000]
 """
@@ -27,6 +29,9 @@ from bench.common import REPO, save
 from bench.vocabulary import generated_corpus, wordlevel_llama_dir
 
 MIB = 2**20
+#: what a run's ``sizing.checkpoints`` says of its checkpoints' writes
+CHECKPOINT_KEYS = ("interval_s", "flushes", "bytes_written", "write_s", "bandwidth_bytes_per_s",
+                   "write_share")  # fmt: skip
 
 
 def run_default(model: str, corpus: str, out: Path) -> dict:
@@ -63,6 +68,9 @@ def row(vocab: int, m: dict, seconds: float) -> dict:
             (memory["driver_peak_private_bytes"] - memory["driver_start_private_bytes"]) / MIB
         ),
         "seconds": round(seconds, 1),
+        # the checkpoint interval as the job sized it, and what its writes took
+        "checkpoints": {k: sizing.get("checkpoints", {}).get(k) for k in CHECKPOINT_KEYS}
+        | {"extract_wall_s": m["timings_s"].get("extract_wall")},
     }
 
 

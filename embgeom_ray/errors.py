@@ -37,6 +37,18 @@ class StatisticsMismatchError(UserError):
     """Two statistics artefacts cannot be merged (different model, tokenizer, layers or dim)."""
 
 
+class IntegrityError(UserError):
+    """A file's bytes do not match the digest recorded when it was written
+    (:mod:`embgeom_ray.integrity`): it was corrupted on disk, in an object store or on its way."""
+
+    def __init__(self, url: str, detail: str) -> None:
+        super().__init__(url, detail)
+        self.url, self.detail = url, detail
+
+    def __str__(self) -> str:
+        return f"{self.url} is corrupt: {self.detail}"
+
+
 class StorageError(UserError):
     """An object store cannot be reached, refuses the credentials, has no such bucket, or
     refuses access (:mod:`embgeom_ray.storage`)."""
@@ -45,6 +57,9 @@ class StorageError(UserError):
 def as_user_error(exc: BaseException) -> UserError | None:
     """``exc`` as the user error it is: itself, or an object store's fault
     (:func:`embgeom_ray.storage.storage_error`); None for anything else (a bug)."""
+    cause = getattr(exc, "cause", None)  # raised in a Ray task or actor: its own message
+    if isinstance(cause, UserError):
+        return cause
     if isinstance(exc, UserError):
         return exc
     from .storage import storage_error

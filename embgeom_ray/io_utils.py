@@ -18,6 +18,55 @@ from fsspec.implementations.local import LocalFileSystem
 _UMASK = os.umask(0)
 os.umask(_UMASK)
 
+#: how long the job waits for an object store and how often it retries, where fsspec's own
+#: configuration (``FSSPEC_S3='{"config_kwargs": {...}}'``, fsspec's config files) says
+#: nothing: botocore's timeouts and its "standard" retries, 6 attempts a request with
+#: exponential backoff and jitter (waits of up to 1, 2, 4, 8 and 16 s). A store that refuses
+#: connections is given up on after those 6 attempts (31 s of waits at most, 15 s on
+#: average); a connection dropped mid-request, or one that stalls past ``read_timeout``, is
+#: also retried by s3fs's own loop of 5 tries, so a store that accepts and stalls is given up
+#: on after 5 × 6 × 20 s = 10 minutes. The job then stops, resumable
+#: (:func:`embgeom_ray.storage.resumable`).
+STORE_DEFAULTS: dict[str, dict[str, Any]] = {
+    "s3": {
+        "config_kwargs": {
+            "connect_timeout": 10,
+            "read_timeout": 20,
+            "retries": {"mode": "standard", "total_max_attempts": 6},
+        }
+    }
+}
+
+
+def apply_store_defaults() -> None:
+    """Merge :data:`STORE_DEFAULTS` into fsspec's configuration under what it already holds
+    (each filesystem made after this applies them; the user's settings win), and send S3
+    uploads without ``Expect: 100-continue``.
+
+    botocore asks for that header on every PutObject and UploadPart, and aiohttp (under
+    s3fs) then waits for the store's "100 Continue" with no timeout at all: a store that
+    accepts the request and stalls hung the job for good (seen through a stalling proxy,
+    ``tests/runs/test_storage_faults.py``). Without it the body goes at once and botocore's
+    ``read_timeout`` and retries apply to the answer. Done before any botocore session is
+    made (a session registers botocore's handlers when it is made)."""
+    import fsspec.config
+
+    for protocol, defaults in STORE_DEFAULTS.items():
+        conf = fsspec.config.conf.setdefault(protocol, {})
+        for key, value in defaults.items():
+            given = conf.get(key)
+            conf[key] = (value | given) if isinstance(value, dict) and isinstance(given, dict) else conf.get(key, value)
+    try:
+        from botocore import handlers
+    except ImportError:  # no S3 here
+        return
+    handlers.BUILTIN_HANDLERS[:] = [
+        h for h in handlers.BUILTIN_HANDLERS if h[1] is not handlers.add_expect_header
+    ]
+
+
+apply_store_defaults()  # in every process that reads or writes a run: the driver, actors, tasks
+
 
 def is_local(url: str) -> bool:
     fs, _ = fsspec.core.url_to_fs(url)
@@ -47,8 +96,8 @@ def atomic_write_bytes(url: str, data: bytes) -> None:
             if os.path.exists(tmp):
                 os.unlink(tmp)
             raise
-    else:
-        with fsspec.open(url, "wb") as f:
+    else:  # one PUT (multipart past s3fs's block), no "directory" made first: buckets are not
+        with fsspec.open(url, "wb", auto_mkdir=False) as f:  # made by the job
             f.write(data)
 
 

@@ -16,7 +16,12 @@ Layout of a run directory ``OUT`` (``docs/design.md``, "Output contract")::
 
 Every file is written atomically. ``manifest.json`` says ``"status": "running"`` from the start
 of a run and ``"complete"`` only after every table and artefact is in place
-(:meth:`RunDir.finalise`), so a reader can trust a complete manifest and nothing else.
+(:meth:`RunDir.finalise`), so a reader can trust a complete manifest and nothing else. The
+complete manifest records the digest of every table and artefact (``outputs.digests``;
+``statistics/index.json`` those of the parts it names), and every read of them through
+:class:`RunDir` (tables, the sample, the statistics whole or a part, ``doc_hashes.npy``) is
+checked against it (:mod:`embgeom_ray.integrity`); runs written before digests have none
+and are read unchecked.
 :class:`RunDir` is the one place that knows these names: the pipeline, the merge, the report,
 the comparison and the scheduled re-analysis all read and write runs through it.
 
@@ -53,6 +58,15 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from .counts import Counts
 from .errors import UserError
+from .integrity import (
+    Digest,
+    FileRef,
+    as_ref,
+    digests_from_json,
+    digests_json,
+    open_verified,
+    read_verified,
+)
 from .io_utils import atomic_write_bytes, atomic_write_json, exists, join, read_bytes, remove
 
 MANIFEST = "manifest.json"
@@ -182,6 +196,9 @@ class Outputs(_Part):
     tables: list[str] = Field(default_factory=list)
     manifest: str = MANIFEST
     report: str | None = None
+    #: file name -> the digest of its bytes (:mod:`embgeom_ray.integrity`); a partitioned
+    #: artefact's under ``statistics/index.json``, which holds its parts'
+    digests: dict[str, Any] | None = None
 
 
 class Manifest(_Part):
@@ -267,10 +284,11 @@ def _runs(df: pd.DataFrame | pa.Table, keys: tuple[str, ...]) -> list[tuple[int,
 
 
 @contextlib.contextmanager
-def _staged(url: str) -> Iterator[str]:
+def _staged(url: str, digests: dict[str, Digest] | None = None) -> Iterator[str]:
     """A local path to write ``url``'s file into: a temporary name beside it, renamed into
     place (local), or a temporary file uploaded in one PUT (object stores) when the block
-    ends without an error; removed either way."""
+    ends without an error; removed either way. ``digests`` gets the file's digest under its
+    name."""
     import fsspec
 
     from .io_utils import is_local, local_path
@@ -283,6 +301,8 @@ def _staged(url: str) -> Iterator[str]:
     os.close(fd)
     try:
         yield tmp
+        if digests is not None:
+            digests[url.rsplit("/", 1)[-1]] = Digest.of_file(tmp)
         if local:
             os.chmod(tmp, 0o666 & ~_UMASK)
             os.replace(tmp, local_path(url))
@@ -331,9 +351,14 @@ def sample_table_pieces(
 
 
 def write_table(
-    out: str, name: str, df: pd.DataFrame, header: dict[str, Any] | None = None
+    out: str,
+    name: str,
+    df: pd.DataFrame,
+    header: dict[str, Any] | None = None,
+    digests: dict[str, Digest] | None = None,
 ) -> str:
-    """Write ``df`` as ``OUT/name.parquet`` atomically; returns the file name.
+    """Write ``df`` as ``OUT/name.parquet`` atomically; returns the file name (``digests``
+    gets its digest under that name).
 
     Tables named in :data:`ROW_GROUP_KEYS` get one row group per run of their keys. A
     ``header`` (JSON) is kept in the file's metadata under :data:`HEADER_KEY`, the format
@@ -351,7 +376,10 @@ def write_table(
                 writer.write_table(table.slice(start, length))
     else:
         pq.write_table(table, buf, compression="zstd")
-    atomic_write_bytes(join(out, f"{name}.parquet"), buf.getvalue())
+    data = buf.getbuffer()
+    atomic_write_bytes(join(out, f"{name}.parquet"), data)
+    if digests is not None:
+        digests[f"{name}.parquet"] = Digest.of(data)
     return f"{name}.parquet"
 
 
@@ -389,6 +417,10 @@ class RunDir:
 
     def __init__(self, url: str) -> None:
         self.url = str(url).rstrip("/") or "/"
+        #: the digests of the files written through this object (recorded by :meth:`finalise`)
+        self.written: dict[str, Digest] = {}
+        #: the digests of a complete manifest's outputs, read once (:meth:`digest`)
+        self._digests: dict[str, Digest] | None = None
 
     def __repr__(self) -> str:
         return f"RunDir({self.url!r})"
@@ -445,10 +477,28 @@ class RunDir:
         """Write ``manifest`` atomically, in this version's format (:data:`FORMAT_VERSION`)."""
         manifest.set(format_version=FORMAT_VERSION)
         atomic_write_json(self.path(MANIFEST), manifest.to_json())
+        self._digests = None
+
+    def digest(self, name: str) -> Digest | None:
+        """The digest the manifest records for the file ``name`` (``outputs.digests``:
+        ``"layers.parquet"``, ``"statistics/index.json"``, …); None where it records none (a
+        run of an earlier version, or not finished)."""
+        if self._digests is None:
+            self._digests = {}
+            with contextlib.suppress(RunDirError):
+                outputs = self.manifest().outputs if self.has_manifest() else None
+                if outputs is not None:
+                    self._digests = digests_from_json(outputs.digests)
+        return self._digests.get(name)
+
+    def ref(self, name: str) -> FileRef:
+        """The file ``name`` of the run with its recorded digest (:meth:`digest`)."""
+        url = self.path(name)
+        return FileRef(url, self.digest(url[len(self.url.rstrip("/")) + 1 :]))
 
     # ------------------------------------------------------------------ tables and artefacts
     def write_table(self, name: str, df: pd.DataFrame, header: dict[str, Any] | None = None) -> str:
-        return write_table(self.url, name, df, header)
+        return write_table(self.url, name, df, header, self.written)
 
     def read_table(
         self, name: str, columns: Sequence[str] | None = None, filters: Any = None
@@ -463,16 +513,16 @@ class RunDir:
         (pyarrow's, e.g. ``[("layer", "=", 3)]``), only the rows that match: a table written
         with row groups by those columns (:data:`ROW_GROUP_KEYS`) is read only where they
         match. :class:`RunDirError` if it is missing or unreadable."""
-        import fsspec
-
         url = self.path(name)
         if not exists(url):
             raise RunDirError(f"run {self.url} has no {url.rsplit('/', 1)[-1]}")
-        fs, path = fsspec.core.url_to_fs(url)
         try:
-            table = pq.read_table(
-                path, filesystem=fs, columns=list(columns) if columns else None, filters=filters
-            )
+            with open_verified(self.ref(name)) as f:
+                table = pq.read_table(
+                    f, columns=list(columns) if columns else None, filters=filters
+                )
+        except UserError:
+            raise
         except Exception as exc:
             raise RunDirError(f"{url} cannot be read: {type(exc).__name__}: {exc}") from None
         _check_table_format(table.schema.metadata, url)
@@ -480,14 +530,13 @@ class RunDir:
 
     def columns(self, name: str) -> list[str]:
         """The column names of a table of the run (its schema only); ``[]`` without the table."""
-        import fsspec
-
         if not self.has(name):
             return []
-        fs, path = fsspec.core.url_to_fs(self.path(name))
         try:
-            with fs.open(path, "rb") as f:
+            with open_verified(self.ref(name)) as f:
                 return list(pq.ParquetFile(f).schema_arrow.names)
+        except UserError:
+            raise
         except Exception as exc:
             raise RunDirError(f"{self.path(name)} cannot be read: {type(exc).__name__}: {exc}") from None
 
@@ -540,7 +589,7 @@ class RunDir:
         ends without an error (a staged file, as :meth:`write_samples`), never half-written
         under its name. ``type_stats`` is written this way a layer at a time."""
         writer: list[pq.ParquetWriter] = []
-        with _staged(self.path(name)) as path:
+        with _staged(self.path(name), self.written) as path:
             def write(df: pd.DataFrame) -> None:
                 table = _with_format(pa.Table.from_pandas(df, preserve_index=False))
                 if not writer:
@@ -578,7 +627,7 @@ class RunDir:
         if pieces is None:
             pieces = sample_table_pieces(sample, id_to_token, clusters)
         writer: pq.ParquetWriter | None = None
-        with _staged(self.path("samples")) as path:
+        with _staged(self.path("samples"), self.written) as path:
             try:
                 for one_header, table in pieces:
                     if writer is None:
@@ -599,14 +648,13 @@ class RunDir:
 
     def table_header(self, name: str) -> dict[str, Any] | None:
         """The header a table keeps in its metadata (:func:`write_table`); None without one."""
-        import fsspec
-
         if not self.has(name):
             return None
-        fs, path = fsspec.core.url_to_fs(self.path(name))
         try:
-            with fs.open(path, "rb") as f:
+            with open_verified(self.ref(name)) as f:
                 meta = pq.read_schema(f).metadata or {}
+        except UserError:
+            raise
         except Exception as exc:
             raise RunDirError(f"{self.path(name)} cannot be read: {type(exc).__name__}: {exc}") from None
         _check_table_format(meta, self.path(name))
@@ -639,6 +687,7 @@ class RunDir:
         buf = io.BytesIO()
         np.save(buf, np.ascontiguousarray(hashes, dtype=np.uint8).reshape(-1, 16))
         atomic_write_bytes(self.path(DOC_HASHES), buf.getvalue())
+        self.written[DOC_HASHES] = Digest.of(buf.getbuffer())
         return DOC_HASHES
 
     def read_doc_hashes(self) -> np.ndarray:
@@ -647,7 +696,7 @@ class RunDir:
         if not exists(url):
             raise RunDirError(f"run {self.url} has no {DOC_HASHES} (a run with --dedup writes it)")
         try:
-            hashes = np.load(io.BytesIO(read_bytes(url)), allow_pickle=False)
+            hashes = np.load(io.BytesIO(read_verified(self.ref(DOC_HASHES))), allow_pickle=False)
         except (ValueError, OSError) as exc:
             raise RunDirError(f"{url} cannot be read: {exc}") from None
         if hashes.dtype != np.uint8 or hashes.ndim != 2 or hashes.shape[1] != 16:
@@ -663,7 +712,9 @@ class RunDir:
         remove(self.path(STATISTICS_PARTS))  # stale parts (any R) or the other form
         if partitioned:
             remove(self.path(STATISTICS))
-        statistics.save(self.path(name.rstrip("/")))
+        digest = statistics.save(self.path(name.rstrip("/")))
+        if digest is not None:  # a partitioned artefact's: its index's
+            self.written[join(STATISTICS_PARTS, PARTS_INDEX) if partitioned else STATISTICS] = digest
         return [name]
 
     def has_statistics(self) -> bool:
@@ -676,13 +727,20 @@ class RunDir:
         combined (:meth:`~embgeom_ray.core.statistics.EmbeddingStatistics.combine`)."""
         from .core.statistics import EmbeddingStatistics
 
-        url = self.statistics_url()
-        index = _parts_index(url)
+        ref = self.statistics_ref()
+        index = _parts_index(ref)
         if index is None:
-            return EmbeddingStatistics.load(url)
+            return EmbeddingStatistics.load(ref)
         return EmbeddingStatistics.combine(
-            [EmbeddingStatistics.load(join(url, name)) for name in index["files"]]
+            [EmbeddingStatistics.load(_part_ref(ref.url, index, name)) for name in index["files"]]
         )
+
+    def statistics_ref(self) -> FileRef:
+        """:meth:`statistics_url` with the digest the manifest records for it (for the
+        ``statistics/`` directory, its ``index.json``'s)."""
+        url = self.statistics_url()
+        name = STATISTICS if url.endswith(STATISTICS) else join(STATISTICS_PARTS, PARTS_INDEX)
+        return FileRef(url, self.digest(name))
 
     def statistics_url(self) -> str:
         """Where the run's statistics artefact is: ``statistics.safetensors``, or the
@@ -732,11 +790,18 @@ class RunDir:
         order = {f"{name}.parquet": i for i, name in enumerate(TABLES)}
         written.sort(key=lambda f: order.get(f, len(order)))  # the contract's order
         remove(self.path(SAMPLE))  # the form an earlier version wrote beside the table
+        kept = [*artefacts, *written]
+        if STATISTICS_PARTS + "/" in kept:
+            kept.append(join(STATISTICS_PARTS, PARTS_INDEX))
+        digests = {name: d for name, d in self.written.items() if name in kept}
         manifest.set(
             status="complete",
             finished_at=now(),
-            outputs=Outputs(artefacts=artefacts, tables=written, manifest=MANIFEST),
-        )
+            outputs=Outputs(
+                artefacts=artefacts, tables=written, manifest=MANIFEST,
+                digests=digests_json(dict(sorted(digests.items()))),
+            ),
+        )  # fmt: skip
         self.write_manifest(manifest)
         return manifest
 
@@ -767,13 +832,16 @@ def format_summary(layers: pd.DataFrame) -> str:
         return layers[cols].to_string(index=False)
 
 
-def _parts_index(url: str) -> dict[str, Any] | None:
-    """The index of the partitioned artefact at ``url``; None when ``url`` is not one."""
-    index_url = join(url, PARTS_INDEX)
+def _parts_index(source: str | FileRef) -> dict[str, Any] | None:
+    """The index of the partitioned artefact at ``source`` (checked against its digest: a
+    :class:`~embgeom_ray.integrity.FileRef` of the directory carries its index's); None when
+    ``source`` is not one."""
+    ref = as_ref(source)
+    index_url = join(ref.url, PARTS_INDEX)
     if not exists(index_url):
         return None
     try:
-        index = json.loads(read_bytes(index_url))
+        index = json.loads(read_verified(FileRef(index_url, ref.digest)))
     except ValueError as exc:
         raise RunDirError(f"{index_url} is not valid JSON: {exc}") from None
     if not isinstance(index, dict) or index.get("format") != PARTS_FORMAT:
@@ -781,8 +849,13 @@ def _parts_index(url: str) -> dict[str, Any] | None:
     return index
 
 
+def _part_ref(directory: str, index: Mapping[str, Any], name: str) -> FileRef:
+    """The part ``name`` of a partitioned artefact with the digest its index records."""
+    return FileRef(join(directory, name), digests_from_json(index.get("digests")).get(name))
+
+
 def load_statistics_part(
-    url: str,
+    url: str | FileRef,
     layers: Sequence[int] | None = None,
     token_range: tuple[int, int | None] = (0, None),
     *,
@@ -796,16 +869,19 @@ def load_statistics_part(
     piece) or a partitioned artefact's directory, cut into any partitions: then only the
     files whose token range or layers meet the part are read, each only for what they share
     with it, and the pieces are combined. Memory: the part, plus one file's share of it.
+    Every byte read is checked against the digests recorded (a
+    :class:`~embgeom_ray.integrity.FileRef`'s, and the index's of its parts).
     """
     from .core.statistics import EmbeddingStatistics, Partition
 
     index = _parts_index(url)
     if index is None:
         return EmbeddingStatistics.load_part(url, layers, token_range, layer_state=layer_state)
+    url = as_ref(url).url
     lo, hi = token_range
     pieces, first = [], None
     for name in index["files"]:
-        path = join(url, name)
+        path = _part_ref(url, index, name)
         header = EmbeddingStatistics.read_header(path)
         held = [int(x) for x in header["layers"]]
         part = Partition.from_json(header["partition"] or {"of_layers": held, "token_range": [0, None], "layer_state": True})  # fmt: skip
@@ -831,13 +907,14 @@ def load_statistics_part(
     return pieces[0] if len(pieces) == 1 else EmbeddingStatistics.combine(pieces)
 
 
-def statistics_type_ids(url: str) -> np.ndarray:
+def statistics_type_ids(url: str | FileRef) -> np.ndarray:
     """The increasing token ids the statistics artefact at ``url`` (file or partitioned
-    directory) holds rows for, read without its other arrays where the files are local."""
+    directory) holds rows for, read without its other arrays."""
     from .core.statistics import EmbeddingStatistics
 
     index = _parts_index(url)
     if index is None:
         return EmbeddingStatistics.read_type_ids(url)
-    ids = [EmbeddingStatistics.read_type_ids(join(url, name)) for name in index["files"]]
+    directory = as_ref(url).url
+    ids = [EmbeddingStatistics.read_type_ids(_part_ref(directory, index, n)) for n in index["files"]]
     return np.unique(np.concatenate(ids)) if ids else np.zeros(0, np.int64)

@@ -41,9 +41,12 @@ DEFAULT_ENDPOINTS = {
 #: package of fsspec's
 EXTRAS = {"s3fs": "s3", "gcsfs": "gcs"}
 
-#: botocore exceptions that mean the endpoint cannot be reached
+#: botocore exceptions (and aiohttp's and fsspec's that s3fs lets through) that mean the
+#: endpoint cannot be reached, or dropped or stalled the connection, after the retries
 _UNREACHABLE = {"EndpointConnectionError", "ConnectTimeoutError", "ConnectionClosedError",
-                "ReadTimeoutError", "ProxyConnectionError", "ClientConnectorError"}  # fmt: skip
+                "ReadTimeoutError", "ProxyConnectionError", "ClientConnectorError",
+                "ServerDisconnectedError", "ClientOSError", "ClientPayloadError",
+                "SocketTimeoutError", "FSTimeoutError"}  # fmt: skip
 #: botocore exceptions that mean there are no usable credentials
 _NO_CREDENTIALS = {"NoCredentialsError", "PartialCredentialsError", "CredentialRetrievalError"}
 #: S3 error codes (ClientError) that mean the store refused these credentials or this access
@@ -173,6 +176,9 @@ def _first_line(exc: BaseException) -> str:
 def storage_error(exc: BaseException, url: str | None = None, what: str = "") -> StorageError | None:
     """The :class:`StorageError` an object store's fault means (``url``: what the job was
     reading or writing, ``what`` it is), or None when ``exc`` is not one."""
+    cause = getattr(exc, "cause", None)  # raised in a Ray task or actor: the error itself
+    if isinstance(cause, BaseException):
+        exc = cause
     if isinstance(exc, UserError):
         return None
     package = _missing_package(exc)
@@ -211,6 +217,28 @@ def user_errors(url: str, what: str) -> Iterator[None]:
         error = storage_error(exc, url, what)
         if error is None:
             raise
+        raise error from None
+
+
+@contextlib.contextmanager
+def resumable(url: str) -> Iterator[None]:
+    """Within: the run at ``url`` (its ``--out``) is being written. An object store that stays
+    unreachable, stalled or dropping connections past the retries
+    (:data:`~embgeom_ray.io_utils.STORE_DEFAULTS`) ends the job with one
+    :class:`StorageError` naming the run and the endpoint, and saying that rerunning resumes:
+    a checkpoint group counts as done only once its JSON is written (last), so the groups
+    written before are kept and none is counted twice."""
+    try:
+        yield
+    except Exception as exc:
+        error = storage_error(exc, url, "run")
+        if error is None:
+            raise
+        if _names(getattr(exc, "cause", None) or exc) & _UNREACHABLE:
+            error = StorageError(
+                f"{error} (after retries); its completed checkpoint groups are kept: rerun the "
+                "same command to resume once the store answers"
+            )
         raise error from None
 
 

@@ -52,7 +52,6 @@ The type is a sketch in the Apache DataSketches sense
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
 
@@ -60,8 +59,9 @@ import numpy as np
 import torch
 
 from ..errors import StatisticsMismatchError
+from ..integrity import FileRef, as_ref, open_verified
 from .options import SampleOptions
-from .sketch import Sketch, check_array
+from .sketch import SafetensorsFile, Sketch, check_array
 
 if TYPE_CHECKING:  # pandas is imported where a table is built: the extractors never build one
     import pandas as pd
@@ -740,44 +740,31 @@ class ActivationSample(Sketch):
             table.replace(empty, cols, torch.from_numpy(vec if writable else np.array(vec)), limit)
 
     @classmethod
-    def load_layer(cls, url: str, layer: int, *, device: str | torch.device = "cpu") -> ActivationSample:
+    def load_layer(
+        cls, url: str | FileRef, layer: int, *, device: str | torch.device = "cpu"
+    ) -> ActivationSample:
         """The one-layer sample of ``layer`` (:meth:`layer_sample`) of the sample :meth:`save`
         wrote at ``url``, reading only that layer's vectors: the safetensors header gives each
         array's byte range, the ``(L, n, d)`` vectors are layer-major, so layer i's are the
-        i-th ``n·d·4`` bytes of their range (ranged reads, local or object store). A sample of
-        the ``"vectors"`` content rule derives its keys from every layer: refused here
-        (:class:`StatisticsMismatchError`); load it whole."""
-        import fsspec
-
-        from .sketch import HEADER_KEY
-
-        dtypes = {"F32": np.dtype("<f4"), "I64": np.dtype("<i8")}
-        with fsspec.open(url, "rb") as f:
-            size = int.from_bytes(f.read(8), "little")
-            try:
-                raw = json.loads(f.read(size).decode("utf-8"))
-                header = json.loads(raw["__metadata__"][HEADER_KEY])
-            except (ValueError, KeyError, TypeError, UnicodeDecodeError) as exc:
-                raise StatisticsMismatchError(f"{url}: not an embgeom_ray samples artefact ({exc})") from None
+        i-th ``n·d·4`` bytes of their range (ranged reads, local or object store; checked
+        against the file's digest where ``url`` is a :class:`~embgeom_ray.integrity.FileRef`
+        with one). A sample of the ``"vectors"`` content rule derives its keys from every
+        layer: refused here (:class:`StatisticsMismatchError`); load it whole."""
+        ref = as_ref(url)
+        with open_verified(ref) as f:
+            st = SafetensorsFile(f, cls.KIND)
+            header = st.header()
             version = cls.check_header(header)
             rule = header.get("content_rule", "vectors" if version < 2 else "")
             if rule == "vectors":
-                raise StatisticsMismatchError(f"{url}: a sample of the 'vectors' content rule loads whole")
+                raise StatisticsMismatchError(f"{ref.url}: a sample of the 'vectors' content rule loads whole")
             li = [int(x) for x in header["layers"]].index(int(layer))
-            base, arrays = 8 + size, {}
-            for name, spec in raw.items():
-                if name == "__metadata__":
-                    continue
-                dtype, shape = dtypes[spec["dtype"]], [int(x) for x in spec["shape"]]
-                start, end = (int(x) for x in spec["data_offsets"])
-                if name.endswith("_vectors") and len(shape) == 3:
-                    per = shape[1] * shape[2] * dtype.itemsize
-                    start, end, shape = start + li * per, start + (li + 1) * per, [1, *shape[1:]]
-                f.seek(base + start)
-                data = bytearray(end - start)  # writable: loading copies it once, not twice
-                if f.readinto(data) != len(data):
-                    raise StatisticsMismatchError(f"{url}: truncated samples artefact")
-                arrays[name] = np.frombuffer(data, dtype=dtype).reshape(shape)
+            arrays = {
+                name: st.layer(name, li)
+                if name.endswith("_vectors") and len(st.shape(name)) == 3
+                else st.array(name)
+                for name in st.keys()
+            }
         return cls.from_state(header | {"layers": [int(layer)]}, arrays, device=device)
 
     # ------------------------------------------------------ the table form

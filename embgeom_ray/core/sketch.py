@@ -41,6 +41,7 @@ from safetensors.numpy import load as st_load_bytes
 from safetensors.numpy import save as st_save_bytes
 
 from ..errors import StatisticsMismatchError
+from ..integrity import Digest, FileRef, VerifiedFile, read_verified
 
 #: the safetensors metadata entry that holds the JSON header.
 HEADER_KEY = "embgeom_ray"
@@ -143,6 +144,86 @@ def check_array(
             f"{tuple(shape)} {np.dtype(dtype)}"
         )
     return a
+
+
+#: numpy's dtypes of safetensors' names (those our sketches store; no bfloat16 in numpy)
+NUMPY_DTYPES = {
+    "F64": np.dtype("<f8"), "F32": np.dtype("<f4"), "F16": np.dtype("<f2"),
+    "I64": np.dtype("<i8"), "I32": np.dtype("<i4"), "I16": np.dtype("<i2"),
+    "I8": np.dtype("i1"), "U8": np.dtype("u1"), "BOOL": np.dtype("?"),
+}  # fmt: skip
+
+
+class SafetensorsFile:
+    """A safetensors file read a range at a time through ``f`` (a
+    :class:`~embgeom_ray.integrity.VerifiedFile`: every block read is checked against the
+    file's digest, where it has one): its header, whole arrays, and the slices a part of
+    a sketch needs (one layer of an array, a run of rows of one layer), each one read of
+    its bytes. Works alike on local files and object stores (ranged reads)."""
+
+    def __init__(self, f: VerifiedFile, kind: str) -> None:
+        self.f, self.kind = f, kind
+        head = f.read_range(0, 8) if f.size() >= 8 else b""
+        if len(head) < 8:
+            raise StatisticsMismatchError(f"{f.url}: {kind} artefact is empty or truncated")
+        size = int.from_bytes(head, "little")
+        if 8 + size > f.size():
+            raise StatisticsMismatchError(f"{f.url}: {kind} artefact is truncated")
+        try:
+            raw = json.loads(bytes(f.read_range(8, 8 + size)).decode("utf-8"))
+            self.metadata = dict(raw.pop("__metadata__", None) or {})
+            self.specs = {
+                name: (NUMPY_DTYPES[spec["dtype"]], tuple(int(x) for x in spec["shape"]),
+                       tuple(int(x) for x in spec["data_offsets"]))
+                for name, spec in raw.items()
+            }  # fmt: skip
+        except (ValueError, KeyError, TypeError, UnicodeDecodeError) as exc:
+            raise StatisticsMismatchError(f"{f.url}: not an embgeom_ray {kind} artefact ({exc})") from None
+        self.base = 8 + size
+
+    def header(self) -> dict[str, Any]:
+        """The JSON header under :data:`HEADER_KEY`."""
+        try:
+            header = json.loads(self.metadata[HEADER_KEY])
+        except (KeyError, ValueError, TypeError) as exc:
+            raise StatisticsMismatchError(
+                f"{self.f.url}: not an embgeom_ray {self.kind} artefact ({exc})"
+            ) from None
+        if not isinstance(header, dict):
+            raise StatisticsMismatchError(f"{self.f.url}: not an embgeom_ray {self.kind} artefact")
+        return header
+
+    def keys(self) -> list[str]:
+        return list(self.specs)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return self.specs[name][1]
+
+    def _read(self, name: str, offset: int, shape: Sequence[int]) -> np.ndarray:
+        """The ``shape`` elements of array ``name`` from element ``offset`` on."""
+        dtype, _, (start, end) = self.specs[name]
+        count = int(np.prod(shape, dtype=np.int64))
+        lo = self.base + start + offset * dtype.itemsize
+        hi = lo + count * dtype.itemsize
+        if hi > self.base + end:
+            raise StatisticsMismatchError(f"{self.f.url}: {self.kind} array {name!r} is truncated")
+        return np.frombuffer(self.f.read_range(lo, hi), dtype=dtype).reshape(tuple(shape))
+
+    def array(self, name: str) -> np.ndarray:
+        """The whole array ``name``."""
+        return self._read(name, 0, self.shape(name))
+
+    def layer(self, name: str, index: int) -> np.ndarray:
+        """``array[index : index + 1]`` of an array of layers first, ``(L, *tail)``."""
+        shape = self.shape(name)
+        tail = int(np.prod(shape[1:], dtype=np.int64))
+        return self._read(name, index * tail, (1, *shape[1:]))
+
+    def rows(self, name: str, index: int, a: int, b: int) -> np.ndarray:
+        """``array[index : index + 1, a:b]`` of an ``(L, T, *tail)`` array."""
+        shape = self.shape(name)
+        row = int(np.prod(shape[2:], dtype=np.int64))
+        return self._read(name, (index * shape[1] + a) * row, (1, b - a, *shape[2:]))
 
 
 def finite_layers(hidden: Sequence[torch.Tensor]) -> list[bool]:
@@ -278,11 +359,15 @@ class Sketch(ABC):
         """Serialize to safetensors bytes (the header JSON in the safetensors metadata)."""
         return st_save_bytes(self.state_dict(), metadata={HEADER_KEY: json.dumps(self.header())})
 
-    def save(self, path: str | os.PathLike[str]) -> None:
-        """Write atomically to a local path or fsspec URL (temporary name, then rename)."""
+    def save(self, path: str | os.PathLike[str]) -> Digest:
+        """Write atomically to a local path or fsspec URL (temporary name, then rename); the
+        digest of the bytes written (:mod:`embgeom_ray.integrity`), for the record that names
+        the file."""
         from ..io_utils import atomic_write_bytes
 
-        atomic_write_bytes(str(path), self.to_bytes())
+        data = self.to_bytes()
+        atomic_write_bytes(str(path), data)
+        return Digest.of(data)
 
     @classmethod
     def from_bytes(
@@ -296,16 +381,17 @@ class Sketch(ABC):
 
     @classmethod
     def load(
-        cls: type[_S], path: str | os.PathLike[str], *, device: str | torch.device = "cpu"
+        cls: type[_S], path: str | os.PathLike[str] | FileRef, *, device: str | torch.device = "cpu"
     ) -> _S:
-        """Read a sketch written by :meth:`save` (or by an earlier layout this class reads)."""
-        from ..io_utils import read_bytes
-
-        data = read_bytes(str(path))
+        """Read a sketch written by :meth:`save` (or by an earlier layout this class reads);
+        a :class:`~embgeom_ray.integrity.FileRef` with a digest is checked against it
+        (:class:`~embgeom_ray.errors.IntegrityError`)."""
+        ref = path if isinstance(path, FileRef) else FileRef(str(path))
+        data = read_verified(ref)
         try:
             return cls.from_bytes(data, device=device)
         except StatisticsMismatchError as exc:
-            raise StatisticsMismatchError(f"{path}: {exc}") from None
+            raise StatisticsMismatchError(f"{ref.url}: {exc}") from None
 
     # ---------------------------------------------------------- identity
     def mismatches(self, other: Sketch, names: Sequence[str] | None = None) -> list[str]:

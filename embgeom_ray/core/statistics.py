@@ -65,6 +65,7 @@ import numpy as np
 import torch
 
 from ..errors import StatisticsMismatchError
+from ..integrity import FileRef
 from . import statistics_io
 from .fold_kernels import (
     deviations_and_centred,
@@ -849,27 +850,26 @@ class EmbeddingStatistics(Sketch):
     @classmethod
     def load_part(
         cls,
-        path: str,
+        path: str | FileRef,
         layers: Sequence[int] | None = None,
         token_range: tuple[int, int | None] = (0, None),
         *,
         layer_state: bool = True,
     ) -> EmbeddingStatistics:
         """``load(path).select(layers, token_range, layer_state=layer_state)``, reading only
-        that part's bytes when ``path`` is a local file of a whole
+        that part's bytes, checked against the file's digest where ``path`` carries one
         (:func:`~embgeom_ray.core.statistics_io.load_part`)."""
         return statistics_io.load_part(cls, path, layers, token_range, layer_state)
 
     @classmethod
-    def read_header(cls, path: str) -> dict[str, Any]:
-        """The header of a statistics file (layers, dim, partition, metadata, …), read alone
-        from a local file, else from the loaded file."""
+    def read_header(cls, path: str | FileRef) -> dict[str, Any]:
+        """The header of a statistics file (layers, dim, partition, metadata, …), read alone."""
         return statistics_io.read_header(cls, path)
 
     @classmethod
-    def read_type_ids(cls, path: str) -> np.ndarray:
-        """The increasing token ids a statistics file holds rows for, read alone from a local
-        file (the other arrays stay on disk), else from the loaded file."""
+    def read_type_ids(cls, path: str | FileRef) -> np.ndarray:
+        """The increasing token ids a statistics file holds rows for, read alone (the other
+        arrays stay where they are)."""
         return statistics_io.read_type_ids(cls, path)
 
     # ------------------------------------------------------------ partitions

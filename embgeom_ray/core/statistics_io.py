@@ -27,8 +27,9 @@ import numpy as np
 import torch
 
 from ..errors import StatisticsMismatchError
+from ..integrity import FileRef, as_ref, open_verified
 from .partitions import Partition, range_text, requested_part
-from .sketch import HEADER_KEY, check_array, safetensors_into
+from .sketch import HEADER_KEY, SafetensorsFile, check_array, safetensors_into
 from .statistics_fields import FIELDS
 
 if TYPE_CHECKING:
@@ -135,77 +136,53 @@ def set_state(stats: EmbeddingStatistics, arrays: Mapping[str, np.ndarray]) -> N
 
 def load_part(
     cls: type[EmbeddingStatistics],
-    path: str,
+    path: str | FileRef,
     layers: Sequence[int] | None,
     token_range: tuple[int, int | None],
     layer_state: bool,
 ) -> EmbeddingStatistics:
     """``cls.load(path).select(layers, token_range, layer_state=layer_state)``, reading only
-    that part's bytes when ``path`` is a local file of a whole (version 2 and later).
+    that part's bytes (version 2 and later; local files and object stores alike).
 
     Files store the types sorted by id, so a token range is one contiguous run of rows: each
-    per-type array is read as ``[layer, a:b]`` slices and each per-layer array only for the
-    kept layers (safetensors' lazy slices). What a reducer holds while reading a checkpoint
-    group is then its part, not the group. Remote URLs and files that are themselves parts
-    are read whole and selected.
+    per-type array is read as one ``[layer, a:b]`` range of bytes per layer, and each
+    per-layer array only for the kept layers (:class:`~embgeom_ray.core.sketch.SafetensorsFile`).
+    What a reducer holds while reading a checkpoint group is then its part, not the group.
+    A :class:`~embgeom_ray.integrity.FileRef` with a digest has every block read checked
+    against it. Version-1 files are read whole and selected.
     """
-    from safetensors import safe_open
-
-    from ..io_utils import is_local, local_path
-
-    url = str(path)
-    if is_local(url):
-        with safe_open(local_path(url), framework="numpy") as f:
-            header = _open_header(cls, f, url)
-            if cls.check_header(header) >= 2:
-                return _read_part(cls, f, header, layers, token_range, layer_state)
-    return cls.load(url).select(layers, token_range, layer_state=layer_state)
+    ref = as_ref(path)
+    with open_verified(ref) as f:
+        st = SafetensorsFile(f, cls.KIND)
+        header = st.header()
+        if cls.check_header(header) >= 2:
+            return _read_part(cls, st, header, layers, token_range, layer_state)
+        whole = cls.from_bytes(f.read_range(0, f.size()))
+    return whole.select(layers, token_range, layer_state=layer_state)
 
 
-def read_header(cls: type[EmbeddingStatistics], path: str) -> dict[str, Any]:
-    """The header of a statistics file, read alone from a local file, else from the loaded
-    file."""
-    from safetensors import safe_open
-
-    from ..io_utils import is_local, local_path
-
-    url = str(path)
-    if is_local(url):
-        with safe_open(local_path(url), framework="numpy") as f:
-            header = _open_header(cls, f, url)
-        cls.check_header(header)
-        return header
-    return cls.load(url).header()
+def read_header(cls: type[EmbeddingStatistics], path: str | FileRef) -> dict[str, Any]:
+    """The header of a statistics file, read alone (its first bytes)."""
+    with open_verified(as_ref(path)) as f:
+        header = SafetensorsFile(f, cls.KIND).header()
+    cls.check_header(header)
+    return header
 
 
-def read_type_ids(cls: type[EmbeddingStatistics], path: str) -> np.ndarray:
-    """The increasing token ids a statistics file holds rows for, read alone from a local
-    file (the other arrays stay on disk), else from the loaded file."""
-    from safetensors import safe_open
-
-    from ..io_utils import is_local, local_path
-
-    url = str(path)
-    if is_local(url):
-        with safe_open(local_path(url), framework="numpy") as f:
-            if "type_ids" in f.keys():
-                return f.get_tensor("type_ids")
-    return cls.load(url).state_dict()["type_ids"]
-
-
-def _open_header(cls: type[EmbeddingStatistics], f: Any, url: str) -> dict[str, Any]:
-    """The JSON header of an open safetensors file (``safe_open``), or a one-line error."""
-    try:
-        return json.loads((f.metadata() or {})[HEADER_KEY])
-    except (KeyError, ValueError) as exc:
-        raise StatisticsMismatchError(
-            f"{url}: not an embgeom_ray {cls.KIND} artefact ({exc})"
-        ) from None
+def read_type_ids(cls: type[EmbeddingStatistics], path: str | FileRef) -> np.ndarray:
+    """The increasing token ids a statistics file holds rows for, read alone (the other
+    arrays stay where they are)."""
+    ref = as_ref(path)
+    with open_verified(ref) as f:
+        st = SafetensorsFile(f, cls.KIND)
+        if "type_ids" in st.keys():
+            return st.array("type_ids")
+    return cls.load(ref).state_dict()["type_ids"]
 
 
 def _read_part(
     cls: type[EmbeddingStatistics],
-    f: Any,
+    st: SafetensorsFile,
     header: dict[str, Any],
     layers: Sequence[int] | None,
     token_range: tuple[int, int | None],
@@ -220,35 +197,40 @@ def _read_part(
         layer_state,
     )  # fmt: skip
     lis = [held.index(x) for x in kept]
-    arrays = _read_rows(f, header.get("clip_dims") is not None, lis, token_range, layer_state)
+    arrays = _read_rows(st, header.get("clip_dims") is not None, lis, token_range, layer_state)
     record = None if part is None else part.to_json()
     return cls.from_state(header | {"layers": kept, "partition": record}, arrays)
 
 
 def _read_rows(
-    f: Any,
+    st: SafetensorsFile,
     clip: bool,
     lis: Sequence[int],
     token_range: tuple[int, int | None],
     layer_state: bool,
 ) -> dict[str, np.ndarray]:
-    """The arrays of layer slots ``lis`` and the types in ``token_range`` of an open
-    safetensors file of statistics (with ``clip_unit_sums`` if ``clip``; the per-layer fields
-    if ``layer_state``), each read as slices."""
+    """The arrays of layer slots ``lis`` and the types in ``token_range`` of a safetensors
+    file of statistics (with ``clip_unit_sums`` if ``clip``; the per-layer fields if
+    ``layer_state``), each read as ranges of bytes."""
     lo, hi = token_range
-    ids = f.get_tensor("type_ids")
+    ids = st.array("type_ids")
     a = int(np.searchsorted(ids, lo, "left"))
     b = len(ids) if hi is None else int(np.searchsorted(ids, hi, "left"))
     arrays = {"type_ids": ids[a:b]}
     for field in FIELDS:
         if (field.clip and not clip) or (not field.per_type and not layer_state):
             continue
-        lazy = f.get_slice(field.name)
-        shape = lazy.get_shape()
-        if field.per_type and a == b:  # no row in the range (safetensors refuses [n:n])
-            arrays[field.name] = np.empty((len(lis), 0, *shape[2:]), field.numpy_dtype)
-            continue
-        rows = [lazy[li : li + 1, a:b] if field.per_type else lazy[li : li + 1] for li in lis]
-        none = (0, b - a, *shape[2:]) if field.per_type else (0, *shape[1:])  # no layer kept
-        arrays[field.name] = np.concatenate(rows) if rows else np.empty(none, field.numpy_dtype)
+        if field.name not in st.keys():
+            raise StatisticsMismatchError(f"{st.f.url}: {st.kind} artefact lacks array {field.name!r}")
+        shape = st.shape(field.name)
+        if field.per_type:
+            rows = [st.rows(field.name, li, a, b) for li in lis]
+            none = (0, b - a, *shape[2:])
+        else:
+            rows = [st.layer(field.name, li) for li in lis]
+            none = (0, *shape[1:])
+        arrays[field.name] = (
+            np.concatenate(rows) if len(rows) > 1 else rows[0] if rows
+            else np.empty(none, field.numpy_dtype)
+        )  # fmt: skip
     return arrays

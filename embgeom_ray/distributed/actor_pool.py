@@ -50,6 +50,7 @@ from ..inputs.hub_credentials import hub_credentials, use_hub_credentials
 from ..inputs.malloc_tuning import reuse_freed_memory
 from ..inputs.options import ExtractionOptions
 from ..sizing import Cluster, Extractor, Pool
+from ..sizing.checkpoints import Pacer
 from ..sizing.growth import (
     autoscaler_request,
     extractors_held,
@@ -390,8 +391,12 @@ class _Scheduler:
         on_requeued: Callable[[list[FoldReport]], None],
         on_ready: Callable[[PoolPlan], None] | None = None,
         growth: Growth | None = None,
+        interval: Callable[[int], float] | None = None,
     ) -> None:
         self.config, self.pool, self._start = config, pool, start
+        #: seconds an extractor's oldest unflushed shard may age, for so many extractors
+        #: ready (:class:`~embgeom_ray.sizing.checkpoints.Pacer`: the option's, or its floor)
+        self.interval = interval or Pacer(config.checkpoint_interval).interval
         self.on_group, self.on_folded, self.on_requeued = on_group, on_folded, on_requeued
         #: called once, when the first actor has loaded its model
         self.on_ready = on_ready
@@ -553,7 +558,7 @@ class _Scheduler:
         over = worker.budget is not None and state_bytes >= worker.budget
         if over:
             self.pool.budget_flushes += 1
-        return over or not self.queue or age >= self.config.checkpoint_interval
+        return over or not self.queue or age >= self.interval(max(1, self.ready))
 
     def on_processed(self, worker: _Worker, result: dict[str, Any]) -> None:
         assert worker.current is not None
@@ -658,6 +663,7 @@ def run_shards(
     on_ready: Callable[[PoolPlan], None] | None = None,
     pool: Pool | None = None,
     on_resized: Callable[[str], None] | None = None,
+    interval: Callable[[int], float] | None = None,
 ) -> PoolPlan:
     """Process ``shards`` on a pool of extractor actors: ``pool``, as the job's sizing decided
     it (:func:`~embgeom_ray.sizing.size_extractors`: actors, CPUs, GPUs, the memory each asks
@@ -669,7 +675,8 @@ def run_shards(
     shards an actor lost before flushing them (they are folded again later); ``on_ready`` is
     called once with the pool's plan, when the first actor has loaded its model and been
     given its first shard; ``on_resized`` gets one line each time the pool grows or shrinks
-    (module docstring: the pool follows the cluster).
+    (module docstring: the pool follows the cluster); ``interval(n)`` the seconds between an
+    extractor's flushes while ``n`` extractors are ready (default: ``--checkpoint-interval``).
     """
     plan = plan_pool(scheduling, len(shards)) if pool is None else pool_plan(pool)
     if not shards:
@@ -711,5 +718,6 @@ def run_shards(
         on_requeued or (lambda _reports: None),
         on_ready,
         growth,
+        interval,
     ).run()
     return plan

@@ -74,12 +74,15 @@ class SchedulingOptions(WorkerOptions):
         description="times a shard is retried after losing its worker",
         json_schema_extra=SCHEDULING,
     )
-    checkpoint_interval: float = Field(
-        300.0,
+    checkpoint_interval: float | None = Field(
+        None,
         ge=0,
         description="seconds of work an extractor accumulates over several shards before they "
         "are checkpointed together (at most this much work per worker is redone after a "
         "failure); 0 checkpoints every shard on its own. Not a result option: it only decides "
-        "grouping",
+        "grouping [default: sized so that writing checkpoints takes at most 0.05 of the "
+        "extraction's time: N · B / (0.05 · W) for N extractors, from the bytes B a flush "
+        "writes and the bandwidth W measured on the run's own flushes, within 60 s to 1 h; "
+        "see --plan]",
         json_schema_extra=SCHEDULING,
     )

@@ -28,7 +28,11 @@ each gets the plan (:meth:`Reducer.configure`), cut from the ids seen, before it
 anything.
 
 Faults: a reducer's part is a pure function of the group files, which stay on disk until the
-run is complete, and a group is applied once (keyed by its URL). In a run, each reducer
+run is complete, and a group is applied once (keyed by its URL). Every source comes with the
+digest recorded when it was written (:class:`~embgeom_ray.integrity.FileRef`), and every
+byte a reducer reads of it is checked (:class:`~embgeom_ray.errors.IntegrityError`, raised to
+the driver, which redoes a corrupt group's shards); a reducer's own checkpoint records its
+files' digests, and one that does not match is dropped (the groups are read again). In a run, each reducer
 checkpoints its partition under ``OUT/reducers/`` whenever ``--checkpoint-interval`` seconds
 have passed while it reads groups (with the plan, kept in ``reducers/plan.json`` for the run,
 and the groups it covers). A reducer lost at any point (``RayActorError``) is started again,
@@ -44,6 +48,7 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -64,8 +69,9 @@ from ..core.tables import (
     build_tables_from,
     summarise_types,
 )
-from ..errors import ConfigError, OutputError
-from ..io_utils import atomic_write_json, exists, join, read_bytes, remove
+from ..errors import ConfigError, IntegrityError, OutputError
+from ..integrity import Digest, FileRef, as_ref, digests_from_json, digests_json
+from ..io_utils import atomic_write_bytes, atomic_write_json, exists, join, read_bytes, remove
 from ..run_dir import PARTS_FORMAT, PARTS_INDEX, load_statistics_part, statistics_type_ids
 from ..sizing import REDUCER_BASE_BYTES, reducer_budget, reducer_bytes, reducers_for
 from .process_memory import peak_memory, sampler
@@ -157,7 +163,7 @@ def check_memory_offered(memory: int) -> None:
         )
 
 
-def seen_type_ids(sources: Sequence[str]) -> np.ndarray:
+def seen_type_ids(sources: Sequence[str | FileRef]) -> np.ndarray:
     """The increasing token ids any of ``sources`` holds rows for (8 bytes each; the ids
     alone are read where the files are local): what :meth:`PartitionPlan.balanced` cuts."""
     seen = np.zeros(0, dtype=np.int64)
@@ -203,30 +209,33 @@ class Reducer:
         self.layers = list(plan.layers)
         self.state_layers = list(plan.state_layers[self.index])
 
-    def _merge(self, url: str) -> None:
-        rows = load_statistics_part(url, self.layers, self.token_range, layer_state=False)
+    def _merge(self, source: FileRef) -> None:
+        rows = load_statistics_part(source, self.layers, self.token_range, layer_state=False)
+        state = load_statistics_part(source, self.state_layers, (0, 0)) if self.state_layers else None
+        # both read (and checked) before either is merged: a corrupt source leaves none of it
         self.rows = rows if self.rows is None else self.rows.merge(rows)
-        if self.state_layers:
-            state = load_statistics_part(url, self.state_layers, (0, 0))
+        if state is not None:
             self.state = state if self.state is None else self.state.merge(state)
-        self.applied.append(url)
+        self.applied.append(source.url)
 
-    def load(self, sources: Sequence[str]) -> dict[str, int]:
+    def load(self, sources: Sequence[str | FileRef]) -> dict[str, Any]:
         """Merge this partition of every source (a checkpoint group's statistics file, or a
         run's artefact: :func:`~embgeom_ray.run_dir.load_statistics_part`) not yet applied,
         in the order given (after this reducer's checkpoint, if it has one); the types held,
-        the sources restored from the checkpoint and those read."""
-        restored = self._restore(sources) if not self.applied else 0
+        the sources restored from the checkpoint and those read (and ``"dropped"``: why a
+        checkpoint that did not match its digests was not used, else None)."""
+        refs = [as_ref(s) for s in sources]
+        restored, dropped = self._restore(refs) if not self.applied else (0, None)
         done = set(self.applied)
-        todo = [url for url in sources if url not in done]
+        todo = [ref for ref in refs if ref.url not in done]
         last = time.monotonic()
-        for url in todo:
-            self._merge(url)
+        for ref in todo:
+            self._merge(ref)
             if self.checkpoint_dir and time.monotonic() - last >= self.checkpoint_seconds:
                 self.checkpoint()
                 last = time.monotonic()
         types = 0 if self.rows is None else self.rows.num_types
-        return {"types": types, "restored": restored, "read": len(todo)}
+        return {"types": types, "restored": restored, "read": len(todo), "dropped": dropped}
 
     # ---------------------------------------------------------------- checkpoints
     def _checkpoint_name(self) -> str:
@@ -240,12 +249,15 @@ class Reducer:
             raise ValueError("this reducer has no checkpoint directory")
         previous = self._read_checkpoint()
         stamp = f"{self.index:04d}.{len(self.applied)}"
-        files = {}
+        files, digests = {}, {}
         for kind, part in (("rows", self.rows), ("state", self.state)):
             if part is not None:
                 files[kind] = f"reducer-{stamp}.{kind}.safetensors"
-                part.save(join(self.checkpoint_dir, files[kind]))
-        record = {"plan": self.plan.to_json(), "applied": self.applied, "files": files}
+                digests[files[kind]] = part.save(join(self.checkpoint_dir, files[kind]))
+        record = {
+            "plan": self.plan.to_json(), "applied": self.applied, "files": files,
+            "digests": digests_json(digests),
+        }  # fmt: skip
         atomic_write_json(self._checkpoint_name(), record)
         for name in (previous or {}).get("files", {}).values():
             if name not in files.values():
@@ -260,23 +272,31 @@ class Reducer:
         except (OSError, ValueError):
             return None
 
-    def _restore(self, sources: Sequence[str]) -> int:
+    def _restore(self, sources: Sequence[FileRef]) -> tuple[int, str | None]:
         """Read this reducer's checkpoint if it is of this plan and covers only ``sources``;
-        the number of sources it covers (0 without a usable checkpoint)."""
+        the number of sources it covers (0 without a usable checkpoint), and, for a
+        checkpoint whose files do not match their digests (it is then removed and not used),
+        what did not match."""
         record = self._read_checkpoint()
         if (
             record is None
             or record.get("plan") != self.plan.to_json()
-            or not set(record["applied"]) <= set(sources)
+            or not set(record["applied"]) <= {s.url for s in sources}
         ):
-            return 0
-        files = record["files"]
-        if "rows" in files:
-            self.rows = EmbeddingStatistics.load(join(self.checkpoint_dir or "", files["rows"]))
-        if "state" in files:
-            self.state = EmbeddingStatistics.load(join(self.checkpoint_dir or "", files["state"]))
+            return 0, None
+        files, digests = record["files"], digests_from_json(record.get("digests"))
+        parts: dict[str, EmbeddingStatistics] = {}
+        try:
+            for kind in ("rows", "state"):
+                if kind in files:
+                    url = join(self.checkpoint_dir or "", files[kind])
+                    parts[kind] = EmbeddingStatistics.load(FileRef(url, digests.get(files[kind])))
+        except IntegrityError as exc:
+            remove(self._checkpoint_name())
+            return 0, str(exc)
+        self.rows, self.state = parts.get("rows"), parts.get("state")
         self.applied = list(record["applied"])
-        return len(self.applied)
+        return len(self.applied), None
 
     def layer_state(self, layer: int) -> LayerMoments:
         if self.state is None or layer not in self.state_layers:
@@ -312,15 +332,15 @@ class Reducer:
         """The Ray node this reducer runs on."""
         return ray.get_runtime_context().get_node_id()
 
-    def save(self, directory: str) -> list[str]:
-        """Write this reducer's parts into ``directory``; their file names."""
-        names = []
+    def save(self, directory: str) -> dict[str, dict[str, Any]]:
+        """Write this reducer's parts into ``directory``; their file names, each with its
+        digest (:meth:`~embgeom_ray.integrity.Digest.to_json`)."""
+        written = {}
         for kind, part in (("rows", self.rows), ("state", self.state)):
             if part is not None:
                 name = f"{kind}-{self.index:04d}.safetensors"
-                part.save(join(directory, name))
-                names.append(name)
-        return names
+                written[name] = part.save(join(directory, name)).to_json()
+        return written
 
 
 class PartitionedStatistics:
@@ -336,7 +356,7 @@ class PartitionedStatistics:
     def __init__(
         self,
         plan: PartitionPlan,
-        group_urls: Sequence[str],
+        group_urls: Sequence[str | FileRef],
         *,
         cpus: float = 0,
         memory: int | None = None,
@@ -367,13 +387,30 @@ class PartitionedStatistics:
         self.actors += [self._start(r) for r in range(len(self.actors), plan.reducers)]
         stop_reducers(started[plan.reducers :])
         self.prestarted = min(len(started), plan.reducers)
-        loading = [a.load.remote(self.group_urls) for a in self.actors]
-        for r, ref in enumerate(loading):
-            self._loaded(r, self._get(r, ref, "load"))
+        loading: list[Any] = []
+        try:
+            loading = [a.load.remote(self.group_urls) for a in self.actors]
+            for r, ref in enumerate(loading):
+                self._loaded(r, self._get(r, ref, "load"))
+        except BaseException:  # a corrupt source, a reducer lost too often: none is left running
+            self.close()
+            for ref in loading:  # the others' answers taken (an error left unread is logged)
+                try:
+                    ray.get(ref, timeout=30)
+                except Exception:  # the first error is the one raised
+                    pass
+            raise
 
-    def _loaded(self, r: int, result: Mapping[str, int] | None) -> None:
+    def _loaded(self, r: int, result: Mapping[str, Any] | None) -> None:
         if result is not None:  # None: restored after a loss (recorded by _restore)
             self.restored[r], self.read[r] = result["restored"], result["read"]
+            if result.get("dropped"):
+                print(
+                    f"reducer {r}: its checkpoint was not used ({result['dropped']}); it reads "
+                    "the groups again",
+                    file=sys.stderr,
+                    flush=True,
+                )
 
     @property
     def layers(self) -> list[int]:
@@ -460,19 +497,20 @@ class PartitionedStatistics:
         """Tokens counted in the first measured layer (as ``EmbeddingStatistics``)."""
         return self._on_owner(self.plan.layers[0], "layer_counts")[0]
 
-    def save(self, directory: str) -> None:
+    def save(self, directory: str) -> Digest:
         """The partitioned artefact: every reducer's parts (written by the reducers at once),
-        then the index naming them."""
+        then the index naming them with their digests; the index's digest."""
         refs = [actor.save.remote(directory) for actor in self.actors]
         files = [self._get(r, ref, "save", directory) for r, ref in enumerate(refs)]
-        atomic_write_json(
-            join(directory, PARTS_INDEX),
-            {
-                "format": PARTS_FORMAT,
-                **self.plan.to_json(),
-                "files": [name for names in files for name in names],
-            },
-        )
+        index = {
+            "format": PARTS_FORMAT,
+            **self.plan.to_json(),
+            "files": [name for names in files for name in names],
+            "digests": {name: d for names in files for name, d in names.items()},
+        }
+        data = (json.dumps(index, indent=2) + "\n").encode()
+        atomic_write_bytes(join(directory, PARTS_INDEX), data)
+        return Digest.of(data)
 
     def describe(self) -> dict[str, Any]:
         """The manifest's ``reducers``: how the statistics were partitioned, restarts."""

@@ -7,9 +7,9 @@ writes each such flush as one *checkpoint group*. Layout under ``OUT``::
     run.json                               fingerprint of what determines the result + plan
     groups/<group_id>.safetensors          the group's merged statistics (written first)
     groups/<group_id>.sample.safetensors   its merged activation sample (when sampling is on)
-    groups/<group_id>.json                 the shard ids it covers and their summed counts;
-                                           written last, so its presence marks every one of
-                                           those shards done
+    groups/<group_id>.json                 the shard ids it covers, their summed counts and
+                                           the digest of each of its files; written last, so
+                                           its presence marks every one of those shards done
     reducers/plan.json, reducers/reducer-<r>.json, reducers/reducer-<r>.<n>.*.safetensors
                                            with ``--reducers``: the partition plan, and each
                                            reducer's partition after the groups it names
@@ -29,13 +29,20 @@ fingerprint refuses to mix with them. ``--checkpoint-interval`` is not part of t
 fingerprint: a resume may group shards differently. Once the run is complete the groups are
 removed (:meth:`CheckpointStore.remove_groups`; ``--keep-checkpoints`` keeps them): the run's
 own ``statistics.safetensors`` and ``samples.parquet`` hold the same information.
+
+Every file of a group has its digest in the group's JSON (:mod:`embgeom_ray.integrity`), and
+every read of it (the reduce, the reducers, the sample's layers) is checked against it. A
+group whose bytes do not match is *corrupt*: :meth:`CheckpointStore.discard_group` removes it
+(its JSON first, so its shards are no longer done) and the reducers' checkpoints that read
+it, and the run redoes its shards (:func:`~embgeom_ray.runs.pipeline.analyze`). Groups
+written before digests existed have none and are read unchecked.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable
-from dataclasses import dataclass
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 import fsspec
@@ -46,6 +53,7 @@ from ..core.statistics import EmbeddingStatistics
 from ..counts import Counts
 from ..errors import OutputError
 from ..inputs.corpus import ShardPlan
+from ..integrity import Digest, FileRef, digests_from_json, digests_json
 from ..io_utils import atomic_write_bytes, atomic_write_json, exists, join, read_bytes
 
 #: directory of checkpoint groups
@@ -66,6 +74,16 @@ class CheckpointGroup:
     #: statistics files: the extractor's pieces of these shards (spilled under
     #: ``--worker-memory``), merged in order
     parts: int = 1
+    #: file name -> the digest of its bytes, recorded when the group was written (empty for
+    #: groups of versions before digests)
+    digests: Mapping[str, Digest] = field(default_factory=dict)
+
+    def file_names(self) -> list[str]:
+        """The group's statistics pieces in fold order, then its sample (which a run without
+        a sample does not write)."""
+        return [piece_name(self.group_id, i) for i in range(self.parts)] + [
+            self.group_id + SAMPLE_SUFFIX
+        ]
 
 
 def group_id_for(shard_ids: Iterable[str]) -> str:
@@ -199,6 +217,7 @@ class CheckpointStore:
                         tuple(d["shards"]),
                         Counts.from_json(d["counts"]),
                         int(d.get("parts", 1)),
+                        digests_from_json(d.get("digests")),
                     )
                 )
         return sorted(groups, key=lambda g: (g.shard_ids[0], g.group_id))
@@ -228,15 +247,50 @@ class CheckpointStore:
             )
         return groups
 
-    def group_urls(self, group: CheckpointGroup) -> list[str]:
-        """Where ``group``'s statistics pieces are, in fold order (read by the reducer actors
-        themselves)."""
-        return [self._path(GROUPS, piece_name(group.group_id, i)) for i in range(group.parts)]
+    def _ref(self, group: CheckpointGroup, name: str) -> FileRef:
+        return FileRef(self._path(GROUPS, name), group.digests.get(name))
 
-    def sample_url(self, group: CheckpointGroup) -> str:
-        """Where ``group``'s merged sample is (read a layer at a time at the finish:
-        :func:`~embgeom_ray.runs.sample_layers.sample_layers`)."""
-        return self._path(GROUPS, group.group_id + SAMPLE_SUFFIX)
+    def group_urls(self, group: CheckpointGroup) -> list[FileRef]:
+        """Where ``group``'s statistics pieces are, in fold order, each with its digest (read
+        by the reducer actors themselves)."""
+        return [self._ref(group, piece_name(group.group_id, i)) for i in range(group.parts)]
+
+    def sample_url(self, group: CheckpointGroup) -> FileRef:
+        """Where ``group``'s merged sample is, with its digest (read a layer at a time at the
+        finish: :func:`~embgeom_ray.runs.sample_layers.sample_layers`)."""
+        return self._ref(group, group.group_id + SAMPLE_SUFFIX)
+
+    def group_of(self, url: str) -> CheckpointGroup | None:
+        """The completed group that ``url`` is a file of; None for any other file."""
+        prefix = self._path(GROUPS) + "/"
+        if not str(url).startswith(prefix):
+            return None
+        stem = _stem(str(url)[len(prefix) :])
+        return next((g for g in self.completed_groups() if g.group_id == stem), None)
+
+    def discard_group(self, group: CheckpointGroup) -> None:
+        """Remove a corrupt ``group``: its JSON first (its shards are then not done), then its
+        files, and every reducer checkpoint that read any of them (that partition is read
+        again from the groups)."""
+        self.fs.rm(join(self.root, GROUPS, group.group_id + DONE_SUFFIX))
+        urls = {self._path(GROUPS, name) for name in group.file_names()}
+        for name in group.file_names():
+            path = join(self.root, GROUPS, name)
+            if self.fs.exists(path):
+                self.fs.rm(path)
+        for name in self._names(REDUCERS):
+            if not (name.startswith("reducer-") and name.endswith(".json")):
+                continue
+            try:
+                record = self._read_json(REDUCERS, name)
+            except OutputError:
+                record = {"applied": list(urls)}
+            if urls & set(record.get("applied", [])):
+                self.fs.rm(join(self.root, REDUCERS, name))
+                for part in record.get("files", {}).values():
+                    path = join(self.root, REDUCERS, part)
+                    if self.fs.exists(path):
+                        self.fs.rm(path)
 
     def load_sample(self, group: CheckpointGroup) -> ActivationSample:
         return ActivationSample.load(self.sample_url(group))
@@ -244,10 +298,12 @@ class CheckpointStore:
     def load_group(
         self, group: CheckpointGroup, with_sample: bool
     ) -> tuple[EmbeddingStatistics, ActivationSample | None]:
-        urls = self.group_urls(group)
-        stats = EmbeddingStatistics.load(urls[0])
-        for url in urls[1:]:
-            stats.merge(EmbeddingStatistics.load(url))
+        """``group``'s statistics (its pieces merged in order) and sample, each file checked
+        against its digest (:class:`~embgeom_ray.errors.IntegrityError`)."""
+        refs = self.group_urls(group)
+        stats = EmbeddingStatistics.load(refs[0])
+        for ref in refs[1:]:
+            stats.merge(EmbeddingStatistics.load(ref))
         return stats, self.load_sample(group) if with_sample else None
 
     def remove_groups(self) -> None:
@@ -286,15 +342,20 @@ class CheckpointStore:
         single = isinstance(stats_pieces, (bytes, bytearray, memoryview, np.ndarray))
         pieces = [stats_pieces] if single else stats_pieces
         parts = 0
+        digests: dict[str, Digest] = {}
         for data in pieces:
-            atomic_write_bytes(self._path(GROUPS, piece_name(group_id, parts)), data)
+            name = piece_name(group_id, parts)
+            atomic_write_bytes(self._path(GROUPS, name), data)
+            digests[name] = Digest.of(data)
             parts += 1
             del data  # before the next piece is fetched
         if parts == 0:
             raise ValueError("a checkpoint group holds at least one statistics piece")
-        group = CheckpointGroup(group_id, ids, counts, parts)
         if sample_bytes is not None:
-            atomic_write_bytes(self._path(GROUPS, group.group_id + SAMPLE_SUFFIX), sample_bytes)
+            name = group_id + SAMPLE_SUFFIX
+            atomic_write_bytes(self._path(GROUPS, name), sample_bytes)
+            digests[name] = Digest.of(sample_bytes)
+        group = CheckpointGroup(group_id, ids, counts, parts, digests)
         atomic_write_json(
             self._path(GROUPS, group.group_id + DONE_SUFFIX),
             {
@@ -303,6 +364,7 @@ class CheckpointStore:
                 "shards": list(ids),
                 "counts": counts.to_json(),
                 "parts": parts,
+                "digests": digests_json(digests),
             },
         )
         return group

@@ -39,6 +39,7 @@ from ..counts import Counts
 from ..errors import ConfigError, ModelError, OutputError, StatisticsMismatchError
 from ..inputs.dedup import shared_documents
 from ..inputs.model_loading import load_tokenizer, tokenizer_fingerprint
+from ..integrity import FileRef, integrity_error
 from ..io_utils import is_local, local_path
 from ..run_dir import (
     STATISTICS,
@@ -183,17 +184,19 @@ def load_statistics(run: str) -> EmbeddingStatistics:
 
 def check_statistics(
     runs: list[str], layers: list[int]
-) -> tuple[list[str], EmbeddingStatistics]:
+) -> tuple[list[FileRef], EmbeddingStatistics]:
     """Each run's statistics artefact (file or ``statistics/`` directory), after checking
     that they measure the same thing (model and tokenizer, layers, dim, clip dims, co-moment
     precision) from their first layer's state alone, without reading any per-type row; and
-    the first run's first-layer state (dim, positions, clip dims)."""
-    urls, probes = [], []
+    the first run's first-layer state (dim, positions, clip dims). Each artefact comes with
+    the digest its run's manifest records, and every read of it is checked against it."""
+    urls: list[FileRef] = []
+    probes = []
     for run in runs:
         rd = RunDir(run)
         if not rd.has_statistics():
             raise RunError(f"run {run} says it is complete but has no {STATISTICS}")
-        urls.append(rd.statistics_url())
+        urls.append(rd.statistics_ref())
         try:
             probes.append(load_statistics_part(urls[-1], layers[:1], (0, 0)))
         except (ValueError, StatisticsMismatchError) as exc:
@@ -221,7 +224,7 @@ def merge_shape(probe: EmbeddingStatistics, layers: list[int], config: JobConfig
 
 
 def size_merge(
-    urls: list[str], shape: Shape, config: JobConfig, echo=print
+    urls: list[FileRef], shape: Shape, config: JobConfig, echo=print
 ) -> tuple[Reduce, np.ndarray]:
     """Where the runs' statistics are merged (:func:`~embgeom_ray.sizing.size_reduce`, with the
     types they hold, read from their files alone, and Ray's view of the cluster, joined here),
@@ -237,7 +240,7 @@ def size_merge(
 
 
 def merge_partitioned(
-    urls: list[str], layers: list[int], reduce: Reduce, seen: np.ndarray
+    urls: list[FileRef], layers: list[int], reduce: Reduce, seen: np.ndarray
 ) -> PartitionedStatistics:
     """The runs' statistics (``urls``: their artefacts, whole or cut into other partitions)
     merged by ``reduce.count`` reducer actors of ``reduce.memory`` bytes each, partition by
@@ -403,7 +406,29 @@ def merge_runs(
     while that is small, else partition by partition on reducer actors
     (:func:`merge_partitioned`), writing the partitioned artefact: the same tables to float64
     rounding. With ``plan`` it only says so (nothing is merged or written).
+
+    Every file read of the runs is checked against the digest its run recorded
+    (:mod:`embgeom_ray.integrity`): a run with a corrupt file is refused, one line naming the
+    file (:class:`~embgeom_ray.errors.IntegrityError`, exit status 2 from ``jobs.merge``), and
+    ``out`` is not marked complete.
     """
+    try:
+        return _merge_runs(runs, out, tokenizer=tokenizer, echo=echo, **options)
+    except Exception as exc:
+        corrupt = integrity_error(exc)
+        if corrupt is None or corrupt is exc:
+            raise
+        raise corrupt from None  # raised on a reducer or a task: its own one-line message
+
+
+def _merge_runs(
+    runs: list[str],
+    out: str,
+    *,
+    tokenizer: str | None = None,
+    echo=print,
+    **options: Any,
+) -> dict[str, Any]:
     unknown = sorted(set(options) - set(MERGE_OPTIONS))
     if unknown:
         raise TypeError(f"merge_runs() got options jobs.merge does not take: {unknown}")

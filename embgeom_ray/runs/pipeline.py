@@ -37,7 +37,6 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any, NamedTuple
 
-import pandas as pd
 from tqdm.auto import tqdm
 
 from ..config import SCHEDULING_OPTIONS, JobConfig
@@ -46,7 +45,7 @@ from ..core.statistics import EmbeddingStatistics
 from ..counts import Counts, unk_warning
 from ..distributed.process_memory import sampler
 from ..distributed.warm_workers import warm_task_workers
-from ..errors import ConfigError, CorpusError
+from ..errors import ConfigError, CorpusError, IntegrityError, OutputError
 from ..inputs.corpus import CorpusSpec, Shard, ShardPlan, plain_text_bytes, plan_shards
 from ..inputs.dedup import HASH, NORMALISATION, DedupPlan, plan_dedup
 from ..inputs.model_loading import (
@@ -57,7 +56,7 @@ from ..inputs.model_loading import (
     resolve_layers,
     weight_bytes,
 )
-from ..io_utils import join
+from ..integrity import integrity_error
 from ..report.plots import FIGURE_GROUPS
 from ..run_dir import (
     GROUPS,
@@ -81,7 +80,8 @@ from ..sizing import (
     size_job,
     size_reduce,
 )
-from ..storage import check_output, user_errors
+from ..sizing.checkpoints import FLOOR_S, Pacer
+from ..storage import check_output, resumable, user_errors
 from .checkpoints import CheckpointGroup, CheckpointStore
 from .finish import counts_of, finish_run
 from .sample_layers import SampleLayers, run_samples, sample_layers
@@ -111,9 +111,10 @@ def resolve_clip_dims(config: JobConfig, dim: int) -> list[int] | None:
         raise ConfigError("give --clip-dims or --clip-dims-from, not both")
     dims = config.clip_dims
     if config.clip_dims_from is not None:
-        path = join(config.clip_dims_from, "dims.parquet")
-        try:
-            table = pd.read_parquet(path, columns=["layer", "dim", "outlier"])
+        try:  # checked against the digest that run recorded, as every read of a run
+            table = RunDir(config.clip_dims_from).read_table("dims", ["layer", "dim", "outlier"])
+        except IntegrityError:
+            raise
         except Exception as exc:
             raise ConfigError(
                 f"--clip-dims-from {config.clip_dims_from}: cannot read its dims.parquet "
@@ -146,10 +147,13 @@ def _extract(
     todo: list[Shard],
     store: CheckpointStore,
     on_ready: Any,
+    pacer: Pacer,
 ) -> PoolPlan:
     """Run ``todo`` on Ray (joined by :func:`size_run`) on the pool ``sizing`` decided, grown
     and shrunk as nodes join and leave (one line on stderr each time); every flushed group is
-    checkpointed on arrival; ``on_ready(pool)`` once the first extractor is ready."""
+    checkpointed on arrival, its bytes and the seconds its write took told to ``pacer``, which
+    sets the checkpoint interval (a line when it changes by a quarter or more);
+    ``on_ready(pool)`` once the first extractor is ready."""
     from ..distributed.actor_pool import run_shards
 
     config = spec.config
@@ -164,8 +168,17 @@ def _extract(
         bar.set_postfix(tokens=tokens, tok_per_s=f"{rate:,.0f}", refresh=False)
         bar.update(shards)
 
+    said = [pacer.last]
+
     def on_group(group: GroupResult) -> None:
-        store.save_group(group.shard_ids, group.pieces(), group.sample, group.counts)
+        t0 = time.perf_counter()
+        saved = store.save_group(group.shard_ids, group.pieces(), group.sample, group.counts)
+        pacer.wrote(sum(d.size for d in saved.digests.values()), time.perf_counter() - t0)
+        if pacer.given is None:
+            now = pacer.interval(max(1, pacer.extractors))
+            if said[0] is None or abs(now - said[0]) >= 0.25 * said[0]:
+                said[0] = now
+                on_resized(f"checkpoints: every {pacer.reason()}")
 
     def on_resized(line: str) -> None:  # the pool grew or shrank: a line above the bar
         with tqdm.external_write_mode(file=sys.stderr):
@@ -185,6 +198,7 @@ def _extract(
             on_ready=on_ready,
             pool=sizing.pool,
             on_resized=on_resized,
+            interval=pacer.interval,
         )
     finally:
         bar.close()
@@ -249,6 +263,14 @@ def start_reducers_early(reduce: Reduce, store: CheckpointStore, interval: float
     )
 
 
+def reducer_checkpoint_seconds(config: JobConfig, pacer: Pacer | None) -> float:
+    """How often reducers checkpoint their partitions while reading groups: the option, else
+    the extractors' interval last chosen (else its floor)."""
+    if config.checkpoint_interval is not None:
+        return config.checkpoint_interval
+    return (pacer.last if pacer is not None else None) or FLOOR_S
+
+
 def reduce_partitioned(
     store: CheckpointStore,
     groups: list[CheckpointGroup],
@@ -256,6 +278,7 @@ def reduce_partitioned(
     reduce: Reduce,
     seen: Any,
     started: Sequence[Any] = (),
+    pacer: Pacer | None = None,
 ) -> tuple[PartitionedStatistics, SampleLayers | None, Counts]:
     """The checkpoint ``groups`` merged by ``reduce.count`` reducer actors, each holding a
     partition of the statistics (:mod:`~embgeom_ray.distributed.reducers`; ``seen``: the
@@ -278,7 +301,7 @@ def reduce_partitioned(
         urls,
         memory=reduce.memory,
         checkpoint_dir=store.reducer_dir(),
-        checkpoint_seconds=config.checkpoint_interval,
+        checkpoint_seconds=reducer_checkpoint_seconds(config, pacer),
         started=started,
         nodes=reduce.nodes,
     )
@@ -485,7 +508,7 @@ def retable(run: RunDir, done: Manifest, spec: RunSpec, t_start: float, echo) ->
 
     config = spec.config
     connect(config.address)
-    url = run.statistics_url()
+    url = run.statistics_ref()
     seen = seen_type_ids([url])
     reduce = size_reduce(spec.shape, len(seen), read_cluster(), config.scheduling)
     echo(f"sizing: {len(seen):,} types: {reduce.describe()}")
@@ -542,24 +565,82 @@ def analyze(config: JobConfig, *, echo=print) -> dict[str, Any]:
     if done_before is not None:
         return reuse_complete(run, done_before, spec, t_start, echo)
     started = _start_run(spec, run, store, started_at, echo)
-    reduced = _extract_and_reduce(spec, started, store, echo)
-    merged, manifest = reduced.merged, started.manifest
-    try:
-        t_reduce = time.perf_counter()
-        _record_run(
-            run, spec, started, reduced, echo,
-            plan_s=t_plan - t_start, reduce_s=t_reduce - reduced.t_extract1,
-        )  # fmt: skip
-        finish_run(
-            run, manifest, merged, reduced.sample, spec.tokenizer, config, t_start=t_start,
-            echo=echo,
-        )  # fmt: skip
-    finally:
-        if reduced.reduce.partitioned:
-            merged.close()
-    if not config.keep_checkpoints:
-        store.remove_groups()
+    with resumable(config.out):
+        manifest = _extract_reduce_finish(spec, run, store, started, t_start, t_plan, echo)
+        if not config.keep_checkpoints:
+            store.remove_groups()
     return manifest.to_json()
+
+
+def _extract_reduce_finish(
+    spec: RunSpec,
+    run: RunDir,
+    store: CheckpointStore,
+    started: _Started,
+    t_start: float,
+    t_plan: float,
+    echo,
+) -> Manifest:
+    """Extract, reduce and write the run (a corrupt checkpoint group found on the way is
+    redone: :func:`redo_corrupt_group`); the manifest written."""
+    config = spec.config
+    for redo in range(MAX_CORRUPT_GROUPS + 1):
+        try:
+            reduced = _extract_and_reduce(spec, started, store, echo)
+            merged, manifest = reduced.merged, started.manifest
+            try:
+                t_reduce = time.perf_counter()
+                _record_run(
+                    run, spec, started, reduced, echo,
+                    plan_s=t_plan - t_start, reduce_s=t_reduce - reduced.t_extract1,
+                )  # fmt: skip
+                finish_run(
+                    run, manifest, merged, reduced.sample, spec.tokenizer, config,
+                    t_start=t_start, echo=echo,
+                )  # fmt: skip
+            finally:
+                if reduced.reduce.partitioned:
+                    merged.close()
+            return manifest
+        except Exception as exc:
+            started = redo_corrupt_group(store, started, exc, redo, echo)
+    raise AssertionError("unreachable: the last redo raises")
+
+
+#: corrupt checkpoint groups a run redoes before it gives up (each one is reported)
+MAX_CORRUPT_GROUPS = 3
+
+
+def redo_corrupt_group(
+    store: CheckpointStore, started: _Started, exc: Exception, redo: int, echo
+) -> _Started:
+    """After ``exc``: when it says a checkpoint group's file is corrupt (its bytes do not
+    match the digest its JSON records), discard that group (and the reducer checkpoints that
+    read it: :meth:`~.checkpoints.CheckpointStore.discard_group`), say so in one line, and
+    return the run's state with the group's shards to extract again; nothing of the group is
+    merged. Any other error, or more than :data:`MAX_CORRUPT_GROUPS` corrupt groups, is
+    raised."""
+    corrupt = integrity_error(exc)
+    group = None if corrupt is None else store.group_of(corrupt.url)
+    if group is None:
+        raise exc
+    if redo >= MAX_CORRUPT_GROUPS:
+        raise OutputError(
+            f"{corrupt}; {redo + 1} checkpoint groups in {store.out} were corrupt: check the "
+            "storage, then rerun the same command to resume"
+        ) from None
+    store.discard_group(group)
+    echo(
+        f"checkpoint group {group.group_id} is corrupt ({corrupt.url.rsplit('/', 1)[-1]}: "
+        f"{corrupt.detail}); its {len(group.shard_ids)} shard(s) are redone"
+    )
+    redone = set(group.shard_ids)
+    computed = redone | {s.shard_id for s in started.todo}
+    return started._replace(
+        done=started.done - redone,
+        todo=[s for s in started.plan.shards if s.shard_id in computed],
+        pending=[s for s in started.plan.shards if s.shard_id in redone],
+    )
 
 
 class _Started(NamedTuple):
@@ -571,7 +652,9 @@ class _Started(NamedTuple):
     dedup: DedupPlan | None
     manifest: Manifest  # as written, ``running``
     done: set[int]  # shards of the plan already checkpointed
-    todo: list[Shard]  # the others, to extract
+    todo: list[Shard]  # the others, extracted by this run
+    pending: list[Shard]  # those still to extract (todo, then a corrupt group's shards)
+    pacer: Pacer  # the checkpoint interval (sizing/checkpoints.py)
     ray_start_s: float
     dedup_s: float
 
@@ -600,7 +683,12 @@ def _start_run(
     todo = [s for s in plan.shards if s.shard_id not in done]
     if resumed:
         echo(f"resuming {config.out}: {len(done)} of {len(plan.shards)} shards already done")
-    return _Started(sizing, plan, resumed, dedup, manifest, done, todo, t_ray1 - t_ray0, t_dedup)
+    pacer = Pacer(config.checkpoint_interval)
+    echo(f"sizing: checkpoints: every {pacer.reason()}")
+    return _Started(
+        sizing, plan, resumed, dedup, manifest, done, todo, todo, pacer, t_ray1 - t_ray0,
+        t_dedup,
+    )  # fmt: skip
 
 
 class _Reduced(NamedTuple):
@@ -627,12 +715,18 @@ def _extract_and_reduce(
     early: list[Any] = []
 
     def on_ready(pool: PoolPlan) -> None:  # the first extractor has loaded its model
-        early.extend(start_reducers_early(sizing.reduce, store, config.checkpoint_interval))
+        early.extend(start_reducers_early(
+            sizing.reduce, store, reducer_checkpoint_seconds(config, started.pacer)
+        ))  # fmt: skip
         warm_task_workers(warm_workers_wanted(config, len(spec.layers), pool))
 
     t_extract0 = time.perf_counter()
     try:
-        pool = _extract(spec, sizing, started.todo, store, on_ready) if started.todo else None
+        pool = (
+            _extract(spec, sizing, started.pending, store, on_ready, started.pacer)
+            if started.pending
+            else None
+        )
         t_extract1 = time.perf_counter()
         groups = store.groups_covering(s.shard_id for s in started.plan.shards)
         reduce, seen = reduce_decision(store, groups, spec, echo)
@@ -641,7 +735,9 @@ def _extract_and_reduce(
             reduce.nodes[:kept] = sizing.reduce.early_nodes[:kept]
         manifest.set(sizing=sizing.to_json() | {"reduce": asdict(reduce)})
         if reduce.partitioned:
-            merged, sample, totals = reduce_partitioned(store, groups, spec, reduce, seen, early)
+            merged, sample, totals = reduce_partitioned(
+                store, groups, spec, reduce, seen, early, started.pacer
+            )
         elif early:  # reducers started for a reduce the job's own process does
             stop_early(early)
     except BaseException:
@@ -697,6 +793,7 @@ def _record_run(
         },
         throughput={"tokens_per_s_extract_wall": throughput(totals, started.resumed, extract_s)},
     )
+    manifest.set(sizing=(manifest.sizing or {}) | {"checkpoints": started.pacer.to_json(extract_s)})
 
 
 def reduce_decision(

@@ -28,8 +28,9 @@ from collections.abc import Sequence
 from typing import Any, Protocol
 
 from ..core.samples import ActivationSample
-from ..core.sketch import read_header
+from ..core.sketch import SafetensorsFile
 from ..errors import StatisticsMismatchError
+from ..integrity import FileRef, as_ref, open_verified
 from ..run_dir import RunDir
 from ..sizing.formulas import SAMPLE_ON_WORKERS_BYTES, sample_layer_bytes
 
@@ -68,27 +69,22 @@ class InMemorySample:
 
 
 class FileSample:
-    """The sample :meth:`~embgeom_ray.core.sketch.Sketch.save` wrote at ``url``; only its
+    """The sample :meth:`~embgeom_ray.core.sketch.Sketch.save` wrote at ``url`` (with the
+    digest recorded when it was written, which every read is checked against); only its
     header is read here."""
 
-    def __init__(self, url: str) -> None:
-        import fsspec
-
-        self.url = url
-        with fsspec.open(url, "rb") as f:
-            head = f.read(8)
-            head += f.read(int.from_bytes(head, "little")) if len(head) == 8 else b""
-        try:
-            self.header = read_header(head, ActivationSample.KIND)
-        except StatisticsMismatchError as exc:
-            raise StatisticsMismatchError(f"{url}: {exc}") from None
+    def __init__(self, url: str | FileRef) -> None:
+        self.ref = as_ref(url)
+        self.url = self.ref.url
+        with open_verified(self.ref) as f:
+            self.header = SafetensorsFile(f, ActivationSample.KIND).header()
         self.layers = [int(x) for x in self.header["layers"]]
 
     def layer(self, layer: int) -> ActivationSample:
-        return ActivationSample.load_layer(self.url, layer)
+        return ActivationSample.load_layer(self.ref, layer)
 
     def whole(self) -> ActivationSample:
-        return ActivationSample.load(self.url)
+        return ActivationSample.load(self.ref)
 
 
 class RunSamples:
@@ -170,10 +166,10 @@ def _empty(header: dict[str, Any]) -> ActivationSample:
     return ActivationSample._empty(header, ActivationSample.check_header(header), "cpu")
 
 
-def sample_layers(urls: Sequence[str]) -> SampleLayers | None:
-    """The sample files at ``urls`` (checkpoint groups') merged in order a layer at a time
-    (:func:`merged_layers`); None without any."""
-    return merged_layers([FileSample(url) for url in urls], urls)
+def sample_layers(urls: Sequence[str | FileRef]) -> SampleLayers | None:
+    """The sample files at ``urls`` (checkpoint groups', with their digests) merged in order
+    a layer at a time (:func:`merged_layers`); None without any."""
+    return merged_layers([FileSample(url) for url in urls], [str(url) for url in urls])
 
 
 def sample_entries(header: dict[str, Any]) -> tuple[int, int]:

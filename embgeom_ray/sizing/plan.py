@@ -7,6 +7,7 @@ import math
 from collections.abc import Sequence
 
 from ..errors import ConfigError
+from .checkpoints import describe_plan as checkpoint_lines
 from .decisions import Sizing, _NoOptions, driver_reserve, io_sizes, size_reducers
 from .formulas import (
     DRIVER_ALLOWANCE_BYTES,
@@ -25,7 +26,7 @@ from .nodes import Cluster
 
 
 def describe_plan(
-    sizing: Sizing, corpus: CorpusShape, *, checkpoint_interval: float, total_layers: int
+    sizing: Sizing, corpus: CorpusShape, *, checkpoint_interval: float | None, total_layers: int
 ) -> list[str]:
     """What ``--plan`` prints: what runs where, every process's memory as number and formula,
     the bytes that move and are stored, and what measuring fewer layers saves."""
@@ -89,8 +90,12 @@ def describe_plan(
         f"state F = 8·L·(d² + 3d + P·(d+1) + 2) = {gib(shape.layer_state_bytes())}; sample Q = "
         f"4·L·s·d + 48s = {gib(shape.sample_bytes)}",
         f"flush: pieces of ≤ {gib(io['flush_piece_bytes'])} ({io['flush_formula']}), one "
-        f"checkpoint group per flush (every {checkpoint_interval:g} s of an extractor's work, "
+        "checkpoint group per flush (every checkpoint interval of an extractor's work, "
         "and when the queue drains)",
+        *checkpoint_lines(
+            io["flush_piece_bytes"] + shape.sample_bytes, pool.num_workers,
+            extractors_per_node(sizing), checkpoint_interval,
+        ),
         "checkpoint groups on disk: one per extractor and --checkpoint-interval ("
         + (
             f"≤ {gib(io['checkpoint_bytes_per_interval'])} an interval for the "
@@ -160,3 +165,14 @@ def layers_lever(sizing: Sizing, total_layers: int) -> str | None:
         f"{gib(shape.statistics_bytes(sizing.types))} (÷{shape.layers / fewer:.1f}), reduced "
         f"on {where}"
     )
+
+
+def extractors_per_node(sizing: Sizing) -> int:
+    """The most extractors of the pool one node holds (by its CPUs and GPUs): what one node's
+    failure takes."""
+    pool = sizing.pool
+    held = [
+        min(n.cpus // max(1, pool.num_cpus), int(n.gpus // pool.num_gpus) if pool.num_gpus else n.cpus)
+        for n in sizing.cluster.nodes
+    ]
+    return max(1, min(pool.num_workers, max(held, default=1)))

@@ -336,3 +336,11 @@ def test_warm_workers_smoke(results_dir):
     assert set(res["runs"]) == {"cold", "warm"} and len(res["runs"]["warm"]) == 1
     assert res["median_s"]["warm"]["wall"] > 0 and res["ratio_warm_to_cold"]["wall"] > 0
 
+
+
+def test_checksums_smoke(results_dir):
+    from bench import checksums
+
+    checksums.main("--gib 0.01 --repeats 1".split())
+    res = read(results_dir, "checksums")
+    assert res["times_s"]["digest"][0] > 0 and res["digest_share_of_write"] > 0

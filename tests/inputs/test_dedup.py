@@ -27,6 +27,7 @@ from embgeom_ray.inputs.dedup import (
     plan_dedup,
     shared_documents,
 )
+from embgeom_ray.integrity import Digest
 from embgeom_ray.run_dir import Manifest, RunDir
 from embgeom_ray.runs.checkpoints import CheckpointStore
 from tests.conftest import start_local_ray, write_jsonl
@@ -227,6 +228,11 @@ def runs(tmp_path_factory, _ray_session) -> dict[str, Path]:
     hashes = RunDir(str(out["c"])).read_doc_hashes().copy()
     hashes[:2] = [np.frombuffer(document_hash(d), dtype=np.uint8) for d in C_SHARED]
     np.save(out["c"] / "doc_hashes.npy", hashes)
+    manifest = manifest_of(out["c"])  # as the run that wrote these keys would have recorded
+    manifest["outputs"]["digests"]["doc_hashes.npy"] = Digest.of(
+        (out["c"] / "doc_hashes.npy").read_bytes()
+    ).to_json()
+    (out["c"] / "manifest.json").write_text(json.dumps(manifest))
     # b as a run without --dedup would have written it (what the merge reads: the option)
     out["b-plain"] = Path(shutil.copytree(out["b"], root / "run-b-plain"))
     manifest = manifest_of(out["b-plain"])

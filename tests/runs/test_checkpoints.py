@@ -187,3 +187,50 @@ def test_a_group_of_spilled_pieces_reduces_like_one(tmp_path):
     (tmp_path / "out" / "groups" / "f0-b0000-n3.json").unlink()
     removed = store.discard_incomplete()
     assert len(removed) == 4 and not list((tmp_path / "out" / "groups").iterdir())
+
+
+def test_a_corrupt_group_is_found_and_discarded_with_the_reducer_checkpoints_that_read_it(tmp_path):
+    """Each group's JSON records its files' digests; a group with one flipped byte fails the
+    reduce (nothing of it merged) and is discarded: its shards are no longer done, and the
+    reducer checkpoints that read it go with it, the others stay. A group a previous version
+    wrote (no digests) still reads."""
+    from embgeom_ray.errors import IntegrityError
+    from embgeom_ray.runs.checkpoints import REDUCERS
+
+    store = started(tmp_path)
+    good = store.save_group(ids(0, 1), fold([0, 1]).to_bytes(), None, counts(20))
+    bad = store.save_group(ids(2), fold([2]).to_bytes(), None, counts(10))
+    groups = tmp_path / "out" / "groups"
+    assert set(json.loads((groups / f"{bad.group_id}.json").read_text())["digests"]) == {
+        f"{bad.group_id}.safetensors"
+    }
+    piece = groups / f"{bad.group_id}.safetensors"
+    data = bytearray(piece.read_bytes())
+    data[-5] ^= 1
+    piece.write_bytes(bytes(data))
+    reducers = tmp_path / "out" / REDUCERS
+    reducers.mkdir()
+    (ref,) = store.group_urls(bad)
+    for r, applied in ((0, [store.group_urls(good)[0].url, ref.url]), (1, [store.group_urls(good)[0].url])):
+        (reducers / f"reducer-{r:04d}.json").write_text(json.dumps({"applied": applied}))
+
+    with pytest.raises(IntegrityError, match=rf"{bad.group_id}\.safetensors is corrupt") as info:
+        reduce_groups(store, store.completed_groups(), EmbeddingStatistics(LAYERS, DIM), False)
+    assert store.group_of(info.value.url) == bad and store.group_of(str(tmp_path / "x")) is None
+    store.discard_group(bad)
+    assert store.done_shards() == set(ids(0, 1))
+    assert sorted(p.name for p in groups.iterdir()) == sorted(
+        p.name for p in groups.iterdir() if p.name.startswith(good.group_id)
+    )
+    assert [p.name for p in reducers.iterdir()] == ["reducer-0001.json"]
+
+    # the redone shard's group, and the old group without digests, reduce to the one pass
+    store.save_group(ids(2), fold([2]).to_bytes(), None, counts(10))
+    done = groups / f"{good.group_id}.json"
+    record = json.loads(done.read_text())
+    del record["digests"]
+    done.write_text(json.dumps(record))
+    merged, _, _ = reduce_groups(
+        store, store.groups_covering(ids(0, 1, 2)), EmbeddingStatistics(LAYERS, DIM), False
+    )
+    np.testing.assert_allclose(merged.layer(0).comoment, fold([0, 1, 2]).layer(0).comoment, rtol=1e-10)

@@ -178,6 +178,11 @@ def test_tiny_random_models_with_long_documents(tmp_path, ray_local, builder):
     assert manifest["counts"]["windows"] > len(docs)
     ref = reference_tables(model_dir, docs, max_length=32)
     assert_tables_close(ours, ref, rtol=1e-5, cos_atol=1e-6)
+    # no --checkpoint-interval: sized, from what the run's own flushes measured
+    pace = manifest["sizing"]["checkpoints"]
+    assert pace["given_s"] is None and pace["flushes"] == manifest["shards"]["checkpoint_groups"]
+    assert pace["bytes_written"] > 0 and pace["bandwidth_bytes_per_s"] > 0
+    assert 60 <= pace["interval_s"] <= 3600 and 0 < pace["write_share"] < 1
 
 
 def test_one_and_two_workers_agree(tmp_path, ray_local, minilm_dir):
@@ -222,3 +227,44 @@ def test_one_and_two_workers_agree(tmp_path, ray_local, minilm_dir):
     ]
     assert np.isfinite(t1["layers"][sampled].to_numpy(dtype=float)).all()
     assert t1["layers"]["layer"].tolist() == [0, 3, 6]
+
+
+def test_a_corrupt_checkpoint_group_is_redone(tmp_path, ray_local, monkeypatch):
+    """One flipped byte deep in a checkpoint group's statistics, found by the reducer that
+    reads that part of it (digests of 4 KiB blocks here, so that no other read touches it):
+    the group is discarded and its shards redone, in one line; nothing of it is merged, and
+    the tables equal the reference."""
+    from embgeom_ray import integrity
+    from embgeom_ray.runs.checkpoints import CheckpointStore
+
+    monkeypatch.setattr(integrity, "MIN_BLOCK", 4096)  # the groups' digests, made here
+    model_dir = make_tiny_bert(str(tmp_path / "model"))
+    docs = [d.encode("ascii", "ignore").decode() for d in english_documents(6, 900)]
+    docs = [d for d in docs if d.strip()]
+    save_group, flipped = CheckpointStore.save_group, []
+
+    def corrupting(store, shard_ids, pieces, sample, counts):
+        group = save_group(store, shard_ids, pieces, sample, counts)
+        if not flipped:
+            path = tmp_path / "run" / "groups" / group.file_names()[0]
+            data = bytearray(path.read_bytes())
+            data[len(data) * 2 // 3] ^= 0x04
+            path.write_bytes(bytes(data))
+            flipped.append(group.group_id)
+        return group
+
+    monkeypatch.setattr(CheckpointStore, "save_group", corrupting)
+    said: list[str] = []
+    corpus = write_jsonl(tmp_path / "c.jsonl", docs)
+    options = {"sample_size": 0, "no_report": True, "max_length": 32, "shard_bytes": 2048}
+    options |= {"batch_tokens": 256, "checkpoint_interval": 0, "reducers": 2}  # a group a shard
+    config = build_config(None, {"model": model_dir, "corpus": corpus, "out": str(tmp_path / "run"), **options})
+    manifest = analyze(config, echo=said.append)
+    (line,) = [line for line in said if "is corrupt" in line]
+    assert line.startswith(f"checkpoint group {flipped[0]} is corrupt ({flipped[0]}.safetensors: bytes ")
+    assert line.endswith("its 1 shard(s) are redone")
+    assert manifest["status"] == "complete" and manifest["reducers"]["count"] == 2
+    assert manifest["shards"]["checkpoint_groups"] == manifest["shards"]["total"] == 3
+    names = ("type_stats", "layers", "dims", "positions")
+    ours = {t: pd.read_parquet(tmp_path / "run" / f"{t}.parquet") for t in names}
+    assert_tables_close(ours, reference_tables(model_dir, docs, max_length=32), rtol=1e-5, cos_atol=1e-6)

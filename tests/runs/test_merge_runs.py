@@ -217,6 +217,16 @@ def _copy_run(src: Path, dst: Path) -> Path:
     return dst
 
 
+def _record_digest(run: Path, name: str) -> None:
+    """The manifest's digest of ``name`` made that of its bytes now (as the run that wrote
+    them would have recorded it)."""
+    from embgeom_ray.integrity import Digest
+
+    manifest = json.loads((run / "manifest.json").read_text())
+    manifest["outputs"]["digests"][name] = Digest.of((run / name).read_bytes()).to_json()
+    (run / "manifest.json").write_text(json.dumps(manifest))
+
+
 def test_refuses_incomplete_run(runs, tmp_path, capsys) -> None:
     bad = _copy_run(runs["b"], tmp_path / "b-running")
     manifest = json.loads((bad / "manifest.json").read_text())
@@ -232,9 +242,27 @@ def test_refuses_other_model(runs, tmp_path, capsys) -> None:
     stats = EmbeddingStatistics.load(bad / "statistics.safetensors")
     stats.metadata["model_fingerprint"] = "sha256:" + "0" * 64
     stats.save(bad / "statistics.safetensors")
+    _record_digest(bad, "statistics.safetensors")
     assert merge.main(["--out", str(tmp_path / "out"), str(runs["a"]), str(bad)]) == 2
     err = capsys.readouterr().err
     assert "model_fingerprint" in err and str(bad) in err
+
+
+@pytest.mark.parametrize("name", ["statistics.safetensors", "samples.parquet"])
+def test_refuses_a_run_with_a_flipped_byte(runs, tmp_path, capsys, name) -> None:
+    """A byte of a run's artefact that is not what the run wrote (the digest its manifest
+    records) is found when the merge reads it: refused in one line naming the file, exit 2,
+    and the output is not complete."""
+    bad = _copy_run(runs["b"], tmp_path / "b-flipped")
+    data = bytearray((bad / name).read_bytes())
+    data[len(data) // 2] ^= 0x01
+    (bad / name).write_bytes(bytes(data))
+    out = tmp_path / "out"
+    assert merge.main(["--out", str(out), str(runs["a"]), str(bad)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith(f"error: {bad / name} is corrupt: bytes ")
+    assert err[-1].endswith("do not match the digest recorded when it was written")
+    assert not (out / "manifest.json").exists() or not RunDir(str(out)).manifest().complete
 
 
 def test_refuses_other_options(runs, tmp_path, capsys) -> None:
@@ -280,8 +308,9 @@ def _as_previous_version(src: Path, dst: Path) -> Path:
     pq.write_table(table.replace_schema_metadata(meta), run.path("samples"))
     manifest = json.loads((dst / "manifest.json").read_text())
     manifest["outputs"]["artefacts"].append(SAMPLE)
+    del manifest["outputs"]["digests"]  # recorded since: a run of the previous version has none
     (dst / "manifest.json").write_text(json.dumps(manifest))
-    assert run.table_header("samples") is None
+    assert RunDir(str(dst)).table_header("samples") is None
     return dst
 
 

@@ -37,7 +37,8 @@ def test_minilm_plan_is_what_the_run_records(ray_local, minilm_dir, tmp_path, ca
     printed = capsys.readouterr().out
     assert not (tmp_path / "run").exists()
     for what in ("model: ", "6 blocks, d = 384", "V = 30,522 tokenizer entries", "extractors:",
-                 "memory each:", "reduce", "driver (the job's own process)", "artefact:"):  # fmt: skip
+                 "memory each:", "reduce", "driver (the job's own process)", "artefact:",
+                 "checkpoints: every T = N · B / (5% · W) s within [60 s, 3600 s]"):  # fmt: skip
         assert what in printed, what
     # a CPU's batch from MiniLM's shape: d_ff = 1,536 float32 values a token within 32 MiB
     assert "5,120 padded tokens a batch (a CPU's: one layer's largest tensor" in printed
@@ -48,6 +49,9 @@ def test_minilm_plan_is_what_the_run_records(ray_local, minilm_dir, tmp_path, ca
     manifest = analyze(config, echo=lambda *_: None)
     recorded = dict(manifest["sizing"])
     recorded.pop("reduce")
+    # what the run measured of its checkpoints' writes, by the rule the plan states
+    checkpoints = recorded.pop("checkpoints")
+    assert checkpoints["given_s"] is None and checkpoints["flushes"] >= 1
     assert recorded == json.loads(json.dumps(planned))
     assert manifest["workers"]["memory_bytes"] == planned["extractors"]["memory"]
     assert manifest["workers"]["num_workers"] == planned["extractors"]["num_workers"]

@@ -1,0 +1,182 @@
+"""An S3 endpoint that refuses, stalls or drops the connection mid-upload, during a flush (a
+checkpoint group written) and during the final write (the artefact and tables), with a real
+S3 API (moto's server mode) behind a TCP proxy on loopback that fails on demand
+(:class:`tests.object_store.FaultyProxy`).
+
+- A short outage is survived: the store's own retries (botocore's, inside s3fs's) carry the
+  write through, and what was written reads back checked against its digest.
+- An outage that outlasts the retries stops the run with one line naming the run and the
+  endpoint and saying that rerunning resumes (:func:`embgeom_ray.storage.resumable`, a
+  :class:`~embgeom_ray.errors.StorageError`: exit status 2); the group being written is not
+  done, the groups before it are kept, and writing again once the store answers counts
+  every shard once.
+- The whole job, stalled mid-run, then rerun: it resumes, and its tables equal the
+  reference.
+
+The retries here are fsspec's configuration of s3fs made short (a read timeout of 0.5 s, two
+attempts a request), as a user would set it (``FSSPEC_S3``); the job's defaults are in
+:data:`embgeom_ray.io_utils.STORE_DEFAULTS`.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterator
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from embgeom_ray.errors import StorageError
+from embgeom_ray.run_dir import Manifest, RunDir
+from embgeom_ray.runs.checkpoints import CheckpointStore
+from embgeom_ray.storage import resumable
+from tests.object_store import FaultyProxy, moto_server, s3_env
+from tests.runs.test_checkpoints import counts, fold, ids, plan
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+
+BUCKET = "faults"
+#: botocore's timeouts and attempts made short, as ``FSSPEC_S3`` would (the job's own
+#: defaults are minutes: embgeom_ray.io_utils.STORE_DEFAULTS)
+SHORT = {"config_kwargs": {"connect_timeout": 1, "read_timeout": 0.5,
+                           "retries": {"mode": "standard", "total_max_attempts": 2}}}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def proxy(tmp_path_factory) -> Iterator[FaultyProxy]:
+    """moto behind the failing proxy, the environment pointing boto at the proxy."""
+    import fsspec.config
+    import s3fs
+
+    with moto_server(tmp_path_factory.mktemp("moto") / "moto.log") as endpoint:
+        proxy = FaultyProxy(endpoint)
+        with pytest.MonkeyPatch.context() as mp:
+            for key, value in s3_env(proxy.endpoint).items():
+                mp.setenv(key, value)
+            mp.setitem(fsspec.config.conf, "s3", json.loads(json.dumps(SHORT)))
+            s3fs.S3FileSystem.clear_instance_cache()
+            s3fs.S3FileSystem().mkdir(BUCKET)
+            try:
+                yield proxy
+            finally:
+                proxy.heal()
+                s3fs.S3FileSystem.clear_instance_cache()
+
+
+@pytest.fixture
+def store(proxy, request) -> CheckpointStore:
+    name = request.node.name.replace("[", "-").replace("]", "")
+    store = CheckpointStore(f"s3://{BUCKET}/{name}")
+    store.start("fp", {}, plan(4), overwrite=False)
+    return store
+
+
+def save(store: CheckpointStore, *shards: int):
+    return store.save_group(ids(*shards), fold(list(shards)).to_bytes(), None, counts(10))
+
+
+def finalise(out: str):
+    stats = fold([0, 1, 2, 3])
+    tables = {"layers": pd.DataFrame({"layer": [0, 1], "anisotropy": [0.1, 0.2]})}
+    return RunDir(out).finalise(Manifest(status="running"), tables, stats, None), stats
+
+
+#: the faults, and what a write during each is: the request that fails is the next one
+FAULTS = {"refuse": {"mode": "refuse"}, "stall": {"mode": "stall"},
+          "cut mid-upload": {"mode": "cut"}}  # fmt: skip
+
+
+@pytest.mark.parametrize("fault", FAULTS)
+def test_a_short_outage_is_retried_through(proxy, store, fault):
+    """The fault lasts one request (a refusal: one connection reset): the flush and the final write go
+    through on the store's retries, and read back checked against their digests."""
+    proxy.fault(**FAULTS[fault], at=rb"PUT /faults/", requests=1)
+    group = save(store, 0, 1)
+    assert proxy.faults >= 1
+    stats, _ = store.load_group(store.groups_covering(ids(0, 1))[0], with_sample=False)
+    assert stats.to_bytes() == fold([0, 1]).to_bytes()
+    proxy.heal()
+    proxy.faults = 0
+    proxy.fault(**FAULTS[fault], at=rb"PUT /faults/[^ ]*/statistics", requests=1)
+    manifest, stats = finalise(store.out)
+    assert proxy.faults >= 1 and manifest.complete and group.group_id
+    assert RunDir(store.out).load_statistics().to_bytes() == stats.to_bytes()
+    proxy.heal()
+
+
+@pytest.mark.parametrize("fault", FAULTS)
+def test_a_store_that_stays_down_stops_the_run_resumably(proxy, store, fault):
+    """The fault outlasts the retries: one line naming the run, the endpoint and what to do
+    (a StorageError: exit status 2); the group being written is not done, the one before is
+    kept, and once the store answers the writes complete with every shard counted once. The
+    same for the final write: the run is not marked complete until it is written whole."""
+    save(store, 0, 1)
+    proxy.fault(**FAULTS[fault], at=rb"PUT /faults/")  # the next group's first file
+    t0 = time.monotonic()
+    with pytest.raises(StorageError) as info, resumable(store.out):
+        save(store, 2, 3)
+    line = str(info.value)
+    assert "\n" not in line and store.out in line and proxy.endpoint in line, line
+    assert "rerun the same command to resume" in line, line
+    assert time.monotonic() - t0 < 60
+    proxy.heal()
+    assert store.done_shards() == set(ids(0, 1))  # the group whose JSON was never written
+    store.discard_incomplete()  # what a rerun does first
+    save(store, 2, 3)
+    assert len(store.groups_covering(ids(0, 1, 2, 3))) == 2
+
+    proxy.fault(**FAULTS[fault], at=rb"PUT /faults/[^ ]*/statistics")
+    with pytest.raises(StorageError, match="rerun the same command"), resumable(store.out):
+        finalise(store.out)
+    proxy.heal()
+    assert not RunDir(store.out).has_manifest() or not RunDir(store.out).manifest().complete
+    manifest, stats = finalise(store.out)
+    assert manifest.complete
+    assert RunDir(store.out).load_statistics().to_bytes() == stats.to_bytes()
+
+
+def test_a_job_stalled_mid_run_resumes_and_equals_the_reference(proxy, ray_local, tmp_path, capsys):
+    """The whole job (its own process's writes through the proxy: a local corpus, the reduce
+    in this process): the store stalls after its second checkpoint group, the job stops in
+    one line, exit status 2; rerun once the store answers, it resumes with both groups kept
+    (one shard left to extract), and its tables equal the reference."""
+    from jobs.analyze import main
+    from tests.conftest import write_jsonl
+    from tests.reference import reference_tables
+    from tests.runs.test_job_end_to_end import assert_tables_close, english_documents
+    from tests.tiny_models import make_tiny_bert
+
+    model = make_tiny_bert(str(tmp_path / "model"))
+    docs = [d.encode("ascii", "ignore").decode() for d in english_documents(6, 900)]
+    docs = [d for d in docs if d.strip()]
+    corpus = write_jsonl(tmp_path / "c.jsonl", docs)
+    out = f"s3://{BUCKET}/job"
+    argv = ["--model", model, "--corpus", corpus, "--out", out, "--max-length", "32",
+            "--shard-bytes", "2048", "--checkpoint-interval", "0", "--sample-size", "0",
+            "--no-report", "--reducers", "1", "--num-workers", "1"]  # fmt: skip
+    seen = len(proxy.seen)
+    # the store stalls from the third group's first file on: two groups are complete
+    proxy.fault("stall", at=rb"PUT /faults/job/groups/[^ ]*-n1\.safetensors", skip=2)
+    capsys.readouterr()
+    assert main(argv) == 2
+    err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error")]
+    assert len(err) == 1 and out in err[0] and "rerun the same command" in err[0], err
+    proxy.heal()
+    groups = [r for r in proxy.seen[seen:] if r.endswith(b".json") and b"/groups/" in r]
+    assert groups, proxy.seen[seen:]
+    assert main(argv) == 0, capsys.readouterr().err[-3000:]
+    said = capsys.readouterr()
+    assert "resuming" in said.out
+    fs = __import__("s3fs").S3FileSystem()
+    manifest = json.loads(fs.cat(f"{BUCKET}/job/manifest.json"))
+    shards = manifest["shards"]
+    assert (shards["reused_from_checkpoints"], shards["computed"], shards["total"]) == (2, 1, 3)
+    tables = {}
+    for name in ("type_stats", "layers", "dims", "positions"):
+        with fs.open(f"{BUCKET}/job/{name}.parquet", "rb") as f:
+            tables[name] = pd.read_parquet(f)
+    ref = reference_tables(model, docs, max_length=32)
+    assert_tables_close(tables, ref, rtol=1e-5, cos_atol=1e-6)
+    assert np.isfinite(tables["layers"]["anisotropy"]).all()

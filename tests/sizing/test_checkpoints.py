@@ -1,0 +1,58 @@
+"""The checkpoint interval sized to the state and the storage (embgeom_ray/sizing/checkpoints.py):
+writing checkpoints takes at most its share of the extraction, from measured bytes and
+bandwidth, within the floor and the ceiling."""
+
+from __future__ import annotations
+
+import pytest
+
+from embgeom_ray.sizing.checkpoints import (
+    CEILING_S,
+    FLOOR_S,
+    IO_SHARE,
+    Pacer,
+    describe_plan,
+    interval_for,
+    write_share,
+)
+
+GiB = 2**30
+
+
+def test_the_interval_keeps_writing_within_its_share():
+    # 32 extractors flushing 61 GiB each to storage that takes 10 GiB/s: 195 s a round of
+    # writes; 5% of the extraction is 3,904 s: above the ceiling, which wins
+    assert interval_for(61 * GiB, 32, 10 * GiB) == CEILING_S
+    assert write_share(61 * GiB, 32, 10 * GiB, CEILING_S) == pytest.approx(0.0542, abs=1e-4)
+    # 4 extractors of 2 GiB at 1 GiB/s: 8 s of writes a round, every 160 s
+    t = interval_for(2 * GiB, 4, GiB)
+    assert t == pytest.approx(160.0) and write_share(2 * GiB, 4, GiB, t) == pytest.approx(IO_SHARE)
+    assert interval_for(1 << 20, 1, GiB) == FLOOR_S  # small flushes: the floor
+    assert interval_for(GiB, 1, 0.0) == CEILING_S  # no bandwidth: the fewest checkpoints
+
+
+def test_the_pacer_measures_before_it_decides():
+    pacer = Pacer()
+    assert pacer.interval(4) == FLOOR_S and "until a flush has measured" in pacer.reason()
+    pacer.wrote(2 * GiB, 1.5)
+    pacer.wrote(2 * GiB, 2.5)  # 4 GiB in 4 s: 1 GiB/s, 2 GiB a flush
+    assert pacer.bandwidth == pytest.approx(GiB) and pacer.flush_bytes == pytest.approx(2 * GiB)
+    assert pacer.interval(4) == pytest.approx(160.0)
+    assert pacer.interval(8) == pytest.approx(320.0)  # the pool grew: twice the writes
+    assert pacer.reason().startswith("320 s: 8 extractor(s) × 2.0 GiB a flush at 1.0 GiB/s")
+    record = pacer.to_json(extract_s=400.0)
+    assert record["interval_s"] == pytest.approx(320.0) and record["flushes"] == 2
+    assert record["write_share"] == pytest.approx(4.0 / 400.0)
+    # an interval given is kept as it is
+    given = Pacer(300.0)
+    given.wrote(100 * GiB, 1.0)
+    assert given.interval(32) == 300.0 and given.reason() == "300 s (--checkpoint-interval)"
+
+
+def test_the_plan_says_the_rule_and_what_one_node_loses():
+    lines = describe_plan(int(65.2 * GiB), 32, 8, None)
+    assert lines[0].startswith("checkpoints: every T = N · B / (5% · W) s within [60 s, 3600 s]")
+    assert "T = 3,600 s at 1 GiB/s" in lines[0]
+    assert "8 extractor(s)' last 3,600 s of shards: 8.00 extractor-hours" in lines[1]
+    given = describe_plan(GiB, 2, 1, 300.0)
+    assert given[0].startswith("checkpoints: every 300 s (--checkpoint-interval): writing them takes")
