@@ -295,9 +295,11 @@ def analyze(
     if options.get("plan"):
         raise ConfigError("plan=True runs nothing: call embgeom_ray.plan(...) for the plan")
     from .runs.pipeline import analyze as run_analysis
+    from .storage import require_filesystems
 
     with _user_errors():
         job = _config(config, values | options)
+        require_filesystems(job.corpus, job.out)
         run_analysis(job, echo=echo or _quiet)
     return Run(job.out)
 

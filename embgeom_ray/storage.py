@@ -91,6 +91,13 @@ def require_filesystem(url: str, what: str) -> None:
         raise StorageError(f"unknown protocol {scheme}:// for the {what} {url}") from None
 
 
+def require_filesystems(corpus: str, out: str) -> None:
+    """:func:`require_filesystem` for a job's corpus and output directory: called before the
+    job imports its libraries, so that a missing s3fs is one line at once."""
+    require_filesystem(corpus, "corpus")
+    require_filesystem(out, "output directory")
+
+
 def _missing_package(exc: BaseException) -> str | None:
     """The package named by fsspec's ImportError for a filesystem not installed ("Install s3fs
     to access S3", "Please install gcsfs to access Google Storage"); None for anything else."""

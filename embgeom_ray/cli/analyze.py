@@ -17,6 +17,7 @@ from embgeom_ray.cli import configure_logging
 from embgeom_ray.config import build_config
 from embgeom_ray.config import build_parser as job_parser
 from embgeom_ray.errors import exit_status
+from embgeom_ray.storage import require_filesystems
 
 EXAMPLES = """\
 examples:
@@ -45,9 +46,11 @@ def main(argv: list[str] | None = None, prog: str = PROG) -> int:
     overrides = {k: v for k, v in vars(args).items() if k not in {"config", "verbose"}}
 
     def run() -> None:
+        config = build_config(args.config, overrides)
+        require_filesystems(config.corpus, config.out)  # before the job's imports
         from embgeom_ray.runs.pipeline import analyze
 
-        analyze(build_config(args.config, overrides))
+        analyze(config)
 
     return exit_status(run)
 
