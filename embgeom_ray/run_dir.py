@@ -56,6 +56,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from .core.metric_registry import summary_columns
 from .counts import Counts
 from .errors import UserError
 from .integrity import (
@@ -821,13 +822,9 @@ class RunDir:
 
 
 def format_summary(layers: pd.DataFrame) -> str:
-    """The per-layer summary printed at the end of a run."""
-    cols = [
-        c
-        for c in ("layer", "n_tokens", "n_types", "mean_norm", "total_variance", "within_ratio",
-                  "norm_variance_corr", "isoscore", "anisotropy", "s_inter", "s_intra")
-        if c in layers.columns
-    ]  # fmt: skip
+    """The per-layer summary printed at the end of a run: the columns the registry marks
+    ``summary`` (:func:`~embgeom_ray.core.metric_registry.summary_columns`)."""
+    cols = [c for c in summary_columns() if c in layers.columns]
     with pd.option_context("display.width", 200, "display.max_columns", 30, "display.precision", 4):
         return layers[cols].to_string(index=False)
 

@@ -54,9 +54,9 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from ..core import metric_registry as registry
 from ..core.options import SampleOptions
 from ..core.rogue import flagged_dims
-from ..core.sampled_metrics import SAMPLED_LAYER_COLUMNS, SE_METRICS
 from ..errors import UserError
 from ..io_utils import atomic_write_json, is_local, join, local_path, read_bytes
 from ..run_dir import Manifest, RunDir, RunDirError, now, write_table
@@ -64,20 +64,15 @@ from ..run_dir import Manifest, RunDir, RunDirError, now, write_table
 SUMMARY = "comparison.json"
 LONG, WIDE, CHANGES, ROGUE = "comparison", "comparison_wide", "changes", "rogue_dims"
 #: per-layer columns kept in the tables but not ranked among the changes: counts, the k chosen
-#: or searched, and the standard errors themselves (they are the yardstick of the changes)
-NOT_RANKED = (
-    "n_tokens", "n_types", "kmeans_k", "kmeans_best_k", "kmeans_k_searched",
-    "kmeans_k_support", "kmeans_structure_support",
-    "sample_duplicate_points", "adjusted_clusters_used", "adjusted_clusters_left_out",
-    *(f"{m}_se" for m in SE_METRICS),
-)  # fmt: skip
+#: or searched, and the standard errors themselves (they are the yardstick of the changes);
+#: the registry's (:mod:`~embgeom_ray.core.metric_registry`) ``ranked=False`` columns
+NOT_RANKED = tuple(registry.not_ranked())
 #: the sampled cosines of :func:`embgeom_ray.core.rogue.sampled_clipped_cosines`
-SAMPLED_CLIPPED_COLUMNS = (
-    "anisotropy_clipped", "s_inter_clipped", "s_intra_clipped",
-    "anisotropy_sampled", "s_inter_sampled", "s_intra_sampled",
-)  # fmt: skip
+SAMPLED_CLIPPED_COLUMNS = tuple(
+    registry.columns(registry.LAYERS, registry.CLIPPING_SECTION, "sampled")
+)
 #: per-layer metrics estimated on the run's sample; every other metric is exact (all tokens)
-SAMPLED = frozenset(SAMPLED_LAYER_COLUMNS) | frozenset(SAMPLED_CLIPPED_COLUMNS)
+SAMPLED = frozenset(c for c in registry.layer_columns() if registry.kind_of(c) == "sampled")
 EXACT, SAMPLED_KIND = "exact", "sampled"
 #: |z| below this is within the sampling noise of the two runs (about 95% two-sided)
 NOISE_Z = 2.0
@@ -103,13 +98,10 @@ EVIDENCE_ORDER = (
 NOT_A_CHANGE = (K_NOT_ROBUST, AGREE)
 #: metrics computed within the reported K-means clusters: not comparable between two runs
 #: whose layer chose another number of clusters (``kmeans_k``) or sits at the scan's end in one
-#: run only (``kmeans_k_at_cap``)
-CLUSTER_ADJUSTED = tuple(
-    m for m in (*SAMPLED_LAYER_COLUMNS, *(f"{m}_se" for m in SE_METRICS))
-    if m.startswith("adjusted_")
-)  # fmt: skip
+#: run only (``kmeans_k_at_cap``); the registry's ``depends_on="kmeans_k"``, with their ``_se``
+CLUSTER_ADJUSTED = tuple(registry.depending_on("kmeans_k"))
 #: metrics of the fits at the best k (``kmeans_best_k``): not comparable when it differs
-BEST_K_DEPENDENT = ("kmeans_stability",)
+BEST_K_DEPENDENT = tuple(registry.depending_on("kmeans_best_k"))
 #: token counts differing by more than this factor get the size warning
 SIZE_RATIO = 10.0
 #: the uniform sample size of a run that records none (the job's default ``--sample-size``)
