@@ -182,7 +182,7 @@ class Run:
         inputs of (an optional table, ``--sample-size 0``) is left out."""
         from .report.figures.common import kept
         from .report.plots import PLOTS, draw_figures
-        from .report.run_view import RunView
+        from .run_view import RunView
 
         with _user_errors(), kept() as drawn:
             draw_figures(RunView(self.dir), list(names or [n for n, _, _ in PLOTS]))

@@ -28,10 +28,10 @@ from .. import __version__
 from ..core import metric_registry as registry
 from ..io_utils import atomic_write_bytes, exists, is_local, join, local_path, read_bytes
 from ..run_dir import Manifest, ModelInfo, RunDir, TokenizerInfo, now
+from ..run_view import RunView, model_name, short_name
 from .figures.clipping import ClipPair, clipping_pairs
 from .figures.compare import COMPARE_METRICS, plot_comparison
 from .plots import SECTIONS, Elsewhere, Figure, make_all_plots
-from .run_view import RunView, model_name, short_name
 
 REPORT = "report.html"
 
@@ -1053,7 +1053,7 @@ def _comparison_caption(runs: Sequence[RunView]) -> str:
 
 
 def write_comparison_report(
-    run_dirs: Sequence[str],
+    run_dirs: Sequence[str | RunView],
     out_dir: str,
     *,
     changes: pd.DataFrame,
@@ -1064,9 +1064,10 @@ def write_comparison_report(
 ) -> str:
     """Write ``out_dir/report.html`` comparing runs layer by layer; returns its path.
 
-    The first run is the baseline. The page holds a table of the runs (model, revision,
-    corpus, tokens, status, link to each run's own report), overlaid per-layer lines of every
-    metric in :data:`COMPARE_METRICS` present in any run (x = layer index, or relative depth
+    The first run is the baseline; ``run_dirs`` are run directories or their views (the
+    views :func:`embgeom_ray.runs.compare.compare_runs` read, not read again). The page holds
+    a table of the runs (model, revision, corpus, tokens, status, link to each run's own
+    report), overlaid per-layer lines of every metric in :data:`COMPARE_METRICS` present in any run (x = layer index, or relative depth
     when the runs have different numbers of layers), the largest ``changes`` — the table
     :func:`embgeom_ray.runs.compare.changes_table` computed, layers matched as
     ``matching_note`` says; ``agreed`` differences within the bounds of the same result are
@@ -1075,7 +1076,7 @@ def write_comparison_report(
     """
     if len(run_dirs) < 2:
         raise ValueError(f"a comparison needs at least two runs, got {len(run_dirs)}")
-    runs = [RunView(d) for d in run_dirs]
+    runs = [d if isinstance(d, RunView) else RunView(d) for d in run_dirs]
     labels = _run_labels(runs, labels)
     metrics = [m for m in COMPARE_METRICS if any(r.layer_col(m) is not None for r in runs)]
     out_dir = str(out_dir).rstrip("/") or "/"

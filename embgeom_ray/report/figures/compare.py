@@ -10,7 +10,7 @@ import matplotlib as mpl
 import numpy as np
 
 from ...core import metric_registry as registry
-from ..run_view import RunView
+from ...run_view import RunView
 from .common import hide_unused, new_figure, save, styled
 
 #: metrics overlaid in the comparison, when present in any run (in this order): those the
