@@ -219,9 +219,11 @@ class RunView:
     @cached_property
     def layers(self) -> pd.DataFrame:
         """``layers.parquet`` by layer (``layer`` as int64)."""
-        layers = self.dir.read_table("layers").sort_values("layer").reset_index(drop=True)
-        if "layer" in layers.columns:
-            layers["layer"] = layers["layer"].astype(np.int64)
+        layers = self.dir.read_table("layers")
+        if "layer" not in layers.columns:  # not a run's table: RunView.complete says so
+            return layers
+        layers = layers.sort_values("layer").reset_index(drop=True)
+        layers["layer"] = layers["layer"].astype(np.int64)
         return layers
 
     def layer_col(self, name: str) -> np.ndarray | None:

@@ -65,11 +65,8 @@ LONG, WIDE, CHANGES, ROGUE = "comparison", "comparison_wide", "changes", "rogue_
 #: or searched, and the standard errors themselves (they are the yardstick of the changes);
 #: the registry's (:mod:`~embgeom_ray.core.metric_registry`) ``ranked=False`` columns
 NOT_RANKED = tuple(registry.not_ranked())
-#: the sampled cosines of :func:`embgeom_ray.core.rogue.sampled_clipped_cosines`
-SAMPLED_CLIPPED_COLUMNS = tuple(
-    registry.columns(registry.LAYERS, registry.CLIPPING_SECTION, "sampled")
-)
-#: per-layer metrics estimated on the run's sample; every other metric is exact (all tokens)
+#: per-layer metrics estimated on the run's sample (the registry's sampled columns, the sampled
+#: clipped cosines and every ``_se`` among them); every other metric is exact (all tokens)
 SAMPLED = frozenset(c for c in registry.layer_columns() if registry.kind_of(c) == "sampled")
 EXACT, SAMPLED_KIND = "exact", "sampled"
 #: |z| below this is within the sampling noise of the two runs (about 95% two-sided)
