@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any, Union
 
 from ..config import JobConfig
 from ..core.options import TableOptions
+from ..core.sample_layers import SampleLayers, as_layers
 from ..core.samples import ActivationSample
 from ..core.statistics import EmbeddingStatistics
 from ..core.tables import build_tables
@@ -25,7 +26,7 @@ from ..distributed.sampled_stage import add_sampled_metrics
 from ..report.html import write_run_report
 from ..report.plots import draw_figures
 from ..run_dir import MANIFEST, Manifest, RunDir, format_summary
-from .sample_layers import SampleLayers, as_layers, on_workers
+from ..sizing.formulas import on_workers
 
 if TYPE_CHECKING:
     from ..distributed.reducers import PartitionedStatistics
@@ -95,7 +96,7 @@ def finish_run(
     ``manifest`` holds what the caller knows (identity, counts, its own timings); this adds
     ``timings_s.metrics``/``write``/``total``, ``sample`` and ``outputs`` and writes it as
     ``complete`` only after every table and artefact is in place. ``sample``: whole, or a
-    layer at a time (:mod:`~embgeom_ray.runs.sample_layers`); either way the sampled stage
+    layer at a time (:mod:`~embgeom_ray.core.sample_layers`); either way the sampled stage
     and ``samples.parquet`` take it one layer at a time, and a large one is handled by Ray
     tasks that read it themselves (:mod:`~embgeom_ray.distributed.sample_tasks`).
     """

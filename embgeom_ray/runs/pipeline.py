@@ -40,7 +40,9 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 from tqdm.auto import tqdm
 
 from ..config import SCHEDULING_OPTIONS, JobConfig
+from ..core.options import sample_entries
 from ..core.rogue import OutlierRules, flagged_dims
+from ..core.sample_layers import SampleLayers, sample_layers
 from ..core.statistics import EmbeddingStatistics
 from ..counts import Counts, unk_warning
 from ..distributed.process_memory import sampler
@@ -84,7 +86,7 @@ from ..sizing.checkpoints import FLOOR_S, Pacer
 from ..storage import check_output, resumable, user_errors
 from .checkpoints import CheckpointGroup, CheckpointStore
 from .finish import counts_of, finish_run
-from .sample_layers import SampleLayers, run_samples, sample_layers
+from .run_samples import run_samples
 
 if TYPE_CHECKING:  # ray is imported only when there is work to do
     from ..distributed.actor_pool import GroupResult, PoolPlan
@@ -243,7 +245,7 @@ def reduce_groups(
 
 def group_samples(store: CheckpointStore, groups: list[CheckpointGroup]) -> SampleLayers | None:
     """The checkpoint ``groups``' samples, merged in group order a layer at a time
-    (:func:`~embgeom_ray.runs.sample_layers.sample_layers`): the job's process never holds the
+    (:func:`~embgeom_ray.core.sample_layers.sample_layers`): the job's process never holds the
     whole merged sample."""
     return sample_layers([store.sample_url(group) for group in groups])
 
@@ -376,9 +378,7 @@ def prepare(config: JobConfig) -> RunSpec:
         )
     layers = resolve_layers(config.layers, identity.num_layers)
     clip_dims = resolve_clip_dims(config, identity.hidden_size)
-    sample = 0 if config.sample_size == 0 else config.sample_size + (
-        config.sample_type_size or config.sample_size
-    )
+    sample = sum(sample_entries(config.sample_size, config.sample_type_size))
     shape = run_shape(
         model_config, layers=len(layers), positions=config.max_length, vocab=len(tokenizer),
         clip=len(clip_dims or []), sample_entries=sample, dtype=config.dtype, name=config.model,
