@@ -62,7 +62,7 @@ from ..run_dir import (
 )
 from ..sizing import Reduce, Shape, gib, reducer_ranges, size_reduce
 from ..storage import check_input, check_output, user_errors
-from .finish import Statistics, counts_of, finish_run
+from .finish import RunStatistics, StatisticsHere, counts_of, finish_run
 from .run_samples import run_samples
 
 if TYPE_CHECKING:
@@ -459,9 +459,9 @@ def _merge_runs(
         return {"sizing": {"reduce": asdict(reduce)}}
     t_load = time.perf_counter()
     if reduce.partitioned:
-        merged: Statistics = merge_partitioned(urls, layers, reduce, seen)
+        merged: RunStatistics = merge_partitioned(urls, layers, reduce, seen)
     else:
-        merged = merge_statistics(runs)
+        merged = StatisticsHere(merge_statistics(runs))
     try:
         sample = merge_samples(runs)
         t_merge = time.perf_counter()
@@ -481,7 +481,6 @@ def _merge_runs(
         )
         finish_run(run, manifest, merged, sample, tok, config, t_start=t0, echo=echo)
     finally:
-        if reduce.partitioned:
-            merged.close()
+        merged.close()
     echo(f"merged {len(runs)} runs into {out}")
     return manifest.to_json()
