@@ -35,8 +35,9 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import numpy as np
 import pandas as pd
 
-from .errors import ConfigError, as_user_error
+from .errors import ConfigError
 from .run_dir import Manifest, RunDir, RunDirError, format_summary
+from .storage import as_user_error, require_filesystems
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
@@ -295,7 +296,6 @@ def analyze(
     if options.get("plan"):
         raise ConfigError("plan=True runs nothing: call embgeom_ray.plan(...) for the plan")
     from .runs.pipeline import analyze as run_analysis
-    from .storage import require_filesystems
 
     with _user_errors():
         job = _config(config, values | options)

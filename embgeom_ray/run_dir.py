@@ -69,6 +69,7 @@ from .integrity import (
     read_verified,
 )
 from .io_utils import atomic_write_bytes, atomic_write_json, exists, join, read_bytes, remove
+from .version import __version__
 
 MANIFEST = "manifest.json"
 STATISTICS = "statistics.safetensors"
@@ -108,8 +109,6 @@ def check_format(version: str | None, where: str) -> None:
     except ValueError:
         raise RunDirError(f"{where} has an unreadable format version {version!r}") from None
     if major > ours:
-        from . import __version__
-
         raise RunDirError(
             f"{where} was written in output format {version} by a newer embgeom_ray; this "
             f"version ({__version__}) reads format {ours}.x and earlier: upgrade embgeom-ray"
@@ -270,7 +269,7 @@ class Manifest(_Part):
 ROW_GROUP_KEYS: dict[str, tuple[str, ...]] = {"samples": ("layer", "sample")}
 
 
-def _runs(df: pd.DataFrame | pa.Table, keys: tuple[str, ...]) -> list[tuple[int, int]]:
+def row_runs(df: pd.DataFrame | pa.Table, keys: tuple[str, ...]) -> list[tuple[int, int]]:
     """(start, length) of the runs of consecutive rows with equal values in ``keys``."""
     if not len(df):
         return [(0, 0)]
@@ -341,7 +340,7 @@ def sample_table_pieces(
     id_to_token: Callable[[Sequence[int]], Sequence[str]] | None,
     clusters: Mapping[int, np.ndarray],
 ) -> Iterator[tuple[dict[str, Any], pa.Table]]:
-    """Each layer of ``sample`` (a :class:`~embgeom_ray.runs.sample_layers.SampleLayers`) in
+    """Each layer of ``sample`` (a :class:`~embgeom_ray.core.sample_layers.SampleLayers`) in
     turn: its one-layer sample's header and :func:`sample_layer_table` (built here)."""
     for layer in sample.layers:
         one = sample.layer(layer)
@@ -373,7 +372,7 @@ def write_table(
     keys = ROW_GROUP_KEYS.get(name, ())
     if keys and all(k in df.columns for k in keys):
         with pq.ParquetWriter(buf, table.schema, compression="zstd") as writer:
-            for start, length in _runs(df, keys):
+            for start, length in row_runs(df, keys):
                 writer.write_table(table.slice(start, length))
     else:
         pq.write_table(table, buf, compression="zstd")
@@ -389,8 +388,6 @@ def versions() -> dict[str, str]:
     import ray
     import torch
     import transformers
-
-    from . import __version__
 
     return {
         "embgeom_ray": __version__,
@@ -614,7 +611,7 @@ class RunDir:
         pieces: Iterable[tuple[dict[str, Any], pa.Table]] | None = None,
     ) -> str:
         """``samples.parquet`` written a layer at a time from ``sample`` (a
-        :class:`~embgeom_ray.runs.sample_layers.SampleLayers`): each layer's rows
+        :class:`~embgeom_ray.core.sample_layers.SampleLayers`): each layer's rows
         (:func:`sample_layer_table`, with the uniform rows' K-means ``cluster`` from
         ``clusters``: layer -> labels in the canonical order; a layer left out has none), as
         that layer's row groups (at least one per sample, :data:`ROW_GROUP_KEYS`), then
@@ -639,7 +636,7 @@ class RunDir:
                         }
                         writer = pq.ParquetWriter(path, table.schema.with_metadata(meta), compression="zstd")
                     table = table.replace_schema_metadata(writer.schema.metadata)
-                    for start, length in _runs(table, ROW_GROUP_KEYS["samples"]):
+                    for start, length in row_runs(table, ROW_GROUP_KEYS["samples"]):
                         writer.write_table(table.slice(start, length))
                     del table
             finally:
@@ -769,7 +766,7 @@ class RunDir:
         ``sample``: None, an :class:`~embgeom_ray.core.samples.ActivationSample` whose rows
         ``tables["samples"]`` holds (its :meth:`to_table` rows, with the sampled stage's
         columns), or, without ``tables["samples"]``, a sample given a layer at a time
-        (:class:`~embgeom_ray.runs.sample_layers.SampleLayers`) that :meth:`write_samples`
+        (:class:`~embgeom_ray.core.sample_layers.SampleLayers`) that :meth:`write_samples`
         writes a layer at a time (``id_to_token``, ``clusters``, ``sample_pieces``: its
         ``pieces``, as there). Either way the
         sample's header goes into the file's metadata; a ``sample.safetensors`` of an earlier
@@ -869,7 +866,7 @@ def load_statistics_part(
     Every byte read is checked against the digests recorded (a
     :class:`~embgeom_ray.integrity.FileRef`'s, and the index's of its parts).
     """
-    from .core.statistics import EmbeddingStatistics, Partition
+    from .core.statistics import EmbeddingStatistics, StatisticsPart
 
     index = _parts_index(url)
     if index is None:
@@ -881,7 +878,7 @@ def load_statistics_part(
         path = _part_ref(url, index, name)
         header = EmbeddingStatistics.read_header(path)
         held = [int(x) for x in header["layers"]]
-        part = Partition.from_json(header["partition"] or {"of_layers": held, "token_range": [0, None], "layer_state": True})  # fmt: skip
+        part = StatisticsPart.from_json(header["partition"] or {"of_layers": held, "token_range": [0, None], "layer_state": True})  # fmt: skip
         here = [x for x in held if layers is None or x in layers]
         if not here:
             continue

@@ -214,6 +214,17 @@ def storage_error(exc: BaseException, url: str | None = None, what: str = "") ->
     return None
 
 
+
+def as_user_error(exc: BaseException) -> UserError | None:
+    """``exc`` as the user error it is: itself, or an object store's fault
+    (:func:`storage_error`); None for anything else (a bug)."""
+    cause = getattr(exc, "cause", None)  # raised in a Ray task or actor: its own message
+    if isinstance(cause, UserError):
+        return cause
+    if isinstance(exc, UserError):
+        return exc
+    return storage_error(exc)
+
 @contextlib.contextmanager
 def user_errors(url: str, what: str) -> Iterator[None]:
     """Within: an object store's fault while reading or writing ``url`` (the ``what``) is raised

@@ -15,7 +15,7 @@ import torch
 
 from embgeom_ray.core.samples import ActivationSample
 from embgeom_ray.core.statistics import EmbeddingStatistics
-from embgeom_ray.errors import IntegrityError, as_user_error
+from embgeom_ray.errors import IntegrityError
 from embgeom_ray.integrity import (
     MIN_BLOCK,
     Digest,
@@ -25,6 +25,7 @@ from embgeom_ray.integrity import (
     integrity_error,
 )
 from embgeom_ray.run_dir import Manifest, RunDir, load_statistics_part
+from embgeom_ray.storage import as_user_error
 
 LAYERS, DIM = [0, 1, 2], 8
 

@@ -346,8 +346,9 @@ class Reducer:
 class PartitionedStatistics:
     """The driver's handle on R :class:`Reducer` actors holding one run's statistics.
 
-    Offers what the finishing steps need from statistics without holding them:
-    :meth:`tables`, :meth:`token_count`, :meth:`nonfinite`, :meth:`save`.
+    Offers what the finishing steps need from statistics without holding them
+    (:class:`~embgeom_ray.runs.finish.RunStatistics`): :meth:`tables`, :meth:`token_count`,
+    :meth:`nonfinite`, :meth:`save`, :meth:`describe`, :meth:`peak_memory`, :meth:`close`.
     """
 
     #: :meth:`~embgeom_ray.run_dir.RunDir.save_artefacts` writes the partitioned artefact

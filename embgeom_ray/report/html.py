@@ -24,11 +24,11 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from .. import __version__
 from ..core import metric_registry as registry
 from ..io_utils import atomic_write_bytes, exists, is_local, join, local_path, read_bytes
 from ..run_dir import Manifest, ModelInfo, RunDir, TokenizerInfo, now
 from ..run_view import RunView, model_name, short_name
+from ..version import __version__
 from .figures.clipping import ClipPair, clipping_pairs
 from .figures.compare import COMPARE_METRICS, plot_comparison
 from .plots import SECTIONS, Elsewhere, Figure, make_all_plots

@@ -257,7 +257,7 @@ class CheckpointStore:
 
     def sample_url(self, group: CheckpointGroup) -> FileRef:
         """Where ``group``'s merged sample is, with its digest (read a layer at a time at the
-        finish: :func:`~embgeom_ray.runs.sample_layers.sample_layers`)."""
+        finish: :func:`~embgeom_ray.core.sample_layers.sample_layers`)."""
         return self._ref(group, group.group_id + SAMPLE_SUFFIX)
 
     def group_of(self, url: str) -> CheckpointGroup | None:

@@ -33,7 +33,15 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 from pydantic import ValidationError
 
-from ..config import AGREE_OPTIONS, MERGE_OPTIONS, SCHEDULING_OPTIONS, JobConfig
+from ..config import (
+    AGREE_OPTIONS,
+    MERGE_OPTIONS,
+    SCHEDULING_OPTIONS,
+    JobConfig,
+    format_validation_error,
+)
+from ..core.options import sample_entries
+from ..core.sample_layers import SampleLayers, merged_layers
 from ..core.statistics import EmbeddingStatistics
 from ..counts import Counts
 from ..errors import ConfigError, ModelError, OutputError, StatisticsMismatchError
@@ -54,8 +62,8 @@ from ..run_dir import (
 )
 from ..sizing import Reduce, Shape, gib, reducer_ranges, size_reduce
 from ..storage import check_input, check_output, user_errors
-from .finish import Statistics, counts_of, finish_run
-from .sample_layers import SampleLayers, merged_layers, run_samples
+from .finish import RunStatistics, StatisticsHere, counts_of, finish_run
+from .run_samples import run_samples
 
 if TYPE_CHECKING:
     from ..distributed.reducers import PartitionedStatistics
@@ -166,9 +174,7 @@ def run_config(manifest: Manifest, out: str, options: dict[str, Any]) -> JobConf
     try:
         return JobConfig(**known)
     except ValidationError as exc:
-        from ..config import _format_validation_error
-
-        message = _format_validation_error(exc)
+        message = format_validation_error(exc)
         given = [k for k in options if k in message.replace("-", "_")]
         if given:
             raise ConfigError(message) from None
@@ -214,9 +220,7 @@ def check_statistics(
 def merge_shape(probe: EmbeddingStatistics, layers: list[int], config: JobConfig, vocab: int) -> Shape:
     """The merge's :class:`~embgeom_ray.sizing.Shape`: the runs' layers, d, positions and
     clipped dimensions (from the first run's first-layer state) and their sample."""
-    sample = 0 if config.sample_size == 0 else config.sample_size + (
-        config.sample_type_size or config.sample_size
-    )
+    sample = sum(sample_entries(config.sample_size, config.sample_type_size))
     return Shape(
         layers=len(layers), dim=probe.dim, positions=probe.max_positions, vocab=vocab,
         clip=len(probe.clip_dims or []), sample_entries=sample, name="merge",
@@ -283,7 +287,7 @@ def merge_statistics(runs: list[str]) -> EmbeddingStatistics:
 
 def merge_samples(runs: list[str]) -> SampleLayers | None:
     """Every run's sample merged (bottom-k: the sample of the union), a layer at a time when
-    the run finishes (:func:`~embgeom_ray.runs.sample_layers.merged_layers`: the job's process
+    the run finishes (:func:`~embgeom_ray.core.sample_layers.merged_layers`: the job's process
     holds one layer of it), or None; samples that cannot merge are refused here."""
     dirs = [RunDir(run) for run in runs]
     present = [rd.has_sample() for rd in dirs]
@@ -455,9 +459,9 @@ def _merge_runs(
         return {"sizing": {"reduce": asdict(reduce)}}
     t_load = time.perf_counter()
     if reduce.partitioned:
-        merged: Statistics = merge_partitioned(urls, layers, reduce, seen)
+        merged: RunStatistics = merge_partitioned(urls, layers, reduce, seen)
     else:
-        merged = merge_statistics(runs)
+        merged = StatisticsHere(merge_statistics(runs))
     try:
         sample = merge_samples(runs)
         t_merge = time.perf_counter()
@@ -477,7 +481,6 @@ def _merge_runs(
         )
         finish_run(run, manifest, merged, sample, tok, config, t_start=t0, echo=echo)
     finally:
-        if reduce.partitioned:
-            merged.close()
+        merged.close()
     echo(f"merged {len(runs)} runs into {out}")
     return manifest.to_json()

@@ -58,7 +58,7 @@ import pandas as pd
 import yaml
 from pydantic import ValidationError
 
-from ..config import RESULT_OPTIONS, JobConfig, _format_validation_error, load_yaml
+from ..config import RESULT_OPTIONS, JobConfig, format_validation_error, load_yaml
 from ..errors import ConfigError, ModelError, OutputError, UserError
 from ..inputs.corpus import CorpusSpec, plan_shards
 from ..inputs.model_loading import resolve_identity
@@ -352,7 +352,7 @@ def entry_config(
     try:
         return JobConfig(**data)
     except ValidationError as exc:
-        raise ConfigError(_format_validation_error(exc)) from None
+        raise ConfigError(format_validation_error(exc)) from None
 
 
 def plan_entry(
