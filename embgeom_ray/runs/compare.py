@@ -58,6 +58,7 @@ from ..core.options import SampleOptions
 from ..core.rogue import flagged_dims
 from ..core.sampled_metrics import SAMPLED_LAYER_COLUMNS, SE_METRICS
 from ..errors import UserError
+from ..integrity import Digest, digests_json, seal
 from ..io_utils import atomic_write_json, is_local, join, local_path, read_bytes
 from ..run_dir import Manifest, RunDir, RunDirError, now, write_table
 
@@ -714,11 +715,12 @@ def compare_runs(
     small = small_runs(runs, threshold)
     warning = size_warning(runs)
     rogue, rogue_summary, rogue_notes = rogue_changes(runs, mode, small)
+    digests: dict[str, Digest] = {}
     files = [
-        write_table(out, LONG, long),
-        write_table(out, WIDE, wide),
-        write_table(out, CHANGES, changes),
-        write_table(out, ROGUE, rogue),
+        write_table(out, LONG, long, digests=digests),
+        write_table(out, WIDE, wide, digests=digests),
+        write_table(out, CHANGES, changes, digests=digests),
+        write_table(out, ROGUE, rogue, digests=digests),
     ]
     moved = changes.loc[changes["change"] != 0]
     listed = moved.loc[~moved["evidence"].isin(NOT_A_CHANGE)]
@@ -743,6 +745,7 @@ def compare_runs(
         "size_warning": warning,
         "notes": ([warning] if warning else []) + rogue_notes,
         "files": files,
+        "digests": digests_json(digests),
     }
     echo(f"{compared_line(labels)}; {note}")
     if warning:
@@ -754,7 +757,7 @@ def compare_runs(
     for n in rogue_notes:
         echo(f"note: {n}")
     _write_report(runs, out, largest, summary, echo)
-    atomic_write_json(join(out, SUMMARY), summary)
+    atomic_write_json(join(out, SUMMARY), seal(summary))
     echo(f"outputs in {out}: {', '.join([*files, SUMMARY])}")
     return summary
 

@@ -681,6 +681,8 @@ def _start_run(
 
     done = store.done_shards() & {s.shard_id for s in plan.shards}
     todo = [s for s in plan.shards if s.shard_id not in done]
+    for line in store.corrupt:
+        echo(line)
     if resumed:
         echo(f"resuming {config.out}: {len(done)} of {len(plan.shards)} shards already done")
     pacer = Pacer(config.checkpoint_interval)

@@ -20,6 +20,7 @@ import pandas as pd
 import pytest
 
 from embgeom_ray.core.statistics import EmbeddingStatistics
+from embgeom_ray.integrity import seal
 from embgeom_ray.run_dir import RunDir
 from embgeom_ray.runs import merge as run_merge
 from jobs import merge
@@ -224,14 +225,14 @@ def _record_digest(run: Path, name: str) -> None:
 
     manifest = json.loads((run / "manifest.json").read_text())
     manifest["outputs"]["digests"][name] = Digest.of((run / name).read_bytes()).to_json()
-    (run / "manifest.json").write_text(json.dumps(manifest))
+    (run / "manifest.json").write_text(json.dumps(seal(manifest)))
 
 
 def test_refuses_incomplete_run(runs, tmp_path, capsys) -> None:
     bad = _copy_run(runs["b"], tmp_path / "b-running")
     manifest = json.loads((bad / "manifest.json").read_text())
     manifest["status"] = "running"
-    (bad / "manifest.json").write_text(json.dumps(manifest))
+    (bad / "manifest.json").write_text(json.dumps(seal(manifest)))
     assert merge.main(["--out", str(tmp_path / "out"), str(runs["a"]), str(bad)]) == 2
     assert "not complete" in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
@@ -269,7 +270,7 @@ def test_refuses_other_options(runs, tmp_path, capsys) -> None:
     bad = _copy_run(runs["b"], tmp_path / "b-bf16")
     manifest = json.loads((bad / "manifest.json").read_text())
     manifest["config"]["dtype"] = "bfloat16"
-    (bad / "manifest.json").write_text(json.dumps(manifest))
+    (bad / "manifest.json").write_text(json.dumps(seal(manifest)))
     assert merge.main(["--out", str(tmp_path / "out"), str(runs["a"]), str(bad)]) == 2
     assert "dtype" in capsys.readouterr().err
 
@@ -308,7 +309,8 @@ def _as_previous_version(src: Path, dst: Path) -> Path:
     pq.write_table(table.replace_schema_metadata(meta), run.path("samples"))
     manifest = json.loads((dst / "manifest.json").read_text())
     manifest["outputs"]["artefacts"].append(SAMPLE)
-    del manifest["outputs"]["digests"]  # recorded since: a run of the previous version has none
+    del manifest["outputs"]["digests"], manifest["digest"]  # recorded since: a run of the
+    # previous version has none
     (dst / "manifest.json").write_text(json.dumps(manifest))
     assert RunDir(str(dst)).table_header("samples") is None
     return dst
