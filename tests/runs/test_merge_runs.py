@@ -281,9 +281,21 @@ def test_refuses_same_corpus_twice(runs, tmp_path, capsys) -> None:
     assert "twice" in capsys.readouterr().err
 
 
-def test_refuses_existing_output(runs, merged, capsys) -> None:
+def test_refuses_existing_output(runs, merged, capsys, tmp_path) -> None:
     assert merge.main(["--out", str(merged), str(runs["a"]), str(runs["b"])]) == 2
     assert "--overwrite" in capsys.readouterr().err
+    # a merge the store failed during its final write is left running: the same command
+    # writes it again (no --overwrite), a merge of other runs may not
+    unfinished = _copy_run(merged, tmp_path / "unfinished")
+    manifest = json.loads((unfinished / "manifest.json").read_text())
+    manifest["status"] = "running"
+    (unfinished / "manifest.json").write_text(json.dumps(seal(manifest)))
+    run_merge.check_arguments([str(runs["a"]), str(runs["b"])], str(unfinished), overwrite=False)
+    manifest["fingerprint"] = "0" * 64
+    (unfinished / "manifest.json").write_text(json.dumps(seal(manifest)))
+    assert merge.main(["--out", str(unfinished), str(runs["a"]), str(runs["b"])]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "holds an unfinished merge of other runs" in err[0], err
 
 
 def test_merged_run_merges_again(runs, merged, tmp_path, capsys) -> None:
