@@ -282,7 +282,7 @@ def test_a_corrupt_run_or_index_is_refused_in_one_line(models, corpus, tmp_path,
     assert len(err) == 1 and "manifest.json is corrupt" in err[0], err
     manifest.write_bytes(good)
 
-    # the index: a row's digit, found by the digest of its rows (zstd pages are not checked)
+    # the index: a digit of a row changed under the metadata it was written with
     index = store / "runs.parquet"
     frame = read_index(str(store))
     frame.loc[0, "n_tokens"] = 51

@@ -208,7 +208,9 @@ def test_a_job_stalled_mid_run_resumes_and_equals_the_reference(proxy, ray_local
     """The whole job (its own process's writes through the proxy: a local corpus, the reduce
     in this process): the store stalls after its second checkpoint group, the job stops in
     one line, exit status 2; rerun once the store answers, it resumes with both groups kept
-    (one shard left to extract), and its tables equal the reference."""
+    (one shard left to extract), and this time the store refuses during the final write (a
+    table): one line again, exit status 2, the manifest ``running``. The third run extracts
+    nothing (every group kept), writes the run, and its tables equal the reference."""
     from jobs.analyze import main
     from tests.conftest import write_jsonl
     from tests.reference import reference_tables
@@ -233,13 +235,21 @@ def test_a_job_stalled_mid_run_resumes_and_equals_the_reference(proxy, ray_local
     proxy.heal()
     groups = [r for r in proxy.seen[seen:] if r.endswith(b".json") and b"/groups/" in r]
     assert groups, proxy.seen[seen:]
+    proxy.fault("refuse", at=rb"PUT /faults/job/layers\.parquet")
+    assert main(argv) == 2
+    said = capsys.readouterr()
+    assert "resuming" in said.out and "2 of 3 shards already done" in said.out, said.out
+    err = [line for line in said.err.splitlines() if line.startswith("error")]
+    assert len(err) == 1 and out in err[0] and "rerun the same command" in err[0], err
+    proxy.heal()
+    fs = __import__("s3fs").S3FileSystem()
+    assert json.loads(fs.cat(f"{BUCKET}/job/manifest.json"))["status"] == "running"
     assert main(argv) == 0, capsys.readouterr().err[-3000:]
     said = capsys.readouterr()
-    assert "resuming" in said.out
-    fs = __import__("s3fs").S3FileSystem()
+    assert "3 of 3 shards already done" in said.out, said.out
     manifest = json.loads(fs.cat(f"{BUCKET}/job/manifest.json"))
     shards = manifest["shards"]
-    assert (shards["reused_from_checkpoints"], shards["computed"], shards["total"]) == (2, 1, 3)
+    assert (shards["reused_from_checkpoints"], shards["computed"], shards["total"]) == (3, 0, 3)
     tables = {}
     for name in ("type_stats", "layers", "dims", "positions"):
         with fs.open(f"{BUCKET}/job/{name}.parquet", "rb") as f:
