@@ -278,3 +278,28 @@ def test_a_comparison_records_its_tables_digests(tmp_path):
     flip_digit(out / "comparison.json", b'"size_threshold"')
     with pytest.raises(IntegrityError, match=r"comparison\.json is corrupt"):
         Comparison(str(out))
+
+
+def test_a_reducer_checkpoint_json_with_a_flipped_digit_is_not_used(tmp_path):
+    """A reducer's checkpoint JSON holds its own digest: one whose content does not match is
+    not used (removed, and why reported), and the reducer reads its sources again, to the
+    same partition (the class in this process, as Ray runs it in an actor)."""
+    from embgeom_ray.distributed.reducers import PartitionPlan, Reducer
+
+    stats = statistics()
+    sources = []
+    for i in range(2):
+        path = tmp_path / f"g{i}.safetensors"
+        sources.append(FileRef(str(path), stats.save(path)))
+    plan = PartitionPlan.of(2, 40, LAYERS)
+    first = Reducer(0, plan, checkpoint_dir=str(tmp_path / "reducers"))
+    first.load(sources)
+    name = Path(first.checkpoint())
+    assert json.loads(name.read_text())["digest"].startswith("xxh3_64:")
+    assert Reducer(0, plan, checkpoint_dir=str(tmp_path / "reducers")).load(sources)["restored"] == 2
+    flip_digit(name, b'"ranges"')
+    again = Reducer(0, plan, checkpoint_dir=str(tmp_path / "reducers"))
+    result = again.load(sources)
+    assert (result["restored"], result["read"]) == (0, 2)
+    assert "is corrupt: its content does not match" in result["dropped"] and not name.exists()
+    assert again.rows.to_bytes() == first.rows.to_bytes()
