@@ -564,8 +564,8 @@ def analyze(config: JobConfig, *, echo=print) -> dict[str, Any]:
     done_before = None if config.overwrite else already_complete(run, spec.fingerprint)
     if done_before is not None:
         return reuse_complete(run, done_before, spec, t_start, echo)
-    started = _start_run(spec, run, store, started_at, echo)
-    with resumable(config.out):
+    with resumable(config.out):  # the store failing from the first write on: one line
+        started = _start_run(spec, run, store, started_at, echo)
         manifest = _extract_reduce_finish(spec, run, store, started, t_start, t_plan, echo)
         if not config.keep_checkpoints:
             store.remove_groups()
