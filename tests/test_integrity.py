@@ -229,15 +229,20 @@ def test_a_checkpoint_json_with_a_flipped_digit_is_not_trusted(tmp_path):
     """A group's JSON whose shard id reads as another shard (f0-b0001 -> f0-b0000) would count
     a shard twice and leave another out: on resume the group is discarded, in one line, and
     its shards are redone; the other group is kept. A corrupt ``run.json`` (the plan) is
-    refused."""
+    refused. The reducer checkpoints that read the group go with it."""
     from embgeom_ray.errors import OutputError
-    from embgeom_ray.runs.checkpoints import CheckpointStore
+    from embgeom_ray.runs.checkpoints import REDUCERS, CheckpointStore
     from tests.runs.test_checkpoints import counts, fold, ids, plan, started
 
     store = started(tmp_path, 4)
-    store.save_group(ids(0), fold([0]).to_bytes(), None, counts(10))
+    good = store.save_group(ids(0), fold([0]).to_bytes(), None, counts(10))
     bad = store.save_group(ids(1, 2), fold([1, 2]).to_bytes(), None, counts(20))
     groups = tmp_path / "out" / "groups"
+    reducers = tmp_path / "out" / REDUCERS
+    reducers.mkdir()
+    for r, group in ((0, bad), (1, good)):
+        applied = [ref.url for ref in store.group_urls(group)]
+        (reducers / f"reducer-{r:04d}.json").write_text(json.dumps({"applied": applied}))
     flip_digit(groups / f"{bad.group_id}.json", b'"f0-b0001')
     again = CheckpointStore(str(tmp_path / "out"))
     _, resumed = again.start("fp", {}, plan(4), overwrite=False)
@@ -246,6 +251,7 @@ def test_a_checkpoint_json_with_a_flipped_digit_is_not_trusted(tmp_path):
     assert line.startswith(f"checkpoint group {bad.group_id} is corrupt ({bad.group_id}.json: ")
     assert line.endswith("; its shards are redone")
     assert not any(p.name.startswith(bad.group_id) for p in groups.iterdir())
+    assert [p.name for p in reducers.iterdir()] == ["reducer-0001.json"]
 
     flip_digit(tmp_path / "out" / "run.json", b'"f0-b0003')
     with pytest.raises(OutputError, match=r"run\.json is corrupt: .*pass --overwrite"):

@@ -202,19 +202,24 @@ class CheckpointStore:
 
     def discard_incomplete(self) -> list[str]:
         """Remove the files of groups without their JSON, and temporary files; returns them.
-        A group whose JSON does not match its digest is one of them: its JSON goes too, and
-        a line saying so is added to :attr:`corrupt`."""
+        A group whose JSON does not parse or does not match its digest is one of them (its
+        JSON too), with the reducer checkpoints that read its files (as :meth:`discard_group`),
+        and a line saying so is added to :attr:`corrupt`."""
         names = self._names(GROUPS)
-        done = {n[: -len(DONE_SUFFIX)] for n in names if n.endswith(DONE_SUFFIX) and not n.startswith(".")}
+        done = {n[: -len(DONE_SUFFIX)] for n in names if n.endswith(DONE_SUFFIX)}
         for group_id in sorted(done):
-            try:
-                self._read_json(GROUPS, group_id + DONE_SUFFIX)
+            path = self._path(GROUPS, group_id + DONE_SUFFIX)
+            try:  # a store that fails here is raised: a group is discarded only when corrupt
+                unseal(json.loads(read_bytes(path)), path)
                 continue
             except IntegrityError as exc:
                 why = exc.detail
-            except OutputError:
+            except ValueError:
                 why = "it is not valid JSON"
-            done.discard(group_id)
+            done.discard(group_id)  # its JSON and files are stale: removed below
+            self._discard_reducers_reading(
+                {self._path(GROUPS, n) for n in names if _stem(n) == group_id}
+            )
             self.corrupt.append(
                 f"checkpoint group {group_id} is corrupt ({group_id}{DONE_SUFFIX}: {why}); its "
                 "shards are redone"
@@ -309,6 +314,10 @@ class CheckpointStore:
             path = join(self.root, GROUPS, name)
             if self.fs.exists(path):
                 self.fs.rm(path)
+        self._discard_reducers_reading(urls)
+
+    def _discard_reducers_reading(self, urls: set[str]) -> None:
+        """Remove every reducer checkpoint that read any of ``urls`` (or that cannot say)."""
         for name in self._names(REDUCERS):
             if not (name.startswith("reducer-") and name.endswith(".json")):
                 continue
