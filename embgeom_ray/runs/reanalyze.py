@@ -472,8 +472,15 @@ def rows_digest(df: pd.DataFrame) -> str:
     missing values as null): kept in ``runs.parquet``'s metadata (its header, under
     ``"digest"``), so that a flipped bit anywhere in the file that still parses (a digit of a
     metric, a column's name in the footer) is found when it is read back."""
-    records = [{k: _none_if_na(v) for k, v in rec.items()} for rec in df.to_dict("records")]
+    records = [{k: _plain(v) for k, v in rec.items()} for rec in df.to_dict("records")]
     return seal({"rows": records})[SEAL_KEY]
+
+
+def _plain(v: Any) -> Any:
+    """``v`` as a plain Python value (None for a missing one; numpy's scalars as Python's),
+    so that the rows' digest does not depend on the dtypes pandas reads them back as."""
+    v = _none_if_na(v)
+    return v.item() if hasattr(v, "item") and not isinstance(v, (str, bytes)) else v
 
 
 class RunIndex:
