@@ -200,15 +200,19 @@ class Comparison:
     (``comparison.json``) and the tables as DataFrames (``docs/outputs.md``, "Comparisons")."""
 
     def __init__(self, url: str | Path) -> None:
+        from .integrity import digests_from_json, unseal
         from .io_utils import read_bytes
         from .runs.compare import SUMMARY
 
-        self.dir = RunDir(str(url))
+        where = RunDir(str(url))
         with _user_errors():
-            if not self.dir.has(SUMMARY):
-                raise RunDirError(f"{self.dir.url} holds no comparison (no {SUMMARY})")
+            if not where.has(SUMMARY):
+                raise RunDirError(f"{where.url} holds no comparison (no {SUMMARY})")
+            path = where.path(SUMMARY)
             #: ``comparison.json``: the runs, the layer matching, the largest changes, notes
-            self.summary: dict[str, Any] = json.loads(read_bytes(self.dir.path(SUMMARY)))
+            self.summary: dict[str, Any] = unseal(json.loads(read_bytes(path)), path)
+        # its tables are read checked against the digests it records (none: an earlier version's)
+        self.dir = RunDir(where.url, digests_from_json(self.summary.get("digests")))
 
     @property
     def url(self) -> str:

@@ -20,8 +20,9 @@ of a run and ``"complete"`` only after every table and artefact is in place
 complete manifest records the digest of every table and artefact (``outputs.digests``;
 ``statistics/index.json`` those of the parts it names), and every read of them through
 :class:`RunDir` (tables, the sample, the statistics whole or a part, ``doc_hashes.npy``) is
-checked against it (:mod:`embgeom_ray.integrity`); runs written before digests have none
-and are read unchecked.
+checked against it (:mod:`embgeom_ray.integrity`); the manifest holds its own digest
+(``"digest"``, :func:`~embgeom_ray.integrity.seal`), checked whenever it is read. Runs
+written before digests have none and are read unchecked.
 :class:`RunDir` is the one place that knows these names: the pipeline, the merge, the report,
 the comparison and the scheduled re-analysis all read and write runs through it.
 
@@ -67,6 +68,8 @@ from .integrity import (
     digests_json,
     open_verified,
     read_verified,
+    seal,
+    unseal,
 )
 from .io_utils import atomic_write_bytes, atomic_write_json, exists, join, read_bytes, remove
 from .version import __version__
@@ -413,12 +416,15 @@ class RunDir:
     :meth:`finalise`, which marks the run complete once every output is in place.
     """
 
-    def __init__(self, url: str) -> None:
+    def __init__(self, url: str, digests: Mapping[str, Digest] | None = None) -> None:
         self.url = str(url).rstrip("/") or "/"
         #: the digests of the files written through this object (recorded by :meth:`finalise`)
         self.written: dict[str, Digest] = {}
+        #: the digests of the files when they are recorded elsewhere than in a manifest (a
+        #: comparison's, in its ``comparison.json``)
+        self._given = None if digests is None else dict(digests)
         #: the digests of a complete manifest's outputs, read once (:meth:`digest`)
-        self._digests: dict[str, Digest] | None = None
+        self._digests: dict[str, Digest] | None = self._given
 
     def __repr__(self) -> str:
         return f"RunDir({self.url!r})"
@@ -450,6 +456,7 @@ class RunDir:
             raise RunDirError(f"{url} is not valid JSON: {exc}") from None
         if not isinstance(data, dict):
             raise RunDirError(f"{url} is not a run manifest (not a JSON object)")
+        data = unseal(data, url)
         check_format(data.get("format_version"), f"run {self.url}")
         try:
             return Manifest.model_validate(data)
@@ -472,10 +479,11 @@ class RunDir:
         return manifest
 
     def write_manifest(self, manifest: Manifest) -> None:
-        """Write ``manifest`` atomically, in this version's format (:data:`FORMAT_VERSION`)."""
+        """Write ``manifest`` atomically, in this version's format (:data:`FORMAT_VERSION`),
+        with its digest (:func:`~embgeom_ray.integrity.seal`: checked by :meth:`manifest`)."""
         manifest.set(format_version=FORMAT_VERSION)
-        atomic_write_json(self.path(MANIFEST), manifest.to_json())
-        self._digests = None
+        atomic_write_json(self.path(MANIFEST), seal(manifest.to_json()))
+        self._digests = self._given
 
     def digest(self, name: str) -> Digest | None:
         """The digest the manifest records for the file ``name`` (``outputs.digests``:

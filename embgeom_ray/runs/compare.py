@@ -55,6 +55,7 @@ from ..core import metric_registry as registry
 from ..core.options import SampleOptions
 from ..core.rogue import flagged_dims
 from ..errors import UserError
+from ..integrity import Digest, digests_json, seal
 from ..io_utils import atomic_write_json, is_local, join, local_path
 from ..run_dir import RunDirError, now, write_table
 from ..run_view import RunView
@@ -627,11 +628,12 @@ def compare_runs(
     small = small_runs(runs, threshold)
     warning = size_warning(runs)
     rogue, rogue_summary, rogue_notes = rogue_changes(runs, mode, small)
+    digests: dict[str, Digest] = {}
     files = [
-        write_table(out, LONG, long),
-        write_table(out, WIDE, wide),
-        write_table(out, CHANGES, changes),
-        write_table(out, ROGUE, rogue),
+        write_table(out, LONG, long, digests=digests),
+        write_table(out, WIDE, wide, digests=digests),
+        write_table(out, CHANGES, changes, digests=digests),
+        write_table(out, ROGUE, rogue, digests=digests),
     ]
     moved = changes.loc[changes["change"] != 0]
     listed = moved.loc[~moved["evidence"].isin(NOT_A_CHANGE)]
@@ -656,6 +658,7 @@ def compare_runs(
         "size_warning": warning,
         "notes": ([warning] if warning else []) + rogue_notes,
         "files": files,
+        "digests": digests_json(digests),
     }
     echo(f"{compared_line(labels)}; {note}")
     if warning:
@@ -667,7 +670,7 @@ def compare_runs(
     for n in rogue_notes:
         echo(f"note: {n}")
     _write_report(runs, out, largest, summary, echo)
-    atomic_write_json(join(out, SUMMARY), summary)
+    atomic_write_json(join(out, SUMMARY), seal(summary))
     echo(f"outputs in {out}: {', '.join([*files, SUMMARY])}")
     return summary
 

@@ -23,6 +23,7 @@ merge would be neither.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -61,7 +62,7 @@ from ..run_dir import (
     versions,
 )
 from ..sizing import Reduce, Shape, gib, reducer_ranges, size_reduce
-from ..storage import check_input, check_output, user_errors
+from ..storage import REDOES, check_input, check_output, resumable, user_errors
 from .finish import RunStatistics, StatisticsHere, counts_of, finish_run
 from .run_samples import run_samples
 
@@ -349,8 +350,24 @@ def check_arguments(runs: list[str], out: str, overwrite: bool) -> None:
     if _location(out) in keys:
         raise OutputError(f"--out {out} is one of the runs to merge; write the merge elsewhere")
     check_output(out)
-    if RunDir(out).has_manifest() and not overwrite:
+    if RunDir(out).has_manifest() and not overwrite and unfinished_merge(out) is None:
         raise OutputError(f"{out} already holds a run (manifest.json); give --overwrite to replace it")
+
+
+def unfinished_merge(out: str) -> Manifest | None:
+    """The manifest at ``out`` when it is a merge that did not finish (a store that failed
+    during its final write: :func:`~embgeom_ray.storage.resumable`), which the same merge
+    command writes again; else None."""
+    with contextlib.suppress(RunDirError):
+        manifest = RunDir(out).manifest()
+        if manifest.kind == "merge" and not manifest.complete:
+            return manifest
+    return None
+
+
+def merge_fingerprint(manifests: list[Manifest]) -> str:
+    """A merge's fingerprint: of its runs' fingerprints, in any order."""
+    return hashlib.sha256(json.dumps(sorted(m.fingerprint or "" for m in manifests)).encode()).hexdigest()
 
 
 def merged_manifest(
@@ -364,9 +381,7 @@ def merged_manifest(
         status="running",
         kind="merge",
         started_at=started_at,
-        fingerprint=hashlib.sha256(
-            json.dumps(sorted(m.fingerprint or "" for m in manifests)).encode()
-        ).hexdigest(),
+        fingerprint=merge_fingerprint(manifests),
         config=config.model_dump() | {"corpus": sources},
         corpus=CorpusInfo(
             source=sources,
@@ -446,6 +461,11 @@ def _merge_runs(
         with user_errors(run, "run"):
             manifests.append(load_manifest(run))
     check_mergeable(runs, manifests)
+    unfinished = None if options.get("overwrite") else unfinished_merge(out)
+    if unfinished is not None and unfinished.fingerprint != merge_fingerprint(manifests):
+        raise OutputError(
+            f"{out} holds an unfinished merge of other runs; give --overwrite to replace it"
+        )
     dedup = check_dedup(runs, manifests)
     config = run_config(manifests[0], out, options)
     tok = load_run_tokenizer(manifests[0], tokenizer)
@@ -463,23 +483,24 @@ def _merge_runs(
     else:
         merged = StatisticsHere(merge_statistics(runs))
     try:
-        sample = merge_samples(runs)
-        t_merge = time.perf_counter()
-        run = RunDir(out)
-        manifest = merged_manifest(runs, manifests, config, started_at)
-        manifest.set(sizing={"reduce": asdict(reduce)})
-        run.write_manifest(manifest)
-        totals = summed_counts(manifests)
-        if dedup is not None:
-            run.write_doc_hashes(dedup[0])
-            manifest.set(dedup=dedup[1])
-        manifest.set(
-            layers=merged.layers,
-            counts=counts_of(totals, merged),
-            skipped=totals.skipped,
-            timings_s={"load": round(t_load - t0, 3), "merge": round(t_merge - t_load, 3)},
-        )
-        finish_run(run, manifest, merged, sample, tok, config, t_start=t0, echo=echo)
+        with resumable(out, REDOES):  # a store failing while the merge is written: one line
+            sample = merge_samples(runs)
+            t_merge = time.perf_counter()
+            run = RunDir(out)
+            manifest = merged_manifest(runs, manifests, config, started_at)
+            manifest.set(sizing={"reduce": asdict(reduce)})
+            run.write_manifest(manifest)
+            totals = summed_counts(manifests)
+            if dedup is not None:
+                run.write_doc_hashes(dedup[0])
+                manifest.set(dedup=dedup[1])
+            manifest.set(
+                layers=merged.layers,
+                counts=counts_of(totals, merged),
+                skipped=totals.skipped,
+                timings_s={"load": round(t_load - t0, 3), "merge": round(t_merge - t_load, 3)},
+            )
+            finish_run(run, manifest, merged, sample, tok, config, t_start=t0, echo=echo)
     finally:
         merged.close()
     echo(f"merged {len(runs)} runs into {out}")

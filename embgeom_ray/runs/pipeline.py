@@ -563,8 +563,8 @@ def analyze(config: JobConfig, *, echo=print) -> dict[str, Any]:
     done_before = None if config.overwrite else already_complete(run, spec.fingerprint)
     if done_before is not None:
         return reuse_complete(run, done_before, spec, t_start, echo)
-    started = _start_run(spec, run, store, started_at, echo)
-    with resumable(config.out):
+    with resumable(config.out):  # the store failing from the first write on: one line
+        started = _start_run(spec, run, store, started_at, echo)
         manifest = _extract_reduce_finish(spec, run, store, started, t_start, t_plan, echo)
         if not config.keep_checkpoints:
             store.remove_groups()
@@ -679,6 +679,8 @@ def _start_run(
 
     done = store.done_shards() & {s.shard_id for s in plan.shards}
     todo = [s for s in plan.shards if s.shard_id not in done]
+    for line in store.corrupt:
+        echo(line)
     if resumed:
         echo(f"resuming {config.out}: {len(done)} of {len(plan.shards)} shards already done")
     pacer = Pacer(config.checkpoint_interval)
