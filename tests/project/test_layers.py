@@ -16,6 +16,7 @@ import pkgutil
 import sys
 from pathlib import Path
 
+import importlinter.cli
 import pytest
 from importlinter.api import read_configuration
 from importlinter.cli import lint_imports
@@ -37,6 +38,9 @@ def test_imports_flow_one_way_in_no_circle(capsys, monkeypatch):
     package or Ray in the core breaks one, and the output names the import chain."""
     monkeypatch.setattr(sys, "path", list(sys.path))  # lint_imports puts the cwd in front
     monkeypatch.chdir(ROOT)
+    # its command configures logging with dictConfig, which disables every logger already made
+    # in this process (Ray's, for the tests after this one on the same worker): not here
+    monkeypatch.setattr(importlinter.cli, "_configure_logging", lambda verbose: None)
     status = lint_imports(config_filename=str(CONFIG), no_cache=True, no_logo=True)
     out = capsys.readouterr().out
     assert status == 0, out

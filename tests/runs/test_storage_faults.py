@@ -169,7 +169,7 @@ def test_a_store_down_during_the_final_write_leaves_the_run_unfinished(proxy, fa
 
     from embgeom_ray.config import JobConfig
     from embgeom_ray.core.tables import build_tables
-    from embgeom_ray.runs.finish import finish_run
+    from embgeom_ray.runs.finish import StatisticsHere, finish_run
 
     monkeypatch.setattr(s3fs.S3FileSystem, "retries", 1)  # s3fs's own loop once: quicker
     out = f"s3://{BUCKET}/final-{fault.replace(' ', '-')}-{target.split('.')[0].replace(' ', '-')}"
@@ -182,7 +182,7 @@ def test_a_store_down_during_the_final_write_leaves_the_run_unfinished(proxy, fa
         run.write_manifest(manifest)  # as the job does before it reduces
         if fails:
             proxy.fault(**FAULTS[fault], at=FINAL_WRITES[target])
-        return finish_run(run, manifest, stats, None, Tokens, config, t_start=0, echo=print)
+        return finish_run(run, manifest, StatisticsHere(stats), None, Tokens, config, t_start=0, echo=print)
 
     with pytest.raises(StorageError) as info, resumable(out):
         final_write(fails=True)
