@@ -311,7 +311,9 @@ def _refresh_together(
     if not pending:
         return
     Cf = np.concatenate([b.C[f, c] for b, f, c in pending]).astype(points.dtype)
-    P = Cf @ points.Xf.T
+    # one centre is multiplied as two (a copy): numpy takes a vector's product by gemv, whose
+    # rounding may differ from gemm's, and a column must not depend on what moved beside it
+    P = (Cf @ points.Xf.T) if len(Cf) > 1 else (np.vstack([Cf, Cf]) @ points.Xf.T)[:1]
     P *= -2.0
     P += np.einsum("ij,ij->i", Cf, Cf)[:, None]
     at = 0

@@ -17,10 +17,12 @@ the layer's sample:
   are independent, so :class:`RayFits` spreads them over tasks of the same shape (the warm
   starts, each k's from the previous k's partition, stay in the layer's task): the layer's
   task fits one share itself and waits for the others (a task blocked in ``ray.get`` lends its
-  CPU back). The scan is split only where the cluster has
-  more CPUs free, C, as the stage starts than the layers take (``C // (L · cpus_per_task)``
-  shares); the stability refits, which come when other layers may be done, into as many
-  shares as CPUs are free then, up to ``C // cpus_per_task`` (:func:`fit_shares`). Shares are
+  CPU back). The scan's seedings (every k's at once) are split where the
+  cluster has more CPUs free, C, as the stage starts than the layers take
+  (``C // (L · cpus_per_task)`` shares), and where CPUs are free when the layer's seedings
+  start (the last layers of a stage with more layers than CPUs); the stability refits, which
+  come when other layers may be done, into as many shares as CPUs are free then; either at
+  most ``C // cpus_per_task`` (:func:`fit_shares`). Shares are
   balanced by k (a fit's cost grows with it). The result is the one a single task computes.
 - large: the sample is centred, split into partitions and put in the object store once
   (``ray.put``); every pass of the fit (k-means|| distance rounds, Lloyd partial sums, the
