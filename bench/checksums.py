@@ -11,7 +11,12 @@ look like to a hash) and times, ``--repeats`` times each, alternately, in one pr
 - ``part`` and ``part_checked``: a reducer's part, a quarter of the rows of every one of 32
   "layers" of the file, read as ranges without and with a digest
   (:class:`~embgeom_ray.integrity.VerifiedFile`, which reads whole blocks);
-- ``blake2b``: hashlib's BLAKE2b of the buffer, the other fast digest the issue named.
+- ``blake2b``: hashlib's BLAKE2b of the buffer, the other fast digest the issue named;
+- ``json_write`` and ``json_seal``: a checkpoint group's JSON as a 61 GiB group's would be
+  (its digest of 3,904 blocks of 16 MiB, 42 KB of base64), written
+  (:func:`~embgeom_ray.io_utils.atomic_write_json`), and the digest of its own content that
+  :func:`~embgeom_ray.integrity.seal` adds to it (:func:`~embgeom_ray.integrity.unseal`
+  checks the same on each read).
 
     python -m bench.checksums [--gib 1] [--repeats 3]
 """
@@ -53,13 +58,22 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--name", default="checksums")
     args = p.parse_args(argv)
 
-    from embgeom_ray.integrity import Digest, FileRef, read_verified
-    from embgeom_ray.io_utils import atomic_write_bytes, read_bytes
+    from embgeom_ray.counts import Counts
+    from embgeom_ray.integrity import Digest, FileRef, digests_json, read_verified, seal
+    from embgeom_ray.io_utils import atomic_write_bytes, atomic_write_json, read_bytes
 
     n = int(args.gib * (1 << 30)) // 8
     buf = np.random.default_rng(0).normal(size=n).view(np.uint8)
     work = Path(tempfile.mkdtemp(prefix="embgeom-bench-checksums-"))
     path = work / "group.safetensors"
+    group = 61 << 30
+    block = 16 << 20
+    hashes = np.random.default_rng(1).bytes(8 * (group // block))
+    record = {
+        "format": "embgeom-checkpoint-group/1", "group": "f0-b0000-n64",
+        "shards": [f"f0-b{i:04d}" for i in range(64)], "counts": Counts().to_json(), "parts": 1,
+        "digests": digests_json({"f0-b0000-n64.safetensors": Digest(group, block, hashes)}),
+    }  # fmt: skip
     try:
         atomic_write_bytes(str(path), buf)
         digest = Digest.of(buf)
@@ -73,6 +87,8 @@ def main(argv: list[str] | None = None) -> None:
                 "part": lambda: read_part(path, None),
                 "part_checked": lambda: read_part(path, digest),
                 "blake2b": lambda: hashlib.blake2b(memoryview(buf), digest_size=16).digest(),
+                "json_write": lambda: atomic_write_json(str(work / "group.json"), record),
+                "json_seal": lambda: seal(record),
             },
             args.repeats,
         )
@@ -86,7 +102,8 @@ def main(argv: list[str] | None = None) -> None:
         f"of the write; read {m['read']:.3f} s, checked {m['read_checked']:.3f} s "
         f"(+{m['read_checked'] / m['read'] - 1:.0%}); a reducer's quarter {m['part']:.3f} s, "
         f"checked {m['part_checked']:.3f} s; BLAKE2b {m['blake2b']:.3f} s "
-        f"({gib / m['blake2b']:.2f} GiB/s)"
+        f"({gib / m['blake2b']:.2f} GiB/s); a group's JSON: written in {m['json_write'] * 1e3:.2f} ms, "
+        f"its digest {m['json_seal'] * 1e3:.2f} ms"
     )
     save(
         args.name,
@@ -99,6 +116,7 @@ def main(argv: list[str] | None = None) -> None:
             "digest_share_of_write": m["digest"] / m["write"],
             "read_check_overhead": m["read_checked"] / m["read"] - 1,
             "part_check_overhead": m["part_checked"] / m["part"] - 1,
+            "json_seal_share_of_write": m["json_seal"] / m["json_write"],
         },
     )
 

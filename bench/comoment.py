@@ -173,7 +173,7 @@ def _int8_upper(xs: torch.Tensor) -> torch.Tensor:
     """The bounded product of the (already shifted) rows ``xs`` as the fold computes it:
     residues by the fold's kernel (compiled on CUDA), int8 products of the block triangle in
     the fold's column blocks on this device, Garner's reconstruction."""
-    from embgeom_ray.core import fold_kernels
+    from embgeom_ray.core import integer_gram
     from embgeom_ray.core.gram import integer_blocks
     from embgeom_ray.core.integer_gram import IntegerGram
 
@@ -181,7 +181,7 @@ def _int8_upper(xs: torch.Tensor) -> torch.Tensor:
     zero = torch.zeros(d, dtype=torch.float64, device=xs.device)
     gram = IntegerGram(xs, zero, **integer_blocks(d, xs.device.type == "cuda"))
     for g, s, e in gram.pieces(0, n):
-        res = fold_kernels.residues(xs[s:e], zero, g.scale, g.moduli, *gram.padding(g, s, e))
+        res = integer_gram.residues(xs[s:e], zero, g.scale, g.moduli, *gram.padding(g, s, e))
         gram.put(g, s, e, res)
     upper = torch.zeros(d, d, dtype=torch.float64, device=xs.device)
     gram.add_upper(upper)

@@ -37,9 +37,10 @@ def _sample_steps(urls: list[str], out: str) -> None:
     samples.parquet from the tasks' pieces."""
     import ray
 
+    from embgeom_ray.core.sample_layers import sample_layers
     from embgeom_ray.distributed import sample_tasks
     from embgeom_ray.run_dir import RunDir
-    from embgeom_ray.runs.sample_layers import on_workers, sample_layers
+    from embgeom_ray.sizing.formulas import on_workers
 
     layered = sample_layers(urls)
     assert on_workers(layered)

@@ -58,7 +58,7 @@ from bench.bare_forward import (
     timed_bare_forward,
 )
 from bench.common import english_jsonl, minilm_dir, random_bert_dir, save
-from embgeom_ray.inputs.lanes import lanes_for
+from embgeom_ray.sizing import lanes_for
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -151,9 +151,9 @@ def bench_selection(sample, args) -> dict:
     import pandas as pd
 
     from embgeom_ray.config import build_config
+    from embgeom_ray.core.sample_layers import InMemorySample
     from embgeom_ray.distributed.kmeans import fit_layers_on_ray
     from embgeom_ray.distributed.sampled_stage import add_sampled_metrics
-    from embgeom_ray.runs.sample_layers import InMemorySample
 
     layers = list(sample.layers)
     by_layer = {layer: sample.points(layer).vectors for layer in layers}

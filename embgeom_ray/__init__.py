@@ -12,8 +12,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from .errors import ConfigError, CorpusError, ModelError, StorageError, UserError
-
-__version__ = "0.1.0"
+from .version import __version__
 
 __all__ = [
     "Comparison", "ConfigError", "CorpusError", "LayerSample", "ModelError", "Run",

@@ -35,8 +35,9 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import numpy as np
 import pandas as pd
 
-from .errors import ConfigError, as_user_error
+from .errors import ConfigError
 from .run_dir import Manifest, RunDir, RunDirError, format_summary
+from .storage import as_user_error, require_filesystems
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
@@ -182,7 +183,7 @@ class Run:
         inputs of (an optional table, ``--sample-size 0``) is left out."""
         from .report.figures.common import kept
         from .report.plots import PLOTS, draw_figures
-        from .report.run_view import RunView
+        from .run_view import RunView
 
         with _user_errors(), kept() as drawn:
             draw_figures(RunView(self.dir), list(names or [n for n, _, _ in PLOTS]))
@@ -199,15 +200,19 @@ class Comparison:
     (``comparison.json``) and the tables as DataFrames (``docs/outputs.md``, "Comparisons")."""
 
     def __init__(self, url: str | Path) -> None:
+        from .integrity import digests_from_json, unseal
         from .io_utils import read_bytes
         from .runs.compare import SUMMARY
 
-        self.dir = RunDir(str(url))
+        where = RunDir(str(url))
         with _user_errors():
-            if not self.dir.has(SUMMARY):
-                raise RunDirError(f"{self.dir.url} holds no comparison (no {SUMMARY})")
+            if not where.has(SUMMARY):
+                raise RunDirError(f"{where.url} holds no comparison (no {SUMMARY})")
+            path = where.path(SUMMARY)
             #: ``comparison.json``: the runs, the layer matching, the largest changes, notes
-            self.summary: dict[str, Any] = json.loads(read_bytes(self.dir.path(SUMMARY)))
+            self.summary: dict[str, Any] = unseal(json.loads(read_bytes(path)), path)
+        # its tables are read checked against the digests it records (none: an earlier version's)
+        self.dir = RunDir(where.url, digests_from_json(self.summary.get("digests")))
 
     @property
     def url(self) -> str:
@@ -295,7 +300,6 @@ def analyze(
     if options.get("plan"):
         raise ConfigError("plan=True runs nothing: call embgeom_ray.plan(...) for the plan")
     from .runs.pipeline import analyze as run_analysis
-    from .storage import require_filesystems
 
     with _user_errors():
         job = _config(config, values | options)

@@ -7,7 +7,7 @@ Each part of the job declares its options, with their defaults, bounds and help,
 :class:`~embgeom_ray.core.options.SampleOptions` and its resources'
 :class:`~embgeom_ray.inputs.options.WorkerOptions`), the actor pool's
 (:class:`~embgeom_ray.distributed.options.SchedulingOptions`), the run's own
-(:class:`~embgeom_ray.runs.options.RunOptions`), the exact tables'
+(:class:`RunOptions`, declared here), the exact tables'
 (:class:`~embgeom_ray.core.options.TableOptions`) and the sampled metrics'
 (:class:`~embgeom_ray.core.options.SampledOptions`). :class:`JobConfig` inherits them all, so
 every option keeps one flat name: its flag (:func:`build_parser` generates each flag, its help
@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any, Literal, Union, get_args, get_origin
 
 import yaml
-from pydantic import ConfigDict, ValidationError
+from pydantic import ConfigDict, Field, ValidationError, field_validator
 from pydantic.fields import FieldInfo
 
 from .core.options import SampledOptions, SampleOptions, TableOptions
@@ -35,7 +35,91 @@ from .distributed.options import SchedulingOptions
 from .errors import ConfigError
 from .inputs.options import ExtractionOptions, WorkerOptions
 from .options import AGREE, MERGE, RESULT, SCHEDULING, OptionGroup, options_marked, own_fields
-from .runs.options import RunOptions
+
+
+class RunOptions(OptionGroup):
+    """A run's own options: where it goes, which layers and clip dimensions it measures, and
+    what it does with an earlier run, its checkpoints and its report; what the driver
+    (:func:`embgeom_ray.runs.pipeline.analyze`) resolves and decides before and after the work
+    it hands to the extractors. Declared here, where the groups are assembled, since the
+    driver's package (:mod:`embgeom_ray.runs`) sits above this module."""
+
+    model_config = ConfigDict(title="run options")
+
+    out: str = Field(
+        description="output directory, local or fsspec URL (required)",
+        json_schema_extra=SCHEDULING | MERGE,
+    )
+    layers: list[int] | None = Field(
+        None,
+        description="hidden-state layers to measure, e.g. 0,3,-1 (0 = embedding output, -1 = "
+        "last) [default: all]",
+        json_schema_extra=RESULT,
+    )
+    clip_dims: list[int] | None = Field(
+        None,
+        description="dimensions to zero for exact clipped cosine metrics over the whole corpus, "
+        "e.g. 12,300",
+        json_schema_extra=RESULT | AGREE,
+    )
+    clip_dims_from: str | None = Field(
+        None,
+        description="take --clip-dims from an earlier run's output: every dimension flagged in "
+        "its dims.parquet",
+        json_schema_extra=RESULT,
+    )
+    overwrite: bool = Field(
+        False,
+        description="discard an earlier run in --out instead of resuming it",
+        json_schema_extra=SCHEDULING | MERGE,
+    )
+    plan: bool = Field(
+        False,
+        description="print what will run where and exit before any work: the shards, the "
+        "actors and their CPUs and GPUs, the batch tokens, every process's memory as number "
+        "and formula, the reducers and their ranges, the bytes per flush, the checkpoints' "
+        "disk and the artefact's and tables' sizes (reads the model's config and tokenizer, "
+        "never its weights; the corpus's listing; the cluster's resources). Refuses what "
+        "cannot fit with the message the run would give",
+        json_schema_extra=SCHEDULING | MERGE,
+    )
+    keep_checkpoints: bool = Field(
+        False,
+        description="keep the checkpoint groups (groups/) after the run completes; by default "
+        "they are removed, since statistics.safetensors and sample.safetensors hold the same "
+        "information",
+        json_schema_extra=SCHEDULING,
+    )
+    no_report: bool = Field(
+        False,
+        description="write the tables and artefacts only, without plots/ and report.html "
+        "(python -m jobs.report OUT draws them later from the run directory). Not a result "
+        "option",
+    )
+    no_warm_workers: bool = Field(
+        False,
+        description="on a private local Ray, do not start the sampled-metrics and figure tasks' "
+        "worker processes (and their imports, at nice 19) on the CPUs the extractors leave "
+        "free while they run. Not a result option",
+    )
+
+    @field_validator("layers")
+    @classmethod
+    def _distinct_layers(cls, v: list[int] | None) -> list[int] | None:
+        if v is not None:
+            if not v:
+                raise ValueError("give at least one layer, or leave it out for all layers")
+            if len(set(v)) != len(v):
+                raise ValueError(f"layers must be distinct, got {v}")
+        return v
+
+    @field_validator("clip_dims")
+    @classmethod
+    def _clip_dims(cls, v: list[int] | None) -> list[int] | None:
+        if v is not None and any(d < 0 for d in v):
+            raise ValueError(f"dimensions are non-negative, got {v}")
+        return v
+
 
 #: the groups that declare the job's options, in the order ``--help`` lists their sections;
 #: each option is declared by exactly one of them
@@ -97,7 +181,9 @@ AGREE_OPTIONS: tuple[str, ...] = options_marked(JobConfig, AGREE)
 MERGE_OPTIONS: tuple[str, ...] = options_marked(JobConfig, MERGE)
 
 
-def _format_validation_error(exc: ValidationError) -> str:
+def format_validation_error(exc: ValidationError) -> str:
+    """pydantic's errors of the job's options as one line that names each option as its flag
+    (``--max-length: ...``), a missing one, or an unknown key of the YAML file."""
     parts = []
     for err in exc.errors():
         loc = ".".join(str(x) for x in err["loc"]) or "config"
@@ -131,7 +217,7 @@ def build_config(yaml_path: str | None, overrides: dict[str, Any]) -> JobConfig:
     try:
         return JobConfig(**data)
     except ValidationError as exc:
-        raise ConfigError(_format_validation_error(exc)) from None
+        raise ConfigError(format_validation_error(exc)) from None
 
 
 # ---------------------------------------------------------------------------- command line

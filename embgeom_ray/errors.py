@@ -1,14 +1,13 @@
 """Errors a user can cause and fix.
 
 Every such error derives from :class:`UserError`. The command-line entry points catch it, print
-its message (one line or a short paragraph, no traceback) and exit with status 2. Anything else
-is a bug and keeps its traceback.
+its message (one line or a short paragraph, no traceback) and exit with status 2
+(:func:`embgeom_ray.cli.exit_status`; an object store's fault counts as one too:
+:func:`embgeom_ray.storage.as_user_error`). Anything else is a bug and keeps its traceback.
+This module imports nothing: every layer may raise these.
 """
 
 from __future__ import annotations
-
-import sys
-from collections.abc import Callable
 
 
 class UserError(Exception):
@@ -52,30 +51,3 @@ class IntegrityError(UserError):
 class StorageError(UserError):
     """An object store cannot be reached, refuses the credentials, has no such bucket, or
     refuses access (:mod:`embgeom_ray.storage`)."""
-
-
-def as_user_error(exc: BaseException) -> UserError | None:
-    """``exc`` as the user error it is: itself, or an object store's fault
-    (:func:`embgeom_ray.storage.storage_error`); None for anything else (a bug)."""
-    cause = getattr(exc, "cause", None)  # raised in a Ray task or actor: its own message
-    if isinstance(cause, UserError):
-        return cause
-    if isinstance(exc, UserError):
-        return exc
-    from .storage import storage_error
-
-    return storage_error(exc)
-
-
-def exit_status(run: Callable[[], object]) -> int:
-    """A command's exit status: 0 when ``run()`` returns; a user error's status (2) after its
-    message as one line on stderr; anything else keeps its traceback."""
-    try:
-        run()
-    except Exception as exc:
-        error = as_user_error(exc)
-        if error is None:
-            raise
-        print(f"error: {error}", file=sys.stderr)
-        return error.exit_code
-    return 0

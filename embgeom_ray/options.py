@@ -4,9 +4,10 @@ Each part of the job declares the options it uses, with their defaults, bounds a
 :class:`OptionGroup` beside its code: the exact tables' and the sampled metrics' and the
 sample's in :mod:`embgeom_ray.core.options`, an extractor's in :mod:`embgeom_ray.inputs.options`,
 the actor pool's in :mod:`embgeom_ray.distributed.options`, the run's own in
-:mod:`embgeom_ray.runs.options`. :class:`embgeom_ray.config.JobConfig` is assembled from them by
-inheritance, so a field keeps its name as flag (``--max-length``) and YAML key (``max_length``),
-and the command line is generated from the groups' fields. A part takes its group
+:mod:`embgeom_ray.config` (beside the assembly: the driver's package sits above it).
+:class:`embgeom_ray.config.JobConfig` is assembled from them by inheritance, so a field keeps
+its name as flag (``--max-length``) and YAML key (``max_length``), and the command line is
+generated from the groups' fields. A part takes its group
 (:meth:`OptionGroup.of` the job's configuration), never the whole configuration.
 
 An option's role is metadata on its field (``json_schema_extra``): :data:`RESULT`,

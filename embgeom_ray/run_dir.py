@@ -20,8 +20,9 @@ of a run and ``"complete"`` only after every table and artefact is in place
 complete manifest records the digest of every table and artefact (``outputs.digests``;
 ``statistics/index.json`` those of the parts it names), and every read of them through
 :class:`RunDir` (tables, the sample, the statistics whole or a part, ``doc_hashes.npy``) is
-checked against it (:mod:`embgeom_ray.integrity`); runs written before digests have none
-and are read unchecked.
+checked against it (:mod:`embgeom_ray.integrity`); the manifest holds its own digest
+(``"digest"``, :func:`~embgeom_ray.integrity.seal`), checked whenever it is read. Runs
+written before digests have none and are read unchecked.
 :class:`RunDir` is the one place that knows these names: the pipeline, the merge, the report,
 the comparison and the scheduled re-analysis all read and write runs through it.
 
@@ -56,6 +57,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from .core.metric_registry import summary_columns
 from .counts import Counts
 from .errors import UserError
 from .integrity import (
@@ -66,8 +68,11 @@ from .integrity import (
     digests_json,
     open_verified,
     read_verified,
+    seal,
+    unseal,
 )
 from .io_utils import atomic_write_bytes, atomic_write_json, exists, join, read_bytes, remove
+from .version import __version__
 
 MANIFEST = "manifest.json"
 STATISTICS = "statistics.safetensors"
@@ -107,8 +112,6 @@ def check_format(version: str | None, where: str) -> None:
     except ValueError:
         raise RunDirError(f"{where} has an unreadable format version {version!r}") from None
     if major > ours:
-        from . import __version__
-
         raise RunDirError(
             f"{where} was written in output format {version} by a newer embgeom_ray; this "
             f"version ({__version__}) reads format {ours}.x and earlier: upgrade embgeom-ray"
@@ -269,7 +272,7 @@ class Manifest(_Part):
 ROW_GROUP_KEYS: dict[str, tuple[str, ...]] = {"samples": ("layer", "sample")}
 
 
-def _runs(df: pd.DataFrame | pa.Table, keys: tuple[str, ...]) -> list[tuple[int, int]]:
+def row_runs(df: pd.DataFrame | pa.Table, keys: tuple[str, ...]) -> list[tuple[int, int]]:
     """(start, length) of the runs of consecutive rows with equal values in ``keys``."""
     if not len(df):
         return [(0, 0)]
@@ -340,7 +343,7 @@ def sample_table_pieces(
     id_to_token: Callable[[Sequence[int]], Sequence[str]] | None,
     clusters: Mapping[int, np.ndarray],
 ) -> Iterator[tuple[dict[str, Any], pa.Table]]:
-    """Each layer of ``sample`` (a :class:`~embgeom_ray.runs.sample_layers.SampleLayers`) in
+    """Each layer of ``sample`` (a :class:`~embgeom_ray.core.sample_layers.SampleLayers`) in
     turn: its one-layer sample's header and :func:`sample_layer_table` (built here)."""
     for layer in sample.layers:
         one = sample.layer(layer)
@@ -372,7 +375,7 @@ def write_table(
     keys = ROW_GROUP_KEYS.get(name, ())
     if keys and all(k in df.columns for k in keys):
         with pq.ParquetWriter(buf, table.schema, compression="zstd") as writer:
-            for start, length in _runs(df, keys):
+            for start, length in row_runs(df, keys):
                 writer.write_table(table.slice(start, length))
     else:
         pq.write_table(table, buf, compression="zstd")
@@ -388,8 +391,6 @@ def versions() -> dict[str, str]:
     import ray
     import torch
     import transformers
-
-    from . import __version__
 
     return {
         "embgeom_ray": __version__,
@@ -415,12 +416,15 @@ class RunDir:
     :meth:`finalise`, which marks the run complete once every output is in place.
     """
 
-    def __init__(self, url: str) -> None:
+    def __init__(self, url: str, digests: Mapping[str, Digest] | None = None) -> None:
         self.url = str(url).rstrip("/") or "/"
         #: the digests of the files written through this object (recorded by :meth:`finalise`)
         self.written: dict[str, Digest] = {}
+        #: the digests of the files when they are recorded elsewhere than in a manifest (a
+        #: comparison's, in its ``comparison.json``)
+        self._given = None if digests is None else dict(digests)
         #: the digests of a complete manifest's outputs, read once (:meth:`digest`)
-        self._digests: dict[str, Digest] | None = None
+        self._digests: dict[str, Digest] | None = self._given
 
     def __repr__(self) -> str:
         return f"RunDir({self.url!r})"
@@ -452,6 +456,7 @@ class RunDir:
             raise RunDirError(f"{url} is not valid JSON: {exc}") from None
         if not isinstance(data, dict):
             raise RunDirError(f"{url} is not a run manifest (not a JSON object)")
+        data = unseal(data, url)
         check_format(data.get("format_version"), f"run {self.url}")
         try:
             return Manifest.model_validate(data)
@@ -474,10 +479,11 @@ class RunDir:
         return manifest
 
     def write_manifest(self, manifest: Manifest) -> None:
-        """Write ``manifest`` atomically, in this version's format (:data:`FORMAT_VERSION`)."""
+        """Write ``manifest`` atomically, in this version's format (:data:`FORMAT_VERSION`),
+        with its digest (:func:`~embgeom_ray.integrity.seal`: checked by :meth:`manifest`)."""
         manifest.set(format_version=FORMAT_VERSION)
-        atomic_write_json(self.path(MANIFEST), manifest.to_json())
-        self._digests = None
+        atomic_write_json(self.path(MANIFEST), seal(manifest.to_json()))
+        self._digests = self._given
 
     def digest(self, name: str) -> Digest | None:
         """The digest the manifest records for the file ``name`` (``outputs.digests``:
@@ -613,7 +619,7 @@ class RunDir:
         pieces: Iterable[tuple[dict[str, Any], pa.Table]] | None = None,
     ) -> str:
         """``samples.parquet`` written a layer at a time from ``sample`` (a
-        :class:`~embgeom_ray.runs.sample_layers.SampleLayers`): each layer's rows
+        :class:`~embgeom_ray.core.sample_layers.SampleLayers`): each layer's rows
         (:func:`sample_layer_table`, with the uniform rows' K-means ``cluster`` from
         ``clusters``: layer -> labels in the canonical order; a layer left out has none), as
         that layer's row groups (at least one per sample, :data:`ROW_GROUP_KEYS`), then
@@ -638,7 +644,7 @@ class RunDir:
                         }
                         writer = pq.ParquetWriter(path, table.schema.with_metadata(meta), compression="zstd")
                     table = table.replace_schema_metadata(writer.schema.metadata)
-                    for start, length in _runs(table, ROW_GROUP_KEYS["samples"]):
+                    for start, length in row_runs(table, ROW_GROUP_KEYS["samples"]):
                         writer.write_table(table.slice(start, length))
                     del table
             finally:
@@ -768,7 +774,7 @@ class RunDir:
         ``sample``: None, an :class:`~embgeom_ray.core.samples.ActivationSample` whose rows
         ``tables["samples"]`` holds (its :meth:`to_table` rows, with the sampled stage's
         columns), or, without ``tables["samples"]``, a sample given a layer at a time
-        (:class:`~embgeom_ray.runs.sample_layers.SampleLayers`) that :meth:`write_samples`
+        (:class:`~embgeom_ray.core.sample_layers.SampleLayers`) that :meth:`write_samples`
         writes a layer at a time (``id_to_token``, ``clusters``, ``sample_pieces``: its
         ``pieces``, as there). Either way the
         sample's header goes into the file's metadata; a ``sample.safetensors`` of an earlier
@@ -821,13 +827,9 @@ class RunDir:
 
 
 def format_summary(layers: pd.DataFrame) -> str:
-    """The per-layer summary printed at the end of a run."""
-    cols = [
-        c
-        for c in ("layer", "n_tokens", "n_types", "mean_norm", "total_variance", "within_ratio",
-                  "norm_variance_corr", "isoscore", "anisotropy", "s_inter", "s_intra")
-        if c in layers.columns
-    ]  # fmt: skip
+    """The per-layer summary printed at the end of a run: the columns the registry marks
+    ``summary`` (:func:`~embgeom_ray.core.metric_registry.summary_columns`)."""
+    cols = [c for c in summary_columns() if c in layers.columns]
     with pd.option_context("display.width", 200, "display.max_columns", 30, "display.precision", 4):
         return layers[cols].to_string(index=False)
 
@@ -872,7 +874,7 @@ def load_statistics_part(
     Every byte read is checked against the digests recorded (a
     :class:`~embgeom_ray.integrity.FileRef`'s, and the index's of its parts).
     """
-    from .core.statistics import EmbeddingStatistics, Partition
+    from .core.statistics import EmbeddingStatistics, StatisticsPart
 
     index = _parts_index(url)
     if index is None:
@@ -884,7 +886,7 @@ def load_statistics_part(
         path = _part_ref(url, index, name)
         header = EmbeddingStatistics.read_header(path)
         held = [int(x) for x in header["layers"]]
-        part = Partition.from_json(header["partition"] or {"of_layers": held, "token_range": [0, None], "layer_state": True})  # fmt: skip
+        part = StatisticsPart.from_json(header["partition"] or {"of_layers": held, "token_range": [0, None], "layer_state": True})  # fmt: skip
         here = [x for x in held if layers is None or x in layers]
         if not here:
             continue

@@ -214,6 +214,17 @@ def storage_error(exc: BaseException, url: str | None = None, what: str = "") ->
     return None
 
 
+
+def as_user_error(exc: BaseException) -> UserError | None:
+    """``exc`` as the user error it is: itself, or an object store's fault
+    (:func:`storage_error`); None for anything else (a bug)."""
+    cause = getattr(exc, "cause", None)  # raised in a Ray task or actor: its own message
+    if isinstance(cause, UserError):
+        return cause
+    if isinstance(exc, UserError):
+        return exc
+    return storage_error(exc)
+
 @contextlib.contextmanager
 def user_errors(url: str, what: str) -> Iterator[None]:
     """Within: an object store's fault while reading or writing ``url`` (the ``what``) is raised
@@ -227,14 +238,22 @@ def user_errors(url: str, what: str) -> Iterator[None]:
         raise error from None
 
 
+#: what :func:`resumable` says a rerun does, for an analysis and for a merge
+RESUMES = "its completed checkpoint groups are kept: rerun the same command to resume once the store answers"
+REDOES = "it is not marked complete: rerun the same command to write it once the store answers"
+
+
 @contextlib.contextmanager
-def resumable(url: str) -> Iterator[None]:
+def resumable(url: str, rerun: str = RESUMES) -> Iterator[None]:
     """Within: the run at ``url`` (its ``--out``) is being written. An object store that stays
     unreachable, stalled or dropping connections past the retries
     (:data:`~embgeom_ray.io_utils.STORE_DEFAULTS`) ends the job with one
-    :class:`StorageError` naming the run and the endpoint, and saying that rerunning resumes:
-    a checkpoint group counts as done only once its JSON is written (last), so the groups
-    written before are kept and none is counted twice."""
+    :class:`StorageError` naming the run and the endpoint, and saying what a rerun does
+    (``rerun``): an analysis resumes, since a checkpoint group counts as done only once its
+    JSON is written (last), so the groups written before are kept and none is counted twice
+    (:data:`RESUMES`); a merge, which has no checkpoints, is written again (:data:`REDOES`).
+    Either way the manifest says ``complete`` only once every table and artefact is written
+    (:meth:`~embgeom_ray.run_dir.RunDir.finalise`)."""
     try:
         yield
     except Exception as exc:
@@ -242,10 +261,7 @@ def resumable(url: str) -> Iterator[None]:
         if error is None:
             raise
         if _names(getattr(exc, "cause", None) or exc) & _UNREACHABLE:
-            error = StorageError(
-                f"{error} (after retries); its completed checkpoint groups are kept: rerun the "
-                "same command to resume once the store answers"
-            )
+            error = StorageError(f"{error} (after retries); {rerun}")
         raise error from None
 
 

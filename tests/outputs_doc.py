@@ -1,5 +1,7 @@
 """docs/outputs.md as a contract the tests check: the files its "A run directory" table lists,
-and the keys its ``manifest.json`` table documents.
+the keys its ``manifest.json`` table documents, and the columns of its column tables
+(:func:`documented_columns`, checked against the metric registry by
+tests/core/test_metric_registry.py).
 
 :func:`assert_documented_outputs` checks that a run directory holds every file the table
 lists whose condition holds for the run's options (:data:`CONDITIONS`: a file the table lists
@@ -47,6 +49,36 @@ def _first_cells(section: str) -> list[str]:
     """The first cell of every row of the section's first table (header and rule left out)."""
     rows = [line for line in section.splitlines() if line.startswith("| ")]
     return [row.split("|")[1].strip() for row in rows[2:]]
+
+
+def _column_cells(section: str) -> list[tuple[str, str]]:
+    """(first cell, second cell) of every row of the section's ``| column | meaning |`` tables."""
+    rows, inside = [], False
+    for line in section.splitlines():
+        if not line.startswith("|"):
+            inside = False
+        elif line.replace(" ", "") == "|column|meaning|":
+            inside = True
+        elif inside and not set(line) <= set("|- "):
+            cells = line.split("|")
+            rows.append((cells[1].strip(), "|".join(cells[2:-1]).strip()))
+    return rows
+
+
+def documented_columns(heading: str) -> tuple[list[str], list[str]]:
+    """(columns, standard-error metrics): every column the ``| column | meaning |`` tables of
+    the section ``## heading`` name in their first cells, in order, and the metrics its
+    ``<metric>_se`` row lists (after ``SE_METRICS``: up to the sentence's end)."""
+    columns: list[str] = []
+    se: list[str] = []
+    for first, meaning in _column_cells(_section(heading)):
+        names = re.findall(r"`([^`]+)`", first)
+        if names == ["<metric>_se"]:
+            listed = meaning.split("`SE_METRICS`:", 1)[1].split(". ", 1)[0]
+            se += re.findall(r"`([^`]+)`", listed)
+        else:
+            columns += names
+    return columns, se
 
 
 def documented_files() -> list[str]:

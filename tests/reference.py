@@ -35,6 +35,7 @@ __all__ = [
     "layer_tables",
     "load_model_and_tokenizer",
     "make_windows",
+    "participation_ratio",
     "reference_activations",
     "reference_tables",
     "special_wrapping",
@@ -64,6 +65,7 @@ LAYERS_COLUMNS = [
     "anisotropy",
     "s_inter",
     "s_intra",
+    "participation_ratio",
 ]
 DIMS_COLUMNS = ["layer", "dim", "mean", "std"]
 
@@ -303,6 +305,18 @@ def _isoscore(points: np.ndarray) -> float:
     return float(IsoScore.IsoScore(np.ascontiguousarray(points, dtype=np.float64)))
 
 
+def participation_ratio(points: np.ndarray) -> float:
+    """(Σλ)² / Σλ² of the eigenvalues λ of the points' two-pass float64 covariance (NaN for
+    fewer than 2 points or a zero covariance)."""
+    x = np.asarray(points, dtype=np.float64)
+    if x.shape[0] < 2:
+        return math.nan
+    centred = x - x.mean(axis=0)
+    lam = np.linalg.eigvalsh(centred.T @ centred / x.shape[0])
+    sq = float(np.sum(lam**2))
+    return float(np.sum(lam)) ** 2 / sq if sq > 0 else math.nan
+
+
 def layer_tables(
     layer: int,
     points: np.ndarray,
@@ -376,6 +390,7 @@ def layer_tables(
         "anisotropy": anisotropy,
         "s_inter": s_inter,
         "s_intra": s_intra,
+        "participation_ratio": participation_ratio(x),
     }
     dims = pd.DataFrame(
         {

@@ -15,7 +15,7 @@ import torch
 
 from embgeom_ray.core.samples import ActivationSample
 from embgeom_ray.core.statistics import EmbeddingStatistics
-from embgeom_ray.errors import IntegrityError, as_user_error
+from embgeom_ray.errors import IntegrityError
 from embgeom_ray.integrity import (
     MIN_BLOCK,
     Digest,
@@ -23,8 +23,11 @@ from embgeom_ray.integrity import (
     VerifiedFile,
     block_size,
     integrity_error,
+    seal,
+    unseal,
 )
 from embgeom_ray.run_dir import Manifest, RunDir, load_statistics_part
+from embgeom_ray.storage import as_user_error
 
 LAYERS, DIM = [0, 1, 2], 8
 
@@ -172,6 +175,138 @@ def test_run_files_are_checked_against_the_manifest(tmp_path):
         open_run(run.url).table("layers")
     # the manifest of an earlier version records no digests: the files read unchecked
     on_disk = json.loads((tmp_path / "run" / "manifest.json").read_text())
-    del on_disk["outputs"]["digests"]
+    del on_disk["outputs"]["digests"], on_disk["digest"]
     (tmp_path / "run" / "manifest.json").write_text(json.dumps(on_disk))
     RunDir(run.url).load_statistics()
+
+
+def flip_digit(path: Path, text: bytes) -> None:
+    """Flip the low bit of the first digit at or after the end of ``text`` in ``path``: it
+    becomes another digit, and the JSON still parses."""
+    data = path.read_bytes()
+    at = data.index(text) + len(text) - 1
+    while not data[at : at + 1].isdigit():
+        at += 1
+    flip(path, at)
+
+
+def test_json_the_job_reads_back_carries_its_own_digest():
+    """A JSON document's digest is of its content (keys sorted, no spaces): indentation and
+    key order do not matter, a digit does; a document without one reads as it is."""
+    doc = {"shards": ["f0-b0001", "f0-b0002"], "counts": {"tokens": 50, "x": 0.1 + 0.2}}
+    sealed = seal(doc)
+    assert sealed["digest"].startswith("xxh3_64:") and seal(sealed) == sealed
+    for text in (json.dumps(sealed), json.dumps(sealed, indent=2, sort_keys=True)):
+        assert unseal(json.loads(text), "f.json") == doc
+    bad = json.loads(json.dumps(sealed).replace("f0-b0002", "f0-b0003"))
+    with pytest.raises(IntegrityError, match=r"f\.json is corrupt: its content does not match"):
+        unseal(bad, "f.json")
+    assert unseal(doc, "f.json") == doc  # an earlier version's: no digest, read as it is
+    assert unseal([1, 2], "f.json") == [1, 2]
+
+
+def test_a_flipped_digit_in_a_manifest_is_refused_in_one_line(tmp_path, capsys):
+    """``manifest.json`` holds its own digest: a digit flipped in it (a count, a digest's
+    size) is refused by every reader, ``open_run`` and the commands (exit status 2)."""
+    from embgeom_ray import open_run
+    from jobs import merge
+
+    run = RunDir(str(tmp_path / "run"))
+    manifest = Manifest(status="running", counts={"tokens": 1250})
+    run.finalise(manifest, {"layers": pd.DataFrame({"layer": LAYERS})}, statistics(), None)
+    assert open_run(run.url).manifest.counts.tokens == 1250
+    other = tmp_path / "other"
+    __import__("shutil").copytree(tmp_path / "run", other)
+    flip_digit(tmp_path / "run" / "manifest.json", b'"tokens": 125')
+    with pytest.raises(IntegrityError, match=r"manifest\.json is corrupt"):
+        open_run(run.url)
+    capsys.readouterr()
+    assert merge.main(["--out", str(tmp_path / "m"), str(other), run.url]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "run/manifest.json is corrupt" in err[0], err
+
+
+def test_a_checkpoint_json_with_a_flipped_digit_is_not_trusted(tmp_path):
+    """A group's JSON whose shard id reads as another shard (f0-b0001 -> f0-b0000) would count
+    a shard twice and leave another out: on resume the group is discarded, in one line, and
+    its shards are redone; the other group is kept. A corrupt ``run.json`` (the plan) is
+    refused. The reducer checkpoints that read the group go with it."""
+    from embgeom_ray.errors import OutputError
+    from embgeom_ray.runs.checkpoints import REDUCERS, CheckpointStore
+    from tests.runs.test_checkpoints import counts, fold, ids, plan, started
+
+    store = started(tmp_path, 4)
+    good = store.save_group(ids(0), fold([0]).to_bytes(), None, counts(10))
+    bad = store.save_group(ids(1, 2), fold([1, 2]).to_bytes(), None, counts(20))
+    groups = tmp_path / "out" / "groups"
+    reducers = tmp_path / "out" / REDUCERS
+    reducers.mkdir()
+    for r, group in ((0, bad), (1, good)):
+        applied = [ref.url for ref in store.group_urls(group)]
+        (reducers / f"reducer-{r:04d}.json").write_text(json.dumps({"applied": applied}))
+    flip_digit(groups / f"{bad.group_id}.json", b'"f0-b0001')
+    again = CheckpointStore(str(tmp_path / "out"))
+    _, resumed = again.start("fp", {}, plan(4), overwrite=False)
+    assert resumed and again.done_shards() == set(ids(0))
+    (line,) = again.corrupt
+    assert line.startswith(f"checkpoint group {bad.group_id} is corrupt ({bad.group_id}.json: ")
+    assert line.endswith("; its shards are redone")
+    assert not any(p.name.startswith(bad.group_id) for p in groups.iterdir())
+    assert [p.name for p in reducers.iterdir()] == ["reducer-0001.json"]
+
+    flip_digit(tmp_path / "out" / "run.json", b'"f0-b0003')
+    with pytest.raises(OutputError, match=r"run\.json is corrupt: .*pass --overwrite"):
+        CheckpointStore(str(tmp_path / "out")).start("fp", {}, plan(4), overwrite=False)
+
+
+def test_a_comparison_records_its_tables_digests(tmp_path):
+    """``comparison.json`` holds its own digest and its tables' digests: the Python API's
+    :class:`~embgeom_ray.api.Comparison` checks both."""
+    from embgeom_ray.api import Comparison
+    from embgeom_ray.runs.compare import compare_runs
+    from tests.runs.test_compare import (
+        BASE_LAYERS,
+        BASE_OUTLIERS,
+        OTHER_LAYERS,
+        OTHER_OUTLIERS,
+        make_run,
+    )
+
+    a = make_run(tmp_path / "runs" / "base", BASE_LAYERS, BASE_OUTLIERS)
+    b = make_run(tmp_path / "runs" / "new", OTHER_LAYERS, OTHER_OUTLIERS)
+    out = tmp_path / "cmp"
+    summary = compare_runs([a, b], str(out), echo=lambda s: None)
+    assert sorted(summary["digests"]) == sorted(summary["files"][:4])
+    expected = Comparison(str(out)).changes
+    flip(out / "changes.parquet", 40)
+    with pytest.raises(IntegrityError, match=r"changes\.parquet is corrupt"):
+        Comparison(str(out)).changes  # noqa: B018
+    assert len(expected)
+    flip_digit(out / "comparison.json", b'"size_threshold"')
+    with pytest.raises(IntegrityError, match=r"comparison\.json is corrupt"):
+        Comparison(str(out))
+
+
+def test_a_reducer_checkpoint_json_with_a_flipped_digit_is_not_used(tmp_path):
+    """A reducer's checkpoint JSON holds its own digest: one whose content does not match is
+    not used (removed, and why reported), and the reducer reads its sources again, to the
+    same partition (the class in this process, as Ray runs it in an actor)."""
+    from embgeom_ray.distributed.reducers import PartitionPlan, Reducer
+
+    stats = statistics()
+    sources = []
+    for i in range(2):
+        path = tmp_path / f"g{i}.safetensors"
+        sources.append(FileRef(str(path), stats.save(path)))
+    plan = PartitionPlan.of(2, 40, LAYERS)
+    first = Reducer(0, plan, checkpoint_dir=str(tmp_path / "reducers"))
+    first.load(sources)
+    name = Path(first.checkpoint())
+    assert json.loads(name.read_text())["digest"].startswith("xxh3_64:")
+    assert Reducer(0, plan, checkpoint_dir=str(tmp_path / "reducers")).load(sources)["restored"] == 2
+    flip_digit(name, b'"ranges"')
+    again = Reducer(0, plan, checkpoint_dir=str(tmp_path / "reducers"))
+    result = again.load(sources)
+    assert (result["restored"], result["read"]) == (0, 2)
+    assert "is corrupt: its content does not match" in result["dropped"] and not name.exists()
+    assert again.rows.to_bytes() == first.rows.to_bytes()

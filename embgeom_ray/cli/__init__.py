@@ -21,6 +21,10 @@ from __future__ import annotations
 import importlib
 import logging
 import sys
+from collections.abc import Callable
+
+from ..storage import as_user_error
+from ..version import __version__
 
 #: the commands, in the order ``embgeom --help`` lists them, with their one-line summaries
 COMMANDS: dict[str, str] = {
@@ -39,12 +43,25 @@ def configure_logging(verbose: bool) -> None:
     )
 
 
+
+def exit_status(run: Callable[[], object]) -> int:
+    """A command's exit status: 0 when ``run()`` returns; a user error's status (2) after its
+    message as one line on stderr (:func:`~embgeom_ray.storage.as_user_error`); anything else
+    keeps its traceback."""
+    try:
+        run()
+    except Exception as exc:
+        error = as_user_error(exc)
+        if error is None:
+            raise
+        print(f"error: {error}", file=sys.stderr)
+        return error.exit_code
+    return 0
+
 USAGE = "usage: embgeom {" + ",".join(COMMANDS) + "} [options]   (embgeom COMMAND --help)"
 
 
 def _help() -> str:
-    from .. import __version__
-
     rows = "\n".join(f"  {name:<10} {summary}" for name, summary in COMMANDS.items())
     return (
         f"{USAGE}\n\nembgeom_ray {__version__}: exact corpus-scale geometry of transformer "
@@ -59,8 +76,6 @@ def main(argv: list[str] | None = None) -> int:
         print(_help(), end="", file=sys.stdout if args else sys.stderr)
         return 0 if args else 2
     if args[0] == "--version":
-        from .. import __version__
-
         print(f"embgeom_ray {__version__}")
         return 0
     command, rest = args[0], args[1:]

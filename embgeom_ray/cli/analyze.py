@@ -13,10 +13,9 @@ from __future__ import annotations
 import argparse
 import sys
 
-from embgeom_ray.cli import configure_logging
+from embgeom_ray.cli import configure_logging, exit_status
 from embgeom_ray.config import build_config
 from embgeom_ray.config import build_parser as job_parser
-from embgeom_ray.errors import exit_status
 from embgeom_ray.storage import require_filesystems
 
 EXAMPLES = """\

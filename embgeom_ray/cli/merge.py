@@ -22,10 +22,10 @@ from __future__ import annotations
 import argparse
 import sys
 
-from embgeom_ray.cli import configure_logging
+from embgeom_ray.cli import configure_logging, exit_status
 from embgeom_ray.config import MERGE_OPTIONS, SCHEDULING_OPTIONS
 from embgeom_ray.config import build_parser as job_parser
-from embgeom_ray.errors import ConfigError, exit_status
+from embgeom_ray.errors import ConfigError
 from embgeom_ray.runs.merge import merge_runs
 
 PROG = "embgeom merge"

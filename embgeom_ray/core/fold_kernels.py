@@ -16,12 +16,13 @@ read the same rows become one kernel each (``core/statistics.py``, ``_fold_layer
   shift x in place, ~56 bytes of traffic a value for 16 of arithmetic.
 * :func:`deviations_and_centred32` – the same with ``comoment_precision="float32"``: the
   shifted rows are the model-dtype rows minus c rounded to float32, in float32.
-* :func:`deviations_and_residues` – the same for the bounded product on int8 units
-  (:mod:`~embgeom_ray.core.integer_gram`): instead of the shifted rows, their residues in
-  fixed point modulo each of the N moduli, N bytes a value (int8), transposed for the products.
-* :func:`garner_reconstruct` – the integer co-moment from its N residue matrices (Garner's
-  mixed radix, N(N − 1)/2 exact modular steps a value): one read of them, one write of the
-  float64 matrix.
+* :func:`~embgeom_ray.core.integer_gram.deviations_and_residues` – the same for the bounded
+  product on int8 units (beside that product, in :mod:`~embgeom_ray.core.integer_gram`, built
+  by :func:`run_fused` here): instead of the shifted rows, their residues in fixed point
+  modulo each of the N moduli, N bytes a value (int8), transposed for the products.
+* :func:`~embgeom_ray.core.integer_gram.garner_reconstruct` – the integer co-moment from its N
+  residue matrices (Garner's mixed radix, N(N − 1)/2 exact modular steps a value): one read
+  of them, one write of the float64 matrix.
 
 Each returns what its eager twin (``*_eager``) returns, to float64 rounding (only the order
 of the additions of a row's d squares differs). The kernels are built on the first CUDA
@@ -92,7 +93,7 @@ def fused_on(device: torch.device) -> bool:
     return wanted and not _unavailable
 
 
-def _run(eager: Callable[..., object], *args: torch.Tensor) -> object:
+def run_fused(eager: Callable[..., object], *args: torch.Tensor) -> object:
     """``eager(*args)`` as one compiled kernel where :func:`fused_on` the arguments' device,
     else (and where it cannot be built: one warning, then eager for good) eagerly."""
     global _unavailable
@@ -116,74 +117,20 @@ def _run(eager: Callable[..., object], *args: torch.Tensor) -> object:
 
 def float64_rows(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`float64_rows_eager`, fused where :func:`fused_on`."""
-    return _run(float64_rows_eager, rows)  # type: ignore[return-value]
+    return run_fused(float64_rows_eager, rows)  # type: ignore[return-value]
 
 
 def deviations_and_centred(
     means: torch.Tensor, inv: torch.Tensor, x: torch.Tensor, c: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`deviations_and_centred_eager`, fused where :func:`fused_on`."""
-    return _run(deviations_and_centred_eager, means, inv, x, c)  # type: ignore[return-value]
+    return run_fused(deviations_and_centred_eager, means, inv, x, c)  # type: ignore[return-value]
 
 
 def deviations_and_centred32(
     means: torch.Tensor, inv: torch.Tensor, x: torch.Tensor, rows: torch.Tensor, c32: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`deviations_and_centred32_eager`, fused where :func:`fused_on`."""
-    return _run(  # type: ignore[return-value]
+    return run_fused(  # type: ignore[return-value]
         deviations_and_centred32_eager, means, inv, x, rows, c32
     )
-
-
-def deviations_and_residues_eager(
-    means: torch.Tensor,
-    inv: torch.Tensor,
-    x: torch.Tensor,
-    shift: torch.Tensor,
-    scale: torch.Tensor,
-    moduli: tuple[int, ...],
-    rows: int = 0,
-    cols: int = 0,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(:func:`squared_deviations_eager`, the int8 residues of the shifted rows in fixed point,
-    (N, d, n) zero-padded to (N, ``cols``, ``rows``)): the second pass of the integer
-    co-moment product (:func:`~embgeom_ray.core.integer_gram.residues_eager`)."""
-    from .integer_gram import residues_eager
-
-    sq = squared_deviations_eager(means, inv, x)
-    return sq, residues_eager(x, shift, scale, moduli, rows, cols)
-
-
-def deviations_and_residues(
-    means: torch.Tensor,
-    inv: torch.Tensor,
-    x: torch.Tensor,
-    shift: torch.Tensor,
-    scale: torch.Tensor,
-    moduli: tuple[int, ...],
-    rows: int = 0,
-    cols: int = 0,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`deviations_and_residues_eager`, fused where :func:`fused_on`: one read of the
-    float64 rows writes a number per row and N bytes per value."""
-    return _run(  # type: ignore[return-value]
-        deviations_and_residues_eager, means, inv, x, shift, scale, moduli, rows, cols
-    )
-
-
-def garner_reconstruct(
-    remainders: torch.Tensor, moduli: tuple[int, ...], inv: tuple[tuple[int, ...], ...]
-) -> torch.Tensor:
-    """:func:`~embgeom_ray.core.integer_gram.garner_eager`, fused where :func:`fused_on`: the
-    N remainder matrices are read once and the float64 Gram written once."""
-    from .integer_gram import garner_eager
-
-    return _run(garner_eager, remainders, moduli, inv)  # type: ignore[return-value,arg-type]
-
-
-def residues(*args: object) -> torch.Tensor:
-    """:func:`~embgeom_ray.core.integer_gram.residues_eager` (the same arguments) alone, fused
-    where :func:`fused_on` (the product without the fold's deviations: ``bench.comoment``)."""
-    from .integer_gram import residues_eager
-
-    return _run(residues_eager, *args)  # type: ignore[return-value,arg-type]

@@ -49,6 +49,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .fold_kernels import run_fused, squared_deviations_eager
+
 _F64 = torch.float64
 #: bits of the fixed-point rows: |x̃| ≤ 2^(BITS−1)
 BITS = 39
@@ -278,8 +280,59 @@ class IntegerGram:
 
 def garner(remainders: torch.Tensor, moduli: Sequence[int]) -> torch.Tensor:
     """:func:`garner_eager`, as one compiled kernel where the fold's kernels are fused
-    (:mod:`~embgeom_ray.core.fold_kernels`)."""
-    from .fold_kernels import garner_reconstruct
-
+    (:func:`garner_reconstruct`)."""
     moduli = tuple(moduli)
     return garner_reconstruct(remainders, moduli, inverse_table(moduli))
+
+
+# ------------------------------------------------- the fused kernels (fold_kernels.run_fused)
+
+
+def deviations_and_residues_eager(
+    means: torch.Tensor,
+    inv: torch.Tensor,
+    x: torch.Tensor,
+    shift: torch.Tensor,
+    scale: torch.Tensor,
+    moduli: tuple[int, ...],
+    rows: int = 0,
+    cols: int = 0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(:func:`~embgeom_ray.core.fold_kernels.squared_deviations_eager`, the int8 residues of
+    the shifted rows in fixed point, (N, d, n) zero-padded to (N, ``cols``, ``rows``)): the
+    second pass of the fold with the integer co-moment product (:func:`residues_eager`)."""
+    sq = squared_deviations_eager(means, inv, x)
+    return sq, residues_eager(x, shift, scale, moduli, rows, cols)
+
+
+def deviations_and_residues(
+    means: torch.Tensor,
+    inv: torch.Tensor,
+    x: torch.Tensor,
+    shift: torch.Tensor,
+    scale: torch.Tensor,
+    moduli: tuple[int, ...],
+    rows: int = 0,
+    cols: int = 0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`deviations_and_residues_eager`, fused where
+    :func:`~embgeom_ray.core.fold_kernels.fused_on`: one read of the float64 rows writes a
+    number per row and N bytes per value."""
+    return run_fused(  # type: ignore[return-value]
+        deviations_and_residues_eager, means, inv, x, shift, scale, moduli, rows, cols
+    )
+
+
+def garner_reconstruct(
+    remainders: torch.Tensor, moduli: tuple[int, ...], inv: tuple[tuple[int, ...], ...]
+) -> torch.Tensor:
+    """:func:`garner_eager`, fused where :func:`~embgeom_ray.core.fold_kernels.fused_on`: the
+    N remainder matrices are read once and the float64 Gram written once."""
+    return run_fused(garner_eager, remainders, moduli, inv)  # type: ignore[return-value,arg-type]
+
+
+def residues(*args: object) -> torch.Tensor:
+    """:func:`residues_eager` (the same arguments) alone, fused where
+    :func:`~embgeom_ray.core.fold_kernels.fused_on` (the product without the fold's
+    deviations: ``bench.comoment``)."""
+    return run_fused(residues_eager, *args)  # type: ignore[return-value,arg-type]

@@ -14,6 +14,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import pandas as pd
 
+from . import metric_registry as registry
 from .options import TableOptions
 from .partials import (
     CosineSums,
@@ -24,16 +25,11 @@ from .partials import (
 )
 from .statistics import EmbeddingStatistics, LayerMoments
 
-TYPE_COLUMNS = [
-    "layer", "token_id", "token", "count", "mean_norm", "sq_norm_mean", "variance",
-    "self_similarity",
-]  # fmt: skip
-LAYER_COLUMNS = [
-    "layer", "n_tokens", "n_types", "mean_norm", "total_variance", "within_variance",
-    "between_variance", "within_ratio", "norm_variance_corr", "isoscore", "anisotropy",
-    "s_inter", "s_intra",
-]  # fmt: skip
-DIM_COLUMNS = ["layer", "dim", "mean", "std"]
+#: the columns of ``type_stats.parquet``, of ``layers.parquet``'s exact section, and the
+#: moments of ``dims.parquet``: declared in :mod:`~embgeom_ray.core.metric_registry`
+TYPE_COLUMNS = registry.columns(registry.TYPE_STATS)
+LAYER_COLUMNS = registry.columns(registry.LAYERS, registry.EXACT_SECTION)
+DIM_COLUMNS = registry.columns(registry.DIMS, registry.MOMENTS)
 
 #: default minimum count of a type in norm_variance_corr (:class:`~.options.TableOptions`)
 MIN_COUNT: int = TableOptions().min_count
@@ -138,6 +134,22 @@ def isoscore_from_spectrum(eigenvalues: np.ndarray, dim: int) -> float:
     return float((k - 1.0) / (n - 1.0))
 
 
+def participation_ratio(comoment: np.ndarray) -> float:
+    """Participation ratio of a covariance spectrum (Gao et al. 2017): PR = (Σλ)² / Σλ².
+
+    With λ the eigenvalues of the symmetric C, Σλ = tr(C) and Σλ² = ‖C‖_F², so
+    PR = tr(C)² / ‖C‖_F², no eigendecomposition (O(d²)). Scale invariant: ``comoment`` may be
+    the co-moment Σ (x − μ)(x − μ)ᵀ or the covariance; it is symmetrised, (C + Cᵀ)/2, as for
+    IsoScore. Between 1 (all variance along one direction) and d (isotropic): the number of
+    dimensions the variance spreads over. NaN for a zero matrix.
+    """
+    c = np.asarray(comoment, dtype=np.float64)
+    sq = 0.5 * (float(np.einsum("ij,ij->", c, c)) + float(np.einsum("ij,ji->", c, c)))
+    if not sq > 0:
+        return float("nan")
+    return float(np.trace(c)) ** 2 / sq
+
+
 def layer_row(m: LayerMoments, min_count: int = MIN_COUNT) -> dict[str, float | int]:
     """One row of ``layers.parquet`` (the exact, moment-based columns) of a whole layer view:
     :func:`layer_row_from` with ``m``'s own :func:`~.partials.type_partials`."""
@@ -147,7 +159,8 @@ def layer_row(m: LayerMoments, min_count: int = MIN_COUNT) -> dict[str, float | 
 def layer_row_from(state: LayerMoments, types: TypePartials) -> dict[str, float | int]:
     """One row of ``layers.parquet`` from the layer's own state (``state``: n, μ, C; its
     per-type rows are not read) and the :class:`~.partials.TypePartials` of all its types,
-    merged over partitions (:func:`~.partials.merge_partials`)."""
+    merged over partitions (:func:`~.partials.merge_partials`). Its keys are
+    :data:`LAYER_COLUMNS` (the registry's exact section), in that order."""
     total, within, between = _variances(state, types)
     aniso, s_inter, s_intra = types.cosines.metrics()
     return {
@@ -164,6 +177,9 @@ def layer_row_from(state: LayerMoments, types: TypePartials) -> dict[str, float 
         "anisotropy": aniso,
         "s_inter": s_inter,
         "s_intra": s_intra,
+        "participation_ratio": (
+            participation_ratio(state.comoment) if state.n >= 2 else float("nan")
+        ),
     }
 
 

@@ -44,6 +44,18 @@ class SampleOptions(OptionGroup):
     )
 
 
+def sample_entries(
+    size: int, type_size: int | None = None, type_uniform: bool = True
+) -> tuple[int, int]:
+    """(uniform, type-uniform) entries, each a row in every layer, that a sample of ``size``
+    occurrences and ``type_size`` types (None: ``size``) holds at most: ``size``, and
+    ``type_size`` where it keeps the type-uniform sample; none without a sample (``size`` 0:
+    ``--sample-size 0``). A run's sample: ``sample_entries(sample_size, sample_type_size)``."""
+    if size == 0:
+        return 0, 0
+    return size, (type_size or size) if type_uniform else 0
+
+
 class TableOptions(OptionGroup):
     """The exact tables' options (:func:`~embgeom_ray.core.tables.build_tables`): the
     correlation's minimum count, the outlier rules (:class:`~embgeom_ray.core.rogue.OutlierRules`)."""

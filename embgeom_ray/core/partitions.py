@@ -4,8 +4,8 @@ without the per-layer state.
 Per-type rows are independent of each other, so the statistics split exactly by token id:
 :meth:`~embgeom_ray.core.statistics.EmbeddingStatistics.select` keeps some layers, the types
 whose ids lie in [lo, hi) and, optionally, the per-layer moments; the header's ``partition``
-record says which part of which measurement a file holds (:class:`Partition`). Parts of one
-measurement merge with parts that hold the same :class:`Partition` (Chan, Golub & LeVeque's
+record says which part of which measurement a file holds (:class:`StatisticsPart`). Parts of one
+measurement merge with parts that hold the same :class:`StatisticsPart` (Chan, Golub & LeVeque's
 update per row), and :meth:`~embgeom_ray.core.statistics.EmbeddingStatistics.combine` puts
 parts of disjoint token ranges (and layers) back together, exactly: selecting and combining is
 a copy. This module holds the record and the checks that a part asked for lies within what is
@@ -18,16 +18,13 @@ import itertools
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from ..errors import StatisticsMismatchError
 
-if TYPE_CHECKING:
-    from .statistics import EmbeddingStatistics
-
 
 @dataclass(frozen=True)
-class Partition:
+class StatisticsPart:
     """Which part of a measurement a statistics object holds (the header's ``partition``).
 
     Attributes:
@@ -59,7 +56,7 @@ class Partition:
         }
 
     @classmethod
-    def from_json(cls, record: Mapping[str, Any]) -> Partition:
+    def from_json(cls, record: Mapping[str, Any]) -> StatisticsPart:
         lo, hi = record["token_range"]
         return cls(
             tuple(int(x) for x in record["of_layers"]),
@@ -81,12 +78,12 @@ def range_text(token_range: tuple[int, int | None]) -> str:
 
 def requested_part(
     held_layers: Sequence[int],
-    held: Partition | None,
+    held: StatisticsPart | None,
     layers: Sequence[int] | None,
     token_range: tuple[int, int | None],
     layer_state: bool,
-) -> tuple[list[int], Partition | None]:
-    """(the layers kept, in held order; the part's :class:`Partition`, None for a whole) of
+) -> tuple[list[int], StatisticsPart | None]:
+    """(the layers kept, in held order; the part's :class:`StatisticsPart`, None for a whole) of
     the part of statistics holding ``held_layers`` and the part ``held`` (None: a whole) that
     holds ``layers`` (None: all held), the types in ``token_range`` and, if ``layer_state``,
     the per-layer fields; after checking that the part lies within what is held (an empty
@@ -108,11 +105,25 @@ def requested_part(
     if layer_state and not (held is None or held.layer_state):
         raise ValueError("these statistics hold no per-layer moments to select")
     whole = tuple(kept) == of_layers and (lo, hi) == (0, None) and layer_state
-    return kept, None if whole else Partition(of_layers, (lo, hi), layer_state)
+    return kept, None if whole else StatisticsPart(of_layers, (lo, hi), layer_state)
+
+
+class HeldPart(Protocol):
+    """What :func:`joint_part` reads of each part: its layers, its token range and whether it
+    holds the per-layer state (:class:`~embgeom_ray.core.statistics.EmbeddingStatistics`)."""
+
+    @property
+    def layers(self) -> Sequence[int]: ...
+
+    @property
+    def token_range(self) -> tuple[int, int | None]: ...
+
+    @property
+    def holds_layer_state(self) -> bool: ...
 
 
 def joint_part(
-    parts: Sequence[EmbeddingStatistics], layers: Sequence[int]
+    parts: Sequence[HeldPart], layers: Sequence[int]
 ) -> tuple[tuple[int, int | None], bool]:
     """(token range, whether per-layer moments are held) of the union of ``parts``, after
     checking that for each of ``layers`` the parts holding it have disjoint token ranges that

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import numpy as np
 import pandas as pd
 
+from . import metric_registry as registry
 from .metrics import (
     DIM_COLUMNS,
     cosines_from_unit_sums,
@@ -36,10 +37,7 @@ from .partials import TypePartials, group_sums, type_partials
 from .statistics import EmbeddingStatistics, LayerMoments
 
 #: the columns of :func:`dimension_flags`, after :data:`~embgeom_ray.core.metrics.DIM_COLUMNS`
-FLAG_COLUMNS = [
-    "variance_ratio", "mean_zscore", "argmax_share", "argmin_share", "position_corr",
-    "outlier", "outlier_rule",
-]  # fmt: skip
+FLAG_COLUMNS = registry.columns(registry.DIMS, registry.FLAGS)
 #: the columns of ``dims.parquet``
 DIMS_COLUMNS = DIM_COLUMNS + FLAG_COLUMNS
 

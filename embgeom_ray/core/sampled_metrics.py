@@ -25,6 +25,7 @@ import numpy as np
 import pandas as pd
 from scipy.special import logsumexp
 
+from . import metric_registry as registry
 from .distinct import distinct_rows
 from .kmeans_selection import SILHOUETTE_MAX_POINTS
 from .metrics import isoscore_from_covariance, isoscore_from_spectrum
@@ -36,27 +37,16 @@ if TYPE_CHECKING:
     from .kmeans_selection import SelectKResult
     from .samples import ActivationSample
 
-#: the metrics that get a half-sample standard error (column ``<metric>_se``)
-SE_METRICS = [
-    "kmeans_silhouette", "silhouette_types", "lid_euclidean", "lid_euclidean_median",
-    "lid_cosine", "lid_cosine_median", "adjusted_s_inter", "adjusted_s_intra",
-    "adjusted_s_inter_weighted", "adjusted_s_intra_weighted", "s_inter_type_uniform",
-    "adjusted_isoscore", "adjusted_isoscore_weighted", "isoscore_sample",
-]  # fmt: skip
+#: the metrics that get a half-sample standard error (column ``<metric>_se``), declared in
+#: :mod:`~embgeom_ray.core.metric_registry`
+SE_METRICS = registry.SE_METRICS
 
-#: the ``layers.parquet`` columns :func:`sampled_layer_metrics` returns, in order.
+#: the ``layers.parquet`` columns :func:`sampled_layer_metrics` returns, in order: the
+#: registry's sampled section, then the standard errors
 SAMPLED_LAYER_COLUMNS = [
-    "kmeans_k", "kmeans_silhouette", "adjusted_s_inter", "adjusted_s_intra",
-    "adjusted_isoscore", "s_inter_type_uniform", "isoscore_sample", "lid_euclidean",
-    "lid_cosine", "silhouette_types", "partition_isotropy", "partition_isotropy_centered",
-    "kmeans_best_k", "kmeans_k_searched", "kmeans_k_at_cap", "kmeans_stability",
-    "kmeans_k_support", "kmeans_structure_support", "sample_duplicate_points",
-    "adjusted_s_inter_weighted", "adjusted_s_intra_weighted", "adjusted_isoscore_weighted",
-    "adjusted_clusters_used", "adjusted_clusters_left_out",
-    "adjusted_s_inter_draws_mean", "adjusted_s_inter_draws_std",
-    "lid_euclidean_median", "lid_cosine_median", "lid_euclidean_cai",
-    *(f"{m}_se" for m in SE_METRICS),
-]  # fmt: skip
+    *registry.columns(registry.LAYERS, registry.SAMPLED_SECTION),
+    *registry.SE_COLUMNS,
+]
 
 _DEFAULTS = SampledOptions()
 #: defaults of the sampled metrics: their option group's (:class:`~.options.SampledOptions`)

@@ -334,6 +334,12 @@ class Sketch(ABC):
     def _empty(cls: type[_S], header: Mapping[str, Any], version: int, device: Any) -> _S:
         """An empty sketch with the fields of ``header`` (of layout ``version``)."""
 
+    @classmethod
+    def empty(cls: type[_S], header: Mapping[str, Any], device: Any = "cpu") -> _S:
+        """An empty sketch with the fields of ``header`` (after checking that this class reads
+        it): what merges with the sketch of that header (:meth:`check_compatible`)."""
+        return cls._empty(header, cls.check_header(header), device)
+
     @abstractmethod
     def _set_state(self, arrays: Mapping[str, np.ndarray]) -> None:
         """Fill this new, empty sketch with :meth:`state_dict`'s arrays, checking each."""

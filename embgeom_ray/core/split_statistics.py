@@ -6,7 +6,7 @@ that holds the block that computed them. Copying every layer to one GPU would co
 B · T · L · d numbers of inter-GPU traffic per batch and put every layer's fold on one device;
 instead :class:`SplitStatistics` keeps one :class:`~embgeom_ray.core.statistics.EmbeddingStatistics`
 part per device, holding the layers whose hidden states live there (a part by layers, with
-their per-layer state and every token id: :class:`~embgeom_ray.core.statistics.Partition`),
+their per-layer state and every token id: :class:`~embgeom_ray.core.statistics.StatisticsPart`),
 made at the first batch from the hidden states' devices. A flush combines the parts on the CPU
 (:meth:`~embgeom_ray.core.statistics.EmbeddingStatistics.combine`) into exactly the statistics
 one device would have folded (each layer's fold is independent of the others').
@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from .statistics import EmbeddingStatistics, Partition
+from .statistics import EmbeddingStatistics, StatisticsPart
 
 
 class SplitStatistics:
@@ -88,7 +88,7 @@ class SplitStatistics:
         whole = len(by_group) == 1
         for group, device in zip(by_group, devices, strict=True):
             ordered = [x for x in self.layers if x in group]
-            partition = None if whole else Partition(tuple(self.layers), (0, None), True)
+            partition = None if whole else StatisticsPart(tuple(self.layers), (0, None), True)
             part = EmbeddingStatistics(
                 ordered, self.dim, device=device, partition=partition, **self.options
             )

@@ -42,8 +42,8 @@ Partitions (:mod:`~embgeom_ray.core.partitions`). Per-type rows are independent 
 so the statistics split exactly by token id: :meth:`EmbeddingStatistics.select` keeps some
 layers, the types whose ids lie in [lo, hi) and, optionally, the per-layer moments; the
 header's ``partition`` record says which part of which measurement a file holds
-(:class:`Partition`). Parts of one measurement merge with parts that hold the same
-:class:`Partition` (Chan's update per row, as above), and :meth:`EmbeddingStatistics.combine`
+(:class:`StatisticsPart`). Parts of one measurement merge with parts that hold the same
+:class:`StatisticsPart` (Chan's update per row, as above), and :meth:`EmbeddingStatistics.combine`
 puts parts of disjoint token ranges (and layers) back together, exactly: selecting and
 combining is a copy.
 
@@ -65,21 +65,15 @@ import numpy as np
 import torch
 
 from ..errors import StatisticsMismatchError
-from ..integrity import FileRef
+from ..integrity import FileRef, as_ref, open_verified
 from . import statistics_io
-from .fold_kernels import (
-    deviations_and_centred,
-    deviations_and_centred32,
-    deviations_and_residues,
-    float64_rows,
-    fused_on,
-)
+from .fold_kernels import deviations_and_centred, deviations_and_centred32, float64_rows, fused_on
 from .gram import add_gram, integer_blocks
 from .group_sums import GroupMatrix, split_sums
-from .integer_gram import IntegerGram
+from .integer_gram import IntegerGram, deviations_and_residues
 from .layer_state import LayerState
-from .partitions import Partition, joint_part, range_key, requested_part
-from .sketch import Sketch
+from .partitions import StatisticsPart, joint_part, range_key, requested_part
+from .sketch import SafetensorsFile, Sketch
 from .statistics_fields import FIELDS, LAYER_FIELDS, Field, state_bytes
 from .statistics_io import FORMAT, FORMAT_VERSION, READS
 from .type_moments import TypeMoments
@@ -96,7 +90,7 @@ __all__ = [
     "EmbeddingStatistics",
     "Field",
     "LayerMoments",
-    "Partition",
+    "StatisticsPart",
     "gpu_fold",
     "integer_product",
     "range_key",
@@ -293,7 +287,7 @@ class EmbeddingStatistics(Sketch):
             It is saved in the header; statistics that both hold co-moments merge only with
             the same precision, and statistics without any (e.g. an empty accumulator) take
             the other's.
-        partition: which part of a measurement these statistics hold (:class:`Partition`;
+        partition: which part of a measurement these statistics hold (:class:`StatisticsPart`;
             made by :meth:`select`), None for all of it.
 
     Attributes:
@@ -320,7 +314,7 @@ class EmbeddingStatistics(Sketch):
         initial_types: int = 1024,
         clip_dims: Sequence[int] | None = None,
         comoment_precision: str = "float64",
-        partition: Partition | None = None,
+        partition: StatisticsPart | None = None,
         max_types: int | None = None,
     ) -> None:
         self._init_sketch(layers, dim, device, metadata)
@@ -765,7 +759,7 @@ class EmbeddingStatistics(Sketch):
         <embgeom_ray.core.type_moments.TypeMoments.merge>`, :meth:`LayerState.merge
         <embgeom_ray.core.layer_state.LayerState.merge>`). Statistics merge when they measure
         the same thing (:meth:`check_compatible`), parts when they hold the same
-        :class:`Partition`.
+        :class:`StatisticsPart`.
         """
         self.check_compatible(other)
         self._adopt_metadata(other)
@@ -838,7 +832,7 @@ class EmbeddingStatistics(Sketch):
 
     @classmethod
     def _empty(cls, header: Mapping[str, Any], version: int, device: Any) -> EmbeddingStatistics:
-        return statistics_io.empty_statistics(cls, header, version, device)
+        return cls(**statistics_io.empty_arguments(header, version), device=device)
 
     def _set_state(self, arrays: Mapping[str, np.ndarray]) -> None:
         statistics_io.set_state(self, arrays)
@@ -857,24 +851,42 @@ class EmbeddingStatistics(Sketch):
         layer_state: bool = True,
     ) -> EmbeddingStatistics:
         """``load(path).select(layers, token_range, layer_state=layer_state)``, reading only
-        that part's bytes, checked against the file's digest where ``path`` carries one
-        (:func:`~embgeom_ray.core.statistics_io.load_part`)."""
-        return statistics_io.load_part(cls, path, layers, token_range, layer_state)
+        that part's bytes (version 2 and later, :func:`~embgeom_ray.core.statistics_io.read_part`;
+        local files and object stores alike), checked against the file's digest where
+        ``path`` carries one. Version-1 files are read whole and selected."""
+        ref = as_ref(path)
+        with open_verified(ref) as f:
+            st = SafetensorsFile(f, cls.KIND)
+            header = st.header()
+            if cls.check_header(header) >= 2:
+                part = statistics_io.read_part(st, header, layers, token_range, layer_state)
+                return cls.from_state(*part)
+            whole = cls.from_bytes(f.read_range(0, f.size()))
+        return whole.select(layers, token_range, layer_state=layer_state)
 
     @classmethod
     def read_header(cls, path: str | FileRef) -> dict[str, Any]:
-        """The header of a statistics file (layers, dim, partition, metadata, …), read alone."""
-        return statistics_io.read_header(cls, path)
+        """The header of a statistics file (layers, dim, partition, metadata, …), read alone
+        (its first bytes)."""
+        with open_verified(as_ref(path)) as f:
+            header = SafetensorsFile(f, cls.KIND).header()
+        cls.check_header(header)
+        return header
 
     @classmethod
     def read_type_ids(cls, path: str | FileRef) -> np.ndarray:
         """The increasing token ids a statistics file holds rows for, read alone (the other
         arrays stay where they are)."""
-        return statistics_io.read_type_ids(cls, path)
+        ref = as_ref(path)
+        with open_verified(ref) as f:
+            st = SafetensorsFile(f, cls.KIND)
+            if "type_ids" in st.keys():
+                return st.array("type_ids")
+        return cls.load(ref).state_dict()["type_ids"]
 
     # ------------------------------------------------------------ partitions
     def _like(
-        self, layers: Sequence[int], partition: Partition | None, initial_types: int = 1
+        self, layers: Sequence[int], partition: StatisticsPart | None, initial_types: int = 1
     ) -> EmbeddingStatistics:
         """Empty statistics of the same measurement, holding ``layers`` and ``partition``."""
         return EmbeddingStatistics(
@@ -901,7 +913,7 @@ class EmbeddingStatistics(Sketch):
         [lo, hi) (hi None: no bound; default: all held; an empty one may lie anywhere) and, if
         ``layer_state`` (default: whether this object holds them), the per-layer fields.
 
-        The copy's :class:`Partition` records the part; selecting everything gives a whole
+        The copy's :class:`StatisticsPart` records the part; selecting everything gives a whole
         again. Parts of disjoint token ranges go back together with :meth:`combine`, and
         ``a.select(...).merge(b.select(...))`` equals ``a.merge(b).select(...)``.
         """
@@ -961,7 +973,7 @@ class EmbeddingStatistics(Sketch):
         whole = tuple(layers) == of_layers and joint == (0, None) and layer_state
         out = first._like(
             layers,
-            None if whole else Partition(of_layers, joint, layer_state),
+            None if whole else StatisticsPart(of_layers, joint, layer_state),
             initial_types=sum(p.num_types for p in parts),
         )
         out.comoment_precision = next(

@@ -1,6 +1,10 @@
 """The files of :class:`~embgeom_ray.core.statistics.EmbeddingStatistics`: writing, reading,
 reading a part, and the versions read.
 
+The functions here take the statistics as :class:`HeldStatistics` (what they read and fill:
+the type moments, the per-layer state, the fields held), so this module, below
+``core/statistics.py``, never imports it; the class's methods call them.
+
 A statistics file is the sketches' safetensors file (``core/sketch.py``): named little-endian
 arrays, no pickle, and a JSON header ::
 
@@ -12,7 +16,7 @@ arrays, no pickle, and a JSON header ::
 The arrays are the held :data:`FIELDS <embgeom_ray.core.statistics_fields.FIELDS>` (per-type
 ones (L, T, *tail), per-layer ones (L, *tail)) and ``type_ids`` (T,): the types sorted by id,
 unused slots dropped, so equal statistics give equal bytes, and a token range is one contiguous
-run of rows that :func:`load_part` reads alone. Versions read (:data:`READS`): 1, without the
+run of rows that :func:`read_part` reads alone. Versions read (:data:`READS`): 1, without the
 ``partition`` record (a whole), and 2.
 """
 
@@ -21,19 +25,17 @@ from __future__ import annotations
 import json
 import warnings
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any, ClassVar, Protocol
 
 import numpy as np
 import torch
 
 from ..errors import StatisticsMismatchError
-from ..integrity import FileRef, as_ref, open_verified
-from .partitions import Partition, range_text, requested_part
+from .layer_state import LayerState
+from .partitions import StatisticsPart, range_text, requested_part
 from .sketch import HEADER_KEY, SafetensorsFile, check_array, safetensors_into
-from .statistics_fields import FIELDS
-
-if TYPE_CHECKING:
-    from .statistics import EmbeddingStatistics
+from .statistics_fields import FIELDS, Field
+from .type_moments import TypeMoments
 
 #: the ``format`` of the header (this name since the first version; see :data:`READS`).
 FORMAT = "embgeom_ray.statistics"
@@ -43,7 +45,33 @@ FORMAT_VERSION = 2
 READS = {FORMAT: frozenset({1, 2})}
 
 
-def state_arrays(stats: EmbeddingStatistics) -> dict[str, np.ndarray]:
+class HeldStatistics(Protocol):
+    """What the functions below read and fill of statistics
+    (:class:`~embgeom_ray.core.statistics.EmbeddingStatistics`)."""
+
+    KIND: ClassVar[str]
+    layers: list[int]
+    dim: int
+    max_positions: int
+    device: torch.device
+    type_moments: TypeMoments
+    layer_state: LayerState | None
+
+    @property
+    def num_types(self) -> int: ...
+
+    @property
+    def arrays(self) -> dict[str, torch.Tensor]: ...
+
+    @property
+    def token_range(self) -> tuple[int, int | None]: ...
+
+    def held_fields(self) -> list[Field]: ...
+
+    def header(self) -> dict[str, Any]: ...
+
+
+def state_arrays(stats: HeldStatistics) -> dict[str, np.ndarray]:
     """The held fields plus ``type_ids``: types sorted by id, unused slots dropped, all on
     the CPU (:meth:`EmbeddingStatistics.state_dict`)."""
     order = stats.type_moments.order()
@@ -56,9 +84,7 @@ def state_arrays(stats: EmbeddingStatistics) -> dict[str, np.ndarray]:
     return {k: np.ascontiguousarray(v.detach().cpu().numpy()) for k, v in out.items()}
 
 
-def to_bytes(
-    stats: EmbeddingStatistics, into: np.ndarray | None = None
-) -> bytearray | np.ndarray:
+def to_bytes(stats: HeldStatistics, into: np.ndarray | None = None) -> bytearray | np.ndarray:
     """The safetensors file of :func:`state_arrays` and the header, each array gathered
     straight into its place in the file's buffer (:func:`~embgeom_ray.core.sketch.safetensors_into`;
     ``into``: a uint8 array to reuse as that buffer where it is large enough)."""
@@ -86,25 +112,23 @@ def to_bytes(
     return safetensors_into(specs, fill, {HEADER_KEY: json.dumps(stats.header())}, into)
 
 
-def empty_statistics(
-    cls: type[EmbeddingStatistics], header: Mapping[str, Any], version: int, device: Any
-) -> EmbeddingStatistics:
-    """Empty statistics with the header's fields (version 1: a whole, no partition)."""
+def empty_arguments(header: Mapping[str, Any], version: int) -> dict[str, Any]:
+    """The constructor's arguments (but the device) of empty statistics with the header's
+    fields (version 1: a whole, no partition)."""
     record = header.get("partition") if version >= 2 else None
-    return cls(
-        [int(x) for x in header["layers"]],
-        int(header["dim"]),
-        max_positions=int(header.get("max_positions", 0)),
-        device=device,
-        metadata=header.get("metadata"),
-        initial_types=1,
-        clip_dims=header.get("clip_dims"),
-        comoment_precision=header.get("comoment_precision", "float64"),
-        partition=None if record is None else Partition.from_json(record),
-    )
+    return {
+        "layers": [int(x) for x in header["layers"]],
+        "dim": int(header["dim"]),
+        "max_positions": int(header.get("max_positions", 0)),
+        "metadata": header.get("metadata"),
+        "initial_types": 1,
+        "clip_dims": header.get("clip_dims"),
+        "comoment_precision": header.get("comoment_precision", "float64"),
+        "partition": None if record is None else StatisticsPart.from_json(record),
+    }
 
 
-def set_state(stats: EmbeddingStatistics, arrays: Mapping[str, np.ndarray]) -> None:
+def set_state(stats: HeldStatistics, arrays: Mapping[str, np.ndarray]) -> None:
     """Fill the new, empty ``stats`` from :func:`state_arrays`'s arrays, each checked against
     its field."""
     t = int(np.asarray(arrays["type_ids"]).shape[0]) if "type_ids" in arrays else 0
@@ -134,72 +158,33 @@ def set_state(stats: EmbeddingStatistics, arrays: Mapping[str, np.ndarray]) -> N
             )
 
 
-def load_part(
-    cls: type[EmbeddingStatistics],
-    path: str | FileRef,
+def read_part(
+    st: SafetensorsFile,
+    header: dict[str, Any],
     layers: Sequence[int] | None,
     token_range: tuple[int, int | None],
     layer_state: bool,
-) -> EmbeddingStatistics:
-    """``cls.load(path).select(layers, token_range, layer_state=layer_state)``, reading only
-    that part's bytes (version 2 and later; local files and object stores alike).
+) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+    """The header and arrays of a part of an open safetensors file (version 2 and later), for
+    :meth:`~embgeom_ray.core.statistics.EmbeddingStatistics.from_state`: of a whole, or of a
+    part that holds what is asked (:func:`~embgeom_ray.core.partitions.requested_part`).
 
     Files store the types sorted by id, so a token range is one contiguous run of rows: each
     per-type array is read as one ``[layer, a:b]`` range of bytes per layer, and each
     per-layer array only for the kept layers (:class:`~embgeom_ray.core.sketch.SafetensorsFile`).
     What a reducer holds while reading a checkpoint group is then its part, not the group.
     A :class:`~embgeom_ray.integrity.FileRef` with a digest has every block read checked
-    against it. Version-1 files are read whole and selected.
-    """
-    ref = as_ref(path)
-    with open_verified(ref) as f:
-        st = SafetensorsFile(f, cls.KIND)
-        header = st.header()
-        if cls.check_header(header) >= 2:
-            return _read_part(cls, st, header, layers, token_range, layer_state)
-        whole = cls.from_bytes(f.read_range(0, f.size()))
-    return whole.select(layers, token_range, layer_state=layer_state)
-
-
-def read_header(cls: type[EmbeddingStatistics], path: str | FileRef) -> dict[str, Any]:
-    """The header of a statistics file, read alone (its first bytes)."""
-    with open_verified(as_ref(path)) as f:
-        header = SafetensorsFile(f, cls.KIND).header()
-    cls.check_header(header)
-    return header
-
-
-def read_type_ids(cls: type[EmbeddingStatistics], path: str | FileRef) -> np.ndarray:
-    """The increasing token ids a statistics file holds rows for, read alone (the other
-    arrays stay where they are)."""
-    ref = as_ref(path)
-    with open_verified(ref) as f:
-        st = SafetensorsFile(f, cls.KIND)
-        if "type_ids" in st.keys():
-            return st.array("type_ids")
-    return cls.load(ref).state_dict()["type_ids"]
-
-
-def _read_part(
-    cls: type[EmbeddingStatistics],
-    st: SafetensorsFile,
-    header: dict[str, Any],
-    layers: Sequence[int] | None,
-    token_range: tuple[int, int | None],
-    layer_state: bool,
-) -> EmbeddingStatistics:
-    """The part of an open safetensors file (:func:`load_part`): of a whole, or of a part
-    that holds what is asked (:func:`~embgeom_ray.core.partitions.requested_part`)."""
+    against it."""
     record = header.get("partition")
     held = [int(x) for x in header["layers"]]
     kept, part = requested_part(
-        held, None if record is None else Partition.from_json(record), layers, token_range,
+        held, None if record is None else StatisticsPart.from_json(record), layers, token_range,
         layer_state,
     )  # fmt: skip
     lis = [held.index(x) for x in kept]
     arrays = _read_rows(st, header.get("clip_dims") is not None, lis, token_range, layer_state)
     record = None if part is None else part.to_json()
-    return cls.from_state(header | {"layers": kept, "partition": record}, arrays)
+    return header | {"layers": kept, "partition": record}, arrays
 
 
 def _read_rows(

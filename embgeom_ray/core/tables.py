@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 import numpy as np
 import pandas as pd
 
+from . import metric_registry as registry
 from .metrics import layer_row_from, type_stats_rows, with_token_names
 from .options import SampledOptions, TableOptions
 from .partials import TypePartials, merge_partials, type_partials
@@ -395,7 +396,7 @@ def sampled_layer(sample: ActivationSample, layer: int, clip_dims: list[int]) ->
 
 
 #: columns of ``kmeans.parquet`` (:func:`kmeans_table`)
-KMEANS_COLUMNS = ["layer", "k", "silhouette", "inertia", "best", "chosen"]
+KMEANS_COLUMNS = registry.columns(registry.KMEANS)
 
 
 def kmeans_table(results: Mapping[int, SelectKResult]) -> pd.DataFrame:

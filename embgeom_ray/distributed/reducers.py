@@ -70,7 +70,7 @@ from ..core.tables import (
     summarise_types,
 )
 from ..errors import ConfigError, IntegrityError, OutputError
-from ..integrity import Digest, FileRef, as_ref, digests_from_json, digests_json
+from ..integrity import Digest, FileRef, as_ref, digests_from_json, digests_json, seal, unseal
 from ..io_utils import atomic_write_bytes, atomic_write_json, exists, join, read_bytes, remove
 from ..run_dir import PARTS_FORMAT, PARTS_INDEX, load_statistics_part, statistics_type_ids
 from ..sizing import REDUCER_BASE_BYTES, reducer_budget, reducer_bytes, reducers_for
@@ -258,18 +258,24 @@ class Reducer:
             "plan": self.plan.to_json(), "applied": self.applied, "files": files,
             "digests": digests_json(digests),
         }  # fmt: skip
-        atomic_write_json(self._checkpoint_name(), record)
+        atomic_write_json(self._checkpoint_name(), seal(record))
         for name in (previous or {}).get("files", {}).values():
             if name not in files.values():
                 remove(join(self.checkpoint_dir, name))
         return self._checkpoint_name()
 
-    def _read_checkpoint(self) -> dict[str, Any] | None:
+    def _read_checkpoint(self, corrupt: list[str] | None = None) -> dict[str, Any] | None:
+        """This reducer's checkpoint JSON; None without a readable one (``corrupt`` gets why,
+        for one whose content does not match its digest)."""
         if self.checkpoint_dir is None or not exists(self._checkpoint_name()):
             return None
         try:
-            return json.loads(read_bytes(self._checkpoint_name()))
+            return unseal(json.loads(read_bytes(self._checkpoint_name())), self._checkpoint_name())
         except (OSError, ValueError):
+            return None
+        except IntegrityError as exc:
+            if corrupt is not None:
+                corrupt.append(str(exc))
             return None
 
     def _restore(self, sources: Sequence[FileRef]) -> tuple[int, str | None]:
@@ -277,7 +283,11 @@ class Reducer:
         the number of sources it covers (0 without a usable checkpoint), and, for a
         checkpoint whose files do not match their digests (it is then removed and not used),
         what did not match."""
-        record = self._read_checkpoint()
+        corrupt: list[str] = []
+        record = self._read_checkpoint(corrupt)
+        if corrupt:
+            remove(self._checkpoint_name())
+            return 0, corrupt[0]
         if (
             record is None
             or record.get("plan") != self.plan.to_json()
@@ -346,8 +356,9 @@ class Reducer:
 class PartitionedStatistics:
     """The driver's handle on R :class:`Reducer` actors holding one run's statistics.
 
-    Offers what the finishing steps need from statistics without holding them:
-    :meth:`tables`, :meth:`token_count`, :meth:`nonfinite`, :meth:`save`.
+    Offers what the finishing steps need from statistics without holding them
+    (:class:`~embgeom_ray.runs.finish.RunStatistics`): :meth:`tables`, :meth:`token_count`,
+    :meth:`nonfinite`, :meth:`save`, :meth:`describe`, :meth:`peak_memory`, :meth:`close`.
     """
 
     #: :meth:`~embgeom_ray.run_dir.RunDir.save_artefacts` writes the partitioned artefact

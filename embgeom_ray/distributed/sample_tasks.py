@@ -5,8 +5,8 @@ for an 8B model at the default s = 8,192, 256 MiB for a 70B one. Merging it from
 widening its points for the sampled stage and encoding its rows of ``samples.parquet`` take
 about ten times that (:data:`~embgeom_ray.sizing.formulas.DRIVER_SAMPLE_LAYERS`), more than the
 driver's allowance. From :data:`~embgeom_ray.sizing.formulas.SAMPLE_ON_WORKERS_BYTES` on
-(:func:`~embgeom_ray.runs.sample_layers.on_workers`) this work runs in Ray tasks, one per layer, each reading its layer itself
-(the :class:`~embgeom_ray.runs.sample_layers.SampleLayers` is put in the object store once:
+(:func:`~embgeom_ray.sizing.formulas.on_workers`) this work runs in Ray tasks, one per layer, each reading its layer itself
+(the :class:`~embgeom_ray.core.sample_layers.SampleLayers` is put in the object store once:
 file URLs, a run directory, or the sample itself when it is in memory):
 
 - :func:`submit_inputs`: the layer's :func:`~embgeom_ray.core.tables.sampled_layer` inputs,
@@ -34,13 +34,13 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import ray
 
-from ..runs.sample_layers import sample_entries
+from ..core.sample_layers import header_entries
 from ..sizing.formulas import SAMPLE_PIECE_BYTES
 
 if TYPE_CHECKING:
     import pyarrow as pa
 
-    from ..runs.sample_layers import SampleLayers
+    from ..core.sample_layers import SampleLayers
 
 
 @ray.remote(num_returns=5)
@@ -114,7 +114,7 @@ def _piece_rows(dim: int) -> int:
 
 def _pieces_at_most(header: Mapping[str, Any], rows: int) -> int:
     """How many pieces of ``rows`` rows one layer's rows make at most (within each sample)."""
-    return max(1, sum(math.ceil(n / rows) for n in sample_entries(header)))
+    return max(1, sum(math.ceil(n / rows) for n in header_entries(header)))
 
 
 def _layer_pieces(
@@ -128,7 +128,7 @@ def _layer_pieces(
     """[``layer``'s one-layer header, then its rows of ``samples.parquet`` in ``pieces``
     tables of at most ``rows`` rows within each run of (layer, sample) (copies, so that each
     travels alone; None past the last)]."""
-    from ..run_dir import ROW_GROUP_KEYS, _runs, sample_layer_table
+    from ..run_dir import ROW_GROUP_KEYS, row_runs, sample_layer_table
 
     one = sample.layer(layer)
     header = one.header()
@@ -136,7 +136,7 @@ def _layer_pieces(
     del one
     cut = [
         (start + i, min(rows, length - i))
-        for start, length in _runs(table, ROW_GROUP_KEYS["samples"])
+        for start, length in row_runs(table, ROW_GROUP_KEYS["samples"])
         for i in range(0, max(length, 1), rows)
     ]
     if len(cut) > pieces:

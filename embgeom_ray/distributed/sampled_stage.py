@@ -24,10 +24,10 @@ from ..core.tables import (
     sampled_options,
     sampled_row,
 )
-from ..runs.sample_layers import on_workers
+from ..sizing.formulas import on_workers
 
 if TYPE_CHECKING:
-    from ..runs.sample_layers import SampleLayers
+    from ..core.sample_layers import SampleLayers
 
 
 def add_sampled_metrics(
@@ -48,7 +48,7 @@ def add_sampled_metrics(
     to the object store with the layer's tasks, and this process drops them before the next
     layer's), so this process never holds more than one layer of the sample; a sample whose
     one layer reaches :data:`~embgeom_ray.sizing.formulas.SAMPLE_ON_WORKERS_BYTES`
-    (:func:`~embgeom_ray.runs.sample_layers.on_workers`) has each layer's inputs made by a
+    (:func:`~embgeom_ray.sizing.formulas.on_workers`) has each layer's inputs made by a
     Ray task instead, and this process holds none of it. Adds the
     sampled columns to ``tables["layers"]`` and ``tables["kmeans"]``; returns what the
     manifest records and each layer's K-means ``cluster`` of the uniform occurrences, in

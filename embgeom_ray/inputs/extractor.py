@@ -19,14 +19,15 @@ from typing import Any
 
 import torch
 
+from ..core.options import sample_entries
 from ..core.samples import ActivationSample
 from ..core.sketch import finite_layers
 from ..core.split_statistics import SplitStatistics
 from ..core.statistics import EmbeddingStatistics
 from ..counts import Counts
-from ..sizing import DEFAULT_BATCH_TOKENS, cpu_batch_tokens, gpu_budgets, run_shape
+from ..sizing import DEFAULT_BATCH_TOKENS, cpu_batch_tokens, gpu_budgets, lanes_for, run_shape
 from .corpus import CorpusSpec, Document, ReadReport, Shard, read_shard
-from .lanes import in_lanes, lanes_for
+from .lanes import in_lanes
 from .model_loading import (
     balanced_device_map,
     content_rule,
@@ -166,9 +167,7 @@ class ShardProcessor:
         (:func:`~embgeom_ray.sizing.gpu_budgets`: the batch, then the statistics, no more than
         the options' budget)."""
         options = self.options
-        sample = 0 if options.sample_size == 0 else options.sample_size + (
-            options.sample_type_size or options.sample_size
-        )
+        sample = sum(sample_entries(options.sample_size, options.sample_type_size))
         shape = run_shape(
             text_config, layers=len(self.layers), positions=options.max_length,
             vocab=len(self.tokenizer), clip=len(self.clip_dims or []), sample_entries=sample,

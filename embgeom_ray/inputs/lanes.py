@@ -18,6 +18,8 @@ it does between extractors of different CPU counts (on an AVX-512 CPU, MiniLM's 
 over the demo prose in windows of 128 tokens were equal either way, while in windows of 48
 its layer 6 moved by up to 1.2e-6 relative, 1 thread against 2).
 
+The lanes of an extractor: :func:`~embgeom_ray.sizing.lanes_for`.
+
 Memory: each lane holds one batch's hidden states and activations while it waits for its turn
 to fold, so a CPU extractor holds k batches of them (the fold's scratch once):
 :func:`~embgeom_ray.sizing.formulas.batch_bytes_per_token`.
@@ -34,12 +36,6 @@ import torch
 
 Item = TypeVar("Item")
 Result = TypeVar("Result")
-
-
-def lanes_for(option: int | None, threads: int) -> int:
-    """The lanes of a CPU extractor with ``threads`` CPUs: ``--cpu-lanes`` where given (at
-    most ``threads``: a lane is one thread), else one lane a CPU."""
-    return max(1, min(option or threads, threads))
 
 
 @contextlib.contextmanager

@@ -27,12 +27,11 @@ import ctypes
 import ctypes.util
 import functools
 
+from ..sizing.formulas import MMAP_THRESHOLD_MAX
+
 #: ``mallopt`` parameters (glibc's malloc.h)
 M_TRIM_THRESHOLD = -1
 M_MMAP_THRESHOLD = -3
-#: glibc's largest mmap threshold on 64-bit systems (``DEFAULT_MMAP_THRESHOLD_MAX``): blocks
-#: this large or smaller can come from the heap
-MMAP_THRESHOLD_MAX = 32 << 20
 #: free heap kept at its top before glibc returns it to the system
 TRIM_THRESHOLD = 256 << 20
 

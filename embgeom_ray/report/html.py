@@ -24,14 +24,14 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from .. import __version__
-from ..core.sampled_metrics import SE_METRICS
+from ..core import metric_registry as registry
 from ..io_utils import atomic_write_bytes, exists, is_local, join, local_path, read_bytes
 from ..run_dir import Manifest, ModelInfo, RunDir, TokenizerInfo, now
+from ..run_view import RunView, model_name, short_name
+from ..version import __version__
 from .figures.clipping import ClipPair, clipping_pairs
 from .figures.compare import COMPARE_METRICS, plot_comparison
 from .plots import SECTIONS, Elsewhere, Figure, make_all_plots
-from .run_view import RunView, model_name, short_name
 
 REPORT = "report.html"
 
@@ -65,82 +65,16 @@ RUN_FOLDERS: dict[str, str] = {
     "groups": "checkpoint groups (kept with --keep-checkpoints, else removed when complete)",
 }
 
-#: layers.parquet columns: (header, tooltip, format kind). Kinds: int, sci (4 significant),
-#: unit (3 decimals, values in [−1, 1] or [0, 1]), corr (signed, 2 decimals).
-# fmt: off
-COLUMNS: dict[str, tuple[str, str, str]] = {
-    "layer": ("layer", "hidden_states index; 0 = embedding output", "int"),
-    "n_tokens": ("tokens", "tokens counted N", "int"),
-    "n_types": ("types", "distinct token types", "int"),
-    "mean_norm": ("‖μ‖", "norm of the layer's mean vector", "sci"),
-    "total_variance": ("V", "total variance, mean ‖x − μ‖²", "sci"),
-    "within_variance": ("V_W", "within-type variance Σ (n_t/N) V_t", "sci"),
-    "between_variance": ("V_B", "between-type variance Σ (n_t/N) ‖μ_t − μ‖²", "sci"),
-    "within_ratio": ("V_W/V", "share of the variance within types", "unit"),
-    "norm_variance_corr": ("r(‖μ_t‖,V_t)", "Pearson r over types with n_t ≥ min_count", "corr"),
-    "isoscore": ("IsoScore", "IsoScore of the layer covariance (Rudman et al. 2022)", "unit"),
-    "anisotropy": ("aniso.", "mean cosine over all token pairs", "unit"),
-    "s_inter": ("S_inter", "mean cosine over pairs of different types", "unit"),
-    "s_intra": ("S_intra", "mean self-similarity over types (Ethayarajh 2019)", "unit"),
-    "kmeans_k": ("k", "K-means clusters chosen on the sample (Cai et al. 2021)", "int"),
-    "kmeans_silhouette": ("silh. (k-m)", "silhouette of the K-means clustering", "unit"),
-    "kmeans_best_k": ("best k", "k of the best silhouette (kept even when k = 1 is chosen)", "int"),
-    "kmeans_k_searched": ("k scanned to", "largest k fitted: every k to 15, then a 10% grid to it", "int"),
-    "kmeans_stability": ("k-m stability", "adjusted Rand index of refits from other seedings", "unit"),
-    "kmeans_k_support": ("k support", "share of bootstrap resamples of the sample that take the reported k (below 0.9: not robust)", "unit"),
-    "kmeans_structure_support": ("k=1/k≥2 support", "share of bootstrap resamples that make the same k = 1 vs k ≥ 2 decision", "unit"),
-    "sample_duplicate_points": ("dup. points", "sampled occurrences whose model input repeats another's (counted once in K-means, silhouettes, LID)", "int"),
-    "silhouette_types": ("silh. (types)", "silhouette with token types as labels", "unit"),
-    "adjusted_s_inter": ("S_inter adj.", "S_inter inside clusters (Cai et al. 2021)", "unit"),
-    "adjusted_s_intra": ("S_intra adj.", "S_intra inside clusters (Cai et al. 2021)", "unit"),
-    "adjusted_isoscore": ("IsoScore adj.", "IsoScore inside clusters", "unit"),
-    "adjusted_s_inter_weighted": ("S_inter adj. (w)", "size-weighted over clusters of at least --cluster-min-size points", "unit"),
-    "adjusted_s_intra_weighted": ("S_intra adj. (w)", "size-weighted over clusters of at least --cluster-min-size points", "unit"),
-    "adjusted_isoscore_weighted": ("IsoScore adj. (w)", "size-weighted over clusters of at least --cluster-min-size points", "unit"),
-    "adjusted_clusters_used": ("clusters (w)", "clusters of at least --cluster-min-size points, used by the size-weighted columns", "int"),
-    "adjusted_clusters_left_out": ("clusters left out", "clusters smaller than --cluster-min-size, left out of the size-weighted columns", "int"),
-    "adjusted_s_inter_draws_mean": ("S_inter adj. (draws)", "Cai's one-occurrence-per-type S_inter, exact mean over draws", "unit"),
-    "adjusted_s_inter_draws_std": ("spread of one draw", "standard deviation of Cai's S_inter adj. over --s-inter-draws random draws", "sci"),
-    "s_inter_type_uniform": ("S_inter (Cai)", "one random occurrence per type", "unit"),
-    "isoscore_sample": ("IsoScore (sample)", "IsoScore of the uniform sample", "unit"),
-    "lid_euclidean": ("LID eucl.", "Levina–Bickel LID, true Euclidean distances", "sci"),
-    "lid_cosine": ("LID cos.", "Levina–Bickel LID, cosine distances", "sci"),
-    "lid_euclidean_median": ("LID eucl. median", "median of the per-point MLEs (robust to the long right tail)", "sci"),
-    "lid_cosine_median": ("LID cos. median", "median of the per-point MLEs, cosine distances", "sci"),
-    "lid_euclidean_cai": ("LID (Cai)", "Cai et al.'s convention: squared distances, divided by k", "sci"),
-    "partition_isotropy": ("I(W)", "partition isotropy (Mu & Viswanath 2018)", "sci"),
-    "partition_isotropy_centered": ("I(W) centred", "partition isotropy, centred", "sci"),
-    "n_outlier_dims": ("flagged dims", "dimensions flagged as outliers in the layer", "int"),
-    "outlier_dims": ("which", "the flagged dimensions", "text"),
-    "isoscore_clipped": ("IsoScore clipped (exact)", "IsoScore, flagged dims zeroed; exact over every token", "unit"),
-    "anisotropy_sampled": ("aniso. (sampled)", "anisotropy on the uniform sample, unclipped: the like-for-like baseline of the sampled clipped value", "unit"),
-    "anisotropy_clipped": ("aniso. clipped (sampled)", "flagged dims zeroed; on the uniform sample", "unit"),
-    "s_inter_sampled": ("S_inter (sampled)", "S_inter on the uniform sample, unclipped", "unit"),
-    "s_inter_clipped": ("S_inter clipped (sampled)", "flagged dims zeroed; on the uniform sample", "unit"),
-    "s_intra_sampled": ("S_intra (sampled)", "S_intra on the uniform sample, unclipped (types with ≥ 2 sampled occurrences)", "unit"),
-    "s_intra_clipped": ("S_intra clipped (sampled)", "flagged dims zeroed; on the uniform sample", "unit"),
-    "clip_dims_exact": ("--clip-dims", "dimensions zeroed for the exact clipped metrics", "text"),
-    "anisotropy_clipped_exact": ("aniso. clip (exact)", "--clip-dims zeroed, exact", "unit"),
-    "s_inter_clipped_exact": ("S_inter clip (exact)", "--clip-dims zeroed, exact", "unit"),
-    "s_intra_clipped_exact": ("S_intra clip (exact)", "--clip-dims zeroed, exact", "unit"),
-    "isoscore_clipped_exact": ("IsoScore clip (exact)", "--clip-dims zeroed, exact", "unit"),
-}
-# fmt: on
+#: layers.parquet columns the report shows: (header, tooltip, format kind), standard errors
+#: last, declared in :mod:`~embgeom_ray.core.metric_registry`. Kinds: int, sci (4
+#: significant), unit (3 decimals, values in [−1, 1] or [0, 1]), corr (signed, 2 decimals), text.
+COLUMNS: dict[str, tuple[str, str, str]] = registry.report_columns()
 #: the sampled metrics with a half-sample standard error, column ``<metric>_se``
-SE_OF = list(SE_METRICS)
-for _m in SE_OF:
-    COLUMNS[f"{_m}_se"] = (
-        f"{COLUMNS[_m][0]} se",
-        f"standard error of {_m} from random half-samples of the sample (clusters held fixed)",
-        "sci",
-    )
-SE_COLUMNS = [f"{m}_se" for m in SE_OF]
+SE_OF = list(registry.SE_METRICS)
+SE_COLUMNS = list(registry.SE_COLUMNS)
+#: the exact table: the registry's exact section of ``layers.parquet``
+EXACT_COLUMNS = registry.columns(registry.LAYERS, registry.EXACT_SECTION)
 # fmt: off
-EXACT_COLUMNS = [
-    "layer", "n_tokens", "n_types", "mean_norm", "total_variance", "within_variance",
-    "between_variance", "within_ratio", "norm_variance_corr", "isoscore", "anisotropy",
-    "s_inter", "s_intra",
-]
 #: the clipping table: each clipped value beside its unclipped counterpart of the SAME
 #: estimator (sampled beside sampled, exact beside exact), see :func:`clipping_columns`
 ROGUE_COLUMNS = [
@@ -1119,7 +1053,7 @@ def _comparison_caption(runs: Sequence[RunView]) -> str:
 
 
 def write_comparison_report(
-    run_dirs: Sequence[str],
+    run_dirs: Sequence[str | RunView],
     out_dir: str,
     *,
     changes: pd.DataFrame,
@@ -1130,9 +1064,10 @@ def write_comparison_report(
 ) -> str:
     """Write ``out_dir/report.html`` comparing runs layer by layer; returns its path.
 
-    The first run is the baseline. The page holds a table of the runs (model, revision,
-    corpus, tokens, status, link to each run's own report), overlaid per-layer lines of every
-    metric in :data:`COMPARE_METRICS` present in any run (x = layer index, or relative depth
+    The first run is the baseline; ``run_dirs`` are run directories or their views (the
+    views :func:`embgeom_ray.runs.compare.compare_runs` read, not read again). The page holds
+    a table of the runs (model, revision, corpus, tokens, status, link to each run's own
+    report), overlaid per-layer lines of every metric in :data:`COMPARE_METRICS` present in any run (x = layer index, or relative depth
     when the runs have different numbers of layers), the largest ``changes`` — the table
     :func:`embgeom_ray.runs.compare.changes_table` computed, layers matched as
     ``matching_note`` says; ``agreed`` differences within the bounds of the same result are
@@ -1141,7 +1076,7 @@ def write_comparison_report(
     """
     if len(run_dirs) < 2:
         raise ValueError(f"a comparison needs at least two runs, got {len(run_dirs)}")
-    runs = [RunView(d) for d in run_dirs]
+    runs = [d if isinstance(d, RunView) else RunView(d) for d in run_dirs]
     labels = _run_labels(runs, labels)
     metrics = [m for m in COMPARE_METRICS if any(r.layer_col(m) is not None for r in runs)]
     out_dir = str(out_dir).rstrip("/") or "/"

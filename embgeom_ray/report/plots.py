@@ -2,7 +2,7 @@
 
 :data:`PLOTS` names each figure, its report section and the function that draws it (one module
 per family under :mod:`embgeom_ray.report.figures`). Every function takes a
-:class:`~embgeom_ray.report.run_view.RunView` (the run directory, read lazily through
+:class:`~embgeom_ray.run_view.RunView` (the run directory, read lazily through
 :class:`~embgeom_ray.run_dir.RunDir`) and returns ``(path, caption)``: the PNG it wrote, or
 ``None`` when the run lacks that figure's inputs (an optional table or column), with a caption
 that says what the figure shows or why it is absent. A missing optional section never raises.
@@ -41,6 +41,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from ..io_utils import join
+from ..run_view import RunView
 from .figures.clipping import plot_clipping
 from .figures.clusters import (
     plot_intrinsic_dimension,
@@ -53,7 +54,6 @@ from .figures.norms import plot_norm_variance, plot_variance_split
 from .figures.pca import plot_pca_2d, plot_pca_3d
 from .figures.positions import plot_positional_profile
 from .figures.rogue import plot_rogue_dims
-from .run_view import RunView
 
 log = logging.getLogger(__name__)
 

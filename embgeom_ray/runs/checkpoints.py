@@ -36,6 +36,12 @@ group whose bytes do not match is *corrupt*: :meth:`CheckpointStore.discard_grou
 (its JSON first, so its shards are no longer done) and the reducers' checkpoints that read
 it, and the run redoes its shards (:func:`~embgeom_ray.runs.pipeline.analyze`). Groups
 written before digests existed have none and are read unchecked.
+
+The JSON files here carry their own digest (:func:`~embgeom_ray.integrity.seal`): a group's
+JSON whose content does not match (a flipped digit in a shard id or a count parses) is
+discarded on resume with the group's files, and its shards redone
+(:meth:`CheckpointStore.discard_incomplete`, :attr:`CheckpointStore.corrupt`); a corrupt
+``run.json`` is refused (it holds the plan).
 """
 
 from __future__ import annotations
@@ -51,9 +57,9 @@ import numpy as np
 from ..core.samples import ActivationSample
 from ..core.statistics import EmbeddingStatistics
 from ..counts import Counts
-from ..errors import OutputError
+from ..errors import IntegrityError, OutputError
 from ..inputs.corpus import ShardPlan
-from ..integrity import Digest, FileRef, digests_from_json, digests_json
+from ..integrity import Digest, FileRef, digests_from_json, digests_json, seal, unseal
 from ..io_utils import atomic_write_bytes, atomic_write_json, exists, join, read_bytes
 
 #: directory of checkpoint groups
@@ -117,6 +123,9 @@ class CheckpointStore:
     def __init__(self, out: str) -> None:
         self.out = out.rstrip("/")
         self.fs, self.root = fsspec.core.url_to_fs(self.out)
+        #: one line for each completed group found corrupt and discarded on resume
+        #: (:meth:`discard_incomplete`), for the run to print
+        self.corrupt: list[str] = []
 
     def _path(self, *parts: str) -> str:
         return join(self.out, *parts)
@@ -131,7 +140,13 @@ class CheckpointStore:
             raise OutputError(f"cannot write to the output directory {self.out}: {exc}") from None
 
     def load_run(self) -> dict[str, Any] | None:
-        return self._read_json("run.json") if exists(self._path("run.json")) else None
+        """``run.json``, or None; a corrupt one is refused (:class:`OutputError`)."""
+        if not exists(self._path("run.json")):
+            return None
+        try:
+            return self._read_json("run.json")
+        except IntegrityError as exc:
+            raise OutputError(f"{exc}; pass --overwrite to start over") from None
 
     def start(
         self, fingerprint: str, identity: dict[str, Any], plan: ShardPlan, overwrite: bool
@@ -162,7 +177,7 @@ class CheckpointStore:
             )
         atomic_write_json(
             self._path("run.json"),
-            {"fingerprint": fingerprint, "identity": identity, "plan": plan.to_json()},
+            seal({"fingerprint": fingerprint, "identity": identity, "plan": plan.to_json()}),
         )
         return plan, False
 
@@ -186,9 +201,29 @@ class CheckpointStore:
         return [p.rstrip("/").rsplit("/", 1)[-1] for p in self.fs.ls(base, detail=False)]
 
     def discard_incomplete(self) -> list[str]:
-        """Remove the files of groups without their JSON, and temporary files; returns them."""
+        """Remove the files of groups without their JSON, and temporary files; returns them.
+        A group whose JSON does not parse or does not match its digest is one of them (its
+        JSON too), with the reducer checkpoints that read its files (as :meth:`discard_group`),
+        and a line saying so is added to :attr:`corrupt`."""
         names = self._names(GROUPS)
         done = {n[: -len(DONE_SUFFIX)] for n in names if n.endswith(DONE_SUFFIX)}
+        for group_id in sorted(done):
+            path = self._path(GROUPS, group_id + DONE_SUFFIX)
+            try:  # a store that fails here is raised: a group is discarded only when corrupt
+                unseal(json.loads(read_bytes(path)), path)
+                continue
+            except IntegrityError as exc:
+                why = exc.detail
+            except ValueError:
+                why = "it is not valid JSON"
+            done.discard(group_id)  # its JSON and files are stale: removed below
+            self._discard_reducers_reading(
+                {self._path(GROUPS, n) for n in names if _stem(n) == group_id}
+            )
+            self.corrupt.append(
+                f"checkpoint group {group_id} is corrupt ({group_id}{DONE_SUFFIX}: {why}); its "
+                "shards are redone"
+            )
         stale = [n for n in names if _stem(n) not in done]
         for name in stale:
             self.fs.rm(join(self.root, GROUPS, name))
@@ -199,11 +234,12 @@ class CheckpointStore:
         """A JSON file of the store (``run.json``, a group's counts)."""
         path = self._path(*parts)
         try:
-            return json.loads(read_bytes(path))
+            doc = json.loads(read_bytes(path))
         except (OSError, ValueError) as exc:
             raise OutputError(
                 f"{path} is unreadable ({exc}); use --overwrite to start over"
             ) from None
+        return unseal(doc, path)
 
     def completed_groups(self) -> list[CheckpointGroup]:
         """Every completed group, in group-id order."""
@@ -257,7 +293,7 @@ class CheckpointStore:
 
     def sample_url(self, group: CheckpointGroup) -> FileRef:
         """Where ``group``'s merged sample is, with its digest (read a layer at a time at the
-        finish: :func:`~embgeom_ray.runs.sample_layers.sample_layers`)."""
+        finish: :func:`~embgeom_ray.core.sample_layers.sample_layers`)."""
         return self._ref(group, group.group_id + SAMPLE_SUFFIX)
 
     def group_of(self, url: str) -> CheckpointGroup | None:
@@ -278,12 +314,16 @@ class CheckpointStore:
             path = join(self.root, GROUPS, name)
             if self.fs.exists(path):
                 self.fs.rm(path)
+        self._discard_reducers_reading(urls)
+
+    def _discard_reducers_reading(self, urls: set[str]) -> None:
+        """Remove every reducer checkpoint that read any of ``urls`` (or that cannot say)."""
         for name in self._names(REDUCERS):
             if not (name.startswith("reducer-") and name.endswith(".json")):
                 continue
             try:
                 record = self._read_json(REDUCERS, name)
-            except OutputError:
+            except (OutputError, IntegrityError):
                 record = {"applied": list(urls)}
             if urls & set(record.get("applied", [])):
                 self.fs.rm(join(self.root, REDUCERS, name))
@@ -325,7 +365,7 @@ class CheckpointStore:
         return self._read_json(REDUCERS, REDUCER_PLAN) if exists(path) else None
 
     def save_reducer_plan(self, plan: dict[str, Any]) -> None:
-        atomic_write_json(self._path(REDUCERS, REDUCER_PLAN), plan)
+        atomic_write_json(self._path(REDUCERS, REDUCER_PLAN), seal(plan))
 
     # ------------------------------------------------------------------ writing
     def save_group(
@@ -358,15 +398,15 @@ class CheckpointStore:
         group = CheckpointGroup(group_id, ids, counts, parts, digests)
         atomic_write_json(
             self._path(GROUPS, group.group_id + DONE_SUFFIX),
-            {
+            seal({
                 "format": GROUP_FORMAT,
                 "group": group.group_id,
                 "shards": list(ids),
                 "counts": counts.to_json(),
                 "parts": parts,
                 "digests": digests_json(digests),
-            },
-        )
+            }),
+        )  # fmt: skip
         return group
 
 

@@ -42,42 +42,33 @@ the size: read it accordingly).
 
 from __future__ import annotations
 
-import io
 import json
 import math
 import os
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from functools import cached_property
 from typing import Any
 
 import numpy as np
 import pandas as pd
 
+from ..core import metric_registry as registry
 from ..core.options import SampleOptions
 from ..core.rogue import flagged_dims
-from ..core.sampled_metrics import SAMPLED_LAYER_COLUMNS, SE_METRICS
 from ..errors import UserError
-from ..io_utils import atomic_write_json, is_local, join, local_path, read_bytes
-from ..run_dir import Manifest, RunDir, RunDirError, now, write_table
+from ..integrity import Digest, digests_json, seal
+from ..io_utils import atomic_write_json, is_local, join, local_path
+from ..run_dir import RunDirError, now, write_table
+from ..run_view import RunView
 
 SUMMARY = "comparison.json"
 LONG, WIDE, CHANGES, ROGUE = "comparison", "comparison_wide", "changes", "rogue_dims"
 #: per-layer columns kept in the tables but not ranked among the changes: counts, the k chosen
-#: or searched, and the standard errors themselves (they are the yardstick of the changes)
-NOT_RANKED = (
-    "n_tokens", "n_types", "kmeans_k", "kmeans_best_k", "kmeans_k_searched",
-    "kmeans_k_support", "kmeans_structure_support",
-    "sample_duplicate_points", "adjusted_clusters_used", "adjusted_clusters_left_out",
-    *(f"{m}_se" for m in SE_METRICS),
-)  # fmt: skip
-#: the sampled cosines of :func:`embgeom_ray.core.rogue.sampled_clipped_cosines`
-SAMPLED_CLIPPED_COLUMNS = (
-    "anisotropy_clipped", "s_inter_clipped", "s_intra_clipped",
-    "anisotropy_sampled", "s_inter_sampled", "s_intra_sampled",
-)  # fmt: skip
-#: per-layer metrics estimated on the run's sample; every other metric is exact (all tokens)
-SAMPLED = frozenset(SAMPLED_LAYER_COLUMNS) | frozenset(SAMPLED_CLIPPED_COLUMNS)
+#: or searched, and the standard errors themselves (they are the yardstick of the changes);
+#: the registry's (:mod:`~embgeom_ray.core.metric_registry`) ``ranked=False`` columns
+NOT_RANKED = tuple(registry.not_ranked())
+#: per-layer metrics estimated on the run's sample (the registry's sampled columns, the sampled
+#: clipped cosines and every ``_se`` among them); every other metric is exact (all tokens)
+SAMPLED = frozenset(c for c in registry.layer_columns() if registry.kind_of(c) == "sampled")
 EXACT, SAMPLED_KIND = "exact", "sampled"
 #: |z| below this is within the sampling noise of the two runs (about 95% two-sided)
 NOISE_Z = 2.0
@@ -103,13 +94,10 @@ EVIDENCE_ORDER = (
 NOT_A_CHANGE = (K_NOT_ROBUST, AGREE)
 #: metrics computed within the reported K-means clusters: not comparable between two runs
 #: whose layer chose another number of clusters (``kmeans_k``) or sits at the scan's end in one
-#: run only (``kmeans_k_at_cap``)
-CLUSTER_ADJUSTED = tuple(
-    m for m in (*SAMPLED_LAYER_COLUMNS, *(f"{m}_se" for m in SE_METRICS))
-    if m.startswith("adjusted_")
-)  # fmt: skip
+#: run only (``kmeans_k_at_cap``); the registry's ``depends_on="kmeans_k"``, with their ``_se``
+CLUSTER_ADJUSTED = tuple(registry.depending_on("kmeans_k"))
 #: metrics of the fits at the best k (``kmeans_best_k``): not comparable when it differs
-BEST_K_DEPENDENT = ("kmeans_stability",)
+BEST_K_DEPENDENT = tuple(registry.depending_on("kmeans_best_k"))
 #: token counts differing by more than this factor get the size warning
 SIZE_RATIO = 10.0
 #: the uniform sample size of a run that records none (the job's default ``--sample-size``)
@@ -123,87 +111,13 @@ class CompareError(UserError):
     """A directory that is not a complete run, or labels that do not fit the runs."""
 
 
-@dataclass
-class RunData:
-    """What a comparison reads of one complete run."""
-
-    path: str
-    label: str
-    manifest: Manifest
-    layers: pd.DataFrame
-    dims: pd.DataFrame | None
-    num_layers: int  # transformer blocks L: layers are 0..L
-    hidden_size: int | None
-
-    def depth(self, layer: int) -> float:
-        return layer / self.num_layers if self.num_layers else 0.0
-
-    @cached_property
-    def _by_layer(self) -> pd.DataFrame:
-        return self.layers.set_index("layer")
-
-    @property
-    def tokens(self) -> int | None:
-        """Tokens the run counted: the manifest's ``counts.tokens``, else the most ``n_tokens``
-        of a layer; None when neither is known."""
-        counts = self.manifest.counts
-        if counts is not None and counts.tokens > 0:
-            return int(counts.tokens)
-        if "n_tokens" in self.layers.columns:
-            n = pd.to_numeric(self.layers["n_tokens"], errors="coerce").max()
-            if pd.notna(n) and n > 0:
-                return int(n)
-        return None
-
-    @property
-    def sample_size(self) -> int | None:
-        """The run's uniform sample size: ``config.sample_size`` (``--sample-size``), else the
-        manifest's ``sample.uniform_points``; None when neither is recorded (or sampling was
-        off)."""
-        for size in (
-            self.manifest.config.get("sample_size"),
-            (self.manifest.sample or {}).get("uniform_points"),
-        ):
-            if isinstance(size, int) and not isinstance(size, bool) and size > 0:
-                return size
-        return None
-
-    def value(self, metric: str, layer: int) -> float:
-        """``metric`` at ``layer`` as a float; NaN when absent or not a number."""
-        table = self._by_layer
-        if metric not in table.columns or layer not in table.index:
-            return math.nan
-        v = pd.to_numeric(pd.Series([table.at[layer, metric]]), errors="coerce").iloc[0]
-        return float(v) if pd.notna(v) else math.nan
-
-
-def _read_parquet(url: str) -> pd.DataFrame:
-    return pd.read_parquet(io.BytesIO(read_bytes(url)))
-
-
-def load_run(path: str, label: str) -> RunData:
-    """A complete run's manifest and tables; :class:`CompareError` saying what is wrong."""
-    run = RunDir(path)
+def load_run(path: str, label: str) -> RunView:
+    """A complete run's view (:meth:`~embgeom_ray.run_view.RunView.complete`: its manifest,
+    ``layers`` and ``dims`` read); :class:`CompareError` saying what is wrong."""
     try:
-        manifest = run.complete_manifest("comparing")
-        if not run.has("layers"):
-            raise CompareError(f"run {run.url} says it is complete but has no layers.parquet")
-        layers = run.read_table("layers")
-        dims = run.read_table("dims") if run.has("dims") else None
+        return RunView.complete(path, label, "comparing")
     except RunDirError as exc:
         raise CompareError(str(exc)) from None
-    if "layer" not in layers.columns or layers.empty:
-        raise CompareError(f"{run.path('layers')} has no rows or no 'layer' column")
-    layers = layers.sort_values("layer").reset_index(drop=True)
-    layers["layer"] = layers["layer"].astype(np.int64)
-    model = manifest.model
-    num_layers = model.num_layers if model is not None else None
-    if not isinstance(num_layers, int) or num_layers <= 0:
-        num_layers = max(int(layers["layer"].max()), 1)
-    hidden = model.hidden_size if model is not None else None
-    if not isinstance(hidden, int) and dims is not None and "dim" in dims.columns and len(dims):
-        hidden = int(dims["dim"].max()) + 1
-    return RunData(run.url, label, manifest, layers, dims, int(num_layers), hidden)
 
 
 def default_labels(paths: Sequence[str]) -> list[str]:
@@ -228,7 +142,7 @@ def check_labels(labels: Sequence[str], n: int) -> list[str]:
     return labels
 
 
-def metric_columns(runs: Sequence[RunData]) -> list[str]:
+def metric_columns(runs: Sequence[RunView]) -> list[str]:
     """Numeric per-layer columns (not ``layer``) of any run, in order of first appearance."""
     out: list[str] = []
     for run in runs:
@@ -240,7 +154,7 @@ def metric_columns(runs: Sequence[RunData]) -> list[str]:
     return out
 
 
-def layer_matching(runs: Sequence[RunData]) -> tuple[str, str]:
+def layer_matching(runs: Sequence[RunView]) -> tuple[str, str]:
     """(mode, note): by index when all runs have the same number of blocks, else by depth."""
     sizes = [r.num_layers for r in runs]
     if len(set(sizes)) == 1:
@@ -253,7 +167,7 @@ def layer_matching(runs: Sequence[RunData]) -> tuple[str, str]:
     )
 
 
-def match_layers(base: RunData, other: RunData, mode: str) -> list[tuple[int, int]]:
+def match_layers(base: RunView, other: RunView, mode: str) -> list[tuple[int, int]]:
     """(baseline layer, run layer) pairs."""
     a = [int(x) for x in base.layers["layer"]]
     b = [int(x) for x in other.layers["layer"]]
@@ -265,7 +179,7 @@ def match_layers(base: RunData, other: RunData, mode: str) -> list[tuple[int, in
     return [(x, min(b, key=lambda y, x=x: (abs(y * big_b - x * big_o), y))) for x in a]
 
 
-def long_table(runs: Sequence[RunData], metrics: Sequence[str]) -> pd.DataFrame:
+def long_table(runs: Sequence[RunView], metrics: Sequence[str]) -> pd.DataFrame:
     """``run, label, layer, depth, metric, value``: every numeric metric of every run."""
     frames = []
     for run in runs:
@@ -283,7 +197,7 @@ def long_table(runs: Sequence[RunData], metrics: Sequence[str]) -> pd.DataFrame:
     return df[["run", "label", "layer", "depth", "metric", "value"]]
 
 
-def wide_table(runs: Sequence[RunData], metrics: Sequence[str], mode: str) -> pd.DataFrame:
+def wide_table(runs: Sequence[RunView], metrics: Sequence[str], mode: str) -> pd.DataFrame:
     """One row per (metric, layer), one value column per run label.
 
     By index: the layers of any run. By relative depth: the baseline's layers, with the
@@ -309,7 +223,7 @@ def wide_table(runs: Sequence[RunData], metrics: Sequence[str], mode: str) -> pd
     return pd.DataFrame(rows)
 
 
-def _metric_span(runs: Sequence[RunData], metric: str) -> float:
+def _metric_span(runs: Sequence[RunView], metric: str) -> float:
     vals = np.concatenate(
         [
             pd.to_numeric(r.layers[metric], errors="coerce").to_numpy(dtype=np.float64)
@@ -357,7 +271,7 @@ def _evidence(kind: str, z: float) -> str:
     return BEYOND_NOISE if abs(z) >= NOISE_Z else WITHIN_NOISE
 
 
-def clustering_change(base: RunData, b: int, run: RunData, o: int) -> dict[str, str]:
+def clustering_change(base: RunView, b: int, run: RunView, o: int) -> dict[str, str]:
     """Why the clustering of baseline layer ``b`` and run layer ``o`` differ, per affected metric.
 
     ``{metric: reason}`` for the metrics of :data:`CLUSTER_ADJUSTED` when ``kmeans_k`` or
@@ -388,7 +302,7 @@ def clustering_change(base: RunData, b: int, run: RunData, o: int) -> dict[str, 
     return {m: f"{why}; {weak}" for m, why in out.items()} if weak else out
 
 
-def k_not_robust(base: RunData, b: int, run: RunData, o: int) -> str:
+def k_not_robust(base: RunView, b: int, run: RunView, o: int) -> str:
     """``"k decision not robust: kmeans_k_support 0.55 -> 0.95"`` when either run's K-means k
     decision at the layer has a support below :data:`ROBUST_SUPPORT` (the share of bootstrap
     resamples of its sample that take it); empty when both are robust or a run does not say
@@ -406,7 +320,7 @@ def agrees(kind: str, baseline: float, value: float) -> bool:
     return abs(value - baseline) <= bound * max(abs(baseline), abs(value))
 
 
-def changes_table(runs: Sequence[RunData], metrics: Sequence[str], mode: str) -> pd.DataFrame:
+def changes_table(runs: Sequence[RunView], metrics: Sequence[str], mode: str) -> pd.DataFrame:
     """Every later run against the baseline, per metric and matched layer, best evidence first.
 
     ``kind``: ``exact`` (over every counted token: no sampling error) or ``sampled`` (on the
@@ -493,10 +407,10 @@ def changes_table(runs: Sequence[RunData], metrics: Sequence[str], mode: str) ->
     )
 
 
-def size_threshold(runs: Sequence[RunData]) -> int:
+def size_threshold(runs: Sequence[RunView]) -> int:
     """Tokens below which a run is too small to compare like with like.
 
-    The largest uniform sample size of the runs (:attr:`RunData.sample_size`;
+    The largest uniform sample size of the runs (:attr:`RunView.sample_size`;
     :data:`DEFAULT_SAMPLE_SIZE` when no run records one). A run with fewer tokens has sampled
     nothing: its "sample" is every token it has, fewer points than another run's sample, so
     its K-means, silhouettes and LIDs (which depend on the number and density of the points)
@@ -508,12 +422,12 @@ def size_threshold(runs: Sequence[RunData]) -> int:
     return max(sizes) if sizes else DEFAULT_SAMPLE_SIZE
 
 
-def small_runs(runs: Sequence[RunData], threshold: int) -> list[str]:
+def small_runs(runs: Sequence[RunView], threshold: int) -> list[str]:
     """Labels of the runs with fewer tokens than ``threshold`` (runs without a count: none)."""
     return [r.label for r in runs if r.tokens is not None and r.tokens < threshold]
 
 
-def size_warning(runs: Sequence[RunData]) -> str | None:
+def size_warning(runs: Sequence[RunView]) -> str | None:
     """One line when the runs differ greatly in size, else None.
 
     Said when the largest token count exceeds :data:`SIZE_RATIO` (10) times the smallest, or a
@@ -567,7 +481,7 @@ def _dim_stats(dims: pd.DataFrame, layer: int) -> pd.DataFrame:
 
 
 def rogue_changes(
-    runs: Sequence[RunData], mode: str, unreliable: Sequence[str] = ()
+    runs: Sequence[RunView], mode: str, unreliable: Sequence[str] = ()
 ) -> tuple[pd.DataFrame, dict[str, Any], list[str]]:
     """Rogue dimensions that appeared or vanished against the baseline.
 
@@ -581,7 +495,7 @@ def rogue_changes(
     summary: dict[str, Any] = {}
     rows: list[list[Any]] = []
 
-    def usable(run: RunData) -> bool:
+    def usable(run: RunView) -> bool:
         if run.dims is None:
             notes.append(f"{run.label}: no dims.parquet, rogue dimensions not compared")
             return False
@@ -714,11 +628,12 @@ def compare_runs(
     small = small_runs(runs, threshold)
     warning = size_warning(runs)
     rogue, rogue_summary, rogue_notes = rogue_changes(runs, mode, small)
+    digests: dict[str, Digest] = {}
     files = [
-        write_table(out, LONG, long),
-        write_table(out, WIDE, wide),
-        write_table(out, CHANGES, changes),
-        write_table(out, ROGUE, rogue),
+        write_table(out, LONG, long, digests=digests),
+        write_table(out, WIDE, wide, digests=digests),
+        write_table(out, CHANGES, changes, digests=digests),
+        write_table(out, ROGUE, rogue, digests=digests),
     ]
     moved = changes.loc[changes["change"] != 0]
     listed = moved.loc[~moved["evidence"].isin(NOT_A_CHANGE)]
@@ -743,6 +658,7 @@ def compare_runs(
         "size_warning": warning,
         "notes": ([warning] if warning else []) + rogue_notes,
         "files": files,
+        "digests": digests_json(digests),
     }
     echo(f"{compared_line(labels)}; {note}")
     if warning:
@@ -754,7 +670,7 @@ def compare_runs(
     for n in rogue_notes:
         echo(f"note: {n}")
     _write_report(runs, out, largest, summary, echo)
-    atomic_write_json(join(out, SUMMARY), summary)
+    atomic_write_json(join(out, SUMMARY), seal(summary))
     echo(f"outputs in {out}: {', '.join([*files, SUMMARY])}")
     return summary
 
@@ -774,7 +690,7 @@ def _checked_out(run_dirs: Sequence[str], out: str) -> str:
     return out
 
 
-def _run_summary(r: RunData) -> dict[str, Any]:
+def _run_summary(r: RunView) -> dict[str, Any]:
     """One run's entry in ``comparison.json``'s ``runs``: where it is, what it measured
     (model, revision, corpus, fingerprints), its shape, ``tokens`` and ``sample_size``."""
     return {
@@ -836,7 +752,7 @@ def _echo_rogue(rogue_summary: dict[str, Any], echo: Callable[[str], None]) -> N
 
 
 def _write_report(
-    runs: Sequence[RunData],
+    runs: Sequence[RunView],
     out: str,
     largest: pd.DataFrame,
     summary: dict[str, Any],
@@ -849,7 +765,7 @@ def _write_report(
         from ..report.html import write_comparison_report
 
         write_comparison_report(
-            [r.path for r in runs], out, changes=largest,
+            runs, out, changes=largest,
             matching_note=summary["layer_matching_note"], labels=[r.label for r in runs],
             warning=summary["size_warning"], agreed=summary["evidence_counts"][AGREE],
         )  # fmt: skip

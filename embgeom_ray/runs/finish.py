@@ -5,47 +5,115 @@ From the corpus statistics and sample to a complete run directory: the exact tab
 (:func:`~embgeom_ray.distributed.sampled_stage.add_sampled_metrics`), the artefacts and tables
 written atomically, the manifest marked ``complete`` (:meth:`RunDir.finalise`), the summary
 printed, and the report drawn (a report failure is recorded, never loses the run).
+
+The run's statistics come as a :class:`RunStatistics`, wherever they live: in this process
+(:class:`StatisticsHere`) or partitioned across reducer actors
+(:class:`~embgeom_ray.distributed.reducers.PartitionedStatistics`); the steps here ask the same
+of both.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, Union
+from typing import Any, Protocol
 
 from ..config import JobConfig
 from ..core.options import TableOptions
+from ..core.sample_layers import SampleLayers, as_layers
 from ..core.samples import ActivationSample
 from ..core.statistics import EmbeddingStatistics
-from ..core.tables import build_tables
+from ..core.tables import TypeRowsSink, build_tables
 from ..counts import Counts
 from ..distributed.node_tasks import on_this_node
 from ..distributed.process_memory import peak_memory
 from ..distributed.sampled_stage import add_sampled_metrics
+from ..integrity import Digest
 from ..report.html import write_run_report
 from ..report.plots import draw_figures
 from ..run_dir import MANIFEST, Manifest, RunDir, format_summary
-from .sample_layers import SampleLayers, as_layers, on_workers
-
-if TYPE_CHECKING:
-    from ..distributed.reducers import PartitionedStatistics
-
-#: a run's statistics: in this process, or partitioned across reducer actors
-Statistics = Union[EmbeddingStatistics, "PartitionedStatistics"]
+from ..sizing.formulas import on_workers
 
 
-def exact_tables(
-    merged: Statistics, tokenizer: Any, options: TableOptions, type_rows: Any = None
-) -> dict[str, Any]:
-    """Every exact table, built here or from the reducers' partial sums (same tables);
-    ``type_rows``: where the ``type_stats`` rows go a layer at a time
-    (:func:`~embgeom_ray.core.tables.build_tables_from`)."""
-    if isinstance(merged, EmbeddingStatistics):
-        return build_tables(merged, tokenizer, options, type_rows)
-    return merged.tables(tokenizer, options, type_rows)
+class RunStatistics(Protocol):
+    """A run's merged statistics as the finishing steps use them, wherever they live."""
+
+    #: whether the artefact is written as parts, one directory
+    #: (:meth:`~embgeom_ray.run_dir.RunDir.save_artefacts`)
+    partitioned: bool
+
+    @property
+    def layers(self) -> list[int]:
+        """The measured layers, in order."""
+
+    def tables(
+        self, tokenizer: Any, options: TableOptions, type_rows: TypeRowsSink | None = None
+    ) -> dict[str, Any]:
+        """Every exact table (the same wherever the statistics live); ``type_rows``: where
+        the ``type_stats`` rows go a layer at a time
+        (:func:`~embgeom_ray.core.tables.build_tables_from`)."""
+
+    def token_count(self) -> int:
+        """Tokens counted (in the first layer)."""
+
+    def nonfinite(self) -> dict[int, int]:
+        """Layer -> the non-finite tokens left out of it."""
+
+    def save(self, path: str) -> Digest | None:
+        """Write the statistics artefact at ``path``; the digest of what was written (of a
+        partitioned artefact: its index's)."""
+
+    def describe(self) -> dict[str, Any] | None:
+        """The manifest's ``reducers`` (None: the statistics are this process's)."""
+
+    def peak_memory(self) -> list[dict[str, int | None]]:
+        """Each reducer's peak resident and private memory (none for this process's)."""
+
+    def close(self) -> None:
+        """Release what holds the statistics (the reducer actors)."""
 
 
-def memory_of(merged: Statistics, manifest: Manifest) -> dict[str, Any]:
+class StatisticsHere:
+    """A run's :class:`~embgeom_ray.core.statistics.EmbeddingStatistics` in this process, as a
+    :class:`RunStatistics`: the tables built here (:func:`~embgeom_ray.core.tables.build_tables`),
+    one artefact file, no reducers. (The sketch itself stays free of the tables, which the
+    core builds above it.)"""
+
+    partitioned = False
+
+    def __init__(self, statistics: EmbeddingStatistics) -> None:
+        self.statistics = statistics
+
+    @property
+    def layers(self) -> list[int]:
+        return self.statistics.layers
+
+    def tables(
+        self, tokenizer: Any, options: TableOptions, type_rows: TypeRowsSink | None = None
+    ) -> dict[str, Any]:
+        return build_tables(self.statistics, tokenizer, options, type_rows)
+
+    def token_count(self) -> int:
+        return self.statistics.token_count()
+
+    def nonfinite(self) -> dict[int, int]:
+        stats = self.statistics
+        return {layer: stats.layer(layer).nonfinite for layer in stats.layers}
+
+    def save(self, path: str) -> Digest:
+        return self.statistics.save(path)
+
+    def describe(self) -> None:
+        return None
+
+    def peak_memory(self) -> list[dict[str, int | None]]:
+        return []
+
+    def close(self) -> None:
+        pass
+
+
+def memory_of(merged: RunStatistics, manifest: Manifest) -> dict[str, Any]:
     """The manifest's ``memory``: peak resident and private bytes of this process (the
     driver), of the largest extractor (as the actor pool recorded it) and of each reducer
     actor (:mod:`~embgeom_ray.distributed.process_memory`: resident includes the object
@@ -60,29 +128,24 @@ def memory_of(merged: Statistics, manifest: Manifest) -> dict[str, Any]:
     for key in ("extractor_peak_rss_bytes", "extractor_peak_private_bytes"):
         if workers.get(key):
             memory[key] = workers[key]
-    if not isinstance(merged, EmbeddingStatistics):
-        reducers = merged.peak_memory()
+    reducers = merged.peak_memory()
+    if reducers:
         memory["reducer_peak_rss_bytes"] = [r["rss"] for r in reducers]
         memory["reducer_peak_private_bytes"] = [r["private"] for r in reducers]
     return memory
 
 
-def counts_of(totals: Counts, merged: Statistics) -> Counts:
+def counts_of(totals: Counts, merged: RunStatistics) -> Counts:
     """The manifest's ``counts``: the shards' summed counts with the non-finite tokens per
     layer of the run's statistics (every field set, so the manifest writes every counter)."""
-    nonfinite = (
-        {layer: merged.layer(layer).nonfinite for layer in merged.layers}
-        if isinstance(merged, EmbeddingStatistics)
-        else merged.nonfinite()
-    )
-    per_layer = {str(layer): int(n) for layer, n in nonfinite.items()}
+    per_layer = {str(layer): int(n) for layer, n in merged.nonfinite().items()}
     return Counts.from_json(totals.to_json() | {"nonfinite_tokens_per_layer": per_layer})
 
 
 def finish_run(
     run: RunDir,
     manifest: Manifest,
-    merged: Statistics,
+    merged: RunStatistics,
     sample: ActivationSample | SampleLayers | None,
     tokenizer: Any,
     config: JobConfig,
@@ -95,13 +158,13 @@ def finish_run(
     ``manifest`` holds what the caller knows (identity, counts, its own timings); this adds
     ``timings_s.metrics``/``write``/``total``, ``sample`` and ``outputs`` and writes it as
     ``complete`` only after every table and artefact is in place. ``sample``: whole, or a
-    layer at a time (:mod:`~embgeom_ray.runs.sample_layers`); either way the sampled stage
+    layer at a time (:mod:`~embgeom_ray.core.sample_layers`); either way the sampled stage
     and ``samples.parquet`` take it one layer at a time, and a large one is handled by Ray
     tasks that read it themselves (:mod:`~embgeom_ray.distributed.sample_tasks`).
     """
     t0 = time.perf_counter()
     with run.table_writer("type_stats") as type_rows:  # a layer's rows at a time, not L·V
-        tables = exact_tables(merged, tokenizer, config.tables, type_rows)
+        tables = merged.tables(tokenizer, config.tables, type_rows)
     layers = as_layers(sample)
     note, clusters = (
         (None, {})
@@ -128,8 +191,9 @@ def finish_run(
         | {"write": round(t2 - t1, 3), "total": round(t2 - t_start, 3)},
         memory=memory_of(merged, manifest),
     )
-    if not isinstance(merged, EmbeddingStatistics):
-        manifest.set(reducers=merged.describe())
+    reducers = merged.describe()
+    if reducers is not None:
+        manifest.set(reducers=reducers)
     run.write_manifest(manifest)
     echo(format_summary(tables["layers"]))
     outputs = manifest.outputs

@@ -23,6 +23,7 @@ merge would be neither.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -33,7 +34,15 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 from pydantic import ValidationError
 
-from ..config import AGREE_OPTIONS, MERGE_OPTIONS, SCHEDULING_OPTIONS, JobConfig
+from ..config import (
+    AGREE_OPTIONS,
+    MERGE_OPTIONS,
+    SCHEDULING_OPTIONS,
+    JobConfig,
+    format_validation_error,
+)
+from ..core.options import sample_entries
+from ..core.sample_layers import SampleLayers, merged_layers
 from ..core.statistics import EmbeddingStatistics
 from ..counts import Counts
 from ..errors import ConfigError, ModelError, OutputError, StatisticsMismatchError
@@ -53,9 +62,9 @@ from ..run_dir import (
     versions,
 )
 from ..sizing import Reduce, Shape, gib, reducer_ranges, size_reduce
-from ..storage import check_input, check_output, user_errors
-from .finish import Statistics, counts_of, finish_run
-from .sample_layers import SampleLayers, merged_layers, run_samples
+from ..storage import REDOES, check_input, check_output, resumable, user_errors
+from .finish import RunStatistics, StatisticsHere, counts_of, finish_run
+from .run_samples import run_samples
 
 if TYPE_CHECKING:
     from ..distributed.reducers import PartitionedStatistics
@@ -166,9 +175,7 @@ def run_config(manifest: Manifest, out: str, options: dict[str, Any]) -> JobConf
     try:
         return JobConfig(**known)
     except ValidationError as exc:
-        from ..config import _format_validation_error
-
-        message = _format_validation_error(exc)
+        message = format_validation_error(exc)
         given = [k for k in options if k in message.replace("-", "_")]
         if given:
             raise ConfigError(message) from None
@@ -214,9 +221,7 @@ def check_statistics(
 def merge_shape(probe: EmbeddingStatistics, layers: list[int], config: JobConfig, vocab: int) -> Shape:
     """The merge's :class:`~embgeom_ray.sizing.Shape`: the runs' layers, d, positions and
     clipped dimensions (from the first run's first-layer state) and their sample."""
-    sample = 0 if config.sample_size == 0 else config.sample_size + (
-        config.sample_type_size or config.sample_size
-    )
+    sample = sum(sample_entries(config.sample_size, config.sample_type_size))
     return Shape(
         layers=len(layers), dim=probe.dim, positions=probe.max_positions, vocab=vocab,
         clip=len(probe.clip_dims or []), sample_entries=sample, name="merge",
@@ -283,7 +288,7 @@ def merge_statistics(runs: list[str]) -> EmbeddingStatistics:
 
 def merge_samples(runs: list[str]) -> SampleLayers | None:
     """Every run's sample merged (bottom-k: the sample of the union), a layer at a time when
-    the run finishes (:func:`~embgeom_ray.runs.sample_layers.merged_layers`: the job's process
+    the run finishes (:func:`~embgeom_ray.core.sample_layers.merged_layers`: the job's process
     holds one layer of it), or None; samples that cannot merge are refused here."""
     dirs = [RunDir(run) for run in runs]
     present = [rd.has_sample() for rd in dirs]
@@ -345,8 +350,24 @@ def check_arguments(runs: list[str], out: str, overwrite: bool) -> None:
     if _location(out) in keys:
         raise OutputError(f"--out {out} is one of the runs to merge; write the merge elsewhere")
     check_output(out)
-    if RunDir(out).has_manifest() and not overwrite:
+    if RunDir(out).has_manifest() and not overwrite and unfinished_merge(out) is None:
         raise OutputError(f"{out} already holds a run (manifest.json); give --overwrite to replace it")
+
+
+def unfinished_merge(out: str) -> Manifest | None:
+    """The manifest at ``out`` when it is a merge that did not finish (a store that failed
+    during its final write: :func:`~embgeom_ray.storage.resumable`), which the same merge
+    command writes again; else None."""
+    with contextlib.suppress(RunDirError):
+        manifest = RunDir(out).manifest()
+        if manifest.kind == "merge" and not manifest.complete:
+            return manifest
+    return None
+
+
+def merge_fingerprint(manifests: list[Manifest]) -> str:
+    """A merge's fingerprint: of its runs' fingerprints, in any order."""
+    return hashlib.sha256(json.dumps(sorted(m.fingerprint or "" for m in manifests)).encode()).hexdigest()
 
 
 def merged_manifest(
@@ -360,9 +381,7 @@ def merged_manifest(
         status="running",
         kind="merge",
         started_at=started_at,
-        fingerprint=hashlib.sha256(
-            json.dumps(sorted(m.fingerprint or "" for m in manifests)).encode()
-        ).hexdigest(),
+        fingerprint=merge_fingerprint(manifests),
         config=config.model_dump() | {"corpus": sources},
         corpus=CorpusInfo(
             source=sources,
@@ -442,6 +461,11 @@ def _merge_runs(
         with user_errors(run, "run"):
             manifests.append(load_manifest(run))
     check_mergeable(runs, manifests)
+    unfinished = None if options.get("overwrite") else unfinished_merge(out)
+    if unfinished is not None and unfinished.fingerprint != merge_fingerprint(manifests):
+        raise OutputError(
+            f"{out} holds an unfinished merge of other runs; give --overwrite to replace it"
+        )
     dedup = check_dedup(runs, manifests)
     config = run_config(manifests[0], out, options)
     tok = load_run_tokenizer(manifests[0], tokenizer)
@@ -455,29 +479,29 @@ def _merge_runs(
         return {"sizing": {"reduce": asdict(reduce)}}
     t_load = time.perf_counter()
     if reduce.partitioned:
-        merged: Statistics = merge_partitioned(urls, layers, reduce, seen)
+        merged: RunStatistics = merge_partitioned(urls, layers, reduce, seen)
     else:
-        merged = merge_statistics(runs)
+        merged = StatisticsHere(merge_statistics(runs))
     try:
-        sample = merge_samples(runs)
-        t_merge = time.perf_counter()
-        run = RunDir(out)
-        manifest = merged_manifest(runs, manifests, config, started_at)
-        manifest.set(sizing={"reduce": asdict(reduce)})
-        run.write_manifest(manifest)
-        totals = summed_counts(manifests)
-        if dedup is not None:
-            run.write_doc_hashes(dedup[0])
-            manifest.set(dedup=dedup[1])
-        manifest.set(
-            layers=merged.layers,
-            counts=counts_of(totals, merged),
-            skipped=totals.skipped,
-            timings_s={"load": round(t_load - t0, 3), "merge": round(t_merge - t_load, 3)},
-        )
-        finish_run(run, manifest, merged, sample, tok, config, t_start=t0, echo=echo)
+        with resumable(out, REDOES):  # a store failing while the merge is written: one line
+            sample = merge_samples(runs)
+            t_merge = time.perf_counter()
+            run = RunDir(out)
+            manifest = merged_manifest(runs, manifests, config, started_at)
+            manifest.set(sizing={"reduce": asdict(reduce)})
+            run.write_manifest(manifest)
+            totals = summed_counts(manifests)
+            if dedup is not None:
+                run.write_doc_hashes(dedup[0])
+                manifest.set(dedup=dedup[1])
+            manifest.set(
+                layers=merged.layers,
+                counts=counts_of(totals, merged),
+                skipped=totals.skipped,
+                timings_s={"load": round(t_load - t0, 3), "merge": round(t_merge - t_load, 3)},
+            )
+            finish_run(run, manifest, merged, sample, tok, config, t_start=t0, echo=echo)
     finally:
-        if reduce.partitioned:
-            merged.close()
+        merged.close()
     echo(f"merged {len(runs)} runs into {out}")
     return manifest.to_json()

@@ -40,7 +40,9 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 from tqdm.auto import tqdm
 
 from ..config import SCHEDULING_OPTIONS, JobConfig
+from ..core.options import sample_entries
 from ..core.rogue import OutlierRules, flagged_dims
+from ..core.sample_layers import SampleLayers, sample_layers
 from ..core.statistics import EmbeddingStatistics
 from ..counts import Counts, unk_warning
 from ..distributed.process_memory import sampler
@@ -83,8 +85,8 @@ from ..sizing import (
 from ..sizing.checkpoints import FLOOR_S, Pacer
 from ..storage import check_output, resumable, user_errors
 from .checkpoints import CheckpointGroup, CheckpointStore
-from .finish import counts_of, finish_run
-from .sample_layers import SampleLayers, run_samples, sample_layers
+from .finish import RunStatistics, StatisticsHere, counts_of, finish_run
+from .run_samples import run_samples
 
 if TYPE_CHECKING:  # ray is imported only when there is work to do
     from ..distributed.actor_pool import GroupResult, PoolPlan
@@ -243,7 +245,7 @@ def reduce_groups(
 
 def group_samples(store: CheckpointStore, groups: list[CheckpointGroup]) -> SampleLayers | None:
     """The checkpoint ``groups``' samples, merged in group order a layer at a time
-    (:func:`~embgeom_ray.runs.sample_layers.sample_layers`): the job's process never holds the
+    (:func:`~embgeom_ray.core.sample_layers.sample_layers`): the job's process never holds the
     whole merged sample."""
     return sample_layers([store.sample_url(group) for group in groups])
 
@@ -376,9 +378,7 @@ def prepare(config: JobConfig) -> RunSpec:
         )
     layers = resolve_layers(config.layers, identity.num_layers)
     clip_dims = resolve_clip_dims(config, identity.hidden_size)
-    sample = 0 if config.sample_size == 0 else config.sample_size + (
-        config.sample_type_size or config.sample_size
-    )
+    sample = sum(sample_entries(config.sample_size, config.sample_type_size))
     shape = run_shape(
         model_config, layers=len(layers), positions=config.max_length, vocab=len(tokenizer),
         clip=len(clip_dims or []), sample_entries=sample, dtype=config.dtype, name=config.model,
@@ -514,23 +514,22 @@ def retable(run: RunDir, done: Manifest, spec: RunSpec, t_start: float, echo) ->
     echo(f"sizing: {len(seen):,} types: {reduce.describe()}")
     if reduce.partitioned:  # the artefact read partition by partition, never whole here
         plan = PartitionPlan.balanced(reduce.count, seen, spec.layers)
-        merged: EmbeddingStatistics | PartitionedStatistics = PartitionedStatistics(
+        merged: RunStatistics = PartitionedStatistics(
             plan, [url], memory=reduce.memory, nodes=reduce.nodes
         )
     else:
-        merged = run.load_statistics()
+        merged = StatisticsHere(run.load_statistics())
     try:
         return _retable(run, done, spec, merged, t_start, echo, reduce)
     finally:
-        if reduce.partitioned:
-            merged.close()
+        merged.close()
 
 
 def _retable(
     run: RunDir,
     done: Manifest,
     spec: RunSpec,
-    merged: EmbeddingStatistics | PartitionedStatistics,
+    merged: RunStatistics,
     t_start: float,
     echo,
     reduce: Reduce,
@@ -564,8 +563,8 @@ def analyze(config: JobConfig, *, echo=print) -> dict[str, Any]:
     done_before = None if config.overwrite else already_complete(run, spec.fingerprint)
     if done_before is not None:
         return reuse_complete(run, done_before, spec, t_start, echo)
-    started = _start_run(spec, run, store, started_at, echo)
-    with resumable(config.out):
+    with resumable(config.out):  # the store failing from the first write on: one line
+        started = _start_run(spec, run, store, started_at, echo)
         manifest = _extract_reduce_finish(spec, run, store, started, t_start, t_plan, echo)
         if not config.keep_checkpoints:
             store.remove_groups()
@@ -599,8 +598,7 @@ def _extract_reduce_finish(
                     t_start=t_start, echo=echo,
                 )  # fmt: skip
             finally:
-                if reduced.reduce.partitioned:
-                    merged.close()
+                merged.close()
             return manifest
         except Exception as exc:
             started = redo_corrupt_group(store, started, exc, redo, echo)
@@ -681,6 +679,8 @@ def _start_run(
 
     done = store.done_shards() & {s.shard_id for s in plan.shards}
     todo = [s for s in plan.shards if s.shard_id not in done]
+    for line in store.corrupt:
+        echo(line)
     if resumed:
         echo(f"resuming {config.out}: {len(done)} of {len(plan.shards)} shards already done")
     pacer = Pacer(config.checkpoint_interval)
@@ -697,7 +697,7 @@ class _Reduced(NamedTuple):
     pool: PoolPlan | None  # the extractors' pool (None: nothing left to extract)
     groups: list[CheckpointGroup]
     reduce: Reduce
-    merged: EmbeddingStatistics | PartitionedStatistics  # the caller closes a partitioned one
+    merged: RunStatistics  # the caller closes it
     sample: SampleLayers | None
     totals: Counts
     t_extract0: float
@@ -744,9 +744,10 @@ def _extract_and_reduce(
         stop_early(early)
         raise
     if not reduce.partitioned:
-        merged, sample, totals = reduce_groups(
+        whole, sample, totals = reduce_groups(
             store, groups, spec.empty_statistics(), config.sample_size > 0
         )
+        merged = StatisticsHere(whole)
     return _Reduced(pool, groups, reduce, merged, sample, totals, t_extract0, t_extract1)
 
 
@@ -861,7 +862,7 @@ def throughput(totals: Counts, resumed: bool, extract_s: float) -> float | None:
     return round(totals.tokens / extract_s, 1)
 
 
-def check_not_empty(merged: EmbeddingStatistics | PartitionedStatistics, totals: Counts, corpus: str) -> None:
+def check_not_empty(merged: RunStatistics, totals: Counts, corpus: str) -> None:
     """A :class:`CorpusError` when no token was counted, with what was read and skipped."""
     if merged.token_count() == 0:
         skipped = ", ".join(f"{v} {k}" for k, v in sorted(totals.skipped.items())) or "none"

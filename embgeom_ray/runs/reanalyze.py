@@ -55,15 +55,17 @@ from pathlib import Path
 from typing import Any
 
 import pandas as pd
+import pyarrow.parquet as pq
 import yaml
 from pydantic import ValidationError
 
-from ..config import RESULT_OPTIONS, JobConfig, _format_validation_error, load_yaml
-from ..errors import ConfigError, ModelError, OutputError, UserError
+from ..config import RESULT_OPTIONS, JobConfig, format_validation_error, load_yaml
+from ..errors import ConfigError, IntegrityError, ModelError, OutputError, UserError
 from ..inputs.corpus import CorpusSpec, plan_shards
 from ..inputs.model_loading import resolve_identity
+from ..integrity import SEAL_KEY, seal
 from ..io_utils import exists, is_local, join, local_path, read_bytes
-from ..run_dir import Manifest, RunDir, RunDirError, now, write_table
+from ..run_dir import HEADER_KEY, Manifest, RunDir, RunDirError, now, write_table
 
 #: the index of runs in the store
 INDEX = "runs.parquet"
@@ -352,7 +354,7 @@ def entry_config(
     try:
         return JobConfig(**data)
     except ValidationError as exc:
-        raise ConfigError(_format_validation_error(exc)) from None
+        raise ConfigError(format_validation_error(exc)) from None
 
 
 def plan_entry(
@@ -465,8 +467,26 @@ def complete_row(run: PlannedRun, manifest: Manifest, **values: Any) -> dict[str
     ) | headline_metrics(run.out, manifest)
 
 
+def rows_digest(df: pd.DataFrame) -> str:
+    """The digest of an index's rows (:func:`~embgeom_ray.integrity.seal` of them as JSON,
+    missing values as null): kept in ``runs.parquet``'s metadata (its header, under
+    ``"digest"``), so that a flipped bit anywhere in the file that still parses (a digit of a
+    metric, a column's name in the footer) is found when it is read back."""
+    records = [{k: _plain(v) for k, v in rec.items()} for rec in df.to_dict("records")]
+    return seal({"rows": records})[SEAL_KEY]
+
+
+def _plain(v: Any) -> Any:
+    """``v`` as a plain Python value (None for a missing one; numpy's scalars as Python's),
+    so that the rows' digest does not depend on the dtypes pandas reads them back as."""
+    v = _none_if_na(v)
+    return v.item() if hasattr(v, "item") and not isinstance(v, (str, bytes)) else v
+
+
 class RunIndex:
-    """``STORE/runs.parquet``: one row per run key, rewritten atomically on every change."""
+    """``STORE/runs.parquet``: one row per run key, rewritten atomically on every change, with
+    the digest of its rows (:func:`rows_digest`), checked when it is read (an index of an
+    earlier version has none)."""
 
     def __init__(self, store: str, *, read_only: bool = False):
         self.store = store
@@ -475,12 +495,20 @@ class RunIndex:
         self.rows: dict[str, dict[str, Any]] = {}
         if exists(self.url):
             try:
-                df = pd.read_parquet(io.BytesIO(read_bytes(self.url)))
+                table = pq.read_table(io.BytesIO(read_bytes(self.url)))
+                df = table.to_pandas()
+                header = json.loads((table.schema.metadata or {}).get(HEADER_KEY, b"{}"))
             except Exception as exc:
                 raise OutputError(
                     f"the index {self.url} cannot be read ({type(exc).__name__}: {exc}); move "
                     "it away to rebuild it from the run directories"
                 ) from None
+            recorded = header.get(SEAL_KEY) if isinstance(header, dict) else None
+            if recorded is not None and rows_digest(df) != recorded:
+                raise IntegrityError(
+                    self.url, "its rows do not match the digest recorded when it was written; "
+                    "move it away to rebuild it from the run directories"
+                )
             if "key" not in df.columns:
                 raise OutputError(f"the index {self.url} has no 'key' column: not a run index")
             for rec in df.to_dict("records"):
@@ -494,7 +522,9 @@ class RunIndex:
         key = row["key"]
         self.rows[key] = (self.rows.get(key) or {}) | row
         if not self.read_only:
-            write_table(self.store, INDEX.removesuffix(".parquet"), self.frame())
+            frame = self.frame()
+            header = {SEAL_KEY: rows_digest(frame)}
+            write_table(self.store, INDEX.removesuffix(".parquet"), frame, header)
 
     def frame(self) -> pd.DataFrame:
         df = pd.DataFrame(list(self.rows.values()))

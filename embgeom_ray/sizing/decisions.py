@@ -8,7 +8,6 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from ..errors import ConfigError
-from ..inputs.lanes import lanes_for
 from .formulas import (
     CPU_BATCH_TOKENS_MAX,
     CPU_BATCH_TOKENS_MIN,
@@ -38,7 +37,15 @@ from .formulas import (
     statistics_for,
     types_bound,
 )  # fmt: skip
-from .nodes import Cluster, _hosts, _offers, _placed, fits, place, slot_memory
+from .nodes import (
+    Cluster,
+    describe_offers,
+    extractors_per_node,
+    fits,
+    place,
+    placed_memory,
+    slot_memory,
+)
 
 #: a self-sized reducer asks for at most this share of the largest node's offer, so that a
 #: node holds two and the reduce is spread over the cluster
@@ -50,6 +57,13 @@ EARLY_REDUCERS_MIN_BYTES = 64 * MiB
 #: self-sized ``--gpus-per-worker``: the fewest GPUs of one node whose memory holds the
 #: weights in this share (the rest: the batch's activations and the statistics)
 GPU_WEIGHT_SHARE = 0.5
+
+
+def lanes_for(option: int | None, threads: int) -> int:
+    """The lanes of a CPU extractor with ``threads`` CPUs: ``--cpu-lanes`` where given (at
+    most ``threads``: a lane is one thread), else one lane a CPU."""
+    return max(1, min(option or threads, threads))
+
 
 @dataclass
 class Pool:
@@ -334,7 +348,7 @@ def _fitted_pool(
         raise ConfigError(
             f"an extractor needs at least {least:,} bytes ({gib(least)}: {formula} with σ "
             f"the {'--statistics-memory' if explicit_s else 'fixed per-layer state'}), "
-            f"but the nodes (offering {_offers(offers)}) hold {placeable} such extractor(s) "
+            f"but the nodes (offering {describe_offers(offers)}) hold {placeable} such extractor(s) "
             f"at most {gib(slot_memory(placeable, hosts, offers))} each; measure fewer "
             "--layers, lower --sample-size and --sample-type-size, give fewer "
             "--num-workers or more --cpus-per-worker, or add nodes with more memory"
@@ -411,7 +425,7 @@ def size_extractors(
         memory = int(options.worker_memory)
         reason = _explicit_worker_memory(memory, least, offers, formula, explicit_s)
     else:
-        hosts = _hosts(cluster, cpus, gpus)
+        hosts = extractors_per_node(cluster, cpus, gpus)
         count, memory, reason = _fitted_pool(
             shape, types, options, count, hosts, offers, bounds, gpus, formula
         )
@@ -455,7 +469,7 @@ def _by_reducer_memory(
     if not fits(count, memory, offers):
         unsure = _refuse_or_note(
             f"--reducer-memory {memory:,} bytes: {rows} need {count} reducers of that, "
-            f"and the nodes, offering {_offers(offers)}, hold fewer; give more "
+            f"and the nodes, offering {describe_offers(offers)}, hold fewer; give more "
             "--reducer-memory, measure fewer --layers, or add nodes",
             final, (explicit_r or 1, memory), offers,
         )  # fmt: skip
@@ -473,7 +487,7 @@ def _by_reducer_count(
     if not fits(count, memory, offers):
         unsure = _refuse_or_note(
             f"--reducers {count}: each needs {memory:,} bytes ({gib(memory)}: {formula} "
-            f"for {rows}), and the nodes, offering {_offers(offers)}, do not hold "
+            f"for {rows}), and the nodes, offering {describe_offers(offers)}, do not hold "
             f"{count} of them; give more --reducers, measure fewer --layers, or add nodes",
             final, (count, shape_reducer_budget(shape, count, 0)), offers,
         )  # fmt: skip
@@ -505,7 +519,7 @@ def _by_node_share(
     if not count and (final or not first):
         raise ConfigError(
             f"the statistics, {rows}, do not fit the cluster: reducers of at most "
-            f"{gib(cap)} (half the largest node's offer; nodes offer {_offers(offers)}) "
+            f"{gib(cap)} (half the largest node's offer; nodes offer {describe_offers(offers)}) "
             "cannot hold them; measure fewer --layers, or add nodes with more memory "
             "(or give --reducer-memory)"
         )
@@ -520,7 +534,7 @@ def _by_node_share(
     reason = (
         f"{rows} over reducers of ≤ {gib(cap)} ({REDUCER_NODE_SHARE:g} of the largest "
         f"node's {gib(largest)}), at least one on each node that holds one (nodes offer "
-        f"{_offers(offers)}){unsure}"
+        f"{describe_offers(offers)}){unsure}"
     )
     return count, budget(count), reason, bool(unsure)
 
@@ -579,7 +593,7 @@ def size_reducers(
     early: list[str] = []
     if beside is not None:
         n_ext, cpus, gpus, each = beside
-        taken = _placed(cluster, offers, n_ext, cpus, gpus, each)
+        taken = placed_memory(cluster, offers, n_ext, cpus, gpus, each)
         early = place(cluster, offers, count, memory, taken, partial=True)
     nodes = place(cluster, offers, count, memory, partial=unsure)
     return Reduce(count, memory, types, formula, reason, len(early), nodes, early)
@@ -674,10 +688,3 @@ def io_sizes(sizing: Sizing, corpus: CorpusShape) -> dict[str, Any]:
         "tables_bytes": tables,
     }
 
-
-@dataclass(frozen=True)
-class _NoOptions:
-    """No explicit option: every decision self-sized."""
-
-    reducers: int | None = None
-    reducer_memory: int | None = None

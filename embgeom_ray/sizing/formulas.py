@@ -20,7 +20,7 @@ Processes:
   ``type_stats`` rows of one layer at a time (:data:`TYPE_ROW_BYTES` each, V of them) and
   the sample: one layer of it at a time, or, from a one-layer sample of
   :data:`SAMPLE_ON_WORKERS_BYTES`, pieces of its rows while Ray tasks do the rest
-  (:func:`driver_sample_bytes`, :mod:`embgeom_ray.runs.sample_layers`):
+  (:func:`driver_sample_bytes`, :mod:`embgeom_ray.core.sample_layers`):
   :func:`driver_bytes`; when it reduces the statistics itself,
   :data:`DRIVER_REDUCE_FACTOR` · (S(V) + F) instead of the dims rows. It reduces them
   itself only while all that is within :data:`DRIVER_ALLOWANCE_BYTES`.
@@ -37,11 +37,16 @@ import math
 from dataclasses import dataclass, replace
 from typing import Any
 
+from ..core.sample_layers import SampleLayers, header_entries
 from ..core.statistics import state_bytes
 from ..errors import ConfigError
-from ..inputs.malloc_tuning import MMAP_THRESHOLD_MAX
 
 KiB, MiB, GiB = 2**10, 2**20, 2**30
+
+#: glibc's largest mmap threshold on 64-bit systems (``DEFAULT_MMAP_THRESHOLD_MAX``): blocks
+#: this large or smaller can come from the heap
+#: (:func:`~embgeom_ray.inputs.malloc_tuning.reuse_freed_memory` fixes the threshold there)
+MMAP_THRESHOLD_MAX = 32 << 20
 
 #: what the job's own process may hold above its memory at the start, whatever V · d: it
 #: reduces the statistics itself only within this, else on reducer actors
@@ -324,7 +329,7 @@ def layer_bytes_per_token(shape: Shape) -> int:
 def cpu_batch_tokens(shape: Shape) -> int:
     """``--batch-tokens`` on a CPU when it is not given: as many tokens as keep one layer's
     largest tensor (:func:`layer_bytes_per_token`) within glibc's largest mmap threshold,
-    32 MiB (:data:`~embgeom_ray.inputs.malloc_tuning.MMAP_THRESHOLD_MAX`), in multiples of
+    32 MiB (:data:`MMAP_THRESHOLD_MAX`), in multiples of
     1,024 between :data:`CPU_BATCH_TOKENS_MIN` and :data:`CPU_BATCH_TOKENS_MAX`: MiniLM
     (d_ff = 1,536, float32: 6 KiB a token) gets 5,120 tokens, a BERT-base-sized model
     (d_ff = 3,072) 2,048, an 8B Llama (d_ff = 14,336) 1,024.
@@ -474,6 +479,15 @@ def sample_layer_bytes(entries: int, dim: int) -> int:
 def sample_on_workers(entries: int, dim: int) -> bool:
     """Whether the sample's per-layer work runs in Ray tasks (:data:`SAMPLE_ON_WORKERS_BYTES`)."""
     return sample_layer_bytes(entries, dim) >= SAMPLE_ON_WORKERS_BYTES
+
+
+def on_workers(sample: SampleLayers) -> bool:
+    """Whether ``sample``'s per-layer work (the sampled stage's inputs, the rows of
+    ``samples.parquet``) runs in Ray tasks that read it themselves
+    (:mod:`embgeom_ray.distributed.sample_tasks`): when its one-layer sample can reach
+    :data:`SAMPLE_ON_WORKERS_BYTES` (from its header's sizes: :func:`sample_on_workers`)."""
+    entries = sum(header_entries(sample.header))
+    return sample_on_workers(entries, int(sample.header["dim"]))
 
 
 def driver_sample_bytes(layers: int, entries: int, dim: int) -> int:

@@ -126,7 +126,7 @@ def slot_memory(count: int, hosts: Sequence[int], offers: Sequence[int]) -> int:
     return shares[count - 1] if 0 < count <= len(shares) else 0
 
 
-def _hosts(cluster: Cluster, cpus: int, gpus: int) -> list[int]:
+def extractors_per_node(cluster: Cluster, cpus: int, gpus: int) -> list[int]:
     """How many extractors of ``cpus`` CPUs and ``gpus`` GPUs each node holds."""
     out = []
     for n in cluster.nodes:
@@ -136,20 +136,22 @@ def _hosts(cluster: Cluster, cpus: int, gpus: int) -> list[int]:
     return out
 
 
-def _placed(
+def placed_memory(
     cluster: Cluster, offers: Sequence[int], count: int, cpus: int, gpus: int, each: int
 ) -> list[int]:
     """Memory the extractor pool takes on each node, placed greedily in node order (at most
     what each node's CPUs, GPUs and memory hold)."""
     taken = [0] * len(offers)
     left = count
-    for i, hold in enumerate(_hosts(cluster, cpus, gpus)):
+    for i, hold in enumerate(extractors_per_node(cluster, cpus, gpus)):
         k = min(left, hold, offers[i] // each if each else hold)
         taken[i] = k * each
         left -= k
     return taken
 
 
-def _offers(offers: Sequence[int]) -> str:
+def describe_offers(offers: Sequence[int]) -> str:
+    """The nodes' memory ``offers`` in words: each distinct offer with how many nodes make it
+    (``"2 × 7.5 GiB, 1 × 3.0 GiB"``), largest first."""
     distinct = sorted(set(offers), reverse=True)
     return ", ".join(f"{offers.count(o)} × {gib(o)}" for o in distinct)

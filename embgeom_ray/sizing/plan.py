@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from ..errors import ConfigError
 from .checkpoints import describe_plan as checkpoint_lines
-from .decisions import Sizing, _NoOptions, driver_reserve, io_sizes, size_reducers
+from .decisions import Sizing, driver_reserve, io_sizes, size_reducers
 from .formulas import (
     DRIVER_ALLOWANCE_BYTES,
     DRIVER_SAMPLE_LAYERS,
@@ -141,6 +142,14 @@ def _placement(cluster: Cluster, nodes: Sequence[str]) -> str:
         kind = "head" if n.head else "worker"
         parts.append(f"{nodes.count(node_id)} on node {i} ({kind}, {gib(n.memory)})")
     return ", ".join(parts)
+
+
+@dataclass(frozen=True)
+class _NoOptions:
+    """No explicit option: every decision self-sized."""
+
+    reducers: int | None = None
+    reducer_memory: int | None = None
 
 
 def layers_lever(sizing: Sizing, total_layers: int) -> str | None:

@@ -238,7 +238,7 @@ def test_the_compiled_kernels_trace_whole(monkeypatch):
     ((g, s, e),) = gram.pieces(0, 77)
     means = torch.zeros(1, 33, dtype=torch.float64)
     inv = torch.zeros(77, dtype=torch.int64)
-    sq, res = fold_kernels.deviations_and_residues(
+    sq, res = integer_gram.deviations_and_residues(
         means, inv, x, shift, g.scale, g.moduli, *gram.padding(g, s, e)
     )
     assert res.shape == (len(g.moduli), 40, 80)  # padded: 33 → 40 columns, 77 → 80 rows

@@ -28,6 +28,7 @@ from embgeom_ray.core.samples import ActivationSample
 from embgeom_ray.core.statistics import EmbeddingStatistics
 from embgeom_ray.errors import StatisticsMismatchError
 from tests import sketch_fixtures
+from tests.reference import participation_ratio as two_pass_participation_ratio
 
 
 @pytest.fixture(
@@ -154,6 +155,9 @@ def test_massive_offsets_in_few_dims(scale):
     np.testing.assert_allclose(
         iso_shifted, isoscore_from_covariance(xc.T @ xc / len(xc)), rtol=1e-9
     )
+    # nor the participation ratio, against the eigenvalues of the two-pass covariance
+    pr = layers_table(stats)["participation_ratio"].item()
+    np.testing.assert_allclose(pr, two_pass_participation_ratio(x), rtol=1e-6)
 
 
 def test_float32_naive_formula_would_fail_but_we_do_not():

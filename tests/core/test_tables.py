@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from embgeom_ray.config import JobConfig
+from embgeom_ray.core import metric_registry as registry
 from embgeom_ray.core import metrics, partials, rogue
 from embgeom_ray.core.kmeans_selection import select_k
 from embgeom_ray.core.sampled_metrics import SAMPLED_LAYER_COLUMNS, sampled_metrics_of_points
@@ -91,6 +92,29 @@ def test_type_stats_and_layers_equal_two_pass_float64(folded, tables):
                 np.testing.assert_allclose(got[column], value, rtol=1e-7, err_msg=column)
         ours_dims = tables["dims"][tables["dims"].layer == layer].reset_index(drop=True)
         pd.testing.assert_frame_equal(ours_dims[metrics.DIM_COLUMNS], dims, rtol=1e-10)
+
+
+def test_participation_ratio_counts_the_directions_of_the_variance():
+    """PR = (Σλ)²/Σλ²: k for variance spread equally over k directions, 1 for one direction,
+    whatever the offset of the points; equal to the eigenvalues' ratio of the two-pass float64
+    covariance (tests/reference.py) for any spectrum."""
+    rng = np.random.default_rng(5)
+    basis = np.linalg.qr(rng.normal(size=(D, D)))[0]
+    for k in (1, 3, D):
+        spectrum = np.zeros(D)
+        spectrum[:k] = 2.5
+        cov = basis @ np.diag(spectrum) @ basis.T
+        assert metrics.participation_ratio(cov) == pytest.approx(k, rel=1e-12)
+        assert metrics.participation_ratio(1e6 * cov) == pytest.approx(k, rel=1e-12)
+    assert np.isnan(metrics.participation_ratio(np.zeros((D, D))))
+    for offset in (0.0, 1e4):
+        x = rng.normal(size=(400, D)) * rng.uniform(0.1, 3.0, size=D) + offset
+        stats = EmbeddingStatistics([0], D)
+        ids = torch.as_tensor(rng.integers(0, 9, size=(1, 400)))
+        stats.update(torch.as_tensor(x)[None, None], ids)
+        row = metrics.layer_row(stats.layer(0))
+        np.testing.assert_allclose(row["participation_ratio"], ref.participation_ratio(x), rtol=1e-9)
+        assert 1.0 < row["participation_ratio"] < D
 
 
 def test_dims_flags_and_position_correlation(folded, tables):
@@ -255,6 +279,16 @@ def test_sampled_stage_parts(tables):
         assert curve.loc[curve["best"], "k"].tolist() == [km.best_k]
         assert curve.loc[curve["chosen"], "k"].tolist() == ([km.k] if km.k > 1 else [])
     pd.testing.assert_frame_equal(tables["layers"][exact_layers.columns], exact_layers)
+    # every column of every table is declared in the registry, in its order, and every
+    # declared column is there (positions: a dim_<d> per dimension flagged in any layer)
+    assert list(tables["layers"].columns) == registry.layer_columns()
+    for name in (registry.TYPE_STATS, registry.DIMS, registry.KMEANS):
+        assert list(tables[name].columns) == registry.columns(name), name
+    flagged = sorted({d for ds in rogue.flagged_dims(tables["dims"]).values() for d in ds})
+    expand = {"dim_<d>": [f"dim_{d}" for d in flagged]}
+    assert flagged and list(tables["positions"].columns) == [
+        c for col in registry.columns(registry.POSITIONS) for c in expand.get(col, [col])
+    ]
     iso, sil = layers["isoscore"].to_numpy(), layers["kmeans_silhouette"].to_numpy()
     assert out["note"] == {
         "uniform_points": n,

@@ -27,6 +27,7 @@ from embgeom_ray.distributed.reducers import (
 )
 from embgeom_ray.errors import ConfigError
 from embgeom_ray.run_dir import RunDir, load_statistics_part, statistics_type_ids
+from embgeom_ray.runs.finish import RunStatistics, StatisticsHere
 from tests.conftest import start_local_ray
 from tests.core.test_partials import Tokenizer, assert_tables_close
 from tests.core.test_statistics import assert_same_state
@@ -161,7 +162,8 @@ def test_reducers_give_the_tables_of_the_whole(
         else PartitionPlan.of(reducers, VOCAB, LAYERS)
     )
     got = parts.tables(Tokenizer, options)
-    assert_tables_close(got, build_tables(whole, Tokenizer, options))
+    in_process = StatisticsHere(whole)  # the whole's tables: build_tables
+    assert_tables_close(got, in_process.tables(Tokenizer, options))
     # each layer analysed on its owner: bit for bit what the driver computed from the state
     here = build_tables_from(
         parts.layer_states(), lambda la, mean: parts.summaries(la, mean, 2), Tokenizer, options
@@ -170,6 +172,17 @@ def test_reducers_give_the_tables_of_the_whole(
         pd.testing.assert_frame_equal(got[name], here[name], check_exact=True)
     assert parts.token_count() == whole.token_count()
     assert parts.nonfinite() == {x: whole.layer(x).nonfinite for x in LAYERS}
+    # the finishing steps ask the same of both (RunStatistics), and get the same answers
+    members = {n for n in vars(RunStatistics) if not n.startswith("_")}
+    members |= set(RunStatistics.__annotations__)
+    assert all(hasattr(parts, n) and hasattr(in_process, n) for n in members)
+    assert (in_process.layers, in_process.token_count(), in_process.nonfinite()) == (
+        parts.layers, parts.token_count(), parts.nonfinite()
+    )  # fmt: skip
+    assert not in_process.partitioned
+    assert (in_process.describe(), in_process.peak_memory()) == (None, [])
+    assert parts.partitioned and parts.describe()["count"] == reducers
+    assert len(parts.peak_memory()) == reducers
     # the partitioned artefact loads back into the whole, exactly
     run = RunDir(str(tmp_path / "run"))
     run.save_artefacts(parts)

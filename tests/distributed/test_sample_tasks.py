@@ -12,12 +12,13 @@ import pyarrow.parquet as pq
 import pytest
 
 from embgeom_ray.core.options import SampledOptions
+from embgeom_ray.core.sample_layers import InMemorySample, sample_layers
 from embgeom_ray.core.samples import ActivationSample
 from embgeom_ray.distributed import sample_tasks
 from embgeom_ray.distributed.sampled_stage import add_sampled_metrics
 from embgeom_ray.run_dir import HEADER_KEY, RunDir
-from embgeom_ray.runs import sample_layers as sample_layers_module
-from embgeom_ray.runs.sample_layers import InMemorySample, on_workers, sample_layers
+from embgeom_ray.sizing import formulas
+from embgeom_ray.sizing.formulas import on_workers
 from tests.runs.test_sample_layers import LAYERS, D, _save_parts, fake_sample, tokens
 
 pytestmark = pytest.mark.slow
@@ -42,7 +43,7 @@ def test_tasks_give_the_drivers_results_and_table(tmp_path, ray_local, monkeypat
     note_here, clusters_here = add_sampled_metrics(here, layered, options)
     RunDir(str(tmp_path / "here")).write_samples(layered, tokens, clusters_here)
 
-    monkeypatch.setattr(sample_layers_module, "SAMPLE_ON_WORKERS_BYTES", 0)
+    monkeypatch.setattr(formulas, "SAMPLE_ON_WORKERS_BYTES", 0)
     monkeypatch.setattr(sample_tasks, "SAMPLE_PIECE_BYTES", 40 * (4 * D + 96))
     assert on_workers(layered)
     there = _tables()

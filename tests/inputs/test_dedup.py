@@ -27,7 +27,7 @@ from embgeom_ray.inputs.dedup import (
     plan_dedup,
     shared_documents,
 )
-from embgeom_ray.integrity import Digest
+from embgeom_ray.integrity import Digest, seal
 from embgeom_ray.run_dir import Manifest, RunDir
 from embgeom_ray.runs.checkpoints import CheckpointStore
 from tests.conftest import start_local_ray, write_jsonl
@@ -232,13 +232,13 @@ def runs(tmp_path_factory, _ray_session) -> dict[str, Path]:
     manifest["outputs"]["digests"]["doc_hashes.npy"] = Digest.of(
         (out["c"] / "doc_hashes.npy").read_bytes()
     ).to_json()
-    (out["c"] / "manifest.json").write_text(json.dumps(manifest))
+    (out["c"] / "manifest.json").write_text(json.dumps(seal(manifest)))
     # b as a run without --dedup would have written it (what the merge reads: the option)
     out["b-plain"] = Path(shutil.copytree(out["b"], root / "run-b-plain"))
     manifest = manifest_of(out["b-plain"])
     manifest["config"]["dedup"] = False
     del manifest["dedup"]
-    (out["b-plain"] / "manifest.json").write_text(json.dumps(manifest))
+    (out["b-plain"] / "manifest.json").write_text(json.dumps(seal(manifest)))
     (out["b-plain"] / "doc_hashes.npy").unlink()
     return out
 

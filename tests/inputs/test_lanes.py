@@ -14,8 +14,9 @@ import torch
 from embgeom_ray.config import build_config
 from embgeom_ray.inputs.corpus import CorpusSpec, plan_shards
 from embgeom_ray.inputs.extractor import ShardProcessor
-from embgeom_ray.inputs.lanes import in_lanes, intra_op_threads, lanes_for
+from embgeom_ray.inputs.lanes import in_lanes, intra_op_threads
 from embgeom_ray.inputs.model_loading import resolve_identity
+from embgeom_ray.sizing import lanes_for
 from embgeom_ray.sizing.formulas import Shape, batch_bytes_per_token, shape_batch_bytes_per_token
 from tests.conftest import write_jsonl
 

@@ -29,8 +29,8 @@ import pytest
 from embgeom_ray.report.figures.common import pick_layers
 from embgeom_ray.report.html import write_comparison_report, write_report
 from embgeom_ray.report.plots import PLOTS, make_all_plots
-from embgeom_ray.report.run_view import RunView
 from embgeom_ray.run_dir import RunDirError
+from embgeom_ray.run_view import RunView
 from embgeom_ray.runs.compare import changes_table, layer_matching, load_run
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -31,7 +31,7 @@ from embgeom_ray.report.html import (
     write_report,
 )
 from embgeom_ray.report.plots import draw_figures, make_all_plots
-from embgeom_ray.report.run_view import RunView, model_name
+from embgeom_ray.run_view import RunView, model_name
 from tests.report.test_report import fabricate_run
 
 MODEL_PATH = "/srv/models/my-minilm-l6/model"

@@ -20,6 +20,7 @@ import pandas as pd
 import pytest
 
 from embgeom_ray.core.statistics import EmbeddingStatistics
+from embgeom_ray.integrity import seal
 from embgeom_ray.run_dir import RunDir
 from embgeom_ray.runs import merge as run_merge
 from jobs import merge
@@ -224,14 +225,14 @@ def _record_digest(run: Path, name: str) -> None:
 
     manifest = json.loads((run / "manifest.json").read_text())
     manifest["outputs"]["digests"][name] = Digest.of((run / name).read_bytes()).to_json()
-    (run / "manifest.json").write_text(json.dumps(manifest))
+    (run / "manifest.json").write_text(json.dumps(seal(manifest)))
 
 
 def test_refuses_incomplete_run(runs, tmp_path, capsys) -> None:
     bad = _copy_run(runs["b"], tmp_path / "b-running")
     manifest = json.loads((bad / "manifest.json").read_text())
     manifest["status"] = "running"
-    (bad / "manifest.json").write_text(json.dumps(manifest))
+    (bad / "manifest.json").write_text(json.dumps(seal(manifest)))
     assert merge.main(["--out", str(tmp_path / "out"), str(runs["a"]), str(bad)]) == 2
     assert "not complete" in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
@@ -269,7 +270,7 @@ def test_refuses_other_options(runs, tmp_path, capsys) -> None:
     bad = _copy_run(runs["b"], tmp_path / "b-bf16")
     manifest = json.loads((bad / "manifest.json").read_text())
     manifest["config"]["dtype"] = "bfloat16"
-    (bad / "manifest.json").write_text(json.dumps(manifest))
+    (bad / "manifest.json").write_text(json.dumps(seal(manifest)))
     assert merge.main(["--out", str(tmp_path / "out"), str(runs["a"]), str(bad)]) == 2
     assert "dtype" in capsys.readouterr().err
 
@@ -280,9 +281,21 @@ def test_refuses_same_corpus_twice(runs, tmp_path, capsys) -> None:
     assert "twice" in capsys.readouterr().err
 
 
-def test_refuses_existing_output(runs, merged, capsys) -> None:
+def test_refuses_existing_output(runs, merged, capsys, tmp_path) -> None:
     assert merge.main(["--out", str(merged), str(runs["a"]), str(runs["b"])]) == 2
     assert "--overwrite" in capsys.readouterr().err
+    # a merge the store failed during its final write is left running: the same command
+    # writes it again (no --overwrite), a merge of other runs may not
+    unfinished = _copy_run(merged, tmp_path / "unfinished")
+    manifest = json.loads((unfinished / "manifest.json").read_text())
+    manifest["status"] = "running"
+    (unfinished / "manifest.json").write_text(json.dumps(seal(manifest)))
+    run_merge.check_arguments([str(runs["a"]), str(runs["b"])], str(unfinished), overwrite=False)
+    manifest["fingerprint"] = "0" * 64
+    (unfinished / "manifest.json").write_text(json.dumps(seal(manifest)))
+    assert merge.main(["--out", str(unfinished), str(runs["a"]), str(runs["b"])]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "holds an unfinished merge of other runs" in err[0], err
 
 
 def test_merged_run_merges_again(runs, merged, tmp_path, capsys) -> None:
@@ -308,7 +321,8 @@ def _as_previous_version(src: Path, dst: Path) -> Path:
     pq.write_table(table.replace_schema_metadata(meta), run.path("samples"))
     manifest = json.loads((dst / "manifest.json").read_text())
     manifest["outputs"]["artefacts"].append(SAMPLE)
-    del manifest["outputs"]["digests"]  # recorded since: a run of the previous version has none
+    del manifest["outputs"]["digests"], manifest["digest"]  # recorded since: a run of the
+    # previous version has none
     (dst / "manifest.json").write_text(json.dumps(manifest))
     assert RunDir(str(dst)).table_header("samples") is None
     return dst

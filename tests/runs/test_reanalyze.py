@@ -22,6 +22,8 @@ from pathlib import Path
 from typing import Any
 
 import pandas as pd
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 import yaml
 
@@ -247,6 +249,49 @@ def test_idempotent_failures_retried_index_rebuilt(models, corpus, tmp_path, fak
     assert _run(watch, corpus, store).ok and len(fake_analyze.calls) == 3
     after = read_index(str(store)).drop(columns=["attempts"]).sort_values("key")
     pd.testing.assert_frame_equal(before.reset_index(drop=True), after.reset_index(drop=True))
+
+
+def test_a_corrupt_run_or_index_is_refused_in_one_line(models, corpus, tmp_path, fake_analyze, capsys) -> None:
+    """What re-analysis reads back is checked: a complete run's manifest (its own digest) and
+    tables (the manifest's), and ``runs.parquet`` (the digest of its rows in its metadata).
+    One flipped bit (a digit that still parses) ends the invocation in one line, exit
+    status 2; nothing is run."""
+    from embgeom_ray.run_dir import RunDir
+
+    store = tmp_path / "store"
+    watch = _watchlist(tmp_path / "models.yaml", [{"model": models["a"]}])
+    argv = ["--watchlist", watch, "--corpus", corpus, "--store", str(store)]
+    assert reanalyze_cli.main(argv) == 0
+    out = Path(read_index(str(store))["out"].iloc[0])
+    run = RunDir(str(out))
+    run.write_manifest(run.manifest())  # with its digest, as the job writes it
+    assert reanalyze_cli.main(argv) == 0 and len(fake_analyze.calls) == 1  # up to date
+
+    def flip_digit(path: Path, text: bytes) -> None:
+        data = bytearray(path.read_bytes())
+        at = data.index(text) + len(text) - 1
+        data[at] ^= 1  # "50" -> "51": still a number
+        path.write_bytes(bytes(data))
+
+    manifest = out / "manifest.json"
+    good = manifest.read_bytes()
+    flip_digit(manifest, b'"tokens": 50')
+    capsys.readouterr()
+    assert reanalyze_cli.main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "manifest.json is corrupt" in err[0], err
+    manifest.write_bytes(good)
+
+    # the index: a digit of a row changed under the metadata it was written with
+    index = store / "runs.parquet"
+    frame = read_index(str(store))
+    frame.loc[0, "n_tokens"] = 51
+    table = pa.Table.from_pandas(frame, preserve_index=False)
+    pq.write_table(table.replace_schema_metadata(pq.read_schema(index).metadata), index)
+    assert reanalyze_cli.main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "runs.parquet is corrupt" in err[0] and "move it away" in err[0], err
+    assert len(fake_analyze.calls) == 1
 
 
 def test_key_follows_content_and_result_options(models, corpus, tmp_path, fake_analyze) -> None:

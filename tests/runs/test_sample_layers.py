@@ -1,4 +1,4 @@
-"""The sample a layer at a time (embgeom_ray.runs.sample_layers): the same sample, tables and
+"""The sample a layer at a time (embgeom_ray.core.sample_layers, embgeom_ray.runs.run_samples): the same sample, tables and
 sampled-stage inputs as the whole sample in memory, and a driver that holds one layer of it."""
 
 from __future__ import annotations
@@ -16,19 +16,18 @@ import pytest
 import torch
 
 from embgeom_ray.core.options import SampledOptions
+from embgeom_ray.core.sample_layers import (
+    FileSample,
+    InMemorySample,
+    MergedSamples,
+    merged_layers,
+    sample_layers,
+)
 from embgeom_ray.core.samples import ActivationSample, type_keys
 from embgeom_ray.core.tables import plan_sampled_metrics, sampled_layer
 from embgeom_ray.errors import StatisticsMismatchError
 from embgeom_ray.run_dir import HEADER_KEY, ROW_GROUP_KEYS, RunDir, write_table
-from embgeom_ray.runs.sample_layers import (
-    FileSample,
-    InMemorySample,
-    MergedSamples,
-    RunSamples,
-    merged_layers,
-    run_samples,
-    sample_layers,
-)
+from embgeom_ray.runs.run_samples import RunSamples, run_samples
 
 REPO = Path(__file__).resolve().parents[2]
 LAYERS = [0, 2, 5]
@@ -198,7 +197,7 @@ import fsspec, numpy as np, pandas as pd, pyarrow, pyarrow.compute, pyarrow.parq
 from embgeom_ray.core.samples import ActivationSample
 from embgeom_ray.core.tables import sampled_layer
 from embgeom_ray.run_dir import RunDir
-from embgeom_ray.runs.sample_layers import sample_layers
+from embgeom_ray.core.sample_layers import sample_layers
 
 def peak():  # VmHWM: this process's peak resident set (ru_maxrss survives exec)
     with open("/proc/self/status") as f:

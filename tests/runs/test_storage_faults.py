@@ -10,6 +10,9 @@ S3 API (moto's server mode) behind a TCP proxy on loopback that fails on demand
   :class:`~embgeom_ray.errors.StorageError`: exit status 2); the group being written is not
   done, the groups before it are kept, and writing again once the store answers counts
   every shard once.
+- The same for each file of the final write (a table staged and uploaded, a table in one
+  PUT, the manifest marked complete): the manifest is not ``complete`` until every file is
+  written, and writing again gives the run's tables.
 - The whole job, stalled mid-run, then rerun: it resumes, and its tables equal the
   reference.
 
@@ -137,11 +140,77 @@ def test_a_store_that_stays_down_stops_the_run_resumably(proxy, store, fault):
     assert RunDir(store.out).load_statistics().to_bytes() == stats.to_bytes()
 
 
+class Tokens:
+    """A tokenizer's one method the tables use: token id -> name."""
+
+    @staticmethod
+    def convert_ids_to_tokens(ids):
+        return [f"t{int(i)}" for i in ids]
+
+
+#: the final write's files that the store fails on (the statistics artefact: above), as the
+#: proxy sees their uploads: ``type_stats`` staged in a file and uploaded, ``layers`` written
+#: in one PUT, and the manifest marked complete (the ``running`` one is written before)
+FINAL_WRITES = {"type_stats.parquet": rb"PUT /faults/[^ ]*/type_stats\.parquet",
+                "layers.parquet": rb"PUT /faults/[^ ]*/layers\.parquet",
+                "complete manifest": rb"PUT /faults/[^ ]*/manifest\.json"}  # fmt: skip
+
+
+@pytest.mark.parametrize("target", FINAL_WRITES)
+@pytest.mark.parametrize("fault", FAULTS)
+def test_a_store_down_during_the_final_write_leaves_the_run_unfinished(proxy, fault, target, monkeypatch):
+    """The job's final write (:func:`~embgeom_ray.runs.finish.finish_run`: the tables, the
+    artefact and the manifest) with the store failing for good on one of its files, past
+    the retries: one line naming the run, the endpoint and what to do (a StorageError, exit
+    status 2); the manifest is not ``complete``. Written again once the store answers (what
+    the rerun does, its checkpoint groups kept), the run is complete and its tables, read
+    back checked against their digests, are the tables of its statistics."""
+    import s3fs
+
+    from embgeom_ray.config import JobConfig
+    from embgeom_ray.core.tables import build_tables
+    from embgeom_ray.runs.finish import finish_run
+
+    monkeypatch.setattr(s3fs.S3FileSystem, "retries", 1)  # s3fs's own loop once: quicker
+    out = f"s3://{BUCKET}/final-{fault.replace(' ', '-')}-{target.split('.')[0].replace(' ', '-')}"
+    config = JobConfig(model="m", corpus="c.txt", out=out, no_report=True, sample_size=0)
+    stats = fold([0, 1, 2, 3])
+
+    def final_write(fails: bool) -> Manifest:
+        run = RunDir(out)
+        manifest = Manifest(status="running")
+        run.write_manifest(manifest)  # as the job does before it reduces
+        if fails:
+            proxy.fault(**FAULTS[fault], at=FINAL_WRITES[target])
+        return finish_run(run, manifest, stats, None, Tokens, config, t_start=0, echo=print)
+
+    with pytest.raises(StorageError) as info, resumable(out):
+        final_write(fails=True)
+    proxy.heal()
+    line = str(info.value)
+    assert "\n" not in line and out in line and proxy.endpoint in line, line
+    assert "rerun the same command to resume" in line, line
+    assert RunDir(out).manifest().status == "running"
+    assert final_write(fails=False).complete
+    run = RunDir(out)
+    assert run.manifest().complete
+    assert sorted(run.manifest().outputs.digests) == [
+        "dims.parquet", "layers.parquet", "positions.parquet", "statistics.safetensors",
+        "type_stats.parquet",
+    ]  # fmt: skip
+    expected = build_tables(stats, Tokens, config.tables)
+    for name in ("type_stats", "layers", "dims", "positions"):
+        pd.testing.assert_frame_equal(run.read_table(name), expected[name], check_dtype=False)
+    assert run.load_statistics().to_bytes() == stats.to_bytes()
+
+
 def test_a_job_stalled_mid_run_resumes_and_equals_the_reference(proxy, ray_local, tmp_path, capsys):
     """The whole job (its own process's writes through the proxy: a local corpus, the reduce
     in this process): the store stalls after its second checkpoint group, the job stops in
     one line, exit status 2; rerun once the store answers, it resumes with both groups kept
-    (one shard left to extract), and its tables equal the reference."""
+    (one shard left to extract), and this time the store refuses during the final write (a
+    table): one line again, exit status 2, the manifest ``running``. The third run extracts
+    nothing (every group kept), writes the run, and its tables equal the reference."""
     from jobs.analyze import main
     from tests.conftest import write_jsonl
     from tests.reference import reference_tables
@@ -166,13 +235,21 @@ def test_a_job_stalled_mid_run_resumes_and_equals_the_reference(proxy, ray_local
     proxy.heal()
     groups = [r for r in proxy.seen[seen:] if r.endswith(b".json") and b"/groups/" in r]
     assert groups, proxy.seen[seen:]
+    proxy.fault("refuse", at=rb"PUT /faults/job/layers\.parquet")
+    assert main(argv) == 2
+    said = capsys.readouterr()
+    assert "resuming" in said.out and "2 of 3 shards already done" in said.out, said.out
+    err = [line for line in said.err.splitlines() if line.startswith("error")]
+    assert len(err) == 1 and out in err[0] and "rerun the same command" in err[0], err
+    proxy.heal()
+    fs = __import__("s3fs").S3FileSystem()
+    assert json.loads(fs.cat(f"{BUCKET}/job/manifest.json"))["status"] == "running"
     assert main(argv) == 0, capsys.readouterr().err[-3000:]
     said = capsys.readouterr()
-    assert "resuming" in said.out
-    fs = __import__("s3fs").S3FileSystem()
+    assert "3 of 3 shards already done" in said.out, said.out
     manifest = json.loads(fs.cat(f"{BUCKET}/job/manifest.json"))
     shards = manifest["shards"]
-    assert (shards["reused_from_checkpoints"], shards["computed"], shards["total"]) == (2, 1, 3)
+    assert (shards["reused_from_checkpoints"], shards["computed"], shards["total"]) == (3, 0, 3)
     tables = {}
     for name in ("type_stats", "layers", "dims", "positions"):
         with fs.open(f"{BUCKET}/job/{name}.parquet", "rb") as f:

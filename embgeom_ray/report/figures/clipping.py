@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..run_view import RunView
+from ...run_view import RunView
 from .common import COLORS, MARKERS, annotate_top, int_layers, line, new_figure, save, styled, title
 
 

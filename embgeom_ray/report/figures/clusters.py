@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
-from ..run_view import RunView
+from ...run_view import RunView
 from .common import COLORS, MARKERS, fmt, int_layers, line, new_figure, pearson, save, styled, title
 
 #: appended to a k whose best k is the largest k of the K-means scan

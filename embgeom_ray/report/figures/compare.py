@@ -9,20 +9,13 @@ from collections.abc import Mapping, Sequence
 import matplotlib as mpl
 import numpy as np
 
-from ..run_view import RunView
+from ...core import metric_registry as registry
+from ...run_view import RunView
 from .common import hide_unused, new_figure, save, styled
 
-#: metrics overlaid in the comparison, when present in any run (in this order).
-# fmt: off
-COMPARE_METRICS = [
-    "mean_norm", "total_variance", "within_variance", "between_variance", "within_ratio",
-    "norm_variance_corr", "anisotropy", "s_inter", "s_intra", "isoscore", "adjusted_s_inter",
-    "adjusted_s_intra", "adjusted_isoscore", "s_inter_type_uniform", "isoscore_sample",
-    "kmeans_k", "kmeans_silhouette", "silhouette_types", "lid_euclidean", "lid_cosine",
-    "partition_isotropy", "partition_isotropy_centered", "n_outlier_dims", "isoscore_clipped",
-    "anisotropy_clipped", "anisotropy_clipped_exact",
-]
-# fmt: on
+#: metrics overlaid in the comparison, when present in any run (in this order): those the
+#: registry marks ``plotted`` (:mod:`~embgeom_ray.core.metric_registry`)
+COMPARE_METRICS = registry.plotted()
 
 
 def _legend(fig, axes: np.ndarray, n: int) -> None:

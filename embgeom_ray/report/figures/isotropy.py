@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..run_view import RunView
+from ...run_view import RunView
 from .clusters import k_marks_note, kmeans_labels
 from .common import (
     COLORS,

@@ -7,7 +7,7 @@ import numpy as np
 import pandas as pd
 from matplotlib.colors import Normalize
 
-from ..run_view import RunView
+from ...run_view import RunView
 from .common import (
     COLORS,
     extreme,

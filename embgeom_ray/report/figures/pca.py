@@ -12,7 +12,7 @@ import pandas as pd
 from matplotlib.colors import Normalize
 from matplotlib.lines import Line2D
 
-from ..run_view import RunView
+from ...run_view import RunView
 from .clusters import AT_CAP_MARK, kmeans_labels
 from .common import new_figure, pick_layers, save, styled, title
 

@@ -11,7 +11,7 @@ import numpy as np
 import pandas as pd
 from matplotlib.lines import Line2D
 
-from ..run_view import RunView
+from ...run_view import RunView
 from .common import hide_unused, new_figure, pick_layers, save, styled, title
 
 MAX_POSITION_LAYERS = 8

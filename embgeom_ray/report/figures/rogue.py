@@ -8,7 +8,7 @@ import numpy as np
 import pandas as pd
 from matplotlib.colors import Normalize, PowerNorm
 
-from ..run_view import RunView
+from ...run_view import RunView
 from .common import new_figure, save, styled, title
 
 #: (column, colour-bar label, panel title) of each kind of heat map

@@ -1,4 +1,4 @@
-"""A run's activation sample, one layer at a time: what the job's own process holds of it.
+"""An activation sample, one layer at a time: what the job's own process holds of it.
 
 The merged sample of a run is (size + type_size) occurrences × L layers × d float32: Q =
 4 · L · s · d + 48 · s bytes (gigabytes for an 8B model at the default 4096 + 4096). Its
@@ -7,13 +7,15 @@ the same in every layer (:mod:`embgeom_ray.core.samples`); so the one-layer samp
 of the merge of some samples is the merge of their one-layer samples of l, bit for bit. A
 :class:`SampleLayers` gives one-layer samples one at a time, so that the driver holds one
 layer of the merge and one layer of a part (Q/L each), never the whole sample; from a one-layer
-sample of :data:`~embgeom_ray.sizing.formulas.SAMPLE_ON_WORKERS_BYTES` (:func:`on_workers`),
+sample of :data:`~embgeom_ray.sizing.formulas.SAMPLE_ON_WORKERS_BYTES`
+(:func:`~embgeom_ray.sizing.formulas.on_workers`),
 Ray tasks take the :class:`SampleLayers` and read their layer themselves
 (:mod:`embgeom_ray.distributed.sample_tasks`), and the driver holds none of it:
 
 - :class:`FileSample`: a sample file (a checkpoint group's), read only in the layer's byte
   range (:meth:`ActivationSample.load_layer <embgeom_ray.core.samples.ActivationSample.load_layer>`);
-- :class:`RunSamples`: a finished run's ``samples.parquet``, each layer's row groups read alone;
+- :class:`~embgeom_ray.runs.run_samples.RunSamples`: a finished run's ``samples.parquet``,
+  each layer's row groups read alone (beside the run directory it reads, above this core);
 - :class:`InMemorySample`: a sample whole in memory, sliced;
 - :class:`MergedSamples`: the merge of several of these, redone per layer in their order.
 
@@ -27,12 +29,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, Protocol
 
-from ..core.samples import ActivationSample
-from ..core.sketch import SafetensorsFile
 from ..errors import StatisticsMismatchError
 from ..integrity import FileRef, as_ref, open_verified
-from ..run_dir import RunDir
-from ..sizing.formulas import SAMPLE_ON_WORKERS_BYTES, sample_layer_bytes
+from .options import sample_entries
+from .samples import ActivationSample
+from .sketch import SafetensorsFile
 
 
 class SampleLayers(Protocol):
@@ -87,27 +88,6 @@ class FileSample:
         return ActivationSample.load(self.ref)
 
 
-class RunSamples:
-    """The sample of a finished run's ``samples.parquet``, a layer at a time: that layer's
-    row groups (:data:`~embgeom_ray.run_dir.ROW_GROUP_KEYS`) read alone
-    (:meth:`ActivationSample.from_table <embgeom_ray.core.samples.ActivationSample.from_table>`
-    of them)."""
-
-    def __init__(self, run: RunDir, header: dict[str, Any]) -> None:
-        self.run, self.header = run, header
-        self.layers = [int(x) for x in header["layers"]]
-
-    def layer(self, layer: int) -> ActivationSample:
-        rows = self.run.read_arrow("samples", filters=[("layer", "=", int(layer))])
-        try:
-            return ActivationSample.from_table(rows, self.header | {"layers": [int(layer)]})
-        except StatisticsMismatchError as exc:
-            raise StatisticsMismatchError(f"{self.run.path('samples')}: {exc}") from None
-
-    def whole(self) -> ActivationSample:
-        return self.run.load_sample()
-
-
 class MergedSamples:
     """The merge of ``parts`` (in that order), a layer at a time: each part's one-layer
     sample of the layer merged (each read once per layer: its columns, O(s), and one layer's
@@ -125,31 +105,20 @@ class MergedSamples:
         return merged
 
 
-def run_samples(run: RunDir) -> RunSamples | InMemorySample | None:
-    """A finished run's sample a layer at a time (:class:`RunSamples`), or whole for a run
-    of an earlier version that keeps it as ``sample.safetensors``; None without one."""
-    header = run.table_header("samples")
-    if header is not None:
-        return RunSamples(run, header)
-    sample = run.load_sample()
-    return None if sample is None else InMemorySample(sample)
-
-
-def merged_layers(
-    parts: Sequence[Any], names: Sequence[str] | None = None
-) -> SampleLayers | None:
-    """``parts`` (:class:`FileSample`, :class:`RunSamples`, :class:`InMemorySample`: each a
-    :class:`SampleLayers` with a ``whole()``) merged in order: a layer at a time (:class:`MergedSamples`), or whole when a
-    layer-wise merge would differ from the whole one (the module docstring). Parts that
-    cannot merge (other layers, sizes, seed, model) are refused here, before any layer is
-    read, naming the part (``names``, default its index). None without parts."""
+def merged_layers(parts: Sequence[Any], names: Sequence[str] | None = None) -> SampleLayers | None:
+    """``parts`` (:class:`FileSample`, :class:`~embgeom_ray.runs.run_samples.RunSamples`,
+    :class:`InMemorySample`: each a :class:`SampleLayers` with a ``whole()``) merged in order:
+    a layer at a time (:class:`MergedSamples`), or whole when a layer-wise merge would differ
+    from the whole one (the module docstring). Parts that cannot merge (other layers, sizes,
+    seed, model) are refused here, before any layer is read, naming the part (``names``,
+    default its index). None without parts."""
     if not parts:
         return None
     names = list(names) if names is not None else [str(i) for i in range(len(parts))]
-    check = _empty(parts[0].header)
+    check = ActivationSample.empty(parts[0].header)
     for part, name in zip(parts[1:], names[1:], strict=True):
         try:
-            check.check_compatible(_empty(part.header))
+            check.check_compatible(ActivationSample.empty(part.header))
         except StatisticsMismatchError as exc:
             raise StatisticsMismatchError(f"cannot merge the sample of {name}: {exc}") from None
     rules = {_rule(part.header) for part in parts}
@@ -161,30 +130,21 @@ def merged_layers(
     return InMemorySample(merged)
 
 
-def _empty(header: dict[str, Any]) -> ActivationSample:
-    """An empty sample of ``header`` (to compare what may merge)."""
-    return ActivationSample._empty(header, ActivationSample.check_header(header), "cpu")
-
-
 def sample_layers(urls: Sequence[str | FileRef]) -> SampleLayers | None:
     """The sample files at ``urls`` (checkpoint groups', with their digests) merged in order
     a layer at a time (:func:`merged_layers`); None without any."""
     return merged_layers([FileSample(url) for url in urls], [str(url) for url in urls])
 
 
-def sample_entries(header: dict[str, Any]) -> tuple[int, int]:
-    """(uniform, type-uniform) entries a sample of ``header`` holds at most."""
-    types = int(header.get("type_size", header["size"])) if header.get("type_uniform", True) else 0
-    return int(header["size"]), types
-
-
-def on_workers(sample: SampleLayers) -> bool:
-    """Whether ``sample``'s per-layer work (the sampled stage's inputs, the rows of
-    ``samples.parquet``) runs in Ray tasks that read it themselves
-    (:mod:`embgeom_ray.distributed.sample_tasks`): when its one-layer sample can reach
-    :data:`~embgeom_ray.sizing.formulas.SAMPLE_ON_WORKERS_BYTES` (from its header's sizes)."""
-    entries = sum(sample_entries(sample.header))
-    return sample_layer_bytes(entries, int(sample.header["dim"])) >= SAMPLE_ON_WORKERS_BYTES
+def header_entries(header: dict[str, Any]) -> tuple[int, int]:
+    """(uniform, type-uniform) entries a sample of ``header`` holds at most
+    (:func:`~embgeom_ray.core.options.sample_entries`)."""
+    type_size = header.get("type_size")
+    return sample_entries(
+        int(header["size"]),
+        None if type_size is None else int(type_size),
+        bool(header.get("type_uniform", True)),
+    )
 
 
 def as_layers(sample: ActivationSample | SampleLayers | None) -> SampleLayers | None:

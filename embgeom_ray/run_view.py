@@ -1,14 +1,19 @@
-"""A run as the report sees it: its manifest and tables, read once through :class:`RunDir`.
+"""A run as the report and the comparison read it: its manifest and tables, read once.
 
 :class:`RunView` reads nothing itself: every file comes through
 :class:`~embgeom_ray.run_dir.RunDir` (the one reader of a run directory); the view keeps what
-several figures use (the per-layer table, the type statistics, each layer's PCA) so that it is
-read or computed once per report, and names the run for titles (:func:`model_name`,
-:func:`short_name`).
+several readers use (the per-layer table, the type statistics, the dimensions, each layer's
+PCA) so that it is read or computed once, whether by a run's report
+(:mod:`embgeom_ray.report`) or by a comparison of runs and its report
+(:mod:`embgeom_ray.runs.compare`, which opens each run with :meth:`RunView.complete`). It
+also says what a comparison asks of a run (its depth per layer, size, sample size, a metric's
+value at a layer) and names the run for titles (:func:`model_name`, :func:`short_name`).
 """
 
 from __future__ import annotations
 
+import math
+import os
 import re
 from functools import cached_property
 from typing import Any
@@ -16,7 +21,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from ..run_dir import Manifest, RunDir, RunDirError
+from .run_dir import Manifest, RunDir, RunDirError
 
 
 def short_name(text: str | None, max_len: int = 48) -> str:
@@ -74,25 +79,47 @@ def model_name(model: str | None, max_len: int = 48) -> str:
 
 
 class RunView:
-    """A run directory's manifest and tables for the report, read lazily through :class:`RunDir`.
+    """A run directory's manifest and tables, read lazily through :class:`RunDir`.
 
     Raises :class:`~embgeom_ray.run_dir.RunDirError` if it is not a run directory. A run
-    directory has ``manifest.json`` and ``layers.parquet``; everything else is optional for
-    the report (``type_stats``/``dims`` are part of the contract but a figure needing them is
-    skipped, not failed, when they are missing).
+    directory has ``manifest.json`` and ``layers.parquet``; everything else is optional (the
+    report skips a figure whose table is missing, a comparison the rogue dimensions).
+    ``label`` names the run in a comparison (default: the directory's last path component);
+    ``manifest``: the run's, when already read (:meth:`complete`).
     """
 
-    def __init__(self, run: str | RunDir):
+    def __init__(
+        self, run: str | RunDir, label: str | None = None, *, manifest: Manifest | None = None
+    ):
         self.dir = run if isinstance(run, RunDir) else RunDir(run)
         self.out = self.dir.url
-        self.manifest: Manifest = self.dir.manifest()
+        self.label = (
+            label if label is not None else (os.path.basename(self.out.rstrip("/")) or self.out)
+        )
+        self.manifest: Manifest = manifest if manifest is not None else self.dir.manifest()
         if not self.dir.has("layers"):
+            if self.manifest.complete:
+                raise RunDirError(f"run {self.out} says it is complete but has no layers.parquet")
             raise RunDirError(
                 f"{run} has no layers.parquet (manifest status: {self.manifest.status}); "
                 "the run has not finished, so there is nothing to report yet"
             )
         #: each layer's PCA of the sample (:mod:`embgeom_ray.report.figures.pca`), once
         self.pca: dict[int, dict[str, Any] | None] = {}
+
+    @classmethod
+    def complete(
+        cls, run: str | RunDir, label: str | None = None, purpose: str = "reading it"
+    ) -> RunView:
+        """The view of a complete run whose per-layer table has rows, its ``layers`` and
+        ``dims`` read (and checked against their digests) now; :class:`RunDirError` saying
+        what is wrong otherwise (``purpose``: what needs it complete, e.g. ``"comparing"``)."""
+        run = run if isinstance(run, RunDir) else RunDir(run)
+        view = cls(run, label, manifest=run.complete_manifest(purpose))
+        if "layer" not in view.layers.columns or view.layers.empty:
+            raise RunDirError(f"{run.path('layers')} has no rows or no 'layer' column")
+        _ = view.dims
+        return view
 
     # -- metadata
     @property
@@ -121,10 +148,83 @@ class RunView:
         """``model · corpus`` for figure titles."""
         return f"{model_name(self.model)} · {short_name(self.corpus)}"
 
+    @property
+    def path(self) -> str:
+        """The run directory (its URL)."""
+        return self.out
+
+    # -- what a comparison asks of a run
+    @cached_property
+    def num_layers(self) -> int:
+        """Transformer blocks L (layers are 0..L): the manifest's, else the largest layer."""
+        model = self.manifest.model
+        blocks = model.num_layers if model is not None else None
+        if not isinstance(blocks, int) or blocks <= 0:
+            blocks = max(int(self.layers["layer"].max()), 1)
+        return int(blocks)
+
+    @cached_property
+    def hidden_size(self) -> int | None:
+        """The model's hidden size: the manifest's, else the dimensions of ``dims.parquet``."""
+        model = self.manifest.model
+        hidden = model.hidden_size if model is not None else None
+        dims = self.dims
+        if not isinstance(hidden, int) and dims is not None and "dim" in dims.columns:
+            hidden = int(dims["dim"].max()) + 1
+        return hidden
+
+    def depth(self, layer: int) -> float:
+        """The layer's relative depth, layer / blocks."""
+        return layer / self.num_layers if self.num_layers else 0.0
+
+    @property
+    def tokens(self) -> int | None:
+        """Tokens the run counted: the manifest's ``counts.tokens``, else the most ``n_tokens``
+        of a layer; None when neither is known."""
+        counts = self.manifest.counts
+        if counts is not None and counts.tokens > 0:
+            return int(counts.tokens)
+        if "n_tokens" in self.layers.columns:
+            n = pd.to_numeric(self.layers["n_tokens"], errors="coerce").max()
+            if pd.notna(n) and n > 0:
+                return int(n)
+        return None
+
+    @property
+    def sample_size(self) -> int | None:
+        """The run's uniform sample size: ``config.sample_size`` (``--sample-size``), else the
+        manifest's ``sample.uniform_points``; None when neither is recorded (or sampling was
+        off)."""
+        for size in (
+            self.config.get("sample_size"),
+            (self.manifest.sample or {}).get("uniform_points"),
+        ):
+            if isinstance(size, int) and not isinstance(size, bool) and size > 0:
+                return size
+        return None
+
+    @cached_property
+    def _by_layer(self) -> pd.DataFrame:
+        return self.layers.set_index("layer")
+
+    def value(self, metric: str, layer: int) -> float:
+        """``metric`` at ``layer`` as a float; NaN when absent or not a number."""
+        table = self._by_layer
+        if metric not in table.columns or layer not in table.index:
+            return math.nan
+        v = pd.to_numeric(pd.Series([table.at[layer, metric]]), errors="coerce").iloc[0]
+        return float(v) if pd.notna(v) else math.nan
+
     # -- tables
     @cached_property
     def layers(self) -> pd.DataFrame:
-        return self.dir.read_table("layers").sort_values("layer").reset_index(drop=True)
+        """``layers.parquet`` by layer (``layer`` as int64)."""
+        layers = self.dir.read_table("layers")
+        if "layer" not in layers.columns:  # not a run's table: RunView.complete says so
+            return layers
+        layers = layers.sort_values("layer").reset_index(drop=True)
+        layers["layer"] = layers["layer"].astype(np.int64)
+        return layers
 
     def layer_col(self, name: str) -> np.ndarray | None:
         """``layers.parquet`` column as float, or None when absent or all-NaN."""

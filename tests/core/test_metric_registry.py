@@ -1,0 +1,151 @@
+"""The metric registry (core/metric_registry.py) against what reads it: every column declared
+once, docs/outputs.md's column tables, the report's and the comparison's lists.
+
+That each table the job builds holds exactly the registry's columns, in order, is checked where
+the tables are built (tests/core/test_tables.py, ``test_sampled_stage_parts``).
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections import Counter
+
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+
+from embgeom_ray.core import metric_registry as registry
+from embgeom_ray.core import metrics
+from embgeom_ray.core.statistics import EmbeddingStatistics
+from tests.outputs_doc import documented_columns
+
+LAYER_SECTIONS = {
+    registry.EXACT_SECTION: "`layers.parquet`: exact columns",
+    registry.CLIPPING_SECTION: "`layers.parquet`: clipping columns",
+    registry.SAMPLED_SECTION: "`layers.parquet`: sampled columns",
+}
+TABLES = {
+    registry.TYPE_STATS: "`type_stats.parquet`",
+    registry.DIMS: "`dims.parquet`",
+    registry.POSITIONS: "`positions.parquet`",
+    registry.KMEANS: "`kmeans.parquet`",
+}
+
+
+def test_outputs_md_documents_exactly_the_declared_columns() -> None:
+    """Each column table of docs/outputs.md names the columns the registry declares for it, no
+    more and none fewer; the ``<metric>_se`` row lists the metrics with a standard error."""
+    for section, heading in LAYER_SECTIONS.items():
+        documented, se = documented_columns(heading)
+        declared = registry.columns(registry.LAYERS, section)
+        assert sorted(documented) == sorted(declared), heading
+        if section == registry.SAMPLED_SECTION:
+            assert se == registry.SE_METRICS
+        else:
+            assert se == []
+    documented, _ = documented_columns(LAYER_SECTIONS[registry.EXACT_SECTION])
+    assert documented == registry.columns(registry.LAYERS, registry.EXACT_SECTION)
+    for table, heading in TABLES.items():
+        assert documented_columns(heading) == (registry.columns(table), []), heading
+
+
+def test_each_column_is_declared_once_and_consistently() -> None:
+    twice = [
+        key for key, n in Counter((m.table, m.column) for m in registry.METRICS).items() if n > 1
+    ]
+    assert twice == []
+    layer_columns = registry.layer_columns()
+    assert len(layer_columns) == len(set(layer_columns))
+    for m in registry.METRICS:
+        assert m.definition and m.source, m.column
+        assert m.kind in ("exact", "sampled") and m.fmt in (
+            "int",
+            "sci",
+            "unit",
+            "corr",
+            "text",
+            "bool",
+        )
+        if m.table != registry.LAYERS:
+            assert not (m.header or m.se or m.plotted or m.summary or m.depends_on), m.column
+            continue
+        assert m.section in LAYER_SECTIONS, m.column
+        assert bool(m.header) == bool(m.tooltip), m.column
+        # a standard error, or a dependence on the chosen k, is of a sampled metric
+        assert m.kind == "sampled" or not (m.se or m.depends_on), m.column
+        # the sampled section is sampled, the exact section exact
+        if m.section != registry.CLIPPING_SECTION:
+            assert m.kind == m.section, m.column
+    assert registry.kind_of("kmeans_silhouette_se") == "sampled"
+    assert registry.kind_of("participation_ratio") == "exact"
+    assert registry.kind_of("no_such_column") is None
+
+
+def test_every_source_names_a_function_of_the_package() -> None:
+    for m in registry.METRICS:
+        module, name = m.source.rsplit(".", 1)
+        assert callable(getattr(importlib.import_module(module), name)), m.source
+
+
+def test_what_reads_the_registry() -> None:
+    from embgeom_ray.core import rogue, sampled_metrics, tables
+    from embgeom_ray.report import html
+    from embgeom_ray.report.figures.compare import COMPARE_METRICS
+    from embgeom_ray.runs import compare
+
+    exact = registry.columns(registry.LAYERS, registry.EXACT_SECTION)
+    assert metrics.LAYER_COLUMNS == html.EXACT_COLUMNS == exact
+    assert metrics.TYPE_COLUMNS == registry.columns(registry.TYPE_STATS)
+    assert rogue.DIMS_COLUMNS == registry.columns(registry.DIMS)
+    assert tables.KMEANS_COLUMNS == registry.columns(registry.KMEANS)
+    assert sampled_metrics.SE_METRICS == registry.SE_METRICS
+    assert sampled_metrics.SAMPLED_LAYER_COLUMNS == [
+        *registry.columns(registry.LAYERS, registry.SAMPLED_SECTION),
+        *registry.SE_COLUMNS,
+    ]
+    layer_columns = set(registry.layer_columns())
+    # the lists the report and the comparison still write out name declared columns
+    for listed in (html.COLUMNS, html.ROGUE_COLUMNS, COMPARE_METRICS, compare.NOT_RANKED,
+                   compare.SAMPLED, compare.CLUSTER_ADJUSTED, compare.BEST_K_DEPENDENT):  # fmt: skip
+        assert set(listed) <= layer_columns
+    assert compare.BEST_K_DEPENDENT == ("kmeans_stability",)
+    assert "adjusted_s_inter_se" in compare.CLUSTER_ADJUSTED
+    assert compare.SAMPLED == {c for c in layer_columns if registry.kind_of(c) == "sampled"}
+    # the report shows every column with a header, the standard errors by their metric's
+    assert html.COLUMNS["participation_ratio"] == (
+        "PR",
+        registry.metric("participation_ratio").tooltip,
+        "sci",
+    )
+    assert html.COLUMNS["lid_cosine_se"][0] == "LID cos. se"
+    assert "kmeans_k_at_cap" not in html.COLUMNS  # shown beside kmeans_k, not as a column
+
+
+def _stats() -> EmbeddingStatistics:
+    rng = np.random.default_rng(3)
+    stats = EmbeddingStatistics([0, 2], 6)
+    h = rng.normal(size=(2, 4, 9, 6)) + 5.0
+    stats.update(torch.as_tensor(h), torch.as_tensor(rng.integers(0, 5, size=(4, 9))))
+    return stats
+
+
+def test_layer_row_and_summary_follow_the_registry() -> None:
+    """The exact row :func:`~embgeom_ray.core.metrics.layer_row_from` writes out holds the
+    registry's exact section, in order; the printed summary its ``summary`` columns."""
+    from embgeom_ray.run_dir import format_summary
+
+    stats = _stats()
+    row = metrics.layer_row(stats.layer(2))
+    assert list(row) == registry.columns(registry.LAYERS, registry.EXACT_SECTION)
+    table = metrics.layers_table(stats)
+    header = format_summary(pd.concat([table, table.assign(isoscore_sample=0.5)])).splitlines()[0]
+    assert header.split() == registry.summary_columns()
+
+
+@pytest.mark.parametrize("column", ["participation_ratio", "isoscore", "kmeans_silhouette"])
+def test_a_metric_is_one_lookup(column: str) -> None:
+    m = registry.metric(column)
+    assert m.table == registry.LAYERS and m.plotted and m.paper
+    with pytest.raises(KeyError, match="no metric"):
+        registry.metric(column, registry.DIMS)
