@@ -19,10 +19,12 @@ each also without the half-sample standard errors (``se_replicates=0``), to spli
 the selection, the one-off metrics and the SEs. Printed per layer: median seconds of each part
 of (a) and (b), the ratio of the layer's totals, and each side's k; then the totals over the
 layers (the stage's CPU time: the layers run as parallel tasks, so on C CPUs the stage takes
-about that over C). ``--baseline none`` times the current code only.
+about that over C). ``--baseline none`` times the current code only. ``--clock cpu`` times
+by the process's CPU time instead of the wall clock (one thread runs, so they agree on an idle
+machine; on one shared with other work the CPU time does not count the waits for a core).
 
     python -m bench.sampled_stage [--size 4096] [--layers 0,...,6] [--repeats 3]
-        [--baseline 8e2597b]
+        [--baseline 8e2597b] [--clock wall|cpu]
 """
 
 from __future__ import annotations
@@ -31,11 +33,12 @@ import argparse
 import inspect
 import shutil
 import tempfile
+import time
 from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-from bench.common import baseline_module, median, save, timed
+from bench.common import baseline_module, median, save
 
 #: the last revision before each k's partition was the lowest inertia of many seedings (one
 #: k-means++ chain per k, scikit-learn's Lloyd; issue 50)
@@ -91,10 +94,13 @@ def bench_layer(layer: int, X, tok, tv, keys, revisions: dict[str, dict], args) 
         (name, part): [] for name in parts for part in ("select_k", "no_se", "total")
     }
     results: dict[str, Any] = {}
+    clock = time.process_time if args.clock == "cpu" else time.perf_counter
     for _ in range(args.repeats):
         for name, fns in parts.items():
             for part in ("select_k", "no_se", "total"):
-                t, out = timed(fns[part])
+                t0 = clock()
+                out = fns[part]()
+                t = clock() - t0
                 times[name, part].append(t)
                 if part == "select_k":
                     results[name] = out
@@ -134,6 +140,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--baseline", default=BASELINE, help="git revision to compare with, or none")
     p.add_argument("--name", default="sampled_stage")
+    p.add_argument("--clock", choices=("wall", "cpu"), default="wall", help="what the times count")
     args = p.parse_args(argv)
     layers = [int(x) for x in args.layers.split(",")]
 

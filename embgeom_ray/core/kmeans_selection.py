@@ -18,7 +18,8 @@ corpus) give the same fits. How:
     (:func:`plus_plus`: Arthur & Vassilvitskii 2007, scikit-learn's greedy variant, each step
     keeping the best of 2 + ⌊ln k_max⌋ candidates drawn ∝ D²). Seeding c of k is the first k
     centres of *chain* c (:func:`plus_plus_chain`, drawn from ``numpy.random.default_rng([seed,
-    c])``), so one chain seeds every k at the cost of one seeding of 15;
+    c])``), so one chain seeds every k at the cost of one seeding of 15. The seedings of
+    every k are fitted at once (their Lloyd steps share one product with the points);
   - *warm starts* (every k after the first, in increasing order): ``n_init`` seedings that keep
     the centres of the previous k's partition (the lowest inertia found for it) and add the
     missing centres by the same greedy k-means++ steps, D² measured from each point's centre
@@ -642,6 +643,10 @@ def _local_scan(
     top = max(dense, default=0)
     chains = [plus_plus(sqd, top, (int(seed) % 2**63, c), trials) for c in range(n_init)]
     points = Points(Xc, dtype, sqd.gram)
+    # every seeding of every k at once (they depend on the chains alone): their Lloyd steps
+    # share one product with the points
+    seeds = [(k, ch[:k]) for k in dense for ch in chains]
+    seeded = map_fits(fit, points, [ids for _, ids in seeds], initial=True) if seeds else []
     fits: dict[int, KMeansResult] = {}
     prev: KMeansResult | None = None
     for k in ks:
@@ -649,9 +654,8 @@ def _local_scan(
             starts = _warm_starts(Xc, sqd, prev, k, n_init, seed, trials)
             warm = lloyd_many(points, starts, max_iter=max_iter, tol=tol)
             fits = _lowest_inertia([(None, k)] * len(warm), warm, fits)
-        if k <= K_DENSE and chains:
-            seeded = map_fits(fit, points, [ch[:k] for ch in chains], initial=True)
-            fits = _lowest_inertia([(None, k)] * len(seeded), seeded, fits)
+        mine = [res for (j, _), res in zip(seeds, seeded, strict=True) if j == k]
+        fits = _lowest_inertia([(None, k)] * len(mine), mine, fits)
         prev = fits.get(k, prev)
     for k, above in reversed(list(pairwise(ks))):
         if above in fits and fits[above].k > k:

@@ -17,10 +17,12 @@ the layer's sample:
   are independent, so :class:`RayFits` spreads them over tasks of the same shape (the warm
   starts, each k's from the previous k's partition, stay in the layer's task): the layer's
   task fits one share itself and waits for the others (a task blocked in ``ray.get`` lends its
-  CPU back). The scan is split only where the cluster has
-  more CPUs free, C, as the stage starts than the layers take (``C // (L · cpus_per_task)``
-  shares); the stability refits, which come when other layers may be done, into as many
-  shares as CPUs are free then, up to ``C // cpus_per_task`` (:func:`fit_shares`). Shares are
+  CPU back). The scan's seedings (every k's at once) are split where the
+  cluster has more CPUs free, C, as the stage starts than the layers take
+  (``C // (L · cpus_per_task)`` shares), and where CPUs are free when the layer's seedings
+  start (the last layers of a stage with more layers than CPUs); the stability refits, which
+  come when other layers may be done, into as many shares as CPUs are free then; either at
+  most ``C // cpus_per_task`` (:func:`fit_shares`). Shares are
   balanced by k (a fit's cost grows with it). The result is the one a single task computes.
 - large: the sample is centred, split into partitions and put in the object store once
   (``ray.put``); every pass of the fit (k-means|| distance rounds, Lloyd partial sums, the
@@ -82,11 +84,13 @@ def balanced_shares(costs: Sequence[int], shares: int) -> list[list[int]]:
 class RayFits:
     """A ``map_fits`` of :func:`~embgeom_ray.core.kmeans_selection.select_k` that spreads a step's fits over Ray tasks.
 
-    ``initial_shares`` groups for the scan's fits; for the stability refits, one more than the
-    CPUs free at that moment allow tasks of ``threads`` CPUs (``ray.available_resources()``),
-    at most ``later_shares`` (:func:`balanced_shares`): a layer that refits while others still
-    hold every CPU is not split (its share tasks would only queue behind them, each in a new
-    worker process), one that refits last is. The calling
+    For the stability refits, one more group than the CPUs free at that moment allow tasks of
+    ``threads`` CPUs (``ray.available_resources()``), at most ``later_shares``
+    (:func:`balanced_shares`): a layer that refits while others still hold every CPU is not
+    split (its share tasks would only queue behind them, each in a new worker process), one
+    that refits last is. For the scan's seedings (every k's at once), as many groups, and at
+    least ``initial_shares``: the last layers of a stage with more layers than CPUs, which
+    start when other CPUs fall idle, lend them their seedings. The calling
     process fits the costliest group itself; each other group is a task of ``threads`` CPUs
     and threads (the caller's own thread cap, so every fit runs as it would in the caller: the
     same result), reading the points from one ``ray.put``. One share: all fits here, no task.
@@ -104,10 +108,10 @@ class RayFits:
         *,
         initial: bool = True,
     ) -> list[KMeansResult]:
-        shares = self.initial_shares
-        if not initial:
-            free = ray.available_resources().get("CPU", 0.0) if self.later_shares > 1 else 0.0
-            shares = min(self.later_shares, 1 + int(free // self.threads))
+        free = ray.available_resources().get("CPU", 0.0) if self.later_shares > 1 else 0.0
+        shares = min(self.later_shares, 1 + int(free // self.threads))
+        if initial:  # the seedings: no fewer shares than planned, more where CPUs are idle
+            shares = max(self.initial_shares, shares)
         groups = balanced_shares([len(ids) for ids in inits], shares)
         if len(groups) <= 1:
             return serial_fits(fit, X, inits)

@@ -299,8 +299,8 @@ def test_select_k_routes_by_sample_size(monkeypatch):
     monkeypatch.setattr(selection, "fit_many", spy("local", selection.fit_many))
     monkeypatch.setattr(selection, "fit_partitioned", spy("partitioned", selection.fit_partitioned))
     X, _ = blobs(n=600, d=6, centers=3, seed=10)  # n·d = 3600
-    expected = {  # local: one batch of seedings per k, one of refits; partitioned: one fit each
-        3600: {"local": 5, "partitioned": 0},
+    expected = {  # local: one batch of every k's seedings, one of refits; partitioned: one fit each
+        3600: {"local": 2, "partitioned": 0},
         3599: {"local": 0, "partitioned": 5},
         None: {"local": 0, "partitioned": 5},
     }
