@@ -39,6 +39,7 @@ their means as centres, in float64.
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -146,7 +147,7 @@ def cluster_sums(X: np.ndarray, labels: np.ndarray, k: int) -> np.ndarray:
     return out.numpy()
 
 
-class _Batch:
+class _Batch(ABC):
     """F fits of one k in lockstep: their labels (F, n), sums (F, k, d), counts (F, k) and
     centres (F, k, d), float64; which centres changed since the last E-step (F, k); each fit's
     iterations and whether it is done. Every step is one numpy operation over all the batch's
@@ -171,14 +172,17 @@ class _Batch:
         self.ids = np.arange(F)
 
     # distances: ||c||² − 2 x·c of the batch, by subclass
+    @abstractmethod
     def own(self, labels: np.ndarray) -> np.ndarray:  # (F, n) of the given labels
-        raise NotImplementedError
+        ...
 
+    @abstractmethod
     def assign(self) -> np.ndarray:  # the E-step's labels (F, n)
-        raise NotImplementedError
+        ...
 
+    @abstractmethod
     def refresh(self, f: np.ndarray, c: np.ndarray) -> None:  # distances of centres (f, c)
-        raise NotImplementedError
+        ...
 
     def step(self, tol_abs: float, max_iter: int) -> None:
         """One iteration of the fits not done: E-step, M-step, convergence, distances."""
