@@ -15,6 +15,9 @@ TORCH_OK_cpu := import torch
 TORCH_OK_cuda := import torch; assert torch.version.cuda, 'a CPU build'
 TORCH_PIP_cpu := "torch==$(TORCH_VERSION)"
 TORCH_PIP_cuda := --force-reinstall "torch==$(TORCH_VERSION)" $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
+# Triton: CUDA builds of torch bring their own; with a CPU build the tests run the int8 kernel
+# (core/integer_syrk.py) in Triton's interpreter, whose numpy 2 support needs 3.9
+TRITON_PIP_cpu := "triton>=3.9"
 STAMP := $(VENV)/.installed-$(TORCH)
 # Offline unless ONLINE=1 (needed for a hub MODEL or an hf: CORPUS not yet in the HF cache).
 OFFLINE := $(if $(filter 1,$(ONLINE)),0,1)
@@ -37,6 +40,8 @@ $(STAMP): pyproject.toml
 	# torch first: an installed torch satisfies the open range, so no other build is pulled.
 	$(PY) -c "$(TORCH_OK_$(TORCH))" 2>/dev/null || $(PY) -m pip install -q $(TORCH_PIP_$(TORCH))
 	$(PY) -m pip install -q -e ".[test]"
+	$(if $(TRITON_PIP_$(TORCH)),$(PY) -m pip install -q $(TRITON_PIP_$(TORCH)) \
+	  || echo "no Triton wheel for this platform: the tests of its kernel are skipped")
 	rm -f $(VENV)/.installed*
 	touch $@
 

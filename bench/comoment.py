@@ -30,7 +30,12 @@ computed as
   that emulation is cheap (rows · d² ≤ 2^26);
 * ``int8_upper`` – the bounded product (``core/integer_gram.py``: 39-bit fixed point, twelve
   int8 products of residues, Garner's reconstruction), the block triangle as the fold takes it
-  on this device; its error is within 2^(2−B) √n of √(G_aa G_bb).
+  on this device (``torch._int_mm``); its error is within 2^(2−B) √n of √(G_aa G_bb);
+* ``int8_triton`` – the same with every modulus' products of the upper tiles in one Triton
+  kernel, remainders in its epilogue (``core/integer_syrk.py``; on a CPU only under Triton's
+  interpreter). With it, ``--syrk-alone`` also times the kernel alone on random residues and
+  prints its rate in int8 operations a second (the tiles it multiplies), against the card's
+  dense int8 peak (H100/H200 SXM: ~1,979 TOPS).
 
 Each is timed (median of ``--repeats`` after a warm-up, the device synchronised) and compared
 with the float64 product of the same rows: ‖G − G₆₄‖_F / ‖G₆₄‖_F and the largest relative
@@ -169,23 +174,69 @@ def _bf16_pairs_k256(xs: torch.Tensor, chunk: int = 256) -> torch.Tensor:
     return per_chunk.to(torch.float64).sum(0)
 
 
-def _int8_upper(xs: torch.Tensor) -> torch.Tensor:
+def _int8_upper(xs: torch.Tensor, triton: bool = False) -> torch.Tensor:
     """The bounded product of the (already shifted) rows ``xs`` as the fold computes it:
-    residues by the fold's kernel (compiled on CUDA), int8 products of the block triangle in
-    the fold's column blocks on this device, Garner's reconstruction."""
+    residues by the fold's kernel (compiled on CUDA), int8 products of the upper triangle
+    (``triton``: every modulus and tile in one Triton kernel, ``core/integer_syrk.py``; else
+    ``torch._int_mm`` in the fold's column blocks on this device), Garner's reconstruction."""
     from embgeom_ray.core import integer_gram
     from embgeom_ray.core.gram import integer_blocks
     from embgeom_ray.core.integer_gram import IntegerGram
 
-    n, d = xs.shape
-    zero = torch.zeros(d, dtype=torch.float64, device=xs.device)
-    gram = IntegerGram(xs, zero, **integer_blocks(d, xs.device.type == "cuda"))
-    for g, s, e in gram.pieces(0, n):
-        res = integer_gram.residues(xs[s:e], zero, g.scale, g.moduli, *gram.padding(g, s, e))
-        gram.put(g, s, e, res)
-    upper = torch.zeros(d, d, dtype=torch.float64, device=xs.device)
-    gram.add_upper(upper)
+    saved, integer_gram.TRITON_SYRK = integer_gram.TRITON_SYRK, triton
+    try:
+        n, d = xs.shape
+        zero = torch.zeros(d, dtype=torch.float64, device=xs.device)
+        gram = IntegerGram(xs, zero, **integer_blocks(d, xs.device.type == "cuda"))
+        for g, s, e in gram.pieces(0, n):
+            res = integer_gram.residues(xs[s:e], zero, g.scale, g.moduli, *gram.padding(g, s, e))
+            gram.put(g, s, e, res)
+        upper = torch.zeros(d, d, dtype=torch.float64, device=xs.device)
+        gram.add_upper(upper)
+    finally:
+        integer_gram.TRITON_SYRK = saved
     return symmetric_from_upper(upper)
+
+
+def _int8_triton(xs: torch.Tensor) -> torch.Tensor:
+    """:func:`_int8_upper` with the Triton kernel's products."""
+    return _int8_upper(xs, triton=True)
+
+
+def syrk_alone(d: int, rows: int, repeats: int, device: str) -> dict:
+    """The Triton kernel alone (``integer_syrk.remainders``) on random residues of twelve
+    moduli: its time, and its rate in int8 operations per second counting only the tiles it
+    multiplies (2 · rows · BM · BN a tile and modulus), against the card's dense int8 peak."""
+    from embgeom_ray.core import integer_syrk
+    from embgeom_ray.core.integer_gram import MODULI
+
+    cols, align = integer_syrk.alignment()
+    d_pad, k = -(-d // cols) * cols, -(-rows // align) * align
+    r = torch.randint(-128, 128, (len(MODULI), d_pad, k), dtype=torch.int8, device=device)
+    integer_syrk.remainders(r, MODULI)  # the autotuner's runs, on the first call of a width
+    times = []
+    for _ in range(repeats):
+        if device == "cuda":
+            torch.cuda.synchronize()
+        t = time.perf_counter()
+        integer_syrk.remainders(r, MODULI)
+        if device == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - t)
+    config = integer_syrk.best_config() or dict(
+        zip(("BM", "BN", "BK"), integer_syrk.INTERPRETER_CONFIG[:3], strict=True)
+    )
+    bm, bn = config["BM"], config["BN"]
+    tiles = sum(1 for i in range(d_pad // bm) for j in range(d_pad // bn) if (j + 1) * bn > i * bm)
+    ops = 2.0 * k * bm * bn * tiles * len(MODULI)
+    secs = median(times)
+    out = {"seconds": secs, "tops": ops / secs / 1e12, "config": config, "rows": k, "d_pad": d_pad}
+    print(
+        f"d={d:5d} rows={k} the Triton kernel alone {1e3 * secs:8.3f} ms, "
+        f"{out['tops']:7.1f} TOPS (int8, tiles multiplied), config {config}",
+        flush=True,
+    )
+    return out
 
 
 #: name: (dtype of the shifted rows, the product, the shift c rounded to: float32 or bfloat16)
@@ -210,6 +261,7 @@ def variants() -> dict[
         "bf16_pairs": (f32, _bf16_pairs, bf16),
         "bf16_pairs_k256": (f32, _bf16_pairs_k256, bf16),
         "int8_upper": (f64, _int8_upper, f32),
+        "int8_triton": (f64, _int8_triton, f32),
     }
 
 
@@ -278,6 +330,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument(
         "--variants", default=None, help="comma-separated names (default: every variant)"
     )
+    p.add_argument("--syrk-alone", action="store_true", help="also time the Triton kernel alone")
     p.add_argument("--name", default="comoment")
     args = p.parse_args(argv)
     names = None if args.variants is None else args.variants.split(",")
@@ -289,6 +342,9 @@ def main(argv: list[str] | None = None) -> None:
         d: bench_dim(d, args.rows, args.offset, args.repeats, args.device, names)
         for d in (int(x) for x in args.dims.split(","))
     }
+    if args.syrk_alone:
+        for d, out in results.items():
+            out["syrk_alone"] = syrk_alone(d, args.rows, args.repeats, args.device)
     save(args.name, {"command": "python -m bench.comoment", "args": vars(args), "dims": results})
 
 

@@ -22,6 +22,11 @@ checkout's default against the default before it, 2026-11-27); a plain ``P`` is 
 ``--integer-product`` runs this checkout's bounded product on int8 units on any device
 (``statistics.INTEGER_PRODUCT``; by default on CUDA only).
 
+``--products int8-triton,int8-int-mm`` also folds with this checkout's bounded product on int8
+units (``statistics.INTEGER_PRODUCT``), its products in one Triton kernel
+(``integer_gram.TRITON_SYRK``, ``core/integer_syrk.py``) or by ``torch._int_mm``, alternated
+with the others; printed against this checkout's default fold (on Hopper its float64 product).
+
 ``--gram-blocks K`` runs this checkout's co-moment product in K column blocks on a GPU
 (``gram.GPU_GRAM_BLOCKS``, 8 by default), the baseline's as it is.
 
@@ -61,6 +66,24 @@ from embgeom_ray.core.statistics import EmbeddingStatistics
 
 #: the last revision before the GPU fold's argmax tails and reused float64 copy
 BASELINE = "7975c32"
+#: ``--products``: the settings of this checkout's fold for each extra entry
+PRODUCTS: dict[str, dict[str, bool]] = {
+    "int8-triton": {"INTEGER_PRODUCT": True, "TRITON_SYRK": True},
+    "int8-int-mm": {"INTEGER_PRODUCT": True, "TRITON_SYRK": False},
+}
+
+
+def product_settings(name: str) -> None:
+    """Set this checkout's product switches for the entry ``name`` (defaults for the others)."""
+    from embgeom_ray.core import integer_gram, statistics
+
+    wanted = PRODUCTS.get(name, {})
+    statistics.INTEGER_PRODUCT = wanted.get("INTEGER_PRODUCT", DEFAULT_PRODUCT["INTEGER_PRODUCT"])
+    integer_gram.TRITON_SYRK = wanted.get("TRITON_SYRK", DEFAULT_PRODUCT["TRITON_SYRK"])
+
+
+#: the switches as the command line leaves them (``--integer-product``), set by main
+DEFAULT_PRODUCT: dict[str, bool | None] = {"INTEGER_PRODUCT": None, "TRITON_SYRK": None}
 
 
 def token_ids(n: int, vocab: int, rng: np.random.Generator) -> np.ndarray:
@@ -140,6 +163,8 @@ def time_folds(args, d: int, precision: str, dev: torch.device, modules: dict) -
     def update(name: str, s: Any, batch: tuple[Any, ...]) -> None:
         if "split" in modules:  # one module, the split on for its own entry only
             modules["split"].SPLIT_SUMS = True if name == "split" else None
+        if PRODUCTS.keys() & modules.keys():  # likewise the product of --products' entries
+            product_settings(name)
         h, ids, keep, pos = batch
         s.update([h] * len(layers), ids, keep, pos)
 
@@ -181,6 +206,11 @@ def time_folds(args, d: int, precision: str, dev: torch.device, modules: dict) -
     if "split" in stats:
         row["split_ratio"] = per["split"] / per["current"]
         row["split_state"] = same_state(stats["split"], stats["current"])
+    for name in PRODUCTS.keys() & stats.keys():
+        row[f"{name}_ratio"] = per[name] / per["current"]
+        row[f"{name}_state"] = same_state(stats[name], stats["current"])
+    if PRODUCTS.keys() & modules.keys():
+        product_settings("current")
     if args.profile:  # after the comparisons: the profiled fold is one more batch
         print(profile_update(stats["current"], (h, ids, keep, pos), len(layers), cuda))
     return row
@@ -282,8 +312,15 @@ def main(argv: list[str] | None = None) -> None:
         "--gram-blocks", type=int, default=None,
         help="this checkout's co-moment column blocks on a GPU (gram.GPU_GRAM_BLOCKS)",
     )  # fmt: skip
+    p.add_argument(
+        "--products", default="",
+        help=f"also fold with these int8 products, comma-separated: {', '.join(PRODUCTS)}",
+    )  # fmt: skip
     p.add_argument("--name", default="fold")
     args = p.parse_args(argv)
+    products = [x for x in args.products.split(",") if x]
+    if set(products) - PRODUCTS.keys():
+        p.error(f"unknown --products {sorted(set(products) - PRODUCTS.keys())}")
     auto = "cuda" if torch.cuda.is_available() else "cpu"
     dev = torch.device(auto if args.device == "auto" else args.device)
     import embgeom_ray.core.gram as gram
@@ -293,6 +330,7 @@ def main(argv: list[str] | None = None) -> None:
         gram.GPU_GRAM_BLOCKS = args.gram_blocks
     if args.integer_product:
         current.INTEGER_PRODUCT = True
+    DEFAULT_PRODUCT["INTEGER_PRODUCT"] = current.INTEGER_PRODUCT
 
     work = Path(tempfile.mkdtemp(prefix="embgeom-bench-fold-"))
     try:
@@ -302,6 +340,8 @@ def main(argv: list[str] | None = None) -> None:
             modules["current"] = current
         if args.split_sums:
             modules["split"] = current
+        for name in products:
+            modules[name] = current
         rows, scatter = [], []
         for d in (int(x) for x in args.dims.split(",")):
             for precision in [] if args.scatter_only else args.comoment_precision.split(","):

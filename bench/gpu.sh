@@ -1,24 +1,29 @@
 #!/usr/bin/env bash
 # The GPU measurements, in one call on a machine with an NVIDIA GPU and no Ray (the
 # engine-agnostic core runs without it), within $DEADLINE seconds (default 480). $STEPS picks
-# them, in this order (default "fold extraction vocabulary comoment precision"):
-#   fold        the fold alone with the job's default product, d = 768 (BERT-base's width),
-#               2,048 and 4,096, 65,536 tokens, with each width's kernels listed by their
-#               time; against $FOLD_BASELINE too (a git revision, or an extracted embgeom_ray
-#               package where the machine has no .git: bench/gpu_prepare.sh with BASELINE
-#               makes .gpu/baseline/embgeom_ray, the default where it exists) (bench.fold)
+# them (default "comoment fold vocabulary precision extraction"); they run in this order, the
+# measurements of the fold's product and launches first (issue 53), each against today's code:
+#   comoment    the co-moment product alone, 65,536 rows, d = 768, 2,048 and 4,096: float64
+#               in 8 blocks (Hopper's default), the int8 product by torch._int_mm and by the
+#               Triton kernel (core/integer_syrk.py), and that kernel alone with its TOPS
+#               (bench.comoment --syrk-alone)
+#   fold        the fold alone, d = 768 (BERT-base's width), 2,048 and 4,096, 65,536 tokens,
+#               with the job's default product and with the int8 product in the Triton kernel
+#               (int8-triton), each width's kernels listed by their time (launch counts: the
+#               profile's calls); against $FOLD_BASELINE too (a git revision, or an extracted
+#               embgeom_ray package where the machine has no .git: bench/gpu_prepare.sh with
+#               BASELINE makes .gpu/baseline/embgeom_ray, the default where it exists)
+#   vocabulary  the fold against the bare forward on 128k-vocabulary Llama-shaped bf16 models
+#               at the batch size the job picks, with the default product and with the Triton
+#               one (bounded-int8-triton): d = 4,096 (2 blocks, vocabulary-4096) first, then
+#               d = 2,048 (8 blocks, vocabulary-2048, with its kernels); one of them by name.
+#               The extraction stage's share of a bare forward follows as 1 / (1 + fold/forward)
+#   precision   every table of the int8 product (forced; on CUDA its Triton kernel) against
+#               the float64 path's, on the same bf16 hidden states with planted massive
+#               activations, d = 2,048 and 4,096 (bench.precision: the contract is 1e-6)
 #   extraction  the extractor against the bare forward (MiniLM and a BERT-base-sized model,
-#               bf16, the batch size the job picks; bench.extraction)
-#   vocabulary  fold / forward on 128k-vocabulary Llama-shaped bf16 models at the batch size
-#               the job picks, with the job's default product (on Hopper the float64 one):
-#               d = 2,048 (8 blocks, vocabulary-2048) and d = 4,096 (2 blocks,
-#               vocabulary-4096); one of them by name
-#   comoment    the co-moment product alone, 65,536 rows, d = 2,048 and 4,096: float64 and
-#               float32 in 8 blocks, the int8 product, and bf16 hi + lo over chunks of 256 rows
-#               summed in float64 (bench.comoment)
-#   precision   every table of the int8 product (forced) against the float64 path's, on the
-#               same bf16 hidden states with planted massive activations, d = 2,048 and 4,096
-#               (bench.precision: the contract is 1e-6 relative)
+#               d = 768, bf16, the batch size the job picks; bench.extraction)
+# Not by default:
 #   sums        the per-type sums in float32 by the error-free split (group_sums.split_sums):
 #               the fold with them against the fold without, alternated, and the sums alone
 #               against the fold's float64 CSR product, 65,536 tokens, d = 2,048 and 4,096
@@ -46,7 +51,7 @@ OUT=${OUT:-/tmp/embgeom-gpu}
 if [ -z "${FOLD_BASELINE:-}" ] && [ -d .gpu/baseline/embgeom_ray ]; then
   FOLD_BASELINE=.gpu/baseline/embgeom_ray
 fi
-STEPS=" ${STEPS:-fold extraction vocabulary comoment precision} "
+STEPS=" ${STEPS:-comoment fold vocabulary precision extraction} "
 PYTHON=${PYTHON:-python3}
 mkdir -p "$OUT"
 if [ -n "${WHEELS:-}" ]; then
@@ -59,6 +64,8 @@ fi
 export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1
 # a smoke run writes its results under $OUT only (bench/results keeps a GPU run's)
 [ -n "${SMOKE:-}" ] && export EMBGEOM_BENCH_RESULTS=$OUT/results
+# ... and runs the Triton kernel (core/integer_syrk.py) in Triton's interpreter, on the CPU
+[ -n "${SMOKE:-}" ] && export TRITON_INTERPRET=1
 RESULTS=${EMBGEOM_BENCH_RESULTS:-bench/results}
 exec > >(grep --line-buffered -v -e 'Loading weights' -e 'Writing model' | tee "$OUT/log.txt") 2>&1
 
@@ -96,27 +103,29 @@ fi
 "$PYTHON" -c 'import torch, transformers; print("torch", torch.__version__, "transformers",
 transformers.__version__, torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU")'
 
-V="--no-jobs $DEV --dtype $DT --ffn-mult 3.5 --kv-group 4 --comoment-precision bounded"
-if wanted fold; then
-  step 180 bench.fold $DEV --dims $D1,$D2,$D4 --batch-tokens $TOK --repeats $REPEATS \
-    --baseline "${FOLD_BASELINE:-none}" --comoment-precision bounded --profile \
-    --name gpu-fold
-fi
-if wanted extraction; then
-  step 200 bench.extraction $E --name gpu-extraction
-fi
-if wanted vocabulary vocabulary-2048; then
-  step 150 bench.vocabulary $V $VOCAB $V2 --profile --name gpu-vocabulary-2048
-fi
-if wanted vocabulary vocabulary-4096; then
-  step 120 bench.vocabulary $V $VOCAB $V4 --name gpu-vocabulary-4096
-fi
+V="--no-jobs $DEV --dtype $DT --ffn-mult 3.5 --kv-group 4"
 if wanted comoment; then
-  step 60 bench.comoment $DEV --dims $D2,$D4 --rows $ROWS --repeats $REPEATS --name gpu-comoment \
-    --variants f64_upper8,f32_upper8,int8_upper,bf16_pairs_k256
+  step 75 bench.comoment $DEV --dims $D1,$D2,$D4 --rows $ROWS --repeats $REPEATS \
+    --name gpu-comoment --variants f64_upper8,int8_upper,int8_triton --syrk-alone
+fi
+if wanted fold; then
+  step 120 bench.fold $DEV --dims $D1,$D2,$D4 --batch-tokens $TOK --repeats $REPEATS \
+    --baseline "${FOLD_BASELINE:-none}" --comoment-precision bounded --profile \
+    --products int8-triton --name gpu-fold
+fi
+if wanted vocabulary vocabulary-4096; then  # the float64 product (Hopper's default) and Triton's
+  step 120 bench.vocabulary $V $VOCAB $V4 --comoment-precision bounded,bounded-int8-triton \
+    --name gpu-vocabulary-4096
 fi
 if wanted precision; then  # the int8 product forced: its kernels compile for ~50 s first
-  step 150 bench.precision $DEV --dims $D2,$D4 $PREC --name gpu-precision
+  step 100 bench.precision $DEV --dims $D2,$D4 $PREC --name gpu-precision
+fi
+if wanted extraction; then
+  step 120 bench.extraction $E --name gpu-extraction
+fi
+if wanted vocabulary vocabulary-2048; then
+  step 100 bench.vocabulary $V $VOCAB $V2 --comoment-precision bounded,bounded-int8-triton \
+    --profile --name gpu-vocabulary-2048
 fi
 if wanted sums; then
   step 180 bench.fold $DEV --dims $D2,$D4 --batch-tokens $TOK --repeats $REPEATS --dtype $DT \

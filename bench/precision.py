@@ -7,7 +7,8 @@ bf16), and the first position of every window ``--spike`` higher in one more dim
 first token's massive activation in LLMs). ``--batches`` batches of ``--batch-tokens`` tokens,
 ``--layers`` hidden states each (every layer its own values). The same batches are folded into
 statistics with ``comoment_precision="bounded"`` (on int8 matrix units unless
-``--no-integer``: on a CPU they are forced, as the tests force them) and ``"float64"``, both
+``--no-integer``: on a CPU they are forced, as the tests force them; on CUDA the products by
+the Triton kernel of ``core/integer_syrk.py`` unless ``--int-mm``) and ``"float64"``, both
 runs' tables are built (``core/tables.build_tables``), and per table and column the largest
 relative difference |a − b| / |b| over rows with b ≠ 0 is reported (the contract: 1e-6), with
 each fold's seconds per token and layer.
@@ -84,7 +85,11 @@ def compare(args, d: int, dev: torch.device) -> dict:
     from embgeom_ray.core.tables import build_tables
 
     if args.integer:
+        from embgeom_ray.core import integer_gram
+
         statistics.INTEGER_PRODUCT = True
+        # on CUDA the products of the Triton kernel (core/integer_syrk.py) unless --int-mm
+        integer_gram.TRITON_SYRK = False if args.int_mm else None
     data = planted_batches(args, d, dev)
     layers = list(range(args.layers))
     options = JobConfig(model="m", corpus="c", out="o").tables
@@ -146,6 +151,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument(
         "--no-integer", dest="integer", action="store_false",
         help="leave the bounded product to the device (float64 on a CPU)",
+    )  # fmt: skip
+    p.add_argument(
+        "--int-mm", action="store_true",
+        help="the int8 products by torch._int_mm, not the Triton kernel (CUDA)",
     )  # fmt: skip
     p.add_argument("--name", default="precision")
     args = p.parse_args(argv)

@@ -39,6 +39,7 @@ printed against the formula, and ``--profile`` lists the kernels of one steady f
 from __future__ import annotations
 
 import argparse
+import contextlib
 import itertools
 import json
 import shutil
@@ -46,6 +47,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -61,6 +63,26 @@ MIB = 2**20
 #: Llama 3's proportions (8B: d = 4096, MLP 14,336 = 3.5 d, 32 heads of 128 dimensions, 8 of
 #: them for keys and values): the shrunk bench model keeps them by default
 FFN_MULT, HEAD_DIM, KV_GROUP = 3.5, 128, 4
+
+
+#: ``--comoment-precision`` also takes this: the bounded product on int8 units, its products in
+#: the Triton kernel (``core/integer_syrk.py``), wherever the fold runs
+INT8_TRITON = "bounded-int8-triton"
+
+
+@contextlib.contextmanager
+def int8_triton_product(on: bool) -> Iterator[None]:
+    """With ``on``, the fold's bounded product on int8 units by the Triton kernel
+    (``statistics.INTEGER_PRODUCT``, ``integer_gram.TRITON_SYRK``); as before afterwards."""
+    from embgeom_ray.core import integer_gram, statistics
+
+    saved = statistics.INTEGER_PRODUCT, integer_gram.TRITON_SYRK
+    if on:
+        statistics.INTEGER_PRODUCT, integer_gram.TRITON_SYRK = True, True
+    try:
+        yield
+    finally:
+        statistics.INTEGER_PRODUCT, integer_gram.TRITON_SYRK = saved
 
 
 def parse_bytes(text: str) -> int:
@@ -348,7 +370,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument(
         "--comoment-precision",
         default="float32",
-        help="the fold measurement's co-moment dtypes (comma-separated: each is measured)",
+        help="the fold measurement's co-moment precisions (comma-separated: each is measured; "
+        f"{INT8_TRITON}: bounded, on int8 units by the Triton kernel)",
     )
     p.add_argument(
         "--batch-tokens",
@@ -381,14 +404,19 @@ def main(argv: list[str] | None = None) -> None:
                 else [],
                 args.comoment_precision.split(","),
             ):
+                int8 = precision == INT8_TRITON
                 options = {
                     "device": args.device, "dtype": args.dtype,
-                    "comoment_precision": precision, "batch_tokens": batch_tokens,
+                    "comoment_precision": "bounded" if int8 else precision,
+                    "batch_tokens": batch_tokens,
                 }  # fmt: skip
-                f = fold_and_forward(
-                    model, corpus, args.fold_tokens, budget=fold_budget, options=options,
-                    profile=args.profile,
-                )  # fmt: skip
+                with int8_triton_product(int8):
+                    f = fold_and_forward(
+                        model, corpus, args.fold_tokens, budget=fold_budget, options=options,
+                        profile=args.profile,
+                    )  # fmt: skip
+                if int8:
+                    f["comoment_precision"] = INT8_TRITON
                 folds.append({"vocab": vocab, **f})
                 peak = f["state_peak_device_bytes"]
                 print(

@@ -20,6 +20,10 @@ import pytest
 #: default and 14 s each with PASSIVE (one process alone: 7 s and 10 s). Results do not depend on
 #: it; docs/testing.md.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+#: Triton's kernels (core/integer_syrk.py) run in its interpreter on CPU tensors: the flag is
+#: read when triton.language wraps its own functions, so before anything imports Triton (torch's
+#: compiler does). Nothing here runs Triton otherwise (no GPU; the compiled tests trace eagerly).
+os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from embgeom_ray.distributed.cluster import IDLE_WORKER_KEEP_MS
 

@@ -20,7 +20,7 @@ anyway (``bash bench/gpu.sh``, step ``sums``, measures it there).
 from __future__ import annotations
 
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -33,6 +33,9 @@ class GroupMatrix:
     col: torch.Tensor  # (n,) int64, increasing within each group
     groups: int
     in_order: bool = False  # col is 0..n − 1: the rows are in group order
+    #: the unweighted product's values (ones), made once a dtype: a batch's matrices serve
+    #: every layer, so one fill a batch, not one a layer
+    _ones: dict[torch.dtype, torch.Tensor] = field(default_factory=dict, repr=False, compare=False)
 
     @classmethod
     def of_sorted(cls, counts: torch.Tensor, n: int) -> GroupMatrix:
@@ -51,7 +54,9 @@ class GroupMatrix:
         """(groups × d): row g is Σ_{i in g} w_i x_i (w = 1 without ``weights``) of ``x`` (n × d)."""
         n = self.col.numel()
         if weights is None:
-            values = torch.ones(n, dtype=x.dtype, device=x.device)
+            values = self._ones.get(x.dtype)
+            if values is None:
+                values = self._ones[x.dtype] = torch.ones(n, dtype=x.dtype, device=x.device)
         else:  # the weight of the row each stored entry refers to
             values = weights if self.in_order else weights[self.col]
         with warnings.catch_warnings():  # "sparse CSR tensor support is in beta state"

@@ -44,11 +44,13 @@ from __future__ import annotations
 import functools
 import itertools
 import math
+import warnings
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
 
+from . import integer_syrk
 from .fold_kernels import run_fused, squared_deviations_eager
 
 _F64 = torch.float64
@@ -162,6 +164,35 @@ def emulated_int8_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return (a.to(_F64) @ b.to(_F64)).to(torch.int32)
 
 
+#: the products of every modulus and tile in one Triton kernel with the remainders in its
+#: epilogue (:mod:`~embgeom_ray.core.integer_syrk`) instead of ``torch._int_mm`` a block and
+#: modulus. False (the default until a card has measured it: ``bash bench/gpu.sh``,
+#: docs/precision.md) keeps ``_int_mm``; None: wherever it runs (CUDA with Triton); True forces
+#: it wherever it runs (also CPU tests under Triton's interpreter)
+TRITON_SYRK: bool | None = False
+
+
+def triton_syrk_on(device: torch.device) -> bool:
+    """Whether the products run as :func:`~embgeom_ray.core.integer_syrk.remainders` on
+    ``device`` (:data:`TRITON_SYRK`)."""
+    if TRITON_SYRK is False:
+        return False
+    return integer_syrk.available(device) and (TRITON_SYRK or device.type == "cuda")
+
+
+def _triton_failed(error: Exception) -> None:
+    """One warning, and ``torch._int_mm``'s products from then on in this process."""
+    global TRITON_SYRK
+    TRITON_SYRK = False
+    warnings.warn(
+        f"the Triton int8 kernel failed ({type(error).__name__}: "
+        f"{str(error).splitlines()[0][:200] if str(error) else ''}); multiplying with "
+        "torch._int_mm instead (the same numbers, slower)",
+        RuntimeWarning,
+        stacklevel=4,
+    )
+
+
 #: the int8 × int8 → int32 product (``torch._int_mm``: cuBLASLt's IMMA kernels on CUDA, oneDNN's
 #: VNNI kernels on CPUs); tests may put :func:`emulated_int8_matmul` in its place
 int8_matmul: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = torch._int_mm
@@ -200,12 +231,13 @@ class _Group:
     stop: int
     scale: torch.Tensor  # (d,) float64, 2^e per column
     moduli: tuple[int, ...]
+    row_align: int = ROW_ALIGN
     residues: torch.Tensor | None = None  # (N, d_pad, rows_pad) int8, once filled
 
     @property
     def rows_pad(self) -> int:
-        """The group's rows rounded up to :data:`ROW_ALIGN` (the residues' row length)."""
-        return -(-(self.stop - self.start) // ROW_ALIGN) * ROW_ALIGN
+        """The group's rows rounded up to ``row_align`` (the residues' row length)."""
+        return -(-(self.stop - self.start) // self.row_align) * self.row_align
 
 
 class IntegerGram:
@@ -216,7 +248,9 @@ class IntegerGram:
     rows); the residues of each piece of rows are handed in by the fold
     (:meth:`pieces`, :meth:`put`: the fold computes them in the pass that reads the rows
     anyway), and :meth:`add_upper` multiplies and reconstructs. ``block`` and ``align``: the
-    column blocks (:func:`upper_blocks`).
+    column blocks (:func:`upper_blocks`) of ``torch._int_mm``'s products; where the products
+    run in one Triton kernel (:func:`triton_syrk_on`) the residues are padded to its tiles
+    instead (:func:`~embgeom_ray.core.integer_syrk.alignment`).
     """
 
     def __init__(
@@ -224,7 +258,9 @@ class IntegerGram:
     ) -> None:
         n, d = rows.shape
         self.n, self.dim = int(n), int(d)
-        self.d_pad = max(MIN_BLOCK, -(-self.dim // 8) * 8)
+        self.triton = triton_syrk_on(rows.device)
+        cols, row_align = integer_syrk.alignment() if self.triton else (8, ROW_ALIGN)
+        self.d_pad = max(MIN_BLOCK, -(-self.dim // cols) * cols)
         self.shift = shift.to(_F64)
         self.edges = upper_blocks(self.d_pad, block, max(8, align))
         self.groups: list[_Group] = []
@@ -233,7 +269,9 @@ class IntegerGram:
             low, high = torch.aminmax(rows[start:stop], dim=0)
             # fl(x − c) is monotone in x: no row's shifted value exceeds these in magnitude
             absmax = torch.maximum(high.to(_F64) - self.shift, self.shift - low.to(_F64))
-            self.groups.append(_Group(start, stop, column_scales(absmax), moduli_for(stop - start)))
+            self.groups.append(
+                _Group(start, stop, column_scales(absmax), moduli_for(stop - start), row_align)
+            )
 
     def pieces(self, a: int, b: int) -> Iterator[tuple[_Group, int, int]]:
         """(group, s, e): the rows [s, e) of [a, b) that lie in one group, in order."""
@@ -267,15 +305,24 @@ class IntegerGram:
         for g in self.groups:
             if g.residues is None:
                 raise RuntimeError("residues of some rows were never put")
-            remainders = torch.empty(
-                (len(g.moduli), self.d_pad, self.d_pad), dtype=torch.uint8, device=upper.device
-            )
-            for k, m in enumerate(g.moduli):
-                p = _products(g.residues[k], self.edges)
-                remainders[k] = torch.remainder(p, m).to(torch.uint8)
+            remainders = None
+            if self.triton:  # every modulus and upper tile in one launch
+                try:
+                    remainders = integer_syrk.remainders(g.residues, g.moduli)
+                except Exception as e:  # any failure to build or run it: _int_mm instead
+                    _triton_failed(e)
+                    self.triton = False
+            if remainders is None:
+                remainders = torch.empty(
+                    (len(g.moduli), self.d_pad, self.d_pad), dtype=torch.uint8, device=upper.device
+                )
+                for k, m in enumerate(g.moduli):
+                    p = _products(g.residues[k], self.edges)
+                    remainders[k] = torch.remainder(p, m).to(torch.uint8)
             g.residues = None  # the int8 copies are no longer needed
             value = garner(remainders, g.moduli)[:d, :d]
-            upper += value * torch.outer(1.0 / g.scale, 1.0 / g.scale)
+            inv = g.scale.reciprocal()  # powers of two: the products below are exact
+            upper.addcmul_(value, torch.outer(inv, inv))
 
 
 def garner(remainders: torch.Tensor, moduli: Sequence[int]) -> torch.Tensor:

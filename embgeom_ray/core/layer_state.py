@@ -20,6 +20,8 @@ Per layer l, :class:`LayerState` holds the per-layer :data:`FIELDS
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from .statistics_fields import LAYER_FIELDS, SUM
@@ -53,7 +55,7 @@ def extreme_counts(
         into = torch.zeros(d, dtype=torch.int64, device=x.device)
     if scratch is None:
         first = x.argmax(dim=1) if which == "max" else x.argmin(dim=1)
-        return into.index_add_(0, first, torch.ones_like(first))
+        return into.index_add_(0, first, _one(first.device).expand_as(first))
     if n >= 2**24:  # float32 sums of 0/1 values are exact below 2^24
         return extreme_counts(x, which, into=into)
     ext = x.amax(dim=1, keepdim=True) if which == "max" else x.amin(dim=1, keepdim=True)
@@ -64,6 +66,21 @@ def extreme_counts(
     tied = (eq.sum(dim=1) > 1).nonzero().squeeze(1)  # the rows counted more than once
     into.add_(hits.to(torch.int64)).sub_(eq.index_select(0, tied).sum(dim=0).to(torch.int64))
     return extreme_counts(x.index_select(0, tied), which, into=into)
+
+
+@functools.cache
+def _one(device: torch.device) -> torch.Tensor:
+    """A one (int64) on ``device``, made once: expanded (stride 0), it is the counts' source
+    of every ``index_add_`` of the tails without a fill a layer."""
+    return torch.ones(1, dtype=torch.int64, device=device)
+
+
+@functools.lru_cache(maxsize=64)
+def _scalar(value: float, device: torch.device) -> torch.Tensor:
+    """``value`` as a float64 device scalar, made once a value (a batch's row count is the
+    same in every layer): a fill, where ``float / tensor`` would be computed as a reciprocal
+    times the float (n_b/n = 1 then off by an ulp). Read only."""
+    return torch.full((), value, dtype=_F64, device=device)
 
 
 class LayerState:
@@ -131,10 +148,11 @@ class LayerState:
         stays exactly symmetric."""
         a = self.arrays
         n_a = a["n"][li]
-        nb = torch.full((), float(n_b), dtype=_F64, device=n_a.device)  # as merge_moments
+        nb = _scalar(float(n_b), n_a.device)  # as merge_moments
         delta = shift + m_s - a["mean"][li]
         n = n_a + n_b
-        w = (n_a.to(_F64) * nb) / n.to(_F64)
+        n_f = n.to(_F64)
+        w = (n_a.to(_F64) * nb) / n_f
         upper.addr_(m_s, m_s, alpha=-n_b)
         upper.addr_(delta * w, delta)
         upper.triu_()
@@ -142,16 +160,24 @@ class LayerState:
         comoment += upper
         upper.diagonal().zero_()
         comoment += upper.T
-        a["mean"][li] += delta * (nb / n.to(_F64))
+        a["mean"][li].add_(delta * (nb / n_f))  # in place: no write-back of the row
         a["n"][li] = n
 
-    def merge_positions(self, li: int, counts_b: torch.Tensor, sums_b: torch.Tensor) -> None:
+    def merge_positions(
+        self,
+        li: int,
+        counts_b: torch.Tensor,
+        sums_b: torch.Tensor,
+        counts_b_f: torch.Tensor | None = None,
+    ) -> None:
         """Merge per-position counts and *sums* into layer slot ``li`` (means need no M2, a
-        plain weighted update)."""
+        plain weighted update; ``counts_b_f``: ``counts_b`` in float64, when the caller has
+        it)."""
         counts, means = self.arrays["position_counts"], self.arrays["position_means"]
         n = counts[li] + counts_b
         seen = n > 0
-        upd = sums_b - counts_b.to(_F64).unsqueeze(-1) * means[li]
+        cb = counts_b.to(_F64) if counts_b_f is None else counts_b_f
+        upd = sums_b - cb.unsqueeze(-1) * means[li]
         upd /= n.to(_F64).clamp_min(1.0).unsqueeze(-1)
         means[li] = torch.where(seen.unsqueeze(-1), means[li] + upd, 0.0)
         counts[li] = n

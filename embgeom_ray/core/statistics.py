@@ -221,8 +221,10 @@ class _Groups(NamedTuple):
     inv: torch.Tensor  # (n,) row -> index into ``slots`` (non-decreasing)
     row_slots: torch.Tensor  # (n,) row -> its type's slot (``slots[inv]``, non-decreasing)
     counts: torch.Tensor  # (u,) rows per type
+    counts_f: torch.Tensor  # (u,) the same in float64 (cast once a batch, not once a layer)
     pos: torch.Tensor | None  # (n,) position of each row in its window
     pos_counts: torch.Tensor | None  # (P,) rows per position
+    pos_counts_f: torch.Tensor | None  # (P,) the same in float64
     by_type: GroupMatrix | None = None  # on GPUs: the sums by type as sparse products
     by_pos: GroupMatrix | None = None  # ... and by position
     largest: int = 0  # with SPLIT_SUMS: the most rows of one type or position (else 0)
@@ -236,9 +238,9 @@ def _add_integer_gram(
     rows instead, and float64 from then on."""
     global _integer_unavailable
     try:
-        total = torch.zeros_like(upper)
-        gram.add_upper(total)
+        gram.add_upper(upper)  # ``upper`` holds zeros: the residues went to ``gram``
     except (RuntimeError, NotImplementedError) as e:
+        upper.zero_()  # whatever a group added before the failure
         _integer_unavailable = True
         warnings.warn(
             f"the int8 co-moment product failed ({type(e).__name__}: "
@@ -248,8 +250,6 @@ def _add_integer_gram(
             stacklevel=3,
         )
         add_gram(upper, kept.to(_F64) - shift)
-        return
-    upper += total
 
 
 class EmbeddingStatistics(Sketch):
@@ -522,11 +522,18 @@ class EmbeddingStatistics(Sketch):
         if SPLIT_SUMS and counts.numel():  # one host synchronisation a batch
             top = counts.max()
             largest = int(top if pos_counts is None else torch.maximum(top, pos_counts.max()))
+        counts_f = counts.to(_F64)  # cast once a batch, used in every layer
+        pos_f = None if pos_counts is None else pos_counts.to(_F64)
         if not _sparse_sums_on(self.device):
-            return _Groups(slots, inv, row_slots, counts, pos, pos_counts, largest=largest)
+            return _Groups(
+                slots, inv, row_slots, counts, counts_f, pos, pos_counts, pos_f, largest=largest
+            )
         by_pos = None if pos is None else GroupMatrix.of_labels(pos, pos_counts)
         by_type = GroupMatrix.of_sorted(counts, row_slots.numel())
-        return _Groups(slots, inv, row_slots, counts, pos, pos_counts, by_type, by_pos, largest)
+        return _Groups(
+            slots, inv, row_slots, counts, counts_f, pos, pos_counts, pos_f, by_type, by_pos,
+            largest,
+        )  # fmt: skip
 
     def _workspace(self, name: str, n: int, dtype: torch.dtype = _F64) -> torch.Tensor:
         """An (n, d) scratch buffer, reused across batches (no per-batch allocation)."""
@@ -577,16 +584,16 @@ class EmbeddingStatistics(Sketch):
         fuse = fused_on(kept.device)  # the per-row passes as compiled kernels (fold_kernels)
         mean_b, position_sums, x = self._first_pass(li, kept, g, blocks, fuse)
         x_mean = mean_b.sum(dim=0) / n  # the batch's mean, from its per-type sums
-        mean_b /= g.counts.to(_F64).unsqueeze(1)
+        mean_b /= g.counts_f.unsqueeze(1)
         if position_sums is not None:
-            self.layer_state.merge_positions(li, g.pos_counts, position_sums)
+            self.layer_state.merge_positions(li, g.pos_counts, position_sums, g.pos_counts_f)
         c, gram = self._shift(li, kept, x_mean)
         m2_b, upper = self._second_pass(kept, g, blocks, fuse, x, mean_b, c, gram)
         if gram is not None:
             _add_integer_gram(upper, gram, kept, c)
         self.type_moments.merge_rows(
             li, g.slots, g.counts, mean_b, m2_b, self._row_blocks(g.slots.numel()),
-            self._workspace,
+            self._workspace, n_b_f=g.counts_f,
         )  # fmt: skip
         self.layer_state.merge_product(li, n, c, x_mean - c, upper)  # x_mean − c: m' (small)
 

@@ -44,8 +44,10 @@ def chan_merge_mean_m2(
     n_b: torch.Tensor,
     mean_b: torch.Tensor,
     scratch: torch.Tensor,
+    n_b_f: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Return (n, mean, Δm2) of merging rows (n_a, mean_a) with (n_b, mean_b).
+    """Return (n, mean, Δm2) of merging rows (n_a, mean_a) with (n_b, mean_b) (``n_b_f``:
+    n_b in float64 where the caller has it: a batch's counts serve every layer).
 
     Δm2 = ||δ||² n_a n_b / n is the cross term to add to M2_a + M2_b. Rows with n = 0 stay 0.
     The mean is computed in place in ``mean_a`` and δ in ``scratch`` (a buffer of mean_a's
@@ -55,8 +57,9 @@ def chan_merge_mean_m2(
     """
     n = n_a + n_b
     n_f = n.to(_F64).clamp_min(1.0)
-    w_b = (n_b.to(_F64) / n_f).unsqueeze(-1)
-    w_ab = n_a.to(_F64) * n_b.to(_F64) / n_f
+    nb_f = n_b.to(_F64) if n_b_f is None else n_b_f
+    w_b = (nb_f / n_f).unsqueeze(-1)
+    w_ab = n_a.to(_F64) * nb_f / n_f
     delta = torch.sub(mean_b, mean_a, out=scratch)
     mean = mean_a.addcmul_(delta, w_b)
     cross = torch.linalg.vector_norm(delta, dim=-1).square_() * w_ab
@@ -189,8 +192,10 @@ class TypeMoments:
         m2_b: torch.Tensor,
         blocks: Sequence[tuple[int, int]],
         workspace: Workspace,
+        n_b_f: torch.Tensor | None = None,
     ) -> None:
-        """Chan-merge (n, mean, M2) per type into ``slots`` of layer slot ``li``.
+        """Chan-merge (n, mean, M2) per type into ``slots`` of layer slot ``li`` (``n_b_f``:
+        ``n_b`` in float64, when the caller has it).
 
         In the row ranges ``blocks`` through reused scratch (the ``merge`` workspace, two rows
         of d per type of a block): no fresh (types × d) temporaries, whose pages are faulted
@@ -202,7 +207,10 @@ class TypeMoments:
             work = workspace("merge", 2 * (hi - lo)).view(2, hi - lo, self.dim)
             n_a = counts.index_select(0, s)
             mean_a = torch.index_select(means, 0, s, out=work[0])
-            n, mean, cross = chan_merge_mean_m2(n_a, mean_a, n_b[lo:hi], mean_b[lo:hi], work[1])
+            n, mean, cross = chan_merge_mean_m2(
+                n_a, mean_a, n_b[lo:hi], mean_b[lo:hi], work[1],
+                None if n_b_f is None else n_b_f[lo:hi],
+            )  # fmt: skip
             counts.index_copy_(0, s, n)
             means.index_copy_(0, s, mean)
             m2.index_add_(0, s, m2_b[lo:hi] + cross)

@@ -298,6 +298,14 @@ def test_gpu_script_smoke(tmp_path):
     for name in ("gpu-precision", "gpu-comoment", "gpu-fold"):
         assert "command" in json.loads((out / f"{name}.json").read_text()), name
     assert (out / "results.tar").stat().st_size > 0
+    # the Triton kernel (its interpreter here): the same product as _int_mm's, to the bit, and
+    # the fold with it the same state as the default fold's
+    for d, res in json.loads((out / "gpu-comoment.json").read_text())["dims"].items():
+        assert res["int8_triton"]["rel_frobenius"] == res["int8_upper"]["rel_frobenius"], d
+        assert res["syrk_alone"]["seconds"] > 0 and res["syrk_alone"]["d_pad"] % 32 == 0
+    for row in json.loads((out / "gpu-fold.json").read_text())["folds"]:
+        assert row["int8-triton_state"]["same"] and row["int8-triton_ratio"] > 0
+        assert row["int8-triton_state"]["max_rel_diff"] < 1e-12
 
 
 def test_fingerprint_smoke(results_dir):
