@@ -23,6 +23,7 @@ import contextlib
 import re
 import socket
 from collections.abc import Iterator
+from typing import Any
 from urllib.parse import urlsplit
 
 from .errors import StorageError, UserError
@@ -307,3 +308,43 @@ def check_output(url: str) -> None:
         require_filesystem(url, "output directory")
         probe(url, "output directory")
         check_bucket(url, "output directory")
+
+
+#: environment variables of the object stores' clients that the job's own process hands to its
+#: extractors when they write their own checkpoint groups (:func:`storage_access`)
+STORAGE_VARIABLE_PREFIXES = ("AWS_", "FSSPEC_")
+STORAGE_VARIABLES = ("GOOGLE_APPLICATION_CREDENTIALS", "GOOGLE_CLOUD_PROJECT")
+
+
+def storage_access() -> dict[str, Any]:
+    """What this process uses to reach object storage, for an extractor that writes its own
+    checkpoint groups to the run: the clients' environment variables set here (endpoint,
+    region, keys; ``FSSPEC_*`` configuration) and fsspec's configuration (``fsspec.config.conf``:
+    timeouts and retries a user or test set in code). Handed to the actors as an argument, as
+    the hub token is (:mod:`~embgeom_ray.inputs.hub_credentials`), never in Ray's runtime
+    environment, which Ray shows in its dashboard; and never recorded."""
+    import copy
+    import os
+
+    import fsspec.config
+
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k.startswith(STORAGE_VARIABLE_PREFIXES) or k in STORAGE_VARIABLES
+    }
+    return {"env": env, "fsspec": copy.deepcopy(dict(fsspec.config.conf))}
+
+
+def use_storage_access(access: dict[str, Any]) -> None:
+    """Set ``access`` (:func:`storage_access` of the job's process) in this process where it
+    has none of its own: a variable or an fsspec setting of the node wins."""
+    import os
+
+    import fsspec.config
+
+    for name, value in (access.get("env") or {}).items():
+        if not os.environ.get(name):
+            os.environ[name] = value
+    for protocol, options in (access.get("fsspec") or {}).items():
+        fsspec.config.conf.setdefault(protocol, options)

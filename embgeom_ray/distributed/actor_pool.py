@@ -59,6 +59,7 @@ from ..sizing.growth import (
     pool_ceiling,
     pool_target,
 )
+from ..storage import storage_access, use_storage_access
 from .cluster import read_autoscaler_groups, read_cluster, started_private_local
 from .options import SchedulingOptions
 from .process_memory import peak_rss_bytes, sampler
@@ -169,6 +170,11 @@ class GroupResult:
     #: private copy (zero-copy numpy), and writes it to the checkpoint group
     sample: np.ndarray | None
     counts: Counts
+    #: where the extractor wrote the group's files itself (object storage): what its
+    #: ``writer`` returned (the files' names and digests, for the driver to commit; ``stats``
+    #: and ``sample`` are then empty), and the seconds the extractor's writes took
+    written: dict[str, Any] | None = None
+    write_s: float = 0.0
 
     def pieces(self) -> Iterator[np.ndarray]:
         """The statistics pieces (bytes-like), fetched one at a time and let go of as they are
@@ -207,11 +213,14 @@ class ShardExtract:
         threads: int,
         clip_dims: list[int] | None = None,
         credentials: dict[str, str] | None = None,
+        storage: dict[str, Any] | None = None,
     ) -> None:
         import torch
 
         torch.set_num_threads(max(1, threads))
         use_hub_credentials(credentials or {})  # the driver's hub token, before any loading
+        # the driver's access to object storage, for the groups this actor writes itself
+        use_storage_access(storage or {})
         sampler()  # this process's peak private memory, sampled from now on
         self.error: Exception | None = None
         self.broken_on: str | None = None
@@ -285,9 +294,19 @@ class ShardExtract:
             "peak_private_bytes": sampler().peak_bytes(),
         }
 
-    def flush(self) -> tuple[list[str], list[Any], np.ndarray | None, dict[str, Any]]:
+    def flush(
+        self, writer: Callable[..., dict[str, Any]] | None = None
+    ) -> tuple[list[str], list[Any], np.ndarray | None, dict[str, Any]]:
         """(shard ids, statistics pieces, sample bytes, summed counts) since the last flush;
         the pieces are ObjectRefs of what was spilled, then the running statistics' bytes.
+
+        With ``writer`` (a run in object storage: the driver's
+        :func:`~embgeom_ray.runs.checkpoints.write_group` bound to the run), the actor writes
+        the group's files itself, ``writer(shard ids, pieces, sample)``, each spilled piece
+        fetched, written and let go of in turn, and returns, in place of the pieces, the
+        counts with what ``writer`` returned (the files' names and digests) and the seconds
+        it took, for the driver to commit. A store that fails raises here: the job stops
+        resumably, the group is not committed and its shards are redone.
 
         The accumulators start afresh afterwards.
         """
@@ -295,17 +314,30 @@ class ShardExtract:
         if not self.shard_ids:
             raise RuntimeError("flush asked of an extractor that holds no shard")
         pieces = self.stats.take()
-        out = (
-            list(self.shard_ids),
-            [*pieces[:-1], as_array(pieces[-1])],
-            None if self.sample is None else as_array(self.sample.to_bytes()),
-            self.counts.to_json(),
-        )
+        sample = None if self.sample is None else as_array(self.sample.to_bytes())
+        shard_ids, counts = list(self.shard_ids), self.counts.to_json()
         self._reset()
-        return out
+        if writer is None:
+            return shard_ids, [*pieces[:-1], as_array(pieces[-1])], sample, counts
+        t0 = time.perf_counter()
+        files = writer(shard_ids, _fetched(pieces), sample)
+        write_s = time.perf_counter() - t0
+        return shard_ids, [], None, {**counts, WRITTEN: files, "write_s": write_s}
 
 
 ShardExtractActor = ray.remote(ShardExtract)
+
+#: the key of a flush's counts that carries the files an extractor wrote itself
+WRITTEN = "written_group"
+
+
+def _fetched(pieces: list[Any]) -> Iterator[Any]:
+    """The statistics pieces as bytes, each spilled one fetched from the object store when it
+    is written and let go of after (consumes ``pieces``)."""
+    while pieces:
+        piece = pieces.pop(0)
+        yield ray.get(piece) if isinstance(piece, ray.ObjectRef) else piece
+        del piece
 
 
 def _unwrap_user_error(exc: BaseException) -> UserError | None:
@@ -392,8 +424,13 @@ class _Scheduler:
         on_ready: Callable[[PoolPlan], None] | None = None,
         growth: Growth | None = None,
         interval: Callable[[int], float] | None = None,
+        checkpoint_writer: Callable[..., dict[str, Any]] | None = None,
     ) -> None:
         self.config, self.pool, self._start = config, pool, start
+        #: what each extractor writes its own flushes with (object storage: the driver's
+        #: ``write_group`` bound to the run), else None: the flushes come to the driver
+        #: (``on_group`` writes them)
+        self.checkpoint_writer = checkpoint_writer
         #: seconds an extractor's oldest unflushed shard may age, for so many extractors
         #: ready (:class:`~embgeom_ray.sizing.checkpoints.Pacer`: the option's, or its floor)
         self.interval = interval or Pacer(config.checkpoint_interval).interval
@@ -585,7 +622,7 @@ class _Scheduler:
         self.on_folded(report)
         if self.flush_due(worker, int(result.get("state_bytes", 0))):
             worker.flushing = True
-            self.in_flight[worker.actor.flush.remote()] = worker
+            self.in_flight[worker.actor.flush.remote(self.checkpoint_writer)] = worker
         else:
             self.send(worker, self.queue.popleft())
 
@@ -594,8 +631,17 @@ class _Scheduler:
         expected = sorted(r.shard.shard_id for r in worker.unflushed)
         if sorted(shard_ids) != expected:
             raise RuntimeError(f"an extractor flushed shards {shard_ids}, expected {expected}")
-        self.pool.spills += len(stats) - 1
-        self.on_group(GroupResult(list(shard_ids), stats, sample, Counts.from_json(counts)))
+        counts = dict(counts)
+        written, write_s = counts.pop(WRITTEN, None), float(counts.pop("write_s", 0.0))
+        if written is not None:  # the extractor wrote its files: the driver commits them
+            self.pool.spills += int(written["parts"]) - 1
+            group = GroupResult(
+                list(shard_ids), [], None, Counts.from_json(counts), written, write_s
+            )
+        else:
+            self.pool.spills += len(stats) - 1
+            group = GroupResult(list(shard_ids), stats, sample, Counts.from_json(counts))
+        self.on_group(group)
         self.pool.checkpoints += 1
         worker.record["shards"] += len(shard_ids)
         worker.unflushed, worker.since, worker.flushing = [], None, False
@@ -664,6 +710,7 @@ def run_shards(
     pool: Pool | None = None,
     on_resized: Callable[[str], None] | None = None,
     interval: Callable[[int], float] | None = None,
+    checkpoint_writer: Callable[..., dict[str, Any]] | None = None,
 ) -> PoolPlan:
     """Process ``shards`` on a pool of extractor actors: ``pool``, as the job's sizing decided
     it (:func:`~embgeom_ray.sizing.size_extractors`: actors, CPUs, GPUs, the memory each asks
@@ -676,7 +723,10 @@ def run_shards(
     called once with the pool's plan, when the first actor has loaded its model and been
     given its first shard; ``on_resized`` gets one line each time the pool grows or shrinks
     (module docstring: the pool follows the cluster); ``interval(n)`` the seconds between an
-    extractor's flushes while ``n`` extractors are ready (default: ``--checkpoint-interval``).
+    extractor's flushes while ``n`` extractors are ready (default: ``--checkpoint-interval``);
+    ``checkpoint_writer``: where each extractor writes its own flushes' files (object storage:
+    :func:`~embgeom_ray.runs.checkpoints.write_group` bound to the run; ``on_group`` then
+    commits them), else None.
     """
     plan = plan_pool(scheduling, len(shards)) if pool is None else pool_plan(pool)
     if not shards:
@@ -696,7 +746,11 @@ def run_shards(
             }
         )
     actor_cls = ShardExtractActor.options(**options)
-    args = (extraction.model_dump(), layers, metadata, plan.num_cpus, clip_dims, hub_credentials())
+    storage = storage_access() if checkpoint_writer is not None else None
+    args = (
+        extraction.model_dump(), layers, metadata, plan.num_cpus, clip_dims, hub_credentials(),
+        storage,
+    )  # fmt: skip
     each = Extractor(plan.num_cpus, plan.num_gpus, plan.memory_bytes)
     possible = extractors_possible(read_autoscaler_groups() or (), each)
     growth = Growth(
@@ -719,5 +773,6 @@ def run_shards(
         on_ready,
         growth,
         interval,
+        checkpoint_writer,
     ).run()
     return plan

@@ -20,8 +20,12 @@ completed groups cover disjoint shards, so their ids never collide; a group redo
 crash overwrites, or is cleaned of, the files of a half-written one (statistics without its
 JSON), which are never read.
 
-Only the driver writes here, and only after it has received a whole flush, so the driver alone
-decides what is done, and a shard is merged exactly once: the done shards are the union of the
+A group's JSON is written by the driver alone, and only once every other file of the group is
+written: by the driver itself after it has received a whole flush, or, where the extractors
+write their own flushes (object storage: ``sizing.checkpoints.writers_for``), by the extractor,
+which hands the driver the files' names and digests (:meth:`CheckpointStore.write_group_files`,
+:meth:`CheckpointStore.commit_group`). So the driver alone decides what is done, and a shard is
+merged exactly once: the done shards are the union of the
 completed groups' shard ids, and the reduce checks that the groups cover the plan exactly once
 and merges them in group-id order. A rerun of the same command finds ``run.json`` with the
 same fingerprint, reuses the saved plan and skips the done shards. A run with another
@@ -376,7 +380,22 @@ class CheckpointStore:
         counts: Counts,
     ) -> CheckpointGroup:
         """Statistics (one piece, or the pieces an extractor spilled, each written as it
-        comes), then sample, then the JSON that marks all of ``shard_ids`` done."""
+        comes), then sample, then the JSON that marks all of ``shard_ids`` done
+        (:meth:`write_group_files`, then :meth:`commit_group`)."""
+        files = self.write_group_files(shard_ids, stats_pieces, sample_bytes)
+        return self.commit_group(files, counts)
+
+    def write_group_files(
+        self,
+        shard_ids: Iterable[str],
+        stats_pieces: bytes | Iterable[bytes | np.ndarray],
+        sample_bytes: bytes | np.ndarray | None,
+    ) -> GroupFiles:
+        """A group's statistics pieces and sample, each written atomically with its digest,
+        but not its JSON: the shards are not done until :meth:`commit_group` (in the job's own
+        process, the one that decides what is done). An extractor writing its own flush
+        (:data:`~embgeom_ray.sizing.checkpoints.EXTRACTORS`) calls this, the driver the
+        commit."""
         ids = tuple(sorted(shard_ids))
         group_id = group_id_for(ids)
         single = isinstance(stats_pieces, (bytes, bytearray, memoryview, np.ndarray))
@@ -395,19 +414,64 @@ class CheckpointStore:
             name = group_id + SAMPLE_SUFFIX
             atomic_write_bytes(self._path(GROUPS, name), sample_bytes)
             digests[name] = Digest.of(sample_bytes)
-        group = CheckpointGroup(group_id, ids, counts, parts, digests)
+        return GroupFiles(ids, parts, digests)
+
+    def commit_group(self, files: GroupFiles, counts: Counts) -> CheckpointGroup:
+        """Write the JSON that marks every shard of ``files`` done (their files written)."""
+        group = CheckpointGroup(
+            group_id_for(files.shard_ids), files.shard_ids, counts, files.parts, files.digests
+        )
         atomic_write_json(
             self._path(GROUPS, group.group_id + DONE_SUFFIX),
             seal({
                 "format": GROUP_FORMAT,
                 "group": group.group_id,
-                "shards": list(ids),
+                "shards": list(group.shard_ids),
                 "counts": counts.to_json(),
-                "parts": parts,
-                "digests": digests_json(digests),
+                "parts": files.parts,
+                "digests": digests_json(dict(files.digests)),
             }),
         )  # fmt: skip
         return group
+
+
+@dataclass(frozen=True)
+class GroupFiles:
+    """A checkpoint group's files as written (:meth:`CheckpointStore.write_group_files`), not
+    yet committed: its shards, statistics pieces and each file's digest."""
+
+    shard_ids: tuple[str, ...]
+    parts: int
+    digests: Mapping[str, Digest]
+
+    @property
+    def nbytes(self) -> int:
+        """The bytes of its files."""
+        return sum(d.size for d in self.digests.values())
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "shards": list(self.shard_ids),
+            "parts": self.parts,
+            "digests": digests_json(dict(self.digests)),
+        }
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> GroupFiles:
+        return cls(tuple(data["shards"]), int(data["parts"]), digests_from_json(data["digests"]))
+
+
+def write_group(
+    out: str,
+    shard_ids: Iterable[str],
+    stats_pieces: Iterable[bytes | np.ndarray],
+    sample_bytes: bytes | np.ndarray | None,
+) -> dict[str, Any]:
+    """An extractor's own write of its flush to the run at ``out`` (object storage): the
+    group's files (:meth:`CheckpointStore.write_group_files`), returned as
+    :meth:`GroupFiles.to_json` for the driver to commit. Bound to ``out`` by the driver and
+    sent with each flush, so that the Ray layer needs nothing of this module."""
+    return CheckpointStore(out).write_group_files(shard_ids, stats_pieces, sample_bytes).to_json()
 
 
 def _describe_differences(old: dict[str, Any], new: dict[str, Any]) -> str:

@@ -29,6 +29,7 @@ The run directory's files and manifest are :class:`~embgeom_ray.run_dir.RunDir`'
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import sys
@@ -82,9 +83,9 @@ from ..sizing import (
     size_job,
     size_reduce,
 )
-from ..sizing.checkpoints import FLOOR_S, Pacer
+from ..sizing.checkpoints import EXTRACTORS, FLOOR_S, Pacer, writers_for
 from ..storage import check_output, resumable, user_errors
-from .checkpoints import CheckpointGroup, CheckpointStore
+from .checkpoints import CheckpointGroup, CheckpointStore, GroupFiles, write_group
 from .finish import RunStatistics, StatisticsHere, counts_of, finish_run
 from .run_samples import run_samples
 
@@ -173,9 +174,14 @@ def _extract(
     said = [pacer.last]
 
     def on_group(group: GroupResult) -> None:
-        t0 = time.perf_counter()
-        saved = store.save_group(group.shard_ids, group.pieces(), group.sample, group.counts)
-        pacer.wrote(sum(d.size for d in saved.digests.values()), time.perf_counter() - t0)
+        if group.written is not None:  # the extractor wrote the files: commit them
+            files = GroupFiles.from_json(group.written)
+            store.commit_group(files, group.counts)
+            pacer.wrote(files.nbytes, group.write_s)
+        else:
+            t0 = time.perf_counter()
+            saved = store.save_group(group.shard_ids, group.pieces(), group.sample, group.counts)
+            pacer.wrote(sum(d.size for d in saved.digests.values()), time.perf_counter() - t0)
         if pacer.given is None:
             now = pacer.interval(max(1, pacer.extractors))
             if said[0] is None or abs(now - said[0]) >= 0.25 * said[0]:
@@ -201,6 +207,9 @@ def _extract(
             pool=sizing.pool,
             on_resized=on_resized,
             interval=pacer.interval,
+            checkpoint_writer=functools.partial(write_group, config.out)
+            if pacer.writers == EXTRACTORS
+            else None,
         )
     finally:
         bar.close()
@@ -423,7 +432,7 @@ def show_plan(spec: RunSpec, echo=print) -> dict[str, Any]:
     sizing = size_run(spec, echo=lambda _line: None)
     for line in describe_plan(
         sizing, spec.corpus_shape, checkpoint_interval=spec.config.checkpoint_interval,
-        total_layers=spec.total_layers,
+        total_layers=spec.total_layers, checkpoint_writers=writers_for(spec.config.out),
     ):  # fmt: skip
         echo(line)
     return sizing.to_json()
@@ -683,8 +692,8 @@ def _start_run(
         echo(line)
     if resumed:
         echo(f"resuming {config.out}: {len(done)} of {len(plan.shards)} shards already done")
-    pacer = Pacer(config.checkpoint_interval)
-    echo(f"sizing: checkpoints: every {pacer.reason()}")
+    pacer = Pacer(config.checkpoint_interval, writers=writers_for(config.out))
+    echo(f"sizing: checkpoints: every {pacer.reason()}; {pacer.writers_line()}")
     return _Started(
         sizing, plan, resumed, dedup, manifest, done, todo, todo, pacer, t_ray1 - t_ray0,
         t_dedup,

@@ -1,21 +1,32 @@
-"""How often the extractors checkpoint when ``--checkpoint-interval`` is not given.
+"""How often the extractors checkpoint when ``--checkpoint-interval`` is not given, and who
+writes the checkpoints.
 
 Each extractor flushes its running statistics once its oldest unflushed shard is T seconds
-old (and when the queue drains, or its statistics budget is full); the job's own process
-writes each flush as one checkpoint group, one after the other. With N extractors flushing B
-bytes each every T seconds to storage that takes W bytes a second, writing takes
-N · B / (W · T) of the extraction's time. The interval is chosen so that this is at most
-:data:`IO_SHARE`:
+old (and when the queue drains, or its statistics budget is full). Who writes a flush
+(:func:`writers_for`):
 
-    T = N · B / (IO_SHARE · W), within [FLOOR_S, CEILING_S]
+- the **driver** (the job's own process), for a run on a local filesystem: the extractors'
+  nodes may not see the driver's disk, so each flush travels to the driver, which writes the
+  groups one after the other. N extractors flushing B bytes each every T seconds to storage
+  that takes W bytes a second from that one writer spend N · B / (W · T) of the extraction's
+  time writing;
+- **each extractor**, for a run in object storage (``s3://``, ``gs://``, …), which every node
+  reaches: it writes its own flush's files and hands the driver their digests, the driver
+  writes the group's JSON (what marks its shards done). The N writers write at once, each at
+  its own W, so an extractor spends B / (W · T) of its time writing.
 
-B and W are measured, not assumed (:class:`Pacer`): the mean bytes of the flushes written so
-far, and those bytes over the seconds their writes took. Until the first flush is written
-there is no measurement, so the first flushes come at the floor. The ceiling bounds the work
-a failure loses: an extractor lost (or a node, with its extractors) redoes at most T seconds
-of its shards. Pure functions and a little state, no Ray: the scheduler asks
-:meth:`Pacer.interval` at every shard, the pipeline tells :meth:`Pacer.wrote` after every
-group.
+The interval is chosen so that this share is at most :data:`IO_SHARE`:
+
+    T = N · B / (IO_SHARE · W)   (the driver writes)
+    T = B / (IO_SHARE · W)       (each extractor writes; W: one writer's bandwidth)
+
+within [FLOOR_S, CEILING_S]. B and W are measured, not assumed (:class:`Pacer`): the mean
+bytes of the flushes written so far, and those bytes over the seconds their writes took (each
+writer's own seconds). Until the first flush is written there is no measurement, so the first
+flushes come at the floor. The ceiling bounds the work a failure loses: an extractor lost (or a
+node, with its extractors) redoes at most T seconds of its shards. Pure functions and a little
+state, no Ray: the scheduler asks :meth:`Pacer.interval` at every shard, the pipeline tells
+:meth:`Pacer.wrote` after every group.
 """
 
 from __future__ import annotations
@@ -24,6 +35,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from .formulas import gib
+
+#: who writes the checkpoint groups (:func:`writers_for`)
+DRIVER, EXTRACTORS = "driver", "extractors"
 
 #: the share of the extraction's time that writing checkpoints may take
 IO_SHARE = 0.05
@@ -34,6 +48,21 @@ FLOOR_S = 60.0
 CEILING_S = 3600.0
 
 
+def writers_for(out: str) -> str:
+    """Who writes the checkpoint groups of a run at ``out``: :data:`EXTRACTORS` in object
+    storage (every node reaches it), else :data:`DRIVER` (a local path the extractors' nodes
+    may not share)."""
+    from ..storage import is_remote
+
+    return EXTRACTORS if is_remote(out) else DRIVER
+
+
+def _queued(extractors: int, writers: str) -> int:
+    """How many flushes one writer writes a round: all N when the driver writes them, its own
+    when each extractor writes."""
+    return 1 if writers == EXTRACTORS else max(1, extractors)
+
+
 def interval_for(
     flush_bytes: float,
     extractors: int,
@@ -42,17 +71,24 @@ def interval_for(
     share: float = IO_SHARE,
     floor: float = FLOOR_S,
     ceiling: float = CEILING_S,
+    writers: str = DRIVER,
 ) -> float:
-    """T = N · B / (share · W) within [floor, ceiling] (the module docstring)."""
+    """T = N · B / (share · W), or B / (share · W) where each extractor writes, within
+    [floor, ceiling] (the module docstring)."""
     if bandwidth <= 0:
         return ceiling
-    need = max(1, extractors) * flush_bytes / (share * bandwidth)
+    need = _queued(extractors, writers) * flush_bytes / (share * bandwidth)
     return min(max(need, floor), ceiling)
 
 
-def write_share(flush_bytes: float, extractors: int, bandwidth: float, interval: float) -> float:
-    """The share of the extraction's time writing checkpoints takes at ``interval``."""
-    return max(1, extractors) * flush_bytes / (bandwidth * interval) if bandwidth > 0 else float("inf")
+def write_share(
+    flush_bytes: float, extractors: int, bandwidth: float, interval: float, writers: str = DRIVER
+) -> float:
+    """The share of the extraction's time (of each extractor's, where each writes its own)
+    writing checkpoints takes at ``interval``."""
+    if bandwidth <= 0:
+        return float("inf")
+    return _queued(extractors, writers) * flush_bytes / (bandwidth * interval)
 
 
 @dataclass
@@ -70,6 +106,10 @@ class Pacer:
     #: the interval last chosen, and for how many extractors
     last: float | None = None
     extractors: int = 0
+    #: who writes the groups (:func:`writers_for`)
+    writers: str = DRIVER
+    #: the most extractors at once (the writers' count, where each writes its own)
+    most_extractors: int = 0
 
     def wrote(self, nbytes: int, seconds: float) -> None:
         """One checkpoint group of ``nbytes`` was written in ``seconds``."""
@@ -95,29 +135,45 @@ class Pacer:
         else:
             value = interval_for(
                 self.flush_bytes, extractors, self.bandwidth,
-                share=self.share, floor=self.floor, ceiling=self.ceiling,
+                share=self.share, floor=self.floor, ceiling=self.ceiling, writers=self.writers,
             )  # fmt: skip
         self.last, self.extractors = value, extractors
+        self.most_extractors = max(self.most_extractors, extractors)
         return value
 
     def reason(self) -> str:
         """Why the interval is what it last was, in one line."""
+        each = self.writers == EXTRACTORS
         if self.given is not None:
             return f"{self.given:g} s (--checkpoint-interval)"
+        rule = "B / ({share} · W), each extractor writing its own" if each else "N · B / ({share} · W)"
+        rule = rule.format(share=f"{self.share:.0%}")
         if self.bandwidth is None or self.flush_bytes is None:
             return (
                 f"{self.floor:g} s (the floor) until a flush has measured the storage; then "
-                f"N · B / ({self.share:.0%} · W) within [{self.floor:g} s, {self.ceiling:g} s]"
+                f"{rule} within [{self.floor:g} s, {self.ceiling:g} s]"
             )
         n = max(1, self.extractors)
-        need = n * self.flush_bytes / (self.share * self.bandwidth)
+        need = _queued(n, self.writers) * self.flush_bytes / (self.share * self.bandwidth)
         bound = " (the floor)" if need < self.floor else " (the ceiling)" if need > self.ceiling else ""
+        who = (
+            f"{gib(int(self.flush_bytes))} a flush at {gib(int(self.bandwidth))}/s a writer "
+            f"({n} extractor(s) writing their own)"
+            if each
+            else f"{n} extractor(s) × {gib(int(self.flush_bytes))} a flush at "
+            f"{gib(int(self.bandwidth))}/s"
+        )
         return (
-            f"{self.last or need:,.0f} s{bound}: {n} extractor(s) × {gib(int(self.flush_bytes))} a "
-            f"flush at {gib(int(self.bandwidth))}/s measured on {self.flushes} flush(es) = "
+            f"{self.last or need:,.0f} s{bound}: {who} measured on {self.flushes} flush(es) = "
             f"{need:,.0f} s for writing to take {self.share:.0%} of the extraction, within "
             f"[{self.floor:g} s, {self.ceiling:g} s]"
         )
+
+    def writers_line(self) -> str:
+        """Who writes the groups, in a few words."""
+        if self.writers == EXTRACTORS:
+            return "written by each extractor (object storage), committed by this process"
+        return "written by this process"
 
     def to_json(self, extract_s: float | None = None) -> dict[str, Any]:
         """The manifest's ``sizing.checkpoints``: the rule, the measurements, the interval
@@ -133,37 +189,66 @@ class Pacer:
             "bytes_written": self.bytes_written,
             "write_s": round(self.write_s, 3),
             "bandwidth_bytes_per_s": None if self.bandwidth is None else round(self.bandwidth),
+            "writers": self.writers,
+            # where each extractor writes its own, the writes' seconds are spread over them
             "write_share": None
             if not extract_s or not self.flushes
-            else round(self.write_s / extract_s, 4),
+            else round(
+                self.write_s / extract_s / max(1, self.most_extractors)
+                if self.writers == EXTRACTORS
+                else self.write_s / extract_s,
+                4,
+            ),
         }
 
 
-def describe_plan(flush_bytes: int, extractors: int, per_node: int, given: float | None) -> list[str]:
-    """``--plan``'s lines on checkpoints: the interval (given, or the rule with what it
-    gives at a few bandwidths, since the run measures its own) and the work one node's
-    failure loses at most."""
+def describe_plan(
+    flush_bytes: int, extractors: int, per_node: int, given: float | None, writers: str = DRIVER
+) -> list[str]:
+    """``--plan``'s lines on checkpoints: who writes them, the interval (given, or the rule
+    with what it gives at a few bandwidths, since the run measures its own) and the work one
+    node's failure loses at most."""
     n = max(1, extractors)
     round_bytes = n * flush_bytes
+    each = writers == EXTRACTORS
+    who = (
+        f"  written by each extractor ({n} writers at once: object storage), committed by the "
+        "job's own process"
+        if each
+        else "  written by the job's own process (a local path: one writer; in object storage "
+        "each extractor writes its own)"
+    )
+    per = "a writer" if each else ""
     if given is not None:
-        share = {w: write_share(flush_bytes, n, w * 2**30, given) for w in (1, 10)} if given else {}
-        at = ", ".join(f"{s:.0%} at {w} GiB/s" for w, s in share.items()) if share else "every shard"
+        share = (
+            {w: write_share(flush_bytes, n, w * 2**30, given, writers) for w in (1, 10)}
+            if given
+            else {}
+        )
+        at = (
+            ", ".join(f"{s:.0%} at {w} GiB/s{' ' + per if per else ''}" for w, s in share.items())
+            if share
+            else "every shard"
+        )
         lines = [f"checkpoints: every {given:g} s (--checkpoint-interval): writing them takes {at}"]
         worst = given
     else:
-        at = [(w, interval_for(flush_bytes, n, w * 2**30)) for w in (1, 10, 100)]
+        at = [(w, interval_for(flush_bytes, n, w * 2**30, writers=writers)) for w in (1, 10, 100)]
+        rule = "B / ({s} · W) s (W: one writer's)" if each else "N · B / ({s} · W) s"
         lines = [
-            f"checkpoints: every T = N · B / ({IO_SHARE:.0%} · W) s within [{FLOOR_S:g} s, "
+            f"checkpoints: every T = {rule.format(s=f'{IO_SHARE:.0%}')} within [{FLOOR_S:g} s, "
             f"{CEILING_S:g} s], B and W measured on the run's own flushes (the first at "
             f"{FLOOR_S:g} s); N · B = {n} × {gib(flush_bytes)} = {gib(round_bytes)} a round: "
             + ", ".join(
-                f"T = {t:,.0f} s at {w} GiB/s ({write_share(flush_bytes, n, w * 2**30, t):.0%})"
+                f"T = {t:,.0f} s at {w} GiB/s{' ' + per if per else ''} "
+                f"({write_share(flush_bytes, n, w * 2**30, t, writers):.0%})"
                 for w, t in at
-            )
+            ),
         ]
         worst = CEILING_S
     lines.append(
         f"  a node lost loses at most its {per_node} extractor(s)' last {worst:,.0f} s of "
         f"shards: {per_node * worst / 3600:,.2f} extractor-hours redone"
     )
+    lines.append(who)
     return lines

@@ -8,6 +8,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from ..errors import ConfigError
+from .checkpoints import DRIVER
 from .checkpoints import describe_plan as checkpoint_lines
 from .decisions import Sizing, driver_reserve, io_sizes, size_reducers
 from .formulas import (
@@ -27,10 +28,17 @@ from .nodes import Cluster
 
 
 def describe_plan(
-    sizing: Sizing, corpus: CorpusShape, *, checkpoint_interval: float | None, total_layers: int
+    sizing: Sizing,
+    corpus: CorpusShape,
+    *,
+    checkpoint_interval: float | None,
+    total_layers: int,
+    checkpoint_writers: str = DRIVER,
 ) -> list[str]:
     """What ``--plan`` prints: what runs where, every process's memory as number and formula,
-    the bytes that move and are stored, and what measuring fewer layers saves."""
+    the bytes that move and are stored, and what measuring fewer layers saves
+    (``checkpoint_writers``: who writes the checkpoint groups,
+    :func:`~embgeom_ray.sizing.checkpoints.writers_for`)."""
     shape, types, pool, red = sizing.shape, sizing.types, sizing.pool, sizing.reduce
     io = sizing.extras.get("io") or io_sizes(sizing, corpus)
     d, L, P = shape.dim, shape.layers, shape.positions
@@ -95,7 +103,7 @@ def describe_plan(
         "and when the queue drains)",
         *checkpoint_lines(
             io["flush_piece_bytes"] + shape.sample_bytes, pool.num_workers,
-            extractors_per_node(sizing), checkpoint_interval,
+            extractors_per_node(sizing), checkpoint_interval, checkpoint_writers,
         ),
         "checkpoint groups on disk: one per extractor and --checkpoint-interval ("
         + (

@@ -172,6 +172,11 @@ def test_a_run_a_resume_and_a_merge_in_a_bucket(s3, corpus, on_cluster, tmp_path
     runs = f"s3://{BUCKET}/runs"
     whole = manifest(s3, on_cluster["whole_url"])
     assert whole["status"] == "complete" and whole["sizing"]["reduce"]["count"] == 0
+    # in the bucket, the extractors (on both nodes) wrote their own groups: the job's process
+    # committed them, and measured each writer's bytes and seconds
+    checkpoints = whole["sizing"]["checkpoints"]
+    assert checkpoints["writers"] == "extractors" and checkpoints["flushes"] >= 2
+    assert checkpoints["bytes_written"] > 0 and 0 < checkpoints["write_share"] < 1
     env = os.environ | s3.env | {"PYTHONPATH": str(REPO)}
     # run b, in its own process beside run a's
     b_log = tmp_path / "b.log"

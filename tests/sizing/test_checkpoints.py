@@ -56,3 +56,33 @@ def test_the_plan_says_the_rule_and_what_one_node_loses():
     assert "8 extractor(s)' last 3,600 s of shards: 8.00 extractor-hours" in lines[1]
     given = describe_plan(GiB, 2, 1, 300.0)
     assert given[0].startswith("checkpoints: every 300 s (--checkpoint-interval): writing them takes")
+
+
+def test_where_each_extractor_writes_its_own_flushes_the_share_is_its_own():
+    """In object storage each extractor writes its own flushes (N writers at once), so the
+    interval is B / (share · W) whatever N: the 8B model's 65.2 GiB flushes at 1 GiB/s a
+    writer every 1,304 s keep writing at 5% of each extractor's time, where one writer for
+    all 32 would need 11.6 GiB/s for that at the ceiling."""
+    from embgeom_ray.sizing.checkpoints import DRIVER, EXTRACTORS, writers_for
+
+    assert writers_for("s3://bucket/run") == EXTRACTORS and writers_for("gs://b/r") == EXTRACTORS
+    assert writers_for("/data/runs/x") == DRIVER and writers_for("file:///data/x") == DRIVER
+    b = 65.2 * GiB
+    t = interval_for(b, 32, GiB, writers=EXTRACTORS)
+    assert t == pytest.approx(b / (IO_SHARE * GiB)) == pytest.approx(1304.0)
+    assert write_share(b, 32, GiB, t, EXTRACTORS) == pytest.approx(IO_SHARE)
+    assert interval_for(b, 32, GiB) == CEILING_S  # one writer for all: the ceiling binds
+    assert write_share(b, 32, GiB, CEILING_S) == pytest.approx(0.58, abs=0.01)
+    # the pacer: each writer's own seconds; the pool's size does not change the interval
+    pacer = Pacer(writers=EXTRACTORS)
+    pacer.wrote(2 * GiB, 3.0)  # two extractors, 2 GiB each in 3 s and 5 s: 0.5 GiB/s a writer
+    pacer.wrote(2 * GiB, 5.0)
+    assert pacer.interval(2) == pytest.approx(80.0) == pacer.interval(8)
+    assert "a writer (8 extractor(s) writing their own)" in pacer.reason()
+    record = pacer.to_json(extract_s=400.0)
+    # 8 s of writes spread over the 8 writers there were at most, of 400 s
+    assert record["writers"] == EXTRACTORS and record["write_share"] == pytest.approx(8 / 400 / 8)
+    lines = describe_plan(int(b), 32, 8, None, EXTRACTORS)
+    assert lines[0].startswith("checkpoints: every T = B / (5% · W) s (W: one writer's) within")
+    assert "T = 1,304 s at 1 GiB/s a writer (5%)" in lines[0]
+    assert lines[-1].startswith("  written by each extractor (32 writers at once")
