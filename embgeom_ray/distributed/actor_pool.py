@@ -8,7 +8,8 @@ returns only the shard's small counts. The driver asks an actor to ``flush`` (ha
 accumulated statistics as safetensors bytes with the ids of the shards they cover, and start
 afresh) once its unflushed work is older than ``--checkpoint-interval`` seconds (0: after
 every shard), and always when the queue is drained. ``on_group`` checkpoints each flush in
-the driver: a shard counts as done only there, so a shard's result is merged exactly once.
+the driver (in object storage it commits the files the extractor wrote itself: ``flush``'s
+``writer``): a shard counts as done only there, so a shard's result is merged exactly once.
 
 The scheduler keeps one shard in flight per actor (shards take seconds or more; the dispatch
 round trip is milliseconds). An actor that dies (process killed, node lost, spot

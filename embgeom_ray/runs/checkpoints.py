@@ -1,8 +1,9 @@
 """Checkpoints under the output directory, and resuming from them.
 
-An extractor actor folds many shards into one running statistics object and hands it to the
-driver now and then (``--checkpoint-interval``; always when the queue is drained); the driver
-writes each such flush as one *checkpoint group*. Layout under ``OUT``::
+An extractor actor folds many shards into one running statistics object and flushes it now
+and then (``--checkpoint-interval``; always when the queue is drained); each flush becomes one
+*checkpoint group*, written by the driver or, in object storage, by the extractor itself (below).
+Layout under ``OUT``::
 
     run.json                               fingerprint of what determines the result + plan
     groups/<group_id>.safetensors          the group's merged statistics (written first)
