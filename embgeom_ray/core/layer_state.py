@@ -165,14 +165,15 @@ class LayerState:
 
     def merge_positions(
         self,
-        li: int,
+        li: int | slice,
         counts_b: torch.Tensor,
         sums_b: torch.Tensor,
         counts_b_f: torch.Tensor | None = None,
     ) -> None:
         """Merge per-position counts and *sums* into layer slot ``li`` (means need no M2, a
         plain weighted update; ``counts_b_f``: ``counts_b`` in float64, when the caller has
-        it)."""
+        it). ``li`` a slice of layers: their sums stacked (layers × P × d), one batch's
+        counts for all of them, each element's arithmetic that of its own layer's merge."""
         counts, means = self.arrays["position_counts"], self.arrays["position_means"]
         n = counts[li] + counts_b
         seen = n > 0

@@ -496,13 +496,29 @@ class EmbeddingStatistics(Sketch):
         groups, order = self._group(ids, pos)
         rows = rows.index_select(0, order)
         finite = self._finite_flags(hidden, finite)  # every layer at once: one synchronisation
+        positions_b: list[tuple[int, torch.Tensor]] = []  # merged after the layers, at once
         for li, h in enumerate(hidden):
             # the model's dtype, into reused scratch (no fresh pages per layer and batch)
             flat = h.to(dev).reshape(-1, self.dim)
             kept = torch.index_select(
                 flat, 0, rows, out=self._workspace("kept", rows.numel(), flat.dtype)
             )
-            self._fold_layer(li, kept, groups, finite[li])
+            self._fold_layer(li, kept, groups, finite[li], positions_b)
+        self._merge_positions(positions_b, groups)
+
+    def _merge_positions(self, sums: list[tuple[int, torch.Tensor]], g: _Groups) -> None:
+        """Merge the per-position sums of the layers folded with the batch's own groups: all
+        layers at once where every layer is among them (one set of launches a batch instead
+        of one a layer; each element's arithmetic the same), else layer by layer."""
+        if not sums:
+            return
+        state = self.layer_state
+        if [li for li, _ in sums] == list(range(len(self.layers))):
+            stacked = torch.stack([s for _, s in sums])
+            state.merge_positions(slice(None), g.pos_counts, stacked, g.pos_counts_f)
+            return
+        for li, s in sums:
+            state.merge_positions(li, g.pos_counts, s, g.pos_counts_f)
 
     def _group(self, ids: torch.Tensor, pos: torch.Tensor | None) -> tuple[_Groups, torch.Tensor]:
         """(groups of the rows taken in ``order``, ``order``): rows sorted by slot (stable)."""
@@ -561,9 +577,18 @@ class EmbeddingStatistics(Sketch):
         step = max(n, 1) if gpu_fold(self.device) else CPU_ROW_BLOCK
         return [(a, min(a + step, n)) for a in range(0, n, step)]
 
-    def _fold_layer(self, li: int, kept: torch.Tensor, g: _Groups, finite: bool = True) -> None:
+    def _fold_layer(
+        self,
+        li: int,
+        kept: torch.Tensor,
+        g: _Groups,
+        finite: bool = True,
+        positions_b: list[tuple[int, torch.Tensor]] | None = None,
+    ) -> None:
         """Fold the kept rows ``kept`` (n, d, the model's dtype) of layer slot ``li``; unless
         ``finite`` (the layer's batch is known to be finite), rows with a NaN/inf are left out.
+        The per-position sums go to ``positions_b`` (merged for every layer at once:
+        :meth:`_merge_positions`) where the layer kept the batch's rows, else are merged here.
 
         Two passes over blocks of rows (:meth:`_row_blocks`), each block converted to float64
         where it is used: (1) tails, per-type sums, unit-vector sums, position sums
@@ -575,6 +600,7 @@ class EmbeddingStatistics(Sketch):
         them. Then the batch's moments are merged: per type by Chan's update, per layer as
         C_b = X'ᵀX' − n m'm'ᵀ around the shift c (m' = μ_b − c), by the same update with δδᵀ.
         """
+        batch_groups = g
         if not finite:
             kept, g = self._finite_rows(li, kept, g)
         n = kept.shape[0]
@@ -586,7 +612,10 @@ class EmbeddingStatistics(Sketch):
         x_mean = mean_b.sum(dim=0) / n  # the batch's mean, from its per-type sums
         mean_b /= g.counts_f.unsqueeze(1)
         if position_sums is not None:
-            self.layer_state.merge_positions(li, g.pos_counts, position_sums, g.pos_counts_f)
+            if positions_b is not None and g is batch_groups:  # all layers' at once, later
+                positions_b.append((li, position_sums))
+            else:
+                self.layer_state.merge_positions(li, g.pos_counts, position_sums, g.pos_counts_f)
         c, gram = self._shift(li, kept, x_mean)
         m2_b, upper = self._second_pass(kept, g, blocks, fuse, x, mean_b, c, gram)
         if gram is not None:
