@@ -24,6 +24,7 @@ import functools
 
 import torch
 
+from .fold_kernels import run_fused
 from .statistics_fields import LAYER_FIELDS, SUM
 
 _F64 = torch.float64
@@ -66,6 +67,19 @@ def extreme_counts(
     tied = (eq.sum(dim=1) > 1).nonzero().squeeze(1)  # the rows counted more than once
     into.add_(hits.to(torch.int64)).sub_(eq.index_select(0, tied).sum(dim=0).to(torch.int64))
     return extreme_counts(x.index_select(0, tied), which, into=into)
+
+
+def merge_terms_eager(
+    n_a: torch.Tensor, nb: torch.Tensor, mean_a: torch.Tensor, shift: torch.Tensor, m_s: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(n, δ, δ · w, the mean's step δ · n_b/n) of a layer's Chan merge
+    (:meth:`LayerState.merge_product`): n = n_a + n_b (``nb``: n_b as a float64 scalar, exact),
+    δ = c + m' − μ_a, w = n_a n_b / n."""
+    delta = shift + m_s - mean_a
+    n = n_a + nb.to(n_a.dtype)
+    n_f = n.to(_F64)
+    w = (n_a.to(_F64) * nb) / n_f
+    return n, delta, delta * w, delta * (nb / n_f)
 
 
 @functools.cache
@@ -149,18 +163,16 @@ class LayerState:
         a = self.arrays
         n_a = a["n"][li]
         nb = _scalar(float(n_b), n_a.device)  # as merge_moments
-        delta = shift + m_s - a["mean"][li]
-        n = n_a + n_b
-        n_f = n.to(_F64)
-        w = (n_a.to(_F64) * nb) / n_f
+        # the vectors and scalars of the update: one compiled kernel on a GPU (fold_kernels)
+        n, delta, delta_w, step = run_fused(merge_terms_eager, n_a, nb, a["mean"][li], shift, m_s)
         upper.addr_(m_s, m_s, alpha=-n_b)
-        upper.addr_(delta * w, delta)
+        upper.addr_(delta_w, delta)
         upper.triu_()
         comoment = a["comoment"][li]
         comoment += upper
         upper.diagonal().zero_()
         comoment += upper.T
-        a["mean"][li].add_(delta * (nb / n_f))  # in place: no write-back of the row
+        a["mean"][li].add_(step)  # in place: no write-back of the row
         a["n"][li] = n
 
     def merge_positions(

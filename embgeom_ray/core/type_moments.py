@@ -27,6 +27,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from .fold_kernels import fused_on, run_fused
 from .group_sums import GroupMatrix
 from .statistics_fields import SUM, TYPE_FIELDS
 
@@ -63,6 +64,26 @@ def chan_merge_mean_m2(
     delta = torch.sub(mean_b, mean_a, out=scratch)
     mean = mean_a.addcmul_(delta, w_b)
     cross = torch.linalg.vector_norm(delta, dim=-1).square_() * w_ab
+    return n, mean, cross
+
+
+def chan_merge_eager(
+    n_a: torch.Tensor,
+    mean_a: torch.Tensor,
+    n_b: torch.Tensor,
+    mean_b: torch.Tensor,
+    n_b_f: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`chan_merge_mean_m2` without scratch or in-place writes: (n, the merged means,
+    Δm2), fresh tensors, for one compiled kernel on a GPU (its caching allocator makes fresh
+    outputs cheap there; on CPUs the in-place form avoids fresh pages). The same formulas."""
+    n = n_a + n_b
+    n_f = n.to(_F64).clamp_min(1.0)
+    w_b = (n_b_f / n_f).unsqueeze(-1)
+    w_ab = n_a.to(_F64) * n_b_f / n_f
+    delta = mean_b - mean_a
+    mean = mean_a + delta * w_b
+    cross = torch.linalg.vector_norm(delta, dim=-1).square() * w_ab
     return n, mean, cross
 
 
@@ -207,10 +228,14 @@ class TypeMoments:
             work = workspace("merge", 2 * (hi - lo)).view(2, hi - lo, self.dim)
             n_a = counts.index_select(0, s)
             mean_a = torch.index_select(means, 0, s, out=work[0])
-            n, mean, cross = chan_merge_mean_m2(
-                n_a, mean_a, n_b[lo:hi], mean_b[lo:hi], work[1],
-                None if n_b_f is None else n_b_f[lo:hi],
-            )  # fmt: skip
+            nb_f = None if n_b_f is None else n_b_f[lo:hi]
+            if fused_on(means.device):  # one compiled kernel (CUDA): fresh outputs, no scratch
+                nb_f = n_b[lo:hi].to(_F64) if nb_f is None else nb_f
+                n, mean, cross = run_fused(chan_merge_eager, n_a, mean_a, n_b[lo:hi], mean_b[lo:hi], nb_f)
+            else:
+                n, mean, cross = chan_merge_mean_m2(
+                    n_a, mean_a, n_b[lo:hi], mean_b[lo:hi], work[1], nb_f
+                )
             counts.index_copy_(0, s, n)
             means.index_copy_(0, s, mean)
             m2.index_add_(0, s, m2_b[lo:hi] + cross)
