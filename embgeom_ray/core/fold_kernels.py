@@ -23,12 +23,17 @@ read the same rows become one kernel each (``core/statistics.py``, ``_fold_layer
 * :func:`~embgeom_ray.core.integer_gram.garner_reconstruct` – the integer co-moment from its N
   residue matrices (Garner's mixed radix, N(N − 1)/2 exact modular steps a value): one read
   of them, one write of the float64 matrix.
+* :func:`~embgeom_ray.core.type_moments.chan_merge_eager` and
+  :func:`~embgeom_ray.core.layer_state.merge_terms_eager` – the per-type and the per-layer Chan
+  merges' terms (counts, weights, δ, the new means, the cross term): small passes, each a
+  launch eagerly (about a dozen a layer each), one kernel each compiled
+  (``tests/core/test_fold_launches.py`` counts the launches).
 
 Each returns what its eager twin (``*_eager``) returns, to float64 rounding (only the order
 of the additions of a row's d squares differs). The kernels are built on the first CUDA
 batch, once per process and function (with dynamic shapes: batches of other sizes and widths
 reuse them). The first three builds cost the first batch of an extractor process about 7 s on
-an H100 (inferred from a bench run whose first repeat held them: ``docs/benchmarks.md``,
+an H100 (the two merges' were added since, not measured) (inferred from a bench run whose first repeat held them: ``docs/benchmarks.md``,
 NVIDIA H100);
 inductor keeps built kernels in its on-disk cache for later processes on the node (how much
 that saves was not measured). Where they
