@@ -151,7 +151,10 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 #: The fixtures that start Ray: a test that uses one is slow (``make test-fast`` leaves it out).
-RAY_FIXTURES = frozenset({"ray_local", "local_ray"})
+#: ``_ray_session`` too: the module fixtures that start the session's Ray themselves (the
+#: reducer sets of tests/distributed/test_reducers.py: a Ray and eleven reducer actors, ~40 s
+#: of ``make test-fast`` when they were left in it) depend on it.
+RAY_FIXTURES = frozenset({"ray_local", "local_ray", "_ray_session"})
 
 #: Each test's seconds (set-up, call and tear-down) in the last ``make test`` that recorded them
 #: (:func:`pytest_sessionfinish`); the tests not listed took under half a second.

@@ -175,7 +175,13 @@ def test_unknown_or_repeated_layer(capsys, tmp_path, model, corpus, layers):
         (["--outlier-tail-share", "2"], "--outlier-tail-share"),
         (["--clip-dims", "5000"], "outside"),
         (["--clip-dims", "1", "--clip-dims-from", "/x"], "not both"),
-        (["--reducer-memory", "1KiB"], "--reducer-memory 1,024 bytes cannot hold"),
+        # refused once the job has sized the reduce: after it has started a private Ray, where
+        # no Ray is up (make test-fast: ~10 s), so slow
+        pytest.param(
+            ["--reducer-memory", "1KiB"],
+            "--reducer-memory 1,024 bytes cannot hold",
+            marks=pytest.mark.slow,
+        ),
         (["--reducer-memory", "lots"], "--reducer-memory"),
     ],
 )
@@ -221,6 +227,7 @@ def test_bad_config_file(capsys, tmp_path, model, corpus):
     assert_user_error(code, err, "unknown option 'max_lenght'")
 
 
+@pytest.mark.slow  # refused after the job has started a private Ray where none is up (~10 s)
 def test_output_directory_cannot_be_written(capsys, tmp_path, model, corpus):
     blocker = tmp_path / "a-file"
     blocker.write_text("x")

