@@ -176,7 +176,9 @@ def test_a_store_down_during_the_final_write_leaves_the_run_unfinished(proxy, fa
     from embgeom_ray.core.tables import build_tables
     from embgeom_ray.runs.finish import StatisticsHere, finish_run
 
-    monkeypatch.setattr(s3fs.S3FileSystem, "retries", 1)  # s3fs's own loop once: quicker
+    # s3fs's own loop once, in this process (the final write; the extractor's process keeps
+    # s3fs's five tries: a class attribute no configuration reaches)
+    monkeypatch.setattr(s3fs.S3FileSystem, "retries", 1)
     out = f"s3://{BUCKET}/final-{fault.replace(' ', '-')}-{target.split('.')[0].replace(' ', '-')}"
     config = JobConfig(model="m", corpus="c.txt", out=out, no_report=True, sample_size=0)
     stats = fold([0, 1, 2, 3])
@@ -212,9 +214,9 @@ def test_a_store_down_during_the_final_write_leaves_the_run_unfinished(proxy, fa
 def test_a_job_stalled_mid_run_resumes_and_equals_the_reference(
     proxy, ray_local, tmp_path, capsys, monkeypatch
 ):
-    """The whole job (its own process's writes through the proxy: a local corpus, the reduce
-    in this process): the store stalls after its second checkpoint group, the job stops in
-    one line, exit status 2; rerun once the store answers, it resumes with both groups kept
+    """The whole job (its writes through the proxy: a local corpus, the checkpoint groups
+    written by the extractor, committed and reduced in this process): the store stalls after
+    its second checkpoint group, the job stops in one line, exit status 2; rerun once the store answers, it resumes with both groups kept
     (one shard left to extract), and this time the store refuses during the final write (a
     table): one line again, exit status 2, the manifest ``running``. The third run extracts
     nothing (every group kept), writes the run, and its tables equal the reference."""
@@ -226,7 +228,9 @@ def test_a_job_stalled_mid_run_resumes_and_equals_the_reference(
     from tests.runs.test_job_end_to_end import assert_tables_close, english_documents
     from tests.tiny_models import make_tiny_bert
 
-    monkeypatch.setattr(s3fs.S3FileSystem, "retries", 1)  # s3fs's own loop once: quicker
+    # s3fs's own loop once, in this process (the final write; the extractor's process keeps
+    # s3fs's five tries: a class attribute no configuration reaches)
+    monkeypatch.setattr(s3fs.S3FileSystem, "retries", 1)
     model = make_tiny_bert(str(tmp_path / "model"))
     docs = [d.encode("ascii", "ignore").decode() for d in english_documents(6, 900)]
     docs = [d for d in docs if d.strip()]
