@@ -12,6 +12,7 @@ checkpoint interval the job chose, with the bytes its checkpoints wrote and thei
 the extraction's time (``sizing.checkpoints``).
 
     python -m bench.self_sized [--vocab 32000,128256] [--dim 256] [--blocks 4] [--tokens 300000]
+        [--out-url s3://bucket/runs]
 """
 
 from __future__ import annotations
@@ -30,19 +31,23 @@ from bench.vocabulary import generated_corpus, wordlevel_llama_dir
 
 MIB = 2**20
 #: what a run's ``sizing.checkpoints`` says of its checkpoints' writes
-CHECKPOINT_KEYS = ("interval_s", "flushes", "bytes_written", "write_s", "bandwidth_bytes_per_s",
-                   "write_share")  # fmt: skip
+CHECKPOINT_KEYS = ("writers", "interval_s", "flushes", "bytes_written", "write_s",
+                   "bandwidth_bytes_per_s", "write_share")  # fmt: skip
 
 
-def run_default(model: str, corpus: str, out: Path) -> dict:
-    """The job with the default options in a fresh process; its manifest."""
+def run_default(model: str, corpus: str, out: Path | str) -> dict:
+    """The job with the default options in a fresh process; its manifest (``out`` a folder,
+    or a URL such as ``s3://bucket/run``, read with fsspec)."""
+    import fsspec
+
     env = os.environ | {"PYTHONPATH": str(REPO)}
     argv = [sys.executable, "-m", "jobs.analyze", "--model", model, "--corpus", corpus,
             "--out", str(out)]  # fmt: skip
     done = subprocess.run(argv, cwd=REPO, env=env, capture_output=True, text=True)
     if done.returncode != 0:
         raise SystemExit(f"the job failed:\n{done.stderr[-3000:]}")
-    return json.loads((out / "manifest.json").read_text())
+    with fsspec.open(f"{str(out).rstrip('/')}/manifest.json", "r") as f:
+        return json.load(f)
 
 
 def row(vocab: int, m: dict, seconds: float) -> dict:
@@ -80,6 +85,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--dim", type=int, default=256)
     p.add_argument("--blocks", type=int, default=4)
     p.add_argument("--tokens", type=int, default=300_000)
+    p.add_argument(
+        "--out-url", default=None,
+        help="write the runs under this URL (e.g. s3://bucket/runs: each extractor then writes "
+        "its own checkpoint groups) instead of a temporary folder",
+    )  # fmt: skip
     p.add_argument("--name", default="self_sized")
     args = p.parse_args(argv)
     work = Path(tempfile.mkdtemp(prefix="embgeom-self-sized-"))
@@ -88,7 +98,8 @@ def main(argv: list[str] | None = None) -> None:
         model = wordlevel_llama_dir(work / f"model-{vocab}", vocab, args.dim, args.blocks)
         corpus = generated_corpus(work / f"corpus-{vocab}.jsonl", vocab, args.tokens)
         t0 = time.perf_counter()
-        m = run_default(model, corpus, work / f"run-{vocab}")
+        out = work / f"run-{vocab}" if args.out_url is None else f"{args.out_url}/run-{vocab}"
+        m = run_default(model, corpus, out)
         rows.append(row(vocab, m, time.perf_counter() - t0))
         print(json.dumps(rows[-1]), flush=True)
     save(args.name, {"args": vars(args), "rows": rows})
