@@ -129,6 +129,9 @@ def test_distinct_rows_by_hash_equal_numpys_unique_rows(dtype, d, seed):
     _, first_np, inverse_np = np.unique(X, axis=0, return_index=True, return_inverse=True)
     first, inverse = distinct_rows(X)
     # the classes: rows i, j are one point exactly when numpy's unique rows say so
-    assert np.array_equal(inverse[:, None] == inverse[None, :], inverse_np.reshape(-1)[:, None] == inverse_np.reshape(-1)[None, :])
+    assert np.array_equal(
+        inverse[:, None] == inverse[None, :],
+        inverse_np.reshape(-1)[:, None] == inverse_np.reshape(-1)[None, :],
+    )
     assert np.array_equal(first, np.sort(first_np))
     assert np.array_equal(X[first][inverse], X, equal_nan=True)
