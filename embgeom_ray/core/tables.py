@@ -270,6 +270,23 @@ def sampled_row(
     ) | sampled_clipped_cosines(X, token_ids, clip_dims)
 
 
+def sampled_selection(
+    X: np.ndarray,
+    content_keys: np.ndarray | None,
+    kmeans_options: dict[str, Any],
+    map_fits: Any = None,
+) -> tuple[SelectKResult, np.ndarray | None]:
+    """One layer's K-means model selection and the distance matrix of its distinct points
+    (:func:`~.kmeans_selection.distinct_distances`; None when the selection takes a subsample),
+    which :func:`sampled_row` reads as ``distances``: (the selection, the distances). The
+    first of a layer's two tasks in the sampled stage, when the layer is fitted in one process."""
+    from .kmeans_selection import distinct_distances, select_k
+
+    shared = distinct_distances(X, content_keys, kmeans_options.get("silhouette_max_points"))
+    km = select_k(X, groups=content_keys, map_fits=map_fits, shared=shared, **kmeans_options)
+    return km, None if shared is None else shared[1]
+
+
 def sampled_layer_results(
     X: np.ndarray,
     token_ids: np.ndarray,
@@ -281,15 +298,11 @@ def sampled_layer_results(
     map_fits: Any = None,
 ) -> tuple[dict[str, Any], SelectKResult]:
     """One layer's K-means model selection and :func:`sampled_row`, from one distance matrix of
-    its distinct points (:func:`~.kmeans_selection.distinct_distances`): (the row, the
-    selection). The per-layer task of the sampled stage for samples fitted in one process;
-    the same numbers as :func:`~.kmeans_selection.select_k` and :func:`sampled_row` run apart."""
-    from .kmeans_selection import distinct_distances, select_k
-
-    shared = distinct_distances(X, content_keys, kmeans_options.get("silhouette_max_points"))
-    km = select_k(X, groups=content_keys, map_fits=map_fits, shared=shared, **kmeans_options)
-    distances = None if shared is None else shared[1]
-    del shared
+    its distinct points (:func:`sampled_selection`): (the row, the selection). The same numbers
+    as :func:`~.kmeans_selection.select_k` and :func:`sampled_row` run apart, and as the
+    sampled stage's two tasks of the layer (:func:`sampled_selection`, then
+    :func:`sampled_row` with its distances)."""
+    km, distances = sampled_selection(X, content_keys, kmeans_options, map_fits)
     row = sampled_row(
         X, token_ids, type_vectors, km, clip_dims, groups=content_keys, distances=distances,
         **row_options,

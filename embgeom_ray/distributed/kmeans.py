@@ -207,15 +207,20 @@ def _capped_call(fn: Callable[..., Any], threads: int, *args: Any, **kwargs: Any
         return fn(*args, **kwargs)
 
 
-def call_on_ray(fn: Callable[..., Any], *args: Any, cpus: int = 1, **kwargs: Any) -> ray.ObjectRef:
+def call_on_ray(
+    fn: Callable[..., Any], *args: Any, cpus: int = 1, returns: int = 1, **kwargs: Any
+) -> Any:
     """``fn(*args, **kwargs)`` as one Ray task of ``cpus`` CPUs and at most ``cpus`` threads.
 
-    Returns its object ref at once. Arguments that are object refs (e.g. a layer's from
-    :func:`submit_layers_on_ray`) arrive resolved: the task starts when they are ready.
+    Returns its object ref at once (``returns`` > 1: a list of that many refs, one per item of
+    the tuple ``fn`` returns, each fetched alone). Arguments that are object refs (e.g. a
+    layer's from :func:`submit_layers_on_ray`) arrive resolved: the task starts when they are
+    ready.
     """
     if cpus < 1:
         raise ValueError(f"cpus must be >= 1, got {cpus}")
-    return _capped_call.options(num_cpus=cpus).remote(fn, cpus, *args, **kwargs)
+    task = _capped_call.options(num_cpus=cpus, num_returns=returns)
+    return task.remote(fn, cpus, *args, **kwargs)
 
 
 def fit_layers_on_ray(

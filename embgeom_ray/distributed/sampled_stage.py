@@ -19,10 +19,10 @@ from ..core.rogue import flagged_dims
 from ..core.tables import (
     finish_sampled_columns,
     sampled_layer,
-    sampled_layer_results,
     sampled_note,
     sampled_options,
     sampled_row,
+    sampled_selection,
 )
 from ..sizing.formulas import on_workers
 
@@ -38,9 +38,17 @@ def add_sampled_metrics(
 ) -> tuple[dict[str, Any], dict[int, np.ndarray]]:
     """K-means, LID, silhouettes, cluster-adjusted and clipped cosines on the sample, on Ray.
 
-    Every layer's K-means model selection and :func:`~embgeom_ray.core.tables.sampled_row` are
-    one Ray task (:func:`~embgeom_ray.core.tables.sampled_layer_results`: one distance matrix
-    of the layer's points serves both), or, for samples too large for one worker, a
+    Every layer's K-means model selection is one Ray task
+    (:func:`~embgeom_ray.core.tables.sampled_selection`), which also returns the distance
+    matrix of the layer's distinct points, and its :func:`~embgeom_ray.core.tables.sampled_row`
+    a second task that reads that matrix from the object store (one matrix serves both, the
+    numbers of :func:`~embgeom_ray.core.tables.sampled_layer_results`). A layer's metrics task
+    is submitted after the selections of the next C layers (C: the CPUs free when the stage
+    starts; :func:`~embgeom_ray.distributed.kmeans.fit_shares`): Ray starts ready tasks in
+    the order submitted, so the selections keep every CPU busy and the shorter metrics tasks
+    fill them at the end, instead of a last layer's whole work running alone on one CPU while
+    the others idle; at most about C + 1 distance matrices wait in the object store. Samples
+    too large for one worker have a
     distributed fit (:func:`~embgeom_ray.distributed.kmeans.submit_layers_on_ray`) followed by
     the row's task, which starts as soon as the layer's clusters are ready; each task holds one
     CPU and runs one thread. The layers are planned
@@ -63,6 +71,8 @@ def add_sampled_metrics(
     note = sampled_note(first)
     if "skipped" in note:
         return note, {}
+    import ray
+
     from ..core.kmeans_selection import LOCAL_FIT_MAX_ELEMENTS
     from .cluster import connect  # only here: the driver imports ray when there is Ray work
     from .kmeans import RayFits, call_on_ray, fit_shares, submit_layers_on_ray
@@ -71,20 +81,31 @@ def add_sampled_metrics(
     kmeans_options, row_options = sampled_options(options, first.num_uniform)
     flagged = flagged_dims(tables["dims"])
     shares = fit_shares(len(layers), 1)
-    km_refs, row_refs = {}, {}
+    km_refs, row_refs, rows_after = {}, {}, []
+
+    def submit_row(
+        layer: int, args: list[Any], clip_dims: list[int], keys: Any, distances: Any
+    ) -> None:  # the layer's metrics, once its selection (km_refs) and distances are ready
+        row_refs[layer] = call_on_ray(
+            sampled_row, *args, km_refs[layer], clip_dims, groups=keys, distances=distances,
+            **row_options,
+        )  # fmt: skip
+
     for layer in layers:
         one = first if layer == layers[0] else sample.layer(layer)
         first = None
         inputs = sampled_layer(one, layer, flagged.get(layer, []))
         del one
-        if inputs.vectors.size <= LOCAL_FIT_MAX_ELEMENTS:  # one task: one distance matrix
-            row_refs[layer] = call_on_ray(
-                sampled_layer_results, inputs.vectors, inputs.token_ids, inputs.type_vectors,
-                inputs.clip_dims, inputs.content_keys, kmeans_options, row_options,
-                RayFits(*shares),
-            )  # fmt: skip
-            km_refs[layer] = None
+        if inputs.vectors.size <= LOCAL_FIT_MAX_ELEMENTS:  # one distance matrix, two tasks
+            args = [ray.put(a) for a in (inputs.vectors, inputs.token_ids, inputs.type_vectors)]
+            keys = ray.put(inputs.content_keys)
+            km_refs[layer], distances = call_on_ray(
+                sampled_selection, args[0], keys, kmeans_options, RayFits(*shares), returns=2
+            )
+            rows_after.append((layer, args, inputs.clip_dims, keys, distances))
             del inputs
+            if len(rows_after) > shares[1]:  # the metrics of a layer CPUs-many selections ago
+                submit_row(*rows_after.pop(0))
             continue
         km_refs[layer] = submit_layers_on_ray(
             {layer: inputs.vectors}, groups={layer: inputs.content_keys}, shares=shares,
@@ -101,6 +122,9 @@ def add_sampled_metrics(
             **row_options,
         )
         del inputs
+    for pending in rows_after:
+        submit_row(*pending)
+    row_refs = {layer: row_refs[layer] for layer in layers}
     return _finish(tables, note, layers, row_refs, km_refs)
 
 

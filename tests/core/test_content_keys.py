@@ -109,3 +109,29 @@ def test_content_rule_follows_the_attention(model_type, extra, rule):
     from transformers import AutoConfig
 
     assert content_rule(AutoConfig.for_model(model_type, **extra)) == rule
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.sampled_from([np.float16, np.float32, np.float64]),
+    st.integers(1, 7),
+    st.integers(0, 2**32 - 1),
+)
+def test_distinct_rows_by_hash_equal_numpys_unique_rows(dtype, d, seed):
+    """The rows' hash finds the classes np.unique(X, axis=0) finds (equal values: −0.0 and
+    +0.0 one row, a NaN row its own), so (first, inverse) are the same."""
+    rng = np.random.default_rng(seed)
+    X = rng.standard_normal((12, d)).astype(dtype)[rng.integers(0, 12, 60)]
+    X[rng.integers(0, 60, 6), 0] = -0.0
+    X[rng.integers(0, 60, 6), 0] = 0.0
+    if seed % 3 == 0:
+        X[rng.integers(0, 60, 2), -1] = np.nan
+    _, first_np, inverse_np = np.unique(X, axis=0, return_index=True, return_inverse=True)
+    first, inverse = distinct_rows(X)
+    # the classes: rows i, j are one point exactly when numpy's unique rows say so
+    assert np.array_equal(
+        inverse[:, None] == inverse[None, :],
+        inverse_np.reshape(-1)[:, None] == inverse_np.reshape(-1)[None, :],
+    )
+    assert np.array_equal(first, np.sort(first_np))
+    assert np.array_equal(X[first][inverse], X, equal_nan=True)
