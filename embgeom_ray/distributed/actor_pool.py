@@ -623,7 +623,9 @@ class _Scheduler:
         self.on_folded(report)
         if self.flush_due(worker, int(result.get("state_bytes", 0))):
             worker.flushing = True
-            self.in_flight[worker.actor.flush.remote(self.checkpoint_writer)] = worker
+            writer = self.checkpoint_writer  # None: the flush comes here (no argument)
+            ref = worker.actor.flush.remote() if writer is None else worker.actor.flush.remote(writer)
+            self.in_flight[ref] = worker
         else:
             self.send(worker, self.queue.popleft())
 

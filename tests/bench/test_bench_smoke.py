@@ -161,12 +161,13 @@ def test_sampled_stage_smoke(results_dir):
 
 def test_sampled_schedule_smoke(results_dir, ray_local):
     """The stage's two orders of tasks replayed as sleeps (1/200 of the measured seconds) on
-    the tests' Ray of 2 CPUs: two tasks a layer no slower than the CPU's bound allows."""
+    the tests' Ray of 2 CPUs (one of them may be held by another test's actor in ``make test``:
+    the bench replays on the CPUs free): two tasks a layer no faster than the CPUs' bound."""
     from bench import sampled_schedule
 
     sampled_schedule.main("--scale 200 --repeats 1".split())
     res = read(results_dir, "sampled_schedule")
-    assert res["cpus"] == 2 and len(res["times"]) == 7
+    assert res["cpus"] in (1, 2) and len(res["times"]) == 7
     assert res["seconds"]["two_tasks_a_layer"] >= res["bound"] * 0.99
 
 
