@@ -19,6 +19,7 @@ either way, as ``torch.topk`` and ``np.argpartition`` do).
 
 from __future__ import annotations
 
+import warnings
 from typing import NamedTuple
 
 import numpy as np
@@ -66,7 +67,10 @@ def smallest_per_row(D: np.ndarray, m: int, *, ordered: bool = False) -> np.ndar
     """
     import torch
 
-    Dt = torch.from_numpy(np.ascontiguousarray(D))
+    D = np.ascontiguousarray(D)
+    with warnings.catch_warnings():  # D may be read-only (from Ray's object store): only read
+        warnings.filterwarnings("ignore", "The given NumPy array is not writable", UserWarning)
+        Dt = torch.from_numpy(D)
     out = np.empty((len(D), m), np.int64)
     for a in range(0, len(D), 1024):  # row blocks bound the (rows, m) outputs' scratch
         top = torch.topk(Dt[a : a + 1024], m, dim=1, largest=False, sorted=ordered)
