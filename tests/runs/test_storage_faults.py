@@ -274,3 +274,32 @@ def test_a_job_stalled_mid_run_resumes_and_equals_the_reference(
     ref = reference_tables(model, docs, max_length=32)
     assert_tables_close(tables, ref, rtol=1e-5, cos_atol=1e-6)
     assert np.isfinite(tables["layers"]["anisotropy"]).all()
+
+
+def test_a_large_object_goes_up_in_parts_and_a_failed_part_leaves_nothing(proxy, monkeypatch):
+    """Past two parts an S3 object is uploaded in parts a few at a time (io_utils.S3_PART_BYTES;
+    here parts of 5 MiB, S3's least): it reads back whole, from bytes or from a uint8 array (Ray's); a part
+    the store refuses past the retries stops the write with the run's one line, and the upload
+    is aborted, so no object stands under the name."""
+    import numpy as np
+    import s3fs
+
+    from embgeom_ray import io_utils
+
+    monkeypatch.setattr(io_utils, "S3_PART_BYTES", 5 << 20)
+    monkeypatch.setattr(s3fs.S3FileSystem, "retries", 1)
+    data = np.random.default_rng(13).integers(0, 256, (12 << 20) + 123, dtype=np.uint8)
+    fs = s3fs.S3FileSystem()
+    for name, body in (("array", data), ("bytes", data.tobytes())):
+        seen = len(proxy.seen)
+        io_utils.atomic_write_bytes(f"s3://{BUCKET}/parts/{name}.bin", body)
+        assert fs.cat(f"{BUCKET}/parts/{name}.bin") == data.tobytes()
+        parts = [r for r in proxy.seen[seen:] if b"partNumber=" in r and r.startswith(b"PUT")]
+        assert len(parts) == 3, parts  # two whole parts and the rest
+    proxy.fault("refuse", at=rb"PUT /faults/parts/refused\.bin\?partNumber=2")
+    with pytest.raises(StorageError) as info, resumable(f"s3://{BUCKET}/parts"):
+        io_utils.atomic_write_bytes(f"s3://{BUCKET}/parts/refused.bin", data)
+    proxy.heal()
+    assert "\n" not in str(info.value) and proxy.endpoint in str(info.value)
+    fs.invalidate_cache()
+    assert not fs.exists(f"{BUCKET}/parts/refused.bin")
