@@ -50,6 +50,7 @@ from ..inputs.extractor import ShardProcessor
 from ..inputs.hub_credentials import hub_credentials, use_hub_credentials
 from ..inputs.malloc_tuning import reuse_freed_memory
 from ..inputs.options import ExtractionOptions
+from ..shared_out import unseen
 from ..sizing import Cluster, Extractor, Pool
 from ..sizing.checkpoints import Pacer
 from ..sizing.growth import (
@@ -176,6 +177,8 @@ class GroupResult:
     #: and ``sample`` are then empty), and the seconds the extractor's writes took
     written: dict[str, Any] | None = None
     write_s: float = 0.0
+    #: the extractor's last flush: asked when the queue had drained
+    last: bool = False
 
     def pieces(self) -> Iterator[np.ndarray]:
         """The statistics pieces (bytes-like), fetched one at a time and let go of as they are
@@ -215,6 +218,7 @@ class ShardExtract:
         clip_dims: list[int] | None = None,
         credentials: dict[str, str] | None = None,
         storage: dict[str, Any] | None = None,
+        out_marker: dict[str, str] | None = None,
     ) -> None:
         import torch
 
@@ -222,6 +226,9 @@ class ShardExtract:
         use_hub_credentials(credentials or {})  # the driver's hub token, before any loading
         # the driver's access to object storage, for the groups this actor writes itself
         use_storage_access(storage or {})
+        #: why this node does not see the run's local directory (None: it does, or the run
+        #: is in object storage): checked before anything else (embgeom_ray/shared_out.py)
+        self.out_unseen = None if out_marker is None else unseen(out_marker)
         sampler()  # this process's peak private memory, sampled from now on
         self.error: Exception | None = None
         self.broken_on: str | None = None
@@ -252,7 +259,8 @@ class ShardExtract:
 
     def ready(self) -> dict[str, Any]:
         """The loaded extractor's device, padded tokens per batch and statistics budget, its
-        process and node (or its loading error)."""
+        process and node, and why its node does not see the run's local directory, where it
+        was asked to check (or its loading error)."""
         if self.error is not None:
             raise self.error
         return {
@@ -261,6 +269,7 @@ class ShardExtract:
             "statistics_budget": self.processor.statistics_budget,
             "pid": os.getpid(),
             "node_id": ray.get_runtime_context().get_node_id(),
+            "out_unseen": self.out_unseen,
         }
 
     def process(self, shard_json: dict[str, Any]) -> dict[str, Any]:
@@ -366,6 +375,8 @@ class _Worker:
     #: when the oldest unflushed shard was dispatched (time.monotonic)
     since: float | None = None
     flushing: bool = False
+    #: the flush asked is its last (the queue had drained)
+    last: bool = False
 
 
 @dataclass
@@ -426,12 +437,15 @@ class _Scheduler:
         growth: Growth | None = None,
         interval: Callable[[int], float] | None = None,
         checkpoint_writer: Callable[..., dict[str, Any]] | None = None,
+        on_unseen: Callable[[str, str], None] | None = None,
     ) -> None:
         self.config, self.pool, self._start = config, pool, start
-        #: what each extractor writes its own flushes with (object storage: the driver's
-        #: ``write_group`` bound to the run), else None: the flushes come to the driver
-        #: (``on_group`` writes them)
+        #: what each extractor writes its own flushes with (the driver's ``write_group``
+        #: bound to the run), else None: the flushes come to the driver (``on_group`` writes
+        #: them); None from the first extractor whose node does not see the run's local
+        #: directory on, ``on_unseen(node id, why)`` told once
         self.checkpoint_writer = checkpoint_writer
+        self.on_unseen = on_unseen
         #: seconds an extractor's oldest unflushed shard may age, for so many extractors
         #: ready (:class:`~embgeom_ray.sizing.checkpoints.Pacer`: the option's, or its floor)
         self.interval = interval or Pacer(config.checkpoint_interval).interval
@@ -551,6 +565,10 @@ class _Scheduler:
         if budget is not None:
             self.pool.statistics_bytes = max(self.pool.statistics_bytes or 0, budget)
         worker.budget = budget
+        if started.get("out_unseen") and self.checkpoint_writer is not None:
+            self.checkpoint_writer = None  # its flushes, and every one after, come here
+            if self.on_unseen is not None:
+                self.on_unseen(started.get("node_id") or "", started["out_unseen"])
         worker.record.update(
             node_id=started.get("node_id"),
             pid=started.get("pid"),
@@ -622,7 +640,7 @@ class _Scheduler:
             )
         self.on_folded(report)
         if self.flush_due(worker, int(result.get("state_bytes", 0))):
-            worker.flushing = True
+            worker.flushing, worker.last = True, not self.queue
             writer = self.checkpoint_writer  # None: the flush comes here (no argument)
             ref = worker.actor.flush.remote() if writer is None else worker.actor.flush.remote(writer)
             self.in_flight[ref] = worker
@@ -639,11 +657,13 @@ class _Scheduler:
         if written is not None:  # the extractor wrote its files: the driver commits them
             self.pool.spills += int(written["parts"]) - 1
             group = GroupResult(
-                list(shard_ids), [], None, Counts.from_json(counts), written, write_s
+                list(shard_ids), [], None, Counts.from_json(counts), written, write_s, worker.last
             )
         else:
             self.pool.spills += len(stats) - 1
-            group = GroupResult(list(shard_ids), stats, sample, Counts.from_json(counts))
+            group = GroupResult(
+                list(shard_ids), stats, sample, Counts.from_json(counts), last=worker.last
+            )
         self.on_group(group)
         self.pool.checkpoints += 1
         worker.record["shards"] += len(shard_ids)
@@ -714,6 +734,8 @@ def run_shards(
     on_resized: Callable[[str], None] | None = None,
     interval: Callable[[int], float] | None = None,
     checkpoint_writer: Callable[..., dict[str, Any]] | None = None,
+    out_marker: dict[str, str] | None = None,
+    on_unseen: Callable[[str, str], None] | None = None,
 ) -> PoolPlan:
     """Process ``shards`` on a pool of extractor actors: ``pool``, as the job's sizing decided
     it (:func:`~embgeom_ray.sizing.size_extractors`: actors, CPUs, GPUs, the memory each asks
@@ -727,9 +749,11 @@ def run_shards(
     given its first shard; ``on_resized`` gets one line each time the pool grows or shrinks
     (module docstring: the pool follows the cluster); ``interval(n)`` the seconds between an
     extractor's flushes while ``n`` extractors are ready (default: ``--checkpoint-interval``);
-    ``checkpoint_writer``: where each extractor writes its own flushes' files (object storage:
-    :func:`~embgeom_ray.runs.checkpoints.write_group` bound to the run; ``on_group`` then
-    commits them), else None.
+    ``checkpoint_writer``: where each extractor writes its own flushes' files
+    (:func:`~embgeom_ray.runs.checkpoints.write_group` bound to the run; ``on_group`` then
+    commits them), else None; ``out_marker``: on a local path, the marker each extractor
+    checks when it starts (:mod:`embgeom_ray.shared_out`): from the first whose node does not
+    see it, ``on_unseen(node id, why)`` is told and the flushes come to ``on_group``.
     """
     plan = plan_pool(scheduling, len(shards)) if pool is None else pool_plan(pool)
     if not shards:
@@ -752,7 +776,7 @@ def run_shards(
     storage = storage_access() if checkpoint_writer is not None else None
     args = (
         extraction.model_dump(), layers, metadata, plan.num_cpus, clip_dims, hub_credentials(),
-        storage,
+        storage, out_marker if checkpoint_writer is not None else None,
     )  # fmt: skip
     each = Extractor(plan.num_cpus, plan.num_gpus, plan.memory_bytes)
     possible = extractors_possible(read_autoscaler_groups() or (), each)
@@ -777,5 +801,6 @@ def run_shards(
         growth,
         interval,
         checkpoint_writer,
+        on_unseen,
     ).run()
     return plan

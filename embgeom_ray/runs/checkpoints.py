@@ -52,6 +52,7 @@ discarded on resume with the group's files, and its shards redone
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -65,7 +66,16 @@ from ..counts import Counts
 from ..errors import IntegrityError, OutputError
 from ..inputs.corpus import ShardPlan
 from ..integrity import Digest, FileRef, digests_from_json, digests_json, seal, unseal
-from ..io_utils import atomic_write_bytes, atomic_write_json, exists, join, read_bytes
+from ..io_utils import (
+    atomic_write_bytes,
+    atomic_write_json,
+    exists,
+    is_local,
+    join,
+    local_path,
+    read_bytes,
+)
+from ..shared_out import remove_marker, write_marker
 
 #: directory of checkpoint groups
 GROUPS = "groups"
@@ -134,6 +144,20 @@ class CheckpointStore:
 
     def _path(self, *parts: str) -> str:
         return join(self.out, *parts)
+
+    def absolute_out(self) -> str:
+        """The run's location as any process reads it: a local path made absolute (an
+        extractor's working directory is not the driver's), a URL as it is."""
+        return self.out if not is_local(self.out) else os.path.abspath(local_path(self.out))
+
+    def write_marker(self) -> dict[str, str]:
+        """A new marker in ``groups/`` for each extractor to check that its node sees this
+        local run (:func:`~embgeom_ray.shared_out.write_marker`); a dot-file, never a group's,
+        cleaned with the half-written groups if the job dies before :meth:`remove_marker`."""
+        return write_marker(join(self.absolute_out(), GROUPS))
+
+    def remove_marker(self, marker: dict[str, str]) -> None:
+        remove_marker(marker)
 
     def check_writable(self) -> None:
         try:

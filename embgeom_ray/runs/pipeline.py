@@ -83,7 +83,14 @@ from ..sizing import (
     size_job,
     size_reduce,
 )
-from ..sizing.checkpoints import EXTRACTORS, FLOOR_S, Pacer, writers_for
+from ..sizing.checkpoints import (
+    EXTRACTORS,
+    FLOOR_S,
+    Pacer,
+    decide_writers,
+    needs_check,
+    writers_for,
+)
 from ..storage import check_output, resumable, user_errors
 from .checkpoints import CheckpointGroup, CheckpointStore, GroupFiles, write_group
 from .finish import RunStatistics, StatisticsHere, counts_of, finish_run
@@ -177,11 +184,12 @@ def _extract(
         if group.written is not None:  # the extractor wrote the files: commit them
             files = GroupFiles.from_json(group.written)
             store.commit_group(files, group.counts)
-            pacer.wrote(files.nbytes, group.write_s)
+            pacer.wrote(files.nbytes, group.write_s, last=group.last)
         else:
             t0 = time.perf_counter()
             saved = store.save_group(group.shard_ids, group.pieces(), group.sample, group.counts)
-            pacer.wrote(sum(d.size for d in saved.digests.values()), time.perf_counter() - t0)
+            nbytes = sum(d.size for d in saved.digests.values())
+            pacer.wrote(nbytes, time.perf_counter() - t0, last=group.last)
         if pacer.given is None:
             now = pacer.interval(max(1, pacer.extractors))
             if said[0] is None or abs(now - said[0]) >= 0.25 * said[0]:
@@ -192,6 +200,15 @@ def _extract(
         with tqdm.external_write_mode(file=sys.stderr):
             print(line, file=sys.stderr, flush=True)
 
+    def on_unseen(node: str, why: str) -> None:  # an extractor does not see the local run
+        pacer.fall_back(decide_writers(config.out, [(node, why)])[1])
+        on_resized(f"checkpoints: {pacer.writers_line()} from now on")
+
+    # where the extractors are to write their own flushes on a local path, each checks first
+    # that its node sees the run as this process writes it (embgeom_ray/shared_out.py)
+    marker = (
+        store.write_marker() if pacer.writers == EXTRACTORS and needs_check(config.out) else None
+    )
     try:
         return run_shards(
             config.extraction,
@@ -207,12 +224,18 @@ def _extract(
             pool=sizing.pool,
             on_resized=on_resized,
             interval=pacer.interval,
-            checkpoint_writer=functools.partial(write_group, config.out)
+            checkpoint_writer=functools.partial(write_group, store.absolute_out())
             if pacer.writers == EXTRACTORS
             else None,
+            out_marker=marker,
+            on_unseen=on_unseen,
         )
     finally:
         bar.close()
+        if marker is not None:
+            store.remove_marker(marker)
+        if pacer.writers == EXTRACTORS and needs_check(config.out):  # every extractor saw it
+            pacer.writers_why = decide_writers(config.out)[1]
 
 
 def warm_workers_wanted(config: JobConfig, layers: int, pool: PoolPlan) -> int:
@@ -433,6 +456,7 @@ def show_plan(spec: RunSpec, echo=print) -> dict[str, Any]:
     for line in describe_plan(
         sizing, spec.corpus_shape, checkpoint_interval=spec.config.checkpoint_interval,
         total_layers=spec.total_layers, checkpoint_writers=writers_for(spec.config.out),
+        checkpoint_check=needs_check(spec.config.out),
     ):  # fmt: skip
         echo(line)
     return sizing.to_json()
@@ -692,7 +716,10 @@ def _start_run(
         echo(line)
     if resumed:
         echo(f"resuming {config.out}: {len(done)} of {len(plan.shards)} shards already done")
-    pacer = Pacer(config.checkpoint_interval, writers=writers_for(config.out))
+    writers, why = decide_writers(config.out)
+    if needs_check(config.out):  # each extractor checks that its node sees the run
+        why = f"where every extractor's node sees {config.out}: checked as each starts"
+    pacer = Pacer(config.checkpoint_interval, writers=writers, writers_why=why)
     echo(f"sizing: checkpoints: every {pacer.reason()}; {pacer.writers_line()}")
     return _Started(
         sizing, plan, resumed, dedup, manifest, done, todo, todo, pacer, t_ray1 - t_ray0,

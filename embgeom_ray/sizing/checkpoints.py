@@ -2,18 +2,24 @@
 writes the checkpoints.
 
 Each extractor flushes its running statistics once its oldest unflushed shard is T seconds
-old (and when the queue drains, or its statistics budget is full). Who writes a flush
-(:func:`writers_for`):
+old, when its statistics budget is full, and once more when the queue drains (its *last*
+flush: the extractor's state since its previous flush, which the reduce reads from the
+checkpoint groups, as it reads every other: below). Who writes a flush
+(:func:`decide_writers`):
 
-- the **driver** (the job's own process), for a run on a local filesystem: the extractors'
-  nodes may not see the driver's disk, so each flush travels to the driver, which writes the
+- **each extractor**, where every extractor's node reaches the run: object storage
+  (``s3://``, ``gs://``, …), or a local path that every extractor's node sees as the job's
+  own process does (a shared filesystem such as NFS or Lustre, or a run on one node), which
+  each extractor checks when it starts (:mod:`embgeom_ray.shared_out`). It writes its own
+  flush's files and hands the driver their digests, the driver writes the group's JSON (what
+  marks its shards done). The N writers write at once, each at its own W, so an extractor
+  spends B / (W · T) of its time writing;
+- the **driver** (the job's own process), for a run on a local path that an extractor's node
+  does not see (the driver's own disk): each flush travels to the driver, which writes the
   groups one after the other. N extractors flushing B bytes each every T seconds to storage
   that takes W bytes a second from that one writer spend N · B / (W · T) of the extraction's
-  time writing;
-- **each extractor**, for a run in object storage (``s3://``, ``gs://``, …), which every node
-  reaches: it writes its own flush's files and hands the driver their digests, the driver
-  writes the group's JSON (what marks its shards done). The N writers write at once, each at
-  its own W, so an extractor spends B / (W · T) of its time writing.
+  time writing. The first extractor that does not see the run turns the run to this for every
+  flush after (one line says which node and why).
 
 The interval is chosen so that this share is at most :data:`IO_SHARE`:
 
@@ -24,13 +30,23 @@ within [FLOOR_S, CEILING_S]. B and W are measured, not assumed (:class:`Pacer`):
 bytes of the flushes written so far, and those bytes over the seconds their writes took (each
 writer's own seconds). Until the first flush is written there is no measurement, so the first
 flushes come at the floor. The ceiling bounds the work a failure loses: an extractor lost (or a
-node, with its extractors) redoes at most T seconds of its shards. Pure functions and a little
-state, no Ray: the scheduler asks :meth:`Pacer.interval` at every shard, the pipeline tells
-:meth:`Pacer.wrote` after every group.
+node, with its extractors) redoes at most T seconds of its shards.
+
+The last flush is not a checkpoint the interval could leave out: when the queue drains the
+extractors are ended, and the reduce (in the job's own process, or on reducer actors on other
+nodes, each reading the groups of its token range) reads every extractor's state from the
+groups; a flush written there also keeps that state through the reduce (a reduce that fails,
+a job killed during it: the rerun reduces again, extracting nothing). It adds one flush per
+extractor to the run whatever T is, B / W seconds of each writer's time, which the share
+states apart: over an extraction of E seconds writing takes IO_SHARE + B / (W · E) of it
+(:attr:`Pacer.to_json`'s ``write_share`` and ``write_share_before_drain``). Pure functions and
+a little state, no Ray: the scheduler asks :meth:`Pacer.interval` at every shard, the pipeline
+tells :meth:`Pacer.wrote` after every group.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -48,13 +64,35 @@ FLOOR_S = 60.0
 CEILING_S = 3600.0
 
 
-def writers_for(out: str) -> str:
-    """Who writes the checkpoint groups of a run at ``out``: :data:`EXTRACTORS` in object
-    storage (every node reaches it), else :data:`DRIVER` (a local path the extractors' nodes
-    may not share)."""
+def needs_check(out: str) -> bool:
+    """Whether who writes the checkpoint groups of a run at ``out`` depends on what the
+    extractors' nodes see (a local path: :mod:`embgeom_ray.shared_out`); object storage is
+    reached from every node."""
     from ..storage import is_remote
 
-    return EXTRACTORS if is_remote(out) else DRIVER
+    return not is_remote(out)
+
+
+def decide_writers(out: str, unseen: Sequence[tuple[str, str]] = ()) -> tuple[str, str]:
+    """Who writes the checkpoint groups of a run at ``out``, and why in a few words:
+    :data:`EXTRACTORS` in object storage, and on a local path while no extractor's node is
+    ``unseen`` (node id, why it does not see the run: :func:`~embgeom_ray.shared_out.unseen`);
+    else :data:`DRIVER`."""
+    if not needs_check(out):
+        return EXTRACTORS, "object storage"
+    if not unseen:
+        return EXTRACTORS, f"every extractor's node sees {out} (a shared filesystem, or one node)"
+    node, why = unseen[0]
+    return DRIVER, (
+        f"the extractor on node {node[:8] or '?'} does not see {out} ({why}): not a filesystem "
+        "its nodes share"
+    )
+
+
+def writers_for(out: str) -> str:
+    """Who writes the checkpoint groups of a run at ``out`` before any extractor has said
+    what it sees (:func:`decide_writers`): each extractor."""
+    return decide_writers(out)[0]
 
 
 def _queued(extractors: int, writers: str) -> int:
@@ -110,12 +148,27 @@ class Pacer:
     writers: str = DRIVER
     #: the most extractors at once (the writers' count, where each writes its own)
     most_extractors: int = 0
+    #: why they write them (:func:`decide_writers`)
+    writers_why: str = ""
+    #: of the flushes, the extractors' last ones (when the queue drained: the module
+    #: docstring), and the seconds their writes took
+    last_flushes: int = 0
+    last_write_s: float = 0.0
 
-    def wrote(self, nbytes: int, seconds: float) -> None:
-        """One checkpoint group of ``nbytes`` was written in ``seconds``."""
+    def wrote(self, nbytes: int, seconds: float, last: bool = False) -> None:
+        """One checkpoint group of ``nbytes`` was written in ``seconds`` (``last``: an
+        extractor's last flush, when the queue drained)."""
         self.flushes += 1
         self.bytes_written += int(nbytes)
         self.write_s += max(float(seconds), 1e-6)
+        if last:
+            self.last_flushes += 1
+            self.last_write_s += max(float(seconds), 1e-6)
+
+    def fall_back(self, why: str) -> None:
+        """An extractor does not see the run (``why``, :func:`decide_writers`): the job's own
+        process writes every flush from now on."""
+        self.writers, self.writers_why = DRIVER, why
 
     @property
     def bandwidth(self) -> float | None:
@@ -172,8 +225,22 @@ class Pacer:
     def writers_line(self) -> str:
         """Who writes the groups, in a few words."""
         if self.writers == EXTRACTORS:
-            return "written by each extractor (object storage), committed by this process"
-        return "written by this process"
+            return (
+                f"written by each extractor ({self.writers_why}), committed by this process"
+                if self.writers_why
+                else "written by each extractor, committed by this process"
+            )
+        return f"written by this process ({self.writers_why})" if self.writers_why else (
+            "written by this process"
+        )
+
+    def share_of(self, write_s: float, extract_s: float | None) -> float | None:
+        """``write_s`` seconds of writes as a share of an extraction of ``extract_s`` (of each
+        extractor's time, where each writes its own)."""
+        if not extract_s or not self.flushes:
+            return None
+        each = max(1, self.most_extractors) if self.writers == EXTRACTORS else 1
+        return round(write_s / extract_s / each, 4)
 
     def to_json(self, extract_s: float | None = None) -> dict[str, Any]:
         """The manifest's ``sizing.checkpoints``: the rule, the measurements, the interval
@@ -190,34 +257,32 @@ class Pacer:
             "write_s": round(self.write_s, 3),
             "bandwidth_bytes_per_s": None if self.bandwidth is None else round(self.bandwidth),
             "writers": self.writers,
+            "writers_reason": self.writers_why,
             # where each extractor writes its own, the writes' seconds are spread over them
-            "write_share": None
-            if not extract_s or not self.flushes
-            else round(
-                self.write_s / extract_s / max(1, self.most_extractors)
-                if self.writers == EXTRACTORS
-                else self.write_s / extract_s,
-                4,
-            ),
+            "write_share": self.share_of(self.write_s, extract_s),
+            # the extractors' last flushes (when the queue drained: the reduce's input), and
+            # the share of the others, the one the interval holds to ``share``
+            "last_flushes": self.last_flushes,
+            "last_write_s": round(self.last_write_s, 3),
+            "write_share_before_drain": self.share_of(self.write_s - self.last_write_s, extract_s),
         }
 
 
 def describe_plan(
-    flush_bytes: int, extractors: int, per_node: int, given: float | None, writers: str = DRIVER
+    flush_bytes: int,
+    extractors: int,
+    per_node: int,
+    given: float | None,
+    writers: str = DRIVER,
+    checked: bool = False,
 ) -> list[str]:
-    """``--plan``'s lines on checkpoints: who writes them, the interval (given, or the rule
-    with what it gives at a few bandwidths, since the run measures its own) and the work one
-    node's failure loses at most."""
+    """``--plan``'s lines on checkpoints: who writes them (``checked``: each extractor where
+    its node sees the run's local path, :func:`decide_writers`), the interval (given, or the
+    rule with what it gives at a few bandwidths, since the run measures its own), the
+    extractors' last flushes and the work one node's failure loses at most."""
     n = max(1, extractors)
     round_bytes = n * flush_bytes
     each = writers == EXTRACTORS
-    who = (
-        f"  written by each extractor ({n} writers at once: object storage), committed by the "
-        "job's own process"
-        if each
-        else "  written by the job's own process (a local path: one writer; in object storage "
-        "each extractor writes its own)"
-    )
     per = "a writer" if each else ""
     if given is not None:
         share = (
@@ -247,8 +312,28 @@ def describe_plan(
         ]
         worst = CEILING_S
     lines.append(
+        f"  and each extractor's last flush, when the queue drains (its state since the one "
+        f"before, which the reduce reads from the groups): B / W = "
+        f"{flush_bytes / 2**30:,.0f} s at 1 GiB/s{' ' + per if per else ''}, once a run"
+    )
+    lines.append(
         f"  a node lost loses at most its {per_node} extractor(s)' last {worst:,.0f} s of "
         f"shards: {per_node * worst / 3600:,.2f} extractor-hours redone"
     )
-    lines.append(who)
+    if each and checked:
+        alone = interval_for(flush_bytes, n, 2**30)
+        lines.append(
+            f"  written by each extractor ({n} writers at once) where every extractor's node "
+            "sees the run's directory (checked as each starts: a shared filesystem, or one "
+            "node), committed by the job's own process; else by the job's own process alone: "
+            f"T = N · B / ({IO_SHARE:.0%} · W) = {alone:,.0f} s at 1 GiB/s "
+            f"({write_share(flush_bytes, n, 2**30, alone):.0%})"
+        )
+    elif each:
+        lines.append(
+            f"  written by each extractor ({n} writers at once: object storage), committed by "
+            "the job's own process"
+        )
+    else:
+        lines.append("  written by the job's own process (one writer)")
     return lines

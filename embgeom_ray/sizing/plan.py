@@ -34,11 +34,14 @@ def describe_plan(
     checkpoint_interval: float | None,
     total_layers: int,
     checkpoint_writers: str = DRIVER,
+    checkpoint_check: bool = False,
 ) -> list[str]:
     """What ``--plan`` prints: what runs where, every process's memory as number and formula,
     the bytes that move and are stored, and what measuring fewer layers saves
     (``checkpoint_writers``: who writes the checkpoint groups,
-    :func:`~embgeom_ray.sizing.checkpoints.writers_for`)."""
+    :func:`~embgeom_ray.sizing.checkpoints.writers_for`; ``checkpoint_check``: where the
+    extractors' nodes are to see the run's local path for that,
+    :func:`~embgeom_ray.sizing.checkpoints.needs_check`)."""
     shape, types, pool, red = sizing.shape, sizing.types, sizing.pool, sizing.reduce
     io = sizing.extras.get("io") or io_sizes(sizing, corpus)
     d, L, P = shape.dim, shape.layers, shape.positions
@@ -104,6 +107,7 @@ def describe_plan(
         *checkpoint_lines(
             io["flush_piece_bytes"] + shape.sample_bytes, pool.num_workers,
             extractors_per_node(sizing), checkpoint_interval, checkpoint_writers,
+            checkpoint_check,
         ),
         "checkpoint groups on disk: one per extractor and --checkpoint-interval ("
         + (

@@ -14,17 +14,24 @@ import ray
 
 from embgeom_ray.counts import Counts
 
+#: :data:`embgeom_ray.distributed.actor_pool.WRITTEN` (not imported here: that module imports
+#: torch)
+WRITTEN = "written_group"
+
 
 class FakeExtract:
-    def __init__(self, delay: float) -> None:
+    def __init__(self, delay: float, out_unseen: str | None = None) -> None:
         self.delay = delay
         self.shard_ids: list[str] = []
+        #: why its node does not see the run's local directory (None: it does)
+        self.out_unseen = out_unseen
 
     def _where(self) -> dict[str, Any]:
         return {"pid": os.getpid(), "node_id": ray.get_runtime_context().get_node_id()}
 
     def ready(self) -> dict[str, Any]:
-        return {"device": "cpu", "batch_tokens": 0, "statistics_budget": None} | self._where()
+        ready = {"device": "cpu", "batch_tokens": 0, "statistics_budget": None}
+        return ready | self._where() | {"out_unseen": self.out_unseen}
 
     def process(self, shard_json: dict[str, Any]) -> dict[str, Any]:
         time.sleep(self.delay)
@@ -32,10 +39,14 @@ class FakeExtract:
         counts = Counts(documents=1).to_json()
         return {"counts": counts, "unflushed": len(self.shard_ids), "state_bytes": 0} | self._where()
 
-    def flush(self) -> tuple[list[str], list[Any], None, dict[str, Any]]:
-        out = (self.shard_ids, [np.zeros(1, dtype=np.uint8)], None, Counts().to_json())
-        self.shard_ids = []
-        return out
+    def flush(self, writer: Any = None) -> tuple[list[str], list[Any], None, dict[str, Any]]:
+        """As the real one's: with ``writer``, it writes the group's files itself."""
+        shard_ids, self.shard_ids = self.shard_ids, []
+        pieces = [np.zeros(1, dtype=np.uint8)]
+        if writer is None:
+            return shard_ids, pieces, None, Counts().to_json()
+        written = writer(shard_ids, pieces, None)
+        return shard_ids, [], None, Counts().to_json() | {WRITTEN: written, "write_s": 0.01}
 
 
 FakeExtractActor = ray.remote(FakeExtract)

@@ -177,3 +177,43 @@ def test_the_autoscalers_node_groups_as_ray_shows_them(ray_local):
     )
     assert extractors_possible(groups, Extractor(cpus=1, gpus=1, memory=4 * GiB)) == 8
     assert read_autoscaler_groups() is None
+
+
+def test_from_an_extractor_that_does_not_see_the_run_the_driver_writes(ray_local, tmp_path):
+    """A local run whose extractors write their own flushes: the first extractor's node sees
+    the run, the second's does not (its check, embgeom_ray/shared_out.py, says why). From the
+    second's start on, the flushes come to the driver: ``on_unseen`` is told once, with that
+    node, and every shard is still in exactly one group."""
+    import functools
+
+    from embgeom_ray.distributed import actor_pool
+    from embgeom_ray.runs.checkpoints import write_group
+    from tests.distributed import fake_extractors
+
+    assert fake_extractors.WRITTEN == actor_pool.WRITTEN
+    shards = [Shard(f"s{i:02d}", "corpus.jsonl", "jsonl", i, i + 1, 0) for i in range(60)]
+    started: list[int] = []
+
+    def start():
+        started.append(1)
+        why = None if len(started) == 1 else "no .out-check-x in /run/groups"
+        return FakeExtractActor.options(num_cpus=0).remote(0.05, why)
+
+    pool = PoolPlan(num_workers=2, num_gpus=0.0, num_cpus=1)
+    groups, told = [], []
+    view = Cluster((Node("a", GiB, cpus=1), Node("b", GiB, cpus=1)))
+    growth = Growth(Extractor(cpus=1), 2, read=lambda: view, say=lambda _: None, poll_s=0.05)
+    writer = functools.partial(write_group, str(tmp_path / "run"))
+    config = SchedulingOptions(checkpoint_interval=3600)  # each flushes when the queue drains
+    _Scheduler(config, pool, start, shards, groups.append, lambda _: None, lambda _: None,
+               growth=growth, checkpoint_writer=writer,
+               on_unseen=lambda node, why: told.append((node, why, len(groups)))).run()  # fmt: skip
+    here = __import__("ray").get_runtime_context().get_node_id()
+    (node, why, before), = told
+    assert (node, why) == (here, "no .out-check-x in /run/groups")
+    assert sorted(s for g in groups for s in g.shard_ids) == [s.shard_id for s in shards]
+    assert all(g.last for g in groups)  # each flushed when the queue drained
+    # every flush asked after the second extractor started came here, its own among them
+    # (those before, if any, the first one wrote)
+    assert len(groups) > before and all(g.written is None for g in groups[before:])
+    assert all(g.written is not None for g in groups[:before])

@@ -207,7 +207,8 @@ def test_driver_killed_then_resumed(tmp_path, corpus, minilm_dir, clean, ray_loc
     with nothing done twice and the same tables as an uninterrupted run. One group is as if
     the driver had died after writing its statistics but before its JSON (and a write of
     its was cut short): that group is redone, its stale files are cleaned, and nothing is
-    counted twice."""
+    counted twice. The extractors write the groups themselves (a local run on one node: each
+    sees the run's directory)."""
     total = json.loads((clean / "manifest.json").read_text())["shards"]["total"]
 
     out = tmp_path / "killed"
@@ -260,6 +261,11 @@ def test_driver_killed_then_resumed(tmp_path, corpus, minilm_dir, clean, ray_loc
     assert len(done_shards(out)) == total
     assert manifest["counts"] == json.loads((clean / "manifest.json").read_text())["counts"]
     assert_same_tables(read_tables(out), read_tables(clean))
+    # a local run on one node: every extractor saw the run's directory and wrote its own
+    # groups (the driver committed them), before the kill and after it
+    checkpoints = manifest["sizing"]["checkpoints"]
+    assert checkpoints["writers"] == "extractors", checkpoints
+    assert checkpoints["writers_reason"].startswith(f"every extractor's node sees {out}")
 
 
 # the tests on a simulated cluster, last: the tests' local Ray is shut down for it

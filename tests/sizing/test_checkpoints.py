@@ -53,7 +53,10 @@ def test_the_plan_says_the_rule_and_what_one_node_loses():
     lines = describe_plan(int(65.2 * GiB), 32, 8, None)
     assert lines[0].startswith("checkpoints: every T = N · B / (5% · W) s within [60 s, 3600 s]")
     assert "T = 3,600 s at 1 GiB/s" in lines[0]
-    assert "8 extractor(s)' last 3,600 s of shards: 8.00 extractor-hours" in lines[1]
+    # the last flush of each extractor, whatever T: 65.2 GiB at 1 GiB/s
+    assert lines[1].startswith("  and each extractor's last flush, when the queue drains")
+    assert lines[1].endswith("B / W = 65 s at 1 GiB/s, once a run")
+    assert "8 extractor(s)' last 3,600 s of shards: 8.00 extractor-hours" in lines[2]
     given = describe_plan(GiB, 2, 1, 300.0)
     assert given[0].startswith("checkpoints: every 300 s (--checkpoint-interval): writing them takes")
 
@@ -63,10 +66,9 @@ def test_where_each_extractor_writes_its_own_flushes_the_share_is_its_own():
     interval is B / (share · W) whatever N: the 8B model's 65.2 GiB flushes at 1 GiB/s a
     writer every 1,304 s keep writing at 5% of each extractor's time, where one writer for
     all 32 would need 11.6 GiB/s for that at the ceiling."""
-    from embgeom_ray.sizing.checkpoints import DRIVER, EXTRACTORS, writers_for
+    from embgeom_ray.sizing.checkpoints import EXTRACTORS, writers_for
 
     assert writers_for("s3://bucket/run") == EXTRACTORS and writers_for("gs://b/r") == EXTRACTORS
-    assert writers_for("/data/runs/x") == DRIVER and writers_for("file:///data/x") == DRIVER
     b = 65.2 * GiB
     t = interval_for(b, 32, GiB, writers=EXTRACTORS)
     assert t == pytest.approx(b / (IO_SHARE * GiB)) == pytest.approx(1304.0)
@@ -86,3 +88,58 @@ def test_where_each_extractor_writes_its_own_flushes_the_share_is_its_own():
     assert lines[0].startswith("checkpoints: every T = B / (5% · W) s (W: one writer's) within")
     assert "T = 1,304 s at 1 GiB/s a writer (5%)" in lines[0]
     assert lines[-1].startswith("  written by each extractor (32 writers at once")
+
+
+def test_on_a_local_path_the_extractors_write_where_every_node_sees_it(tmp_path):
+    """A local ``--out``: each extractor reads back the marker the driver wrote
+    (embgeom_ray/shared_out.py). Every extractor sees it (a shared filesystem, or one node):
+    each writes its own flushes; one does not: the driver writes them, one line saying which
+    node and why, and the interval is the driver's rule."""
+    from embgeom_ray.shared_out import MARKER_PREFIX, remove_marker, unseen, write_marker
+    from embgeom_ray.sizing.checkpoints import DRIVER, EXTRACTORS, decide_writers, needs_check
+
+    assert needs_check("/data/runs/x") and needs_check("file:///data/x")
+    assert not needs_check("s3://bucket/run")
+    assert decide_writers("s3://bucket/run") == (EXTRACTORS, "object storage")
+    marker = write_marker(str(tmp_path / "run" / "groups"))
+    path = tmp_path / "run" / "groups" / (MARKER_PREFIX + marker["nonce"])
+    assert marker["path"] == str(path) and path.read_text() == marker["nonce"]
+    assert unseen(marker) is None  # this process, the driver's node
+    # another disk at the same path: the file is not there, or holds another nonce
+    missing = unseen(marker | {"path": str(tmp_path / "elsewhere" / path.name)})
+    assert missing == f"no {path.name} in {tmp_path / 'elsewhere'}"
+    assert "holds another nonce" in unseen(marker | {"nonce": "0" * 32})
+    who, why = decide_writers("/shared/run")
+    assert who == EXTRACTORS and why.startswith("every extractor's node sees /shared/run")
+    who, why = decide_writers("/shared/run", [("0123456789abcdef", missing)])
+    assert who == DRIVER
+    assert why == f"the extractor on node 01234567 does not see /shared/run ({missing}): not a filesystem its nodes share"
+    remove_marker(marker)
+    assert not path.exists() and unseen(marker).startswith("no ")
+    remove_marker(marker)  # gone already: nothing to do
+
+    pacer = Pacer(writers=EXTRACTORS)
+    pacer.wrote(2 * GiB, 4.0)
+    assert pacer.interval(4) == pytest.approx(80.0)  # B / (5% · W): 2 GiB at 0.5 GiB/s
+    pacer.fall_back(why)
+    assert pacer.interval(4) == pytest.approx(320.0)  # N · B / (5% · W): the driver alone
+    assert pacer.writers_line() == f"written by this process ({why})"
+    assert pacer.to_json()["writers"] == DRIVER and pacer.to_json()["writers_reason"] == why
+    lines = describe_plan(int(65.2 * GiB), 32, 8, None, EXTRACTORS, checked=True)
+    assert lines[-1].startswith("  written by each extractor (32 writers at once) where every")
+    assert lines[-1].endswith("else by the job's own process alone: T = N · B / (5% · W) = 3,600 s at 1 GiB/s (58%)")
+
+
+def test_the_last_flushes_are_stated_apart_from_the_share_the_interval_holds():
+    """Each extractor's last flush, when the queue drains, is the reduce's input: written
+    whatever T is. The manifest states the share of the flushes before it (the one T holds to
+    5%) apart from the share of all: for one extractor whose two flushes took 3 s each over an
+    extraction of 100 s, 3% before the drain and 6% in all."""
+    pacer = Pacer(writers="extractors")
+    pacer.interval(1)
+    pacer.wrote(GiB, 3.0)
+    pacer.wrote(GiB, 3.0, last=True)
+    record = pacer.to_json(extract_s=100.0)
+    assert (record["flushes"], record["last_flushes"], record["last_write_s"]) == (2, 1, 3.0)
+    assert record["write_share"] == pytest.approx(0.06)
+    assert record["write_share_before_drain"] == pytest.approx(0.03)

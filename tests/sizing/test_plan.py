@@ -38,7 +38,9 @@ def test_minilm_plan_is_what_the_run_records(ray_local, minilm_dir, tmp_path, ca
     assert not (tmp_path / "run").exists()
     for what in ("model: ", "6 blocks, d = 384", "V = 30,522 tokenizer entries", "extractors:",
                  "memory each:", "reduce", "driver (the job's own process)", "artefact:",
-                 "checkpoints: every T = N · B / (5% · W) s within [60 s, 3600 s]"):  # fmt: skip
+                 "checkpoints: every T = B / (5% · W) s (W: one writer's) within [60 s, 3600 s]",
+                 "written by each extractor (1 writers at once) where every extractor's node sees "
+                 "the run's directory"):  # fmt: skip
         assert what in printed, what
     # a CPU's batch from MiniLM's shape: d_ff = 1,536 float32 values a token within 32 MiB
     assert "5,120 padded tokens a batch (a CPU's: one layer's largest tensor" in printed

@@ -80,13 +80,15 @@ def test_plan_is_what_the_run_records_and_reducers_land_where_placed(cluster, tm
     for what in ("extractors:", "memory each:", "reducers: 2 actor(s)", "token ranges:",
                  "driver (the job's own process)", "flush:", "checkpoint groups on disk:",
                  "artefact:", "tables (before compression):",
-                 "checkpoints: every T = N · B / (5% · W) s", "a node lost loses at most"):  # fmt: skip
+                 "checkpoints: every T = B / (5% · W) s", "a node lost loses at most"):  # fmt: skip
         assert what in text, what
     manifest = analyze(build_config(None, opts), echo=lambda *_: None)
     recorded = dict(manifest["sizing"])
     reduce = recorded.pop("reduce")
     checkpoints = recorded.pop("checkpoints")  # measured by the run, by the plan's rule
     assert checkpoints["share"] == 0.05 and checkpoints["flushes"] >= 1
+    # the simulated nodes share this machine's disk: each extractor wrote its own groups
+    assert checkpoints["writers"] == "extractors", checkpoints
     assert recorded == json.loads(json.dumps(planned))
     # the CPU node hosts the extractors (the head has no CPUs, the GPU node's actors would
     # need CUDA: --device cpu), each asking Ray for what the plan says
