@@ -9,7 +9,14 @@ statistics budget; reducers × their budget, or the job's own process), and each
 private memory against its budget: the job's own process above its memory at start (≤ 1 GiB),
 the extractor against what it asked Ray for, every reducer against its budget; and the
 checkpoint interval the job chose, with the bytes its checkpoints wrote and their share of
-the extraction's time (``sizing.checkpoints``).
+the extraction's time (``sizing.checkpoints``: in all, and before the queue drained, the
+extractors' last flushes apart).
+
+``--out-url s3://bucket/runs`` writes the runs to an object store; to measure against moto's
+S3 server on loopback (no real store): start ``moto_server -H 127.0.0.1 -p PORT``, create the
+bucket (``aws --endpoint-url http://127.0.0.1:PORT s3 mb s3://bench``, or s3fs's ``mkdir``),
+and run this with ``AWS_ENDPOINT_URL_S3=http://127.0.0.1:PORT``, ``AWS_ACCESS_KEY_ID=testing``,
+``AWS_SECRET_ACCESS_KEY=testing`` and ``AWS_DEFAULT_REGION=us-east-1`` in its environment.
 
     python -m bench.self_sized [--vocab 32000,128256] [--dim 256] [--blocks 4] [--tokens 300000]
         [--out-url s3://bucket/runs]
@@ -31,8 +38,9 @@ from bench.vocabulary import generated_corpus, wordlevel_llama_dir
 
 MIB = 2**20
 #: what a run's ``sizing.checkpoints`` says of its checkpoints' writes
-CHECKPOINT_KEYS = ("writers", "interval_s", "flushes", "bytes_written", "write_s",
-                   "bandwidth_bytes_per_s", "write_share")  # fmt: skip
+CHECKPOINT_KEYS = ("writers", "writers_reason", "interval_s", "flushes", "bytes_written",
+                   "write_s", "bandwidth_bytes_per_s", "write_share", "last_flushes",
+                   "last_write_s", "write_share_before_drain")  # fmt: skip
 
 
 def run_default(model: str, corpus: str, out: Path | str) -> dict:
