@@ -8,8 +8,9 @@ returns only the shard's small counts. The driver asks an actor to ``flush`` (ha
 accumulated statistics as safetensors bytes with the ids of the shards they cover, and start
 afresh) once its unflushed work is older than ``--checkpoint-interval`` seconds (0: after
 every shard), and always when the queue is drained. ``on_group`` checkpoints each flush in
-the driver (in object storage it commits the files the extractor wrote itself: ``flush``'s
-``writer``): a shard counts as done only there, so a shard's result is merged exactly once.
+the driver (where the extractors reach the run, in object storage or on a local path their
+nodes see, it commits the files the extractor wrote itself: ``flush``'s ``writer``): a shard
+counts as done only there, so a shard's result is merged exactly once.
 
 The scheduler keeps one shard in flight per actor (shards take seconds or more; the dispatch
 round trip is milliseconds). An actor that dies (process killed, node lost, spot
@@ -310,7 +311,7 @@ class ShardExtract:
         """(shard ids, statistics pieces, sample bytes, summed counts) since the last flush;
         the pieces are ObjectRefs of what was spilled, then the running statistics' bytes.
 
-        With ``writer`` (a run in object storage: the driver's
+        With ``writer`` (a run this actor's node reaches: the driver's
         :func:`~embgeom_ray.runs.checkpoints.write_group` bound to the run), the actor writes
         the group's files itself, ``writer(shard ids, pieces, sample)``, each spilled piece
         fetched, written and let go of in turn, and returns, in place of the pieces, the

@@ -2,7 +2,8 @@
 
 An extractor actor folds many shards into one running statistics object and flushes it now
 and then (``--checkpoint-interval``; always when the queue is drained); each flush becomes one
-*checkpoint group*, written by the driver or, in object storage, by the extractor itself (below).
+*checkpoint group*, written by the extractor itself where its node reaches the run (object
+storage, or a local path every extractor's node sees), else by the driver (below).
 Layout under ``OUT``::
 
     run.json                               fingerprint of what determines the result + plan
@@ -23,7 +24,7 @@ JSON), which are never read.
 
 A group's JSON is written by the driver alone, and only once every other file of the group is
 written: by the driver itself after it has received a whole flush, or, where the extractors
-write their own flushes (object storage: ``sizing.checkpoints.writers_for``), by the extractor,
+write their own flushes (``sizing.checkpoints.decide_writers``), by the extractor,
 which hands the driver the files' names and digests (:meth:`CheckpointStore.write_group_files`,
 :meth:`CheckpointStore.commit_group`). So the driver alone decides what is done, and a shard is
 merged exactly once: the done shards are the union of the
@@ -492,9 +493,9 @@ def write_group(
     stats_pieces: Iterable[bytes | np.ndarray],
     sample_bytes: bytes | np.ndarray | None,
 ) -> dict[str, Any]:
-    """An extractor's own write of its flush to the run at ``out`` (object storage): the
-    group's files (:meth:`CheckpointStore.write_group_files`), returned as
-    :meth:`GroupFiles.to_json` for the driver to commit. Bound to ``out`` by the driver and
+    """An extractor's own write of its flush to the run at ``out`` (a URL, or an absolute
+    local path its node sees): the group's files (:meth:`CheckpointStore.write_group_files`),
+    returned as :meth:`GroupFiles.to_json` for the driver to commit. Bound to ``out`` by the driver and
     sent with each flush, so that the Ray layer needs nothing of this module."""
     return CheckpointStore(out).write_group_files(shard_ids, stats_pieces, sample_bytes).to_json()
 
