@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU measurements, in one call on a machine with an NVIDIA GPU and no Ray (the
 # engine-agnostic core runs without it), within $DEADLINE seconds (default 480). $STEPS picks
-# them (default "comoment fold vocabulary precision extraction"); they run in this order, the
+# them (default "comoment fold fold-stacked vocabulary precision extraction"); they run in this order, the
 # measurements of the fold's product and launches first (issue 53), each against today's code:
 #   comoment    the co-moment product alone, 65,536 rows, d = 768, 2,048 and 4,096: float64
 #               in 8 blocks (Hopper's default), the int8 product by torch._int_mm and by the
@@ -13,6 +13,9 @@
 #               profile's calls); against $FOLD_BASELINE too (a git revision, or an extracted
 #               embgeom_ray package where the machine has no .git: bench/gpu_prepare.sh with
 #               BASELINE makes .gpu/baseline/embgeom_ray, the default where it exists)
+#   fold-stacked  the fold of small batches (8,192 tokens, d = 384 and 768, 12 layers), where
+#               this checkout folds the layers together (statistics.STACK_LAYERS), against
+#               $FOLD_BASELINE's one layer at a time
 #   vocabulary  the fold against the bare forward on 128k-vocabulary Llama-shaped bf16 models
 #               at the batch size the job picks, with the default product and with the Triton
 #               one (bounded-int8-triton): d = 4,096 (2 blocks, vocabulary-4096) first, then
@@ -51,7 +54,7 @@ OUT=${OUT:-/tmp/embgeom-gpu}
 if [ -z "${FOLD_BASELINE:-}" ] && [ -d .gpu/baseline/embgeom_ray ]; then
   FOLD_BASELINE=.gpu/baseline/embgeom_ray
 fi
-STEPS=" ${STEPS:-comoment fold vocabulary precision extraction} "
+STEPS=" ${STEPS:-comoment fold fold-stacked vocabulary precision extraction} "
 PYTHON=${PYTHON:-python3}
 mkdir -p "$OUT"
 if [ -n "${WHEELS:-}" ]; then
@@ -91,8 +94,10 @@ if [ -n "${SMOKE:-}" ]; then  # tiny sizes on the CPU
   V2="--dim 128 --blocks 1"; V4="--dim 256 --blocks 1"
   E="--models minilm --device cpu --tokens 400 --repeats 1"; DM="--tokens 400 --repeats 1"
   PREC="--vocab 500 --batch-tokens 512"; REPEATS=1
+  FS="--dims 24 --batch-tokens 256 --layers 6"
 else
   DEV="--device cuda"; D1=768; D2=2048; D4=4096; ROWS=65536; TOK=65536; DT=bfloat16
+  FS="--dims 384,768 --batch-tokens 8192 --layers 12"
   VOCAB="--vocab 128256 --tokens 150000 --fold-tokens 100000 --batch-tokens auto"
   V2="--dim 2048 --blocks 8"; V4="--dim 4096 --blocks 2"
   E="--models bert-base --device cuda --dtype bfloat16 --tokens 100000 --repeats 2"
@@ -112,6 +117,10 @@ if wanted fold; then
   step 140 bench.fold $DEV --dims $D1,$D2,$D4 --batch-tokens $TOK --repeats $REPEATS \
     --baseline "${FOLD_BASELINE:-none}" --comoment-precision bounded --profile \
     --products int8-triton --name gpu-fold
+fi
+if wanted fold-stacked; then  # small batches: the layers folded together against one at a time
+  step 45 bench.fold $DEV $FS --repeats $REPEATS --baseline "${FOLD_BASELINE:-none}" \
+    --comoment-precision bounded --name gpu-fold-stacked
 fi
 if wanted vocabulary vocabulary-4096; then  # the float64 product (Hopper's default) and Triton's
   step 110 bench.vocabulary $V $VOCAB $V4 --comoment-precision bounded,bounded-int8-triton \

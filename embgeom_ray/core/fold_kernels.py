@@ -54,6 +54,12 @@ FUSE: bool | None = None
 #: the ``torch.compile`` backend
 BACKEND = "inductor"
 
+#: graphs each fused pass may build in a process (dynamo's default, 8, applies elsewhere): one
+#: per input dtype and rank (one layer's rows, a stack of layers' rows) and size 0/1 cases,
+#: which a process folding several dtypes (the tests, or models of several dtypes) exceeds;
+#: past it the fold would warn and stay eager
+RECOMPILE_LIMIT = 64
+
 _F64 = torch.float64
 _compiled: dict[tuple[str, str], Callable[..., object]] = {}
 _unavailable = False
@@ -71,14 +77,15 @@ def squared_deviations_eager(
     means: torch.Tensor, inv: torch.Tensor, x: torch.Tensor
 ) -> torch.Tensor:
     """``‖means[inv_i] − x_i‖²`` for every row i of ``x`` (n × d): ``means`` (u × d) and
-    ``x`` float64, ``inv`` (n,) the row's index into ``means``."""
-    return (torch.index_select(means, 0, inv) - x).square().sum(dim=1)
+    ``x`` float64, ``inv`` (n,) the row's index into ``means``; or of G layers at once, ``x``
+    (n × G × d) and ``means`` (u × G × d), an (n × G) result."""
+    return (torch.index_select(means, 0, inv) - x).square().sum(dim=-1)
 
 
 def deviations_and_centred_eager(
     means: torch.Tensor, inv: torch.Tensor, x: torch.Tensor, c: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(:func:`squared_deviations_eager`, x − c): ``c`` (d,) float64."""
+    """(:func:`squared_deviations_eager`, x − c): ``c`` (d,) float64 (G × d for G layers)."""
     return squared_deviations_eager(means, inv, x), x - c
 
 
@@ -107,7 +114,8 @@ def run_fused(eager: Callable[..., object], *args: torch.Tensor) -> object:
         try:
             if key not in _compiled:
                 _compiled[key] = torch.compile(eager, dynamic=True, fullgraph=True, backend=BACKEND)
-            return _compiled[key](*args)
+            with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT):
+                return _compiled[key](*args)
         except Exception as e:  # any failure to build a kernel: the eager passes instead
             _unavailable = True
             warnings.warn(

@@ -135,6 +135,23 @@ def add_gram(upper: torch.Tensor, xs: torch.Tensor, block: int = 96) -> None:
         add_gram_upper(upper, xs, block)
 
 
+def add_gram_stacked(upper: torch.Tensor, xs: torch.Tensor, block: int = 96) -> None:
+    """:func:`add_gram` of G layers at once: ``upper`` (G × d × d, float64) gets the upper block
+    triangle of each layer's X_gᵀX_g, ``xs`` (n × G × d) the layers' rows stacked, in the same
+    column blocks as :func:`add_gram` takes them on the device (:func:`gpu_block_width` on a
+    GPU, ``block`` columns elsewhere), each block row of every layer by one batched product."""
+    d = xs.shape[2]
+    width, align = (gpu_block_width(d), GPU_GRAM_ALIGN) if xs.device.type != "cpu" else (block, 1)
+    rows = xs.permute(1, 2, 0)  # G × d × n: each layer's Xᵀ, a view
+    cols = xs.transpose(0, 1)  # G × n × d: each layer's X
+    into = xs.dtype == upper.dtype
+    for lo, hi in itertools.pairwise(_column_blocks(d, width, align)):
+        if into:
+            upper[:, lo:hi, lo:].baddbmm_(rows[:, lo:hi], cols[:, :, lo:])
+        else:
+            upper[:, lo:hi, lo:] += torch.bmm(rows[:, lo:hi], cols[:, :, lo:])
+
+
 def integer_blocks(d: int, gpu: bool) -> dict[str, int]:
     """Column blocks of the product on int8 units (``IntegerGram``'s ``block`` and ``align``):
     on a GPU its few wide ones (as :func:`add_gram`), else blocks of 96 columns; edges at

@@ -74,12 +74,13 @@ def merge_terms_eager(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(n, δ, δ · w, the mean's step δ · n_b/n) of a layer's Chan merge
     (:meth:`LayerState.merge_product`): n = n_a + n_b (``nb``: n_b as a float64 scalar, exact),
-    δ = c + m' − μ_a, w = n_a n_b / n."""
+    δ = c + m' − μ_a, w = n_a n_b / n; or of G layers at once (``n_a`` (G,), the vectors
+    G × d)."""
     delta = shift + m_s - mean_a
     n = n_a + nb.to(n_a.dtype)
     n_f = n.to(_F64)
-    w = (n_a.to(_F64) * nb) / n_f
-    return n, delta, delta * w, delta * (nb / n_f)
+    w = ((n_a.to(_F64) * nb) / n_f).unsqueeze(-1)
+    return n, delta, delta * w, delta * (nb / n_f).unsqueeze(-1)
 
 
 @functools.cache
@@ -128,6 +129,18 @@ class LayerState:
         extreme_counts(rows, "max", scratch, into=self.arrays["argmax_counts"][li])
         extreme_counts(rows, "min", scratch, into=self.arrays["argmin_counts"][li])
 
+    def add_tails_stacked(self, lo: int, rows: torch.Tensor) -> None:
+        """:meth:`add_tails` of layer slots ``lo``..lo + G − 1 at once from their finite rows
+        stacked (n × G × d): each layer's argmax and argmin dimensions (the first on ties, as
+        :func:`extreme_counts` counts them on GPUs), counted into its row of the counts by
+        one ``index_add_`` over the G·d counts of the layers."""
+        _, G, d = rows.shape
+        offsets = torch.arange(0, G * d, d, device=rows.device)
+        for name, first in (("argmax_counts", rows.argmax(2)), ("argmin_counts", rows.argmin(2))):
+            counts = self.arrays[name][lo : lo + G].view(-1)  # rows lo.. of the (L, d) counts
+            index = (first + offsets).view(-1)
+            counts.index_add_(0, index, _one(rows.device).expand_as(index))
+
     def merge_moments(
         self, li: int, n_b: torch.Tensor | int, mean_b: torch.Tensor, c_b: torch.Tensor
     ) -> None:
@@ -174,6 +187,28 @@ class LayerState:
         comoment += upper.T
         a["mean"][li].add_(step)  # in place: no write-back of the row
         a["n"][li] = n
+
+    def merge_product_stacked(
+        self, lo: int, n_b: int, shift: torch.Tensor, m_s: torch.Tensor, upper: torch.Tensor
+    ) -> None:
+        """:meth:`merge_product` of layer slots ``lo``..lo + G − 1 at once: ``shift`` and ``m_s``
+        (G × d), ``upper`` (G × d × d, overwritten), the same formulas batched over the layers
+        (the rank-one updates as batched products of one column by one row)."""
+        a = self.arrays
+        hi = lo + upper.shape[0]
+        n_a = a["n"][lo:hi]
+        nb = _scalar(float(n_b), n_a.device)
+        mean = a["mean"][lo:hi]
+        n, delta, delta_w, step = run_fused(merge_terms_eager, n_a, nb, mean, shift, m_s)
+        upper.baddbmm_(m_s.unsqueeze(2), m_s.unsqueeze(1), alpha=-n_b)
+        upper.baddbmm_(delta_w.unsqueeze(2), delta.unsqueeze(1))
+        upper.triu_()
+        comoment = a["comoment"][lo:hi]
+        comoment += upper
+        upper.diagonal(dim1=-2, dim2=-1).zero_()
+        comoment += upper.transpose(-2, -1)
+        mean.add_(step)
+        n_a.copy_(n)
 
     def merge_positions(
         self,

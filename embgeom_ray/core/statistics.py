@@ -68,7 +68,7 @@ from ..errors import StatisticsMismatchError
 from ..integrity import FileRef, as_ref, open_verified
 from . import statistics_io
 from .fold_kernels import deviations_and_centred, deviations_and_centred32, float64_rows, fused_on
-from .gram import add_gram, integer_blocks
+from .gram import add_gram, add_gram_stacked, integer_blocks
 from .group_sums import GroupMatrix, split_sums
 from .integer_gram import IntegerGram, deviations_and_residues
 from .layer_state import LayerState
@@ -87,6 +87,7 @@ __all__ = [
     "INTEGER_PRODUCT",
     "PRECISIONS",
     "SPLIT_SUMS",
+    "STACK_LAYERS",
     "EmbeddingStatistics",
     "Field",
     "LayerMoments",
@@ -107,6 +108,18 @@ CPU_ROW_BLOCK = 1024
 #: type and position as sparse products (CUDA), no host synchronisation per layer. None: on
 #: every device but the CPU; True or False forces the choice (the tests fold on CPUs both ways).
 GPU_FOLD: bool | None = None
+#: fold consecutive layers of a batch together, their rows stacked (n × G × d), where the fold
+#: goes the GPU's way with sparse sums and a float64 or float32 product (not on int8 units)
+#: and the layers are finite (:meth:`EmbeddingStatistics._fold_stacked`): each of the fold's
+#: launches then serves G layers, where a small-d batch is bound by launches, not arithmetic.
+#: None: wherever it applies; False: one layer at a time everywhere (the arithmetic of
+#: earlier versions, bit for bit)
+STACK_LAYERS: bool | None = None
+#: the float64 bytes a stack may hold: per layer about three (n × d) arrays (its rows, unit
+#: vectors and gathered means) and the (d × d) product, 8 · (3 n d + d²) bytes; G is the most
+#: layers within it, at least 1 (the caching allocator reuses them from batch to batch). Larger
+#: batches fold one layer at a time, whose launches their arithmetic already amortises
+STACK_BYTES = 256 << 20
 
 
 def gpu_fold(device: torch.device) -> bool:
@@ -497,14 +510,89 @@ class EmbeddingStatistics(Sketch):
         rows = rows.index_select(0, order)
         finite = self._finite_flags(hidden, finite)  # every layer at once: one synchronisation
         positions_b: list[tuple[int, torch.Tensor]] = []  # merged after the layers, at once
-        for li, h in enumerate(hidden):
+        for lo, hi in self._stacks(finite, groups, rows.numel(), hidden[0].dtype):
+            if hi - lo > 1:  # layers lo..hi − 1 at once, their rows stacked (n × G × d)
+                flat = torch.stack([h.to(dev).reshape(-1, self.dim) for h in hidden[lo:hi]], 1)
+                self._fold_stacked(lo, flat.index_select(0, rows), groups)
+                continue
             # the model's dtype, into reused scratch (no fresh pages per layer and batch)
-            flat = h.to(dev).reshape(-1, self.dim)
+            flat = hidden[lo].to(dev).reshape(-1, self.dim)
             kept = torch.index_select(
                 flat, 0, rows, out=self._workspace("kept", rows.numel(), flat.dtype)
             )
-            self._fold_layer(li, kept, groups, finite[li], positions_b)
+            self._fold_layer(lo, kept, groups, finite[lo], positions_b)
         self._merge_positions(positions_b, groups)
+
+    def _stacks(
+        self, finite: Sequence[bool], g: _Groups, n: int, dtype: torch.dtype
+    ) -> list[tuple[int, int]]:
+        """The layer slots a batch of ``n`` kept rows folds together, as ranges [lo, hi):
+        consecutive finite layers, as many as :data:`STACK_BYTES` holds, where
+        :data:`STACK_LAYERS` allows and the fold goes the GPU's way with sparse sums and a
+        float64 or float32 product (:meth:`_fold_stacked`); else one layer a range."""
+        L, dev = len(self.layers), self.device
+        most = max(1, STACK_BYTES // (8 * (3 * n * self.dim + self.dim**2)))
+        stacked = (
+            STACK_LAYERS is not False
+            and most > 1
+            and g.by_type is not None
+            and not split_sums_on(self.comoment_precision, dtype)
+            and not (self.comoment_precision == "bounded" and integer_product(dev, self.dim))
+        )
+        if not stacked:
+            return [(li, li + 1) for li in range(L)]
+        out: list[tuple[int, int]] = []
+        lo = 0
+        while lo < L:
+            hi = lo + 1
+            if finite[lo]:
+                while hi < L and hi - lo < most and finite[hi]:
+                    hi += 1
+            out.append((lo, hi))
+            lo = hi
+        return out
+
+    def _fold_stacked(self, lo: int, kept: torch.Tensor, g: _Groups) -> None:
+        """:meth:`_fold_layer` of the finite layer slots lo..lo + G − 1 at once, in one block
+        (the GPU's way), their kept rows stacked: ``kept`` (n × G × d, the model's dtype). The
+        same passes and merges, each of its launches serving the G layers: the tails
+        (:meth:`~.layer_state.LayerState.add_tails_stacked`), the float64 rows, the sums by
+        type and position as one sparse product of the (n × G·d) rows, the unit-vector sums
+        (:meth:`~.type_moments.TypeMoments.add_unit_sums_stacked`), the shifts, the squared
+        deviations and shifted rows (one fused kernel), the co-moment products as batched
+        products (:func:`~.gram.add_gram_stacked`), and the per-type and per-layer merges
+        (:meth:`~.type_moments.TypeMoments.merge_rows_stacked`,
+        :meth:`~.layer_state.LayerState.merge_product_stacked`). Each layer's numbers are
+        those of its own fold to float64 rounding (the order of a few additions differs:
+        tested against the fold of one layer at a time)."""
+        n, G, d = kept.shape
+        state, types = self.layer_state, self.type_moments
+        state.add_tails_stacked(lo, kept)
+        # n·G rows of d (the kernel's graph of one layer's rows: no graph more to build)
+        x, inv_norms = float64_rows(kept.view(n * G, d))
+        x, inv_norms = x.view(n, G, d), inv_norms.view(n, G)
+        wide = x.view(n, G * d)
+        mean_b = g.by_type.sums(wide).view(-1, G, d)  # the per-type sums of every layer
+        if g.by_pos is not None:
+            ps = g.by_pos.sums(wide).view(-1, G, d).transpose(0, 1)
+            state.merge_positions(slice(lo, lo + G), g.pos_counts, ps, g.pos_counts_f)
+        types.add_unit_sums_stacked(lo, x, g.slots, g.by_type, inv_norms=inv_norms)
+        if self.clip_dims is not None:
+            types.add_unit_sums_stacked(lo, x, g.slots, g.by_type, clip_dims=self.clip_dims)
+        x_mean = mean_b.sum(dim=0) / n  # G × d: each layer's batch mean
+        mean_b /= g.counts_f.view(-1, 1, 1)
+        a = state.arrays
+        c = torch.where((a["n"][lo : lo + G] > 0).unsqueeze(1), a["mean"][lo : lo + G], x_mean)
+        upper = torch.zeros(G, d, d, dtype=_F64, device=x.device)
+        if self.comoment_precision == "float32":
+            c = c.to(torch.float32).to(_F64)
+            sq, xs = deviations_and_centred32(mean_b, g.inv, x, kept, c.to(torch.float32))
+        else:
+            sq, xs = deviations_and_centred(mean_b, g.inv, x, c)
+        m2_b = torch.zeros(g.slots.numel(), G, dtype=_F64, device=x.device).index_add_(0, g.inv, sq)
+        add_gram_stacked(upper, xs)
+        types.merge_rows_stacked(lo, g.slots, g.counts, mean_b, m2_b, g.counts_f)
+        state.merge_product_stacked(lo, n, c, x_mean - c, upper)
 
     def _merge_positions(self, sums: list[tuple[int, torch.Tensor]], g: _Groups) -> None:
         """Merge the per-position sums of the layers folded with the batch's own groups: all

@@ -240,6 +240,59 @@ class TypeMoments:
             means.index_copy_(0, s, mean)
             m2.index_add_(0, s, m2_b[lo:hi] + cross)
 
+    def merge_rows_stacked(
+        self,
+        lo: int,
+        slots: torch.Tensor,
+        n_b: torch.Tensor,
+        mean_b: torch.Tensor,
+        m2_b: torch.Tensor,
+        n_b_f: torch.Tensor,
+    ) -> None:
+        """:meth:`merge_rows` of layer slots ``lo``..lo + G − 1 at once, in one block: a batch
+        of ``n_b`` rows per type (the same in every layer), its means ``mean_b`` (u × G × d) and
+        ``m2_b`` (u × G); the merge's terms (:func:`chan_merge_eager`, broadcast over the
+        layers) one compiled kernel where fused, and each array read and written once for all
+        the layers."""
+        a = self.arrays
+        G = mean_b.shape[1]
+        counts, means, m2 = (a[name][lo : lo + G] for name in ("counts", "means", "m2"))
+        n_a = counts.index_select(1, slots)
+        mean_a = means.index_select(1, slots)
+        n, mean, cross = run_fused(
+            chan_merge_eager, n_a, mean_a, n_b, mean_b.transpose(0, 1), n_b_f
+        )
+        counts.index_copy_(1, slots, n)
+        means.index_copy_(1, slots, mean)
+        m2.index_add_(1, slots, m2_b.T + cross)
+
+    def add_unit_sums_stacked(
+        self,
+        lo: int,
+        x: torch.Tensor,
+        slots: torch.Tensor,
+        by_type: GroupMatrix,
+        *,
+        inv_norms: torch.Tensor | None = None,
+        clip_dims: list[int] | None = None,
+    ) -> None:
+        """:meth:`add_unit_sums` of layer slots ``lo``..lo + G − 1 at once from their rows
+        stacked, ``x`` (n × G × d, float64; ``inv_norms`` (n × G) their 1/‖x‖ where known),
+        by one sparse product (``by_type``) of the unit vectors, written first: a row's weight
+        differs between layers, where the product takes one weight a row."""
+        n, G, d = x.shape
+        src = x
+        if clip_dims is not None:
+            src = x.clone()
+            src[:, :, clip_dims] = 0.0
+        if inv_norms is None or clip_dims is not None:
+            norms = torch.linalg.vector_norm(src, dim=2)
+            inv_norms = norms.clamp_min_(torch.finfo(_F64).tiny).reciprocal_()
+        unit = src * inv_norms.unsqueeze(2)
+        sums = by_type.sums(unit.view(n, G * d)).view(-1, G, d)
+        name = "unit_sums" if clip_dims is None else "clip_unit_sums"
+        self.arrays[name][lo : lo + G].index_add_(1, slots, sums.transpose(0, 1))
+
     def merge(
         self,
         other: TypeMoments,
