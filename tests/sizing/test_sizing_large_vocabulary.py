@@ -23,11 +23,10 @@ runs equals one run over the union, and the driver reducing in process, are test
 vocabulary in tests/runs/test_merge_runs.py and tests/distributed/test_reducers.py.)
 
 No option that sizes anything is given: the sample keeps its default size; only the sampled
-metrics' work on it is cut (``--kmeans-k-max 3``, ``--kmeans-n-init 1``,
-``--sampled-se-replicates 0``, ``--kmeans-stability-seeds 0``, ``--s-inter-draws 2``,
-``--silhouette-max-points 1024``: the K-means scan, the standard errors and the other metrics
-are tested in tests/core), and only the merge writes a report, over the most types (~55,000;
-the report itself: tests/report; a re-analysis's runs are drawn as any run's).
+metrics' work on it is cut (``--kmeans-k-max 3``, ``--sampled-se-replicates 0``,
+``--kmeans-stability-seeds 0``, ``--s-inter-draws 2``, ``--silhouette-max-points 1024``: the
+K-means scan, the standard errors and the other metrics are tested in tests/core), and run B writes no report (run A's and the merge's do;
+the report itself: tests/report).
 
 The corpus is about the least that keeps the assertion below: ~30,300 types in a half (60,000
 words), and 8·L·V·(2d+2) > 0.25 GiB needs V > 28,976 at L = 3, d = 192 (the driver would
@@ -53,8 +52,8 @@ REPO = Path(__file__).resolve().parents[2]
 GiB = 2**30
 VOCAB, DIM, BLOCKS, WORDS = 128_256, 192, 2, 60_000
 #: the sampled metrics' work cut, the sample's size (and every sizing input) left at its default
-METRICS = {"kmeans_k_max": 3, "kmeans_n_init": 1, "sampled_se_replicates": 0,
-           "kmeans_stability_seeds": 0, "s_inter_draws": 2, "silhouette_max_points": 1024}
+METRICS = {"kmeans_k_max": 3, "sampled_se_replicates": 0, "kmeans_stability_seeds": 0,
+           "s_inter_draws": 2, "silhouette_max_points": 1024}
 QUICK_METRICS = [f"--{k.replace('_', '-')}={v}" for k, v in METRICS.items()]
 
 
@@ -89,11 +88,10 @@ def test_default_options_size_themselves_within_every_budget(tmp_path):
     a = generated_corpus(halves / "a.jsonl", VOCAB, WORDS, seed=1)
     b = generated_corpus(halves / "b.jsonl", VOCAB, WORDS, seed=2)
 
-    # 1. the scheduled re-analysis of half A, no memory option in the watch list (no report), and
+    # 1. the scheduled re-analysis of half A, no memory option in the watch list, and
     # 2. half B, at the same time
     watchlist = tmp_path / "models.yaml"
-    options = METRICS | {"no_report": True}
-    watchlist.write_text(f"models:\n  - model: {model}\n    options: {json.dumps(options)}\n")
+    watchlist.write_text(f"models:\n  - model: {model}\n    options: {json.dumps(METRICS)}\n")
     store = tmp_path / "store"
     with ThreadPoolExecutor(2) as pool:
         jobs = [pool.submit(run, "jobs.reanalyze", "--watchlist", str(watchlist), "--corpus", a,
