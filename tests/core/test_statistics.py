@@ -853,7 +853,7 @@ def test_split_sums_of_a_heavy_type_with_massive_activations(dtype, row_block, m
     """Batches of 8,192 rows, one type holding ~80% of them, types seen once, μ²/V ≈ 1e6-1e8 in
     three dimensions, rows in random order: with ``SPLIT_SUMS`` every type's ‖μ_t‖, V_t and Q_t
     within 1e-6 of the float64 two-pass values (and within the split's bound). The CPU's walk
-    over blocks in the job's own blocks of rows (8 a batch; 1,638 blocks of 5 rows took ~7 s)."""
+    over blocks in the job's own blocks of rows (8 a batch; ~1,640 blocks of 5 rows took ~7 s)."""
     if row_block == "blocks of 5 rows":
         monkeypatch.setattr(statistics_module, "CPU_ROW_BLOCK", JOB_ROW_BLOCK)
     rng = np.random.default_rng(36)

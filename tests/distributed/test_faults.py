@@ -71,16 +71,17 @@ def assert_same_tables(a: dict, b: dict) -> None:
 
 
 def assert_same_sample(out: Path, clean: Path) -> None:
-    """The same sample as the run ``clean``: the same keys and token ids in every layer, the
-    same vectors to float32 rounding of another batching."""
+    """The same sample as the run ``clean``, uniform and type-uniform: the same keys and token
+    ids in every layer, the same vectors to float32 rounding of another batching."""
     ours, theirs = RunDir(str(out)).load_sample(), RunDir(str(clean)).load_sample()
-    assert list(ours.layers) == list(theirs.layers)
+    assert list(ours.layers) == list(theirs.layers) and ours.type_uniform and theirs.type_uniform
     for layer in ours.layers:
-        a, b = ours.points(layer), theirs.points(layer)
-        assert len(a.keys) == SAMPLE
-        np.testing.assert_array_equal(a.keys, b.keys)
-        np.testing.assert_array_equal(a.token_ids, b.token_ids)
-        np.testing.assert_allclose(a.vectors, b.vectors, rtol=1e-6, atol=1e-6)
+        for a, b in ((ours.points(layer), theirs.points(layer)),
+                     (ours.type_points(layer), theirs.type_points(layer))):  # fmt: skip
+            assert len(a.keys) == SAMPLE
+            np.testing.assert_array_equal(a.keys, b.keys)
+            np.testing.assert_array_equal(a.token_ids, b.token_ids)
+            np.testing.assert_allclose(a.vectors, b.vectors, rtol=1e-6, atol=1e-6)
 
 
 def done_shards(out: Path) -> set[str]:
