@@ -59,8 +59,9 @@ test: env
 test-durations: env
 	EMBGEOM_RECORD_DURATIONS=tests/durations.json $(PY) -m pytest -q $(XDIST)
 
+# the tests not marked slow, on the same workers (TEST_WORKERS=0: in one process)
 test-fast: env
-	$(PY) -m pytest -q -m "not slow"
+	$(PY) -m pytest -q -m "not slow" $(XDIST)
 
 # The declared lower bounds, tried (~11 min; not part of `make test`): the oldest transformers,
 # datasets, fsspec, pyarrow, numpy, pandas and Ray that pyproject.toml admits, laid over .venv

@@ -18,6 +18,7 @@ import pytest
 
 from embgeom_ray.config import build_config
 from embgeom_ray.core.statistics import EmbeddingStatistics
+from embgeom_ray.core.tables import MIN_SAMPLE_POINTS
 from embgeom_ray.counts import Counts
 from embgeom_ray.distributed.actor_pool import FoldReport
 from embgeom_ray.inputs.corpus import CorpusSpec, plan_shards
@@ -26,11 +27,14 @@ from embgeom_ray.run_dir import RunDir
 from embgeom_ray.runs.checkpoints import CheckpointStore
 from embgeom_ray.runs.pipeline import analyze
 from tests.conftest import start_local_ray, write_jsonl
-from tests.runs.test_job_end_to_end import LIGHT_SAMPLED, english_documents
+from tests.runs.test_job_end_to_end import english_documents
 
 pytestmark = pytest.mark.slow
 
 TABLES = ("type_stats", "layers", "dims")
+#: the runs' sample: 16 points a layer, fewer than the sampled metrics need
+SAMPLE = 16
+assert SAMPLE < MIN_SAMPLE_POINTS
 
 
 def options(model: str, corpus: str, out: Path, **extra) -> dict:
@@ -39,8 +43,11 @@ def options(model: str, corpus: str, out: Path, **extra) -> dict:
         "corpus": corpus,
         "out": str(out),
         "max_length": 64,
-        "sample_size": 128,  # the sample's own checks: tests/core, tests/runs/test_job_end_to_end.py
-        "kmeans_k_max": 6,
+        # a sample below MIN_SAMPLE_POINTS: drawn, checkpointed, requeued and merged like any
+        # other, and compared between the runs point by point (assert_same_sample), but no
+        # sampled-metrics task runs (~7 s a job: those metrics are a function of the sample,
+        # checked in tests/core and tests/runs/test_job_end_to_end.py)
+        "sample_size": SAMPLE,
         "no_report": True,  # the report is tested elsewhere (tests/report/test_report.py)
         "layers": [0, 6],
         "shard_bytes": 2048,
@@ -51,8 +58,6 @@ def options(model: str, corpus: str, out: Path, **extra) -> dict:
         "comoment_precision": "float64",
         # the fault tests look into the checkpoint groups of complete runs
         "keep_checkpoints": True,
-        # the sampled metrics are compared between runs, not checked in themselves here
-        **LIGHT_SAMPLED,
     } | extra
 
 
@@ -63,6 +68,20 @@ def read_tables(out: Path) -> dict[str, pd.DataFrame]:
 def assert_same_tables(a: dict, b: dict) -> None:
     for name in TABLES:
         pd.testing.assert_frame_equal(a[name], b[name], check_exact=False, rtol=1e-9, atol=0)
+
+
+def assert_same_sample(out: Path, clean: Path) -> None:
+    """The same sample as the run ``clean``, uniform and type-uniform: the same keys and token
+    ids in every layer, the same vectors to float32 rounding of another batching."""
+    ours, theirs = RunDir(str(out)).load_sample(), RunDir(str(clean)).load_sample()
+    assert list(ours.layers) == list(theirs.layers) and ours.type_uniform and theirs.type_uniform
+    for layer in ours.layers:
+        for a, b in ((ours.points(layer), theirs.points(layer)),
+                     (ours.type_points(layer), theirs.type_points(layer))):  # fmt: skip
+            assert len(a.keys) == SAMPLE
+            np.testing.assert_array_equal(a.keys, b.keys)
+            np.testing.assert_array_equal(a.token_ids, b.token_ids)
+            np.testing.assert_allclose(a.vectors, b.vectors, rtol=1e-6, atol=1e-6)
 
 
 def done_shards(out: Path) -> set[str]:
@@ -266,6 +285,7 @@ def test_driver_killed_then_resumed(tmp_path, corpus, minilm_dir, clean, ray_loc
     checkpoints = manifest["sizing"]["checkpoints"]
     assert checkpoints["writers"] == "extractors", checkpoints
     assert checkpoints["writers_reason"].startswith(f"every extractor's node sees {out}")
+    assert_same_sample(out, clean)
 
 
 # the tests on a simulated cluster, last: the tests' local Ray is shut down for it
@@ -328,6 +348,7 @@ def test_node_lost_mid_run(tmp_path, corpus, minilm_dir, clean, two_nodes, monke
         assert manifest["workers"]["shards_requeued"] >= 2
         assert manifest["counts"] == json.loads((clean / "manifest.json").read_text())["counts"]
         assert_same_tables(read_tables(faulty_out), read_tables(clean))
+        assert_same_sample(faulty_out, clean)
     finally:
         ray.shutdown()
 

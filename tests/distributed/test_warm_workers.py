@@ -134,33 +134,7 @@ def test_stage_tasks_run_on_the_warm_workers(tmp_path):
     assert all(nice == 19 for _, nice in out["after"])
 
 
-@pytest.mark.slow
-def test_the_pool_calls_on_ready_once_with_its_plan(ray_local, tmp_path, monkeypatch):
-    """Two extractors, several shards: the warm-up is decided once, when the first actor has
-    loaded its model, from the pool's plan; on the tests' Ray (not private) nothing is warmed."""
-    from embgeom_ray.config import build_config
-    from tests.conftest import write_jsonl
-    from tests.runs.test_job_end_to_end import english_documents
-    from tests.tiny_models import make_tiny_bert
-
-    calls: list[tuple[PoolPlan, int]] = []
-    real = pipeline.warm_workers_wanted
-
-    def wanted(config, layers, pool):
-        calls.append((pool, real(config, layers, pool)))
-        return calls[-1][1]
-
-    monkeypatch.setattr(pipeline, "warm_workers_wanted", wanted)
-    model = make_tiny_bert(tmp_path / "bert")
-    corpus = write_jsonl(tmp_path / "c.jsonl", english_documents(40, 400))
-    cfg = build_config(
-        None,
-        {"model": model, "corpus": corpus, "out": str(tmp_path / "out"), "num_workers": 2,
-         "cpus_per_worker": 1, "shard_bytes": 2000, "sample_size": 0, "no_report": True,
-         "max_length": 32},
-    )  # fmt: skip
-    manifest = pipeline.analyze(cfg, echo=lambda *_: None)
-    assert manifest["shards"]["total"] > 2
-    assert len(calls) == 1
-    pool, count = calls[0]
-    assert (pool.num_workers, pool.num_cpus) == (2, 1) and count == 0
+# That the warm-up is decided once, when the first of two extractors has loaded its model, from
+# the pool's plan (and that on the tests' Ray, not private, nothing is warmed) is checked on the
+# two-worker run of tests/runs/test_job_end_to_end.py::test_one_and_two_workers_agree (one job
+# fewer than a run of its own here).

@@ -88,8 +88,8 @@ def test_missing_corpus(capsys, tmp_path, model):
     assert_user_error(code, err, "nothing")
 
 
-@pytest.mark.slow
-def test_missing_text_column(capsys, tmp_path, model):
+def test_missing_text_column(capsys, tmp_path, model, ray_local):
+    """Refused once the job has started Ray (the session's here: a private one took ~5 s)."""
     corpus = write_jsonl(tmp_path / "c.jsonl", ["some text"], column="body")
     code, err = run(capsys, "--model", model, "--corpus", corpus, "--out", str(tmp_path / "o"))
     assert_user_error(code, err, "no column 'text'", "body")
@@ -227,8 +227,8 @@ def test_bad_config_file(capsys, tmp_path, model, corpus):
     assert_user_error(code, err, "unknown option 'max_lenght'")
 
 
-@pytest.mark.slow  # refused after the job has started a private Ray where none is up (~10 s)
-def test_output_directory_cannot_be_written(capsys, tmp_path, model, corpus):
+def test_output_directory_cannot_be_written(capsys, tmp_path, model, corpus, ray_local):
+    """Refused once the job has started Ray (the session's here: a private one took ~10 s)."""
     blocker = tmp_path / "a-file"
     blocker.write_text("x")
     code, err = run(capsys, "--model", model, "--corpus", corpus, "--out", str(blocker / "out"))

@@ -15,7 +15,10 @@ import pandas as pd
 import pytest
 
 from embgeom_ray.config import build_config
+from embgeom_ray.core.statistics import EmbeddingStatistics
+from embgeom_ray.distributed.actor_pool import PoolPlan
 from embgeom_ray.integrity import SEAL_KEY
+from embgeom_ray.runs import pipeline
 from embgeom_ray.runs.pipeline import analyze
 from tests.conftest import write_jsonl
 from tests.reference import reference_tables
@@ -138,6 +141,10 @@ def test_minilm_on_real_english_equals_float64_reference(tmp_path, ray_local, mi
     # finds the complete run and does nothing
     out = tmp_path / "minilm"
     assert not (out / "groups").exists() and (out / "statistics.safetensors").exists()
+    # the statistics say which product they hold: the job's default, bounded (its reduce once
+    # started from a float64 accumulator and said float64; float64's own: the test below)
+    saved = EmbeddingStatistics.load(out / "statistics.safetensors")
+    assert saved.header()["comoment_precision"] == "bounded"
     said: list[str] = []
     again = analyze(build_config(None, on_disk["config"]), echo=said.append)
     # (NaN-safe; the file carries its own digest beside the manifest)
@@ -187,7 +194,7 @@ def test_tiny_random_models_with_long_documents(tmp_path, ray_local, builder):
     assert 60 <= pace["interval_s"] <= 3600 and 0 < pace["write_share"] < 1
 
 
-def test_one_and_two_workers_agree(tmp_path, ray_local, minilm_dir):
+def test_one_and_two_workers_agree(tmp_path, ray_local, minilm_dir, monkeypatch):
     docs = english_documents(16, 400)  # 6 KB: 3 shards of 2 KB for the two workers
     # the exact co-moment product: one and two workers agree to 1e-9 (the float32 default's
     # product depends on the batch order through its shift: ~1e-8). One torch thread in each
@@ -198,8 +205,25 @@ def test_one_and_two_workers_agree(tmp_path, ray_local, minilm_dir):
     opts["comoment_precision"] = "float64"
     opts |= LIGHT_SAMPLED  # the sampled columns checked below are filled without them
     m1, t1 = run_job(tmp_path, minilm_dir, docs, "w1", "c.jsonl", num_workers=1, **opts)
+    # the warm-up of task workers (embgeom_ray.distributed.warm_workers) is decided once, when
+    # the first of the two extractors has loaded its model, from the pool's plan; on the tests'
+    # Ray (not private) nothing is warmed
+    calls: list[tuple[PoolPlan, int]] = []
+    real = pipeline.warm_workers_wanted
+
+    def wanted(config, layers, pool):
+        calls.append((pool, real(config, layers, pool)))
+        return calls[-1][1]
+
+    monkeypatch.setattr(pipeline, "warm_workers_wanted", wanted)
     m2, t2 = run_job(tmp_path, minilm_dir, docs, "w2", "c.jsonl", num_workers=2, **opts)
+    assert m2["shards"]["total"] > 2 and len(calls) == 1
+    pool, count = calls[0]
+    assert (pool.num_workers, pool.num_cpus) == (2, 1) and count == 0
     assert m1["workers"]["num_workers"] == 1 and m2["workers"]["num_workers"] == 2
+    for name in ("w1", "w2"):  # the statistics say which product they hold
+        saved = EmbeddingStatistics.load(tmp_path / name / "statistics.safetensors")
+        assert saved.header()["comoment_precision"] == "float64"
     # MiniLM's CPU default (6 KiB a token of d_ff within 32 MiB), as each extractor chose it
     assert m2["workers"]["batch_tokens"] == 5120
     for name in ("type_stats", "layers", "dims", "positions"):

@@ -2,9 +2,10 @@
 server mode, ``moto_server``, on a free port), the corpus and the runs in a bucket there.
 
 - a run, a resume after its driver was killed (SIGKILL), and the merge of two runs, all in the
-  bucket, as users run them (the runs ``python -m jobs.analyze`` in fresh processes, each with
-  its own private Ray; the resume and the merge through their commands' ``main``): the
-  merge's tables equal one run's over the whole corpus;
+  bucket, as users run them (the killed run ``python -m jobs.analyze`` in a fresh process with
+  its own private Ray; the resume, the second run and the merge through their commands'
+  ``main`` in the test's process, on the private Ray the resume started): the merge's tables
+  equal one run's over the whole corpus;
 - reducers on two nodes of a simulated cluster, each reading the checkpoint groups from the
   bucket; the self-sized defaults on the same cluster give the same tables (that run over the
   whole corpus is the one the merge above is compared with: one job for both tests);
@@ -163,11 +164,12 @@ def test_reducers_on_two_nodes_read_the_groups_from_the_bucket(s3, on_cluster):
 @pytest.mark.timeout(1200)
 def test_a_run_a_resume_and_a_merge_in_a_bucket(s3, corpus, on_cluster, tmp_path, monkeypatch,
                                                 capsys):  # fmt: skip
-    """Run a (its driver killed, then resumed) and run b, each in a fresh process with its
-    own private Ray, b while a runs; their merge equals the run over the whole corpus (the
-    self-sized one on the simulated cluster: :func:`on_cluster`). The resume and the merge
-    run through their commands' ``main`` in this process (the environment pointing at the
-    bucket), sparing two process starts."""
+    """Run a, in a fresh process with its own private Ray, its driver killed, then resumed;
+    and run b; their merge equals the run over the whole corpus (the self-sized one on the
+    simulated cluster: :func:`on_cluster`). The resume, run b and the merge run through their
+    commands' ``main`` in this process (the environment pointing at the bucket), run b on the
+    private Ray the resume started: a fresh process for b beside a's took ~15 s more of the
+    suite's CPU (a process's imports, a Ray's start) for the same writes to the bucket."""
     model, url = corpus["model"], corpus["url"]
     runs = f"s3://{BUCKET}/runs"
     whole = manifest(s3, on_cluster["whole_url"])
@@ -178,20 +180,13 @@ def test_a_run_a_resume_and_a_merge_in_a_bucket(s3, corpus, on_cluster, tmp_path
     assert checkpoints["writers"] == "extractors" and checkpoints["flushes"] >= 2
     assert checkpoints["bytes_written"] > 0 and 0 < checkpoints["write_share"] < 1
     env = os.environ | s3.env | {"PYTHONPATH": str(REPO)}
-    # run b, in its own process beside run a's
-    b_log = tmp_path / "b.log"
-    with open(b_log, "wb") as log:
-        b_proc = subprocess.Popen([sys.executable, "-m", "jobs.analyze", "--model", model,
-                                   "--corpus", f"{url}/b.jsonl", "--out", f"{runs}/b", *QUICK],
-                                  cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=log,
-                                  start_new_session=True)  # fmt: skip
+    # run a: its driver killed once two checkpoint groups are in the bucket, then resumed
+    argv = ["--model", model, "--corpus", f"{url}/a.jsonl", "--out", f"{runs}/a", *QUICK,
+            "--num-workers", "1"]  # fmt: skip
+    proc = subprocess.Popen([sys.executable, "-m", "jobs.analyze", *argv], cwd=REPO,
+                            env=env, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, start_new_session=True)  # fmt: skip
     try:
-        # run a: its driver killed once two checkpoint groups are in the bucket, then resumed
-        argv = ["--model", model, "--corpus", f"{url}/a.jsonl", "--out", f"{runs}/a", *QUICK,
-                "--num-workers", "1"]  # fmt: skip
-        proc = subprocess.Popen([sys.executable, "-m", "jobs.analyze", *argv], cwd=REPO,
-                                env=env, stdout=subprocess.DEVNULL,
-                                stderr=subprocess.DEVNULL, start_new_session=True)  # fmt: skip
         fs = s3.fs()
         deadline = time.monotonic() + 400
         groups: list[str] = []
@@ -203,29 +198,30 @@ def test_a_run_a_resume_and_a_merge_in_a_bucket(s3, corpus, on_cluster, tmp_path
                 break
             time.sleep(0.3)
         assert len(groups) >= 2, "the run did not checkpoint two groups"
+    finally:
         os.killpg(proc.pid, signal.SIGKILL)  # the driver and the private Ray it started
         proc.wait(timeout=30)
-        for key, value in s3.env.items():
-            monkeypatch.setenv(key, value)
-        import s3fs
+    for key, value in s3.env.items():
+        monkeypatch.setenv(key, value)
+    import s3fs
 
-        from jobs import analyze, merge
+    from jobs import analyze, merge
 
-        s3fs.S3FileSystem.clear_instance_cache()  # the jobs' filesystem: this endpoint
-        capsys.readouterr()
-        status = analyze.main(argv)
-        resumed = capsys.readouterr()
-        assert status == 0, resumed.err[-3000:]
-        assert "resuming" in resumed.out
-        a = manifest(s3, f"{runs}/a")
-        assert a["shards"]["reused_from_checkpoints"] >= 2
-        shards = a["shards"]
-        assert shards["reused_from_checkpoints"] + shards["computed"] == shards["total"]
-        assert b_proc.wait(timeout=600) == 0, b_log.read_text()[-3000:]
-    finally:
-        if b_proc.poll() is None:
-            os.killpg(b_proc.pid, signal.SIGKILL)
-            b_proc.wait(timeout=30)
+    s3fs.S3FileSystem.clear_instance_cache()  # the jobs' filesystem: this endpoint
+    capsys.readouterr()
+    status = analyze.main(argv)
+    resumed = capsys.readouterr()
+    assert status == 0, resumed.err[-3000:]
+    assert "resuming" in resumed.out
+    a = manifest(s3, f"{runs}/a")
+    assert a["shards"]["reused_from_checkpoints"] >= 2
+    shards = a["shards"]
+    assert shards["reused_from_checkpoints"] + shards["computed"] == shards["total"]
+    # run b, on the private Ray the resume started
+    status = analyze.main(["--model", model, "--corpus", f"{url}/b.jsonl", "--out", f"{runs}/b",
+                           *QUICK])  # fmt: skip
+    assert status == 0, capsys.readouterr().err[-3000:]
+    assert manifest(s3, f"{runs}/b")["status"] == "complete"
     # the merge of a (resumed) and b, in the bucket, is the run over the whole corpus
     status = merge.main(["--out", f"{runs}/ab", f"{runs}/a", f"{runs}/b"])
     assert status == 0, capsys.readouterr().err[-3000:]
