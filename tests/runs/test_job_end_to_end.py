@@ -267,10 +267,10 @@ def test_a_corrupt_checkpoint_group_is_redone(tmp_path, ray_local, monkeypatch):
     model_dir = make_tiny_bert(str(tmp_path / "model"))
     docs = [d.encode("ascii", "ignore").decode() for d in english_documents(6, 900)]
     docs = [d for d in docs if d.strip()]
-    save_group, flipped = CheckpointStore.save_group, []
+    commit_group, flipped = CheckpointStore.commit_group, []
 
-    def corrupting(store, shard_ids, pieces, sample, counts):
-        group = save_group(store, shard_ids, pieces, sample, counts)
+    def corrupting(store, files, counts):  # whoever wrote the files, the driver commits them
+        group = commit_group(store, files, counts)
         if not flipped:
             path = tmp_path / "run" / "groups" / group.file_names()[0]
             data = bytearray(path.read_bytes())
@@ -279,7 +279,7 @@ def test_a_corrupt_checkpoint_group_is_redone(tmp_path, ray_local, monkeypatch):
             flipped.append(group.group_id)
         return group
 
-    monkeypatch.setattr(CheckpointStore, "save_group", corrupting)
+    monkeypatch.setattr(CheckpointStore, "commit_group", corrupting)
     said: list[str] = []
     corpus = write_jsonl(tmp_path / "c.jsonl", docs)
     options = {"sample_size": 0, "no_report": True, "max_length": 32, "shard_bytes": 2048}
