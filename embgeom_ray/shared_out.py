@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import os
 import secrets
+from collections.abc import Sequence
 from typing import Any
 
 #: the marker's file name before its nonce
@@ -50,8 +51,22 @@ def unseen(marker: dict[str, Any]) -> str | None:
     except OSError as exc:
         return f"cannot read {marker['path']}: {exc.strerror or exc}"
     if found != marker["nonce"]:
-        return f"{marker['path']} holds another nonce: another disk at that path"
+        return f"{marker['path']} differs from the job's: another disk at that path"
     return None
+
+
+def unseen_any(markers: Sequence[dict[str, Any]]) -> str | None:
+    """Why this process does not see the first of ``markers`` it does not see
+    (:func:`unseen`); None when it sees them all."""
+    return next((why for m in markers if (why := unseen(m)) is not None), None)
+
+
+def file_marker(path: str) -> dict[str, str]:
+    """A marker of an existing small file (a run's ``manifest.json``): its path and its text,
+    which a process that sees the file as this one does reads back (:func:`unseen`)."""
+    path = os.path.abspath(path)
+    with open(path) as f:
+        return {"path": path, "nonce": f.read().strip()}
 
 
 def remove_marker(marker: dict[str, Any]) -> None:

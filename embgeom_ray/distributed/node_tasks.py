@@ -1,4 +1,6 @@
-"""Work of the driver handed to Ray tasks on the driver's own node (e.g. the report's figures).
+"""Work of the driver handed to Ray tasks on chosen nodes: on the driver's own node (e.g. the
+report's figures, :func:`on_this_node`), and a check run on every other node
+(:func:`nodes_not_seeing`: which nodes do not see a local run directory).
 
 The tasks hold one CPU each and are pinned to the node the driver runs on
 (``NodeAffinitySchedulingStrategy``, not soft): what they read and write is where the driver
@@ -11,10 +13,14 @@ here, in the driver, so nothing depends on it.
 from __future__ import annotations
 
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 T = TypeVar("T")
+
+#: how long a node's check of a local directory may take before the node counts as not
+#: seeing it (a worker process to start there, and one small file to read)
+PROBE_TIMEOUT_S = 60.0
 
 
 def on_this_node(fn: Callable[..., T]) -> Callable[..., Callable[[], T]] | None:
@@ -50,3 +56,45 @@ def on_this_node(fn: Callable[..., T]) -> Callable[..., Callable[[], T]] | None:
         return wait
 
     return start
+
+
+def nodes_not_seeing(
+    markers: Sequence[dict[str, str]], nodes: Sequence[str], timeout_s: float = PROBE_TIMEOUT_S
+) -> dict[str, str]:
+    """Per node of ``nodes`` that does not see one of the local files of ``markers`` as this
+    driver does, why, in a few words (:func:`~embgeom_ray.shared_out.unseen`, of the first
+    marker it does not see); the nodes that see them all are left out, and so is the
+    driver's own node. One task of no CPU pinned to each node (``NodeAffinitySchedulingStrategy``,
+    not soft), all at once: a node whose task fails, or does not answer within ``timeout_s``
+    seconds, counts as not seeing them."""
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    from ..shared_out import unseen_any
+
+    here = ray.get_runtime_context().get_node_id()
+    probe = ray.remote(unseen_any)
+    refs = {
+        node: probe.options(
+            num_cpus=0, scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False)
+        ).remote(list(markers))
+        for node in dict.fromkeys(nodes)
+        if node != here
+    }
+    if not refs:
+        return {}
+    ready, _ = ray.wait(list(refs.values()), num_returns=len(refs), timeout=timeout_s)
+    answered = set(ready)
+    out: dict[str, str] = {}
+    for node, ref in refs.items():
+        if ref not in answered:
+            ray.cancel(ref, force=True)
+            out[node] = f"its check did not answer within {timeout_s:g} s"
+            continue
+        try:
+            why = ray.get(ref)
+        except ray.exceptions.RayError as exc:
+            why = f"its check failed: {type(exc).__name__}"
+        if why is not None:
+            out[node] = why
+    return out

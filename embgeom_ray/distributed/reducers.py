@@ -50,8 +50,8 @@ import json
 import math
 import sys
 import time
-from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -73,7 +73,14 @@ from ..errors import ConfigError, IntegrityError, OutputError
 from ..integrity import Digest, FileRef, as_ref, digests_from_json, digests_json, seal, unseal
 from ..io_utils import atomic_write_bytes, atomic_write_json, exists, join, read_bytes, remove
 from ..run_dir import PARTS_FORMAT, PARTS_INDEX, load_statistics_part, statistics_type_ids
-from ..sizing import REDUCER_BASE_BYTES, reducer_budget, reducer_bytes, reducers_for
+from ..sizing import (
+    REDUCER_BASE_BYTES,
+    Cluster,
+    Reduce,
+    reducer_budget,
+    reducer_bytes,
+    reducers_for,
+)
 from .process_memory import peak_memory, sampler
 
 #: how often one reducer is started again after it was lost, before the run fails
@@ -81,8 +88,9 @@ MAX_REDUCER_RESTARTS = 3
 
 #: the memory formulas of a reducer live with every other process's (:mod:`embgeom_ray.sizing`)
 __all__ = [
-    "REDUCER_BASE_BYTES", "PartitionPlan", "PartitionedStatistics", "Reducer", "reducer_budget",
-    "reducer_bytes", "reducers_for", "seen_type_ids", "start_reducers", "stop_reducers",
+    "REDUCER_BASE_BYTES", "PartitionPlan", "PartitionedStatistics", "Reducer", "place_where_seen",
+    "reducer_budget", "reducer_bytes", "reducers_for", "seen_type_ids", "start_reducers",
+    "stop_reducers",
 ]  # fmt: skip
 
 
@@ -375,14 +383,18 @@ class PartitionedStatistics:
         checkpoint_seconds: float = math.inf,
         started: Sequence[Any] = (),
         nodes: Sequence[str] = (),
+        pinned: bool = False,
     ) -> None:
         self.plan = plan
         self.group_urls = list(group_urls)
         self.cpus = cpus
         self.memory = memory  # bytes each reducer asks Ray for (``--reducer-memory``)
         #: the node each reducer is placed on (:func:`~embgeom_ray.sizing.place`; a
-        #: preference: Ray places it elsewhere when that node is gone)
+        #: preference: Ray places it elsewhere when that node is gone), or, ``pinned``, the
+        #: one it must run on (:func:`place_where_seen`; when that node is gone, another
+        #: of ``nodes`` still alive)
         self.nodes = list(nodes)
+        self.pinned = pinned
         if memory:
             check_memory_offered(memory)
         self.checkpoint = (checkpoint_dir, checkpoint_seconds)
@@ -428,9 +440,13 @@ class PartitionedStatistics:
         return list(self.plan.layers)
 
     def _start(self, r: int) -> Any:
+        nodes = self.nodes[r : r + 1]
+        if self.pinned and nodes:
+            alive = {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
+            nodes = [pinned_node(self.nodes, r, alive)]
         (actor,) = start_reducers(
             1, cpus=self.cpus, memory=self.memory, plan=self.plan, checkpoint=self.checkpoint,
-            first=r, nodes=self.nodes[r : r + 1],
+            first=r, nodes=nodes, pinned=self.pinned,
         )  # fmt: skip
         return actor
 
@@ -559,9 +575,11 @@ def start_reducers(
     checkpoint: tuple[str | None, float] = (None, math.inf),
     first: int = 0,
     nodes: Sequence[str] = (),
+    pinned: bool = False,
 ) -> list[Any]:
     """Start reducer actors ``first .. first + count − 1`` (``num_cpus=cpus``, ``memory`` bytes
-    each when given; the i-th on ``nodes[i]`` when given, a soft preference). Without a
+    each when given; the i-th on ``nodes[i]`` when given: a soft preference, or that node
+    alone when ``pinned``, :func:`place_where_seen`). Without a
     ``plan`` they start their processes and imports now and get their plan later
     (:class:`PartitionedStatistics` ``started=``): the job starts reducers while the
     extractors run, so the reduce does not wait for R processes."""
@@ -574,9 +592,68 @@ def start_reducers(
     for i, r in enumerate(range(first, first + count)):
         where = {}
         if i < len(nodes):
-            where["scheduling_strategy"] = NodeAffinitySchedulingStrategy(nodes[i], soft=True)
+            where["scheduling_strategy"] = NodeAffinitySchedulingStrategy(
+                nodes[i], soft=not pinned
+            )
         actors.append(_RemoteReducer.options(**options, **where).remote(r, plan, *checkpoint))
     return actors
+
+
+def pinned_node(nodes: Sequence[str], r: int, alive: set[str]) -> str:
+    """The node pinned reducer r starts on: its own, ``nodes[r]``, while it is alive, else the
+    first of the others (nodes that see the run) still alive, else its own (Ray then fails
+    the start, and the reducer counts as lost)."""
+    return next((n for n in [nodes[r], *nodes] if n in alive), nodes[r])
+
+
+def place_where_seen(
+    reduce: Reduce,
+    cluster: Cluster,
+    resize: Callable[[Cluster], Reduce],
+    out: str,
+    write_marker: Callable[[], dict[str, str]],
+    echo: Callable[[str], Any] = print,
+    inputs: Sequence[dict[str, str]] = (),
+) -> Reduce:
+    """``reduce`` placed where its reducers see the local files they read and write.
+
+    The reducers read the checkpoint groups (or runs' artefacts) and write their checkpoints
+    and the artefact's parts in the run's directory ``out``; on a local path, a node that does
+    not mount it (the driver's own disk) would fail there. So, for a partitioned reduce on a
+    cluster of more than one node with ``out`` local, a marker is written there
+    (``write_marker``: :func:`~embgeom_ray.shared_out.write_marker` in ``out``) and every
+    other node checks that it reads it back, and the ``inputs`` read too (markers of
+    :func:`~embgeom_ray.shared_out.file_marker`; :func:`~.node_tasks.nodes_not_seeing`); the
+    marker is then removed. Where some node does not, the reduce is sized again by
+    ``resize`` on the nodes that do, each reducer pinned to its node (``Reduce.pinned``), and
+    ``echo`` says so in one line; a :class:`~embgeom_ray.errors.ConfigError` when they do not
+    hold it. In object storage, or on one node, ``reduce`` as it is.
+    """
+    from ..shared_out import remove_marker
+    from ..sizing.checkpoints import needs_check
+    from .node_tasks import nodes_not_seeing
+
+    if not reduce.partitioned or not needs_check(out) or len(cluster.nodes) < 2:
+        return reduce
+    marker = write_marker()
+    try:
+        hidden = nodes_not_seeing([marker, *inputs], [n.node_id for n in cluster.nodes])
+    finally:
+        remove_marker(marker)
+    if not hidden:
+        return reduce
+    seeing = Cluster(tuple(n for n in cluster.nodes if n.node_id not in hidden))
+    node, why = next(iter(hidden.items()))
+    note = f"{len(hidden)} of {len(cluster.nodes)} nodes do not see {out} (node {node[:8]}: {why})"
+    try:
+        placed = resize(seeing)
+    except ConfigError as exc:
+        raise ConfigError(
+            f"the reducers read and write {out}, and {note}; on the {len(seeing.nodes)} that "
+            f"do: {exc}. Or give --out on a filesystem every node mounts, or in object storage"
+        ) from None
+    echo(f"reducers: on the {len(seeing.nodes)} nodes that see {out} only: {note}")
+    return replace(placed, pinned=placed.partitioned)
 
 
 def stop_reducers(actors: Sequence[Any]) -> None:

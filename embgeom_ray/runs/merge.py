@@ -61,7 +61,7 @@ from ..run_dir import (
     now,
     versions,
 )
-from ..sizing import Reduce, Shape, gib, reducer_ranges, size_reduce
+from ..sizing import Cluster, Reduce, Shape, gib, reducer_ranges, size_reduce
 from ..storage import REDOES, check_input, check_output, resumable, user_errors
 from .finish import RunStatistics, StatisticsHere, counts_of, finish_run
 from .run_samples import run_samples
@@ -255,7 +255,33 @@ def merge_partitioned(
     from ..distributed.reducers import PartitionedStatistics, PartitionPlan
 
     plan = PartitionPlan.balanced(reduce.count, seen, layers)
-    return PartitionedStatistics(plan, urls, memory=reduce.memory, nodes=reduce.nodes)
+    return PartitionedStatistics(
+        plan, urls, memory=reduce.memory, nodes=reduce.nodes, pinned=reduce.pinned
+    )
+
+
+def where_seen(
+    reduce: Reduce, runs: list[str], out: str, shape: Shape, types: int, config: JobConfig,
+    echo=print,
+) -> Reduce:
+    """``reduce`` on the nodes that see the merge's local directory ``out`` and the local
+    runs it reads (each by its ``manifest.json``): sized again on those nodes alone, each
+    reducer pinned there, where some other node does not
+    (:func:`~embgeom_ray.distributed.reducers.place_where_seen`)."""
+    from ..distributed.cluster import read_cluster
+    from ..distributed.reducers import place_where_seen
+    from ..shared_out import file_marker, write_marker
+
+    inputs = [
+        file_marker(os.path.join(local_path(r), "manifest.json")) for r in runs if is_local(r)
+    ]
+
+    def resize(nodes: Cluster) -> Reduce:
+        return size_reduce(shape, types, nodes, config.scheduling)
+
+    return place_where_seen(
+        reduce, read_cluster(), resize, out, lambda: write_marker(local_path(out)), echo, inputs
+    )
 
 
 def describe_merge_plan(shape: Shape, reduce: Reduce, runs: list[str]) -> list[str]:
@@ -477,6 +503,8 @@ def _merge_runs(
         for line in describe_merge_plan(shape, reduce, runs):
             echo(line)
         return {"sizing": {"reduce": asdict(reduce)}}
+    if reduce.partitioned:  # on the nodes that see the runs and the merge, where local
+        reduce = where_seen(reduce, runs, out, shape, len(seen), config, echo)
     t_load = time.perf_counter()
     if reduce.partitioned:
         merged: RunStatistics = merge_partitioned(urls, layers, reduce, seen)

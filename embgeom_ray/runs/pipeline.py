@@ -74,6 +74,7 @@ from ..run_dir import (
     versions,
 )
 from ..sizing import (
+    Cluster,
     CorpusShape,
     Reduce,
     Shape,
@@ -338,6 +339,7 @@ def reduce_partitioned(
         checkpoint_seconds=reducer_checkpoint_seconds(config, pacer),
         started=started,
         nodes=reduce.nodes,
+        pinned=reduce.pinned,
     )
     totals = Counts()
     for group in groups:
@@ -537,18 +539,33 @@ def retable(run: RunDir, done: Manifest, spec: RunSpec, t_start: float, echo) ->
     artefact holds) they read it partition by partition (never whole in this process) and
     write it back partitioned."""
     from ..distributed.cluster import connect, read_cluster
-    from ..distributed.reducers import PartitionedStatistics, PartitionPlan, seen_type_ids
+    from ..distributed.reducers import (
+        PartitionedStatistics,
+        PartitionPlan,
+        place_where_seen,
+        seen_type_ids,
+    )
+    from ..io_utils import local_path
+    from ..shared_out import write_marker
 
     config = spec.config
     connect(config.address)
     url = run.statistics_ref()
     seen = seen_type_ids([url])
-    reduce = size_reduce(spec.shape, len(seen), read_cluster(), config.scheduling)
+    cluster = read_cluster()
+
+    def resize(nodes: Cluster) -> Reduce:
+        return size_reduce(spec.shape, len(seen), nodes, config.scheduling)
+
+    reduce = place_where_seen(
+        resize(cluster), cluster, resize, run.url, lambda: write_marker(local_path(run.url)),
+        echo,
+    )
     echo(f"sizing: {len(seen):,} types: {reduce.describe()}")
     if reduce.partitioned:  # the artefact read partition by partition, never whole here
         plan = PartitionPlan.balanced(reduce.count, seen, spec.layers)
         merged: RunStatistics = PartitionedStatistics(
-            plan, [url], memory=reduce.memory, nodes=reduce.nodes
+            plan, [url], memory=reduce.memory, nodes=reduce.nodes, pinned=reduce.pinned
         )
     else:
         merged = StatisticsHere(run.load_statistics())
@@ -766,7 +783,9 @@ def _extract_and_reduce(
         t_extract1 = time.perf_counter()
         groups = store.groups_covering(s.shard_id for s in started.plan.shards)
         reduce, seen = reduce_decision(store, groups, spec, echo)
-        if reduce.partitioned and early:  # the reducers started early stay where they are
+        if reduce.partitioned and reduce.pinned:  # early ones were placed before the check
+            stop_early(early)
+        elif reduce.partitioned and early:  # the reducers started early stay where they are
             kept = min(len(early), reduce.count)
             reduce.nodes[:kept] = sizing.reduce.early_nodes[:kept]
         manifest.set(sizing=sizing.to_json() | {"reduce": asdict(reduce)})
@@ -837,13 +856,20 @@ def reduce_decision(
     store: CheckpointStore, groups: list[CheckpointGroup], spec: RunSpec, echo
 ) -> tuple[Reduce, Any]:
     """Where the checkpoint ``groups`` are reduced, now that the types they hold are known
-    (:func:`~embgeom_ray.sizing.size_reduce`, on the cluster as Ray sees it now), and those
-    types' ids (read from the groups' files alone)."""
+    (:func:`~embgeom_ray.sizing.size_reduce`, on the cluster as Ray sees it now, on the nodes
+    that see a local run: :func:`~embgeom_ray.distributed.reducers.place_where_seen`), and
+    those types' ids (read from the groups' files alone)."""
     from ..distributed.cluster import read_cluster
-    from ..distributed.reducers import seen_type_ids
+    from ..distributed.reducers import place_where_seen, seen_type_ids
 
     seen = seen_type_ids([url for g in groups for url in store.group_urls(g)])
-    reduce = size_reduce(spec.shape, len(seen), read_cluster(), spec.config.scheduling)
+    cluster = read_cluster()
+
+    def resize(nodes: Cluster) -> Reduce:
+        return size_reduce(spec.shape, len(seen), nodes, spec.config.scheduling)
+
+    reduce = resize(cluster)
+    reduce = place_where_seen(reduce, cluster, resize, spec.config.out, store.write_marker, echo)
     echo(f"sizing: {len(seen):,} types seen: {reduce.describe()}")
     return reduce, seen
 

@@ -103,6 +103,9 @@ class Reduce:
     #: the node each reducer is placed on (:func:`place`), and each early one
     nodes: list[str] = field(default_factory=list)
     early_nodes: list[str] = field(default_factory=list)
+    #: each reducer must run on its node of ``nodes`` (a local run directory that other nodes
+    #: do not see: :func:`~embgeom_ray.runs.pipeline.reduce_decision`); else a preference
+    pinned: bool = False
 
     @property
     def partitioned(self) -> bool:

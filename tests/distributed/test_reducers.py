@@ -22,6 +22,7 @@ from embgeom_ray.core.tables import build_tables, build_tables_from
 from embgeom_ray.distributed.reducers import (
     PartitionedStatistics,
     PartitionPlan,
+    pinned_node,
     reducers_for,
     seen_type_ids,
 )
@@ -62,6 +63,14 @@ def test_balanced_plan_gives_every_reducer_the_same_number_of_seen_types():
         PartitionPlan.balanced(4, np.array([3, 7]), [1]).ranges
         == PartitionPlan.of(4, 8, [1]).ranges
     )
+
+
+def test_a_pinned_reducer_restarts_on_another_node_that_sees_the_run_only_when_its_own_is_gone():
+    nodes = ["a", "b", "a"]  # reducers 0 and 2 on node a, reducer 1 on node b
+    assert [pinned_node(nodes, r, {"a", "b"}) for r in range(3)] == ["a", "b", "a"]
+    assert [pinned_node(nodes, r, {"b", "x"}) for r in range(3)] == ["b", "b", "b"]
+    assert [pinned_node(nodes, r, {"a"}) for r in range(3)] == ["a", "a", "a"]
+    assert pinned_node(nodes, 1, {"x"}) == "b"  # none left: its own, which Ray refuses
 
 
 def test_reducer_memory_gives_the_fewest_reducers_that_fit():

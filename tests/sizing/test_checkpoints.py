@@ -108,7 +108,7 @@ def test_on_a_local_path_the_extractors_write_where_every_node_sees_it(tmp_path)
     # another disk at the same path: the file is not there, or holds another nonce
     missing = unseen(marker | {"path": str(tmp_path / "elsewhere" / path.name)})
     assert missing == f"no {path.name} in {tmp_path / 'elsewhere'}"
-    assert "holds another nonce" in unseen(marker | {"nonce": "0" * 32})
+    assert "differs from the job's" in unseen(marker | {"nonce": "0" * 32})
     who, why = decide_writers("/shared/run")
     assert who == EXTRACTORS and why.startswith("every extractor's node sees /shared/run")
     who, why = decide_writers("/shared/run", [("0123456789abcdef", missing)])

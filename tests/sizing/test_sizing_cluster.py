@@ -137,3 +137,116 @@ def test_what_cannot_fit_is_refused_before_anything_is_written(cluster, tmp_path
         with pytest.raises(ConfigError, match=match):  # --plan says the same
             analyze(build_config(None, base | extra | {"plan": True}), echo=lambda *_: None)
         assert not out.exists()
+
+
+def test_each_node_checks_that_it_sees_a_local_run(cluster, tmp_path):
+    """:func:`nodes_not_seeing` asks every node but the driver's, one pinned task each: on this
+    machine the simulated nodes share its disk and see the marker; once it is gone (a disk
+    that only the driver's node mounts, seen from the others), each other node says why."""
+    import ray
+
+    from embgeom_ray.distributed.node_tasks import nodes_not_seeing
+    from embgeom_ray.shared_out import file_marker, remove_marker, write_marker
+
+    nodes = [n["NodeID"] for n in ray.nodes() if n["Alive"]]
+    here = ray.get_runtime_context().get_node_id()
+    marker = write_marker(str(tmp_path / "run" / "groups"))
+    manifest = tmp_path / "manifest.json"
+    manifest.write_text('{"status": "complete"}')
+    read = file_marker(str(manifest))
+    assert nodes_not_seeing([marker, read], nodes) == {}
+    manifest.write_text('{"status": "running"}')  # what the nodes read is not what was read
+    others = nodes_not_seeing([marker, read], nodes)
+    assert sorted(others) == sorted(n for n in nodes if n != here) and len(others) == 2
+    assert all("differs from the job's" in why for why in others.values())
+    remove_marker(marker)
+    hidden = nodes_not_seeing([marker], nodes)
+    assert sorted(hidden) == sorted(n for n in nodes if n != here) and len(hidden) == 2
+    name = marker["path"].rsplit("/", 1)[1]
+    assert all(why == f"no {name} in {tmp_path / 'run' / 'groups'}" for why in hidden.values())
+
+
+def test_reducers_run_only_where_the_local_run_is_seen(cluster, tmp_path, monkeypatch):
+    """A run on a local path that only the driver's node sees (its own disk): the reducers,
+    which read the groups and write the artefact there, are sized again on that node and
+    pinned to it; those started beside the extractors, placed before the check, are stopped.
+    The tables equal those of the reduce in the job's own process. Where the nodes that see
+    the run cannot hold the reduce, one line says what to do."""
+    import pandas as pd
+    import ray
+
+    from embgeom_ray.distributed import node_tasks
+    from embgeom_ray.distributed.cluster import read_cluster
+    from embgeom_ray.distributed.reducers import place_where_seen
+    from embgeom_ray.run_dir import TABLES
+    from embgeom_ray.runs.pipeline import analyze
+    from embgeom_ray.shared_out import write_marker
+    from embgeom_ray.sizing import Reduce
+    from tests.runs.test_job_end_to_end import english_documents
+    from tests.tiny_models import make_tiny_bert
+
+    here = ray.get_runtime_context().get_node_id()
+    real = node_tasks.nodes_not_seeing
+    asked: list[list[str]] = []
+
+    def only_the_drivers_node_sees(markers, nodes, **kw):
+        assert real(markers, nodes, **kw) == {}  # this machine's disk: every node sees it
+        asked.append(list(nodes))
+        return {n: "no .out-check-x in /data/run/groups" for n in nodes if n != here}
+
+    monkeypatch.setattr(node_tasks, "nodes_not_seeing", only_the_drivers_node_sees)
+    model = make_tiny_bert(str(tmp_path / "model"))
+    corpus = write_jsonl(tmp_path / "c.jsonl", english_documents(12, 300))
+    opts = {"model": model, "corpus": corpus, "device": "cpu", "sample_size": 16,
+            "kmeans_k_max": 3, "no_report": True, "shard_bytes": 1024, "max_length": 32}  # fmt: skip
+    lines: list[str] = []
+    out = tmp_path / "run"
+    manifest = analyze(build_config(None, opts | {"out": str(out), "reducers": 2}), echo=lines.append)
+    assert len(asked) == 1 and len(asked[0]) == 3
+    (line,) = [x for x in lines if x.startswith("reducers: on the 1 nodes that see")]
+    assert "2 of 3 nodes do not see" in line and "no .out-check-x in /data/run/groups" in line
+    reduce = manifest["sizing"]["reduce"]
+    assert reduce["pinned"] and reduce["count"] == 2 and reduce["nodes"] == [here, here]
+    assert manifest["reducers"]["nodes"] == [here, here]
+    assert manifest["reducers"]["started_during_extraction"] == 0
+    assert not list(out.rglob(".out-check-*"))  # the markers removed
+    whole = tmp_path / "whole"
+    analyze(build_config(None, opts | {"out": str(whole), "reducers": 1}), echo=lambda *_: None)
+    written = [n for n in TABLES if (whole / f"{n}.parquet").exists()]
+    assert written == [n for n in TABLES if (out / f"{n}.parquet").exists()]
+    assert {"type_stats", "layers", "dims"} <= set(written)
+    for name in written:
+        pd.testing.assert_frame_equal(
+            pd.read_parquet(out / f"{name}.parquet"), pd.read_parquet(whole / f"{name}.parquet"),
+            check_exact=False, rtol=1e-9, atol=0,
+        )  # fmt: skip
+
+    def too_big(nodes):
+        assert [n.node_id for n in nodes.nodes] == [here]
+        raise ConfigError("--reducer-memory 4.8 GiB is more than the node offers")
+
+    view = read_cluster()
+    marker_dir = tmp_path / "refused"
+    with pytest.raises(ConfigError) as refused:
+        place_where_seen(
+            Reduce(2, GiB, 10, "f", "r", nodes=[]), view, too_big, str(marker_dir),
+            lambda: write_marker(str(marker_dir)),
+            echo=lambda _: None,
+        )  # fmt: skip
+    message = str(refused.value)
+    assert message.startswith(f"the reducers read and write {marker_dir}, and 2 of 3 nodes")
+    assert "on the 1 that do: --reducer-memory 4.8 GiB is more than the node offers" in message
+    assert message.endswith("or in object storage")
+    assert list(marker_dir.iterdir()) == []  # the marker removed
+
+    # a merge of local runs: every node checks the output directory and each run it reads
+    from embgeom_ray.runs.merge import where_seen
+
+    checked: list = []
+    monkeypatch.setattr(node_tasks, "nodes_not_seeing", lambda m, n, **kw: checked.extend(m) or {})
+    plain = Reduce(2, GiB, 10, "f", "r", nodes=["a", "b"])
+    assert where_seen(plain, [str(out), str(whole)], str(tmp_path / "merged"), None, 0, None) == plain
+    marker, *inputs = checked
+    assert marker["path"].startswith(str(tmp_path / "merged" / ".out-check-"))
+    assert [m["path"] for m in inputs] == [str(out / "manifest.json"), str(whole / "manifest.json")]
+    assert inputs[0]["nonce"] == (out / "manifest.json").read_text().strip()
