@@ -117,13 +117,19 @@ class RayNode:
 
 
 def start_ray_node(
-    args: Sequence[str], env: dict[str, str], log: Path, markers: list[str], cwd: Path
+    args: Sequence[str],
+    env: dict[str, str],
+    log: Path,
+    markers: list[str],
+    cwd: Path,
+    hidden: Path | None = None,
 ) -> RayNode:
     """``ray start --block ARGS`` in a session of its own (stopped by :meth:`RayNode.stop`,
-    never by ``ray stop``), its output in ``log``."""
+    never by ``ray stop``), its output in ``log``. ``hidden``: a directory the node does not
+    see (:func:`hiding_command`)."""
     with open(log, "wb") as out:
         proc = subprocess.Popen(
-            [str(RAY_CLI), "start", "--block", *args],
+            [*hiding_command(hidden), str(RAY_CLI), "start", "--block", *args],
             env=env,
             stdout=out,
             stderr=subprocess.STDOUT,
@@ -132,6 +138,33 @@ def start_ray_node(
             cwd=cwd,
         )
     return RayNode(proc, log, markers)
+
+
+def hiding_command(hidden: Path | None) -> list[str]:
+    """The prefix that runs a command in a mount namespace of its own with an empty tmpfs over
+    ``hidden``: a local directory of this machine that the command's processes do not see, as
+    a cluster node does not see another node's own disk ([] for None)."""
+    if hidden is None:
+        return []
+    script = f'mount -t tmpfs none "{hidden}" && exec "$0" "$@"'
+    return ["unshare", "--mount", "--propagation", "private", "sh", "-c", script]
+
+
+def can_hide_directories() -> bool:
+    """Whether :func:`hiding_command` works here (it needs mount namespaces: root, or a user
+    namespace)."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as d:
+        (Path(d) / "seen").write_text("x")
+        try:
+            done = subprocess.run(
+                [*hiding_command(Path(d)), "sh", "-c", f'test ! -e "{d}/seen"'],
+                capture_output=True, timeout=30,
+            )  # fmt: skip
+        except (OSError, subprocess.TimeoutExpired):
+            return False
+        return done.returncode == 0 and (Path(d) / "seen").exists()
 
 
 #: ports each node's servers take (:func:`node_args`)

@@ -652,8 +652,9 @@ def place_where_seen(
             f"the reducers read and write {out}, and {note}; on the {len(seeing.nodes)} that "
             f"do: {exc}. Or give --out on a filesystem every node mounts, or in object storage"
         ) from None
-    echo(f"reducers: on the {len(seeing.nodes)} nodes that see {out} only: {note}")
-    return replace(placed, pinned=placed.partitioned)
+    where = f"on the {len(seeing.nodes)} nodes that see {out} only: {note}"
+    echo(f"reducers: {where}")
+    return replace(placed, pinned=placed.partitioned, reason=f"{placed.reason}; {where}")
 
 
 def stop_reducers(actors: Sequence[Any]) -> None:

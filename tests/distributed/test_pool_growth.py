@@ -1,4 +1,5 @@
-"""The extractor pool grows onto a node that joins a real cluster mid-run.
+"""The extractor pool grows onto a node that joins a real cluster mid-run; and a run on a
+local directory that a node joining it does not see (its own disk mounted there).
 
 A Ray of two nodes made as a user makes one, with token authentication: ``ray start --head``
 with 1 CPU, then, after the job has started, ``ray start --address`` for a second node of 1
@@ -36,6 +37,7 @@ from tests.conftest import write_jsonl
 from tests.ray_processes import (
     NODE_PORTS,
     RayNode,
+    can_hide_directories,
     free_ports,
     marked_pids,
     node_args,
@@ -96,11 +98,14 @@ class TwoNodeRay:
     work: Path
     nodes: list[RayNode] = field(default_factory=list)
 
-    def join(self) -> RayNode:
+    def join(self, hidden: Path | None = None) -> RayNode:
         """``ray start --address`` for a node of 1 CPU (not waited for: the job sees it
-        join)."""
+        join); ``hidden``: a local directory the node does not see (its own disk mounted
+        there: :func:`~tests.ray_processes.hiding_command`)."""
         args = ["--address", self.address, *node_args(self.base / "w", free_ports(NODE_PORTS), cpus=1)]
-        node = start_ray_node(args, self.env, self.work / "worker.log", [str(self.base)], self.work)
+        node = start_ray_node(
+            args, self.env, self.work / "worker.log", [str(self.base)], self.work, hidden
+        )
         self.nodes.append(node)
         return node
 
@@ -234,5 +239,59 @@ def test_the_pool_grows_onto_a_node_that_joins(cluster, tmp_path_factory):
         got = pd.read_parquet(tmp / "two" / f"{name}.parquet").sort_values(keys)
         expected = want[name].sort_values(keys)
         assert list(got.columns) == list(expected.columns), name
+        pd.testing.assert_frame_equal(got.reset_index(drop=True), expected.reset_index(drop=True),
+                                      check_exact=False, rtol=1e-9, atol=0, obj=name)  # fmt: skip
+
+
+@pytest.mark.skipif(not can_hide_directories(), reason="needs mount namespaces (unshare)")
+def test_a_run_on_a_disk_one_node_does_not_see(cluster, tmp_path_factory):
+    """A node joins that does not see the run's local directory (its own empty disk mounted
+    there, in a mount namespace of its own): its extractor's check turns the run to the
+    driver as the one writer, and the reducers (``--reducers 2``), which read the groups and
+    write the artefact there, are kept off that node, pinned to the nodes that see the run.
+    Before, a reducer placed there failed on the first group it read. The tables equal one
+    process's."""
+    from tests.tiny_models import make_tiny_bert
+
+    tmp = tmp_path_factory.mktemp("hidden")
+    model = make_tiny_bert(tmp / "model")
+    corpus = write_jsonl(tmp / "c.jsonl", english_documents(40, 700))
+    runs = tmp / "runs"  # the hidden node's own disk is mounted here
+    runs.mkdir()
+    node = cluster.join(hidden=runs)
+    deadline = time.monotonic() + 120
+    while b"Ray runtime started" not in node.log.read_bytes():
+        assert node.proc.poll() is None and time.monotonic() < deadline, node.log.read_text()
+        time.sleep(0.2)
+    options = {
+        "model": model, "corpus": corpus, "address": cluster.address, "device": "cpu",
+        "cpus_per_worker": 1, "max_length": 32, "shard_bytes": 1024, "no_report": True,
+        "sample_size": 0, "comoment_precision": "float64", "reducers": 2,
+    }  # fmt: skip
+    out = runs / "run"
+    run = run_job(cluster, options | {"out": str(out)}, slow=0.4)
+    assert run["status"] == "complete"
+    reduce = run["sizing"]["reduce"]
+    # the hidden node, by the reduce's reason that names it (the other nodes see this disk)
+    reason = reduce["reason"].split("; on the ", 1)[1]
+    hidden = reason.split("(node ", 1)[1][:8]
+    assert f"nodes that see {out} only: 1 of " in reason  # that node alone
+    assert f" nodes do not see {out} (node {hidden}: no .out-check-" in reason
+    extractors = run["workers"]["extractors"]
+    assert any(e["node_id"].startswith(hidden) for e in extractors), extractors
+    checkpoints = run["sizing"]["checkpoints"]
+    assert checkpoints["writers"] == "driver"
+    assert checkpoints["writers_reason"].startswith(f"the extractor on node {hidden} does not see")
+    assert reduce["pinned"] and reduce["count"] == 2
+    assert not any(n.startswith(hidden) for n in reduce["nodes"] + run["reducers"]["nodes"])
+    assert run["reducers"]["nodes"] == reduce["nodes"]
+    # reducers started beside the extractors, placed before the check, were stopped
+    assert run["sizing"]["reducers"]["early"] >= 1
+    assert run["reducers"]["started_during_extraction"] == 0
+    want, counts = one_process(options | {"out": str(tmp / "unused")})
+    assert {name: run["counts"][name] for name in counts} == counts
+    for name, keys in TABLES.items():
+        got = pd.read_parquet(out / f"{name}.parquet").sort_values(keys)
+        expected = want[name].sort_values(keys)
         pd.testing.assert_frame_equal(got.reset_index(drop=True), expected.reset_index(drop=True),
                                       check_exact=False, rtol=1e-9, atol=0, obj=name)  # fmt: skip

@@ -166,72 +166,37 @@ def test_each_node_checks_that_it_sees_a_local_run(cluster, tmp_path):
     assert all(why == f"no {name} in {tmp_path / 'run' / 'groups'}" for why in hidden.values())
 
 
-def test_reducers_run_only_where_the_local_run_is_seen(cluster, tmp_path, monkeypatch):
-    """A run on a local path that only the driver's node sees (its own disk): the reducers,
-    which read the groups and write the artefact there, are sized again on that node and
-    pinned to it; those started beside the extractors, placed before the check, are stopped.
-    The tables equal those of the reduce in the job's own process. Where the nodes that see
-    the run cannot hold the reduce, one line says what to do."""
-    import pandas as pd
+def test_where_the_nodes_that_see_a_run_cannot_hold_the_reducers(cluster, tmp_path, monkeypatch):
+    """Where the nodes that see a local run cannot hold its reducers, one line says what to
+    do, and the marker is removed; a merge of local runs has every node check the merge's
+    directory and each run it reads (by its manifest). The job itself on a node that does not
+    see its run: tests/distributed/test_pool_growth.py (a real node in a mount namespace)."""
     import ray
 
     from embgeom_ray.distributed import node_tasks
     from embgeom_ray.distributed.cluster import read_cluster
     from embgeom_ray.distributed.reducers import place_where_seen
-    from embgeom_ray.run_dir import TABLES
-    from embgeom_ray.runs.pipeline import analyze
+    from embgeom_ray.runs.merge import where_seen
     from embgeom_ray.shared_out import write_marker
     from embgeom_ray.sizing import Reduce
-    from tests.runs.test_job_end_to_end import english_documents
-    from tests.tiny_models import make_tiny_bert
 
     here = ray.get_runtime_context().get_node_id()
     real = node_tasks.nodes_not_seeing
-    asked: list[list[str]] = []
 
     def only_the_drivers_node_sees(markers, nodes, **kw):
         assert real(markers, nodes, **kw) == {}  # this machine's disk: every node sees it
-        asked.append(list(nodes))
         return {n: "no .out-check-x in /data/run/groups" for n in nodes if n != here}
-
-    monkeypatch.setattr(node_tasks, "nodes_not_seeing", only_the_drivers_node_sees)
-    model = make_tiny_bert(str(tmp_path / "model"))
-    corpus = write_jsonl(tmp_path / "c.jsonl", english_documents(12, 300))
-    opts = {"model": model, "corpus": corpus, "device": "cpu", "sample_size": 16,
-            "kmeans_k_max": 3, "no_report": True, "shard_bytes": 1024, "max_length": 32}  # fmt: skip
-    lines: list[str] = []
-    out = tmp_path / "run"
-    manifest = analyze(build_config(None, opts | {"out": str(out), "reducers": 2}), echo=lines.append)
-    assert len(asked) == 1 and len(asked[0]) == 3
-    (line,) = [x for x in lines if x.startswith("reducers: on the 1 nodes that see")]
-    assert "2 of 3 nodes do not see" in line and "no .out-check-x in /data/run/groups" in line
-    reduce = manifest["sizing"]["reduce"]
-    assert reduce["pinned"] and reduce["count"] == 2 and reduce["nodes"] == [here, here]
-    assert manifest["reducers"]["nodes"] == [here, here]
-    assert manifest["reducers"]["started_during_extraction"] == 0
-    assert not list(out.rglob(".out-check-*"))  # the markers removed
-    whole = tmp_path / "whole"
-    analyze(build_config(None, opts | {"out": str(whole), "reducers": 1}), echo=lambda *_: None)
-    written = [n for n in TABLES if (whole / f"{n}.parquet").exists()]
-    assert written == [n for n in TABLES if (out / f"{n}.parquet").exists()]
-    assert {"type_stats", "layers", "dims"} <= set(written)
-    for name in written:
-        pd.testing.assert_frame_equal(
-            pd.read_parquet(out / f"{name}.parquet"), pd.read_parquet(whole / f"{name}.parquet"),
-            check_exact=False, rtol=1e-9, atol=0,
-        )  # fmt: skip
 
     def too_big(nodes):
         assert [n.node_id for n in nodes.nodes] == [here]
         raise ConfigError("--reducer-memory 4.8 GiB is more than the node offers")
 
-    view = read_cluster()
+    monkeypatch.setattr(node_tasks, "nodes_not_seeing", only_the_drivers_node_sees)
     marker_dir = tmp_path / "refused"
     with pytest.raises(ConfigError) as refused:
         place_where_seen(
-            Reduce(2, GiB, 10, "f", "r", nodes=[]), view, too_big, str(marker_dir),
-            lambda: write_marker(str(marker_dir)),
-            echo=lambda _: None,
+            Reduce(2, GiB, 10, "f", "r"), read_cluster(), too_big, str(marker_dir),
+            lambda: write_marker(str(marker_dir)), echo=lambda _: None,
         )  # fmt: skip
     message = str(refused.value)
     assert message.startswith(f"the reducers read and write {marker_dir}, and 2 of 3 nodes")
@@ -239,14 +204,16 @@ def test_reducers_run_only_where_the_local_run_is_seen(cluster, tmp_path, monkey
     assert message.endswith("or in object storage")
     assert list(marker_dir.iterdir()) == []  # the marker removed
 
-    # a merge of local runs: every node checks the output directory and each run it reads
-    from embgeom_ray.runs.merge import where_seen
-
+    runs = []
+    for name in ("a", "b"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "manifest.json").write_text(f'{{"run": "{name}"}}\n')
+        runs.append(str(tmp_path / name))
     checked: list = []
     monkeypatch.setattr(node_tasks, "nodes_not_seeing", lambda m, n, **kw: checked.extend(m) or {})
     plain = Reduce(2, GiB, 10, "f", "r", nodes=["a", "b"])
-    assert where_seen(plain, [str(out), str(whole)], str(tmp_path / "merged"), None, 0, None) == plain
+    assert where_seen(plain, runs, str(tmp_path / "merged"), None, 0, None) == plain
     marker, *inputs = checked
     assert marker["path"].startswith(str(tmp_path / "merged" / ".out-check-"))
-    assert [m["path"] for m in inputs] == [str(out / "manifest.json"), str(whole / "manifest.json")]
-    assert inputs[0]["nonce"] == (out / "manifest.json").read_text().strip()
+    assert inputs == [{"path": f"{r}/manifest.json", "nonce": f'{{"run": "{r[-1]}"}}'} for r in runs]
+    assert list((tmp_path / "merged").iterdir()) == []
