@@ -70,18 +70,18 @@ def _reads_local_files(sample: Any) -> bool:
 
 
 def placement(sample: Any) -> dict[str, Any]:
-    """Ray options of the tasks that read ``sample``: on this node when it is read from
-    local files and this node has a CPU for them (else anywhere: a shared file system, or
-    object storage, as the reducers read the checkpoint groups)."""
+    """Ray options of the tasks that read ``sample``: anywhere when it is not read from local
+    files (object storage); else on this node, which sees them (other nodes may not: the
+    driver's own disk), asking for no CPU where this node offers Ray none (a head started
+    with ``--num-cpus 0``: the task still runs there, on the CPUs Ray was told to keep)."""
     if not _reads_local_files(sample):
         return {}
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     node = ray.get_runtime_context().get_node_id()
     here = [n for n in ray.nodes() if n.get("NodeID") == node and n.get("Alive")]
-    if not here or here[0]["Resources"].get("CPU", 0) < 1:
-        return {}
-    return {"scheduling_strategy": NodeAffinitySchedulingStrategy(node, soft=False)}
+    cpus = {} if here and here[0]["Resources"].get("CPU", 0) >= 1 else {"num_cpus": 0}
+    return {"scheduling_strategy": NodeAffinitySchedulingStrategy(node, soft=False), **cpus}
 
 
 def submit_inputs(

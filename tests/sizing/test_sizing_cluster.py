@@ -217,3 +217,26 @@ def test_where_the_nodes_that_see_a_run_cannot_hold_the_reducers(cluster, tmp_pa
     assert marker["path"].startswith(str(tmp_path / "merged" / ".out-check-"))
     assert inputs == [{"path": f"{r}/manifest.json", "nonce": f'{{"run": "{r[-1]}"}}'} for r in runs]
     assert list((tmp_path / "merged").iterdir()) == []
+
+
+def test_tasks_reading_a_local_sample_run_on_a_head_without_cpus(cluster, tmp_path):
+    """The sampled stage's tasks that read a local run's sample files run on the job's node,
+    which sees them, even where it offers Ray no CPU (this head: ``num_cpus=0``); before, they
+    went to any node, which may not see the run. A sample in object storage: anywhere."""
+    from types import SimpleNamespace
+
+    import ray
+
+    from embgeom_ray.distributed.sample_tasks import placement
+
+    here = ray.get_runtime_context().get_node_id()
+    assert placement(SimpleNamespace(url="s3://bucket/run/groups/g.sample")) == {}
+    where = placement(SimpleNamespace(parts=[SimpleNamespace(url=str(tmp_path / "g.sample"))]))
+    assert where["num_cpus"] == 0
+    assert where["scheduling_strategy"].node_id == here and not where["scheduling_strategy"].soft
+
+    @ray.remote
+    def node() -> str:
+        return ray.get_runtime_context().get_node_id()
+
+    assert ray.get(node.options(**where).remote(), timeout=60) == here
