@@ -2,12 +2,13 @@
 report's figures, :func:`on_this_node`), and a check run on every other node
 (:func:`nodes_not_seeing`: which nodes do not see a local run directory).
 
-The tasks hold one CPU each and are pinned to the node the driver runs on
+The driver's tasks hold one CPU each and are pinned to the node the driver runs on
 (``NodeAffinitySchedulingStrategy``, not soft): what they read and write is where the driver
 reads and writes (a local output directory is on that node's disk). A node that offers Ray no
 CPU (a head started with ``--num-cpus 0``) gets no such task: the driver does the work itself,
 as it does without Ray. A task that fails there (its worker lost, or an error) is run again
-here, in the driver, so nothing depends on it.
+here, in the driver, so nothing depends on it. The checks hold no CPU, one pinned to each
+node: they read one small file.
 """
 
 from __future__ import annotations
