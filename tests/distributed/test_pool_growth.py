@@ -140,6 +140,32 @@ def cluster(tmp_path_factory) -> Iterator[TwoNodeRay]:
         assert not left, f"Ray processes of the test's nodes still running: {left}"
 
 
+#: a client that waits until Ray lists exactly N live nodes (argv: address, N, seconds)
+WAIT_FOR_NODES = """
+import os, sys, time
+
+import ray
+
+ray.init(address=sys.argv[1], log_to_driver=False)
+count, end = int(sys.argv[2]), time.monotonic() + float(sys.argv[3])
+while sum(n["Alive"] for n in ray.nodes()) != count and time.monotonic() < end:
+    time.sleep(0.2)
+alive = sum(n["Alive"] for n in ray.nodes())
+print(alive, flush=True)
+os._exit(0 if alive == count else 1)  # no shutdown to wait for
+"""
+
+
+def wait_for_nodes(ray: TwoNodeRay, count: int, timeout_s: float = 120) -> None:
+    """Until Ray lists exactly ``count`` live nodes (a client of its own, in a process of its
+    own)."""
+    done = subprocess.run(
+        [sys.executable, "-c", WAIT_FOR_NODES, ray.address, str(count), str(timeout_s)],
+        env=ray.env, capture_output=True, text=True, timeout=timeout_s + 60,
+    )  # fmt: skip
+    assert done.returncode == 0, f"Ray did not list {count} live nodes:\n{done.stderr[-2000:]}"
+
+
 def run_job(ray: TwoNodeRay, options: dict, *, slow: float = 0.0, on_start=None) -> dict:
     """The job in a driver process of its own joined to ``ray`` (``--address``); ``on_start``
     is called once its extraction has started. Returns its manifest."""
@@ -258,11 +284,12 @@ def test_a_run_on_a_disk_one_node_does_not_see(cluster, tmp_path_factory):
     corpus = write_jsonl(tmp / "c.jsonl", english_documents(40, 700))
     runs = tmp / "runs"  # the hidden node's own disk is mounted here
     runs.mkdir()
-    node = cluster.join(hidden=runs)
-    deadline = time.monotonic() + 120
-    while b"Ray runtime started" not in node.log.read_bytes():
-        assert node.proc.poll() is None and time.monotonic() < deadline, node.log.read_text()
-        time.sleep(0.2)
+    for earlier in cluster.nodes[1:]:  # the head and the hidden node alone
+        earlier.markers = []  # its own processes only (the markers name every node's)
+        earlier.stop()
+    wait_for_nodes(cluster, 1)
+    cluster.join(hidden=runs)
+    wait_for_nodes(cluster, 2)
     options = {
         "model": model, "corpus": corpus, "address": cluster.address, "device": "cpu",
         "cpus_per_worker": 1, "max_length": 32, "shard_bytes": 1024, "no_report": True,
