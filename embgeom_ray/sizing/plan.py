@@ -89,6 +89,12 @@ def describe_plan(
             f"{math.ceil(L / red.count)} at most)",
             f"  placed: {_placement(sizing.cluster, red.nodes)}; started with the extractors: "
             f"{red.early} (the rest at the reduce)",
+            *(
+                ["  on a local path: kept to the nodes that see it, checked on every node "
+                 "when the reduce is decided (and pinned there)"]
+                if checkpoint_check and len(sizing.cluster.nodes) > 1
+                else []
+            ),
         ]
     else:
         lines.append(f"reduce: in the job's own process ({red.reason})")

@@ -80,7 +80,8 @@ def test_plan_is_what_the_run_records_and_reducers_land_where_placed(cluster, tm
     for what in ("extractors:", "memory each:", "reducers: 2 actor(s)", "token ranges:",
                  "driver (the job's own process)", "flush:", "checkpoint groups on disk:",
                  "artefact:", "tables (before compression):",
-                 "checkpoints: every T = B / (5% · W) s", "a node lost loses at most"):  # fmt: skip
+                 "checkpoints: every T = B / (5% · W) s", "a node lost loses at most",
+                 "  on a local path: kept to the nodes that see it, checked on every node"):  # fmt: skip
         assert what in text, what
     manifest = analyze(build_config(None, opts), echo=lambda *_: None)
     recorded = dict(manifest["sizing"])
