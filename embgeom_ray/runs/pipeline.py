@@ -413,6 +413,9 @@ def prepare(config: JobConfig) -> RunSpec:
     layers = resolve_layers(config.layers, identity.num_layers)
     clip_dims = resolve_clip_dims(config, identity.hidden_size)
     sample = sum(sample_entries(config.sample_size, config.sample_type_size))
+    # the corpus before the weights: building the model's empty copy imports its modeling code
+    # (seconds), so a mistyped corpus is refused without waiting for it
+    plan = plan_shards(CorpusSpec(config.corpus, config.text_column, config.split), config.shard_bytes)
     shape = run_shape(
         model_config, layers=len(layers), positions=config.max_length, vocab=len(tokenizer),
         clip=len(clip_dims or []), sample_entries=sample, dtype=config.dtype, name=config.model,
@@ -420,7 +423,6 @@ def prepare(config: JobConfig) -> RunSpec:
             config.model, config.revision, config.dtype, config.trust_remote_code
         ),
     )  # fmt: skip
-    plan = plan_shards(CorpusSpec(config.corpus, config.text_column, config.split), config.shard_bytes)
     identity_json = identity.to_json() | {
         "corpus": config.corpus,
         "corpus_fingerprint": plan.fingerprint,
