@@ -24,7 +24,7 @@ by the process's CPU time instead of the wall clock (one thread runs, so they ag
 machine; on one shared with other work the CPU time does not count the waits for a core).
 
     python -m bench.sampled_stage [--size 4096] [--layers 0,...,6] [--repeats 3]
-        [--baseline 8e2597b] [--clock wall|cpu]
+        [--baseline 5459444] [--clock wall|cpu]
 """
 
 from __future__ import annotations
