@@ -972,7 +972,7 @@ def _changes_html(
     change_txt = format_column(list(df["change"]), "sci")
     for i, (_, r) in enumerate(df.iterrows()):
         rel = "—" if not _finite(r["relative"]) else f"{r['relative']:+.1%}".replace("-", "−")
-        small = " ⚠" if bool(r.get("small_run", False)) else ""
+        small = " ⚠" if bool(r.get("small_run", False) or r.get("samples_differ", False)) else ""
         rows.append(
             f'<tr><td class="txt">{_e(r["run"])}{small}</td>'
             f'<td class="txt" title="{_e(COLUMNS.get(r["metric"], ("", r["metric"]))[1])}">'

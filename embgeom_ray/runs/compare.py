@@ -238,7 +238,7 @@ def _metric_span(runs: Sequence[RunView], metric: str) -> float:
 CHANGE_COLUMNS = [
     "run", "metric", "layer", "run_layer", "baseline", "value", "change", "relative", "score",
     "kind", "se_baseline", "se_run", "se_diff", "z", "within_noise", "evidence", "small_run",
-    "not_comparable",
+    "samples_differ", "not_comparable",
 ]  # fmt: skip
 
 
@@ -345,19 +345,25 @@ def changes_table(runs: Sequence[RunView], metrics: Sequence[str], mode: str) ->
     7. ``agree``: the same result, within :data:`EXACT_BOUND` (exact) or
        :data:`SAMPLED_BOUND` (sampled) relative (:func:`agrees`): not a change.
 
-    ``small_run``: the run or the baseline has fewer tokens than :func:`size_threshold`; within
-    each group its changes come after the others (z measures sampling noise, not how K-means,
-    silhouettes and LID change with the number of points). Ties keep the run, metric and
-    layer order.
+    ``small_run``: the run or the baseline has fewer tokens than :func:`size_threshold`;
+    ``samples_differ``: a sampled metric of two runs whose samples hold different numbers of
+    points (:func:`sample_points`: another ``--sample-size``, or a run smaller than its
+    sample). Within each group these changes come after the others: z measures sampling noise
+    at each run's own sample size, not how K-means, silhouettes and LID change with the number
+    of points. Ties keep the run, metric and layer order.
     """
     base = runs[0]
     small = set(small_runs(runs, size_threshold(runs)))
+    points = {r.label: sample_points(r) for r in runs}
     ranked = [m for m in metrics if m not in NOT_RANKED]
     spans = {m: _metric_span(runs, m) for m in ranked}
     rows = []
     for i, run in enumerate(runs[1:], start=1):
         pairs = match_layers(base, run, mode)
         tiny = base.label in small or run.label in small
+        unlike = None not in (points[base.label], points[run.label]) and (
+            points[base.label] != points[run.label]
+        )
         clusterings = {(b, o): clustering_change(base, b, run, o) for b, o in pairs}
         for j, m in enumerate(ranked):
             if m not in base.layers.columns or m not in run.layers.columns:
@@ -384,11 +390,12 @@ def changes_table(runs: Sequence[RunView], metrics: Sequence[str], mode: str) ->
                     within = pd.NA if noise == NO_SE else noise == WITHIN_NOISE
                 tier = EVIDENCE_ORDER.index(evidence)
                 strength = abs(z) if evidence in (BEYOND_NOISE, WITHIN_NOISE) else score
+                differ = kind == SAMPLED_KIND and unlike
                 rows.append(
                     (
-                        (tier, tiny, -strength, i, j, b),
+                        (tier, tiny or differ, -strength, i, j, b),
                         [run.label, m, b, o, a, v, d, rel, score, kind, se_b, se_r, se_diff, z,
-                         within, evidence, tiny, why or ""],
+                         within, evidence, tiny, differ, why or ""],
                     )
                 )  # fmt: skip
     rows.sort(key=lambda r: r[0])
@@ -403,6 +410,7 @@ def changes_table(runs: Sequence[RunView], metrics: Sequence[str], mode: str) ->
             "z": np.float64,
             "within_noise": "boolean",
             "small_run": bool,
+            "samples_differ": bool,
         }
     )
 
@@ -422,6 +430,18 @@ def size_threshold(runs: Sequence[RunView]) -> int:
     return max(sizes) if sizes else DEFAULT_SAMPLE_SIZE
 
 
+def sample_points(run: RunView) -> int | None:
+    """The points a run's sampled metrics rest on: the uniform sample's points as its manifest
+    records them (``sample.uniform_points``), else its ``--sample-size`` (or
+    :data:`DEFAULT_SAMPLE_SIZE`) capped by its token count; None when neither is known."""
+    recorded = (run.manifest.sample or {}).get("uniform_points")
+    if isinstance(recorded, int) and not isinstance(recorded, bool) and recorded > 0:
+        return recorded
+    if run.tokens is None:
+        return None
+    return min(run.sample_size or DEFAULT_SAMPLE_SIZE, int(run.tokens))
+
+
 def small_runs(runs: Sequence[RunView], threshold: int) -> list[str]:
     """Labels of the runs with fewer tokens than ``threshold`` (runs without a count: none)."""
     return [r.label for r in runs if r.tokens is not None and r.tokens < threshold]
@@ -430,8 +450,10 @@ def small_runs(runs: Sequence[RunView], threshold: int) -> list[str]:
 def size_warning(runs: Sequence[RunView]) -> str | None:
     """One line when the runs differ greatly in size, else None.
 
-    Said when the largest token count exceeds :data:`SIZE_RATIO` (10) times the smallest, or a
-    run has fewer tokens than :func:`size_threshold`. Runs without a token count are left out.
+    Said when the largest token count exceeds :data:`SIZE_RATIO` (10) times the smallest, a run
+    has fewer tokens than :func:`size_threshold`, or a run's sample holds fewer points than
+    another's for another reason (a smaller ``--sample-size``: :func:`sample_points`). Runs
+    without a token count are left out.
     """
     counted = [r for r in runs if r.tokens is not None]
     if not counted:
@@ -440,7 +462,13 @@ def size_warning(runs: Sequence[RunView]) -> str | None:
     small = small_runs(runs, threshold)
     tokens = [int(r.tokens or 0) for r in counted]
     ratio = max(tokens) / min(tokens) if min(tokens) > 0 else math.inf
-    if ratio <= SIZE_RATIO and not small:
+    points = {r.label: sample_points(r) for r in counted}
+    most = max((p for p in points.values() if p is not None), default=None)
+    fewer = [
+        r.label for r in counted
+        if r.label not in small and None not in (points[r.label], most) and points[r.label] < most
+    ]  # fmt: skip
+    if ratio <= SIZE_RATIO and not small and not fewer:
         return None
     sizes = "tokens " + ", ".join(f"{r.label}: {r.tokens:,}" for r in counted)
     parts = [f"the runs differ {ratio:,.0f}x in size ({sizes})" if ratio > SIZE_RATIO else sizes]
@@ -452,6 +480,15 @@ def size_warning(runs: Sequence[RunView]) -> str | None:
             "than a full sample (K-means, silhouettes and LID change with the number of points, "
             "which z, a measure of sampling noise, does not cover) and the rogue dimensions that "
             f"appear or vanish against {'it' if one else 'them'} are not reliable"
+        )
+    if fewer:
+        one = len(fewer) == 1
+        held = ", ".join(f"{r.label}: {points[r.label]:,}" for r in counted)
+        parts.append(
+            f"the samples differ in size (points {held}): {_join(fewer)}'s sampled metrics rest "
+            f"on fewer points, so {'its' if one else 'their'} changes of K-means, silhouettes "
+            "and LID are not like with like (they change with the number of points, which z, a "
+            "measure of sampling noise, does not cover) and come after the others"
         )
     return "; ".join(parts)
 

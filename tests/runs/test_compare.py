@@ -124,7 +124,7 @@ def test_compare_two_runs(two_runs, tmp_path, capsys) -> None:
     assert list(changes.columns) == [
         "run", "metric", "layer", "run_layer", "baseline", "value", "change", "relative", "score",
         "kind", "se_baseline", "se_run", "se_diff", "z", "within_noise", "evidence", "small_run",
-        "not_comparable",
+        "samples_differ", "not_comparable",
     ]  # fmt: skip
     # every metric here is exact: no standard error, never within noise, ranked by score; the
     # unchanged ones agree (listed last, not among the changes)
@@ -622,3 +622,44 @@ def test_compared_wording(tmp_path, capsys) -> None:
     a, b, c = _sized_runs(tmp_path, [100, 110, 120])
     compare_runs([a, b, c], str(tmp_path / "cmp"), labels=["v1", "v2", "v3"], echo=print)
     assert capsys.readouterr().out.startswith("compared 2 runs against v1; ")
+
+
+def test_samples_of_different_sizes_warn_and_their_sampled_changes_come_last(tmp_path, capsys):
+    """Runs of 9,000 tokens each, one of them sampled with --sample-size 512 against 4,096: no
+    run is small, yet its LID rests on an eighth of the points. The warning says so, and its
+    sampled changes come after those of the run with the baseline's sample, whatever their z;
+    its exact changes are not flagged."""
+    lid = {"lid_euclidean_se": [0.1, 0.1, 0.1]}
+    dirs = [
+        make_run(tmp_path / name, layers | {"lid_euclidean": values} | lid, {}, tokens=9000,
+                 sample_size=size)  # fmt: skip
+        for name, layers, values, size in [
+            ("base", BASE_LAYERS, [10.0, 12.0, 14.0], 4096),
+            ("same", OTHER_LAYERS, [10.0, 13.0, 14.0], 4096),  # layer 1: +1, z 7.1
+            ("quick", OTHER_LAYERS, [10.0, 15.0, 14.0], 512),  # layer 1: +3, z 21.2
+        ]
+    ]
+    summary = compare_runs(dirs, str(tmp_path / "cmp"), labels=["base", "same", "quick"],
+                           echo=print)  # fmt: skip
+    warning = (
+        "tokens base: 9,000, same: 9,000, quick: 9,000; the samples differ in size (points "
+        "base: 4,096, same: 4,096, quick: 512): quick's sampled metrics rest on fewer points, so "
+        "its changes of K-means, silhouettes and LID are not like with like (they change with "
+        "the number of points, which z, a measure of sampling noise, does not cover) and come "
+        "after the others"
+    )
+    assert summary["size_warning"] == warning and summary["small_runs"] == []
+    assert f"\nwarning: {warning}\n" in capsys.readouterr().out
+    changes = pd.read_parquet(tmp_path / "cmp" / "changes.parquet")
+    beyond = changes[changes["evidence"] == "beyond noise"]
+    assert beyond[["run", "metric", "layer", "samples_differ"]].values.tolist() == [
+        ["same", "lid_euclidean", 1, False],
+        ["quick", "lid_euclidean", 1, True],
+    ]
+    assert beyond["z"].round(1).tolist() == [7.1, 21.2]
+    exact = changes[changes["kind"] == "exact"]
+    assert not exact["samples_differ"].any() and not changes["small_run"].any()
+    # the same two samples: no warning, nothing flagged
+    same = compare_runs(dirs[:2], str(tmp_path / "cmp2"), echo=lambda _: None)
+    assert same["size_warning"] is None
+    assert not pd.read_parquet(tmp_path / "cmp2" / "changes.parquet")["samples_differ"].any()
