@@ -264,13 +264,14 @@ class Comparison:
 def _config(config: str | Path | None, values: Mapping[str, Any]) -> JobConfig:
     """The job's validated options: the YAML file ``config``, then ``values`` (None: not
     given) on top, as ``embgeom analyze --config FILE --flags`` does."""
-    from .config import JobConfig, build_config
+    from .config import JobConfig, build_config, did_you_mean
 
     unknown = sorted(set(values) - set(JobConfig.model_fields))
     if unknown:
         raise ConfigError(
-            f"unknown option(s) {unknown}: the options are those of `embgeom analyze --help`, "
-            "with underscores (max_length for --max-length)"
+            f"unknown option(s) {unknown}{did_you_mean(unknown, list(JobConfig.model_fields))}: "
+            "the options are those of `embgeom analyze --help`, with underscores (max_length "
+            "for --max-length)"
         )
     given = {k: os.fspath(v) if isinstance(v, os.PathLike) else v for k, v in values.items()}
     return build_config(str(config) if config is not None else None, given)
@@ -346,13 +347,16 @@ def merge(
     their union (``embgeom merge``), and open it. ``options``: ``embgeom merge``'s
     (``min_count``, ``reducers``, ``overwrite``, …; table options left out are the first
     run's)."""
-    from .config import MERGE_OPTIONS
+    from .config import MERGE_OPTIONS, did_you_mean
     from .runs.merge import merge_runs
 
     unknown = sorted(set(options) - set(MERGE_OPTIONS) - {"plan"})
     if unknown:
         known = [o for o in MERGE_OPTIONS if o != "out"]
-        raise ConfigError(f"unknown merge option(s) {unknown}; the options are {known}")
+        raise ConfigError(
+            f"unknown merge option(s) {unknown}{did_you_mean(unknown, known)}; the options are "
+            f"{known}"
+        )
     if options.get("plan"):
         raise ConfigError("plan=True merges nothing: use `embgeom merge --plan`")
     with _user_errors():

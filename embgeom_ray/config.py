@@ -23,6 +23,7 @@ import argparse
 import hashlib
 import json
 import types
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Literal, Union, get_args, get_origin
 
@@ -181,6 +182,17 @@ AGREE_OPTIONS: tuple[str, ...] = options_marked(JobConfig, AGREE)
 MERGE_OPTIONS: tuple[str, ...] = options_marked(JobConfig, MERGE)
 
 
+def did_you_mean(names: Sequence[str], known: Sequence[str]) -> str:
+    """`` (did you mean max_length?)`` for the unknown ``names`` that are close to a ``known``
+    option (:func:`difflib.get_close_matches`: a typo, ``report`` for ``no_report``), else
+    ``""``."""
+    import difflib
+
+    close = {n: difflib.get_close_matches(n, known, n=1, cutoff=0.6) for n in names}
+    hints = [f"{m[0]} for {n}" if len(names) > 1 else m[0] for n, m in close.items() if m]
+    return f" (did you mean {', '.join(hints)}?)" if hints else ""
+
+
 def format_validation_error(exc: ValidationError) -> str:
     """pydantic's errors of the job's options as one line that names each option as its flag
     (``--max-length: ...``), a missing one, or an unknown key of the YAML file."""
@@ -191,7 +203,10 @@ def format_validation_error(exc: ValidationError) -> str:
         if err["type"] == "missing":
             parts.append(f"{name} is required")
         elif err["type"] == "extra_forbidden":
-            parts.append(f"unknown option {loc!r} in the config file")
+            parts.append(
+                f"unknown option {loc!r} in the config file"
+                + did_you_mean([loc], list(JobConfig.model_fields))
+            )
         else:
             parts.append(f"{name}: {err['msg']} (got {err.get('input')!r})")
     return "invalid options: " + "; ".join(parts)

@@ -224,7 +224,7 @@ def test_bad_config_file(capsys, tmp_path, model, corpus):
         "--out",
         str(tmp_path / "o"),
     )
-    assert_user_error(code, err, "unknown option 'max_lenght'")
+    assert_user_error(code, err, "unknown option 'max_lenght' in the config file (did you mean max_length?)")
 
 
 def test_output_directory_cannot_be_written(capsys, tmp_path, model, corpus, ray_local):
