@@ -632,7 +632,7 @@ def test_samples_of_different_sizes_warn_and_their_sampled_changes_come_last(tmp
     lid = {"lid_euclidean_se": [0.1, 0.1, 0.1]}
     dirs = [
         make_run(tmp_path / name, layers | {"lid_euclidean": values} | lid, {}, tokens=9000,
-                 sample_size=size)  # fmt: skip
+                 sample_size=size)
         for name, layers, values, size in [
             ("base", BASE_LAYERS, [10.0, 12.0, 14.0], 4096),
             ("same", OTHER_LAYERS, [10.0, 13.0, 14.0], 4096),  # layer 1: +1, z 7.1
