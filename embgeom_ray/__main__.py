@@ -1,8 +1,6 @@
 """``python -m embgeom_ray COMMAND [options]``: the ``embgeom`` command (:mod:`embgeom_ray.cli`)."""
 
-import sys
-
-from .cli import main
+from .cli import exit_process, main
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_process(main())

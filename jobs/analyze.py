@@ -1,11 +1,10 @@
 """``python -m jobs.analyze``: ``embgeom analyze`` (:mod:`embgeom_ray.cli.analyze`) under the name a checkout
 gives it, which ``ray job submit --working-dir .`` and the deploy manifests run."""
 
-import sys
-
+from embgeom_ray.cli import exit_process
 from embgeom_ray.cli.analyze import build_parser, main
 
 __all__ = ["build_parser", "main"]
 
 if __name__ == "__main__":
-    sys.exit(main(prog="python -m jobs.analyze"))
+    exit_process(main(prog="python -m jobs.analyze"))

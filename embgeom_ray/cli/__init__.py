@@ -13,15 +13,18 @@ command        what it does
 Each command's module has ``build_parser(prog)`` and ``main(argv, prog) -> exit status``; the
 same parsers serve ``embgeom COMMAND`` (the console command the package installs),
 ``python -m embgeom_ray COMMAND`` (anywhere the package is importable) and, in a checkout,
-``python -m jobs.COMMAND`` (what ``ray job submit --working-dir .`` runs).
+``python -m jobs.COMMAND`` (what ``ray job submit --working-dir .`` runs). Those entry points
+end their process with :func:`exit_process`.
 """
 
 from __future__ import annotations
 
 import importlib
 import logging
+import os
 import sys
 from collections.abc import Callable
+from typing import NoReturn
 
 from ..storage import as_user_error
 from ..version import __version__
@@ -57,6 +60,35 @@ def exit_status(run: Callable[[], object]) -> int:
         print(f"error: {error}", file=sys.stderr)
         return error.exit_code
     return 0
+
+def exit_process(code: int) -> NoReturn:
+    """End a command's own process with exit status ``code``, skipping Python's finalisation.
+
+    What the interpreter's exit does that matters is done first: Ray shut down where this
+    process started or joined one (a private local Ray is stopped, as Ray's own ``atexit``
+    hook would), logging's handlers flushed and closed, stdout and stderr flushed. What is
+    left, tearing down every module and collecting torch's, transformers' and Ray's objects,
+    took ~2 s of CPU and ~1.8 s of wall time after a MiniLM job on a private Ray, and nothing
+    a command writes waits for it: every output is written and renamed into place before
+    ``main`` returns. For the commands' entry points only (their ``__main__`` and the console
+    command), never where ``main`` is called from Python; a traceback (exit status 1) leaves
+    through Python's own exit."""
+    ray = sys.modules.get("ray")
+    if ray is not None and ray.is_initialized():
+        ray.shutdown()
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # closed, or a broken pipe: nothing left to say
+            pass
+    os._exit(code)
+
+
+def console() -> NoReturn:
+    """The ``embgeom`` console command: :func:`main`, then :func:`exit_process`."""
+    exit_process(main())
+
 
 USAGE = "usage: embgeom {" + ",".join(COMMANDS) + "} [options]   (embgeom COMMAND --help)"
 

@@ -11,9 +11,8 @@ traceback).
 from __future__ import annotations
 
 import argparse
-import sys
 
-from embgeom_ray.cli import configure_logging, exit_status
+from embgeom_ray.cli import configure_logging, exit_process, exit_status
 from embgeom_ray.config import build_config
 from embgeom_ray.config import build_parser as job_parser
 from embgeom_ray.storage import require_filesystems
@@ -55,4 +54,4 @@ def main(argv: list[str] | None = None, prog: str = PROG) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_process(main())

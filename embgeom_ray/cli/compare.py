@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from embgeom_ray.cli import exit_process
 from embgeom_ray.errors import UserError
 
 PROG = "embgeom compare"
@@ -72,4 +73,4 @@ def main(argv: list[str] | None = None, prog: str = PROG) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_process(main())

@@ -20,9 +20,8 @@ Exit status: 0 done, 2 a problem with the input (one-line message), 1 an interna
 from __future__ import annotations
 
 import argparse
-import sys
 
-from embgeom_ray.cli import configure_logging, exit_status
+from embgeom_ray.cli import configure_logging, exit_process, exit_status
 from embgeom_ray.config import MERGE_OPTIONS, SCHEDULING_OPTIONS
 from embgeom_ray.config import build_parser as job_parser
 from embgeom_ray.errors import ConfigError
@@ -64,4 +63,4 @@ def main(argv: list[str] | None = None, prog: str = PROG) -> int:
     return exit_status(run)
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_process(main())

@@ -21,7 +21,7 @@ import argparse
 import json
 import sys
 
-from embgeom_ray.cli import configure_logging
+from embgeom_ray.cli import configure_logging, exit_process
 from embgeom_ray.config import add_options
 from embgeom_ray.errors import ConfigError, UserError
 
@@ -119,4 +119,4 @@ def main(argv: list[str] | None = None, prog: str = PROG) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_process(main())

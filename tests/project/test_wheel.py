@@ -76,7 +76,7 @@ def test_the_wheel_holds_the_package_its_command_and_extras(wheel) -> None:
         entry = z.read(next(n for n in names if n.endswith(".dist-info/entry_points.txt"))).decode()
     assert {t for t in tops if not t.endswith(".dist-info")} == {"embgeom_ray"}
     assert "embgeom_ray/cli/analyze.py" in names and "embgeom_ray/api.py" in names
-    assert "embgeom = embgeom_ray.cli:main" in entry
+    assert "embgeom = embgeom_ray.cli:console" in entry
     assert "Provides-Extra: s3" in meta and "Provides-Extra: gcs" in meta
     assert "s3fs" in meta and "gcsfs" in meta
 
