@@ -12,7 +12,6 @@ import sys
 import textwrap
 from pathlib import Path
 
-
 REPO = Path(__file__).resolve().parents[2]
 
 
