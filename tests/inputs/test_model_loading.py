@@ -131,3 +131,45 @@ def test_the_dtype_keyword_follows_the_transformers_version(monkeypatch, version
 
     monkeypatch.setattr(transformers, "__version__", version)
     assert dtype_argument(torch.bfloat16) == {keyword: torch.bfloat16}
+
+
+def test_weight_bytes_from_the_checkpoint_equal_the_empty_models(tmp_path, minilm_dir):
+    """A base-model checkpoint's weights read from its safetensors headers: the bytes the
+    empty-weight copy's parameters count, for MiniLM and random BERT, GPT-2, Llama and RoBERTa
+    (GPT-2's and Llama's tied and untied embeddings, BERT's integer position ids left out)."""
+    from embgeom_ray.inputs.model_loading import checkpoint_weight_bytes, empty_model
+    from tests.tiny_models import make_tiny_llama, make_tiny_roberta
+
+    dirs = [minilm_dir, make_tiny_bert(tmp_path / "bert"), make_tiny_gpt2(tmp_path / "gpt2"),
+            make_tiny_llama(tmp_path / "llama"), make_tiny_roberta(tmp_path / "roberta")]  # fmt: skip
+    for model in dirs:
+        for dtype in ("float32", "bfloat16"):
+            empty = empty_model(model, None, dtype, False)
+            want = sum(p.numel() * p.element_size() for p in empty.parameters())
+            assert checkpoint_weight_bytes(model, dtype) == want, (model, dtype)
+    assert checkpoint_weight_bytes(minilm_dir, "float32") == 90_852_864  # 22.7M parameters
+
+
+def test_weight_bytes_of_a_head_checkpoint_come_from_the_empty_model(tmp_path):
+    """A causal LM's checkpoint holds a head AutoModel leaves out: not read from its headers;
+    without weights in safetensors, neither."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from embgeom_ray.inputs.model_loading import checkpoint_weight_bytes, weight_bytes
+
+    config = LlamaConfig(vocab_size=300, hidden_size=64, intermediate_size=128,
+                         num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+                         tie_word_embeddings=False)  # fmt: skip
+    head = tmp_path / "causal"
+    LlamaForCausalLM(config).save_pretrained(head)
+    assert checkpoint_weight_bytes(str(head), "float32") is None
+    base = sum(p.numel() for n, p in LlamaForCausalLM(config).named_parameters()
+               if not n.startswith("lm_head."))  # fmt: skip
+    assert weight_bytes(str(head), None, "float32", False) == 4 * base
+    torch.save({}, head / "pytorch_model.bin")
+    (head / "model.safetensors").unlink()
+    (head / "config.json").write_text(
+        (head / "config.json").read_text().replace('"LlamaForCausalLM"', '"LlamaModel"')
+    )
+    assert checkpoint_weight_bytes(str(head), "float32") is None  # no safetensors
