@@ -269,11 +269,11 @@ def checkpoint_weight_bytes(model_dir: str, dtype: str) -> int | None:
     its safetensors file(s) (``model.safetensors``, or the shards its index names) is a
     parameter of that model, read from their headers alone. None otherwise (a checkpoint of a
     head class such as ``LlamaForCausalLM``, whose head AutoModel leaves out; weights not in
-    safetensors; a config without one architecture): :func:`weight_bytes` then counts the
-    empty-weight copy. Equal to that count for MiniLM and the tests' random BERT, GPT-2,
+    safetensors, or not readable; a config without one architecture): :func:`weight_bytes`
+    then counts the empty-weight copy. Equal to that count for MiniLM and the tests' random BERT, GPT-2,
     Llama and RoBERTa (tests/inputs/test_model_loading.py)."""
     import torch
-    from safetensors import safe_open
+    from safetensors import SafetensorError, safe_open
     from transformers.models.auto.modeling_auto import MODEL_MAPPING_NAMES
 
     try:
@@ -294,12 +294,15 @@ def checkpoint_weight_bytes(model_dir: str, dtype: str) -> int | None:
         return None
     itemsize = getattr(torch, _DTYPES[dtype]).itemsize
     numel = 0
-    for name in files:
-        with safe_open(os.path.join(model_dir, name), framework="pt") as f:
-            for key in f.keys():
-                tensor = f.get_slice(key)
-                if tensor.get_dtype() in _FLOAT_TENSORS:
-                    numel += math.prod(tensor.get_shape())
+    try:
+        for name in files:
+            with safe_open(os.path.join(model_dir, name), framework="pt") as f:
+                for key in f.keys():
+                    tensor = f.get_slice(key)
+                    if tensor.get_dtype() in _FLOAT_TENSORS:
+                        numel += math.prod(tensor.get_shape())
+    except (OSError, SafetensorError):  # unreadable: the extractor's load says so in one line
+        return None
     return numel * itemsize if files else None
 
 

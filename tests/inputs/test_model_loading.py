@@ -152,7 +152,7 @@ def test_weight_bytes_from_the_checkpoint_equal_the_empty_models(tmp_path, minil
 
 def test_weight_bytes_of_a_head_checkpoint_come_from_the_empty_model(tmp_path):
     """A causal LM's checkpoint holds a head AutoModel leaves out: not read from its headers;
-    without weights in safetensors, neither."""
+    without weights in safetensors, or with a file that is not one, neither."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -173,3 +173,5 @@ def test_weight_bytes_of_a_head_checkpoint_come_from_the_empty_model(tmp_path):
         (head / "config.json").read_text().replace('"LlamaForCausalLM"', '"LlamaModel"')
     )
     assert checkpoint_weight_bytes(str(head), "float32") is None  # no safetensors
+    (head / "model.safetensors").write_bytes(b"not a safetensors file")
+    assert checkpoint_weight_bytes(str(head), "float32") is None  # the extractor's load says so
