@@ -72,7 +72,10 @@ def exit_process(code: int) -> NoReturn:
     a command writes waits for it: every output is written and renamed into place before
     ``main`` returns. For the commands' entry points only (their ``__main__`` and the console
     command), never where ``main`` is called from Python; a traceback (exit status 1) leaves
-    through Python's own exit."""
+    through Python's own exit, and so does a process under a profiler or tracer
+    (``python -m cProfile``, ``trace``, coverage), whose results its ``atexit`` writes."""
+    if sys.getprofile() is not None or sys.gettrace() is not None or "coverage" in sys.modules:
+        sys.exit(code)
     ray = sys.modules.get("ray")
     if ray is not None and ray.is_initialized():
         ray.shutdown()

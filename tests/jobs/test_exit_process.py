@@ -39,3 +39,14 @@ def test_the_status_and_what_was_written_are_kept(tmp_path) -> None:
     assert done.stdout == "printed last, no newline" and done.stderr == "error: one line"
     assert (tmp_path / "job.log").read_text() == "INFO:job:logged last\n"
 
+
+
+def test_a_profiled_command_leaves_through_pythons_exit(tmp_path) -> None:
+    """Under ``python -m cProfile -o FILE`` the profile, written once the script leaves, is kept
+    (cProfile takes the script's SystemExit and ends with status 0 itself)."""
+    script = tmp_path / "command.py"
+    script.write_text("from embgeom_ray.cli import exit_process\nexit_process(4)\n")
+    env = os.environ | {"PYTHONPATH": str(REPO)}
+    done = subprocess.run([sys.executable, "-m", "cProfile", "-o", "out.prof", str(script)],
+                          cwd=tmp_path, env=env, capture_output=True, timeout=120)  # fmt: skip
+    assert done.returncode == 0 and (tmp_path / "out.prof").stat().st_size > 0
