@@ -61,6 +61,7 @@ def exit_status(run: Callable[[], object]) -> int:
         return error.exit_code
     return 0
 
+
 def exit_process(code: int) -> NoReturn:
     """End a command's own process with exit status ``code``, skipping Python's finalisation.
 

@@ -270,8 +270,8 @@ def checkpoint_weight_bytes(model_dir: str, dtype: str) -> int | None:
     parameter of that model, read from their headers alone. None otherwise (a checkpoint of a
     head class such as ``LlamaForCausalLM``, whose head AutoModel leaves out; weights not in
     safetensors, or not readable; a config without one architecture): :func:`weight_bytes`
-    then counts the empty-weight copy. Equal to that count for MiniLM and the tests' random BERT, GPT-2,
-    Llama and RoBERTa (tests/inputs/test_model_loading.py)."""
+    then counts the empty-weight copy. Equal to that count for MiniLM and the tests' random
+    BERT, GPT-2, Llama and RoBERTa (tests/inputs/test_model_loading.py)."""
     import torch
     from safetensors import SafetensorError, safe_open
     from transformers.models.auto.modeling_auto import MODEL_MAPPING_NAMES
@@ -285,24 +285,24 @@ def checkpoint_weight_bytes(model_dir: str, dtype: str) -> int | None:
     if not isinstance(base, str) or config.get("architectures") != [base]:
         return None
     index = os.path.join(model_dir, "model.safetensors.index.json")
-    if os.path.isfile(index):
-        with open(index, encoding="utf-8") as f:
-            files = sorted(set(json.load(f).get("weight_map", {}).values()))
-    elif os.path.isfile(os.path.join(model_dir, "model.safetensors")):
-        files = ["model.safetensors"]
-    else:
-        return None
     itemsize = getattr(torch, _DTYPES[dtype]).itemsize
     numel = 0
     try:
+        if os.path.isfile(index):
+            with open(index, encoding="utf-8") as f:
+                files = sorted(set(json.load(f).get("weight_map", {}).values()))
+        elif os.path.isfile(os.path.join(model_dir, "model.safetensors")):
+            files = ["model.safetensors"]
+        else:
+            return None
         for name in files:
             with safe_open(os.path.join(model_dir, name), framework="pt") as f:
                 for key in f.keys():
                     tensor = f.get_slice(key)
                     if tensor.get_dtype() in _FLOAT_TENSORS:
                         numel += math.prod(tensor.get_shape())
-    except (OSError, SafetensorError):  # unreadable: the extractor's load says so in one line
-        return None
+    except (OSError, ValueError, AttributeError, SafetensorError):  # unreadable: the
+        return None  # extractor's load says so in one line
     return numel * itemsize if files else None
 
 
