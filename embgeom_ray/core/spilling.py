@@ -22,6 +22,14 @@ only by a batch's need, ``fit_budget``) and one
 serialised copy (the spills' buffer, kept for the next spill when ``spill`` copies, as
 ``ray.put`` does); the object store holds the spilled pieces until the flush.
 Without a budget: the largest state an interval between flushes reached.
+
+**A host tier** (:class:`HostTier`, ``--host-statistics-memory``): where the budget σ is small
+beside the types the text meets (a GPU's memory against a 128k vocabulary), each spill holds
+mostly the same frequent types again, and a flush of its pieces writes those types once per
+spill. With a tier, each spill is merged on the host, type by type, into statistics of at most
+H bytes, and a flush writes each type once per H bytes instead: the pieces spilled to the
+object store are the tier's own, when it fills. Memory: the tier's H more, and one serialised
+copy of it when it spills or flushes.
 """
 
 from __future__ import annotations
@@ -31,6 +39,8 @@ from typing import Any, Protocol
 
 import numpy as np
 import torch
+
+from .statistics import EmbeddingStatistics
 
 
 class Accumulator(Protocol):
@@ -71,6 +81,7 @@ class SpillingStatistics:
         spill: Callable[[bytes | bytearray | np.ndarray], Any] = lambda data: data,
         *,
         spill_copies: bool = False,
+        host: HostTier | None = None,
     ) -> None:
         self.current, self.budget, self.spill = accumulator, budget, spill
         self.spill_copies = spill_copies
@@ -79,7 +90,20 @@ class SpillingStatistics:
             accumulator.fit_budget(budget)
         self.spilled: list[Any] = []
         self.spilled_bytes = 0
-        self.spills = 0  # pieces spilled over the accumulator's life (for the manifest)
+        self._spills = 0  # pieces spilled by the accumulator itself (no host tier)
+        #: where spills are merged before any piece goes to ``spill`` (None: no tier)
+        self.host = host
+
+    @property
+    def spills(self) -> int:
+        """Pieces handed to ``spill`` over the accumulator's life (for the manifest): the
+        accumulator's own, or the host tier's."""
+        return self._spills + (0 if self.host is None else self.host.spills)
+
+    @property
+    def merges(self) -> int:
+        """Spills of the accumulator merged into the host tier (0 without one)."""
+        return 0 if self.host is None else self.host.merges
 
     def update(
         self,
@@ -92,6 +116,10 @@ class SpillingStatistics:
         """Fold one batch; spill the accumulator once it holds ``budget`` bytes or more."""
         self.current.update(hidden, token_ids, keep, positions, finite)
         if self.budget is not None and self.current.held_bytes() >= self.budget:
+            if self.host is not None:
+                self.host.absorb(self.current)
+                self.current.clear()
+                return
             data = self.current.to_bytes(self._buffer)
             self.current.clear()
             if self.spill_copies and not isinstance(data, np.ndarray):
@@ -100,18 +128,107 @@ class SpillingStatistics:
                 self._buffer = np.empty(len(data) + len(data) // 4, dtype=np.uint8)
             self.spilled_bytes += len(data)
             self.spilled.append(self.spill(data))
-            self.spills += 1
+            self._spills += 1
 
     def nbytes(self) -> int:
-        """The bytes the accumulator holds plus what it spilled since the last :meth:`take`."""
+        """The bytes the accumulator holds plus what it spilled since the last :meth:`take`
+        (with a host tier: plus what the tier holds and spilled)."""
+        if self.host is not None:
+            return self.current.held_bytes() + self.host.nbytes()
         return self.current.held_bytes() + self.spilled_bytes
 
     def take(self) -> list[Any]:
         """The spilled handles and the accumulator's own bytes (last), in fold order; the
         accumulator is cleared. The last bytes are built in the spills' buffer when there is
         one (the caller hands them on, as ``spill`` would, before the next spill reuses it):
-        a flush then holds the accumulator and one serialised copy, as a spill does."""
+        a flush then holds the accumulator and one serialised copy, as a spill does. With a
+        host tier, the accumulator is merged into it first, and the pieces are the tier's
+        (:meth:`HostTier.take`)."""
+        if self.host is not None:
+            self.host.absorb(self.current)
+            self.current.clear()
+            return self.host.take()
         pieces = [*self.spilled, self.current.to_bytes(self._buffer)]
         self.current.clear()
+        self.spilled, self.spilled_bytes = [], 0
+        return pieces
+
+
+class HostTier:
+    """Spilled statistics merged on the host, type by type, up to ``budget`` bytes
+    (``--host-statistics-memory``; the module docstring).
+
+    :meth:`absorb` merges an accumulator (an :class:`EmbeddingStatistics` on any device, or
+    the CPU combination of a :class:`~embgeom_ray.core.split_statistics.SplitStatistics`'s
+    parts) into ``merged``, on the CPU, by :meth:`EmbeddingStatistics.merge` (Chan's update for
+    the moments, sums for the rest: the same merge the reduce makes of pieces, so the
+    statistics are those of one pass to float64 rounding). Where the merge would take
+    ``merged`` past ``budget`` (:meth:`EmbeddingStatistics.held_bytes_after_merge`: one slot
+    for each type it does not hold yet), ``merged`` is spilled first: serialised, handed to
+    ``spill`` (the object store) and cleared in place. :meth:`take` returns the pieces spilled
+    since the last one and ``merged``'s own bytes, in merge order.
+
+    Memory: ``merged``, allocated once for ``budget`` (:meth:`EmbeddingStatistics.fit_budget`;
+    the budget bounds what it holds, its merges' scratch included, which is a few blocks of
+    :data:`~embgeom_ray.core.statistics.CPU_ROW_BLOCK` rows of d float64s at most),
+    one serialised copy of it while it spills or is taken (built in one buffer kept across
+    spills when ``spill_copies``), and, where the accumulator is on a GPU, its rows' copy on
+    the host during a merge.
+    """
+
+    def __init__(
+        self,
+        budget: int,
+        spill: Callable[[bytes | bytearray | np.ndarray], Any] = lambda data: data,
+        *,
+        spill_copies: bool = False,
+    ) -> None:
+        self.budget, self.spill, self.spill_copies = int(budget), spill, spill_copies
+        self.merged: EmbeddingStatistics | None = None
+        self._buffer: np.ndarray | None = None
+        self.spilled: list[Any] = []
+        self.spilled_bytes = 0
+        self.spills = 0  # pieces handed to ``spill`` over the tier's life
+        self.merges = 0  # accumulators merged in over its life
+
+    @torch.inference_mode()  # the fold's arrays may be inference tensors, and so the tier's
+    def absorb(self, accumulator: Accumulator) -> None:
+        """Merge ``accumulator``'s statistics in (it is left as it was: the caller clears it)."""
+        piece = accumulator if isinstance(accumulator, EmbeddingStatistics) else None
+        if piece is None:  # per-device parts: their CPU combination
+            piece = accumulator.combined()  # type: ignore[attr-defined]
+        if self.merged is None:
+            # the tier's statistics, of the accumulator's layers and options, on the CPU,
+            # with the slots of its budget allocated once
+            self.merged = EmbeddingStatistics.empty(piece.header())
+            self.merged.fit_budget(self.budget)
+        elif self.merged.num_types and self.merged.held_bytes_after_merge(piece) > self.budget:
+            self._spill()
+        self.merged.merge(piece)
+        self.merges += 1
+
+    def _spill(self) -> None:
+        assert self.merged is not None
+        data = self.merged.to_bytes(self._buffer)
+        self.merged.clear()
+        if self.spill_copies and not isinstance(data, np.ndarray):
+            self._buffer = np.empty(len(data) + len(data) // 4, dtype=np.uint8)
+        self.spilled_bytes += len(data)
+        self.spilled.append(self.spill(data))
+        self.spills += 1
+
+    def nbytes(self) -> int:
+        """What the tier holds plus what it spilled since the last :meth:`take`."""
+        held = 0 if self.merged is None else self.merged.held_bytes()
+        return held + self.spilled_bytes
+
+    def take(self) -> list[Any]:
+        """The spilled handles and ``merged``'s own bytes (last), in merge order; the tier is
+        cleared (its memory kept). The last bytes are built in the spills' buffer when there
+        is one, as :meth:`SpillingStatistics.take`'s are."""
+        if self.merged is None:
+            raise RuntimeError("take() of a host tier that has absorbed nothing")
+        pieces = [*self.spilled, self.merged.to_bytes(self._buffer)]
+        self.merged.clear()
         self.spilled, self.spilled_bytes = [], 0
         return pieces

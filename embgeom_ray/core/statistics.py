@@ -436,6 +436,12 @@ class EmbeddingStatistics(Sketch):
         resident). What an extractor's ``--worker-memory`` budget is checked against."""
         return self.nbytes() - (self._capacity() - self.num_types) * self._row_bytes()
 
+    def held_bytes_after_merge(self, other: EmbeddingStatistics) -> int:
+        """:meth:`held_bytes` once ``other`` is merged in: these, plus one slot's rows for each
+        of ``other``'s types not held here (the per-layer state does not grow)."""
+        new = self.type_moments.count_new(other.type_moments.slot_ids)
+        return self.held_bytes() + new * self._row_bytes()
+
     def fit_budget(self, budget: int) -> None:
         """Give the per-type arrays now the slots that fit ``budget`` bytes (with the state
         held now), and let them grow past that only by what a batch needs, never doubling.

@@ -176,6 +176,16 @@ class TypeMoments:
             grown[:, :used].copy_(t[:, :used])
             self.arrays[name] = grown
 
+    def count_new(self, ids: torch.Tensor) -> int:
+        """How many of the distinct token ids ``ids`` hold no slot here (what
+        :meth:`slots_for` would assign)."""
+        if ids.numel() == 0:
+            return 0
+        ids = ids.to(self.device)
+        known = ids < self._id_to_slot.numel()
+        held = self._id_to_slot[ids[known]] >= 0
+        return int(ids.numel() - held.sum())
+
     def slots_for(self, ids: torch.Tensor) -> torch.Tensor:
         """Slots of the distinct token ids ``ids`` (int64, on device), assigning new ones."""
         if ids.numel() == 0:

@@ -43,7 +43,7 @@ from typing import Any
 import numpy as np
 import ray
 
-from ..core.spilling import SpillingStatistics
+from ..core.spilling import HostTier, SpillingStatistics
 from ..counts import Counts
 from ..errors import UserError
 from ..inputs.corpus import Shard
@@ -102,6 +102,9 @@ class PoolPlan:
     budget_flushes: int = 0
     #: statistics pieces extractors spilled to the object store at --worker-memory
     spills: int = 0
+    #: spills of the running statistics merged into a host tier instead
+    #: (``--host-statistics-memory``)
+    host_merges: int = 0
     #: the largest peak resident memory any extractor actor reported (bytes; includes the
     #: object store's shared pages it touched)
     extractor_peak_rss_bytes: int = 0
@@ -180,6 +183,12 @@ class GroupResult:
     write_s: float = 0.0
     #: the extractor's last flush: asked when the queue had drained
     last: bool = False
+    #: asked because the extractor's running statistics reached their budget
+    #: (``--statistics-memory``), whatever the checkpoint interval said
+    budget: bool = False
+    #: seconds from the dispatch of the flush's oldest shard to the flush being asked: under
+    #: ``budget``, how long the extractor took to fill its statistics budget
+    age_s: float = 0.0
 
     def pieces(self) -> Iterator[np.ndarray]:
         """The statistics pieces (bytes-like), fetched one at a time and let go of as they are
@@ -268,6 +277,7 @@ class ShardExtract:
             "device": self.processor.device,
             "batch_tokens": self.processor.batch_tokens,
             "statistics_budget": self.processor.statistics_budget,
+            "flush_budget": self.processor.flush_budget,
             "pid": os.getpid(),
             "node_id": ray.get_runtime_context().get_node_id(),
             "out_unseen": self.out_unseen,
@@ -278,12 +288,16 @@ class ShardExtract:
         self._check_whole()
         shard = Shard(**shard_json)
         if self.stats is None:
-            # past the statistics budget, pieces go to the object store (ray.put)
+            # past the statistics budget, pieces go to the object store (ray.put), or are
+            # merged into the host tier first, which spills its own pieces there as it fills
+            host = self.processor.host_budget
+            put = lambda data: ray.put(as_array(data))  # noqa: E731
             self.stats = SpillingStatistics(
                 self.processor.new_statistics(),
                 self.processor.statistics_budget,
-                lambda data: ray.put(as_array(data)),
+                put,
                 spill_copies=True,  # ray.put copies into the object store
+                host=None if host is None else HostTier(host, put, spill_copies=True),
             )
         if not self.shard_ids:  # the first shard since the last flush
             self.sample = self.processor.new_sample()
@@ -301,6 +315,7 @@ class ShardExtract:
             "unflushed": len(self.shard_ids),
             "state_bytes": self.stats.nbytes(),
             "spills": self.stats.spills,
+            "merges": self.stats.merges,
             "peak_rss_bytes": peak_rss_bytes(),
             "peak_private_bytes": sampler().peak_bytes(),
         }
@@ -378,6 +393,11 @@ class _Worker:
     flushing: bool = False
     #: the flush asked is its last (the queue had drained)
     last: bool = False
+    #: the flush asked was forced by the statistics budget, and the age of its oldest shard
+    budget_flush: bool = False
+    flush_age_s: float = 0.0
+    #: the host tier's merges it last reported (a count over its life)
+    merges: int = 0
 
 
 @dataclass
@@ -565,7 +585,9 @@ class _Scheduler:
         budget = started.get("statistics_budget")
         if budget is not None:
             self.pool.statistics_bytes = max(self.pool.statistics_bytes or 0, budget)
-        worker.budget = budget
+        # what its statistics may hold before a flush: the statistics budget, or with a host
+        # tier, the tier's
+        worker.budget = started.get("flush_budget", budget)
         if started.get("out_unseen") and self.checkpoint_writer is not None:
             self.checkpoint_writer = None  # its flushes, and every one after, come here
             if self.on_unseen is not None:
@@ -615,6 +637,7 @@ class _Scheduler:
         over = worker.budget is not None and state_bytes >= worker.budget
         if over:
             self.pool.budget_flushes += 1
+        worker.budget_flush, worker.flush_age_s = over, age
         return over or not self.queue or age >= self.interval(max(1, self.ready))
 
     def on_processed(self, worker: _Worker, result: dict[str, Any]) -> None:
@@ -627,6 +650,9 @@ class _Scheduler:
             result["unflushed"],
         )
         worker.current = None
+        merges = int(result.get("merges", 0))
+        self.pool.host_merges += merges - worker.merges
+        worker.merges = merges
         self.pool.extractor_peak_rss_bytes = max(
             self.pool.extractor_peak_rss_bytes, int(result.get("peak_rss_bytes") or 0)
         )
@@ -665,6 +691,7 @@ class _Scheduler:
             group = GroupResult(
                 list(shard_ids), stats, sample, Counts.from_json(counts), last=worker.last
             )
+        group.budget, group.age_s = worker.budget_flush, worker.flush_age_s
         self.on_group(group)
         self.pool.checkpoints += 1
         worker.record["shards"] += len(shard_ids)
@@ -770,6 +797,7 @@ def run_shards(
             update={
                 "worker_memory": pool.memory,
                 "statistics_memory": pool.statistics,
+                "host_statistics_memory": pool.host_statistics,
                 "batch_tokens": pool.batch_tokens,
             }
         )

@@ -13,6 +13,7 @@ folds one shard into fresh ones.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -46,6 +47,8 @@ from .windows import (
     pools,
     tokenize_windows,
 )
+
+log = logging.getLogger(__name__)
 
 #: a batch (or part of one) run through the model: its hidden states and the forward's seconds
 _Forwarded = tuple[Batch, list[torch.Tensor], float]
@@ -148,6 +151,11 @@ class ShardProcessor:
         #: padded tokens per batch, and the bytes the running statistics may hold before they
         #: spill (None: no bound)
         self.batch_tokens, self.statistics_budget = self._budgets(text_config)
+        #: the host tier's bytes (``--host-statistics-memory``; None: no tier)
+        self.host_budget = self._host_budget()
+        #: what the running statistics may hold before a flush (checked after each shard):
+        #: the host tier's budget where there is one, else the statistics budget
+        self.flush_budget = self.statistics_budget if self.host_budget is None else self.host_budget
         self.pad_id = self.tokenizer.pad_token_id
         if self.pad_id is None:
             self.pad_id = 0  # masked out by attention_mask and keep; never counted
@@ -178,6 +186,24 @@ class ShardProcessor:
             return options.batch_tokens or default, options.statistics_memory
         free, _ = torch.cuda.mem_get_info()
         return gpu_budgets(shape, free, options.batch_tokens, options.statistics_memory)
+
+    def _host_budget(self) -> int | None:
+        """The host tier's bytes (``--host-statistics-memory``), where the statistics have a
+        budget to spill past and the tier exceeds it; None otherwise. The sizing refuses a tier
+        no larger than a budget it knows; a GPU's budget is decided here, and a tier it
+        outgrows (a GPU with more memory than its type says) is left out, with a warning: one
+        spill would fill it, and it would only copy every spill."""
+        host, sigma = self.options.host_statistics_memory, self.statistics_budget
+        if host is None or sigma is None:
+            return None
+        if int(host) <= sigma:
+            log.warning(
+                "no host tier: --host-statistics-memory %s bytes does not exceed this "
+                "extractor's statistics budget of %s bytes (what its GPU holds)",
+                f"{int(host):,}", f"{sigma:,}",
+            )
+            return None
+        return int(host)
 
     def new_statistics(self) -> EmbeddingStatistics | SplitStatistics:
         """The running statistics: on the model's device, or one part per GPU holding the

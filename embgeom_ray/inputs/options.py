@@ -78,6 +78,17 @@ class WorkerOptions(OptionGroup):
         "none where the whole statistics fit]",
         json_schema_extra=SCHEDULING,
     )
+    host_statistics_memory: ByteSize | None = Field(
+        None,
+        description="bytes of host memory an extractor merges its spilled statistics into, type "
+        "by type, before anything goes to Ray's object store (e.g. 128GiB): past "
+        "--statistics-memory the running statistics are merged here instead of spilled as a "
+        "piece, so a checkpoint writes each token type once per this much rather than once per "
+        "spill (on a GPU, whose memory holds few types of a large vocabulary, many times fewer "
+        "bytes). Must exceed the statistics budget; counted in --worker-memory twice (the "
+        "merged statistics and one serialised copy) [default: off]",
+        json_schema_extra=SCHEDULING,
+    )
 
 
 class ExtractionOptions(SampleOptions, WorkerOptions):

@@ -182,20 +182,24 @@ def _extract(
     said = [pacer.last]
 
     def on_group(group: GroupResult) -> None:
+        fill = group.age_s if group.budget else None
         if group.written is not None:  # the extractor wrote the files: commit them
             files = GroupFiles.from_json(group.written)
             store.commit_group(files, group.counts)
-            pacer.wrote(files.nbytes, group.write_s, last=group.last)
+            pacer.wrote(files.nbytes, group.write_s, last=group.last, budget_fill_s=fill)
         else:
             t0 = time.perf_counter()
             saved = store.save_group(group.shard_ids, group.pieces(), group.sample, group.counts)
             nbytes = sum(d.size for d in saved.digests.values())
-            pacer.wrote(nbytes, time.perf_counter() - t0, last=group.last)
+            pacer.wrote(nbytes, time.perf_counter() - t0, last=group.last, budget_fill_s=fill)
         if pacer.given is None:
             now = pacer.interval(max(1, pacer.extractors))
             if said[0] is None or abs(now - said[0]) >= 0.25 * said[0]:
                 said[0] = now
                 on_resized(f"checkpoints: every {pacer.reason()}")
+        news = pacer.budget_news()  # the statistics budget, not the interval, sets the flushes
+        if news is not None:
+            on_resized(news)
 
     def on_resized(line: str) -> None:  # the pool grew or shrank: a line above the bar
         with tqdm.external_write_mode(file=sys.stderr):
@@ -739,6 +743,8 @@ def _start_run(
     if needs_check(config.out):  # each extractor checks that its node sees the run
         why = f"where every extractor's node sees {config.out}: checked as each starts"
     pacer = Pacer(config.checkpoint_interval, writers=writers, writers_why=why)
+    if sizing.pool.host_statistics is not None and sizing.pool.statistics is not None:
+        pacer.budget_name = "host tier (--host-statistics-memory)"
     echo(f"sizing: checkpoints: every {pacer.reason()}; {pacer.writers_line()}")
     return _Started(
         sizing, plan, resumed, dedup, manifest, done, todo, todo, pacer, t_ray1 - t_ray0,

@@ -154,16 +154,72 @@ class Pacer:
     #: docstring), and the seconds their writes took
     last_flushes: int = 0
     last_write_s: float = 0.0
+    #: of the others, those the statistics budget forced (:meth:`wrote`'s ``budget_fill_s``):
+    #: how many, their bytes, and the seconds the extractors took to fill the budget, summed
+    budget_flushes: int = 0
+    budget_bytes: int = 0
+    budget_fill_s: float = 0.0
+    #: the write share :meth:`budget_news` last said (None: not said)
+    budget_said: float | None = None
+    #: what fills and forces those flushes, as :meth:`budget_news` names it
+    budget_name: str = "statistics budget (--statistics-memory)"
 
-    def wrote(self, nbytes: int, seconds: float, last: bool = False) -> None:
+    def wrote(
+        self, nbytes: int, seconds: float, last: bool = False, budget_fill_s: float | None = None
+    ) -> None:
         """One checkpoint group of ``nbytes`` was written in ``seconds`` (``last``: an
-        extractor's last flush, when the queue drained)."""
+        extractor's last flush, when the queue drained; ``budget_fill_s``: the flush was forced
+        by the extractor's statistics budget, which its shards filled in that many seconds)."""
         self.flushes += 1
         self.bytes_written += int(nbytes)
         self.write_s += max(float(seconds), 1e-6)
         if last:
             self.last_flushes += 1
             self.last_write_s += max(float(seconds), 1e-6)
+        elif budget_fill_s is not None:
+            self.budget_flushes += 1
+            self.budget_bytes += int(nbytes)
+            self.budget_fill_s += max(float(budget_fill_s), 1e-6)
+
+    @property
+    def budget_fill(self) -> float | None:
+        """t_σ: the mean seconds an extractor took to fill its statistics budget, over the
+        flushes the budget forced (None before one)."""
+        return self.budget_fill_s / self.budget_flushes if self.budget_flushes else None
+
+    def budget_share(self) -> float | None:
+        """The share of the extraction writing takes where the statistics budget sets the
+        flushes: B_σ / (W · t_σ), or N · B_σ / (W · t_σ) where the driver writes them all, B_σ
+        the mean bytes of those flushes (None before one)."""
+        fill, bandwidth = self.budget_fill, self.bandwidth
+        if fill is None or bandwidth is None:
+            return None
+        flush = self.budget_bytes / self.budget_flushes
+        return write_share(flush, max(1, self.extractors), bandwidth, fill, self.writers)
+
+    def budget_news(self) -> str | None:
+        """A line to print when the statistics budget, not the interval, sets the flushes: the
+        first time a flush it forced came before the interval, and again when the share of the
+        extraction the writes take has doubled or halved since; None otherwise."""
+        fill, share = self.budget_fill, self.budget_share()
+        interval = self.given if self.given is not None else self.last
+        if fill is None or share is None or interval is None or fill >= interval:
+            return None
+        said = self.budget_said
+        if said is not None and said / 2 < share < 2 * said:
+            return None
+        self.budget_said = share
+        whose = "each extractor's" if self.writers == EXTRACTORS else "the extraction's"
+        flush = self.budget_bytes / self.budget_flushes
+        aim = "above" if share > self.share else "within"
+        return (
+            f"checkpoints: the extractors' {self.budget_name} filled in "
+            f"{fill:,.0f} s on average over {self.budget_flushes} flush(es), before the "
+            f"{interval:,.0f} s interval: each extractor flushes whenever it fills, "
+            f"{gib(int(flush))} a flush, so writing takes ~{share:.0%} of {whose} time at the {gib(int(self.bandwidth or 0))}/s measured, {aim} the "
+            f"{self.share:.0%} the interval aims at (a larger budget spaces these flushes; "
+            "nothing is lost or counted twice)"
+        )
 
     def fall_back(self, why: str) -> None:
         """An extractor does not see the run (``why``, :func:`decide_writers`): the job's own
@@ -265,6 +321,14 @@ class Pacer:
             "last_flushes": self.last_flushes,
             "last_write_s": round(self.last_write_s, 3),
             "write_share_before_drain": self.share_of(self.write_s - self.last_write_s, extract_s),
+            # of the flushes before the last ones, those the statistics budget forced, the mean
+            # seconds an extractor took to fill it (t_σ), and the share writing takes at that
+            # pace: B_σ / (W · t_σ)
+            "budget_flushes": self.budget_flushes,
+            "budget_fill_s": None if self.budget_fill is None else round(self.budget_fill, 3),
+            "budget_write_share": None
+            if (share := self.budget_share()) is None
+            else round(share, 4),
         }
 
 
@@ -275,11 +339,13 @@ def describe_plan(
     given: float | None,
     writers: str = DRIVER,
     checked: bool = False,
+    budget: BudgetShape | None = None,
 ) -> list[str]:
     """``--plan``'s lines on checkpoints: who writes them (``checked``: each extractor where
     its node sees the run's local path, :func:`decide_writers`), the interval (given, or the
     rule with what it gives at a few bandwidths, since the run measures its own), the
-    extractors' last flushes and the work one node's failure loses at most."""
+    extractors' last flushes, the work one node's failure loses at most, and where the
+    statistics ``budget`` cannot hold every type, that it may set the flushes instead."""
     n = max(1, extractors)
     round_bytes = n * flush_bytes
     each = writers == EXTRACTORS
@@ -336,4 +402,36 @@ def describe_plan(
         )
     else:
         lines.append("  written by the job's own process (one writer)")
+    if budget is not None and budget.types_held < budget.types:
+        at = given or interval_for(flush_bytes, n, 2**30, writers=writers)
+        lines.append(
+            f"  {budget.name} = {gib(budget.sigma)} holds the rows of "
+            f"~{budget.types_held:,} types ({gib(budget.row_bytes)} a type, beside F) of the ≤ "
+            f"{budget.types:,} the run may see: an extractor that meets more types between two "
+            "checkpoints flushes whenever it fills, every t_σ seconds, and writing then takes "
+            f"{'' if each else 'N · '}B / (W · t_σ) of {'its' if each else 'the'} time, over "
+            f"{IO_SHARE:.0%} wherever it fills in less than T ({at:,.0f} s at 1 GiB/s"
+            f"{' ' + per if per else ''}); the run measures t_σ and says so "
+            "(sizing.checkpoints.budget_fill_s)"
+        )
     return lines
+
+
+@dataclass(frozen=True)
+class BudgetShape:
+    """What an extractor's statistics may hold before it flushes, against the types a run may
+    see, for :func:`describe_plan`: its budget σ (or its host tier H, where it has one), one
+    type's rows in every measured layer, the per-layer state F that the budget also holds, and
+    the bound on the types seen."""
+
+    sigma: int
+    row_bytes: int
+    fixed_bytes: int
+    types: int
+    #: what the budget is, as the plan names it
+    name: str = "the statistics budget σ"
+
+    @property
+    def types_held(self) -> int:
+        """The types whose rows fit σ beside F: ⌊(σ − F) / row⌋."""
+        return max(0, (self.sigma - self.fixed_bytes) // max(1, self.row_bytes))

@@ -86,6 +86,10 @@ class Pool:
     #: bytes of the head node's memory kept for the job's own process, which no extractor
     #: may take (:func:`driver_reserve`): what the pool's growth leaves of the head's offer
     head_reserve: int = 0
+    #: bytes of host memory its spills are merged into before they go to the object store
+    #: (``--host-statistics-memory``, or on GPUs whose statistics spill, what the memory it
+    #: asks for leaves: :func:`host_tier_for`; None: no tier)
+    host_statistics: int | None = None
 
 
 @dataclass
@@ -151,6 +155,8 @@ class Sizing:
         gpus = f", {p.num_gpus:g} GPU{'s' if p.num_gpus != 1 else ''}" if p.num_gpus else ""
         batch = "decided on its GPU" if p.batch_tokens is None else f"{p.batch_tokens:,}"
         stats = "the whole state" if p.statistics is None else gib(p.statistics)
+        if p.host_statistics is not None and p.statistics is not None:
+            stats += f", merged on the host up to {gib(p.host_statistics)}"
         out = [
             f"sizing: {self.types_reason}",
             f"sizing: extractors: {p.num_workers} × ({p.num_cpus} CPU{gpus}) × {gib(p.memory)}"
@@ -278,12 +284,32 @@ def _extractor_formula(shape: Shape, b: int, gpus: int) -> str:
     )
 
 
+def host_tier_for(
+    shape: Shape, types: int, b: int, memory: int, gpus: int, sigma: int
+) -> int | None:
+    """The host tier an extractor of ``memory`` bytes holds beside the rest it needs with the
+    statistics budget ``sigma`` (:func:`extractor_bytes`): half of what is left (the tier and
+    its serialised copy), no more than the whole statistics S(V) + F; None where that is not
+    more than σ (a tier one spill fills would only copy every spill)."""
+    left = memory - extractor_bytes(shape, types, b, sigma, gpus)
+    tier = min(left // 2, shape.statistics_bytes(types))
+    return tier if tier > sigma else None
+
+
 def _extractor_range(
-    shape: Shape, types: int, b: int, cluster: Cluster, gpus: int, explicit_s: int | None
+    shape: Shape,
+    types: int,
+    b: int,
+    cluster: Cluster,
+    gpus: int,
+    explicit_s: int | None,
+    explicit_h: int | None = None,
 ) -> tuple[int, int, int | None]:
     """(whole, least, on_device): an extractor's memory with its statistics unbounded (or
-    bounded by the GPUs' share, ``on_device``, where they spill on the device), and the least
-    it can run with (the statistics at their fixed per-layer floor, or ``--statistics-memory``)."""
+    bounded by the GPUs' share, ``on_device``, where they spill on the device, with a host
+    tier holding the whole statistics beside them), and the least it can run with (the
+    statistics at their fixed per-layer floor, or ``--statistics-memory``, no tier); with
+    ``--host-statistics-memory`` (``explicit_h``), that tier in both."""
     floor = shape.layer_state_bytes()
     if explicit_s is not None and explicit_s <= floor:
         raise ConfigError(
@@ -297,13 +323,14 @@ def _extractor_range(
     if on_device is not None and on_device >= shape.statistics_bytes(types):
         on_device = None  # the GPUs hold the whole statistics
     if on_device is not None:
-        # the statistics live on the GPUs and spill past what those hold: the host needs no
-        # more than the copy of that
+        # the statistics live on the GPUs and spill past what those hold: the host needs the
+        # copy of that, and at most a tier that merges the spills into the whole statistics
         on_device = max(on_device, floor + 1)
-        whole = extractor_bytes(shape, types, b, on_device, gpus)
-    least = extractor_bytes(shape, types, b, floor + 1, gpus)
+        tier = explicit_h if explicit_h is not None else shape.statistics_bytes(types)
+        whole = extractor_bytes(shape, types, b, on_device, gpus, tier)
+    least = extractor_bytes(shape, types, b, floor + 1, gpus, explicit_h)
     if explicit_s is not None:
-        least = whole = extractor_bytes(shape, types, b, explicit_s, gpus)
+        least = whole = extractor_bytes(shape, types, b, explicit_s, gpus, explicit_h)
     return whole, least, on_device
 
 
@@ -373,7 +400,7 @@ def _fitted_pool(
     state = gib(shape.statistics_bytes(types))
     if explicit_s is not None:
         reason = f"--statistics-memory {gib(explicit_s)}{fewer}"
-    elif on_device is not None and memory >= whole:
+    elif on_device is not None:
         reason = (
             f"S(V) + F = {state} do not fit the GPUs: they "
             f"spill past σ = {gib(on_device)} ({GPU_STATISTICS_SHARE:g} of what the model "
@@ -421,7 +448,9 @@ def size_extractors(
     b = batch or DEFAULT_BATCH_TOKENS  # the least a GPU batch is: for the growth bound
     formula = _extractor_formula(shape, b, gpus)
     explicit_s = options.statistics_memory
-    bounds = _extractor_range(shape, types, b, cluster, gpus, explicit_s)
+    explicit_h = options.host_statistics_memory
+    explicit_h = None if explicit_h is None else int(explicit_h)
+    bounds = _extractor_range(shape, types, b, cluster, gpus, explicit_s, explicit_h)
     whole, least, on_device = bounds
     offers = cluster.offers(driver)
     if options.worker_memory is not None:
@@ -432,13 +461,32 @@ def size_extractors(
         count, memory, reason = _fitted_pool(
             shape, types, options, count, hosts, offers, bounds, gpus, formula
         )
-    statistics = explicit_s or statistics_for(shape, types, b, memory, gpus)
+    host = explicit_h
+    if host is None and explicit_s is None and on_device is not None:
+        # statistics that spill on the GPUs: their spills merged on the host, in what the
+        # memory asked for leaves beside the copy of σ
+        host = host_tier_for(shape, types, b, memory, gpus, on_device)
+        if host is None and options.worker_memory is None:  # no room for a tier: not asked
+            memory = min(memory, extractor_bytes(shape, types, b, on_device, gpus))
+    statistics = explicit_s or statistics_for(shape, types, b, memory - 2 * (host or 0), gpus)
     unbounded = explicit_s is None and on_device is None and memory >= whole
     if unbounded or statistics >= shape.statistics_bytes(types):
         statistics = None  # the whole statistics fit: no bound needed
+    if explicit_h is not None and statistics is not None and explicit_h <= statistics:
+        raise ConfigError(
+            f"--host-statistics-memory {explicit_h:,} bytes does not exceed the extractors' "
+            f"statistics budget σ = {statistics:,} bytes: the host tier merges spills of σ "
+            "bytes; give it more than σ, or leave it out"
+        )
+    if statistics is None and explicit_h is None:
+        host = None  # nothing spills: no tier
+    if host is not None and explicit_h is None:
+        reason += f"; the spills merged on the host into a tier of {gib(host)} (half of the rest)"
+    if host is not None:
+        formula += " + 2 · H (the host tier and its serialised copy)"
     return Pool(
         count, cpus, float(gpus), memory, statistics, batch, formula, reason, batch_reason,
-        head_reserve=driver,
+        head_reserve=driver, host_statistics=host,
     )  # fmt: skip
 
 
@@ -663,9 +711,12 @@ def io_sizes(sizing: Sizing, corpus: CorpusShape) -> dict[str, Any]:
     artefact and the tables."""
     shape, types, pool = sizing.shape, sizing.types, sizing.pool
     whole = shape.statistics_bytes(types)
+    tier = pool.host_statistics if pool.statistics is not None else None
     piece = whole if pool.statistics is None else min(
         whole,
-        pool.statistics + batch_growth_bytes(shape, types, pool.batch_tokens or DEFAULT_BATCH_TOKENS),
+        pool.statistics + batch_growth_bytes(shape, types, pool.batch_tokens or DEFAULT_BATCH_TOKENS)
+        if tier is None
+        else tier,
     )
     per_shard = [
         shape.statistics_bytes(types if b is None else min(types, b + 1)) + shape.sample_bytes
@@ -679,9 +730,12 @@ def io_sizes(sizing: Sizing, corpus: CorpusShape) -> dict[str, Any]:
     }
     return {
         "flush_piece_bytes": piece,
-        "flush_formula": "a piece ≤ σ + g (spilled or last); a flush: the pieces of one interval"
-        if pool.statistics is not None
-        else "≤ S(V) + F, one piece",
+        "flush_formula": "≤ S(V) + F, one piece"
+        if pool.statistics is None
+        else "a piece ≤ σ + g (spilled or last); a flush: the pieces of one interval"
+        if tier is None
+        else "a piece ≤ H, the host tier's (spilled when full, or last); a flush: its pieces of "
+        "one interval",
         "checkpoint_bytes_bound": sum(per_shard),
         # unbounded, a flush is one piece; under σ, as many pieces as the interval spilled
         "checkpoint_bytes_per_interval": None

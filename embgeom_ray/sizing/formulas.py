@@ -398,14 +398,22 @@ def batch_growth_bytes(shape: Shape, types: int, batch_tokens: int) -> int:
 
 
 def extractor_bytes(
-    shape: Shape, types: int, batch_tokens: int, statistics: int | None, gpus: int = 0
+    shape: Shape,
+    types: int,
+    batch_tokens: int,
+    statistics: int | None,
+    gpus: int = 0,
+    host: int | None = None,
 ) -> int:
     """An extractor's memory (host, private): :func:`extractor_own_bytes` + 2 · (σ + g), σ its
     statistics budget (None: the whole S(V) + F) and one serialised copy of them; on a GPU the
-    statistics are in device memory and the host holds their serialised copy alone: + (σ + g)."""
+    statistics are in device memory and the host holds their serialised copy alone: + (σ + g).
+    With a host tier of H bytes (``host``, ``--host-statistics-memory``): + 2 · H, the merged
+    statistics and one serialised copy of them."""
     held = shape.statistics_bytes(types) if statistics is None else statistics
     growth = 0 if statistics is None else batch_growth_bytes(shape, types, batch_tokens)
-    return extractor_own_bytes(shape, batch_tokens, gpus) + copies(gpus) * (held + growth)
+    tier = 0 if host is None else 2 * host
+    return extractor_own_bytes(shape, batch_tokens, gpus) + copies(gpus) * (held + growth) + tier
 
 
 def copies(gpus: int) -> int:

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from ..errors import ConfigError
-from .checkpoints import DRIVER
+from .checkpoints import DRIVER, BudgetShape
 from .checkpoints import describe_plan as checkpoint_lines
 from .decisions import Sizing, driver_reserve, io_sizes, size_reducers
 from .formulas import (
@@ -74,6 +74,14 @@ def describe_plan(
         f"  memory each: {gib(pool.memory)} asked of Ray ({pool.reason})",
         f"    = {pool.formula}",
         f"  statistics budget: {stats}",
+        *(
+            [f"  host tier: H = {gib(pool.host_statistics)}: each spill past σ merged into it, "
+             "type by type, so a flush writes a type once per H, not once per spill "
+             "(--host-statistics-memory; + 2 · H of the memory each: the tier and its "
+             "serialised copy)"]
+            if pool.host_statistics is not None and pool.statistics is not None
+            else []
+        ),
     ]
     if red.partitioned:
         ranges = reducer_ranges(red.count, types)
@@ -114,6 +122,11 @@ def describe_plan(
             io["flush_piece_bytes"] + shape.sample_bytes, pool.num_workers,
             extractors_per_node(sizing), checkpoint_interval, checkpoint_writers,
             checkpoint_check,
+            None if pool.statistics is None else BudgetShape(
+                pool.statistics if pool.host_statistics is None else pool.host_statistics,
+                shape.row_bytes, shape.layer_state_bytes(), types,
+                "the statistics budget σ" if pool.host_statistics is None else "the host tier H",
+            ),
         ),
         "checkpoint groups on disk: one per extractor and --checkpoint-interval ("
         + (
@@ -121,6 +134,8 @@ def describe_plan(
             f"{pool.num_workers} extractor(s), each group the statistics of the types it saw + Q"
             if io["checkpoint_bytes_per_interval"] is not None
             else "each group a piece of ≤ σ + g a spill, and the sample Q"
+            if pool.host_statistics is None
+            else "each group a piece of ≤ H each time the host tier fills, and the sample Q"
         )
         + f"), ≤ {gib(io['checkpoint_bytes_bound'])} in all (a group a shard at most); removed "
         "when the run completes",

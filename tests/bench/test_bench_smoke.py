@@ -364,3 +364,18 @@ def test_checksums_smoke(results_dir):
     checksums.main("--gib 0.01 --repeats 1".split())
     res = read(results_dir, "checksums")
     assert res["times_s"]["digest"][0] > 0 and res["digest_share_of_write"] > 0
+
+
+def test_host_tier_smoke(results_dir):
+    """Two jobs over a small Zipf corpus, with and without a host tier: the tier writes fewer
+    bytes, and the exact tables agree to float64 rounding."""
+    from bench import host_tier
+
+    host_tier.main(
+        "--vocab 3000 --dim 16 --blocks 1 --tokens 20000 --statistics-types 150 --host-gib 0.01 "
+        "--shard-bytes 16384".split()
+    )
+    res = read(results_dir, "host_tier")
+    assert set(res["runs"]) == {"spills", "tier"}
+    assert res["runs"]["tier"]["host_merges"] > 0 and res["runs"]["spills"]["spills"] > 0
+    assert res["bytes_ratio_tier_to_spills"] < 1 and res["tables_max_rel_diff"] < 1e-9

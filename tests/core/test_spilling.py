@@ -222,3 +222,77 @@ def test_spills_reuse_one_buffer_when_the_spill_copies():
     for data in pieces[1:]:
         merged.merge(EmbeddingStatistics.from_bytes(data))
     assert_same_state(merged, one, rtol=1e-11, comoment_rtol=1e-11)
+
+
+def zipf_batches(n: int, vocab: int, offset: float = 0.0, seed: int = 11):
+    """Batches whose ids follow a Zipf law over ``vocab`` types: every batch repeats the
+    frequent types, as text does."""
+    rng = np.random.default_rng(seed)
+    weights = 1.0 / np.arange(1, vocab + 1)
+    weights /= weights.sum()
+    for _ in range(n):
+        h = torch.as_tensor(rng.normal(size=(len(LAYERS), 4, 16, D)) + offset)
+        yield h, torch.as_tensor(rng.choice(vocab, size=(4, 16), p=weights))
+
+
+@pytest.mark.parametrize("offset", [0.0, 1e5])
+def test_a_host_tier_merges_the_spills_into_the_one_pass_statistics_in_fewer_bytes(offset):
+    """With a host tier, every spill of the accumulator is merged on the host: the pieces
+    (the tier's own spills when it fills, then what it holds) merge into the one-pass
+    statistics to float64 rounding, massive offsets included; the tier never holds more than
+    its budget; and, the frequent types being in every spill, its pieces take fewer bytes than
+    the spills written one by one."""
+    from embgeom_ray.core.spilling import HostTier
+
+    probe = new()
+    probe.update(*next(zipf_batches(1, 3000)))
+    scratch = sum(b.numel() * b.element_size() for b in probe._buffers.values())
+    budget = scratch + state_bytes(len(LAYERS), D, 60, 16)  # ~60 types: a spill every batch
+    host_budget = state_bytes(len(LAYERS), D, 700, 16)
+    plain = SpillingStatistics(new(), budget)
+    host = HostTier(host_budget)
+    tiered = SpillingStatistics(new(), budget, host=host)
+    one = new()
+    held = []
+    for h, ids in zipf_batches(60, 3000, offset):
+        plain.update(h, ids)
+        tiered.update(h, ids)
+        one.update(h, ids)
+        # the statistics the tier holds (its merges' scratch, a few row blocks, apart)
+        types = 0 if host.merged is None else host.merged.num_types
+        held.append(state_bytes(len(LAYERS), D, types, 16))
+    assert plain.spills >= 30 and tiered.merges == plain.spills  # each spill merged instead
+    assert 1 <= tiered.spills < plain.spills / 4  # the tier spilled as it filled, seldom
+    assert max(held) <= host_budget
+    assert tiered.nbytes() == tiered.current.held_bytes() + host.nbytes()
+    plain_pieces, pieces = plain.take(), tiered.take()
+    assert len(pieces) == tiered.spills + 1 and host.spilled == []
+    assert tiered.merges == plain.spills + 1  # the accumulator's last bytes merged too
+    assert sum(len(p) for p in pieces) < 0.6 * sum(len(p) for p in plain_pieces)
+    merged = EmbeddingStatistics.from_bytes(pieces[0])
+    for data in pieces[1:]:
+        merged.merge(EmbeddingStatistics.from_bytes(data))
+    assert merged.token_count() == one.token_count() == 60 * 64
+    assert_same_state(merged, one, rtol=1e-11, comoment_rtol=1e-11)
+    # the tier goes on after a take, in the memory it had
+    for h, ids in zipf_batches(3, 3000, offset, seed=12):
+        tiered.update(h, ids)
+    again = tiered.take()
+    assert EmbeddingStatistics.from_bytes(again[-1]).token_count() == 3 * 64
+
+
+def test_a_host_tier_takes_per_device_parts_as_their_combination():
+    """Statistics folded in per-device parts (a model split across GPUs) are merged into the
+    tier as the one-device statistics they combine into."""
+    from embgeom_ray.core.spilling import HostTier
+
+    split = SplitStatistics(LAYERS, D, groups=[[0], [2]], max_positions=16)
+    budget = state_bytes(len(LAYERS), D, 40, 16)
+    tiered = SpillingStatistics(split, budget, host=HostTier(state_bytes(len(LAYERS), D, 3000, 16)))
+    one = new()
+    for h, ids in zipf_batches(20, 3000):
+        tiered.update(h, ids)
+        one.update(h, ids)
+    assert tiered.merges >= 5 and tiered.spills == 0
+    (piece,) = tiered.take()
+    assert_same_state(EmbeddingStatistics.from_bytes(piece), one, rtol=1e-11, comoment_rtol=1e-11)

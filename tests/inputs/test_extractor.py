@@ -261,3 +261,22 @@ def test_a_gpu_holding_every_type_allocates_their_slots_at_once(
     vocabulary = len(AutoTokenizer.from_pretrained(tiny_bert))
     assert made["max_types"] == vocabulary
     assert made.get("initial_types") == (vocabulary if slots else None)
+
+
+def test_a_host_tier_is_kept_only_above_the_statistics_budget(tmp_path, tiny_bert, caplog):
+    """The host tier (--host-statistics-memory) sets what the statistics may hold before a
+    flush where it exceeds the statistics budget; without a budget nothing spills, and a
+    budget the extractor decides above it (a GPU holding more than its type says) leaves it
+    out, with a warning, instead of failing the run."""
+    corpus = write_jsonl(tmp_path / "c.jsonl", ["the cat sat"])
+    tier = processor(tiny_bert, corpus, tmp_path / "o", statistics_memory="4MiB",
+                     host_statistics_memory="64MiB")  # fmt: skip
+    assert (tier.host_budget, tier.flush_budget) == (64 << 20, 64 << 20)
+    plain = processor(tiny_bert, corpus, tmp_path / "o", statistics_memory="4MiB")
+    assert (plain.host_budget, plain.flush_budget) == (None, 4 << 20)
+    unbounded = processor(tiny_bert, corpus, tmp_path / "o", host_statistics_memory="64MiB")
+    assert (unbounded.host_budget, unbounded.flush_budget) == (None, None)
+    outgrown = processor(tiny_bert, corpus, tmp_path / "o", statistics_memory="4MiB",
+                         host_statistics_memory="2MiB")  # fmt: skip
+    assert (outgrown.host_budget, outgrown.flush_budget) == (None, 4 << 20)
+    assert "no host tier" in caplog.text

@@ -143,3 +143,69 @@ def test_the_last_flushes_are_stated_apart_from_the_share_the_interval_holds():
     assert (record["flushes"], record["last_flushes"], record["last_write_s"]) == (2, 1, 3.0)
     assert record["write_share"] == pytest.approx(0.06)
     assert record["write_share_before_drain"] == pytest.approx(0.03)
+
+
+def test_flushes_the_statistics_budget_forces_are_measured_and_said():
+    """Where an extractor's statistics budget fills before the interval, the budget sets the
+    flushes: each extractor writing its own 2 GiB flush at 1 GiB/s (2 s) every 20 s spends
+    10% of its time writing, whatever T says. The pacer measures t_σ on the flushes the
+    budget forced (not the last ones), says so once, again only when the share doubles or
+    halves, and never where the budget fills after the interval."""
+    from embgeom_ray.sizing.checkpoints import EXTRACTORS
+
+    pacer = Pacer(writers=EXTRACTORS)
+    assert pacer.budget_news() is None and pacer.budget_fill is None
+    pacer.interval(4)  # the floor, 60 s, until a flush measures the storage
+    pacer.wrote(2 * GiB, 2.0, budget_fill_s=18.0)
+    pacer.wrote(2 * GiB, 2.0, budget_fill_s=22.0)
+    pacer.wrote(2 * GiB, 2.0, last=True, budget_fill_s=5.0)  # the last flush: not counted
+    assert pacer.budget_fill == pytest.approx(20.0) and pacer.budget_flushes == 2
+    assert pacer.budget_share() == pytest.approx(2.0 / 20.0)
+    line = pacer.budget_news()
+    assert line.startswith("checkpoints: the extractors' statistics budget (--statistics-memory) "
+                           "filled in 20 s on average over 2 flush(es), before the 60 s interval")
+    assert "2.0 GiB a flush, so writing takes ~10% of each extractor's time" in line
+    assert "above the 5% the interval aims at" in line
+    assert pacer.budget_news() is None  # said once
+    pacer.wrote(2 * GiB, 2.0, budget_fill_s=20.0)
+    assert pacer.budget_news() is None  # the same pace
+    for _ in range(6):  # the budget now fills in 2 s: the share more than doubles
+        pacer.wrote(2 * GiB, 2.0, budget_fill_s=2.0)
+    assert pacer.budget_fill == pytest.approx(72.0 / 9)
+    assert "~25% of each extractor's time" in pacer.budget_news()
+    record = pacer.to_json(extract_s=100.0)
+    assert record["budget_flushes"] == 9 and record["budget_fill_s"] == pytest.approx(8.0)
+    assert record["budget_write_share"] == pytest.approx(0.25)
+    # the driver writing every flush: N · B_σ / (W · t_σ)
+    driver = Pacer()
+    driver.interval(4)
+    driver.wrote(GiB, 1.0, budget_fill_s=40.0)
+    assert driver.budget_share() == pytest.approx(4 * 1.0 / 40.0)
+    assert "10% of the extraction's time" in driver.budget_news()
+    # a budget that fills after the interval: the interval sets the flushes, nothing said
+    slow = Pacer(30.0)
+    slow.interval(1)
+    slow.wrote(GiB, 1.0, budget_fill_s=45.0)
+    assert slow.budget_news() is None and slow.to_json()["budget_flushes"] == 1
+    assert Pacer().to_json()["budget_fill_s"] is None
+
+
+def test_the_plan_says_when_the_statistics_budget_may_set_the_flushes():
+    """The 8B model of docs/sizing.md: σ = 44.6 GiB beside F = 4.3 GiB holds ~20,000 types'
+    rows of 8·33·(2·4,096 + 2) + 8 bytes, of the 128,256 the run may see; the plan says the
+    budget may then set the flushes. Where σ holds every type, nothing is said."""
+    from embgeom_ray.sizing.checkpoints import EXTRACTORS, BudgetShape
+
+    row = 8 * 33 * (2 * 4096 + 2) + 8
+    budget = BudgetShape(int(44.6 * GiB), row, int(4.3 * GiB), 128_256)
+    assert budget.types_held == (int(44.6 * GiB) - int(4.3 * GiB)) // row == 20_003
+    lines = describe_plan(int(65.2 * GiB), 32, 8, None, EXTRACTORS, budget=budget)
+    said = [line for line in lines if "statistics budget" in line]
+    assert len(said) == 1
+    assert said[0].startswith("  the statistics budget σ = 44.6 GiB holds the rows of ~20,003 "
+                              "types (2 MiB a type, beside F) of the ≤ 128,256 the run may see")
+    assert "B / (W · t_σ) of its time, over 5% wherever it fills in less than T (1,304 s at " \
+           "1 GiB/s a writer)" in said[0]
+    roomy = BudgetShape(int(44.6 * GiB), row, int(4.3 * GiB), 20_000)
+    assert not any("statistics budget" in line
+                   for line in describe_plan(int(65.2 * GiB), 32, 8, None, budget=roomy))

@@ -273,3 +273,49 @@ def test_before_the_corpus_is_read_only_what_cannot_fit_whatever_the_types_is_re
     assert size_reducers(shape, 2000, cluster, opts, driver=0).count == 2
     with pytest.raises(ConfigError, match="--reducers 40: each needs"):
         size_reducers(shape, 30_522, cluster, options(reducers=40), driver=0, final=False)
+
+
+def test_gpu_extractors_merge_their_spills_on_the_host_where_the_nodes_leave_room():
+    """Statistics that spill on the GPUs are merged on the host (``--host-statistics-memory``)
+    in what a node's share leaves beside the copy of σ: half of it (the tier and its
+    serialised copy), up to the whole statistics. A share too small for a tier larger than σ
+    gets none and asks only for what it needs; an explicit tier is asked for on top, and one
+    no larger than σ is refused."""
+    from embgeom_ray.sizing.decisions import host_tier_for
+    from embgeom_ray.sizing.formulas import extractor_bytes
+
+    def h100(node_memory: int) -> Cluster:
+        return Cluster((Node("h", 64 * GiB, cpus=8, head=True),
+                        Node("g", node_memory, cpus=64, gpus=8, gpu_type="H100")))  # fmt: skip
+
+    roomy = size_extractors(LLAMA_8B, V_SEEN, h100(2048 * GiB), options(), 64, driver=0)
+    assert roomy.memory == 256 * GiB  # the node's share: an eighth of 2 TiB
+    sigma = int(0.8 * (80 * 10**9 - 16 * 10**9 - 8192 * ((33 * 4096 + 3 * 14_336 + 32 * 128) * 2
+                                                          + 64 * 4096)))  # fmt: skip
+    need = extractor_bytes(LLAMA_8B, V_SEEN, 8192, sigma, 1)  # without a tier
+    assert roomy.host_statistics == (256 * GiB - need) // 2 > sigma
+    assert roomy.host_statistics == host_tier_for(LLAMA_8B, V_SEEN, 8192, 256 * GiB, 1, sigma)
+    assert "merged on the host into a tier of" in roomy.reason
+    # the whole statistics fit the tier where the node holds them twice over: no more asked
+    huge = size_extractors(LLAMA_8B, V_SEEN, h100(8192 * GiB), options(), 64, driver=0)
+    whole = LLAMA_8B.statistics_bytes(V_SEEN)
+    assert huge.host_statistics == whole and huge.memory == need + 2 * whole
+    # 1 TiB: an eighth leaves less than 2σ beside the rest: no tier, nothing more asked
+    tight = size_extractors(LLAMA_8B, V_SEEN, h100(1024 * GiB), options(), 64, driver=0)
+    assert tight.host_statistics is None and tight.memory == need
+    # explicit: asked on top of what the extractor needs, and refused at or below σ
+    given = size_extractors(LLAMA_8B, V_SEEN, h100(2048 * GiB),
+                            options(host_statistics_memory=60 * GiB, worker_memory=200 * GiB),
+                            64, driver=0)  # fmt: skip
+    assert given.host_statistics == 60 * GiB and given.memory == 200 * GiB
+    with pytest.raises(ConfigError, match=r"--worker-memory .* cannot hold"):
+        size_extractors(LLAMA_8B, V_SEEN, h100(2048 * GiB),
+                        options(host_statistics_memory=60 * GiB, worker_memory=100 * GiB),
+                        64, driver=0)  # fmt: skip
+    small = Shape(layers=3, dim=128, positions=128, vocab=128_256, hidden_states=3,
+                  intermediate=448, heads=2, weight_bytes=70 * MiB, sample_entries=8192)  # fmt: skip
+    tight_cpu = Cluster((Node("h", 3 * GiB, cpus=8, head=True),))
+    with pytest.raises(ConfigError, match="does not exceed the extractors' statistics budget"):
+        size_extractors(small, 128_256, tight_cpu,
+                        options(device="cpu", worker_memory=GiB, host_statistics_memory="1MiB"),
+                        4, driver=GiB)  # fmt: skip

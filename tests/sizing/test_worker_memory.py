@@ -73,7 +73,9 @@ def test_a_budget_below_the_fixed_state_is_refused():
 
 
 @pytest.mark.slow
-def test_a_worker_at_its_budget_spills_and_flushes_and_the_tables_hold(tmp_path, ray_local):
+def test_a_worker_at_its_budget_spills_and_flushes_and_the_tables_hold(
+    tmp_path, ray_local, capsys
+):
     from tests.runs.test_job_end_to_end import english_documents, run_job
     from tests.tiny_models import make_tiny_bert
 
@@ -94,5 +96,28 @@ def test_a_worker_at_its_budget_spills_and_flushes_and_the_tables_hold(tmp_path,
     assert free["workers"]["budget_flushes"] == 0 and free["workers"]["spills"] == 0
     # within each shard the statistics were spilled at every batch past the budget
     assert bound["workers"]["spills"] >= shards
+    # the budget, not the hour's interval, set the flushes: measured (the last flush, when the
+    # queue drained, stated apart) and said
+    paced = bound["sizing"]["checkpoints"]
+    assert paced["budget_flushes"] == shards - 1 and paced["last_flushes"] == 1
+    assert 0 < paced["budget_fill_s"] < 3600 and paced["budget_write_share"] > 0
+    assert free["sizing"]["checkpoints"]["budget_flushes"] == 0
+    err = capsys.readouterr().err
+    assert "checkpoints: the extractors' statistics budget (--statistics-memory) filled in " in err
+    assert "before the 3,600 s interval: each extractor flushes whenever it fills" in err
     for name in ("type_stats", "layers", "dims", "positions"):
         pd.testing.assert_frame_equal(t_free[name], t_bound[name], check_exact=False, rtol=1e-9)
+    # a host tier: the same spills merged on the host (--host-statistics-memory), so the
+    # flushes come when the tier fills, not at every shard, and write each type once a flush
+    host = state_bytes(3, 32, 4 * free["sizing"]["reduce"]["types"], 32)  # never fills
+    tier, t_tier = run_job(tmp_path, model_dir, docs, "tier", "c.jsonl", statistics_memory=budget,
+                           host_statistics_memory=host, **opts)  # fmt: skip
+    assert tier["workers"]["host_merges"] >= bound["workers"]["spills"]
+    assert tier["workers"]["spills"] == 0  # nothing went to the object store
+    assert tier["shards"]["checkpoint_groups"] == 1  # one flush, when the queue drained
+    written = {m: m_["sizing"]["checkpoints"]["bytes_written"] for m, m_ in
+               (("bound", bound), ("tier", tier), ("free", free))}  # fmt: skip
+    assert written["tier"] < written["bound"] / 2, written
+    assert written["tier"] == pytest.approx(written["free"], rel=0.05), written  # one group
+    for name in ("type_stats", "layers", "dims", "positions"):
+        pd.testing.assert_frame_equal(t_free[name], t_tier[name], check_exact=False, rtol=1e-9)
