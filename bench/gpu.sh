@@ -1,8 +1,13 @@
 #!/usr/bin/env bash
 # The GPU measurements, in one call on a machine with an NVIDIA GPU and no Ray (the
 # engine-agnostic core runs without it), within $DEADLINE seconds (default 480). $STEPS picks
-# them (default "comoment fold fold-stacked vocabulary precision extraction"); they run in this order, the
-# measurements of the fold's product and launches first (issue 53), each against today's code:
+# them (default "host-tier comoment fold fold-stacked vocabulary precision extraction"); they run
+# in this order, the measurements of the fold's product and launches first (issue 53), each
+# against today's code, after one check of ~10 s:
+#   host-tier   the host tier's GPU path (core/spilling.py: HostTier, on by default where a
+#               GPU's statistics spill): the fold of d = 2,048 under a σ of 2,000 types, its
+#               spills merged into the tier against the same spills kept as pieces; the same
+#               statistics to float64 rounding, and the bytes (bench.host_tier --fold-only)
 #   comoment    the co-moment product alone, 65,536 rows, d = 768, 2,048 and 4,096: float64
 #               in 8 blocks (Hopper's default), the int8 product by torch._int_mm and by the
 #               Triton kernel (core/integer_syrk.py), and that kernel alone with its TOPS
@@ -54,7 +59,7 @@ OUT=${OUT:-/tmp/embgeom-gpu}
 if [ -z "${FOLD_BASELINE:-}" ] && [ -d .gpu/baseline/embgeom_ray ]; then
   FOLD_BASELINE=.gpu/baseline/embgeom_ray
 fi
-STEPS=" ${STEPS:-comoment fold fold-stacked vocabulary precision extraction} "
+STEPS=" ${STEPS:-host-tier comoment fold fold-stacked vocabulary precision extraction} "
 PYTHON=${PYTHON:-python3}
 mkdir -p "$OUT"
 if [ -n "${WHEELS:-}" ]; then
@@ -95,6 +100,7 @@ if [ -n "${SMOKE:-}" ]; then  # tiny sizes on the CPU
   E="--models minilm --device cpu --tokens 400 --repeats 1"; DM="--tokens 400 --repeats 1"
   PREC="--vocab 500 --batch-tokens 512"; REPEATS=1
   FS="--dims 24 --batch-tokens 256 --layers 6"
+  HT="--vocab 3000 --dim 32 --blocks 1 --batches 10 --batch-rows 1024 --statistics-types 200 --host-gib 0.01"
 else
   DEV="--device cuda"; D1=768; D2=2048; D4=4096; ROWS=65536; TOK=65536; DT=bfloat16
   FS="--dims 384,768 --batch-tokens 8192 --layers 12"
@@ -103,12 +109,16 @@ else
   E="--models bert-base --device cuda --dtype bfloat16 --tokens 100000 --repeats 2"
   DM="--tokens 100000 --repeats 2 --batch-tokens 65536"
   PREC="--vocab 8192 --batch-tokens 16384"; REPEATS=3
+  HT="--vocab 128256 --dim 2048 --blocks 2 --batches 10 --batch-rows 8192 --statistics-types 2000 --host-gib 2"
   nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.max.sm --format=csv
 fi
 "$PYTHON" -c 'import torch, transformers; print("torch", torch.__version__, "transformers",
 transformers.__version__, torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU")'
 
 V="--no-jobs $DEV --dtype $DT --ffn-mult 3.5 --kv-group 4"
+if wanted host-tier; then
+  step 40 bench.host_tier --fold-only $DEV $HT --name gpu-host-tier
+fi
 if wanted comoment; then
   step 70 bench.comoment $DEV --dims $D1,$D2,$D4 --rows $ROWS --repeats $REPEATS \
     --name gpu-comoment --variants f64_upper8,int8_upper,int8_triton --syrk-alone

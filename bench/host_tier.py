@@ -21,6 +21,14 @@ of Chan's merges differs).
 
     python -m bench.host_tier [--vocab 128256] [--dim 128] [--blocks 2] [--tokens 400000]
         [--zipf 1.1] [--statistics-types 4000] [--host-gib 1] [--shard-bytes 262144]
+
+``--fold-only --device cuda`` runs no job: in this process, random hidden states with
+Zipf-distributed ids are folded on the device (``--batches`` batches of ``--batch-rows``
+tokens, ``--dim``, ``--blocks`` + 1 layers) under the same σ, once spilling every piece and
+once into a host tier, whose merges then move each GPU accumulator's rows to the host. The
+two runs' pieces, merged on the CPU, must hold the same statistics (their largest relative
+difference is printed: float64 rounding), and the tier's pieces fewer bytes. This is the
+check of the tier's GPU path that ``bench/gpu.sh`` runs.
 """
 
 from __future__ import annotations
@@ -104,6 +112,67 @@ def max_rel_diff(a: Path, b: Path) -> float:
     return worst
 
 
+def fold_check(args: argparse.Namespace) -> dict:
+    """``--fold-only`` (module docstring): the tier's merges of device accumulators against
+    the same accumulators spilled piece by piece."""
+    import torch
+
+    from embgeom_ray.core.spilling import HostTier, SpillingStatistics
+    from embgeom_ray.core.statistics import EmbeddingStatistics, state_bytes
+
+    layers, rows = list(range(args.blocks + 1)), args.batch_rows
+    positions = 128
+
+    def new() -> EmbeddingStatistics:
+        return EmbeddingStatistics(layers, args.dim, max_positions=positions, device=args.device)
+
+    sigma = state_bytes(len(layers), args.dim, args.statistics_types, positions)
+    host = int(args.host_gib * GIB)
+    plain = SpillingStatistics(new(), sigma)
+    tiered = SpillingStatistics(new(), sigma, host=HostTier(host))
+    rng = np.random.default_rng(0)
+    ranks = np.arange(1, args.vocab + 1, dtype=np.float64) ** -args.zipf
+    p = ranks / ranks.sum()
+    t0 = time.perf_counter()
+    for _ in range(args.batches):
+        ids = torch.as_tensor(rng.choice(args.vocab, size=(rows // positions, positions), p=p))
+        ids = ids.to(args.device)
+        shape = (len(layers), *ids.shape, args.dim)
+        hidden = torch.randn(shape, dtype=torch.float32, device=args.device).add_(3.0)
+        plain.update(hidden, ids)
+        tiered.update(hidden, ids)
+    fold_s = time.perf_counter() - t0
+    pieces = {"spills": plain.take(), "tier": tiered.take()}
+
+    def merged(name: str) -> EmbeddingStatistics:
+        out = EmbeddingStatistics.from_bytes(pieces[name][0])
+        for data in pieces[name][1:]:
+            out.merge(EmbeddingStatistics.from_bytes(data))
+        return out
+
+    a, b = (merged(name).state_dict() for name in ("spills", "tier"))
+    worst = 0.0
+    for key, x in a.items():
+        y = b[key]
+        if x.dtype.kind == "f":
+            scale = np.abs(x).max(initial=0.0)
+            if scale > 0:
+                worst = max(worst, float(np.abs(x - y).max() / scale))
+        elif not np.array_equal(x, y):
+            raise SystemExit(f"the tier's {key} differ from the spills'")
+    return {
+        "device": args.device,
+        "statistics_budget_bytes": sigma,
+        "host_tier_bytes": host,
+        "spills": plain.spills,
+        "host_merges": tiered.merges,
+        "tier_spills": tiered.spills,
+        "bytes": {name: sum(len(x) for x in got) for name, got in pieces.items()},
+        "fold_s": round(fold_s, 3),
+        "max_rel_diff": worst,
+    }
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     p.add_argument("--vocab", type=int, default=128_256)
@@ -115,8 +184,22 @@ def main(argv: list[str] | None = None) -> None:
                    help="σ: the statistics budget, in types' rows beside the per-layer state")
     p.add_argument("--host-gib", type=float, default=1.0, help="H, the host tier (GiB)")
     p.add_argument("--shard-bytes", type=int, default=256 * 1024)
+    p.add_argument("--fold-only", action="store_true",
+                   help="no job: the fold on --device under σ, spilled and into a tier")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--batches", type=int, default=40)
+    p.add_argument("--batch-rows", type=int, default=8192)
     p.add_argument("--name", default="host_tier")
     args = p.parse_args(argv)
+    command = "python -m bench.host_tier " + " ".join(argv if argv is not None else sys.argv[1:])
+    if args.fold_only:
+        result = fold_check(args)
+        result["bytes_ratio_tier_to_spills"] = round(
+            result["bytes"]["tier"] / result["bytes"]["spills"], 4
+        )
+        print(json.dumps(result), flush=True)
+        save(args.name, {"command": command, "args": vars(args), **result})
+        return
 
     from embgeom_ray.core.statistics import state_bytes
 
@@ -134,7 +217,7 @@ def main(argv: list[str] | None = None) -> None:
         runs[name] = summary(m, seconds)
         print(name, json.dumps(runs[name]), flush=True)
     result = {
-        "command": "python -m bench.host_tier " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "command": command,
         "args": vars(args),
         "statistics_budget_bytes": sigma,
         "host_tier_bytes": host,

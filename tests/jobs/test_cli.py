@@ -40,7 +40,8 @@ RESULT_OPTIONS_BEFORE = {
 DEFAULTS_BEFORE = {
     "model": ..., "revision": None, "corpus": ..., "out": ..., "text_column": "text",
     "split": "train", "max_length": 128, "layers": None, "address": None, "num_workers": None,
-    "cpus_per_worker": None, "cpu_lanes": None, "worker_memory": None, "statistics_memory": None, "reducers": None,
+    "cpus_per_worker": None, "cpu_lanes": None, "worker_memory": None, "statistics_memory": None,
+    "host_statistics_memory": None, "reducers": None,
     "reducer_memory": None, "batch_tokens": None, "docs_per_chunk": 512, "dtype": "float32",
     "device": "auto", "gpus_per_worker": None, "keep_special": False, "dedup": False,
     "min_count": 5, "shard_bytes": None, "trust_remote_code": False, "overwrite": False,
