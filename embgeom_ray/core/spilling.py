@@ -64,14 +64,54 @@ class Accumulator(Protocol):
     def fit_budget(self, budget: int) -> None: ...
 
 
+class SpilledPieces:
+    """Serialised statistics handed to ``spill`` in order, and the buffer they are built in.
+
+    ``spill(data)`` keeps serialised statistics and returns a handle (an ObjectRef, or the
+    bytes themselves). ``spill_copies``: ``spill`` copies what it is given (``ray.put`` does),
+    so one buffer serves every spill, kept between them (no fresh pages to fault in each
+    time), with room for pieces a quarter larger than the first.
+    """
+
+    def __init__(
+        self,
+        spill: Callable[[bytes | bytearray | np.ndarray], Any] = lambda data: data,
+        spill_copies: bool = False,
+    ) -> None:
+        self.spill, self.spill_copies = spill, spill_copies
+        self.buffer: np.ndarray | None = None
+        self.handles: list[Any] = []  # since the last take
+        self.nbytes = 0  # their bytes
+        self.count = 0  # pieces spilled over the life
+
+    def put(self, stats: Accumulator) -> None:
+        """Serialise ``stats``, clear them (their memory kept), and spill the bytes."""
+        data = stats.to_bytes(self.buffer)
+        stats.clear()
+        if self.spill_copies and not isinstance(data, np.ndarray):
+            # the next spills' buffer, with room for larger pieces (pages beyond what a
+            # spill writes are never touched)
+            self.buffer = np.empty(len(data) + len(data) // 4, dtype=np.uint8)
+        self.nbytes += len(data)
+        self.handles.append(self.spill(data))
+        self.count += 1
+
+    def take(self, last: Accumulator) -> list[Any]:
+        """The handles spilled since the last take and ``last``'s own bytes, in that order;
+        ``last`` is cleared. The last bytes are built in the buffer when there is one (the
+        caller hands them on, as ``spill`` would, before the next spill reuses it)."""
+        pieces = [*self.handles, last.to_bytes(self.buffer)]
+        last.clear()
+        self.handles, self.nbytes = [], 0
+        return pieces
+
+
 class SpillingStatistics:
     """Running statistics that spill to ``spill`` when they reach ``budget`` bytes.
 
-    ``accumulator`` is empty statistics (cleared, never replaced); ``spill(data)`` keeps
-    serialised statistics and returns a handle (an ObjectRef, or the bytes themselves);
-    ``spilled_bytes`` sums what was spilled since the last :meth:`take`. ``spill_copies``:
-    ``spill`` copies what it is given (``ray.put`` does), so one buffer serves every spill
-    (kept between spills: no fresh pages to fault in each time).
+    ``accumulator`` is empty statistics (cleared, never replaced); ``spill`` and
+    ``spill_copies`` as :class:`SpilledPieces` takes them; ``host``: a :class:`HostTier` the
+    spills are merged into instead.
     """
 
     def __init__(
@@ -83,22 +123,29 @@ class SpillingStatistics:
         spill_copies: bool = False,
         host: HostTier | None = None,
     ) -> None:
-        self.current, self.budget, self.spill = accumulator, budget, spill
-        self.spill_copies = spill_copies
-        self._buffer: np.ndarray | None = None  # reused by spills when spill copies
+        self.current, self.budget = accumulator, budget
         if budget is not None:
             accumulator.fit_budget(budget)
-        self.spilled: list[Any] = []
-        self.spilled_bytes = 0
-        self._spills = 0  # pieces spilled by the accumulator itself (no host tier)
+        #: the accumulator's own spills (none where a host tier takes them)
+        self.pieces = SpilledPieces(spill, spill_copies)
         #: where spills are merged before any piece goes to ``spill`` (None: no tier)
         self.host = host
+
+    @property
+    def spilled(self) -> list[Any]:
+        """The handles of the accumulator's own spills since the last :meth:`take`."""
+        return self.pieces.handles
+
+    @property
+    def spilled_bytes(self) -> int:
+        """Their bytes."""
+        return self.pieces.nbytes
 
     @property
     def spills(self) -> int:
         """Pieces handed to ``spill`` over the accumulator's life (for the manifest): the
         accumulator's own, or the host tier's."""
-        return self._spills + (0 if self.host is None else self.host.spills)
+        return self.pieces.count + (0 if self.host is None else self.host.pieces.count)
 
     @property
     def merges(self) -> int:
@@ -113,45 +160,33 @@ class SpillingStatistics:
         positions: torch.Tensor | None = None,
         finite: Sequence[bool] | None = None,
     ) -> None:
-        """Fold one batch; spill the accumulator once it holds ``budget`` bytes or more."""
+        """Fold one batch; spill the accumulator (or merge it into the host tier) once it
+        holds ``budget`` bytes or more."""
         self.current.update(hidden, token_ids, keep, positions, finite)
         if self.budget is not None and self.current.held_bytes() >= self.budget:
             if self.host is not None:
                 self.host.absorb(self.current)
                 self.current.clear()
-                return
-            data = self.current.to_bytes(self._buffer)
-            self.current.clear()
-            if self.spill_copies and not isinstance(data, np.ndarray):
-                # the next spills' buffer, with room for larger pieces (pages beyond what a
-                # spill writes are never touched)
-                self._buffer = np.empty(len(data) + len(data) // 4, dtype=np.uint8)
-            self.spilled_bytes += len(data)
-            self.spilled.append(self.spill(data))
-            self._spills += 1
+            else:
+                self.pieces.put(self.current)
 
     def nbytes(self) -> int:
         """The bytes the accumulator holds plus what it spilled since the last :meth:`take`
         (with a host tier: plus what the tier holds and spilled)."""
         if self.host is not None:
             return self.current.held_bytes() + self.host.nbytes()
-        return self.current.held_bytes() + self.spilled_bytes
+        return self.current.held_bytes() + self.pieces.nbytes
 
     def take(self) -> list[Any]:
         """The spilled handles and the accumulator's own bytes (last), in fold order; the
-        accumulator is cleared. The last bytes are built in the spills' buffer when there is
-        one (the caller hands them on, as ``spill`` would, before the next spill reuses it):
-        a flush then holds the accumulator and one serialised copy, as a spill does. With a
-        host tier, the accumulator is merged into it first, and the pieces are the tier's
-        (:meth:`HostTier.take`)."""
+        accumulator is cleared. A flush then holds the accumulator and one serialised copy, as
+        a spill does (:meth:`SpilledPieces.take`). With a host tier, the accumulator is merged
+        into it first, and the pieces are the tier's (:meth:`HostTier.take`)."""
         if self.host is not None:
             self.host.absorb(self.current)
             self.current.clear()
             return self.host.take()
-        pieces = [*self.spilled, self.current.to_bytes(self._buffer)]
-        self.current.clear()
-        self.spilled, self.spilled_bytes = [], 0
-        return pieces
+        return self.pieces.take(self.current)
 
 
 class HostTier:
@@ -164,16 +199,16 @@ class HostTier:
     the moments, sums for the rest: the same merge the reduce makes of pieces, so the
     statistics are those of one pass to float64 rounding). Where the merge would take
     ``merged`` past ``budget`` (:meth:`EmbeddingStatistics.held_bytes_after_merge`: one slot
-    for each type it does not hold yet), ``merged`` is spilled first: serialised, handed to
-    ``spill`` (the object store) and cleared in place. :meth:`take` returns the pieces spilled
-    since the last one and ``merged``'s own bytes, in merge order.
+    for each type it does not hold yet), ``merged`` is spilled first
+    (:meth:`SpilledPieces.put`: serialised, handed to ``spill``, the object store, and cleared
+    in place). :meth:`take` returns the pieces spilled since the last one and ``merged``'s own
+    bytes, in merge order.
 
     Memory: ``merged``, allocated once for ``budget`` (:meth:`EmbeddingStatistics.fit_budget`;
     the budget bounds what it holds, its merges' scratch included, which is a few blocks of
-    :data:`~embgeom_ray.core.statistics.CPU_ROW_BLOCK` rows of d float64s at most),
-    one serialised copy of it while it spills or is taken (built in one buffer kept across
-    spills when ``spill_copies``), and, where the accumulator is on a GPU, its rows' copy on
-    the host during a merge.
+    :data:`~embgeom_ray.core.statistics.CPU_ROW_BLOCK` rows of d float64s at most), one
+    serialised copy of it while it spills or is taken, and, where the accumulator is on a GPU,
+    its rows' copy on the host during a merge.
     """
 
     def __init__(
@@ -183,13 +218,16 @@ class HostTier:
         *,
         spill_copies: bool = False,
     ) -> None:
-        self.budget, self.spill, self.spill_copies = int(budget), spill, spill_copies
+        self.budget = int(budget)
         self.merged: EmbeddingStatistics | None = None
-        self._buffer: np.ndarray | None = None
-        self.spilled: list[Any] = []
-        self.spilled_bytes = 0
-        self.spills = 0  # pieces handed to ``spill`` over the tier's life
+        #: the tier's own spills, when it fills
+        self.pieces = SpilledPieces(spill, spill_copies)
         self.merges = 0  # accumulators merged in over its life
+
+    @property
+    def spilled(self) -> list[Any]:
+        """The handles of the tier's spills since the last :meth:`take`."""
+        return self.pieces.handles
 
     @torch.inference_mode()  # the fold's arrays may be inference tensors, and so the tier's
     def absorb(self, accumulator: Accumulator) -> None:
@@ -203,32 +241,18 @@ class HostTier:
             self.merged = EmbeddingStatistics.empty(piece.header())
             self.merged.fit_budget(self.budget)
         elif self.merged.num_types and self.merged.held_bytes_after_merge(piece) > self.budget:
-            self._spill()
+            self.pieces.put(self.merged)
         self.merged.merge(piece)
         self.merges += 1
-
-    def _spill(self) -> None:
-        assert self.merged is not None
-        data = self.merged.to_bytes(self._buffer)
-        self.merged.clear()
-        if self.spill_copies and not isinstance(data, np.ndarray):
-            self._buffer = np.empty(len(data) + len(data) // 4, dtype=np.uint8)
-        self.spilled_bytes += len(data)
-        self.spilled.append(self.spill(data))
-        self.spills += 1
 
     def nbytes(self) -> int:
         """What the tier holds plus what it spilled since the last :meth:`take`."""
         held = 0 if self.merged is None else self.merged.held_bytes()
-        return held + self.spilled_bytes
+        return held + self.pieces.nbytes
 
     def take(self) -> list[Any]:
         """The spilled handles and ``merged``'s own bytes (last), in merge order; the tier is
-        cleared (its memory kept). The last bytes are built in the spills' buffer when there
-        is one, as :meth:`SpillingStatistics.take`'s are."""
+        cleared (its memory kept)."""
         if self.merged is None:
             raise RuntimeError("take() of a host tier that has absorbed nothing")
-        pieces = [*self.spilled, self.merged.to_bytes(self._buffer)]
-        self.merged.clear()
-        self.spilled, self.spilled_bytes = [], 0
-        return pieces
+        return self.pieces.take(self.merged)

@@ -210,7 +210,7 @@ def test_spills_reuse_one_buffer_when_the_spill_copies():
         spilling.update(h, ids)
         one.update(h, ids)
     assert spilling.spills >= 3
-    buffer = spilling._buffer
+    buffer = spilling.pieces.buffer
     assert buffer is not None
     reused = [np.shares_memory(np.asarray(d), buffer) for d in given[1:]]
     assert not isinstance(given[0], np.ndarray) and sum(reused) >= len(given) - 3  # all but
