@@ -216,7 +216,8 @@ class Pacer:
             f"checkpoints: the extractors' {self.budget_name} filled in "
             f"{fill:,.0f} s on average over {self.budget_flushes} flush(es), before the "
             f"{interval:,.0f} s interval: each extractor flushes whenever it fills, "
-            f"{gib(int(flush))} a flush, so writing takes ~{share:.0%} of {whose} time at the {gib(int(self.bandwidth or 0))}/s measured, {aim} the "
+            f"{gib(int(flush))} a flush, so writing takes ~{share:.0%} of {whose} time at the "
+            f"{gib(int(self.bandwidth or 0))}/s measured, {aim} the "
             f"{self.share:.0%} the interval aims at (a larger budget spaces these flushes; "
             "nothing is lost or counted twice)"
         )
