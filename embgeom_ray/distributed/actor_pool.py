@@ -49,7 +49,7 @@ from ..errors import UserError
 from ..inputs.corpus import Shard
 from ..inputs.extractor import ShardProcessor
 from ..inputs.hub_credentials import hub_credentials, use_hub_credentials
-from ..inputs.malloc_tuning import reuse_freed_memory
+from ..inputs.malloc_tuning import release_freed_memory, reuse_freed_memory
 from ..inputs.options import ExtractionOptions
 from ..shared_out import unseen
 from ..sizing import Cluster, Extractor, Pool
@@ -245,6 +245,8 @@ class ShardExtract:
         #: the running statistics, one accumulator for the actor's life (cleared in place by
         #: a spill or a flush: the next shards fold into memory already written)
         self.stats: SpillingStatistics | None = None
+        #: a flush since the last shard folded (the next one releases the freed heap first)
+        self.flushed = False
         self._reset()
         try:
             options = ExtractionOptions(**options_json)
@@ -284,8 +286,14 @@ class ShardExtract:
         }
 
     def process(self, shard_json: dict[str, Any]) -> dict[str, Any]:
-        """Fold one shard into the running statistics; returns its counts (small)."""
+        """Fold one shard into the running statistics; returns its counts (small). The first
+        shard after a flush first hands the heap's free memory back to the system
+        (:func:`~embgeom_ray.inputs.malloc_tuning.release_freed_memory`): what the flush's and
+        the spills' serialisations freed, which the allocator would otherwise keep."""
         self._check_whole()
+        if self.flushed:
+            self.flushed = False
+            release_freed_memory()
         shard = Shard(**shard_json)
         if self.stats is None:
             # past the statistics budget, pieces go to the object store (ray.put), or are
@@ -340,6 +348,7 @@ class ShardExtract:
         if not self.shard_ids:
             raise RuntimeError("flush asked of an extractor that holds no shard")
         pieces = self.stats.take()
+        self.flushed = True
         sample = None if self.sample is None else as_array(self.sample.to_bytes())
         shard_ids, counts = list(self.shard_ids), self.counts.to_json()
         self._reset()

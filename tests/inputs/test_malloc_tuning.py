@@ -7,6 +7,8 @@ import platform
 import subprocess
 import sys
 
+import pytest
+
 from embgeom_ray.inputs.malloc_tuning import MMAP_THRESHOLD_MAX
 
 #: one "batch": three 24 MiB blocks written through (bytearray zero-fills), then freed; the
@@ -46,3 +48,32 @@ def test_freed_blocks_are_reused_instead_of_faulted_in_again():
         assert tuned_faults < pages  # every batch reuses the blocks the first one faulted in
     else:  # another C library: nothing is changed
         assert tuned == "False"
+
+
+#: three 24 MiB blocks kept by the tuned heap once freed; the private memory (RssAnon, KiB)
+#: then, and after release_freed_memory
+RELEASE = """
+import sys
+from embgeom_ray.inputs.malloc_tuning import release_freed_memory, reuse_freed_memory
+def anon():
+    return next(int(l.split()[1]) for l in open("/proc/self/status") if l.startswith("RssAnon"))
+reuse_freed_memory()
+blocks = [bytearray(24 << 20) for _ in range(3)]
+del blocks
+kept = anon()
+released = release_freed_memory()
+print(released, kept, anon())
+"""
+
+
+def test_the_freed_heap_is_handed_back_when_asked():
+    """What the tuned heap keeps of freed blocks (an extractor's serialisations between two
+    flushes) goes back to the system at release_freed_memory, which an extractor calls before
+    the first shard after a flush."""
+    if platform.libc_ver()[0] != "glibc":
+        pytest.skip("malloc_trim is glibc's")
+    out = subprocess.run([sys.executable, "-c", RELEASE], check=True, capture_output=True,
+                         text=True).stdout.split()  # fmt: skip
+    released, kept, after = out[0], int(out[1]), int(out[2])
+    assert released == "True"
+    assert kept - after > 60 << 10  # KiB: most of the 72 MiB freed
