@@ -30,6 +30,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import functools
+from typing import Any
 
 from ..sizing.formulas import MMAP_THRESHOLD_MAX
 
@@ -41,16 +42,21 @@ TRIM_THRESHOLD = 256 << 20
 
 
 @functools.cache
-def _mallopt():
-    """glibc's ``mallopt``, or None (another C library: musl, macOS)."""
-    name = ctypes.util.find_library("c")
+def _libc(name: str, *argtypes: type) -> Any:
+    """The C library's function ``name`` taking ``argtypes`` and returning an int, or None
+    (another C library than glibc: musl, macOS)."""
     try:
-        fn = ctypes.CDLL(name).mallopt
+        fn = getattr(ctypes.CDLL(ctypes.util.find_library("c")), name)
     except (OSError, AttributeError, TypeError):
         return None
-    fn.argtypes = [ctypes.c_int, ctypes.c_int]
+    fn.argtypes = list(argtypes)
     fn.restype = ctypes.c_int
     return fn
+
+
+def _mallopt() -> Any:
+    """glibc's ``mallopt``, or None."""
+    return _libc("mallopt", ctypes.c_int, ctypes.c_int)
 
 
 def reuse_freed_memory(
@@ -67,24 +73,11 @@ def reuse_freed_memory(
     )
 
 
-@functools.cache
-def _malloc_trim():
-    """glibc's ``malloc_trim``, or None (another C library)."""
-    name = ctypes.util.find_library("c")
-    try:
-        fn = ctypes.CDLL(name).malloc_trim
-    except (OSError, AttributeError, TypeError):
-        return None
-    fn.argtypes = [ctypes.c_size_t]
-    fn.restype = ctypes.c_int
-    return fn
-
-
 def release_freed_memory() -> bool:
     """Hand the heap's free memory back to the system now (glibc's ``malloc_trim(0)``: the free
     top and the free pages between blocks), whatever the trim threshold keeps. An extractor
     does so after each flush: the memory kept for the next batch's tensors is faulted in again
     once per flush, and what a flush's and the spills' serialisations freed is not kept beside
     the next interval's statistics. True where glibc returned memory."""
-    trim = _malloc_trim()
+    trim = _libc("malloc_trim", ctypes.c_size_t)
     return bool(trim(0)) if trim is not None else False
