@@ -690,17 +690,15 @@ class _Scheduler:
             raise RuntimeError(f"an extractor flushed shards {shard_ids}, expected {expected}")
         counts = dict(counts)
         written, write_s = counts.pop(WRITTEN, None), float(counts.pop("write_s", 0.0))
+        why = {"last": worker.last, "budget": worker.budget_flush, "age_s": worker.flush_age_s}
         if written is not None:  # the extractor wrote its files: the driver commits them
             self.pool.spills += int(written["parts"]) - 1
             group = GroupResult(
-                list(shard_ids), [], None, Counts.from_json(counts), written, write_s, worker.last
+                list(shard_ids), [], None, Counts.from_json(counts), written, write_s, **why
             )
         else:
             self.pool.spills += len(stats) - 1
-            group = GroupResult(
-                list(shard_ids), stats, sample, Counts.from_json(counts), last=worker.last
-            )
-        group.budget, group.age_s = worker.budget_flush, worker.flush_age_s
+            group = GroupResult(list(shard_ids), stats, sample, Counts.from_json(counts), **why)
         self.on_group(group)
         self.pool.checkpoints += 1
         worker.record["shards"] += len(shard_ids)

@@ -406,7 +406,7 @@ def describe_plan(
     if budget is not None and budget.types_held < budget.types:
         at = given or interval_for(flush_bytes, n, 2**30, writers=writers)
         lines.append(
-            f"  {budget.name} = {gib(budget.sigma)} holds the rows of "
+            f"  {budget.name} = {gib(budget.held_bytes)} holds the rows of "
             f"~{budget.types_held:,} types ({gib(budget.row_bytes)} a type, beside F) of the ≤ "
             f"{budget.types:,} the run may see: an extractor that meets more types between two "
             "checkpoints flushes whenever it fills, every t_σ seconds, and writing then takes "
@@ -425,7 +425,8 @@ class BudgetShape:
     type's rows in every measured layer, the per-layer state F that the budget also holds, and
     the bound on the types seen."""
 
-    sigma: int
+    #: σ, or H where there is a host tier
+    held_bytes: int
     row_bytes: int
     fixed_bytes: int
     types: int
@@ -434,5 +435,5 @@ class BudgetShape:
 
     @property
     def types_held(self) -> int:
-        """The types whose rows fit σ beside F: ⌊(σ − F) / row⌋."""
-        return max(0, (self.sigma - self.fixed_bytes) // max(1, self.row_bytes))
+        """The types whose rows fit the budget beside F: ⌊(budget − F) / row⌋."""
+        return max(0, (self.held_bytes - self.fixed_bytes) // max(1, self.row_bytes))
