@@ -162,6 +162,8 @@ class FoldReport:
     node_id: str
     #: shards the actor has folded since its last flush, this one included
     unflushed: int
+    #: seconds from the shard's dispatch to its result
+    seconds: float = 0.0
 
 
 @dataclass
@@ -397,8 +399,9 @@ class _Worker:
     current: Shard | None = None
     #: shards folded since its last flush, oldest first
     unflushed: list[FoldReport] = field(default_factory=list)
-    #: when the oldest unflushed shard was dispatched (time.monotonic)
+    #: when the oldest unflushed shard was dispatched, and the current one (time.monotonic)
     since: float | None = None
+    sent: float = 0.0
     flushing: bool = False
     #: the flush asked is its last (the queue had drained)
     last: bool = False
@@ -468,8 +471,15 @@ class _Scheduler:
         interval: Callable[[int], float] | None = None,
         checkpoint_writer: Callable[..., dict[str, Any]] | None = None,
         on_unseen: Callable[[str, str], None] | None = None,
+        ceiling: float | None = None,
     ) -> None:
         self.config, self.pool, self._start = config, pool, start
+        #: the age no unflushed shard is to pass where one more shard of the mean length
+        #: would take it past (the sized interval's ceiling: the work a failure may cost an
+        #: extractor), else None
+        self.ceiling = ceiling
+        #: the shards folded, and their seconds summed (from dispatch to result)
+        self.folded, self.folded_s = 0, 0.0
         #: what each extractor writes its own flushes with (the driver's ``write_group``
         #: bound to the run), else None: the flushes come to the driver (``on_group`` writes
         #: them); None from the first extractor whose node does not see the run's local
@@ -562,8 +572,9 @@ class _Scheduler:
 
     def send(self, worker: _Worker, shard: Shard) -> None:
         worker.current = shard
+        worker.sent = time.monotonic()
         if worker.since is None:
-            worker.since = time.monotonic()
+            worker.since = worker.sent
         self.in_flight[worker.actor.process.remote(dataclasses.asdict(shard))] = worker
 
     def dispatch(self) -> None:
@@ -640,14 +651,19 @@ class _Scheduler:
 
     def flush_due(self, worker: _Worker, state_bytes: int) -> bool:
         """Flush when the queue is drained, the oldest unflushed shard is old enough, or the
-        actor's running statistics hold its statistics budget or more."""
+        actor's running statistics hold its statistics budget or more; and, under a
+        ``ceiling``, when one more shard of the mean length would age it past the ceiling
+        (flushes are decided only between shards: without this, the oldest could age to the
+        interval plus a shard)."""
         assert worker.since is not None
         age = time.monotonic() - worker.since
         over = worker.budget is not None and state_bytes >= worker.budget
         if over:
             self.pool.budget_flushes += 1
         worker.budget_flush, worker.flush_age_s = over, age
-        return over or not self.queue or age >= self.interval(max(1, self.ready))
+        if over or not self.queue or age >= self.interval(max(1, self.ready)):
+            return True
+        return self.ceiling is not None and age + self.folded_s / self.folded > self.ceiling
 
     def on_processed(self, worker: _Worker, result: dict[str, Any]) -> None:
         assert worker.current is not None
@@ -657,8 +673,11 @@ class _Scheduler:
             result["pid"],
             result["node_id"],
             result["unflushed"],
+            time.monotonic() - worker.sent,
         )
         worker.current = None
+        self.folded += 1
+        self.folded_s += report.seconds
         merges = int(result.get("merges", 0))
         self.pool.host_merges += merges - worker.merges
         worker.merges = merges
@@ -771,6 +790,7 @@ def run_shards(
     checkpoint_writer: Callable[..., dict[str, Any]] | None = None,
     out_marker: dict[str, str] | None = None,
     on_unseen: Callable[[str, str], None] | None = None,
+    ceiling: float | None = None,
 ) -> PoolPlan:
     """Process ``shards`` on a pool of extractor actors: ``pool``, as the job's sizing decided
     it (:func:`~embgeom_ray.sizing.size_extractors`: actors, CPUs, GPUs, the memory each asks
@@ -788,7 +808,10 @@ def run_shards(
     (:func:`~embgeom_ray.runs.checkpoints.write_group` bound to the run; ``on_group`` then
     commits them), else None; ``out_marker``: on a local path, the marker each extractor
     checks when it starts (:mod:`embgeom_ray.shared_out`): from the first whose node does not
-    see it, ``on_unseen(node id, why)`` is told and the flushes come to ``on_group``.
+    see it, ``on_unseen(node id, why)`` is told and the flushes come to ``on_group``;
+    ``ceiling``: an extractor also flushes where one more shard of the mean length would age
+    its oldest unflushed shard past this many seconds (the sized interval's ceiling), so that
+    the work a failure costs it stays within it wherever a shard does.
     """
     plan = plan_pool(scheduling, len(shards)) if pool is None else pool_plan(pool)
     if not shards:
@@ -838,5 +861,6 @@ def run_shards(
         interval,
         checkpoint_writer,
         on_unseen,
+        ceiling,
     ).run()
     return plan

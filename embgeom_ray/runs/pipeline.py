@@ -98,7 +98,7 @@ from .finish import RunStatistics, StatisticsHere, counts_of, finish_run
 from .run_samples import run_samples
 
 if TYPE_CHECKING:  # ray is imported only when there is work to do
-    from ..distributed.actor_pool import GroupResult, PoolPlan
+    from ..distributed.actor_pool import FoldReport, GroupResult, PoolPlan
     from ..distributed.reducers import PartitionedStatistics
 
 
@@ -186,18 +186,28 @@ def _extract(
         if group.written is not None:  # the extractor wrote the files: commit them
             files = GroupFiles.from_json(group.written)
             store.commit_group(files, group.counts)
-            pacer.wrote(files.nbytes, group.write_s, last=group.last, budget_fill_s=fill)
+            pacer.wrote(
+                files.nbytes, group.write_s, group.last, budget_fill_s=fill, age_s=group.age_s
+            )
         else:
             t0 = time.perf_counter()
             saved = store.save_group(group.shard_ids, group.pieces(), group.sample, group.counts)
             nbytes = sum(d.size for d in saved.digests.values())
-            pacer.wrote(nbytes, time.perf_counter() - t0, last=group.last, budget_fill_s=fill)
+            write_s = time.perf_counter() - t0
+            pacer.wrote(nbytes, write_s, group.last, budget_fill_s=fill, age_s=group.age_s)
         if pacer.given is None:
             now = pacer.interval(max(1, pacer.extractors))
             if said[0] is None or abs(now - said[0]) >= 0.25 * said[0]:
                 said[0] = now
                 on_resized(f"checkpoints: every {pacer.reason()}")
         news = pacer.budget_news()  # the statistics budget, not the interval, sets the flushes
+        if news is not None:
+            on_resized(news)
+
+    def on_folded(report: FoldReport) -> None:
+        show(1, report.counts.tokens)
+        pacer.folded(report.seconds)
+        news = pacer.shard_news()  # the shards, not the interval, set the flushes
         if news is not None:
             on_resized(news)
 
@@ -223,7 +233,7 @@ def _extract(
             todo,
             on_group,
             spec.clip_dims,
-            on_folded=lambda r: show(1, r.counts.tokens),
+            on_folded=on_folded,
             on_requeued=lambda rs: show(-len(rs), -sum(r.counts.tokens for r in rs)),
             on_ready=on_ready,
             pool=sizing.pool,
@@ -234,6 +244,7 @@ def _extract(
             else None,
             out_marker=marker,
             on_unseen=on_unseen,
+            ceiling=pacer.ceiling if pacer.given is None else None,
         )
     finally:
         bar.close()
@@ -743,6 +754,7 @@ def _start_run(
     if needs_check(config.out):  # each extractor checks that its node sees the run
         why = f"where every extractor's node sees {config.out}: checked as each starts"
     pacer = Pacer(config.checkpoint_interval, writers=writers, writers_why=why)
+    pacer.shard_bytes = plan.shard_bytes
     if sizing.pool.host_statistics is not None and sizing.pool.statistics is not None:
         pacer.budget_name = "host tier (--host-statistics-memory)"
     echo(f"sizing: checkpoints: every {pacer.reason()}; {pacer.writers_line()}")

@@ -30,7 +30,14 @@ within [FLOOR_S, CEILING_S]. B and W are measured, not assumed (:class:`Pacer`):
 bytes of the flushes written so far, and those bytes over the seconds their writes took (each
 writer's own seconds). Until the first flush is written there is no measurement, so the first
 flushes come at the floor. The ceiling bounds the work a failure loses: an extractor lost (or a
-node, with its extractors) redoes at most T seconds of its shards.
+node, with its extractors) redoes its shards since its last flush.
+
+Flushes are decided between shards (the Ray layer's scheduler, when a shard ends), so the oldest
+unflushed shard can age to T plus a shard. Under the sized interval the scheduler also flushes
+where one more shard of the mean length would age it past the ceiling; a given interval is used
+as it is. Where a shard takes at least the interval, every shard ends in a flush and a failure
+loses up to a shard whatever T says: :meth:`Pacer.folded` measures the shards and
+:meth:`Pacer.shard_news` says so, with the ``--shard-bytes`` that would fit.
 
 The last flush is not a checkpoint the interval could leave out: when the queue drains the
 extractors are ended, and the reduce (in the job's own process, or on reducer actors on other
@@ -163,14 +170,32 @@ class Pacer:
     budget_said: float | None = None
     #: what fills and forces those flushes, as :meth:`budget_news` names it
     budget_name: str = "statistics budget (--statistics-memory)"
+    #: the shards folded (:meth:`folded`): how many, their seconds summed and the longest
+    shards: int = 0
+    shard_s: float = 0.0
+    shard_s_max: float = 0.0
+    #: the bytes of text a shard was cut to (the plan's ``shard_bytes``; 0: unknown)
+    shard_bytes: int = 0
+    #: the mean shard seconds :meth:`shard_news` last said (None: not said)
+    shard_said: float | None = None
+    #: the most seconds a flush's oldest shard had waited, from its dispatch to the flush:
+    #: the work an extractor held that no checkpoint had, just before that flush
+    oldest_s_max: float = 0.0
 
     def wrote(
-        self, nbytes: int, seconds: float, last: bool = False, budget_fill_s: float | None = None
+        self,
+        nbytes: int,
+        seconds: float,
+        last: bool = False,
+        budget_fill_s: float | None = None,
+        age_s: float | None = None,
     ) -> None:
         """One checkpoint group of ``nbytes`` was written in ``seconds`` (``last``: an
         extractor's last flush, when the queue drained; ``budget_fill_s``: the flush was forced
-        by the extractor's statistics budget, which its shards filled in that many seconds)."""
+        by the extractor's statistics budget, which its shards filled in that many seconds;
+        ``age_s``: the seconds from its oldest shard's dispatch to the flush)."""
         self.flushes += 1
+        self.oldest_s_max = max(self.oldest_s_max, float(age_s or 0.0))
         self.bytes_written += int(nbytes)
         self.write_s += max(float(seconds), 1e-6)
         if last:
@@ -220,6 +245,46 @@ class Pacer:
             f"{gib(int(self.bandwidth or 0))}/s measured, {aim} the "
             f"{self.share:.0%} the interval aims at (a larger budget spaces these flushes; "
             "nothing is lost or counted twice)"
+        )
+
+    def folded(self, seconds: float) -> None:
+        """An extractor folded a shard in ``seconds`` (from its dispatch to its result)."""
+        self.shards += 1
+        self.shard_s += max(float(seconds), 0.0)
+        self.shard_s_max = max(self.shard_s_max, float(seconds))
+
+    @property
+    def shard_mean(self) -> float | None:
+        """The mean seconds a shard took an extractor (None before one)."""
+        return self.shard_s / self.shards if self.shards else None
+
+    def shard_news(self) -> str | None:
+        """A line to print when the shards, not the interval, set the flushes: an extractor
+        decides to flush only between shards, so where a shard takes at least the interval
+        it flushes after every shard, and a failure loses up to a shard of its work, however
+        short the interval. Said the first time the mean shard reaches the interval (once the
+        interval is measured or given), and again when that mean has doubled or halved."""
+        mean = self.shard_mean
+        measured = self.last if self.bandwidth is not None else None
+        interval = self.given if self.given is not None else measured
+        if mean is None or interval is None or mean < interval:
+            return None
+        said = self.shard_said
+        if said is not None and said / 2 < mean < 2 * said:
+            return None
+        self.shard_said = mean
+        hint = ""
+        if self.shard_bytes:
+            fits = max(2**20, int(self.shard_bytes * interval / (2 * mean)))
+            hint = (
+                f"; --shard-bytes {fits} ({gib(fits)}, shards of ~half the interval) would let "
+                "the interval set them"
+            )
+        return (
+            f"checkpoints: a shard takes {mean:,.0f} s on average (the longest "
+            f"{self.shard_s_max:,.0f} s), at least the {interval:,.0f} s interval: an extractor "
+            "flushes only between shards, so each flushes after every shard and a failure "
+            f"loses up to a shard of each of its extractors' work{hint}"
         )
 
     def fall_back(self, why: str) -> None:
@@ -330,6 +395,13 @@ class Pacer:
             "budget_write_share": None
             if (share := self.budget_share()) is None
             else round(share, 4),
+            # the shards' seconds (an extractor decides to flush only between shards), and the
+            # most seconds of work an extractor held unflushed: what a failure just before
+            # that flush would have cost it
+            "shards_timed": self.shards,
+            "shard_s_mean": None if self.shard_mean is None else round(self.shard_mean, 3),
+            "shard_s_max": round(self.shard_s_max, 3),
+            "unflushed_s_max": round(self.oldest_s_max, 3),
         }
 
 
@@ -383,9 +455,19 @@ def describe_plan(
         f"before, which the reduce reads from the groups): B / W = "
         f"{flush_bytes / 2**30:,.0f} s at 1 GiB/s{' ' + per if per else ''}, once a run"
     )
+    # an extractor decides to flush only between shards: under a given interval the oldest
+    # unflushed shard may age to T plus a shard; the sized one also flushes where one more
+    # shard would pass the ceiling (the Ray layer's scheduler), so only a shard longer than
+    # the ceiling passes it
+    beyond = (
+        "and the shard each was folding past it (an extractor flushes only between shards)"
+        if given is not None
+        else "or one shard each, where a shard takes longer (an extractor flushes only "
+        "between shards)"
+    )
     lines.append(
         f"  a node lost loses at most its {per_node} extractor(s)' last {worst:,.0f} s of "
-        f"shards: {per_node * worst / 3600:,.2f} extractor-hours redone"
+        f"shards, {beyond}: {per_node * worst / 3600:,.2f} extractor-hours redone"
     )
     if each and checked:
         alone = interval_for(flush_bytes, n, 2**30)

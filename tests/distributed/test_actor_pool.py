@@ -217,3 +217,32 @@ def test_from_an_extractor_that_does_not_see_the_run_the_driver_writes(ray_local
     # (those before, if any, the first one wrote)
     assert len(groups) > before and all(g.written is None for g in groups[before:])
     assert all(g.written is not None for g in groups[:before])
+
+
+def test_under_a_ceiling_an_extractor_flushes_before_a_shard_would_pass_it(ray_local):
+    """An extractor decides to flush only between shards, so without more its oldest unflushed
+    shard ages to the interval plus a shard. Under the sized interval's ceiling (here 1 s,
+    the interval itself an hour), it also flushes where one more shard of the mean length
+    (0.3 s) would age the oldest past the ceiling: groups of about three shards, none held
+    past the ceiling by more than a shard's jitter, where without it one group at the drain."""
+    shards = [Shard(f"s{i:02d}", "corpus.jsonl", "jsonl", i, i + 1, 0) for i in range(12)]
+    view = Cluster((Node("a", GiB, cpus=1),))
+    config = SchedulingOptions(checkpoint_interval=3600)
+
+    def run(ceiling: float | None) -> tuple[list, list[FoldReport]]:
+        groups, folds = [], []
+        growth = Growth(Extractor(cpus=1), 1, read=lambda: view, say=lambda _: None, poll_s=0.05)
+        pool = PoolPlan(num_workers=1, num_gpus=0.0, num_cpus=1)
+        _Scheduler(config, pool, lambda: FakeExtractActor.options(num_cpus=0).remote(0.3),
+                   shards, groups.append, folds.append, lambda _: None, growth=growth,
+                   ceiling=ceiling).run()  # fmt: skip
+        assert sorted(s for g in groups for s in g.shard_ids) == [s.shard_id for s in shards]
+        return groups, folds
+
+    groups, folds = run(1.0)
+    assert all(0.3 <= f.seconds < 1.0 for f in folds)  # each shard timed, dispatch to result
+    assert len(groups) >= 4 and max(len(g.shard_ids) for g in groups) <= 3
+    assert all(g.age_s <= 1.0 + 0.3 for g in groups)  # the ceiling, and at most a shard's jitter
+    assert not any(g.last for g in groups[:-1])
+    groups, _ = run(None)
+    assert len(groups) == 1 and groups[0].last and groups[0].age_s >= 12 * 0.3

@@ -56,9 +56,13 @@ def test_the_plan_says_the_rule_and_what_one_node_loses():
     # the last flush of each extractor, whatever T: 65.2 GiB at 1 GiB/s
     assert lines[1].startswith("  and each extractor's last flush, when the queue drains")
     assert lines[1].endswith("B / W = 65 s at 1 GiB/s, once a run")
-    assert "8 extractor(s)' last 3,600 s of shards: 8.00 extractor-hours" in lines[2]
+    assert lines[2].startswith("  a node lost loses at most its 8 extractor(s)' last 3,600 s of "
+                               "shards, or one shard each, where a shard takes longer")
+    assert lines[2].endswith(": 8.00 extractor-hours redone")
     given = describe_plan(GiB, 2, 1, 300.0)
     assert given[0].startswith("checkpoints: every 300 s (--checkpoint-interval): writing them takes")
+    # a given interval is not shortened for the shards: the oldest may age to T and a shard
+    assert "last 300 s of shards, and the shard each was folding past it" in given[2]
 
 
 def test_where_each_extractor_writes_its_own_flushes_the_share_is_its_own():
@@ -209,3 +213,47 @@ def test_the_plan_says_when_the_statistics_budget_may_set_the_flushes():
     roomy = BudgetShape(int(44.6 * GiB), row, int(4.3 * GiB), 20_000)
     assert not any("statistics budget" in line
                    for line in describe_plan(int(65.2 * GiB), 32, 8, None, budget=roomy))
+
+
+def test_shards_longer_than_the_interval_are_measured_and_said():
+    """An extractor decides to flush only between shards. Where a shard takes at least the
+    interval, it flushes after every shard and a failure loses up to a shard, however short
+    the interval: the pacer measures the shards, says so once the interval is measured (not
+    against the floor that comes before), names a --shard-bytes that would fit, says it again
+    only when the shards' mean doubles or halves, and records the longest unflushed work."""
+    from embgeom_ray.sizing.checkpoints import EXTRACTORS
+
+    pacer = Pacer(writers=EXTRACTORS)
+    pacer.shard_bytes = 256 * 2**20
+    pacer.interval(8)  # the floor, before any flush
+    pacer.folded(90.0)
+    assert pacer.shard_news() is None  # the floor is not yet the interval
+    pacer.wrote(GiB, 1.0, age_s=91.0)  # 1 GiB at 1 GiB/s a writer: T = 20 s → the floor
+    assert pacer.interval(8) == FLOOR_S
+    pacer.folded(110.0)
+    line = pacer.shard_news()
+    assert line.startswith("checkpoints: a shard takes 100 s on average (the longest 110 s), at "
+                           "least the 60 s interval: an extractor flushes only between shards, "
+                           "so each flushes after every shard")
+    # shards of half the interval: 256 MiB × 60 s / (2 × 100 s)
+    assert f"--shard-bytes {int(256 * 2**20 * 0.3)} (77 MiB, shards of ~half the interval)" in line
+    assert pacer.shard_news() is None  # said once
+    pacer.folded(300.0)  # the mean, 166.7 s, not yet twice 100 s
+    assert pacer.shard_news() is None
+    for _ in range(3):
+        pacer.folded(400.0)
+    assert "a shard takes 283 s on average (the longest 400 s)" in pacer.shard_news()
+    pacer.wrote(GiB, 1.0, age_s=400.5)
+    record = pacer.to_json()
+    assert (record["shards_timed"], record["shard_s_max"]) == (6, 400.0)
+    assert record["shard_s_mean"] == pytest.approx(1700.0 / 6, abs=1e-3)
+    assert record["unflushed_s_max"] == 400.5
+    # shards shorter than the interval: nothing said
+    short = Pacer(300.0)
+    short.folded(120.0)
+    assert short.shard_news() is None and short.to_json()["shard_s_mean"] == 120.0
+    # a given interval is compared at once, and without the plan's shard size no hint
+    given = Pacer(30.0)
+    given.folded(45.0)
+    assert given.shard_news().endswith("loses up to a shard of each of its extractors' work")
+    assert Pacer().to_json()["shard_s_mean"] is None
