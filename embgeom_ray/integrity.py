@@ -34,7 +34,7 @@ from __future__ import annotations
 import base64
 import io
 import json
-from collections.abc import Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -95,6 +95,36 @@ class Digest:
             while chunk := f.read(block):
                 hashes.append(_hash(chunk))
         return cls(size, block, b"".join(hashes))
+
+    @classmethod
+    def of_stream(cls, size: int, blocks: Iterable[Any], into: list[Digest]) -> Iterator[Any]:
+        """``blocks`` (consecutive pieces of ``size`` bytes, any bytes-like objects) passed on
+        as they come, hashed on the way: once they are all read, their :meth:`of` is appended
+        to ``into`` (a write of a file made a block at a time records its digest as it goes).
+        Raises ValueError where the pieces do not add up to ``size``."""
+        block = block_size(size)
+        carry = bytearray()
+        hashes: list[bytes] = []
+        seen = 0
+        for data in blocks:
+            view = memoryview(data).cast("B")
+            seen += view.nbytes
+            if carry:
+                take = view[: block - len(carry)]
+                carry += take
+                view = view[take.nbytes :]
+                if len(carry) == block:
+                    hashes.append(_hash(carry))
+                    carry.clear()
+            whole = view.nbytes - view.nbytes % block
+            hashes.extend(_hash(view[i : i + block]) for i in range(0, whole, block))
+            carry += view[whole:]
+            yield data
+        if seen != size:
+            raise ValueError(f"a stream of {size:,} bytes gave {seen:,}")
+        if carry:
+            hashes.append(_hash(carry))
+        into.append(cls(size, block, b"".join(hashes)))
 
     @property
     def blocks(self) -> int:

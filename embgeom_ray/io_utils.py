@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import tempfile
+from collections.abc import Iterable
 from typing import Any
 
 import fsspec
@@ -105,6 +106,46 @@ def atomic_write_bytes(url: str, data: bytes) -> None:
             f.write(data)
 
 
+def atomic_write_blocks(url: str, blocks: Iterable[Any], size: int) -> None:
+    """:func:`atomic_write_bytes` of ``size`` bytes given as consecutive ``blocks`` (bytes-like
+    objects, each written as it comes and not kept): a file made a block at a time is written
+    without a copy of it whole. Raises ValueError, writing nothing, where they do not add up to
+    ``size``."""
+    if is_local(url):
+        path = local_path(url)
+        directory = os.path.dirname(os.path.abspath(path))
+        os.makedirs(directory, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=directory)
+        try:
+            os.chmod(tmp, 0o666 & ~_UMASK)
+            written = 0
+            with os.fdopen(fd, "wb") as f:
+                for data in blocks:
+                    written += f.write(data)
+                if written != size:
+                    raise ValueError(f"{url}: {size:,} bytes to write, {written:,} given")
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        except BaseException:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+            raise
+    elif _protocol(url) in ("s3", "s3a") and size >= 2 * S3_PART_BYTES:
+        fs, path = fsspec.core.url_to_fs(url)
+        fs.pipe_file(
+            path, _StreamedParts(blocks, size), chunksize=S3_PART_BYTES,
+            max_concurrency=S3_PARTS_AT_ONCE,
+        )  # fmt: skip
+    else:  # small enough for one request: gathered
+        data = bytearray()
+        for block in blocks:
+            data += memoryview(block).cast("B")
+        if len(data) != size:
+            raise ValueError(f"{url}: {size:,} bytes to write, {len(data):,} given")
+        atomic_write_bytes(url, data)
+
+
 #: an S3 object of more than 2 parts is uploaded in parts of this many bytes, at most
 #: :data:`S3_PARTS_AT_ONCE` at a time (s3fs's ``pipe_file``): the write holds about
 #: ``S3_PART_BYTES × S3_PARTS_AT_ONCE × 2`` bytes beside the data. Through s3fs's buffered file
@@ -128,6 +169,36 @@ class _PartBytes:
 
     def __getitem__(self, part: slice) -> bytes:
         return self._view[part].tobytes()
+
+
+class _StreamedParts:
+    """``size`` bytes given as consecutive ``blocks``, sliced into bytes a part at a time in
+    order (``pipe_file`` slices its data by part, in order, before it sends them): one part
+    and one block held at a time."""
+
+    def __init__(self, blocks: Iterable[Any], size: int) -> None:
+        self._blocks, self._size = iter(blocks), size
+        self._pending = bytearray()
+        self._at = 0  # the offset of the next slice
+
+    def __len__(self) -> int:
+        return self._size
+
+    def __getitem__(self, part: slice) -> bytes:
+        start, stop = part.start or 0, min(part.stop, self._size)
+        if start != self._at:
+            raise ValueError(f"parts asked out of order: {start:,}, expected {self._at:,}")
+        while len(self._pending) < stop - start:
+            block = next(self._blocks, None)
+            if block is None:
+                raise ValueError(f"a stream of {self._size:,} bytes ended at {self._at + len(self._pending):,}")
+            self._pending += memoryview(block).cast("B")
+        out = bytes(self._pending[: stop - start])
+        del self._pending[: stop - start]
+        self._at = stop
+        if stop == self._size and next(self._blocks, None) is not None:
+            raise ValueError(f"a stream of {self._size:,} bytes gave more")
+        return out
 
 
 def _put_s3(url: str, data: Any) -> None:

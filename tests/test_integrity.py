@@ -310,3 +310,25 @@ def test_a_reducer_checkpoint_json_with_a_flipped_digit_is_not_used(tmp_path):
     assert (result["restored"], result["read"]) == (0, 2)
     assert "is corrupt: its content does not match" in result["dropped"] and not name.exists()
     assert again.rows.to_bytes() == first.rows.to_bytes()
+
+
+@pytest.mark.parametrize("size", [0, 5, MIN_BLOCK - 1, MIN_BLOCK, 3 * MIN_BLOCK + 17])
+def test_a_digest_taken_as_the_bytes_stream_by_is_the_digest_of_the_whole(size):
+    """A file made a block at a time is hashed as it is written (Digest.of_stream): whatever
+    the cut of its pieces against the digest's blocks, the same digest as of its bytes whole;
+    pieces that do not add up to the size are an error."""
+    rng = np.random.default_rng(size)
+    data = rng.integers(0, 256, size, dtype=np.uint8)
+    for cuts in (rng.integers(1, 3 * MIN_BLOCK, 8), [1] * 3, [MIN_BLOCK], [size + 1]):
+        pieces, at = [], 0
+        for cut in [*cuts, size]:
+            pieces.append(data[at : at + int(cut)])
+            at += int(cut)
+            if at >= size:
+                break
+        made: list[Digest] = []
+        passed = list(Digest.of_stream(size, pieces, made))
+        assert [p.nbytes for p in passed] == [p.nbytes for p in pieces]
+        assert made == [Digest.of(data)]
+    with pytest.raises(ValueError, match="gave"):
+        list(Digest.of_stream(size + 1, [data], []))

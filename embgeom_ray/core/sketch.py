@@ -32,7 +32,7 @@ from __future__ import annotations
 import json
 import os
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, ClassVar, TypeVar
 
 import numpy as np
@@ -78,6 +78,33 @@ SAFETENSORS_DTYPES = {
 }  # fmt: skip
 
 
+def safetensors_layout(
+    specs: Mapping[str, tuple[torch.dtype, tuple[int, ...]]], metadata: Mapping[str, str]
+) -> tuple[list[str], dict[str, Any], bytes, int]:
+    """The safetensors file of arrays of ``specs`` (name → dtype, shape) and ``metadata``:
+    (the arrays in file order, the header, the file's first bytes: the 8-byte little-endian
+    header length and the JSON header padded with spaces to 8 bytes, the file's size). The
+    arrays come back to back after those bytes, the widest dtypes first (every array
+    aligned), each at its header's ``data_offsets``."""
+    order = sorted(specs, key=lambda n: -torch.empty((), dtype=specs[n][0]).element_size())
+    header: dict[str, Any] = {}
+    offset = 0
+    for name in order:
+        dtype, shape = specs[name]
+        size = int(np.prod(shape, dtype=np.int64)) * torch.empty((), dtype=dtype).element_size()
+        header[name] = {
+            "dtype": SAFETENSORS_DTYPES[dtype],
+            "shape": [int(x) for x in shape],
+            "data_offsets": [offset, offset + size],
+        }
+        offset += size
+    header["__metadata__"] = dict(metadata)
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    prefix = len(text).to_bytes(8, "little") + text
+    return order, header, prefix, len(prefix) + offset
+
+
 def safetensors_into(
     specs: Mapping[str, tuple[torch.dtype, tuple[int, ...]]],
     fill: Callable[[str, torch.Tensor], None],
@@ -94,33 +121,15 @@ def safetensors_into(
     that serialises again and again (an extractor spilling) writes into memory already paged
     in instead of faulting in a fresh buffer each time.
 
-    The layout is the safetensors format: an 8-byte little-endian header length, the JSON
-    header (names → dtype, shape, ``data_offsets``; ``__metadata__``) padded with spaces to
-    8 bytes, then the arrays back to back, the widest dtypes first (every array aligned).
+    The layout is the safetensors format (:func:`safetensors_layout`).
     """
-    order = sorted(specs, key=lambda n: -torch.empty((), dtype=specs[n][0]).element_size())
-    header: dict[str, Any] = {}
-    offset = 0
-    for name in order:
-        dtype, shape = specs[name]
-        size = int(np.prod(shape, dtype=np.int64)) * torch.empty((), dtype=dtype).element_size()
-        header[name] = {
-            "dtype": SAFETENSORS_DTYPES[dtype],
-            "shape": [int(x) for x in shape],
-            "data_offsets": [offset, offset + size],
-        }
-        offset += size
-    header["__metadata__"] = dict(metadata)
-    text = json.dumps(header, separators=(",", ":")).encode()
-    text += b" " * (-len(text) % 8)
-    size = 8 + len(text) + offset
+    order, header, prefix, size = safetensors_layout(specs, metadata)
     buf: bytearray | np.ndarray = (
         into[:size] if into is not None and into.nbytes >= size else bytearray(size)
     )
     view = memoryview(buf).cast("B")
-    view[:8] = len(text).to_bytes(8, "little")
-    view[8 : 8 + len(text)] = text
-    base = 8 + len(text)
+    view[: len(prefix)] = prefix
+    base = len(prefix)
     for name in order:
         dtype, shape = specs[name]
         a, b = header[name]["data_offsets"]
@@ -129,6 +138,69 @@ def safetensors_into(
             out = torch.frombuffer(buf, dtype=dtype, count=count, offset=base + a)
             fill(name, out.view(shape))
     return buf
+
+
+#: ``fill_rows(name, lead, lo, hi, out)``: write rows ``lo:hi`` of the named array (``lead``
+#: None), or of its sub-array ``[lead]`` (an int), into ``out``
+FillRows = Callable[[str, "int | None", int, int, torch.Tensor], None]
+
+
+def safetensors_blocks(
+    specs: Mapping[str, tuple[torch.dtype, tuple[int, ...]]],
+    fill_rows: FillRows,
+    metadata: Mapping[str, str],
+    block_bytes: int,
+) -> Iterator[np.ndarray]:
+    """The safetensors file of :func:`safetensors_into`, byte for byte, as consecutive blocks
+    of at most ``block_bytes`` (more only where one row of an array's last dimensions is
+    larger): its first bytes, then each array in rows of its first axis, or of its second
+    within one index of the first where one row of the first is larger than a block. Each
+    block is a uint8 view of one buffer, reused: valid until the next block is asked for, so
+    serialising holds one block beside the arrays, not a copy of them."""
+    order, _, prefix, _ = safetensors_layout(specs, metadata)
+    yield np.frombuffer(prefix, dtype=np.uint8)
+    plans: list[tuple[str, torch.dtype, list[tuple[int | None, int, int, tuple[int, ...]]]]] = []
+    largest = 0
+    for name in order:
+        dtype, shape = specs[name]
+        size = torch.empty((), dtype=dtype).element_size()
+        if int(np.prod(shape, dtype=np.int64)) == 0:
+            continue
+        if not shape:
+            plans.append((name, dtype, [(None, 0, 1, ())]))
+            largest = max(largest, size)
+            continue
+        row = int(np.prod(shape[1:], dtype=np.int64)) * size
+        blocks: list[tuple[int | None, int, int, tuple[int, ...]]] = []
+        if row <= block_bytes or len(shape) == 1:
+            step = max(1, block_bytes // max(row, 1))
+            for lo in range(0, shape[0], step):
+                hi = min(shape[0], lo + step)
+                blocks.append((None, lo, hi, (hi - lo, *shape[1:])))
+            largest = max(largest, min(step, shape[0]) * row)
+        else:
+            sub = int(np.prod(shape[2:], dtype=np.int64)) * size
+            step = max(1, block_bytes // max(sub, 1))
+            for lead in range(shape[0]):
+                for lo in range(0, shape[1], step):
+                    hi = min(shape[1], lo + step)
+                    blocks.append((lead, lo, hi, (hi - lo, *shape[2:])))
+            largest = max(largest, min(step, shape[1]) * sub)
+        plans.append((name, dtype, blocks))
+    if not plans:
+        return
+    buf = np.empty(largest, dtype=np.uint8)
+    for name, dtype, blocks in plans:
+        if not specs[name][1]:  # a 0-d array
+            out = torch.frombuffer(buf, dtype=dtype, count=1).view(())
+            fill_rows(name, None, 0, 1, out)
+            yield buf[: out.element_size()]
+            continue
+        for lead, lo, hi, shape in blocks:
+            count = int(np.prod(shape, dtype=np.int64))
+            out = torch.frombuffer(buf, dtype=dtype, count=count).view(shape)
+            fill_rows(name, lead, lo, hi, out)
+            yield buf[: count * out.element_size()]
 
 
 def check_array(

@@ -28,8 +28,11 @@ beside the types the text meets (a GPU's memory against a 128k vocabulary), each
 mostly the same frequent types again, and a flush of its pieces writes those types once per
 spill. With a tier, each spill is merged on the host, type by type, into statistics of at most
 H bytes, and a flush writes each type once per H bytes instead: the pieces spilled to the
-object store are the tier's own, when it fills. Memory: the tier's H more, and one serialised
-copy of it when it spills or flushes.
+object store are the tier's own, when it fills. The tier's pieces are never serialised whole:
+each is made a block at a time as it is spilled or written
+(:class:`~embgeom_ray.core.statistics_io.StreamedStatistics`, the same bytes as one
+serialisation). Memory: the tier's H more, and one block of
+:data:`~embgeom_ray.core.statistics_io.STREAM_BLOCK_BYTES` while it spills or is written.
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ import numpy as np
 import torch
 
 from .statistics import EmbeddingStatistics
+from .statistics_io import StreamedStatistics
 
 
 class Accumulator(Protocol):
@@ -75,17 +79,28 @@ class SpilledPieces:
 
     def __init__(
         self,
-        spill: Callable[[bytes | bytearray | np.ndarray], Any] = lambda data: data,
+        spill: Callable[[Any], Any] = lambda data: data,
         spill_copies: bool = False,
+        stream: bool = False,
     ) -> None:
-        self.spill, self.spill_copies = spill, spill_copies
+        #: ``stream``: ``spill`` is given the statistics as :class:`StreamedStatistics` (their
+        #: file a block at a time), which it must have read when it returns; else their bytes
+        self.spill, self.spill_copies, self.stream = spill, spill_copies, stream
         self.buffer: np.ndarray | None = None
         self.handles: list[Any] = []  # since the last take
         self.nbytes = 0  # their bytes
         self.count = 0  # pieces spilled over the life
 
     def put(self, stats: Accumulator) -> None:
-        """Serialise ``stats``, clear them (their memory kept), and spill the bytes."""
+        """Serialise ``stats``, clear them (their memory kept), and spill the bytes (or, with
+        ``stream``, spill them as their file's blocks, then clear them)."""
+        if self.stream:
+            piece = StreamedStatistics(stats)  # type: ignore[arg-type]
+            self.handles.append(self.spill(piece))
+            stats.clear()
+            self.nbytes += piece.size
+            self.count += 1
+            return
         data = stats.to_bytes(self.buffer)
         stats.clear()
         if self.spill_copies and not isinstance(data, np.ndarray):
@@ -188,6 +203,21 @@ class SpillingStatistics:
             return self.host.take()
         return self.pieces.take(self.current)
 
+    def take_streamed(self) -> list[Any]:
+        """:meth:`take`, but with a host tier the last piece is the tier's statistics as
+        :class:`StreamedStatistics` (their file a block at a time: no serialised copy of H),
+        which the caller reads and then :meth:`release`s. Without a tier, :meth:`take`."""
+        if self.host is None:
+            return self.take()
+        self.host.absorb(self.current)
+        self.current.clear()
+        return self.host.take_streamed()
+
+    def release(self) -> None:
+        """After :meth:`take_streamed`'s pieces are read: clear the host tier (no-op without)."""
+        if self.host is not None:
+            self.host.release()
+
 
 class HostTier:
     """Spilled statistics merged on the host, type by type, up to ``budget`` bytes
@@ -202,26 +232,26 @@ class HostTier:
     for each type it does not hold yet), ``merged`` is spilled first
     (:meth:`SpilledPieces.put`: serialised, handed to ``spill``, the object store, and cleared
     in place). :meth:`take` returns the pieces spilled since the last one and ``merged``'s own
-    bytes, in merge order.
+    bytes, in merge order; :meth:`take_streamed` the same with ``merged`` as
+    :class:`StreamedStatistics`, cleared by :meth:`release` once read.
+
+    ``spill(piece)`` is given each spill as :class:`StreamedStatistics` (the file of ``merged``
+    a block at a time) and must have read it when it returns (the Ray layer puts each block in
+    the object store); it returns the piece's handle. The default keeps the file's bytes.
 
     Memory: ``merged``, allocated once for ``budget`` (:meth:`EmbeddingStatistics.fit_budget`;
     the budget bounds what it holds, its merges' scratch included, which is a few blocks of
-    :data:`~embgeom_ray.core.statistics.CPU_ROW_BLOCK` rows of d float64s at most), one
-    serialised copy of it while it spills or is taken, and, where the accumulator is on a GPU,
-    its rows' copy on the host during a merge.
+    :data:`~embgeom_ray.core.statistics.CPU_ROW_BLOCK` rows of d float64s at most), one block
+    of its file while it spills or is written
+    (:data:`~embgeom_ray.core.statistics_io.STREAM_BLOCK_BYTES`), and, where the accumulator
+    is on a GPU, its rows' copy on the host during a merge.
     """
 
-    def __init__(
-        self,
-        budget: int,
-        spill: Callable[[bytes | bytearray | np.ndarray], Any] = lambda data: data,
-        *,
-        spill_copies: bool = False,
-    ) -> None:
+    def __init__(self, budget: int, spill: Callable[[StreamedStatistics], Any] | None = None) -> None:
         self.budget = int(budget)
         self.merged: EmbeddingStatistics | None = None
         #: the tier's own spills, when it fills
-        self.pieces = SpilledPieces(spill, spill_copies)
+        self.pieces = SpilledPieces(spill or file_bytes, stream=True)
         self.merges = 0  # accumulators merged in over its life
 
     @property
@@ -253,6 +283,31 @@ class HostTier:
     def take(self) -> list[Any]:
         """The spilled handles and ``merged``'s own bytes (last), in merge order; the tier is
         cleared (its memory kept)."""
+        pieces = self.take_streamed()
+        pieces[-1] = file_bytes(pieces[-1])
+        self.release()
+        return pieces
+
+    def take_streamed(self) -> list[Any]:
+        """The spilled handles and ``merged`` as :class:`StreamedStatistics` (last), in merge
+        order; the tier is cleared by :meth:`release`, once that is read."""
         if self.merged is None:
             raise RuntimeError("take() of a host tier that has absorbed nothing")
-        return self.pieces.take(self.merged)
+        pieces = [*self.pieces.handles, StreamedStatistics(self.merged)]
+        self.pieces.handles, self.pieces.nbytes = [], 0
+        return pieces
+
+    def release(self) -> None:
+        """Clear ``merged`` (its memory kept), after :meth:`take_streamed`'s last piece is read."""
+        if self.merged is not None:
+            self.merged.clear()
+
+
+def file_bytes(piece: StreamedStatistics) -> bytearray:
+    """The file of streamed statistics as bytes (one copy of it)."""
+    out = bytearray(piece.size)
+    at = 0
+    for block in piece:
+        out[at : at + block.nbytes] = memoryview(block).cast("B")
+        at += block.nbytes
+    return out

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import json
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, ClassVar, Protocol
 
 import numpy as np
@@ -33,7 +33,14 @@ import torch
 from ..errors import StatisticsMismatchError
 from .layer_state import LayerState
 from .partitions import StatisticsPart, range_text, requested_part
-from .sketch import HEADER_KEY, SafetensorsFile, check_array, safetensors_into
+from .sketch import (
+    HEADER_KEY,
+    SafetensorsFile,
+    check_array,
+    safetensors_blocks,
+    safetensors_into,
+    safetensors_layout,
+)
 from .statistics_fields import FIELDS, Field
 from .type_moments import TypeMoments
 
@@ -84,10 +91,11 @@ def state_arrays(stats: HeldStatistics) -> dict[str, np.ndarray]:
     return {k: np.ascontiguousarray(v.detach().cpu().numpy()) for k, v in out.items()}
 
 
-def to_bytes(stats: HeldStatistics, into: np.ndarray | None = None) -> bytearray | np.ndarray:
-    """The safetensors file of :func:`state_arrays` and the header, each array gathered
-    straight into its place in the file's buffer (:func:`~embgeom_ray.core.sketch.safetensors_into`;
-    ``into``: a uint8 array to reuse as that buffer where it is large enough)."""
+def _file_arrays(
+    stats: HeldStatistics,
+) -> tuple[dict[str, tuple[torch.dtype, tuple[int, ...]]], dict[str, tuple[torch.Tensor, bool]], torch.Tensor]:
+    """What a statistics file holds: each array's (dtype, shape) in the file, its source and
+    whether it is per type, and the slots' order (types by id, unused slots dropped)."""
     order = stats.type_moments.order()
     t = stats.num_types
     arrays = stats.arrays
@@ -97,6 +105,15 @@ def to_bytes(stats: HeldStatistics, into: np.ndarray | None = None) -> bytearray
     for name, (a, per_type) in sources.items():
         shape = (t,) if name == "type_ids" else ((a.shape[0], t, *a.shape[2:]) if per_type else tuple(a.shape))  # fmt: skip
         specs[name] = (a.dtype, shape)
+    return specs, sources, order
+
+
+def to_bytes(stats: HeldStatistics, into: np.ndarray | None = None) -> bytearray | np.ndarray:
+    """The safetensors file of :func:`state_arrays` and the header, each array gathered
+    straight into its place in the file's buffer (:func:`~embgeom_ray.core.sketch.safetensors_into`;
+    ``into``: a uint8 array to reuse as that buffer where it is large enough)."""
+    specs, sources, order = _file_arrays(stats)
+    t = stats.num_types
 
     def fill(name: str, out: torch.Tensor) -> None:
         a, per_type = sources[name]
@@ -110,6 +127,51 @@ def to_bytes(stats: HeldStatistics, into: np.ndarray | None = None) -> bytearray
             out.copy_(a)
 
     return safetensors_into(specs, fill, {HEADER_KEY: json.dumps(stats.header())}, into)
+
+
+#: the bytes of a block of :class:`StreamedStatistics`
+STREAM_BLOCK_BYTES = 64 * 2**20
+#: a statistics file given whole; a file made a block at a time (:class:`StreamedStatistics`,
+#: or the Ray layer's blocks in the object store) is any other object with its ``size`` that
+#: gives its blocks when iterated
+BYTES_LIKE = (bytes, bytearray, memoryview, np.ndarray)
+
+
+class StreamedStatistics:
+    """The file of :func:`to_bytes`, byte for byte, made a block at a time as it is read
+    (:func:`~embgeom_ray.core.sketch.safetensors_blocks`): iterating yields uint8 arrays of at
+    most ``block_bytes`` (one reused buffer: each valid until the next is asked for), so
+    writing statistics of H bytes holds H and one block, not H and a serialised copy of H.
+    ``size``: the file's bytes. The statistics must not change until the blocks are read; each
+    iteration makes the file again."""
+
+    def __init__(self, stats: HeldStatistics, block_bytes: int = STREAM_BLOCK_BYTES) -> None:
+        self.stats, self.block_bytes = stats, int(block_bytes)
+        specs, _, _ = _file_arrays(stats)
+        self.size = safetensors_layout(specs, self._metadata())[3]
+
+    def _metadata(self) -> dict[str, str]:
+        return {HEADER_KEY: json.dumps(self.stats.header())}
+
+    def __iter__(self) -> Iterator[np.ndarray]:
+        stats = self.stats
+        specs, sources, order = _file_arrays(stats)
+        t = stats.num_types
+
+        def fill_rows(name: str, lead: int | None, lo: int, hi: int, out: torch.Tensor) -> None:
+            a, per_type = sources[name]
+            if name == "type_ids":
+                out.copy_(a.index_select(0, order[lo:hi]))
+            elif per_type and lead is None:  # whole layers: (hi − lo, t, …)
+                out.copy_(a[lo:hi, :t].index_select(1, order))
+            elif per_type:  # rows lo:hi of one layer's types in id order: (hi − lo, …)
+                out.copy_(a[lead].index_select(0, order[lo:hi]))
+            elif not specs[name][1]:
+                out.copy_(a)
+            else:
+                out.copy_(a[lo:hi] if lead is None else a[lead, lo:hi])
+
+        yield from safetensors_blocks(specs, fill_rows, self._metadata(), self.block_bytes)
 
 
 def empty_arguments(header: Mapping[str, Any], version: int) -> dict[str, Any]:

@@ -44,6 +44,7 @@ import numpy as np
 import ray
 
 from ..core.spilling import HostTier, SpillingStatistics
+from ..core.statistics_io import BYTES_LIKE
 from ..counts import Counts
 from ..errors import UserError
 from ..inputs.corpus import Shard
@@ -192,13 +193,34 @@ class GroupResult:
     #: ``budget``, how long the extractor took to fill its statistics budget
     age_s: float = 0.0
 
-    def pieces(self) -> Iterator[np.ndarray]:
-        """The statistics pieces (bytes-like), fetched one at a time and let go of as they are
-        taken (consumes ``stats``: one piece in memory)."""
+    def pieces(self) -> Iterator[Any]:
+        """The statistics pieces (bytes-like, or :class:`BlockRefs` whose blocks are fetched
+        as they are written), fetched one at a time and let go of as they are taken (consumes
+        ``stats``: one piece in memory)."""
         while self.stats:
             piece = self.stats.pop(0)
             yield ray.get(piece) if isinstance(piece, ray.ObjectRef) else piece
             del piece
+
+
+@dataclass
+class BlockRefs:
+    """A statistics file in Ray's object store a block at a time: its ``size`` in bytes and
+    the ObjectRefs of its consecutive blocks (a host tier's piece, put there as it was made:
+    :class:`~embgeom_ray.core.statistics_io.StreamedStatistics`). Iterating fetches the blocks
+    one at a time, as the checkpoint's write takes them."""
+
+    size: int
+    refs: list[Any]
+
+    @classmethod
+    def put(cls, piece: Any) -> BlockRefs:
+        """Each block of ``piece`` (a file made a block at a time) put in the object store."""
+        return cls(int(piece.size), [ray.put(np.array(block)) for block in piece])
+
+    def __iter__(self) -> Iterator[np.ndarray]:
+        for ref in self.refs:
+            yield ray.get(ref)
 
 
 def as_array(data: bytes | bytearray) -> np.ndarray:
@@ -299,7 +321,8 @@ class ShardExtract:
         shard = Shard(**shard_json)
         if self.stats is None:
             # past the statistics budget, pieces go to the object store (ray.put), or are
-            # merged into the host tier first, which spills its own pieces there as it fills
+            # merged into the host tier first, which spills its own pieces there as it fills,
+            # a block at a time
             host = self.processor.host_budget
             put = lambda data: ray.put(as_array(data))  # noqa: E731
             self.stats = SpillingStatistics(
@@ -307,7 +330,7 @@ class ShardExtract:
                 self.processor.statistics_budget,
                 put,
                 spill_copies=True,  # ray.put copies into the object store
-                host=None if host is None else HostTier(host, put, spill_copies=True),
+                host=None if host is None else HostTier(host, BlockRefs.put),
             )
         if not self.shard_ids:  # the first shard since the last flush
             self.sample = self.processor.new_sample()
@@ -335,6 +358,9 @@ class ShardExtract:
     ) -> tuple[list[str], list[Any], np.ndarray | None, dict[str, Any]]:
         """(shard ids, statistics pieces, sample bytes, summed counts) since the last flush;
         the pieces are ObjectRefs of what was spilled, then the running statistics' bytes.
+        With a host tier, its pieces are :class:`BlockRefs`, and its statistics are never
+        serialised whole: they are written (or put in the object store) a block at a time,
+        and cleared after.
 
         With ``writer`` (a run this actor's node reaches: the driver's
         :func:`~embgeom_ray.runs.checkpoints.write_group` bound to the run), the actor writes
@@ -349,16 +375,21 @@ class ShardExtract:
         self._check_whole()
         if not self.shard_ids:
             raise RuntimeError("flush asked of an extractor that holds no shard")
-        pieces = self.stats.take()
+        pieces = self.stats.take_streamed()
         self.flushed = True
         sample = None if self.sample is None else as_array(self.sample.to_bytes())
         shard_ids, counts = list(self.shard_ids), self.counts.to_json()
         self._reset()
-        if writer is None:
-            return shard_ids, [*pieces[:-1], as_array(pieces[-1])], sample, counts
-        t0 = time.perf_counter()
-        files = writer(shard_ids, _fetched(pieces), sample)
-        write_s = time.perf_counter() - t0
+        try:
+            if writer is None:
+                last = pieces[-1]
+                last = as_array(last) if isinstance(last, BYTES_LIKE) else BlockRefs.put(last)
+                return shard_ids, [*pieces[:-1], last], sample, counts
+            t0 = time.perf_counter()
+            files = writer(shard_ids, _fetched(pieces), sample)
+            write_s = time.perf_counter() - t0
+        finally:
+            self.stats.release()  # the host tier's statistics, once read
         return shard_ids, [], None, {**counts, WRITTEN: files, "write_s": write_s}
 
 
@@ -370,7 +401,8 @@ WRITTEN = "written_group"
 
 def _fetched(pieces: list[Any]) -> Iterator[Any]:
     """The statistics pieces as bytes, each spilled one fetched from the object store when it
-    is written and let go of after (consumes ``pieces``)."""
+    is written and let go of after (consumes ``pieces``); a file made a block at a time
+    (:class:`BlockRefs`, the host tier's) passed as it is, its blocks read as it is written."""
     while pieces:
         piece = pieces.pop(0)
         yield ray.get(piece) if isinstance(piece, ray.ObjectRef) else piece

@@ -63,11 +63,13 @@ import numpy as np
 
 from ..core.samples import ActivationSample
 from ..core.statistics import EmbeddingStatistics
+from ..core.statistics_io import BYTES_LIKE
 from ..counts import Counts
 from ..errors import IntegrityError, OutputError
 from ..inputs.corpus import ShardPlan
 from ..integrity import Digest, FileRef, digests_from_json, digests_json, seal, unseal
 from ..io_utils import (
+    atomic_write_blocks,
     atomic_write_bytes,
     atomic_write_json,
     exists,
@@ -401,7 +403,7 @@ class CheckpointStore:
     def save_group(
         self,
         shard_ids: Iterable[str],
-        stats_pieces: bytes | Iterable[bytes | np.ndarray],
+        stats_pieces: bytes | Iterable[Any],
         sample_bytes: bytes | np.ndarray | None,
         counts: Counts,
     ) -> CheckpointGroup:
@@ -414,24 +416,32 @@ class CheckpointStore:
     def write_group_files(
         self,
         shard_ids: Iterable[str],
-        stats_pieces: bytes | Iterable[bytes | np.ndarray],
+        stats_pieces: bytes | Iterable[Any],
         sample_bytes: bytes | np.ndarray | None,
     ) -> GroupFiles:
-        """A group's statistics pieces and sample, each written atomically with its digest,
+        """A group's statistics pieces (bytes, or files made a block at a time:
+        :data:`~embgeom_ray.core.statistics_io.BYTES_LIKE`) and sample, each written atomically
+        with its digest,
         but not its JSON: the shards are not done until :meth:`commit_group` (in the job's own
         process, the one that decides what is done). An extractor writing its own flush
         (:data:`~embgeom_ray.sizing.checkpoints.EXTRACTORS`) calls this, the driver the
         commit."""
         ids = tuple(sorted(shard_ids))
         group_id = group_id_for(ids)
-        single = isinstance(stats_pieces, (bytes, bytearray, memoryview, np.ndarray))
+        single = isinstance(stats_pieces, BYTES_LIKE) or hasattr(stats_pieces, "size")
         pieces = [stats_pieces] if single else stats_pieces
         parts = 0
         digests: dict[str, Digest] = {}
         for data in pieces:
             name = piece_name(group_id, parts)
-            atomic_write_bytes(self._path(GROUPS, name), data)
-            digests[name] = Digest.of(data)
+            if isinstance(data, BYTES_LIKE):
+                atomic_write_bytes(self._path(GROUPS, name), data)
+                digests[name] = Digest.of(data)
+            else:  # a file made a block at a time (``size``; iterating gives its blocks)
+                made: list[Digest] = []
+                blocks = Digest.of_stream(data.size, data, made)
+                atomic_write_blocks(self._path(GROUPS, name), blocks, data.size)
+                digests[name] = made[0]
             parts += 1
             del data  # before the next piece is fetched
         if parts == 0:

@@ -35,6 +35,7 @@ from .formulas import (
     shape_batch_bytes_per_token,
     shape_reducer_budget,
     statistics_for,
+    tier_bytes,
     types_bound,
 )  # fmt: skip
 from .nodes import (
@@ -288,11 +289,12 @@ def host_tier_for(
     shape: Shape, types: int, b: int, memory: int, gpus: int, sigma: int
 ) -> int | None:
     """The host tier an extractor of ``memory`` bytes holds beside the rest it needs with the
-    statistics budget ``sigma`` (:func:`extractor_bytes`): half of what is left (the tier and
-    its serialised copy), no more than the whole statistics S(V) + F; None where that is not
-    more than σ (a tier one spill fills would only copy every spill)."""
+    statistics budget ``sigma`` (:func:`extractor_bytes`): what is left less one block of its
+    file (:func:`tier_bytes`: it is written a block at a time), no more than the whole
+    statistics S(V) + F; None where that is not more than σ (a tier one spill fills would only
+    copy every spill)."""
     left = memory - extractor_bytes(shape, types, b, sigma, gpus)
-    tier = min(left // 2, shape.statistics_bytes(types))
+    tier = min(left - tier_bytes(0), shape.statistics_bytes(types))
     return tier if tier > sigma else None
 
 
@@ -468,22 +470,24 @@ def size_extractors(
         host = host_tier_for(shape, types, b, memory, gpus, on_device)
         if host is None and options.worker_memory is None:  # no room for a tier: not asked
             memory = min(memory, extractor_bytes(shape, types, b, on_device, gpus))
-    statistics = explicit_s or statistics_for(shape, types, b, memory - 2 * (host or 0), gpus)
+    statistics = explicit_s or statistics_for(shape, types, b, memory - tier_bytes(host), gpus)
     unbounded = explicit_s is None and on_device is None and memory >= whole
     if unbounded or statistics >= shape.statistics_bytes(types):
         statistics = None  # the whole statistics fit: no bound needed
-    if explicit_h is not None and statistics is not None and explicit_h <= statistics:
+    # on GPUs, σ is at most what they hold (each extractor decides it on its device)
+    spilled = None if statistics is None else min(statistics, on_device or statistics)
+    if explicit_h is not None and spilled is not None and explicit_h <= spilled:
         raise ConfigError(
             f"--host-statistics-memory {explicit_h:,} bytes does not exceed the extractors' "
-            f"statistics budget σ = {statistics:,} bytes: the host tier merges spills of σ "
+            f"statistics budget σ = {spilled:,} bytes: the host tier merges spills of σ "
             "bytes; give it more than σ, or leave it out"
         )
     if statistics is None and explicit_h is None:
         host = None  # nothing spills: no tier
     if host is not None and explicit_h is None:
-        reason += f"; the spills merged on the host into a tier of {gib(host)} (half of the rest)"
+        reason += f"; the spills merged on the host into a tier of {gib(host)} (what is left)"
     if host is not None:
-        formula += " + 2 · H (the host tier and its serialised copy)"
+        formula += f" + H + {gib(tier_bytes(0))} (the host tier, written a block at a time)"
     return Pool(
         count, cpus, float(gpus), memory, statistics, batch, formula, reason, batch_reason,
         head_reserve=driver, host_statistics=host,

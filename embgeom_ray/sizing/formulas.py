@@ -39,6 +39,7 @@ from typing import Any
 
 from ..core.sample_layers import SampleLayers, header_entries
 from ..core.statistics import state_bytes
+from ..core.statistics_io import STREAM_BLOCK_BYTES
 from ..errors import ConfigError
 
 KiB, MiB, GiB = 2**10, 2**20, 2**30
@@ -408,12 +409,18 @@ def extractor_bytes(
     """An extractor's memory (host, private): :func:`extractor_own_bytes` + 2 · (σ + g), σ its
     statistics budget (None: the whole S(V) + F) and one serialised copy of them; on a GPU the
     statistics are in device memory and the host holds their serialised copy alone: + (σ + g).
-    With a host tier of H bytes (``host``, ``--host-statistics-memory``): + 2 · H, the merged
-    statistics and one serialised copy of them."""
+    With a host tier of H bytes (``host``, ``--host-statistics-memory``): + :func:`tier_bytes`."""
     held = shape.statistics_bytes(types) if statistics is None else statistics
     growth = 0 if statistics is None else batch_growth_bytes(shape, types, batch_tokens)
-    tier = 0 if host is None else 2 * host
-    return extractor_own_bytes(shape, batch_tokens, gpus) + copies(gpus) * (held + growth) + tier
+    own = extractor_own_bytes(shape, batch_tokens, gpus)
+    return own + copies(gpus) * (held + growth) + tier_bytes(host)
+
+
+def tier_bytes(host: int | None) -> int:
+    """A host tier's memory: H + b, the merged statistics and one block of their file, which
+    is written (or put in the object store) a block at a time
+    (:data:`~embgeom_ray.core.statistics_io.STREAM_BLOCK_BYTES`, b); 0 without a tier."""
+    return 0 if host is None else host + STREAM_BLOCK_BYTES
 
 
 def copies(gpus: int) -> int:

@@ -77,8 +77,8 @@ def describe_plan(
         *(
             [f"  host tier: H = {gib(pool.host_statistics)}: each spill past σ merged into it, "
              "type by type, so a flush writes a type once per H, not once per spill "
-             "(--host-statistics-memory; + 2 · H of the memory each: the tier and its "
-             "serialised copy)"]
+             "(--host-statistics-memory; + H and a block of 64 MiB of the memory each: the "
+             "tier is written a block at a time)"]
             if pool.host_statistics is not None and pool.statistics is not None
             else []
         ),

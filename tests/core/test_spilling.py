@@ -296,3 +296,75 @@ def test_a_host_tier_takes_per_device_parts_as_their_combination():
     assert tiered.merges >= 5 and tiered.spills == 0
     (piece,) = tiered.take()
     assert_same_state(EmbeddingStatistics.from_bytes(piece), one, rtol=1e-11, comoment_rtol=1e-11)
+
+
+@pytest.mark.parametrize("block_bytes", [1, 100, 2_000, 64 << 20])
+def test_a_host_tiers_file_is_made_a_block_at_a_time_byte_for_byte(block_bytes):
+    """The host tier is never serialised whole: its file is made a block at a time
+    (StreamedStatistics), and the blocks are the bytes of one serialisation, whatever the
+    block (rows of a layer's types in id order, whole layers, the per-layer state); its
+    statistics are cleared only once the file is read (release), and fold on after."""
+    from embgeom_ray.core.spilling import HostTier
+    from embgeom_ray.core.statistics_io import StreamedStatistics
+
+    tiered = SpillingStatistics(new(), state_bytes(len(LAYERS), D, 40, 16),
+                                host=HostTier(state_bytes(len(LAYERS), D, 3000, 16)))  # fmt: skip
+    for h, ids in zipf_batches(12, 3000, 1e5):
+        tiered.update(h, ids)
+    pieces = tiered.take_streamed()
+    (last,) = pieces
+    assert isinstance(last, StreamedStatistics)
+    merged = tiered.host.merged
+    whole = bytes(merged.to_bytes())
+    last.block_bytes = block_bytes
+    blocks = [bytes(b) for b in last]
+    assert b"".join(blocks) == whole and last.size == len(whole)
+    assert max(len(b) for b in blocks[1:]) <= max(block_bytes, D * 8)  # a row of d float64s
+    assert merged.num_types > 0  # not cleared before it is read
+    tiered.release()
+    assert merged.num_types == 0
+    for h, ids in zipf_batches(2, 3000, seed=9):
+        tiered.update(h, ids)
+    (again,) = tiered.take()
+    assert EmbeddingStatistics.from_bytes(again).token_count() == 2 * 64
+
+
+def test_writing_a_host_tier_holds_one_block_not_a_copy(tmp_path):
+    """Writing the tier's statistics to a file a block at a time raises the process's peak
+    memory by about one block; serialising them whole first, by their size (in a fresh
+    process each, its peak resident memory read from the kernel after resetting it)."""
+    import subprocess
+    import sys
+
+    script = """
+import sys, torch
+from embgeom_ray.core.statistics import EmbeddingStatistics
+from embgeom_ray.core.statistics_io import StreamedStatistics
+from embgeom_ray.io_utils import atomic_write_blocks, atomic_write_bytes
+stats = EmbeddingStatistics([0, 1, 2, 3], 256, max_positions=4, initial_types=1)
+g = torch.Generator().manual_seed(0)
+for lo in range(0, 24000, 4000):
+    ids = torch.arange(lo, lo + 4000).reshape(1000, 4)
+    stats.update(torch.randn(4, 1000, 4, 256, generator=g), ids)
+size = stats.held_bytes()
+def status(key):
+    line = next(l for l in open("/proc/self/status") if l.startswith(key))
+    return int(line.split()[1]) * 1024
+open("/proc/self/clear_refs", "w").write("5")  # the peak (VmHWM) reset to what is resident
+before = status("VmRSS:")
+if sys.argv[1] == "stream":
+    piece = StreamedStatistics(stats, 4 << 20)
+    atomic_write_blocks(sys.argv[2], piece, piece.size)
+else:
+    atomic_write_bytes(sys.argv[2], stats.to_bytes())
+print(size, status("VmHWM:") - before)
+"""
+    grew = {}
+    for mode in ("stream", "whole"):
+        out = subprocess.run([sys.executable, "-c", script, mode, str(tmp_path / mode)],
+                             capture_output=True, text=True, check=True)  # fmt: skip
+        size, grew[mode] = (int(x) for x in out.stdout.split())
+    assert (tmp_path / "stream").read_bytes() == (tmp_path / "whole").read_bytes()
+    assert size > 300 << 20  # 24,000 types of 4 layers of d = 256
+    assert grew["whole"] > 0.9 * size
+    assert grew["stream"] < 16 << 20

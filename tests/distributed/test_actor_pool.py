@@ -246,3 +246,30 @@ def test_under_a_ceiling_an_extractor_flushes_before_a_shard_would_pass_it(ray_l
     assert not any(g.last for g in groups[:-1])
     groups, _ = run(None)
     assert len(groups) == 1 and groups[0].last and groups[0].age_s >= 12 * 0.3
+
+
+def test_a_host_tiers_piece_goes_through_the_object_store_a_block_at_a_time(ray_local, tmp_path):
+    """Where the driver writes the groups, a host tier's statistics travel a block at a time:
+    each block put in Ray's object store (BlockRefs), fetched one at a time as the group is
+    written, into the file their bytes whole would have made."""
+    import torch
+
+    from embgeom_ray.core.statistics import EmbeddingStatistics
+    from embgeom_ray.core.statistics_io import StreamedStatistics
+    from embgeom_ray.counts import Counts
+    from embgeom_ray.distributed.actor_pool import BlockRefs, GroupResult
+    from embgeom_ray.inputs.corpus import ShardPlan
+    from embgeom_ray.runs.checkpoints import CheckpointStore
+
+    stats = EmbeddingStatistics([0, 1], 16, max_positions=4)
+    g = torch.Generator().manual_seed(3)
+    stats.update(torch.randn(2, 8, 4, 16, generator=g) + 1e4, torch.randint(0, 300, (8, 4), generator=g))
+    piece = BlockRefs.put(StreamedStatistics(stats, 1000))
+    assert len(piece.refs) > 5 and piece.size == len(stats.to_bytes())
+    shards = [Shard("s0", "c.jsonl", "jsonl", 0, 1, 0)]
+    store = CheckpointStore(str(tmp_path / "run"))
+    store.start("fp", {}, ShardPlan(shards, "fp", 1, ["c.jsonl"]), overwrite=False)
+    group = GroupResult(["s0"], [piece], None, Counts(documents=1))
+    saved = store.save_group(group.shard_ids, group.pieces(), group.sample, group.counts)
+    written = tmp_path / "run" / "groups" / f"{saved.group_id}.safetensors"
+    assert written.read_bytes() == bytes(stats.to_bytes())

@@ -190,6 +190,37 @@ def test_a_group_of_spilled_pieces_reduces_like_one(tmp_path):
     assert len(removed) == 4 and not list((tmp_path / "out" / "groups").iterdir())
 
 
+def test_a_piece_made_a_block_at_a_time_is_written_as_the_same_file(tmp_path):
+    """A host tier's statistics are written a block at a time (StreamedStatistics, or their
+    blocks in Ray's object store): the group's file and its digest are those of the same
+    statistics given as bytes, and it reads back verified; blocks that come short of the
+    piece's size leave no file."""
+    from embgeom_ray.core.statistics_io import StreamedStatistics
+
+    stats = fold([0, 1])
+    whole, streamed = started(tmp_path / "a", 5), started(tmp_path / "b", 5)
+    g_whole = whole.save_group(ids(0, 1), [bytes(stats.to_bytes())], None, counts(20))
+    g_streamed = streamed.save_group(ids(0, 1), [StreamedStatistics(stats, 100)], None, counts(20))
+    assert g_streamed.digests == g_whole.digests
+    name = g_whole.file_names()[0]
+    a = (tmp_path / "a" / "out" / "groups" / name).read_bytes()
+    assert (tmp_path / "b" / "out" / "groups" / name).read_bytes() == a
+    (loaded,) = streamed.groups_covering(ids(0, 1))
+    merged, _, _ = reduce_groups(streamed, [loaded], EmbeddingStatistics(LAYERS, DIM), False)
+    assert merged.token_count() == stats.token_count()
+
+    class Short:  # a piece whose blocks come short of its size
+        size = len(a)
+
+        def __iter__(self):
+            yield a[:100]
+
+    with pytest.raises(ValueError, match="a stream of 2,784 bytes gave 100"):
+        streamed.save_group(ids(2), [Short()], None, counts(10))
+    left = sorted(p.name for p in (tmp_path / "b" / "out" / "groups").iterdir())
+    assert left == sorted([name, g_whole.group_id + ".json"])  # nothing of the short piece
+
+
 def test_a_corrupt_group_is_found_and_discarded_with_the_reducer_checkpoints_that_read_it(tmp_path):
     """Each group's JSON records its files' digests; a group with one flipped byte fails the
     reduce (nothing of it merged) and is discarded: its shards are no longer done, and the

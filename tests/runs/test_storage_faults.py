@@ -278,7 +278,8 @@ def test_a_job_stalled_mid_run_resumes_and_equals_the_reference(
 
 def test_a_large_object_goes_up_in_parts_and_a_failed_part_leaves_nothing(proxy, monkeypatch):
     """Past two parts an S3 object is uploaded in parts a few at a time (io_utils.S3_PART_BYTES;
-    here parts of 5 MiB, S3's least): it reads back whole, from bytes or from a uint8 array (Ray's); a part
+    here parts of 5 MiB, S3's least): it reads back whole, from bytes, from a uint8 array (Ray's)
+    or given a block at a time (io_utils.atomic_write_blocks); a part
     the store refuses past the retries stops the write with the run's one line, and the upload
     is aborted, so no object stands under the name."""
     import numpy as np
@@ -290,9 +291,16 @@ def test_a_large_object_goes_up_in_parts_and_a_failed_part_leaves_nothing(proxy,
     monkeypatch.setattr(s3fs.S3FileSystem, "retries", 1)
     data = np.random.default_rng(13).integers(0, 256, (12 << 20) + 123, dtype=np.uint8)
     fs = s3fs.S3FileSystem()
-    for name, body in (("array", data), ("bytes", data.tobytes())):
+    # from bytes, from a uint8 array (Ray's), and given a block at a time (a host tier's
+    # statistics: blocks of 3 MiB, cut into parts as they come)
+    blocks = [data[i : i + (3 << 20)] for i in range(0, len(data), 3 << 20)]
+    for name, body in (("array", data), ("bytes", data.tobytes()), ("blocks", blocks)):
         seen = len(proxy.seen)
-        io_utils.atomic_write_bytes(f"s3://{BUCKET}/parts/{name}.bin", body)
+        url = f"s3://{BUCKET}/parts/{name}.bin"
+        if name == "blocks":
+            io_utils.atomic_write_blocks(url, iter(body), data.nbytes)
+        else:
+            io_utils.atomic_write_bytes(url, body)
         assert fs.cat(f"{BUCKET}/parts/{name}.bin") == data.tobytes()
         parts = [r for r in proxy.seen[seen:] if b"partNumber=" in r and r.startswith(b"PUT")]
         assert len(parts) == 3, parts  # two whole parts and the rest
@@ -303,3 +311,10 @@ def test_a_large_object_goes_up_in_parts_and_a_failed_part_leaves_nothing(proxy,
     assert "\n" not in str(info.value) and proxy.endpoint in str(info.value)
     fs.invalidate_cache()
     assert not fs.exists(f"{BUCKET}/parts/refused.bin")
+    proxy.fault("refuse", at=rb"PUT /faults/parts/refused-blocks\.bin\?partNumber=2")
+    with pytest.raises(StorageError), resumable(f"s3://{BUCKET}/parts"):
+        io_utils.atomic_write_blocks(f"s3://{BUCKET}/parts/refused-blocks.bin", iter(blocks),
+                                     data.nbytes)  # fmt: skip
+    proxy.heal()
+    fs.invalidate_cache()
+    assert not fs.exists(f"{BUCKET}/parts/refused-blocks.bin")

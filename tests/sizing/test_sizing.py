@@ -202,8 +202,9 @@ def test_extractors_take_what_their_statistics_need_or_a_share_of_the_node():
 
 
 def test_gpus_per_worker_from_the_weights_and_ray_accelerator_type():
+    # a node's share, 80 GiB an extractor, leaves no room for a host tier beside σ's copy
     h100 = Cluster((Node("h", 64 * GiB, cpus=8, head=True),
-                    Node("g", 1024 * GiB, cpus=64, gpus=8, gpu_type="H100")))  # fmt: skip
+                    Node("g", 640 * GiB, cpus=64, gpus=8, gpu_type="H100")))  # fmt: skip
     pool = size_extractors(LLAMA_8B, V_SEEN, h100, options(), 64, driver=0)
     assert (pool.num_workers, pool.num_gpus) == (8, 1)  # 16 GB ≤ half of 80 GB
     assert pool.batch_tokens is None  # decided on each GPU
@@ -277,10 +278,11 @@ def test_before_the_corpus_is_read_only_what_cannot_fit_whatever_the_types_is_re
 
 def test_gpu_extractors_merge_their_spills_on_the_host_where_the_nodes_leave_room():
     """Statistics that spill on the GPUs are merged on the host (``--host-statistics-memory``)
-    in what a node's share leaves beside the copy of σ: half of it (the tier and its
-    serialised copy), up to the whole statistics. A share too small for a tier larger than σ
+    in what a node's share leaves beside the copy of σ, less one block of the tier's file (it is
+    written a block at a time), up to the whole statistics. A share too small for a tier larger than σ
     gets none and asks only for what it needs; an explicit tier is asked for on top, and one
     no larger than σ is refused."""
+    from embgeom_ray.core.statistics_io import STREAM_BLOCK_BYTES
     from embgeom_ray.sizing.decisions import host_tier_for
     from embgeom_ray.sizing.formulas import extractor_bytes
 
@@ -288,20 +290,25 @@ def test_gpu_extractors_merge_their_spills_on_the_host_where_the_nodes_leave_roo
         return Cluster((Node("h", 64 * GiB, cpus=8, head=True),
                         Node("g", node_memory, cpus=64, gpus=8, gpu_type="H100")))  # fmt: skip
 
-    roomy = size_extractors(LLAMA_8B, V_SEEN, h100(2048 * GiB), options(), 64, driver=0)
-    assert roomy.memory == 256 * GiB  # the node's share: an eighth of 2 TiB
+    roomy = size_extractors(LLAMA_8B, V_SEEN, h100(1536 * GiB), options(), 64, driver=0)
+    assert roomy.memory == 192 * GiB  # the node's share: an eighth of 1.5 TiB
     sigma = int(0.8 * (80 * 10**9 - 16 * 10**9 - 8192 * ((33 * 4096 + 3 * 14_336 + 32 * 128) * 2
                                                           + 64 * 4096)))  # fmt: skip
     need = extractor_bytes(LLAMA_8B, V_SEEN, 8192, sigma, 1)  # without a tier
-    assert roomy.host_statistics == (256 * GiB - need) // 2 > sigma
-    assert roomy.host_statistics == host_tier_for(LLAMA_8B, V_SEEN, 8192, 256 * GiB, 1, sigma)
+    assert roomy.host_statistics == 192 * GiB - need - STREAM_BLOCK_BYTES > 2 * sigma
+    assert roomy.host_statistics == host_tier_for(LLAMA_8B, V_SEEN, 8192, 192 * GiB, 1, sigma)
     assert "merged on the host into a tier of" in roomy.reason
-    # the whole statistics fit the tier where the node holds them twice over: no more asked
-    huge = size_extractors(LLAMA_8B, V_SEEN, h100(8192 * GiB), options(), 64, driver=0)
+    # the whole statistics fit the tier where the node holds them: no more asked
     whole = LLAMA_8B.statistics_bytes(V_SEEN)
-    assert huge.host_statistics == whole and huge.memory == need + 2 * whole
-    # 1 TiB: an eighth leaves less than 2σ beside the rest: no tier, nothing more asked
-    tight = size_extractors(LLAMA_8B, V_SEEN, h100(1024 * GiB), options(), 64, driver=0)
+    for node in (2048 * GiB, 8192 * GiB):
+        huge = size_extractors(LLAMA_8B, V_SEEN, h100(node), options(), 64, driver=0)
+        assert huge.host_statistics == whole
+        assert huge.memory == need + whole + STREAM_BLOCK_BYTES
+    # 1 TiB: an eighth leaves ~52 GiB beside the rest, more than σ: a tier
+    one = size_extractors(LLAMA_8B, V_SEEN, h100(1024 * GiB), options(), 64, driver=0)
+    assert one.host_statistics == 128 * GiB - need - STREAM_BLOCK_BYTES > sigma
+    # 768 GiB: an eighth leaves less than σ beside the rest: no tier, nothing more asked
+    tight = size_extractors(LLAMA_8B, V_SEEN, h100(768 * GiB), options(), 64, driver=0)
     assert tight.host_statistics is None and tight.memory == need
     # explicit: asked on top of what the extractor needs, and refused at or below σ
     given = size_extractors(LLAMA_8B, V_SEEN, h100(2048 * GiB),
@@ -310,12 +317,12 @@ def test_gpu_extractors_merge_their_spills_on_the_host_where_the_nodes_leave_roo
     assert given.host_statistics == 60 * GiB and given.memory == 200 * GiB
     with pytest.raises(ConfigError, match=r"--worker-memory .* cannot hold"):
         size_extractors(LLAMA_8B, V_SEEN, h100(2048 * GiB),
-                        options(host_statistics_memory=60 * GiB, worker_memory=100 * GiB),
+                        options(host_statistics_memory=60 * GiB, worker_memory=70 * GiB),
                         64, driver=0)  # fmt: skip
     small = Shape(layers=3, dim=128, positions=128, vocab=128_256, hidden_states=3,
                   intermediate=448, heads=2, weight_bytes=70 * MiB, sample_entries=8192)  # fmt: skip
     tight_cpu = Cluster((Node("h", 3 * GiB, cpus=8, head=True),))
     with pytest.raises(ConfigError, match="does not exceed the extractors' statistics budget"):
         size_extractors(small, 128_256, tight_cpu,
-                        options(device="cpu", worker_memory=GiB, host_statistics_memory="1MiB"),
+                        options(device="cpu", worker_memory="1280MiB", host_statistics_memory="1MiB"),
                         4, driver=GiB)  # fmt: skip
