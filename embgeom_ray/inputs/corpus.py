@@ -84,10 +84,19 @@ COMPRESSION_EXTENSIONS: dict[str, str] = {
     ".zst": "zstd",
 }
 
-MIN_AUTO_SHARD_BYTES = (
-    1 << 20
-)  # per-shard statistics cost ~types x layers x d x 16 B: keep shards large
-MAX_AUTO_SHARD_BYTES = 256 * 1024 * 1024
+#: the default shard's bytes of text lie within these, a 16th of the corpus between them
+#: (:func:`auto_shard_bytes`). An extractor folds many shards into one running state, so a
+#: shard costs no statistics of its own; what its size sets is time: flushes come between
+#: shards, so a shard is the least work a failure can cost an extractor, and the last shards
+#: of a run are the tail its other extractors wait through. 16 MiB is ≈ 4.2 M tokens: ≈ 200 s
+#: of an 8B model's extractor on an H100, ≈ 2,000 s of a 70B's (within the checkpoint
+#: interval's 1 h ceiling; docs/sizing.md), minutes of MiniLM's on a CPU
+MIN_AUTO_SHARD_BYTES = 1 << 20
+MAX_AUTO_SHARD_BYTES = 16 << 20
+#: past this many shards the default shard grows instead: the shard plan is held and saved
+#: whole by the job's own process (a few hundred bytes a shard), so a corpus of any size
+#: keeps its plan within tens of MiB
+MAX_AUTO_SHARDS = 65_536
 #: Lines inspected at plan time to decide that a JSON Lines file holds no JSON object at all.
 JSONL_HEAD_LINES = 64
 
@@ -286,8 +295,11 @@ def document_id(relpath: str, offset: int) -> int:
 
 
 def auto_shard_bytes(total_bytes: int) -> int:
-    """Default shard size: ``clamp(total_bytes // 16, 1 MiB, 256 MiB)``."""
-    return max(MIN_AUTO_SHARD_BYTES, min(MAX_AUTO_SHARD_BYTES, total_bytes // 16))
+    """Default shard size: ``clamp(total_bytes // 16, 1 MiB, 16 MiB)``, or more where that
+    would cut the corpus into more than :data:`MAX_AUTO_SHARDS` shards
+    (⌈total_bytes / MAX_AUTO_SHARDS⌉: 16 MiB up to a corpus of 1 TiB)."""
+    size = max(MIN_AUTO_SHARD_BYTES, min(MAX_AUTO_SHARD_BYTES, total_bytes // 16))
+    return max(size, -(-total_bytes // MAX_AUTO_SHARDS))
 
 
 # --------------------------------------------------------------------------------------------

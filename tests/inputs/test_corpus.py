@@ -654,7 +654,9 @@ def test_auto_shard_size() -> None:
     assert auto_shard_bytes(0) == 1024 * 1024
     assert auto_shard_bytes(16 * 1024 * 1024) == 1024 * 1024
     assert auto_shard_bytes(64 * 1024 * 1024) == 4 * 1024 * 1024
-    assert auto_shard_bytes(10**13) == 256 * 1024 * 1024
+    assert auto_shard_bytes(40 << 30) == 16 * 1024 * 1024  # 2,560 shards
+    assert auto_shard_bytes(1 << 40) == 16 * 1024 * 1024  # 65,536 shards
+    assert auto_shard_bytes(10**13) == -(-(10**13) // 65_536)  # no more shards than that
 
 
 def test_auto_shard_size_used_when_none(tmp_path: Path) -> None:
