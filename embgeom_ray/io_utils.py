@@ -9,11 +9,12 @@ atomically, so they are written directly (S3's large objects in parts a few at a
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import tempfile
-from collections.abc import Iterable
-from typing import Any
+from collections.abc import Callable, Iterable
+from typing import Any, BinaryIO
 
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
@@ -81,24 +82,30 @@ def local_path(url: str) -> str:
     return url[len("file://") :] if url.startswith("file://") else url
 
 
+def _write_local(url: str, write: Callable[[BinaryIO], None]) -> None:
+    """``write(f)`` into a temporary file beside the local ``url``, synced, then moved into
+    place: readers see the old file or the whole new one, and a failed write leaves neither."""
+    path = local_path(url)
+    directory = os.path.dirname(os.path.abspath(path))
+    os.makedirs(directory, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=directory)
+    try:
+        os.chmod(tmp, 0o666 & ~_UMASK)  # mkstemp creates 0600; give the usual permissions
+        with os.fdopen(fd, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
 def atomic_write_bytes(url: str, data: bytes) -> None:
     """Write ``data`` to ``url`` so that readers see the old file or the whole new one."""
     if is_local(url):
-        path = local_path(url)
-        directory = os.path.dirname(os.path.abspath(path))
-        os.makedirs(directory, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=directory)
-        try:
-            os.chmod(tmp, 0o666 & ~_UMASK)  # mkstemp creates 0600; give the usual permissions
-            with os.fdopen(fd, "wb") as f:
-                f.write(data)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
-        except BaseException:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
-            raise
+        _write_local(url, lambda f: f.write(data))
     elif _protocol(url) in ("s3", "s3a"):  # no "directory" made first: buckets are not made
         _put_s3(url, data)  # by the job
     else:  # one PUT (multipart past the filesystem's block)
@@ -111,26 +118,14 @@ def atomic_write_blocks(url: str, blocks: Iterable[Any], size: int) -> None:
     objects, each written as it comes and not kept): a file made a block at a time is written
     without a copy of it whole. Raises ValueError, writing nothing, where they do not add up to
     ``size``."""
+
+    def write(f: BinaryIO) -> None:
+        written = sum(f.write(block) for block in blocks)
+        if written != size:
+            raise ValueError(f"{url}: {size:,} bytes to write, {written:,} given")
+
     if is_local(url):
-        path = local_path(url)
-        directory = os.path.dirname(os.path.abspath(path))
-        os.makedirs(directory, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=directory)
-        try:
-            os.chmod(tmp, 0o666 & ~_UMASK)
-            written = 0
-            with os.fdopen(fd, "wb") as f:
-                for data in blocks:
-                    written += f.write(data)
-                if written != size:
-                    raise ValueError(f"{url}: {size:,} bytes to write, {written:,} given")
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
-        except BaseException:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
-            raise
+        _write_local(url, write)
     elif _protocol(url) in ("s3", "s3a") and size >= 2 * S3_PART_BYTES:
         fs, path = fsspec.core.url_to_fs(url)
         fs.pipe_file(
@@ -138,12 +133,9 @@ def atomic_write_blocks(url: str, blocks: Iterable[Any], size: int) -> None:
             max_concurrency=S3_PARTS_AT_ONCE,
         )  # fmt: skip
     else:  # small enough for one request: gathered
-        data = bytearray()
-        for block in blocks:
-            data += memoryview(block).cast("B")
-        if len(data) != size:
-            raise ValueError(f"{url}: {size:,} bytes to write, {len(data):,} given")
-        atomic_write_bytes(url, data)
+        data = io.BytesIO()
+        write(data)
+        atomic_write_bytes(url, data.getbuffer())
 
 
 #: an S3 object of more than 2 parts is uploaded in parts of this many bytes, at most
