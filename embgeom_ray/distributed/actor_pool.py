@@ -216,7 +216,7 @@ class BlockRefs:
     @classmethod
     def put(cls, piece: Any) -> BlockRefs:
         """Each block of ``piece`` (a file made a block at a time) put in the object store."""
-        return cls(int(piece.size), [ray.put(np.array(block)) for block in piece])
+        return cls(int(piece.size), [ray.put(block) for block in piece])  # each copied in
 
     def __iter__(self) -> Iterator[np.ndarray]:
         for ref in self.refs:

@@ -273,3 +273,63 @@ def test_a_host_tiers_piece_goes_through_the_object_store_a_block_at_a_time(ray_
     saved = store.save_group(group.shard_ids, group.pieces(), group.sample, group.counts)
     written = tmp_path / "run" / "groups" / f"{saved.group_id}.safetensors"
     assert written.read_bytes() == bytes(stats.to_bytes())
+
+
+def test_an_extractor_with_a_host_tier_flushes_the_same_group_either_way(ray_local, tmp_path):
+    """The extractor's own flush (the actor's body, in this process) with a host tier: where
+    it writes the group itself and where it hands the pieces to the job's own process (the
+    tier's statistics then go through the object store a block at a time), the group's files
+    are the same bytes, those of the statistics the tier held; and after either flush the tier
+    is empty and folds on."""
+    import functools
+
+    import numpy as np
+
+    from embgeom_ray.config import build_config
+    from embgeom_ray.core.statistics import EmbeddingStatistics
+    from embgeom_ray.counts import Counts
+    from embgeom_ray.distributed import actor_pool
+    from embgeom_ray.distributed.actor_pool import GroupResult, ShardExtract
+    from embgeom_ray.inputs.corpus import CorpusSpec, plan_shards
+    from embgeom_ray.runs.checkpoints import CheckpointStore, GroupFiles, write_group
+    from tests.conftest import write_jsonl
+    from tests.tiny_models import make_tiny_bert
+
+    model = make_tiny_bert(tmp_path / "bert")
+    words = ["cat", "dog", "sat", "mat", "the", "ran", "blue", "sky", "tree", "sun", "on", "a"]
+    rng = np.random.default_rng(4)
+    texts = [" ".join(rng.choice(words, size=12)) + f" w{i}" for i in range(200)]
+    corpus = write_jsonl(tmp_path / "c.jsonl", texts)
+    plan = plan_shards(CorpusSpec(corpus), 2048)
+    assert len(plan.shards) >= 3
+    files = {}
+    for writer in ("extractor", "driver"):
+        cfg = build_config(None, {"model": model, "corpus": corpus, "out": str(tmp_path / writer),
+                                  "statistics_memory": "64KiB", "host_statistics_memory": "64MiB",
+                                  "max_length": 16})  # fmt: skip
+        actor = ShardExtract(cfg.extraction.model_dump(), [0, 2], {}, 1)
+        assert actor.processor.host_budget == 64 << 20
+        store = CheckpointStore(str(tmp_path / writer))
+        store.start("fp", {}, plan, overwrite=False)
+        for shard in plan.shards[:2]:
+            actor.process(actor_pool.dataclasses.asdict(shard))
+        assert actor.stats.merges >= 2  # the spills went to the tier
+        actor.stats.host.absorb(actor.stats.current)  # what the flush's take does first
+        actor.stats.current.clear()
+        held = bytes(actor.stats.host.merged.to_bytes())
+        if writer == "extractor":
+            ids, _, _, counts = actor.flush(functools.partial(write_group, str(tmp_path / writer)))
+            written = GroupFiles.from_json(counts.pop(actor_pool.WRITTEN))
+            group = store.commit_group(written, Counts())
+        else:
+            ids, pieces, sample, counts = actor.flush()
+            assert isinstance(pieces[-1], actor_pool.BlockRefs)
+            result = GroupResult(ids, pieces, sample, Counts())
+            group = store.save_group(ids, result.pieces(), result.sample, Counts())
+        files[writer] = (tmp_path / writer / "groups" / f"{group.group_id}.safetensors").read_bytes()
+        assert files[writer] == held
+        assert actor.stats.host.merged.num_types == 0  # released after the write
+        actor.process(actor_pool.dataclasses.asdict(plan.shards[2]))
+        assert actor.stats.nbytes() > 0
+    assert files["extractor"] == files["driver"]
+    assert EmbeddingStatistics.from_bytes(files["driver"]).token_count() > 0
