@@ -324,7 +324,13 @@ class ShardExtract:
             # merged into the host tier first, which spills its own pieces there as it fills,
             # a block at a time
             host = self.processor.host_budget
-            put = lambda data: ray.put(as_array(data))  # noqa: E731
+
+            def put(data: Any) -> Any:
+                """A spill in the object store, then what the heap keeps of it handed back."""
+                ref = ray.put(as_array(data))
+                release_freed_memory()
+                return ref
+
             self.stats = SpillingStatistics(
                 self.processor.new_statistics(),
                 self.processor.statistics_budget,

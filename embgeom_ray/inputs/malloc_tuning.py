@@ -19,10 +19,12 @@ and, once freed, stay there for the next batch. Larger blocks (the statistics' a
 flush's serialised copy) are still mapped and unmapped, so the memory a process keeps beyond
 what it uses is bounded by the trim threshold. :func:`embgeom_ray.sizing.cpu_batch_tokens`
 keeps a batch's tensors within the mmap threshold. :func:`release_freed_memory` hands the
-heap's free memory back when asked: an extractor does after each flush, where its spills' and
-flush's serialisations (pieces of a small statistics budget are within the threshold too) had
-left up to the trim threshold and more kept (a flush every shard on a 128k vocabulary with a
-24 MiB budget: 1,194–1,260 MiB peak private against 910 MiB asked; 866–933 MiB with it).
+heap's free memory back when asked: an extractor does after each flush and after each spill,
+where its spills' and flush's serialisations (pieces of a small statistics budget are within
+the threshold too) had left up to the trim threshold and more kept (a flush every shard on a
+128k vocabulary with a 24 MiB budget, ``bench.host_tier``'s spills: 1,194–1,260 MiB peak
+private against 910 MiB asked; 866–935 MiB trimmed after each flush; 732–752 MiB after each
+spill too).
 """
 
 from __future__ import annotations
