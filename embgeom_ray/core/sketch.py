@@ -191,11 +191,6 @@ def safetensors_blocks(
         return
     buf = np.empty(largest, dtype=np.uint8)
     for name, dtype, blocks in plans:
-        if not specs[name][1]:  # a 0-d array
-            out = torch.frombuffer(buf, dtype=dtype, count=1).view(())
-            fill_rows(name, None, 0, 1, out)
-            yield buf[: out.element_size()]
-            continue
         for lead, lo, hi, shape in blocks:
             count = int(np.prod(shape, dtype=np.int64))
             out = torch.frombuffer(buf, dtype=dtype, count=count).view(shape)

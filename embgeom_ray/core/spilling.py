@@ -198,9 +198,7 @@ class SpillingStatistics:
         a spill does (:meth:`SpilledPieces.take`). With a host tier, the accumulator is merged
         into it first, and the pieces are the tier's (:meth:`HostTier.take`)."""
         if self.host is not None:
-            self.host.absorb(self.current)
-            self.current.clear()
-            return self.host.take()
+            return self._merged_into_host().take()
         return self.pieces.take(self.current)
 
     def take_streamed(self) -> list[Any]:
@@ -209,9 +207,14 @@ class SpillingStatistics:
         which the caller reads and then :meth:`release`s. Without a tier, :meth:`take`."""
         if self.host is None:
             return self.take()
+        return self._merged_into_host().take_streamed()
+
+    def _merged_into_host(self) -> HostTier:
+        """The host tier, the accumulator merged into it and cleared."""
+        assert self.host is not None
         self.host.absorb(self.current)
         self.current.clear()
-        return self.host.take_streamed()
+        return self.host
 
     def release(self) -> None:
         """After :meth:`take_streamed`'s pieces are read: clear the host tier (no-op without)."""
