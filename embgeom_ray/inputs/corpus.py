@@ -15,7 +15,8 @@ A corpus is named by one string (:class:`CorpusSpec.source`):
   ``datasets.load_dataset(NAME, CONFIG, split=split)``.
 
 :func:`plan_shards` cuts the corpus into shards that depend only on the corpus and the shard
-size, never on the number of workers, so shard ids are stable and a resumed run can skip the
+size (by default from the corpus's size and the model's work a token), never on the number of
+workers, so shard ids are stable and a resumed run can skip the
 shards it has finished. Line files are cut at byte offsets like Hadoop input splits: a shard owns
 every line whose first byte lies in ``[start, stop)``, so every line is read exactly once
 whatever the shard size. Parquet files are cut between row groups, datasets between rows.
@@ -61,9 +62,12 @@ __all__ = [
     "Shard",
     "ShardPlan",
     "auto_shard_bytes",
+    "auto_shard_cap",
     "document_id",
     "plan_shards",
     "read_shard",
+    "shard_rule",
+    "token_work",
 ]
 
 #: File extension -> shard kind.
@@ -89,10 +93,17 @@ COMPRESSION_EXTENSIONS: dict[str, str] = {
 #: shard costs no statistics of its own; what its size sets is time: flushes come between
 #: shards, so a shard is the least work a failure can cost an extractor, and the last shards
 #: of a run are the tail its other extractors wait through. 16 MiB is ≈ 4.2 M tokens: ≈ 200 s
-#: of an 8B model's extractor on an H100, ≈ 2,000 s of a 70B's (within the checkpoint
-#: interval's 1 h ceiling; docs/sizing.md), minutes of MiniLM's on a CPU
+#: of an 8B model's extractor on an H100 (docs/sizing.md), minutes of MiniLM's on a CPU; a
+#: model of more work a token gets the same ≈ 200 s in fewer bytes (:func:`auto_shard_cap`)
 MIN_AUTO_SHARD_BYTES = 1 << 20
 MAX_AUTO_SHARD_BYTES = 16 << 20
+#: a model's work a token, as the default shard counts it: its blocks · d² (a block's weights
+#: and the fold of its hidden state both grow as d²); this is Llama 3 8B's (32 blocks,
+#: d = 4,096), whose extractor takes ≈ 200 s for 16 MiB. A model of W times this gets default
+#: shards of at most 16 MiB / W, so that its shard too is ≈ 200 s of its extractor, well within
+#: the checkpoint interval's ceiling of 1 h (Llama 3 70B: 80 blocks at d = 8,192, W = 10,
+#: 1.6 MiB instead of ≈ 2,000 s)
+REFERENCE_TOKEN_WORK = 32 * 4096**2
 #: past this many shards the default shard grows instead: the shard plan is held and saved
 #: whole by the job's own process (a few hundred bytes a shard), so a corpus of any size
 #: keeps its plan within tens of MiB
@@ -294,12 +305,39 @@ def document_id(relpath: str, offset: int) -> int:
     return _doc_id(_id_prefix(relpath), offset)
 
 
-def auto_shard_bytes(total_bytes: int) -> int:
-    """Default shard size: ``clamp(total_bytes // 16, 1 MiB, 16 MiB)``, or more where that
-    would cut the corpus into more than :data:`MAX_AUTO_SHARDS` shards
-    (⌈total_bytes / MAX_AUTO_SHARDS⌉: 16 MiB up to a corpus of 1 TiB)."""
-    size = max(MIN_AUTO_SHARD_BYTES, min(MAX_AUTO_SHARD_BYTES, total_bytes // 16))
+def token_work(blocks: int, dim: int) -> int:
+    """A model's work a token as the default shard counts it: blocks · d²."""
+    return int(blocks) * int(dim) ** 2
+
+
+def auto_shard_cap(work: int = 0) -> int:
+    """The largest default shard for a model of ``work`` a token (:func:`token_work`; 0: not
+    known): 16 MiB, or 16 MiB · :data:`REFERENCE_TOKEN_WORK` / ``work`` for a model of more
+    work a token than Llama 3 8B, at least 1 MiB."""
+    if work <= REFERENCE_TOKEN_WORK:
+        return MAX_AUTO_SHARD_BYTES
+    return max(MIN_AUTO_SHARD_BYTES, MAX_AUTO_SHARD_BYTES * REFERENCE_TOKEN_WORK // int(work))
+
+
+def auto_shard_bytes(total_bytes: int, work: int = 0) -> int:
+    """Default shard size: ``clamp(total_bytes // 16, 1 MiB, auto_shard_cap(work))`` (the cap:
+    16 MiB, less for a model of more work a token than an 8B), or more where that would cut
+    the corpus into more than :data:`MAX_AUTO_SHARDS` shards (⌈total_bytes /
+    MAX_AUTO_SHARDS⌉)."""
+    size = max(MIN_AUTO_SHARD_BYTES, min(auto_shard_cap(work), total_bytes // 16))
     return max(size, -(-total_bytes // MAX_AUTO_SHARDS))
+
+
+def shard_rule(work: int = 0) -> str:
+    """How :func:`auto_shard_bytes` sized the shards, for the plan."""
+    cap = auto_shard_cap(work)
+    rule = f"a 16th of the corpus within [1 MiB, {cap / 2**20:.3g} MiB]"
+    if cap < MAX_AUTO_SHARD_BYTES:
+        rule += (
+            f": 16 MiB ÷ {work / REFERENCE_TOKEN_WORK:.3g}, the model's work a token "
+            "(blocks · d²) against an 8B's, whose 16 MiB take ≈ 200 s of an H100 extractor"
+        )
+    return rule + f"; more past {MAX_AUTO_SHARDS:,} shards"
 
 
 # --------------------------------------------------------------------------------------------
@@ -316,10 +354,11 @@ class _File:
     compression: str | None
 
 
-def plan_shards(spec: CorpusSpec, shard_bytes: int | None = None) -> ShardPlan:
+def plan_shards(spec: CorpusSpec, shard_bytes: int | None = None, work: int = 0) -> ShardPlan:
     """Cut the corpus of ``spec`` into shards of about ``shard_bytes`` each.
 
-    ``shard_bytes=None`` picks :func:`auto_shard_bytes` of the corpus size. Line files are cut
+    ``shard_bytes=None`` picks :func:`auto_shard_bytes` of the corpus size and the model's
+    ``work`` a token (:func:`token_work`; 0: not known). Line files are cut
     at byte offsets (compressed ones are one shard each), Parquet files between row groups
     (about ``shard_bytes`` of compressed text-column data per shard, from the footers only), and
     datasets between rows (about ``shard_bytes`` of text per shard, at least one row).
@@ -337,13 +376,13 @@ def plan_shards(spec: CorpusSpec, shard_bytes: int | None = None) -> ShardPlan:
     if not spec.text_column:
         raise CorpusError("the text column name is empty")
     if _is_hub_dataset(spec.source):
-        return _plan_dataset(spec, _hub_path(spec.source), shard_bytes)
+        return _plan_dataset(spec, _hub_path(spec.source), shard_bytes, work)
     check_input(spec.source, "corpus")  # an object store answers, within seconds; the bucket exists
     with user_errors(spec.source, "corpus"):
-        return _plan_files(spec, shard_bytes)
+        return _plan_files(spec, shard_bytes, work)
 
 
-def _plan_files(spec: CorpusSpec, shard_bytes: int | None) -> ShardPlan:
+def _plan_files(spec: CorpusSpec, shard_bytes: int | None, work: int) -> ShardPlan:
     """:func:`plan_shards` of files (or a saved dataset directory), local or remote."""
     fs, root = _url_to_fs(spec.source)
     try:
@@ -355,13 +394,13 @@ def _plan_files(spec: CorpusSpec, shard_bytes: int | None) -> ShardPlan:
             raise error from None
         raise CorpusError(f"cannot list corpus {spec.source!r}: {type(e).__name__}: {e}") from e
     if saved is not None:
-        return _plan_dataset(spec, saved, shard_bytes)
+        return _plan_dataset(spec, saved, shard_bytes, work)
     total = sum(f.size for f in files)
     if total == 0:
         raise CorpusError(
             f"corpus {spec.source!r} has no data: its {_plural(len(files), 'file')} are all empty"
         )
-    size = shard_bytes if shard_bytes is not None else auto_shard_bytes(total)
+    size = shard_bytes if shard_bytes is not None else auto_shard_bytes(total, work)
     width = max(5, len(str(len(files) - 1)))
 
     def file_shards(index: int) -> list[Shard]:
@@ -411,14 +450,16 @@ def _file_shards(f: _File, index: int, width: int, column: str, size: int) -> li
     ]
 
 
-def _plan_dataset(spec: CorpusSpec, path: str, shard_bytes: int | None) -> ShardPlan:
+def _plan_dataset(
+    spec: CorpusSpec, path: str, shard_bytes: int | None, work: int = 0
+) -> ShardPlan:
     ds, key, identity = _load_dataset(path, spec.split)
     column = _check_dataset_column(ds, path, spec)
     rows = len(ds)
     if rows == 0:
         raise CorpusError(f"dataset {_dataset_name(path, spec.split)} has no rows")
     total = _dataset_text_bytes(ds, column)
-    size = shard_bytes if shard_bytes is not None else auto_shard_bytes(total)
+    size = shard_bytes if shard_bytes is not None else auto_shard_bytes(total, work)
     rows_per_shard = max(1, size * rows // max(1, total))
     shards = [
         Shard(_shard_id(0, 5, "r", a), path, "hf", a, min(a + rows_per_shard, rows), 0)

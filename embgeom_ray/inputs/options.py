@@ -119,7 +119,8 @@ class ExtractionOptions(SampleOptions, WorkerOptions):
     shard_bytes: int | None = Field(
         None,
         ge=1024,
-        description="bytes of corpus text per shard [default: derived from the corpus size]",
+        description="bytes of corpus text per shard [default: a 16th of the corpus within 1 MiB "
+        "and 16 MiB, less for models of more work a token than an 8B]",
         json_schema_extra=RESULT,
     )
     dedup: bool = Field(

@@ -49,7 +49,15 @@ from ..counts import Counts, unk_warning
 from ..distributed.process_memory import sampler
 from ..distributed.warm_workers import warm_task_workers
 from ..errors import ConfigError, CorpusError, IntegrityError, OutputError
-from ..inputs.corpus import CorpusSpec, Shard, ShardPlan, plain_text_bytes, plan_shards
+from ..inputs.corpus import (
+    CorpusSpec,
+    Shard,
+    ShardPlan,
+    plain_text_bytes,
+    plan_shards,
+    shard_rule,
+    token_work,
+)
 from ..inputs.dedup import HASH, NORMALISATION, DedupPlan, plan_dedup
 from ..inputs.model_loading import (
     ModelIdentity,
@@ -389,6 +397,10 @@ class RunSpec:
             self.plan.total_bytes,
             len(self.plan.shards),
             tuple(plain_text_bytes(s) for s in self.plan.shards),
+            self.plan.shard_bytes,
+            "--shard-bytes"
+            if self.config.shard_bytes is not None
+            else shard_rule(token_work(self.identity.num_layers, self.identity.hidden_size)),
         )
 
     @property
@@ -430,7 +442,10 @@ def prepare(config: JobConfig) -> RunSpec:
     sample = sum(sample_entries(config.sample_size, config.sample_type_size))
     # the corpus before the weights: building the model's empty copy imports its modeling code
     # (seconds), so a mistyped corpus is refused without waiting for it
-    plan = plan_shards(CorpusSpec(config.corpus, config.text_column, config.split), config.shard_bytes)
+    plan = plan_shards(
+        CorpusSpec(config.corpus, config.text_column, config.split), config.shard_bytes,
+        token_work(identity.num_layers, identity.hidden_size),
+    )  # fmt: skip
     shape = run_shape(
         model_config, layers=len(layers), positions=config.max_length, vocab=len(tokenizer),
         clip=len(clip_dims or []), sample_entries=sample, dtype=config.dtype, name=config.model,

@@ -61,7 +61,7 @@ from pydantic import ValidationError
 
 from ..config import RESULT_OPTIONS, JobConfig, format_validation_error, load_yaml
 from ..errors import ConfigError, IntegrityError, ModelError, OutputError, UserError
-from ..inputs.corpus import CorpusSpec, plan_shards
+from ..inputs.corpus import CorpusSpec, auto_shard_cap, plan_shards, token_work
 from ..inputs.model_loading import resolve_identity
 from ..integrity import SEAL_KEY, seal
 from ..io_utils import exists, is_local, join, local_path, read_bytes
@@ -332,16 +332,18 @@ def _short_rev(revision: str) -> str:
 
 
 class _CorpusFingerprints:
-    """Corpus fingerprints, planned once per (source, text column, split, shard size)."""
+    """Corpus fingerprints, planned once per (source, text column, split, shard size or the
+    default's cap for the model's work a token)."""
 
     def __init__(self) -> None:
         self._cache: dict[tuple[Any, ...], str] = {}
 
-    def __call__(self, config: JobConfig) -> str:
-        k = (config.corpus, config.text_column, config.split, config.shard_bytes)
+    def __call__(self, config: JobConfig, work: int = 0) -> str:
+        size = config.shard_bytes if config.shard_bytes is not None else -auto_shard_cap(work)
+        k = (config.corpus, config.text_column, config.split, size)
         if k not in self._cache:
             spec = CorpusSpec(config.corpus, config.text_column, config.split)
-            self._cache[k] = plan_shards(spec, config.shard_bytes).fingerprint
+            self._cache[k] = plan_shards(spec, config.shard_bytes, work).fingerprint
         return self._cache[k]
 
 
@@ -362,7 +364,7 @@ def plan_entry(
     base: dict[str, Any],
     corpus: str,
     store: str,
-    corpus_fingerprint: Callable[[JobConfig], str],
+    corpus_fingerprint: Callable[[JobConfig, int], str],
 ) -> PlannedRun:
     """Resolve one entry: options, exact revision, tokenizer, corpus, run key and directory."""
     draft = entry_config(entry, base, corpus, store, None)  # options checked before any I/O
@@ -381,7 +383,7 @@ def plan_entry(
     # an absolute directory, so that a job submitted elsewhere (another cwd) finds it
     model = os.path.abspath(entry.model) if revision is None else entry.model
     config = draft.model_copy(update={"revision": revision, "model": model})
-    corpus_fp = corpus_fingerprint(config)
+    corpus_fp = corpus_fingerprint(config, token_work(identity.num_layers, identity.hidden_size))
     key = run_key(
         identity.model_fingerprint,
         identity.tokenizer_fingerprint,

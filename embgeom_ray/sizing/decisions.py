@@ -698,7 +698,7 @@ def size_job(
         shape, cluster, types, types_reason, pool, reduce, driver,
         driver_formula(not reduce.partitioned, shape),
     )  # fmt: skip
-    sizing.extras["io"] = io_sizes(sizing, corpus)
+    sizing.extras["io"] = io_sizes(sizing)
     return sizing
 
 
@@ -709,9 +709,10 @@ def size_reduce(shape: Shape, types: int, cluster: Cluster, options: Any) -> Red
     return size_reducers(shape, types, cluster, options, driver_reserve(shape, types))
 
 
-def io_sizes(sizing: Sizing, corpus: CorpusShape) -> dict[str, Any]:
-    """Bytes that move and are stored: a flush's pieces, the checkpoint groups on disk (at
-    most one group per shard, each at most the statistics of that shard's types), the
+def io_sizes(sizing: Sizing) -> dict[str, Any]:
+    """Bytes that move and are stored: a flush's pieces, what the checkpoint groups on disk
+    grow by each round of flushes (every extractor's, a piece and the sample each; the groups
+    are kept until the run completes, so their total grows with the run's length), the
     artefact and the tables."""
     shape, types, pool = sizing.shape, sizing.types, sizing.pool
     whole = shape.statistics_bytes(types)
@@ -722,10 +723,6 @@ def io_sizes(sizing: Sizing, corpus: CorpusShape) -> dict[str, Any]:
         if tier is None
         else tier,
     )
-    per_shard = [
-        shape.statistics_bytes(types if b is None else min(types, b + 1)) + shape.sample_bytes
-        for b in (corpus.shard_text_bytes or (None,) * corpus.shards)
-    ]
     tables = {
         "type_stats": shape.layers * types * TYPE_ROW_DISK_BYTES,
         "dims": shape.layers * shape.dim * TYPE_ROW_DISK_BYTES,
@@ -740,7 +737,8 @@ def io_sizes(sizing: Sizing, corpus: CorpusShape) -> dict[str, Any]:
         if tier is None
         else "a piece ≤ H, the host tier's (spilled when full, or last); a flush: its pieces of "
         "one interval",
-        "checkpoint_bytes_bound": sum(per_shard),
+        # a round of full flushes, one a piece: what the groups on disk grow by each interval
+        "checkpoint_bytes_per_round": pool.num_workers * (piece + shape.sample_bytes),
         # unbounded, a flush is one piece; under σ, as many pieces as the interval spilled
         "checkpoint_bytes_per_interval": None
         if pool.statistics is not None

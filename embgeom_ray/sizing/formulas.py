@@ -268,6 +268,9 @@ class CorpusShape:
     #: each shard's bytes of plain text (None: compressed, Parquet or a dataset, where the
     #: bytes do not bound the text)
     shard_text_bytes: tuple[int | None, ...] = ()
+    #: the shards' size (the plan's ``shard_bytes``; 0: not known) and how it was chosen
+    shard_bytes: int = 0
+    shard_rule: str = ""
 
     @property
     def text_bytes(self) -> int | None:

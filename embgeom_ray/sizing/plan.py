@@ -27,6 +27,11 @@ from .formulas import (
 from .nodes import Cluster
 
 
+def _shard_size(n: int) -> str:
+    """A shard's bytes: MiB to three figures (the default's cap is rarely a round number)."""
+    return f"{n / 2**20:.3g} MiB" if n >= 2**20 else gib(n)
+
+
 def describe_plan(
     sizing: Sizing,
     corpus: CorpusShape,
@@ -43,7 +48,7 @@ def describe_plan(
     extractors' nodes are to see the run's local path for that,
     :func:`~embgeom_ray.sizing.checkpoints.needs_check`)."""
     shape, types, pool, red = sizing.shape, sizing.types, sizing.pool, sizing.reduce
-    io = sizing.extras.get("io") or io_sizes(sizing, corpus)
+    io = sizing.extras.get("io") or io_sizes(sizing)
     d, L, P = shape.dim, shape.layers, shape.positions
     gpus = f"{pool.num_gpus:g} GPU(s) + " if pool.num_gpus else ""
     batch = (
@@ -66,7 +71,9 @@ def describe_plan(
         f"measured: L = {L} of {total_layers} layers, P = {P} positions, sample s = "
         f"{shape.sample_entries:,} entries" + (f", {shape.clip} clipped dims" if shape.clip else ""),
         f"corpus: {corpus.source}: {corpus.files:,} file(s), {gib(corpus.bytes)}, "
-        f"{corpus.shards:,} shards",
+        f"{corpus.shards:,} shards"
+        + (f" of {_shard_size(corpus.shard_bytes)}" if corpus.shard_bytes else "")
+        + (f" ({corpus.shard_rule})" if corpus.shard_rule else ""),
         f"cluster: {sizing.cluster.describe()}",
         f"types: {sizing.types_reason}",
         "",
@@ -137,8 +144,8 @@ def describe_plan(
             if pool.host_statistics is None
             else "each group a piece of ≤ H each time the host tier fills, and the sample Q"
         )
-        + f"), ≤ {gib(io['checkpoint_bytes_bound'])} in all (a group a shard at most); removed "
-        "when the run completes",
+        + f"); they grow by ≤ {gib(io['checkpoint_bytes_per_round'])} a round of one-piece "
+        "flushes (N · B) and are removed when the run completes",
         f"artefact: statistics S(V) + F + sample Q = {gib(io['artefact_bytes'])}",
         "tables (before compression): "
         + ", ".join(f"{k} {gib(v)}" for k, v in io["tables_bytes"].items()),

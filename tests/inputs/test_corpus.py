@@ -32,9 +32,12 @@ from embgeom_ray.inputs.corpus import (
     Shard,
     ShardPlan,
     auto_shard_bytes,
+    auto_shard_cap,
     document_id,
     plan_shards,
     read_shard,
+    shard_rule,
+    token_work,
 )
 from embgeom_ray.inputs.demo_corpus import main as demo_main
 from embgeom_ray.inputs.demo_corpus import python_docs_documents
@@ -657,6 +660,30 @@ def test_auto_shard_size() -> None:
     assert auto_shard_bytes(40 << 30) == 16 * 1024 * 1024  # 2,560 shards
     assert auto_shard_bytes(1 << 40) == 16 * 1024 * 1024  # 65,536 shards
     assert auto_shard_bytes(10**13) == -(-(10**13) // 65_536)  # no more shards than that
+
+
+def test_auto_shard_size_follows_the_models_work_a_token() -> None:
+    """Models of more work a token (blocks · d²) than Llama 3 8B get smaller default shards,
+    in proportion, never under 1 MiB; MiniLM and the 8B keep 16 MiB."""
+    minilm, llama8b, llama70b = token_work(6, 384), token_work(32, 4096), token_work(80, 8192)
+    assert auto_shard_cap(minilm) == auto_shard_cap(llama8b) == auto_shard_cap(0) == 16 << 20
+    assert auto_shard_cap(llama70b) == (16 << 20) // 10  # 70B: 10× the 8B's work a token
+    assert auto_shard_bytes(40 << 30, llama70b) == (16 << 20) // 10  # 25,600 shards
+    assert auto_shard_bytes(8 << 20, llama70b) == 1 << 20  # the 16th of the corpus, ≥ 1 MiB
+    assert auto_shard_cap(token_work(126, 16384)) == 1 << 20  # 405B: 63×, at the 1 MiB floor
+    assert auto_shard_bytes(1 << 40, llama70b) == -(-(1 << 40) // 65_536)  # the plan's bound
+    assert "16 MiB ÷ 10" in shard_rule(llama70b) and "÷" not in shard_rule(llama8b)
+
+
+def test_the_default_shards_of_a_larger_model_are_smaller(tmp_path: Path) -> None:
+    (tmp_path / "a.txt").write_text("x y z\n" * 6_000_000)  # 36 MB
+    work = token_work(80, 8192)  # Llama 3 70B: 10× an 8B's work a token, shards ≤ 1.6 MiB
+    small, large = (plan_shards(CorpusSpec(str(tmp_path)), None, w) for w in (0, work))
+    assert small.shard_bytes == 36_000_000 // 16 and len(small.shards) == 16
+    assert large.shard_bytes == (16 << 20) // 10 and len(large.shards) == 22
+    assert small.fingerprint != large.fingerprint  # another plan: a resume refuses the other
+    given = [plan_shards(CorpusSpec(str(tmp_path)), 1 << 20, w) for w in (0, work)]
+    assert given[0] == given[1]  # --shard-bytes given: the model does not matter
 
 
 def test_auto_shard_size_used_when_none(tmp_path: Path) -> None:

@@ -98,6 +98,9 @@ def test_llama_plans_follow_the_policy(h100_cluster, tmp_path, capsys, size, lay
     printed = capsys.readouterr().out
     assert not (tmp_path / "run").exists()
     assert f"V_seen ≤ V = {128_256:,}" in printed  # the corpus (40 GiB) bounds nothing
+    # default shards: 16 MiB for the 8B, a tenth for the 70B's 10× the work a token
+    shards = {"8b": "2,560 shards of 16 MiB", "70b": "25,601 shards of 1.6 MiB"}[size]
+    assert f"{shards} (a 16th of the corpus within [1 MiB, {shards.split(' of ')[1]}]" in printed
     from embgeom_ray.runs.pipeline import analyze
 
     planned = analyze(build_config(None, {"model": model, "corpus": corpus, "out": "o",
