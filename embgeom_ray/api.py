@@ -36,6 +36,7 @@ import numpy as np
 import pandas as pd
 
 from .errors import ConfigError
+from .progress import routed
 from .run_dir import Manifest, RunDir, RunDirError, format_summary
 from .storage import as_user_error, require_filesystems
 
@@ -66,6 +67,13 @@ def _user_errors() -> Iterator[None]:
 
 def _quiet(_line: str) -> None:
     """An ``echo`` that prints nothing."""
+
+
+def _progress(echo: Echo | None) -> contextlib.AbstractContextManager[None]:
+    """Where the job's progress goes: the commands' bars and lines on stderr where ``echo`` is
+    ``print``; else those lines to ``echo`` (None: nowhere) and no bars, Ray's own lines
+    included (:func:`~embgeom_ray.progress.routed`)."""
+    return contextlib.nullcontext() if echo is print else routed(echo)
 
 
 class LayerSample(NamedTuple):
@@ -294,15 +302,17 @@ def analyze(
     of options, which the arguments override. The same validation and the same behaviour:
     a private local Ray unless ``address``, ``RAY_ADDRESS`` or a submitted job names a
     cluster; a finished run with the same inputs is reused; an interrupted one is resumed.
-    ``echo``: where the job's progress lines go (None: nowhere). For ``--plan``, see
-    :func:`plan`.
+    ``echo``: where the job's lines go: ``print`` (the default) prints them as the command
+    does, its progress bars and notices on stderr; any other callable gets every line, the
+    notices included, and no bar is drawn; None: nowhere, Ray's own lines and its workers'
+    output included. For ``--plan``, see :func:`plan`.
     """
     values = {"model": model, "corpus": corpus, "out": out}
     if options.get("plan"):
         raise ConfigError("plan=True runs nothing: call embgeom_ray.plan(...) for the plan")
     from .runs.pipeline import analyze as run_analysis
 
-    with _user_errors():
+    with _user_errors(), _progress(echo):
         job = _config(config, values | options)
         require_filesystems(job.corpus, job.out)
         run_analysis(job, echo=echo or _quiet)
@@ -325,7 +335,7 @@ def plan(
     from .runs.pipeline import analyze as run_analysis
 
     values = {"model": model, "corpus": corpus, "out": out}
-    with _user_errors():
+    with _user_errors(), _progress(echo):
         job = _config(config, values | options | {"plan": True})
         return run_analysis(job, echo=echo or _quiet)
 
@@ -359,7 +369,7 @@ def merge(
         )
     if options.get("plan"):
         raise ConfigError("plan=True merges nothing: use `embgeom merge --plan`")
-    with _user_errors():
+    with _user_errors(), _progress(echo):
         merge_runs([str(r) for r in runs], str(out), tokenizer=tokenizer,
                    echo=echo or _quiet, **options)  # fmt: skip
     return Run(out)
@@ -380,7 +390,7 @@ def compare(
     if top < 1:
         raise CompareError(f"top must be at least 1, got {top}")
     urls = [r.url if isinstance(r, Run) else str(r) for r in runs]
-    with _user_errors():
+    with _user_errors(), _progress(echo):
         compare_runs(urls, str(out), labels=labels, top=top, echo=echo or _quiet)
     return Comparison(out)
 

@@ -39,7 +39,6 @@ import re
 import select
 import signal
 import socket
-import sys
 import threading
 import time
 from collections.abc import Iterator, Mapping
@@ -48,6 +47,7 @@ from types import FrameType
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
+from .. import progress
 from ..errors import ConfigError
 from ..storage import unreachable
 
@@ -454,12 +454,13 @@ def connect(
                 address="local",
                 runtime_env=runtime_env,
                 include_dashboard=False,
-                log_to_driver=True,
+                log_to_driver=not progress.is_routed(),
+                logging_level=logging.WARNING if progress.is_routed() else logging.INFO,
                 _system_config={"idle_worker_killing_time_threshold_ms": IDLE_WORKER_KEEP_MS},
             )
         global _private_gcs
         _private_gcs = ray.get_runtime_context().gcs_address
-        print(describe_cluster(choice, None), file=sys.stderr, flush=True)
+        progress.notice(describe_cluster(choice, None))
         return choice
 
     where = _where(choice)
@@ -475,14 +476,17 @@ def connect(
         guard.arm(join_timeout_s)
         check_credentials(target, where)
         try:
-            ray.init(address=target, runtime_env=runtime_env, log_to_driver=True)
+            ray.init(
+                address=target, runtime_env=runtime_env, log_to_driver=not progress.is_routed(),
+                logging_level=logging.WARNING if progress.is_routed() else logging.INFO,
+            )  # fmt: skip
         except ray.exceptions.AuthenticationError as exc:
             raise _credentials_refused(target, where, exc) from None
         except (ConnectionError, TimeoutError) as exc:
             raise ConfigError(
                 f"cannot join the Ray cluster at {target} ({where}): {exc}. {_auth_hint()}"
             ) from None
-    print(describe_cluster(choice, target), file=sys.stderr, flush=True)
+    progress.notice(describe_cluster(choice, target))
     return choice
 
 

@@ -48,7 +48,6 @@ from __future__ import annotations
 
 import json
 import math
-import sys
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
@@ -57,6 +56,7 @@ from typing import Any
 import numpy as np
 import ray
 
+from .. import progress
 from ..core.options import TableOptions
 from ..core.partials import TypePartials
 from ..core.rogue import OutlierRules, position_columns
@@ -428,11 +428,9 @@ class PartitionedStatistics:
         if result is not None:  # None: restored after a loss (recorded by _restore)
             self.restored[r], self.read[r] = result["restored"], result["read"]
             if result.get("dropped"):
-                print(
+                progress.notice(
                     f"reducer {r}: its checkpoint was not used ({result['dropped']}); it reads "
-                    "the groups again",
-                    file=sys.stderr,
-                    flush=True,
+                    "the groups again"
                 )
 
     @property

@@ -7,13 +7,12 @@ engine-free in :mod:`embgeom_ray.core.tables` (:func:`~embgeom_ray.core.tables.s
 
 from __future__ import annotations
 
-import sys
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pandas as pd
-from tqdm.auto import tqdm
 
+from .. import progress
 from ..core.options import SampledOptions
 from ..core.rogue import flagged_dims
 from ..core.tables import (
@@ -191,8 +190,7 @@ def _gather(row_refs: dict[int, Any], km_refs: dict[int, Any]) -> tuple[dict[int
 
     layer_of = {ref: layer for layer, ref in row_refs.items()}
     pending, rows, kmeans = list(row_refs.values()), {}, {}
-    with tqdm(total=len(pending), desc="sampled metrics", unit="layer", file=sys.stderr,
-              dynamic_ncols=True, mininterval=2.0) as bar:  # fmt: skip
+    with progress.bar(total=len(pending), desc="sampled metrics", unit="layer") as bar:
         while pending:
             done, pending = ray.wait(pending, num_returns=1)
             layer = layer_of[done[0]]

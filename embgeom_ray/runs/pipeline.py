@@ -32,7 +32,6 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
-import sys
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
@@ -40,6 +39,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 from tqdm.auto import tqdm
 
+from .. import progress
 from ..config import SCHEDULING_OPTIONS, JobConfig
 from ..core.options import sample_entries
 from ..core.rogue import OutlierRules, flagged_dims
@@ -149,15 +149,7 @@ def resolve_clip_dims(config: JobConfig, dim: int) -> list[int] | None:
 
 
 def _progress(total: int, tokens_done: int) -> tqdm:
-    return tqdm(
-        total=total,
-        desc="shards",
-        unit="shard",
-        file=sys.stderr,
-        dynamic_ncols=True,
-        mininterval=2.0,
-        postfix={"tokens": tokens_done},
-    )
+    return progress.bar(total=total, desc="shards", unit="shard", postfix={"tokens": tokens_done})
 
 
 def _extract(
@@ -219,9 +211,7 @@ def _extract(
         if news is not None:
             on_resized(news)
 
-    def on_resized(line: str) -> None:  # the pool grew or shrank: a line above the bar
-        with tqdm.external_write_mode(file=sys.stderr):
-            print(line, file=sys.stderr, flush=True)
+    on_resized = progress.notice  # the pool grew or shrank, the interval moved: above the bar
 
     def on_unseen(node: str, why: str) -> None:  # an extractor does not see the local run
         pacer.fall_back(decide_writers(config.out, [(node, why)])[1])

@@ -1,0 +1,58 @@
+"""Where a job's progress goes: bars and notices on stderr, or a caller's own sink.
+
+The commands print what they were asked for on stdout (their ``echo``) and their progress on
+stderr: tqdm bars of the shards and of the sampled stage, and *notices* between them (which
+Ray the job runs on, a change of the checkpoint interval, the pool growing or shrinking, a
+reducer's checkpoint not used). The Python API (:mod:`embgeom_ray.api`) routes the notices to
+its ``echo`` instead, and draws no bars, when ``echo`` is not ``print`` (:func:`routed`):
+``echo=None`` keeps a job silent, Ray's own lines and its workers' output included; a logger's
+method gets every line.
+
+The route is the process's (a module global, not a context variable): the job's threads (its
+reducers' and the sampled stage's) notice through it too.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+from tqdm.auto import tqdm
+
+#: the sinks :func:`routed` installed, innermost last (empty: stderr and bars)
+_routes: list[Callable[[str], None] | None] = []
+
+
+@contextmanager
+def routed(sink: Callable[[str], None] | None) -> Iterator[None]:
+    """Within: notices go to ``sink`` (None: nowhere), no bar is drawn, and a Ray this
+    process starts or joins logs nothing here."""
+    _routes.append(sink)
+    try:
+        yield
+    finally:
+        _routes.pop()
+
+
+def is_routed() -> bool:
+    """Whether a caller took the progress (:func:`routed`): no bars, no lines on stderr."""
+    return bool(_routes)
+
+
+def notice(line: str) -> None:
+    """One line of progress between the bars: to stderr above any bar, or to the route."""
+    if _routes:
+        sink = _routes[-1]
+        if sink is not None:
+            sink(line)
+        return
+    with tqdm.external_write_mode(file=sys.stderr):
+        print(line, file=sys.stderr, flush=True)
+
+
+def bar(**options: Any) -> tqdm:
+    """A progress bar on stderr (``tqdm(**options)``), redrawn at most every 2 s; disabled
+    where the progress is routed."""
+    return tqdm(file=sys.stderr, dynamic_ncols=True, mininterval=2.0, disable=is_routed(), **options)
