@@ -55,6 +55,7 @@ from ..inputs.options import ExtractionOptions
 from ..shared_out import unseen
 from ..sizing import Cluster, Extractor, Pool
 from ..sizing.checkpoints import Pacer
+from ..sizing.checkpoints import flush_due as checkpoint_flush_due
 from ..sizing.growth import (
     autoscaler_request,
     extractors_held,
@@ -699,9 +700,10 @@ class _Scheduler:
         if over:
             self.pool.budget_flushes += 1
         worker.budget_flush, worker.flush_age_s = over, age
-        if over or not self.queue or age >= self.interval(max(1, self.ready)):
-            return True
-        return self.ceiling is not None and age + self.folded_s / self.folded > self.ceiling
+        return checkpoint_flush_due(
+            age, self.interval(max(1, self.ready)), drained=not self.queue, over_budget=over,
+            ceiling=self.ceiling, shard_mean=self.folded_s / self.folded,
+        )  # fmt: skip
 
     def on_processed(self, worker: _Worker, result: dict[str, Any]) -> None:
         assert worker.current is not None

@@ -126,6 +126,26 @@ def interval_for(
     return min(max(need, floor), ceiling)
 
 
+def flush_due(
+    age: float,
+    interval: float,
+    *,
+    drained: bool = False,
+    over_budget: bool = False,
+    ceiling: float | None = None,
+    shard_mean: float | None = None,
+) -> bool:
+    """Whether an extractor flushes now, at the end of a shard (flushes come only there):
+    the queue is drained, its statistics hold their budget, or its oldest unflushed shard,
+    dispatched ``age`` seconds ago, is at least ``interval`` old; and, under a ``ceiling``
+    (the sized interval's), where one more shard of the mean length ``shard_mean`` would age
+    it past the ceiling. Without that last rule the oldest could age to the interval plus a
+    shard; with it, a shard of at least half the ceiling ends in a flush every time."""
+    if drained or over_budget or age >= interval:
+        return True
+    return ceiling is not None and shard_mean is not None and age + shard_mean > ceiling
+
+
 def write_share(
     flush_bytes: float, extractors: int, bandwidth: float, interval: float, writers: str = DRIVER
 ) -> float:

@@ -8,10 +8,12 @@ import pytest
 
 from embgeom_ray.sizing.checkpoints import (
     CEILING_S,
+    EXTRACTORS,
     FLOOR_S,
     IO_SHARE,
     Pacer,
     describe_plan,
+    flush_due,
     interval_for,
     write_share,
 )
@@ -29,6 +31,41 @@ def test_the_interval_keeps_writing_within_its_share():
     assert t == pytest.approx(160.0) and write_share(2 * GiB, 4, GiB, t) == pytest.approx(IO_SHARE)
     assert interval_for(1 << 20, 1, GiB) == FLOOR_S  # small flushes: the floor
     assert interval_for(GiB, 1, 0.0) == CEILING_S  # no bandwidth: the fewest checkpoints
+
+
+def extraction_writing(shard_s: float, write_s: float, interval: float, shards: int = 400) -> float:
+    """An extractor's shards of ``shard_s`` seconds each, flushed by :func:`flush_due` under
+    the sized interval's ceiling, each flush ``write_s`` seconds of writing: the seconds it
+    wrote over the seconds it folded, its last flush (the queue drained) left out."""
+    age, wrote = 0.0, 0.0
+    for _ in range(1, shards):
+        age += shard_s
+        if flush_due(age, interval, ceiling=CEILING_S, shard_mean=shard_s):
+            wrote, age = wrote + write_s, 0.0
+    return wrote / ((shards - 1) * shard_s)
+
+
+def test_shards_of_the_model_let_the_interval_set_the_flushes():
+    """docs/sizing.md's plans at 1 GiB/s a writer, each extractor writing its own flush of B
+    (a full tier and the sample): the 70B's flushes take 767 s and the rule's interval is the
+    1 h ceiling (21%); on shards of 16 MiB (≈ 2,000 s of its extractor) one more shard always
+    passes the ceiling, so every shard ends in a flush and writing takes ≈ 38% of the
+    extraction; on its default shards of 1.6 MiB (≈ 200 s) the flushes come within a shard of
+    the interval. The 8B (176 s a flush, T = 3,525 s) on its 16 MiB shards (≈ 200 s) keeps
+    to 5%."""
+    b70, b8 = 767.4 * GiB, 176.2 * GiB
+    t70, t8 = interval_for(b70, 8, GiB, writers=EXTRACTORS), interval_for(b8, 32, GiB, writers=EXTRACTORS)
+    assert t70 == CEILING_S and t8 == pytest.approx(3_525, abs=2)
+    stated70 = write_share(b70, 8, GiB, t70, writers=EXTRACTORS)
+    assert stated70 == pytest.approx(0.213, abs=1e-3)
+    assert extraction_writing(2_000, b70 / GiB, t70) == pytest.approx(0.384, abs=1e-3)
+    assert extraction_writing(200, b70 / GiB, t70) == pytest.approx(stated70, rel=0.01)
+    assert extraction_writing(200, b8 / GiB, t8) <= 0.05 + 1e-9
+    # a shard under half the ceiling and the interval: the interval alone sets the flushes
+    assert not flush_due(3_000, 3_600, ceiling=CEILING_S, shard_mean=500)
+    assert flush_due(3_000, 3_600, ceiling=CEILING_S, shard_mean=700)
+    assert not flush_due(3_000, 3_600, shard_mean=700)  # a given interval: no ceiling rule
+    assert flush_due(10, 3_600, drained=True) and flush_due(10, 3_600, over_budget=True)
 
 
 def test_the_pacer_measures_before_it_decides():
