@@ -126,10 +126,10 @@ def atomic_write_blocks(url: str, blocks: Iterable[Any], size: int) -> None:
 
     if is_local(url):
         _write_local(url, write)
-    elif _protocol(url) in ("s3", "s3a") and size >= 2 * S3_PART_BYTES:
+    elif _protocol(url) in ("s3", "s3a") and size >= 2 * s3_part_bytes(size):
         fs, path = fsspec.core.url_to_fs(url)
         fs.pipe_file(
-            path, _StreamedParts(blocks, size), chunksize=S3_PART_BYTES,
+            path, _StreamedParts(blocks, size), chunksize=s3_part_bytes(size),
             max_concurrency=S3_PARTS_AT_ONCE,
         )  # fmt: skip
     else:  # small enough for one request: gathered
@@ -138,15 +138,28 @@ def atomic_write_blocks(url: str, blocks: Iterable[Any], size: int) -> None:
         atomic_write_bytes(url, data.getbuffer())
 
 
-#: an S3 object of more than 2 parts is uploaded in parts of this many bytes, at most
+#: an S3 object of more than 2 parts is uploaded in parts of this many bytes (more for an
+#: object of more than :data:`S3_MAX_PARTS` of them: :func:`s3_part_bytes`), at most
 #: :data:`S3_PARTS_AT_ONCE` at a time (s3fs's ``pipe_file``): the write holds about
-#: ``S3_PART_BYTES × S3_PARTS_AT_ONCE × 2`` bytes beside the data. Through s3fs's buffered file
+#: ``part × S3_PARTS_AT_ONCE × 2`` bytes beside the data (400 MiB; 616 MiB for a 70B
+#: model's host tier of 747 GiB). Through s3fs's buffered file
 #: (``f.write(data)``) a write of 1.18 GB held 3.5 GB beside it, 3 copies of the data: the
 #: file's buffer, its parts, the requests' bodies (moto on loopback, peak resident memory);
 #: this way 0.44 GB. A part's bytes are copied out of the data as it is sent (botocore takes
 #: bytes, not views), whatever the data's type (bytes, or a uint8 array from Ray's store)
 S3_PART_BYTES = 50 * 2**20
 S3_PARTS_AT_ONCE = 4
+#: the most parts of one multipart upload (S3, and MinIO's and moto's S3 APIs alike: a part
+#: numbered past it is refused, and the upload fails where it gets there)
+S3_MAX_PARTS = 10_000
+
+
+def s3_part_bytes(size: int) -> int:
+    """The parts of an S3 upload of ``size`` bytes: :data:`S3_PART_BYTES`, or, for an object
+    that would take more than :data:`S3_MAX_PARTS` of those (past 488 GiB: a 70B model's host
+    tier of 747 GiB), the least whole number of MiB that keeps it within them (77 MiB)."""
+    least = -(-int(size) // S3_MAX_PARTS)
+    return max(S3_PART_BYTES, -(-least // 2**20) * 2**20)
 
 
 class _PartBytes:
@@ -198,12 +211,12 @@ def _put_s3(url: str, data: Any) -> None:
     :data:`S3_PART_BYTES` parts (visible whole once completed, aborted on failure)."""
     fs, path = fsspec.core.url_to_fs(url)
     size = memoryview(data).nbytes
-    if size < 2 * S3_PART_BYTES:  # s3fs puts it in one request
+    if size < 2 * s3_part_bytes(size):  # s3fs puts it in one request
         body = data if isinstance(data, (bytes, bytearray)) else memoryview(data).tobytes()
         fs.pipe_file(path, body)
         return
     fs.pipe_file(
-        path, _PartBytes(data), chunksize=S3_PART_BYTES, max_concurrency=S3_PARTS_AT_ONCE
+        path, _PartBytes(data), chunksize=s3_part_bytes(size), max_concurrency=S3_PARTS_AT_ONCE
     )
 
 

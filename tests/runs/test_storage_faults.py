@@ -276,6 +276,21 @@ def test_a_job_stalled_mid_run_resumes_and_equals_the_reference(
     assert np.isfinite(tables["layers"]["anisotropy"]).all()
 
 
+def test_an_object_of_more_than_s3s_parts_takes_larger_parts():
+    """S3 refuses a part numbered past 10,000: at 50 MiB a part, an object past 488 GiB (a 70B
+    model's host tier of 747 GiB, a flush's piece) would fail 10,000 parts into its upload."""
+    from embgeom_ray.io_utils import S3_MAX_PARTS, S3_PART_BYTES, s3_part_bytes
+
+    GiB, MiB = 2**30, 2**20
+    assert s3_part_bytes(13 * MiB) == s3_part_bytes(172 * GiB) == S3_PART_BYTES == 50 * MiB
+    assert s3_part_bytes(S3_MAX_PARTS * S3_PART_BYTES) == S3_PART_BYTES
+    assert s3_part_bytes(S3_MAX_PARTS * S3_PART_BYTES + 1) == 51 * MiB
+    for size in (489 * GiB, int(747.2 * GiB), 5 * 2**40):  # S3's largest object: 5 TiB
+        part = s3_part_bytes(size)
+        assert part % MiB == 0 and -(-size // part) <= S3_MAX_PARTS < -(-size // (part - MiB))
+    assert s3_part_bytes(int(747.2 * GiB)) == 77 * MiB
+
+
 def test_a_large_object_goes_up_in_parts_and_a_failed_part_leaves_nothing(proxy, monkeypatch):
     """Past two parts an S3 object is uploaded in parts a few at a time (io_utils.S3_PART_BYTES;
     here parts of 5 MiB, S3's least): it reads back whole, from bytes, from a uint8 array (Ray's)
@@ -304,6 +319,21 @@ def test_a_large_object_goes_up_in_parts_and_a_failed_part_leaves_nothing(proxy,
         assert fs.cat(f"{BUCKET}/parts/{name}.bin") == data.tobytes()
         parts = [r for r in proxy.seen[seen:] if b"partNumber=" in r and r.startswith(b"PUT")]
         assert len(parts) == 3, parts  # two whole parts and the rest
+    # S3 takes at most 10,000 parts an upload (moto too): a larger object takes larger parts,
+    # here under a limit of 3 (16 MiB in 3 parts of 6 MiB, whole MiB each, not 4 of 5 MiB)
+    monkeypatch.setattr(io_utils, "S3_MAX_PARTS", 3)
+    more = np.random.default_rng(14).integers(0, 256, (16 << 20) + 123, dtype=np.uint8)
+    for name, body in (("few-bytes", more), ("few-blocks", [more[: 9 << 20], more[9 << 20 :]])):
+        seen = len(proxy.seen)
+        url = f"s3://{BUCKET}/parts/{name}.bin"
+        if name == "few-blocks":
+            io_utils.atomic_write_blocks(url, iter(body), more.nbytes)
+        else:
+            io_utils.atomic_write_bytes(url, body)
+        assert fs.cat(f"{BUCKET}/parts/{name}.bin") == more.tobytes()
+        parts = [r for r in proxy.seen[seen:] if b"partNumber=" in r and r.startswith(b"PUT")]
+        assert len(parts) == 3, parts
+    monkeypatch.setattr(io_utils, "S3_MAX_PARTS", 10_000)
     proxy.fault("refuse", at=rb"PUT /faults/parts/refused\.bin\?partNumber=2")
     with pytest.raises(StorageError) as info, resumable(f"s3://{BUCKET}/parts"):
         io_utils.atomic_write_bytes(f"s3://{BUCKET}/parts/refused.bin", data)
