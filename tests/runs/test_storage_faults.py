@@ -306,33 +306,30 @@ def test_a_large_object_goes_up_in_parts_and_a_failed_part_leaves_nothing(proxy,
     monkeypatch.setattr(s3fs.S3FileSystem, "retries", 1)
     data = np.random.default_rng(13).integers(0, 256, (12 << 20) + 123, dtype=np.uint8)
     fs = s3fs.S3FileSystem()
-    # from bytes, from a uint8 array (Ray's), and given a block at a time (a host tier's
-    # statistics: blocks of 3 MiB, cut into parts as they come)
-    blocks = [data[i : i + (3 << 20)] for i in range(0, len(data), 3 << 20)]
-    for name, body in (("array", data), ("bytes", data.tobytes()), ("blocks", blocks)):
+
+    def parts_of(name: str, body, whole: np.ndarray) -> int:
+        """``body`` written to the bucket as ``name`` (bytes, an array, or a list of blocks):
+        it reads back as ``whole``; the parts its upload sent."""
         seen = len(proxy.seen)
         url = f"s3://{BUCKET}/parts/{name}.bin"
-        if name == "blocks":
-            io_utils.atomic_write_blocks(url, iter(body), data.nbytes)
+        if isinstance(body, list):
+            io_utils.atomic_write_blocks(url, iter(body), whole.nbytes)
         else:
             io_utils.atomic_write_bytes(url, body)
-        assert fs.cat(f"{BUCKET}/parts/{name}.bin") == data.tobytes()
-        parts = [r for r in proxy.seen[seen:] if b"partNumber=" in r and r.startswith(b"PUT")]
-        assert len(parts) == 3, parts  # two whole parts and the rest
+        assert fs.cat(f"{BUCKET}/parts/{name}.bin") == whole.tobytes()
+        return sum(b"partNumber=" in r and r.startswith(b"PUT") for r in proxy.seen[seen:])
+
+    # from bytes, from a uint8 array (Ray's), and given a block at a time (a host tier's
+    # statistics: blocks of 3 MiB, cut into parts as they come): two whole parts and the rest
+    blocks = [data[i : i + (3 << 20)] for i in range(0, len(data), 3 << 20)]
+    for name, body in (("array", data), ("bytes", data.tobytes()), ("blocks", blocks)):
+        assert parts_of(name, body, data) == 3
     # S3 takes at most 10,000 parts an upload (moto too): a larger object takes larger parts,
     # here under a limit of 3 (16 MiB in 3 parts of 6 MiB, whole MiB each, not 4 of 5 MiB)
     monkeypatch.setattr(io_utils, "S3_MAX_PARTS", 3)
     more = np.random.default_rng(14).integers(0, 256, (16 << 20) + 123, dtype=np.uint8)
-    for name, body in (("few-bytes", more), ("few-blocks", [more[: 9 << 20], more[9 << 20 :]])):
-        seen = len(proxy.seen)
-        url = f"s3://{BUCKET}/parts/{name}.bin"
-        if name == "few-blocks":
-            io_utils.atomic_write_blocks(url, iter(body), more.nbytes)
-        else:
-            io_utils.atomic_write_bytes(url, body)
-        assert fs.cat(f"{BUCKET}/parts/{name}.bin") == more.tobytes()
-        parts = [r for r in proxy.seen[seen:] if b"partNumber=" in r and r.startswith(b"PUT")]
-        assert len(parts) == 3, parts
+    assert parts_of("few-bytes", more, more) == 3
+    assert parts_of("few-blocks", [more[: 9 << 20], more[9 << 20 :]], more) == 3
     monkeypatch.setattr(io_utils, "S3_MAX_PARTS", 10_000)
     proxy.fault("refuse", at=rb"PUT /faults/parts/refused\.bin\?partNumber=2")
     with pytest.raises(StorageError) as info, resumable(f"s3://{BUCKET}/parts"):
