@@ -76,39 +76,70 @@ def test_tasks_give_the_drivers_results_and_table(tmp_path, ray_local, monkeypat
         assert RunDir(str(tmp_path / name)).load_sample().to_bytes() == whole.to_bytes()
 
 
+#: the measured steps of :func:`test_the_driver_holds_pieces_not_a_layer`, in a fresh process
+#: joined to the tests' Ray: a worker process that has run other tests keeps their heap (its
+#: holes and arenas), which the growth measured here must not depend on
+PIECES_SCRIPT = r"""
+import json, sys
+import numpy as np, ray
+from embgeom_ray.core.sample_layers import sample_layers
+from embgeom_ray.distributed import sample_tasks
+from embgeom_ray.distributed.process_memory import anon_bytes, sampler
+from embgeom_ray.run_dir import RunDir
+from tests.runs.test_sample_layers import tokens
+
+address, url, out, n = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
+ray.init(address=address, log_to_driver=False)
+layered = sample_layers([url])
+labels = {layer: np.arange(n) % 7 for layer in layered.layers}
+# once first: what the first write loads and keeps (Parquet's writer, zstd, the allocator's
+# arenas; ~60 MiB, within DRIVER_RUN_BYTES) is not the sample's
+warm = sample_tasks.table_pieces_on_ray(layered, tokens, labels)
+RunDir(out + "/warm").write_samples(layered, tokens, labels, warm)
+peak = sampler()
+base = anon_bytes()
+peak.peak = base
+source = ray.put(layered)
+points = []
+for layer in layered.layers:
+    refs = sample_tasks.submit_inputs(source, layer, [])
+    points.append(ray.get(refs[0])["uniform_points"])
+    ray.wait(refs, num_returns=len(refs))
+    del refs
+pieces = sample_tasks.table_pieces_on_ray(layered, tokens, labels)
+RunDir(out + "/run").write_samples(layered, tokens, labels, pieces)
+print(json.dumps({"grew": peak.peak_bytes() - base, "points": points}))
+"""
+
+
 def test_the_driver_holds_pieces_not_a_layer(tmp_path, ray_local):
     """A sample of L = 2 layers of 8,192 entries at d = 2,048 (Q_l = 64 MiB, on Ray tasks by
     the default rule): the sampled stage's inputs made by tasks and samples.parquet written
-    from their pieces raise this process's private memory (RssAnon) by no more than the
+    from their pieces raise the driver's private memory (RssAnon) by no more than the
     formula's share (4 pieces of 8 MiB and the labels), less than half of one layer, where
-    the driver itself would hold 10 · Q_l."""
-    from embgeom_ray.distributed.process_memory import anon_bytes, sampler
+    the driver itself would hold 10 · Q_l. The driver is a fresh process joined to the tests'
+    Ray (:data:`PIECES_SCRIPT`)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
     from embgeom_ray.sizing.formulas import driver_sample_bytes, sample_layer_bytes
 
     n, d, layers = 4096, 2048, [0, 1]
     url = _save_parts(tmp_path, [fake_sample(n, 3, layers=layers, dim=d, size=n)])[0]
-    layered = sample_layers([url])
-    assert on_workers(layered)
-    labels = {layer: np.arange(n) % 7 for layer in layers}
-    # once first: what the first write loads and keeps (Parquet's writer, zstd, the
-    # allocator's arenas; ~60 MiB, within DRIVER_RUN_BYTES) is not the sample's
-    warm = sample_tasks.table_pieces_on_ray(layered, tokens, labels)
-    RunDir(str(tmp_path / "warm")).write_samples(layered, tokens, labels, warm)
-    peak = sampler()
-    base = anon_bytes()
-    peak.peak = base
-    import ray
-
-    source = ray.put(layered)
-    for layer in layers:
-        refs = sample_tasks.submit_inputs(source, layer, [])
-        assert ray.get(refs[0])["uniform_points"] == n
-        ray.wait(refs, num_returns=len(refs))
-        del refs
-    pieces = sample_tasks.table_pieces_on_ray(layered, tokens, labels)
-    RunDir(str(tmp_path / "run")).write_samples(layered, tokens, labels, pieces)
-    grew = peak.peak_bytes() - base
-    q_l = sample_layer_bytes(2 * n, d)
+    assert on_workers(sample_layers([url]))
+    repo = Path(__file__).resolve().parents[2]
+    address = ray_local.get_runtime_context().gcs_address
+    done = subprocess.run(
+        [sys.executable, "-c", PIECES_SCRIPT, address, url, str(tmp_path), str(n)],
+        capture_output=True, text=True, timeout=600, cwd=repo,
+        env=os.environ | {"PYTHONPATH": str(repo)},
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result["points"] == [n] * len(layers)
+    grew, q_l = result["grew"], sample_layer_bytes(2 * n, d)
     assert grew <= driver_sample_bytes(len(layers), 2 * n, d) < q_l / 2, (grew, q_l)
     got = pq.read_table(tmp_path / "run" / "samples.parquet", columns=["layer", "cluster"])
     assert got.num_rows == 2 * n * len(layers)
