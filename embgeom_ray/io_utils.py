@@ -4,11 +4,13 @@ Nothing is ever half-written under its final name: local files are written to a 
 name in the same directory, flushed and fsynced, then renamed with :func:`os.replace`; object
 stores (s3://, gs://, …) make a single PUT, or a completed multipart upload, visible
 atomically, so they are written directly (S3's large objects in parts a few at a time:
-:data:`S3_PART_BYTES`, to keep the write's memory near the data's own).
+:data:`S3_PART_BYTES`; other stores through their file, a block at a time, discarded on a
+failure: :func:`_write_remote`; either way the write's memory stays near the data's own).
 """
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import os
@@ -108,9 +110,44 @@ def atomic_write_bytes(url: str, data: bytes) -> None:
         _write_local(url, lambda f: f.write(data))
     elif _protocol(url) in ("s3", "s3a"):  # no "directory" made first: buckets are not made
         _put_s3(url, data)  # by the job
-    else:  # one PUT (multipart past the filesystem's block)
-        with fsspec.open(url, "wb", auto_mkdir=False) as f:
-            f.write(data)
+    else:  # one PUT, or an upload of the filesystem's blocks (gcsfs: resumable)
+        _write_remote(url, [data], memoryview(data).nbytes)
+
+
+def _write_remote(url: str, blocks: Iterable[Any], size: int) -> None:
+    """``size`` bytes given as ``blocks`` (bytes-like) to an object store other than S3
+    (``gs://``, …) through its fsspec file, a slice of the file's block size at a time, so
+    that the file's buffer never holds more than a block and a slice (a whole ``write`` of
+    the data would copy it into the buffer first). The object is made when the file closes
+    (gcsfs: the resumable upload finished); on a failure, or blocks that do not add up to
+    ``size``, the upload is discarded instead and nothing is made (:func:`_discard`)."""
+    fs, path = fsspec.core.url_to_fs(url)
+    f = fs.open(path, "wb")
+    try:
+        step = int(getattr(f, "blocksize", 0) or 0)  # 0: a file without blocks of its own
+        written = 0
+        for block in blocks:
+            view = memoryview(block).cast("B")
+            for at in range(0, view.nbytes, step or max(1, view.nbytes)):
+                piece = view[at : at + step] if step else view
+                f.write(piece)
+                written += piece.nbytes
+        if written != size:
+            raise ValueError(f"{url}: {size:,} bytes to write, {written:,} given")
+    except BaseException:
+        _discard(f)
+        raise
+    f.close()
+
+
+def _discard(f: Any) -> None:
+    """Throw away an fsspec file's upload without making the object: the filesystem's own
+    ``discard`` (gcsfs cancels the resumable upload), then the file marked closed, so that
+    neither ``close`` nor its collection uploads what it buffered and finishes the object."""
+    with contextlib.suppress(Exception):
+        f.discard()
+    with contextlib.suppress(AttributeError):
+        f.closed = True
 
 
 def atomic_write_blocks(url: str, blocks: Iterable[Any], size: int) -> None:
@@ -132,10 +169,12 @@ def atomic_write_blocks(url: str, blocks: Iterable[Any], size: int) -> None:
             path, _StreamedParts(blocks, size), chunksize=s3_part_bytes(size),
             max_concurrency=S3_PARTS_AT_ONCE,
         )  # fmt: skip
-    else:  # small enough for one request: gathered
+    elif _protocol(url) in ("s3", "s3a"):  # small enough for one request: gathered
         data = io.BytesIO()
         write(data)
         atomic_write_bytes(url, data.getbuffer())
+    else:
+        _write_remote(url, blocks, size)
 
 
 #: an S3 object of more than 2 parts is uploaded in parts of this many bytes (more for an
