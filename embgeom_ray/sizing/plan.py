@@ -71,7 +71,7 @@ def describe_plan(
         f"measured: L = {L} of {total_layers} layers, P = {P} positions, sample s = "
         f"{shape.sample_entries:,} entries" + (f", {shape.clip} clipped dims" if shape.clip else ""),
         f"corpus: {corpus.source}: {corpus.files:,} file(s), {gib(corpus.bytes)}, "
-        f"{corpus.shards:,} shards"
+        f"{corpus.shards:,} shard{'' if corpus.shards == 1 else 's'}"
         + (f" of {_shard_size(corpus.shard_bytes)}" if corpus.shard_bytes else "")
         + (f" ({corpus.shard_rule})" if corpus.shard_rule else ""),
         f"cluster: {sizing.cluster.describe()}",
