@@ -339,7 +339,7 @@ class _CorpusFingerprints:
         self._cache: dict[tuple[Any, ...], str] = {}
 
     def __call__(self, config: JobConfig, work: int = 0) -> str:
-        size = config.shard_bytes if config.shard_bytes is not None else -auto_shard_cap(work)
+        size = config.shard_bytes if config.shard_bytes is not None else ("auto", auto_shard_cap(work))
         k = (config.corpus, config.text_column, config.split, size)
         if k not in self._cache:
             spec = CorpusSpec(config.corpus, config.text_column, config.split)
