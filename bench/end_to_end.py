@@ -119,6 +119,8 @@ def fixed_cost_split(wall: float, manifest: dict, tokens: int, marginal: float) 
         "extraction_beyond_marginal": t["extract_wall"] - tokens / marginal,
         "reduce": t["reduce"],
         "metrics_tables_and_sampled": t["metrics"],
+        # the two parts of metrics (manifests of this version on)
+        **({"tables": t["tables"], "sampled_stage": t["sampled"]} if "sampled" in t else {}),
         "write": t["write"],
         "report": t.get("report", 0.0),
     }

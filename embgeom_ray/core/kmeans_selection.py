@@ -33,8 +33,14 @@ corpus) give the same fits. How:
 
   Of all of k's fits the lowest inertia wins (the first on a tie; labels are canonical, so a
   partition found by several fits is labelled the same whichever wins). Above k = 15 the
-  warm and downward starts alone are fitted: on MiniLM their inertias there are in the median
-  within 1% of scikit-learn's 10 seedings', up to 2.4% above at single k (docs/benchmarks.md).
+  warm and downward starts alone are fitted. ``n_init`` (:func:`default_n_init`) is 10 for a
+  scan that ends at 15 (scikit-learn's 10 seedings, Cai et al.'s protocol) and 3 for one that
+  goes on (the default, to k = 60): there the downward starts bring every larger k's
+  partition down to 15 (with 10 seedings and 10 warm starts, the downward start was the
+  lowest inertia at 57 of the 98 (layer, k ≤ 15) pairs of MiniLM's demo sample), and 3
+  seedings and 3 warm starts with them reach scikit-learn's 10 seedings at every k ≤ 15 on
+  MiniLM, in a little over half the time (``tests/core/test_kmeans_selection_minilm.py``,
+  docs/benchmarks.md).
 - **The silhouette** (Rousseeuw 1987) of each k's partition is taken on one Euclidean distance
   matrix of at most ``silhouette_max_points`` points drawn once with ``seed``, every k's at
   once (:func:`point_silhouettes`: the per-point silhouettes from one float32 product of the
@@ -92,9 +98,14 @@ K_DENSE = 15
 K_GROWTH = 1.1
 #: below this best silhouette, k = 1 (Cai et al. 2021; ``kmeans_min_silhouette``)
 MIN_SILHOUETTE: float = _DEFAULTS.kmeans_min_silhouette
-#: k-means++ seedings per k ≤ K_DENSE, and warm starts per k after the first; the lowest
-#: inertia wins (``kmeans_n_init``)
-N_INIT: int = _DEFAULTS.kmeans_n_init
+#: k-means++ seedings per k ≤ K_DENSE, and warm starts per k after the first, of a scan that
+#: ends at K_DENSE or below (Cai et al.'s protocol: scikit-learn's 10 seedings), and
+#: initialisations per k of the partitioned route (``kmeans_n_init`` unset: :func:`default_n_init`)
+N_INIT = 10
+#: the same for a scan that goes above K_DENSE, fitted in one process: each k ≤ K_DENSE also
+#: starts from the next k's partition, which carries the larger k's partitions down; with
+#: those, 3 seedings and 3 warm starts reach scikit-learn's 10 seedings (docs/benchmarks.md)
+N_INIT_SCAN = 3
 #: seedings fitted at the chosen k for the stability check (``kmeans_stability_seeds``)
 STABILITY_SEEDS: int = _DEFAULTS.kmeans_stability_seeds
 #: points a silhouette is computed on, a subsample drawn once when there are more
@@ -201,6 +212,12 @@ def scan_ks(k_max: int, dense: int = K_DENSE, growth: float = K_GROWTH) -> list[
         k = min(k_max, max(k + 1, math.ceil(growth * k - 1e-9)))
         ks.append(k)
     return [k for k in ks if k >= 2]
+
+
+def default_n_init(top: int, local: bool) -> int:
+    """``n_init`` of :func:`select_k` when not given: :data:`N_INIT_SCAN` for a scan fitted in
+    one process that goes above :data:`K_DENSE` (largest k ``top``), else :data:`N_INIT`."""
+    return N_INIT_SCAN if local and top > K_DENSE else N_INIT
 
 
 def stability_seed(seed: int, replicate: int) -> int:
@@ -441,7 +458,7 @@ def select_k(
     k_max: int = K_MAX,
     min_silhouette: float = MIN_SILHOUETTE,
     *,
-    n_init: int = N_INIT,
+    n_init: int | None = None,
     max_iter: int = MAX_ITER,
     tol: float = TOL,
     seed: int = 0,
@@ -464,6 +481,7 @@ def select_k(
         min_silhouette: below this best silhouette, k = 1 (one cluster, centre = mean).
         n_init: k-means++ seedings per k ≤ 15 and warm starts per k after the first (the
             partitioned route: k-means|| initialisations per k); the lowest inertia wins.
+            None: :func:`default_n_init` (3 for a scan above k = 15 in one process, else 10).
         max_iter, tol: Lloyd's iteration limit and scikit-learn's relative tolerance.
         seed: all randomness (seedings, silhouette subsample, resamples, refits) derives from it.
         silhouette_max_points: points the silhouettes are taken on (None: all).
@@ -488,7 +506,7 @@ def select_k(
     X = np.asarray(X, dtype=np.float64)
     if stability_seeds < 0:
         raise ValueError(f"stability_seeds must be >= 0, got {stability_seeds}")
-    if n_init < 1:
+    if n_init is not None and n_init < 1:
         raise ValueError(f"n_init must be >= 1, got {n_init}")
     X, inverse = (X, None) if parts is not None or X.ndim != 2 else _distinct_points(X, groups)
     n = len(X)
@@ -507,6 +525,7 @@ def select_k(
         shift, Xc = np.zeros(X.shape[1]), X
     top = min(int(k_max), n - 1)
     ks = scan_ks(top)
+    n_init = default_n_init(top, local) if n_init is None else int(n_init)
     idx = silhouette_subsample(n, silhouette_max_points, seed)
     if shared is not None and local and len(idx) == n:
         gram, dist = shared

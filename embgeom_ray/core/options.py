@@ -110,11 +110,13 @@ class SampledOptions(SampleOptions):
         le=1,
         description="below this best silhouette, k = 1 (no clusters)",
     )
-    kmeans_n_init: int = Field(
-        10,
+    kmeans_n_init: int | None = Field(
+        None,
         ge=1,
         description="K-means++ seedings per k of 2..15 and warm starts (from the previous k's "
-        "partition) per k after the first; each k keeps the lowest inertia of its fits",
+        "partition) per k after the first; each k keeps the lowest inertia of its fits and of "
+        "a start from the next k's partition. Default: 3 when the scan goes above k = 15 "
+        "(those starts from larger k then reach scikit-learn's 10 seedings), else 10",
     )
     kmeans_stability_seeds: int = Field(
         2,

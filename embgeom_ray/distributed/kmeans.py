@@ -241,7 +241,7 @@ def submit_layers_on_ray(
     groups: Mapping[int, np.ndarray | None] | None = None,
     k_max: int = K_MAX,
     min_silhouette: float = MIN_SILHOUETTE,
-    n_init: int = N_INIT,
+    n_init: int | None = None,
     max_iter: int = MAX_ITER,
     tol: float = TOL,
     seed: int = 0,

@@ -166,13 +166,19 @@ def finish_run(
     with run.table_writer("type_stats") as type_rows:  # a layer's rows at a time, not L·V
         tables = merged.tables(tokenizer, config.tables, type_rows)
     layers = as_layers(sample)
+    t_tables = time.perf_counter()
     note, clusters = (
         (None, {})
         if layers is None
         else add_sampled_metrics(tables, layers, config.sampled, config.address)
     )
     t1 = time.perf_counter()
-    manifest.set(sample=note, timings_s=manifest.timings_s | {"metrics": round(t1 - t0, 3)})
+    timings = {
+        "metrics": round(t1 - t0, 3),
+        "tables": round(t_tables - t0, 3),
+        "sampled": round(t1 - t_tables, 3),
+    }
+    manifest.set(sample=note, timings_s=manifest.timings_s | timings)
     id_to_token = tokenizer.convert_ids_to_tokens
     # a large sample is handled by Ray tasks: this process holds no layer of it
     large = layers is not None and on_workers(layers)

@@ -20,9 +20,13 @@ import embgeom_ray.core.kmeans_selection as selection
 from embgeom_ray.core.distinct import distinct_rows
 from embgeom_ray.core.kmeans import serial_map
 from embgeom_ray.core.kmeans_selection import (
+    K_DENSE,
     LOCAL_FIT_MAX_ELEMENTS,
+    N_INIT,
+    N_INIT_SCAN,
     chain_trials,
     decision_support,
+    default_n_init,
     fit_many,
     plus_plus_chain,
     point_silhouettes,
@@ -214,6 +218,28 @@ def test_select_k_equals_an_independent_scan_with_sklearn():
     # a stricter threshold turns the blobs into one cluster too; the silhouette is still reported
     strict = select_k(X, k_max=20, n_init=2, min_silhouette=0.99, seed=2)
     assert strict.k == 1 and strict.silhouette == res.silhouette
+
+
+def test_n_init_defaults_to_3_for_a_scan_past_15_in_one_process_else_10(monkeypatch):
+    """Unset, n_init is 3 where the downward starts bring larger k's partitions down (a scan
+    past K_DENSE fitted in one process) and 10 elsewhere (Cai et al.'s range; the partitioned
+    route, which has no warm or downward starts); given, it is used."""
+    assert (N_INIT_SCAN, N_INIT) == (3, 10)
+    assert default_n_init(K_DENSE + 1, local=True) == 3
+    assert default_n_init(K_DENSE, local=True) == 10 == default_n_init(60, local=False)
+    seen = []
+    real = selection._local_scan
+
+    def spy(Xc, sqd, ks, n_init, *args):
+        seen.append((max(ks), n_init))
+        return real(Xc, sqd, ks, n_init, *args)
+
+    monkeypatch.setattr(selection, "_local_scan", spy)
+    X, _ = blobs(n=300, d=6, centers=3, seed=1)
+    select_k(X, k_max=20, stability_seeds=0)
+    select_k(X, k_max=15, stability_seeds=0)
+    select_k(X, k_max=20, n_init=5, stability_seeds=0)
+    assert seen == [(20, 3), (15, 10), (20, 5)]
 
 
 @pytest.fixture(scope="module")

@@ -13,6 +13,7 @@ from sklearn.metrics import pairwise_distances, silhouette_score
 from embgeom_ray.core.kmeans_selection import select_k
 from embgeom_ray.core.sampled_metrics import (
     SAMPLED_LAYER_COLUMNS,
+    chord_distances,
     cluster_adjusted,
     isoscore_points,
     isoscore_silhouette_correlation,
@@ -251,3 +252,31 @@ def test_isoscore_silhouette_correlation():
     assert np.isnan(isoscore_silhouette_correlation(df.iloc[:2]))
     with pytest.raises(KeyError):
         isoscore_silhouette_correlation(df, isoscore_column="nope")
+
+
+@pytest.mark.parametrize("offset", [0.0, 500.0])
+def test_chord_distances_from_euclidean_ones_are_those_of_the_unit_vectors(offset):
+    """‖u_i − u_j‖ from D (of the points less their mean, as the stage has it) and the norms:
+    equal to the unit vectors' own distances, also with a massive common offset (cosines near
+    1, chords near 0), and the same nearest neighbours."""
+    rng = np.random.default_rng(3)
+    X = rng.normal(size=(300, 16)) * rng.uniform(0.5, 3.0, size=(300, 1)) + offset
+    X[1] = 2.5 * X[0]  # collinear with the origin: chord 0 between different points
+    D = pairwise_distances(X - X.mean(axis=0))
+    norms = np.linalg.norm(X, axis=1)
+    ours = chord_distances(D, norms)
+    ref = pairwise_distances(X / norms[:, None])
+    # squared chords agree to rounding (a chord near 0 is the root of rounding either way)
+    np.testing.assert_allclose(ours**2, ref**2, rtol=0, atol=1e-14)
+    assert np.all(np.diag(ours) == 0) and ours[0, 1] < 1e-6
+    off = ~np.eye(len(X), dtype=bool)
+    if offset == 0.0:  # directions well apart (but x_0, x_1's tie): the same neighbours
+        rest = np.arange(1, len(X))
+        apart = off[np.ix_(rest, rest)]
+        np.testing.assert_allclose(
+            ours[np.ix_(rest, rest)][apart], ref[np.ix_(rest, rest)][apart], rtol=1e-10
+        )
+        np.testing.assert_array_equal(
+            np.argsort(ours[np.ix_(rest, rest)], axis=1)[:, :6],
+            np.argsort(ref[np.ix_(rest, rest)], axis=1)[:, :6],
+        )

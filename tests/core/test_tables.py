@@ -246,7 +246,7 @@ def test_sampled_stage_parts(tables):
         "s_inter_draws": 20,
         "se_replicates": 10,
     }
-    assert plan.kmeans_options["n_init"] == 10 and plan.kmeans_options["stability_seeds"] == 2
+    assert plan.kmeans_options["n_init"] is None and plan.kmeans_options["stability_seeds"] == 2
     flagged = rogue.flagged_dims(tables["dims"])
     layers = tables["layers"].set_index("layer")
     for layer, x in plan.layers.items():

@@ -51,7 +51,8 @@ DEFAULTS_BEFORE = {
     "outlier_mean_z": 3.0, "outlier_variance_ratio": 5.0, "outlier_tail_share": 0.25,
     "clip_dims": None, "clip_dims_from": None, "comoment_precision": "bounded",
     "sample_size": 4096, "sample_type_size": None, "sample_seed": 0, "kmeans_k_max": 60,
-    "kmeans_min_silhouette": 0.1, "kmeans_n_init": 10, "kmeans_stability_seeds": 2,
+    "kmeans_min_silhouette": 0.1, "kmeans_n_init": None,  # 3 or 10 by the scan since issue 50 (10 before; not a result option)
+    "kmeans_stability_seeds": 2,
     "cluster_min_size": 20, "s_inter_draws": 20, "sampled_se_replicates": 10, "lid_k": 20,
     "silhouette_max_points": 4096,
 }  # fmt: skip

@@ -128,6 +128,9 @@ def test_minilm_on_real_english_equals_float64_reference(tmp_path, ray_local, mi
     assert on_disk["outputs"]["report"] == "report.html"
     assert on_disk["timings_s"]["report"] > 0
     assert 0 <= on_disk["timings_s"]["ray_start"] < 1.0  # the tests' Ray is already running
+    timings = on_disk["timings_s"]  # metrics: the exact tables, then the sampled stage
+    assert timings["tables"] > 0 and timings["sampled"] > 0
+    assert timings["tables"] + timings["sampled"] == pytest.approx(timings["metrics"], abs=0.01)
     # real positions = counted tokens + [CLS]/[SEP] of every window; padding is what the model
     # ran beyond them, recorded as a ratio
     counts = on_disk["counts"]
