@@ -16,7 +16,12 @@ of the stage runs):
       given to both),
 
 each also without the half-sample standard errors (``se_replicates=0``), to split the time into
-the selection, the one-off metrics and the SEs. Printed per layer: median seconds of each part
+the selection, the one-off metrics and the SEs. ``--synthetic-dim D`` replaces MiniLM's points
+by ``--size`` synthetic ones of D dimensions per layer (:func:`synthetic_layer`: a mixture of
+64 anisotropic Gaussian clusters around a common offset, token ids of a Zipf law over 5,000
+types, every point distinct), to time the stage at a large model's shape (d = 4,096, s =
+8,192: an 8B model's default sample) that MiniLM cannot give; its clusters are not a real
+model's, so its Lloyd iterations are indicative only. Printed per layer: median seconds of each part
 of (a) and (b), the ratio of the layer's totals, and each side's k; then the totals over the
 layers (the stage's CPU time: the layers run as parallel tasks, so on C CPUs the stage takes
 about that over C). ``--baseline none`` times the current code only. ``--clock cpu`` times
@@ -24,7 +29,7 @@ by the process's CPU time instead of the wall clock (one thread runs, so they ag
 machine; on one shared with other work the CPU time does not count the waits for a core).
 
     python -m bench.sampled_stage [--size 4096] [--layers 0,...,6] [--repeats 3]
-        [--baseline 5459444] [--clock wall|cpu]
+        [--baseline 5459444] [--clock wall|cpu] [--synthetic-dim D]
 """
 
 from __future__ import annotations
@@ -37,6 +42,8 @@ import time
 from pathlib import Path
 from types import ModuleType
 from typing import Any
+
+import numpy as np
 
 from bench.common import baseline_module, median, save
 
@@ -86,6 +93,29 @@ def layer_parts(mods: dict[str, ModuleType], X, tok, tv, keys) -> dict[str, Any]
         return sampled_row(X, tok, tv, state["km"], [], **extra, **state["distances"], **opts)
 
     return {"select_k": selection, "no_se": lambda: metrics(False), "total": lambda: metrics(True)}
+
+
+def synthetic_layer(size: int, dim: int, seed: int) -> tuple[np.ndarray, ...]:
+    """(points, token ids, type vectors, content keys) of one synthetic layer: ``size`` float32
+    points of ``dim`` dimensions, 64 clusters (centres N(0, 4² I) in a random subspace of
+    min(64, dim) dimensions, points their centre plus N(0, I) noise scaled per dimension by a
+    log-normal spectrum), all shifted by a common offset of norm 20 (the anisotropy of a
+    transformer's states); token ids from a Zipf law (s = 1.1) over 5,000 types; one vector per type seen
+    (its first occurrence); content keys 0..size − 1 (every point distinct)."""
+    rng = np.random.default_rng(seed)
+    sub = min(64, dim)
+    basis = np.linalg.qr(rng.normal(size=(dim, sub)))[0]  # (dim, sub) orthonormal
+    centres = rng.normal(scale=4.0, size=(64, sub)) @ basis.T
+    scale = np.exp(rng.normal(scale=0.5, size=dim))
+    offset = rng.normal(size=dim)
+    offset *= 20.0 / np.linalg.norm(offset)
+    which = rng.integers(0, 64, size=size)
+    X = (centres[which] + rng.normal(size=(size, dim)) * scale + offset).astype(np.float32)
+    ranks = np.arange(1, 5001)
+    p = ranks**-1.1 / (ranks**-1.1).sum()
+    tok = rng.choice(5000, size=size, p=p).astype(np.int64)
+    _, first = np.unique(tok, return_index=True)
+    return X, tok, X[np.sort(first)], np.arange(size, dtype=np.int64)
 
 
 def bench_layer(layer: int, X, tok, tv, keys, revisions: dict[str, dict], args) -> dict:
@@ -141,6 +171,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--baseline", default=BASELINE, help="git revision to compare with, or none")
     p.add_argument("--name", default="sampled_stage")
     p.add_argument("--clock", choices=("wall", "cpu"), default="wall", help="what the times count")
+    p.add_argument(
+        "--synthetic-dim", type=int, default=0,
+        help="time synthetic points of this dimension instead of MiniLM's (synthetic_layer)",
+    )  # fmt: skip
     args = p.parse_args(argv)
     layers = [int(x) for x in args.layers.split(",")]
 
@@ -153,7 +187,9 @@ def main(argv: list[str] | None = None) -> None:
 
     work = Path(tempfile.mkdtemp(prefix="embgeom-bench-sampled-"))
     try:
-        sample = minilm_sample(args.size, layers, work, args.seed, type_size=args.size)
+        sample = None
+        if not args.synthetic_dim:
+            sample = minilm_sample(args.size, layers, work, args.seed, type_size=args.size)
         revisions = {"current": {"tables": tables, "selection": selection}}
         if args.baseline.lower() != "none":
             revisions = {"baseline": baseline_modules(args.baseline, work), **revisions}
@@ -161,13 +197,13 @@ def main(argv: list[str] | None = None) -> None:
         results = []
         with threadpool_limits(1):
             for layer in layers:
-                pts = sample.points(layer)
-                tv = sample.type_points(layer).vectors if sample.num_types >= 2 else None
-                results.append(
-                    bench_layer(
-                        layer, pts.vectors, pts.token_ids, tv, pts.content_keys, revisions, args
-                    )
-                )
+                if sample is None:
+                    inputs = synthetic_layer(args.size, args.synthetic_dim, args.seed + layer)
+                else:
+                    pts = sample.points(layer)
+                    tv = sample.type_points(layer).vectors if sample.num_types >= 2 else None
+                    inputs = (pts.vectors, pts.token_ids, tv, pts.content_keys)
+                results.append(bench_layer(layer, *inputs, revisions, args))
     finally:
         shutil.rmtree(work, ignore_errors=True)
     totals = {name: sum(r["seconds"][name]["layer"] for r in results) for name in revisions}
@@ -181,7 +217,9 @@ def main(argv: list[str] | None = None) -> None:
         {
             "command": "python -m bench.sampled_stage",
             "args": vars(args),
-            "points": {"model": "all-MiniLM-L6-v2", "dim": int(sample.dim)},
+            "points": {"model": "all-MiniLM-L6-v2", "dim": int(sample.dim)}
+            if sample is not None
+            else {"model": "synthetic", "dim": args.synthetic_dim},
             "results": results,
             "totals": totals,
         },

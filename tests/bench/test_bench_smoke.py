@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 
 pytestmark = pytest.mark.slow
@@ -157,6 +158,21 @@ def test_sampled_stage_smoke(results_dir):
     assert {"select_k", "total", "no_se", "se", "layer"} <= res["seconds"]["current"].keys()
     if baseline == "HEAD":  # the same code on both sides: the same selection
         assert res["k"]["baseline"] == res["k"]["current"] and res["ratio"] > 0
+
+
+def test_sampled_stage_synthetic_smoke(results_dir):
+    """``--synthetic-dim``: the stage timed on synthetic points of a given shape (a large
+    model's, which MiniLM cannot give), every point distinct, of the asked dimension."""
+    from bench import sampled_stage
+
+    X, tok, tv, keys = sampled_stage.synthetic_layer(300, 48, seed=1)
+    assert X.shape == (300, 48) and X.dtype == np.float32 and len(np.unique(keys)) == 300
+    assert len(tv) == len(np.unique(tok)) >= 2
+    sampled_stage.main("--size 200 --layers 0,1 --repeats 1 --baseline none --synthetic-dim 24".split())
+    res = read(results_dir, "sampled_stage")
+    assert res["points"] == {"model": "synthetic", "dim": 24}
+    assert [r["n"] for r in res["results"]] == [200, 200]
+    assert all(r["seconds"]["current"]["layer"] > 0 for r in res["results"])
 
 
 def test_sampled_schedule_smoke(results_dir, ray_local):
