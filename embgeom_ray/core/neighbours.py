@@ -15,6 +15,12 @@ and K = 3(k + 1), a binomial tail of ~0.5 %) are searched directly in their row 
 distance matrix restricted to S. So the neighbours, and the sorted distances T, are those of
 a search on S itself, up to ties between equal distances (which either search may break
 either way, as ``torch.topk`` and ``np.argpartition`` do).
+
+A point set too large for its n × n matrices (more points than ``--silhouette-max-points``)
+gets both tables without them (:func:`neighbour_tables_of_points`): one pass over the
+Euclidean distance matrix a block of rows at a time, each block's chord distances derived
+from it (:func:`chord_distances`); the rows a subset's search reaches past the lists are then
+computed from the points.
 """
 
 from __future__ import annotations
@@ -28,14 +34,73 @@ import numpy as np
 LIST_FACTOR = 3
 
 
+#: bytes of one block of distance rows in :func:`neighbour_tables_of_points` (and the other
+#: (rows, n) arrays of the same block: its chord distances, the top-k scratch)
+BLOCK_BYTES = 32 << 20
+
+
 class NeighbourTable(NamedTuple):
     """Each point's nearest points by a distance matrix, nearest first, with exact distances."""
 
     X: np.ndarray  # (n, d) distinct points, float64
-    D: np.ndarray  # (n, n) the distance matrix the lists follow
+    D: np.ndarray | None  # (n, n) the distance matrix the lists follow; None: from ``P``
     idx: np.ndarray  # (n, K) indices of the K nearest points (the point itself included)
     dist: np.ndarray  # (n, K) ||x_i − x_idx[i, j]||, computed from the points
     rank: np.ndarray  # (n,) each row's position in np.unique(X, axis=0)'s order
+    P: np.ndarray | None = None  # with D None: the points whose Euclidean distances D holds
+
+
+def euclidean_rows(
+    P: np.ndarray, sq: np.ndarray, rows: np.ndarray, cols: np.ndarray | None = None
+) -> np.ndarray:
+    """(len(rows), len(cols)) Euclidean distances between points ``rows`` and ``cols`` of P
+    (None: all), as ``sklearn.metrics.pairwise_distances`` computes them: √max(‖p_i‖² + ‖p_j‖²
+    − 2 p_i·p_j, 0), with ``sq`` = ‖p‖² per row and 0 where a row meets itself. Give P
+    centred (less the points' mean): the product's cancellation grows with ‖p‖²/D²."""
+    Pc = P if cols is None else P[cols]
+    sq_c = sq if cols is None else sq[cols]
+    D = P[rows] @ Pc.T
+    D *= -2.0
+    D += sq[rows, None]
+    D += sq_c[None, :]
+    np.maximum(D, 0.0, out=D)
+    np.sqrt(D, out=D)
+    col_ids = np.arange(len(P)) if cols is None else np.asarray(cols)
+    D[np.asarray(rows)[:, None] == col_ids[None, :]] = 0.0
+    return D
+
+
+def chord_distances(
+    D: np.ndarray, norms: np.ndarray, row_norms: np.ndarray | None = None
+) -> np.ndarray:
+    """Chord distances ||u_i − u_j|| of the unit vectors u = x/||x|| of non-zero points, from
+    their Euclidean distances D and norms r: with 2 x_i·x_j = r_i² + r_j² − D_ij²,
+    ||u_i − u_j||² = 2 − 2 cos_ij = (D_ij² − (r_i − r_j)²) / (r_i r_j), clipped at 0.
+
+    D (n, n) with ``norms`` (n,), a zero diagonal out; or a block of its rows (m, n) with
+    ``row_norms`` (m,) those rows' norms (the caller zeroes where a row meets itself). A pass
+    over D instead of a product of the unit vectors (on MiniLM's distinct points, n = 4,096:
+    within 1e-13 relative of ``pairwise_distances`` of the unit vectors, the same
+    neighbours). D may be of the points less any one vector (their mean).
+    """
+    r = np.asarray(norms, dtype=np.float64)
+    square = row_norms is None
+    r_rows = r if square else np.asarray(row_norms, dtype=np.float64)
+    C = np.empty(D.shape)
+    rows = max(1, (1 << 16) // max(len(r), 1))  # blocks of rows that stay in cache
+    for a in range(0, len(r_rows), rows):
+        b = slice(a, a + rows)
+        gap = r_rows[b, None] - r[None, :]
+        gap *= gap
+        block = np.multiply(D[b], D[b], out=C[b])
+        block -= gap
+        gap = r_rows[b, None] * r[None, :]
+        block /= gap
+        np.maximum(block, 0.0, out=block)
+        np.sqrt(block, out=block)
+    if square:
+        np.fill_diagonal(C, 0.0)
+    return C
 
 
 def exact_distances(X: np.ndarray, rows: np.ndarray, idx: np.ndarray) -> np.ndarray:
@@ -89,15 +154,85 @@ def neighbour_table(X: np.ndarray, D: np.ndarray, k: int) -> NeighbourTable | No
     n = len(X)
     if D.shape != (n, n):
         raise ValueError(f"D must be ({n}, {n}), got {D.shape}")
-    _, first = np.unique(X, axis=0, return_index=True)
-    if len(first) < n:
+    rank = _unique_rank(X)
+    if rank is None:
         return None
-    K = min(n, LIST_FACTOR * (k + 1))
-    idx = smallest_per_row(D, K, ordered=True)
-    dist = exact_distances(X, np.arange(n), idx)
-    rank = np.empty(n, np.int64)
-    rank[first] = np.arange(n)
-    return NeighbourTable(X, D, idx, dist, rank)
+    idx = smallest_per_row(D, list_length(n, k), ordered=True)
+    return NeighbourTable(X, D, idx, exact_distances(X, np.arange(n), idx), rank)
+
+
+def list_length(n: int, k: int) -> int:
+    """K, the length of each point's list in a table of n points for searches up to k."""
+    return min(n, LIST_FACTOR * (k + 1))
+
+
+def _unique_rank(X: np.ndarray) -> np.ndarray | None:
+    """Each row's position in ``np.unique(X, axis=0)``'s order; None if X has repeated rows."""
+    _, first = np.unique(X, axis=0, return_index=True)
+    if len(first) < len(X):
+        return None
+    rank = np.empty(len(X), np.int64)
+    rank[first] = np.arange(len(X))
+    return rank
+
+
+def neighbour_tables_of_points(
+    X: np.ndarray, k: int
+) -> tuple[NeighbourTable | None, NeighbourTable | None]:
+    """(Euclidean, chord) :class:`NeighbourTable` of the distinct points X (n, d), without an
+    (n, n) matrix: the tables :func:`neighbour_table` builds from ``pairwise_distances`` of X
+    less its mean and from :func:`chord_distances` of it (the table of the unit vectors),
+    up to ties within rounding.
+
+    One pass over the Euclidean distance matrix in blocks of rows of at most
+    :data:`BLOCK_BYTES` (:func:`euclidean_rows` of the centred points: 2 n² d flops); each
+    block's chord distances come from it, and each row keeps its K nearest in both. Memory:
+    the centred points and unit vectors (2 · 8 n d bytes), three (rows, n) blocks, the lists
+    (2 · 16 n K bytes). Subsets whose lists run short compute their rows from the points
+    (``P``). The chord table is None when a point is zero; both are None when X has repeated
+    rows.
+    """
+    X = np.asarray(X, dtype=np.float64)
+    n = len(X)
+    rank = _unique_rank(X)
+    if rank is None:
+        return None, None
+    Xc = X - X.mean(axis=0)
+    sq = np.einsum("nd,nd->n", Xc, Xc)
+    norms = np.linalg.norm(X, axis=1)
+    chord = bool((norms > 0).all())
+    U = X / norms[:, None] if chord else None
+    K = list_length(n, k)
+    idx_e = np.empty((n, K), np.int64)
+    idx_c = np.empty((n, K), np.int64)
+    block = max(1, BLOCK_BYTES // (8 * n))
+    for a in range(0, n, block):
+        rows = np.arange(a, min(a + block, n))
+        D = euclidean_rows(Xc, sq, rows)
+        idx_e[rows] = smallest_per_row(D, K, ordered=True)
+        if chord:
+            C = chord_distances(D, norms, norms[rows])
+            C[np.arange(len(rows)), rows] = 0.0
+            idx_c[rows] = smallest_per_row(C, K, ordered=True)
+    all_rows = np.arange(n)
+    euclid = NeighbourTable(X, None, idx_e, exact_distances(X, all_rows, idx_e), rank, Xc)
+    if not chord:
+        return euclid, None
+    rank_u = _unique_rank(U)
+    if rank_u is None:  # two points on one ray from the origin: one direction
+        return euclid, None
+    dist_c = exact_distances(U, all_rows, idx_c)
+    # the unit vectors less their mean: the same distances, less cancellation in the product
+    return euclid, NeighbourTable(U, None, idx_c, dist_c, rank_u, U - U.mean(axis=0))
+
+
+def _distance_rows(table: NeighbourTable, rows: np.ndarray, cols: np.ndarray) -> np.ndarray:
+    """The table's distances between points ``rows`` and ``cols``: its matrix's block, or
+    (without one) computed from its points ``P``."""
+    if table.D is not None:
+        return table.D[np.ix_(rows, cols)]
+    P = table.P
+    return euclidean_rows(P, np.einsum("nd,nd->n", P, P), rows, cols)
 
 
 def knn_distances(table: NeighbourTable, k: int, S: np.ndarray | None = None) -> np.ndarray:
@@ -130,7 +265,7 @@ def knn_distances(table: NeighbourTable, k: int, S: np.ndarray | None = None) ->
     if not full.all():  # lists too short within S: search those rows directly
         short = rows[~full]
         cols = np.sort(rows)
-        found = cols[smallest_per_row(table.D[np.ix_(short, cols)], k + 1, ordered=True)]
+        found = cols[smallest_per_row(_distance_rows(table, short, cols), k + 1, ordered=True)]
         nn[~full] = found
         T[~full] = exact_distances(table.X, short, found)
     # drop the point itself (or, should a tie hide it, the farthest of the k + 1)

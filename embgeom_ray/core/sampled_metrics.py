@@ -27,8 +27,15 @@ import pandas as pd
 from . import metric_registry as registry
 from .distinct import distinct_rows
 from .kmeans_selection import SILHOUETTE_MAX_POINTS
-from .metrics import isoscore_from_covariance, isoscore_from_spectrum
-from .neighbours import NeighbourTable, knn_distances, neighbour_table, smallest_per_row
+from .metrics import isoscore_from_covariance
+from .neighbours import (
+    NeighbourTable,
+    chord_distances,
+    knn_distances,
+    neighbour_table,
+    neighbour_tables_of_points,
+    smallest_per_row,
+)
 from .options import SampledOptions
 from .partials import group_sums, mean_cosine_from_unit_sum
 
@@ -71,30 +78,6 @@ def _unit_rows(X: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return X[ok] / norms[ok, None], ok
 
 
-def chord_distances(D: np.ndarray, norms: np.ndarray) -> np.ndarray:
-    """(n, n) chord distances ||u_i − u_j|| of the unit vectors u = x/||x|| of n non-zero points,
-    from their Euclidean distances D (n, n) and norms r (n,): with 2 x_i·x_j = r_i² + r_j² −
-    D_ij², ||u_i − u_j||² = 2 − 2 cos_ij = (D_ij² − (r_i − r_j)²) / (r_i r_j), clipped at 0, a
-    zero diagonal. A pass over D instead of a product of the unit vectors (on MiniLM's
-    distinct points, n = 4,096: within 1e-13 relative of ``pairwise_distances`` of the unit
-    vectors, the same neighbours). D may be of the points less any one vector (their mean)."""
-    r = np.asarray(norms, dtype=np.float64)
-    C = np.empty(D.shape)
-    rows = max(1, (1 << 16) // max(len(r), 1))  # blocks of rows that stay in cache
-    for a in range(0, len(r), rows):
-        b = slice(a, a + rows)
-        gap = r[b, None] - r[None, :]
-        gap *= gap
-        block = np.multiply(D[b], D[b], out=C[b])
-        block -= gap
-        gap = r[b, None] * r[None, :]
-        block /= gap
-        np.maximum(block, 0.0, out=block)
-        np.sqrt(block, out=block)
-    np.fill_diagonal(C, 0.0)
-    return C
-
-
 def mean_pairwise_cosine(X: np.ndarray) -> float:
     """Mean cosine over ordered pairs i ≠ j: (||Σ u_i||² − m) / (m(m − 1)), u_i = x_i/||x_i||.
 
@@ -111,15 +94,15 @@ def mean_pairwise_cosine(X: np.ndarray) -> float:
 def isoscore_points(X: np.ndarray) -> float:
     """IsoScore (Rudman et al. 2022) of a point cloud: of its sample covariance's spectrum.
 
-    :func:`embgeom_ray.core.metrics.isoscore_from_covariance` on cov(X) (float64): with λ the
-    eigenvalues, n = d, λ̂ = √n λ/||λ||, δ = ||λ̂ − 1|| / √(2(n − √n)),
-    k = (n − δ²(n − √n))²/n, IsoScore = (k − 1)/(n − 1). Equals ``IsoScore.IsoScore(X)``
-    (which takes √n in float32, so to ~1e-6). NaN for fewer than 2 points.
+    :func:`embgeom_ray.core.metrics.isoscore_from_covariance` of X_cᵀX_c (float64), X_c the
+    centred points: (PR − 1)/(d − 1), PR the participation ratio, which equals Rudman et
+    al.'s form from the eigenvalues. Equals ``IsoScore.IsoScore(X)`` (which takes √d in
+    float32, so to ~1e-6). NaN for fewer than 2 points.
 
-    With fewer points m than dimensions d, the eigenvalues come from the m × m Gram matrix
-    X_c X_cᵀ/(m − 1) of the centred points instead of the d × d covariance X_cᵀ X_c/(m − 1):
-    the same non-zero eigenvalues (the other d − m are 0), equal to float rounding, and a far
-    smaller eigendecomposition (a cluster of a half-sample has a few hundred points).
+    With fewer points m than dimensions d, the m × m Gram matrix X_c X_cᵀ gives it instead of
+    the d × d X_cᵀ X_c: the same non-zero eigenvalues, so the same PR, and a smaller product
+    (a cluster of a half-sample has a few hundred points); the dimension in (PR − 1)/(d − 1)
+    stays d.
     """
     X = _as_points(X)
     m, d = X.shape
@@ -127,9 +110,9 @@ def isoscore_points(X: np.ndarray) -> float:
         return float("nan")
     Xc = X - X.mean(axis=0)
     if m >= d:
-        return isoscore_from_covariance(Xc.T @ Xc / (m - 1))
-    G = Xc @ Xc.T / (m - 1)
-    return isoscore_from_spectrum(np.linalg.eigvalsh((G + G.T) / 2.0), d)
+        return isoscore_from_covariance(Xc.T @ Xc)
+    # the Gram matrix's value is (PR − 1)/(m − 1): rescale to d dimensions
+    return isoscore_from_covariance(Xc @ Xc.T) * (m - 1) / (d - 1)
 
 
 def _knn_from_distances(D: np.ndarray, keep: np.ndarray, m: int) -> np.ndarray:
@@ -326,26 +309,54 @@ def _silhouette_selection(
     return sel
 
 
-def _silhouette_of_rows(
-    D: np.ndarray,
+def _silhouettes_of_rows(
+    pts: _PointSet,
     rows: np.ndarray,
-    labels: np.ndarray,
-    *,
+    labellings: Mapping[str, tuple[np.ndarray, int]],
     max_points: int | None,
     seed: int,
-    min_label_count: int,
-) -> float:
-    """:func:`silhouette_by_labels` of the points ``rows`` (sorted) with distances D[rows][:, rows].
+) -> dict[str, float]:
+    """:func:`silhouette_by_labels` of the points ``rows`` (sorted) of ``pts`` for each
+    labelling (name -> (labels of ``rows``, ``min_label_count``)), from one distance matrix.
 
-    Takes one block of D, that of the scored points, instead of the block of ``rows`` and then
-    its block of the scored points: the same matrix, so the same value.
+    The scored points of each are drawn as :func:`silhouette_by_labels` draws them; their
+    distances are blocks of the point set's matrix, or, without one, of one
+    ``pairwise_distances`` of the union of the scored points (of at most ``max_points``
+    points: the two silhouettes of a half-sample of up to 2 · ``max_points`` points share
+    it), else one matrix per labelling (each of at most ``max_points`` points). With
+    ``max_points`` None and no matrix: scikit-learn's ``silhouette_score`` (chunked).
     """
+    from sklearn.metrics import pairwise_distances
+
     from .kmeans_selection import silhouette_from_distances
 
-    sel = _silhouette_selection(labels, max_points, seed, min_label_count)
-    if sel is None:
-        return float("nan")
-    return silhouette_from_distances(_block(D, rows[sel]), labels[sel])
+    sels = {
+        name: _silhouette_selection(labels, max_points, seed, min_count)
+        for name, (labels, min_count) in labellings.items()
+    }
+    out = {name: float("nan") for name, sel in sels.items() if sel is None}
+    sels = {name: sel for name, sel in sels.items() if sel is not None}
+    if pts.dist is None and max_points is None:
+        for name, sel in sels.items():
+            out[name] = silhouette_by_labels(pts.X[rows[sel]], labellings[name][0][sel])
+        return out
+
+    def matrix_of(points: np.ndarray) -> np.ndarray:
+        P = pts.X[points]
+        return pairwise_distances(P - P.mean(axis=0))
+
+    union = np.unique(np.concatenate(list(sels.values()))) if sels else np.arange(0)
+    shared = pts.dist is None and len(union) <= max_points
+    D_union = matrix_of(rows[union]) if shared and len(sels) else None
+    for name, sel in sels.items():
+        if pts.dist is not None:
+            D = _block(pts.dist, rows[sel])
+        elif D_union is not None:
+            D = _block(D_union, np.searchsorted(union, sel))
+        else:
+            D = matrix_of(rows[sel])
+        out[name] = silhouette_from_distances(D, labellings[name][0][sel])
+    return out
 
 
 def partition_isotropy(W: np.ndarray, centered: bool = False) -> float:
@@ -670,9 +681,10 @@ def _point_set_metrics(
     """Silhouettes and LIDs of a set of distinct points (a layer's, or its half-sample S).
 
     S: sorted indices of a half-sample (None: all points). The LIDs come from the point
-    set's neighbour tables and the silhouettes from blocks of its distance matrix when it has
-    them (the same values as :func:`lid_mle` and :func:`silhouette_by_labels` on X[S] with
-    the distances of X[S]: see :mod:`.neighbours`), else from those functions on X[S].
+    set's neighbour tables when it has them (the same values as :func:`lid_mle` on X[S]: see
+    :mod:`.neighbours`), else from :func:`lid_mle`; the silhouettes from blocks of its
+    distance matrix, or of one matrix of the points they score (:func:`_silhouettes_of_rows`:
+    the values of :func:`silhouette_by_labels` on X[S]).
     ``lid_cai_too`` adds ``lid_euclidean_cai`` (:func:`lid_cai`) from the same neighbours.
     """
     rows = np.arange(len(pts.X)) if S is None else np.asarray(S)
@@ -701,21 +713,12 @@ def _point_set_metrics(
         zip(("lid_euclidean", "lid_euclidean_median"), _summaries(lid_e), strict=True)
     ) | dict(zip(("lid_cosine", "lid_cosine_median"), _summaries(lid_c), strict=True))
 
-    def silhouette(labels: np.ndarray, min_label_count: int) -> float:
-        if pts.dist is None:
-            return silhouette_by_labels(
-                X, labels, max_points=max_points, seed=seed, min_label_count=min_label_count
-            )
-        return _silhouette_of_rows(
-            pts.dist, rows, labels, max_points=max_points, seed=seed,
-            min_label_count=min_label_count,
-        )  # fmt: skip
-
-    row["silhouette_types"] = silhouette(pts.token_ids[rows], min_type_count)
-    if kmeans_silhouette:
-        row["kmeans_silhouette"] = (
-            float("nan") if pts.best_labels is None else silhouette(pts.best_labels[rows], 1)
-        )
+    labellings = {"silhouette_types": (pts.token_ids[rows], min_type_count)}
+    if kmeans_silhouette and pts.best_labels is not None:
+        labellings["kmeans_silhouette"] = (pts.best_labels[rows], 1)
+    row |= _silhouettes_of_rows(pts, rows, labellings, max_points, seed)
+    if kmeans_silhouette and pts.best_labels is None:
+        row["kmeans_silhouette"] = float("nan")
     return row
 
 
@@ -924,11 +927,14 @@ def _distinct_point_set(
     distances: np.ndarray | None = None,
 ) -> _PointSet:
     """The :class:`_PointSet` of the distinct points Xd (rows ``first`` of the sample, with
-    their ``token_ids``; ``best_labels`` per sample row). With 2 ≤ len(Xd) ≤ ``max_points``
-    it holds their Euclidean distances (of Xd minus its mean; ``distances`` when already
-    computed) and, when no point is zero, those of their unit vectors (from the first:
-    :func:`chord_distances`), and with more than ``lid_k`` points each matrix's neighbour
-    table (:func:`~.neighbours.neighbour_table`)."""
+    their ``token_ids``; ``best_labels`` per sample row).
+
+    With 2 ≤ len(Xd) ≤ ``max_points`` it holds their Euclidean distances (of Xd minus its
+    mean; ``distances`` when already computed) and, when no point is zero, those of their unit
+    vectors (from the first: :func:`~.neighbours.chord_distances`), and with more than
+    ``lid_k`` points each matrix's neighbour table (:func:`~.neighbours.neighbour_table`).
+    With more points than ``max_points`` it holds no matrix, but the same two tables, built
+    a block of rows at a time (:func:`~.neighbours.neighbour_tables_of_points`)."""
     from sklearn.metrics import pairwise_distances
 
     dist = chord = euclid_nn = chord_nn = None
@@ -939,6 +945,8 @@ def _distinct_point_set(
         if len(Xd) > lid_k:
             euclid_nn = neighbour_table(Xd, dist, lid_k)
             chord_nn = None if chord is None else neighbour_table(U, chord, lid_k)
+    elif len(Xd) > lid_k:
+        euclid_nn, chord_nn = neighbour_tables_of_points(Xd, lid_k)
     best = None if best_labels is None else np.asarray(best_labels)[first]
     return _PointSet(Xd, token_ids, best, dist, chord, euclid_nn, chord_nn)
 

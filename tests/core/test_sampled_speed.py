@@ -108,19 +108,31 @@ def test_isoscore_of_fewer_points_than_dims_from_the_gram_matrix(m):
     np.testing.assert_allclose(isoscore_points(X), ref, rtol=1e-10)
 
 
-def test_sampled_metrics_and_half_sample_ses_equal_direct_computations():
+@pytest.mark.parametrize(
+    "max_points",
+    [
+        4096,  # the point set's matrices and tables
+        250,  # 348 distinct points: tables by blocks; each half-sample's silhouettes, one matrix
+        120,  # half-samples of 174: each silhouette subsampled to 120 points, its own matrix
+    ],
+)
+def test_sampled_metrics_and_half_sample_ses_equal_direct_computations(max_points, monkeypatch):
     """Every LID, silhouette and cluster-adjusted value, and their half-sample SEs, from scratch.
 
     The reference recomputes each half-sample's metrics on X[S] alone (sklearn's kNN search
     and silhouette_score, no shared matrix or table), with the replicates' seeds of
     ``sampled_metrics_of_points``: a wrong row, column or neighbour in the sharing shows.
+    With fewer ``max_points`` than points the layer's tables are built a few rows at a time.
     """
+    monkeypatch.setattr(neighbours, "BLOCK_BYTES", 8 * 348 * 50)  # blocks of 50 rows
     X, tok = clustered_points()
     rng = np.random.default_rng(3)
     type_vectors = rng.normal(size=(80, X.shape[1])) + 1.0
     km = select_k(X, k_max=5, seed=0)
     opts = {"lid_k": 10, "cluster_min_size": 20, "se_replicates": 6, "seed": 4}
-    row = sampled_metrics_of_points(X, tok, type_vectors, km, **opts)
+    row = sampled_metrics_of_points(
+        X, tok, type_vectors, km, silhouette_max_points=max_points, **opts
+    )
 
     first, _ = distinct_rows(X)
     Xd, tokd = X[first], tok[first]
@@ -134,8 +146,9 @@ def test_sampled_metrics_and_half_sample_ses_equal_direct_computations():
             per_point = lid_mle(Xs, 10, metric, per_point=True)
             out[name] = float(np.nanmean(per_point))
             out[f"{name}_median"] = float(np.nanmedian(per_point))
-        out["silhouette_types"] = silhouette_by_labels(Xs, tokd[S], seed=4, min_label_count=2)
-        out["kmeans_silhouette"] = silhouette_by_labels(Xs, best[S], seed=4)
+        cap = {"max_points": max_points, "seed": 4}
+        out["silhouette_types"] = silhouette_by_labels(Xs, tokd[S], min_label_count=2, **cap)
+        out["kmeans_silhouette"] = silhouette_by_labels(Xs, best[S], **cap)
         clusters, sizes = np.unique(labels, return_counts=True)
         adj = cluster_adjusted(Xs, labels[S], tokd[S], weighted_clusters=clusters[sizes >= 20])
         for key in ("s_inter", "s_intra", "isoscore"):
@@ -164,6 +177,47 @@ def test_sampled_metrics_and_half_sample_ses_equal_direct_computations():
     for key in SE_METRICS:
         assert np.isfinite(row[f"{key}_se"]) and row[f"{key}_se"] > 0, key
         np.testing.assert_allclose(row[f"{key}_se"], ref[key], rtol=1e-9, err_msg=key)
+
+
+@pytest.mark.parametrize("offset", [0.0, 1e3])
+def test_tables_built_by_blocks_equal_those_of_the_matrices(offset, monkeypatch):
+    """:func:`neighbours.neighbour_tables_of_points` (no n × n matrix, blocks of 37 rows):
+    the lists and exact distances of the tables of ``pairwise_distances`` and of the chord
+    matrix, also with a massive common offset; subsets' kNN distances equal a fresh search,
+    also where every row's list runs short and its row is computed from the points."""
+    from embgeom_ray.core.sampled_metrics import chord_distances
+
+    X, _ = clustered_points()
+    X = X[distinct_rows(X)[0]] + offset
+    n, k = len(X), 10
+    monkeypatch.setattr(neighbours, "BLOCK_BYTES", 8 * n * 37)
+    euclid, chord = neighbours.neighbour_tables_of_points(X, k)
+    D = pairwise_distances(X - X.mean(axis=0))
+    U = X / np.linalg.norm(X, axis=1)[:, None]
+    want_e = neighbour_table(X, D, k)
+    want_c = neighbour_table(U, chord_distances(D, np.linalg.norm(X, axis=1)), k)
+    for got, want in ((euclid, want_e), (chord, want_c)):
+        assert got is not None and got.D is None
+        np.testing.assert_array_equal(got.rank, want.rank)
+        np.testing.assert_allclose(got.dist, want.dist, rtol=1e-12)
+        # the same neighbours up to ties within rounding: equal sets where distances differ
+        np.testing.assert_array_equal(np.sort(got.idx[:, :-1], 1), np.sort(want.idx[:, :-1], 1))
+    rng = np.random.default_rng(2)
+    subsets = [None, *(np.sort(rng.choice(n, m, replace=False)) for m in (174, 60))]
+    monkeypatch.setattr(neighbours, "LIST_FACTOR", 1)
+    short_e, short_c = neighbours.neighbour_tables_of_points(X, k)
+    for S in subsets:
+        Xs = X if S is None else X[S]
+        for table, short, metric in ((euclid, short_e, "euclidean"), (chord, short_c, "cosine")):
+            ref = lid_mle(Xs, k, metric, per_point=True)
+            for t in (table, short):
+                np.testing.assert_allclose(
+                    lid_from_knn_distances(knn_distances(t, k, S)), ref, rtol=1e-9
+                )
+    dup = np.vstack([X, X[:1]])
+    assert neighbours.neighbour_tables_of_points(dup, k) == (None, None)
+    X[4] = 0.0
+    assert neighbours.neighbour_tables_of_points(X, k)[1] is None  # no direction for 0
 
 
 def test_lid_k_below_2_is_refused_on_every_path():

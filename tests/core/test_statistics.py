@@ -886,6 +886,47 @@ def test_split_sums_of_a_heavy_type_with_massive_activations(dtype, row_block, m
         np.testing.assert_allclose(norm**2 + var[k], np.linalg.norm(mu) ** 2 + v, rtol=1e-6)
 
 
+def _rudman_isoscore(cov: np.ndarray) -> float:
+    """IsoScore as Rudman et al. (2022) define it, from the covariance's eigenvalues."""
+    n = cov.shape[0]
+    lam = np.abs(np.linalg.eigvalsh((cov + cov.T) / 2))
+    lam_hat = np.sqrt(n) * lam / np.linalg.norm(lam)
+    delta = np.linalg.norm(lam_hat - 1) / np.sqrt(2 * (n - np.sqrt(n)))
+    k = (n - delta**2 * (n - np.sqrt(n))) ** 2 / n
+    return float((k - 1) / (n - 1))
+
+
+def _rational_isoscore(cov: np.ndarray) -> float:
+    """(tr(C)²/||C||_F² − 1)/(n − 1) of the float64 matrix's exact values, in rationals."""
+    from fractions import Fraction
+
+    c = [[Fraction(float(v)) for v in row] for row in (cov + cov.T) / 2]
+    n = len(c)
+    trace = sum(c[i][i] for i in range(n))
+    frob = sum(v * v for row in c for v in row)
+    return float((trace * trace / frob - 1) / (n - 1))
+
+
+def test_isoscore_is_the_participation_ratio_rescaled():
+    """Rudman et al.'s k equals the participation ratio, so IsoScore = (PR − 1)/(d − 1): equal
+    to the eigenvalue definition on full-rank and rank-deficient covariances, and, where one
+    direction's variance is ~1e9 times the others' (a massive activation), equal to the
+    matrix's exact value in rational arithmetic, where the eigenvalues are off by > 1e-6."""
+    rng = np.random.default_rng(3)
+    for m, d in ((400, 12), (7, 30), (50, 50)):
+        x = rng.normal(size=(m, d)) * np.exp(rng.normal(size=d)) + 50.0
+        xc = x - x.mean(0)
+        cov = xc.T @ xc / (m - 1)
+        np.testing.assert_allclose(isoscore_from_covariance(cov), _rudman_isoscore(cov), rtol=1e-9)
+    x = rng.normal(size=(256, 16))
+    x[::32, 5] += 60 * 4e4  # every 32nd row, far out in one dimension
+    xc = x - x.mean(0)
+    cov = xc.T @ xc / len(x)
+    exact = _rational_isoscore(cov)
+    assert abs(_rudman_isoscore(cov) / exact - 1) > 1e-6  # the eigenvalues' rounding
+    np.testing.assert_allclose(isoscore_from_covariance(cov), exact, rtol=1e-13)
+
+
 @pytest.mark.parametrize(("scale", "dtype"), [(3e3, "bfloat16"), (4e4, "float32")])
 def test_bounded_product_with_massive_activations(scale, dtype):
     """μ²/V ~ 1e7–1e9 in two dimensions and one row per window far out in a third (a first
