@@ -37,7 +37,8 @@ KS = list(range(2, 16))
 
 @pytest.fixture(scope="module")
 def minilm_points(tmp_path_factory, minilm_dir):
-    """layer -> (the sample's rows, their content keys): MiniLM over repeated English sentences."""
+    """layer -> (the sample's rows, their content keys, their token ids): MiniLM over repeated
+    English sentences."""
     from embgeom_ray.config import build_config
     from embgeom_ray.inputs.corpus import CorpusSpec, plan_shards
     from embgeom_ray.inputs.extractor import ShardProcessor
@@ -53,7 +54,8 @@ def minilm_points(tmp_path_factory, minilm_dir):
     _, sample, _ = proc.process(plan_shards(CorpusSpec(corpus), 1 << 40).shards[0])
     assert sample.num_uniform == SAMPLE
     return {
-        layer: (sample.points(layer).vectors, sample.points(layer).content_keys) for layer in LAYERS
+        layer: (pts.vectors, pts.content_keys, pts.token_ids)
+        for layer, pts in ((layer, sample.points(layer)) for layer in LAYERS)
     }
 
 
@@ -78,7 +80,7 @@ def sklearn_partitions(minilm_points):
     """layer -> (the distinct points centred, scikit-learn's partition of every k of KS)."""
     out = {}
     with threadpool_limits(1):
-        for layer, (X, keys) in minilm_points.items():
+        for layer, (X, keys, _) in minilm_points.items():
             first, _ = distinct_rows(X, keys)
             Xc = X[first] - X[first].mean(0)
             out[layer] = (Xc, sklearn_scan(Xc))
@@ -97,7 +99,7 @@ def test_every_layer_reaches_sklearns_inertia_and_takes_its_decision(
     scikit-learn's 10 seedings, and the decision taken on Cai et al.'s range is theirs."""
     competing, differ = None, {}
     with threadpool_limits(1):
-        for layer, (X, keys) in minilm_points.items():
+        for layer, (X, keys, _) in minilm_points.items():
             Xc, theirs = sklearn_partitions[layer]
             ours = select_k(X, k_max=k_max, groups=keys, stability_seeds=0)
             ratios = np.array([ours.inertias[k] / inertia(Xc, theirs[k]) for k in KS])
