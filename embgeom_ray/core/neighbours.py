@@ -167,12 +167,23 @@ def list_length(n: int, k: int) -> int:
 
 
 def _unique_rank(X: np.ndarray) -> np.ndarray | None:
-    """Each row's position in ``np.unique(X, axis=0)``'s order; None if X has repeated rows."""
-    _, first = np.unique(X, axis=0, return_index=True)
-    if len(first) < len(X):
-        return None
-    rank = np.empty(len(X), np.int64)
-    rank[first] = np.arange(len(X))
+    """Each row's position in ``np.unique(X, axis=0)``'s order (rows compared lexicographically);
+    None if X has repeated rows.
+
+    When no two rows share their first coordinate, that order is the first coordinate's and no
+    row repeats: one argsort of n numbers instead of np.unique's sort of whole rows (2.2 s for
+    8,192 rows of 4,096 dimensions). Otherwise np.unique's own.
+    """
+    n = len(X)
+    order = np.argsort(X[:, 0], kind="stable") if X.ndim == 2 and X.shape[1] else None
+    if order is not None and n > 1 and (np.diff(X[order, 0]) != 0).all():
+        first = order
+    else:
+        _, first = np.unique(X, axis=0, return_index=True)
+        if len(first) < n:
+            return None
+    rank = np.empty(n, np.int64)
+    rank[first] = np.arange(n)
     return rank
 
 

@@ -373,7 +373,12 @@ def partition_isotropy(W: np.ndarray, centered: bool = False) -> float:
         return float("nan")
     if centered:
         W = W - W.mean(axis=0)
-    _, vecs = np.linalg.eigh(W.T @ W)
+    return _partition_isotropy_of(W, W.T @ W)
+
+
+def _partition_isotropy_of(W: np.ndarray, WtW: np.ndarray) -> float:
+    """:func:`partition_isotropy` of the points W given WᵀW (d × d)."""
+    _, vecs = np.linalg.eigh(WtW)
     proj = W @ vecs  # (n, d): cᵀw for every eigenvector c
     log_z = np.concatenate([_log_sum_exp(proj), _log_sum_exp(-proj)])
     return float(np.exp(log_z.min() - log_z.max()))
@@ -987,16 +992,35 @@ def _occurrence_columns(X: np.ndarray, type_vectors: np.ndarray | None) -> dict[
     """The occurrence averages, every row of the sample X counted (copies included):
     ``isoscore_sample`` and ``partition_isotropy*`` of X, ``s_inter_type_uniform`` the mean
     pairwise cosine of ``type_vectors`` (NaN without them); NaN partition isotropies for
-    an empty X."""
-    return {
+    an empty X.
+
+    With at least as many rows n as dimensions, one product X_cᵀX_c of the centred rows
+    serves all three: IsoScore's covariance, the centred partition isotropy's WᵀW, and, plus
+    n μμᵀ, the uncentred one's (XᵀX = X_cᵀX_c + n μμᵀ): one product of n · d² instead of
+    three (2.7 s each at n = 8,192, d = 4,096 on one core).
+    """
+    row = {
         "s_inter_type_uniform": (
             float("nan") if type_vectors is None else mean_pairwise_cosine(type_vectors)
-        ),
-        "isoscore_sample": isoscore_points(X),
-        "partition_isotropy": partition_isotropy(X) if len(X) else float("nan"),
-        "partition_isotropy_centered": (
-            partition_isotropy(X, centered=True) if len(X) else float("nan")
-        ),
+        )
+    }
+    n, d = X.shape
+    if n < max(d, 2):
+        return row | {
+            "isoscore_sample": isoscore_points(X),
+            "partition_isotropy": partition_isotropy(X) if n else float("nan"),
+            "partition_isotropy_centered": (
+                partition_isotropy(X, centered=True) if n else float("nan")
+            ),
+        }
+    X = _as_points(X)
+    mu = X.mean(axis=0)
+    Xc = X - mu
+    C = Xc.T @ Xc
+    return row | {
+        "isoscore_sample": isoscore_from_covariance(C) if d >= 2 else float("nan"),
+        "partition_isotropy": _partition_isotropy_of(X, C + n * np.outer(mu, mu)),
+        "partition_isotropy_centered": _partition_isotropy_of(Xc, C),
     }
 
 

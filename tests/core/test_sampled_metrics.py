@@ -220,6 +220,11 @@ def test_sampled_layer_metrics_columns_and_values():
     np.testing.assert_allclose(row["s_inter_type_uniform"], brute_cos_mean(tp), rtol=1e-10)
     assert row["s_inter_type_uniform"] > 0.3 and abs(row["adjusted_s_inter"]) < 0.1
     assert 0.0 <= row["partition_isotropy"] <= row["partition_isotropy_centered"] <= 1.0
+    # from one product of the centred rows (XᵀX = X_cᵀX_c + n μμᵀ): the direct values
+    np.testing.assert_allclose(row["partition_isotropy"], partition_isotropy(X), rtol=1e-9)
+    np.testing.assert_allclose(
+        row["partition_isotropy_centered"], partition_isotropy(X, centered=True), rtol=1e-9
+    )
     # silhouette by type (shared distance matrix) against sklearn on the types seen ≥ 2 times
     tok = sample.points(4).token_ids
     _, inv, counts = np.unique(tok, return_inverse=True, return_counts=True)

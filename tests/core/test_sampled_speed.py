@@ -220,6 +220,23 @@ def test_tables_built_by_blocks_equal_those_of_the_matrices(offset, monkeypatch)
     assert neighbours.neighbour_tables_of_points(X, k)[1] is None  # no direction for 0
 
 
+def test_table_ranks_are_np_uniques_order():
+    """A table's ``rank`` is each row's position in np.unique(X, axis=0): from the first
+    coordinate alone when it has no ties, else from whole rows (ties, signed zeros)."""
+    rng = np.random.default_rng(5)
+    X = rng.normal(size=(200, 6))
+    tied = X.copy()
+    tied[:, 0] = np.round(tied[:, 0])  # many rows share their first coordinate
+    tied[:2, 0] = [0.0, -0.0]
+    for P in (X, tied):
+        _, first = np.unique(P, axis=0, return_index=True)
+        table = neighbour_table(P, pairwise_distances(P), 5)
+        np.testing.assert_array_equal(table.rank[first], np.arange(len(P)))
+        assert (
+            neighbour_table(P[[*range(200), 7]], pairwise_distances(P[[*range(200), 7]]), 5) is None
+        )
+
+
 def test_lid_k_below_2_is_refused_on_every_path():
     X, tok = clustered_points(n=60)
     km = select_k(X, k_max=3, seed=0)
