@@ -127,6 +127,32 @@ def test_silhouette_equals_sklearn():
     assert np.isnan(silhouette_by_labels(X, np.zeros(240), distances=D))
 
 
+def _partition_isotropy_by_definition(W: np.ndarray) -> float:
+    """Mu & Viswanath's I(W) over the d eigenvectors of WᵀW, both signs, in log space."""
+    from scipy.special import logsumexp
+
+    _, vecs = np.linalg.eigh(W.T @ W)
+    proj = W @ vecs
+    log_z = np.concatenate([logsumexp(proj, axis=0), logsumexp(-proj, axis=0)])
+    return float(np.exp(log_z.min() - log_z.max()))
+
+
+@pytest.mark.parametrize("offset", [0.0, 3.0, 30.0])
+def test_partition_isotropy_of_fewer_points_than_dims_from_the_gram_matrix(offset):
+    """The n × n route equals the definition's d × d one, centred or not, also where a common
+    offset makes one direction dominate (I ~ e^-30 at an offset of norm 30)."""
+    rng = np.random.default_rng(8)
+    for n, d in ((10, 40), (39, 40), (60, 200)):
+        W = rng.normal(size=(n, d)) * np.linspace(0.05, 0.6, d) + offset / np.sqrt(d)
+        for centered in (False, True):
+            V = W - W.mean(axis=0) if centered else W
+            np.testing.assert_allclose(
+                partition_isotropy(W, centered=centered),
+                _partition_isotropy_by_definition(V),
+                rtol=1e-9,
+            )
+
+
 def test_partition_isotropy_is_one_for_isotropic_sets_and_never_overflows():
     E = np.vstack([np.eye(6), -np.eye(6)])
     assert partition_isotropy(E) == pytest.approx(1.0, abs=1e-12)

@@ -19,6 +19,7 @@ from embgeom_ray.core.metrics import (
     dims_table,
     isoscore_from_covariance,
     layers_table,
+    participation_ratio,
     self_similarity,
     type_stats_table,
     type_variances,
@@ -918,6 +919,8 @@ def test_isoscore_is_the_participation_ratio_rescaled():
         xc = x - x.mean(0)
         cov = xc.T @ xc / (m - 1)
         np.testing.assert_allclose(isoscore_from_covariance(cov), _rudman_isoscore(cov), rtol=1e-9)
+        pr = participation_ratio(cov)  # the layers.parquet column
+        np.testing.assert_allclose(isoscore_from_covariance(cov), (pr - 1) / (d - 1), rtol=1e-12)
     x = rng.normal(size=(256, 16))
     x[::32, 5] += 60 * 4e4  # every 32nd row, far out in one dimension
     xc = x - x.mean(0)
