@@ -368,12 +368,12 @@ def partition_isotropy(W: np.ndarray, centered: bool = False) -> float:
     underflow to 0 for very anisotropic sets). ``centered=True`` first subtracts the mean
     vector (the paper's post-processing view). 1 for an isotropic symmetric set; in [0, 1].
 
-    With fewer points n than dimensions d, from the n × n Gram matrix WWᵀ = Σ_i λ_i u_i u_iᵀ
+    With no more points n than dimensions d, from the n × n Gram matrix WWᵀ = Σ_i λ_i u_i u_iᵀ
     instead of the d × d WᵀW: its eigenvectors c_i = Wᵀu_i/√λ_i (λ_i > 0) have projections
     Wc_i = √λ_i u_i, and the d − rank others are orthogonal to every w, so Z(±c) = n. An
     eigendecomposition of n instead of d and no product with the eigenvectors: at n = 4,096,
     d = 8,192 (a 70B model's default sample) 15 s instead of 101 s on one core, equal to
-    4e-14 (``bench.sampled_stage``'s synthetic points).
+    4e-14 (``bench.sampled_stage``'s synthetic points); at n = d, the products saved.
     """
     W = _as_points(W, "W")
     n, d = W.shape
@@ -381,14 +381,16 @@ def partition_isotropy(W: np.ndarray, centered: bool = False) -> float:
         return float("nan")
     if centered:
         W = W - W.mean(axis=0)
-    if n >= d:
+    if n > d:
         return _partition_isotropy_of(W, W.T @ W)
     lam, U = np.linalg.eigh(W @ W.T)
     # eigenvalues within rounding of 0 (n ε λ_max: e.g. the centred points' direction of the
     # all-ones vector) are 0: their √ would be ~1e-8 · √λ_max of noise
-    lam[lam <= n * np.finfo(float).eps * lam[-1]] = 0.0
-    proj = U * np.sqrt(lam)  # (n, n): Wc for every c with λ > 0
-    log_z = np.concatenate([_log_sum_exp(proj), _log_sum_exp(-proj), [np.log(n)]])
+    zero = lam <= n * np.finfo(float).eps * lam[-1]
+    lam[zero] = 0.0
+    proj = U[:, ~zero] * np.sqrt(lam[~zero])  # Wc for every c with λ > 0
+    null = [np.log(n)] if d > n - zero.sum() else []  # directions orthogonal to every w
+    log_z = np.concatenate([_log_sum_exp(proj), _log_sum_exp(-proj), null])
     return float(np.exp(log_z.min() - log_z.max()))
 
 
@@ -1010,7 +1012,7 @@ def _occurrence_columns(X: np.ndarray, type_vectors: np.ndarray | None) -> dict[
     pairwise cosine of ``type_vectors`` (NaN without them); NaN partition isotropies for
     an empty X.
 
-    With at least as many rows n as dimensions, one product X_cᵀX_c of the centred rows
+    With more rows n than dimensions, one product X_cᵀX_c of the centred rows
     serves all three: IsoScore's covariance, the centred partition isotropy's WᵀW, and, plus
     n μμᵀ, the uncentred one's (XᵀX = X_cᵀX_c + n μμᵀ): one product of n · d² instead of
     three (2.7 s each at n = 8,192, d = 4,096 on one core).
@@ -1021,7 +1023,7 @@ def _occurrence_columns(X: np.ndarray, type_vectors: np.ndarray | None) -> dict[
         )
     }
     n, d = X.shape
-    if n < max(d, 2):
+    if n <= max(d, 1):  # the n × n Gram matrices (partition_isotropy, isoscore_points)
         return row | {
             "isoscore_sample": isoscore_points(X),
             "partition_isotropy": partition_isotropy(X) if n else float("nan"),

@@ -142,7 +142,7 @@ def test_partition_isotropy_of_fewer_points_than_dims_from_the_gram_matrix(offse
     """The n × n route equals the definition's d × d one, centred or not, also where a common
     offset makes one direction dominate (I ~ e^-30 at an offset of norm 30)."""
     rng = np.random.default_rng(8)
-    for n, d in ((10, 40), (39, 40), (60, 200)):
+    for n, d in ((10, 40), (39, 40), (40, 40), (60, 200)):
         W = rng.normal(size=(n, d)) * np.linspace(0.05, 0.6, d) + offset / np.sqrt(d)
         for centered in (False, True):
             V = W - W.mean(axis=0) if centered else W
