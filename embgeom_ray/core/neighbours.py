@@ -198,10 +198,10 @@ def neighbour_tables_of_points(
     One pass over the Euclidean distance matrix in blocks of rows of at most
     :data:`BLOCK_BYTES` (:func:`euclidean_rows` of the centred points: 2 n² d flops); each
     block's chord distances come from it, and each row keeps its K nearest in both. Memory:
-    the centred points and unit vectors (2 · 8 n d bytes), three (rows, n) blocks, the lists
-    (2 · 16 n K bytes). Subsets whose lists run short compute their rows from the points
-    (``P``). The chord table is None when a point is zero; both are None when X has repeated
-    rows.
+    the centred points, the unit vectors and their centred copy (3 · 8 n d bytes), three
+    (rows, n) blocks, the lists (2 · 16 n K bytes). Subsets whose lists run short compute
+    their rows from the points (``P``). The chord table is None when a point is zero or two
+    points share a direction; both are None when X has repeated rows.
     """
     X = np.asarray(X, dtype=np.float64)
     n = len(X)
@@ -211,8 +211,10 @@ def neighbour_tables_of_points(
     Xc = X - X.mean(axis=0)
     sq = np.einsum("nd,nd->n", Xc, Xc)
     norms = np.linalg.norm(X, axis=1)
-    chord = bool((norms > 0).all())
-    U = X / norms[:, None] if chord else None
+    U = X / norms[:, None] if (norms > 0).all() else None
+    # two points on one ray from the origin share a unit vector: no chord table (as above)
+    rank_u = None if U is None else _unique_rank(U)
+    chord = rank_u is not None
     K = list_length(n, k)
     idx_e = np.empty((n, K), np.int64)
     idx_c = np.empty((n, K), np.int64)
@@ -228,9 +230,6 @@ def neighbour_tables_of_points(
     all_rows = np.arange(n)
     euclid = NeighbourTable(X, None, idx_e, exact_distances(X, all_rows, idx_e), rank, Xc)
     if not chord:
-        return euclid, None
-    rank_u = _unique_rank(U)
-    if rank_u is None:  # two points on one ray from the origin: one direction
         return euclid, None
     dist_c = exact_distances(U, all_rows, idx_c)
     # the unit vectors less their mean: the same distances, less cancellation in the product

@@ -872,7 +872,10 @@ def sampled_metrics_of_points(
     half-samples (the same values: see :func:`lid_mle`'s ``distances``): a half-sample's
     silhouettes take its block of the matrix, and its LIDs read its points' nearest
     neighbours from one table per matrix (:mod:`.neighbours`: each point's 3(``lid_k`` + 1)
-    nearest points and their exact distances) instead of searching the block again.
+    nearest points and their exact distances) instead of searching the block again. With more
+    distinct points than that, no n × n matrix is held: the same two tables are built a block
+    of rows at a time (:func:`~.neighbours.neighbour_tables_of_points`), and each silhouette
+    takes one matrix of the points it scores (a half-sample's two share one).
     """
     X = _as_points(X)
     token_ids = np.asarray(token_ids)
