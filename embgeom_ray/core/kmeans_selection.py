@@ -631,9 +631,7 @@ def _distances(Xc: np.ndarray, idx: np.ndarray, gram: np.ndarray | None) -> np.n
         from sklearn.metrics import pairwise_distances
 
         return pairwise_distances(Xc[idx])
-    from sklearn.utils.extmath import row_norms
-
-    sq = row_norms(Xc, squared=True)
+    sq = np.einsum("ij,ij->i", Xc, Xc)  # scikit-learn's row_norms(Xc, squared=True)
     D = -2.0 * gram
     D += sq[:, None]
     D += sq[None, :]
@@ -750,6 +748,32 @@ def _best_silhouette(sil: dict[int, float]) -> tuple[int | None, float]:
 
 def _stability(labels: np.ndarray, refits: Sequence[KMeansResult]) -> float:
     """Mean adjusted Rand index (Hubert & Arabie 1985) between ``labels`` and each refit's."""
-    from sklearn.metrics import adjusted_rand_score
+    return float(np.mean([adjusted_rand_index(labels, f.labels) for f in refits]))
 
-    return float(np.mean([adjusted_rand_score(labels, f.labels) for f in refits]))
+
+def adjusted_rand_index(a: np.ndarray, b: np.ndarray) -> float:
+    """The adjusted Rand index (Hubert & Arabie 1985) of two labellings of the same points.
+
+    From the pairs of points: tp together in both, fp together in b only, fn in a only, tn in
+    neither; ARI = 2 (tp·tn − fn·fp) / ((tp + fn)(fn + tn) + (tp + fp)(fp + tn)), 1 where no
+    pair disagrees. With the contingency table n_ij and its margins a_i, b_j of n points:
+    tp = Σ n_ij² − n, fp = Σ b_j² − Σ n_ij², fn = Σ a_i² − Σ n_ij², tn = n² − the others
+    (ordered pairs), in Python integers: ``sklearn.metrics.adjusted_rand_score``'s value, bit
+    for bit, without importing scikit-learn (~1.2 s of a sampled-stage worker's start).
+    """
+    a, b = np.asarray(a).reshape(-1), np.asarray(b).reshape(-1)
+    if a.shape != b.shape:
+        raise ValueError(f"two labellings of the same points, got {a.shape} and {b.shape}")
+    n = len(a)
+    ia = np.unique(a, return_inverse=True)[1].reshape(-1)
+    ib = np.unique(b, return_inverse=True)[1].reshape(-1)
+    width = int(ib.max()) + 1 if n else 1
+    cells = np.bincount(ia * width + ib).astype(np.int64)
+    squares = int((cells * cells).sum())
+    sq_a = int((np.bincount(ia).astype(np.int64) ** 2).sum())
+    sq_b = int((np.bincount(ib).astype(np.int64) ** 2).sum())
+    tp, fp, fn = squares - n, sq_b - squares, sq_a - squares
+    tn = n * n - fp - fn - squares
+    if fn == 0 and fp == 0:
+        return 1.0
+    return 2.0 * (tp * tn - fn * fp) / ((tp + fn) * (fn + tn) + (tp + fp) * (fp + tn))

@@ -326,8 +326,6 @@ def _silhouettes_of_rows(
     it), else one matrix per labelling (each of at most ``max_points`` points). With
     ``max_points`` None and no matrix: scikit-learn's ``silhouette_score`` (chunked).
     """
-    from sklearn.metrics import pairwise_distances
-
     from .kmeans_selection import silhouette_from_distances
 
     sels = {
@@ -342,6 +340,8 @@ def _silhouettes_of_rows(
         return out
 
     def matrix_of(points: np.ndarray) -> np.ndarray:
+        from sklearn.metrics import pairwise_distances
+
         P = pts.X[points]
         return pairwise_distances(P - P.mean(axis=0))
 
@@ -961,11 +961,13 @@ def _distinct_point_set(
     ``lid_k`` points each matrix's neighbour table (:func:`~.neighbours.neighbour_table`).
     With more points than ``max_points`` it holds no matrix, but the same two tables, built
     a block of rows at a time (:func:`~.neighbours.neighbour_tables_of_points`)."""
-    from sklearn.metrics import pairwise_distances
-
     dist = chord = euclid_nn = chord_nn = None
     if max_points is not None and 2 <= len(Xd) <= max_points:
-        dist = distances if distances is not None else pairwise_distances(Xd - Xd.mean(axis=0))
+        if distances is None:
+            from sklearn.metrics import pairwise_distances
+
+            distances = pairwise_distances(Xd - Xd.mean(axis=0))
+        dist = distances
         U, nonzero = _unit_rows(Xd)
         chord = chord_distances(dist, np.linalg.norm(Xd, axis=1)) if nonzero.all() else None
         if len(Xd) > lid_k:

@@ -3,11 +3,12 @@
 After the extraction, the sampled-metrics stage runs one K-means task and one metrics task per
 layer, and the report three figure tasks (:mod:`~embgeom_ray.distributed.sampled_stage`,
 :mod:`~embgeom_ray.distributed.node_tasks`). Ray starts a fresh worker process for each of them
-that it cannot give an idle one, and the first task on each spends seconds importing
-scikit-learn, torch (the metrics' neighbour search, through the tables module) and matplotlib
-before it computes anything: in a Ray timeline of ``make demo`` on a 2-core machine, ~2 s in
-the first K-means task and ~1.9 s in the first metrics task of each of the two workers, i.e.
-~4 s of the stage's wall time on two cores.
+that it cannot give an idle one, and the first task on each spends seconds importing torch
+(Lloyd's sums and the neighbour search, through the tables module), pandas and, for the
+report, matplotlib before it computes anything (~1.6 s of CPU for the stage's imports on the
+2-core VM of docs/benchmarks.md). The stage's default path imports neither scikit-learn nor
+SciPy (another ~1.2 s a worker): only samples past ``--silhouette-max-points`` and the
+functions' use without a distance matrix do.
 
 On a private local Ray (the job owns the machine: :func:`~embgeom_ray.distributed.cluster.connect`
 started it, with Ray's idle-worker killing held off so that these workers live until the
@@ -37,8 +38,8 @@ alternated, on the shared 2-core machine).
 
 Nothing depends on the warm-up: a task that finds no idle worker gets a fresh one, as before,
 and a warm-up that fails only leaves its worker cold. Each warm worker holds the imported
-libraries from the extraction's start instead of the stage's: 464 MiB resident, 291 MiB of
-it private, against 123 MiB for a fresh Ray worker (``docs/design.md``, "Processes and their
+libraries from the extraction's start instead of the stage's: 387 MiB resident, 240 MiB of
+it private, against 79 MiB for a fresh Ray worker (``docs/design.md``, "Processes and their
 memory").
 """
 
@@ -53,8 +54,6 @@ log = logging.getLogger(__name__)
 
 #: what the stage's and the report's first tasks would import
 MODULES: tuple[str, ...] = (
-    "sklearn.cluster",
-    "sklearn.metrics",
     "embgeom_ray.core.kmeans",
     "embgeom_ray.core.tables",
     "embgeom_ray.distributed.kmeans",

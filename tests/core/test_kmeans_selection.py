@@ -6,6 +6,8 @@ from itertools import pairwise
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from sklearn.cluster import KMeans
 from sklearn.datasets import make_blobs
 from sklearn.metrics import (
@@ -127,6 +129,25 @@ def test_fit_many_is_lloyd_from_those_centres(dtype):
         lab = ((Xc[:, None, :] - centers[None]) ** 2).sum(-1).argmin(1)
         centers = np.stack([Xc[lab == c].mean(0) for c in range(4)])
     assert adjusted_rand_score(res.labels, lab) == 1.0
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.integers(0, 300),
+    st.integers(1, 12),
+    st.integers(1, 12),
+    st.integers(0, 2**32 - 1),
+)
+def test_adjusted_rand_index_is_sklearns(n, ka, kb, seed):
+    """The stability's adjusted Rand index equals scikit-learn's, bit for bit: random
+    labellings of n points, with arbitrary label values (negative, gaps), one labelling a
+    relabelling of the other, and the degenerate cases (no points, one cluster, all apart)."""
+    rng = np.random.default_rng(seed)
+    a = rng.integers(-3, ka, n) * 7
+    b = rng.integers(0, kb, n) + 100
+    cases = [(a, b), (a, -a + 5), (a, np.zeros(n, int)), (np.arange(n), b), (b, b)]
+    for x, y in cases:
+        assert selection.adjusted_rand_index(x, y) == adjusted_rand_score(x, y)
 
 
 def test_point_silhouettes_are_sklearns_and_the_support_counts_resamples():

@@ -49,6 +49,47 @@ def test_the_warm_modules_are_what_the_stage_imports():
     assert failed == []
 
 
+#: a layer of the sampled stage as its tasks run it (default options), in a fresh process:
+#: the top-level packages it imports
+STAGE_IMPORTS = """
+import json, sys
+import numpy as np
+from embgeom_ray.core.options import SampledOptions
+from embgeom_ray.core.tables import sampled_options, sampled_row, sampled_selection
+rng = np.random.default_rng(0)
+X = (rng.normal(size=(600, 24)) + 3.0 * rng.integers(0, 4, 600)[:, None]).astype(np.float32)
+X[300:320] = X[:20]  # repeated points
+tokens, types = rng.integers(0, 40, 600), rng.normal(size=(200, 24)).astype(np.float32)
+kmeans_options, row_options = sampled_options(SampledOptions(), 600)
+before = set(sys.modules)
+km, D = sampled_selection(X, None, kmeans_options)
+row = sampled_row(X, tokens, types, km, [0], distances=D, **row_options)
+assert D is not None and np.isfinite(row["lid_euclidean"]) and np.isfinite(row["silhouette_types"])
+print(json.dumps(sorted({m.split(".")[0] for m in set(sys.modules) - before})))
+"""
+
+
+def test_the_stage_imports_no_more_than_the_warm_modules_and_not_scikit_learn():
+    """A layer's two tasks (default options, the distinct points' matrix shared) import
+    neither scikit-learn nor SciPy (~1.2 s of each fresh worker's start), and nothing heavy
+    that the warm workers' :data:`MODULES` would not have imported."""
+    env = os.environ | {"PYTHONPATH": str(ROOT)}
+
+    def packages(code: str) -> set[str]:
+        done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                              env=env, timeout=300, check=True)  # fmt: skip
+        return set(json.loads(done.stdout.strip().splitlines()[-1]))
+
+    stage = packages(STAGE_IMPORTS)
+    assert "embgeom_ray" in stage  # the task's own modules were imported here
+    assert not stage & {"sklearn", "scipy"}, stage
+    warm = packages(
+        "import json, sys; from embgeom_ray.distributed.warm_workers import MODULES, warm_up; "
+        "warm_up(MODULES, 0); print(json.dumps(sorted({m.split('.')[0] for m in sys.modules})))"
+    )
+    assert stage <= warm, stage - warm
+
+
 def config(**kw) -> JobConfig:
     return JobConfig(model="m", corpus="c", out="o", **kw)
 

@@ -297,6 +297,7 @@ def test_a_large_object_goes_up_in_parts_and_a_failed_part_leaves_nothing(proxy,
     or given a block at a time (io_utils.atomic_write_blocks); a part
     the store refuses past the retries stops the write with the run's one line, and the upload
     is aborted, so no object stands under the name."""
+    import fsspec.config
     import numpy as np
     import s3fs
 
@@ -304,6 +305,12 @@ def test_a_large_object_goes_up_in_parts_and_a_failed_part_leaves_nothing(proxy,
 
     monkeypatch.setattr(io_utils, "S3_PART_BYTES", 5 << 20)
     monkeypatch.setattr(s3fs.S3FileSystem, "retries", 1)
+    # nothing stalls here: the module's read timeout of 0.5 s (for its stall tests) can run out
+    # while moto, under load, assembles an upload's parts, and the retried completion then
+    # finds the upload completed ("the specified upload does not exist")
+    monkeypatch.setitem(fsspec.config.conf, "s3", SHORT | {"config_kwargs": {
+        **SHORT["config_kwargs"], "read_timeout": 30}})  # fmt: skip
+    s3fs.S3FileSystem.clear_instance_cache()
     data = np.random.default_rng(13).integers(0, 256, (12 << 20) + 123, dtype=np.uint8)
     fs = s3fs.S3FileSystem()
 
