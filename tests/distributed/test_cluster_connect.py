@@ -365,6 +365,46 @@ def test_a_head_that_never_answers_ends_after_the_join_timeout(private_tmp) -> N
 # ------------------------------------------------------------ the job itself
 
 
+PRESTARTED = """
+import json, os, time
+import psutil, ray
+from embgeom_ray.distributed.cluster import connect
+
+connect(None)
+me = psutil.Process()
+
+def idle():
+    return {p.pid for p in me.children(recursive=True) if p.cmdline()[:1] == ["ray::IDLE"]}
+
+deadline = time.monotonic() + 60
+while len(idle()) < 2 and time.monotonic() < deadline:
+    time.sleep(0.2)
+before = idle()
+
+@ray.remote(num_cpus=1)
+def where():
+    time.sleep(0.5)
+    return os.getpid(), os.environ.get("HF_HUB_OFFLINE")
+
+print(json.dumps({"idle": sorted(before), "tasks": ray.get([where.remote() for _ in range(2)])}))
+"""
+
+
+@pytest.mark.slow
+def test_a_private_ray_runs_the_first_tasks_on_its_waiting_workers(private_tmp) -> None:
+    """On the private local Ray the driver's ``HF_*`` variables reach the workers through the
+    environment they inherit, not a runtime env: Ray's workers started beforehand serve only
+    jobs without one, so with it the first tasks (the sampled stage's) waited for fresh
+    workers beside two idle ones (~0.9 s)."""
+    proc = subprocess.run(_script(PRESTARTED), capture_output=True, text=True,
+                          env=_env(private_tmp), timeout=180)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert len(out["idle"]) >= 2
+    assert all(env == "1" for _, env in out["tasks"])  # HF_HUB_OFFLINE, from the driver
+    assert {pid for pid, _ in out["tasks"]} <= set(out["idle"])
+
+
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory) -> str:
     return make_tiny_bert(str(tmp_path_factory.mktemp("m")), max_position=64)
