@@ -347,10 +347,11 @@ def _auth_hint() -> str:
 
 def _driver_runtime_env() -> dict[str, Any] | None:
     """The driver's ``HF_*`` / ``TRANSFORMERS_*`` variables (offline mode, caches), for the
-    workers of a cluster this process joins (a private local Ray's inherit them), except those a submitted job's runtime env already sets (Ray refuses a driver
-    runtime env that repeats one of the job's env_vars) and the hub token: Ray shows a runtime
-    env in its dashboard and writes it to its logs, so the token goes to the extractors as an
-    argument instead (:mod:`embgeom_ray.inputs.hub_credentials`)."""
+    workers of a cluster this process joins (a private local Ray's workers inherit them),
+    except those a submitted job's runtime env already sets (Ray refuses a driver runtime env
+    that repeats one of the job's env_vars) and the hub token: Ray shows a runtime env in its
+    dashboard and writes it to its logs, so the token goes to the extractors as an argument
+    instead (:mod:`embgeom_ray.inputs.hub_credentials`)."""
     from ..inputs.hub_credentials import TOKEN_VARIABLES
 
     env_vars = {
@@ -452,9 +453,9 @@ def connect(
             ray.init(
                 address="local",
                 # no runtime env: the private Ray's processes are this process's children and
-                # inherit its environment (the HF_* variables with it), and the task workers
-                # Ray starts beforehand only serve jobs without one: with it, the sampled
-                # stage's first tasks waited ~0.9 s for fresh workers beside two idle ones
+                # inherit its environment (the HF_* variables with it), and the workers Ray
+                # starts beforehand serve only jobs without one: with it, the first tasks (the
+                # sampled stage's) waited ~0.9 s for fresh workers beside two idle ones
                 runtime_env=None,
                 include_dashboard=False,
                 log_to_driver=not progress.is_routed(),
