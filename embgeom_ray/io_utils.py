@@ -11,6 +11,7 @@ failure: :func:`_write_remote`; either way the write's memory stays near the dat
 from __future__ import annotations
 
 import contextlib
+import copy
 import io
 import json
 import os
@@ -44,6 +45,22 @@ STORE_DEFAULTS: dict[str, dict[str, Any]] = {
 }
 
 
+#: the protocols whose fsspec settings in this process are :data:`STORE_DEFAULTS` alone (no one
+#: had set any), as :func:`apply_store_defaults` made them (:func:`store_defaults_only`)
+_FROM_DEFAULTS: dict[str, dict[str, Any]] = {}
+
+
+def store_defaults_only(protocol: str) -> bool:
+    """Whether this process's fsspec settings of ``protocol`` are the job's defaults alone, as
+    :func:`apply_store_defaults` made them where there were none: settings an extractor takes
+    from the job's own process (:func:`embgeom_ray.storage.use_storage_access`) replace them,
+    as they would have had the defaults not been applied first."""
+    import fsspec.config
+
+    made = _FROM_DEFAULTS.get(protocol)
+    return made is not None and fsspec.config.conf.get(protocol) == made
+
+
 def apply_store_defaults() -> None:
     """Merge :data:`STORE_DEFAULTS` into fsspec's configuration under what it already holds
     (each filesystem made after this applies them; the user's settings win), and send S3
@@ -59,9 +76,12 @@ def apply_store_defaults() -> None:
 
     for protocol, defaults in STORE_DEFAULTS.items():
         conf = fsspec.config.conf.setdefault(protocol, {})
+        empty = not conf
         for key, value in defaults.items():
             given = conf.get(key)
             conf[key] = (value | given) if isinstance(value, dict) and isinstance(given, dict) else conf.get(key, value)
+        if empty:
+            _FROM_DEFAULTS[protocol] = copy.deepcopy(conf)
     try:
         from botocore import handlers
     except ImportError:  # no S3 here
@@ -167,7 +187,7 @@ def atomic_write_blocks(url: str, blocks: Iterable[Any], size: int) -> None:
         fs, path = fsspec.core.url_to_fs(url)
         fs.pipe_file(
             path, _StreamedParts(blocks, size), chunksize=s3_part_bytes(size),
-            max_concurrency=S3_PARTS_AT_ONCE,
+            max_concurrency=s3_parts_at_once(size),
         )  # fmt: skip
     elif _protocol(url) in ("s3", "s3a"):  # small enough for one request: gathered
         data = io.BytesIO()
@@ -178,19 +198,28 @@ def atomic_write_blocks(url: str, blocks: Iterable[Any], size: int) -> None:
 
 
 #: an S3 object of more than 2 parts is uploaded in parts of this many bytes (more for an
-#: object of more than :data:`S3_MAX_PARTS` of them: :func:`s3_part_bytes`), at most
-#: :data:`S3_PARTS_AT_ONCE` at a time (s3fs's ``pipe_file``): the write holds about
-#: ``part × S3_PARTS_AT_ONCE × 2`` bytes beside the data (400 MiB; 616 MiB for a 70B
-#: model's host tier of 747 GiB). Through s3fs's buffered file
+#: object of more than :data:`S3_MAX_PARTS` of them: :func:`s3_part_bytes`), a few at a time
+#: (:func:`s3_parts_at_once`, s3fs's ``pipe_file``). Through s3fs's buffered file
 #: (``f.write(data)``) a write of 1.18 GB held 3.5 GB beside it, 3 copies of the data: the
 #: file's buffer, its parts, the requests' bodies (moto on loopback, peak resident memory);
-#: this way 0.44 GB. A part's bytes are copied out of the data as it is sent (botocore takes
-#: bytes, not views), whatever the data's type (bytes, or a uint8 array from Ray's store)
+#: this way 0.44 GB, two copies of each part in flight (:func:`upload_buffer_bytes`). A
+#: part's bytes are copied out of the data as it is sent (botocore takes bytes, not views),
+#: whatever the data's type (bytes, or a uint8 array from Ray's store)
 S3_PART_BYTES = 50 * 2**20
+#: the parts of one upload in flight: at least this many ...
 S3_PARTS_AT_ONCE = 4
+#: ... and at most this many: about 1.3 GiB/s at the ~85–90 MB/s one connection to S3 carries
+#: (AWS's S3 performance guidelines: one concurrent request for each 85–90 MB/s wanted), past
+#: the 1 GiB/s a writer that the plans' checkpoint intervals take (docs/sizing.md)
+S3_PARTS_AT_ONCE_MAX = 16
+#: one part in flight for every this many parts of the object (:func:`s3_parts_at_once`)
+S3_PARTS_PER_CONNECTION = 8
 #: the most parts of one multipart upload (S3, and MinIO's and moto's S3 APIs alike: a part
 #: numbered past it is refused, and the upload fails where it gets there)
 S3_MAX_PARTS = 10_000
+#: the block of another object store's fsspec file, at most (gcsfs: resumable uploads of
+#: 50 MiB blocks), which :func:`_write_remote` fills a slice at a time
+REMOTE_BLOCK_BYTES = 50 * 2**20
 
 
 def s3_part_bytes(size: int) -> int:
@@ -199,6 +228,40 @@ def s3_part_bytes(size: int) -> int:
     tier of 747 GiB), the least whole number of MiB that keeps it within them (77 MiB)."""
     least = -(-int(size) // S3_MAX_PARTS)
     return max(S3_PART_BYTES, -(-least // 2**20) * 2**20)
+
+
+def s3_parts_at_once(size: int) -> int:
+    """The parts of an S3 upload of ``size`` bytes sent at once: one for every
+    :data:`S3_PARTS_PER_CONNECTION` parts of the object, from :data:`S3_PARTS_AT_ONCE` to
+    :data:`S3_PARTS_AT_ONCE_MAX`. An object of a few GiB goes up four parts at a time as
+    before (a 1.18 GB one: 23 parts, 4 at once); a checkpoint piece of tens or hundreds of GiB
+    (an 8B or 70B model's flush) sixteen at a time, which a writer needs for the plans' 1 GiB/s
+    (four connections carry ~0.35 GB/s). The parts in flight are what the upload holds beside
+    the data (:func:`upload_buffer_bytes`), so they grow with the object: at most a quarter of
+    its size past the least four."""
+    parts = -(-int(size) // s3_part_bytes(size))
+    return min(S3_PARTS_AT_ONCE_MAX, max(S3_PARTS_AT_ONCE, parts // S3_PARTS_PER_CONNECTION))
+
+
+def upload_buffer_bytes(url: str, size: int) -> int:
+    """u: what writing an object of ``size`` bytes to ``url`` holds beside the data, at most
+    (the memory formulas of :mod:`embgeom_ray.sizing.formulas` count it for each process that
+    writes to the run): nothing on a local disk; on S3 two copies of each part in flight
+    (the part's bytes, and the request's body), 2 · min(parts, :func:`s3_parts_at_once`) ·
+    :func:`s3_part_bytes` (400 MiB for an object of up to 31 parts of 50 MiB, 1.6 GiB from
+    128 parts, 2.4 GiB for a 70B model's 747 GiB host tier in 77 MiB parts), or two copies
+    of an object that goes up in one request (gathered, then its body); on other stores the
+    file's block and a slice of it, 2 · min(size, :data:`REMOTE_BLOCK_BYTES`)."""
+    size = int(size)
+    protocol = _protocol(url)
+    if protocol in ("file", "local"):
+        return 0
+    if protocol in ("s3", "s3a"):
+        part = s3_part_bytes(size)
+        if size < 2 * part:  # one request
+            return 2 * size
+        return 2 * min(-(-size // part), s3_parts_at_once(size)) * part
+    return 2 * min(size, REMOTE_BLOCK_BYTES)
 
 
 class _PartBytes:
@@ -255,8 +318,9 @@ def _put_s3(url: str, data: Any) -> None:
         fs.pipe_file(path, body)
         return
     fs.pipe_file(
-        path, _PartBytes(data), chunksize=s3_part_bytes(size), max_concurrency=S3_PARTS_AT_ONCE
-    )
+        path, _PartBytes(data), chunksize=s3_part_bytes(size),
+        max_concurrency=s3_parts_at_once(size),
+    )  # fmt: skip
 
 
 def _protocol(url: str) -> str:

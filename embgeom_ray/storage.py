@@ -338,13 +338,20 @@ def storage_access() -> dict[str, Any]:
 
 def use_storage_access(access: dict[str, Any]) -> None:
     """Set ``access`` (:func:`storage_access` of the job's process) in this process where it
-    has none of its own: a variable or an fsspec setting of the node wins."""
+    has none of its own: a variable or an fsspec setting of the node wins. The job's defaults
+    (:data:`~embgeom_ray.io_utils.STORE_DEFAULTS`, applied in every process that imports
+    :mod:`~embgeom_ray.io_utils`, perhaps before this runs) are not the node's own: the job's
+    process's settings replace them (its own defaults, or what a user or a test set there)."""
+    import copy
     import os
 
     import fsspec.config
+
+    from .io_utils import store_defaults_only
 
     for name, value in (access.get("env") or {}).items():
         if not os.environ.get(name):
             os.environ[name] = value
     for protocol, options in (access.get("fsspec") or {}).items():
-        fsspec.config.conf.setdefault(protocol, options)
+        if protocol not in fsspec.config.conf or store_defaults_only(protocol):
+            fsspec.config.conf[protocol] = copy.deepcopy(options)

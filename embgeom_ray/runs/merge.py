@@ -224,7 +224,7 @@ def merge_shape(probe: EmbeddingStatistics, layers: list[int], config: JobConfig
     sample = sum(sample_entries(config.sample_size, config.sample_type_size))
     return Shape(
         layers=len(layers), dim=probe.dim, positions=probe.max_positions, vocab=vocab,
-        clip=len(probe.clip_dims or []), sample_entries=sample, name="merge",
+        clip=len(probe.clip_dims or []), sample_entries=sample, name="merge", store=config.out,
     )  # fmt: skip
 
 

@@ -37,6 +37,7 @@ from .formulas import (
     statistics_for,
     tier_bytes,
     types_bound,
+    upload_bytes,
 )  # fmt: skip
 from .nodes import (
     Cluster,
@@ -281,8 +282,16 @@ def _extractor_formula(shape: Shape, b: int, gpus: int) -> str:
         + ("" if gpus else f" + batch {b:,} × {shape_batch_bytes_per_token(shape):,} B")
         + ("" if gpus or shape.lanes == 1 else f" ({shape.lanes} lanes)")
         + f" + 2 · sample {gib(shape.sample_bytes)} + "
+        + (f"u {gib(upload_bytes(shape))} (a flush's upload to {store_name(shape.store)}) + "
+           if upload_bytes(shape) else "")
         + ("(σ + g) serialised from the GPUs" if gpus else "2 · (σ + g)")
-    )
+    )  # fmt: skip
+
+
+def store_name(url: str) -> str:
+    """The object store of a run's URL, in words (``s3://b/run`` -> "S3")."""
+    protocol = url.split("://", 1)[0] if "://" in url else "file"
+    return {"s3": "S3", "s3a": "S3", "gs": "GCS", "gcs": "GCS"}.get(protocol, protocol)
 
 
 def host_tier_for(
@@ -512,7 +521,7 @@ def _by_reducer_memory(
     """``--reducer-memory B``: the fewest reducers of B each (at least ``--reducers``)."""
     memory, explicit_r = int(options.reducer_memory), options.reducers
     count = max(explicit_r or 1, reducers_for(memory, shape.layers, shape.dim, types,
-                                              shape.positions, shape.clip))  # fmt: skip
+                                              shape.positions, shape.clip, shape.store))  # fmt: skip
     largest = max(offers, default=0)
     if memory > largest:
         raise ConfigError(
@@ -624,6 +633,8 @@ def size_reducers(
     offers = cluster.offers(driver)
     explicit_r, explicit_b = options.reducers, options.reducer_memory
     formula = f"{gib(REDUCER_BASE_BYTES)} + {REDUCER_MERGE_FACTOR:g} · (⌈V/R⌉ types' rows + ⌈L/R⌉ layers' state)"
+    if shape.upload_bytes(1):  # the run is in object storage
+        formula += " + u (writing that part to the store: its upload's buffers)"
     if explicit_b is None and explicit_r == 1:
         return Reduce(0, None, types, f"{DRIVER_REDUCE_FACTOR} · (S(V) + F)", "--reducers 1", 0)
     if explicit_b is None and explicit_r is None:
@@ -657,7 +668,9 @@ def size_reducers(
 def reducers_for_cap(shape: Shape, types: int, cap: int) -> int:
     """The fewest reducers within ``cap`` bytes each (0 when none is)."""
     try:
-        return reducers_for(cap, shape.layers, shape.dim, types, shape.positions, shape.clip)
+        return reducers_for(
+            cap, shape.layers, shape.dim, types, shape.positions, shape.clip, shape.store
+        )
     except ConfigError:
         return 0
 

@@ -24,11 +24,14 @@ Processes:
   :func:`driver_bytes`; when it reduces the statistics itself,
   :data:`DRIVER_REDUCE_FACTOR` · (S(V) + F) instead of the dims rows. It reduces them
   itself only while all that is within :data:`DRIVER_ALLOWANCE_BYTES`.
-- **extractor**: :data:`EXTRACTOR_BASE_BYTES` + w + B · b_tok + 2 · Q + 2 · (σ + g), σ its
+- **extractor**: :data:`EXTRACTOR_BASE_BYTES` + w + B · b_tok + 2 · Q + u + 2 · (σ + g), σ its
   statistics budget, g = min(B, V) · r one batch's new types beyond it, b_tok the batch's bytes
-  per token on a CPU, k lanes' batches (:func:`batch_bytes_per_token`): :func:`extractor_bytes`.
+  per token on a CPU, k lanes' batches (:func:`batch_bytes_per_token`), u what writing its
+  largest object holds beside it where the run is in object storage
+  (:func:`~embgeom_ray.io_utils.upload_buffer_bytes`; 0 on a disk): :func:`extractor_bytes`.
 - **reducer** r of R: :data:`REDUCER_BASE_BYTES` + :data:`REDUCER_MERGE_FACTOR` · (its
-  ⌈V/R⌉ types' rows + the state of its ⌈L/R⌉ layers): :func:`reducer_budget`.
+  ⌈V/R⌉ types' rows + the state of its ⌈L/R⌉ layers) + u of what it writes:
+  :func:`reducer_budget`.
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ from ..core.sample_layers import SampleLayers, header_entries
 from ..core.statistics import state_bytes
 from ..core.statistics_io import STREAM_BLOCK_BYTES
 from ..errors import ConfigError
+from ..io_utils import upload_buffer_bytes
 
 KiB, MiB, GiB = 2**10, 2**20, 2**30
 
@@ -170,6 +174,14 @@ class Shape:
     #: k: the forward lanes of a CPU extractor (:mod:`~embgeom_ray.inputs.lanes`), each
     #: holding one batch; 1 on GPUs
     lanes: int = 1
+    #: the run's URL (``--out``), which the processes write to: "" (or a local path) for a
+    #: disk, where a write holds nothing beside its data (:meth:`upload_bytes`)
+    store: str = ""
+
+    def upload_bytes(self, size: int) -> int:
+        """u: what writing an object of ``size`` bytes to the run holds beside its data
+        (:func:`~embgeom_ray.io_utils.upload_buffer_bytes`; 0 on a disk)."""
+        return upload_buffer_bytes(self.store, size) if self.store else 0
 
     def type_bytes(self, types: int) -> int:
         """S(V): the per-type rows of ``types`` types in every measured layer."""
@@ -215,9 +227,10 @@ def run_shape(
     weight_bytes: int,
     dtype: str,
     name: str = "",
+    store: str = "",
 ) -> Shape:
     """The :class:`Shape` of a run from the model's (text) config, read for its blocks,
-    feed-forward width and heads, and the run's options."""
+    feed-forward width and heads, and the run's options (``store``: its ``--out``)."""
     def attr(*names: str) -> int:
         return next((int(getattr(model_config, n)) for n in names
                      if getattr(model_config, n, None)), 0)  # fmt: skip
@@ -236,6 +249,7 @@ def run_shape(
         weight_bytes=weight_bytes,
         dtype_bytes={"float32": 4, "bfloat16": 2, "float16": 2}[dtype],
         name=name,
+        store=store,
     )
 
 
@@ -389,10 +403,19 @@ def extractor_own_bytes(shape: Shape, batch_tokens: int, gpus: int) -> int:
     :data:`EXTRACTOR_BASE_BYTES` + w (the weights, on the host while they load; over N > 1
     GPUs accelerate's device map places them one GPU's share, w / N, at a time) + B · b_tok
     (a CPU batch's activations; on a GPU they are in device memory) + 2 · Q (the sample and
-    its serialised copy at a flush)."""
+    its serialised copy at a flush) + u (:func:`upload_bytes`: writing a flush's largest
+    object, where the run is in object storage)."""
     batch = 0 if gpus else batch_tokens * shape_batch_bytes_per_token(shape)
     weights = shape.weight_bytes // max(gpus, 1)
-    return EXTRACTOR_BASE_BYTES + weights + batch + 2 * shape.sample_bytes
+    return EXTRACTOR_BASE_BYTES + weights + batch + 2 * shape.sample_bytes + upload_bytes(shape)
+
+
+def upload_bytes(shape: Shape) -> int:
+    """u of an extractor: what writing the largest object of its flush holds beside it
+    (:meth:`Shape.upload_bytes`), bounded by a piece of the whole statistics of the
+    vocabulary, S(V) + F (a piece is at most σ, H or S(V_seen) + F; the sample's part, Q, is
+    written after it, not beside it; u does not fall as the object grows)."""
+    return shape.upload_bytes(max(shape.statistics_bytes(shape.vocab), shape.sample_bytes))
 
 
 def batch_growth_bytes(shape: Shape, types: int, batch_tokens: int) -> int:
@@ -453,23 +476,38 @@ def reducer_bytes(
 
 
 def reducer_budget(
-    reducers: int, layers: int, dim: int, types: int, positions: int, clip: int = 0
+    reducers: int,
+    layers: int,
+    dim: int,
+    types: int,
+    positions: int,
+    clip: int = 0,
+    store: str = "",
 ) -> int:
     """The memory the largest of ``reducers`` reducers needs: :data:`REDUCER_BASE_BYTES` plus
-    :data:`REDUCER_MERGE_FACTOR` times what it holds (:func:`reducer_bytes`)."""
+    :data:`REDUCER_MERGE_FACTOR` times what it holds (:func:`reducer_bytes`), plus u, what
+    writing that part to the run at ``store`` (its ``--out``; "": a disk) holds beside it
+    (:func:`~embgeom_ray.io_utils.upload_buffer_bytes`)."""
     held = reducer_bytes(reducers, layers, dim, types, positions, clip)
-    return REDUCER_BASE_BYTES + math.ceil(REDUCER_MERGE_FACTOR * held)
+    upload = upload_buffer_bytes(store, held) if store else 0
+    return REDUCER_BASE_BYTES + math.ceil(REDUCER_MERGE_FACTOR * held) + upload
 
 
 def reducers_for(
-    budget: int, layers: int, dim: int, types: int, positions: int, clip: int = 0
+    budget: int,
+    layers: int,
+    dim: int,
+    types: int,
+    positions: int,
+    clip: int = 0,
+    store: str = "",
 ) -> int:
     """The fewest reducers whose largest needs at most ``budget`` bytes (:func:`reducer_budget`).
     Raises :class:`ConfigError` when even one layer's state per reducer needs more than that."""
     most = max(types, layers, 1)  # one type and one layer each: no cut holds less
     low, high = 1, most
-    if reducer_budget(most, layers, dim, types, positions, clip) > budget:
-        need = reducer_budget(most, layers, dim, types, positions, clip)
+    if reducer_budget(most, layers, dim, types, positions, clip, store) > budget:
+        need = reducer_budget(most, layers, dim, types, positions, clip, store)
         raise ConfigError(
             f"--reducer-memory {budget:,} bytes cannot hold a reducer's part: one layer's "
             f"state alone needs {need:,} bytes: the process's own {REDUCER_BASE_BYTES // MiB} "
@@ -478,7 +516,7 @@ def reducers_for(
         )
     while low < high:  # reducer_budget falls as R grows
         mid = (low + high) // 2
-        if reducer_budget(mid, layers, dim, types, positions, clip) <= budget:
+        if reducer_budget(mid, layers, dim, types, positions, clip, store) <= budget:
             high = mid
         else:
             low = mid + 1
@@ -486,7 +524,9 @@ def reducers_for(
 
 
 def shape_reducer_budget(shape: Shape, reducers: int, types: int) -> int:
-    return reducer_budget(reducers, shape.layers, shape.dim, types, shape.positions, shape.clip)
+    return reducer_budget(
+        reducers, shape.layers, shape.dim, types, shape.positions, shape.clip, shape.store
+    )
 
 
 def sample_layer_bytes(entries: int, dim: int) -> int:
@@ -527,14 +567,27 @@ def driver_bytes(shape: Shape, types: int, in_process: bool) -> int:
     :data:`DRIVER_REDUCE_FACTOR` · (S(V) + F), else the ``dims`` rows of every layer (L·d of
     :data:`DIMS_ROW_BYTES`: each layer is analysed where its state lives, and only O(d + P)
     of it comes here); one layer's ``type_stats`` rows (V of :data:`TYPE_ROW_BYTES`: they are
-    written a layer at a time) and what it holds of the sample (:func:`driver_sample_bytes`)."""
+    written a layer at a time), what it holds of the sample (:func:`driver_sample_bytes`) and,
+    where the run is in object storage, u of its largest upload (:func:`driver_upload_bytes`)."""
     reduce = (
         DRIVER_REDUCE_FACTOR * shape.statistics_bytes(types)
         if in_process
         else shape.layers * shape.dim * DIMS_ROW_BYTES
     )
     rows = types * TYPE_ROW_BYTES
-    return DRIVER_RUN_BYTES + reduce + rows + shape.driver_sample_bytes
+    upload = driver_upload_bytes(shape, types, in_process)
+    return DRIVER_RUN_BYTES + reduce + rows + shape.driver_sample_bytes + upload
+
+
+def driver_upload_bytes(shape: Shape, types: int, in_process: bool) -> int:
+    """u of the driver (:meth:`Shape.upload_bytes`; 0 on a disk): its largest object, the
+    artefact where it reduces in process (S(V) + F), else ``type_stats.parquet`` (L·V rows of
+    at most :data:`TYPE_ROW_DISK_BYTES`) or ``samples.parquet`` (at most Q), each uploaded
+    from a staged file in parts (:func:`~embgeom_ray.io_utils.upload_buffer_bytes`)."""
+    largest = max(shape.layers * types * TYPE_ROW_DISK_BYTES, shape.sample_bytes)
+    if in_process:
+        largest = max(largest, shape.statistics_bytes(types))
+    return shape.upload_bytes(largest)
 
 
 def driver_formula(in_process: bool, shape: Shape | None = None) -> str:
@@ -555,9 +608,14 @@ def driver_formula(in_process: bool, shape: Shape | None = None) -> str:
             f"the sample a layer at a time {DRIVER_SAMPLE_LAYERS} · (4·s·d + 48s) + "
             f"{DRIVER_SAMPLE_ROW_BYTES} B · s"
         )
+    upload = (
+        " + u (its largest upload's buffers)"
+        if shape is not None and shape.upload_bytes(1)
+        else ""
+    )
     return (
         f"{gib(DRIVER_RUN_BYTES)} (Ray, the metrics' and report's libraries) + {reduce} + a "
-        f"layer's V type_stats rows of {TYPE_ROW_BYTES} B + {sample}"
+        f"layer's V type_stats rows of {TYPE_ROW_BYTES} B + {sample}{upload}"
     )
 
 

@@ -97,7 +97,8 @@ def describe_plan(
         per = reducer_bytes(red.count, L, d, types, P, shape.clip)
         lines += [
             f"reducers: {red.count} actor(s) × {gib(red.memory)} asked of Ray ({red.reason})",
-            f"    = {red.formula}: holds {gib(per)}",
+            f"    = {red.formula}: holds {gib(per)}"
+            + (f", u {gib(shape.upload_bytes(per))}" if shape.upload_bytes(per) else ""),
             f"  token ranges: equal numbers of the ids seen, cut at the reduce; over [0, V): "
             f"{shown}{more}",
             f"  layers' state: reducer r holds layers r, r + R, … (⌈L/R⌉ = "

@@ -352,3 +352,60 @@ def test_a_large_object_goes_up_in_parts_and_a_failed_part_leaves_nothing(proxy,
     proxy.heal()
     fs.invalidate_cache()
     assert not fs.exists(f"{BUCKET}/parts/refused-blocks.bin")
+
+
+def test_a_larger_object_has_more_parts_in_flight_and_no_more(proxy, monkeypatch):
+    """The parts an upload has in flight at once, counted at s3fs's requests: as many as
+    io_utils.s3_parts_at_once gives for the object's size, in each of the three ways the job
+    uploads (bytes, blocks streamed, a staged file: RunDir's tables), and never more. Here
+    an object of 7 parts of 5 MiB (S3's least): with one connection for every part, 7 at
+    once; with the job's one for every 8 parts, the least, 4 (4 to 16)."""
+    import numpy as np
+    import s3fs
+
+    from embgeom_ray import io_utils
+    from embgeom_ray.run_dir import _staged
+
+    monkeypatch.setattr(io_utils, "S3_PART_BYTES", 5 << 20)
+    monkeypatch.setitem(fsspec_conf(), "s3", SHORT | {"config_kwargs": {
+        **SHORT["config_kwargs"], "read_timeout": 30}})  # fmt: skip
+    s3fs.S3FileSystem.clear_instance_cache()
+    flight = {"now": 0, "most": 0}
+    call = s3fs.S3FileSystem._call_s3
+
+    async def counted(self, method, *args, **kwargs):
+        if method != "upload_part":
+            return await call(self, method, *args, **kwargs)
+        flight["now"] += 1
+        flight["most"] = max(flight["most"], flight["now"])
+        try:
+            return await call(self, method, *args, **kwargs)
+        finally:
+            flight["now"] -= 1
+
+    monkeypatch.setattr(s3fs.S3FileSystem, "_call_s3", counted)
+    fs = s3fs.S3FileSystem()
+    size = (30 << 20) + 7
+    data = np.random.default_rng(size).integers(0, 256, size, dtype=np.uint8)
+    for per, want in ((1, 7), (io_utils.S3_PARTS_PER_CONNECTION, 4)):
+        monkeypatch.setattr(io_utils, "S3_PARTS_PER_CONNECTION", per)
+        assert io_utils.s3_parts_at_once(size) == want
+        for how in ("bytes", "blocks", "staged"):
+            flight["most"] = 0
+            url = f"s3://{BUCKET}/flight/{how}-{per}.bin"
+            if how == "bytes":
+                io_utils.atomic_write_bytes(url, data)
+            elif how == "blocks":
+                blocks = (data[i : i + (2 << 20)] for i in range(0, size, 2 << 20))
+                io_utils.atomic_write_blocks(url, blocks, size)
+            else:
+                with _staged(url) as path:
+                    data.tofile(path)
+            assert flight["most"] == want, how
+            assert fs.cat(url[len("s3://") :]) == data.tobytes()
+
+
+def fsspec_conf() -> dict:
+    import fsspec.config
+
+    return fsspec.config.conf
