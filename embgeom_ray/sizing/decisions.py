@@ -29,6 +29,7 @@ from .formulas import (
     driver_bytes,
     driver_formula,
     extractor_bytes,
+    extractor_upload_bytes,
     gib,
     layer_bytes_per_token,
     reducers_for,
@@ -37,7 +38,6 @@ from .formulas import (
     statistics_for,
     tier_bytes,
     types_bound,
-    upload_bytes,
 )  # fmt: skip
 from .nodes import (
     Cluster,
@@ -282,8 +282,8 @@ def _extractor_formula(shape: Shape, b: int, gpus: int) -> str:
         + ("" if gpus else f" + batch {b:,} × {shape_batch_bytes_per_token(shape):,} B")
         + ("" if gpus or shape.lanes == 1 else f" ({shape.lanes} lanes)")
         + f" + 2 · sample {gib(shape.sample_bytes)} + "
-        + (f"u {gib(upload_bytes(shape))} (a flush's upload to {store_name(shape.store)}) + "
-           if upload_bytes(shape) else "")
+        + (f"u {gib(extractor_upload_bytes(shape))} (a flush's upload to "
+           f"{store_name(shape.store)}) + " if extractor_upload_bytes(shape) else "")
         + ("(σ + g) serialised from the GPUs" if gpus else "2 · (σ + g)")
     )  # fmt: skip
 

@@ -403,14 +403,15 @@ def extractor_own_bytes(shape: Shape, batch_tokens: int, gpus: int) -> int:
     :data:`EXTRACTOR_BASE_BYTES` + w (the weights, on the host while they load; over N > 1
     GPUs accelerate's device map places them one GPU's share, w / N, at a time) + B · b_tok
     (a CPU batch's activations; on a GPU they are in device memory) + 2 · Q (the sample and
-    its serialised copy at a flush) + u (:func:`upload_bytes`: writing a flush's largest
-    object, where the run is in object storage)."""
+    its serialised copy at a flush) + u (:func:`extractor_upload_bytes`: writing a flush's
+    largest object, where the run is in object storage)."""
     batch = 0 if gpus else batch_tokens * shape_batch_bytes_per_token(shape)
     weights = shape.weight_bytes // max(gpus, 1)
-    return EXTRACTOR_BASE_BYTES + weights + batch + 2 * shape.sample_bytes + upload_bytes(shape)
+    upload = extractor_upload_bytes(shape)
+    return EXTRACTOR_BASE_BYTES + weights + batch + 2 * shape.sample_bytes + upload
 
 
-def upload_bytes(shape: Shape) -> int:
+def extractor_upload_bytes(shape: Shape) -> int:
     """u of an extractor: what writing the largest object of its flush holds beside it
     (:meth:`Shape.upload_bytes`), bounded by a piece of the whole statistics of the
     vocabulary, S(V) + F (a piece is at most σ, H or S(V_seen) + F; the sample's part, Q, is
