@@ -477,14 +477,9 @@ def reducer_bytes(
 
 
 def reducer_budget(
-    reducers: int,
-    layers: int,
-    dim: int,
-    types: int,
-    positions: int,
-    clip: int = 0,
+    reducers: int, layers: int, dim: int, types: int, positions: int, clip: int = 0,
     store: str = "",
-) -> int:
+) -> int:  # fmt: skip
     """The memory the largest of ``reducers`` reducers needs: :data:`REDUCER_BASE_BYTES` plus
     :data:`REDUCER_MERGE_FACTOR` times what it holds (:func:`reducer_bytes`), plus u, what
     writing that part to the run at ``store`` (its ``--out``; "": a disk) holds beside it
@@ -495,14 +490,9 @@ def reducer_budget(
 
 
 def reducers_for(
-    budget: int,
-    layers: int,
-    dim: int,
-    types: int,
-    positions: int,
-    clip: int = 0,
+    budget: int, layers: int, dim: int, types: int, positions: int, clip: int = 0,
     store: str = "",
-) -> int:
+) -> int:  # fmt: skip
     """The fewest reducers whose largest needs at most ``budget`` bytes (:func:`reducer_budget`).
     Raises :class:`ConfigError` when even one layer's state per reducer needs more than that."""
     most = max(types, layers, 1)  # one type and one layer each: no cut holds less
