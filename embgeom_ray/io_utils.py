@@ -237,8 +237,8 @@ def s3_parts_at_once(size: int) -> int:
     before (a 1.18 GB one: 23 parts, 4 at once); a checkpoint piece of tens or hundreds of GiB
     (an 8B or 70B model's flush) sixteen at a time, which a writer needs for the plans' 1 GiB/s
     (four connections carry ~0.35 GB/s). The parts in flight are what the upload holds beside
-    the data (:func:`upload_buffer_bytes`), so they grow with the object: at most a quarter of
-    its size past the least four."""
+    the data (:func:`upload_buffer_bytes`), so they grow with the object: past the least four,
+    what they hold is at most a quarter of its size."""
     parts = -(-int(size) // s3_part_bytes(size))
     return min(S3_PARTS_AT_ONCE_MAX, max(S3_PARTS_AT_ONCE, parts // S3_PARTS_PER_CONNECTION))
 
