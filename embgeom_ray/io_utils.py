@@ -248,7 +248,7 @@ def upload_buffer_bytes(url: str, size: int) -> int:
     (the memory formulas of :mod:`embgeom_ray.sizing.formulas` count it for each process that
     writes to the run): nothing on a local disk; on S3 two copies of each part in flight
     (the part's bytes, and the request's body), 2 · min(parts, :func:`s3_parts_at_once`) ·
-    :func:`s3_part_bytes` (400 MiB for an object of up to 31 parts of 50 MiB, 1.6 GiB from
+    :func:`s3_part_bytes` (400 MiB for an object of up to 39 parts of 50 MiB, 1.6 GiB from
     128 parts, 2.4 GiB for a 70B model's 747 GiB host tier in 77 MiB parts), or two copies
     of an object that goes up in one request (gathered, then its body); on other stores the
     file's block and a slice of it, 2 · min(size, :data:`REMOTE_BLOCK_BYTES`)."""
@@ -321,6 +321,19 @@ def _put_s3(url: str, data: Any) -> None:
         path, _PartBytes(data), chunksize=s3_part_bytes(size),
         max_concurrency=s3_parts_at_once(size),
     )  # fmt: skip
+
+
+def put_file(path: str, url: str) -> None:
+    """The local file ``path`` uploaded as the object ``url`` (made whole once uploaded); S3's
+    in the parts of :func:`s3_part_bytes`, :func:`s3_parts_at_once` at a time (what
+    :func:`upload_buffer_bytes` counts), not s3fs's own ten at once."""
+    fs, key = fsspec.core.url_to_fs(url)
+    if _protocol(url) in ("s3", "s3a"):
+        size = os.path.getsize(path)
+        parts = {"chunksize": s3_part_bytes(size), "max_concurrency": s3_parts_at_once(size)}
+        fs.put_file(path, key, **parts)
+    else:
+        fs.put_file(path, key)
 
 
 def _protocol(url: str) -> str:

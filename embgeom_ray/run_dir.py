@@ -289,13 +289,10 @@ def row_runs(df: pd.DataFrame | pa.Table, keys: tuple[str, ...]) -> list[tuple[i
 @contextlib.contextmanager
 def _staged(url: str, digests: dict[str, Digest] | None = None) -> Iterator[str]:
     """A local path to write ``url``'s file into: a temporary name beside it, renamed into
-    place (local), or a temporary file uploaded (object stores; S3's in the parts of
-    :func:`~embgeom_ray.io_utils.upload_buffer_bytes`, not s3fs's ten at once) when the
-    block ends without an error; removed either way. ``digests`` gets the file's digest under its
-    name."""
-    import fsspec
-
-    from .io_utils import is_local, local_path, s3_part_bytes, s3_parts_at_once
+    place (local), or a temporary file uploaded (object stores:
+    :func:`~embgeom_ray.io_utils.put_file`) when the block ends without an error; removed
+    either way. ``digests`` gets the file's digest under its name."""
+    from .io_utils import is_local, local_path, put_file
 
     local = is_local(url)
     directory = os.path.dirname(os.path.abspath(local_path(url))) if local else None
@@ -311,13 +308,7 @@ def _staged(url: str, digests: dict[str, Digest] | None = None) -> Iterator[str]
             os.chmod(tmp, 0o666 & ~_UMASK)
             os.replace(tmp, local_path(url))
         else:
-            fs, path = fsspec.core.url_to_fs(url)
-            size = os.path.getsize(tmp)
-            if url.startswith(("s3://", "s3a://")):  # in parts, as few at once as our own writes
-                fs.put_file(tmp, path, chunksize=s3_part_bytes(size),
-                            max_concurrency=s3_parts_at_once(size))  # fmt: skip
-            else:
-                fs.put_file(tmp, path)
+            put_file(tmp, url)
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)

@@ -181,7 +181,7 @@ class Shape:
     def upload_bytes(self, size: int) -> int:
         """u: what writing an object of ``size`` bytes to the run holds beside its data
         (:func:`~embgeom_ray.io_utils.upload_buffer_bytes`; 0 on a disk)."""
-        return upload_buffer_bytes(self.store, size) if self.store else 0
+        return upload_buffer_bytes(self.store, size)
 
     def type_bytes(self, types: int) -> int:
         """S(V): the per-type rows of ``types`` types in every measured layer."""
@@ -485,7 +485,7 @@ def reducer_budget(
     writing that part to the run at ``store`` (its ``--out``; "": a disk) holds beside it
     (:func:`~embgeom_ray.io_utils.upload_buffer_bytes`)."""
     held = reducer_bytes(reducers, layers, dim, types, positions, clip)
-    upload = upload_buffer_bytes(store, held) if store else 0
+    upload = upload_buffer_bytes(store, held)
     return REDUCER_BASE_BYTES + math.ceil(REDUCER_MERGE_FACTOR * held) + upload
 
 
