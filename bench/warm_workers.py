@@ -4,8 +4,8 @@
 ``--cpus-per-worker`` CPUs, a private local Ray), each run a fresh process, ``--repeats`` pairs
 run alternately: (a) ``--no-warm-workers`` (every task of the sampled stage and the report
 starts in a fresh worker process and imports its libraries there) and (b) the default, which
-warms one worker per CPU the extractor leaves free (:mod:`embgeom_ray.distributed.warm_workers`;
-none when the extractor holds every CPU). Printed: the median wall time of each and its
+warms one worker per CPU while the extractor loads its model, their imports at idle priority
+(:mod:`embgeom_ray.distributed.warm_workers`). Printed: the median wall time of each and its
 stages from the manifests (extraction, tables and sampled metrics, report), and the ratio
 (b) / (a); the two runs' tables are checked to be the same.
 
@@ -31,7 +31,7 @@ import pandas as pd
 from bench.common import english_jsonl, median, minilm_dir, save
 
 ROOT = Path(__file__).resolve().parents[1]
-STAGES = ("extract_wall", "metrics", "write", "report")
+STAGES = ("extract_wall", "metrics", "sampled", "write", "report")
 
 
 def run_job(corpus: str, out: Path, warm: bool, args) -> dict:

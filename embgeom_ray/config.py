@@ -100,8 +100,8 @@ class RunOptions(OptionGroup):
     no_warm_workers: bool = Field(
         False,
         description="on a private local Ray, do not start the sampled-metrics and figure tasks' "
-        "worker processes (and their imports, at nice 19) on the CPUs the extractors leave "
-        "free while they run. Not a result option",
+        "worker processes (one per CPU, their imports at idle priority) while the extractors "
+        "run. Not a result option",
     )
 
     @field_validator("layers")

@@ -511,6 +511,7 @@ class _Scheduler:
         checkpoint_writer: Callable[..., dict[str, Any]] | None = None,
         on_unseen: Callable[[str, str], None] | None = None,
         ceiling: float | None = None,
+        on_requested: Callable[[PoolPlan], None] | None = None,
     ) -> None:
         self.config, self.pool, self._start = config, pool, start
         #: the age no unflushed shard is to pass where one more shard of the mean length
@@ -531,6 +532,8 @@ class _Scheduler:
         self.on_group, self.on_folded, self.on_requeued = on_group, on_folded, on_requeued
         #: called once, when the first actor has loaded its model
         self.on_ready = on_ready
+        #: called once, when the first pool's actors have been asked for
+        self.on_requested = on_requested
         each = Extractor(pool.num_cpus, pool.num_gpus, pool.memory_bytes)
         self.growth = growth or Growth(each, config.num_workers)
         self.pool.max_workers = self.growth.num_workers
@@ -554,6 +557,8 @@ class _Scheduler:
             self.poll(force=True)  # the first pool: what the nodes hold now
             self.pool.num_workers = len(self.starting)
             self.first_started = True
+            if self.on_requested is not None:
+                self.on_requested(self.pool)
             while self.queue or self.in_flight:
                 if not self.in_flight and not self.starting:
                     self.start_actor()  # every actor was lost: start again rather than stall
@@ -831,6 +836,7 @@ def run_shards(
     out_marker: dict[str, str] | None = None,
     on_unseen: Callable[[str, str], None] | None = None,
     ceiling: float | None = None,
+    on_requested: Callable[[PoolPlan], None] | None = None,
 ) -> PoolPlan:
     """Process ``shards`` on a pool of extractor actors: ``pool``, as the job's sizing decided
     it (:func:`~embgeom_ray.sizing.size_extractors`: actors, CPUs, GPUs, the memory each asks
@@ -841,7 +847,8 @@ def run_shards(
     ``on_folded`` each shard as an actor folds it (progress), ``on_requeued`` the folded
     shards an actor lost before flushing them (they are folded again later); ``on_ready`` is
     called once with the pool's plan, when the first actor has loaded its model and been
-    given its first shard; ``on_resized`` gets one line each time the pool grows or shrinks
+    given its first shard; ``on_requested`` once with it, when the first pool's actors have
+    been asked for (before any has loaded its model); ``on_resized`` gets one line each time the pool grows or shrinks
     (module docstring: the pool follows the cluster); ``interval(n)`` the seconds between an
     extractor's flushes while ``n`` extractors are ready (default: ``--checkpoint-interval``);
     ``checkpoint_writer``: where each extractor writes its own flushes' files
@@ -902,5 +909,6 @@ def run_shards(
         checkpoint_writer,
         on_unseen,
         ceiling,
+        on_requested,
     ).run()
     return plan

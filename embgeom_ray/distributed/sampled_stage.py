@@ -75,8 +75,10 @@ def add_sampled_metrics(
     from ..core.kmeans_selection import LOCAL_FIT_MAX_ELEMENTS
     from .cluster import connect  # only here: the driver imports ray when there is Ray work
     from .kmeans import RayFits, call_on_ray, fit_shares, submit_layers_on_ray
+    from .warm_workers import await_warm_workers
 
     connect(address)
+    await_warm_workers()
     kmeans_options, row_options = sampled_options(options, first.num_uniform)
     flagged = flagged_dims(tables["dims"])
     shares = fit_shares(len(layers), 1)

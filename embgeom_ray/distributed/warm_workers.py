@@ -12,14 +12,29 @@ functions' use without a distance matrix do.
 
 On a private local Ray (the job owns the machine: :func:`~embgeom_ray.distributed.cluster.connect`
 started it, with Ray's idle-worker killing held off so that these workers live until the
-stage), :func:`warm_task_workers` starts those processes once the first extractor is ready:
-one task per CPU the extractors leave free (``count``: the pipeline's ``warm_workers_wanted``),
-each holding no CPU (so it does not wait for a CPU Ray has given the extractor), lowers its
-process to nice 19 and imports :data:`MODULES`. Ray then gives the stage's tasks to these idle
-workers. ``python -m bench.warm_workers`` measures the whole job with and without them
-(``docs/benchmarks.md``, 2-core CPU VMs). Where the extractors hold every CPU, warming workers
-anyway was tried: the imports' CPU time came out of the forward, about as much as the stage
-gained, so no worker is warmed there.
+stage), :func:`warm_task_workers` starts those processes while the first extractors load their
+model: one task per CPU of the machine, no more than the stage's and the figures' tasks
+(``count``: the pipeline's ``warm_workers_wanted``), each holding no CPU (so it does not wait
+for a CPU Ray has given an extractor). Each lowers its process to nice 19 and imports
+:data:`MODULES` in a thread of Linux's ``SCHED_IDLE`` policy, the scheduler's lowest weight
+(3, against 15 at nice 19 and 36 at Ray's nice 15), which runs mostly where no other thread
+wants the CPU: the imports use the CPU time the extractors leave, mostly while they load their
+model. The policy ends with that thread, so the tasks the worker runs later run at nice 19.
+Ray then gives the stage's tasks to these idle workers; the stage first waits for warm-ups
+still importing (:func:`await_warm_workers`, at most :data:`AWAIT_S`), since a task that found
+every worker busy warming would get a fresh one that imports everything again beside them.
+
+The warm-ups are submitted :data:`AFTER_S` after the first extractors are asked for
+(``after_s``), not before: Ray starts as many task workers as the machine has CPUs with
+itself, and an extractor takes one of those where it can; a warm-up that took it first would
+leave the extractor to start a process of its own before it loads its model. Measured on the
+demo job, whose one extractor holds both CPUs of a 2-core VM (docs/benchmarks.md): the stage's
+first tasks no longer wait ~2 s for their imports, and the job ends ~2.5 s sooner, though the
+extraction takes ~0.5–0.9 s longer (the warm-ups' imports outlast the model's loading, and
+what is left of them takes the CPU the forward leaves). Warmed at nice 19 once the extractor
+was ready (the rule while only the CPUs the extractors left free were warmed), the imports
+came out of the forward's CPU time: no gain. ``python -m bench.warm_workers`` measures the
+whole job with and without them.
 
 The priority stays with the process: the stage's and the report's tasks then run at nice 19 as
 well, which changes nothing while they have the cores to themselves (the driver waits for them)
@@ -37,8 +52,9 @@ sessions' (an extractor at 15 ran the same bare forward at the same rate as one 
 alternated, on the shared 2-core machine).
 
 Nothing depends on the warm-up: a task that finds no idle worker gets a fresh one, as before,
-and a warm-up that fails only leaves its worker cold. Each warm worker holds the imported
-libraries from the extraction's start instead of the stage's: 387 MiB resident, 240 MiB of
+and a warm-up that fails (or a kernel that refuses ``SCHED_IDLE``: it imports at nice 19) only
+leaves its worker cold. Each warm worker holds the imported libraries from the extraction's
+start instead of the stage's: 387 MiB resident, 240 MiB of
 it private, against 79 MiB for a fresh Ray worker (``docs/design.md``, "Processes and their
 memory").
 """
@@ -48,6 +64,8 @@ from __future__ import annotations
 import importlib
 import logging
 import os
+import threading
+import time
 from typing import Any
 
 log = logging.getLogger(__name__)
@@ -56,41 +74,107 @@ log = logging.getLogger(__name__)
 MODULES: tuple[str, ...] = (
     "embgeom_ray.core.kmeans",
     "embgeom_ray.core.tables",
+    "embgeom_ray.core.sampled_metrics",
     "embgeom_ray.distributed.kmeans",
     "embgeom_ray.report.plots",
 )
 #: the nice value of a warm worker's process (19: the lowest priority)
 NICENESS = 19
+#: the longest the sampled stage waits for warm-ups still importing (seconds): about one
+#: worker's imports on a core of its own
+AWAIT_S = 3.0
+#: seconds between asking for the first extractors and submitting the warm-ups: time for Ray
+#: to give each extractor one of the task workers it started beforehand (a lease on a local
+#: Ray takes ~0.1 s)
+AFTER_S = 0.5
 
 
-def warm_up(modules: tuple[str, ...] = MODULES, niceness: int = NICENESS) -> dict[str, Any]:
+def warm_up(
+    modules: tuple[str, ...] = MODULES, niceness: int = NICENESS, idle: bool = False
+) -> dict[str, Any]:
     """Lower this process's priority to ``niceness`` and import ``modules``; returns the pid,
-    the nice value reached and the modules that failed to import (left for the real task to
-    report)."""
+    the nice value reached, whether the imports ran at idle priority and the modules that
+    failed to import (left for the real task to report). ``idle``: import in a thread of
+    Linux's ``SCHED_IDLE`` policy (the scheduler's lowest weight: it runs mostly on CPU time
+    no other thread wants); the policy ends with that thread, so the process's later tasks
+    run at ``niceness``."""
     try:
         nice = os.nice(max(0, niceness - os.nice(0)))
     except OSError:  # not permitted here: import at the priority we have
         nice = os.nice(0)
-    failed = []
-    for name in modules:
-        try:
-            importlib.import_module(name)
-        except Exception:
-            failed.append(name)
-    return {"pid": os.getpid(), "nice": nice, "failed": failed}
+    failed: list[str] = []
+    at_idle = [False]
+
+    def imports() -> None:
+        if idle and hasattr(os, "SCHED_IDLE"):
+            try:  # this thread only (Linux: a policy is per thread)
+                os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+                at_idle[0] = True
+            except OSError:
+                pass
+        for name in modules:
+            try:
+                importlib.import_module(name)
+            except Exception:
+                failed.append(name)
+
+    if idle:
+        thread = threading.Thread(target=imports, name="warm-up", daemon=True)
+        thread.start()
+        thread.join()
+    else:
+        imports()
+    return {"pid": os.getpid(), "nice": nice, "idle": at_idle[0], "failed": failed}
 
 
-def warm_task_workers(count: int) -> list[Any]:
-    """Start ``count`` Ray task workers that run :func:`warm_up` (no CPU held); returns their
-    ObjectRefs (nothing needs to wait for them). A failure to submit them is logged and
+#: the warm-ups submitted and not yet awaited (:func:`await_warm_workers`): the Ray job that
+#: submitted them, and their refs
+_PENDING: list[tuple[str, Any]] = []
+
+
+def warm_task_workers(count: int, after_s: float = 0.0) -> None:
+    """Start ``count`` Ray task workers that run :func:`warm_up` (no CPU held, their imports at
+    idle priority): now, or ``after_s`` seconds from now (a daemon thread submits them then).
+    Their refs are kept for :func:`await_warm_workers`. A failure to submit them is logged and
     ignored: the job's tasks then start their own workers."""
     if count <= 0:
+        return
+    import ray
+
+    job = ray.get_runtime_context().get_job_id()
+
+    def submit() -> None:
+        if after_s > 0:
+            time.sleep(after_s)
+        try:
+            task = ray.remote(warm_up).options(num_cpus=0, max_retries=0)
+            _PENDING.extend((job, task.remote(MODULES, NICENESS, True)) for _ in range(count))
+        except Exception as exc:  # an optimisation only: never fail the job over it
+            log.warning("could not warm task workers (%s); the tasks will start their own", exc)
+
+    if after_s > 0:
+        threading.Thread(target=submit, name="warm-task-workers", daemon=True).start()
+    else:
+        submit()
+
+
+def await_warm_workers(timeout: float = AWAIT_S) -> list[dict[str, Any]]:
+    """Wait up to ``timeout`` seconds for this Ray job's warm-ups still running, before the
+    tasks they are for are submitted (a task that finds every worker busy warming gets a fresh
+    one, which imports everything again beside them); forget every warm-up submitted. Returns
+    what the finished ones returned (:func:`warm_up`)."""
+    if not _PENDING:
         return []
     import ray
 
+    job = ray.get_runtime_context().get_job_id() if ray.is_initialized() else None
+    refs = [ref for j, ref in _PENDING if j == job]
+    _PENDING.clear()
+    if not refs:
+        return []
     try:
-        task = ray.remote(warm_up).options(num_cpus=0, max_retries=0)
-        return [task.remote() for _ in range(count)]
-    except Exception as exc:  # an optimisation only: never fail the job over it
-        log.warning("could not warm task workers (%s); the tasks will start their own", exc)
+        done, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout)
+        return [r for r in ray.get(done) if isinstance(r, dict)]
+    except Exception as exc:  # an optimisation only
+        log.warning("could not wait for the warm task workers (%s)", exc)
         return []

@@ -47,6 +47,7 @@ from ..core.sample_layers import SampleLayers, sample_layers
 from ..core.statistics import EmbeddingStatistics
 from ..counts import Counts, unk_warning
 from ..distributed.process_memory import sampler
+from ..distributed.warm_workers import AFTER_S as WARM_AFTER_S
 from ..distributed.warm_workers import warm_task_workers
 from ..errors import ConfigError, CorpusError, IntegrityError, OutputError
 from ..inputs.corpus import (
@@ -159,12 +160,14 @@ def _extract(
     store: CheckpointStore,
     on_ready: Any,
     pacer: Pacer,
+    on_requested: Any = None,
 ) -> PoolPlan:
     """Run ``todo`` on Ray (joined by :func:`size_run`) on the pool ``sizing`` decided, grown
     and shrunk as nodes join and leave (one line on stderr each time); every flushed group is
     checkpointed on arrival, its bytes and the seconds its write took told to ``pacer``, which
     sets the checkpoint interval (a line when it changes by a quarter or more);
-    ``on_ready(pool)`` once the first extractor is ready."""
+    ``on_ready(pool)`` once the first extractor is ready, ``on_requested(pool)`` once the first
+    extractors are asked for."""
     from ..distributed.actor_pool import run_shards
 
     config = spec.config
@@ -234,6 +237,7 @@ def _extract(
             on_folded=on_folded,
             on_requeued=lambda rs: show(-len(rs), -sum(r.counts.tokens for r in rs)),
             on_ready=on_ready,
+            on_requested=on_requested,
             pool=sizing.pool,
             on_resized=on_resized,
             interval=pacer.interval,
@@ -252,14 +256,14 @@ def _extract(
             pacer.writers_why = decide_writers(config.out)[1]
 
 
-def warm_workers_wanted(config: JobConfig, layers: int, pool: PoolPlan) -> int:
+def warm_workers_wanted(config: JobConfig, layers: int) -> int:
     """How many task workers to warm while the extractors run
     (:mod:`~embgeom_ray.distributed.warm_workers`): on the private local Ray only, unless
-    ``--no-warm-workers``, one per CPU the extractors leave free, and no more than the sampled
-    stage (two tasks per layer) and the report's figure groups drawn as tasks will use; 0
-    elsewhere. On a machine whose CPUs the extractors hold (a CPU-only run with the default
-    pool) that is none: the imports would slow the forward by about what they save later
-    (``docs/benchmarks.md``, warm workers)."""
+    ``--no-warm-workers``, one per CPU of the machine (the most of the stage's one-CPU tasks
+    that run at once), and no more than the sampled stage (two tasks per layer) and the
+    report's figure groups drawn as tasks will use; 0 elsewhere. Where the extractors hold
+    every CPU too: the warm-ups import at idle priority, on the CPU time the extractors
+    leave."""
     from ..distributed.cluster import started_private_local
 
     if config.no_warm_workers or not started_private_local():
@@ -269,8 +273,7 @@ def warm_workers_wanted(config: JobConfig, layers: int, pool: PoolPlan) -> int:
     tasks = (2 * layers if config.sample_size > 0 else 0) + (
         0 if config.no_report else len(FIGURE_GROUPS) - 1
     )
-    spare = int(ray.cluster_resources().get("CPU", 0)) - pool.num_workers * pool.num_cpus
-    return max(0, min(tasks, spare))
+    return max(0, min(tasks, int(ray.cluster_resources().get("CPU", 0))))
 
 
 def reduce_groups(
@@ -796,12 +799,16 @@ def _extract_and_reduce(
         early.extend(start_reducers_early(
             sizing.reduce, store, reducer_checkpoint_seconds(config, started.pacer)
         ))  # fmt: skip
-        warm_task_workers(warm_workers_wanted(config, len(spec.layers), pool))
+
+    def on_requested(pool: PoolPlan) -> None:  # the first extractors are asked for
+        warm_task_workers(warm_workers_wanted(config, len(spec.layers)), after_s=WARM_AFTER_S)
 
     t_extract0 = time.perf_counter()
     try:
         pool = (
-            _extract(spec, sizing, started.pending, store, on_ready, started.pacer)
+            _extract(
+                spec, sizing, started.pending, store, on_ready, started.pacer, on_requested
+            )
             if started.pending
             else None
         )

@@ -121,6 +121,37 @@ def test_an_extractor_waiting_for_a_node_does_not_hold_the_job_up(ray_local):
     assert (pool.largest_workers, pool.workers_waiting) == (1, 1)
 
 
+def test_on_requested_comes_once_when_the_first_pool_is_asked_for(ray_local):
+    """The warm-ups' hook (runs/pipeline.py): called once, with the pool, once the first
+    pool's extractors are asked for and before any has loaded (its ``ready`` answered), not
+    again when the pool grows."""
+    shards = [Shard(f"s{i}", "corpus.jsonl", "jsonl", i, i + 1, 0) for i in range(6)]
+    nodes = [Node("n0", 8 * GiB, cpus=1)]
+    events: list[tuple[str, int]] = []
+    pool = PoolPlan(num_workers=1, num_gpus=0.0, num_cpus=1)
+
+    def start():
+        events.append(("start", len(events)))
+        return FakeExtractActor.options(num_cpus=0).remote(0.05)
+
+    def on_folded(report: FoldReport) -> None:
+        if len(nodes) == 1:  # a node joins: the pool grows
+            nodes.append(Node("n1", 8 * GiB, cpus=1))
+
+    growth = Growth(Extractor(cpus=1), None, read=lambda: Cluster(tuple(nodes)),
+                    say=lambda _: None, poll_s=0.05)  # fmt: skip
+    _Scheduler(
+        SchedulingOptions(checkpoint_interval=3600), pool, start, shards, lambda _: None,
+        on_folded, lambda _: None, lambda p: events.append(("ready", p.largest_workers)),
+        growth=growth, on_requested=lambda p: events.append(("requested", len(p.extractors))),
+    ).run()  # fmt: skip
+    names = [name for name, _ in events]
+    assert names.count("requested") == 1 and names.count("ready") == 1
+    assert names.count("start") == 2  # the pool grew: requested was not called again
+    assert names.index("start") < names.index("requested") < names.index("ready")
+    assert ("requested", 0) in events  # no extractor had loaded when it came
+
+
 def test_where_the_autoscaler_cannot_be_asked_extractors_wait_as_its_demand(ray_local):
     """``--num-workers 3``, the nodes holding one, and the autoscaler's request failing (as
     on a Ray Client connection): all three are asked for at once, the two no node holds

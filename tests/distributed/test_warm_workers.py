@@ -13,7 +13,6 @@ import pytest
 
 from embgeom_ray.config import JobConfig
 from embgeom_ray.distributed import cluster
-from embgeom_ray.distributed.actor_pool import PoolPlan
 from embgeom_ray.distributed.warm_workers import MODULES, warm_up
 from embgeom_ray.report.plots import FIGURE_GROUPS
 from embgeom_ray.runs import pipeline
@@ -41,6 +40,29 @@ def test_warm_up_lowers_priority_and_imports():
     assert result["failed"] == ["no_such_module_embgeom"]  # left for the real task to report
     assert name in sys.modules
     assert os.nice(0) < 19  # this thread was not lowered
+
+
+@pytest.mark.skipif(not hasattr(os, "SCHED_IDLE"), reason="SCHED_IDLE is Linux's")
+def test_warm_up_imports_at_idle_priority_in_a_thread_of_its_own():
+    name = "embgeom_ray.core.neighbours"
+    sys.modules.pop(name, None)
+    seen: dict = {}
+    real = os.sched_setscheduler
+
+    def spy(pid, policy, param):  # the policy asked for, and the thread asking
+        seen.update(policy=policy, thread=threading.get_ident())
+        return real(pid, policy, param)
+
+    os.sched_setscheduler = spy
+    try:
+        result = in_thread(warm_up, (name,), 19, True)
+    finally:
+        os.sched_setscheduler = real
+    assert result["idle"] is True and result["failed"] == []
+    assert name in sys.modules
+    assert seen["policy"] == os.SCHED_IDLE
+    assert seen["thread"] != threading.get_ident()
+    assert os.sched_getscheduler(0) != os.SCHED_IDLE  # this thread keeps its policy
 
 
 def test_the_warm_modules_are_what_the_stage_imports():
@@ -95,25 +117,24 @@ def config(**kw) -> JobConfig:
 
 
 @pytest.mark.parametrize(
-    ("cpus", "workers", "per", "kw", "expected"),
+    ("cpus", "kw", "expected"),
     [
-        (2, 1, 2, {}, 0),  # the default CPU run: the extractor holds every CPU
-        (2, 1, 1, {}, 1),  # one CPU free
-        (16, 1, 1, {}, 15),  # a GPU machine: one extractor of one CPU
-        (64, 1, 1, {}, 7 * 2 + len(FIGURE_GROUPS) - 1),  # no more than the tasks
-        (64, 1, 1, {"sample_size": 0}, len(FIGURE_GROUPS) - 1),
-        (64, 1, 1, {"sample_size": 0, "no_report": True}, 0),
+        (2, {}, 2),  # the default CPU run: the extractor holds every CPU, warmed at idle priority
+        (16, {}, 16),  # a GPU machine
+        (64, {}, 7 * 2 + len(FIGURE_GROUPS) - 1),  # no more than the tasks
+        (64, {"sample_size": 0}, len(FIGURE_GROUPS) - 1),
+        (64, {"sample_size": 0, "no_report": True}, 0),
+        (2, {"no_warm_workers": True}, 0),
     ],
 )
-def test_warm_workers_wanted(monkeypatch, cpus, workers, per, kw, expected):
+def test_warm_workers_wanted(monkeypatch, cpus, kw, expected):
     import ray
 
     monkeypatch.setattr(cluster, "started_private_local", lambda: True)
     monkeypatch.setattr(ray, "cluster_resources", lambda: {"CPU": float(cpus)})
-    pool = PoolPlan(num_workers=workers, num_gpus=0.0, num_cpus=per)
-    assert pipeline.warm_workers_wanted(config(**kw), 7, pool) == expected
+    assert pipeline.warm_workers_wanted(config(**kw), 7) == expected
     monkeypatch.setattr(cluster, "started_private_local", lambda: False)
-    assert pipeline.warm_workers_wanted(config(**kw), 7, pool) == 0
+    assert pipeline.warm_workers_wanted(config(**kw), 7) == 0
 
 
 def test_not_private_when_ray_was_started_by_someone_else(ray_local):
@@ -125,7 +146,7 @@ SCRIPT = """
 import json, os, time
 import ray
 from embgeom_ray.distributed.cluster import connect, started_private_local
-from embgeom_ray.distributed.warm_workers import warm_task_workers
+from embgeom_ray.distributed.warm_workers import await_warm_workers, warm_task_workers
 
 connect(None)
 assert started_private_local()
@@ -138,7 +159,8 @@ class Holder:  # the extractor: every CPU held
 
 holder = Holder.remote()
 ray.get(holder.ready.remote())
-warm = ray.get(warm_task_workers(cpus))
+warm_task_workers(cpus)
+warm = await_warm_workers(120)
 ray.kill(holder)
 time.sleep(2)  # idle past Ray's default 1 s, with more workers than CPUs while the actor lived
 
@@ -171,6 +193,8 @@ def test_stage_tasks_run_on_the_warm_workers(tmp_path):
     warm_pids = {w["pid"] for w in out["warm"]}
     assert len(warm_pids) == len(out["warm"]) >= 1
     assert all(w["nice"] == 19 and w["failed"] == [] for w in out["warm"])
+    if hasattr(os, "SCHED_IDLE"):
+        assert all(w["idle"] for w in out["warm"])
     assert {pid for pid, _ in out["after"]} <= warm_pids
     assert all(nice == 19 for _, nice in out["after"])
 
