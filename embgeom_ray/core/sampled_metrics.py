@@ -31,6 +31,8 @@ from .metrics import isoscore_from_covariance
 from .neighbours import (
     NeighbourTable,
     chord_distances,
+    chord_error,
+    euclidean_error,
     knn_distances,
     neighbour_table,
     neighbour_tables_of_points,
@@ -704,8 +706,8 @@ def _point_set_metrics(
     """Silhouettes and LIDs of a set of distinct points (a layer's, or its half-sample S).
 
     S: sorted indices of a half-sample (None: all points). The LIDs come from the point
-    set's neighbour tables when it has them (the same values as :func:`lid_mle` on X[S]: see
-    :mod:`.neighbours`), else from :func:`lid_mle`; the silhouettes from blocks of its
+    set's neighbour tables when it has them (:func:`lid_mle`'s values on X[S], their distances
+    within 1e-11 relative: see :mod:`.neighbours`), else from :func:`lid_mle`; the silhouettes from blocks of its
     distance matrix, or of one matrix of the points they score (:func:`_silhouettes_of_rows`:
     the values of :func:`silhouette_by_labels` on X[S]).
     ``lid_cai_too`` adds ``lid_euclidean_cai`` (:func:`lid_cai`) from the same neighbours.
@@ -872,7 +874,8 @@ def sampled_metrics_of_points(
     half-samples (the same values: see :func:`lid_mle`'s ``distances``): a half-sample's
     silhouettes take its block of the matrix, and its LIDs read its points' nearest
     neighbours from one table per matrix (:mod:`.neighbours`: each point's 3(``lid_k`` + 1)
-    nearest points and their exact distances) instead of searching the block again. With more
+    nearest points and their distances, taken from the matrix within 1e-11 relative of the
+    points' own, else computed from the points) instead of searching the block again. With more
     distinct points than that, no n × n matrix is held: the same two tables are built a block
     of rows at a time (:func:`~.neighbours.neighbour_tables_of_points`), and each silhouette
     takes one matrix of the points it scores (a half-sample's two share one).
@@ -970,9 +973,12 @@ def _distinct_point_set(
         dist = distances
         U, nonzero = _unit_rows(Xd)
         chord = chord_distances(dist, np.linalg.norm(Xd, axis=1)) if nonzero.all() else None
-        if len(Xd) > lid_k:
-            euclid_nn = neighbour_table(Xd, dist, lid_k)
-            chord_nn = None if chord is None else neighbour_table(U, chord, lid_k)
+        if len(Xd) > lid_k:  # the lists' distances from the matrices where they are exact
+            P = Xd - Xd.mean(axis=0)  # the points the matrix is of
+            euclid_nn = neighbour_table(Xd, dist, lid_k, euclidean_error(P, Xd))
+            chord_nn = (
+                None if chord is None else neighbour_table(U, chord, lid_k, chord_error(P, Xd, dist))
+            )
     elif len(Xd) > lid_k:
         euclid_nn, chord_nn = neighbour_tables_of_points(Xd, lid_k)
     best = None if best_labels is None else np.asarray(best_labels)[first]

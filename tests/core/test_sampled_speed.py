@@ -78,6 +78,59 @@ def test_knn_from_the_table_equals_a_fresh_search_on_every_subset(monkeypatch):
     )
 
 
+def near_duplicates(n: int = 400, d: int = 32, seed: int = 5) -> np.ndarray:
+    """Points with a massive offset (norms ~1e3 after centring, one coordinate of the mean
+    ~1e4) and pairs 1e-7 apart: there the matrix's product cancels every digit."""
+    rng = np.random.default_rng(seed)
+    X = rng.normal(size=(n, d))
+    X[:, 0] *= 1e3
+    X[:, 1] += 1e4
+    X[n // 2 : n // 2 + 40] = X[:40] + 1e-7 * rng.normal(size=(40, d))
+    return X
+
+
+@pytest.mark.parametrize("metric", ["euclidean", "chord"])
+def test_the_matrix_error_bounds_hold_and_its_distances_are_kept_only_within_them(metric):
+    """:func:`neighbours.euclidean_error` and :func:`neighbours.chord_error` bound the matrix's
+    distances against the points' own (the same matrices the stage computes: of the points
+    less their mean); a table given them keeps a matrix distance only within
+    :data:`neighbours.MATRIX_RTOL` of the points' own, and computes the others from the
+    points, bit for bit :func:`neighbours.exact_distances`."""
+    X = near_duplicates()
+    P = X - X.mean(axis=0)
+    D = pairwise_distances(P)
+    norms = np.linalg.norm(X, axis=1)
+    if metric == "euclidean":
+        Y, M, error = X, D, neighbours.euclidean_error(P, X)
+    else:
+        Y = X / norms[:, None]
+        M = neighbours.chord_distances(D, norms)
+        error = neighbours.chord_error(P, X, D)
+    n = len(X)
+    rows = np.arange(n)
+    idx = np.tile(rows, (n, 1))  # every entry
+    exact = neighbours.exact_distances(Y, rows, idx)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        bound = error(rows, idx, M)
+    off = ~np.eye(n, dtype=bool)
+    assert (np.abs(M - exact)[off] <= bound[off]).all()  # a bound
+    near = np.zeros((n, n), dtype=bool)  # the near-duplicate pairs
+    near[np.arange(n // 2, n // 2 + 40), np.arange(40)] = True
+    near |= near.T
+    assert (np.abs(M - exact)[near] > 1e-3 * exact[near]).all()  # the matrix is wrong there
+    table = neighbour_table(Y, M, 10, error)
+    plain = neighbour_table(Y, M, 10)
+    assert table is not None and plain is not None
+    np.testing.assert_array_equal(table.idx, plain.idx)
+    np.testing.assert_allclose(table.dist, plain.dist, rtol=neighbours.MATRIX_RTOL, atol=0)
+    own = table.dist == plain.dist  # the entries computed from the points
+    assert own[:, 0].all()  # each point itself (distance 0)
+    pairs = near[rows[:, None], table.idx]
+    assert pairs.any() and own[pairs].all()  # every near-duplicate pair in the lists
+    assert (table.dist[~own] == np.take_along_axis(M, table.idx, axis=1)[~own]).all()
+    assert (~own).mean() > 0.8  # the rest from the matrix
+
+
 def test_exact_distances_are_the_norms_of_the_differences_bit_for_bit():
     """The in-place passes give np.linalg.norm's floats, across blocks and with an offset."""
     rng = np.random.default_rng(3)
