@@ -194,6 +194,12 @@ def neighbour_table(
     return NeighbourTable(X, D, idx, dist, rank)
 
 
+def _product_terms(P: np.ndarray, X: np.ndarray) -> tuple[np.ndarray, np.ndarray, float]:
+    """(‖p‖² per row of P, ‖x‖ per row of X, (2d + 8)·ε): the terms of the matrix's error
+    bounds (:func:`euclidean_error`, :func:`chord_error`)."""
+    return np.einsum("nd,nd->n", P, P), np.linalg.norm(X, axis=1), (2 * P.shape[1] + 8) * _EPS
+
+
 def euclidean_error(P: np.ndarray, X: np.ndarray) -> ErrorBound:
     """The error bound of :func:`neighbour_table` for D = :func:`euclidean_rows`'s distances
     of the points P = X less one vector (e.g. their mean), against ||x_i − x_j||.
@@ -203,9 +209,7 @@ def euclidean_error(P: np.ndarray, X: np.ndarray) -> ErrorBound:
     Algorithms", §3.1), the sums by a few ε more, so |δ(D²)| ≤ (2d + 8)·ε·(‖p_i‖² + ‖p_j‖²);
     P less X errs by ε per coordinate, so P's differences are X's within ε·(‖x_i‖ + ‖x_j‖);
     and δD ≈ δ(D²) / (2D)."""
-    sq = np.einsum("nd,nd->n", P, P)
-    norms = np.linalg.norm(X, axis=1)
-    c = (2 * P.shape[1] + 8) * _EPS
+    sq, norms, c = _product_terms(P, X)
 
     def bound(rows: np.ndarray, idx: np.ndarray, values: np.ndarray) -> np.ndarray:
         d2 = c * (sq[rows][:, None] + sq[idx])
@@ -222,9 +226,7 @@ def chord_error(P: np.ndarray, X: np.ndarray, D: np.ndarray) -> ErrorBound:
     C² = (D² − (r_i − r_j)²) / (r_i r_j): D² errs as in :func:`euclidean_error` (plus
     2D·ε·(r_i + r_j) from P's rounding), the difference and the quotient by a few ε of
     D² + (r_i − r_j)² and of C²; and δC ≈ δ(C²) / (2C)."""
-    sq = np.einsum("nd,nd->n", P, P)
-    r = np.linalg.norm(X, axis=1)
-    c = (2 * P.shape[1] + 8) * _EPS
+    sq, r, c = _product_terms(P, X)
 
     def bound(rows: np.ndarray, idx: np.ndarray, values: np.ndarray) -> np.ndarray:
         Dv = D[rows[:, None], idx]
