@@ -53,7 +53,7 @@ alternated, on the shared 2-core machine).
 
 Nothing depends on the warm-up: a task that finds no idle worker gets a fresh one, as before,
 and a warm-up that fails (or a kernel that refuses ``SCHED_IDLE``: it imports at nice 19) only
-leaves its worker cold. Each warm worker holds the imported libraries from the extraction's
+leaves its worker cold; its error is read as it comes (nothing is printed). Each warm worker holds the imported libraries from the extraction's
 start instead of the stage's: 387 MiB resident, 240 MiB of
 it private, against 79 MiB for a fresh Ray worker (``docs/design.md``, "Processes and their
 memory").
@@ -132,6 +132,16 @@ def warm_up(
 _PENDING: list[tuple[str, Any]] = []
 
 
+def _read_outcome(future: Any) -> None:
+    """Read a warm-up's outcome as it comes: a warm-up's error that nobody read (its worker
+    lost while it imported, after :func:`await_warm_workers` stopped waiting for it) would
+    be printed by Ray as an "Unhandled error" on the driver's stderr, though nothing of the
+    job's depends on it."""
+    exc = future.exception()
+    if exc is not None:
+        log.debug("a warm-up failed (%s); its worker stays cold", exc)
+
+
 def warm_task_workers(count: int, after_s: float = 0.0) -> None:
     """Start ``count`` Ray task workers that run :func:`warm_up` (no CPU held, their imports at
     idle priority): now, or ``after_s`` seconds from now (a daemon thread submits them then).
@@ -148,7 +158,10 @@ def warm_task_workers(count: int, after_s: float = 0.0) -> None:
             time.sleep(after_s)
         try:
             task = ray.remote(warm_up).options(num_cpus=0, max_retries=0)
-            _PENDING.extend((job, task.remote(MODULES, NICENESS, True)) for _ in range(count))
+            refs = [task.remote(MODULES, NICENESS, True) for _ in range(count)]
+            for ref in refs:  # a warm-up's failure is read here, never reported by Ray
+                ref.future().add_done_callback(_read_outcome)
+            _PENDING.extend((job, ref) for ref in refs)
         except Exception as exc:  # an optimisation only: never fail the job over it
             log.warning("could not warm task workers (%s); the tasks will start their own", exc)
 
@@ -161,8 +174,9 @@ def warm_task_workers(count: int, after_s: float = 0.0) -> None:
 def await_warm_workers(timeout: float = AWAIT_S) -> list[dict[str, Any]]:
     """Wait up to ``timeout`` seconds for this Ray job's warm-ups still running, before the
     tasks they are for are submitted (a task that finds every worker busy warming gets a fresh
-    one, which imports everything again beside them); forget every warm-up submitted. Returns
-    what the finished ones returned (:func:`warm_up`)."""
+    one, which imports everything again beside them); forget every warm-up submitted (one still
+    importing goes on, its outcome read when it comes: :func:`_read_outcome`). Returns what the
+    finished ones returned (:func:`warm_up`); a warm-up whose worker was lost is left out."""
     if not _PENDING:
         return []
     import ray
@@ -174,7 +188,13 @@ def await_warm_workers(timeout: float = AWAIT_S) -> list[dict[str, Any]]:
         return []
     try:
         done, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout)
-        return [r for r in ray.get(done) if isinstance(r, dict)]
     except Exception as exc:  # an optimisation only
         log.warning("could not wait for the warm task workers (%s)", exc)
         return []
+    finished = []
+    for ref in done:
+        try:
+            finished.append(ray.get(ref))
+        except Exception:  # its worker was lost: that one stays cold (see _read_outcome)
+            continue
+    return [r for r in finished if isinstance(r, dict)]

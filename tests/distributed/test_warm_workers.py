@@ -203,3 +203,42 @@ def test_stage_tasks_run_on_the_warm_workers(tmp_path):
 # the pool's plan (and that on the tests' Ray, not private, nothing is warmed) is checked on the
 # two-worker run of tests/runs/test_job_end_to_end.py::test_one_and_two_workers_agree (one job
 # fewer than a run of its own here).
+
+
+LOST = """
+import os, signal, sys, time
+import ray
+from embgeom_ray.distributed import warm_workers
+from embgeom_ray.distributed.cluster import connect
+
+warm_workers.MODULES = ("slow_import_embgeom",)  # imports until its worker is killed
+connect(None)
+warm_workers.warm_task_workers(2)
+deadline = time.monotonic() + 60
+while len(os.listdir("pids")) < 2 and time.monotonic() < deadline:
+    time.sleep(0.1)
+assert warm_workers.await_warm_workers(0.2) == []  # still importing: not waited for
+for pid in os.listdir("pids"):
+    os.kill(int(pid), signal.SIGKILL)
+time.sleep(3)  # the owner hears of the lost workers
+print("done", flush=True)
+"""
+
+
+@pytest.mark.slow
+def test_a_warm_up_whose_worker_is_lost_prints_nothing(tmp_path):
+    """A warm-up still importing when the stage stopped waiting for it, whose worker is then
+    lost (killed by the kernel's OOM killer, say), is read when it fails: Ray prints no
+    "Unhandled error" on the driver's stderr (as it did in CI under the API's echo=None)."""
+    (tmp_path / "pids").mkdir()
+    (tmp_path / "slow_import_embgeom.py").write_text(
+        "import os, time\nopen(os.path.join('pids', str(os.getpid())), 'w').close()\n"
+        "time.sleep(120)\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(tmp_path)])
+    proc = subprocess.run([sys.executable, "-c", LOST], capture_output=True, text=True,
+                          env=env, cwd=tmp_path, timeout=180)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "done" in proc.stdout.splitlines()
+    assert "Unhandled error" not in proc.stderr, proc.stderr[-3000:]
