@@ -7,12 +7,13 @@ import os
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import pytest
 
 from embgeom_ray.config import JobConfig
-from embgeom_ray.distributed import cluster
+from embgeom_ray.distributed import cluster, warm_workers
 from embgeom_ray.distributed.warm_workers import MODULES, warm_up
 from embgeom_ray.report.plots import FIGURE_GROUPS
 from embgeom_ray.runs import pipeline
@@ -135,6 +136,41 @@ def test_warm_workers_wanted(monkeypatch, cpus, kw, expected):
     assert pipeline.warm_workers_wanted(config(**kw), 7) == expected
     monkeypatch.setattr(cluster, "started_private_local", lambda: False)
     assert pipeline.warm_workers_wanted(config(**kw), 7) == 0
+
+
+def test_idle_cpus_from_the_machines_cpu_times():
+    assert warm_workers.idle_cpus((1000.0, 400.0, 2), (1200.0, 500.0, 2)) == pytest.approx(1.0)
+    assert warm_workers.idle_cpus((1000.0, 400.0, 4), (1100.0, 400.0, 4)) == 0.0
+    assert warm_workers.idle_cpus(None, (1.0, 1.0, 1)) is None  # not Linux: unknown
+    assert warm_workers.idle_cpus((5.0, 1.0, 2), (5.0, 1.0, 2)) is None  # no time passed
+    times = warm_workers.cpu_times()
+    if sys.platform == "linux":
+        total, idle, cpus = times
+        assert 0 <= idle <= total and cpus == os.cpu_count()
+        busy_until = time.monotonic() + 0.3  # this process busy: at most cpus - 1 idle
+        while time.monotonic() < busy_until:
+            pass
+        assert warm_workers.idle_cpus(times, warm_workers.cpu_times()) <= cpus - 0.5
+
+
+@pytest.mark.parametrize(("idle", "submitted"), [(0.2, 0), (1.5, 2)])
+def test_warm_ups_only_where_cpus_were_idle(ray_local, monkeypatch, idle, submitted):
+    """The warm-ups are submitted after ``after_s`` only where the machine had idle CPUs then:
+    where other work keeps it busy, imports at idle priority would get no CPU time."""
+    samples = iter([(0.0, 0.0, 2), (100.0, 50.0 * idle, 2)])
+    monkeypatch.setattr(warm_workers, "cpu_times", lambda: next(samples))
+    monkeypatch.setattr(warm_workers, "_PENDING", [])
+    monkeypatch.setattr(warm_workers, "MODULES", ())  # nothing to import,
+    monkeypatch.setattr(
+        warm_workers, "NICENESS", 0
+    )  # and the tests' Ray's workers left as they are
+    warm_workers.warm_task_workers(2, after_s=0.05)
+    deadline = time.monotonic() + 10
+    while len(warm_workers._PENDING) < submitted and time.monotonic() < deadline:
+        time.sleep(0.05)
+    time.sleep(0.2)
+    assert len(warm_workers._PENDING) == submitted
+    assert len(warm_workers.await_warm_workers(60)) == submitted
 
 
 def test_not_private_when_ray_was_started_by_someone_else(ray_local):
