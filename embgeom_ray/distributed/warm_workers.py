@@ -62,9 +62,9 @@ alternated, on the shared 2-core machine).
 
 Nothing depends on the warm-up: a task that finds no idle worker gets a fresh one, as before,
 and a warm-up that fails (or a kernel that refuses ``SCHED_IDLE``: it imports at nice 19) only
-leaves its worker cold; its error is read as it comes (nothing is printed). Each warm worker holds the imported libraries from the extraction's
-start instead of the stage's: 387 MiB resident, 240 MiB of
-it private, against 79 MiB for a fresh Ray worker (``docs/design.md``, "Processes and their
+leaves its worker cold; its error is read as it comes (nothing is printed). Each warm worker
+holds the imported libraries from the extraction's start instead of the stage's: 387 MiB
+resident, 240 MiB of it private, against 79 MiB for a fresh Ray worker (``docs/design.md``, "Processes and their
 memory").
 """
 
@@ -187,8 +187,9 @@ def warm_task_workers(count: int, after_s: float = 0.0) -> None:
     """Start ``count`` Ray task workers that run :func:`warm_up` (no CPU held, their imports at
     idle priority): now, or ``after_s`` seconds from now (a daemon thread submits them then),
     and then only where at least :data:`MIN_IDLE_CPUS` of the machine's CPUs were idle on
-    average over those seconds (:func:`idle_cpus`; always where that is unknown). Their refs are kept for :func:`await_warm_workers`. A failure to submit them is logged and
-    ignored: the job's tasks then start their own workers."""
+    average over those seconds (:func:`idle_cpus`; always where that is unknown). Their refs
+    are kept for :func:`await_warm_workers`. A failure to submit them is logged and ignored:
+    the job's tasks then start their own workers."""
     if count <= 0:
         return
     import ray
