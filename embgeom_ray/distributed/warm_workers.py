@@ -64,8 +64,8 @@ Nothing depends on the warm-up: a task that finds no idle worker gets a fresh on
 and a warm-up that fails (or a kernel that refuses ``SCHED_IDLE``: it imports at nice 19) only
 leaves its worker cold; its error is read as it comes (nothing is printed). Each warm worker
 holds the imported libraries from the extraction's start instead of the stage's: 387 MiB
-resident, 240 MiB of it private, against 79 MiB for a fresh Ray worker (``docs/design.md``, "Processes and their
-memory").
+resident, 240 MiB of it private, against 79 MiB for a fresh Ray worker (``docs/design.md``,
+"Processes and their memory").
 """
 
 from __future__ import annotations
