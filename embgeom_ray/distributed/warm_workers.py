@@ -41,7 +41,7 @@ seconds: at least :data:`MIN_IDLE_CPUS` of its CPUs idle on average (:func:`idle
 Linux's ``/proc/stat``). Where other work keeps every CPU busy, imports at idle priority get no
 CPU time before the stage, and the warm workers' own start (a Ray worker process at nice 15,
 before its task lowers it) comes out of the extractor's. On the 2-core VM the demo job saw
-0.75 CPUs idle in that window (warmed); beside one busy process (another job, a test suite's
+0.75–0.77 CPUs idle in that window (warmed); beside one busy process (another job, a test suite's
 other worker), 0.02, where warming had made the job slower: its extraction 36.7–37.0 s
 against 33.3–33.5 s without, its stage 30.9–31.6 s against 32.6 s.
 

@@ -160,10 +160,9 @@ def test_warm_ups_only_where_cpus_were_idle(ray_local, monkeypatch, idle, submit
     samples = iter([(0.0, 0.0, 2), (100.0, 50.0 * idle, 2)])
     monkeypatch.setattr(warm_workers, "cpu_times", lambda: next(samples))
     monkeypatch.setattr(warm_workers, "_PENDING", [])
-    monkeypatch.setattr(warm_workers, "MODULES", ())  # nothing to import,
-    monkeypatch.setattr(
-        warm_workers, "NICENESS", 0
-    )  # and the tests' Ray's workers left as they are
+    # nothing to import, and the tests' Ray's workers left at their priority
+    monkeypatch.setattr(warm_workers, "MODULES", ())
+    monkeypatch.setattr(warm_workers, "NICENESS", 0)
     warm_workers.warm_task_workers(2, after_s=0.05)
     deadline = time.monotonic() + 10
     while len(warm_workers._PENDING) < submitted and time.monotonic() < deadline:
