@@ -156,14 +156,42 @@ os._exit(0 if alive == count else 1)  # no shutdown to wait for
 """
 
 
-def wait_for_nodes(ray: TwoNodeRay, count: int, timeout_s: float = 120) -> None:
+def wait_for_nodes(
+    ray: TwoNodeRay, count: int, timeout_s: float = 120, joining: RayNode | None = None
+) -> bool:
     """Until Ray lists exactly ``count`` live nodes (a client of its own, in a process of its
-    own)."""
-    done = subprocess.run(
+    own). False, at once, if the ``joining`` node's ``ray start`` exits first."""
+    client = subprocess.Popen(
         [sys.executable, "-c", WAIT_FOR_NODES, ray.address, str(count), str(timeout_s)],
-        env=ray.env, capture_output=True, text=True, timeout=timeout_s + 60,
+        env=ray.env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
-    assert done.returncode == 0, f"Ray did not list {count} live nodes:\n{done.stderr[-2000:]}"
+    deadline = time.monotonic() + timeout_s + 60
+    while client.poll() is None and time.monotonic() < deadline:
+        if joining is not None and joining.proc.poll() is not None:
+            client.kill()
+            client.wait()
+            return False
+        time.sleep(0.2)
+    if client.poll() is None:
+        client.kill()
+    _, err = client.communicate()
+    assert client.returncode == 0, f"Ray did not list {count} live nodes:\n{err[-2000:]}"
+    return True
+
+
+def join_listed(ray: TwoNodeRay, count: int, hidden: Path | None = None) -> RayNode:
+    """:meth:`TwoNodeRay.join`, then wait until Ray lists ``count`` live nodes. A ``ray start``
+    that gives up is started once more: it waits 30 s, a constant of Ray's, for its raylet to
+    register, which a machine loaded by the other tests can take longer than."""
+    node = ray.join(hidden=hidden)
+    if wait_for_nodes(ray, count, joining=node):
+        return node
+    ray.nodes.remove(node)
+    node.markers = []  # its own process group only (the markers name the head's too)
+    node.stop()
+    node = ray.join(hidden=hidden)
+    wait_for_nodes(ray, count)
+    return node
 
 
 def run_job(ray: TwoNodeRay, options: dict, *, slow: float = 0.0, on_start=None) -> dict:
@@ -288,8 +316,7 @@ def test_a_run_on_a_disk_one_node_does_not_see(cluster, tmp_path_factory):
         earlier.markers = []  # its own processes only (the markers name every node's)
         earlier.stop()
     wait_for_nodes(cluster, 1)
-    cluster.join(hidden=runs)
-    wait_for_nodes(cluster, 2)
+    join_listed(cluster, 2, hidden=runs)
     options = {
         "model": model, "corpus": corpus, "address": cluster.address, "device": "cpu",
         "cpus_per_worker": 1, "max_length": 32, "shard_bytes": 1024, "no_report": True,
