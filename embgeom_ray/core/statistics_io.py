@@ -119,10 +119,16 @@ def to_bytes(stats: HeldStatistics, into: np.ndarray | None = None) -> bytearray
         a, per_type = sources[name]
         if name == "type_ids":
             out.copy_(a.index_select(0, order))
-        elif per_type and a.device == out.device:
-            torch.index_select(a[:, :t], 1, order, out=out)
         elif per_type:
-            out.copy_(a[:, :t].index_select(1, order))
+            # a layer at a time: a layer's slots are contiguous, where the first t slots of
+            # every layer are not, and index_select would first copy them whole (one field of
+            # every layer: half the statistics, beyond the one copy serialising may hold)
+            for layer in range(a.shape[0]):
+                rows = a[layer, :t]
+                if rows.device == out.device:
+                    torch.index_select(rows, 0, order, out=out[layer])
+                else:  # one layer's rows gathered where they are, then copied over
+                    out[layer].copy_(rows.index_select(0, order))
         else:
             out.copy_(a)
 

@@ -356,8 +356,7 @@ class ShardExtract:
             "state_bytes": self.stats.nbytes(),
             "spills": self.stats.spills,
             "merges": self.stats.merges,
-            "peak_rss_bytes": peak_rss_bytes(),
-            "peak_private_bytes": sampler().peak_bytes(),
+            **_peaks(),
         }
 
     def flush(
@@ -391,13 +390,23 @@ class ShardExtract:
             if writer is None:
                 last = pieces[-1]
                 last = as_array(last) if isinstance(last, BYTES_LIKE) else BlockRefs.put(last)
-                return shard_ids, [*pieces[:-1], last], sample, counts
+                return shard_ids, [*pieces[:-1], last], sample, {**counts, **_peaks()}
             t0 = time.perf_counter()
             files = writer(shard_ids, _fetched(pieces), sample)
             write_s = time.perf_counter() - t0
         finally:
             self.stats.release()  # the host tier's statistics, once read
-        return shard_ids, [], None, {**counts, WRITTEN: files, "write_s": write_s}
+        return shard_ids, [], None, {**counts, WRITTEN: files, "write_s": write_s, **_peaks()}
+
+
+#: the keys of an extractor's peak memory in its reports (:func:`_peaks`)
+PEAK_KEYS = ("peak_rss_bytes", "peak_private_bytes")
+
+
+def _peaks() -> dict[str, int]:
+    """This process's peak memory so far, resident and private, as its reports carry it: a
+    flush's too, since no shard follows the last one to report it."""
+    return dict(zip(PEAK_KEYS, (peak_rss_bytes(), sampler().peak_bytes()), strict=True))
 
 
 ShardExtractActor = ray.remote(ShardExtract)
@@ -726,12 +735,7 @@ class _Scheduler:
         merges = int(result.get("merges", 0))
         self.pool.host_merges += merges - worker.merges
         worker.merges = merges
-        self.pool.extractor_peak_rss_bytes = max(
-            self.pool.extractor_peak_rss_bytes, int(result.get("peak_rss_bytes") or 0)
-        )
-        self.pool.extractor_peak_private_bytes = max(
-            self.pool.extractor_peak_private_bytes, int(result.get("peak_private_bytes") or 0)
-        )
+        self.note_peaks(result)
         worker.unflushed.append(report)
         if report.unflushed != len(worker.unflushed):
             raise RuntimeError(
@@ -747,6 +751,15 @@ class _Scheduler:
         else:
             self.send(worker, self.queue.popleft())
 
+    def note_peaks(self, result: dict[str, Any]) -> None:
+        """An extractor's peak memory, as a shard's or a flush's result reports it."""
+        self.pool.extractor_peak_rss_bytes = max(
+            self.pool.extractor_peak_rss_bytes, int(result.get("peak_rss_bytes") or 0)
+        )
+        self.pool.extractor_peak_private_bytes = max(
+            self.pool.extractor_peak_private_bytes, int(result.get("peak_private_bytes") or 0)
+        )
+
     def on_flushed(self, worker: _Worker, result: tuple[Any, ...]) -> None:
         shard_ids, stats, sample, counts = result
         expected = sorted(r.shard.shard_id for r in worker.unflushed)
@@ -754,6 +767,7 @@ class _Scheduler:
             raise RuntimeError(f"an extractor flushed shards {shard_ids}, expected {expected}")
         counts = dict(counts)
         written, write_s = counts.pop(WRITTEN, None), float(counts.pop("write_s", 0.0))
+        self.note_peaks({key: counts.pop(key, 0) for key in PEAK_KEYS})
         why = {"last": worker.last, "budget": worker.budget_flush, "age_s": worker.flush_age_s}
         if written is not None:  # the extractor wrote its files: the driver commits them
             self.pool.spills += int(written["parts"]) - 1

@@ -331,8 +331,10 @@ def test_a_host_tiers_file_is_made_a_block_at_a_time_byte_for_byte(block_bytes):
 
 def test_writing_a_host_tier_holds_one_block_not_a_copy(tmp_path):
     """Writing the tier's statistics to a file a block at a time raises the process's peak
-    memory by about one block; serialising them whole first, by their size (in a fresh
-    process each, its peak resident memory read from the kernel after resetting it)."""
+    memory by about one block; serialising them whole first, by their file's size and no
+    more: each layer's rows are gathered into the file where they lie, with no copy of a
+    field of every layer first (half the statistics more, before). In a fresh process each,
+    its peak resident memory read from the kernel after resetting it."""
     import subprocess
     import sys
 
@@ -366,5 +368,6 @@ print(size, status("VmHWM:") - before)
         size, grew[mode] = (int(x) for x in out.stdout.split())
     assert (tmp_path / "stream").read_bytes() == (tmp_path / "whole").read_bytes()
     assert size > 150 << 20  # 12,000 types of 4 layers of d = 256
-    assert grew["whole"] > 0.9 * size
+    file = (tmp_path / "whole").stat().st_size
+    assert 0.9 * file < grew["whole"] < file + (16 << 20)  # 1.5 times the file before
     assert grew["stream"] < 16 << 20

@@ -1,6 +1,7 @@
 """An extractor actor without a model, for the scheduler's tests: the same calls and answers
 as :class:`~embgeom_ray.distributed.actor_pool.ShardExtract` (``ready``, ``process``,
-``flush``), each shard taking ``delay`` seconds. In a module of its own that imports no
+``flush``), each shard taking ``delay`` seconds, and reporting a peak memory of 1 MiB, each
+flush ``flush_peak`` bytes (0: none reported). In a module of its own that imports no
 torch: Ray's workers import it to build the actor, in a fraction of a second."""
 
 from __future__ import annotations
@@ -20,8 +21,8 @@ WRITTEN = "written_group"
 
 
 class FakeExtract:
-    def __init__(self, delay: float, out_unseen: str | None = None) -> None:
-        self.delay = delay
+    def __init__(self, delay: float, out_unseen: str | None = None, flush_peak: int = 0) -> None:
+        self.delay, self.flush_peak = delay, flush_peak
         self.shard_ids: list[str] = []
         #: why its node does not see the run's local directory (None: it does)
         self.out_unseen = out_unseen
@@ -37,16 +38,18 @@ class FakeExtract:
         time.sleep(self.delay)
         self.shard_ids.append(shard_json["shard_id"])
         counts = Counts(documents=1).to_json()
-        return {"counts": counts, "unflushed": len(self.shard_ids), "state_bytes": 0} | self._where()
+        held = {"unflushed": len(self.shard_ids), "state_bytes": 0, "peak_private_bytes": 1 << 20}
+        return {"counts": counts} | held | self._where()
 
     def flush(self, writer: Any = None) -> tuple[list[str], list[Any], None, dict[str, Any]]:
         """As the real one's: with ``writer``, it writes the group's files itself."""
         shard_ids, self.shard_ids = self.shard_ids, []
         pieces = [np.zeros(1, dtype=np.uint8)]
+        counts = Counts().to_json() | ({"peak_private_bytes": self.flush_peak} if self.flush_peak else {})
         if writer is None:
-            return shard_ids, pieces, None, Counts().to_json()
+            return shard_ids, pieces, None, counts
         written = writer(shard_ids, pieces, None)
-        return shard_ids, [], None, Counts().to_json() | {WRITTEN: written, "write_s": 0.01}
+        return shard_ids, [], None, counts | {WRITTEN: written, "write_s": 0.01}
 
 
 FakeExtractActor = ray.remote(FakeExtract)

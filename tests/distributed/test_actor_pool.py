@@ -250,6 +250,30 @@ def test_from_an_extractor_that_does_not_see_the_run_the_driver_writes(ray_local
     assert all(g.written is not None for g in groups[:before])
 
 
+def test_a_flushs_peak_memory_is_the_extractors_peak_where_it_is_the_larger(ray_local, tmp_path):
+    """An extractor reports its peak memory with each shard's result and with each flush's:
+    a flush holds its statistics and their serialised copy (the memory formula's second
+    copy), and no shard follows the last flush to report that peak. Before, the manifest's
+    extractor peak left out the flushes', the last one's always. Whether the extractor writes
+    its flush or hands it to the driver."""
+    import functools
+
+    from embgeom_ray.runs.checkpoints import write_group
+
+    shards = [Shard(f"s{i:02d}", "corpus.jsonl", "jsonl", i, i + 1, 0) for i in range(6)]
+    view = Cluster((Node("a", GiB, cpus=1),))
+    for writer in (None, functools.partial(write_group, str(tmp_path / "run"))):
+        growth = Growth(Extractor(cpus=1), 1, read=lambda: view, say=lambda _: None, poll_s=0.05)
+        pool = PoolPlan(num_workers=1, num_gpus=0.0, num_cpus=1)
+        groups: list = []
+        _Scheduler(SchedulingOptions(checkpoint_interval=3600), pool,
+                   lambda: FakeExtractActor.options(num_cpus=0).remote(0.01, None, 5 << 30),
+                   shards, groups.append, lambda _: None, lambda _: None, growth=growth,
+                   checkpoint_writer=writer).run()  # fmt: skip
+        assert len(groups) == 1 and groups[0].last  # the one flush, when the queue drained
+        assert pool.extractor_peak_private_bytes == 5 << 30, writer
+
+
 def test_under_a_ceiling_an_extractor_flushes_before_a_shard_would_pass_it(ray_local):
     """An extractor decides to flush only between shards, so without more its oldest unflushed
     shard ages to the interval plus a shard. Under the sized interval's ceiling (here 1 s,
