@@ -376,11 +376,16 @@ class ShardExtract:
         it took, for the driver to commit. A store that fails raises here: the job stops
         resumably, the group is not committed and its shards are redone.
 
-        The accumulators start afresh afterwards.
+        The heap's free memory goes back to the system first
+        (:func:`~embgeom_ray.inputs.malloc_tuning.release_freed_memory`), so that the
+        statistics' serialised copy is not made beside what the fold's freed batches left
+        kept (docs/sizing.md: measured, the extractor's peak fell below what it asks). The
+        accumulators start afresh afterwards.
         """
         self._check_whole()
         if not self.shard_ids:
             raise RuntimeError("flush asked of an extractor that holds no shard")
+        release_freed_memory()
         pieces = self.stats.take_streamed()
         self.flushed = True
         sample = None if self.sample is None else as_array(self.sample.to_bytes())

@@ -17,14 +17,18 @@ work (one thread, ``python -m bench.bare_forward``).
 rising) and raises the trim threshold, so that tensors up to 32 MiB are taken from the heap
 and, once freed, stay there for the next batch. Larger blocks (the statistics' arrays, a
 flush's serialised copy) are still mapped and unmapped, so the memory a process keeps beyond
-what it uses is bounded by the trim threshold. :func:`embgeom_ray.sizing.cpu_batch_tokens`
-keeps a batch's tensors within the mmap threshold. :func:`release_freed_memory` hands the
-heap's free memory back when asked: an extractor does after each flush and after each spill,
-where its spills' and flush's serialisations (pieces of a small statistics budget are within
-the threshold too) had left up to the trim threshold and more kept (a flush every shard on a
-128k vocabulary with a 24 MiB budget, ``bench.host_tier``'s spills: 1,194–1,260 MiB peak
-private against 910 MiB asked; 866–935 MiB trimmed after each flush; 732–752 MiB after each
-spill too).
+what it uses is bounded by the trim threshold in the main heap, and by a heap's 64 MiB in
+each thread's arena. :func:`embgeom_ray.sizing.cpu_batch_tokens` keeps a batch's tensors
+within the mmap threshold. :func:`release_freed_memory` hands the heap's free memory back
+when asked. An extractor does so after each spill and after each flush, where its spills'
+and flush's serialisations (pieces of a small statistics budget are within the threshold
+too) had left up to the trim threshold and more kept (a flush every shard on a 128k
+vocabulary with a 24 MiB budget, ``bench.host_tier``'s spills: 1,194–1,260 MiB peak private
+against 910 MiB asked; 866–935 MiB trimmed after each flush; 732–752 MiB after each spill
+too). It also does before each flush, so that the serialised copy of its statistics is not
+made beside what the fold's batches left kept (on ``bench.self_sized``'s V = 128,256 model,
+the extractor's peak went from 6,447–6,920 to 5,860–5,870 MiB private, against the
+6,040 MiB it asked: docs/sizing.md).
 """
 
 from __future__ import annotations
@@ -76,9 +80,12 @@ def reuse_freed_memory(
 
 
 def release_freed_memory() -> bool:
-    """Hand the heap's free memory back to the system now (glibc's ``malloc_trim(0)``: the free
-    top and the free pages between blocks), whatever the trim threshold keeps. An extractor
-    does so after each flush: the memory kept for the next batch's tensors is faulted in again
+    """Hand the heap's free memory back to the system now (glibc's ``malloc_trim(0)``: the main
+    heap's free top and, in every arena, the free pages between blocks), whatever the trim
+    threshold keeps. A thread's arena keeps the free top of its heap (at most 64 MiB an arena:
+    glibc shrinks it only past the trim threshold). An extractor does so before each flush,
+    so that the statistics' serialised copy is not made beside what the fold's freed batches
+    left kept, and after it: the memory kept for the next batch's tensors is faulted in again
     once per flush, and what a flush's and the spills' serialisations freed is not kept beside
     the next interval's statistics. True where glibc returned memory."""
     trim = _libc("malloc_trim", ctypes.c_size_t)

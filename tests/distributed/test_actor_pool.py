@@ -388,3 +388,45 @@ def test_an_extractor_with_a_host_tier_flushes_the_same_group_either_way(ray_loc
         assert actor.stats.nbytes() > 0
     assert files["extractor"] == files["driver"]
     assert EmbeddingStatistics.from_bytes(files["driver"]).token_count() > 0
+
+
+def test_a_flush_hands_the_freed_heap_back_before_it_serialises(ray_local, tmp_path, monkeypatch):
+    """The flush first returns what the heap keeps of the freed batches (glibc's malloc_trim),
+    then serialises the statistics, so that the copy is not made beside that memory (on the
+    V = 128,256 model of ``bench.self_sized`` the extractor's peak fell below what it asks:
+    docs/sizing.md). After the flush the next shard releases again (what the serialisation
+    freed)."""
+    import numpy as np
+
+    from embgeom_ray.config import build_config
+    from embgeom_ray.distributed import actor_pool
+    from embgeom_ray.distributed.actor_pool import ShardExtract
+    from embgeom_ray.inputs.corpus import CorpusSpec, plan_shards
+    from tests.conftest import write_jsonl
+    from tests.tiny_models import make_tiny_bert
+
+    model = make_tiny_bert(tmp_path / "bert")
+    rng = np.random.default_rng(5)
+    texts = [" ".join(rng.choice(["cat", "dog", "sat", "on", "a", "mat"], size=10)) for _ in range(40)]
+    corpus = write_jsonl(tmp_path / "c.jsonl", texts)
+    plan = plan_shards(CorpusSpec(corpus), 1024)
+    assert len(plan.shards) >= 2
+    cfg = build_config(None, {"model": model, "corpus": corpus, "out": str(tmp_path / "run"),
+                              "max_length": 16})  # fmt: skip
+    actor = ShardExtract(cfg.extraction.model_dump(), [0, 2], {}, 1)
+    events: list[str] = []
+    monkeypatch.setattr(actor_pool, "release_freed_memory", lambda: events.append("release"))
+    actor.process(actor_pool.dataclasses.asdict(plan.shards[0]))
+    assert events == []  # no flush yet: folding keeps the heap for the next batch
+    take = actor.stats.take_streamed
+
+    def taking() -> list:
+        events.append("serialise")
+        return take()
+
+    monkeypatch.setattr(actor.stats, "take_streamed", taking)
+    ids, pieces, _, _ = actor.flush()
+    assert ids == [plan.shards[0].shard_id] and pieces
+    assert events == ["release", "serialise"]
+    actor.process(actor_pool.dataclasses.asdict(plan.shards[1]))
+    assert events == ["release", "serialise", "release"]
