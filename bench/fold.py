@@ -27,6 +27,14 @@ units (``statistics.INTEGER_PRODUCT``), its products in one Triton kernel
 (``integer_gram.TRITON_SYRK``, ``core/integer_syrk.py``) or by ``torch._int_mm``, alternated
 with the others; printed against this checkout's default fold (on Hopper its float64 product).
 
+Beside each of this checkout's folds, its co-moment product alone is timed on the same
+batch, alternated with the folds: the kept rows shifted by their mean, multiplied as that fold
+multiplies them (``gram.add_gram`` in float64, or float32 for ``float32``; for the bounded
+product on int8 units, its residues, products and reconstruction, as ``bench.comoment``'s
+``int8_upper`` and ``int8_triton``). Printed as ``product_us_per_token_layer`` and
+``fold_to_product``, the fold's time over its product's: issue 53's first target (≤ 1.2),
+measured side by side in one process.
+
 ``--gram-blocks K`` runs this checkout's co-moment product in K column blocks on a GPU
 (``gram.GPU_GRAM_BLOCKS``, 8 by default), the baseline's as it is.
 
@@ -146,6 +154,31 @@ def host_syncs(fn: Callable[[], None]) -> int:
     return sum("synchroniz" in str(w.message) for w in caught)
 
 
+def product_alone(batch: tuple[Any, ...], d: int, precision: str) -> Callable[[], None]:
+    """This checkout's co-moment product alone (module docstring), for its fold of ``batch``
+    at ``precision`` under the product switches set now (:func:`product_settings`): a
+    function that multiplies once."""
+    from embgeom_ray.core import gram, integer_gram, statistics
+
+    h, _, keep, _ = batch
+    rows = h.reshape(-1, d)[keep.reshape(-1)]
+    c = rows.to(torch.float64).mean(dim=0)
+    if precision == "bounded" and statistics.integer_product(rows.device, d):
+        from bench.comoment import _int8_upper
+
+        xs, triton = rows.to(torch.float64) - c, bool(integer_gram.TRITON_SYRK)
+        return lambda: _int8_upper(xs, triton=triton)  # type: ignore[return-value]
+    dtype = torch.float32 if precision == "float32" else torch.float64
+    xs = rows.to(dtype) - c.to(dtype)
+    upper = torch.zeros(d, d, dtype=torch.float64, device=rows.device)
+
+    def multiply() -> None:
+        upper.zero_()
+        gram.add_gram(upper, xs)
+
+    return multiply
+
+
 def time_folds(args, d: int, precision: str, dev: torch.device, modules: dict) -> dict:
     """``precision``: ``CURRENT[:BASELINE]`` (module docstring)."""
     current, _, base = precision.partition(":")
@@ -179,13 +212,29 @@ def time_folds(args, d: int, precision: str, dev: torch.device, modules: dict) -
         stats[name] = s
     h, ids, keep, pos = data[-1]
     n = int(keep.sum())
+    # this checkout's own folds (not the baseline's, nor the split sums': the same product)
+    products = {}
+    for name in ("current", *(PRODUCTS.keys() & stats.keys())):
+        if name in stats:
+            product_settings(name)
+            products[name] = product_alone(data[-1], d, current)
+    product_settings("current")
     secs: dict[str, list[float]] = {name: [] for name in modules}
+    product_secs: dict[str, list[float]] = {name: [] for name in products}
     with torch.inference_mode():
+        for name, multiply in products.items():  # built (and compiled) before the clock
+            product_settings(name)
+            multiply()
         for _ in range(args.repeats):
             for name, s in stats.items():
                 t0 = clock()
                 update(name, s, data[-1])
                 secs[name].append(clock() - t0)
+                if name in products:
+                    product_settings(name)
+                    t0 = clock()
+                    products[name]()
+                    product_secs[name].append(clock() - t0)
         syncs = {
             name: host_syncs(lambda name=name, s=s: update(name, s, data[-1]))
             for name, s in stats.items()
@@ -194,9 +243,11 @@ def time_folds(args, d: int, precision: str, dev: torch.device, modules: dict) -
     if "split" in modules:
         modules["split"].SPLIT_SUMS = None
     per = {name: median(v) / (n * len(layers)) * 1e6 for name, v in secs.items()}
+    product = {name: median(v) / n * 1e6 for name, v in product_secs.items()}
     row = {
         "dim": d, "comoment_precision": current, "baseline_precision": precisions.get("baseline"),
-        "tokens": n, "us_per_token_layer": per,
+        "tokens": n, "us_per_token_layer": per, "product_us_per_token_layer": product,
+        "fold_to_product": {name: per[name] / product[name] for name in product},
     }  # fmt: skip
     if syncs:
         row["host_syncs"] = syncs

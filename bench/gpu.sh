@@ -14,8 +14,9 @@
 #               (bench.comoment --syrk-alone)
 #   fold        the fold alone, d = 768 (BERT-base's width), 2,048 and 4,096, 65,536 tokens,
 #               with the job's default product and with the int8 product in the Triton kernel
-#               (int8-triton), each width's kernels listed by their time (launch counts: the
-#               profile's calls); against $FOLD_BASELINE too (a git revision, or an extracted
+#               (int8-triton), each beside its co-moment product alone on the same batch
+#               (fold_to_product: the target is <= 1.2), each width's kernels listed by their
+#               time (launch counts: the profile's calls); against $FOLD_BASELINE too (a git revision, or an extracted
 #               embgeom_ray package where the machine has no .git: bench/gpu_prepare.sh with
 #               BASELINE makes .gpu/baseline/embgeom_ray, the default where it exists)
 #   fold-stacked  the fold of small batches (8,192 tokens, d = 384 and 768, 12 layers), where

@@ -281,6 +281,10 @@ def test_fold_smoke(results_dir, tmp_path):
         assert row["tokens"] == 1024 - 1024 // 128  # one special token a window left out
         assert row["state"]["same"]  # counts and tails
         assert row["ratio"] > 0 and row["us_per_token_layer"]["current"] > 0
+        # this checkout's product alone on the same batch, timed beside the fold
+        assert set(row["fold_to_product"]) == {"current"}
+        product = row["product_us_per_token_layer"]["current"]
+        assert row["fold_to_product"]["current"] == row["us_per_token_layer"]["current"] / product
     assert exact["state"]["max_rel_diff"] == 0.0
     assert 0 < bounded["state"]["max_rel_diff"] < 1e-5  # float32's product against float64's
     (scatter,) = res["scatter"]
