@@ -16,9 +16,10 @@
 #               with the job's default product and with the int8 product in the Triton kernel
 #               (int8-triton), each beside its co-moment product alone on the same batch
 #               (fold_to_product: the target is <= 1.2), each width's kernels listed by their
-#               time (launch counts: the profile's calls); against $FOLD_BASELINE too (a git revision, or an extracted
-#               embgeom_ray package where the machine has no .git: bench/gpu_prepare.sh with
-#               BASELINE makes .gpu/baseline/embgeom_ray, the default where it exists)
+#               time (launch counts: the profile's calls); against $FOLD_BASELINE too (a git
+#               revision, or an extracted embgeom_ray package where the machine has no .git:
+#               bench/gpu_prepare.sh with BASELINE makes .gpu/baseline/embgeom_ray, the
+#               default where it exists)
 #   fold-stacked  the fold of small batches (8,192 tokens, d = 384 and 768, 12 layers), where
 #               this checkout folds the layers together (statistics.STACK_LAYERS), against
 #               $FOLD_BASELINE's one layer at a time
