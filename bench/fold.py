@@ -26,6 +26,10 @@ checkout's default against the default before it, 2026-11-27); a plain ``P`` is 
 units (``statistics.INTEGER_PRODUCT``), its products in one Triton kernel
 (``integer_gram.TRITON_SYRK``, ``core/integer_syrk.py``) or by ``torch._int_mm``, alternated
 with the others; printed against this checkout's default fold (on Hopper its float64 product).
+``--products triton-sums`` folds with this checkout's pass 1 in Triton (the tails, per-type,
+unit-vector and per-position sums read once from the model's rows: ``core/segment_sums.py``,
+``segment_sums.TRITON_SUMS``), the default product; on a CPU (no Triton there, or its
+interpreter) that entry folds as the default does.
 
 Beside each of this checkout's folds, its co-moment product alone is timed on the same
 batch, alternated with the folds: the kept rows shifted by their mean, multiplied as that fold
@@ -45,9 +49,10 @@ float32 ``index_add_`` or CSR product (one piece, no bound) and the float32 erro
 (``group_sums.split_sums``, within 2^-36 of each column's largest value; its levels for the
 batch's largest type), each with its error against the float64 sums of those rows.
 ``--scatter-only`` times only these. ``--profile`` lists the operators (kernels on a GPU) of
-one more steady fold of this checkout, by their own time. ``--split-sums`` also folds with this
-checkout's per-type and per-position sums in float32 by the split (``statistics.SPLIT_SUMS``),
-alternated with the others, and prints its time against this checkout's default fold.
+one more steady fold of this checkout (and of each ``--products`` entry), by their own time.
+``--split-sums`` also folds with this checkout's per-type and per-position sums in float32 by
+the split (``statistics.SPLIT_SUMS``), alternated with the others, and prints its time against
+this checkout's default fold.
 
     python -m bench.fold [--device cuda] [--dims 2048,4096] [--batch-tokens 65536]
         [--baseline 7975c32 | --baseline path/to/embgeom_ray]
@@ -78,20 +83,24 @@ BASELINE = "7975c32"
 PRODUCTS: dict[str, dict[str, bool]] = {
     "int8-triton": {"INTEGER_PRODUCT": True, "TRITON_SYRK": True},
     "int8-int-mm": {"INTEGER_PRODUCT": True, "TRITON_SYRK": False},
+    "triton-sums": {"TRITON_SUMS": True},
 }
 
 
 def product_settings(name: str) -> None:
     """Set this checkout's product switches for the entry ``name`` (defaults for the others)."""
-    from embgeom_ray.core import integer_gram, statistics
+    from embgeom_ray.core import integer_gram, segment_sums, statistics
 
     wanted = PRODUCTS.get(name, {})
     statistics.INTEGER_PRODUCT = wanted.get("INTEGER_PRODUCT", DEFAULT_PRODUCT["INTEGER_PRODUCT"])
     integer_gram.TRITON_SYRK = wanted.get("TRITON_SYRK", DEFAULT_PRODUCT["TRITON_SYRK"])
+    segment_sums.TRITON_SUMS = wanted.get("TRITON_SUMS", DEFAULT_PRODUCT["TRITON_SUMS"])
 
 
 #: the switches as the command line leaves them (``--integer-product``), set by main
-DEFAULT_PRODUCT: dict[str, bool | None] = {"INTEGER_PRODUCT": None, "TRITON_SYRK": None}
+DEFAULT_PRODUCT: dict[str, bool | None] = {
+    "INTEGER_PRODUCT": None, "TRITON_SYRK": None, "TRITON_SUMS": False,
+}  # fmt: skip
 
 
 def token_ids(n: int, vocab: int, rng: np.random.Generator) -> np.ndarray:
@@ -260,10 +269,13 @@ def time_folds(args, d: int, precision: str, dev: torch.device, modules: dict) -
     for name in PRODUCTS.keys() & stats.keys():
         row[f"{name}_ratio"] = per[name] / per["current"]
         row[f"{name}_state"] = same_state(stats[name], stats["current"])
+    if args.profile:  # after the comparisons: the profiled fold is one more batch
+        for name in ("current", *sorted(PRODUCTS.keys() & stats.keys())):  # each fold's kernels
+            product_settings(name)
+            print(f"--- {name}, d = {d}")
+            print(profile_update(stats[name], (h, ids, keep, pos), len(layers), cuda))
     if PRODUCTS.keys() & modules.keys():
         product_settings("current")
-    if args.profile:  # after the comparisons: the profiled fold is one more batch
-        print(profile_update(stats["current"], (h, ids, keep, pos), len(layers), cuda))
     return row
 
 
@@ -365,7 +377,7 @@ def main(argv: list[str] | None = None) -> None:
     )  # fmt: skip
     p.add_argument(
         "--products", default="",
-        help=f"also fold with these int8 products, comma-separated: {', '.join(PRODUCTS)}",
+        help=f"also fold with these settings, comma-separated: {', '.join(PRODUCTS)}",
     )  # fmt: skip
     p.add_argument("--name", default="fold")
     args = p.parse_args(argv)

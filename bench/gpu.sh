@@ -13,8 +13,9 @@
 #               Triton kernel (core/integer_syrk.py), and that kernel alone with its TOPS
 #               (bench.comoment --syrk-alone)
 #   fold        the fold alone, d = 768 (BERT-base's width), 2,048 and 4,096, 65,536 tokens,
-#               with the job's default product and with the int8 product in the Triton kernel
-#               (int8-triton), each beside its co-moment product alone on the same batch
+#               with the job's default product, with the int8 product in the Triton kernel
+#               (int8-triton) and with pass 1 in Triton (triton-sums: core/segment_sums.py,
+#               the default product), each beside its co-moment product alone on the same batch
 #               (fold_to_product: the target is <= 1.2), each width's kernels listed by their
 #               time (launch counts: the profile's calls); against $FOLD_BASELINE too (a git
 #               revision, or an extracted embgeom_ray package where the machine has no .git:
@@ -126,9 +127,9 @@ if wanted comoment; then
     --name gpu-comoment --variants f64_upper8,int8_upper,int8_triton --syrk-alone
 fi
 if wanted fold; then
-  step 140 bench.fold $DEV --dims $D1,$D2,$D4 --batch-tokens $TOK --repeats $REPEATS \
+  step 160 bench.fold $DEV --dims $D1,$D2,$D4 --batch-tokens $TOK --repeats $REPEATS \
     --baseline "${FOLD_BASELINE:-none}" --comoment-precision bounded --profile \
-    --products int8-triton --name gpu-fold
+    --products int8-triton,triton-sums --name gpu-fold
 fi
 if wanted fold-stacked; then  # small batches: the layers folded together against one at a time
   step 45 bench.fold $DEV $FS --repeats $REPEATS --baseline "${FOLD_BASELINE:-none}" \

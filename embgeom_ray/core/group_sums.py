@@ -33,22 +33,42 @@ class GroupMatrix:
     col: torch.Tensor  # (n,) int64, increasing within each group
     groups: int
     in_order: bool = False  # col is 0..n − 1: the rows are in group order
+    labels: torch.Tensor | None = None  # (n,) int64: each row's group, where the maker had it
     #: the unweighted product's values (ones), made once a dtype: a batch's matrices serve
     #: every layer, so one fill a batch, not one a layer
     _ones: dict[torch.dtype, torch.Tensor] = field(default_factory=dict, repr=False, compare=False)
+    _keys: list[torch.Tensor] = field(default_factory=list, repr=False, compare=False)
 
     @classmethod
-    def of_sorted(cls, counts: torch.Tensor, n: int) -> GroupMatrix:
-        """n rows already in group order, ``counts[g]`` of them in group g."""
+    def of_sorted(
+        cls, counts: torch.Tensor, n: int, labels: torch.Tensor | None = None
+    ) -> GroupMatrix:
+        """n rows already in group order, ``counts[g]`` of them in group g (``labels``: each
+        row's group, non-decreasing, where the caller has it)."""
         crow = torch.cat([counts.new_zeros(1), counts.cumsum(0)])
-        return cls(crow, torch.arange(n, device=counts.device), counts.numel(), in_order=True)
+        arange = torch.arange(n, device=counts.device)
+        return cls(crow, arange, counts.numel(), in_order=True, labels=labels)
 
     @classmethod
     def of_labels(cls, labels: torch.Tensor, counts: torch.Tensor) -> GroupMatrix:
         """Row i in group ``labels[i]`` (any order); ``counts = bincount(labels, minlength)``."""
         order = torch.sort(labels, stable=True).indices  # each group's rows in row order
         crow = torch.cat([counts.new_zeros(1), counts.cumsum(0)])
-        return cls(crow, order, counts.numel())
+        return cls(crow, order, counts.numel(), labels=labels)
+
+    def keys(self) -> torch.Tensor:
+        """(n,) int64, non-decreasing: the group of each stored entry, in CSR order (the rows
+        ``col`` point to); made on first use (one gather a batch), from ``labels`` or
+        ``crow``."""
+        if not self._keys:
+            if self.labels is None:
+                groups = torch.arange(self.groups, device=self.crow.device)
+                n = self.col.numel()
+                keys = torch.repeat_interleave(groups, self.crow.diff(), output_size=n)
+            else:
+                keys = self.labels if self.in_order else self.labels[self.col]
+            self._keys.append(keys)
+        return self._keys[0]
 
     def sums(self, x: torch.Tensor, weights: torch.Tensor | None = None) -> torch.Tensor:
         """(groups × d): row g is Σ_{i in g} w_i x_i (w = 1 without ``weights``) of ``x`` (n × d)."""

@@ -129,6 +129,13 @@ class LayerState:
         extreme_counts(rows, "max", scratch, into=self.arrays["argmax_counts"][li])
         extreme_counts(rows, "min", scratch, into=self.arrays["argmin_counts"][li])
 
+    def add_tail_dims(self, li: int, argmax: torch.Tensor, argmin: torch.Tensor) -> None:
+        """Count rows' first argmax and argmin dimensions, already found (``argmax``,
+        ``argmin``: (n,) int64; :func:`~embgeom_ray.core.segment_sums.group_sums`), into layer
+        slot ``li``, as :meth:`add_tails` counts them on GPUs."""
+        for name, first in (("argmax_counts", argmax), ("argmin_counts", argmin)):
+            self.arrays[name][li].index_add_(0, first, _one(first.device).expand_as(first))
+
     def add_tails_stacked(self, lo: int, rows: torch.Tensor) -> None:
         """:meth:`add_tails` of layer slots ``lo``..lo + G − 1 at once from their finite rows
         stacked (n × G × d): each layer's argmax and argmin dimensions (the first on ties, as

@@ -66,7 +66,7 @@ import torch
 
 from ..errors import StatisticsMismatchError
 from ..integrity import FileRef, as_ref, open_verified
-from . import statistics_io
+from . import segment_sums, statistics_io
 from .fold_kernels import deviations_and_centred, deviations_and_centred32, float64_rows, fused_on
 from .gram import add_gram, add_gram_stacked, integer_blocks
 from .group_sums import GroupMatrix, split_sums
@@ -639,7 +639,7 @@ class EmbeddingStatistics(Sketch):
                 slots, inv, row_slots, counts, counts_f, pos, pos_counts, pos_f, largest=largest
             )
         by_pos = None if pos is None else GroupMatrix.of_labels(pos, pos_counts)
-        by_type = GroupMatrix.of_sorted(counts, row_slots.numel())
+        by_type = GroupMatrix.of_sorted(counts, row_slots.numel(), labels=inv)
         return _Groups(
             slots, inv, row_slots, counts, counts_f, pos, pos_counts, pos_f, by_type, by_pos,
             largest,
@@ -727,12 +727,18 @@ class EmbeddingStatistics(Sketch):
         g: _Groups,
         blocks: list[tuple[int, int]],
         fuse: bool,
-    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         """Pass 1 of :meth:`_fold_layer` over ``blocks`` of ``kept``: the tails, per type the
         unit-vector sums (added to the statistics) and the rows' sums, per position the rows'
         sums. Returns (the per-type sums (u × d), the per-position sums (P × d) or None, the
-        last block's float64 rows)."""
+        last block's float64 rows, or None where pass 1 ran in Triton:
+        :meth:`_first_pass_triton`)."""
         dev, u = kept.device, g.slots.numel()
+        if self._triton_sums(kept, g, blocks):
+            try:
+                return self._first_pass_triton(li, kept, g)
+            except Exception as e:  # a kernel Triton could not build: the sparse products
+                segment_sums.give_up(e)
         block = blocks[0][1]  # rows of the first (largest) block: the scratch buffers' size
         # tails: 0/1 column sums on a CPU (exact below 2^24 rows), argmax on a GPU
         hits = None if gpu_fold(dev) else self._workspace("hits", block, torch.float32)
@@ -780,6 +786,42 @@ class EmbeddingStatistics(Sketch):
                 )  # fmt: skip
         return sums, ps, x
 
+    def _triton_sums(self, kept: torch.Tensor, g: _Groups, blocks: list[tuple[int, int]]) -> bool:
+        """Whether pass 1 runs in Triton (:mod:`~embgeom_ray.core.segment_sums`, where
+        :func:`~embgeom_ray.core.segment_sums.on` the device): the GPU's fold of one block
+        with sparse sums, float64 sums (not :data:`SPLIT_SUMS`), no ``clip_dims``."""
+        return (
+            len(blocks) == 1
+            and g.by_type is not None
+            and self.clip_dims is None
+            and not split_sums_on(self.comoment_precision, kept.dtype)
+            and segment_sums.on(kept.device)
+        )
+
+    def _first_pass_triton(
+        self, li: int, kept: torch.Tensor, g: _Groups
+    ) -> tuple[torch.Tensor, torch.Tensor | None, None]:
+        """:meth:`_first_pass` in Triton: one launch reads the rows in their own dtype for
+        the tails, the per-type sums and the unit-vector sums (added to the statistics where
+        they are taken), and one more for the per-position sums (each with a small join
+        launch: :func:`~embgeom_ray.core.segment_sums.group_sums`); no float64 copy of the
+        rows is made (pass 2 converts as it reads). Where a kernel cannot be built, it raises
+        before anything is added to the statistics (the caller then sums the sparse way)."""
+        by_type, by_pos = g.by_type, g.by_pos
+        ps = None
+        if by_pos is not None:  # first: it changes nothing in the statistics if it fails
+            ps = segment_sums.group_sums(
+                kept, by_pos.keys(), by_pos.crow, by_pos.groups, order=by_pos.col,
+                every_group=False,
+            ).sums  # fmt: skip
+        unit_sums = self.type_moments.arrays["unit_sums"][li]  # added to at the batch's slots
+        t = segment_sums.group_sums(  # built (or failing to) before it adds anything
+            kept, by_type.keys(), by_type.crow, by_type.groups,
+            add_units_to=(unit_sums, g.slots), tails=True,
+        )  # fmt: skip
+        self.layer_state.add_tail_dims(li, t.argmax, t.argmin)
+        return t.sums, ps, None
+
     def _shift(
         self, li: int, kept: torch.Tensor, x_mean: torch.Tensor
     ) -> tuple[torch.Tensor, IntegerGram | None]:
@@ -815,7 +857,7 @@ class EmbeddingStatistics(Sketch):
         g: _Groups,
         blocks: list[tuple[int, int]],
         fuse: bool,
-        x: torch.Tensor,
+        x: torch.Tensor | None,
         mean_b: torch.Tensor,
         c: torch.Tensor,
         gram: IntegerGram | None,
@@ -824,8 +866,9 @@ class EmbeddingStatistics(Sketch):
         deviations ||x − μ_b,t||² from the batch's type means ``mean_b``, and the upper block
         triangle of X'ᵀX', x' = x − c (:func:`~embgeom_ray.core.gram.add_gram`), or the rows'
         residues put into ``gram`` (the int8 product, summed by the caller). ``x``: pass 1's
-        float64 rows, reused when there is one block. Returns (M2 per type of the batch,
-        the upper triangle)."""
+        float64 rows, reused when there is one block; None where pass 1 made none (Triton:
+        the fused kernels then read the model-dtype rows ``kept`` themselves, converting them
+        exactly as they read). Returns (M2 per type of the batch, the upper triangle)."""
         dev, d = kept.device, self.dim
         block = blocks[0][1]
         f32 = self.comoment_precision == "float32"
@@ -835,6 +878,8 @@ class EmbeddingStatistics(Sketch):
         for a, b in blocks:
             if len(blocks) > 1:  # one block (a GPU's batch): pass 1's float64 rows are intact
                 x = self._workspace("x", block)[: b - a].copy_(kept[a:b])
+            elif x is None and (gram is not None or not fuse):  # pass 1 ran in Triton
+                x = kept.to(_F64)
             if gram is not None:  # the squared deviations and the rows' residues, piece by piece
                 for grp, s, e in gram.pieces(a, b):
                     sq, res = deviations_and_residues(  # one compiled kernel where fused
@@ -845,10 +890,13 @@ class EmbeddingStatistics(Sketch):
                     gram.put(grp, s, e, res)
                 continue
             if fuse:  # one compiled kernel (CUDA) reads x once: no (n × d) scratch
+                # without pass 1's float64 copy, the kernel reads the model's rows: each
+                # operation with the float64 means or shift promotes them exactly
+                src = kept if x is None else x
                 if f32:
-                    sq, xs = deviations_and_centred32(mean_b, g.inv[a:b], x, kept[a:b], c32)
+                    sq, xs = deviations_and_centred32(mean_b, g.inv[a:b], src, kept[a:b], c32)
                 else:
-                    sq, xs = deviations_and_centred(mean_b, g.inv[a:b], x, c)
+                    sq, xs = deviations_and_centred(mean_b, g.inv[a:b], src, c)
             else:
                 dev_rows = self._workspace("tmp", block)[: b - a]
                 torch.index_select(mean_b, 0, g.inv[a:b], out=dev_rows).sub_(x)

@@ -1,0 +1,175 @@
+"""Pass 1 of the GPU fold in one Triton kernel per grouping: the per-group float64 sums, the
+unit-vector sums and the tails, read once from the model's own rows.
+
+The GPU fold's pass 1 (``statistics.EmbeddingStatistics._first_pass``) otherwise writes the
+batch's rows in float64 and reads that copy once per sum: the per-type sums, the unit-vector
+sums and the per-position sums are three sparse products (``group_sums.GroupMatrix``), and
+the tails two more reads of the rows. On bf16 rows, with pass 2's read of the copy, that is
+about 62 bytes of traffic a value (``docs/precision.md``). Here (:func:`group_sums`) one launch
+reads each row of a grouping in its own dtype (2 bytes a value in bf16) and writes only the
+sums:
+
+* rows are taken in group order (the fold's rows are already in type order; the positions
+  through the grouping's permutation), in chunks of R consecutive rows, one program a chunk;
+* a first walk over the chunk's columns takes each row's Σ x² in float64 (its weight
+  w_i = 1/max(‖x_i‖, tiny), as ``fold_kernels.float64_rows``) and, with ``tails``, its first
+  argmax and argmin dimension;
+* a second walk (over rows the first brought into the cache) takes, per column block, the
+  segmented inclusive scan of the float64 values, and of w_i x_i, down the chunk
+  (``tl.associative_scan`` with (k₁, v₁) ∘ (k₂, v₂) = (k₂, v₂ + [k₁ = k₂] v₁), associative for
+  keys in order): the last row of each group in the chunk then holds the group's sum over the
+  chunk. A group wholly in the chunk is stored at its row of the output, its unit-vector sum
+  added to its row of the statistics; a group that runs into a neighbouring chunk stores its
+  piece in a carry buffer (at most two pieces a chunk);
+* a second, small launch (``join``) adds each such group's pieces, in chunk order, in the
+  program of the chunk where the group ends.
+
+With pass 2 reading the model's rows too (``fold_kernels``: its compiled kernel converts as it
+reads), the fold's passes move about 22 bytes a value instead of 62 (24 where a chunk's rows
+leave the cache between the two walks): at d = 2,048 and 65,536 rows about 3 GB instead of
+8.3, ≥ 0.6 ms at an H200's 4.8 TB/s. Not yet measured on a GPU.
+
+Every sum is taken in float64 from the exact float64 values of the rows (bf16, fp16 and
+float32 convert exactly), in an order fixed by the chunk size and the scan's tree: the results
+are the same from run to run, and differ from the sparse product's only in the order of the
+additions (float64 rounding). No atomics.
+
+The fold uses it where :func:`on` the device (:data:`TRITON_SUMS`), one layer at a time (not in
+the stacked fold of small batches); the tests run it on a CPU in Triton's interpreter
+(``TRITON_INTERPRET=1``) against ``GroupMatrix``'s sums of the float64 rows, the eager tails,
+and the fold without it (``tests/core/test_segment_sums.py``).
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import torch
+
+from embgeom_ray.core.integer_syrk import importable, interpreted
+
+#: where the fold's pass 1 runs here: False (default) nowhere, until a GPU measures it against
+#: the float64 copy and sparse products (``bash bench/gpu.sh``, step ``fold``:
+#: ``--products triton-sums``); None on CUDA where Triton imports; True wherever
+#: :func:`available` (the tests: a CPU under Triton's interpreter)
+TRITON_SUMS: bool | None = False
+#: (rows a chunk R, columns a block, warps) on a GPU, not tuned on one yet: a chunk's block of
+#: 64 bf16 columns is one 128-byte line a row, and its float64 tile 16 values a thread
+GPU_CONFIG = (64, 64, 8)
+#: ... and in the interpreter (CPU tests): small, so that groups cross chunks
+INTERPRETER_CONFIG = (16, 32, 1)
+
+_F64 = torch.float64
+
+
+def available(device: torch.device) -> bool:
+    """Whether :func:`group_sums` runs on ``device``: CUDA with Triton, or a CPU under Triton's
+    interpreter."""
+    if not importable():
+        return False
+    return device.type == "cuda" or (device.type == "cpu" and interpreted())
+
+
+def on(device: torch.device) -> bool:
+    """Whether the fold's pass 1 runs in :func:`group_sums` on ``device`` (:data:`TRITON_SUMS`;
+    never again in this process once a kernel could not be built: :func:`give_up`)."""
+    if TRITON_SUMS is False or _unavailable or not available(device):
+        return False
+    return TRITON_SUMS is True or device.type == "cuda"
+
+
+_unavailable = False
+
+
+def give_up(error: Exception) -> None:
+    """After ``error`` from :func:`group_sums` (a kernel Triton could not build for this card
+    or version): one warning, and :func:`on` is False from then on (the fold's sparse
+    products instead: the same statistics)."""
+    global _unavailable
+    _unavailable = True
+    first = str(error).splitlines()[0][:200] if str(error) else ""
+    warnings.warn(
+        f"the fold's Triton sums failed ({type(error).__name__}: {first}); summing with "
+        "sparse products instead (the same statistics)",
+        RuntimeWarning,
+        stacklevel=3,
+    )
+
+
+def _config() -> tuple[int, int, int]:
+    return INTERPRETER_CONFIG if interpreted() else GPU_CONFIG
+
+
+def _kernels() -> tuple[Callable[..., Any], Callable[..., Any]]:
+    """(the pass kernel, the join kernel): :mod:`~embgeom_ray.core.segment_sums_kernels`."""
+    from embgeom_ray.core import segment_sums_kernels as k
+
+    return k.group_pass, k.join
+
+
+class GroupSums(NamedTuple):
+    """What :func:`group_sums` returns."""
+
+    sums: torch.Tensor  # (groups, d) float64: Σ_{i in g} x_i
+    argmax: torch.Tensor | None  # (n,) int64: each row's first argmax dimension, group order
+    argmin: torch.Tensor | None  # (n,) int64: ... and argmin
+
+
+def group_sums(
+    rows: torch.Tensor,
+    keys: torch.Tensor,
+    starts: torch.Tensor,
+    groups: int,
+    *,
+    order: torch.Tensor | None = None,
+    add_units_to: tuple[torch.Tensor, torch.Tensor] | None = None,
+    tails: bool = False,
+    every_group: bool = True,
+) -> GroupSums:
+    """Per-group float64 sums of ``rows`` (n × d, any float dtype), in two launches (module
+    docstring).
+
+    Args:
+        keys: (n,) int64, non-decreasing: the group of each row taken in group order.
+        starts: (groups + 1,) int64: group g holds positions starts[g]..starts[g+1] − 1 of
+            that order (a CSR row pointer, ``GroupMatrix.crow``).
+        order: (n,) int64: the row at each position of group order (None: row i is at i).
+        add_units_to: (target, at): each group g's sum of unit vectors
+            Σ_{i in g} x_i/max(‖x_i‖, tiny) is added to row ``at[g]`` of ``target`` (float64,
+            d columns of unit stride; ``at`` (groups,) int64, no row twice), as
+            ``target.index_add_(0, at, sums)`` would add it, without writing the sums first.
+        tails: also each row's first argmax and argmin dimension (in group order).
+        every_group: every group 0..groups − 1 has rows (the output is not zeroed first).
+    """
+    n, d = rows.shape
+    dev = rows.device
+    if rows.stride(1) != 1:
+        rows = rows.contiguous()
+    r, block_d, warps = _config()
+    chunks = max(1, -(-n // r))
+    sums = (torch.empty if every_group else torch.zeros)(groups, d, dtype=_F64, device=dev)
+    argmax = torch.empty(n, dtype=torch.int64, device=dev) if tails else None
+    argmin = torch.empty(n, dtype=torch.int64, device=dev) if tails else None
+    if n == 0:
+        return GroupSums(sums, argmax, argmin)
+    units, at = (sums, keys) if add_units_to is None else add_units_to  # unused without
+    if units.dtype != _F64 or units.shape[1] != d or units.stride(1) != 1:
+        raise ValueError("add_units_to takes a float64 target of d columns, unit stride")
+    weighted = add_units_to is not None
+    carry = torch.empty(chunks, 2, 2, d, dtype=_F64, device=dev)
+    pass_kernel, join_kernel = _kernels()
+    extra = {} if interpreted() else {"num_warps": warps}
+    pass_kernel[(chunks,)](
+        rows, keys if order is None else order, keys, sums, units, at, carry,
+        keys if argmax is None else argmax, keys if argmin is None else argmin,
+        n, d, rows.stride(0), units.stride(0),
+        R=r, BLOCK_D=block_d, IN_ORDER=order is None, WEIGHTED=weighted, TAILS=tails, **extra,
+    )  # fmt: skip
+    if chunks > 1:
+        join_kernel[(chunks, -(-d // block_d))](
+            keys, starts, sums, units, at, carry, n, d, units.stride(0),
+            R=r, BLOCK_D=block_d, WEIGHTED=weighted, **extra,
+        )  # fmt: skip
+    return GroupSums(sums, argmax, argmin)

@@ -1,0 +1,262 @@
+"""The GPU fold's pass 1 in Triton (``core/segment_sums.py``), run on the CPU in Triton's
+interpreter: its per-group sums, unit-vector sums and tails against the sparse products of
+the rows' float64 copy and the eager argmax (groups across chunks, single rows, a zero row,
+massive offsets, bf16 ties, rows taken through a permutation with empty groups); and the fold
+with it against the fold without, the same statistics in every precision, with positions and
+a layer holding a NaN, and against the float64 two-pass reference."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import strategies as st
+
+import embgeom_ray.core.statistics as statistics_module
+from embgeom_ray.core import fold_kernels, segment_sums
+from embgeom_ray.core import gram as gram_module
+from embgeom_ray.core.group_sums import GroupMatrix
+from embgeom_ray.core.statistics import EmbeddingStatistics
+
+pytest.importorskip("triton")
+pytestmark = pytest.mark.skipif(
+    not segment_sums.available(torch.device("cpu")), reason="needs TRITON_INTERPRET=1"
+)
+
+_F64 = torch.float64
+R = segment_sums.INTERPRETER_CONFIG[0]  # rows a chunk in the interpreter
+
+
+def reference(x: torch.Tensor, gm: GroupMatrix) -> tuple[torch.Tensor, ...]:
+    """The float64 sums and unit-vector sums as the GPU fold takes them: sparse products of
+    the rows' float64 copy, weighted by 1/max(‖x‖, tiny) (``fold_kernels.float64_rows``); and
+    the sums of their absolute values (the sums' condition)."""
+    xf, inv_norms = fold_kernels.float64_rows_eager(x)
+    return gm.sums(xf), gm.sums(xf, inv_norms), gm.sums(xf.abs()), gm.sums(xf.abs(), inv_norms)
+
+
+def assert_close(got: torch.Tensor, want: torch.Tensor, scale: torch.Tensor, n: int) -> None:
+    """|got − want| within two float64 sums' rounding in any order, of at most ``n`` terms
+    whose absolute values sum to ``scale``: 2 (n − 1) 2^-53 Σ|x| each way."""
+    assert bool(((got - want).abs() <= 4 * n * 2.0**-53 * scale).all())
+
+
+@st.composite
+def batches(draw):
+    """(rows, counts): a batch's rows in group order and each group's rows; groups from one
+    row to several chunks, a zero row, an offset column, one of three dtypes."""
+    counts = draw(st.lists(st.integers(1, 3 * R + 2), min_size=1, max_size=6))
+    n, d = sum(counts), draw(st.integers(1, 40))
+    dtype = draw(st.sampled_from([torch.bfloat16, torch.float32, torch.float64]))
+    offset = draw(st.sampled_from([0.0, 1e4, -3e6]))
+    gen = torch.Generator().manual_seed(draw(st.integers(0, 2**16)))
+    x = torch.randn(n, d, generator=gen, dtype=_F64) * 3
+    x[:, draw(st.integers(0, d - 1))] += offset
+    x[draw(st.integers(0, n - 1))] = 0.0  # a zero row: its unit vector is 0
+    return x.to(dtype), torch.tensor(counts)
+
+
+@settings(
+    max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow],
+    phases=[Phase.explicit, Phase.reuse, Phase.generate],  # no shrinking: the interpreter is slow
+)  # fmt: skip
+@given(batches())
+def test_sums_units_and_tails_equal_the_sparse_products_and_argmax(batch):
+    x, counts = batch
+    gm = GroupMatrix.of_sorted(counts, x.shape[0])
+    # the unit-vector sums added to rows of a target holding values already, in another order
+    target = torch.randn(gm.groups + 3, x.shape[1], dtype=_F64)
+    at = torch.randperm(gm.groups + 3)[: gm.groups]
+    want = target.clone()
+    got = segment_sums.group_sums(
+        x, gm.keys(), gm.crow, gm.groups, add_units_to=(target, at), tails=True
+    )
+    sums, units, abs_sums, abs_units = reference(x, gm)
+    n = int(counts.max()) + 1  # the target's value is one term more
+    assert_close(got.sums, sums, abs_sums, n)
+    scale = want.abs().index_add_(0, at, abs_units)
+    assert_close(target, want.index_add_(0, at, units), scale, n)
+    assert torch.equal(got.argmax, x.argmax(dim=1))
+    assert torch.equal(got.argmin, x.argmin(dim=1))
+
+
+def test_tails_take_the_first_of_tied_dimensions_across_column_blocks():
+    """bf16 ties (8 significant bits) within a column block and across blocks: the first
+    dimension, as ``argmax`` on a GPU."""
+    x = torch.zeros(3, 40, dtype=torch.bfloat16)
+    x[0, [5, 7, 30]] = 2.0  # in the first block and the second
+    x[1, [20, 21]] = -1.0  # the minimum tied in the second block
+    x[2] = 1.0  # every dimension tied
+    gm = GroupMatrix.of_sorted(torch.tensor([3]), 3)
+    got = segment_sums.group_sums(x, gm.keys(), gm.crow, 1, tails=True)
+    assert got.argmax.tolist() == x.float().argmax(dim=1).tolist() == [5, 0, 0]
+    assert got.argmin.tolist() == x.float().argmin(dim=1).tolist() == [0, 20, 0]
+
+
+def test_rows_through_a_permutation_with_empty_groups_sum_as_the_sparse_product():
+    """The per-position sums: rows in window order, grouped by position through the
+    grouping's permutation; positions without rows stay 0."""
+    rng = np.random.default_rng(3)
+    pos = torch.as_tensor(rng.integers(0, 9, size=5 * R + 3))
+    pos[pos == 4] = 5  # position 4 empty, as are 9..11
+    counts = torch.bincount(pos, minlength=12)
+    x = (torch.randn(pos.numel(), 24, dtype=_F64) + 50.0).to(torch.bfloat16)
+    gm = GroupMatrix.of_labels(pos, counts)
+    got = segment_sums.group_sums(x, gm.keys(), gm.crow, 12, order=gm.col, every_group=False)
+    sums, _, abs_sums, _ = reference(x, gm)
+    assert_close(got.sums, sums, abs_sums, int(counts.max()))
+    assert not got.sums[[4, 9, 10, 11]].any()
+
+
+def test_the_sums_do_not_depend_on_the_chunk(monkeypatch):
+    """Chunks of 16 or 4 rows (the pieces joined across more chunk edges): the same sums to
+    float64 rounding; and the same bits when run twice."""
+    x = (torch.randn(100, 20, dtype=_F64) * 5 + 1e3).to(torch.bfloat16)
+    gm = GroupMatrix.of_sorted(torch.tensor([1, 40, 3, 50, 6]), 100)
+
+    def sums() -> tuple[torch.Tensor, torch.Tensor]:
+        units = torch.zeros(5, 20, dtype=_F64)
+        got = segment_sums.group_sums(x, gm.keys(), gm.crow, 5, add_units_to=(units, gm.keys()[gm.crow[:-1]]))
+        return got.sums, units
+
+    a, again = sums(), sums()
+    assert torch.equal(a[0], again[0]) and torch.equal(a[1], again[1])
+    monkeypatch.setattr(segment_sums, "INTERPRETER_CONFIG", (4, 8, 1))
+    b = sums()
+    _, _, abs_sums, abs_units = reference(x, gm)
+    assert_close(b[0], a[0], abs_sums, 50)
+    assert_close(b[1], a[1], abs_units, 50)
+
+
+# ------------------------------------------------------------------------------- the fold
+LAYERS, D, BATCHES = 2, 24, 3
+
+
+@pytest.fixture
+def gpu_way(monkeypatch):
+    """The GPU's fold on the CPU, one layer at a time (``_fold_layer``, where pass 1 may run
+    in Triton), fused kernels traced."""
+    monkeypatch.setattr(statistics_module, "GPU_FOLD", True)
+    monkeypatch.setattr(statistics_module, "STACK_LAYERS", False)
+    monkeypatch.setattr(gram_module, "CPU_SYRK", False)
+    monkeypatch.setattr(fold_kernels, "BACKEND", "eager")
+
+
+def folded(precision: str, nan_at: int | None, *, triton: bool, monkeypatch) -> EmbeddingStatistics:
+    """Three batches of massive-offset rows (bf16; float64 for the reference precision) with
+    positions, folded with pass 1 in Triton or as sparse products."""
+    monkeypatch.setattr(segment_sums, "TRITON_SUMS", triton)
+    stats = EmbeddingStatistics(
+        list(range(LAYERS)), D, max_positions=16, comoment_precision=precision
+    )
+    rng = np.random.default_rng(1)
+    for b in range(BATCHES):
+        h = rng.normal(size=(LAYERS, 3, 16, D)) * 3 + 1e3 * (rng.random(D) > 0.9)
+        if nan_at is not None and b == 2:
+            h[nan_at, 0, 3, 5] = np.nan
+        ids = rng.integers(0, 30, size=(3, 16))
+        keep = rng.random((3, 16)) > 0.1
+        dtype = torch.float64 if precision == "float64" else torch.bfloat16
+        stats.update(torch.as_tensor(h).to(dtype), torch.as_tensor(ids), torch.as_tensor(keep))
+    return stats
+
+
+def assert_same_statistics(a: EmbeddingStatistics, b: EmbeddingStatistics) -> None:
+    """Every array equal to float64 rounding (relative to its largest value), counts and
+    tails exactly."""
+    assert torch.equal(a.type_moments.slot_ids, b.type_moments.slot_ids)
+    k = a.type_moments.num_types
+    pairs = [(name, x, b.layer_state.arrays[name]) for name, x in a.layer_state.arrays.items()]
+    pairs += [(name, x[:, :k], b.type_moments.arrays[name][:, :k]) for name, x in a.type_moments.arrays.items()]  # fmt: skip
+    for name, x, y in pairs:
+        if not x.dtype.is_floating_point:
+            assert torch.equal(x, y), name
+        elif x.numel():
+            scale = float(y.abs().max()) or 1.0
+            assert float((x - y).abs().max()) <= 1e-13 * scale, name
+
+
+@pytest.mark.parametrize(
+    "precision, fuse, integer, nan_at",
+    [
+        ("bounded", True, False, None),
+        ("bounded", False, False, 1),
+        ("bounded", True, True, None),
+        ("float64", True, False, 1),
+        ("float32", True, False, None),
+        ("float32", False, False, 0),
+    ],
+)
+def test_the_fold_with_pass_1_in_triton_equals_the_fold_without(
+    gpu_way, precision, fuse, integer, nan_at, monkeypatch
+):
+    """Pass 2 then reads the model's rows (no float64 copy from pass 1): compiled where
+    fused, else converted first; the int8 product's residues from a float64 copy. The fold of
+    the default precision also against the float64 two-pass reference."""
+    monkeypatch.setattr(fold_kernels, "FUSE", fuse)
+    monkeypatch.setattr(statistics_module, "INTEGER_PRODUCT", integer)
+    calls = []
+    real = segment_sums.group_sums
+    monkeypatch.setattr(
+        segment_sums, "group_sums", lambda *a, **k: calls.append(1) or real(*a, **k)
+    )
+    with_triton = folded(precision, nan_at, triton=True, monkeypatch=monkeypatch)
+    assert len(calls) == 2 * LAYERS * BATCHES  # the types' and the positions' of every layer
+    without = folded(precision, nan_at, triton=False, monkeypatch=monkeypatch)
+    assert len(calls) == 2 * LAYERS * BATCHES
+    assert_same_statistics(with_triton, without)
+    if (precision, fuse, integer) == ("bounded", True, False):
+        assert_meets_the_reference(with_triton)
+
+
+def assert_meets_the_reference(stats: EmbeddingStatistics) -> None:
+    """Per-type means, M2 and unit sums, the layer's covariance and tails of :func:`folded`'s
+    bf16 rows with a massive dimension, against numpy's float64 two-pass moments of the same
+    values."""
+    rng = np.random.default_rng(1)
+    rows, ids = [], []
+    for _ in range(BATCHES):  # the same draws as folded()
+        h = rng.normal(size=(LAYERS, 3, 16, D)) * 3 + 1e3 * (rng.random(D) > 0.9)
+        i = rng.integers(0, 30, size=(3, 16))
+        keep = rng.random((3, 16)) > 0.1
+        h = torch.as_tensor(h).to(torch.bfloat16).to(_F64).numpy()
+        rows.append(h[:, keep])
+        ids.append(i[keep])
+    x, t = np.concatenate(rows, axis=1), np.concatenate(ids)
+    for li in range(LAYERS):
+        m = stats.layer(li)
+        xl = x[li]
+        mu = xl.mean(axis=0)
+        cov = (xl - mu).T @ (xl - mu) / len(xl)
+        np.testing.assert_allclose(m.covariance, cov, rtol=1e-9, atol=1e-9 * np.abs(cov).max())
+        np.testing.assert_array_equal(m.argmax_counts, np.bincount(xl.argmax(1), minlength=D))
+        np.testing.assert_array_equal(m.argmin_counts, np.bincount(xl.argmin(1), minlength=D))
+        for j, tid in enumerate(m.type_ids):
+            r = xl[t == tid]
+            np.testing.assert_allclose(m.means[j], r.mean(axis=0), rtol=1e-12, atol=1e-12)
+            m2 = ((r - r.mean(axis=0)) ** 2).sum()
+            np.testing.assert_allclose(m.m2[j], m2, rtol=1e-9, atol=1e-9)
+            units = (r / np.linalg.norm(r, axis=1, keepdims=True)).sum(axis=0)
+            np.testing.assert_allclose(m.unit_sums[j], units, rtol=1e-12, atol=1e-12)
+
+
+def test_a_kernel_triton_cannot_build_leaves_the_sparse_sums_with_one_warning(gpu_way, monkeypatch):
+    """Either grouping's kernel failing (the positions' first, then the types'): one warning,
+    the batch folded the sparse way, and the sparse way from then on: the same statistics."""
+    monkeypatch.setattr(fold_kernels, "FUSE", True)
+    without = folded("bounded", None, triton=False, monkeypatch=monkeypatch)
+    real = segment_sums.group_sums
+    for failing in ("positions", "types"):
+        monkeypatch.setattr(segment_sums, "_unavailable", False)
+
+        def broken(*args, failing=failing, **kwargs):
+            if (kwargs.get("order") is None) == (failing == "types"):
+                raise RuntimeError("PassManager::run failed")
+            return real(*args, **kwargs)
+
+        monkeypatch.setattr(segment_sums, "group_sums", broken)
+        with pytest.warns(RuntimeWarning, match="Triton sums failed") as caught:
+            stats = folded("bounded", None, triton=True, monkeypatch=monkeypatch)
+        assert len(caught) == 1 and not segment_sums.on(torch.device("cpu"))
+        assert_same_statistics(stats, without)
