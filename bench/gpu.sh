@@ -25,9 +25,10 @@
 #               this checkout folds the layers together (statistics.STACK_LAYERS), against
 #               $FOLD_BASELINE's one layer at a time
 #   vocabulary  the fold against the bare forward on 128k-vocabulary Llama-shaped bf16 models
-#               at the batch size the job picks, with the default product and with the Triton
-#               one (bounded-int8-triton): d = 4,096 (2 blocks, vocabulary-4096) first, then
-#               d = 2,048 (8 blocks, vocabulary-2048, with its kernels); one of them by name.
+#               at the batch size the job picks, with the default product, with the Triton
+#               one (bounded-int8-triton) and with pass 1 in Triton (bounded-triton-sums):
+#               d = 4,096 (2 blocks, vocabulary-4096) first, then d = 2,048 (8 blocks,
+#               vocabulary-2048, with its kernels); one of them by name.
 #               The extraction stage's share of a bare forward follows as 1 / (1 + fold/forward)
 #   precision   every table of the int8 product (forced; on CUDA its Triton kernel) against
 #               the float64 path's, on the same bf16 hidden states with planted massive
@@ -135,9 +136,9 @@ if wanted fold-stacked; then  # small batches: the layers folded together agains
   step 45 bench.fold $DEV $FS --repeats $REPEATS --baseline "${FOLD_BASELINE:-none}" \
     --comoment-precision bounded --name gpu-fold-stacked
 fi
-if wanted vocabulary vocabulary-4096; then  # the float64 product (Hopper's default) and Triton's
-  step 110 bench.vocabulary $V $VOCAB $V4 --comoment-precision bounded,bounded-int8-triton \
-    --name gpu-vocabulary-4096
+if wanted vocabulary vocabulary-4096; then  # the float64 product (Hopper's default), Triton's
+  step 140 bench.vocabulary $V $VOCAB $V4 --name gpu-vocabulary-4096 \
+    --comoment-precision bounded,bounded-int8-triton,bounded-triton-sums
 fi
 if wanted precision; then  # the int8 product forced: its kernels compile for ~50 s first
   step 90 bench.precision $DEV --dims $D2,$D4 $PREC --name gpu-precision
@@ -146,8 +147,8 @@ if wanted extraction; then
   step 120 bench.extraction $E --name gpu-extraction
 fi
 if wanted vocabulary vocabulary-2048; then
-  step 100 bench.vocabulary $V $VOCAB $V2 --comoment-precision bounded,bounded-int8-triton \
-    --profile --name gpu-vocabulary-2048
+  step 120 bench.vocabulary $V $VOCAB $V2 --profile --name gpu-vocabulary-2048 \
+    --comoment-precision bounded,bounded-int8-triton,bounded-triton-sums
 fi
 if wanted sums; then
   step 180 bench.fold $DEV --dims $D2,$D4 --batch-tokens $TOK --repeats $REPEATS --dtype $DT \

@@ -65,24 +65,35 @@ MIB = 2**20
 FFN_MULT, HEAD_DIM, KV_GROUP = 3.5, 128, 4
 
 
-#: ``--comoment-precision`` also takes this: the bounded product on int8 units, its products in
-#: the Triton kernel (``core/integer_syrk.py``), wherever the fold runs
-INT8_TRITON = "bounded-int8-triton"
+#: ``--comoment-precision`` also takes these: the bounded product with some of this checkout's
+#: switches set (module of ``embgeom_ray.core``, switch, value), wherever the fold runs: on int8
+#: units by the Triton kernel (``core/integer_syrk.py``), or the default product with the fold's
+#: pass 1 in Triton (``core/segment_sums.py``)
+VARIANTS: dict[str, tuple[tuple[str, str, bool], ...]] = {
+    "bounded-int8-triton": (
+        ("statistics", "INTEGER_PRODUCT", True), ("integer_gram", "TRITON_SYRK", True),
+    ),
+    "bounded-triton-sums": (("segment_sums", "TRITON_SUMS", True),),
+}  # fmt: skip
 
 
 @contextlib.contextmanager
-def int8_triton_product(on: bool) -> Iterator[None]:
-    """With ``on``, the fold's bounded product on int8 units by the Triton kernel
-    (``statistics.INTEGER_PRODUCT``, ``integer_gram.TRITON_SYRK``); as before afterwards."""
-    from embgeom_ray.core import integer_gram, statistics
+def switches(precision: str) -> Iterator[None]:
+    """The switches of ``precision`` where it is one of :data:`VARIANTS`; as before afterwards."""
+    import importlib
 
-    saved = statistics.INTEGER_PRODUCT, integer_gram.TRITON_SYRK
-    if on:
-        statistics.INTEGER_PRODUCT, integer_gram.TRITON_SYRK = True, True
+    changes = [
+        (importlib.import_module(f"embgeom_ray.core.{module}"), name, value)
+        for module, name, value in VARIANTS.get(precision, ())
+    ]
+    saved = [(module, name, getattr(module, name)) for module, name, _ in changes]
+    for module, name, value in changes:
+        setattr(module, name, value)
     try:
         yield
     finally:
-        statistics.INTEGER_PRODUCT, integer_gram.TRITON_SYRK = saved
+        for module, name, value in saved:
+            setattr(module, name, value)
 
 
 def parse_bytes(text: str) -> int:
@@ -371,7 +382,7 @@ def main(argv: list[str] | None = None) -> None:
         "--comoment-precision",
         default="float32",
         help="the fold measurement's co-moment precisions (comma-separated: each is measured; "
-        f"{INT8_TRITON}: bounded, on int8 units by the Triton kernel)",
+        f"{', '.join(VARIANTS)}: bounded, with its Triton kernels)",
     )
     p.add_argument(
         "--batch-tokens",
@@ -404,19 +415,19 @@ def main(argv: list[str] | None = None) -> None:
                 else [],
                 args.comoment_precision.split(","),
             ):
-                int8 = precision == INT8_TRITON
+                variant = precision in VARIANTS
                 options = {
                     "device": args.device, "dtype": args.dtype,
-                    "comoment_precision": "bounded" if int8 else precision,
+                    "comoment_precision": "bounded" if variant else precision,
                     "batch_tokens": batch_tokens,
                 }  # fmt: skip
-                with int8_triton_product(int8):
+                with switches(precision):
                     f = fold_and_forward(
                         model, corpus, args.fold_tokens, budget=fold_budget, options=options,
                         profile=args.profile,
                     )  # fmt: skip
-                if int8:
-                    f["comoment_precision"] = INT8_TRITON
+                if variant:
+                    f["comoment_precision"] = precision
                 folds.append({"vocab": vocab, **f})
                 peak = f["state_peak_device_bytes"]
                 print(
