@@ -1,38 +1,38 @@
-"""Pass 1 of the GPU fold in one Triton kernel per grouping: the per-group float64 sums, the
-unit-vector sums and the tails, read once from the model's own rows.
+"""Pass 1 of the GPU fold in Triton: the per-group float64 sums, the unit-vector sums and the
+tails, read from the model's own rows, without a float64 copy of them.
 
 The GPU fold's pass 1 (``statistics.EmbeddingStatistics._first_pass``) otherwise writes the
 batch's rows in float64 and reads that copy once per sum: the per-type sums, the unit-vector
 sums and the per-position sums are three sparse products (``group_sums.GroupMatrix``), and
 the tails two more reads of the rows. On bf16 rows, with pass 2's read of the copy, that is
-about 62 bytes of traffic a value (``docs/precision.md``). Here (:func:`group_sums`) one launch
-reads each row of a grouping in its own dtype (2 bytes a value in bf16) and writes only the
-sums:
+about 62 bytes of traffic a value (``docs/precision.md``). Here (:func:`group_sums`) the
+kernels read each row of a grouping in its own dtype (2 bytes a value in bf16) and write only
+the sums:
 
 * rows are taken in group order (the fold's rows are already in type order; the positions
-  through the grouping's permutation), in chunks of R consecutive rows, one program a chunk;
-* a first walk over the chunk's columns takes each row's Σ x² in float64 (its weight
-  w_i = 1/max(‖x_i‖, tiny), as ``fold_kernels.float64_rows``) and, with ``tails``, its first
-  argmax and argmin dimension;
-* a second walk (over rows the first brought into the cache) takes, per column block, the
-  segmented inclusive scan of the float64 values, and of w_i x_i, down the chunk
-  (``tl.associative_scan`` with (k₁, v₁) ∘ (k₂, v₂) = (k₂, v₂ + [k₁ = k₂] v₁), associative for
-  keys in order): the last row of each group in the chunk then holds the group's sum over the
-  chunk. A group wholly in the chunk is stored at its row of the output, its unit-vector sum
-  added to its row of the statistics; a group that runs into a neighbouring chunk stores its
-  piece in a carry buffer (at most two pieces a chunk);
-* a second, small launch (``join``) adds each such group's pieces, in chunk order, in the
-  program of the chunk where the group ends.
+  through the grouping's permutation), in chunks of R consecutive rows;
+* where the unit vectors or the tails are wanted, one launch (``row_stats``) takes each row's
+  Σ x² in float64 (its weight w_i = 1/max(‖x_i‖, tiny), as ``fold_kernels.float64_rows``) and
+  its first argmax and argmin dimension, a few rows a program, walking their columns;
+* the sums (``group_pass``): one program a chunk and block of columns adds the chunk's rows
+  one after another in float64 (and w_i x_i), reading each row's block once (coalesced: the
+  program's columns are contiguous) and the next row before it adds the current one. Where a
+  group's rows in the chunk end, their sum is stored at the group's row of the output (its
+  unit-vector sum added to its row of the statistics) when the group lies wholly in the
+  chunk, else in a carry buffer (at most two pieces a chunk);
+* a last, small launch (``join``) adds each group's pieces across chunks, in chunk order, in
+  the program of the chunk where the group ends.
 
 With pass 2 reading the model's rows too (``fold_kernels``: its compiled kernel converts as it
-reads), the fold's passes move about 22 bytes a value instead of 62 (24 where a chunk's rows
-leave the cache between the two walks): at d = 2,048 and 65,536 rows about 3 GB instead of
-8.3, ≥ 0.6 ms at an H200's 4.8 TB/s. Not yet measured on a GPU.
+reads), the fold's passes move about 24 bytes a value instead of 62 (the rows read three
+times at 2 bytes, pass 2's 18): at d = 2,048 and 65,536 rows about 3.2 GB instead of 8.3,
+≥ 0.7 ms at an H200's 4.8 TB/s. Not yet measured on a GPU.
 
 Every sum is taken in float64 from the exact float64 values of the rows (bf16, fp16 and
-float32 convert exactly), in an order fixed by the chunk size and the scan's tree: the results
+float32 convert exactly), in row order within a chunk and chunk order across chunks: the results
 are the same from run to run, and differ from the sparse product's only in the order of the
-additions (float64 rounding). No atomics.
+additions (float64 rounding). No atomics. Each kernel compiles for Hopper (sm_90) with at most
+64 registers a thread and no spills (``python -m bench.triton_build``, run on any machine).
 
 The fold uses it where :func:`on` the device (:data:`TRITON_SUMS`), one layer at a time (not in
 the stacked fold of small batches); the tests run it on a CPU in Triton's interpreter
@@ -55,11 +55,15 @@ from embgeom_ray.core.integer_syrk import importable, interpreted
 #: ``--products triton-sums``); None on CUDA where Triton imports; True wherever
 #: :func:`available` (the tests: a CPU under Triton's interpreter)
 TRITON_SUMS: bool | None = False
-#: (rows a chunk R, columns a block, warps) on a GPU, not tuned on one yet: a chunk's block of
-#: 64 bf16 columns is one 128-byte line a row, and its float64 tile 16 values a thread
-GPU_CONFIG = (64, 64, 8)
-#: ... and in the interpreter (CPU tests): small, so that groups cross chunks
+#: (rows a chunk R, columns a program, warps) of the sums on a GPU, not tuned on one yet (a
+#: chunk's rows are summed one after another, each a coalesced read of 2·BLOCK_D bytes in bf16)
+GPU_CONFIG = (64, 256, 4)
+#: (rows a program, columns a step, warps) of the rows' norms and tails on a GPU
+GPU_ROW_CONFIG = (2, 256, 4)
+#: ... and in the interpreter (CPU tests): small, so that groups cross chunks and rows cross
+#: column blocks
 INTERPRETER_CONFIG = (16, 32, 1)
+INTERPRETER_ROW_CONFIG = (16, 16, 1)
 
 _F64 = torch.float64
 
@@ -98,15 +102,17 @@ def give_up(error: Exception) -> None:
     )
 
 
-def _config() -> tuple[int, int, int]:
-    return INTERPRETER_CONFIG if interpreted() else GPU_CONFIG
+def _configs() -> tuple[tuple[int, int, int], tuple[int, int, int]]:
+    if interpreted():
+        return INTERPRETER_CONFIG, INTERPRETER_ROW_CONFIG
+    return GPU_CONFIG, GPU_ROW_CONFIG
 
 
-def _kernels() -> tuple[Callable[..., Any], Callable[..., Any]]:
-    """(the pass kernel, the join kernel): :mod:`~embgeom_ray.core.segment_sums_kernels`."""
+def _kernels() -> tuple[Callable[..., Any], Callable[..., Any], Callable[..., Any]]:
+    """(rows' norms and tails, sums, join): :mod:`~embgeom_ray.core.segment_sums_kernels`."""
     from embgeom_ray.core import segment_sums_kernels as k
 
-    return k.group_pass, k.join
+    return k.row_stats, k.group_pass, k.join
 
 
 class GroupSums(NamedTuple):
@@ -147,7 +153,7 @@ def group_sums(
     dev = rows.device
     if rows.stride(1) != 1:
         rows = rows.contiguous()
-    r, block_d, warps = _config()
+    (r, block_d, warps), (rb, row_block_d, row_warps) = _configs()
     chunks = max(1, -(-n // r))
     sums = (torch.empty if every_group else torch.zeros)(groups, d, dtype=_F64, device=dev)
     argmax = torch.empty(n, dtype=torch.int64, device=dev) if tails else None
@@ -158,17 +164,28 @@ def group_sums(
     if units.dtype != _F64 or units.shape[1] != d or units.stride(1) != 1:
         raise ValueError("add_units_to takes a float64 target of d columns, unit stride")
     weighted = add_units_to is not None
+    order_or_keys = keys if order is None else order  # a pointer the kernels need not read
+    row_stats, group_pass, join = _kernels()
+    interpret = interpreted()
+    inv_norms = sums  # unused unless weighted
+    if weighted or tails:
+        inv_norms = torch.empty(n, dtype=_F64, device=dev)
+        row_stats[(-(-n // rb),)](
+            rows, order_or_keys, inv_norms, keys if argmax is None else argmax,
+            keys if argmin is None else argmin, n, d, rows.stride(0),
+            RB=rb, BLOCK_D=row_block_d, IN_ORDER=order is None, TAILS=tails,
+            **({} if interpret else {"num_warps": row_warps}),
+        )  # fmt: skip
     carry = torch.empty(chunks, 2, 2, d, dtype=_F64, device=dev)
-    pass_kernel, join_kernel = _kernels()
-    extra = {} if interpreted() else {"num_warps": warps}
-    pass_kernel[(chunks,)](
-        rows, keys if order is None else order, keys, sums, units, at, carry,
-        keys if argmax is None else argmax, keys if argmin is None else argmin,
+    extra = {} if interpret else {"num_warps": warps}
+    grid = (chunks, -(-d // block_d))
+    group_pass[grid](
+        rows, order_or_keys, keys, sums, units, at, inv_norms, carry,
         n, d, rows.stride(0), units.stride(0),
-        R=r, BLOCK_D=block_d, IN_ORDER=order is None, WEIGHTED=weighted, TAILS=tails, **extra,
+        R=r, BLOCK_D=block_d, IN_ORDER=order is None, WEIGHTED=weighted, **extra,
     )  # fmt: skip
     if chunks > 1:
-        join_kernel[(chunks, -(-d // block_d))](
+        join[grid](
             keys, starts, sums, units, at, carry, n, d, units.stride(0),
             R=r, BLOCK_D=block_d, WEIGHTED=weighted, **extra,
         )  # fmt: skip

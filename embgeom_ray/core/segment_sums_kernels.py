@@ -10,22 +10,65 @@ import triton.language as tl
 
 
 @triton.jit
-def seg_add(k1, v1, k2, v2):
-    """The segmented sum's operator: (k₁, v₁) ∘ (k₂, v₂) = (k₂, v₂ + [k₁ = k₂] v₁)."""
-    return k2, tl.where(k1 == k2, v1 + v2, v2)
+def row_stats(
+    rows_ptr,  # (n, d) rows, any float dtype, row stride stride_row, unit column stride
+    order_ptr,  # (n,) int64: the row at each position of group order (unless IN_ORDER)
+    inv_norms_ptr,  # (n,) float64, out: 1/max(‖x‖, tiny) of the row at each position
+    amax_ptr,  # (n,) int64, out (TAILS): each row's first argmax dimension, by position
+    amin_ptr,  # (n,) int64, out (TAILS): ... and argmin
+    n,
+    d,
+    stride_row,
+    RB: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    IN_ORDER: tl.constexpr,
+    TAILS: tl.constexpr,
+):
+    p = tl.program_id(0) * RB + tl.arange(0, RB)
+    valid = p < n
+    if IN_ORDER:
+        row = p.to(tl.int64)
+    else:
+        row = tl.load(order_ptr + p, mask=valid, other=0)
+    base = rows_ptr + row * stride_row
+    ssq = tl.zeros((RB,), dtype=tl.float64)
+    top = tl.full((RB,), float("-inf"), dtype=tl.float64)
+    low = tl.full((RB,), float("inf"), dtype=tl.float64)
+    top_at = tl.zeros((RB,), dtype=tl.int64)
+    low_at = tl.zeros((RB,), dtype=tl.int64)
+    for c0 in range(0, d, BLOCK_D):
+        cols = c0 + tl.arange(0, BLOCK_D)
+        inside = cols < d
+        m = valid[:, None] & inside[None, :]
+        x = tl.load(base[:, None] + cols[None, :], mask=m, other=0.0).to(tl.float64)
+        ssq += tl.sum(x * x, axis=1)
+        if TAILS:
+            hi = tl.where(inside[None, :], x, float("-inf"))
+            lo = tl.where(inside[None, :], x, float("inf"))
+            b_top = tl.max(hi, axis=1)
+            b_low = tl.min(lo, axis=1)
+            b_top_at = tl.argmax(hi, axis=1, tie_break_left=True).to(tl.int64) + c0
+            b_low_at = tl.argmin(lo, axis=1, tie_break_left=True).to(tl.int64) + c0
+            top_at = tl.where(b_top > top, b_top_at, top_at)  # strict: the first on ties
+            low_at = tl.where(b_low < low, b_low_at, low_at)
+            top = tl.maximum(top, b_top)
+            low = tl.minimum(low, b_low)
+    tl.store(inv_norms_ptr + p, 1.0 / tl.maximum(tl.sqrt(ssq), 2.2250738585072014e-308), mask=valid)
+    if TAILS:
+        tl.store(amax_ptr + p, top_at, mask=valid)
+        tl.store(amin_ptr + p, low_at, mask=valid)
 
 
 @triton.jit
 def group_pass(
-    rows_ptr,  # (n, d) rows, any float dtype, row stride stride_row, unit column stride
-    order_ptr,  # (n,) int64: the row at each position of group order (unless IN_ORDER)
+    rows_ptr,  # as row_stats'
+    order_ptr,  # as row_stats'
     keys_ptr,  # (n,) int64: the group at each position of group order (non-decreasing)
     sums_ptr,  # (groups, d) float64, out
     units_ptr,  # float64, row stride stride_units: the unit-vector sums are added (WEIGHTED)
     unit_rows_ptr,  # (groups,) int64: the row of units_ptr each group's sum is added to
+    inv_norms_ptr,  # (n,) float64: row_stats' (WEIGHTED)
     carry_ptr,  # (chunks, 2, 2, d) float64, out: pieces of groups across chunks (sums, units)
-    amax_ptr,  # (n,) int64, out (TAILS): each row's first argmax dimension, in group order
-    amin_ptr,  # (n,) int64, out (TAILS): ... and argmin
     n,
     d,
     stride_row,
@@ -34,76 +77,61 @@ def group_pass(
     BLOCK_D: tl.constexpr,
     IN_ORDER: tl.constexpr,
     WEIGHTED: tl.constexpr,
-    TAILS: tl.constexpr,
 ):
-    c = tl.program_id(0)
+    c = tl.program_id(0).to(tl.int64)  # (first, end and the rows' positions in int64)
+    cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    inside = cols < d
     first = c * R
-    p = first + tl.arange(0, R)
-    valid = p < n
-    keys = tl.load(keys_ptr + p, mask=valid, other=-1)
-    nxt = tl.load(keys_ptr + p + 1, mask=p + 1 < n, other=-2)
+    end = tl.minimum(first + R, n)
     first_key = tl.load(keys_ptr + first)
     prev_key = tl.load(keys_ptr + tl.maximum(first - 1, 0))
     prev_key = tl.where(c > 0, prev_key, -3)
+    key = first_key
+    acc = tl.zeros((BLOCK_D,), dtype=tl.float64)
+    acc_w = tl.zeros((BLOCK_D,), dtype=tl.float64)
+    # each step reads the next row (and its key and weight) before it adds the current one:
+    # two reads in flight, where a loop that adds what it just read waits for every read
     if IN_ORDER:
-        row = p.to(tl.int64)
+        row = first
     else:
-        row = tl.load(order_ptr + p, mask=valid, other=0)
-    base = rows_ptr + row * stride_row
-    cols0 = tl.arange(0, BLOCK_D)
-    if WEIGHTED or TAILS:  # walk 1: Σ x² and the tails of each row
-        ssq = tl.zeros((R,), dtype=tl.float64)
-        top = tl.full((R,), float("-inf"), dtype=tl.float64)
-        low = tl.full((R,), float("inf"), dtype=tl.float64)
-        top_at = tl.zeros((R,), dtype=tl.int64)
-        low_at = tl.zeros((R,), dtype=tl.int64)
-        for c0 in range(0, d, BLOCK_D):
-            cols = c0 + cols0
-            inside = cols < d
-            m = valid[:, None] & inside[None, :]
-            x = tl.load(base[:, None] + cols[None, :], mask=m, other=0.0).to(tl.float64)
-            ssq += tl.sum(x * x, axis=1)
-            if TAILS:
-                hi = tl.where(inside[None, :], x, float("-inf"))
-                lo = tl.where(inside[None, :], x, float("inf"))
-                b_top = tl.max(hi, axis=1)
-                b_low = tl.min(lo, axis=1)
-                b_top_at = tl.argmax(hi, axis=1, tie_break_left=True).to(tl.int64) + c0
-                b_low_at = tl.argmin(lo, axis=1, tie_break_left=True).to(tl.int64) + c0
-                top_at = tl.where(b_top > top, b_top_at, top_at)  # strict: first on ties
-                low_at = tl.where(b_low < low, b_low_at, low_at)
-                top = tl.maximum(top, b_top)
-                low = tl.minimum(low, b_low)
-        if TAILS:
-            tl.store(amax_ptr + p, top_at, mask=valid)
-            tl.store(amin_ptr + p, low_at, mask=valid)
-        w = 1.0 / tl.maximum(tl.sqrt(ssq), 2.2250738585072014e-308)  # 1/max(‖x‖, tiny)
-    last = p == first + R - 1
-    is_end = valid & ((nxt != keys) | last)  # the last row of its group in the chunk
-    partial = (keys == prev_key) | (last & (nxt == keys))  # the group crosses a chunk edge
-    slot = tl.where(keys == first_key, 0, 1)
-    whole = is_end & ~partial
-    piece = is_end & partial
-    out_row = keys.to(tl.int64) * d
-    carry_row = ((c.to(tl.int64) * 2 + slot) * 2) * d
+        row = tl.load(order_ptr + first)
+    x = tl.load(rows_ptr + row * stride_row + cols, mask=inside, other=0.0)
+    nxt = tl.load(keys_ptr + tl.minimum(first + 1, n - 1))
+    w = 0.0
     if WEIGHTED:
-        unit_row = tl.load(unit_rows_ptr + keys, mask=whole, other=0) * stride_units
-    k2 = keys.to(tl.int32)
-    for c0 in range(0, d, BLOCK_D):  # walk 2: the segmented sums
-        cols = c0 + cols0
-        inside = cols < d
-        m = valid[:, None] & inside[None, :]
-        x = tl.load(base[:, None] + cols[None, :], mask=m, other=0.0).to(tl.float64)
-        kk = tl.broadcast_to(k2[:, None], (R, BLOCK_D))
-        _, s = tl.associative_scan((kk, x), 0, seg_add)
-        tl.store(sums_ptr + out_row[:, None] + cols[None, :], s, mask=whole[:, None] & m)
-        tl.store(carry_ptr + carry_row[:, None] + cols[None, :], s, mask=piece[:, None] & m)
+        w = tl.load(inv_norms_ptr + first)
+    for p in range(first, end):  # the chunk's rows in order, one group's piece at a time
+        q = p + 1  # the next row's position (its read masked off past the chunk)
+        if IN_ORDER:
+            row = q
+        else:
+            row = tl.load(order_ptr + tl.minimum(q, n - 1))
+        more = inside & (q + tl.zeros_like(cols) < end)  # (q as a vector: the interpreter's masks)
+        x_q = tl.load(rows_ptr + row * stride_row + cols, mask=more, other=0.0)
+        nxt_q = tl.load(keys_ptr + tl.minimum(q + 1, n - 1))
+        xf = x.to(tl.float64)
+        acc += xf
         if WEIGHTED:
-            _, s = tl.associative_scan((kk, x * w[:, None]), 0, seg_add)
-            at = units_ptr + unit_row[:, None] + cols[None, :]
-            into = whole[:, None] & m
-            tl.store(at, tl.load(at, mask=into, other=0.0) + s, mask=into)
-            tl.store(carry_ptr + carry_row[:, None] + d + cols[None, :], s, mask=piece[:, None] & m)
+            acc_w += xf * w
+            w = tl.load(inv_norms_ptr + tl.minimum(q, n - 1))
+        nxt = tl.where(q < n, nxt, -2)
+        if (nxt != key) | (p == end - 1):  # the piece of group `key` ends here
+            if (key == prev_key) | ((p == end - 1) & (nxt == key)):  # it crosses a chunk edge
+                slot = tl.where(key == first_key, 0, 1)
+                at = carry_ptr + ((c * 2 + slot) * 2) * d + cols
+                tl.store(at, acc, mask=inside)
+                if WEIGHTED:
+                    tl.store(at + d, acc_w, mask=inside)
+            else:
+                tl.store(sums_ptr + key * d + cols, acc, mask=inside)
+                if WEIGHTED:
+                    target = units_ptr + tl.load(unit_rows_ptr + key) * stride_units + cols
+                    tl.store(target, tl.load(target, mask=inside, other=0.0) + acc_w, mask=inside)
+            acc = tl.zeros((BLOCK_D,), dtype=tl.float64)
+            acc_w = tl.zeros((BLOCK_D,), dtype=tl.float64)
+            key = nxt
+        x = x_q
+        nxt = nxt_q
 
 
 @triton.jit
