@@ -108,12 +108,15 @@ def syrk_kernels(arch: int) -> list[dict[str, Any]]:
     from embgeom_ray.core import integer_syrk
 
     fn = integer_syrk._kernel(False).fn  # the autotuner's kernel
-    signature = {"r_ptr": "*i8", "out_ptr": "*u8", "mod_ptr": "*i32", "D": "i32", "K": "i32",
-                 "BM": "constexpr", "BN": "constexpr", "BK": "constexpr"}  # fmt: skip
-    return [
-        build(fn, signature, {"BM": bm, "BN": bn, "BK": bk}, arch, warps, stages)
-        for bm, bn, bk, warps, stages in integer_syrk.GPU_CONFIGS
-    ]
+    out = []
+    for bm, bn, bk, warps, stages in integer_syrk.GPU_CONFIGS:
+        signature = {
+            "a_desc": f"tensordesc<i8[{bm}, {bk}]>", "b_desc": f"tensordesc<i8[{bn}, {bk}]>",
+            "out_ptr": "*u8", "mod_ptr": "*i32", "D": "i32", "K": "i32",
+            "BM": "constexpr", "BN": "constexpr", "BK": "constexpr",
+        }  # fmt: skip
+        out.append(build(fn, signature, {"BM": bm, "BN": bn, "BK": bk}, arch, warps, stages))
+    return out
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -263,27 +263,3 @@ def test_a_kernel_triton_cannot_build_leaves_the_sparse_sums_with_one_warning(gp
         assert len(caught) == 1 and not segment_sums.on(torch.device("cpu"))
         assert_same_statistics(stats, without)
 
-
-def test_the_kernels_build_for_hopper_and_spill_nothing(tmp_path):
-    """Pass 1's kernels compiled for sm_90 on this CPU (``bench.triton_build``: Triton's
-    compiler and the ptxas of its wheel): every one builds, none spills a register, and each
-    holds few enough registers for at least a quarter of the warps an SM can keep resident
-    (≤ 128 a thread), which hide the latency of their reads."""
-    import json
-    import os
-    import subprocess
-    import sys
-
-    from bench.common import REPO
-
-    env = os.environ | {"EMBGEOM_BENCH_RESULTS": str(tmp_path), "TRITON_DEFAULT_FP_FUSION": "1"}
-    done = subprocess.run(
-        [sys.executable, "-m", "bench.triton_build", "--no-syrk"], cwd=REPO, env=env,
-        capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
-    assert done.returncode == 0, done.stderr[-3000:]
-    built = json.loads((tmp_path / "triton-build.json").read_text())["kernels"]
-    names = sorted(k["kernel"] for k in built)
-    assert names == ["group_pass", "group_pass", "join", "row_stats", "row_stats"]
-    for k in built:
-        assert k["stack_bytes"] == 0 and k["registers"] <= 128, k
