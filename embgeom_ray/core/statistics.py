@@ -801,11 +801,11 @@ class EmbeddingStatistics(Sketch):
     def _first_pass_triton(
         self, li: int, kept: torch.Tensor, g: _Groups
     ) -> tuple[torch.Tensor, torch.Tensor | None, None]:
-        """:meth:`_first_pass` in Triton: one launch reads the rows in their own dtype for
-        the tails, the per-type sums and the unit-vector sums (added to the statistics where
-        they are taken), and one more for the per-position sums (each with a small join
-        launch: :func:`~embgeom_ray.core.segment_sums.group_sums`); no float64 copy of the
-        rows is made (pass 2 converts as it reads). Where a kernel cannot be built, it raises
+        """:meth:`_first_pass` in Triton (:func:`~embgeom_ray.core.segment_sums.group_sums`):
+        its kernels read the rows in their own dtype for the per-position sums, then for the
+        norms and tails, the per-type sums and the unit-vector sums (added to the statistics
+        where they are taken); no float64 copy of the rows is made (pass 2 converts as it
+        reads). Where a kernel cannot be built, it raises
         before anything is added to the statistics (the caller then sums the sparse way)."""
         by_type, by_pos = g.by_type, g.by_pos
         ps = None
