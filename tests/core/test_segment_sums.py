@@ -18,6 +18,7 @@ from embgeom_ray.core import fold_kernels, segment_sums
 from embgeom_ray.core import gram as gram_module
 from embgeom_ray.core.group_sums import GroupMatrix
 from embgeom_ray.core.statistics import EmbeddingStatistics
+from tests.core.test_stacked_fold import assert_same_statistics
 
 pytest.importorskip("triton")
 pytestmark = pytest.mark.skipif(
@@ -161,22 +162,6 @@ def folded(precision: str, nan_at: int | None, *, triton: bool, monkeypatch) -> 
         dtype = torch.float64 if precision == "float64" else torch.bfloat16
         stats.update(torch.as_tensor(h).to(dtype), torch.as_tensor(ids), torch.as_tensor(keep))
     return stats
-
-
-def assert_same_statistics(a: EmbeddingStatistics, b: EmbeddingStatistics) -> None:
-    """Every array equal to float64 rounding (relative to its largest value), counts and
-    tails exactly."""
-    assert torch.equal(a.type_moments.slot_ids, b.type_moments.slot_ids)
-    k = a.type_moments.num_types
-    pairs = [(name, x, b.layer_state.arrays[name]) for name, x in a.layer_state.arrays.items()]
-    types = b.type_moments.arrays
-    pairs += [(name, x[:, :k], types[name][:, :k]) for name, x in a.type_moments.arrays.items()]
-    for name, x, y in pairs:
-        if not x.dtype.is_floating_point:
-            assert torch.equal(x, y), name
-        elif x.numel():
-            scale = float(y.abs().max()) or 1.0
-            assert float((x - y).abs().max()) <= 1e-13 * scale, name
 
 
 @pytest.mark.parametrize(
