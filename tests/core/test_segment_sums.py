@@ -18,7 +18,7 @@ from embgeom_ray.core import fold_kernels, segment_sums
 from embgeom_ray.core import gram as gram_module
 from embgeom_ray.core.group_sums import GroupMatrix
 from embgeom_ray.core.statistics import EmbeddingStatistics
-from tests.core.test_stacked_fold import assert_same_statistics
+from tests.core.test_stacked_fold import assert_same_statistics, massive_batches
 
 pytest.importorskip("triton")
 pytestmark = pytest.mark.skipif(
@@ -146,20 +146,14 @@ def gpu_way(monkeypatch):
 
 
 def folded(precision: str, nan_at: int | None, *, triton: bool, monkeypatch) -> EmbeddingStatistics:
-    """Three batches of massive-offset rows (bf16; float64 for the reference precision) with
+    """Three :func:`massive_batches` (bf16; float64 for the reference precision) with
     positions, folded with pass 1 in Triton or as sparse products."""
     monkeypatch.setattr(segment_sums, "TRITON_SUMS", triton)
     stats = EmbeddingStatistics(
         list(range(LAYERS)), D, max_positions=16, comoment_precision=precision
     )
-    rng = np.random.default_rng(1)
-    for b in range(BATCHES):
-        h = rng.normal(size=(LAYERS, 3, 16, D)) * 3 + 1e3 * (rng.random(D) > 0.9)
-        if nan_at is not None and b == 2:
-            h[nan_at, 0, 3, 5] = np.nan
-        ids = rng.integers(0, 30, size=(3, 16))
-        keep = rng.random((3, 16)) > 0.1
-        dtype = torch.float64 if precision == "float64" else torch.bfloat16
+    dtype = torch.float64 if precision == "float64" else torch.bfloat16
+    for h, ids, keep in massive_batches(LAYERS, D, BATCHES, nan_at):
         stats.update(torch.as_tensor(h).to(dtype), torch.as_tensor(ids), torch.as_tensor(keep))
     return stats
 
@@ -201,12 +195,8 @@ def assert_meets_the_reference(stats: EmbeddingStatistics) -> None:
     """Per-type means, M2 and unit sums, the layer's covariance and tails of :func:`folded`'s
     bf16 rows with a massive dimension, against numpy's float64 two-pass moments of the same
     values."""
-    rng = np.random.default_rng(1)
     rows, ids = [], []
-    for _ in range(BATCHES):  # the same draws as folded()
-        h = rng.normal(size=(LAYERS, 3, 16, D)) * 3 + 1e3 * (rng.random(D) > 0.9)
-        i = rng.integers(0, 30, size=(3, 16))
-        keep = rng.random((3, 16)) > 0.1
+    for h, i, keep in massive_batches(LAYERS, D, BATCHES):  # folded()'s, in bf16
         h = torch.as_tensor(h).to(torch.bfloat16).to(_F64).numpy()
         rows.append(h[:, keep])
         ids.append(i[keep])

@@ -42,21 +42,30 @@ def gpu_way(monkeypatch):
     return stacks
 
 
+def massive_batches(
+    layers: int, d: int, count: int, nan_at: int | None = None
+) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
+    """``count`` batches (hidden states (layers, 3, 16, d), token ids of 30 types, kept
+    tokens) of rows with massive offsets in about a tenth of the dimensions; ``nan_at``: the
+    layer given a NaN in the third batch."""
+    rng = np.random.default_rng(1)
+    out = []
+    for b in range(count):
+        h = rng.normal(size=(layers, 3, 16, d)) * 3 + 1e3 * (rng.random(d) > 0.9)
+        if nan_at is not None and b == 2:
+            h[nan_at, 0, 3, 5] = np.nan
+        out.append((h, rng.integers(0, 30, size=(3, 16)), rng.random((3, 16)) > 0.1))
+    return out
+
+
 def folded(precision: str, clip: bool, positions: bool, nan_at: int | None) -> EmbeddingStatistics:
-    """Four batches of massive-offset rows (bf16 for the float32 product, else float64) folded;
-    ``nan_at``: the layer given a NaN in the third batch."""
+    """Four :func:`massive_batches` (bf16 for the float32 product, else float64) folded."""
     stats = EmbeddingStatistics(
         list(range(LAYERS)), D, max_positions=16 if positions else 0,
         comoment_precision=precision, clip_dims=[1, 3] if clip else None,
     )  # fmt: skip
-    rng = np.random.default_rng(1)
-    for b in range(4):
-        h = rng.normal(size=(LAYERS, 3, 16, D)) * 3 + 1e3 * (rng.random(D) > 0.9)
-        if nan_at is not None and b == 2:
-            h[nan_at, 0, 3, 5] = np.nan
-        ids = rng.integers(0, 30, size=(3, 16))
-        keep = rng.random((3, 16)) > 0.1
-        dtype = torch.bfloat16 if precision == "float32" else torch.float64
+    dtype = torch.bfloat16 if precision == "float32" else torch.float64
+    for h, ids, keep in massive_batches(LAYERS, D, 4, nan_at):
         stats.update(torch.as_tensor(h).to(dtype), torch.as_tensor(ids), torch.as_tensor(keep))
     return stats
 
