@@ -78,10 +78,22 @@ def importable() -> bool:
     return True
 
 
+@functools.cache
+def _has_tensor_descriptors() -> bool:
+    """Whether this Triton has host-side tensor descriptors (``triton.tools.tensor_descriptor``),
+    which the kernel reads its blocks through; without them the int8 product runs by
+    ``torch._int_mm``."""
+    try:
+        from triton.tools.tensor_descriptor import TensorDescriptor  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
 def available(device: torch.device) -> bool:
-    """Whether :func:`remainders` runs on ``device``: CUDA with Triton, or a CPU under
-    Triton's interpreter."""
-    if not importable():
+    """Whether :func:`remainders` runs on ``device``: CUDA with a Triton that has tensor
+    descriptors, or a CPU under Triton's interpreter."""
+    if not importable() or not _has_tensor_descriptors():
         return False
     return device.type == "cuda" or (device.type == "cpu" and interpreted())
 
