@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # The GPU measurements, in one call on a machine with an NVIDIA GPU and no Ray (the
 # engine-agnostic core runs without it), within $DEADLINE seconds (default 480). $STEPS picks
-# them (default "host-tier comoment fold fold-stacked vocabulary precision extraction"); they run
-# in this order, the measurements of the fold's product and launches first (issue 53), each
-# against today's code, after one check of ~10 s:
+# them (default "triton-build host-tier comoment fold fold-stacked vocabulary precision
+# extraction"); they run in this order, the measurements of the fold's product and launches
+# first (issue 53), each against today's code, after one check of ~10 s:
+#   triton-build  this checkout's Triton kernels compiled by the machine's own Triton for its
+#               card: registers, spills and shared memory of each (bench.triton_build), ~10 s
 #   host-tier   the host tier's GPU path (core/spilling.py: HostTier, on by default where a
 #               GPU's statistics spill): the fold of d = 2,048 under a σ of 2,000 types, its
 #               spills merged into the tier against the same spills kept as pieces; the same
@@ -63,7 +65,8 @@ OUT=${OUT:-/tmp/embgeom-gpu}
 if [ -z "${FOLD_BASELINE:-}" ] && [ -d .gpu/baseline/embgeom_ray ]; then
   FOLD_BASELINE=.gpu/baseline/embgeom_ray
 fi
-STEPS=" ${STEPS:-host-tier comoment fold fold-stacked vocabulary precision extraction} "
+ALL="triton-build host-tier comoment fold fold-stacked vocabulary precision extraction"
+STEPS=" ${STEPS:-$ALL} "
 PYTHON=${PYTHON:-python3}
 mkdir -p "$OUT"
 if [ -n "${WHEELS:-}" ]; then
@@ -120,6 +123,11 @@ fi
 transformers.__version__, torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU")'
 
 V="--no-jobs $DEV --dtype $DT --ffn-mult 3.5 --kv-group 4"
+if wanted triton-build; then  # the card's compute capability (a smoke run: Hopper's)
+  ARCH=$("$PYTHON" -c 'import torch; c = torch.cuda.get_device_capability(0)
+print(10 * c[0] + c[1])' 2>/dev/null || echo 90)
+  step 30 bench.triton_build --arch "$ARCH" --name gpu-triton-build
+fi
 if wanted host-tier; then
   step 40 bench.host_tier --fold-only $DEV $HT --name gpu-host-tier
 fi

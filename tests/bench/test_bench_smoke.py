@@ -321,13 +321,14 @@ def test_gpu_script_smoke(tmp_path):
 
     out = tmp_path / "out"
     env = os.environ | {"SMOKE": "1", "OUT": str(out), "PYTHON": sys.executable,
-                        "STEPS": "host-tier precision comoment fold fold-stacked"}  # fmt: skip
+                        "STEPS": "triton-build host-tier precision comoment fold fold-stacked"}  # fmt: skip
     done = subprocess.run(["bash", "bench/gpu.sh"], cwd=REPO, env=env, capture_output=True,
                           text=True, timeout=3000)  # fmt: skip
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     log = (out / "log.txt").read_text()
     assert "FAILED" not in log and "skipped" not in log
-    for name in ("gpu-host-tier", "gpu-precision", "gpu-comoment", "gpu-fold", "gpu-fold-stacked"):
+    for name in ("gpu-triton-build", "gpu-host-tier", "gpu-precision", "gpu-comoment", "gpu-fold",
+                 "gpu-fold-stacked"):  # fmt: skip
         assert "command" in json.loads((out / f"{name}.json").read_text()), name
     tier = json.loads((out / "gpu-host-tier.json").read_text())
     assert tier["max_rel_diff"] < 1e-12 and tier["host_merges"] > 0
