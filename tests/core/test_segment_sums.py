@@ -20,10 +20,16 @@ from embgeom_ray.core.group_sums import GroupMatrix
 from embgeom_ray.core.statistics import EmbeddingStatistics
 from tests.core.test_stacked_fold import assert_same_statistics, massive_batches
 
-pytest.importorskip("triton")
-pytestmark = pytest.mark.skipif(
-    not segment_sums.available(torch.device("cpu")), reason="needs TRITON_INTERPRET=1"
-)
+pytest.importorskip("triton", reason="Triton (make test installs it) runs the kernels' interpreter")
+
+
+@pytest.fixture(autouse=True)
+def interpreter():
+    """Triton's interpreter on CPU tensors: tests/conftest.py sets ``TRITON_INTERPRET=1`` for
+    the whole run (the kernels are wrapped once, when first imported), so with Triton
+    installed these tests run, never skip."""
+    assert segment_sums.available(torch.device("cpu")), "TRITON_INTERPRET=1 is not set"
+
 
 _F64 = torch.float64
 R = segment_sums.INTERPRETER_CONFIG[0]  # rows a chunk in the interpreter
@@ -237,4 +243,3 @@ def test_a_kernel_triton_cannot_build_leaves_the_sparse_sums_with_one_warning(gp
             stats = folded("bounded", None, triton=True, monkeypatch=monkeypatch)
         assert len(caught) == 1 and not segment_sums.on(torch.device("cpu"))
         assert_same_statistics(stats, without)
-
