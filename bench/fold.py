@@ -28,7 +28,7 @@ units (``statistics.INTEGER_PRODUCT``), its products in one Triton kernel
 with the others; printed against this checkout's default fold (on Hopper its float64 product).
 ``--products triton-sums`` folds with this checkout's pass 1 in Triton (the tails, per-type,
 unit-vector and per-position sums read once from the model's rows: ``core/segment_sums.py``,
-``segment_sums.TRITON_SUMS``), the default product; on a CPU (no Triton there, or its
+``segment_sums.TRITON_SUMS``) and its per-type merge in one Triton kernel, the default product; on a CPU (no Triton there, or its
 interpreter) that entry folds as the default does.
 
 Beside each of this checkout's folds, its co-moment product alone is timed on the same

@@ -16,8 +16,8 @@
 #               (bench.comoment --syrk-alone)
 #   fold        the fold alone, d = 768 (BERT-base's width), 2,048 and 4,096, 65,536 tokens,
 #               with the job's default product, with the int8 product in the Triton kernel
-#               (int8-triton) and with pass 1 in Triton (triton-sums: core/segment_sums.py,
-#               the default product), each beside its co-moment product alone on the same batch
+#               (int8-triton) and with pass 1 and the types' merge in Triton (triton-sums:
+#               core/segment_sums.py, the default product), each beside its co-moment product alone on the same batch
 #               (fold_to_product: the target is <= 1.2), each width's kernels listed by their
 #               time (launch counts: the profile's calls); against $FOLD_BASELINE too (a git
 #               revision, or an extracted embgeom_ray package where the machine has no .git:

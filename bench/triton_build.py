@@ -3,8 +3,9 @@
 Triton's front end, its GPU passes and the ``ptxas`` its wheel ships turn each kernel into the
 card's machine code; ``cuobjdump`` (also in the wheel) reads back each one's registers a
 thread, its stack (bytes spilled from registers to local memory) and its shared memory. Built:
-the fold's pass 1 (``core/segment_sums_kernels.py``: the rows' norms and tails, the sums of
-the types and of the positions, the join) at their GPU configurations, and the int8 SYRK
+the fold's pass 1 and per-type merge (``core/segment_sums_kernels.py``: the rows' norms and
+tails, the sums of the types and of the positions, the join, the merge) at their GPU
+configurations, and the int8 SYRK
 (``core/integer_syrk.py``) at each configuration its autotuner tries.
 
 A kernel that does not compile for the card fails here rather than on a lent GPU; one that
@@ -13,8 +14,7 @@ What it does not tell: the speed (``bash bench/gpu.sh`` on the card).
 
     python -m bench.triton_build [--arch 90] [--dtype bf16]
 
-``tests/core/test_segment_sums.py`` runs it (sm_90, bf16) and checks that pass 1's kernels
-spill nothing.
+``tests/core/test_triton_build.py`` runs it (sm_90, bf16) and checks that no kernel spills.
 """
 
 from __future__ import annotations
@@ -63,7 +63,8 @@ def build(fn: Any, signature: dict[str, str], constexprs: dict[str, Any], arch: 
 def segment_sums_kernels(arch: int, dtype: str) -> list[dict[str, Any]]:
     """The fold's pass 1 at :data:`~embgeom_ray.core.segment_sums.GPU_CONFIG` and
     ``GPU_ROW_CONFIG``: each kernel as the fold launches it (the types' rows in order, with
-    their weights and tails; the positions' through their permutation, without)."""
+    their weights and tails; the positions' through their permutation, without); and the
+    types' merge at ``GPU_MERGE_CONFIG``."""
     from embgeom_ray.core import segment_sums
     from embgeom_ray.core import segment_sums_kernels as k
 
@@ -98,6 +99,15 @@ def segment_sums_kernels(arch: int, dtype: str) -> list[dict[str, Any]]:
          "R": "constexpr", "BLOCK_D": "constexpr", "WEIGHTED": "constexpr"},
         {"R": r, "BLOCK_D": block_d, "WEIGHTED": True},
         arch, warps,
+    ))  # fmt: skip
+    tb, merge_block_d, merge_warps = segment_sums.GPU_MERGE_CONFIG
+    out.append(build(
+        k.merge_types,
+        {"means_ptr": "*fp64", "counts_ptr": "*i64", "m2_ptr": "*fp64", "slots_ptr": "*i64",
+         "n_b_ptr": "*i64", "mean_b_ptr": "*fp64", "m2_b_ptr": "*fp64", "u": "i32", "d": "i32",
+         "stride_means": "i32", "stride_b": "i32", "TB": "constexpr", "BLOCK_D": "constexpr"},
+        {"TB": tb, "BLOCK_D": merge_block_d},
+        arch, merge_warps,
     ))  # fmt: skip
     return out
 

@@ -1,5 +1,6 @@
 """Pass 1 of the GPU fold in Triton: the per-group float64 sums, the unit-vector sums and the
-tails, read from the model's own rows, without a float64 copy of them.
+tails, read from the model's own rows, without a float64 copy of them; and the per-type Chan
+merge after pass 2 in one kernel (:func:`merge_types`).
 
 The GPU fold's pass 1 (``statistics.EmbeddingStatistics._first_pass``) otherwise writes the
 batch's rows in float64 and reads that copy once per sum: the per-type sums, the unit-vector
@@ -64,6 +65,10 @@ GPU_ROW_CONFIG = (2, 256, 4)
 #: column blocks
 INTERPRETER_CONFIG = (16, 32, 1)
 INTERPRETER_ROW_CONFIG = (16, 16, 1)
+#: (types a program, columns a step, warps) of the per-type merge (:func:`merge_types`) on a
+#: GPU, and in the interpreter
+GPU_MERGE_CONFIG = (2, 256, 4)
+INTERPRETER_MERGE_CONFIG = (4, 16, 1)
 
 _F64 = torch.float64
 
@@ -88,15 +93,15 @@ _unavailable = False
 
 
 def give_up(error: Exception) -> None:
-    """After ``error`` from :func:`group_sums` (a kernel Triton could not build for this card
-    or version): one warning, and :func:`on` is False from then on (the fold's sparse
-    products instead: the same statistics)."""
+    """After ``error`` from :func:`group_sums` or :func:`merge_types` (a kernel Triton could
+    not build for this card or version): one warning, and :func:`on` is False from then on
+    (the fold's sparse products and eager merge instead: the same statistics)."""
     global _unavailable
     _unavailable = True
     first = str(error).splitlines()[0][:200] if str(error) else ""
     warnings.warn(
-        f"the fold's Triton sums failed ({type(error).__name__}: {first}); summing with "
-        "sparse products instead (the same statistics)",
+        f"the fold's Triton kernels failed ({type(error).__name__}: {first}); folding with "
+        "sparse products and an eager merge instead (the same statistics)",
         RuntimeWarning,
         stacklevel=3,
     )
@@ -108,11 +113,12 @@ def _configs() -> tuple[tuple[int, int, int], tuple[int, int, int]]:
     return GPU_CONFIG, GPU_ROW_CONFIG
 
 
-def _kernels() -> tuple[Callable[..., Any], Callable[..., Any], Callable[..., Any]]:
-    """(rows' norms and tails, sums, join): :mod:`~embgeom_ray.core.segment_sums_kernels`."""
+def _kernels() -> tuple[Callable[..., Any], ...]:
+    """(rows' norms and tails, sums, join, the per-type merge):
+    :mod:`~embgeom_ray.core.segment_sums_kernels`."""
     from embgeom_ray.core import segment_sums_kernels as k
 
-    return k.row_stats, k.group_pass, k.join
+    return k.row_stats, k.group_pass, k.join, k.merge_types
 
 
 class GroupSums(NamedTuple):
@@ -165,7 +171,7 @@ def group_sums(
         raise ValueError("add_units_to takes a float64 target of d columns, unit stride")
     weighted = add_units_to is not None
     order_or_keys = keys if order is None else order  # a pointer the kernels need not read
-    row_stats, group_pass, join = _kernels()
+    row_stats, group_pass, join, _ = _kernels()
     interpret = interpreted()
     inv_norms = sums  # unused unless weighted
     if weighted or tails:
@@ -190,3 +196,37 @@ def group_sums(
             R=r, BLOCK_D=block_d, WEIGHTED=weighted, **extra,
         )  # fmt: skip
     return GroupSums(sums, argmax, argmin)
+
+
+def merge_types(
+    means: torch.Tensor,
+    counts: torch.Tensor,
+    m2: torch.Tensor,
+    slots: torch.Tensor,
+    n_b: torch.Tensor,
+    mean_b: torch.Tensor,
+    m2_b: torch.Tensor,
+) -> None:
+    """Chan's update of the running per-type moments (``counts``, ``means``, ``m2`` of one
+    layer: (capacity,), (capacity, d), (capacity,)) at ``slots`` (u,) by a batch's (``n_b``,
+    ``mean_b``, ``m2_b``), in place, in one launch: what
+    :meth:`~embgeom_ray.core.type_moments.TypeMoments.merge_rows` computes in six (two
+    gathers, the merge's terms, two scatters and the M2 added), each type's row read and
+    written once (24 bytes a value instead of about 56)::
+
+        n = n_a + n_b,  δ = μ_b − μ_a,  μ = μ_a + δ n_b/n,  M2 = M2_a + (M2_b + ‖δ‖² n_a n_b/n)
+
+    (Chan, Golub & LeVeque 1979), with ‖δ‖² summed in float64 by column blocks; rows with
+    n = 0 stay 0. No slot twice in ``slots``.
+    """
+    u, d = mean_b.shape
+    if u == 0:
+        return
+    if means.stride(1) != 1 or mean_b.stride(1) != 1:
+        raise ValueError("merge_types takes means and mean_b of unit column stride")
+    tb, block_d, warps = INTERPRETER_MERGE_CONFIG if interpreted() else GPU_MERGE_CONFIG
+    merge = _kernels()[3]
+    merge[(-(-u // tb),)](
+        means, counts, m2, slots, n_b, mean_b, m2_b, u, d, means.stride(0), mean_b.stride(0),
+        TB=tb, BLOCK_D=block_d, **({} if interpreted() else {"num_warps": warps}),
+    )  # fmt: skip

@@ -175,3 +175,44 @@ def join(
         if WEIGHTED:
             target = units_ptr + tl.load(unit_rows_ptr + key) * stride_units + cols
             tl.store(target, tl.load(target, mask=inside, other=0.0) + acc_w, mask=inside)
+
+
+@triton.jit
+def merge_types(
+    means_ptr,  # (capacity, d) float64, row stride stride_means: the running means, in place
+    counts_ptr,  # (capacity,) int64: the running counts, in place
+    m2_ptr,  # (capacity,) float64: the running M2, in place
+    slots_ptr,  # (u,) int64: the slot of each of the batch's types (no slot twice)
+    n_b_ptr,  # (u,) int64: the batch's rows of each type
+    mean_b_ptr,  # (u, d) float64, row stride stride_b: the batch's means
+    m2_b_ptr,  # (u,) float64: the batch's M2
+    u,
+    d,
+    stride_means,
+    stride_b,
+    TB: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    t = tl.program_id(0) * TB + tl.arange(0, TB)
+    valid = t < u
+    slot = tl.load(slots_ptr + t, mask=valid, other=0)
+    n_a = tl.load(counts_ptr + slot, mask=valid, other=0)
+    n_b = tl.load(n_b_ptr + t, mask=valid, other=0)
+    n = n_a + n_b
+    n_f = tl.maximum(n.to(tl.float64), 1.0)
+    w_b = n_b.to(tl.float64) / n_f
+    w_ab = n_a.to(tl.float64) * n_b.to(tl.float64) / n_f
+    row_a = means_ptr + slot * stride_means
+    row_b = mean_b_ptr + t.to(tl.int64) * stride_b
+    ssq = tl.zeros((TB,), dtype=tl.float64)
+    for c0 in range(0, d, BLOCK_D):
+        cols = c0 + tl.arange(0, BLOCK_D)
+        m = valid[:, None] & (cols < d)[None, :]
+        mean_a = tl.load(row_a[:, None] + cols[None, :], mask=m, other=0.0)
+        delta = tl.load(row_b[:, None] + cols[None, :], mask=m, other=0.0) - mean_a
+        tl.store(row_a[:, None] + cols[None, :], mean_a + delta * w_b[:, None], mask=m)
+        ssq += tl.sum(delta * delta, axis=1)
+    m2_b = tl.load(m2_b_ptr + t, mask=valid, other=0.0)
+    m2 = tl.load(m2_ptr + slot, mask=valid, other=0.0)
+    tl.store(m2_ptr + slot, m2 + (m2_b + ssq * w_ab), mask=valid)
+    tl.store(counts_ptr + slot, n, mask=valid)

@@ -27,6 +27,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from . import segment_sums
 from .fold_kernels import fused_on, run_fused
 from .group_sums import GroupMatrix
 from .statistics_fields import SUM, TYPE_FIELDS
@@ -224,15 +225,23 @@ class TypeMoments:
         blocks: Sequence[tuple[int, int]],
         workspace: Workspace,
         n_b_f: torch.Tensor | None = None,
+        triton: bool = False,
     ) -> None:
         """Chan-merge (n, mean, M2) per type into ``slots`` of layer slot ``li`` (``n_b_f``:
         ``n_b`` in float64, when the caller has it).
 
         In the row ranges ``blocks`` through reused scratch (the ``merge`` workspace, two rows
         of d per type of a block): no fresh (types × d) temporaries, whose pages are faulted
-        in at every call, and a block stays in cache."""
+        in at every call, and a block stays in cache. With ``triton`` (the GPU fold whose pass
+        1 ran in Triton), one launch in place (:func:`~embgeom_ray.core.segment_sums.merge_types`)."""
         a = self.arrays
         counts, means, m2 = a["counts"][li], a["means"][li], a["m2"][li]
+        if triton and segment_sums.on(means.device):
+            try:
+                segment_sums.merge_types(means, counts, m2, slots, n_b, mean_b, m2_b)
+                return
+            except Exception as e:  # a kernel Triton could not build (before it wrote)
+                segment_sums.give_up(e)
         for lo, hi in blocks:
             s = slots[lo:hi]
             work = workspace("merge", 2 * (hi - lo)).view(2, hi - lo, self.dim)

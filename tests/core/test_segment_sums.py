@@ -1,9 +1,10 @@
-"""The GPU fold's pass 1 in Triton (``core/segment_sums.py``), run on the CPU in Triton's
-interpreter: its per-group sums, unit-vector sums and tails against the sparse products of
-the rows' float64 copy and the eager argmax (groups across chunks, single rows, a zero row,
-massive offsets, bf16 ties, rows taken through a permutation with empty groups); and the fold
-with it against the fold without, the same statistics in every precision, with positions and
-a layer holding a NaN, and against the float64 two-pass reference."""
+"""The GPU fold's pass 1 and per-type merge in Triton (``core/segment_sums.py``), run on the
+CPU in Triton's interpreter: its per-group sums, unit-vector sums and tails against the sparse
+products of the rows' float64 copy and the eager argmax (groups across chunks, single rows, a
+zero row, massive offsets, bf16 ties, rows taken through a permutation with empty groups); the
+merge against the two-pass moments of the rows merged and the eager merge; and the fold with
+them against the fold without, the same statistics in every precision, with positions and a
+layer holding a NaN, and against the float64 two-pass reference."""
 
 from __future__ import annotations
 
@@ -137,6 +138,73 @@ def test_the_sums_do_not_depend_on_the_chunk(monkeypatch):
     assert_close(b[1], a[1], abs_units, 50)
 
 
+@st.composite
+def merges(draw):
+    """(running rows, batch rows) of each of a few types: a type new to the statistics (no
+    running rows), or seen; one to a few rows a side; an offset column of up to 3·10⁶ whose
+    spread within a type is ~1 (the massive activations' case of cancelling means)."""
+    u, d = draw(st.integers(1, 9)), draw(st.integers(1, 40))
+    offset = draw(st.sampled_from([0.0, 1e4, -3e6]))
+    gen = torch.Generator().manual_seed(draw(st.integers(0, 2**16)))
+    sides = []
+    for _ in range(u):
+        n_a, n_b = draw(st.integers(0, 5)), draw(st.integers(1, 5))
+        centre = torch.randn(d, generator=gen, dtype=_F64) * 4
+        centre[0] += offset
+        sides.append(tuple(centre + torch.randn(k, d, generator=gen, dtype=_F64) for k in (n_a, n_b)))
+    return sides
+
+
+@settings(
+    max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow],
+    phases=[Phase.explicit, Phase.reuse, Phase.generate],
+)  # fmt: skip
+@given(merges())
+def test_the_merge_of_a_batch_into_the_types_equals_the_two_pass_moments_of_both(sides):
+    """:func:`segment_sums.merge_types`: the running (count, mean, M2) of each type at its
+    slot, updated by the batch's, equal the two-pass moments of both sides' rows together;
+    the other slots untouched; and the eager merge's (``TypeMoments.merge_rows`` without it)
+    to float64 rounding."""
+    u, d = len(sides), sides[0][1].shape[1]
+    capacity = u + 3
+    slots = torch.randperm(capacity)[:u]
+    means = torch.randn(capacity, d, dtype=_F64)  # the slots not merged hold values too
+    counts = torch.randint(0, 4, (capacity,))
+    m2 = torch.rand(capacity, dtype=_F64)
+    mean_b, m2_b = torch.empty(u, d, dtype=_F64), torch.empty(u, dtype=_F64)
+    n_b = torch.tensor([len(b) for _, b in sides])
+    for j, (a, b) in enumerate(sides):
+        s = int(slots[j])
+        counts[s] = len(a)
+        means[s] = a.mean(0) if len(a) else 0.0
+        m2[s] = ((a - a.mean(0)) ** 2).sum() if len(a) else 0.0
+        mean_b[j], m2_b[j] = b.mean(0), ((b - b.mean(0)) ** 2).sum()
+    state = (means.clone(), counts.clone(), m2.clone())
+    segment_sums.merge_types(*state, slots, n_b, mean_b, m2_b)
+    others = torch.ones(capacity, dtype=torch.bool)
+    others[slots] = False
+    assert torch.equal(state[0][others], means[others]) and torch.equal(state[1][others], counts[others])
+    assert torch.equal(state[2][others], m2[others])
+    for j, (a, b) in enumerate(sides):
+        s, rows = int(slots[j]), torch.cat([a, b])
+        assert int(state[1][s]) == len(rows)
+        mu = rows.mean(0)
+        torch.testing.assert_close(state[0][s], mu, rtol=1e-13, atol=1e-13 * float(mu.abs().max()))
+        want = float(((rows - mu) ** 2).sum())
+        assert abs(float(state[2][s]) - want) <= 1e-9 * want + 1e-9, (float(state[2][s]), want)
+    # the eager merge of the same rows: the same to float64 rounding
+    from embgeom_ray.core.type_moments import TypeMoments
+
+    types = TypeMoments(1, d, torch.device("cpu"), clip=False, capacity=capacity)
+    for name, x in (("means", means), ("counts", counts), ("m2", m2)):
+        types.arrays[name][0, :capacity] = x
+    types.merge_rows(0, slots, n_b, mean_b, m2_b, [(0, u)], lambda name, n: torch.empty(n, d, dtype=_F64))
+    for i, name in enumerate(("means", "counts", "m2")):
+        want = types.arrays[name][0, :capacity]
+        scale = float(want.abs().max()) or 1.0
+        assert float((state[i] - want).abs().max()) <= 1e-15 * scale * 4, name
+
+
 # ------------------------------------------------------------------------------- the fold
 LAYERS, D, BATCHES = 2, 24, 3
 
@@ -184,14 +252,16 @@ def test_the_fold_with_pass_1_in_triton_equals_the_fold_without(
     monkeypatch.setattr(fold_kernels, "FUSE", fuse)
     monkeypatch.setattr(statistics_module, "INTEGER_PRODUCT", integer)
     calls = []
-    real = segment_sums.group_sums
-    monkeypatch.setattr(
-        segment_sums, "group_sums", lambda *a, **k: calls.append(1) or real(*a, **k)
-    )
+    for name in ("group_sums", "merge_types"):
+        real = getattr(segment_sums, name)
+        monkeypatch.setattr(
+            segment_sums, name, lambda *a, name=name, real=real, **k: calls.append(name) or real(*a, **k)
+        )  # fmt: skip
     with_triton = folded(precision, nan_at, triton=True, monkeypatch=monkeypatch)
-    assert len(calls) == 2 * LAYERS * BATCHES  # the types' and the positions' of every layer
+    # the types' and the positions' sums of every layer, then the types' merge
+    assert calls == ["group_sums", "group_sums", "merge_types"] * LAYERS * BATCHES
     without = folded(precision, nan_at, triton=False, monkeypatch=monkeypatch)
-    assert len(calls) == 2 * LAYERS * BATCHES
+    assert len(calls) == 3 * LAYERS * BATCHES
     assert_same_statistics(with_triton, without)
     if (precision, fuse, integer) == ("bounded", True, False):
         assert_meets_the_reference(with_triton)
@@ -225,21 +295,28 @@ def assert_meets_the_reference(stats: EmbeddingStatistics) -> None:
 
 
 def test_a_kernel_triton_cannot_build_leaves_the_sparse_sums_with_one_warning(gpu_way, monkeypatch):
-    """Either grouping's kernel failing (the positions' first, then the types'): one warning,
-    the batch folded the sparse way, and the sparse way from then on: the same statistics."""
+    """A kernel failing (either grouping's sums: the positions' first, then the types'; or the
+    types' merge, after pass 1 ran in Triton): one warning, the batch folded the sparse way
+    or merged eagerly, and no Triton from then on: the same statistics."""
     monkeypatch.setattr(fold_kernels, "FUSE", True)
     without = folded("bounded", None, triton=False, monkeypatch=monkeypatch)
-    real = segment_sums.group_sums
-    for failing in ("positions", "types"):
+    real_sums, real_merge = segment_sums.group_sums, segment_sums.merge_types
+    for failing in ("positions", "types", "merge"):
         monkeypatch.setattr(segment_sums, "_unavailable", False)
 
         def broken(*args, failing=failing, **kwargs):
-            if (kwargs.get("order") is None) == (failing == "types"):
+            if failing != "merge" and (kwargs.get("order") is None) == (failing == "types"):
                 raise RuntimeError("PassManager::run failed")
-            return real(*args, **kwargs)
+            return real_sums(*args, **kwargs)
+
+        def broken_merge(*args):
+            raise RuntimeError("PassManager::run failed")
 
         monkeypatch.setattr(segment_sums, "group_sums", broken)
-        with pytest.warns(RuntimeWarning, match="Triton sums failed") as caught:
+        monkeypatch.setattr(
+            segment_sums, "merge_types", broken_merge if failing == "merge" else real_merge
+        )
+        with pytest.warns(RuntimeWarning, match="Triton kernels failed") as caught:
             stats = folded("bounded", None, triton=True, monkeypatch=monkeypatch)
         assert len(caught) == 1 and not segment_sums.on(torch.device("cpu"))
         assert_same_statistics(stats, without)

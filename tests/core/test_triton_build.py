@@ -14,9 +14,10 @@ pytest.importorskip("triton", reason="Triton (make test installs it) compiles th
 def test_the_kernels_build_for_hopper_and_spill_nothing(tmp_path):
     """This checkout's Triton kernels compiled for sm_90 on this CPU (``bench.triton_build``:
     Triton's compiler and the ptxas of its wheel): every one builds and none spills a
-    register. Pass 1's hold few enough registers for at least a quarter of the warps an SM
-    can keep resident (≤ 128 a thread), which hide the latency of their reads; the int8
-    SYRK's configurations read through the tensor memory accelerator into their stages."""
+    register. Pass 1's and the types' merge's hold few enough registers for at least a
+    quarter of the warps an SM can keep resident (≤ 128 a thread), which hide the latency of
+    their reads; the int8 SYRK's configurations read through the tensor memory accelerator
+    into their stages."""
     import json
     import os
     import subprocess
@@ -33,7 +34,9 @@ def test_the_kernels_build_for_hopper_and_spill_nothing(tmp_path):
     built = json.loads((tmp_path / "triton-build.json").read_text())["kernels"]
     names = sorted(k["kernel"] for k in built)
     syrk = len(integer_syrk.GPU_CONFIGS)
-    assert names == ["group_pass"] * 2 + ["join"] + ["row_stats"] * 2 + ["syrk_remainders"] * syrk
+    assert names == (
+        ["group_pass"] * 2 + ["join", "merge_types"] + ["row_stats"] * 2 + ["syrk_remainders"] * syrk
+    )
     for k in built:
         assert k["stack_bytes"] == 0, k
         if k["kernel"] == "syrk_remainders":  # the stages of both blocks in shared memory
