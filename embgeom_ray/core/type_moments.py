@@ -233,7 +233,8 @@ class TypeMoments:
         In the row ranges ``blocks`` through reused scratch (the ``merge`` workspace, two rows
         of d per type of a block): no fresh (types × d) temporaries, whose pages are faulted
         in at every call, and a block stays in cache. With ``triton`` (the GPU fold whose pass
-        1 ran in Triton), one launch in place (:func:`~embgeom_ray.core.segment_sums.merge_types`)."""
+        1 ran in Triton), one launch in place
+        (:func:`~embgeom_ray.core.segment_sums.merge_types`)."""
         a = self.arrays
         counts, means, m2 = a["counts"][li], a["means"][li], a["m2"][li]
         if triton and segment_sums.on(means.device):

@@ -151,7 +151,8 @@ def merges(draw):
         n_a, n_b = draw(st.integers(0, 5)), draw(st.integers(1, 5))
         centre = torch.randn(d, generator=gen, dtype=_F64) * 4
         centre[0] += offset
-        sides.append(tuple(centre + torch.randn(k, d, generator=gen, dtype=_F64) for k in (n_a, n_b)))
+        rows = (centre + torch.randn(k, d, generator=gen, dtype=_F64) for k in (n_a, n_b))
+        sides.append(tuple(rows))
     return sides
 
 
@@ -183,8 +184,8 @@ def test_the_merge_of_a_batch_into_the_types_equals_the_two_pass_moments_of_both
     segment_sums.merge_types(*state, slots, n_b, mean_b, m2_b)
     others = torch.ones(capacity, dtype=torch.bool)
     others[slots] = False
-    assert torch.equal(state[0][others], means[others]) and torch.equal(state[1][others], counts[others])
-    assert torch.equal(state[2][others], m2[others])
+    for got, before in zip(state, (means, counts, m2), strict=True):
+        assert torch.equal(got[others], before[others])
     for j, (a, b) in enumerate(sides):
         s, rows = int(slots[j]), torch.cat([a, b])
         assert int(state[1][s]) == len(rows)
@@ -198,7 +199,8 @@ def test_the_merge_of_a_batch_into_the_types_equals_the_two_pass_moments_of_both
     types = TypeMoments(1, d, torch.device("cpu"), clip=False, capacity=capacity)
     for name, x in (("means", means), ("counts", counts), ("m2", m2)):
         types.arrays[name][0, :capacity] = x
-    types.merge_rows(0, slots, n_b, mean_b, m2_b, [(0, u)], lambda name, n: torch.empty(n, d, dtype=_F64))
+    scratch = lambda name, n: torch.empty(n, d, dtype=_F64)  # noqa: E731
+    types.merge_rows(0, slots, n_b, mean_b, m2_b, [(0, u)], scratch)
     for i, name in enumerate(("means", "counts", "m2")):
         want = types.arrays[name][0, :capacity]
         scale = float(want.abs().max()) or 1.0
@@ -254,9 +256,12 @@ def test_the_fold_with_pass_1_in_triton_equals_the_fold_without(
     calls = []
     for name in ("group_sums", "merge_types"):
         real = getattr(segment_sums, name)
-        monkeypatch.setattr(
-            segment_sums, name, lambda *a, name=name, real=real, **k: calls.append(name) or real(*a, **k)
-        )  # fmt: skip
+
+        def counted(*a, name=name, real=real, **k):
+            calls.append(name)
+            return real(*a, **k)
+
+        monkeypatch.setattr(segment_sums, name, counted)
     with_triton = folded(precision, nan_at, triton=True, monkeypatch=monkeypatch)
     # the types' and the positions' sums of every layer, then the types' merge
     assert calls == ["group_sums", "group_sums", "merge_types"] * LAYERS * BATCHES
