@@ -716,7 +716,7 @@ class EmbeddingStatistics(Sketch):
             _add_integer_gram(upper, gram, kept, c)
         self.type_moments.merge_rows(
             li, g.slots, g.counts, mean_b, m2_b, self._row_blocks(g.slots.numel()),
-            self._workspace, n_b_f=g.counts_f, triton=self._triton_sums(kept, g, blocks),
+            self._workspace, n_b_f=g.counts_f, triton=x is None,  # pass 1 ran in Triton
         )  # fmt: skip
         self.layer_state.merge_product(li, n, c, x_mean - c, upper)  # x_mean − c: m' (small)
 

@@ -237,7 +237,7 @@ class TypeMoments:
         (:func:`~embgeom_ray.core.segment_sums.merge_types`)."""
         a = self.arrays
         counts, means, m2 = a["counts"][li], a["means"][li], a["m2"][li]
-        if triton and segment_sums.on(means.device):
+        if triton:
             try:
                 segment_sums.merge_types(means, counts, m2, slots, n_b, mean_b, m2_b)
                 return
