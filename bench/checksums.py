@@ -25,13 +25,11 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import shutil
-import tempfile
 from pathlib import Path
 
 import numpy as np
 
-from bench.common import alternate, median, save
+from bench.common import alternate, median, save, work_dir
 
 
 def read_part(path: Path, digest, layers: int = 32) -> int:
@@ -64,17 +62,16 @@ def main(argv: list[str] | None = None) -> None:
 
     n = int(args.gib * (1 << 30)) // 8
     buf = np.random.default_rng(0).normal(size=n).view(np.uint8)
-    work = Path(tempfile.mkdtemp(prefix="embgeom-bench-checksums-"))
-    path = work / "group.safetensors"
-    group = 61 << 30
-    block = 16 << 20
-    hashes = np.random.default_rng(1).bytes(8 * (group // block))
-    record = {
-        "format": "embgeom-checkpoint-group/1", "group": "f0-b0000-n64",
-        "shards": [f"f0-b{i:04d}" for i in range(64)], "counts": Counts().to_json(), "parts": 1,
-        "digests": digests_json({"f0-b0000-n64.safetensors": Digest(group, block, hashes)}),
-    }  # fmt: skip
-    try:
+    with work_dir("checksums") as work:
+        path = work / "group.safetensors"
+        group = 61 << 30
+        block = 16 << 20
+        hashes = np.random.default_rng(1).bytes(8 * (group // block))
+        record = {
+            "format": "embgeom-checkpoint-group/1", "group": "f0-b0000-n64",
+            "shards": [f"f0-b{i:04d}" for i in range(64)], "counts": Counts().to_json(), "parts": 1,
+            "digests": digests_json({"f0-b0000-n64.safetensors": Digest(group, block, hashes)}),
+        }  # fmt: skip
         atomic_write_bytes(str(path), buf)
         digest = Digest.of(buf)
         ref = FileRef(str(path), digest)
@@ -92,8 +89,6 @@ def main(argv: list[str] | None = None) -> None:
             },
             args.repeats,
         )
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
     m = {k: median(v) for k, v in times.items()}
     gib = buf.nbytes / (1 << 30)
     print(

@@ -12,8 +12,10 @@ import statistics
 import subprocess
 import sys
 import tarfile
+import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -25,6 +27,11 @@ os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 #: where results are written (``EMBGEOM_BENCH_RESULTS``: elsewhere, e.g. a smoke run's folder)
 RESULTS = Path(os.environ.get("EMBGEOM_BENCH_RESULTS") or Path(__file__).resolve().parent / "results")
 REPO = Path(__file__).resolve().parents[1]
+#: where the benchmarks' work folders (their models, corpora and runs) are made: the system's
+#: temporary directory unless this names another (some need gigabytes)
+WORK_ENV = "EMBGEOM_BENCH_WORK"
+#: set to 1 to keep each benchmark's work folder after it ends
+KEEP_WORK_ENV = "EMBGEOM_BENCH_KEEP_WORK"
 
 
 def minilm_dir() -> str:
@@ -69,6 +76,26 @@ def english_jsonl(path: Path, repeat: int = 1) -> str:
             for i, d in enumerate(docs):
                 f.write(json.dumps({"text": d, "copy": r, "doc": i}) + "\n")
     return str(path)
+
+
+@contextmanager
+def work_dir(prefix: str) -> Iterator[Path]:
+    """A fresh folder ``embgeom-bench-<prefix>-…`` for a benchmark's models, corpora and runs,
+    in the system's temporary directory or ``EMBGEOM_BENCH_WORK``, removed when the block ends,
+    however it ends: some hold gigabytes, and the benchmarks' smoke tests in ``make test``
+    would otherwise leave theirs behind on every run. ``EMBGEOM_BENCH_KEEP_WORK=1`` keeps it
+    (and says where)."""
+    root = os.environ.get(WORK_ENV) or None
+    if root is not None:
+        Path(root).mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix=f"embgeom-bench-{prefix}-", dir=root))
+    try:
+        yield work
+    finally:
+        if os.environ.get(KEEP_WORK_ENV) == "1":
+            print(f"kept the work folder {work} ({KEEP_WORK_ENV}=1)", file=sys.stderr)
+        else:
+            shutil.rmtree(work, ignore_errors=True)
 
 
 def timed(fn: Callable[[], Any]) -> tuple[float, Any]:

@@ -46,7 +46,6 @@ import os
 import shlex
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -57,7 +56,7 @@ from bench.bare_forward import (
     print_sweep,
     timed_bare_forward,
 )
-from bench.common import english_jsonl, minilm_dir, random_bert_dir, save
+from bench.common import english_jsonl, minilm_dir, random_bert_dir, save, work_dir
 from embgeom_ray.sizing import lanes_for
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -193,47 +192,52 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--extra-args", default="", help="more jobs.analyze flags, quoted")
     p.add_argument("--name", default="end_to_end")
     args = p.parse_args(argv)
-    work = Path(tempfile.mkdtemp(prefix="embgeom-e2e-"))
-    small = english_jsonl(work / "small.jsonl", repeat=args.repeat)
-    large = english_jsonl(work / "large.jsonl", repeat=args.repeat * args.factor)
-    model = minilm_dir() if args.model == "minilm" else random_bert_dir(work / "bert-base")
-    sweep = best_bare_forward(
-        model, small, args.max_length, args.bare_batchings.split(","),
-        [int(t) for t in args.bare_threads.split(",")], args.bare_allocators.split(","),
-        args.bare_repeats, lanes=tuple(int(k) for k in args.bare_lanes.split(",")),
-    )  # fmt: skip
-    print_sweep(sweep)
-    best = sweep["best"]
-    before = timed_bare_forward(model, large, args.max_length, best)
-    print_bare(before, best)
-    t_small, m_small = run_job(model, small, work / "small", args)
-    t_large, m_large = run_job(model, large, work / "large", args)
-    after = timed_bare_forward(model, large, args.max_length, best)
-    print_bare(after, best)
-    result = {
-        "model": args.model,
-        "bare_forward_best": best,
-        "bare_forward_sweep": sweep,
-        "extra_args": args.extra_args,
-        "load_average": os.getloadavg(),
-        **summarise(before, after, (t_small, m_small), (t_large, m_large), job_lanes(args)),
-        "kmeans_k_searched": {"N": kmeans_searched(work / "small"), "FN": kmeans_searched(work / "large")},
-    }
-    marginal, marginal_extract = result["marginal_tokens_per_s"], result["marginal_extraction_tokens_per_s"]
-    fixed, bare_rate, n_large = result["fixed_cost_s"], result["bare_tokens_per_s"], result["tokens"]["FN"]
-    print(
-        f"padding: job {result['padding_job']:.3f}, bare sorted {result['padding_bare_sorted']:.3f}; "
-        f"marginal {marginal:,.0f} tok/s = {result['marginal_ratio']:.3f} of the bare forward "
-        f"({bare_rate:,.0f} tok/s), extraction stage alone {marginal_extract:,.0f} tok/s = "
-        f"{result['marginal_extraction_ratio']:.3f}; K-means searched up to k = "
-        f"{result['kmeans_k_searched']} (N, F·N); fixed cost {fixed:.1f} s "
-        f"{ {k: round(v, 1) for k, v in result['fixed_cost_split_s'].items()} }; "
-        f"end to end at {n_large:,} tokens {result['end_to_end_ratio_FN']:.3f}; the forward "
-        f"inside the F·N job {result['job_forward_tokens_per_s_FN']:,.0f} tok/s = "
-        f"{result['job_forward_ratio_FN']:.3f} of the bare forward, its fold "
-        f"{result['job_fold_per_forward_FN']:.3f} of its forward"
-    )
-    save(args.name, {"command": "python -m bench.end_to_end", "args": vars(args), **result})
+    with work_dir("end-to-end") as work:
+        small = english_jsonl(work / "small.jsonl", repeat=args.repeat)
+        large = english_jsonl(work / "large.jsonl", repeat=args.repeat * args.factor)
+        model = minilm_dir() if args.model == "minilm" else random_bert_dir(work / "bert-base")
+        sweep = best_bare_forward(
+            model, small, args.max_length, args.bare_batchings.split(","),
+            [int(t) for t in args.bare_threads.split(",")], args.bare_allocators.split(","),
+            args.bare_repeats, lanes=tuple(int(k) for k in args.bare_lanes.split(",")),
+        )  # fmt: skip
+        print_sweep(sweep)
+        best = sweep["best"]
+        before = timed_bare_forward(model, large, args.max_length, best)
+        print_bare(before, best)
+        t_small, m_small = run_job(model, small, work / "small", args)
+        t_large, m_large = run_job(model, large, work / "large", args)
+        after = timed_bare_forward(model, large, args.max_length, best)
+        print_bare(after, best)
+        result = {
+            "model": args.model,
+            "bare_forward_best": best,
+            "bare_forward_sweep": sweep,
+            "extra_args": args.extra_args,
+            "load_average": os.getloadavg(),
+            **summarise(before, after, (t_small, m_small), (t_large, m_large), job_lanes(args)),
+            "kmeans_k_searched": {
+                "N": kmeans_searched(work / "small"), "FN": kmeans_searched(work / "large")
+            },
+        }
+        marginal = result["marginal_tokens_per_s"]
+        marginal_extract = result["marginal_extraction_tokens_per_s"]
+        fixed, bare_rate = result["fixed_cost_s"], result["bare_tokens_per_s"]
+        n_large = result["tokens"]["FN"]
+        print(
+            f"padding: job {result['padding_job']:.3f}, bare sorted "
+            f"{result['padding_bare_sorted']:.3f}; "
+            f"marginal {marginal:,.0f} tok/s = {result['marginal_ratio']:.3f} of the bare forward "
+            f"({bare_rate:,.0f} tok/s), extraction stage alone {marginal_extract:,.0f} tok/s = "
+            f"{result['marginal_extraction_ratio']:.3f}; K-means searched up to k = "
+            f"{result['kmeans_k_searched']} (N, F·N); fixed cost {fixed:.1f} s "
+            f"{ {k: round(v, 1) for k, v in result['fixed_cost_split_s'].items()} }; "
+            f"end to end at {n_large:,} tokens {result['end_to_end_ratio_FN']:.3f}; the forward "
+            f"inside the F·N job {result['job_forward_tokens_per_s_FN']:,.0f} tok/s = "
+            f"{result['job_forward_ratio_FN']:.3f} of the bare forward, its fold "
+            f"{result['job_fold_per_forward_FN']:.3f} of its forward"
+        )
+        save(args.name, {"command": "python -m bench.end_to_end", "args": vars(args), **result})
 
 
 if __name__ == "__main__":

@@ -30,13 +30,12 @@ from __future__ import annotations
 import argparse
 import contextlib
 import itertools
-import tempfile
 from pathlib import Path
 from unittest import mock
 
 import torch
 
-from bench.common import english_jsonl, median, minilm_dir, random_bert_dir, save, timed
+from bench.common import english_jsonl, median, minilm_dir, random_bert_dir, save, timed, work_dir
 
 
 def bare_forward(proc, shard, batch_tokens: int | None = None, lanes: int = 1) -> int:
@@ -222,23 +221,26 @@ def main(argv: list[str] | None = None) -> None:
 
     if resolve_device(args.device) == "cpu":
         reuse_freed_memory()  # as the job's CPU extractors do
-    work = Path(tempfile.mkdtemp(prefix="embgeom-bench-"))
-    corpus_full = english_jsonl(work / "full.jsonl")
-    # a shard of about --tokens tokens: the first documents of the demo corpus
-    lines = Path(corpus_full).read_text().splitlines(keepends=True)
-    corpus = work / "shard.jsonl"
-    chars = 0
-    with corpus.open("w") as f:  # the documents again from the first if they run out
-        for line in itertools.cycle(lines):
-            f.write(line)
-            chars += len(line)
-            if chars > args.tokens * 5:  # ~5 characters per token in this prose
-                break
-    models = {"minilm": minilm_dir, "bert-base": lambda: random_bert_dir(work / "bert-base")}
-    results = [bench_model(m, models[m](), str(corpus), args, work) for m in args.models.split(",")]
-    save(
-        args.name, {"command": "python -m bench.extraction", "args": vars(args), "results": results}
-    )
+    with work_dir("extraction") as work:
+        corpus_full = english_jsonl(work / "full.jsonl")
+        # a shard of about --tokens tokens: the first documents of the demo corpus
+        lines = Path(corpus_full).read_text().splitlines(keepends=True)
+        corpus = work / "shard.jsonl"
+        chars = 0
+        with corpus.open("w") as f:  # the documents again from the first if they run out
+            for line in itertools.cycle(lines):
+                f.write(line)
+                chars += len(line)
+                if chars > args.tokens * 5:  # ~5 characters per token in this prose
+                    break
+        models = {"minilm": minilm_dir, "bert-base": lambda: random_bert_dir(work / "bert-base")}
+        results = [
+            bench_model(m, models[m](), str(corpus), args, work) for m in args.models.split(",")
+        ]
+        save(
+            args.name,
+            {"command": "python -m bench.extraction", "args": vars(args), "results": results},
+        )
 
 
 if __name__ == "__main__":

@@ -16,12 +16,10 @@ from __future__ import annotations
 
 import argparse
 import os
-import shutil
-import tempfile
 import time
 from pathlib import Path
 
-from bench.common import median, save, timed
+from bench.common import median, save, timed, work_dir
 
 
 def make_dir(root: Path, gib: float, files: int) -> Path:
@@ -49,26 +47,25 @@ def main(argv: list[str] | None = None) -> None:
 
     from embgeom_ray.inputs import fingerprints
 
-    work = Path(tempfile.mkdtemp(prefix="embgeom-bench-fingerprint-"))
     before = os.environ.get(fingerprints.CACHE_ENV)
-    os.environ[fingerprints.CACHE_ENV] = str(work / "cache")  # a cache of its own
-    try:
-        d = str(make_dir(work, args.gib, args.files))
-        time.sleep(fingerprints.RACY_SECONDS + 0.5)
-        t_first, first = timed(lambda: fingerprints.directory_fingerprint(d))
-        times: dict[str, list[float]] = {"content": [], "cached": []}
-        for _ in range(args.repeats):
-            t, full = timed(lambda: fingerprints.content_fingerprint(d))
-            times["content"].append(t)
-            t, cached = timed(lambda: fingerprints.directory_fingerprint(d))
-            times["cached"].append(t)
-            assert full == cached == first
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
-        if before is None:
-            os.environ.pop(fingerprints.CACHE_ENV, None)
-        else:
-            os.environ[fingerprints.CACHE_ENV] = before
+    with work_dir("fingerprint") as work:
+        os.environ[fingerprints.CACHE_ENV] = str(work / "cache")  # a cache of its own
+        try:
+            d = str(make_dir(work, args.gib, args.files))
+            time.sleep(fingerprints.RACY_SECONDS + 0.5)
+            t_first, first = timed(lambda: fingerprints.directory_fingerprint(d))
+            times: dict[str, list[float]] = {"content": [], "cached": []}
+            for _ in range(args.repeats):
+                t, full = timed(lambda: fingerprints.content_fingerprint(d))
+                times["content"].append(t)
+                t, cached = timed(lambda: fingerprints.directory_fingerprint(d))
+                times["cached"].append(t)
+                assert full == cached == first
+        finally:
+            if before is None:
+                os.environ.pop(fingerprints.CACHE_ENV, None)
+            else:
+                os.environ[fingerprints.CACHE_ENV] = before
     content, cached = median(times["content"]), median(times["cached"])
     gib = args.gib
     print(

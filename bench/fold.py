@@ -62,18 +62,15 @@ this checkout's default fold.
 from __future__ import annotations
 
 import argparse
-import shutil
-import tempfile
 import time
 import warnings
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
-from bench.common import baseline_module, median, save
+from bench.common import baseline_module, median, save, work_dir
 from embgeom_ray.core.group_sums import GroupMatrix, split_levels, split_sums
 from embgeom_ray.core.statistics import EmbeddingStatistics
 
@@ -395,8 +392,7 @@ def main(argv: list[str] | None = None) -> None:
         current.INTEGER_PRODUCT = True
     DEFAULT_PRODUCT["INTEGER_PRODUCT"] = current.INTEGER_PRODUCT
 
-    work = Path(tempfile.mkdtemp(prefix="embgeom-bench-fold-"))
-    try:
+    with work_dir("fold") as work:
         modules = {"current": current}
         if args.baseline.lower() != "none":
             modules = {"baseline": baseline_module(args.baseline, work, "core.statistics")}
@@ -414,8 +410,6 @@ def main(argv: list[str] | None = None) -> None:
             if args.scatter or args.scatter_only:
                 scatter.append(time_scatter(args, d, dev))
                 print(scatter[-1], flush=True)
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
     save(
         args.name,
         {

@@ -38,14 +38,13 @@ import json
 import os
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
 import pandas as pd
 
-from bench.common import REPO, save
+from bench.common import REPO, save, work_dir
 from bench.vocabulary import wordlevel_llama_dir
 
 GIB = 2**30
@@ -203,35 +202,35 @@ def main(argv: list[str] | None = None) -> None:
 
     from embgeom_ray.core.statistics import state_bytes
 
-    work = Path(tempfile.mkdtemp(prefix="embgeom-host-tier-"))
-    model = wordlevel_llama_dir(work / "model", args.vocab, args.dim, args.blocks)
-    corpus = zipf_corpus(work / "corpus.jsonl", args.vocab, args.tokens, args.zipf)
-    layers = args.blocks + 1
-    sigma = state_bytes(layers, args.dim, args.statistics_types, 128)
-    host = int(args.host_gib * GIB)
-    common = ["--statistics-memory", str(sigma), "--shard-bytes", str(args.shard_bytes),
-              "--num-workers", "1"]  # fmt: skip
-    runs = {}
-    for name, extra in (("spills", []), ("tier", ["--host-statistics-memory", str(host)])):
-        m, seconds = run(model, corpus, work / name, common + extra)
-        runs[name] = summary(m, seconds)
-        print(name, json.dumps(runs[name]), flush=True)
-    result = {
-        "command": command,
-        "args": vars(args),
-        "statistics_budget_bytes": sigma,
-        "host_tier_bytes": host,
-        "runs": runs,
-        "bytes_ratio_tier_to_spills": round(
-            runs["tier"]["bytes_written"] / runs["spills"]["bytes_written"], 4
-        ),
-        "extract_ratio_tier_to_spills": round(
-            runs["tier"]["extract_wall_s"] / runs["spills"]["extract_wall_s"], 3
-        ),
-        "tables_max_rel_diff": max_rel_diff(work / "spills", work / "tier"),
-    }
-    print(json.dumps({k: result[k] for k in list(result)[-3:]}), flush=True)
-    save(args.name, result)
+    with work_dir("host-tier") as work:
+        model = wordlevel_llama_dir(work / "model", args.vocab, args.dim, args.blocks)
+        corpus = zipf_corpus(work / "corpus.jsonl", args.vocab, args.tokens, args.zipf)
+        layers = args.blocks + 1
+        sigma = state_bytes(layers, args.dim, args.statistics_types, 128)
+        host = int(args.host_gib * GIB)
+        common = ["--statistics-memory", str(sigma), "--shard-bytes", str(args.shard_bytes),
+                  "--num-workers", "1"]  # fmt: skip
+        runs = {}
+        for name, extra in (("spills", []), ("tier", ["--host-statistics-memory", str(host)])):
+            m, seconds = run(model, corpus, work / name, common + extra)
+            runs[name] = summary(m, seconds)
+            print(name, json.dumps(runs[name]), flush=True)
+        result = {
+            "command": command,
+            "args": vars(args),
+            "statistics_budget_bytes": sigma,
+            "host_tier_bytes": host,
+            "runs": runs,
+            "bytes_ratio_tier_to_spills": round(
+                runs["tier"]["bytes_written"] / runs["spills"]["bytes_written"], 4
+            ),
+            "extract_ratio_tier_to_spills": round(
+                runs["tier"]["extract_wall_s"] / runs["spills"]["extract_wall_s"], 3
+            ),
+            "tables_max_rel_diff": max_rel_diff(work / "spills", work / "tier"),
+        }
+        print(json.dumps({k: result[k] for k in list(result)[-3:]}), flush=True)
+        save(args.name, result)
 
 
 if __name__ == "__main__":

@@ -38,14 +38,12 @@ which differ only as K-means runs from different random initialisations do.
 from __future__ import annotations
 
 import argparse
-import shutil
-import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
 
-from bench.common import alternate, english_jsonl, median, minilm_dir, save, timed
+from bench.common import alternate, english_jsonl, median, minilm_dir, save, timed, work_dir
 
 
 def minilm_points(n: int, layer: int, work: Path, seed: int = 0) -> np.ndarray:
@@ -234,14 +232,11 @@ def main(argv: list[str] | None = None) -> None:
 
     import ray
 
-    work = Path(tempfile.mkdtemp(prefix="embgeom-bench-kmeans-"))
-    try:
+    with work_dir("kmeans") as work:
         X_all = minilm_points(max(sizes), args.layer, work, args.seed)
         sample = None
         if args.selection:
             sample = minilm_sample(args.selection, list(range(7)), work, args.seed)
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
     started = not ray.is_initialized()
     if started:
         ray.init(  # a new local Ray of --cpus CPUs, never a cluster already running here

@@ -17,14 +17,11 @@ the job's support of its decision. One thread.
 from __future__ import annotations
 
 import argparse
-import shutil
-import tempfile
 import time
-from pathlib import Path
 
 import numpy as np
 
-from bench.common import save
+from bench.common import save, work_dir
 
 
 def inertia(X: np.ndarray, labels: np.ndarray) -> float:
@@ -52,11 +49,8 @@ def main(argv: list[str] | None = None) -> None:
     from embgeom_ray.core.distinct import distinct_rows
     from embgeom_ray.core.kmeans_selection import MIN_SILHOUETTE, select_k
 
-    work = Path(tempfile.mkdtemp(prefix="embgeom-bench-kmq-"))
-    try:
+    with work_dir("kmeans-quality") as work:
         sample = minilm_sample(args.size, layers, work, args.seed)
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
     torch.set_num_threads(1)
     results = []
     with threadpool_limits(1):

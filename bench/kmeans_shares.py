@@ -24,13 +24,11 @@ slowest layer in (a), nor before the layers' total over C in either.
 from __future__ import annotations
 
 import argparse
-import shutil
-import tempfile
 from pathlib import Path
 
 import numpy as np
 
-from bench.common import alternate, median, save, timed
+from bench.common import alternate, median, save, timed, work_dir
 from bench.kmeans import minilm_sample
 
 
@@ -110,11 +108,10 @@ def main(argv: list[str] | None = None) -> None:
     started = not ray.is_initialized()  # a Ray already up (the smoke test's) is used as is
     if started:
         ray.init(num_cpus=args.cpus, include_dashboard=False, log_to_driver=False)
-    work = Path(tempfile.mkdtemp(prefix="embgeom-bench-shares-"))
     try:
-        results = [bench_seed(int(s), args, work) for s in args.seeds.split(",")]
+        with work_dir("kmeans-shares") as work:
+            results = [bench_seed(int(s), args, work) for s in args.seeds.split(",")]
     finally:
-        shutil.rmtree(work, ignore_errors=True)
         if started:
             ray.shutdown()
     a = sum(r["seconds"]["one_share"] for r in results)

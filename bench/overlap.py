@@ -24,14 +24,12 @@ threads of (c) share ``--threads`` threads.
 from __future__ import annotations
 
 import argparse
-import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from itertools import islice
-from pathlib import Path
 
 import torch
 
-from bench.common import alternate, english_jsonl, median, minilm_dir, save, timed
+from bench.common import alternate, english_jsonl, median, minilm_dir, save, timed, work_dir
 from bench.fold import same_state
 
 
@@ -57,98 +55,98 @@ def main(argv: list[str] | None = None) -> None:
     from embgeom_ray.inputs.extractor import ShardProcessor
     from embgeom_ray.inputs.model_loading import resolve_identity, resolve_layers
 
-    work = Path(tempfile.mkdtemp(prefix="embgeom-bench-overlap-"))
-    corpus = english_jsonl(work / "corpus.jsonl", repeat=args.copies)
-    model = minilm_dir()
-    identity, _ = resolve_identity(model, None, False)
-    layers = resolve_layers(None, identity.num_layers)
-    cfg = build_config(
-        None,
-        {
-            "model": model,
-            "corpus": corpus,
-            "out": str(work / "unused"),
-            "batch_tokens": args.batch_tokens,
-        },
-    )
-    proc = ShardProcessor(cfg.extraction, layers, {"model_fingerprint": "bench"})
-    shard = plan_shards(CorpusSpec(corpus), 1 << 40).shards[0]
-    batches = list(  # the first --max-batches batches only, without batching the rest
-        islice(
-            proc.batches(read_shard(shard, proc.corpus, ReadReport()), Counts()),
-            args.max_batches or None,
+    with work_dir("overlap") as work:
+        corpus = english_jsonl(work / "corpus.jsonl", repeat=args.copies)
+        model = minilm_dir()
+        identity, _ = resolve_identity(model, None, False)
+        layers = resolve_layers(None, identity.num_layers)
+        cfg = build_config(
+            None,
+            {
+                "model": model,
+                "corpus": corpus,
+                "out": str(work / "unused"),
+                "batch_tokens": args.batch_tokens,
+            },
         )
-    )
-    tokens = sum(b.num_tokens for b in batches)
+        proc = ShardProcessor(cfg.extraction, layers, {"model_fingerprint": "bench"})
+        shard = plan_shards(CorpusSpec(corpus), 1 << 40).shards[0]
+        batches = list(  # the first --max-batches batches only, without batching the rest
+            islice(
+                proc.batches(read_shard(shard, proc.corpus, ReadReport()), Counts()),
+                args.max_batches or None,
+            )
+        )
+        tokens = sum(b.num_tokens for b in batches)
 
-    @torch.inference_mode()
-    def fold(stats, sample, hidden, batch) -> None:
-        finite = finite_layers(hidden)
-        stats.update(hidden, batch.input_ids, batch.keep, finite=finite)
-        if sample is not None:
-            sample.update(
-                hidden, batch.input_ids, batch.keep, batch.doc_ids, batch.window_index,
-                finite=finite,
-            )  # fmt: skip
+        @torch.inference_mode()
+        def fold(stats, sample, hidden, batch) -> None:
+            finite = finite_layers(hidden)
+            stats.update(hidden, batch.input_ids, batch.keep, finite=finite)
+            if sample is not None:
+                sample.update(
+                    hidden, batch.input_ids, batch.keep, batch.doc_ids, batch.window_index,
+                    finite=finite,
+                )  # fmt: skip
 
-    @torch.inference_mode()
-    def bare() -> None:
-        for b in batches:
-            proc.forward(b)
-
-    @torch.inference_mode()
-    def sequential():
-        stats, sample = proc.new_statistics(), proc.new_sample()
-        for b in batches:
-            fold(stats, sample, proc.forward(b), b)
-        return stats
-
-    @torch.inference_mode()
-    def overlapped():
-        stats, sample = proc.new_statistics(), proc.new_sample()
-        with ThreadPoolExecutor(max_workers=1) as folder:
-            pending = None
+        @torch.inference_mode()
+        def bare() -> None:
             for b in batches:
-                hidden = proc.forward(b)
+                proc.forward(b)
+
+        @torch.inference_mode()
+        def sequential():
+            stats, sample = proc.new_statistics(), proc.new_sample()
+            for b in batches:
+                fold(stats, sample, proc.forward(b), b)
+            return stats
+
+        @torch.inference_mode()
+        def overlapped():
+            stats, sample = proc.new_statistics(), proc.new_sample()
+            with ThreadPoolExecutor(max_workers=1) as folder:
+                pending = None
+                for b in batches:
+                    hidden = proc.forward(b)
+                    if pending is not None:
+                        pending.result()
+                    pending = folder.submit(fold, stats, sample, hidden, b)
                 if pending is not None:
                     pending.result()
-                pending = folder.submit(fold, stats, sample, hidden, b)
-            if pending is not None:
-                pending.result()
-        return stats
+            return stats
 
-    torch.set_num_threads(1)
-    t_one, _ = timed(bare)
-    torch.set_num_threads(args.threads)
-    bare()  # warm-up at the measured thread count
-    t_many, _ = timed(bare)
-    runs = {"bare": bare, "sequential": sequential, "overlapped": overlapped}
-    times, states = alternate(runs, args.repeats)
-    med = {name: median(ts) for name, ts in times.items()}
-    same = same_state(states["overlapped"], states["sequential"])
-    ratio = {name: med["bare"] / med[name] for name in ("sequential", "overlapped")}
-    print(
-        f"{tokens:,} tokens in {len(batches)} batches | forward at 1 thread {t_one:.2f} s, at "
-        f"{args.threads} {t_many:.2f} s (x{t_one / t_many:.2f}) | bare {med['bare']:.2f} s, "
-        f"sequential {med['sequential']:.2f} s ({ratio['sequential']:.3f} of bare), overlapped "
-        f"{med['overlapped']:.2f} s ({ratio['overlapped']:.3f}) | same state: {same['same']} "
-        f"(max rel diff {same['max_rel_diff']:.1e})"
-    )
-    save(
-        args.name,
-        {
-            "command": "python -m bench.overlap",
-            "args": vars(args),
-            "tokens": tokens,
-            "batches": len(batches),
-            "forward_1_thread_s": t_one,
-            "forward_threads_s": t_many,
-            "seconds": times,
-            "median_s": med,
-            "ratio_to_bare": ratio,
-            "state": same,
-        },
-    )
+        torch.set_num_threads(1)
+        t_one, _ = timed(bare)
+        torch.set_num_threads(args.threads)
+        bare()  # warm-up at the measured thread count
+        t_many, _ = timed(bare)
+        runs = {"bare": bare, "sequential": sequential, "overlapped": overlapped}
+        times, states = alternate(runs, args.repeats)
+        med = {name: median(ts) for name, ts in times.items()}
+        same = same_state(states["overlapped"], states["sequential"])
+        ratio = {name: med["bare"] / med[name] for name in ("sequential", "overlapped")}
+        print(
+            f"{tokens:,} tokens in {len(batches)} batches | forward at 1 thread {t_one:.2f} s, at "
+            f"{args.threads} {t_many:.2f} s (x{t_one / t_many:.2f}) | bare {med['bare']:.2f} s, "
+            f"sequential {med['sequential']:.2f} s ({ratio['sequential']:.3f} of bare), overlapped "
+            f"{med['overlapped']:.2f} s ({ratio['overlapped']:.3f}) | same state: {same['same']} "
+            f"(max rel diff {same['max_rel_diff']:.1e})"
+        )
+        save(
+            args.name,
+            {
+                "command": "python -m bench.overlap",
+                "args": vars(args),
+                "tokens": tokens,
+                "batches": len(batches),
+                "forward_1_thread_s": t_one,
+                "forward_threads_s": t_many,
+                "seconds": times,
+                "median_s": med,
+                "ratio_to_bare": ratio,
+                "state": same,
+            },
+        )
 
 
 if __name__ == "__main__":

@@ -19,10 +19,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import tempfile
 from pathlib import Path
 
-from bench.common import minilm_dir
+from bench.common import minilm_dir, work_dir
 from bench.vocabulary import parse_bytes, wordlevel_tokenizer
 
 #: Llama 3's published shapes (config.json of Meta-Llama-3-8B and -70B)
@@ -106,27 +105,27 @@ def main(argv: list[str] | None = None) -> None:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     import ray
 
-    work = Path(tempfile.mkdtemp(prefix="embgeom-plans-"))
-    corpus = sparse_corpus(work / "corpus.jsonl", int(args.corpus_gib * 2**30))
-    cluster = start_cluster(
-        args.nodes, args.gpus, args.gpu_type, args.cpus, parse_bytes(args.node_memory),
-        parse_bytes(args.head_memory),
-    )  # fmt: skip
-    try:
-        for name in args.models.split(","):
-            if name == "minilm":
-                model, dtype = minilm_dir(), "float32"
-            else:
-                model, dtype = llama_config_dir(work / name, name), "bfloat16"
-            print(f"\n$ python -m jobs.analyze --plan --model <{name}> --dtype {dtype} "
-                  f"--corpus <{args.corpus_gib:g} GiB of JSON Lines> --out OUT")  # fmt: skip
-            try:
-                plan(model, corpus, dtype)
-            except Exception as exc:  # a refusal is the plan's answer too
-                print(f"error: {exc}")
-    finally:
-        ray.shutdown()
-        cluster.shutdown()
+    with work_dir("plans") as work:
+        corpus = sparse_corpus(work / "corpus.jsonl", int(args.corpus_gib * 2**30))
+        cluster = start_cluster(
+            args.nodes, args.gpus, args.gpu_type, args.cpus, parse_bytes(args.node_memory),
+            parse_bytes(args.head_memory),
+        )  # fmt: skip
+        try:
+            for name in args.models.split(","):
+                if name == "minilm":
+                    model, dtype = minilm_dir(), "float32"
+                else:
+                    model, dtype = llama_config_dir(work / name, name), "bfloat16"
+                print(f"\n$ python -m jobs.analyze --plan --model <{name}> --dtype {dtype} "
+                      f"--corpus <{args.corpus_gib:g} GiB of JSON Lines> --out OUT")  # fmt: skip
+                try:
+                    plan(model, corpus, dtype)
+                except Exception as exc:  # a refusal is the plan's answer too
+                    print(f"error: {exc}")
+        finally:
+            ray.shutdown()
+            cluster.shutdown()
 
 
 if __name__ == "__main__":

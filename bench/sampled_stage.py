@@ -36,8 +36,6 @@ from __future__ import annotations
 
 import argparse
 import inspect
-import shutil
-import tempfile
 import time
 from pathlib import Path
 from types import ModuleType
@@ -45,7 +43,7 @@ from typing import Any
 
 import numpy as np
 
-from bench.common import baseline_module, median, save
+from bench.common import baseline_module, median, save, work_dir
 
 #: the last revision before each k's partition was the lowest inertia of many seedings (one
 #: k-means++ chain per k, scikit-learn's Lloyd; issue 50)
@@ -185,8 +183,7 @@ def main(argv: list[str] | None = None) -> None:
     import embgeom_ray.core.tables as tables
     from bench.kmeans import minilm_sample
 
-    work = Path(tempfile.mkdtemp(prefix="embgeom-bench-sampled-"))
-    try:
+    with work_dir("sampled-stage") as work:
         sample = None
         if not args.synthetic_dim:
             sample = minilm_sample(args.size, layers, work, args.seed, type_size=args.size)
@@ -204,8 +201,6 @@ def main(argv: list[str] | None = None) -> None:
                     tv = sample.type_points(layer).vectors if sample.num_types >= 2 else None
                     inputs = (pts.vectors, pts.token_ids, tv, pts.content_keys)
                 results.append(bench_layer(layer, *inputs, revisions, args))
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
     totals = {name: sum(r["seconds"][name]["layer"] for r in results) for name in revisions}
     print(
         f"all {len(layers)} layers: "

@@ -42,16 +42,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
 
-from bench.common import english_jsonl, median, minilm_dir, save, timed
+from bench.common import english_jsonl, median, minilm_dir, save, timed, work_dir
 from embgeom_ray.core.statistics import state_bytes
 
 SECTIONS = ("throughput", "memory", "artefact", "reduce")
@@ -404,21 +402,18 @@ def main(argv: list[str] | None = None) -> None:
     unknown = set(sections) - set(SECTIONS)
     if unknown:
         raise SystemExit(f"unknown sections {sorted(unknown)}; choose from {', '.join(SECTIONS)}")
-    work = Path(tempfile.mkdtemp(prefix="embgeom-bench-scaling-"))
-    runners = {
-        "throughput": section_throughput,
-        "memory": section_memory,
-        "artefact": section_artefact,
-        "reduce": section_reduce,
-    }
-    result = {"command": "python -m bench.scaling", "args": vars(args)}
-    try:
+    with work_dir("scaling") as work:
+        runners = {
+            "throughput": section_throughput,
+            "memory": section_memory,
+            "artefact": section_artefact,
+            "reduce": section_reduce,
+        }
+        result = {"command": "python -m bench.scaling", "args": vars(args)}
         for name in SECTIONS:
             if name in sections:
                 t, result[name] = timed(lambda name=name: runners[name](args, work))
                 print(f"[{name}: {t:.1f}s]")
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
     save(args.name, result)
 
 

@@ -29,11 +29,10 @@ import json
 import os
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
-from bench.common import REPO, save
+from bench.common import REPO, save, work_dir
 from bench.vocabulary import generated_corpus, wordlevel_llama_dir
 
 MIB = 2**20
@@ -100,17 +99,17 @@ def main(argv: list[str] | None = None) -> None:
     )  # fmt: skip
     p.add_argument("--name", default="self_sized")
     args = p.parse_args(argv)
-    work = Path(tempfile.mkdtemp(prefix="embgeom-self-sized-"))
-    rows = []
-    for vocab in (int(v) for v in args.vocab.split(",")):
-        model = wordlevel_llama_dir(work / f"model-{vocab}", vocab, args.dim, args.blocks)
-        corpus = generated_corpus(work / f"corpus-{vocab}.jsonl", vocab, args.tokens)
-        t0 = time.perf_counter()
-        out = work / f"run-{vocab}" if args.out_url is None else f"{args.out_url}/run-{vocab}"
-        m = run_default(model, corpus, out)
-        rows.append(row(vocab, m, time.perf_counter() - t0))
-        print(json.dumps(rows[-1]), flush=True)
-    save(args.name, {"args": vars(args), "rows": rows})
+    with work_dir("self-sized") as work:
+        rows = []
+        for vocab in (int(v) for v in args.vocab.split(",")):
+            model = wordlevel_llama_dir(work / f"model-{vocab}", vocab, args.dim, args.blocks)
+            corpus = generated_corpus(work / f"corpus-{vocab}.jsonl", vocab, args.tokens)
+            t0 = time.perf_counter()
+            out = work / f"run-{vocab}" if args.out_url is None else f"{args.out_url}/run-{vocab}"
+            m = run_default(model, corpus, out)
+            rows.append(row(vocab, m, time.perf_counter() - t0))
+            print(json.dumps(rows[-1]), flush=True)
+        save(args.name, {"args": vars(args), "rows": rows})
 
 
 if __name__ == "__main__":

@@ -45,7 +45,6 @@ import json
 import shutil
 import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -53,7 +52,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from bench.common import save
+from bench.common import save, work_dir
 from embgeom_ray.core.statistics import state_bytes
 
 SPECIALS = ["<unk>", "<s>", "</s>", "<pad>"]
@@ -399,10 +398,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--name", default="vocabulary")
     args = p.parse_args(argv)
     fold_budget = None if args.fold_budget is None else parse_bytes(args.fold_budget)
-    work = Path(tempfile.mkdtemp(prefix="embgeom-bench-vocab-"))
-    layers = args.blocks + 1
-    rows, folds = [], []
-    try:
+    with work_dir("vocabulary") as work:
+        layers = args.blocks + 1
+        rows, folds = [], []
         for vocab in (int(v) for v in args.vocab.split(",")):
             model = wordlevel_llama_dir(
                 work / f"model-{vocab}", vocab, args.dim, args.blocks, ffn_mult=args.ffn_mult,
@@ -510,8 +508,6 @@ def main(argv: list[str] | None = None) -> None:
                     f" | shards {m['shards']['total']} groups {m['shards']['checkpoint_groups']}"
                     f" | fold/forward {row['fold_over_forward']:.3f}"
                 )
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
     save(
         args.name,
         {"command": "python -m bench.vocabulary", "args": vars(args), "folds": folds, "runs": rows},

@@ -19,16 +19,14 @@ import argparse
 import json
 import os
 import shlex
-import shutil
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import pandas as pd
 
-from bench.common import english_jsonl, median, minilm_dir, save
+from bench.common import english_jsonl, median, minilm_dir, save, work_dir
 
 ROOT = Path(__file__).resolve().parents[1]
 STAGES = ("extract_wall", "metrics", "sampled", "write", "report")
@@ -60,8 +58,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--extra-args", default="", help="more jobs.analyze flags, quoted")
     p.add_argument("--name", default="warm_workers")
     args = p.parse_args(argv)
-    work = Path(tempfile.mkdtemp(prefix="embgeom-bench-warm-"))
-    try:
+    with work_dir("warm-workers") as work:
         corpus = english_jsonl(work / "corpus.jsonl")
         if args.docs:
             lines = Path(corpus).read_text().splitlines(keepends=True)[: args.docs]
@@ -72,8 +69,6 @@ def main(argv: list[str] | None = None) -> None:
                 runs[name].append(run_job(corpus, work / name, name == "warm", args))
         layers = {n: pd.read_parquet(work / n / "layers.parquet") for n in runs}
         pd.testing.assert_frame_equal(layers["cold"], layers["warm"])  # the same results
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
     med = {n: {k: median([r[k] for r in rs]) for k in rs[0]} for n, rs in runs.items()}
     ratio = {k: med["warm"][k] / med["cold"][k] for k in med["cold"] if med["cold"][k]}
     print(
