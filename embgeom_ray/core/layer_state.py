@@ -14,7 +14,7 @@ Per layer l, :class:`LayerState` holds the per-layer :data:`FIELDS
 - ``argmax_counts`` / ``argmin_counts``: how often each dimension is the largest / smallest
   of a token's vector (Luo 2020, "tails"; :func:`extreme_counts`), added;
 - ``position_counts`` / ``position_means``: per position p within the window the count and
-  mean vector (Kulmizev, Mao & Luo 2021, positional artefacts), merged as count-weighted means;
+  mean vector (Luo, Kulmizev & Mao 2021, positional artefacts), merged as count-weighted means;
 - ``nonfinite``: tokens whose vector had a NaN/inf and were left out of every sum, added.
 """
 

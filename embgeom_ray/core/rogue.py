@@ -1,6 +1,6 @@
 """Rogue ("outlier", "tail") dimensions, positional artefacts and the effect of clipping them.
 
-Luo (2020, "Catch the Tails of BERT") and Kulmizev, Mao & Luo (2021, "Positional Artefacts
+Luo (2020, "Catch the Tails of BERT") and Luo, Kulmizev & Mao (2021, "Positional Artefacts
 Propagate Through Masked Language Model Embeddings") found a few dimensions of BERT and
 RoBERTa that are almost always the largest or smallest value of every vector (BERT-base 557;
 RoBERTa-base 588 and 77), tied to position embeddings and the main cause of anisotropy;

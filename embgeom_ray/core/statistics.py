@@ -9,7 +9,7 @@ per layer (:mod:`~embgeom_ray.core.layer_state`)
     ``n``, ``mean`` μ, the d×d co-moment matrix C = Σ_i (x_i − μ)(x_i − μ)ᵀ (covariance C/n,
     IsoScore, PCA spectrum, per-dimension mean/std), how often each dimension is the argmax /
     argmin of a token's vector (Luo 2020, "tails"), and per position p within the window the
-    count and mean vector (Kulmizev, Mao & Luo 2021, positional artefacts);
+    count and mean vector (Luo, Kulmizev & Mao 2021, positional artefacts);
     ``nonfinite``: tokens whose vector had a NaN/inf and were left out of every sum.
 
 The arrays are declared once, in :data:`~embgeom_ray.core.statistics_fields.FIELDS` (name,
@@ -284,7 +284,7 @@ class EmbeddingStatistics(Sketch):
             never hold more slots than there can be types (GPT-2's 50,257 tokens would
             otherwise double to 65,536 slots, Qwen's 151,936 to 262,144: on a GPU every
             slot is allocated).
-        clip_dims: dimensions to zero ("clip", Luo 2020; Kulmizev et al. 2021) for exact
+        clip_dims: dimensions to zero ("clip", Luo 2020; Luo et al. 2021) for exact
             clipped cosine metrics: per type, the sum of unit vectors of the clipped vectors
             x' (x with these dimensions set to 0) is accumulated too. None: not tracked.
         comoment_precision: how the per-batch product (X − c)ᵀ(X − c), the fold's one

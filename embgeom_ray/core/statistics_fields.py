@@ -2,7 +2,7 @@
 
 Each array is a :class:`Field`: its name (in files and in the
 :class:`~embgeom_ray.core.statistics.LayerMoments` view), shape, dtype and merge rule. Per
-layer l and token type t (Ethayarajh 2019; Luo 2020; Kulmizev, Mao & Luo 2021):
+layer l and token type t (Ethayarajh 2019; Luo 2020; Luo, Kulmizev & Mao 2021):
 
 per type (``core/type_moments.py``)
     n_t, μ_t, M2_t = Σ_i ||x_i − μ_t||², U_t = Σ_i x_i/||x_i|| and, with ``clip_dims``, the

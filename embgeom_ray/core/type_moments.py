@@ -3,7 +3,7 @@
 Per layer l and token type t (a token id), :class:`TypeMoments` holds the count n_t, the mean
 μ_t, M2_t = Σ_i ||x_i − μ_t||² and the unit-vector sum U_t = Σ_i x_i/||x_i|| (exact cosine
 metrics, Ethayarajh 2019), and with ``clip_dims`` the same sum of the clipped vectors x' (those
-dimensions set to 0; Luo 2020, Kulmizev et al. 2021): the per-type :data:`FIELDS
+dimensions set to 0; Luo 2020, Luo et al. 2021): the per-type :data:`FIELDS
 <embgeom_ray.core.statistics_fields.FIELDS>`.
 
 Only types actually seen occupy memory: each array has one row (slot) per type, in the order

@@ -45,8 +45,9 @@ class SchedulingOptions(WorkerOptions):
     cpus_per_worker: int | None = Field(
         None,
         ge=1,
-        description="CPUs (torch threads) per extractor actor [default: 1 with a GPU, else "
-        "min(4, CPUs)]",
+        description="CPUs (torch threads) per extractor actor [default: 1 with a GPU; else "
+        "min(4, the largest node's CPUs), or with --num-workers N the cluster's CPUs / N, at "
+        "most the largest node's]",
         json_schema_extra=SCHEDULING,
     )
     reducers: int | None = Field(

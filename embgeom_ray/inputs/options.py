@@ -63,9 +63,9 @@ class WorkerOptions(OptionGroup):
         description="bytes of memory each extractor actor asks Ray for and stays within (e.g. "
         "16GiB): its own share (libraries, the weights while they load, a CPU batch, the "
         "sample) plus twice its statistics budget (the running statistics and one serialised "
-        "copy). [default: self-sized: what the statistics need unbounded, or, where the nodes "
-        "hold less, the smallest share of a node's memory any node hosting extractors gives "
-        "each; see --plan]",
+        "copy; once on a GPU, whose statistics live in device memory). [default: self-sized: "
+        "what the statistics need unbounded, or, where the nodes hold less, the smallest "
+        "share of a node's memory any node hosting extractors gives each; see --plan]",
         json_schema_extra=SCHEDULING,
     )
     statistics_memory: ByteSize | None = Field(
@@ -85,8 +85,8 @@ class WorkerOptions(OptionGroup):
         "--statistics-memory the running statistics are merged here instead of spilled as a "
         "piece, so a checkpoint writes each token type once per this much rather than once per "
         "spill (on a GPU, whose memory holds few types of a large vocabulary, many times fewer "
-        "bytes). Must exceed the statistics budget; counted in --worker-memory twice (the "
-        "merged statistics and one serialised copy) [default: off]",
+        "bytes). Must exceed the statistics budget; counted in --worker-memory with one 64 MiB "
+        "block of its file more (it is written a block at a time) [default: off]",
         json_schema_extra=SCHEDULING,
     )
 

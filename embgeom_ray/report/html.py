@@ -147,7 +147,7 @@ HOW_TO_READ: dict[str, str] = {
     "rogue": (
         "<b>Luo 2020</b>, <i>Catch the “Tails” of BERT</i>: a few dimensions are the largest or "
         "smallest coordinate of most tokens in most layers (their argmax/argmin share is far "
-        "above 1/d) and dominate cosine similarity. <b>Kulmizev, Mao &amp; Luo 2021</b>, "
+        "above 1/d) and dominate cosine similarity. <b>Luo, Kulmizev &amp; Mao 2021</b>, "
         "<i>Positional Artefacts Propagate Through Masked Language Model Embeddings</i>: such "
         "outlier dimensions persist across layers and encode token position; zeroing them "
         "makes the space less anisotropic. Dark vertical stripes in the heat map are rogue "

@@ -21,8 +21,8 @@ intrinsic_dim         LID and silhouettes across layers (Cai et al. 2021)       
 isoscore_silhouette   IsoScore against silhouette, one point per layer (Mickus 2024) sampled cols
 kmeans_curve          silhouette against k over the K-means scan, per layer (Cai)    kmeans
 rogue_dims            layer × dim heat map of argmax/argmin share (Luo 2020)         dims
-clipping              clipped vs unclipped, same estimator (Luo; Kulmizev et al.)    clipped cols
-positional_profile    per-position mean of flagged dims (Kulmizev et al. 2021)       positions
+clipping              clipped vs unclipped, same estimator (Luo; Luo et al. 2021)    clipped cols
+positional_profile    per-position mean of flagged dims (Luo et al. 2021)            positions
 pca_2d, pca_3d        PCA of the uniform sample per selected layer (Cai et al.)      samples
 ====================  =============================================================  ============
 

@@ -196,8 +196,9 @@ def plan_pool(
     """(actors, CPUs each, GPUs each): one actor per ``--gpus-per-worker`` GPUs of a node (self
     sized: the fewest GPUs of one node whose memory holds the weights in
     :data:`GPU_WEIGHT_SHARE`, 1 where Ray's accelerator type does not give the GPU's memory),
-    else CPU actors of ``--cpus-per-worker`` CPUs (default min(4, the largest node's CPUs)),
-    as many as the nodes hold (``--num-workers``: that many).
+    else CPU actors of ``--cpus-per-worker`` CPUs (default min(4, the largest node's CPUs);
+    with ``--num-workers N``, the cluster's CPUs // N, within 1 and the largest node's), as
+    many as the nodes hold (``--num-workers``: that many).
 
     This is the pool the nodes hold when the job starts. With ``--device cuda`` GPU actors are
     asked for even if the cluster shows no GPU yet (one, until GPUs are visible); the pool then
@@ -618,7 +619,9 @@ def size_reducers(
     - ``--reducers 1``: in the job's own process; ``--reducers R > 1``: R reducers, each
       asking for what its share needs; ``--reducer-memory B``: the fewest reducers of B each
       (at least ``--reducers``);
-    - otherwise in the job's process while :data:`DRIVER_REDUCE_FACTOR` · (S(V) + F) ≤
+    - otherwise in the job's process while its whole memory with the in-process reduce
+      (:func:`driver_bytes`, ``in_process=True``: :data:`DRIVER_REDUCE_FACTOR` · (S(V) + F)
+      beside its base, the type rows, the sample and any upload) stays within
       :data:`DRIVER_ALLOWANCE_BYTES`, else on the fewest reducers each needing at most
       :data:`REDUCER_NODE_SHARE` of the largest node's offer that the nodes hold together.
 

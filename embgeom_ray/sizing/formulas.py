@@ -303,14 +303,14 @@ def batch_bytes_per_token(
     lanes: int = 1,
 ) -> int:
     """A batch's memory per padded token, beyond the model's weights: every hidden state the
-    forward returns ((L + 1) · d values in the model's dtype), the fold's scratch
+    forward returns ((blocks + 1) · d values in the model's dtype), the fold's scratch
     (:data:`FOLD_BYTES_PER_TOKEN_DIM` · d), the feed-forward's intermediate activations
     (three of ``intermediate`` values: gate, up and their product in gated MLPs) and one
     layer's attention scores (``scores`` = heads × window length values a token, where the
     attention implementation materialises them; fused attention does not); a CPU extractor
     of k ``lanes`` (:mod:`~embgeom_ray.inputs.lanes`) holds k batches' hidden states and
     activations and one fold's scratch:
-    k · ((L + 1) · d + 3 · d_ff + heads · T) · b + 64 · d bytes."""
+    k · ((blocks + 1) · d + 3 · d_ff + heads · T) · b + 64 · d bytes."""
     values = hidden_states * dim + 3 * intermediate + scores
     return lanes * values * dtype_bytes + FOLD_BYTES_PER_TOKEN_DIM * dim
 

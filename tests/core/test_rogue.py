@@ -123,5 +123,5 @@ def test_exact_clipping_equals_float64_on_clipped_activations(
         assert row["s_inter_clipped_exact"] == pytest.approx(s_inter, abs=1e-6)
         assert row["s_intra_clipped_exact"] == pytest.approx(s_intra, abs=1e-6)
         assert row["isoscore_clipped_exact"] == pytest.approx(_isoscore(x), rel=1e-5, abs=1e-7)
-        # and clipping the outlier removes most anisotropy, as Luo and Kulmizev et al. found
+        # and clipping the outlier removes most anisotropy, as Luo and Luo et al. found
         assert row["anisotropy_clipped_exact"] < 0.5 * row["anisotropy"]

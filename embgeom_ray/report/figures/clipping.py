@@ -1,5 +1,5 @@
 """Cosine and isotropy metrics with the outlier dimensions zeroed ("clipping", Luo 2020;
-Kulmizev et al. 2021), each beside its unclipped counterpart of the same estimator."""
+Luo et al. 2021), each beside its unclipped counterpart of the same estimator."""
 
 from __future__ import annotations
 
@@ -153,7 +153,7 @@ def _clipping_caption(run: RunView, panels: list[ClipPanel], flagged_counts: boo
     caption = (
         "Like with like: each panel compares a metric with and without the outlier dimensions "
         "zeroed (“clipping”) using ONE estimator, named in its title and legend; solid is "
-        "unclipped. Luo (2020) and Kulmizev et al. (2021) found that clipping a handful of rogue "
+        "unclipped. Luo (2020) and Luo et al. (2021) found that clipping a handful of rogue "
         "dimensions removes much of BERT's anisotropy and improves similarity structure."
     )
     if "Sampled cosines" in ests:
@@ -186,7 +186,7 @@ def _clipping_caption(run: RunView, panels: list[ClipPanel], flagged_counts: boo
 
 
 def plot_clipping(run: RunView) -> tuple[str | None, str]:
-    """Cosine and isotropy metrics with the outlier dimensions zeroed (Luo 2020; Kulmizev 2021).
+    """Cosine and isotropy metrics with the outlier dimensions zeroed (Luo 2020; Luo et al. 2021).
 
     Like with like (:func:`clipping_panels`): the sampled clipped cosines beside the sampled
     unclipped ones (``*_sampled``), the exact ``--clip-dims`` cosines beside the exact ones,
@@ -209,6 +209,6 @@ def plot_clipping(run: RunView) -> tuple[str | None, str]:
             _clipping_panel(ax, run, panel, layers)
         if n is not None:
             annotate_top(axes[0], layers, n)
-        title(fig, "Zeroing the outlier dimensions (Luo 2020; Kulmizev et al. 2021)", run.tag)
+        title(fig, "Zeroing the outlier dimensions (Luo 2020; Luo et al. 2021)", run.tag)
         path = save(fig, run.out, "clipping")
     return path, _clipping_caption(run, panels, n is not None)

@@ -1,4 +1,4 @@
-"""Positional profile of the flagged dimensions (Kulmizev, Mao & Luo 2021): each flagged
+"""Positional profile of the flagged dimensions (Luo, Kulmizev & Mao 2021): each flagged
 dimension's mean at each position within the window, for selected layers."""
 
 from __future__ import annotations
@@ -60,7 +60,7 @@ def _draw(run: RunView, pos: pd.DataFrame, shown_dims: list[str]) -> str:
             "position within the window (0 = first position; positions restart in each window)"
         )
         fig.supylabel("mean value of the dimension" if shown_dims else "mean_norm at the position")
-        title(fig, "Positional profile of flagged dimensions (Kulmizev et al. 2021)", run.tag)
+        title(fig, "Positional profile of flagged dimensions (Luo et al. 2021)", run.tag)
         return save(fig, run.out, "positional_profile")
 
 
@@ -68,7 +68,7 @@ def _caption(dim_cols: list[str], shown_dims: list[str], dropped: int) -> str:
     if shown_dims:
         caption = (
             "For selected layers, the mean value of each flagged (outlier) dimension over all "
-            "tokens at a given position within the window. Kulmizev, Mao & Luo (2021) found "
+            "tokens at a given position within the window. Luo, Kulmizev & Mao (2021) found "
             "that BERT's and RoBERTa's outlier dimensions encode position: a clear trend or "
             "spike at the first positions here means the dimension carries positional "
             "information rather than meaning."
@@ -89,7 +89,7 @@ def _caption(dim_cols: list[str], shown_dims: list[str], dropped: int) -> str:
 
 
 def plot_positional_profile(run: RunView) -> tuple[str | None, str]:
-    """Per-position mean of the flagged dimensions (Kulmizev, Mao & Luo 2021)."""
+    """Per-position mean of the flagged dimensions (Luo, Kulmizev & Mao 2021)."""
     pos = run.positions
     if pos is None or not {"layer", "position"} <= set(pos.columns):
         return None, "Not drawn: the run has no positions.parquet."

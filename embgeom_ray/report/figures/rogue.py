@@ -1,4 +1,4 @@
-"""Rogue dimensions by layer (Luo 2020; Kulmizev et al. 2021): the layer × dimension heat maps
+"""Rogue dimensions by layer (Luo 2020; Luo et al. 2021): the layer × dimension heat maps
 of the argmax/argmin shares (or of each dimension's |z| and variance ratio), its correlation
 with position, and the cells flagged as outliers."""
 
@@ -174,7 +174,7 @@ def _rogue_caption(mode: str, d: int, has_pos: bool) -> str:
             f"For each layer (rows) and dimension (columns, d = {d}): top, how far the "
             f"dimension's mean over all tokens lies from the other dimensions' means, as |z| "
             f"among the layer's per-dimension means; bottom, the dimension's variance over the "
-            f"layer's mean per-dimension variance. Rogue dimensions (Luo 2020; Kulmizev et al. "
+            f"layer's mean per-dimension variance. Rogue dimensions (Luo 2020; Luo et al. "
             f"2021) appear as dark vertical stripes (|z| > 3 or a ratio ≥ 5 are the usual "
             f"flags). The colour scale is a square root, so the largest values stand out. "
             f"Numbers above each panel: the dimensions with the largest values. (This run's "
@@ -183,7 +183,7 @@ def _rogue_caption(mode: str, d: int, has_pos: bool) -> str:
     if has_pos:
         caption += (
             " Last panel: Pearson r between each dimension and the token's position in its "
-            "window, exact over all tokens (Kulmizev et al. 2021: outlier dimensions track "
+            "window, exact over all tokens (Luo et al. 2021: outlier dimensions track "
             "position)."
         )
     return caption
@@ -214,7 +214,7 @@ def plot_rogue_dims(run: RunView) -> tuple[str | None, str]:
         for ax, (c, (mat, label, text)) in zip(axes, panels.items(), strict=True):
             top = _heat_map(fig, ax, c, mat, label, text, layers, outlier)
             top_all += [t for t in top if t not in top_all]
-        title(fig, "Rogue dimensions by layer (Luo 2020; Kulmizev et al. 2021)", run.tag)
+        title(fig, "Rogue dimensions by layer (Luo 2020; Luo et al. 2021)", run.tag)
         path = save(fig, run.out, "rogue_dims")
     caption = _rogue_caption(mode, d, "position_corr" in panels)
     if outlier is not None:
