@@ -345,8 +345,19 @@ def open_run(url: str | Path) -> Run:
     return Run(url)
 
 
+def _run_list(runs: Any, what: str) -> list[str]:
+    """``runs`` as a list of URLs; a single path or URL given where a list is expected is a
+    :class:`ConfigError` (iterated, it would be its characters)."""
+    if isinstance(runs, str | Path | Run):
+        raise ConfigError(
+            f"{what} takes a list of runs, got one ({str(runs)!r}): e.g. "
+            f"{what}(['runs/a', 'runs/b'], 'runs/out')"
+        )
+    return [r.url if isinstance(r, Run) else str(r) for r in runs]
+
+
 def merge(
-    runs: Sequence[str | Path],
+    runs: Sequence[str | Path | Run],
     out: str | Path,
     *,
     tokenizer: str | None = None,
@@ -369,9 +380,9 @@ def merge(
         )
     if options.get("plan"):
         raise ConfigError("plan=True merges nothing: use `embgeom merge --plan`")
+    urls = _run_list(runs, "merge")
     with _user_errors(), _progress(echo):
-        merge_runs([str(r) for r in runs], str(out), tokenizer=tokenizer,
-                   echo=echo or _quiet, **options)  # fmt: skip
+        merge_runs(urls, str(out), tokenizer=tokenizer, echo=echo or _quiet, **options)
     return Run(out)
 
 
@@ -379,17 +390,20 @@ def compare(
     runs: Sequence[str | Path | Run],
     out: str | Path,
     *,
-    labels: Sequence[str] | None = None,
+    labels: Sequence[str] | str | None = None,
     top: int = 20,
     echo: Echo | None = print,
 ) -> Comparison:
     """Compare complete ``runs`` layer by layer against the first (``embgeom compare``):
-    writes ``out`` and returns the :class:`Comparison`."""
+    writes ``out`` and returns the :class:`Comparison`. ``labels``: one a run, a list or the
+    command line's comma-separated string."""
     from .runs.compare import CompareError, compare_runs
 
     if top < 1:
         raise CompareError(f"top must be at least 1, got {top}")
-    urls = [r.url if isinstance(r, Run) else str(r) for r in runs]
+    urls = _run_list(runs, "compare")
+    if isinstance(labels, str):
+        labels = [label.strip() for label in labels.split(",")]
     with _user_errors(), _progress(echo):
         compare_runs(urls, str(out), labels=labels, top=top, echo=echo or _quiet)
     return Comparison(out)

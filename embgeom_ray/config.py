@@ -71,7 +71,8 @@ class RunOptions(OptionGroup):
     )
     overwrite: bool = Field(
         False,
-        description="discard an earlier run in --out instead of resuming it",
+        description="discard an earlier run in --out instead of resuming it (or refusing "
+        "another run there): the files and folders a run writes, never other files",
         json_schema_extra=SCHEDULING | MERGE,
     )
     plan: bool = Field(
@@ -103,6 +104,17 @@ class RunOptions(OptionGroup):
         "worker processes (one per CPU, their imports at idle priority) while the extractors "
         "run. Not a result option",
     )
+
+    @field_validator("layers", "clip_dims", mode="before")
+    @classmethod
+    def _int_list(cls, v: Any) -> Any:
+        """A config file's ``layers: "0,3,-1"`` (the flag's own form) as the list it means."""
+        if isinstance(v, str):
+            try:
+                return parse_int_list(v)
+            except argparse.ArgumentTypeError as exc:
+                raise ValueError(str(exc)) from None
+        return v
 
     @field_validator("layers")
     @classmethod
@@ -207,8 +219,10 @@ def format_validation_error(exc: ValidationError) -> str:
                 f"unknown option {loc!r} in the config file"
                 + did_you_mean([loc], list(JobConfig.model_fields))
             )
-        else:
-            parts.append(f"{name}: {err['msg']} (got {err.get('input')!r})")
+        else:  # our validators' messages say what they got
+            msg = err["msg"].removeprefix("Value error, ")
+            got = "" if "got " in msg else f" (got {err.get('input')!r})"
+            parts.append(f"{name}: {msg}{got}")
     return "invalid options: " + "; ".join(parts)
 
 

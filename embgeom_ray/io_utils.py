@@ -104,6 +104,18 @@ def local_path(url: str) -> str:
     return url[len("file://") :] if url.startswith("file://") else url
 
 
+def location(url: str) -> str:
+    """A comparable form of a file or directory's URL: the absolute real path of a local one
+    (links resolved), the URL without a trailing ``/`` of a remote one."""
+    return os.path.realpath(local_path(url)) if is_local(url) else url.rstrip("/")
+
+
+def within(url: str, directory: str) -> bool:
+    """Whether ``url`` is ``directory`` or lies under it (:func:`location` of both)."""
+    here, there = location(url), location(directory)
+    return here == there or here.startswith(there.rstrip("/") + "/")
+
+
 def _write_local(url: str, write: Callable[[BinaryIO], None]) -> None:
     """``write(f)`` into a temporary file beside the local ``url``, synced, then moved into
     place: readers see the old file or the whole new one, and a failed write leaves neither."""

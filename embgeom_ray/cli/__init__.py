@@ -47,12 +47,23 @@ def configure_logging(verbose: bool) -> None:
 
 
 
+#: the exit status of a command interrupted by Ctrl-C (SIGINT): 128 + 2, as shells report it
+INTERRUPTED = 130
+
+
 def exit_status(run: Callable[[], object]) -> int:
     """A command's exit status: 0 when ``run()`` returns; a user error's status (2) after its
-    message as one line on stderr (:func:`~embgeom_ray.storage.as_user_error`); anything else
-    keeps its traceback."""
+    message as one line on stderr (:func:`~embgeom_ray.storage.as_user_error`);
+    :data:`INTERRUPTED` after one line for Ctrl-C; anything else keeps its traceback."""
     try:
         run()
+    except KeyboardInterrupt:
+        print(
+            "interrupted: nothing is marked complete; the same command run again resumes from "
+            "the last checkpoint (a merge or comparison starts over)",
+            file=sys.stderr,
+        )
+        return INTERRUPTED
     except Exception as exc:
         error = as_user_error(exc)
         if error is None:

@@ -42,6 +42,12 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
         # a table option left out is the first run's
         shown_defaults={k: "the first run's" for k in MERGE_OPTIONS if k not in SCHEDULING_OPTIONS},
     )
+    (plan,) = [a for a in parser._actions if a.dest == "plan"]
+    plan.help = (  # the job's says what the analysis plans: shards, actors, batches
+        "print how the merge would run and exit, nothing merged or written: the runs, their "
+        "layers, d and the types they saw, and where the statistics would be merged (the "
+        "job's own process, or reducers: how many, and the memory of each)"
+    )
     parser.add_argument("runs", nargs="+", metavar="RUN", help="output directories of complete runs")
     parser.add_argument(
         "--tokenizer",

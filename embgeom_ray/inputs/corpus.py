@@ -398,7 +398,8 @@ def _plan_files(spec: CorpusSpec, shard_bytes: int | None, work: int) -> ShardPl
     total = sum(f.size for f in files)
     if total == 0:
         raise CorpusError(
-            f"corpus {spec.source!r} has no data: its {_plural(len(files), 'file')} are all empty"
+            f"corpus {spec.source!r} has no data: "
+            + ("its file is empty" if len(files) == 1 else f"its {len(files)} files are all empty")
         )
     size = shard_bytes if shard_bytes is not None else auto_shard_bytes(total, work)
     width = max(5, len(str(len(files) - 1)))

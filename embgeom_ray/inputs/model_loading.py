@@ -36,6 +36,9 @@ class ModelIdentity:
 
 
 def _load_error(kind: str, model: str, exc: Exception) -> ModelError:
+    if model.startswith(("/", ".", "~")) and not os.path.exists(os.path.expanduser(model)):
+        # a path, not a hub id: the hub's own complaint about the id's form says nothing
+        return ModelError(f"cannot load the {kind} of {model!r}: no such directory")
     where = "local directory" if os.path.isdir(model) else "hub id"
     hint = ""
     if not os.path.exists(model) and ("/" in model or model.startswith((".", "~"))):
@@ -173,10 +176,13 @@ def load_model(
     device_map: dict[str, int] | None = None,
 ) -> Any:
     """The model in eval mode on ``device``, or dispatched over GPUs by ``device_map``
-    (:func:`balanced_device_map`)."""
+    (:func:`balanced_device_map`). transformers' own progress bar of the weights' loading is
+    off: in an extractor actor Ray forwards it into the job's bar of shards, on one line."""
     import torch
     from transformers import AutoModel
+    from transformers.utils import logging as hf_logging
 
+    hf_logging.disable_progress_bar()
     try:
         m = AutoModel.from_pretrained(
             model,

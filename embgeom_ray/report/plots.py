@@ -40,6 +40,7 @@ import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from ..errors import ConfigError
 from ..io_utils import join
 from ..run_view import RunView
 from .figures.clipping import plot_clipping
@@ -119,7 +120,7 @@ def draw_figures(
     known = {name: (section, fn) for name, section, fn in PLOTS}
     unknown = [name for name in names if name not in known]
     if unknown:
-        raise ValueError(f"unknown figures {unknown}; known: {list(known)}")
+        raise ConfigError(f"unknown figures {unknown}; known: {list(known)}")
     figures: list[Figure] = []
     for name in names:
         section, fn = known[name]

@@ -78,12 +78,11 @@ from ..io_utils import (
     local_path,
     read_bytes,
 )
+from ..run_dir import GROUPS, MANIFEST, REDUCERS, RUN_JSON, RunDir
 from ..shared_out import remove_marker, write_marker
 
-#: directory of checkpoint groups
-GROUPS = "groups"
-#: directory of the reducer actors' checkpoints (``--reducers``), and their partition plan
-REDUCERS, REDUCER_PLAN = "reducers", "plan.json"
+#: the reducer actors' partition plan, in :data:`~embgeom_ray.run_dir.REDUCERS`
+REDUCER_PLAN = "plan.json"
 GROUP_FORMAT = "embgeom-checkpoint-group/1"
 STATS_SUFFIX, SAMPLE_SUFFIX, DONE_SUFFIX = ".safetensors", ".sample.safetensors", ".json"
 
@@ -173,10 +172,10 @@ class CheckpointStore:
 
     def load_run(self) -> dict[str, Any] | None:
         """``run.json``, or None; a corrupt one is refused (:class:`OutputError`)."""
-        if not exists(self._path("run.json")):
+        if not exists(self._path(RUN_JSON)):
             return None
         try:
-            return self._read_json("run.json")
+            return self._read_json(RUN_JSON)
         except IntegrityError as exc:
             raise OutputError(f"{exc}; pass --overwrite to start over") from None
 
@@ -207,24 +206,21 @@ class CheckpointStore:
                 f"{self.out} holds checkpoints but no run.json saying what they measured; "
                 "pass --overwrite to discard them, or choose another --out"
             )
+        elif exists(self._path(MANIFEST)):  # a merge's, or a run whose run.json is gone
+            raise OutputError(
+                f"{self.out} already holds a run (manifest.json) that is not this one; pass "
+                "--overwrite to replace it, or choose another --out"
+            )
         atomic_write_json(
-            self._path("run.json"),
+            self._path(RUN_JSON),
             seal({"fingerprint": fingerprint, "identity": identity, "plan": plan.to_json()}),
         )
         return plan, False
 
     def clear(self) -> None:
-        """Remove checkpoints, tables and manifest of an earlier run (``--overwrite``)."""
-        if not self.fs.exists(self.root):
-            return
-        for entry in self.fs.ls(self.root, detail=False):
-            name = entry.rstrip("/").rsplit("/", 1)[-1]
-            if (
-                name in {GROUPS, REDUCERS, "run.json", "manifest.json"}
-                or name.endswith((".safetensors", ".npy"))
-                or (name.endswith((".parquet", ".png", ".html")))
-            ):
-                self.fs.rm(entry, recursive=True)
+        """Remove what an earlier run left in the output directory (``--overwrite``), and
+        nothing of the user's (:meth:`~embgeom_ray.run_dir.RunDir.clear`)."""
+        RunDir(self.out).clear()
 
     def _names(self, directory: str) -> list[str]:
         base = join(self.root, directory)
@@ -511,6 +507,17 @@ def write_group(
 
 
 def _describe_differences(old: dict[str, Any], new: dict[str, Any]) -> str:
-    keys = sorted(set(old) | set(new))
-    changed = [k for k in keys if old.get(k) != new.get(k)]
-    return "differs in: " + ", ".join(changed) if changed else ""
+    """The keys of two runs' identities that differ, those of a nested dict (the result
+    options) by their own names: "differs in: corpus, max_length"."""
+
+    def changed(a: dict[str, Any], b: dict[str, Any]) -> list[str]:
+        out = []
+        for key in sorted(set(a) | set(b)):
+            x, y = a.get(key), b.get(key)
+            if x != y:
+                nested = isinstance(x, dict) and isinstance(y, dict)
+                out.extend(changed(x, y) if nested else [key])
+        return out
+
+    keys = changed(old, new)
+    return "differs in: " + ", ".join(keys) if keys else ""

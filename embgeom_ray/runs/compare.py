@@ -45,7 +45,7 @@ from __future__ import annotations
 import json
 import math
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import numpy as np
@@ -56,8 +56,8 @@ from ..core.options import SampleOptions
 from ..core.rogue import flagged_dims
 from ..errors import UserError
 from ..integrity import Digest, digests_json, seal
-from ..io_utils import atomic_write_json, is_local, join, local_path
-from ..run_dir import RunDirError, now, write_table
+from ..io_utils import atomic_write_json, join, location
+from ..run_dir import RunDir, RunDirError, now, write_table
 from ..run_view import RunView
 
 SUMMARY = "comparison.json"
@@ -433,11 +433,12 @@ def size_threshold(runs: Sequence[RunView]) -> int:
 def sample_points(run: RunView) -> int | None:
     """The points a run's sampled metrics rest on: the uniform sample's points as its manifest
     records them (``sample.uniform_points``), else its ``--sample-size`` (or
-    :data:`DEFAULT_SAMPLE_SIZE`) capped by its token count; None when neither is known."""
+    :data:`DEFAULT_SAMPLE_SIZE`) capped by its token count; None when neither is known, or
+    the run sampled nothing (``--sample-size 0``: no sampled metrics to compare)."""
     recorded = (run.manifest.sample or {}).get("uniform_points")
     if isinstance(recorded, int) and not isinstance(recorded, bool) and recorded > 0:
         return recorded
-    if run.tokens is None:
+    if run.tokens is None or run.config.get("sample_size") == 0:
         return None
     return min(run.sample_size or DEFAULT_SAMPLE_SIZE, int(run.tokens))
 
@@ -583,14 +584,6 @@ def rogue_changes(
     return df.astype(types), summary, notes
 
 
-def _same_place(a: str, b: str) -> bool:
-    def norm(p: str) -> str:
-        p = str(p).rstrip("/")
-        return os.path.realpath(local_path(p)) if is_local(p) else p
-
-    return norm(a) == norm(b)
-
-
 def _fmt(x: float) -> str:
     return "nan" if not math.isfinite(x) else f"{x:.4g}"
 
@@ -615,12 +608,19 @@ def _change_line(r: Any) -> str:
     )
 
 
+def _reasons(notes: Iterable[str]) -> str:
+    """The metrics' ``not_comparable`` reasons of one layer as one, each part once (every
+    cluster-adjusted metric carries the same "k decision not robust" part)."""
+    parts = (part for note in notes for part in note.split("; "))
+    return "; ".join(dict.fromkeys(parts))
+
+
 def clustering_notes(changes: pd.DataFrame) -> list[str]:
     """One line per (run, layer) whose K-means clustering changed (:func:`clustering_change`)."""
     moved = changes.loc[changes["evidence"] == CLUSTERING_CHANGED]
     notes = []
     for (run, layer), group in moved.groupby(["run", "layer"], sort=False):
-        why = "; ".join(dict.fromkeys(group["not_comparable"]))
+        why = _reasons(group["not_comparable"])
         notes.append(
             f"{run} layer {layer}: the K-means clustering changed ({why}): its "
             f"{len(group)} cluster-dependent metric{'s are' if len(group) != 1 else ' is'} "
@@ -635,7 +635,7 @@ def not_robust_notes(changes: pd.DataFrame) -> list[str]:
     moved = changes.loc[changes["evidence"] == K_NOT_ROBUST]
     notes = []
     for (run, layer), group in moved.groupby(["run", "layer"], sort=False):
-        why = "; ".join(dict.fromkeys(group["not_comparable"]))
+        why = _reasons(group["not_comparable"])
         notes.append(
             f"{run} layer {layer}: the K-means k decision is not robust ({why}): not a change, "
             f"and its {len(group)} cluster-dependent metric{'s are' if len(group) != 1 else ' is'}"
@@ -714,16 +714,21 @@ def compare_runs(
 
 def _checked_out(run_dirs: Sequence[str], out: str) -> str:
     """``out`` without a trailing slash, once at least two runs are given and ``out`` is none
-    of them (its report.html would replace theirs); a :class:`CompareError` otherwise."""
+    of them, nor any other run (its report.html would replace theirs); a
+    :class:`CompareError` otherwise."""
     if len(run_dirs) < 2:
         raise CompareError(f"a comparison needs at least two runs, got {len(run_dirs)}")
     out = str(out).rstrip("/") or "/"
     for d in run_dirs:
-        if _same_place(d, out):
+        if location(d) == location(out):
             raise CompareError(
                 f"--out {out} is one of the runs compared; its report.html would be replaced: "
                 "give another directory"
             )
+    if RunDir(out).holds_run():
+        raise CompareError(
+            f"--out {out} holds a run; its report.html would be replaced: give another directory"
+        )
     return out
 
 

@@ -49,7 +49,7 @@ from ..errors import ConfigError, ModelError, OutputError, StatisticsMismatchErr
 from ..inputs.dedup import shared_documents
 from ..inputs.model_loading import load_tokenizer, tokenizer_fingerprint
 from ..integrity import FileRef, integrity_error
-from ..io_utils import is_local, local_path
+from ..io_utils import is_local, local_path, location
 from ..run_dir import (
     STATISTICS,
     CorpusInfo,
@@ -361,23 +361,18 @@ def summed_counts(manifests: list[Manifest]) -> Counts:
     )
 
 
-def _location(url: str) -> str:
-    """A comparable form of a run location (absolute real path for local directories)."""
-    return os.path.realpath(local_path(url)) if is_local(url) else url.rstrip("/")
-
-
 def check_arguments(runs: list[str], out: str, overwrite: bool) -> None:
     """Refuse what cannot be merged before reading anything large."""
     if len(runs) < 2:
         raise RunError("give at least two runs to merge")
-    keys = [_location(r) for r in runs]
+    keys = [location(r) for r in runs]
     if len(set(keys)) != len(keys):
         raise RunError("the same run is given twice; merging it would count its tokens twice")
-    if _location(out) in keys:
+    if location(out) in keys:
         raise OutputError(f"--out {out} is one of the runs to merge; write the merge elsewhere")
     check_output(out)
-    if RunDir(out).has_manifest() and not overwrite and unfinished_merge(out) is None:
-        raise OutputError(f"{out} already holds a run (manifest.json); give --overwrite to replace it")
+    if RunDir(out).holds_run() and not overwrite and unfinished_merge(out) is None:
+        raise OutputError(f"{out} already holds a run; give --overwrite to replace it")
 
 
 def unfinished_merge(out: str) -> Manifest | None:
@@ -512,6 +507,8 @@ def _merge_runs(
         merged = StatisticsHere(merge_statistics(runs))
     try:
         with resumable(out, REDOES):  # a store failing while the merge is written: one line
+            if options.get("overwrite"):  # the run it replaces, whole: none of it beside ours
+                RunDir(out).clear()
             sample = merge_samples(runs)
             t_merge = time.perf_counter()
             run = RunDir(out)

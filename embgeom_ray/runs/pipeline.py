@@ -69,6 +69,7 @@ from ..inputs.model_loading import (
     weight_bytes,
 )
 from ..integrity import integrity_error
+from ..io_utils import within
 from ..report.plots import FIGURE_GROUPS
 from ..run_dir import (
     GROUPS,
@@ -439,6 +440,7 @@ def prepare(config: JobConfig) -> RunSpec:
         CorpusSpec(config.corpus, config.text_column, config.split), config.shard_bytes,
         token_work(identity.num_layers, identity.hidden_size),
     )  # fmt: skip
+    check_apart(config.corpus, plan.files, config.out)
     shape = run_shape(
         model_config, layers=len(layers), positions=config.max_length, vocab=len(tokenizer),
         clip=len(clip_dims or []), sample_entries=sample, dtype=config.dtype, name=config.model,
@@ -458,6 +460,34 @@ def prepare(config: JobConfig) -> RunSpec:
         config, identity, tokenizer, layers, clip_dims, plan, identity_json, fingerprint, shape,
         identity.num_layers + 1,
     )  # fmt: skip
+
+
+def check_apart(corpus: str, files: list[str], out: str) -> None:
+    """Refuse an output directory that holds a file of the corpus, or lies in the corpus's
+    directory (searched recursively): the run's tables would be read as corpus when the same
+    command runs again (to resume, or on a schedule), and ``--overwrite`` clears that
+    directory."""
+    if corpus.startswith("hf:"):
+        return
+    inside = next((f for f in files if within(f, out)), None)
+    if inside is not None:
+        raise ConfigError(
+            f"--out {out} holds a file of the corpus ({inside}): write the run to a directory "
+            "of its own, outside the corpus"
+        )
+    if within(out, corpus) and _is_directory(corpus):
+        raise ConfigError(
+            f"--out {out} is inside the corpus directory {corpus}, whose files are read "
+            "recursively: the run's own tables would be read as corpus when it runs again; "
+            "write it outside the corpus"
+        )
+
+
+def _is_directory(url: str) -> bool:
+    import fsspec
+
+    fs, path = fsspec.core.url_to_fs(url)
+    return bool(fs.isdir(path))
 
 
 def size_run(spec: RunSpec, echo=print) -> Sizing:

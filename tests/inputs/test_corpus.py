@@ -128,7 +128,7 @@ def test_every_line_read_exactly_once(
             (Path(tmp) / "a.txt").write_bytes(data)
             spec = CorpusSpec(tmp)
             if not data:
-                with pytest.raises(CorpusError, match="are all empty"):
+                with pytest.raises(CorpusError, match="has no data: its file is empty"):
                     plan_shards(spec, 1)
                 return
             for size in [*shard_sizes, 1, len(data), None]:

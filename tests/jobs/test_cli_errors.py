@@ -58,7 +58,8 @@ def test_missing_model(capsys, tmp_path, corpus):
         "--out",
         str(tmp_path / "o"),
     )
-    assert_user_error(code, err, "cannot load", "no-such-model")
+    assert_user_error(code, err, "cannot load", "no-such-model", "no such directory")
+    assert "hub id" not in err and "Repo id" not in err  # a path, not an id of the hub
     assert not (tmp_path / "o" / "manifest.json").exists()
 
 
@@ -183,6 +184,7 @@ def test_unknown_or_repeated_layer(capsys, tmp_path, model, corpus, layers):
             marks=pytest.mark.slow,
         ),
         (["--reducer-memory", "lots"], "--reducer-memory"),
+        (["--clip-dims", "-1"], "--clip-dims: dimensions are non-negative, got [-1]"),
     ],
 )
 def test_invalid_options(capsys, tmp_path, model, corpus, flags, fragment):
@@ -225,6 +227,28 @@ def test_bad_config_file(capsys, tmp_path, model, corpus):
         str(tmp_path / "o"),
     )
     assert_user_error(code, err, "unknown option 'max_lenght' in the config file (did you mean max_length?)")
+    # a list option in the flag's own form is the list it names; a bad one says so once
+    from embgeom_ray.config import build_config
+
+    cfg.write_text('layers: "0,-1"\nclip_dims: "3"\n')
+    config = build_config(str(cfg), {"model": model, "corpus": corpus, "out": "o"})
+    assert (config.layers, config.clip_dims) == ([0, -1], [3])
+    cfg.write_text('layers: "0,x"\n')
+    code, err = run(capsys, "--config", str(cfg), "--model", model, "--corpus", corpus, "--out",
+                    str(tmp_path / "o"))  # fmt: skip
+    assert_user_error(code, err, "--layers: give integers separated by commas")
+    assert err.count("(got '0,x')") == 1
+
+
+def test_ctrl_c_is_one_line_and_its_own_status(capsys):
+    from embgeom_ray.cli import INTERRUPTED, exit_status
+
+    def interrupted() -> None:
+        raise KeyboardInterrupt
+
+    assert exit_status(interrupted) == INTERRUPTED == 130
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("interrupted: ") and "resumes" in err
 
 
 def test_output_directory_cannot_be_written(capsys, tmp_path, model, corpus, ray_local):
@@ -244,7 +268,7 @@ def test_different_run_in_output_directory_is_refused(capsys, tmp_path, model, c
     code, err = run(
         capsys, "--model", model, "--corpus", corpus, "--out", out, "--max-length", "32"
     )
-    assert_user_error(code, err, "different configuration", "--overwrite")
+    assert_user_error(code, err, "different configuration", "differs in: max_length", "--overwrite")
     code, err = run(
         capsys,
         "--model",
@@ -260,6 +284,25 @@ def test_different_run_in_output_directory_is_refused(capsys, tmp_path, model, c
     assert code == 0, err
     manifest = json.loads((tmp_path / "o" / "manifest.json").read_text())
     assert manifest["config"]["max_length"] == 32 and manifest["status"] == "complete"
+
+
+@pytest.mark.parametrize("where", ["the corpus directory", "a directory in it", "beside a file"])
+def test_output_directory_apart_from_the_corpus(capsys, tmp_path, model, where):
+    """An --out that holds a corpus file or lies in the corpus directory (read recursively) is
+    refused before anything is written: a rerun would read the run's tables as corpus, and
+    --overwrite clears that directory."""
+    data = tmp_path / "data"
+    data.mkdir()
+    write_jsonl(data / "c.jsonl", ["the cat sat on the mat", "a dog barked"])
+    corpus, out = {
+        "the corpus directory": (data, data),
+        "a directory in it": (data, data / "run"),
+        "beside a file": (data / "c.jsonl", data),
+    }[where]
+    code, err = run(capsys, "--model", model, "--corpus", str(corpus), "--out", str(out),
+                    "--overwrite")  # fmt: skip
+    assert_user_error(code, err, f"--out {out}", "corpus")
+    assert sorted(p.name for p in data.iterdir()) == ["c.jsonl"]
 
 
 @pytest.mark.slow

@@ -26,6 +26,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from embgeom_ray.errors import ConfigError
 from embgeom_ray.report.figures.common import pick_layers
 from embgeom_ray.report.html import write_comparison_report, write_report
 from embgeom_ray.report.plots import PLOTS, make_all_plots
@@ -756,7 +757,7 @@ def test_figures_drawn_elsewhere_are_the_same(runs, full_figs, tmp_path):
         (f.name, f.section, f.caption) for f in full_figs
     ]
     assert _pngs(run) == _pngs(runs["full"])
-    with pytest.raises(ValueError, match="unknown figures"):
+    with pytest.raises(ConfigError, match="unknown figures"):
         draw_figures(str(run), ["pca_2d", "no_such_figure"])
 
 

@@ -31,7 +31,7 @@ from embgeom_ray.report.html import (
     write_report,
 )
 from embgeom_ray.report.plots import draw_figures, make_all_plots
-from embgeom_ray.run_view import RunView, model_name
+from embgeom_ray.run_view import RunView, model_name, short_name
 from tests.report.test_report import fabricate_run
 
 MODEL_PATH = "/srv/models/my-minilm-l6/model"
@@ -237,6 +237,19 @@ def test_model_name():
     snap = "/root/.cache/huggingface/hub/models--sentence-transformers--all-MiniLM-L6-v2/"
     assert model_name(snap + "snapshots/" + "0a" * 20) == "sentence-transformers/all-MiniLM-L6-v2"
     assert model_name("s3://bucket/models/my-bert") == "my-bert"
+
+
+def test_a_merged_runs_corpora_are_named_each_by_its_short_name(tmp_path):
+    """A merged run's corpus source is the list of its runs' (a merge of merges: nested):
+    named as the corpora joined, each shortened, not as the list's text."""
+    run = _craft(tmp_path / "run")
+    manifest = json.loads((run / "manifest.json").read_text())
+    manifest["corpus"]["source"] = ["/data/a/news.jsonl", ["/data/b/web.parquet", "hf:imdb"]]
+    (run / "manifest.json").write_text(json.dumps(manifest))
+    view = RunView(str(run))
+    assert view.corpus == "/data/a/news.jsonl + /data/b/web.parquet + hf:imdb"
+    assert short_name(view.corpus) == "news.jsonl + web.parquet + hf:imdb"
+    assert view.tag.endswith("· news.jsonl + web.parquet + hf:imdb")
 
 
 def test_report_names_the_model_by_its_short_name(crafted_html):

@@ -155,6 +155,50 @@ def test_checkpoints_without_run_json_are_refused(tmp_path):
     assert not (tmp_path / "out" / "groups").exists()
 
 
+def test_overwrite_removes_what_a_run_wrote_and_nothing_of_the_users(tmp_path):
+    """``--overwrite`` over a directory holding a run and the user's own files (a corpus,
+    notes, a page and a table of another tool's): the run's entries go, the user's stay."""
+    from embgeom_ray.run_dir import RUN_ENTRIES
+
+    store = started(tmp_path)
+    store.save_group(ids(0), fold([0]).to_bytes(), None, counts(1))
+    out = tmp_path / "out"
+    for name in ("manifest.json", "layers.parquet", "statistics.safetensors", "report.html",
+                 "doc_hashes.npy", ".tmp-abc123"):  # fmt: skip
+        (out / name).write_bytes(b"of the run")
+    for folder in ("plots", "statistics", "reducers"):
+        (out / folder).mkdir()
+        (out / folder / "x").write_bytes(b"of the run")
+    users = {"corpus.parquet": b"PAR1", "notes.txt": b"mine", "index.html": b"<p>",
+             "embeddings.npy": b"np", "model.safetensors": b"w", "data": None}  # fmt: skip
+    for name, data in users.items():
+        if data is None:
+            (out / name).mkdir()
+            (out / name / "a.jsonl").write_text("{}\n")
+        else:
+            (out / name).write_bytes(data)
+    CheckpointStore(str(out)).start("other", {}, plan(5), overwrite=True)
+    left = {p.name for p in out.iterdir()}
+    assert left == set(users) | {"run.json"}  # the new run's
+    assert all((out / n).read_bytes() == d for n, d in users.items() if d is not None)
+    assert (out / "data" / "a.jsonl").exists()
+    assert {"groups", "run.json", "manifest.json", "plots"} <= RUN_ENTRIES
+
+
+def test_a_directory_holding_another_run_is_refused_without_overwrite(tmp_path):
+    """A manifest without this run's ``run.json`` (a merge's, or a run whose ``run.json`` is
+    gone) is another run: refused, not written over."""
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "manifest.json").write_text('{"kind": "merge", "status": "complete"}')
+    (out / "layers.parquet").write_bytes(b"the merge's")
+    with pytest.raises(OutputError, match=r"already holds a run \(manifest\.json\)"):
+        CheckpointStore(str(out)).start("fp", {}, plan(5), overwrite=False)
+    assert not (out / "run.json").exists() and (out / "layers.parquet").read_bytes() == b"the merge's"
+    CheckpointStore(str(out)).start("fp", {}, plan(5), overwrite=True)
+    assert {p.name for p in out.iterdir()} == {"run.json"}
+
+
 def test_a_group_of_spilled_pieces_reduces_like_one(tmp_path):
     """An extractor under --worker-memory flushes its spilled pieces and its last statistics
     as one group of several files: written in order, listed in the JSON, merged in order;

@@ -251,6 +251,11 @@ def test_clear_errors(two_runs, tmp_path, capsys) -> None:
         assert message in err and err.count("\n") == 1, err
     assert compare_cli.main([a, b, "--out", a]) == 2
     assert "is one of the runs compared" in capsys.readouterr().err
+    other = make_run(tmp_path / "other", BASE_LAYERS, {})  # a run not compared: its report stays
+    (Path(other) / "report.html").write_text("the other run's report")
+    assert compare_cli.main([a, b, "--out", other]) == 2
+    assert "holds a run; its report.html would be replaced" in capsys.readouterr().err
+    assert (Path(other) / "report.html").read_text() == "the other run's report"
     (Path(b) / "layers.parquet").unlink()
     with pytest.raises(CompareError, match=r"says it is complete but has no layers\.parquet"):
         load_run(b, "b")
@@ -471,6 +476,13 @@ def test_a_k_that_moved_without_a_robust_decision_is_not_a_change(tmp_path, caps
     assert summary["k_not_robust"][0] in printed
     assert summary["clustering_changed"] and "layer 1" in summary["clustering_changed"][0]
     assert "kmeans_k_support" in summary["not_ranked"]
+    # a layer's metrics of k and of the best k share the robustness part: said once
+    from embgeom_ray.runs.compare import _reasons
+
+    weak = "k decision not robust: kmeans_k_support 0.65 -> 1.00"
+    assert _reasons([f"kmeans_k 3 -> 2; {weak}", f"kmeans_best_k 3 -> 2; {weak}"]) == (
+        f"kmeans_k 3 -> 2; {weak}; kmeans_best_k 3 -> 2"
+    )
 
 
 def test_z_score_edges() -> None:
@@ -663,3 +675,9 @@ def test_samples_of_different_sizes_warn_and_their_sampled_changes_come_last(tmp
     same = compare_runs(dirs[:2], str(tmp_path / "cmp2"), echo=lambda _: None)
     assert same["size_warning"] is None
     assert not pd.read_parquet(tmp_path / "cmp2" / "changes.parquet")["samples_differ"].any()
+    # against a run that sampled nothing (--sample-size 0), the 512-point sample is not the
+    # smaller one: no warning
+    none = make_run(tmp_path / "none", OTHER_LAYERS, {}, tokens=9000, sample_size=0)
+    assert compare_runs([dirs[2], none], str(tmp_path / "cmp3"), echo=lambda _: None)[
+        "size_warning"
+    ] is None

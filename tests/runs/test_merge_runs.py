@@ -298,6 +298,23 @@ def test_refuses_existing_output(runs, merged, capsys, tmp_path) -> None:
     assert len(err) == 1 and "holds an unfinished merge of other runs" in err[0], err
 
 
+def test_a_merge_over_a_run_replaces_it_whole(runs, tmp_path, capsys) -> None:
+    """Over a copy of run a (with its ``run.json`` and a file of the user's): refused without
+    --overwrite; with it, nothing of run a is left beside the merge (its ``run.json`` would
+    let run a's command resume over the merge), and the user's file is kept."""
+    out = _copy_run(runs["a"], tmp_path / "over")
+    assert (out / "run.json").exists()
+    (out / "report.html").write_text("run a's report")  # as `jobs.report` would have drawn
+    (out / "notes.txt").write_text("mine")
+    argv = ["--out", str(out), str(runs["a"]), str(runs["b"])]
+    assert merge.main(argv) == 2
+    assert "already holds a run" in capsys.readouterr().err
+    assert merge.main([*argv, "--overwrite"]) == 0
+    assert not (out / "run.json").exists() and (out / "notes.txt").read_text() == "mine"
+    assert (out / "report.html").read_text() != "run a's report"  # the merge's own
+    assert json.loads((out / "manifest.json").read_text())["kind"] == "merge"
+
+
 def test_merged_run_merges_again(runs, merged, tmp_path, capsys) -> None:
     """A merged run is a run: its options read back, and its corpora still count as used."""
     manifest = RunDir(str(merged)).complete_manifest("merging")

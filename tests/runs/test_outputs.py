@@ -176,3 +176,12 @@ def test_every_manifest_key_is_documented():
     keys = {field.alias or name for name, field in Manifest.model_fields.items()}
     assert keys - documented_manifest_keys() == set()
     assert "sample.safetensors" not in documented_files()  # read from older runs, not written
+
+
+def test_overwrite_removes_what_the_run_directory_table_lists():
+    """``RUN_ENTRIES`` (what ``--overwrite`` removes, and nothing else) is the table of
+    docs/outputs.md, plus the sample file older runs wrote."""
+    from embgeom_ray.run_dir import RUN_ENTRIES
+    from tests.outputs_doc import documented_files
+
+    assert {name.rstrip("/") for name in documented_files()} | {"sample.safetensors"} == RUN_ENTRIES
