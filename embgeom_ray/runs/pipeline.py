@@ -882,7 +882,13 @@ def _record_run(
     the plan did, writing its document hashes), print the unknown-token warning, and set the
     manifest's counts, shards, workers, timings and throughput."""
     config, manifest, totals, dedup = spec.config, started.manifest, reduced.totals, started.dedup
-    check_not_empty(reduced.merged, totals, config.corpus)
+    try:
+        check_not_empty(reduced.merged, totals, config.corpus)
+    except CorpusError:
+        # nothing was measured: no run to resume, and the corpus corrected (another
+        # fingerprint) starts afresh instead of being refused as another run
+        run.clear()
+        raise
     warning = unk_warning(totals, spec.tokenizer.unk_token)
     if warning:
         echo(warning)

@@ -134,8 +134,11 @@ def test_empty_corpus(capsys, tmp_path, model, ray_local):
     path.write_text("\n   \n\n")
     code, err = run(capsys, "--model", model, "--corpus", str(path), "--out", str(tmp_path / "o"))
     assert_user_error(code, err, "no tokens", "empty")
-    assert json.loads((tmp_path / "o" / "manifest.json").read_text())["status"] == "running"
-    assert not (tmp_path / "o" / "layers.parquet").exists()
+    assert list((tmp_path / "o").iterdir()) == []  # nothing measured: no run left to resume
+    path.write_text("the corpus corrected\n")  # another fingerprint: a fresh run, not refused
+    code, err = run(capsys, "--model", model, "--corpus", str(path), "--out", str(tmp_path / "o"))
+    assert code == 0, err
+    assert json.loads((tmp_path / "o" / "manifest.json").read_text())["status"] == "complete"
 
 
 def test_corrupt_parquet(capsys, tmp_path, model):
