@@ -459,7 +459,9 @@ def connect(
                 runtime_env=None,
                 include_dashboard=False,
                 log_to_driver=not progress.is_routed(),
-                logging_level=logging.WARNING if progress.is_routed() else logging.INFO,
+                # Ray's INFO line ("Started a local Ray instance.") says less than the job's
+                # own first line, printed below (its warnings still show)
+                logging_level=logging.WARNING,
                 _system_config={"idle_worker_killing_time_threshold_ms": IDLE_WORKER_KEEP_MS},
             )
         global _private_gcs
