@@ -69,10 +69,11 @@ from ..inputs.model_loading import (
     weight_bytes,
 )
 from ..integrity import integrity_error
-from ..io_utils import within
+from ..io_utils import location, within
 from ..report.plots import FIGURE_GROUPS
 from ..run_dir import (
     GROUPS,
+    RUN_ENTRIES,
     CorpusInfo,
     DedupInfo,
     Manifest,
@@ -463,17 +464,23 @@ def prepare(config: JobConfig) -> RunSpec:
 
 
 def check_apart(corpus: str, files: list[str], out: str) -> None:
-    """Refuse an output directory that holds a file of the corpus, or lies in the corpus's
-    directory (searched recursively): the run's tables would be read as corpus when the same
-    command runs again (to resume, or on a schedule), and ``--overwrite`` clears that
-    directory."""
+    """Refuse an output directory where a rerun of the same command (to resume, or on a
+    schedule) would read the run's own tables as corpus: one that lies in the corpus's
+    directory (searched recursively), or holds files a corpus directory or glob lists. A
+    corpus named as one file may sit in ``--out``, unless its name is one a run writes
+    (``--overwrite`` would remove it: :data:`~embgeom_ray.run_dir.RUN_ENTRIES`)."""
     if corpus.startswith("hf:"):
         return
-    inside = next((f for f in files if within(f, out)), None)
+    one_file = len(files) == 1 and location(files[0]) == location(corpus)
+    inside = next(
+        (f for f in files
+         if within(f, out) and (not one_file or f.rstrip("/").rsplit("/", 1)[-1] in RUN_ENTRIES)),
+        None,
+    )  # fmt: skip
     if inside is not None:
         raise ConfigError(
-            f"--out {out} holds a file of the corpus ({inside}): write the run to a directory "
-            "of its own, outside the corpus"
+            f"--out {out} holds a file of the corpus ({inside}), which the run's own files "
+            "would join or replace: write the run to a directory of its own"
         )
     if within(out, corpus) and _is_directory(corpus):
         raise ConfigError(

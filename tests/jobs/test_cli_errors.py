@@ -289,23 +289,31 @@ def test_different_run_in_output_directory_is_refused(capsys, tmp_path, model, c
     assert manifest["config"]["max_length"] == 32 and manifest["status"] == "complete"
 
 
-@pytest.mark.parametrize("where", ["the corpus directory", "a directory in it", "beside a file"])
+@pytest.mark.parametrize(
+    "where", ["the corpus directory", "a directory in it", "a glob's directory", "a run's name"]
+)
 def test_output_directory_apart_from_the_corpus(capsys, tmp_path, model, where):
-    """An --out that holds a corpus file or lies in the corpus directory (read recursively) is
-    refused before anything is written: a rerun would read the run's tables as corpus, and
-    --overwrite clears that directory."""
+    """An --out where a rerun would read the run's tables as corpus (the corpus directory, read
+    recursively, or one a glob lists) is refused before anything is written, and so is one
+    holding a corpus file of a name a run writes (--overwrite would remove it). A corpus named
+    as one file may sit in --out."""
+    from embgeom_ray.runs.pipeline import check_apart
+
     data = tmp_path / "data"
     data.mkdir()
     write_jsonl(data / "c.jsonl", ["the cat sat on the mat", "a dog barked"])
+    pq.write_table(pa.table({"text": ["a parquet corpus"]}), data / "layers.parquet")
     corpus, out = {
         "the corpus directory": (data, data),
         "a directory in it": (data, data / "run"),
-        "beside a file": (data / "c.jsonl", data),
+        "a glob's directory": (data / "*.jsonl", data),
+        "a run's name": (data / "layers.parquet", data),
     }[where]
     code, err = run(capsys, "--model", model, "--corpus", str(corpus), "--out", str(out),
                     "--overwrite")  # fmt: skip
     assert_user_error(code, err, f"--out {out}", "corpus")
-    assert sorted(p.name for p in data.iterdir()) == ["c.jsonl"]
+    assert sorted(p.name for p in data.iterdir()) == ["c.jsonl", "layers.parquet"]
+    check_apart(str(data / "c.jsonl"), [str(data / "c.jsonl")], str(data))  # not refused
 
 
 @pytest.mark.slow
