@@ -843,10 +843,15 @@ class RunDir:
         if not fs.exists(root):
             return []
         removed = []
-        for entry in fs.ls(root, detail=False):
+        # listed afresh (a cached listing may name what is gone); an object store may list the
+        # directory's own marker object (``dir/``), whose name is the directory's: never that
+        for entry in fs.ls(root, detail=False, refresh=True):
             name = entry.rstrip("/").rsplit("/", 1)[-1]
+            if entry.rstrip("/") == root.rstrip("/"):
+                continue
             if name in RUN_ENTRIES or name.startswith(TEMPORARY_PREFIXES):
-                fs.rm(entry, recursive=True)
+                with contextlib.suppress(FileNotFoundError):
+                    fs.rm(entry, recursive=True)
                 removed.append(name)
         return sorted(removed)
 

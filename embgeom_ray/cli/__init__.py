@@ -22,6 +22,7 @@ from __future__ import annotations
 import importlib
 import logging
 import os
+import signal
 import sys
 from collections.abc import Callable
 from typing import NoReturn
@@ -59,8 +60,8 @@ def exit_status(run: Callable[[], object]) -> int:
         run()
     except KeyboardInterrupt:
         print(
-            "interrupted: nothing is marked complete; the same command run again resumes from "
-            "the last checkpoint (a merge or comparison starts over)",
+            "interrupted: the same command run again resumes from the last checkpoint (a "
+            "merge or comparison starts over)",
             file=sys.stderr,
         )
         return INTERRUPTED
@@ -85,7 +86,10 @@ def exit_process(code: int) -> NoReturn:
     ``main`` returns. For the commands' entry points only (their ``__main__`` and the console
     command), never where ``main`` is called from Python; a traceback (exit status 1) leaves
     through Python's own exit, and so does a process under a profiler or tracer
-    (``python -m cProfile``, ``trace``, coverage), whose results its ``atexit`` writes."""
+    (``python -m cProfile``, ``trace``, coverage), whose results its ``atexit`` writes.
+    :data:`INTERRUPTED` ends the process by SIGINT itself, as an uncaught
+    ``KeyboardInterrupt`` does, so that a shell running it sees the interrupt (its loop or
+    script stops instead of going on); its status reads 130 there."""
     if sys.getprofile() is not None or sys.gettrace() is not None or "coverage" in sys.modules:
         sys.exit(code)
     ray = sys.modules.get("ray")
@@ -97,6 +101,11 @@ def exit_process(code: int) -> NoReturn:
             stream.flush()
         except (OSError, ValueError):  # closed, or a broken pipe: nothing left to say
             pass
+    if code == INTERRUPTED:
+        # end by SIGINT itself, as an uncaught KeyboardInterrupt does: a shell running the
+        # command in a loop or a script then stops too, instead of going on to the next
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGINT)
     os._exit(code)
 
 

@@ -503,15 +503,15 @@ def _strip_slash(path: str) -> str:
     return stripped if stripped else path
 
 
-def _has_magic(path: str) -> bool:
+def has_magic(path: str) -> bool:
     return _MAGIC.search(path) is not None
 
 
-def _glob_base(pattern: str) -> str:
+def glob_base(pattern: str) -> str:
     """The directory part of a glob before its first component with a wildcard."""
     parts = pattern.split("/")
     for i, part in enumerate(parts):
-        if _has_magic(part):
+        if has_magic(part):
             return "/".join(parts[:i]) or "/"
     return posixpath.dirname(pattern)
 
@@ -521,8 +521,8 @@ def _relative_path(root: str, path: str) -> str:
     if path == root:
         return posixpath.basename(path)
     base = root
-    if _has_magic(root) and not path.startswith(root.rstrip("/") + "/"):
-        base = _glob_base(root)
+    if has_magic(root) and not path.startswith(root.rstrip("/") + "/"):
+        base = glob_base(root)
     prefix = base.rstrip("/") + "/"
     if path.startswith(prefix):
         return path[len(prefix) :]
@@ -609,7 +609,7 @@ def _list_files(source: str, fs: fsspec.AbstractFileSystem, root: str) -> list[_
         if fs.isdir(root):
             return _list_directory(source, fs, root)
         return [_make_file(fs, root, _relative_path(root, root), fs.info(root))]
-    if not _has_magic(root):
+    if not has_magic(root):
         raise CorpusError(f"corpus {source!r} does not exist")
     matches = fs.glob(root, detail=True)
     files = []

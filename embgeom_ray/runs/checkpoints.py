@@ -519,5 +519,5 @@ def _describe_differences(old: dict[str, Any], new: dict[str, Any]) -> str:
                 out.extend(changed(x, y) if nested else [key])
         return out
 
-    keys = changed(old, new)
+    keys = list(dict.fromkeys(changed(old, new)))  # layers: in the options and on their own
     return "differs in: " + ", ".join(keys) if keys else ""

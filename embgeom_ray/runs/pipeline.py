@@ -32,6 +32,8 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
+import os
+import re
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
@@ -54,6 +56,7 @@ from ..inputs.corpus import (
     CorpusSpec,
     Shard,
     ShardPlan,
+    has_magic,
     plain_text_bytes,
     plan_shards,
     shard_rule,
@@ -69,11 +72,13 @@ from ..inputs.model_loading import (
     weight_bytes,
 )
 from ..integrity import integrity_error
-from ..io_utils import location, within
+from ..io_utils import join, local_path, within
 from ..report.plots import FIGURE_GROUPS
 from ..run_dir import (
     GROUPS,
+    MANIFEST,
     RUN_ENTRIES,
+    RUN_JSON,
     CorpusInfo,
     DedupInfo,
     Manifest,
@@ -103,7 +108,7 @@ from ..sizing.checkpoints import (
     needs_check,
     writers_for,
 )
-from ..storage import check_output, resumable, user_errors
+from ..storage import check_output, is_remote, resumable, user_errors
 from .checkpoints import CheckpointGroup, CheckpointStore, GroupFiles, write_group
 from .finish import RunStatistics, StatisticsHere, counts_of, finish_run
 from .run_samples import run_samples
@@ -463,31 +468,66 @@ def prepare(config: JobConfig) -> RunSpec:
     )  # fmt: skip
 
 
+#: files a run writes under its ``--out``, as a glob corpus would see them (:func:`check_apart`)
+RUN_FILE_EXAMPLES = (
+    RUN_JSON, MANIFEST, "layers.parquet", "groups/f0-b0000-n1.json",
+    "groups/f0-b0000-n1.safetensors", "statistics.safetensors", "statistics/index.json",
+    "report.html", "plots/layers.png", "doc_hashes.npy",
+)  # fmt: skip
+
+
 def check_apart(corpus: str, files: list[str], out: str) -> None:
-    """Refuse an output directory where a rerun of the same command (to resume, or on a
-    schedule) would read the run's own tables as corpus: one that lies in the corpus's
-    directory (searched recursively), or holds files a corpus directory or glob lists. A
-    corpus named as one file may sit in ``--out``, unless its name is one a run writes
-    (``--overwrite`` would remove it: :data:`~embgeom_ray.run_dir.RUN_ENTRIES`)."""
+    """Refuse an ``--out`` where the run would mix with its corpus: where a rerun of the same
+    command (to resume, or on a schedule) would read the run's own files as corpus (``--out``
+    in a corpus directory, which is read recursively, or where a glob corpus matches the
+    files a run writes), or where a file of the corpus lies under an entry a run writes
+    (:data:`~embgeom_ray.run_dir.RUN_ENTRIES`, which ``--overwrite`` removes). A corpus in
+    ``--out`` otherwise (a file of its own, a directory beside the run's) is left alone."""
     if corpus.startswith("hf:"):
         return
-    one_file = len(files) == 1 and location(files[0]) == location(corpus)
-    inside = next(
-        (f for f in files
-         if within(f, out) and (not one_file or f.rstrip("/").rsplit("/", 1)[-1] in RUN_ENTRIES)),
-        None,
-    )  # fmt: skip
-    if inside is not None:
-        raise ConfigError(
-            f"--out {out} holds a file of the corpus ({inside}), which the run's own files "
-            "would join or replace: write the run to a directory of its own"
-        )
-    if within(out, corpus) and _is_directory(corpus):
+    if has_magic(corpus):
+        matches = _glob_matcher(_place(corpus))
+        seen = next((n for n in RUN_FILE_EXAMPLES if matches(_place(join(out, n)))), None)
+        if seen is not None:
+            raise ConfigError(
+                f"--out {out}: the corpus {corpus} would match the run's own files there (its "
+                f"{seen}) when it runs again: write the run elsewhere"
+            )
+    elif within(out, corpus) and _is_directory(corpus):
         raise ConfigError(
             f"--out {out} is inside the corpus directory {corpus}, whose files are read "
             "recursively: the run's own tables would be read as corpus when it runs again; "
             "write it outside the corpus"
         )
+    root = _place(out).rstrip("/") + "/"
+    for file in files:
+        place = _place(file)
+        entry = place[len(root) :].split("/", 1)[0] if place.startswith(root) else None
+        if entry in RUN_ENTRIES:
+            raise ConfigError(
+                f"--out {out} holds the corpus file {file} as {entry}, a name the run writes "
+                "there (--overwrite would remove it): write the run elsewhere"
+            )
+
+
+def _place(url: str) -> str:
+    """``url`` as a comparable string without touching the filesystem (a corpus may list
+    millions of files): a local path made absolute and normalised, a URL as given."""
+    if is_remote(url):
+        return url.rstrip("/")
+    return os.path.normpath(os.path.abspath(local_path(url)))
+
+
+def _glob_matcher(pattern: str):
+    """Whether a path matches the glob ``pattern`` as fsspec lists it (``*`` within a path
+    component, ``**`` across them)."""
+    try:
+        from fsspec.utils import glob_translate
+    except ImportError:  # an fsspec before glob_translate: fnmatch's ``*`` crosses "/" too
+        from fnmatch import fnmatchcase
+
+        return lambda path: fnmatchcase(path, pattern)
+    return re.compile(glob_translate(pattern)).match
 
 
 def _is_directory(url: str) -> bool:

@@ -254,6 +254,31 @@ def test_ctrl_c_is_one_line_and_its_own_status(capsys):
     assert err.count("\n") == 1 and err.startswith("interrupted: ") and "resumes" in err
 
 
+@pytest.mark.slow
+def test_ctrl_c_stops_the_shell_that_runs_the_command(tmp_path):
+    """A command's process ends by SIGINT itself after its line, as an uncaught interrupt
+    would: the shell running it (a loop over models, a script) stops too, instead of going on
+    to its next line as after an ordinary exit status."""
+    import os
+    import signal
+
+    child = tmp_path / "command.py"
+    child.write_text("import time\nfrom embgeom_ray.cli import exit_process, exit_status\n"
+                     "exit_process(exit_status(lambda: print('ready', flush=True) or "
+                     "time.sleep(60)))\n")  # fmt: skip
+    shell = subprocess.Popen(
+        ["bash", "-c", f"{sys.executable} {child}; echo the shell went on"], cwd=REPO,
+        env=os.environ | {"PYTHONPATH": str(REPO)}, start_new_session=True,
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )  # fmt: skip
+    assert shell.stdout.readline() == "ready\n"  # the command's imports done, in its "run"
+    os.killpg(shell.pid, signal.SIGINT)  # Ctrl-C: the terminal signals the whole group
+    out, _ = shell.communicate(timeout=60)
+    assert out.startswith("interrupted: ") and "the shell went on" not in out, out
+    assert shell.returncode == -signal.SIGINT
+
+
 def test_output_directory_cannot_be_written(capsys, tmp_path, model, corpus, ray_local):
     """Refused once the job has started Ray (the session's here: a private one took ~10 s)."""
     blocker = tmp_path / "a-file"
@@ -290,13 +315,13 @@ def test_different_run_in_output_directory_is_refused(capsys, tmp_path, model, c
 
 
 @pytest.mark.parametrize(
-    "where", ["the corpus directory", "a directory in it", "a glob's directory", "a run's name"]
+    "where", ["the corpus directory", "a directory in it", "a glob's match", "a run's name"]
 )
 def test_output_directory_apart_from_the_corpus(capsys, tmp_path, model, where):
-    """An --out where a rerun would read the run's tables as corpus (the corpus directory, read
-    recursively, or one a glob lists) is refused before anything is written, and so is one
-    holding a corpus file of a name a run writes (--overwrite would remove it). A corpus named
-    as one file may sit in --out."""
+    """An --out where a rerun would read the run's files as corpus (in the corpus directory,
+    read recursively, or where a glob corpus matches what a run writes) is refused before
+    anything is written, and so is one holding a corpus file under a name a run writes
+    (--overwrite would remove it). A corpus beside the run's files otherwise may stay."""
     from embgeom_ray.runs.pipeline import check_apart
 
     data = tmp_path / "data"
@@ -306,14 +331,15 @@ def test_output_directory_apart_from_the_corpus(capsys, tmp_path, model, where):
     corpus, out = {
         "the corpus directory": (data, data),
         "a directory in it": (data, data / "run"),
-        "a glob's directory": (data / "*.jsonl", data),
+        "a glob's match": (data / "**" / "*.parquet", data / "run"),  # run/layers.parquet
         "a run's name": (data / "layers.parquet", data),
     }[where]
     code, err = run(capsys, "--model", model, "--corpus", str(corpus), "--out", str(out),
                     "--overwrite")  # fmt: skip
     assert_user_error(code, err, f"--out {out}", "corpus")
     assert sorted(p.name for p in data.iterdir()) == ["c.jsonl", "layers.parquet"]
-    check_apart(str(data / "c.jsonl"), [str(data / "c.jsonl")], str(data))  # not refused
+    for corpus, out in [(data / "c.jsonl", data), (data / "*.jsonl", data), (data, tmp_path)]:
+        check_apart(str(corpus), [str(data / "c.jsonl")], str(out))  # not refused
 
 
 @pytest.mark.slow

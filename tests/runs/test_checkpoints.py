@@ -310,3 +310,14 @@ def test_a_corrupt_group_is_found_and_discarded_with_the_reducer_checkpoints_tha
         store, store.groups_covering(ids(0, 1, 2)), EmbeddingStatistics(LAYERS, DIM), False
     )
     np.testing.assert_allclose(merged.layer(0).comoment, fold([0, 1, 2]).layer(0).comoment, rtol=1e-10)
+
+
+def test_a_refusal_names_each_option_that_differs_once():
+    """The result options are compared by name, inside the identity's ``options`` too;
+    ``layers`` stands in both and is named once."""
+    from embgeom_ray.runs.checkpoints import _describe_differences
+
+    old = {"corpus": "a", "layers": [0, 6], "options": {"layers": [0, 6], "max_length": 16}}
+    new = {"corpus": "a", "layers": [6], "options": {"layers": [6], "max_length": 32}}
+    assert _describe_differences(old, new) == "differs in: layers, max_length"
+    assert _describe_differences(old, old) == ""

@@ -316,3 +316,23 @@ def test_storage_faults_end_in_one_line(s3, corpus, tmp_path, monkeypatch, capsy
     with moto_server(tmp_path / "moto-auth.log", INITIAL_NO_AUTH_ACTION_COUNT="0") as endpoint:
         refused(["--corpus", f"s3://{BUCKET}/a.jsonl", "--out", out], s3_env(endpoint),
                 f"s3://{BUCKET}/a.jsonl", endpoint, "refused access")  # fmt: skip
+
+
+@pytest.mark.slow
+def test_overwrite_in_a_bucket_keeps_the_users_objects(s3, monkeypatch):
+    """``--overwrite`` (``RunDir.clear``) in a bucket whose ``--out`` prefix has the marker
+    object a console's "Create folder" makes (``exp/statistics/``): the listing names that
+    marker as an entry of the directory, by the directory's own name, a run's entry
+    (``statistics``): never removed, nor the user's objects with it."""
+    from embgeom_ray.run_dir import RunDir
+
+    for key, value in s3.env.items():
+        monkeypatch.setenv(key, value)
+    fs = s3.fs()
+    prefix = f"{BUCKET}/exp/statistics"
+    fs.pipe({f"{prefix}/": b"", f"{prefix}/my-notes.txt": b"mine",
+             f"{prefix}/manifest.json": b"{}", f"{prefix}/plots/a.png": b"png"})  # fmt: skip
+    assert sorted(RunDir(f"s3://{prefix}").clear()) == ["manifest.json", "plots"]
+    fs.invalidate_cache()
+    assert fs.cat(f"{prefix}/my-notes.txt") == b"mine"
+    assert not fs.exists(f"{prefix}/manifest.json")
