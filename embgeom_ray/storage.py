@@ -20,13 +20,14 @@ them.
 from __future__ import annotations
 
 import contextlib
+import os
 import re
 import socket
 from collections.abc import Iterator
 from typing import Any
 from urllib.parse import urlsplit
 
-from .errors import StorageError, UserError
+from .errors import ConfigError, StorageError, UserError
 
 #: seconds a TCP connection to an object store's endpoint may take before it counts as
 #: unreachable
@@ -301,9 +302,24 @@ def check_input(url: str, what: str) -> None:
         check_bucket(url, what)
 
 
+#: where Ray unpacks a job's ``--working-dir`` (``ray job submit``): removed with the job's
+#: package, so nothing written under it lasts
+RAY_WORKING_DIR_PART = "/runtime_resources/working_dir_files/"
+
+
 def check_output(url: str) -> None:
-    """Before a run is written to ``url`` on an object store: its endpoint answers
-    (:func:`probe`) and its bucket exists (the job never creates one)."""
+    """Before a run is written to ``url``: on an object store, its endpoint answers
+    (:func:`probe`) and its bucket exists (the job never creates one); a relative local path
+    is refused where this process runs in the working directory Ray unpacked for a submitted
+    job (it would land in that temporary copy of the code, not where the user looks)."""
+    if not is_remote(url) and not os.path.isabs(url.removeprefix("file://")):
+        cwd = os.getcwd()
+        if RAY_WORKING_DIR_PART in cwd:
+            raise ConfigError(
+                f"{url} is a relative path, and this job runs in the copy of its working "
+                f"directory Ray made for it ({cwd}), which Ray removes: give an absolute path "
+                "(on storage every node sees) or an object store's URL"
+            )
     if is_remote(url):
         require_filesystem(url, "output directory")
         probe(url, "output directory")

@@ -14,16 +14,15 @@ embgeom_ray/runs/compare.py).
 
 Layers are matched by index when the models have the same number of blocks, otherwise by
 relative depth (and the output says so).
-Exit status: 0 done, 2 a problem with the input (one-line message), 1 an internal error.
+Exit status: 0 done, 2 a problem with the input (one-line message), 130 interrupted, 1 an
+internal error.
 """
 
 from __future__ import annotations
 
 import argparse
-import sys
 
-from embgeom_ray.cli import exit_process
-from embgeom_ray.errors import UserError
+from embgeom_ray.cli import exit_process, exit_status
 
 PROG = "embgeom compare"
 
@@ -57,7 +56,8 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None, prog: str = PROG) -> int:
     args = build_parser(prog).parse_args(argv)
-    try:
+
+    def run() -> None:
         from embgeom_ray.runs.compare import CompareError, compare_runs
 
         if len(args.runs) < 2:
@@ -66,10 +66,8 @@ def main(argv: list[str] | None = None, prog: str = PROG) -> int:
             raise CompareError(f"--top must be at least 1, got {args.top}")
         labels = args.labels.split(",") if args.labels is not None else None
         compare_runs(args.runs, args.out, labels=labels, top=args.top)
-    except UserError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return exc.exit_code
-    return 0
+
+    return exit_status(run)
 
 
 if __name__ == "__main__":

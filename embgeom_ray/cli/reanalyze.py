@@ -21,9 +21,9 @@ import argparse
 import json
 import sys
 
-from embgeom_ray.cli import configure_logging, exit_process
+from embgeom_ray.cli import configure_logging, exit_process, exit_status
 from embgeom_ray.config import add_options
-from embgeom_ray.errors import ConfigError, UserError
+from embgeom_ray.errors import ConfigError
 
 PROG = "embgeom reanalyze"
 
@@ -85,7 +85,9 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None, prog: str = PROG) -> int:
     args = build_parser(prog).parse_args(argv)
     configure_logging(args.verbose)
-    try:
+    results = []
+
+    def run() -> None:
         if (args.runtime_env_json or args.no_wait) and not args.submit:
             raise ConfigError("--runtime-env-json and --no-wait apply with --submit only")
         runtime_env = None
@@ -98,7 +100,7 @@ def main(argv: list[str] | None = None, prog: str = PROG) -> int:
                 raise ConfigError("--runtime-env-json must be a JSON object")
         from embgeom_ray.runs.reanalyze import reanalyze
 
-        result = reanalyze(
+        results.append(reanalyze(
             args.watchlist,
             args.store,
             corpus=args.corpus,
@@ -107,10 +109,12 @@ def main(argv: list[str] | None = None, prog: str = PROG) -> int:
             submit=args.submit,
             runtime_env=runtime_env,
             wait=not args.no_wait,
-        )
-    except UserError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return exc.exit_code
+        ))  # fmt: skip
+
+    status = exit_status(run)  # a user error (a store's fault included): 2; Ctrl-C: 130
+    if status:
+        return status
+    (result,) = results
     if not result.ok:
         names = ", ".join(o.entry.label for o in result.failed)
         print(f"error: {len(result.failed)} model(s) failed: {names}", file=sys.stderr)

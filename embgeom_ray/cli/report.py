@@ -11,10 +11,8 @@ error (with traceback).
 from __future__ import annotations
 
 import argparse
-import sys
 
-from embgeom_ray.cli import configure_logging, exit_process
-from embgeom_ray.errors import UserError
+from embgeom_ray.cli import configure_logging, exit_process, exit_status
 
 PROG = "embgeom report"
 
@@ -29,15 +27,13 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None, prog: str = PROG) -> int:
     args = build_parser(prog).parse_args(argv)
     configure_logging(args.verbose)
-    try:
+
+    def run() -> None:
         from embgeom_ray.report.html import write_report
 
-        path = write_report(args.out_dir)
-    except UserError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return exc.exit_code
-    print(path)
-    return 0
+        print(write_report(args.out_dir))
+
+    return exit_status(run)
 
 
 if __name__ == "__main__":

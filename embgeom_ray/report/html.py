@@ -28,6 +28,7 @@ from ..core import metric_registry as registry
 from ..io_utils import atomic_write_bytes, exists, is_local, join, local_path, read_bytes
 from ..run_dir import Manifest, ModelInfo, RunDir, TokenizerInfo, now
 from ..run_view import RunView, model_name, short_name
+from ..storage import check_input
 from ..version import __version__
 from .figures.clipping import ClipPair, clipping_pairs
 from .figures.compare import COMPARE_METRICS, plot_comparison
@@ -892,8 +893,10 @@ def write_report(
     ``figures`` (from :func:`embgeom_ray.report.plots.make_all_plots` with ``include_absent=True``)
     skips re-drawing; ``elsewhere`` draws some of them in other processes, or all of them
     with ``draw_here=False`` (``make_all_plots``). Raises :class:`~embgeom_ray.run_dir.RunDirError` when ``out_dir`` is not a run
-    directory (no manifest.json or layers.parquet).
+    directory (no manifest.json or layers.parquet), and a
+    :class:`~embgeom_ray.errors.StorageError` at once when its object store does not answer.
     """
+    check_input(out_dir, "run")
     run = RunView(out_dir)
     if figures is None:
         figures = make_all_plots(run, include_absent=True, elsewhere=elsewhere, draw_here=draw_here)

@@ -59,6 +59,7 @@ from ..integrity import Digest, digests_json, seal
 from ..io_utils import atomic_write_json, join, location
 from ..run_dir import RunDir, RunDirError, now, write_table
 from ..run_view import RunView
+from ..storage import check_input, check_output
 
 SUMMARY = "comparison.json"
 LONG, WIDE, CHANGES, ROGUE = "comparison", "comparison_wide", "changes", "rogue_dims"
@@ -654,6 +655,9 @@ def compare_runs(
 ) -> dict[str, Any]:
     """Compare complete runs (the first is the baseline); writes ``out``; returns the summary."""
     out = _checked_out(run_dirs, out)
+    for url in run_dirs:  # an object store that does not answer: one line at once
+        check_input(url, "run")
+    check_output(out)
     labels = check_labels(labels if labels is not None else default_labels(run_dirs), len(run_dirs))
     runs = [load_run(d, lab) for d, lab in zip(run_dirs, labels, strict=True)]
     mode, note = layer_matching(runs)

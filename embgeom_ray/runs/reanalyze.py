@@ -66,6 +66,7 @@ from ..inputs.model_loading import resolve_identity
 from ..integrity import SEAL_KEY, seal
 from ..io_utils import exists, is_local, join, local_path, read_bytes
 from ..run_dir import HEADER_KEY, Manifest, RunDir, RunDirError, now, write_table
+from ..storage import check_output, user_errors
 
 #: the index of runs in the store
 INDEX = "runs.parquet"
@@ -899,5 +900,9 @@ def summary_line(result: ReanalyzeResult, store: str) -> str:
 
 
 def reanalyze(watchlist: str, store: str, **kwargs: Any) -> ReanalyzeResult:
-    """Run one invocation (see :class:`Reanalyzer` for the keyword arguments)."""
+    """Run one invocation (see :class:`Reanalyzer` for the keyword arguments). An object
+    store's endpoint and bucket are checked first, before its index is read or any model
+    planned: its index is written after the runs, so a missing bucket was found hours late."""
+    with user_errors(store, "store"):
+        check_output(store)
     return Reanalyzer(watchlist, store, **kwargs).run()

@@ -283,11 +283,12 @@ class Pacer:
         decides to flush only between shards, so where a shard takes at least the interval
         it flushes after every shard, and a failure loses up to a shard of its work, however
         short the interval. Said the first time the mean shard reaches the interval (once the
-        interval is measured or given), and again when that mean has doubled or halved."""
+        interval is measured or given), and again when that mean has doubled or halved. Never
+        with ``--checkpoint-interval 0``: a flush after every shard is what it asks for."""
         mean = self.shard_mean
         measured = self.last if self.bandwidth is not None else None
         interval = self.given if self.given is not None else measured
-        if mean is None or interval is None or mean < interval:
+        if mean is None or interval is None or interval <= 0 or mean < interval:
             return None
         said = self.shard_said
         if said is not None and said / 2 < mean < 2 * said:

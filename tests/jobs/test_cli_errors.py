@@ -383,3 +383,51 @@ def test_exit_status_of_the_real_command(tmp_path, corpus):
         "--trust-remote-code",
     ):
         assert flag in help_text
+
+
+def test_a_store_nobody_answers_is_one_line_in_every_command(capsys, tmp_path, model, corpus,
+                                                            monkeypatch):  # fmt: skip
+    """An object store's fault is one line and exit status 2 in report, compare and
+    reanalyze too, as in analyze and merge (they printed a botocore traceback, status 1);
+    reanalyze checks its store before it plans or runs any model (--dry-run included)."""
+    import s3fs
+
+    from jobs import compare, reanalyze, report
+    from tests.ray_processes import free_ports
+
+    (port,) = free_ports(1)
+    monkeypatch.setenv("AWS_ENDPOINT_URL_S3", f"http://127.0.0.1:{port}")
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "x")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "y")
+    s3fs.S3FileSystem.clear_instance_cache()
+    watchlist = tmp_path / "models.yaml"
+    watchlist.write_text(f"models:\n  - model: {model}\n")
+    commands = [
+        (report.main, ["s3://b/run"]),
+        (compare.main, ["s3://b/a", "s3://b/b", "--out", str(tmp_path / "cmp")]),
+        (reanalyze.main, ["--watchlist", str(watchlist), "--corpus", corpus, "--store",
+                          "s3://b/store", "--dry-run"]),
+    ]  # fmt: skip
+    try:
+        for main, argv in commands:
+            assert_user_error(main(argv), capsys.readouterr().err, f"127.0.0.1:{port}")
+    finally:
+        s3fs.S3FileSystem.clear_instance_cache()  # the next test's endpoint is another
+    assert not (tmp_path / "cmp").exists()
+
+
+def test_a_relative_out_in_a_submitted_jobs_working_directory_is_refused(capsys, tmp_path,
+                                                                        model, corpus,
+                                                                        monkeypatch):  # fmt: skip
+    """Under ``ray job submit --working-dir``, the job runs in the copy Ray unpacked (and
+    later removes): a relative --out would land there. Refused before any work; an absolute
+    one is not."""
+    from embgeom_ray.storage import RAY_WORKING_DIR_PART, check_output
+
+    unpacked = tmp_path / "session" / RAY_WORKING_DIR_PART.strip("/") / "_ray_pkg_0123"
+    unpacked.mkdir(parents=True)
+    monkeypatch.chdir(unpacked)
+    code, err = run(capsys, "--model", model, "--corpus", corpus, "--out", "runs/rel")
+    assert_user_error(code, err, "runs/rel is a relative path", "absolute path")
+    assert not (unpacked / "runs").exists()
+    check_output(str(tmp_path / "runs" / "abs"))  # an absolute one: not refused

@@ -294,3 +294,8 @@ def test_shards_longer_than_the_interval_are_measured_and_said():
     given.folded(45.0)
     assert given.shard_news().endswith("loses up to a shard of each of its extractors' work")
     assert Pacer().to_json()["shard_s_mean"] is None
+    # --checkpoint-interval 0 asks for a flush after every shard: nothing to say of it
+    every = Pacer(0.0)
+    every.shard_bytes = 2**20
+    every.folded(0.2)
+    assert every.shard_news() is None
