@@ -50,21 +50,35 @@ def configure_logging(verbose: bool) -> None:
 
 #: the exit status of a command interrupted by Ctrl-C (SIGINT): 128 + 2, as shells report it
 INTERRUPTED = 130
+#: the exit status of a command ended by SIGTERM (``ray job stop``, a pod deleted, ``kill``):
+#: 128 + 15. Ray's own handler, installed by ``ray.init``, turns the signal into
+#: ``SystemExit(15)``
+TERMINATED = 143
+#: the signal each of those statuses ends the process by (:func:`exit_process`)
+_SIGNALS = {INTERRUPTED: signal.SIGINT, TERMINATED: signal.SIGTERM}
+
+
+_AGAIN = (
+    "the same command run again resumes from the last checkpoint (a merge or comparison "
+    "starts over)"
+)
 
 
 def exit_status(run: Callable[[], object]) -> int:
     """A command's exit status: 0 when ``run()`` returns; a user error's status (2) after its
     message as one line on stderr (:func:`~embgeom_ray.storage.as_user_error`);
-    :data:`INTERRUPTED` after one line for Ctrl-C; anything else keeps its traceback."""
+    :data:`INTERRUPTED` after one line for Ctrl-C, :data:`TERMINATED` for SIGTERM; anything
+    else keeps its traceback."""
     try:
         run()
     except KeyboardInterrupt:
-        print(
-            "interrupted: the same command run again resumes from the last checkpoint (a "
-            "merge or comparison starts over)",
-            file=sys.stderr,
-        )
+        print(f"interrupted: {_AGAIN}", file=sys.stderr)
         return INTERRUPTED
+    except SystemExit as exc:
+        if exc.code != signal.SIGTERM:
+            raise
+        print(f"terminated (SIGTERM): {_AGAIN}", file=sys.stderr)
+        return TERMINATED
     except Exception as exc:
         error = as_user_error(exc)
         if error is None:
@@ -87,9 +101,9 @@ def exit_process(code: int) -> NoReturn:
     command), never where ``main`` is called from Python; a traceback (exit status 1) leaves
     through Python's own exit, and so does a process under a profiler or tracer
     (``python -m cProfile``, ``trace``, coverage), whose results its ``atexit`` writes.
-    :data:`INTERRUPTED` ends the process by SIGINT itself, as an uncaught
-    ``KeyboardInterrupt`` does, so that a shell running it sees the interrupt (its loop or
-    script stops instead of going on); its status reads 130 there."""
+    :data:`INTERRUPTED` and :data:`TERMINATED` end the process by SIGINT or SIGTERM itself, as
+    an uncaught ``KeyboardInterrupt`` does, so that a shell running it sees the signal (its
+    loop or script stops instead of going on); its status reads 130 or 143 there."""
     if sys.getprofile() is not None or sys.gettrace() is not None or "coverage" in sys.modules:
         sys.exit(code)
     ray = sys.modules.get("ray")
@@ -101,11 +115,11 @@ def exit_process(code: int) -> NoReturn:
             stream.flush()
         except (OSError, ValueError):  # closed, or a broken pipe: nothing left to say
             pass
-    if code == INTERRUPTED:
-        # end by SIGINT itself, as an uncaught KeyboardInterrupt does: a shell running the
-        # command in a loop or a script then stops too, instead of going on to the next
-        signal.signal(signal.SIGINT, signal.SIG_DFL)
-        os.kill(os.getpid(), signal.SIGINT)
+    if code in _SIGNALS:
+        # end by the signal itself, as an uncaught KeyboardInterrupt does: a shell running
+        # the command in a loop or a script then stops too, instead of going on to the next
+        signal.signal(_SIGNALS[code], signal.SIG_DFL)
+        os.kill(os.getpid(), _SIGNALS[code])
     os._exit(code)
 
 

@@ -4,8 +4,8 @@
 Measures the geometry of M's contextual embeddings over corpus C, layer by layer and token
 type by token type, and writes the tables, the statistics artefact and manifest.json to DIR.
 Runs on a private local Ray unless --address, RAY_ADDRESS or `ray job submit` names a cluster.
-Exit status: 0 done, 2 a problem with the input (one-line message), 130 interrupted (Ctrl-C:
-the same command resumes), 1 an internal error (with traceback).
+Exit status: 0 done, 2 a problem with the input (one-line message), 130 or 143 interrupted
+(Ctrl-C, SIGTERM: the same command resumes), 1 an internal error (with traceback).
 """
 
 from __future__ import annotations

@@ -14,8 +14,8 @@ embgeom_ray/runs/compare.py).
 
 Layers are matched by index when the models have the same number of blocks, otherwise by
 relative depth (and the output says so).
-Exit status: 0 done, 2 a problem with the input (one-line message), 130 interrupted, 1 an
-internal error.
+Exit status: 0 done, 2 a problem with the input (one-line message), 130 or 143 interrupted
+(Ctrl-C, SIGTERM), 1 an internal error.
 """
 
 from __future__ import annotations

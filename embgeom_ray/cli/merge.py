@@ -14,8 +14,8 @@ merely overlap cannot be detected and are the caller's responsibility (except be
 refused with the number shared, and a ``--dedup`` run does not merge with a run without it). A
 merged run can itself be merged. The merge sizes itself from the types the runs hold and the
 cluster (in this process while that is small, else on reducer actors); --plan says how.
-Exit status: 0 done, 2 a problem with the input (one-line message), 130 interrupted, 1 an
-internal error.
+Exit status: 0 done, 2 a problem with the input (one-line message), 130 or 143 interrupted
+(Ctrl-C, SIGTERM), 1 an internal error.
 """
 
 from __future__ import annotations

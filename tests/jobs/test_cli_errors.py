@@ -243,8 +243,10 @@ def test_bad_config_file(capsys, tmp_path, model, corpus):
     assert err.count("(got '0,x')") == 1
 
 
-def test_ctrl_c_is_one_line_and_its_own_status(capsys):
-    from embgeom_ray.cli import INTERRUPTED, exit_status
+def test_ctrl_c_and_sigterm_are_one_line_and_their_own_status(capsys):
+    """Ctrl-C's KeyboardInterrupt, and SIGTERM as Ray's handler raises it (``SystemExit(15)``:
+    ``ray job stop``, a pod deleted): one line each, 130 and 143; another SystemExit passes."""
+    from embgeom_ray.cli import INTERRUPTED, TERMINATED, exit_status
 
     def interrupted() -> None:
         raise KeyboardInterrupt
@@ -252,31 +254,48 @@ def test_ctrl_c_is_one_line_and_its_own_status(capsys):
     assert exit_status(interrupted) == INTERRUPTED == 130
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("interrupted: ") and "resumes" in err
+    assert exit_status(lambda: sys.exit(15)) == TERMINATED == 143
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("terminated (SIGTERM): ") and "resumes" in err
+    with pytest.raises(SystemExit):
+        exit_status(lambda: sys.exit(3))
 
 
 @pytest.mark.slow
-def test_ctrl_c_stops_the_shell_that_runs_the_command(tmp_path):
-    """A command's process ends by SIGINT itself after its line, as an uncaught interrupt
-    would: the shell running it (a loop over models, a script) stops too, instead of going on
-    to its next line as after an ordinary exit status."""
+@pytest.mark.parametrize("signum", [2, 15], ids=["SIGINT", "SIGTERM"])
+def test_a_signal_ends_the_command_by_itself(tmp_path, signum):
+    """A command's process ends by the signal itself after its line, as an uncaught one
+    would, so the shell running it sees the signal: after Ctrl-C it stops too (a loop over
+    models, a script) instead of going on to its next line as after an ordinary exit status;
+    after SIGTERM (as ``ray.init``'s handler turns it into ``SystemExit(15)``) it reads 143."""
     import os
     import signal
 
     child = tmp_path / "command.py"
-    child.write_text("import time\nfrom embgeom_ray.cli import exit_process, exit_status\n"
+    child.write_text("import signal, sys, time\n"
+                     "from embgeom_ray.cli import exit_process, exit_status\n"
+                     "signal.signal(signal.SIGTERM, lambda s, f: sys.exit(s))  # as ray.init\n"
                      "exit_process(exit_status(lambda: print('ready', flush=True) or "
                      "time.sleep(60)))\n")  # fmt: skip
     shell = subprocess.Popen(
-        ["bash", "-c", f"{sys.executable} {child}; echo the shell went on"], cwd=REPO,
+        ["bash", "-c", f"{sys.executable} {child}; echo the shell went on: $?"], cwd=REPO,
         env=os.environ | {"PYTHONPATH": str(REPO)}, start_new_session=True,
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )  # fmt: skip
     assert shell.stdout.readline() == "ready\n"  # the command's imports done, in its "run"
-    os.killpg(shell.pid, signal.SIGINT)  # Ctrl-C: the terminal signals the whole group
+    if signum == signal.SIGINT:
+        os.killpg(shell.pid, signum)  # Ctrl-C: the terminal signals the whole group
+    else:  # SIGTERM to the command alone (ray job stop signals the job's process)
+        (pid,) = [int(p) for p in subprocess.run(["pgrep", "-P", str(shell.pid)], text=True,
+                                                 capture_output=True).stdout.split()]  # fmt: skip
+        os.kill(pid, signum)
     out, _ = shell.communicate(timeout=60)
-    assert out.startswith("interrupted: ") and "the shell went on" not in out, out
-    assert shell.returncode == -signal.SIGINT
+    if signum == signal.SIGINT:
+        assert out.startswith("interrupted: ") and "the shell went on" not in out, out
+        assert shell.returncode == -signum
+    else:  # a shell goes on after a child's SIGTERM, as after any child's ordinary end
+        assert out.startswith("terminated (SIGTERM): ") and out.endswith("the shell went on: 143\n")
 
 
 def test_output_directory_cannot_be_written(capsys, tmp_path, model, corpus, ray_local):
