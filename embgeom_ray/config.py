@@ -205,9 +205,10 @@ def did_you_mean(names: Sequence[str], known: Sequence[str]) -> str:
     return f" (did you mean {', '.join(hints)}?)" if hints else ""
 
 
-def format_validation_error(exc: ValidationError) -> str:
+def format_validation_error(exc: ValidationError, source: str = "the config file") -> str:
     """pydantic's errors of the job's options as one line that names each option as its flag
-    (``--max-length: ...``), a missing one, or an unknown key of the YAML file."""
+    (``--max-length: ...``), a missing one, or an unknown key of the YAML file (``source``:
+    where the keys came from)."""
     parts = []
     for err in exc.errors():
         loc = ".".join(str(x) for x in err["loc"]) or "config"
@@ -216,7 +217,7 @@ def format_validation_error(exc: ValidationError) -> str:
             parts.append(f"{name} is required")
         elif err["type"] == "extra_forbidden":
             parts.append(
-                f"unknown option {loc!r} in the config file"
+                f"unknown option {loc!r} in {source}"
                 + did_you_mean([loc], list(JobConfig.model_fields))
             )
         else:  # our validators' messages say what they got

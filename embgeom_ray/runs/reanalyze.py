@@ -357,7 +357,10 @@ def entry_config(
     try:
         return JobConfig(**data)
     except ValidationError as exc:
-        raise ConfigError(format_validation_error(exc)) from None
+        unknown = [k for k in entry.options if k not in JobConfig.model_fields]
+        source = (f"the options of model {entry.position} of the watch list" if unknown
+                  else "the config file")  # fmt: skip
+        raise ConfigError(format_validation_error(exc, source)) from None
 
 
 def plan_entry(

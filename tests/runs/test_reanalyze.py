@@ -553,3 +553,16 @@ def test_the_working_dir_is_the_checkout_and_uploads_the_whole_package() -> None
     readme = (REPO / "README.md").read_text()
     shown = json.loads(readme.split("--runtime-env-json '")[1].split("'")[0])["excludes"]
     assert set(shown) <= set(WORKING_DIR_EXCLUDES)
+
+
+def test_an_unknown_option_is_named_where_it_was_given() -> None:
+    """An unknown key among a model's options of the watch list is named there, one of the
+    ``--config`` file there (both read as the same job options)."""
+    from embgeom_ray.runs.reanalyze import WatchEntry, entry_config
+
+    entry = WatchEntry("org/m", options={"max_lenght": 64}, position=2)
+    with pytest.raises(ConfigError, match=r"unknown option 'max_lenght' in the options of model 2 "
+                                          r"of the watch list \(did you mean max_length\?\)"):  # fmt: skip
+        entry_config(entry, {}, "c.jsonl", "out", None)
+    with pytest.raises(ConfigError, match=r"unknown option 'sampel_size' in the config file"):
+        entry_config(WatchEntry("org/m"), {"sampel_size": 8}, "c.jsonl", "out", None)
