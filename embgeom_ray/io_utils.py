@@ -110,6 +110,15 @@ def location(url: str) -> str:
     return os.path.realpath(local_path(url)) if is_local(url) else url.rstrip("/")
 
 
+def path_key(url: str) -> str:
+    """:func:`location` without touching the filesystem, for many paths at once (a corpus may
+    list millions of files): a local path made absolute and normalised (links not resolved),
+    a remote URL without a trailing ``/``."""
+    if "://" in url and not url.startswith("file://"):
+        return url.rstrip("/")
+    return os.path.normpath(os.path.abspath(local_path(url)))
+
+
 def within(url: str, directory: str) -> bool:
     """Whether ``url`` is ``directory`` or lies under it (:func:`location` of both)."""
     here, there = location(url), location(directory)

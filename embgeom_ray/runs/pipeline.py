@@ -32,7 +32,6 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
-import os
 import re
 import time
 from collections.abc import Sequence
@@ -72,7 +71,7 @@ from ..inputs.model_loading import (
     weight_bytes,
 )
 from ..integrity import integrity_error
-from ..io_utils import join, local_path, within
+from ..io_utils import join, path_key, within
 from ..report.plots import FIGURE_GROUPS
 from ..run_dir import (
     GROUPS,
@@ -108,7 +107,7 @@ from ..sizing.checkpoints import (
     needs_check,
     writers_for,
 )
-from ..storage import check_output, is_remote, resumable, user_errors
+from ..storage import check_output, resumable, user_errors
 from .checkpoints import CheckpointGroup, CheckpointStore, GroupFiles, write_group
 from .finish import RunStatistics, StatisticsHere, counts_of, finish_run
 from .run_samples import run_samples
@@ -486,8 +485,8 @@ def check_apart(corpus: str, files: list[str], out: str) -> None:
     if corpus.startswith("hf:"):
         return
     if has_magic(corpus):
-        matches = _glob_matcher(_place(corpus))
-        seen = next((n for n in RUN_FILE_EXAMPLES if matches(_place(join(out, n)))), None)
+        matches = _glob_matcher(path_key(corpus))
+        seen = next((n for n in RUN_FILE_EXAMPLES if matches(path_key(join(out, n)))), None)
         if seen is not None:
             raise ConfigError(
                 f"--out {out}: the corpus {corpus} would match the run's own files there (its "
@@ -499,23 +498,15 @@ def check_apart(corpus: str, files: list[str], out: str) -> None:
             "recursively: the run's own tables would be read as corpus when it runs again; "
             "write it outside the corpus"
         )
-    root = _place(out).rstrip("/") + "/"
+    root = path_key(out).rstrip("/") + "/"
     for file in files:
-        place = _place(file)
+        place = path_key(file)
         entry = place[len(root) :].split("/", 1)[0] if place.startswith(root) else None
         if entry in RUN_ENTRIES:
             raise ConfigError(
                 f"--out {out} holds the corpus file {file} as {entry}, a name the run writes "
                 "there (--overwrite would remove it): write the run elsewhere"
             )
-
-
-def _place(url: str) -> str:
-    """``url`` as a comparable string without touching the filesystem (a corpus may list
-    millions of files): a local path made absolute and normalised, a URL as given."""
-    if is_remote(url):
-        return url.rstrip("/")
-    return os.path.normpath(os.path.abspath(local_path(url)))
 
 
 def _glob_matcher(pattern: str):
