@@ -99,9 +99,14 @@ def is_local(url: str) -> bool:
     return isinstance(fs, LocalFileSystem)
 
 
+#: the URL schemes of fsspec's local filesystem
+LOCAL_SCHEMES = ("file://", "local://")
+
+
 def local_path(url: str) -> str:
-    """The filesystem path of a local URL (``file://x`` -> ``x``)."""
-    return url[len("file://") :] if url.startswith("file://") else url
+    """The filesystem path of a local URL (``file://x`` or ``local://x`` -> ``x``)."""
+    scheme = next((s for s in LOCAL_SCHEMES if url.startswith(s)), "")
+    return url[len(scheme) :]
 
 
 def location(url: str) -> str:
@@ -114,7 +119,7 @@ def path_key(url: str) -> str:
     """:func:`location` without touching the filesystem, for many paths at once (a corpus may
     list millions of files): a local path made absolute and normalised (links not resolved),
     a remote URL without a trailing ``/``."""
-    if "://" in url and not url.startswith("file://"):
+    if "://" in url and not url.startswith(LOCAL_SCHEMES):
         return url.rstrip("/")
     return os.path.normpath(os.path.abspath(local_path(url)))
 

@@ -28,6 +28,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from .errors import ConfigError, StorageError, UserError
+from .io_utils import local_path
 
 #: seconds a TCP connection to an object store's endpoint may take before it counts as
 #: unreachable
@@ -312,7 +313,7 @@ def check_output(url: str) -> None:
     (:func:`probe`) and its bucket exists (the job never creates one); a relative local path
     is refused where this process runs in the working directory Ray unpacked for a submitted
     job (it would land in that temporary copy of the code, not where the user looks)."""
-    if not is_remote(url) and not os.path.isabs(url.removeprefix("file://")):
+    if not is_remote(url) and not os.path.isabs(local_path(url)):
         cwd = os.getcwd()
         if RAY_WORKING_DIR_PART in cwd:
             raise ConfigError(

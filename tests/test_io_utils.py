@@ -1,4 +1,5 @@
-"""Writes to an object store other than S3 (``gs://``, …; embgeom_ray/io_utils.py): through the
+"""embgeom_ray/io_utils.py: the comparable form of a local path however its URL is written, and
+writes to an object store other than S3 (``gs://``, …): through the
 store's fsspec file a block at a time, never gathered whole, and never made when the write
 fails. The store here is an fsspec filesystem of buffered files, as gcsfs's are (a resumable
 upload of the file's blocks, the object made when the file closes): it records each chunk
@@ -86,3 +87,18 @@ def test_a_failed_write_makes_no_object(store) -> None:
     assert store.objects == {}
     assert store.discarded == ["bucket/short.bin", "bucket/failed.bin"]
     assert store.chunks  # both had begun their uploads
+
+
+@pytest.mark.parametrize("scheme", ["", "file://", "local://"])
+def test_a_local_url_of_either_scheme_names_its_path(scheme, tmp_path) -> None:
+    """fsspec's local filesystem takes ``file://`` and ``local://``: both are the path they
+    name, so an output directory given either way is compared as the same directory."""
+    from embgeom_ray.io_utils import location, path_key, within
+
+    real = tmp_path / "runs" / "a"
+    real.mkdir(parents=True)
+    url = f"{scheme}{real}/"
+    assert location(url) == str(real.resolve())
+    assert path_key(url) == str(real)
+    assert within(f"{scheme}{real}/b.jsonl", str(real))
+    assert path_key("s3://bucket/runs/") == "s3://bucket/runs"
