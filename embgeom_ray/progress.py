@@ -52,7 +52,32 @@ def notice(line: str) -> None:
         print(line, file=sys.stderr, flush=True)
 
 
+#: seconds between two of a bar's lines where stderr is not a terminal (a log file)
+LOG_INTERVAL_S = 30.0
+
+
+class _Lines:
+    """A bar's stream where stderr is not a terminal: each redraw of the bar becomes a line of
+    its own (tqdm redraws in place with ``\r``, which a log file or a log viewer keeps as one
+    ever longer line, with the notices between bars glued to it); the clearing writes, blank
+    once the ``\r`` are gone, are dropped."""
+
+    def __init__(self, stream: Any) -> None:
+        self.stream = stream
+
+    def write(self, text: str) -> None:
+        line = text.replace("\r", "").rstrip()
+        if line:
+            self.stream.write(line + "\n")
+
+    def flush(self) -> None:
+        self.stream.flush()
+
+
 def bar(**options: Any) -> tqdm:
-    """A progress bar on stderr (``tqdm(**options)``), redrawn at most every 2 s; disabled
-    where the progress is routed."""
-    return tqdm(file=sys.stderr, dynamic_ncols=True, mininterval=2.0, disable=is_routed(), **options)
+    """A progress bar on stderr (``tqdm(**options)``), disabled where the progress is routed:
+    on a terminal, redrawn in place at most every 2 s; elsewhere (a log: ``ray job submit``, a
+    scheduler's job, a redirect), a line at most every :data:`LOG_INTERVAL_S` and at the end."""
+    if sys.stderr.isatty():
+        return tqdm(file=sys.stderr, dynamic_ncols=True, mininterval=2.0, disable=is_routed(), **options)
+    return tqdm(file=_Lines(sys.stderr), mininterval=LOG_INTERVAL_S, disable=is_routed(), **options)

@@ -1,0 +1,59 @@
+"""Where a job's bars and notices go (embgeom_ray/progress.py): on a terminal the bar is redrawn
+in place; in a log (stderr not a terminal: ``ray job submit``, a scheduler, a redirect) each
+drawing of the bar is a line of its own and every notice a line between them, with no ``\\r``
+that would glue them into one line of the log."""
+
+from __future__ import annotations
+
+import io
+import sys
+
+import pytest
+
+from embgeom_ray import progress
+
+
+class _Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def _run_bar() -> None:
+    with progress.bar(total=3, desc="shards", unit="shard") as bar:
+        for k in range(3):
+            bar.update(1)
+            if k == 0:
+                progress.notice("pool: 2 extractors")
+
+
+def test_in_a_log_each_drawing_of_the_bar_and_each_notice_is_a_line(monkeypatch) -> None:
+    log = io.StringIO()
+    monkeypatch.setattr(sys, "stderr", log)
+    _run_bar()
+    text = log.getvalue()
+    assert "\r" not in text and text.endswith("\n")
+    lines = text.splitlines()
+    # the first drawing, the notice, the last drawing: updates within LOG_INTERVAL_S draw nothing
+    assert len(lines) == 3, lines
+    assert lines[0].startswith("shards:") and "0/3" in lines[0]
+    assert lines[1] == "pool: 2 extractors"
+    assert lines[2].startswith("shards: 100%") and "3/3" in lines[2]
+
+
+def test_on_a_terminal_the_bar_is_redrawn_in_place(monkeypatch) -> None:
+    terminal = _Terminal()
+    monkeypatch.setattr(sys, "stderr", terminal)
+    _run_bar()
+    text = terminal.getvalue()
+    assert "\r" in text and "pool: 2 extractors\n" in text
+    assert text.rstrip("\n").rsplit("\r", 1)[-1].startswith("shards: 100%")
+
+
+@pytest.mark.parametrize("stream", [io.StringIO, _Terminal])
+def test_a_routed_job_draws_nothing(monkeypatch, stream) -> None:
+    out = stream()
+    monkeypatch.setattr(sys, "stderr", out)
+    got: list[str] = []
+    with progress.routed(got.append):
+        _run_bar()
+    assert out.getvalue() == "" and got == ["pool: 2 extractors"]
