@@ -72,6 +72,7 @@ from .integrity import (
     unseal,
 )
 from .io_utils import atomic_write_bytes, atomic_write_json, exists, join, read_bytes, remove
+from .shared_out import MARKER_PREFIX
 from .storage import require_filesystem
 from .version import __version__
 
@@ -103,8 +104,10 @@ RUN_ENTRIES = frozenset(
     {MANIFEST, STATISTICS, SAMPLE, REPORT, DOC_HASHES, RUN_JSON, GROUPS, REDUCERS, PLOTS,
      STATISTICS_PARTS, *(f"{table}.parquet" for table in TABLES)}
 )  # fmt: skip
-#: the temporary files of atomic writes (:mod:`~embgeom_ray.io_utils`) and of the write probe
-TEMPORARY_PREFIXES = (".tmp-", ".write-probe")
+#: the temporary files of atomic writes (:mod:`~embgeom_ray.io_utils`), of the write probe,
+#: and the markers of the check that every node sees the directory (:mod:`~.shared_out`: a
+#: merge killed while it checked leaves one in its ``--out``)
+TEMPORARY_PREFIXES = (".tmp-", ".write-probe", MARKER_PREFIX)
 #: the Parquet metadata key of a table's format version
 FORMAT_KEY = b"embgeom_ray.format_version"
 

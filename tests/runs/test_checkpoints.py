@@ -164,7 +164,7 @@ def test_overwrite_removes_what_a_run_wrote_and_nothing_of_the_users(tmp_path):
     store.save_group(ids(0), fold([0]).to_bytes(), None, counts(1))
     out = tmp_path / "out"
     for name in ("manifest.json", "layers.parquet", "statistics.safetensors", "report.html",
-                 "doc_hashes.npy", ".tmp-abc123"):  # fmt: skip
+                 "doc_hashes.npy", ".tmp-abc123", ".out-check-0123abcd"):  # fmt: skip
         (out / name).write_bytes(b"of the run")
     for folder in ("plots", "statistics", "reducers"):
         (out / folder).mkdir()
