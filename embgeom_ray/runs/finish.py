@@ -152,6 +152,7 @@ def finish_run(
     *,
     t_start: float,
     echo: Callable[[str], None] = print,
+    before_report: Callable[[], None] | None = None,
 ) -> Manifest:
     """Tables, sampled metrics, artefacts, the complete manifest, the summary and the report.
 
@@ -161,6 +162,9 @@ def finish_run(
     layer at a time (:mod:`~embgeom_ray.core.sample_layers`); either way the sampled stage
     and ``samples.parquet`` take it one layer at a time, and a large one is handled by Ray
     tasks that read it themselves (:mod:`~embgeom_ray.distributed.sample_tasks`).
+    ``before_report`` runs once the manifest is complete, before the report is drawn: the
+    analysis removes its checkpoint groups there, so that the report's file list shows the
+    directory as it stays.
     """
     t0 = time.perf_counter()
     with run.table_writer("type_stats") as type_rows:  # a layer's rows at a time, not L·V
@@ -205,6 +209,8 @@ def finish_run(
     outputs = manifest.outputs
     names = [*(outputs.tables if outputs else []), *(outputs.artefacts if outputs else [])]
     echo(f"outputs in {run.url}: {', '.join([*names, MANIFEST])}")
+    if before_report is not None:
+        before_report()
     if config.no_report:
         return manifest
     # some figures drawn by Ray tasks on this node while this process draws the others

@@ -709,8 +709,6 @@ def analyze(config: JobConfig, *, echo=print) -> dict[str, Any]:
     with resumable(config.out):  # the store failing from the first write on: one line
         started = _start_run(spec, run, store, started_at, echo)
         manifest = _extract_reduce_finish(spec, run, store, started, t_start, t_plan, echo)
-        if not config.keep_checkpoints:
-            store.remove_groups()
     return manifest.to_json()
 
 
@@ -736,9 +734,12 @@ def _extract_reduce_finish(
                     run, spec, started, reduced, echo,
                     plan_s=t_plan - t_start, reduce_s=t_reduce - reduced.t_extract1,
                 )  # fmt: skip
+                # the checkpoint groups removed once the run is complete, before its report
+                # lists the directory's files
                 finish_run(
                     run, manifest, merged, reduced.sample, spec.tokenizer, config,
                     t_start=t_start, echo=echo,
+                    before_report=None if config.keep_checkpoints else store.remove_groups,
                 )  # fmt: skip
             finally:
                 merged.close()

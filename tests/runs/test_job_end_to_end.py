@@ -143,6 +143,11 @@ def test_minilm_on_real_english_equals_float64_reference(tmp_path, ray_local, mi
     # finds the complete run and does nothing
     out = tmp_path / "minilm"
     assert not (out / "groups").exists() and (out / "statistics.safetensors").exists()
+    # ... before the report lists the run's files: its list is the directory as it stays
+    # (it listed groups/, removed just after it was written)
+    files = (out / "report.html").read_text().split('id="sec-files"')[1]
+    assert "statistics.safetensors" in files and "samples.parquet" in files
+    assert "groups/" not in files, files
     # the statistics say which product they hold: the job's default, bounded (its reduce once
     # started from a float64 accumulator and said float64; float64's own: the test below)
     saved = EmbeddingStatistics.load(out / "statistics.safetensors")
