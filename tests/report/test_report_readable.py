@@ -403,3 +403,71 @@ def test_standard_errors_table(crafted_html):
     assert [r[1] for r in rows] == ["0.004000", "0.003100", "0.002000", "0.005100", "0.001200"]
     # the sampled table does not repeat them
     assert "se</th>" not in _table_after(crafted_html, "Sampled metrics")
+
+
+# --------------------------------------------------------------------------------------------
+# figures of a MiniLM run: nothing written over the data or over another label
+
+#: layers.parquet values of MiniLM over the demo prose (--max-length 64, --sample-size 256)
+MINILM_LAYERS = dict(
+    anisotropy=[0.07, 0.128, 0.136, 0.155, 0.191, 0.285, 0.094],
+    s_inter=[0.057, 0.116, 0.127, 0.147, 0.184, 0.278, 0.09],
+    s_intra=[0.932, 0.892, 0.862, 0.846, 0.849, 0.863, 0.751],
+    adjusted_s_inter=[-0.343, -0.416, -0.174, 0.013, 0.009, 0.002, -0.111],
+    adjusted_s_intra=[-0.221, -0.46, -0.444, 0.577, 0.548, 0.604, 0.393],
+    adjusted_s_inter_weighted=[-0.031, -0.024, -0.037, 0.013, 0.009, 0.003, 0.012],
+    adjusted_s_intra_weighted=[0.786, -0.05, 0.227, 0.577, 0.548, 0.586, 0.258],
+    s_inter_type_uniform=[0.021, 0.126, 0.139, 0.143, 0.151, 0.163, 0.049],
+    kmeans_silhouette=[0.144, 0.221, 0.147, 0.088, 0.087, 0.197, 0.473],
+    silhouette_types=[0.525, 0.472, 0.332, 0.248, 0.165, -0.056, -0.122],
+    kmeans_k=[60, 51, 51, 1, 1, 2, 2],
+    kmeans_best_k=[60, 51, 51, 41, 2, 2, 2],
+    kmeans_k_searched=[60] * 7,
+    kmeans_k_at_cap=[True] + [False] * 6,
+)
+
+
+@pytest.fixture(scope="module")
+def minilm_figs(tmp_path_factory) -> dict:
+    """The cosine, silhouette and K-means figures of a 7-layer run with MiniLM's values."""
+    from embgeom_ray.report.figures.clusters import plot_intrinsic_dimension, plot_kmeans_curve
+    from embgeom_ray.report.figures.common import kept
+    from embgeom_ray.report.figures.isotropy import plot_cosine_isotropy
+
+    out = tmp_path_factory.mktemp("minilm") / "run"
+    fabricate_run(out, n_layers=7, optional=True)
+    lay = pd.read_parquet(out / "layers.parquet").assign(**MINILM_LAYERS)
+    lay.to_parquet(out / "layers.parquet", index=False)
+    run = RunView(str(out))
+    with kept() as figs:
+        for draw in (plot_cosine_isotropy, plot_intrinsic_dimension, plot_kmeans_curve):
+            draw(run)
+    for fig in figs.values():
+        fig.canvas.draw()
+    return figs
+
+
+def _points_under_legend(ax) -> list[tuple[str, float, float]]:
+    """Every plotted point of ``ax`` that its legend covers: (line label, x, y)."""
+    legend = ax.get_legend()
+    if legend is None:
+        return []
+    box = legend.get_window_extent(ax.figure.canvas.get_renderer())
+    return [
+        (ln.get_label(), float(x), float(y))
+        for ln in ax.get_lines()
+        for x, y in ln.get_xydata()
+        if np.isfinite(y) and box.contains(*ax.transData.transform((x, y)))
+    ]
+
+
+def test_no_legend_covers_a_curve(minilm_figs):
+    # the cosine panel's legend ("best" placed among eight curves) covered MiniLM's S_intra at
+    # layers 0-3 and the size-weighted cluster-adjusted S_intra of layer 0 (0.786)
+    for name, fig in minilm_figs.items():
+        for ax in fig.axes:
+            assert _points_under_legend(ax) == [], (name, ax.get_title())
+    cosine = minilm_figs["cosine_isotropy"].axes[0]
+    s_intra = next(ln for ln in cosine.get_lines() if ln.get_label().startswith("S_intra (self"))
+    assert s_intra.get_ydata()[0] == pytest.approx(0.932)
+

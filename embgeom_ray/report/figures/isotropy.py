@@ -13,6 +13,7 @@ from .common import (
     extreme,
     fmt,
     int_layers,
+    legend_below,
     line,
     new_figure,
     save,
@@ -68,8 +69,7 @@ def _cosine_panel(ax, run: RunView, layers: np.ndarray) -> list[str]:
     )
     int_layers(ax, layers)
     ax.axhline(0, color="#999999", lw=0.8)
-    if ax.get_legend_handles_labels()[0]:
-        ax.legend(loc="best", framealpha=0.9)
+    legend_below(ax)
     return extras
 
 
@@ -81,8 +81,7 @@ def _isotropy_panel(ax, run: RunView, layers: np.ndarray) -> list[str]:
     ax.set_ylabel("isotropy  (0 = one direction, 1 = isotropic)")
     ax.set_title("Isotropy (Rudman et al. 2022" + ("; Mu & Viswanath 2018)" if partition else ")"))
     int_layers(ax, layers)
-    if ax.get_legend_handles_labels()[0]:
-        ax.legend(loc="best", framealpha=0.9)
+    legend_below(ax)
     return extras
 
 
@@ -132,7 +131,7 @@ def plot_cosine_isotropy(run: RunView) -> tuple[str | None, str]:
         return None, "Not drawn: layers.parquet has no cosine or isotropy metrics."
     layers = run.layers["layer"].to_numpy()
     with styled():
-        fig = new_figure(11.5, 4.4)
+        fig = new_figure(11.5, 5.4)
         ax1, ax2 = fig.subplots(1, 2)
         extras = _cosine_panel(ax1, run, layers) + _isotropy_panel(ax2, run, layers)
         title(fig, "Anisotropy and isotropy across layers", run.tag)
