@@ -471,3 +471,19 @@ def test_no_legend_covers_a_curve(minilm_figs):
     s_intra = next(ln for ln in cosine.get_lines() if ln.get_label().startswith("S_intra (self"))
     assert s_intra.get_ydata()[0] == pytest.approx(0.932)
 
+
+def test_k_labels_of_neighbouring_layers_do_not_overlap(minilm_figs):
+    # layers 3 and 4 both chose k = 1: "k=1 (best 41 rejected)" and "k=1 (best 2 rejected)"
+    # were written on one line beside each point, the first running into the second
+    ax = minilm_figs["intrinsic_dim"].axes[1]
+    renderer = ax.figure.canvas.get_renderer()
+    texts = [t for t in ax.texts if t.get_text().startswith("k=")]
+    assert [t.get_text() for t in texts][3:5] == [
+        "k=1\n(best 41\nrejected)",
+        "k=1\n(best 2\nrejected)",
+    ]
+    boxes = [t.get_window_extent(renderer) for t in texts]
+    for i, a in enumerate(boxes):
+        for b in boxes[i + 1 :]:
+            assert not a.overlaps(b), (a, b)
+

@@ -114,14 +114,23 @@ def _mark_kmeans_points(
         )
     for x, kv, sv in zip(layers, k, sil, strict=True):
         if np.isfinite(kv) and np.isfinite(sv):
+            # k = 1's label stacked under its point, no wider than a layer's step: written on
+            # one line beside it, two neighbouring layers' labels ran into each other
             ax.annotate(
-                k_text[int(x)],
+                stacked(k_text[int(x)]) if kv == 1 else k_text[int(x)],
                 (x, sv),
                 textcoords="offset points",
-                xytext=(4, -12) if kv == 1 else (0, 6),
-                ha="left" if kv == 1 else "center",
+                xytext=(0, -7) if kv == 1 else (0, 6),
+                ha="center",
+                va="top" if kv == 1 else "bottom",
                 fontsize=7,
+                linespacing=1.0,
             )
+
+
+def stacked(label: str) -> str:
+    """``k=1 (best 41 rejected)`` on three lines: ``k=1``, ``(best 41``, ``rejected)``."""
+    return label.replace(" (", "\n(").replace(" rejected", "\nrejected")
 
 
 def _silhouette_panel(ax, run: RunView, sil: dict[str, np.ndarray], layers: np.ndarray) -> None:
@@ -158,7 +167,10 @@ def _intrinsic_dim_caption(run: RunView, lid: dict, sil: dict) -> str:
         )
         k = run.layer_col("kmeans_k")
         if k is not None and "kmeans_silhouette" in sil:
-            caption += "; the k of each point is written above it" + k_marks_note(run)
+            caption += (
+                "; the k of each point is written above it (under it where k = 1)"
+                + k_marks_note(run)
+            )
             if (k == 1).any():
                 caption += (
                     ". A hollow point is the silhouette of the best k > 1 of a layer where it "
