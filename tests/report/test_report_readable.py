@@ -487,3 +487,9 @@ def test_k_labels_of_neighbouring_layers_do_not_overlap(minilm_figs):
         for b in boxes[i + 1 :]:
             assert not a.overlaps(b), (a, b)
 
+
+def test_k_axis_labels_only_the_chosen_ticks(minilm_figs):
+    # the log axis wrote 4×10⁰ and 6×10⁰ at its minor ticks, beside 3 and 5
+    ax = minilm_figs["kmeans_curve"].axes[0]
+    assert [t.get_text() for t in ax.get_xticklabels()][:5] == ["2", "3", "5", "10", "15"]
+    assert [t.get_text() for t in ax.get_xticklabels(minor=True) if t.get_text()] == []

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 import pandas as pd
+from matplotlib.ticker import NullFormatter
 
 from ...run_view import RunView
 from .common import COLORS, MARKERS, fmt, int_layers, line, new_figure, pearson, save, styled, title
@@ -291,6 +292,9 @@ def plot_kmeans_curve(run: RunView) -> tuple[str | None, str]:
         ax.set_xscale("log")
         ticks = [k for k in (2, 3, 5, 10, 15, 20, 30, 40, 60) if k <= int(km["k"].max())]
         ax.set_xticks(ticks, [str(k) for k in ticks])
+        # the log axis's minor ticks unlabelled (matplotlib writes 4×10⁰ and 6×10⁰ there,
+        # crowding the k above)
+        ax.xaxis.set_minor_formatter(NullFormatter())
         ax.set_xlabel("k (K-means clusters)")
         ax.set_ylabel("silhouette of the k's fit")
         ax.legend(fontsize=8, ncols=2)
