@@ -314,11 +314,12 @@ def fmt_value(v: Any, kind: str = "sci") -> str:
 
 
 def _bytes(n: float) -> str:
-    for unit in ("B", "KB", "MB", "GB", "TB"):
-        if abs(n) < 1024 or unit == "TB":
+    """``n`` bytes in binary units (KiB = 1024 B, …), as the job's own sizing lines write them."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1024
-    return f"{n:.1f} TB"
+    return f"{n:.1f} TiB"
 
 
 def _seconds(s: Any) -> str:
@@ -667,7 +668,7 @@ def _peak_memory(mem: Any) -> str | None:
         return None
 
     def peak(who: str) -> str | None:
-        for kind, label in (("private", ""), ("rss", " resident")):
+        for kind, label in (("private", " private"), ("rss", " resident")):
             value = mem.get(f"{who}_peak_{kind}_bytes")
             values = [v for v in (value if isinstance(value, list) else [value]) if v]
             if values:

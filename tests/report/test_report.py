@@ -541,8 +541,11 @@ def test_report_of_full_run_is_self_contained(runs, full_report):
         "<dt>workers</dt><dd>1 actor(s), up to 4 as nodes joined, 2 CPU each, batches of "
         "65,536 tokens</dd>",
         "<dt>Ray start</dt><dd>5.7 s</dd><dt>extract (wall)</dt><dd>12.0 s</dd>",
-        "<dt>peak memory</dt><dd>job 1.0 GB, extractor 2.0 GB resident, "
-        "reducer (largest) 1.5 GB resident",
+        # binary units, as the job's sizing lines (they said GB and KB of 1024-based values);
+        # private memory said so beside resident
+        "<dt>peak memory</dt><dd>job 1.0 GiB private, extractor 2.0 GiB resident, "
+        "reducer (largest) 1.5 GiB resident",
+        "<dt>size</dt><dd>120.6 KiB</dd>",
     ):
         assert needle in text, needle
     assert not list(runs["full"].glob(".tmp-*")), "temporary files left behind"
@@ -550,7 +553,7 @@ def test_report_of_full_run_is_self_contained(runs, full_report):
     for f in runs["full"].iterdir():
         if f.is_file() and f.name != "report.html":
             size = f.stat().st_size
-            shown = f"{size} B" if size < 1024 else f"{size / 1024:.1f} KB"
+            shown = f"{size} B" if size < 1024 else f"{size / 1024:.1f} KiB"
             assert f"<code>{f.name}</code></a> ({shown}" in text or size >= 1024**2, f.name
     assert "<code>plots/</code> (" in text
 
