@@ -805,6 +805,25 @@ def clipping_table_html(
     return layers_table_html(layers, cols, headers=headers) + f'<p class="note">{caption}</p>'
 
 
+def sample_note(run: RunView) -> str:
+    """What the sampled metrics were computed on: the manifest's ``sample`` point counts beside
+    the tokens counted (the table note said only "the bounded random sample")."""
+    note = run.manifest.sample or {}
+    uniform, types = note.get("uniform_points"), note.get("type_uniform_points")
+    if not isinstance(uniform, int) or uniform <= 0:
+        return "From the bounded random sample of tokens (see samples.parquet)."
+    tokens = run.tokens
+    text = (
+        f"From a uniform random sample of {uniform:,} token occurrences per layer (the same "
+        "occurrences in every layer"
+        + (f", of the {tokens:,} counted" if tokens else "")
+        + ")"
+    )
+    if isinstance(types, int) and types > 0:
+        text += f" and, for “S_inter (Cai)”, {types:,} token types with one random occurrence each"
+    return text + "; see samples.parquet."
+
+
 def render_report(run: RunView, figures: Sequence[Figure]) -> str:
     """The HTML text of a run's report (see :func:`write_report`)."""
     layers = run.layers
@@ -841,7 +860,7 @@ def render_report(run: RunView, figures: Sequence[Figure]) -> str:
             "<h3>Sampled metrics</h3>"
             + layers_table_html(layers, ["layer", *sampled])
             + kmeans_notes(layers, run.config)
-            + '<p class="note">From the bounded random sample of tokens (see samples.parquet). '
+            + f'<p class="note">{_e(sample_note(run))} '
             "“(w)”: size-weighted over clusters of at least --cluster-min-size points; without "
             "it, Cai et al.'s unweighted mean over every cluster. LID means and medians use "
             "true (not squared) distances; “LID (Cai)” is Cai et al.'s convention.</p>"

@@ -44,6 +44,7 @@ def _craft(out: Path, *, sampled: bool = True) -> Path:
     manifest = json.loads((out / "manifest.json").read_text())
     manifest["model"]["id"] = MODEL_PATH
     manifest["config"] |= {"model": MODEL_PATH, "kmeans_k_max": 60, "kmeans_min_silhouette": 0.1}
+    manifest["sample"] = {"uniform_points": 512, "type_uniform_points": 140}
     (out / "manifest.json").write_text(json.dumps(manifest))
     lay = pd.read_parquet(out / "layers.parquet")
     lay = lay.assign(
@@ -493,3 +494,23 @@ def test_k_axis_labels_only_the_chosen_ticks(minilm_figs):
     ax = minilm_figs["kmeans_curve"].axes[0]
     assert [t.get_text() for t in ax.get_xticklabels()][:5] == ["2", "3", "5", "10", "15"]
     assert [t.get_text() for t in ax.get_xticklabels(minor=True) if t.get_text()] == []
+
+
+def test_sampled_table_says_what_it_was_computed_on(crafted_html, tmp_path):
+    # the note said only "the bounded random sample of tokens": not how many occurrences,
+    # nor that S_inter (Cai) has its own sample of types
+    table = crafted_html[crafted_html.index("<h3>Sampled metrics</h3>") :]
+    notes = [re.sub(r"<[^>]+>", "", n) for n in re.findall(r'<p class="note">(.*?)</p>', table)]
+    note = next(n for n in notes if n.startswith("From "))
+    assert note.startswith(
+        "From a uniform random sample of 512 token occurrences per layer (the same occurrences "
+        "in every layer, of the 1,500 counted) and, for “S_inter (Cai)”, 140 token types with "
+        "one random occurrence each; see samples.parquet."
+    ), note
+    # a run of an earlier version, without the manifest's counts: the general words
+    from embgeom_ray.report.html import sample_note
+
+    out = fabricate_run(tmp_path / "old", n_layers=3)
+    assert sample_note(RunView(str(out))) == (
+        "From the bounded random sample of tokens (see samples.parquet)."
+    )
