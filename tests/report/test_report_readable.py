@@ -514,3 +514,22 @@ def test_sampled_table_says_what_it_was_computed_on(crafted_html, tmp_path):
     assert sample_note(RunView(str(out))) == (
         "From the bounded random sample of tokens (see samples.parquet)."
     )
+
+
+def test_position_axis_says_where_counted_tokens_start(crafted):
+    # "0 = first position" over curves starting at 1: BERT's [CLS] holds position 0 and is
+    # not counted (positions.parquet counts the window's special tokens)
+    from embgeom_ray.report.figures.common import kept
+    from embgeom_ray.report.figures.positions import plot_positional_profile
+
+    with kept() as figs:
+        plot_positional_profile(RunView(str(crafted)))
+    fig = figs["positional_profile"]
+    label = fig._supxlabel.get_text()
+    assert label == (
+        "position within the window (positions restart in each window)\n"
+        "special tokens included: 0 is [CLS] or BOS where the tokenizer adds one, not counted"
+    )
+    fig.canvas.draw()  # the label fits the figure's width
+    box = fig._supxlabel.get_window_extent(fig.canvas.get_renderer())
+    assert 0 <= box.x0 and box.x1 <= fig.bbox.width

@@ -16,6 +16,13 @@ from .common import hide_unused, new_figure, pick_layers, save, styled, title
 
 MAX_POSITION_LAYERS = 8
 MAX_PROFILE_DIMS = 8
+#: the x label: position 0 is a special token where the tokenizer adds one first ([CLS], BOS),
+#: not counted without --keep-special (the label said "0 = first position" over curves that
+#: start at 1)
+POSITION_LABEL = (
+    "position within the window (positions restart in each window)\n"
+    "special tokens included: 0 is [CLS] or BOS where the tokenizer adds one, not counted"
+)
 MIN_POSITION_COUNT = 10  # positions seen fewer times are not drawn (noise at the window's end)
 
 
@@ -56,9 +63,7 @@ def _draw(run: RunView, pos: pd.DataFrame, shown_dims: list[str]) -> str:
                 loc="outside right upper",
                 title="flagged dims",
             )
-        fig.supxlabel(
-            "position within the window (0 = first position; positions restart in each window)"
-        )
+        fig.supxlabel(POSITION_LABEL)
         fig.supylabel("mean value of the dimension" if shown_dims else "mean_norm at the position")
         title(fig, "Positional profile of flagged dimensions (Luo et al. 2021)", run.tag)
         return save(fig, run.out, "positional_profile")
