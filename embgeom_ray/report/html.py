@@ -1072,7 +1072,11 @@ def _comparison_caption(runs: Sequence[RunView]) -> str:
             if len({len(r.layers) for r in runs}) > 1
             else ""
         )
-        + "Definitions are in the per-layer tables' headers and in each run's report."
+        + "Panels of metrics estimated on the runs' samples say “sampled” in their title (the "
+        "others are exact over every token); the band around a run's sampled line is ± 2 of its "
+        "half-sample standard errors, where it has them (about a 95% interval of that run's "
+        "estimate; compare's z weighs both runs' errors). Definitions are in the per-layer tables' headers and in each run's "
+        "report."
     )
 
 

@@ -533,3 +533,25 @@ def test_position_axis_says_where_counted_tokens_start(crafted):
     fig.canvas.draw()  # the label fits the figure's width
     box = fig._supxlabel.get_window_extent(fig.canvas.get_renderer())
     assert 0 <= box.x0 and box.x1 <= fig.bbox.width
+
+
+def test_comparison_figure_marks_sampled_panels_and_their_errors(tmp_path):
+    # every panel looked alike: a sampled metric's gap between runs had no yardstick beside it
+    from embgeom_ray.report.figures.common import kept
+    from embgeom_ray.report.figures.compare import plot_comparison
+
+    runs = [RunView(str(_craft(tmp_path / name))) for name in ("a", "b")]
+    metrics = ["anisotropy", "kmeans_silhouette", "lid_euclidean"]
+    with kept() as figs:
+        plot_comparison(runs, ["a", "b"], str(tmp_path / "cmp"), metrics, {})
+    axes = figs["compare_metrics"].axes
+    assert [ax.get_title() for ax in axes[:3]] == [
+        "anisotropy  (anisotropy)",
+        "kmeans_silhouette  (kmeans_silhouette) · sampled",
+        "lid_euclidean  (lid_euclidean) · sampled",
+    ]
+    assert not axes[0].collections  # exact: no band
+    band = axes[1].collections[0].get_paths()[0].vertices[:, 1]
+    sil, se = runs[0].layer_col("kmeans_silhouette"), runs[0].layer_col("kmeans_silhouette_se")
+    assert band.min() == pytest.approx((sil - 2 * se).min())
+    assert band.max() == pytest.approx((sil + 2 * se).max())

@@ -18,6 +18,11 @@ from .common import hide_unused, new_figure, save, styled
 COMPARE_METRICS = registry.plotted()
 
 
+def sampled(metric: str) -> bool:
+    """Whether ``metric`` is estimated on the run's sample (else exact over every token)."""
+    return registry.kind_of(metric) == "sampled"
+
+
 def _legend(fig, axes: np.ndarray, n: int) -> None:
     """One legend for the figure: every run that any of the first ``n`` panels draws."""
     handles, labs = axes[0].get_legend_handles_labels()
@@ -67,8 +72,12 @@ def plot_comparison(
                     alpha=0.9,
                     label=label,
                 )
+                se = run.layer_col(f"{metric}_se")
+                if se is not None and sampled(metric):  # ± 2 standard errors: ~95% of the estimate
+                    ax.fill_between(x, v - 2 * se, v + 2 * se, color=cmap(i % 10), alpha=0.15, lw=0)
             header = headers.get(metric, metric)
-            ax.set_title(f"{header}  ({metric})", fontsize=9)
+            mark = " · sampled" if sampled(metric) and "sampled" not in header else ""
+            ax.set_title(f"{header}  ({metric}){mark}", fontsize=9)
             ax.set_ylabel(header, fontsize=8)
             ax.set_xlabel("layer / last layer" if relative else "layer", fontsize=8)
         hide_unused(axes, len(metrics))
