@@ -144,8 +144,9 @@ METRICS: tuple[Metric, ...] = (
            f"{_M}.isoscore_from_covariance", fmt="unit", header="IsoScore",
            tooltip="IsoScore of the layer covariance (Rudman et al. 2022)", paper=_RUDMAN,
            plotted=True, summary=True),
-    _exact("anisotropy", "mean cosine over all pairs of tokens", _COS, fmt="unit",
-           header="aniso.", tooltip="mean cosine over all token pairs", paper=_ETH,
+    _exact("anisotropy", "mean cosine over all pairs of two distinct occurrences (i ≠ j): "
+           "(‖U‖² − N) / (N(N − 1)) for the sum U of the N unit vectors", _COS, fmt="unit",
+           header="aniso.", tooltip="mean cosine over all pairs of distinct tokens", paper=_ETH,
            plotted=True, summary=True),
     _exact("s_inter", "mean cosine over pairs of tokens of different types", _COS, fmt="unit",
            header="S_inter", tooltip="mean cosine over pairs of different types", paper=_CAI,
