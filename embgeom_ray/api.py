@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import numbers
 import os
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from functools import cached_property
@@ -72,7 +73,13 @@ def _quiet(_line: str) -> None:
 def _progress(echo: Echo | None) -> contextlib.AbstractContextManager[None]:
     """Where the job's progress goes: the commands' bars and lines on stderr where ``echo`` is
     ``print``; else those lines to ``echo`` (None: nowhere) and no bars, Ray's own lines
-    included (:func:`~embgeom_ray.progress.routed`)."""
+    included (:func:`~embgeom_ray.progress.routed`). A non-callable ``echo`` is a
+    :class:`ConfigError` before any work (not a TypeError at the job's first line)."""
+    if echo is not None and not callable(echo):
+        raise ConfigError(
+            f"echo must be a callable taking one line (print, a logger's method) or None, "
+            f"got {echo!r}"
+        )
     return contextlib.nullcontext() if echo is print else routed(echo)
 
 
@@ -399,8 +406,8 @@ def compare(
     command line's comma-separated string."""
     from .runs.compare import CompareError, compare_runs
 
-    if top < 1:
-        raise CompareError(f"top must be at least 1, got {top}")
+    if isinstance(top, bool) or not isinstance(top, numbers.Integral) or top < 1:
+        raise CompareError(f"top must be an integer of at least 1, got {top!r}")
     urls = _run_list(runs, "compare")
     if isinstance(labels, str):
         labels = [label.strip() for label in labels.split(",")]

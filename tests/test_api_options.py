@@ -65,3 +65,20 @@ def test_a_run_url_of_an_unknown_protocol_and_a_column_not_in_a_table_are_one_li
         "layers.parquet has no column(s) ['nope']; its columns are "
         f"{list(pd.read_parquet(tmp_path / 'a' / 'layers.parquet').columns)}"
     )
+
+
+def test_an_echo_that_is_not_callable_and_a_top_that_is_not_an_integer_are_refused_at_once(
+    tmp_path,
+) -> None:
+    """``echo=5`` was a TypeError at the job's first line, after its model had loaded;
+    ``top="5"`` a TypeError comparing a string with 1."""
+    with pytest.raises(eg.ConfigError) as err:
+        eg.analyze(model="m", corpus="c.jsonl", out=tmp_path / "o", echo=5)
+    assert str(err.value) == (
+        "echo must be a callable taking one line (print, a logger's method) or None, got 5"
+    )
+    assert not (tmp_path / "o").exists()
+    for top in ("5", 2.5, True, 0):
+        with pytest.raises(eg.UserError) as err:
+            eg.compare([tmp_path / "a", tmp_path / "b"], tmp_path / "cmp", top=top)
+        assert str(err.value) == f"top must be an integer of at least 1, got {top!r}"
