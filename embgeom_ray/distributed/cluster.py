@@ -32,6 +32,7 @@ The first line the job writes to stderr about Ray says which one it runs on:
 from __future__ import annotations
 
 import contextlib
+import ipaddress
 import json
 import logging
 import os
@@ -73,6 +74,8 @@ IDLE_WORKER_KEEP_MS = 3_600_000
 _SIGNAL_NAMES = {signal.SIGTERM: "SIGTERM", signal.SIGINT: "SIGINT"}
 #: the GCS address of the private local Ray this process started, if it did
 _private_gcs: str | None = None
+#: the GCS address of the cluster this process's :func:`connect` last joined, if it did
+_joined_gcs: str | None = None
 
 
 @dataclass(frozen=True)
@@ -429,6 +432,62 @@ def started_private_local() -> bool:
     )
 
 
+def _gcs_address() -> str | None:
+    """The GCS address of the Ray this process is connected to (None where Ray does not say:
+    a Ray Client connection)."""
+    import ray
+
+    try:
+        return str(ray.get_runtime_context().gcs_address)
+    except Exception:
+        return None
+
+
+def _ips(host: str) -> set[ipaddress.IPv4Address | ipaddress.IPv6Address]:
+    """The addresses ``host`` resolves to (none where it does not)."""
+    try:
+        infos = socket.getaddrinfo(host, None)
+    except (OSError, UnicodeError):
+        return set()
+    return {ipaddress.ip_address(str(info[4][0]).split("%")[0]) for info in infos}
+
+
+def same_gcs(a: str, b: str) -> bool:
+    """Whether the GCS addresses ``a`` and ``b`` (``HOST:PORT``) may name the same Ray: the
+    same port, and hosts that resolve to a common address (a loopback address, or a host that
+    does not resolve, is given the benefit of the doubt)."""
+    (host_a, port_a), (host_b, port_b) = (split_host_port(x, DEFAULT_GCS_PORT) for x in (a, b))
+    if port_a != port_b:
+        return False
+    ips_a, ips_b = _ips(host_a), _ips(host_b)
+    if not ips_a or not ips_b or any(ip.is_loopback for ip in ips_a | ips_b):
+        return True
+    return bool(ips_a & ips_b)
+
+
+def _check_initialised_ray(choice: ClusterChoice) -> None:
+    """Where Ray was initialised in this process by its caller (``ray.init()`` before an API
+    call), the job runs on that Ray: an explicit address naming another one is refused, not
+    ignored. A Ray Client address (``ray://``) cannot be compared and is left alone."""
+    if choice.source != "--address" or choice.local or choice.address is None:
+        return
+    current = _gcs_address()
+    if current is None or current == _private_gcs or current == _joined_gcs:
+        return  # this process's own connect() started or joined it
+    if choice.address.startswith("ray://") or "://" in current:
+        return
+    try:
+        target = resolve_address(choice)
+    except ConfigError:
+        return
+    if not same_gcs(target, current):
+        raise ConfigError(
+            f"Ray is already initialised in this process (its GCS at {current}) and "
+            f"--address {choice.address} names another Ray: leave the address out to run on "
+            "the initialised one, or call ray.shutdown() first"
+        )
+
+
 def connect(
     address: str | None,
     *,
@@ -439,13 +498,15 @@ def connect(
 
     ``address`` is the job's ``--address`` (``JobConfig.address``); None lets the environment
     decide (``RAY_ADDRESS``, ``ray job submit``), then a private local Ray. Writes one line to
-    stderr saying which Ray the job runs on. Does nothing if Ray is already initialised.
+    stderr saying which Ray the job runs on. Does nothing if Ray is already initialised, but
+    refuses an explicit ``address`` naming another Ray than the one a caller initialised.
     Raises :class:`ConfigError` for an address that is malformed or that nobody answers on.
     """
     import ray
 
     choice = choose_cluster(address)
     if ray.is_initialized():
+        _check_initialised_ray(choice)
         return choice
     if choice.local:
         guard = _ConnectGuard("starting a private local Ray")
@@ -493,6 +554,8 @@ def connect(
             raise ConfigError(
                 f"cannot join the Ray cluster at {target} ({where}): {exc}. {_auth_hint()}"
             ) from None
+    global _joined_gcs
+    _joined_gcs = _gcs_address()
     progress.notice(describe_cluster(choice, target))
     return choice
 
