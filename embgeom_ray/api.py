@@ -83,6 +83,20 @@ def _progress(echo: Echo | None) -> contextlib.AbstractContextManager[None]:
     return contextlib.nullcontext() if echo is print else routed(echo)
 
 
+@contextlib.contextmanager
+def _call(echo: Echo | None) -> Iterator[None]:
+    """Within: one call of the API that may run a job. Its progress goes to ``echo``
+    (:func:`_progress`); an error a user can cause is a :class:`UserError`
+    (:func:`_user_errors`); Ray is left as found
+    (:func:`~embgeom_ray.distributed.cluster.leave_ray_as_found`): a Ray the call started or
+    joined is shut down when it returns, raises or is interrupted (Ctrl-C: the caller's
+    ``KeyboardInterrupt``), and one the caller had initialised is used and left up."""
+    from .distributed.cluster import leave_ray_as_found
+
+    with _user_errors(), _progress(echo), leave_ray_as_found():
+        yield
+
+
 class LayerSample(NamedTuple):
     """One layer's rows of a run's sample: ``rows`` (a DataFrame: ``layer``, ``sample``,
     ``token_id``, ``token``, the occurrence's keys and its K-means ``cluster``; see
@@ -308,7 +322,10 @@ def analyze(
     ``layers=[0, -1]``, ``device="cuda"``, ``address="HOST:6379"``); ``config``: a YAML file
     of options, which the arguments override. The same validation and the same behaviour:
     a private local Ray unless ``address``, ``RAY_ADDRESS`` or a submitted job names a
-    cluster; a finished run with the same inputs is reused; an interrupted one is resumed.
+    cluster (or the caller initialised Ray: then that one, left up); a finished run with the
+    same inputs is reused; an interrupted one is resumed. A Ray the call started is stopped
+    when it returns, raises or is interrupted (Ctrl-C: ``KeyboardInterrupt``, the run left
+    incomplete).
     ``echo``: where the job's lines go: ``print`` (the default) prints them as the command
     does, its progress bars and notices on stderr; any other callable gets every line, the
     notices included, and no bar is drawn; None: nowhere, Ray's own lines and its workers'
@@ -319,7 +336,7 @@ def analyze(
         raise ConfigError("plan=True runs nothing: call embgeom_ray.plan(...) for the plan")
     from .runs.pipeline import analyze as run_analysis
 
-    with _user_errors(), _progress(echo):
+    with _call(echo):
         job = _config(config, values | options)
         require_filesystems(job.corpus, job.out)
         run_analysis(job, echo=echo or _quiet)
@@ -342,7 +359,7 @@ def plan(
     from .runs.pipeline import analyze as run_analysis
 
     values = {"model": model, "corpus": corpus, "out": out}
-    with _user_errors(), _progress(echo):
+    with _call(echo):
         job = _config(config, values | options | {"plan": True})
         return run_analysis(job, echo=echo or _quiet)
 
@@ -388,7 +405,7 @@ def merge(
     if options.get("plan"):
         raise ConfigError("plan=True merges nothing: use `embgeom merge --plan`")
     urls = _run_list(runs, "merge")
-    with _user_errors(), _progress(echo):
+    with _call(echo):
         merge_runs(urls, str(out), tokenizer=tokenizer, echo=echo or _quiet, **options)
     return Run(out)
 
@@ -411,7 +428,7 @@ def compare(
     urls = _run_list(runs, "compare")
     if isinstance(labels, str):
         labels = [label.strip() for label in labels.split(",")]
-    with _user_errors(), _progress(echo):
+    with _call(echo):
         compare_runs(urls, str(out), labels=labels, top=top, echo=echo or _quiet)
     return Comparison(out)
 
@@ -421,5 +438,5 @@ def write_report(run: str | Path | Run) -> str:
     report's path (or URL). (Not ``report``: that is the package's ``embgeom_ray.report``.)"""
     from .report.html import write_report as write
 
-    with _user_errors():
+    with _call(print):  # its lines as the command prints them
         return write(run.url if isinstance(run, Run) else str(run))

@@ -1,12 +1,91 @@
-"""An API call when the caller has initialised Ray (``ray.init()`` before it): the job runs on
-that Ray, and an ``address`` naming another Ray is refused, not ignored
-(``embgeom_ray.distributed.cluster``)."""
+"""The Python API leaves Ray as it found it (``embgeom_ray.distributed.cluster.leave_ray_as_found``):
+a call that started a private local Ray (or joined a cluster) shuts it down before it returns,
+raises or is interrupted, and puts back what ``ray.init`` changed in the process (``RAY_*`` and
+``PYTHONBREAKPOINT``, the SIGTERM handler); a Ray the caller initialised is used and left up,
+and an ``address`` naming another Ray is refused, not ignored. Ctrl-C during a call is the
+caller's ``KeyboardInterrupt``, never the end of the process (a notebook's kernel): while Ray
+starts it is held until the start is done; while joining a cluster the process ends only where
+Ray's native join loop keeps the main thread past ``INTERRUPT_GRACE_S``.
+
+The signal tests run in a fresh process each (a command's guard would end the test's own
+process); the end-to-end one in a fresh process with a private ``TMPDIR``, as a user's script."""
 
 from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
 from embgeom_ray.distributed import cluster
+from tests.ray_processes import kill_marked
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
+    return env | {
+        "PYTHONPATH": str(REPO), "RAY_USAGE_STATS_ENABLED": "0", "HF_HUB_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", **extra,
+    }  # fmt: skip
+
+
+# ------------------------------------------------------------------ what a call puts back
+
+
+class FakeRay(SimpleNamespace):
+    """``ray`` as :func:`~embgeom_ray.distributed.cluster.leave_ray_as_found` sees it."""
+
+    def is_initialized(self) -> bool:
+        return self.up
+
+    def shutdown(self) -> None:
+        self.shutdowns += 1
+        self.up = False
+
+
+def test_a_call_shuts_down_the_ray_it_started_and_puts_back_what_ray_init_changed(
+    monkeypatch,
+) -> None:
+    fake = FakeRay(up=False, shutdowns=0)
+    monkeypatch.setitem(sys.modules, "ray", fake)
+    monkeypatch.setenv("RAY_USAGE_STATS_ENABLED", "0")
+    monkeypatch.delenv("RAY_AUTH_MODE", raising=False)
+    monkeypatch.delenv("PYTHONBREAKPOINT", raising=False)
+    before = signal.getsignal(signal.SIGTERM)
+    with pytest.raises(RuntimeError, match="the job failed"):
+        with cluster.leave_ray_as_found():
+            # what ray.init does to the process
+            fake.up = True
+            os.environ |= {"RAY_AUTH_MODE": "token", "RAY_USAGE_STATS_ENABLED": "1",
+                           "PYTHONBREAKPOINT": "ray.util.rpdb._driver_set_trace"}  # fmt: skip
+            signal.signal(signal.SIGTERM, lambda *_: sys.exit(15))
+            assert cluster._embedded == 1
+            raise RuntimeError("the job failed")
+    assert fake.shutdowns == 1 and not fake.up
+    assert "RAY_AUTH_MODE" not in os.environ and "PYTHONBREAKPOINT" not in os.environ
+    assert os.environ["RAY_USAGE_STATS_ENABLED"] == "0"
+    assert signal.getsignal(signal.SIGTERM) == before
+    assert cluster._embedded == 0
+
+
+def test_a_call_leaves_the_callers_ray_up(monkeypatch) -> None:
+    fake = FakeRay(up=True, shutdowns=0)
+    monkeypatch.setitem(sys.modules, "ray", fake)
+    with cluster.leave_ray_as_found():
+        pass
+    assert fake.shutdowns == 0 and fake.up
 
 
 @pytest.mark.parametrize(
@@ -41,3 +120,162 @@ def test_an_address_naming_another_ray_than_the_callers_is_refused(monkeypatch) 
     for same in (cluster.ClusterChoice("192.0.2.2:38829", "--address"),
                  cluster.ClusterChoice(None, "default")):  # fmt: skip
         assert cluster._check_initialised_ray(same) is None
+
+
+# ------------------------------------------------------------------ Ctrl-C while connecting
+
+GUARD_SCRIPT = """
+    import os, signal, sys, threading, time
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # as in a foreground terminal
+    from embgeom_ray.distributed.cluster import (
+        _ConnectGuard, _interrupt_after_start, leave_ray_as_found)
+
+    mode = sys.argv[1]
+    threading.Timer(0.5, lambda: os.kill(os.getpid(), signal.SIGINT)).start()
+    t0 = time.monotonic()
+    try:
+        with leave_ray_as_found():
+            if mode == "held":  # a private local Ray starting: 2 s of ray.init
+                with _ConnectGuard("starting", holds_interrupt=True).active(), \\
+                        _interrupt_after_start():
+                    time.sleep(2.0)
+                    print("STARTED", round(time.monotonic() - t0, 1), flush=True)
+            else:  # joining a cluster: Python code, or native code that ignores the signal
+                with _ConnectGuard("connecting to the Ray cluster at H:1").active():
+                    if mode == "stuck":
+                        signal.signal(signal.SIGINT, lambda *_: None)
+                    time.sleep(30)
+        print("NOT INTERRUPTED", flush=True)
+    except KeyboardInterrupt:
+        print("KeyboardInterrupt", round(time.monotonic() - t0, 1), flush=True)
+    print("ALIVE", flush=True)
+"""
+
+
+def _guarded(mode: str) -> subprocess.CompletedProcess:
+    script = textwrap.dedent(GUARD_SCRIPT)
+    return subprocess.run([sys.executable, "-c", script, mode], env=_env(), cwd=REPO,
+                          capture_output=True, text=True, timeout=60)  # fmt: skip
+
+
+def test_ctrl_c_while_joining_is_the_callers_keyboard_interrupt() -> None:
+    done = _guarded("python")
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.split("\n")
+    assert lines[0].startswith("KeyboardInterrupt ") and float(lines[0].split()[1]) < 2.0
+    assert lines[1] == "ALIVE" and done.stderr == ""
+
+
+def test_ctrl_c_while_the_private_ray_starts_is_held_until_it_has_started() -> None:
+    done = _guarded("held")
+    assert done.returncode == 0, done.stderr
+    started, interrupted, alive = done.stdout.split("\n")[:3]
+    assert started.startswith("STARTED ") and float(started.split()[1]) >= 2.0
+    assert interrupted.startswith("KeyboardInterrupt ") and alive == "ALIVE"
+
+
+def test_ctrl_c_in_a_join_stuck_in_native_code_ends_the_process_after_the_grace() -> None:
+    t0 = time.monotonic()
+    done = _guarded("stuck")
+    elapsed = time.monotonic() - t0
+    assert done.returncode == 130, (done.stdout, done.stderr)
+    assert done.stdout == "" and elapsed < 20
+    assert done.stderr.splitlines()[-1] == (
+        "error: interrupted by SIGINT while connecting to the Ray cluster at H:1 (Ray did not "
+        f"return within {cluster.INTERRUPT_GRACE_S:g} s)"
+    )
+
+
+# ------------------------------------------------------------------ a user's script, end to end
+
+SCRIPT = """
+    import json, os, signal, sys, threading, time
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    import psutil, ray
+    import embgeom_ray as eg
+
+    model, corpus = sys.argv[1], sys.argv[2]
+    args = dict(model=model, corpus=corpus, out="runs/a", max_length=32, echo=None)
+    me, found = psutil.Process(), {}
+    sigterm = signal.getsignal(signal.SIGTERM)
+
+    def processes():  # Ray's processes this process started, once they had time to end
+        for _ in range(100):
+            left = [p.pid for p in me.children(recursive=True) if p.is_running()]
+            if not left:
+                break
+            time.sleep(0.1)
+        return left
+
+    def after(name):
+        found[name] = {"initialised": ray.is_initialized(), "processes": processes(),
+                       "auth_mode": os.environ.get("RAY_AUTH_MODE"),
+                       "breakpoint": os.environ.get("PYTHONBREAKPOINT"),
+                       "sigterm": signal.getsignal(signal.SIGTERM) == sigterm}
+
+    # no Ray: the call starts a private one, and stops it
+    found["workers"] = eg.plan(**args)["extractors"]["num_workers"]
+    after("plan")
+
+    # Ctrl-C while the private Ray starts: the caller's KeyboardInterrupt, nothing left running
+    ray_init = ray.init
+    def interrupted_init(*a, **k):
+        threading.Timer(0.3, lambda: os.kill(os.getpid(), signal.SIGINT)).start()
+        return ray_init(*a, **k)
+    ray.init = interrupted_init
+    try:
+        eg.plan(**args)
+        found["raised"] = None
+    except KeyboardInterrupt:
+        found["raised"] = "KeyboardInterrupt"
+    ray.init = ray_init
+    after("interrupted")
+
+    # the caller's own Ray: used, left up and usable; another address refused
+    ray.init(num_cpus=1, include_dashboard=False, logging_level="ERROR")
+    gcs = ray.get_runtime_context().gcs_address
+    eg.plan(**args)
+    try:
+        eg.plan(**args, address="127.0.0.1:1")
+    except eg.ConfigError as error:
+        found["refused"] = str(error).replace(gcs, "GCS")
+    found["callers"] = {"same": ray.get_runtime_context().gcs_address == gcs,
+                        "answers": ray.get(ray.remote(lambda: 41).remote()) + 1}
+    ray.shutdown()
+    json.dump(found, open("found.json", "w"))
+"""
+
+
+@pytest.fixture
+def private_tmp() -> Iterator[Path]:
+    """A short private TMPDIR: the script's Ray keeps its files and sockets there."""
+    base = Path(tempfile.mkdtemp(prefix="ega-", dir="/tmp"))
+    yield base
+    kill_marked([str(base)])
+    shutil.rmtree(base, ignore_errors=True)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_script_finds_ray_as_it_left_it(minilm_dir, private_tmp) -> None:
+    from tests.conftest import SHORT_DOCS, write_jsonl
+
+    corpus = write_jsonl(private_tmp / "short.jsonl", SHORT_DOCS)
+    done = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(SCRIPT), minilm_dir, corpus], cwd=private_tmp,
+        env=_env(TMPDIR=str(private_tmp)), capture_output=True, text=True, timeout=280,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    found = json.loads((private_tmp / "found.json").read_text())
+    assert found["workers"] >= 1
+    left_alone = {"initialised": False, "processes": [], "auth_mode": None, "breakpoint": None,
+                  "sigterm": True}  # fmt: skip
+    assert found["plan"] == left_alone
+    assert found["raised"] == "KeyboardInterrupt"
+    assert found["interrupted"] == left_alone
+    assert found["refused"] == (
+        "Ray is already initialised in this process (its GCS at GCS) and --address 127.0.0.1:1 "
+        "names another Ray: leave the address out to run on the initialised one, or call "
+        "ray.shutdown() first"
+    )
+    assert found["callers"] == {"same": True, "answers": 42}

@@ -22,7 +22,9 @@ own join is then given ``JOIN_TIMEOUT_S``. While connecting, SIGTERM (``ray job 
 ``kill``) and SIGINT (Ctrl-C) end the process within a fraction of a second with a message and
 status 128 + signal number, even when Ray is blocked in its C++ connection loop (a watcher
 thread woken through :func:`signal.set_wakeup_fd` ends the process; the main thread may be
-inside native code that never returns to Python).
+inside native code that never returns to Python). Within the Python API's calls
+(:func:`leave_ray_as_found`), Ctrl-C is the caller's ``KeyboardInterrupt`` instead: the
+process (a notebook's kernel) goes on.
 
 The first line the job writes to stderr about Ray says which one it runs on:
 ``ray: started a private local Ray (N CPUs)`` or
@@ -40,6 +42,7 @@ import re
 import select
 import signal
 import socket
+import sys
 import threading
 import time
 from collections.abc import Iterator, Mapping
@@ -59,6 +62,9 @@ if TYPE_CHECKING:
 PROBE_TIMEOUT_S = 10.0
 #: seconds Ray may take to join a head that accepted the TCP connection
 JOIN_TIMEOUT_S = 60.0
+#: seconds the Python API's caller waits for Ctrl-C's KeyboardInterrupt while joining a
+#: cluster, before the process ends (the main thread stuck in Ray's native join loop)
+INTERRUPT_GRACE_S = 2.0
 #: the GCS port of ``ray start --head`` when none is given
 DEFAULT_GCS_PORT = 6379
 #: the port of a Ray Client server (``ray://``) when none is given
@@ -76,6 +82,9 @@ _SIGNAL_NAMES = {signal.SIGTERM: "SIGTERM", signal.SIGINT: "SIGINT"}
 _private_gcs: str | None = None
 #: the GCS address of the cluster this process's :func:`connect` last joined, if it did
 _joined_gcs: str | None = None
+#: the Python API's calls in progress (:func:`leave_ray_as_found`): Ctrl-C while connecting is
+#: then the caller's KeyboardInterrupt, not the end of the process
+_embedded = 0
 
 
 @dataclass(frozen=True)
@@ -246,13 +255,21 @@ class _ConnectGuard:
     goes to a socket a watcher thread waits on; the watcher prints one line and ends the
     process with :func:`os._exit`, from its own thread. Nothing has been run on the cluster at
     that point, so there is nothing to clean up (a local Ray's reaper stops its processes).
+
+    Within the Python API's calls (:func:`leave_ray_as_found`) Ctrl-C is the caller's
+    ``KeyboardInterrupt``: the process ends only where the main thread has not left the
+    guarded block :data:`INTERRUPT_GRACE_S` after it (stuck in Ray's native join loop, where
+    nothing else would end it); while a private local Ray starts (``holds_interrupt``) it is
+    held until the start is done (:func:`_interrupt_after_start`).
     """
 
-    def __init__(self, what: str, timeout_hint: str = "") -> None:
+    def __init__(self, what: str, timeout_hint: str = "", *, holds_interrupt: bool = False) -> None:
         self.what = what
         self.timeout_hint = timeout_hint
+        self.holds_interrupt = holds_interrupt
         self._exit_lock = threading.Lock()
         self._end: float | None = None
+        self._interrupted: float | None = None
         self._control: socket.socket | None = None
 
     def arm(self, seconds: float) -> None:
@@ -271,13 +288,21 @@ class _ConnectGuard:
                 os._exit(code)
 
     def _on_signal(self, signum: int) -> None:
+        if _embedded and signum == signal.SIGINT:
+            # the caller's KeyboardInterrupt, raised where the main thread runs Python
+            if not self.holds_interrupt and self._interrupted is None:
+                self._interrupted = time.monotonic() + INTERRUPT_GRACE_S
+            return
+        self._exit_interrupted(signum)
+
+    def _exit_interrupted(self, signum: int, why: str = "") -> None:
         name = _SIGNAL_NAMES.get(signal.Signals(signum), f"signal {signum}")
-        self.exit_now(128 + signum, f"error: interrupted by {name} while {self.what}")
+        self.exit_now(128 + signum, f"error: interrupted by {name} while {self.what}{why}")
 
     def _watch(self, wake: socket.socket, control: socket.socket) -> None:
         while True:
-            end = self._end
-            left = None if end is None else max(0.0, end - time.monotonic())
+            ends = [t for t in (self._end, self._interrupted) if t is not None]
+            left = max(0.0, min(ends) - time.monotonic()) if ends else None
             ready, _, _ = select.select([wake, control], [], [], left)
             if wake in ready:  # before `control`: a signal that raced the end is still honoured
                 for byte in wake.recv(64):
@@ -286,8 +311,14 @@ class _ConnectGuard:
             if control in ready:
                 if b"x" in control.recv(64):
                     return
-            elif not ready and end is not None and time.monotonic() >= end:
-                self.exit_now(2, f"error: {self.timeout_hint}")
+            elif not ready:
+                now = time.monotonic()
+                if self._interrupted is not None and now >= self._interrupted:
+                    self._exit_interrupted(
+                        signal.SIGINT, f" (Ray did not return within {INTERRUPT_GRACE_S:g} s)"
+                    )
+                if self._end is not None and now >= self._end:
+                    self.exit_now(2, f"error: {self.timeout_hint}")
 
     @contextlib.contextmanager
     def active(self) -> Iterator[None]:
@@ -311,8 +342,10 @@ class _ConnectGuard:
         except (KeyboardInterrupt, SystemExit):
             # Ctrl-C's KeyboardInterrupt, or ray.init's SIGTERM handler (sys.exit), may reach
             # the main thread before the watcher has read the signal's wakeup byte: give the
-            # watcher the moment it needs to report the signal and end the process
-            watcher.join(timeout=2.0)
+            # watcher the moment it needs to report the signal and end the process (within
+            # the Python API's calls, Ctrl-C stays the caller's KeyboardInterrupt)
+            if not _embedded:
+                watcher.join(timeout=2.0)
             raise
         finally:
             stop_w.send(b"x")
@@ -327,6 +360,26 @@ class _ConnectGuard:
                     signal.signal(signal.SIGTERM, signal.SIG_DFL if old_term is None else old_term)
             for s in (wake_r, wake_w, stop_r, stop_w):
                 s.close()
+
+
+@contextlib.contextmanager
+def _interrupt_after_start() -> Iterator[None]:
+    """Within the Python API's calls (:func:`leave_ray_as_found`), in the main thread: Ctrl-C
+    while ``ray.init`` starts the private local Ray is held until it has started, then
+    delivered (the caller's ``KeyboardInterrupt``). Interrupted midway, ``ray.init`` left the
+    processes it had started (its GCS, its monitor) running, unknown to ``ray.shutdown``;
+    started, they are all stopped by :func:`leave_ray_as_found`. The start takes seconds."""
+    if not _embedded or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    held: list[int] = []
+    caller = signal.signal(signal.SIGINT, lambda signum, _frame: held.append(signum))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, caller)
+        if held:
+            signal.raise_signal(signal.SIGINT)
 
 
 def _note_signal(signum: int, frame: FrameType | None) -> None:
@@ -419,6 +472,45 @@ def _count(n: int, noun: str) -> str:
     return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
 
 
+#: what ``ray.init`` changes in the process beyond Ray itself, put back by
+#: :func:`leave_ray_as_found`: its environment variables (``RAY_*``: ``RAY_AUTH_MODE=token``
+#: would go on to a later ``ray.init`` of the caller's; ``PYTHONBREAKPOINT``: ``breakpoint()``
+#: would call Ray's debugger)
+_RAY_INIT_VARIABLES = ("RAY_", "PYTHONBREAKPOINT")
+
+
+@contextlib.contextmanager
+def leave_ray_as_found() -> Iterator[None]:
+    """Within: one call of the Python API (:mod:`embgeom_ray.api`), in a process the caller
+    owns (a notebook's kernel, a script). Ctrl-C while Ray starts or is joined is the caller's
+    ``KeyboardInterrupt`` (a command's process ends instead: :class:`_ConnectGuard`). On
+    leaving, however the block ends, a Ray the block started (the private local Ray: its
+    processes and workers stopped; one half started by an interrupted ``ray.init`` too) or
+    joined (disconnected) is shut down, and what ``ray.init`` changed in the process is put
+    back: its environment variables and its SIGTERM handler. A Ray the caller had initialised
+    is left as it was, up and usable."""
+    global _embedded
+    ray = sys.modules.get("ray")
+    initialised = ray is not None and ray.is_initialized()
+    environ = {k: v for k, v in os.environ.items() if k.startswith(_RAY_INIT_VARIABLES)}
+    in_main = threading.current_thread() is threading.main_thread()
+    sigterm = signal.getsignal(signal.SIGTERM) if in_main else None
+    _embedded += 1
+    try:
+        yield
+    finally:
+        _embedded -= 1
+        ray = sys.modules.get("ray")
+        if not initialised and ray is not None:
+            ray.shutdown()
+            for name in [k for k in os.environ if k.startswith(_RAY_INIT_VARIABLES)]:
+                if name not in environ:
+                    del os.environ[name]
+            os.environ.update(environ)
+            if in_main and sigterm is not None and signal.getsignal(signal.SIGTERM) != sigterm:
+                signal.signal(signal.SIGTERM, sigterm)
+
+
 def started_private_local() -> bool:
     """Whether Ray is initialised here as the private local Ray that :func:`connect` started
     (the job owns that machine and its workers; not a cluster, not a Ray someone else
@@ -509,8 +601,8 @@ def connect(
         _check_initialised_ray(choice)
         return choice
     if choice.local:
-        guard = _ConnectGuard("starting a private local Ray")
-        with guard.active(), _without_token_notice():
+        guard = _ConnectGuard("starting a private local Ray", holds_interrupt=True)
+        with guard.active(), _without_token_notice(), _interrupt_after_start():
             ray.init(
                 address="local",
                 # no runtime env: the private Ray's processes are this process's children and
