@@ -23,8 +23,10 @@ revision, corpus and options, status (``running``, ``submitted``, ``complete``, 
 times, error and headline metrics of ``layers.parquet``. It is rewritten atomically after
 every change of a row. A failed run stays ``failed`` in the index and is retried at the next
 invocation (a partly done run resumes from its shard checkpoints). The store may be a local
-directory or an fsspec URL (``s3://``, ``gs://``); one invocation at a time per store
-(the KubeRay CronJob's ``concurrencyPolicy: Forbid``).
+directory or an fsspec URL (``s3://``, ``gs://``). One invocation at a time per store: a local
+store is locked while an invocation runs, and a second one ends at once with exit status 75,
+running nothing (:mod:`~embgeom_ray.runs.store_lock`); on an object store the scheduler must
+see to it (the KubeRay CronJob's ``concurrencyPolicy: Forbid``).
 
 A model that cannot be resolved (offline, unknown id, missing directory, bad options) is
 reported in one line and skipped; the others go on, and the exit status says something failed.
@@ -67,6 +69,7 @@ from ..integrity import SEAL_KEY, seal
 from ..io_utils import exists, is_local, join, local_path, read_bytes
 from ..run_dir import HEADER_KEY, Manifest, RunDir, RunDirError, now, write_table
 from ..storage import check_output, user_errors
+from .store_lock import store_lock
 
 #: the index of runs in the store
 INDEX = "runs.parquet"
@@ -905,7 +908,14 @@ def summary_line(result: ReanalyzeResult, store: str) -> str:
 def reanalyze(watchlist: str, store: str, **kwargs: Any) -> ReanalyzeResult:
     """Run one invocation (see :class:`Reanalyzer` for the keyword arguments). An object
     store's endpoint and bucket are checked first, before its index is read or any model
-    planned: its index is written after the runs, so a missing bucket was found hours late."""
+    planned: its index is written after the runs, so a missing bucket was found hours late.
+    Then the store is locked (:func:`~embgeom_ray.runs.store_lock.store_lock`): a second
+    invocation on it meanwhile ends at once with :class:`StoreBusyError`, running nothing."""
     with user_errors(store, "store"):
         check_output(store)
-    return Reanalyzer(watchlist, store, **kwargs).run()
+    if kwargs.get("dry_run"):  # writes nothing: no lock needed
+        return Reanalyzer(watchlist, store, **kwargs).run()
+    if is_local(store):
+        store = os.path.abspath(local_path(store))
+    with store_lock(store):  # one invocation at a time: StoreBusyError for a second one
+        return Reanalyzer(watchlist, store, **kwargs).run()

@@ -294,6 +294,48 @@ def test_a_corrupt_run_or_index_is_refused_in_one_line(models, corpus, tmp_path,
     assert len(fake_analyze.calls) == 1
 
 
+def test_one_invocation_at_a_time_per_store(models, corpus, tmp_path, fake_analyze, capsys) -> None:
+    """Cron overlap: while another process holds the store, an invocation runs nothing, writes
+    nothing and ends at once with one line naming the holder, exit status 75; the holder
+    killed (SIGKILL), the lock is gone with it and the next invocation does everything."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    from embgeom_ray.runs.store_lock import BUSY_EXIT
+
+    store = tmp_path / "store"
+    watch = _watchlist(tmp_path / "models.yaml", [{"model": models["a"]}, {"model": models["b"]}])
+    argv = ["--watchlist", watch, "--corpus", corpus, "--store", str(store)]
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import sys, time\n"
+         "from embgeom_ray.runs.store_lock import store_lock\n"
+         "with store_lock(sys.argv[1]):\n    print('locked', flush=True); time.sleep(600)",
+         str(store)],
+        stdout=subprocess.PIPE, text=True, cwd=REPO,
+    )  # fmt: skip
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        t0 = time.perf_counter()
+        assert reanalyze_cli.main(argv) == BUSY_EXIT == 75
+        assert time.perf_counter() - t0 < 10  # at once, not after planning the models
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1, err
+        assert f"another reanalyze is running on the store {store} (pid {holder.pid} " in err[0]
+        assert "ran nothing" in err[0]
+        assert fake_analyze.calls == [] and not (store / "runs.parquet").exists()
+        assert not (store / "runs").exists()
+        # a dry run writes nothing and is not held up
+        assert reanalyze_cli.main([*argv, "--dry-run"]) == 0 and fake_analyze.calls == []
+    finally:
+        os.kill(holder.pid, signal.SIGKILL)
+        holder.wait()
+    assert reanalyze_cli.main(argv) == 0
+    assert sorted(fake_analyze.calls) == sorted([models["a"], models["b"]])
+    assert set(read_index(str(store))["status"]) == {"complete"}
+
+
 def test_key_follows_content_and_result_options(models, corpus, tmp_path, fake_analyze) -> None:
     store = tmp_path / "store"
     moved = shutil.copytree(models["a"], tmp_path / "renamed-copy")

@@ -1,0 +1,86 @@
+"""One ``reanalyze`` invocation at a time per store: ``STORE/reanalyze.lock``.
+
+Two invocations on one store at once (cron starting tonight's while last night's still runs)
+would analyse the same model into the same run directory at the same time, and each rewrites
+``runs.parquet`` from its own view of it: one crashed on the other's checkpoint files, and the
+index ended up saying ``failed`` for a run that was complete. So an invocation holds an
+exclusive lock on the store while it runs, and a second one ends at once, runs nothing and
+writes nothing, with one line naming the holder and exit status :data:`BUSY_EXIT` (75,
+``EX_TEMPFAIL`` of ``sysexits.h``: try again later).
+
+The lock is an advisory ``flock`` (:class:`filelock.FileLock`) on ``STORE/reanalyze.lock``,
+held by the process itself: it goes away with the process however it ends (SIGKILL and a
+crashed node included), so a killed invocation never leaves the store locked. Who holds it
+(host, pid, start time, command line) is written beside it, in ``STORE/reanalyze.lock.json``,
+for the second invocation's message. ``flock`` works on local disks and on NFS (v4 and v3 with
+lockd). An object store (``s3://``, ``gs://``) offers no such lock: there the scheduler must
+run one invocation at a time (the KubeRay CronJob's ``concurrencyPolicy: Forbid``); with
+``--submit``, the runs themselves are still never submitted twice (stable submission ids).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import socket
+import sys
+from collections.abc import Iterator
+
+from ..errors import UserError
+from ..io_utils import atomic_write_json, is_local, join, local_path
+from ..run_dir import now
+
+#: the lock file, and the file that says who holds it, in the store
+LOCK = "reanalyze.lock"
+HOLDER = "reanalyze.lock.json"
+#: the exit status of an invocation that found the store locked (``EX_TEMPFAIL``)
+BUSY_EXIT = 75
+
+
+class StoreBusyError(UserError):
+    """Another invocation holds the store: this one ran nothing and wrote nothing."""
+
+    exit_code = BUSY_EXIT
+
+
+def _holder(store: str) -> str:
+    """Who holds the lock, in words, from ``STORE/reanalyze.lock.json`` ("" if unknown)."""
+    try:
+        with open(os.path.join(store, HOLDER), encoding="utf-8") as f:
+            info = json.load(f)
+        return f" (pid {info['pid']} on {info['host']}, since {info['started_at']})"
+    except (OSError, ValueError, KeyError, TypeError):
+        return ""
+
+
+@contextlib.contextmanager
+def store_lock(store: str) -> Iterator[None]:
+    """Hold ``STORE/reanalyze.lock`` while the block runs; :class:`StoreBusyError` at once if
+    another process holds it. A store on an object store is not locked (see the module)."""
+    if not is_local(store):
+        yield
+        return
+    from filelock import FileLock, Timeout
+
+    path = local_path(store)
+    os.makedirs(path, exist_ok=True)
+    lock = FileLock(os.path.join(path, LOCK), timeout=0)
+    try:
+        lock.acquire()
+    except Timeout:
+        raise StoreBusyError(
+            f"another reanalyze is running on the store {store}{_holder(path)}: this one ran "
+            f"nothing (exit status {BUSY_EXIT}); the next one does what that one leaves"
+        ) from None
+    try:
+        info = {
+            "host": socket.gethostname(),
+            "pid": os.getpid(),
+            "started_at": now(),
+            "argv": sys.argv,
+        }
+        atomic_write_json(join(path, HOLDER), info)
+        yield
+    finally:
+        lock.release()
