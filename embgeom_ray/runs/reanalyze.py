@@ -43,6 +43,7 @@ recognised and followed, never submitted twice; after a failed or stopped one, r
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import io
 import json
@@ -790,6 +791,17 @@ class Reanalyzer:
         except Exception as exc:
             error = f"{type(exc).__name__}: {exc}"
             self.warn(traceback.format_exc())
+        except (KeyboardInterrupt, SystemExit) as exc:
+            # Ctrl-C, or SIGTERM (Ray's handler: SystemExit(15)): the index says so, not
+            # "running" for a run nobody runs; the command ends with 130 or 143 all the same
+            why = "Ctrl-C" if isinstance(exc, KeyboardInterrupt) else f"SystemExit({exc.code})"
+            if isinstance(exc, SystemExit) and exc.code == 15:
+                why = "SIGTERM"
+            duration = round(time.perf_counter() - t0, 3)
+            error = f"interrupted ({why}); the next invocation resumes it"
+            with contextlib.suppress(Exception):  # the interruption is what the user sees
+                self.index.upsert(_fail_row(run, error, attempts=attempts, duration_s=duration))
+            raise
         else:
             if manifest.complete and manifest_key(manifest) == run.key:
                 self.index.upsert(complete_row(run, manifest, attempts=attempts))

@@ -336,6 +336,44 @@ def test_one_invocation_at_a_time_per_store(models, corpus, tmp_path, fake_analy
     assert set(read_index(str(store))["status"]) == {"complete"}
 
 
+@pytest.mark.parametrize(("interrupt", "status", "why"), [
+    (SystemExit(15), 143, "SIGTERM"), (KeyboardInterrupt(), 130, "Ctrl-C"),
+])  # fmt: skip
+def test_an_interrupted_run_is_not_left_running_in_the_index(
+    models, corpus, tmp_path, monkeypatch, capsys, interrupt, status, why
+) -> None:
+    """SIGTERM (Ray's handler raises SystemExit(15)) or Ctrl-C in the middle of a run: the
+    command ends with 143 or 130, and the index says the run was interrupted (it said
+    ``running``, for a run nobody ran, until the next invocation); the next one redoes it."""
+    store = tmp_path / "store"
+    watch = _watchlist(tmp_path / "models.yaml", [{"model": models["a"]}, {"model": models["b"]}])
+    argv = ["--watchlist", watch, "--corpus", corpus, "--store", str(store)]
+    calls: list[str] = []
+
+    def interrupted(config, *, echo=print):
+        calls.append(config.model)
+        if config.model == models["b"]:
+            raise interrupt
+        return write_complete_run(config)
+
+    monkeypatch.setattr(pipeline, "analyze", interrupted)
+    assert reanalyze_cli.main(argv) == status
+    assert calls == [models["a"], models["b"]]
+    assert capsys.readouterr().err.strip().splitlines()[-1].startswith(
+        "terminated (SIGTERM)" if status == 143 else "interrupted:"
+    )
+    index = read_index(str(store)).set_index("model")
+    assert index.loc[models["a"], "status"] == "complete"
+    assert index.loc[models["b"], "status"] == "failed"
+    assert index.loc[models["b"], "error"] == f"interrupted ({why}); the next invocation resumes it"
+    assert index.loc[models["b"], "attempts"] == 1
+
+    monkeypatch.setattr(pipeline, "analyze", FakeAnalyze())
+    assert reanalyze_cli.main(argv) == 0
+    index = read_index(str(store)).set_index("model")
+    assert set(index["status"]) == {"complete"} and index.loc[models["b"], "attempts"] == 2
+
+
 def test_key_follows_content_and_result_options(models, corpus, tmp_path, fake_analyze) -> None:
     store = tmp_path / "store"
     moved = shutil.copytree(models["a"], tmp_path / "renamed-copy")
