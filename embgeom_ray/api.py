@@ -48,7 +48,7 @@ if TYPE_CHECKING:
     from .core.statistics import EmbeddingStatistics
 
 __all__ = ["Comparison", "LayerSample", "Run", "RunDirError", "analyze", "compare", "merge",
-           "open_run", "plan", "write_report"]  # fmt: skip
+           "open_run", "plan", "store_runs", "write_report"]  # fmt: skip
 
 Echo = Callable[[str], None]
 
@@ -440,3 +440,14 @@ def write_report(run: str | Path | Run) -> str:
 
     with _call(print):  # its lines as the command prints them
         return write(run.url if isinstance(run, Run) else str(run))
+
+
+def store_runs(store: str | Path, *, latest: bool = False) -> pd.DataFrame:
+    """The runs a re-analysis store holds (``embgeom reanalyze --store STORE --list``):
+    ``STORE/runs.parquet`` sorted by model and start, with a boolean column ``latest`` (each
+    model's complete run that finished last); ``latest=True``: those rows only, whose ``out``
+    :func:`compare` takes. :class:`~embgeom_ray.errors.OutputError` if the store has no index."""
+    from .runs.store_listing import store_runs as read
+
+    with _user_errors():
+        return read(str(store), latest=latest)

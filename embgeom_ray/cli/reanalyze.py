@@ -39,9 +39,8 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
     a = p.add_argument
     a(
         "--watchlist",
-        required=True,
         help="YAML file: models: [{model: HUB_ID_OR_DIR, revision: latest|BRANCH|TAG|COMMIT, "
-        "options: {...}}] (see deploy/models.yaml)",
+        "options: {...}}] (see deploy/models.yaml); required, except with --list",
     )
     a(
         "--store",
@@ -77,15 +76,37 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
         help="with --submit: return once submitted (the index says 'submitted'; the next "
         "invocation follows or retries them) instead of waiting for the jobs",
     )
+    a(
+        "--list",
+        action="store_true",
+        help="print the runs the store holds (STORE/runs.parquet: status, revision, headline "
+        "metrics, directory; '*' marks each model's latest complete run) and the command that "
+        "compares the latest runs; needs no watch list, runs nothing, writes nothing",
+    )
     a("-v", "--verbose", action="store_true", help="log at INFO level")
     # the corpus of every run: the job's own option, generated from its field
     add_options(p, ("corpus",), {"corpus": "'corpus' of --config"})
     return p
 
 
+def _list(store: str) -> None:
+    """``--list``: the store's runs (:func:`~embgeom_ray.runs.store_listing.listing_lines`)."""
+    from embgeom_ray.runs.store_listing import listing_lines
+    from embgeom_ray.storage import check_output, user_errors
+
+    with user_errors(store, "store"):
+        check_output(store)
+        print("\n".join(listing_lines(store)))
+
+
 def main(argv: list[str] | None = None, prog: str = PROG) -> int:
-    args = build_parser(prog).parse_args(argv)
+    parser = build_parser(prog)
+    args = parser.parse_args(argv)
+    if not args.list and not args.watchlist:
+        parser.error("the following arguments are required: --watchlist (except with --list)")
     configure_logging(args.verbose)
+    if args.list:
+        return exit_status(lambda: _list(args.store))
     results = []
 
     def run() -> None:

@@ -374,6 +374,56 @@ def test_an_interrupted_run_is_not_left_running_in_the_index(
     assert set(index["status"]) == {"complete"} and index.loc[models["b"], "attempts"] == 2
 
 
+def test_the_store_lists_its_runs_and_the_latest_ones_compare(
+    models, corpus, tmp_path, fake_analyze, capsys
+) -> None:
+    """``--list`` and ``eg.store_runs``: every run of the store, each model's latest complete
+    one marked, failed runs with their error, and the command comparing the latest runs."""
+    import embgeom_ray as eg
+
+    store = tmp_path / "store"
+    a, b = models["a"], models["b"]
+    first = _watchlist(tmp_path / "first.yaml", [{"model": a}, {"model": b}])
+    assert _run(first, corpus, store).ok
+    # the next night: b with another result option (a new run; the old one stays)
+    fake_analyze.fail = {b}
+    changed = _watchlist(tmp_path / "changed.yaml",
+                         [{"model": a}, {"model": b, "options": {"max_length": 16}}])  # fmt: skip
+    assert not _run(changed, corpus, store).ok
+    assert _run(changed, corpus, store).ok
+    index = read_index(str(store))
+    new_b = index[(index["model"] == b) & (index["options"].str.contains('"max_length": 16'))]
+    old_b = index[(index["model"] == b) & ~index["key"].isin(new_b["key"])]
+    a_out, old_b_out, new_b_out = (index.loc[index["model"] == a, "out"].item(),
+                                   old_b["out"].item(), new_b["out"].item())  # fmt: skip
+
+    runs = eg.store_runs(store)
+    assert len(runs) == 3 and list(runs["model"]) == [a, b, b]
+    assert runs.set_index("out")["latest"].to_dict() == {
+        a_out: True, old_b_out: False, new_b_out: True}  # fmt: skip
+    latest = eg.store_runs(str(store), latest=True)
+    assert list(latest["out"]) == [a_out, new_b_out]
+    assert latest["n_tokens"].tolist() == [50, 50]
+
+    capsys.readouterr()
+    assert reanalyze_cli.main(["--store", str(store), "--list"]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    rows = [line.split() for line in lines[1:4]]
+    assert [r[0] == "*" for r in rows] == [True, False, True]
+    assert [r[-1] for r in rows] == [a_out, old_b_out, new_b_out]
+    assert lines[-1] == f"compare the latest runs: embgeom compare {a_out} {new_b_out} --out CMP_DIR"
+
+    # a store without an index: one line, status 2; no --watchlist without --list: status 2
+    assert reanalyze_cli.main(["--store", str(tmp_path / "typo"), "--list"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"error: {tmp_path / 'typo'} holds no runs.parquet: not a reanalyze store, "
+                   "or nothing has run there yet"]  # fmt: skip
+    with pytest.raises(SystemExit) as exc:
+        reanalyze_cli.main(["--store", str(store)])
+    assert exc.value.code == 2
+    assert "--watchlist (except with --list)" in capsys.readouterr().err
+
+
 def test_key_follows_content_and_result_options(models, corpus, tmp_path, fake_analyze) -> None:
     store = tmp_path / "store"
     moved = shutil.copytree(models["a"], tmp_path / "renamed-copy")
