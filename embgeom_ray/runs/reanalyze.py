@@ -332,6 +332,36 @@ class PlannedRun:
         } | values
 
 
+def why_new(run: PlannedRun, rows: list[dict[str, Any]]) -> str:
+    """Why ``run`` is not up to date, against the model's complete run that finished last in
+    the index (``rows``): what of its key differs (revision or weights, tokenizer, corpus path
+    or fingerprint, result options with their old and new values), or that the model has no
+    complete run yet. A corpus whose fingerprint changed has files of other sizes or
+    modification times: an appended line, and a mere ``touch``, both give one."""
+    done = [r for r in rows if r.get("model") == run.entry.model and r.get("status") == "complete"]
+    if not done:
+        return "no complete run of this model yet"
+    last = max(done, key=lambda r: str(r.get("finished_at") or ""))
+    changes = []
+    if last.get("model_fingerprint") != run.model_fingerprint:
+        changes.append(f"revision {_short_rev(str(last.get('revision')))} -> "
+                       f"{_short_rev(run.revision)}")  # fmt: skip
+    if last.get("tokenizer_fingerprint") != run.tokenizer_fingerprint:
+        changes.append("tokenizer")
+    if last.get("corpus") != run.config.corpus:
+        changes.append(f"corpus {last.get('corpus')} -> {run.config.corpus}")
+    elif last.get("corpus_fingerprint") != run.corpus_fingerprint:
+        changes.append("the corpus's files changed (size or modification time)")
+    try:
+        old = json.loads(last.get("options") or "{}")
+    except ValueError:
+        old = {}
+    new = run.config.result_options()
+    changes += [f"{k} {old.get(k)!r} -> {new.get(k)!r}" for k in RESULT_OPTIONS
+                if k in old and old.get(k) != new.get(k)]  # fmt: skip
+    return "since the last complete run: " + ("; ".join(changes) or "its key")
+
+
 def _short_rev(revision: str) -> str:
     return revision[:19] if revision.startswith("sha256:") else revision[:12]
 
@@ -771,7 +801,8 @@ class Reanalyzer:
         from .pipeline import analyze
 
         attempts = int((self.index.get(run.key) or {}).get("attempts") or 0) + 1
-        self.echo(f"analysing {run.name} -> {run.out} (attempt {attempts})")
+        why = why_new(run, list(self.index.rows.values()))
+        self.echo(f"analysing {run.name} -> {run.out} (attempt {attempts}; {why})")
         t0 = time.perf_counter()
         self.index.upsert(
             run.index_row(
@@ -890,7 +921,8 @@ class Reanalyzer:
             outcome = self._up_to_date(planned)
             if outcome is None:
                 if self.dry_run:
-                    self.echo(f"would analyse: {planned.name} -> {planned.out}")
+                    why = why_new(planned, list(self.index.rows.values()))
+                    self.echo(f"would analyse: {planned.name} -> {planned.out} ({why})")
                     outcome = Outcome(entry, "would run", key=planned.key, out=planned.out)
                 elif self.submit:
                     outcome = self._submit(planned)

@@ -424,6 +424,39 @@ def test_the_store_lists_its_runs_and_the_latest_ones_compare(
     assert "--watchlist (except with --list)" in capsys.readouterr().err
 
 
+def test_a_new_run_says_what_changed(models, corpus, tmp_path, fake_analyze) -> None:
+    """Each run to be made says why, against the model's last complete run: a model never
+    run, a result option's old and new value, the corpus's files changed (an appended line)."""
+    import os
+
+    store = tmp_path / "store"
+    a, b = models["a"], models["b"]
+    config = _job_config(tmp_path / "job.yaml", {"max_length": 32})
+    assert _run(_watchlist(tmp_path / "w1.yaml", [{"model": a}]), corpus, store,
+                config_path=config).ok  # fmt: skip
+
+    def lines(watch: list[Any], **kwargs: Any) -> list[str]:
+        said: list[str] = []
+        _run(_watchlist(tmp_path / "w.yaml", watch), corpus, store, config_path=config,
+             echo=said.append, **kwargs)  # fmt: skip
+        return said[:-1]  # the summary line left out
+
+    night = lines([{"model": a, "options": {"max_length": 16}}, {"model": b}], dry_run=True)
+    assert night[0].startswith(f"would analyse: {a} (")
+    assert night[0].endswith(" (since the last complete run: max_length 32 -> 16)")
+    assert night[1].endswith(" (no complete run of this model yet)")
+    with open(corpus, "a") as f:
+        f.write('{"text": "One more line, appended tonight."}\n')
+    os.utime(corpus, (1_700_000_000, 1_700_000_000))
+    (line,) = lines([{"model": a}])
+    assert line.startswith(f"analysing {a} (") and line.endswith(
+        " (attempt 1; since the last complete run: the corpus's files changed (size or "
+        "modification time))"
+    )
+    assert lines([{"model": a}])[0].startswith(f"up to date: {a} (")
+    assert len(fake_analyze.calls) == 2
+
+
 def test_key_follows_content_and_result_options(models, corpus, tmp_path, fake_analyze) -> None:
     store = tmp_path / "store"
     moved = shutil.copytree(models["a"], tmp_path / "renamed-copy")
