@@ -175,8 +175,19 @@ def load_watchlist(path: str) -> list[WatchEntry]:
                 f"{where}: options {reserved} cannot be set per model (model and revision are "
                 "the entry's own keys, the corpus and the output come from the command line)"
             )
-        entries.append(WatchEntry(model.strip(), revision.strip(), options, i))
+        entries.append(WatchEntry(beside(model.strip(), path), revision.strip(), options, i))
     return entries
+
+
+def beside(model: str, watchlist: str) -> str:
+    """``model`` as the watch list ``watchlist`` names it: a relative directory that is not
+    one in the working directory but is one beside the watch list is that one, as an absolute
+    path (cron runs a command in the user's home, not where the watch list and its models
+    are); anything else as written (a hub id, an absolute path, a directory here)."""
+    if os.path.isabs(os.path.expanduser(model)) or is_local_model(model) or not is_local(watchlist):
+        return model
+    there = os.path.join(os.path.dirname(os.path.abspath(local_path(watchlist))), model)
+    return os.path.normpath(there) if is_local_model(there) else model
 
 
 # --------------------------------------------------------------------------------------------
@@ -224,7 +235,9 @@ def resolve_hub_revision(model: str, revision: str) -> str:
         raise ModelError(f"{what}: the model has no such branch, tag or commit") from None
     except RepositoryNotFoundError:
         raise ModelError(
-            f"{what}: no such model on the hub (or it is private: set HF_TOKEN)"
+            f"{what}: no such model on the hub (or it is private: set HF_TOKEN), and no "
+            f"directory of that name in the working directory ({os.getcwd()}) or beside the "
+            "watch list"
         ) from None
     except Exception as exc:  # network errors of any kind
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
@@ -414,7 +427,10 @@ def plan_entry(
             )
         revision = None
     elif _looks_like_path(entry.model):
-        raise ModelError(f"local model directory {entry.model} does not exist")
+        raise ModelError(
+            f"local model directory {entry.model} does not exist (a relative one is looked "
+            f"for in the working directory, {os.getcwd()}, then beside the watch list)"
+        )
     else:
         revision = resolve_hub_revision(entry.model, entry.revision)
     identity, _ = resolve_identity(entry.model, revision, draft.trust_remote_code)

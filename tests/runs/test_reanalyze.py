@@ -168,6 +168,27 @@ def test_watch_list_format(tmp_path) -> None:
             load_watchlist(str(tmp_path / "w.yaml"))
 
 
+def test_a_relative_model_directory_is_found_beside_the_watch_list(tmp_path, monkeypatch) -> None:
+    """Cron runs the command in the user's home: a relative model directory of the watch list
+    that is not one there is the one beside the watch list (absolute); one in the working
+    directory is that one; a hub id, and a directory found nowhere, stay as written."""
+    lists, home = tmp_path / "lists", tmp_path / "home"
+    (lists / "models" / "tiny").mkdir(parents=True)
+    (home / "here").mkdir(parents=True)
+    (lists / "here").mkdir()
+    (lists / "w.yaml").write_text(
+        "models: [models/tiny, ./models/tiny, here, models/typo, sentence-transformers/x]\n"
+    )
+    monkeypatch.chdir(home)
+    got = [e.model for e in load_watchlist(str(lists / "w.yaml"))]
+    tiny = str(lists / "models" / "tiny")
+    assert got == [tiny, tiny, "here", "models/typo", "sentence-transformers/x"]
+    from embgeom_ray.runs.reanalyze import WatchEntry, plan_entry
+
+    with pytest.raises(ModelError, match=f"working directory, {home}, then beside the watch list"):
+        plan_entry(WatchEntry("./models/typo"), {}, "c.jsonl", str(tmp_path / "s"), None)
+
+
 def test_hub_revision_offline_is_a_clear_error(monkeypatch) -> None:
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     import huggingface_hub.constants
