@@ -94,6 +94,7 @@ from ..sizing import (
     Reduce,
     Shape,
     Sizing,
+    check_device,
     describe_plan,
     run_shape,
     size_job,
@@ -532,11 +533,12 @@ def size_run(spec: RunSpec, echo=print) -> Sizing:
     """Every decision of the run before any work (:func:`~embgeom_ray.sizing.size_job`: the
     extractors, the reduce, each process's memory), from its shape, its corpus and Ray's view
     of the cluster (joined here), printed once. Refuses what cannot fit."""
-    from ..distributed.cluster import connect, read_cluster
+    from ..distributed.cluster import connect, read_cluster, started_private_local
 
     config = spec.config
     connect(config.address)
     cluster = read_cluster()
+    check_device(config.device, cluster, private_local=started_private_local())
     special = len(spec.tokenizer.all_special_ids) if config.keep_special else 0
     sizing = size_job(spec.shape, spec.corpus_shape, cluster, config.scheduling, special=special)
     for line in sizing.lines():

@@ -237,6 +237,18 @@ def plan_pool(
     return max(1, min(n, num_shards)), 0, per
 
 
+def check_device(device: str, cluster: Cluster, *, private_local: bool) -> None:
+    """Refuse ``--device cuda`` where no GPU can ever come: on the job's private local Ray of a
+    machine without one. A cluster's GPU nodes may join later (an autoscaler's): there the pool
+    asks for GPU extractors and waits for them (:func:`plan_pool`)."""
+    if device == "cuda" and not cluster.gpus and private_local:
+        raise ConfigError(
+            f"--device cuda needs a GPU, and this machine has none that Ray sees (a private "
+            f"local Ray of {cluster.cpus} CPUs and no GPU): give --device cpu or auto, or the "
+            "--address of a cluster with GPUs"
+        )
+
+
 def gpus_for_weights(cluster: Cluster, shape: Shape) -> int:
     """The fewest GPUs of one node whose memory holds the weights in
     :data:`GPU_WEIGHT_SHARE`; all of the largest node's when none is enough (the device map
@@ -340,7 +352,9 @@ def _extractor_range(
         on_device = max(on_device, floor + 1)
         tier = explicit_h if explicit_h is not None else shape.statistics_bytes(types)
         whole = extractor_bytes(shape, types, b, on_device, gpus, tier)
-    least = extractor_bytes(shape, types, b, floor + 1, gpus, explicit_h)
+    # the statistics at their floor, with the growth a batch may add before it spills; no
+    # more than the whole statistics (a small corpus: S(V) + F under that floor and growth)
+    least = min(extractor_bytes(shape, types, b, floor + 1, gpus, explicit_h), whole)
     if explicit_s is not None:
         least = whole = extractor_bytes(shape, types, b, explicit_s, gpus, explicit_h)
     return whole, least, on_device

@@ -172,3 +172,33 @@ def test_what_the_autoscalers_node_groups_hold():
     assert pool_ceiling(None, None) is None
     assert pool_ceiling(None, 8) == 8
     assert pool_ceiling(4, 8) == 4 and pool_ceiling(16, 8) == 8 and pool_ceiling(4, None) == 4
+
+
+def test_a_small_corpus_on_gpus_not_yet_up_is_sized_with_its_whole_statistics():
+    """``--device cuda`` before any GPU node is up, over a corpus of a few types: the whole
+    statistics S(V) + F are less than their per-layer floor plus a batch's growth, and that
+    whole is then the least an extractor needs (it was refused as needing more memory than
+    'the nodes hold', with 0 extractors)."""
+    from embgeom_ray.config import build_config
+    from embgeom_ray.sizing import Shape, size_extractors
+
+    shape = Shape(layers=7, dim=384, positions=512, vocab=30_522, hidden_states=7,
+                  intermediate=1536, heads=12, weight_bytes=90 * 2**20, sample_entries=4096)  # fmt: skip
+    options = build_config(None, {"model": "m", "corpus": "c", "out": "o", "device": "cuda"}).scheduling
+    pool = size_extractors(shape, 12, Cluster((HEAD,)), options, 1, driver=2 * GiB)
+    assert (pool.num_workers, pool.num_gpus) == (1, 1)
+    assert "no node holds an extractor yet" in pool.reason
+
+
+def test_cuda_on_a_machine_without_gpus_is_refused_only_on_the_private_ray():
+    """No GPU ever comes to the job's private local Ray: ``--device cuda`` there is one line;
+    on a cluster the pool waits for GPU nodes to join; with a GPU, nothing to refuse."""
+    from embgeom_ray.errors import ConfigError
+    from embgeom_ray.sizing import check_device
+
+    here = Cluster((Node("head", 8 * GiB, cpus=2, head=True),))
+    with pytest.raises(ConfigError, match=r"--device cuda needs a GPU.*private local Ray of 2 CPUs"):
+        check_device("cuda", here, private_local=True)
+    check_device("cuda", here, private_local=False)
+    check_device("auto", here, private_local=True)
+    check_device("cuda", Cluster((HEAD, gpu_node("a"))), private_local=True)
