@@ -965,7 +965,8 @@ def _evidence_cell(r: pd.Series) -> str:
         return '<span title="sampled; this run has no standard error for it">no s.e.</span>'
     text = f"z {z:+.1f}".replace("-", "−")
     if bool(r.get("within_noise")):
-        return f'<span class="muted" title="|z| < 2: within the runs\' sampling noise">{text}, noise</span>'
+        why = _e("|z| < 2: within the runs' sampling noise")
+        return f'<span class="muted" title="{why}">{text}, noise</span>'
     return f'<b title="|z| ≥ 2: beyond the sampling noise">{text}</b>'
 
 
@@ -1012,20 +1013,22 @@ def _changes_html(
         '<th title="exact, or z = Δ / √(se_baseline² + se_run²) of a sampled metric">'
         "evidence</th></tr>"
     )
+    note = (
+        f"Baseline: {baseline} (the first run). Sampled metrics carry a half-sample standard "
+        "error; their changes are ranked by z = Δ / √(se_baseline² + se_run²), those with "
+        "|z| ≥ 2 first, then exact metrics (computed over every token, no sampling error) by "
+        "|Δ| over the metric's range across all runs and layers, then sampled metrics without a "
+        "standard error, then changes within noise (|z| < 2), then the cluster-adjusted metrics "
+        "of layers whose K-means clustering changed (another k: not one quantity measured "
+        "twice, and not ranked by z). Differences within the bounds of the same result (exact "
+        "metrics 1e-6, sampled 1e-4 relative) and those of layers whose k decision is not "
+        "robust in a run are not changes and are not listed. ⚠ marks a run too small for its "
+        "sampled metrics to be compared (see the warning); z does not capture the effect of a "
+        f"smaller sample on K-means, silhouettes or LID. {matching_note}."
+    )
     return (
         f'{banner}<div class="scroll"><table class="data"><thead>{head}</thead><tbody>'
-        f'{"".join(rows)}</tbody></table></div><p class="note">Baseline: {_e(baseline)} (the '
-        "first run). Sampled metrics carry a half-sample standard error; their changes are "
-        "ranked by z = Δ / √(se_baseline² + se_run²), those with |z| ≥ 2 first, then exact "
-        "metrics (computed over every token, no sampling error) by |Δ| over the metric's range "
-        "across all runs and layers, then sampled metrics without a standard error, then "
-        "changes within noise (|z| < 2), then the cluster-adjusted metrics of layers whose "
-        "K-means clustering changed (another k: not one quantity measured twice, and not "
-        "ranked by z). Differences within the bounds of the same result (exact metrics 1e-6, "
-        "sampled 1e-4 relative) and those of layers whose k decision is not robust in a run "
-        "are not changes and are not listed. ⚠ marks a run too small for its sampled metrics to "
-        "be compared (see the warning); z does not capture the effect of a smaller sample on "
-        f"K-means, silhouettes or LID. {_e(matching_note)}.</p>"
+        f'{"".join(rows)}</tbody></table></div><p class="note">{_e(note)}</p>'
     )
 
 

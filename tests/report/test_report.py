@@ -399,8 +399,40 @@ class _Refs(HTMLParser):
                     self.imgs.append(v)
 
 
+class _BareLt(HTMLParser):
+    """Collects each raw ``<`` that starts no tag: in text, or inside a tag's attributes."""
+
+    def __init__(self):
+        super().__init__(convert_charrefs=False)
+        self.bare: list[str] = []
+        self._in_style = False
+
+    def handle_starttag(self, tag, attrs):
+        raw = self.get_starttag_text() or ""
+        if raw.count("<") > 1:
+            self.bare.append(raw[:120])
+        self._in_style = tag == "style"
+
+    def handle_endtag(self, tag):
+        self._in_style = False
+
+    def handle_data(self, data):
+        if "<" in data and not self._in_style:
+            line, col = self.getpos()
+            self.bare.append(f"line {line}, column {col}: {data[:40]!r}")
+
+
+def bare_lt(text: str) -> list[str]:
+    """The places where an HTML page has ``<`` as text, not escaped as ``&lt;``."""
+    parser = _BareLt()
+    parser.feed(text)
+    parser.close()
+    return parser.bare
+
+
 def check_report_html(path: str | Path, n_images: int) -> str:
     text = Path(path).read_text(encoding="utf-8")
+    assert bare_lt(text) == [], "a bare < in the page's text: escape it"
     parser = _Refs()
     parser.feed(text)
     for tag, attr, value in parser.refs:

@@ -25,6 +25,7 @@ from embgeom_ray.runs.compare import (
     match_layers,
 )
 from jobs import compare as compare_cli
+from tests.report.test_report import bare_lt
 
 HIDDEN = 4
 
@@ -357,6 +358,9 @@ def test_sampled_changes_ranked_by_z(tmp_path, capsys) -> None:
         in printed
     )
     assert "2 changes of sampled metrics within noise (|z| < 2), ranked after the others" in printed
+    # the report says |z| < 2 in its note and in the within-noise rows' tooltips, escaped
+    html = (out / "report.html").read_text()
+    assert bare_lt(html) == [] and "(|z| &lt; 2)" in html and 'title="|z| &lt; 2: within' in html
 
 
 def test_a_changed_clustering_is_not_ranked_by_z(tmp_path, capsys) -> None:
