@@ -67,8 +67,10 @@ class Metric:
     ranked: bool = True  # jobs.compare ranks its changes (False: counts, choices, keys)
     plotted: bool = False  # drawn in the comparison's figure (``compare_metrics.png``)
     #: jobs.compare compares it only between runs that chose the same ``kmeans_k`` (and
-    #: ``kmeans_k_at_cap``), or the same ``kmeans_best_k``; "" when it does not depend on k
-    depends_on: Literal["", "kmeans_k", "kmeans_best_k"] = ""
+    #: ``kmeans_k_at_cap``), or the same ``kmeans_best_k``, or zeroed the same dimensions (the
+    #: layer's flagged ``outlier_dims``, or the ``--clip-dims`` in ``clip_dims_exact``); ""
+    #: when it depends on none of these
+    depends_on: Literal["", "kmeans_k", "kmeans_best_k", "outlier_dims", "clip_dims_exact"] = ""
     summary: bool = False  # in the per-layer summary a run prints (``run_dir.format_summary``)
 
     @property
@@ -171,22 +173,22 @@ METRICS: tuple[Metric, ...] = (
     _clip("isoscore_clipped", "exact", "IsoScore with the flagged dimensions zeroed",
           f"{_R}.clipped_isoscore", fmt="unit", header="IsoScore clipped (exact)",
           tooltip="IsoScore, flagged dims zeroed; exact over every token", paper=_LUO,
-          plotted=True),
+          plotted=True, depends_on="outlier_dims"),
     _clip("clip_dims_exact", "exact", "the dimensions --clip-dims zeroed", _CLIP_EXACT,
           fmt="text", header="--clip-dims",
           tooltip="dimensions zeroed for the exact clipped metrics", ranked=False),
     _clip("anisotropy_clipped_exact", "exact", "anisotropy with --clip-dims zeroed", _CLIP_EXACT,
           fmt="unit", header="aniso. clip (exact)", tooltip="--clip-dims zeroed, exact",
-          paper=_LUO, plotted=True),
+          paper=_LUO, plotted=True, depends_on="clip_dims_exact"),
     _clip("s_inter_clipped_exact", "exact", "S_inter with --clip-dims zeroed", _CLIP_EXACT,
           fmt="unit", header="S_inter clip (exact)", tooltip="--clip-dims zeroed, exact",
-          paper=_LUO),
+          paper=_LUO, depends_on="clip_dims_exact"),
     _clip("s_intra_clipped_exact", "exact", "S_intra with --clip-dims zeroed", _CLIP_EXACT,
           fmt="unit", header="S_intra clip (exact)", tooltip="--clip-dims zeroed, exact",
-          paper=_LUO),
+          paper=_LUO, depends_on="clip_dims_exact"),
     _clip("isoscore_clipped_exact", "exact", "IsoScore with --clip-dims zeroed", _CLIP_EXACT,
           fmt="unit", header="IsoScore clip (exact)", tooltip="--clip-dims zeroed, exact",
-          paper=_LUO),
+          paper=_LUO, depends_on="clip_dims_exact"),
     # ------------------------------------------------------------- layers.parquet, sampled
     _sampled("kmeans_k", "K-means clusters chosen: the k of best silhouette, 1 below "
              "--kmeans-min-silhouette", _KM, unit="clusters", fmt="int", header="k",
@@ -293,13 +295,16 @@ METRICS: tuple[Metric, ...] = (
     # ---------------------------------------------------- layers.parquet, clipping (sampled)
     _clip("anisotropy_clipped", "sampled", "anisotropy of the uniform sample, flagged "
           "dimensions zeroed", _CLIP_SAMPLED, fmt="unit", header="aniso. clipped (sampled)",
-          tooltip="flagged dims zeroed; on the uniform sample", paper=_LUO, plotted=True),
+          tooltip="flagged dims zeroed; on the uniform sample", paper=_LUO, plotted=True,
+          depends_on="outlier_dims"),
     _clip("s_inter_clipped", "sampled", "S_inter of the uniform sample, flagged dimensions "
           "zeroed", _CLIP_SAMPLED, fmt="unit", header="S_inter clipped (sampled)",
-          tooltip="flagged dims zeroed; on the uniform sample", paper=_LUO),
+          tooltip="flagged dims zeroed; on the uniform sample", paper=_LUO,
+          depends_on="outlier_dims"),
     _clip("s_intra_clipped", "sampled", "S_intra of the uniform sample, flagged dimensions "
           "zeroed", _CLIP_SAMPLED, fmt="unit", header="S_intra clipped (sampled)",
-          tooltip="flagged dims zeroed; on the uniform sample", paper=_LUO),
+          tooltip="flagged dims zeroed; on the uniform sample", paper=_LUO,
+          depends_on="outlier_dims"),
     _clip("anisotropy_sampled", "sampled", "anisotropy of the uniform sample, unclipped",
           _CLIP_SAMPLED, fmt="unit", header="aniso. (sampled)", tooltip="anisotropy on the "
           "uniform sample, unclipped: the like-for-like baseline of the sampled clipped value"),
@@ -440,7 +445,7 @@ def plotted() -> list[str]:
 
 def depending_on(choice: str) -> list[str]:
     """The columns (with their ``_se``) that compare only between runs of the same ``choice``
-    (``kmeans_k`` or ``kmeans_best_k``)."""
+    (``kmeans_k``, ``kmeans_best_k``, ``outlier_dims`` or ``clip_dims_exact``)."""
     out: list[str] = []
     for m in of_table(LAYERS):
         if m.depends_on == choice:

@@ -945,6 +945,12 @@ def _evidence_cell(r: pd.Series) -> str:
     """How a change stands against its sampling noise (compare's ``kind`` / ``z``), or why it
     compares different clusterings (``not_comparable``)."""
     why = r.get("not_comparable")
+    if r.get("evidence") == "clipping changed":
+        return (
+            f'<span class="muted" title="computed with other dimensions zeroed in the two runs '
+            f'({_e(why)}: only in the baseline -> only in the run): not comparable, not ranked">'
+            "clipping changed</span>"
+        )
     if isinstance(why, str) and "not robust" in why:
         return (
             f'<span class="muted" title="the K-means k decision is not robust ({_e(why)}): '
@@ -1020,7 +1026,8 @@ def _changes_html(
         "|Δ| over the metric's range across all runs and layers, then sampled metrics without a "
         "standard error, then changes within noise (|z| < 2), then the cluster-adjusted metrics "
         "of layers whose K-means clustering changed (another k: not one quantity measured "
-        "twice, and not ranked by z). Differences within the bounds of the same result (exact "
+        "twice, and not ranked by z) and the clipped metrics of layers where the runs zeroed "
+        "other dimensions. Differences within the bounds of the same result (exact "
         "metrics 1e-6, sampled 1e-4 relative) and those of layers whose k decision is not "
         "robust in a run are not changes and are not listed. ⚠ marks a run too small for its "
         "sampled metrics to be compared (see the warning); z does not capture the effect of a "

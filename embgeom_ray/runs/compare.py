@@ -17,7 +17,8 @@ The first run is the baseline. :func:`compare_runs` reads each run's ``manifest.
   z = change / se_diff, se_diff = √(se_baseline² + se_run²); ranked by evidence (sampled
   changes beyond noise by |z|, then exact changes by score, then sampled changes without a
   standard error, then those within noise, then the cluster-adjusted metrics of layers whose
-  K-means clustering changed, with ``not_comparable`` saying how; changes against a run
+  K-means clustering changed and the clipped metrics of layers where the runs zeroed other
+  dimensions, with ``not_comparable`` saying how; changes against a run
   smaller than :func:`size_threshold` after the others of their group); counts (``n_tokens``,
   ``n_types``, ...), the chosen ``kmeans_k`` and the ``*_se`` columns themselves are not ranked;
 - ``rogue_dims.parquet``: per later run and matched layer, the dimensions flagged as outliers
@@ -84,12 +85,14 @@ SAMPLED_BOUND = 1e-4
 #: it (``kmeans_k_support``, :func:`embgeom_ray.core.kmeans_selection.decision_support`)
 ROBUST_SUPPORT = 0.9
 #: the evidence of a change, best first: the order of :func:`changes_table`
-BEYOND_NOISE, EXACT_CHANGE, NO_SE, WITHIN_NOISE, CLUSTERING_CHANGED, K_NOT_ROBUST, AGREE = (
+BEYOND_NOISE, EXACT_CHANGE, NO_SE, WITHIN_NOISE, CLUSTERING_CHANGED, CLIPPING_CHANGED = (
     "beyond noise", "exact", "no standard error", "within noise", "clustering changed",
-    "k not robust", "agree",
+    "clipping changed",
 )  # fmt: skip
+K_NOT_ROBUST, AGREE = "k not robust", "agree"
 EVIDENCE_ORDER = (
-    BEYOND_NOISE, EXACT_CHANGE, NO_SE, WITHIN_NOISE, CLUSTERING_CHANGED, K_NOT_ROBUST, AGREE,
+    BEYOND_NOISE, EXACT_CHANGE, NO_SE, WITHIN_NOISE, CLUSTERING_CHANGED, CLIPPING_CHANGED,
+    K_NOT_ROBUST, AGREE,
 )  # fmt: skip
 #: the evidence groups that are not a change: listed in changes.parquet, not among the changes
 NOT_A_CHANGE = (K_NOT_ROBUST, AGREE)
@@ -99,6 +102,11 @@ NOT_A_CHANGE = (K_NOT_ROBUST, AGREE)
 CLUSTER_ADJUSTED = tuple(registry.depending_on("kmeans_k"))
 #: metrics of the fits at the best k (``kmeans_best_k``): not comparable when it differs
 BEST_K_DEPENDENT = tuple(registry.depending_on("kmeans_best_k"))
+#: metrics computed with dimensions zeroed, by the ``layers.parquet`` text column that lists
+#: them: the layer's flagged outlier dimensions (``outlier_dims``: ``isoscore_clipped`` and the
+#: sampled clipped cosines) or the run's ``--clip-dims`` (``clip_dims_exact``: the
+#: ``*_clipped_exact`` columns). Not comparable between runs that zeroed other dimensions
+CLIPPED = {col: tuple(registry.depending_on(col)) for col in ("outlier_dims", "clip_dims_exact")}
 #: token counts differing by more than this factor get the size warning
 SIZE_RATIO = 10.0
 #: the uniform sample size of a run that records none (the job's default ``--sample-size``)
@@ -314,6 +322,45 @@ def k_not_robust(base: RunView, b: int, run: RunView, o: int) -> str:
     return f"k decision not robust: kmeans_k_support {a:.2f} -> {v:.2f}"
 
 
+def zeroed_dims(run: RunView, column: str, layer: int) -> frozenset[int] | None:
+    """The dimensions ``layers.parquet``'s text ``column`` (``outlier_dims``,
+    ``clip_dims_exact``: ``"3,17"``, empty for none) lists at ``layer``; None when the run has
+    no such column or layer (a run of an older version)."""
+    if column not in run.layers.columns:
+        return None
+    cell = run.layers.loc[run.layers["layer"] == layer, column]
+    if not len(cell):
+        return None
+    text = cell.iloc[0]
+    if not isinstance(text, str):
+        return frozenset()  # missing: nothing zeroed (no --clip-dims, or no flagged dimension)
+    return frozenset(int(d) for d in text.replace(" ", "").split(",") if d)
+
+
+def _dims_text(dims: Iterable[int]) -> str:
+    return ",".join(str(d) for d in sorted(dims)) or "none"
+
+
+def clipping_change(base: RunView, b: int, run: RunView, o: int) -> dict[str, str]:
+    """Why the clipped metrics of baseline layer ``b`` and run layer ``o`` zero other
+    dimensions, per affected metric (:data:`CLIPPED`).
+
+    ``{metric: "outlier_dims 157 -> 351"}``: the dimensions zeroed in the baseline only, then
+    in the run only (``none`` for an empty side), for ``isoscore_clipped`` and the sampled
+    clipped cosines when the layer's flagged dimensions differ, and likewise
+    ``clip_dims_exact ...`` for the ``*_clipped_exact`` columns when the runs' ``--clip-dims``
+    differ. Empty when both zeroed the same dimensions or a run does not say which.
+    """
+    out: dict[str, str] = {}
+    for column, metrics in CLIPPED.items():
+        x, y = zeroed_dims(base, column, b), zeroed_dims(run, column, o)
+        if x is None or y is None or x == y:
+            continue
+        why = f"{column} {_dims_text(x - y)} -> {_dims_text(y - x)}"
+        out |= {m: why for m in metrics}
+    return out
+
+
 def agrees(kind: str, baseline: float, value: float) -> bool:
     """Whether two values of a metric are the same result: within :data:`EXACT_BOUND` (exact)
     or :data:`SAMPLED_BOUND` (sampled) of the larger magnitude."""
@@ -340,10 +387,14 @@ def changes_table(runs: Sequence[RunView], metrics: Sequence[str], mode: str) ->
        clustering differs between the runs (:func:`clustering_change`; ``not_comparable``
        says how): not ranked by z (the standard error measures the noise of a fixed
        clustering, not a change of it), by ``score``;
-    6. ``k not robust``: the same, at a layer whose k decision is not robust in either run
+    6. ``clipping changed``: a clipped metric at a layer where the runs zeroed other
+       dimensions (:func:`clipping_change`: another set of flagged outlier dimensions, or of
+       ``--clip-dims``; ``not_comparable`` says which): its change is partly another
+       clipping, not a change of one quantity; by ``score``;
+    7. ``k not robust``: the same as 5., at a layer whose k decision is not robust in either run
        (:func:`k_not_robust`): the k moved within what the run's own sample does not decide,
        so neither the k nor these metrics changed in a way the runs can show: not a change;
-    7. ``agree``: the same result, within :data:`EXACT_BOUND` (exact) or
+    8. ``agree``: the same result, within :data:`EXACT_BOUND` (exact) or
        :data:`SAMPLED_BOUND` (sampled) relative (:func:`agrees`): not a change.
 
     ``small_run``: the run or the baseline has fewer tokens than :func:`size_threshold`;
@@ -366,6 +417,7 @@ def changes_table(runs: Sequence[RunView], metrics: Sequence[str], mode: str) ->
             points[base.label] != points[run.label]
         )
         clusterings = {(b, o): clustering_change(base, b, run, o) for b, o in pairs}
+        clippings = {(b, o): clipping_change(base, b, run, o) for b, o in pairs}
         for j, m in enumerate(ranked):
             if m not in base.layers.columns or m not in run.layers.columns:
                 continue
@@ -382,9 +434,13 @@ def changes_table(runs: Sequence[RunView], metrics: Sequence[str], mode: str) ->
                     se_b, se_r = base.value(f"{m}_se", b), run.value(f"{m}_se", o)
                     se_diff, z = z_score(d, se_b, se_r)
                 why = clusterings[b, o].get(m)
+                clipped = clippings[b, o].get(m)
                 noise = _evidence(kind, z)
                 if why:
                     evidence = K_NOT_ROBUST if "not robust" in why else CLUSTERING_CHANGED
+                    z, within = math.nan, pd.NA
+                elif clipped:
+                    why, evidence = clipped, CLIPPING_CHANGED
                     z, within = math.nan, pd.NA
                 else:
                     evidence = AGREE if agrees(kind, a, v) else noise
@@ -630,6 +686,26 @@ def clustering_notes(changes: pd.DataFrame) -> list[str]:
     return notes
 
 
+def clipping_notes(changes: pd.DataFrame, baseline: str) -> list[str]:
+    """One line per (run, layer) whose clipped metrics zeroed other dimensions
+    (:func:`clipping_change`), by run and layer."""
+    moved = changes.loc[changes["evidence"] == CLIPPING_CHANGED]
+    order = {run: i for i, run in enumerate(dict.fromkeys(moved["run"]))}
+    moved = moved.sort_values("layer", kind="stable").sort_values(
+        "run", key=lambda runs: runs.map(order), kind="stable"
+    )
+    notes = []
+    for (run, layer), group in moved.groupby(["run", "layer"], sort=False):
+        why = _reasons(group["not_comparable"])
+        n = len(group)
+        notes.append(
+            f"{run} layer {layer}: the runs zeroed other dimensions ({why}: only in {baseline} "
+            f"-> only in {run}): its {n} clipped metric{'s are' if n != 1 else ' is'} not "
+            "comparable and not ranked among the changes"
+        )
+    return notes
+
+
 def not_robust_notes(changes: pd.DataFrame) -> list[str]:
     """One line per (run, layer) whose K-means k moved where the decision is not robust
     (:func:`k_not_robust`): not comparable, not a change."""
@@ -690,6 +766,7 @@ def compare_runs(
         "noise_z": NOISE_Z,
         "evidence_counts": {e: int((moved["evidence"] == e).sum()) for e in EVIDENCE_ORDER},
         "clustering_changed": clustering_notes(changes),
+        "clipping_changed": clipping_notes(changes, labels[0]),
         "k_not_robust": not_robust_notes(changes),
         "bounds": {"exact": EXACT_BOUND, "sampled": SAMPLED_BOUND, "robust_support": ROBUST_SUPPORT},
         "largest_changes": json.loads(largest.to_json(orient="records", double_precision=15)),
@@ -706,7 +783,7 @@ def compare_runs(
         echo(f"warning: {warning}")
     _echo_changes(largest, moved, labels[0], echo)
     _echo_rogue(rogue_summary, echo)
-    for n in summary["clustering_changed"] + summary["k_not_robust"]:
+    for n in summary["clustering_changed"] + summary["clipping_changed"] + summary["k_not_robust"]:
         echo(f"note: {n}")
     for n in rogue_notes:
         echo(f"note: {n}")

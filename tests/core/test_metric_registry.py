@@ -73,8 +73,12 @@ def test_each_column_is_declared_once_and_consistently() -> None:
             continue
         assert m.section in LAYER_SECTIONS, m.column
         assert bool(m.header) == bool(m.tooltip), m.column
-        # a standard error, or a dependence on the chosen k, is of a sampled metric
-        assert m.kind == "sampled" or not (m.se or m.depends_on), m.column
+        # a standard error, or a dependence on the chosen k, is of a sampled metric; a
+        # dependence on the dimensions zeroed, of a clipped one
+        k_dependent = m.depends_on in ("kmeans_k", "kmeans_best_k")
+        assert m.kind == "sampled" or not (m.se or k_dependent), m.column
+        if m.depends_on in ("outlier_dims", "clip_dims_exact"):
+            assert m.section == registry.CLIPPING_SECTION and "_clipped" in m.column, m.column
         # the sampled section is sampled, the exact section exact
         if m.section != registry.CLIPPING_SECTION:
             assert m.kind == m.section, m.column

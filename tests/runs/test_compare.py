@@ -349,7 +349,7 @@ def test_sampled_changes_ranked_by_z(tmp_path, capsys) -> None:
     assert summary["largest_changes"][3]["within_noise"] is None  # no standard error
     assert summary["evidence_counts"] == {
         "beyond noise": 2, "exact": 1, "no standard error": 2, "within noise": 2,
-        "clustering changed": 0, "k not robust": 0, "agree": 0,
+        "clustering changed": 0, "clipping changed": 0, "k not robust": 0, "agree": 0,
     }  # fmt: skip
     assert "silhouette_types  layer 0: 0.5 -> 0.5312 (+0.03125, +6.2%; z +3.2)" in printed
     assert "anisotropy  layer 0: 0.25 -> 0.5 (+0.25, +100.0%; exact)" in printed
@@ -405,6 +405,58 @@ def test_a_changed_clustering_is_not_ranked_by_z(tmp_path, capsys) -> None:
         "cluster-dependent metric is not comparable and not ranked by z",
     ]
     assert summary["clustering_changed"][0] in capsys.readouterr().out
+
+
+def test_clipped_metrics_of_other_zeroed_dimensions_are_not_comparable(tmp_path, capsys) -> None:
+    """Layer 0 flags dimensions 1, 3 in the baseline and 1, 2 in the run: its clipped metrics
+    zero other dimensions, so they are not comparable and not ranked among the changes (as
+    MiniLM at 32 and 64 tokens, which flag 157 and 351 at layer 5). Layer 1 flags the same
+    dimension in both: its clipped metrics rank as usual. The runs' --clip-dims differ at
+    layer 1 only, which the *_clipped_exact columns depend on."""
+    from embgeom_ray.runs.compare import CLIPPED, changes_table, metric_columns
+
+    base = {
+        "layer": [0, 1], "n_tokens": [1000] * 2, "outlier_dims": ["1,3", "2"],
+        "isoscore_clipped": [0.5, 0.25], "anisotropy_clipped": [0.125, 0.25],
+        "clip_dims_exact": ["0", "0"], "anisotropy_clipped_exact": [0.25, 0.25],
+    }  # fmt: skip
+    other = base | {
+        "outlier_dims": ["1,2", "2"], "isoscore_clipped": [0.625, 0.5],
+        "anisotropy_clipped": [0.25, 0.5], "clip_dims_exact": ["0", "0,1"],
+        "anisotropy_clipped_exact": [0.5, 0.5],
+    }  # fmt: skip
+    a = make_run(tmp_path / "a", base, {0: [1, 3], 1: [2]}, num_layers=1)
+    b = make_run(tmp_path / "b", other, {0: [1, 2], 1: [2]}, num_layers=1)
+    runs = [load_run(a, "a"), load_run(b, "b")]
+    changes = changes_table(runs, metric_columns(runs), BY_INDEX)
+    got = changes[["metric", "layer", "evidence", "not_comparable"]].values.tolist()
+    assert got == [
+        ["anisotropy_clipped_exact", 0, "exact", ""],  # the same --clip-dims 0; score 1
+        ["isoscore_clipped", 1, "exact", ""],  # +0.25 over a range of 0.375
+        ["anisotropy_clipped", 1, "no standard error", ""],
+        ["anisotropy_clipped_exact", 1, "clipping changed", "clip_dims_exact none -> 1"],
+        ["isoscore_clipped", 0, "clipping changed", "outlier_dims 3 -> 2"],  # score 1/3
+        ["anisotropy_clipped", 0, "clipping changed", "outlier_dims 3 -> 2"],  # score 1/3
+    ]
+    moved = changes[changes["evidence"] == "clipping changed"]
+    assert moved["z"].isna().all() and moved["within_noise"].isna().all()
+    assert moved["change"].tolist() == [0.25, 0.125, 0.125]
+    np.testing.assert_allclose(moved["score"], [1.0, 1 / 3, 1 / 3])
+    assert set(CLIPPED["outlier_dims"]) == {
+        "isoscore_clipped", "anisotropy_clipped", "s_inter_clipped", "s_intra_clipped",
+    }  # fmt: skip
+    summary = compare_runs([a, b], str(tmp_path / "cmp"), echo=print)
+    printed = capsys.readouterr().out
+    assert summary["evidence_counts"]["clipping changed"] == 3
+    assert summary["clipping_changed"] == [
+        "b layer 0: the runs zeroed other dimensions (outlier_dims 3 -> 2: only in a -> only "
+        "in b): its 2 clipped metrics are not comparable and not ranked among the changes",
+        "b layer 1: the runs zeroed other dimensions (clip_dims_exact none -> 1: only in a -> "
+        "only in b): its 1 clipped metric is not comparable and not ranked among the changes",
+    ]
+    assert f"note: {summary['clipping_changed'][0]}" in printed
+    html = (tmp_path / "cmp" / "report.html").read_text()
+    assert html.count(">clipping changed</span>") == 3
 
 
 def test_differences_within_the_bounds_are_no_change(tmp_path, capsys) -> None:
