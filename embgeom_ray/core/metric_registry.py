@@ -166,7 +166,8 @@ METRICS: tuple[Metric, ...] = (
     # ------------------------------------------------------ layers.parquet, clipping (exact)
     _clip("n_outlier_dims", "exact", "how many dimensions the layer flags", f"{_R}.clipping_row",
           unit=_DIMS, fmt="int", header="flagged dims",
-          tooltip="dimensions flagged as outliers in the layer", paper=_LUO, plotted=True),
+          tooltip="dimensions flagged as outliers in the layer", paper=_LUO, plotted=True,
+          ranked=False),  # a count of thresholded flags: compare lists the flags that moved
     _clip("outlier_dims", "exact", "the flagged dimensions, comma-separated",
           f"{_R}.clipping_row", fmt="text", header="which", tooltip="the flagged dimensions",
           ranked=False),

@@ -459,6 +459,31 @@ def test_clipped_metrics_of_other_zeroed_dimensions_are_not_comparable(tmp_path,
     assert html.count(">clipping changed</span>") == 3
 
 
+def test_the_count_of_flagged_dimensions_is_not_ranked(tmp_path, capsys) -> None:
+    """n_outlier_dims 8 -> 10 is +25% and the whole range of the count: ranked by score it came
+    first among the exact changes (MiniLM at 32 and 64 tokens, layer 2). It counts dimensions
+    past a threshold: kept in the tables, not ranked; the rogue-dimension lines say which."""
+    from embgeom_ray.runs.compare import NOT_RANKED
+
+    base = {"layer": [0, 1], "n_tokens": [1000] * 2, "n_outlier_dims": [8, 3],
+            "total_variance": [10.0, 20.0]}  # fmt: skip
+    other = base | {"n_outlier_dims": [10, 3], "total_variance": [10.0, 15.0]}
+    a = make_run(tmp_path / "a", base, {0: [1]}, num_layers=1)
+    b = make_run(tmp_path / "b", other, {0: [1, 2]}, num_layers=1)
+    summary = compare_runs([a, b], str(tmp_path / "cmp"), echo=print)
+    printed = capsys.readouterr().out
+    assert "n_outlier_dims" in NOT_RANKED and "n_outlier_dims" in summary["not_ranked"]
+    assert [(c["metric"], c["layer"]) for c in summary["largest_changes"]] == [
+        ("total_variance", 1)
+    ]
+    changes = pd.read_parquet(tmp_path / "cmp" / "changes.parquet")
+    assert "n_outlier_dims" not in set(changes["metric"])
+    wide = pd.read_parquet(tmp_path / "cmp" / "comparison_wide.parquet")
+    assert wide.loc[wide["metric"] == "n_outlier_dims", "b"].tolist() == [10, 3]  # kept
+    assert "n_outlier_dims" not in printed
+    assert "rogue dimensions that appeared in b: layer 0: [2]" in printed
+
+
 def test_differences_within_the_bounds_are_no_change(tmp_path, capsys) -> None:
     """Two runs of one corpus: an exact metric 6e-9 apart (float64 rounding, within the stated
     1e-6 relative) and sampled metrics 1e-6 apart (the forward's rounding of one sample, within
