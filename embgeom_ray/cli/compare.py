@@ -4,8 +4,9 @@ embgeom_ray compare``).
 
 Compares complete runs of jobs.analyze layer by layer against the first (the baseline): every
 per-layer metric side by side, the largest changes, and the rogue dimensions that appeared or
-vanished. Changes of sampled metrics are ranked by z = change / its standard error (from the
-runs' half-sample *_se columns), |z| < 2 being within noise, ahead of exact ones only when
+vanished. Exact and sampled changes are listed apart; changes of sampled metrics are ranked
+by z = change / its standard error (from the runs' half-sample *_se columns), |z| < 2 being
+within noise, under a line saying how many were tested and how many chance alone would put
 beyond noise; one warning line says when the runs differ more than 10x in tokens or one has
 fewer tokens than the sample size. DIR gets comparison.parquet (long: run, label, layer, depth,
 metric, value), comparison_wide.parquet (one column per run), changes.parquet,
@@ -49,7 +50,8 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
         "--top",
         type=int,
         default=20,
-        help="largest changes listed in comparison.json [default: 20]; changes.parquet has all",
+        help="largest changes of each list (exact, sampled, not comparable) in comparison.json "
+        "and the report [default: 20]; changes.parquet has all",
     )
     return p
 

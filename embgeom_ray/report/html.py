@@ -973,29 +973,34 @@ def _evidence_cell(r: pd.Series) -> str:
     if bool(r.get("within_noise")):
         why = _e("|z| < 2: within the runs' sampling noise")
         return f'<span class="muted" title="{why}">{text}, noise</span>'
-    return f'<b title="|z| ≥ 2: beyond the sampling noise">{text}</b>'
+    q = r.get("q")
+    if _finite(q):
+        text += f" · q {q:.2g}".replace("e-0", "e−").replace("-", "−")
+    return f'<b title="|z| ≥ 2: beyond the sampling noise; q: its false discovery rate">{text}</b>'
 
 
-def _changes_html(
-    df: pd.DataFrame,
-    baseline: str,
-    matching_note: str,
-    warning: str | None = None,
-    agreed: int = 0,
-) -> str:
-    """The changes table of :func:`embgeom_ray.runs.compare.changes_table`, as HTML, with
-    the comparison's size warning above it; ``agreed`` differences within the bounds of the
-    same result are counted, not listed."""
-    banner = f'<div class="banner"><b>Runs of very different sizes.</b> {_e(warning)}</div>' if warning else ""
-    if not len(df):
-        if agreed:
-            return banner + (
-                '<p class="note">No change: every metric agrees with the baseline\'s, exact ones '
-                "within 1e-6 relative (their stated bound), sampled ones within 1e-4 relative "
-                f"(how far the forward's rounding moves one sample); {agreed} differ within "
-                "these bounds.</p>"
-            )
-        return banner + '<p class="note">No layer is shared by the runs, so there is nothing to compare.</p>'
+#: the report's lists of changes: (title, the evidence groups it holds, what it says first)
+CHANGE_LISTS = (
+    ("Exact metrics", ("exact",),
+     "Computed over every counted token: no sampling error, so any difference beyond 1e-6 "
+     "relative is a change. Ranked by |Δ| over the metric's range across all runs and layers."),
+    ("Sampled metrics", ("beyond noise", "no standard error", "within noise"),
+     "Estimated on each run's sample, with a half-sample standard error: ranked by "
+     "z = Δ / √(se_baseline² + se_run²), those with |z| ≥ 2 first, then those without a "
+     "standard error by |Δ| over the range, then those within noise (|z| < 2). Many metrics "
+     "are tested at once, so some reach |z| ≥ 2 by chance: q is the Benjamini–Hochberg "
+     "adjusted p-value over the run's tested changes (q ≤ 0.05: kept at a 5% false discovery "
+     "rate)."),
+    ("Not comparable", ("clustering changed", "clipping changed"),
+     "Computed inside K-means clusters that differ between the runs (another k: not one "
+     "quantity measured twice, and not ranked by z), or with other dimensions zeroed (another "
+     "set of flagged outlier dimensions, or of --clip-dims): the hover text says which. Ranked "
+     "by |Δ| over the range."),
+)  # fmt: skip
+
+
+def _changes_table_html(df: pd.DataFrame, baseline: str) -> str:
+    """One list of changes as an HTML table: values, Δ, Δ / |baseline|, |Δ| / range, evidence."""
     rows = []
     # one notation for the baseline and run columns together, one for Δ (format_column)
     values = format_column([*df["baseline"], *df["value"]], "sci")
@@ -1019,24 +1024,69 @@ def _changes_html(
         '<th title="exact, or z = Δ / √(se_baseline² + se_run²) of a sampled metric">'
         "evidence</th></tr>"
     )
-    note = (
-        f"Baseline: {baseline} (the first run). Sampled metrics carry a half-sample standard "
-        "error; their changes are ranked by z = Δ / √(se_baseline² + se_run²), those with "
-        "|z| ≥ 2 first, then exact metrics (computed over every token, no sampling error) by "
-        "|Δ| over the metric's range across all runs and layers, then sampled metrics without a "
-        "standard error, then changes within noise (|z| < 2), then the cluster-adjusted metrics "
-        "of layers whose K-means clustering changed (another k: not one quantity measured "
-        "twice, and not ranked by z) and the clipped metrics of layers where the runs zeroed "
-        "other dimensions. Differences within the bounds of the same result (exact "
-        "metrics 1e-6, sampled 1e-4 relative) and those of layers whose k decision is not "
-        "robust in a run are not changes and are not listed. ⚠ marks a run too small for its "
-        "sampled metrics to be compared (see the warning); z does not capture the effect of a "
-        f"smaller sample on K-means, silhouettes or LID. {matching_note}."
-    )
     return (
-        f'{banner}<div class="scroll"><table class="data"><thead>{head}</thead><tbody>'
-        f'{"".join(rows)}</tbody></table></div><p class="note">{_e(note)}</p>'
+        f'<div class="scroll"><table class="data"><thead>{head}</thead><tbody>'
+        f'{"".join(rows)}</tbody></table></div>'
     )
+
+
+def _changes_html(
+    df: pd.DataFrame,
+    baseline: str,
+    matching_note: str,
+    warning: str | None = None,
+    agreed: int = 0,
+    sampled_tests: Sequence[str] = (),
+) -> str:
+    """The changes of :func:`embgeom_ray.runs.compare.changes_table` as HTML, in three lists
+    (:data:`CHANGE_LISTS`: exact, sampled, not comparable), each in the table's order, with
+    the comparison's size warning above them and ``sampled_tests`` (one line per run: how many
+    sampled changes were tested, how many chance alone would put beyond noise) above the
+    sampled list; ``agreed`` differences within the bounds of the same result are counted,
+    not listed, like the rows of layers whose k decision is not robust."""
+    banner = (
+        f'<div class="banner"><b>Runs of very different sizes.</b> {_e(warning)}</div>'
+        if warning
+        else ""
+    )
+    if "evidence" in df.columns:
+        df = df.loc[(df["change"] != 0) & ~df["evidence"].isin(("agree", "k not robust"))]
+    if not len(df):
+        if agreed:
+            return banner + (
+                '<p class="note">No change: every metric agrees with the baseline\'s, exact ones '
+                "within 1e-6 relative (their stated bound), sampled ones within 1e-4 relative "
+                f"(how far the forward's rounding moves one sample); {agreed} differ within "
+                "these bounds.</p>"
+            )
+        return banner + (
+            '<p class="note">No layer is shared by the runs, so there is nothing to compare.</p>'
+        )
+    parts = [banner]
+    for title, groups, about in CHANGE_LISTS:
+        rows = df.loc[df["evidence"].isin(groups)] if "evidence" in df.columns else df
+        if not len(rows) and title == "Not comparable":
+            continue
+        parts.append(f"<h3>{_e(title)}</h3><p class=\"note\">{_e(about)}</p>")
+        if title == "Sampled metrics" and sampled_tests:
+            parts.append(
+                '<p class="note">' + "<br>".join(_e(line) for line in sampled_tests) + "</p>"
+            )
+        parts.append(
+            _changes_table_html(rows, baseline)
+            if len(rows)
+            else f'<p class="note">{_e(f"No {title.lower()} changed.")}</p>'
+        )
+    note = (
+        f"Baseline: {baseline} (the first run); each list shows its largest changes (compare's "
+        "--top). Differences within the bounds of the same result (exact metrics 1e-6, sampled "
+        "1e-4 relative) and those of layers whose k decision is not robust in a run are not "
+        "changes and are not listed. ⚠ marks a run too small for its sampled metrics to be "
+        "compared (see the warning); z does not capture the effect of a smaller sample on "
+        f"K-means, silhouettes or LID. {matching_note}."
+    )
+    parts.append(f'<p class="note">{_e(note)}</p>')
+    return "".join(parts)
 
 
 def _layer_pair(r: pd.Series) -> str:
@@ -1099,6 +1149,7 @@ def write_comparison_report(
     labels: Sequence[str] | None = None,
     warning: str | None = None,
     agreed: int = 0,
+    sampled_tests: Sequence[str] = (),
 ) -> str:
     """Write ``out_dir/report.html`` comparing runs layer by layer; returns its path.
 
@@ -1108,8 +1159,10 @@ def write_comparison_report(
     report), overlaid per-layer lines of every metric in :data:`COMPARE_METRICS` present in any run (x = layer index, or relative depth
     when the runs have different numbers of layers), the largest ``changes`` — the table
     :func:`embgeom_ray.runs.compare.changes_table` computed, layers matched as
-    ``matching_note`` says; ``agreed`` differences within the bounds of the same result are
-    not among them — and each run's headline table. Raises :class:`~embgeom_ray.run_dir.RunDirError` for a
+    ``matching_note`` says, in three lists: exact, sampled (under ``sampled_tests``, one line
+    per run on how its sampled changes stand against chance) and not comparable; ``agreed``
+    differences within the bounds of the same result are not among them — and each run's
+    headline table. Raises :class:`~embgeom_ray.run_dir.RunDirError` for a
     directory that is not a run, ``ValueError`` for fewer than two runs.
     """
     if len(run_dirs) < 2:
@@ -1161,7 +1214,8 @@ def write_comparison_report(
         f"coincide mean the runs agree; exact metrics of the same model on two corpora differ "
         f"only through the text.</div>{_figure_html(fig)}</section>"
         f'<section id="sec-changes"><h2>Largest changes</h2>'
-        f"{_changes_html(changes, labels[0], matching_note, warning, agreed)}</section>"
+        f"{_changes_html(changes, labels[0], matching_note, warning, agreed, sampled_tests)}"
+        "</section>"
         f'<section id="sec-tables"><h2>Per-run tables</h2>{per_run}</section>'
         f"<footer>Generated {_e(_when(now()))} by embgeom_ray {__version__}. Self-contained: no network "
         f"access needed.</footer>"

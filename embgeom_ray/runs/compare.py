@@ -9,25 +9,30 @@ The first run is the baseline. :func:`compare_runs` reads each run's ``manifest.
   label) — the runs side by side;
 - ``changes.parquet``: each later run against the baseline, per metric and matched layer
   (:func:`changes_table`): ``run, metric, layer, run_layer, baseline, value, change, relative,
-  score, kind, se_baseline, se_run, se_diff, z, within_noise, evidence, small_run,
-  not_comparable`` with
+  score, kind, se_baseline, se_run, se_diff, z, q, within_noise, evidence, small_run,
+  samples_differ, not_comparable`` with
   change = value − baseline, relative = change / |baseline| (NaN for a zero baseline),
   score = |change| / the metric's range over all runs and layers (so variances and cosines
   rank on the same footing) and, for a sampled metric with a standard error in both runs,
-  z = change / se_diff, se_diff = √(se_baseline² + se_run²); ranked by evidence (sampled
-  changes beyond noise by |z|, then exact changes by score, then sampled changes without a
-  standard error, then those within noise, then the cluster-adjusted metrics of layers whose
-  K-means clustering changed and the clipped metrics of layers where the runs zeroed other
-  dimensions, with ``not_comparable`` saying how; changes against a run
+  z = change / se_diff, se_diff = √(se_baseline² + se_run²), and q its Benjamini–Hochberg
+  adjusted p-value among the run's sampled changes with a z (:func:`q_values`); ranked by
+  evidence (sampled changes beyond noise by |z|, then exact changes by score, then sampled
+  changes without a standard error, then those within noise, then the cluster-adjusted
+  metrics of layers whose K-means clustering changed and the clipped metrics of layers where
+  the runs zeroed other dimensions, with ``not_comparable`` saying how; changes against a run
   smaller than :func:`size_threshold` after the others of their group); counts (``n_tokens``,
-  ``n_types``, ...), the chosen ``kmeans_k`` and the ``*_se`` columns themselves are not ranked;
+  ``n_types``, ``n_outlier_dims``, ...), the chosen ``kmeans_k`` and the ``*_se`` columns
+  themselves are not ranked;
 - ``rogue_dims.parquet``: per later run and matched layer, the dimensions flagged as outliers
   (``dims.parquet`` column ``outlier``) that appeared (flagged in the run, not in the baseline)
   or vanished (the reverse), with both runs' mean and std of the dimension and ``reliable``
   (False when either run is smaller than :func:`size_threshold`);
 - ``comparison.json``: the runs (with their ``tokens`` and ``sample_size``), how layers were
   matched, the number of non-zero changes per evidence group (``evidence_counts``), the
-  largest changes, the rogue dimensions that appeared or vanished (and whether ``reliable``),
+  largest changes (``largest_changes`` in that order, and the three lists compare prints and
+  reports: ``largest_exact``, ``largest_sampled``, ``largest_not_comparable``), how the
+  sampled changes stand against chance (``sampled_tests``: :func:`sampled_tests`), the rogue
+  dimensions that appeared or vanished (and whether ``reliable``),
   the size warning (``size_warning``, ``size_threshold``, ``small_runs``: :func:`size_warning`),
   notes (the size warning first), and the files;
 - ``report.html`` (+ ``plots/compare_metrics.png``): the page of
@@ -51,6 +56,7 @@ from typing import Any
 
 import numpy as np
 import pandas as pd
+from scipy import stats
 
 from ..core import metric_registry as registry
 from ..core.options import SampleOptions
@@ -96,6 +102,17 @@ EVIDENCE_ORDER = (
 )  # fmt: skip
 #: the evidence groups that are not a change: listed in changes.parquet, not among the changes
 NOT_A_CHANGE = (K_NOT_ROBUST, AGREE)
+#: the three lists compare prints and reports, each in the order of :func:`changes_table`:
+#: exact changes (by score), sampled ones (beyond noise by |z|, without a standard error by
+#: score, within noise by |z|), and those not comparable (another clustering or clipping)
+EXACT_LIST, SAMPLED_LIST, APART_LIST = (
+    (EXACT_CHANGE,), (BEYOND_NOISE, NO_SE, WITHIN_NOISE), (CLUSTERING_CHANGED, CLIPPING_CHANGED),
+)  # fmt: skip
+#: the share of changes that are sampling noise only yet reach |z| ≥ NOISE_Z: 2 · (1 − Φ(2))
+#: ≈ 0.0455 for a normal z
+CHANCE_BEYOND: float = float(2 * stats.norm.sf(NOISE_Z))
+#: the false discovery rate of the Benjamini–Hochberg procedure over a run's sampled changes
+FDR = 0.05
 #: metrics computed within the reported K-means clusters: not comparable between two runs
 #: whose layer chose another number of clusters (``kmeans_k``) or sits at the scan's end in one
 #: run only (``kmeans_k_at_cap``); the registry's ``depends_on="kmeans_k"``, with their ``_se``
@@ -246,8 +263,8 @@ def _metric_span(runs: Sequence[RunView], metric: str) -> float:
 
 CHANGE_COLUMNS = [
     "run", "metric", "layer", "run_layer", "baseline", "value", "change", "relative", "score",
-    "kind", "se_baseline", "se_run", "se_diff", "z", "within_noise", "evidence", "small_run",
-    "samples_differ", "not_comparable",
+    "kind", "se_baseline", "se_run", "se_diff", "z", "q", "within_noise", "evidence",
+    "small_run", "samples_differ", "not_comparable",
 ]  # fmt: skip
 
 
@@ -452,11 +469,12 @@ def changes_table(runs: Sequence[RunView], metrics: Sequence[str], mode: str) ->
                     (
                         (tier, tiny or differ, -strength, i, j, b),
                         [run.label, m, b, o, a, v, d, rel, score, kind, se_b, se_r, se_diff, z,
-                         within, evidence, tiny, differ, why or ""],
+                         math.nan, within, evidence, tiny, differ, why or ""],
                     )
                 )  # fmt: skip
     rows.sort(key=lambda r: r[0])
     df = pd.DataFrame([r[1] for r in rows], columns=CHANGE_COLUMNS)
+    df["q"] = q_values(df)
     return df.astype(
         {
             "layer": np.int64,
@@ -465,10 +483,72 @@ def changes_table(runs: Sequence[RunView], metrics: Sequence[str], mode: str) ->
             "se_run": np.float64,
             "se_diff": np.float64,
             "z": np.float64,
+            "q": np.float64,
             "within_noise": "boolean",
             "small_run": bool,
             "samples_differ": bool,
         }
+    )
+
+
+def tested(changes: pd.DataFrame) -> pd.Series:
+    """The rows of sampled changes tested against their standard errors: those with a z
+    (``agree`` ones included: a difference within the bound is a test that found nothing)."""
+    return (changes["kind"] == SAMPLED_KIND) & changes["z"].notna()
+
+
+def q_values(changes: pd.DataFrame) -> pd.Series:
+    """Benjamini–Hochberg adjusted p-values of the tested sampled changes, per later run.
+
+    p = 2 · (1 − Φ(|z|)), z taken as normal (a half-sample standard error on each side), and
+    q the smallest false discovery rate at which the procedure (Benjamini & Hochberg 1995;
+    :func:`scipy.stats.false_discovery_control`) still takes the change as real, over the run's
+    tested changes (:func:`tested`) across metrics and layers. The z of one sample's metrics
+    are not independent; the procedure holds under their positive dependence, approximately
+    otherwise. NaN for the rows without a z.
+    """
+    q = pd.Series(math.nan, index=changes.index, dtype=np.float64)
+    mask = tested(changes)
+    for _, rows in changes.loc[mask].groupby("run", sort=False):
+        p = 2 * stats.norm.sf(np.abs(rows["z"].to_numpy(dtype=np.float64)))
+        q.loc[rows.index] = stats.false_discovery_control(p, method="bh")
+    return q
+
+
+def sampled_tests(changes: pd.DataFrame) -> dict[str, dict[str, Any]]:
+    """Per later run, how its sampled changes stand as a whole against chance.
+
+    ``tested`` (the changes with a z, :func:`tested`), ``beyond_noise`` (|z| ≥ 2),
+    ``expected_by_chance`` (tested × :data:`CHANCE_BEYOND`: how many would reach |z| ≥ 2 were
+    every change sampling noise) and ``discoveries`` (``q`` ≤ :data:`FDR`: the changes the
+    Benjamini–Hochberg procedure keeps at a false discovery rate of 5%, :func:`q_values`).
+    """
+    out: dict[str, dict[str, Any]] = {}
+    mask = tested(changes)
+    for run in dict.fromkeys(changes["run"]):
+        rows = changes.loc[mask & (changes["run"] == run)]
+        n = len(rows)
+        out[str(run)] = {
+            "tested": n,
+            "beyond_noise": int((rows["evidence"] == BEYOND_NOISE).sum()),
+            "expected_by_chance": round(n * CHANCE_BEYOND, 1),
+            "fdr": FDR,
+            "discoveries": int((rows["q"] <= FDR).sum()),
+        }
+    return out
+
+
+def tests_line(run: str, t: dict[str, Any]) -> str:
+    """One run's :func:`sampled_tests` in words."""
+    if not t["tested"]:
+        return f"{run}: no sampled change has a standard error in both runs"
+    return (
+        f"{run}: {t['tested']} sampled changes tested against their standard errors, "
+        f"{t['beyond_noise']} beyond noise (|z| >= {NOISE_Z:g}) where chance alone would put "
+        f"about {t['expected_by_chance']:g} ({CHANCE_BEYOND:.1%} of {t['tested']}); "
+        f"{t['discoveries']} remain{'s' if t['discoveries'] == 1 else ''} at a "
+        f"{t['fdr']:.0%} false discovery rate "
+        f"(Benjamini-Hochberg q <= {t['fdr']:g})"
     )
 
 
@@ -755,6 +835,10 @@ def compare_runs(
     moved = changes.loc[changes["change"] != 0]
     listed = moved.loc[~moved["evidence"].isin(NOT_A_CHANGE)]
     largest = listed.head(top)
+    lists = {name: listed.loc[listed["evidence"].isin(group)].head(top)
+             for name, group in (("exact", EXACT_LIST), ("sampled", SAMPLED_LIST),
+                                 ("not_comparable", APART_LIST))}  # fmt: skip
+    tests = sampled_tests(changes)
     summary: dict[str, Any] = {
         "created_at": now(),
         "baseline": labels[0],
@@ -769,7 +853,12 @@ def compare_runs(
         "clipping_changed": clipping_notes(changes, labels[0]),
         "k_not_robust": not_robust_notes(changes),
         "bounds": {"exact": EXACT_BOUND, "sampled": SAMPLED_BOUND, "robust_support": ROBUST_SUPPORT},
-        "largest_changes": json.loads(largest.to_json(orient="records", double_precision=15)),
+        "largest_changes": _records(largest),
+        "largest_exact": _records(lists["exact"]),
+        "largest_sampled": _records(lists["sampled"]),
+        "largest_not_comparable": _records(lists["not_comparable"]),
+        "sampled_tests": tests,
+        "chance_beyond_noise": CHANCE_BEYOND,
         "rogue_dims": rogue_summary,
         "size_threshold": threshold,
         "small_runs": small,
@@ -781,16 +870,20 @@ def compare_runs(
     echo(f"{compared_line(labels)}; {note}")
     if warning:
         echo(f"warning: {warning}")
-    _echo_changes(largest, moved, labels[0], echo)
+    _echo_changes(lists, moved, tests, labels[0], echo)
     _echo_rogue(rogue_summary, echo)
     for n in summary["clustering_changed"] + summary["clipping_changed"] + summary["k_not_robust"]:
         echo(f"note: {n}")
     for n in rogue_notes:
         echo(f"note: {n}")
-    _write_report(runs, out, largest, summary, echo)
+    _write_report(runs, out, pd.concat(list(lists.values())), summary, echo)
     atomic_write_json(join(out, SUMMARY), seal(summary))
     echo(f"outputs in {out}: {', '.join([*files, SUMMARY])}")
     return summary
+
+
+def _records(df: pd.DataFrame) -> list[dict[str, Any]]:
+    return json.loads(df.to_json(orient="records", double_precision=15))
 
 
 def _checked_out(run_dirs: Sequence[str], out: str) -> str:
@@ -833,12 +926,19 @@ def _run_summary(r: RunView) -> dict[str, Any]:
 
 
 def _echo_changes(
-    largest: pd.DataFrame, moved: pd.DataFrame, baseline: str, echo: Callable[[str], None]
+    lists: dict[str, pd.DataFrame],
+    moved: pd.DataFrame,
+    tests: dict[str, dict[str, Any]],
+    baseline: str,
+    echo: Callable[[str], None],
 ) -> None:
-    """Print the ten largest changes (``largest``: ranked) and how many of the non-zero
-    changes ``moved`` are within noise or agree within the bounds, or that no metric changed."""
+    """Print the ten largest exact changes, then how the runs' sampled changes stand against
+    chance (:func:`sampled_tests`) and the ten first sampled ones, each list in the order of
+    :func:`changes_table` (``lists``: ``exact``, ``sampled``, ``not_comparable``), how many of
+    the non-zero changes ``moved`` are within noise, not comparable or agree within the
+    bounds; or that no metric changed."""
     same = int((moved["evidence"] == AGREE).sum())
-    if not len(largest):
+    if not any(len(df) for df in lists.values()):
         echo(
             f"no change: every metric agrees with {baseline}'s (exact ones within "
             f"{EXACT_BOUND:g} relative, sampled ones within {SAMPLED_BOUND:g}; {same} differ "
@@ -847,14 +947,32 @@ def _echo_changes(
             else "no metric changed"
         )
         return
-    echo(f"largest changes against {baseline} (sampled beyond noise by |z|, then exact):")
-    for r in largest.head(10).itertuples():
+    exact, sampled = lists["exact"], lists["sampled"]
+    if len(exact):
+        echo(
+            f"largest exact changes against {baseline} (over every token, no sampling error; "
+            "by |change| / the metric's range):"
+        )
+        for r in exact.head(10).itertuples():
+            echo("  " + _change_line(r))
+    else:
+        echo(f"no exact metric changed against {baseline}")
+    echo(f"sampled changes against {baseline} (beyond noise by |z|, then without a standard error):")
+    for run, t in tests.items():
+        echo("  " + tests_line(run, t))
+    for r in sampled.head(10).itertuples():
         echo("  " + _change_line(r))
     quiet = int((moved["evidence"] == WITHIN_NOISE).sum())
     if quiet:
         echo(
             f"{quiet} change{'s' if quiet != 1 else ''} of sampled metrics within noise "
             f"(|z| < {NOISE_Z:g}), ranked after the others"
+        )
+    apart = int(moved["evidence"].isin(APART_LIST).sum())
+    if apart:
+        echo(
+            f"{apart} change{'s' if apart != 1 else ''} not comparable (another clustering, or "
+            "other dimensions zeroed: the notes below), ranked apart"
         )
     if same:
         echo(
@@ -877,20 +995,21 @@ def _echo_rogue(rogue_summary: dict[str, Any], echo: Callable[[str], None]) -> N
 def _write_report(
     runs: Sequence[RunView],
     out: str,
-    largest: pd.DataFrame,
+    listed: pd.DataFrame,
     summary: dict[str, Any],
     echo: Callable[[str], None],
 ) -> None:
-    """Write ``report.html`` (:func:`~embgeom_ray.report.html.write_comparison_report`) and
-    record it in ``summary`` (``report`` and ``files``), or, when it fails, record and print
+    """Write ``report.html`` (:func:`~embgeom_ray.report.html.write_comparison_report`: the
+    ``listed`` changes, each list's ``--top`` largest) and record it in ``summary`` (``report`` and ``files``), or, when it fails, record and print
     why (``report_error``): the tables are written already and must not be lost."""
     try:
         from ..report.html import write_comparison_report
 
         write_comparison_report(
-            runs, out, changes=largest,
+            runs, out, changes=listed,
             matching_note=summary["layer_matching_note"], labels=[r.label for r in runs],
             warning=summary["size_warning"], agreed=summary["evidence_counts"][AGREE],
+            sampled_tests=[tests_line(run, t) for run, t in summary["sampled_tests"].items()],
         )  # fmt: skip
     except Exception as exc:  # the tables are written; a plotting failure must not lose them
         summary["report_error"] = f"{type(exc).__name__}: {exc}"

@@ -124,8 +124,8 @@ def test_compare_two_runs(two_runs, tmp_path, capsys) -> None:
     changes = pd.read_parquet(out / "changes.parquet")
     assert list(changes.columns) == [
         "run", "metric", "layer", "run_layer", "baseline", "value", "change", "relative", "score",
-        "kind", "se_baseline", "se_run", "se_diff", "z", "within_noise", "evidence", "small_run",
-        "samples_differ", "not_comparable",
+        "kind", "se_baseline", "se_run", "se_diff", "z", "q", "within_noise", "evidence",
+        "small_run", "samples_differ", "not_comparable",
     ]  # fmt: skip
     # every metric here is exact: no standard error, never within noise, ranked by score; the
     # unchanged ones agree (listed last, not among the changes)
@@ -361,6 +361,65 @@ def test_sampled_changes_ranked_by_z(tmp_path, capsys) -> None:
     # the report says |z| < 2 in its note and in the within-noise rows' tooltips, escaped
     html = (out / "report.html").read_text()
     assert bare_lt(html) == [] and "(|z| &lt; 2)" in html and 'title="|z| &lt; 2: within' in html
+
+
+def test_exact_and_sampled_changes_are_listed_apart(tmp_path, capsys) -> None:
+    """With --top 2, the two sampled changes beyond noise filled the whole list and the certain
+    exact change (anisotropy +100%) was not shown. Now each kind has its own list, printed and
+    in the report, and the sampled one says how many changes were tested: 4 with a standard
+    error, so about 4 × 4.55% = 0.2 would reach |z| ≥ 2 by chance; of the 2 that do, 1 keeps a
+    false discovery rate of 5% (Benjamini–Hochberg)."""
+    from embgeom_ray.runs.compare import CHANCE_BEYOND
+
+    a = make_run(tmp_path / "a", SAMPLED_BASE, {}, num_layers=1)
+    b = make_run(tmp_path / "b", SAMPLED_OTHER, {}, num_layers=1)
+    out = tmp_path / "cmp"
+    assert compare_cli.main([a, b, "--out", str(out), "--top", "2"]) == 0
+    printed = capsys.readouterr().out
+    summary = json.loads((out / "comparison.json").read_text())
+    # the list ranked by evidence, as before: the exact change is not among its first two
+    assert [c["metric"] for c in summary["largest_changes"]] == [
+        "silhouette_types", "lid_euclidean",
+    ]  # fmt: skip
+    assert [c["metric"] for c in summary["largest_exact"]] == ["anisotropy"]
+    assert [c["metric"] for c in summary["largest_sampled"]] == [
+        "silhouette_types", "lid_euclidean",
+    ]  # fmt: skip
+    assert summary["largest_not_comparable"] == []
+    # two-sided normal p of z 3.2, 2.0, 0.4, 1.6, and their Benjamini–Hochberg q over the 4:
+    # p sorted 0.0013743, 0.0455003, 0.1095986, 0.6891565; q = min over ranks ≥ i of p · 4 / rank
+    assert CHANCE_BEYOND == pytest.approx(0.0455003)
+    changes = pd.read_parquet(out / "changes.parquet").set_index("metric")
+    q = changes.loc[["silhouette_types", "lid_euclidean", "lid_cosine", "kmeans_silhouette"], "q"]
+    np.testing.assert_allclose(q, [0.0054971, 0.0910005, 0.1461314, 0.6891565], rtol=1e-5)
+    assert changes.loc[["anisotropy", "isoscore_sample", "adjusted_s_inter"], "q"].isna().all()
+    assert summary["sampled_tests"] == {
+        "b": {"tested": 4, "beyond_noise": 2, "expected_by_chance": 0.2, "fdr": 0.05,
+              "discoveries": 1},
+    }  # fmt: skip
+    lines = printed.splitlines()
+    exact_at = lines.index(
+        "largest exact changes against a (over every token, no sampling error; by |change| / "
+        "the metric's range):"
+    )
+    assert lines[exact_at + 1] == "  b  anisotropy  layer 0: 0.25 -> 0.5 (+0.25, +100.0%; exact)"
+    assert lines[exact_at + 2 :: 1][:2] == [
+        "sampled changes against a (beyond noise by |z|, then without a standard error):",
+        "  b: 4 sampled changes tested against their standard errors, 2 beyond noise "
+        "(|z| >= 2) where chance alone would put about 0.2 (4.6% of 4); 1 remains at a 5% "
+        "false discovery rate (Benjamini-Hochberg q <= 0.05)",
+    ]
+    assert lines[exact_at + 4].startswith("  b  silhouette_types  layer 0:")
+    assert lines[exact_at + 5].startswith("  b  lid_euclidean  layer 0:")
+    # the report: an exact table, then a sampled one under the same count
+    html = (out / "report.html").read_text()
+    exact_at, sampled_at = html.index("<h3>Exact metrics</h3>"), html.index("<h3>Sampled metrics")
+    assert exact_at < sampled_at and "Not comparable</h3>" not in html
+    exact_table = html[exact_at:sampled_at]
+    assert exact_table.count("<tr><td") == 1 and ">anisotropy</td>" in exact_table
+    sampled_table = html[sampled_at : html.index("</table>", sampled_at)]
+    assert "4 sampled changes tested against their standard errors" in sampled_table
+    assert sampled_table.count("<tr><td") == 2 and "z +3.2 · q 0.0055</b>" in sampled_table
 
 
 def test_a_changed_clustering_is_not_ranked_by_z(tmp_path, capsys) -> None:
