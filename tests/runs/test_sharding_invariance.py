@@ -99,7 +99,10 @@ def test_compare_of_two_shardings_reports_no_change(two_shardings, tmp_path):
     assert any(line.startswith("no change: every metric agrees") for line in printed), printed
     assert summary["evidence_counts"][BEYOND_NOISE] == 0
     assert summary["evidence_counts"][CLUSTERING_CHANGED] == 0
-    assert summary["clustering_changed"] == []
+    assert summary["clustering_changed"] == [] and summary["clipping_changed"] == []
+    assert summary["largest_exact"] == summary["largest_sampled"] == []
+    (tests,) = summary["sampled_tests"].values()  # real z of one sample, rounded differently
+    assert tests["tested"] > 50 and tests["beyond_noise"] == tests["discoveries"] == 0
     changes = pd.read_parquet(tmp_path / "cmp" / "changes.parquet")
     sampled = changes[changes["kind"] == "sampled"]
     with_se = sampled["z"].notna()
