@@ -116,6 +116,14 @@ _READ_CHUNK = 1 << 20
 _BATCH_ROWS = 1024
 _PLAN_THREADS = 16
 _BOM = b"\xef\xbb\xbf"
+#: byte-order marks of the encodings a text file may be in that are not UTF-8 (longest first:
+#: UTF-32 LE's begins with UTF-16 LE's). Their text read as UTF-8 would be every other byte NUL.
+_FOREIGN_BOMS = (
+    (b"\xff\xfe\x00\x00", "UTF-32"),
+    (b"\x00\x00\xfe\xff", "UTF-32"),
+    (b"\xff\xfe", "UTF-16"),
+    (b"\xfe\xff", "UTF-16"),
+)
 _MAGIC = re.compile(r"[*?\[]")
 # A remote file's cheap identity: the first of these keys that its fsspec `info` has.
 _IDENTITY_KEYS = (
@@ -443,6 +451,8 @@ def _file_shards(f: _File, index: int, width: int, column: str, size: int) -> li
     _check_compression(f.path, f.compression)
     if f.kind == "jsonl":
         _check_jsonl_head(f.path, f.compression, column)
+    else:
+        _check_text_head(f.path, f.compression)
     if f.compression:  # not splittable: one shard over the whole (compressed) file
         return [Shard(_shard_id(index, width, "b", 0), f.path, f.kind, 0, f.size, index)]
     return [
@@ -677,9 +687,12 @@ def _check_jsonl_head(path: str, compression: str | None, column: str) -> None:
     try:
         with fsspec.open(path, "rb", compression=compression) as f:
             for number, (_, raw) in enumerate(_iter_lines(f, 0, None), start=1):
+                if number == 1:
+                    _check_encoding(path, raw)
+                    raw = raw.removeprefix(_BOM)
                 if not raw.strip():
                     continue
-                obj = _parse_json_line(raw.removeprefix(_BOM) if number == 1 else raw)
+                obj = _parse_json_line(raw)
                 if isinstance(obj, dict):
                     if column not in obj:
                         raise _missing_json_column(path, column, obj)
@@ -701,6 +714,32 @@ def _check_jsonl_head(path: str, compression: str | None, column: str) -> None:
         raise CorpusError(
             f"{path} is not JSON Lines: {which} is a JSON object (line {number}: {_preview(raw)})"
         )
+
+
+def _check_encoding(path: str, head: bytes) -> None:
+    """Refuse a file whose first bytes are a UTF-16 or UTF-32 byte-order mark: read as UTF-8,
+    its text would be every other byte NUL (a Windows editor's "Unicode" saves this way)."""
+    for bom, encoding in _FOREIGN_BOMS:
+        if head.startswith(bom):
+            raise CorpusError(
+                f"{path} is {encoding}-encoded (its first bytes are the {encoding} byte-order "
+                "mark); corpus files must be UTF-8: convert it (e.g. iconv -f "
+                f"{encoding} -t UTF-8)"
+            )
+
+
+def _check_text_head(path: str, compression: str | None) -> None:
+    """Fail early if a text file is UTF-16 or UTF-32 (:func:`_check_encoding`)."""
+    try:
+        with fsspec.open(path, "rb", compression=compression) as f:
+            head = f.read(len(_FOREIGN_BOMS[0][0]))
+    except OSError as e:
+        if not _is_corrupt_stream(e, compression):
+            raise
+        raise CorpusError(f"cannot decompress {path}: {e}") from e
+    except _DECOMPRESSION_ERRORS as e:
+        raise CorpusError(f"cannot decompress {path}: {e}") from e
+    _check_encoding(path, head)
 
 
 def _parse_json_line(raw: bytes) -> Any:
@@ -1017,8 +1056,9 @@ def _read_lines(shard: Shard, spec: CorpusSpec, report: ReadReport) -> Iterator[
         with fsspec.open(shard.path, "rb", compression=compression) as f:
             lines = _LineReader(f, shard.start, None if compression else shard.stop)
             for offset, raw in lines:
-                if offset == 0 and raw.startswith(_BOM):
-                    raw = raw[len(_BOM) :]
+                if offset == 0:
+                    _check_encoding(shard.path, raw)
+                    raw = raw.removeprefix(_BOM)
                 try:
                     text = raw.decode("utf-8")
                 except UnicodeDecodeError:

@@ -285,11 +285,14 @@ def test_corrupt_gzip_is_a_corpus_error(tmp_path: Path) -> None:
     with pytest.raises(CorpusError, match=r"cannot decompress .*a\.jsonl\.gz"):
         plan_shards(CorpusSpec(str(tmp_path)))
     (tmp_path / "a.jsonl.gz").unlink()
-    (tmp_path / "b.txt.gz").write_bytes(b"\x1f\x8b\x08\x00" + b"garbage" * 20)
+    path = tmp_path / "b.txt.gz"
+    path.write_bytes(b"\x1f\x8b\x08\x00" + b"garbage" * 20)
     spec = CorpusSpec(str(tmp_path))
-    plan = plan_shards(spec)
     with pytest.raises(CorpusError, match=r"cannot decompress .*b\.txt\.gz"):
-        list(read_shard(plan.shards[0], spec, ReadReport()))
+        plan_shards(spec)  # its first bytes are read for their encoding
+    shard = Shard("f00000-b000000000000", str(path), "text", 0, path.stat().st_size, 0)
+    with pytest.raises(CorpusError, match=r"cannot decompress .*b\.txt\.gz"):
+        list(read_shard(shard, spec, ReadReport()))
 
 
 @pytest.mark.skipif(importlib.util.find_spec("zstandard") is not None, reason="zstandard present")
@@ -604,6 +607,46 @@ def test_jsonl_every_line_invalid(tmp_path: Path) -> None:
     shard = Shard("f00000-b000000000000", str(tmp_path / "a.json"), "jsonl", 0, 10**6, 0)
     with pytest.raises(CorpusError, match="none of its 5 non-empty lines is a JSON object"):
         list(read_shard(shard, CorpusSpec(str(tmp_path)), ReadReport()))
+
+
+@pytest.mark.parametrize(
+    ("codec", "encoding", "name"),
+    [
+        ("utf-16", "UTF-16", "a.txt"),
+        ("utf-16-be", "UTF-16", "a.txt"),
+        ("utf-32", "UTF-32", "a.txt"),
+        ("utf-16", "UTF-16", "a.jsonl"),
+        ("utf-16", "UTF-16", "a.txt.gz"),
+    ],
+)
+def test_a_utf16_or_utf32_file_is_refused(
+    tmp_path: Path, codec: str, encoding: str, name: str
+) -> None:
+    """Read as UTF-8, a UTF-16 text file's lines after the first were documents with a NUL
+    between every two characters (and its last a lone NUL): refused, naming the encoding."""
+    text = (
+        '{"text": "First line"}\r\n{"text": "Second"}\r\n'
+        if "jsonl" in name
+        else "First line\r\nSecond line of text\r\n"
+    )
+    data = text.encode(codec)
+    if codec == "utf-16-be":
+        data = b"\xfe\xff" + data
+    path = tmp_path / name
+    path.write_bytes(gzip.compress(data) if name.endswith(".gz") else data)
+    message = (
+        f"{path} is {encoding}-encoded (its first bytes are the {encoding} byte-order mark); "
+        f"corpus files must be UTF-8: convert it (e.g. iconv -f {encoding} -t UTF-8)"
+    )
+    with pytest.raises(CorpusError) as err:
+        plan_shards(CorpusSpec(str(path)))
+    assert str(err.value) == message
+    # The reader checks it too (for a plan made before the file changed).
+    kind = "jsonl" if "jsonl" in name else "text"
+    shard = Shard("f00000-b000000000000", str(path), kind, 0, path.stat().st_size, 0)
+    with pytest.raises(CorpusError) as err:
+        list(read_shard(shard, CorpusSpec(str(path)), ReadReport()))
+    assert str(err.value) == message
 
 
 def test_bad_shard_size(tmp_path: Path) -> None:
