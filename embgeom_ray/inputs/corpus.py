@@ -697,6 +697,12 @@ def _check_jsonl_head(path: str, compression: str | None, column: str) -> None:
                     if column not in obj:
                         raise _missing_json_column(path, column, obj)
                     return
+                if bad == 0 and obj is None and raw.lstrip().startswith(b"["):
+                    raise CorpusError(
+                        f"{path} is not JSON Lines but a JSON array spread over several lines "
+                        f"(line {number}: {_preview(raw)}); write one JSON object per line, "
+                        "without the brackets and commas between them"
+                    )
                 bad += 1
                 first_bad = first_bad or (number, raw)
                 if bad >= JSONL_HEAD_LINES:

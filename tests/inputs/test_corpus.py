@@ -597,16 +597,49 @@ def test_jsonl_missing_column_in_first_object(tmp_path: Path) -> None:
 
 
 def test_jsonl_every_line_invalid(tmp_path: Path) -> None:
-    (tmp_path / "a.json").write_text(json.dumps([{"text": "a"}], indent=2) + "\n")
+    (tmp_path / "a.json").write_text(json.dumps({"text": "a", "n": [1, 2]}, indent=2) + "\n")
     with pytest.raises(CorpusError) as err:
         plan_shards(CorpusSpec(str(tmp_path)))
     assert str(err.value) == (
-        f"{tmp_path / 'a.json'} is not JSON Lines: none of its 5 non-empty lines is a JSON "
-        "object (line 1: '[')"
+        f"{tmp_path / 'a.json'} is not JSON Lines: none of its 7 non-empty lines is a JSON "
+        "object (line 1: '{')"
     )
     shard = Shard("f00000-b000000000000", str(tmp_path / "a.json"), "jsonl", 0, 10**6, 0)
-    with pytest.raises(CorpusError, match="none of its 5 non-empty lines is a JSON object"):
+    with pytest.raises(CorpusError, match="none of its 7 non-empty lines is a JSON object"):
         list(read_shard(shard, CorpusSpec(str(tmp_path)), ReadReport()))
+
+
+@pytest.mark.parametrize(
+    ("body", "line", "preview"),
+    [
+        # one object a line, commas between: the last object alone parsed, the others were
+        # skipped as invalid JSON (1 document of 3 read, exit status 0)
+        (
+            '[\n{"text": "alpha one"},\n{"text": "beta two"},\n{"text": "gamma three"}\n]\n',
+            1,
+            "'['",
+        ),
+        ('\n  [{"text": "alpha one"},\n{"text": "beta two"}]\n', 2, """'  [{"text": "alpha one"},'"""),
+        (json.dumps([{"text": "a"}], indent=2) + "\n", 1, "'['"),
+    ],
+)
+def test_a_json_array_over_several_lines_is_refused(
+    tmp_path: Path, body: str, line: int, preview: str
+) -> None:
+    (tmp_path / "a.json").write_text(body)
+    with pytest.raises(CorpusError) as err:
+        plan_shards(CorpusSpec(str(tmp_path)))
+    assert str(err.value) == (
+        f"{tmp_path / 'a.json'} is not JSON Lines but a JSON array spread over several lines "
+        f"(line {line}: {preview}); write one JSON object per line, without the brackets and "
+        "commas between them"
+    )
+
+
+def test_a_single_line_json_array_is_not_json_lines(tmp_path: Path) -> None:
+    (tmp_path / "a.json").write_text('[{"text": "a"}, {"text": "b"}]\n')
+    with pytest.raises(CorpusError, match="none of its 1 non-empty lines is a JSON object"):
+        plan_shards(CorpusSpec(str(tmp_path)))
 
 
 @pytest.mark.parametrize(
