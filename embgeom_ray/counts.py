@@ -161,3 +161,29 @@ def unk_warning(
         f"this text (another script or language, mangled text, or a tokenizer that is not the "
         f"model's); {name} tokens are special and are not counted unless --keep-special"
     )
+
+
+#: skipped items that are not text a user would miss: blank lines and empty or whitespace-only
+#: texts hold no token, so :func:`skipped_warning` keeps quiet about them
+QUIET_SKIPS = ("empty",)
+
+
+def skipped_warning(counts: Counts) -> str | None:
+    """A one-line warning when items of the corpus that may hold text were skipped.
+
+    The reasons (:class:`~embgeom_ray.inputs.corpus.ReadReport`: ``invalid UTF-8``, ``invalid
+    JSON``, ``not a JSON object``, ``missing column``, ``non-text value``) mean lines or rows
+    the job could not read as documents: a file in another encoding, JSON that is not one
+    object per line, a text column that holds other values. They are counted in the manifest's
+    ``skipped``; this says so at the end of the run. ``None`` when only empty items (blank
+    lines, empty texts: :data:`QUIET_SKIPS`) or none were skipped.
+    """
+    loud = {k: v for k, v in sorted(counts.skipped.items()) if k not in QUIET_SKIPS and v}
+    if not loud:
+        return None
+    total = sum(loud.values())
+    why = ", ".join(f"{v:,} {k}" for k, v in loud.items())
+    return (
+        f"warning: {total:,} item(s) of the corpus could not be read as documents and were left "
+        f"out ({why}; {counts.documents:,} documents read); manifest.json's skipped counts them"
+    )

@@ -46,7 +46,7 @@ from ..core.options import sample_entries
 from ..core.rogue import OutlierRules, flagged_dims
 from ..core.sample_layers import SampleLayers, sample_layers
 from ..core.statistics import EmbeddingStatistics
-from ..counts import Counts, unk_warning
+from ..counts import Counts, skipped_warning, unk_warning
 from ..distributed.process_memory import sampler
 from ..distributed.warm_workers import AFTER_S as WARM_AFTER_S
 from ..distributed.warm_workers import warm_task_workers
@@ -920,8 +920,8 @@ def _record_run(
     reduce_s: float,
 ) -> None:
     """Check that tokens were counted (and, with --dedup, that the extractors left out what
-    the plan did, writing its document hashes), print the unknown-token warning, and set the
-    manifest's counts, shards, workers, timings and throughput."""
+    the plan did, writing its document hashes), print the unknown-token and skipped-items
+    warnings, and set the manifest's counts, shards, workers, timings and throughput."""
     config, manifest, totals, dedup = spec.config, started.manifest, reduced.totals, started.dedup
     try:
         check_not_empty(reduced.merged, totals, config.corpus)
@@ -930,9 +930,9 @@ def _record_run(
         # fingerprint) starts afresh instead of being refused as another run
         run.clear()
         raise
-    warning = unk_warning(totals, spec.tokenizer.unk_token)
-    if warning:
-        echo(warning)
+    for warning in (unk_warning(totals, spec.tokenizer.unk_token), skipped_warning(totals)):
+        if warning:
+            echo(warning)
     if dedup is not None:
         manifest.set(dedup=dedup_info(dedup, totals, config.corpus))
         run.write_doc_hashes(dedup.hashes)

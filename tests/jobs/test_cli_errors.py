@@ -121,12 +121,19 @@ def test_non_text_values_and_empty_documents_are_skipped_and_counted(
         {"text": "a dog"},
     ]
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    code, err = run(capsys, "--model", model, "--corpus", str(path), "--out", str(tmp_path / "o"))
+    code = main(["--model", model, "--corpus", str(path), "--out", str(tmp_path / "o"), "--no-report"])
+    out, err = capsys.readouterr()
     assert code == 0, err
     manifest = json.loads((tmp_path / "o" / "manifest.json").read_text())
     assert manifest["status"] == "complete"
     assert manifest["counts"]["documents"] == 2
     assert manifest["skipped"] == {"non-text value": 2, "empty": 2}
+    # said at the end of the run, not only in the manifest (the empty ones are not)
+    warnings = [line for line in (out + err).splitlines() if line.startswith("warning:")]
+    assert warnings == [
+        "warning: 2 item(s) of the corpus could not be read as documents and were left out "
+        "(2 non-text value; 2 documents read); manifest.json's skipped counts them"
+    ]
 
 
 def test_empty_corpus(capsys, tmp_path, model, ray_local):

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from embgeom_ray.counts import Counts, unk_warning
+from embgeom_ray.counts import Counts, skipped_warning, unk_warning
 from embgeom_ray.run_dir import Manifest
 
 #: the ``counts`` of a manifest as the previous version wrote it (its ``run_dir.Counts``)
@@ -45,6 +45,20 @@ def test_add_sums_every_field_and_the_ratios_follow():
 def test_counts_of_nothing_have_no_ratios():
     old = Counts.from_json({"tokens": 5, "padded_tokens": 9, "windows": 1})
     assert old.padding_ratio is None and old.unk_share is None and unk_warning(old) is None
+
+
+def test_skipped_items_that_may_hold_text_are_warned_about_blank_ones_are_not():
+    assert skipped_warning(Counts(documents=3)) is None
+    assert skipped_warning(Counts(documents=3, skipped={"empty": 7})) is None
+    counts = Counts(
+        documents=1_200,
+        skipped={"non-text value": 2, "empty": 5, "invalid UTF-8": 1, "invalid JSON": 1_000},
+    )
+    assert skipped_warning(counts) == (
+        "warning: 1,003 item(s) of the corpus could not be read as documents and were left out "
+        "(1,000 invalid JSON, 1 invalid UTF-8, 2 non-text value; 1,200 documents read); "
+        "manifest.json's skipped counts them"
+    )
 
 
 def test_a_checkpoint_group_of_the_previous_version_loads_every_field():
