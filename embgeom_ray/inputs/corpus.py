@@ -1104,6 +1104,9 @@ def _read_lines(shard: Shard, spec: CorpusSpec, report: ReadReport) -> Iterator[
                     continue
                 report.documents += 1
                 yield Document(_doc_id(prefix, offset), text)
+            # the plan cut the file at its size then: lines past its end now were not read
+            cut = compression is None and lines.eof and f.seek(0, 2) < shard.stop
+            size = f.tell() if cut else 0
     except (*_DECOMPRESSION_ERRORS, FileNotFoundError, PermissionError) as e:
         raise _open_error(shard.path, e) from e
     except OSError as e:
@@ -1114,6 +1117,12 @@ def _read_lines(shard: Shard, spec: CorpusSpec, report: ReadReport) -> Iterator[
         raise CorpusError(
             f"{shard.path} is not JSON Lines: none of its {invalid} non-empty lines "
             "is a JSON object"
+        )
+    if cut:
+        raise CorpusError(
+            f"corpus file {shard.path} changed during the run: it is {size:,} bytes, "
+            f"{shard.stop:,} or more when the run was planned; rerun with --overwrite once it "
+            "no longer changes"
         )
 
 

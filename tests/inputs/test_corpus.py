@@ -698,6 +698,46 @@ def test_file_deleted_after_planning(tmp_path: Path) -> None:
         list(read_shard(plan.shards[0], spec, ReadReport()))
 
 
+@pytest.mark.parametrize("name", ["a.txt", "a.jsonl"])
+def test_file_cut_shorter_after_planning_is_an_error(tmp_path: Path, name: str) -> None:
+    """A line file cut shorter during the run: its shards past the new end read nothing, and
+    the one across it part of its lines (21 of 40 documents read, no word said); now the shard
+    that meets the end too soon says the file changed."""
+    lines = [f"document number {i} of forty" for i in range(40)]
+    if name.endswith(".jsonl"):
+        lines = [json.dumps({"text": t}) for t in lines]
+    path = tmp_path / name
+    data = ("\n".join(lines) + "\n").encode()
+    path.write_bytes(data)
+    spec = CorpusSpec(str(path))
+    plan = plan_shards(spec, 400)
+    assert len(plan.shards) == -(-len(data) // 400)
+    path.write_bytes(data[:500])
+    message = (
+        f"corpus file {path} changed during the run: it is 500 bytes, {{}} or more when the run "
+        "was planned; rerun with --overwrite once it no longer changes"
+    )
+    for shard in plan.shards:
+        report = ReadReport()
+        if shard.stop <= 500:  # wholly before the cut: read as planned
+            assert len(list(read_shard(shard, spec, report))) == report.documents > 0
+            continue
+        with pytest.raises(CorpusError) as err:
+            list(read_shard(shard, spec, report))
+        assert str(err.value) == message.format(f"{shard.stop:,}")
+
+
+def test_lines_appended_after_planning_are_left_to_the_next_run(tmp_path: Path) -> None:
+    path = tmp_path / "a.txt"
+    path.write_text("".join(f"line {i}\n" for i in range(30)))
+    spec = CorpusSpec(str(path))
+    plan = plan_shards(spec, 64)
+    with path.open("a") as f:
+        f.write("appended one\nappended two\n")
+    got = [d.text for s in plan.shards for d in read_shard(s, spec, ReadReport())]
+    assert got == [f"line {i}" for i in range(30)]
+
+
 # --------------------------------------------------------------------------------------------
 # Plan identity and persistence
 
