@@ -64,6 +64,7 @@ __all__ = [
     "auto_shard_bytes",
     "auto_shard_cap",
     "document_id",
+    "ignored_notice",
     "plan_shards",
     "read_shard",
     "shard_rule",
@@ -200,7 +201,10 @@ class ShardPlan:
     and the shard size. ``files[i]`` is the file of the shards with ``file_index == i``.
     ``total_bytes`` is the files' total size (compressed size for compressed files); for a
     dataset, an estimate of its text column's size. ``shard_bytes`` is the shard size the plan
-    was cut with (the resolved value when planned with auto).
+    was cut with (the resolved value when planned with auto). ``ignored`` lists the files of a
+    directory corpus that are not read, being of no supported type (``README.md``, ``.csv``),
+    by their path relative to the corpus root; like ``Shard.drop`` it is not saved
+    (:meth:`to_json`), being found again on every run, nor compared.
     """
 
     shards: list[Shard]
@@ -208,6 +212,7 @@ class ShardPlan:
     total_bytes: int
     files: list[str]
     shard_bytes: int = 0
+    ignored: list[str] = field(default_factory=list, compare=False)
 
     def to_json(self) -> dict[str, Any]:
         """A JSON-serialisable dict that :meth:`from_json` turns back into an equal plan."""
@@ -395,7 +400,7 @@ def _plan_files(spec: CorpusSpec, shard_bytes: int | None, work: int) -> ShardPl
     fs, root = _url_to_fs(spec.source)
     try:
         saved = _saved_dataset_dir(fs, root)
-        files = [] if saved is not None else _list_files(spec.source, fs, root)
+        files, ignored = ([], []) if saved is not None else _list_files(spec.source, fs, root)
     except OSError as e:  # no credentials, no permission, no network: the user must act
         error = storage_error(e, spec.source, "corpus")
         if error is not None:
@@ -436,7 +441,7 @@ def _plan_files(spec: CorpusSpec, shard_bytes: int | None, work: int) -> ShardPl
             "files": [[f.relpath, f.size, f.identity, f.kind] for f in files],
         }
     )
-    return ShardPlan(shards, fingerprint, total, [f.path for f in files], size)
+    return ShardPlan(shards, fingerprint, total, [f.path for f in files], size, ignored)
 
 
 def _file_shards(f: _File, index: int, width: int, column: str, size: int) -> list[Shard]:
@@ -614,11 +619,14 @@ def _make_file(
     )
 
 
-def _list_files(source: str, fs: fsspec.AbstractFileSystem, root: str) -> list[_File]:
+def _list_files(
+    source: str, fs: fsspec.AbstractFileSystem, root: str
+) -> tuple[list[_File], list[str]]:
+    """The corpus's files, and those of a directory that are of no supported type."""
     if fs.exists(root):
         if fs.isdir(root):
             return _list_directory(source, fs, root)
-        return [_make_file(fs, root, _relative_path(root, root), fs.info(root))]
+        return [_make_file(fs, root, _relative_path(root, root), fs.info(root))], []
     if not has_magic(root):
         raise CorpusError(f"corpus {source!r} does not exist")
     matches = fs.glob(root, detail=True)
@@ -632,10 +640,12 @@ def _list_files(source: str, fs: fsspec.AbstractFileSystem, root: str) -> list[_
         files.append(_make_file(fs, path, relpath, info))
     if not files:
         raise CorpusError(f"corpus {source!r} matches no files")
-    return sorted(files, key=lambda f: f.relpath)
+    return sorted(files, key=lambda f: f.relpath), []
 
 
-def _list_directory(source: str, fs: fsspec.AbstractFileSystem, root: str) -> list[_File]:
+def _list_directory(
+    source: str, fs: fsspec.AbstractFileSystem, root: str
+) -> tuple[list[_File], list[str]]:
     infos = fs.find(root, withdirs=False, detail=True)
     files, others = [], []
     for path, info in sorted(infos.items()):
@@ -652,7 +662,20 @@ def _list_directory(source: str, fs: fsspec.AbstractFileSystem, root: str) -> li
             f"directory {source!r} contains no corpus files (supported: {_supported_list()}); "
             + (f"it holds: {held}" if others else "it is empty")
         )
-    return sorted(files, key=lambda f: f.relpath)
+    return sorted(files, key=lambda f: f.relpath), others
+
+
+def ignored_notice(plan: ShardPlan, source: str, shown: int = 5) -> str | None:
+    """One line naming the files of directory ``source`` that are not read (``plan.ignored``:
+    of no supported type), the first ``shown`` of them; None when there are none."""
+    if not plan.ignored:
+        return None
+    names = ", ".join(plan.ignored[:shown]) + (", …" if len(plan.ignored) > shown else "")
+    return (
+        f"corpus: {_plural(len(plan.ignored), 'file')} in {source} of no corpus type "
+        f"({_plural(len(plan.files), 'corpus file')} read; supported: {_supported_list()}) "
+        f"left out: {names}"
+    )
 
 
 def _saved_dataset_dir(fs: fsspec.AbstractFileSystem, root: str) -> str | None:

@@ -34,6 +34,7 @@ from embgeom_ray.inputs.corpus import (
     auto_shard_bytes,
     auto_shard_cap,
     document_id,
+    ignored_notice,
     plan_shards,
     read_shard,
     shard_rule,
@@ -394,12 +395,33 @@ def test_directory_recurses_sorted_and_ignores_hidden(tmp_path: Path) -> None:
     plan = plan_shards(spec)
     rel = [os.path.relpath(f, tmp_path) for f in plan.files]
     assert rel == ["a.txt", "sub/b.jsonl", "sub/deeper/c.txt", "z.text"]
+    assert plan.ignored == ["README.md"]  # of no corpus type: named, not read
     docs, _ = read_all(spec)
     assert texts(docs) == ["alpha one", "alpha two", "beta", "gamma", "zeta"]
     assert docs[2].doc_id == document_id("sub/b.jsonl", 0)
     # A trailing slash and a file:// URL name the same corpus.
     assert plan_shards(CorpusSpec(str(tmp_path) + "/")) == plan
     assert plan_shards(CorpusSpec("file://" + str(tmp_path))).fingerprint == plan.fingerprint
+
+
+def test_files_of_other_types_in_a_directory_are_named(tmp_path: Path) -> None:
+    """A directory's files of no corpus type (a .csv export, a README) were left out without a
+    word; the plan lists them and :func:`ignored_notice` names them in one line."""
+    (tmp_path / "a.jsonl").write_text('{"text": "alpha"}\n')
+    for name in ("notes.csv", "README.md", "x.tsv", "y.jsonl.zip", "z.html", "zz.xml"):
+        (tmp_path / name).write_text("text\n")
+    (tmp_path / ".git").mkdir()
+    (tmp_path / ".git" / "HEAD").write_text("ref\n")
+    plan = plan_shards(CorpusSpec(str(tmp_path)))
+    assert plan.ignored == ["README.md", "notes.csv", "x.tsv", "y.jsonl.zip", "z.html", "zz.xml"]
+    assert ignored_notice(plan, "data/") == (
+        "corpus: 6 files in data/ of no corpus type (1 corpus file read; supported: .txt, "
+        ".text, .jsonl, .json, .ndjson, .parquet, .pq (line formats also with .gz, .bz2, .xz, "
+        ".zst)) left out: README.md, notes.csv, x.tsv, y.jsonl.zip, z.html, …"
+    )
+    only = plan_shards(CorpusSpec(str(tmp_path / "a.jsonl")))
+    assert only.ignored == [] and ignored_notice(only, "a.jsonl") is None
+    assert ShardPlan.from_json(plan.to_json()).ignored == []  # found again on every run
 
 
 def test_glob(tmp_path: Path) -> None:

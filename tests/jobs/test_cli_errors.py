@@ -136,6 +136,28 @@ def test_non_text_values_and_empty_documents_are_skipped_and_counted(
     ]
 
 
+def test_files_of_other_types_in_a_corpus_directory_are_named(capsys, tmp_path, model, ray_local):
+    """A directory's .csv (not a corpus type) was left out without a word: named in one line,
+    by --plan and by the run, which reads the rest."""
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    write_jsonl(corpus / "c.jsonl", ["the cat sat on the mat", "a dog barked"])
+    (corpus / "more.csv").write_text("text\nthe bird sang\n")
+    notice = f"corpus: 1 file in {corpus} of no corpus type (1 corpus file read; supported: "
+    argv = ["--model", model, "--corpus", str(corpus), "--out", str(tmp_path / "o")]
+    assert main([*argv, "--plan"]) == 0
+    out, err = capsys.readouterr()
+    assert [line for line in out.splitlines() if line.startswith("corpus: 1 file")] == [
+        notice + ".txt, .text, .jsonl, .json, .ndjson, .parquet, .pq (line formats also with "
+        ".gz, .bz2, .xz, .zst)) left out: more.csv"
+    ]
+    code = main([*argv, "--no-report"])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    assert (out + err).count(notice) == 1
+    assert json.loads((tmp_path / "o" / "manifest.json").read_text())["counts"]["documents"] == 2
+
+
 def test_empty_corpus(capsys, tmp_path, model, ray_local):
     path = tmp_path / "empty.txt"
     path.write_text("\n   \n\n")
