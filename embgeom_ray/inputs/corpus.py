@@ -630,14 +630,22 @@ def _list_files(
     if not has_magic(root):
         raise CorpusError(f"corpus {source!r} does not exist")
     matches = fs.glob(root, detail=True)
-    files = []
+    files, hidden = [], []
     for path, info in sorted(matches.items()):
         if info.get("type") == "directory":
             continue
         relpath = _relative_path(root, path)
         if _is_hidden(relpath):
+            hidden.append(relpath)
             continue
         files.append(_make_file(fs, path, relpath, info))
+    if not files and hidden:
+        shown = ", ".join(hidden[:5]) + (", ..." if len(hidden) > 5 else "")
+        raise CorpusError(
+            f"corpus {source!r} matches only files that are never read, a name in their path "
+            f"starting with '.' or '_' (hidden files, markers such as _SUCCESS): {shown}; "
+            "rename them to read them"
+        )
     if not files:
         raise CorpusError(f"corpus {source!r} matches no files")
     return sorted(files, key=lambda f: f.relpath), []

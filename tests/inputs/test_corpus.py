@@ -564,8 +564,15 @@ def test_glob_matching_nothing(tmp_path: Path) -> None:
     (tmp_path / "_SUCCESS").write_text("")
     with pytest.raises(CorpusError, match=r"corpus '.*\*\.jsonl' matches no files"):
         plan_shards(CorpusSpec(str(tmp_path / "*.jsonl")))
-    with pytest.raises(CorpusError, match="matches no files"):
+    # the files it matches are there, but never read: said so (it said "matches no files")
+    (tmp_path / "_train.jsonl").write_text('{"text": "a"}\n')
+    with pytest.raises(CorpusError) as err:
         plan_shards(CorpusSpec(str(tmp_path / "_*")))
+    assert str(err.value) == (
+        f"corpus '{tmp_path / '_*'}' matches only files that are never read, a name in their "
+        "path starting with '.' or '_' (hidden files, markers such as _SUCCESS): _SUCCESS, "
+        "_train.jsonl; rename them to read them"
+    )
 
 
 def test_directory_without_corpus_files(tmp_path: Path) -> None:
