@@ -64,7 +64,7 @@ __all__ = [
     "auto_shard_bytes",
     "auto_shard_cap",
     "document_id",
-    "ignored_notice",
+    "ignored_notices",
     "plan_shards",
     "read_shard",
     "shard_rule",
@@ -203,8 +203,10 @@ class ShardPlan:
     dataset, an estimate of its text column's size. ``shard_bytes`` is the shard size the plan
     was cut with (the resolved value when planned with auto). ``ignored`` lists the files of a
     directory corpus that are not read, being of no supported type (``README.md``, ``.csv``),
-    by their path relative to the corpus root; like ``Shard.drop`` it is not saved
-    (:meth:`to_json`), being found again on every run, nor compared.
+    and ``hidden`` those of a supported type that are not read, a name in their path starting
+    with ``.`` or ``_`` (``_train.jsonl``, ``.ipynb_checkpoints/…``), each by its path
+    relative to the corpus root; like ``Shard.drop`` they are not saved (:meth:`to_json`),
+    being found again on every run, nor compared.
     """
 
     shards: list[Shard]
@@ -213,6 +215,7 @@ class ShardPlan:
     files: list[str]
     shard_bytes: int = 0
     ignored: list[str] = field(default_factory=list, compare=False)
+    hidden: list[str] = field(default_factory=list, compare=False)
 
     def to_json(self) -> dict[str, Any]:
         """A JSON-serialisable dict that :meth:`from_json` turns back into an equal plan."""
@@ -400,7 +403,8 @@ def _plan_files(spec: CorpusSpec, shard_bytes: int | None, work: int) -> ShardPl
     fs, root = _url_to_fs(spec.source)
     try:
         saved = _saved_dataset_dir(fs, root)
-        files, ignored = ([], []) if saved is not None else _list_files(spec.source, fs, root)
+        listing = _Listing([]) if saved is not None else _list_files(spec.source, fs, root)
+        files = listing.files
     except OSError as e:  # no credentials, no permission, no network: the user must act
         error = storage_error(e, spec.source, "corpus")
         if error is not None:
@@ -441,7 +445,8 @@ def _plan_files(spec: CorpusSpec, shard_bytes: int | None, work: int) -> ShardPl
             "files": [[f.relpath, f.size, f.identity, f.kind] for f in files],
         }
     )
-    return ShardPlan(shards, fingerprint, total, [f.path for f in files], size, ignored)
+    paths = [f.path for f in files]
+    return ShardPlan(shards, fingerprint, total, paths, size, listing.ignored, listing.hidden)
 
 
 def _file_shards(f: _File, index: int, width: int, column: str, size: int) -> list[Shard]:
@@ -619,14 +624,21 @@ def _make_file(
     )
 
 
-def _list_files(
-    source: str, fs: fsspec.AbstractFileSystem, root: str
-) -> tuple[list[_File], list[str]]:
-    """The corpus's files, and those of a directory that are of no supported type."""
+@dataclass(frozen=True)
+class _Listing:
+    """The corpus's files, and a directory's files left out (:attr:`ShardPlan.ignored`,
+    :attr:`ShardPlan.hidden`)."""
+
+    files: list[_File]
+    ignored: list[str] = field(default_factory=list)
+    hidden: list[str] = field(default_factory=list)
+
+
+def _list_files(source: str, fs: fsspec.AbstractFileSystem, root: str) -> _Listing:
     if fs.exists(root):
         if fs.isdir(root):
             return _list_directory(source, fs, root)
-        return [_make_file(fs, root, _relative_path(root, root), fs.info(root))], []
+        return _Listing([_make_file(fs, root, _relative_path(root, root), fs.info(root))])
     if not has_magic(root):
         raise CorpusError(f"corpus {source!r} does not exist")
     matches = fs.glob(root, detail=True)
@@ -648,42 +660,56 @@ def _list_files(
         )
     if not files:
         raise CorpusError(f"corpus {source!r} matches no files")
-    return sorted(files, key=lambda f: f.relpath), []
+    return _Listing(sorted(files, key=lambda f: f.relpath))
 
 
-def _list_directory(
-    source: str, fs: fsspec.AbstractFileSystem, root: str
-) -> tuple[list[_File], list[str]]:
+def _list_directory(source: str, fs: fsspec.AbstractFileSystem, root: str) -> _Listing:
     infos = fs.find(root, withdirs=False, detail=True)
-    files, others = [], []
+    files, others, hidden = [], [], []
     for path, info in sorted(infos.items()):
         relpath = _relative_path(root, path)
         if _is_hidden(relpath):
+            if _classify(path)[0] is not None:
+                hidden.append(relpath)
             continue
         if _classify(path)[0] is None:
             others.append(relpath)
             continue
         files.append(_make_file(fs, path, relpath, info))
     if not files:
-        held = ", ".join(others[:5]) + (", ..." if len(others) > 5 else "")
+        held = _names(others + hidden, 5)
         raise CorpusError(
-            f"directory {source!r} contains no corpus files (supported: {_supported_list()}); "
-            + (f"it holds: {held}" if others else "it is empty")
+            f"directory {source!r} contains no corpus files (supported: {_supported_list()}"
+            + ("; a name starting with '.' or '_' is never read" if hidden else "")
+            + "); "
+            + (f"it holds: {held}" if others or hidden else "it is empty")
         )
-    return sorted(files, key=lambda f: f.relpath), others
+    return _Listing(sorted(files, key=lambda f: f.relpath), others, hidden)
 
 
-def ignored_notice(plan: ShardPlan, source: str, shown: int = 5) -> str | None:
-    """One line naming the files of directory ``source`` that are not read (``plan.ignored``:
-    of no supported type), the first ``shown`` of them; None when there are none."""
-    if not plan.ignored:
-        return None
-    names = ", ".join(plan.ignored[:shown]) + (", …" if len(plan.ignored) > shown else "")
-    return (
-        f"corpus: {_plural(len(plan.ignored), 'file')} in {source} of no corpus type "
-        f"({_plural(len(plan.files), 'corpus file')} read; supported: {_supported_list()}) "
-        f"left out: {names}"
-    )
+def _names(names: list[str], shown: int) -> str:
+    return ", ".join(names[:shown]) + (", ..." if len(names) > shown else "")
+
+
+def ignored_notices(plan: ShardPlan, source: str, shown: int = 5) -> list[str]:
+    """Lines naming the files of directory ``source`` that are not read, the first ``shown``
+    of each kind: those of no supported type (``plan.ignored``), and those of a supported type
+    under a name starting with ``.`` or ``_`` (``plan.hidden``)."""
+    read = _plural(len(plan.files), "corpus file")
+    lines = []
+    if plan.ignored:
+        lines.append(
+            f"corpus: {_plural(len(plan.ignored), 'file')} in {source} of no corpus type "
+            f"({read} read; supported: {_supported_list()}) left out: "
+            + _names(plan.ignored, shown)
+        )
+    if plan.hidden:
+        lines.append(
+            f"corpus: {_plural(len(plan.hidden), 'file')} in {source} of a corpus type left "
+            f"out, a name in the path starting with '.' or '_' (hidden files, markers; {read} "
+            "read): " + _names(plan.hidden, shown)
+        )
+    return lines
 
 
 def _saved_dataset_dir(fs: fsspec.AbstractFileSystem, root: str) -> str | None:

@@ -56,7 +56,7 @@ from ..inputs.corpus import (
     Shard,
     ShardPlan,
     has_magic,
-    ignored_notice,
+    ignored_notices,
     plain_text_bytes,
     plan_shards,
     shard_rule,
@@ -542,9 +542,8 @@ def size_run(spec: RunSpec, echo=print) -> Sizing:
     check_device(config.device, cluster, private_local=started_private_local())
     special = len(spec.tokenizer.all_special_ids) if config.keep_special else 0
     sizing = size_job(spec.shape, spec.corpus_shape, cluster, config.scheduling, special=special)
-    for line in (ignored_notice(spec.plan, config.corpus), *sizing.lines()):
-        if line:
-            echo(line)
+    for line in (*ignored_notices(spec.plan, config.corpus), *sizing.lines()):
+        echo(line)
     return sizing
 
 
@@ -558,9 +557,8 @@ def show_plan(spec: RunSpec, echo=print) -> dict[str, Any]:
         checkpoint_check=needs_check(spec.config.out),
     ):  # fmt: skip
         echo(line)
-    notice = ignored_notice(spec.plan, spec.config.corpus)
-    if notice:
-        echo(notice)
+    for line in ignored_notices(spec.plan, spec.config.corpus):
+        echo(line)
     return sizing.to_json()
 
 

@@ -34,7 +34,7 @@ from embgeom_ray.inputs.corpus import (
     auto_shard_bytes,
     auto_shard_cap,
     document_id,
-    ignored_notice,
+    ignored_notices,
     plan_shards,
     read_shard,
     shard_rule,
@@ -396,6 +396,7 @@ def test_directory_recurses_sorted_and_ignores_hidden(tmp_path: Path) -> None:
     rel = [os.path.relpath(f, tmp_path) for f in plan.files]
     assert rel == ["a.txt", "sub/b.jsonl", "sub/deeper/c.txt", "z.text"]
     assert plan.ignored == ["README.md"]  # of no corpus type: named, not read
+    assert plan.hidden == [".hidden/h.txt", "_temporary/t.txt"]  # of a corpus type: named too
     docs, _ = read_all(spec)
     assert texts(docs) == ["alpha one", "alpha two", "beta", "gamma", "zeta"]
     assert docs[2].doc_id == document_id("sub/b.jsonl", 0)
@@ -414,14 +415,40 @@ def test_files_of_other_types_in_a_directory_are_named(tmp_path: Path) -> None:
     (tmp_path / ".git" / "HEAD").write_text("ref\n")
     plan = plan_shards(CorpusSpec(str(tmp_path)))
     assert plan.ignored == ["README.md", "notes.csv", "x.tsv", "y.jsonl.zip", "z.html", "zz.xml"]
-    assert ignored_notice(plan, "data/") == (
+    assert plan.hidden == []  # .git/HEAD is of no corpus type: not worth a word
+    assert ignored_notices(plan, "data/") == [
         "corpus: 6 files in data/ of no corpus type (1 corpus file read; supported: .txt, "
         ".text, .jsonl, .json, .ndjson, .parquet, .pq (line formats also with .gz, .bz2, .xz, "
-        ".zst)) left out: README.md, notes.csv, x.tsv, y.jsonl.zip, z.html, …"
-    )
+        ".zst)) left out: README.md, notes.csv, x.tsv, y.jsonl.zip, z.html, ..."
+    ]
     only = plan_shards(CorpusSpec(str(tmp_path / "a.jsonl")))
-    assert only.ignored == [] and ignored_notice(only, "a.jsonl") is None
+    assert only.ignored == only.hidden == [] and ignored_notices(only, "a.jsonl") == []
     assert ShardPlan.from_json(plan.to_json()).ignored == []  # found again on every run
+
+
+def test_corpus_files_under_hidden_names_in_a_directory_are_named(tmp_path: Path) -> None:
+    """A directory's ``_train.jsonl`` was left out without a word (and a directory of only
+    such files was said to be empty): named, and never read."""
+    (tmp_path / "_train.jsonl").write_text('{"text": "train"}\n')
+    (tmp_path / ".ipynb_checkpoints").mkdir()
+    (tmp_path / ".ipynb_checkpoints" / "a-checkpoint.txt").write_text("copy\n")
+    (tmp_path / "_SUCCESS").write_text("")
+    with pytest.raises(CorpusError) as err:
+        plan_shards(CorpusSpec(str(tmp_path)))
+    assert str(err.value).endswith(
+        "; a name starting with '.' or '_' is never read); it holds: "
+        ".ipynb_checkpoints/a-checkpoint.txt, _train.jsonl"
+    )
+    (tmp_path / "test.txt").write_text("test\n")
+    plan = plan_shards(CorpusSpec(str(tmp_path)))
+    assert plan.hidden == [".ipynb_checkpoints/a-checkpoint.txt", "_train.jsonl"]
+    assert plan.ignored == []  # _SUCCESS: a marker of no corpus type
+    assert ignored_notices(plan, "data/") == [
+        "corpus: 2 files in data/ of a corpus type left out, a name in the path starting with "
+        "'.' or '_' (hidden files, markers; 1 corpus file read): "
+        ".ipynb_checkpoints/a-checkpoint.txt, _train.jsonl"
+    ]
+    assert texts(read_all(CorpusSpec(str(tmp_path)))[0]) == ["test"]
 
 
 def test_glob(tmp_path: Path) -> None:
