@@ -491,10 +491,11 @@ def test_memory_fsspec_url(memfs: tuple[fsspec.AbstractFileSystem, str]) -> None
     assert plan_shards(spec, 64).fingerprint != plan.fingerprint
 
 
-def test_planning_an_s3_corpus_reads_only_the_heads_of_its_files(tmp_path: Path) -> None:
-    """The plan reads a line file's first bytes (a .txt's encoding, a .jsonl's first object);
-    s3fs's read-ahead fetched its default 50 MiB block with them: 7.6 MiB of each 8 MB file
-    (measured), the whole corpus for files of up to 50 MiB."""
+def test_an_s3_corpus_is_fetched_once_not_by_read_ahead_blocks(tmp_path: Path) -> None:
+    """s3fs reads ahead by its default block, 50 MiB, whatever the read is for: the plan's
+    look at each line file's head fetched 7.6 MiB of each 8 MB file, and reading one file cut
+    into 1 MiB shards fetched 33 MiB of its 7.6 (each shard to the end of the file). Now the
+    plan fetches a file's head, and each shard its range and the line that crosses its end."""
     import s3fs
 
     from tests.object_store import moto_server, s3_env
@@ -519,9 +520,15 @@ def test_planning_an_s3_corpus_reads_only_the_heads_of_its_files(tmp_path: Path)
 
         mp.setattr(s3fs.core.S3File, "_fetch_range", counted)
         s3fs.S3FileSystem.clear_instance_cache()
-        plan = plan_shards(CorpusSpec("s3://heads/c"), 4 << 20)
-        assert len(plan.shards) == 2 + 2 + 1
-        assert len(fetched) == 3 and sum(fetched) < 1 << 20  # 64 KiB blocks: ≤ 2 a file
+        spec = CorpusSpec("s3://heads/c")
+        plan = plan_shards(spec, 1 << 20)
+        assert len(plan.shards) == 8 + 8 + 1
+        assert len(fetched) == 3 and sum(fetched) < 1 << 20  # the heads: ≤ 64 KiB a file
+        fetched.clear()
+        lines = [s for s in plan.shards if s.kind == "jsonl"]
+        docs = [d for s in lines for d in read_shard(s, spec, ReadReport())]
+        assert len(docs) == len(data) // len(line)
+        assert len(data) <= sum(fetched) < len(data) + len(lines) * 70_000
         s3fs.S3FileSystem.clear_instance_cache()
 
 
