@@ -17,6 +17,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import fsspec
+import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
@@ -529,6 +530,23 @@ def test_an_s3_corpus_is_fetched_once_not_by_read_ahead_blocks(tmp_path: Path) -
         docs = [d for s in lines for d in read_shard(s, spec, ReadReport())]
         assert len(docs) == len(data) // len(line)
         assert len(data) <= sum(fetched) < len(data) + len(lines) * 70_000
+        # a Parquet file's shards fetch the text column's chunks (and the footer), not the
+        # other columns' nor the file's rest from each row group on (87.7 MiB of 15.8)
+        rng = np.random.default_rng(0)  # text that compresses little, as real text
+        texts = [" ".join(f"w{n}" for n in row) for row in rng.integers(0, 10**6, (20_000, 60))]
+        table = pa.table({"text": texts, "other": [t.upper() for t in texts]})
+        with fs.open("heads/p/a.parquet", "wb") as f:
+            pq.write_table(table, f, row_group_size=2000)
+        spec = CorpusSpec("s3://heads/p")
+        plan = plan_shards(spec, 1 << 20)
+        fetched.clear()
+        docs = [d for s in plan.shards for d in read_shard(s, spec, ReadReport())]
+        assert len(docs) == 20_000 and len(plan.shards) > 1
+        meta = pq.ParquetFile(fs.open("heads/p/a.parquet")).metadata
+        text_bytes = sum(
+            meta.row_group(g).column(0).total_compressed_size for g in range(meta.num_row_groups)
+        )
+        assert text_bytes <= sum(fetched) < text_bytes + len(plan.shards) * 80_000  # + footer
         s3fs.S3FileSystem.clear_instance_cache()
 
 
