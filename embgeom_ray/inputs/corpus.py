@@ -758,9 +758,11 @@ def _check_jsonl_head(path: str, compression: str | None, column: str) -> None:
                     if column not in obj:
                         raise _missing_json_column(path, column, obj)
                     return
-                if bad == 0 and obj is None and raw.lstrip().startswith(b"["):
+                opening = raw.strip()
+                if bad == 0 and obj is None and (opening[:1] == b"[" or opening == b"{"):
+                    what = "a JSON array" if opening[:1] == b"[" else "a JSON object"
                     raise CorpusError(
-                        f"{path} is not JSON Lines but a JSON array spread over several lines "
+                        f"{path} is not JSON Lines but {what} spread over several lines "
                         f"(line {number}: {_preview(raw)}); write one JSON object per line, "
                         "without the brackets and commas between them"
                     )

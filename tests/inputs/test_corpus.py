@@ -712,15 +712,15 @@ def test_jsonl_missing_column_in_first_object(tmp_path: Path) -> None:
 
 
 def test_jsonl_every_line_invalid(tmp_path: Path) -> None:
-    (tmp_path / "a.json").write_text(json.dumps({"text": "a", "n": [1, 2]}, indent=2) + "\n")
+    (tmp_path / "a.json").write_text('{"text": "a",\n"n": 1}\n"x"\n')
     with pytest.raises(CorpusError) as err:
         plan_shards(CorpusSpec(str(tmp_path)))
     assert str(err.value) == (
-        f"{tmp_path / 'a.json'} is not JSON Lines: none of its 7 non-empty lines is a JSON "
-        "object (line 1: '{')"
+        f"{tmp_path / 'a.json'} is not JSON Lines: none of its 3 non-empty lines is a JSON "
+        """object (line 1: '{"text": "a",')"""
     )
     shard = Shard("f00000-b000000000000", str(tmp_path / "a.json"), "jsonl", 0, 10**6, 0)
-    with pytest.raises(CorpusError, match="none of its 7 non-empty lines is a JSON object"):
+    with pytest.raises(CorpusError, match="none of its 3 non-empty lines is a JSON object"):
         list(read_shard(shard, CorpusSpec(str(tmp_path)), ReadReport()))
 
 
@@ -736,16 +736,19 @@ def test_jsonl_every_line_invalid(tmp_path: Path) -> None:
         ),
         ('\n  [{"text": "alpha one"},\n{"text": "beta two"}]\n', 2, """'  [{"text": "alpha one"},'"""),
         (json.dumps([{"text": "a"}], indent=2) + "\n", 1, "'['"),
+        # a document holding its records, one a line: the last of them alone was read
+        ('{\n "data": [\n  {"text": "a"},\n  {"text": "b"}\n ]\n}\n', 1, "'{'"),
     ],
 )
-def test_a_json_array_over_several_lines_is_refused(
+def test_a_json_array_or_object_over_several_lines_is_refused(
     tmp_path: Path, body: str, line: int, preview: str
 ) -> None:
     (tmp_path / "a.json").write_text(body)
     with pytest.raises(CorpusError) as err:
         plan_shards(CorpusSpec(str(tmp_path)))
+    what = "a JSON object" if preview == "'{'" else "a JSON array"
     assert str(err.value) == (
-        f"{tmp_path / 'a.json'} is not JSON Lines but a JSON array spread over several lines "
+        f"{tmp_path / 'a.json'} is not JSON Lines but {what} spread over several lines "
         f"(line {line}: {preview}); write one JSON object per line, without the brackets and "
         "commas between them"
     )
