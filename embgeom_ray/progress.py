@@ -80,4 +80,7 @@ def bar(**options: Any) -> tqdm:
     scheduler's job, a redirect), a line at most every :data:`LOG_INTERVAL_S` and at the end."""
     if sys.stderr.isatty():
         return tqdm(file=sys.stderr, dynamic_ncols=True, mininterval=2.0, disable=is_routed(), **options)
-    return tqdm(file=_Lines(sys.stderr), mininterval=LOG_INTERVAL_S, disable=is_routed(), **options)
+    # maxinterval too: tqdm's monitor thread redraws a bar not drawn for maxinterval (10 s by
+    # default) whatever its mininterval, which gave lines 10 s apart
+    return tqdm(file=_Lines(sys.stderr), mininterval=LOG_INTERVAL_S, maxinterval=LOG_INTERVAL_S,
+                disable=is_routed(), **options)  # fmt: skip

@@ -57,3 +57,33 @@ def test_a_routed_job_draws_nothing(monkeypatch, stream) -> None:
     with progress.routed(got.append):
         _run_bar()
     assert out.getvalue() == "" and got == ["pool: 2 extractors"]
+
+
+def test_in_a_log_the_bar_draws_a_line_at_most_every_log_interval(monkeypatch) -> None:
+    """A bar updated every second for 100 s (a clock of tqdm's own, its monitor thread awake):
+    lines 30 s apart at least. tqdm's monitor redraws a bar not drawn for ``maxinterval``
+    (10 s by default) whatever its ``mininterval``: the log got lines at 0, 30, 40, 60, 70 s."""
+    import itertools
+    import re
+    import time
+
+    import tqdm._monitor
+    import tqdm.std
+
+    clock = [1000.0]
+    monkeypatch.setattr(tqdm.std, "time", lambda: clock[0])
+    monkeypatch.setattr(tqdm._monitor, "time", lambda: clock[0])
+    # a monitor of its own, awake every 2 ms (on the class the bars are made of)
+    monkeypatch.setattr(progress.tqdm, "monitor_interval", 0.002)
+    monkeypatch.setattr(progress.tqdm, "monitor", None)
+    log = io.StringIO()
+    monkeypatch.setattr(sys, "stderr", log)
+    with progress.bar(total=100, desc="shards") as bar:
+        for _ in range(100):
+            clock[0] += 1.0
+            bar.update(1)
+            time.sleep(0.01)  # the monitor's turn
+    elapsed = [int(m) * 60 + int(s) for m, s in re.findall(r"\[(\d+):(\d\d)<", log.getvalue())]
+    assert elapsed[0] == 0 and elapsed[-1] == 100, elapsed
+    gaps = [b - a for a, b in itertools.pairwise(elapsed[:-1])]  # the last one: the end
+    assert gaps and min(gaps) >= progress.LOG_INTERVAL_S, elapsed
