@@ -122,6 +122,28 @@ def test_an_address_naming_another_ray_than_the_callers_is_refused(monkeypatch) 
         assert cluster._check_initialised_ray(same) is None
 
 
+def test_a_ray_the_call_joined_is_forgotten_with_it(monkeypatch) -> None:
+    """A call that joined a cluster (or started a private Ray) forgets its address when it
+    shuts that Ray down: the caller's own ``ray.init()`` of that cluster later is the
+    caller's Ray, and an ``address`` naming another is refused (it was taken as the job's own
+    connection, so the address was ignored and the job ran on the caller's Ray)."""
+    from embgeom_ray.errors import ConfigError
+
+    fake = FakeRay(up=False, shutdowns=0)
+    monkeypatch.setitem(sys.modules, "ray", fake)
+    monkeypatch.setattr(cluster, "_joined_gcs", None)
+    monkeypatch.setattr(cluster, "_private_gcs", None)
+    with cluster.leave_ray_as_found():
+        fake.up = True  # connect() joined the cluster at 192.0.2.2:6379
+        cluster._joined_gcs = cluster._private_gcs = "192.0.2.2:6379"
+    assert fake.shutdowns == 1
+    assert cluster._joined_gcs is None and cluster._private_gcs is None
+    # the caller then initialises Ray on that cluster, and names another in the next call
+    monkeypatch.setattr(cluster, "_gcs_address", lambda: "192.0.2.2:6379")
+    with pytest.raises(ConfigError, match=r"its GCS at 192\.0\.2\.2:6379\) and --address"):
+        cluster._check_initialised_ray(cluster.ClusterChoice("127.0.0.1:1", "--address"))
+
+
 # ------------------------------------------------------------------ Ctrl-C while connecting
 
 GUARD_SCRIPT = """

@@ -486,10 +486,10 @@ def leave_ray_as_found() -> Iterator[None]:
     ``KeyboardInterrupt`` (a command's process ends instead: :class:`_ConnectGuard`). On
     leaving, however the block ends, a Ray the block started (the private local Ray: its
     processes and workers stopped; one half started by an interrupted ``ray.init`` too) or
-    joined (disconnected) is shut down, and what ``ray.init`` changed in the process is put
-    back: its environment variables and its SIGTERM handler. A Ray the caller had initialised
-    is left as it was, up and usable."""
-    global _embedded
+    joined (disconnected) is shut down and its address forgotten, and what ``ray.init`` changed
+    in the process is put back: its environment variables and its SIGTERM handler. A Ray the
+    caller had initialised is left as it was, up and usable."""
+    global _embedded, _private_gcs, _joined_gcs
     ray = sys.modules.get("ray")
     initialised = ray is not None and ray.is_initialized()
     environ = {k: v for k, v in os.environ.items() if k.startswith(_RAY_INIT_VARIABLES)}
@@ -503,6 +503,9 @@ def leave_ray_as_found() -> Iterator[None]:
         ray = sys.modules.get("ray")
         if not initialised and ray is not None:
             ray.shutdown()
+            # gone: a Ray the caller initialises later at that address is the caller's
+            # (:func:`_check_initialised_ray`, :func:`started_private_local`)
+            _private_gcs = _joined_gcs = None
             for name in [k for k in os.environ if k.startswith(_RAY_INIT_VARIABLES)]:
                 if name not in environ:
                     del os.environ[name]
