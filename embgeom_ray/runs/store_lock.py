@@ -12,8 +12,9 @@ The lock is an advisory ``flock`` (:class:`filelock.FileLock`) on ``STORE/reanal
 held by the process itself: it goes away with the process however it ends (SIGKILL and a
 crashed node included), so a killed invocation never leaves the store locked. Who holds it
 (host, pid, start time, command line) is written beside it, in ``STORE/reanalyze.lock.json``,
-for the second invocation's message. ``flock`` works on local disks and on NFS (v4 and v3 with
-lockd). An object store (``s3://``, ``gs://``) offers no such lock: there the scheduler must
+for the second invocation's message, and removed before the lock is released (a killed
+holder's stays until the next one writes its own). ``flock`` works on local disks and on NFS
+(v4 and v3 with lockd). An object store (``s3://``, ``gs://``) offers no such lock: there the scheduler must
 run one invocation at a time (the KubeRay CronJob's ``concurrencyPolicy: Forbid``); with
 ``--submit``, the runs themselves are still never submitted twice (stable submission ids).
 """
@@ -83,4 +84,7 @@ def store_lock(store: str) -> Iterator[None]:
         atomic_write_json(join(path, HOLDER), info)
         yield
     finally:
+        # who held it goes first: left behind, it named a finished invocation as the holder
+        with contextlib.suppress(OSError):
+            os.remove(os.path.join(path, HOLDER))
         lock.release()

@@ -357,6 +357,29 @@ def test_one_invocation_at_a_time_per_store(models, corpus, tmp_path, fake_analy
     assert set(read_index(str(store))["status"]) == {"complete"}
 
 
+def test_the_holder_of_the_store_is_named_while_it_holds_it(tmp_path) -> None:
+    """``STORE/reanalyze.lock.json`` names the invocation holding the store, and goes when it
+    lets go (left behind, it named a finished invocation as the store's holder)."""
+    import json
+    import os
+
+    from embgeom_ray.runs.store_lock import HOLDER, StoreBusyError, store_lock
+
+    store = tmp_path / "store"
+    with store_lock(str(store)):
+        assert json.loads((store / HOLDER).read_text())["pid"] == os.getpid()
+        with pytest.raises(StoreBusyError, match=rf"\(pid {os.getpid()} on "):
+            with store_lock(str(store)):
+                pass
+    assert not (store / HOLDER).exists()
+    with pytest.raises(RuntimeError):
+        with store_lock(str(store)):
+            raise RuntimeError("the invocation failed")
+    assert not (store / HOLDER).exists()
+    with store_lock(str(store)):  # released on every path
+        pass
+
+
 @pytest.mark.parametrize(("interrupt", "status", "why"), [
     (SystemExit(15), 143, "SIGTERM"), (KeyboardInterrupt(), 130, "Ctrl-C"),
 ])  # fmt: skip
