@@ -1,7 +1,8 @@
 """docs/outputs.md as a contract the tests check: the files its "A run directory" table lists,
 the keys its ``manifest.json`` table documents, and the columns of its column tables
 (:func:`documented_columns`, checked against the metric registry by
-tests/core/test_metric_registry.py).
+tests/core/test_metric_registry.py, and against the comparison's and reanalyze's tables by
+tests/runs/test_outputs.py).
 
 :func:`assert_documented_outputs` checks that a run directory holds every file the table
 lists whose condition holds for the run's options (:data:`CONDITIONS`: a file the table lists
@@ -39,10 +40,14 @@ def _partitioned(manifest: dict[str, Any]) -> bool:
 
 
 def _section(heading: str) -> str:
+    """The text under ``## heading`` (or ``### heading``) up to the next heading of its level
+    or above."""
     text = DOC.read_text()
-    start = text.index(f"\n## {heading}\n")
-    end = text.find("\n## ", start + 1)
-    return text[start : end if end >= 0 else None]
+    marks = "##" if f"\n## {heading}\n" in text else "###"
+    start = text.index(f"\n{marks} {heading}\n")
+    ends = [e for e in (text.find(f"\n{m} ", start + 1) for m in ("##", "###")[: len(marks) - 1])
+            if e >= 0]  # fmt: skip
+    return text[start : min(ends) if ends else None]
 
 
 def _first_cells(section: str) -> list[str]:

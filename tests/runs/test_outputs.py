@@ -185,3 +185,16 @@ def test_overwrite_removes_what_the_run_directory_table_lists():
     from tests.outputs_doc import documented_files
 
     assert {name.rstrip("/") for name in documented_files()} | {"sample.safetensors"} == RUN_ENTRIES
+
+
+def test_the_comparison_and_reanalyze_tables_are_documented_column_for_column():
+    """docs/outputs.md's column tables of ``changes.parquet``, ``rogue_dims.parquet`` and
+    ``runs.parquet`` name the columns the code writes, in order, no more and none fewer (a
+    column added to the code, such as ``changes.parquet``'s ``q``, is documented with it)."""
+    from embgeom_ray.runs.compare import CHANGE_COLUMNS, ROGUE_COLUMNS
+    from embgeom_ray.runs.reanalyze import INDEX_COLUMNS
+    from tests.outputs_doc import documented_columns
+
+    assert documented_columns("`changes.parquet`") == (CHANGE_COLUMNS, [])
+    assert documented_columns("`rogue_dims.parquet`") == (ROGUE_COLUMNS, [])
+    assert documented_columns("`runs.parquet` (`jobs.reanalyze`)") == (list(INDEX_COLUMNS), [])
