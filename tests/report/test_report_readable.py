@@ -555,3 +555,17 @@ def test_comparison_figure_marks_sampled_panels_and_their_errors(tmp_path):
     sil, se = runs[0].layer_col("kmeans_silhouette"), runs[0].layer_col("kmeans_silhouette_se")
     assert band.min() == pytest.approx((sil - 2 * se).min())
     assert band.max() == pytest.approx((sil + 2 * se).max())
+
+
+def test_the_cosine_caption_says_anisotropy_averages_distinct_pairs(tmp_path):
+    """The cosine figure's caption defines anisotropy as its registry entry does: pairs of two
+    distinct occurrences (it said "all token pairs", as the registry did before)."""
+    from embgeom_ray.core import metric_registry as registry
+    from embgeom_ray.report.figures.isotropy import plot_cosine_isotropy
+
+    out = tmp_path / "run"
+    fabricate_run(out, n_layers=3)
+    _, caption = plot_cosine_isotropy(RunView(str(out)))
+    assert "all token pairs" not in caption
+    assert "mean cosine similarity over all pairs of two distinct occurrences (anisotropy)" in caption
+    assert "two distinct occurrences" in registry.metric("anisotropy").definition

@@ -87,9 +87,10 @@ def _isotropy_panel(ax, run: RunView, layers: np.ndarray) -> list[str]:
 
 def _cosine_isotropy_caption(run: RunView, extras: list[str], layers: np.ndarray) -> str:
     caption = (
-        "Left: mean cosine similarity over all token pairs (anisotropy), over pairs of "
-        "different types (S_inter) and between occurrences of the same type, averaged over "
-        "types (S_intra, Ethayarajh's self-similarity); all exact over every counted token. "
+        "Left: mean cosine similarity over all pairs of two distinct occurrences (anisotropy), "
+        "over pairs of different types (S_inter) and between occurrences of the same type, "
+        "averaged over types (S_intra, Ethayarajh's self-similarity); all exact over every "
+        "counted token. "
         "Right: IsoScore of the layer covariance (1 = variance spread evenly over all "
         "dimensions)."
     )
