@@ -20,6 +20,8 @@ from contextlib import contextmanager
 from typing import Any
 
 from tqdm.auto import tqdm
+from tqdm.autonotebook import tqdm as _chosen  # loaded by tqdm.auto: its console or widget bar
+from tqdm.std import tqdm as _console
 
 #: the sinks :func:`routed` installed, innermost last (empty: stderr and bars)
 _routes: list[Callable[[str], None] | None] = []
@@ -54,6 +56,9 @@ def notice(line: str) -> None:
 
 #: seconds between two of a bar's lines where stderr is not a terminal (a log file)
 LOG_INTERVAL_S = 30.0
+#: whether the bars are a notebook's widgets (tqdm.auto's choice in a Jupyter kernel): drawn
+#: in place, though the kernel's stderr is no terminal
+WIDGETS = _chosen is not _console
 
 
 class _Lines:
@@ -77,8 +82,9 @@ class _Lines:
 def bar(**options: Any) -> tqdm:
     """A progress bar on stderr (``tqdm(**options)``), disabled where the progress is routed:
     on a terminal, redrawn in place at most every 2 s; elsewhere (a log: ``ray job submit``, a
-    scheduler's job, a redirect), a line at most every :data:`LOG_INTERVAL_S` and at the end."""
-    if sys.stderr.isatty():
+    scheduler's job, a redirect), a line at most every :data:`LOG_INTERVAL_S` and at the end.
+    A notebook's widget (:data:`WIDGETS`) is drawn in place, as on a terminal."""
+    if WIDGETS or sys.stderr.isatty():
         return tqdm(file=sys.stderr, dynamic_ncols=True, mininterval=2.0, disable=is_routed(), **options)
     # maxinterval too: tqdm's monitor thread redraws a bar not drawn for maxinterval (10 s by
     # default) whatever its mininterval, which gave lines 10 s apart

@@ -87,3 +87,15 @@ def test_in_a_log_the_bar_draws_a_line_at_most_every_log_interval(monkeypatch) -
     assert elapsed[0] == 0 and elapsed[-1] == 100, elapsed
     gaps = [b - a for a, b in itertools.pairwise(elapsed[:-1])]  # the last one: the end
     assert gaps and min(gaps) >= progress.LOG_INTERVAL_S, elapsed
+
+
+def test_a_notebooks_widget_bar_is_drawn_in_place(monkeypatch) -> None:
+    """In a Jupyter kernel, whose stderr is no terminal, tqdm.auto's bars are widgets: drawn in
+    place as on a terminal, not a line every 30 s."""
+    out = io.StringIO()
+    monkeypatch.setattr(sys, "stderr", out)
+    monkeypatch.setattr(progress, "WIDGETS", True)
+    with progress.bar(total=3, desc="shards") as bar:
+        assert bar.mininterval == 2.0
+        bar.update(3)
+    assert "\r" in out.getvalue()
