@@ -74,6 +74,9 @@ log = logging.getLogger(__name__)
 #: seconds between two looks at the cluster for room for more extractors, while shards wait
 #: (one request to Ray's GCS: milliseconds)
 POOL_POLL_S = 5.0
+#: seconds without an extractor before the job says, once, that no node holds one (it waits
+#: for one to join: an autoscaler's node, or none will, and the user should know)
+WAIT_NOTICE_S = 60.0
 
 
 @dataclass
@@ -484,6 +487,8 @@ class Growth:
     #: one line each time the pool grows or shrinks
     say: Callable[[str], None] = log.info
     poll_s: float = POOL_POLL_S
+    #: seconds with no extractor started before ``say`` tells that no node holds one
+    wait_notice_s: float = WAIT_NOTICE_S
 
 
 def ask_autoscaler(bundles: list[dict[str, float]]) -> bool:
@@ -564,6 +569,8 @@ class _Scheduler:
         #: bundles last asked of the autoscaler (None: never asked), and whether asking failed
         self.asked: int | None = None
         self.ask_failed = False
+        #: whether the job said that no node holds an extractor (:meth:`say_waiting`)
+        self.said_waiting = False
 
     def run(self) -> None:
         self.t0 = time.monotonic()
@@ -605,6 +612,7 @@ class _Scheduler:
             return
         self.last_poll = now
         g = self.growth
+        self.say_waiting(now)
         starting, queued = len(self.starting), len(self.queue)
         counts = {"running": self.ready + starting, "starting": starting, "queued": queued}
         target = pool_target(**counts, num_workers=g.num_workers)
@@ -620,6 +628,25 @@ class _Scheduler:
         add = extractors_to_add(held, **counts, num_workers=g.num_workers, demand=self.ask_failed)
         for _ in range(add):
             self.start_actor()
+
+    def say_waiting(self, now: float) -> None:
+        """Once, :attr:`Growth.wait_notice_s` into the extraction with no extractor ready:
+        where no node holds one (a GPU extractor on a cluster of CPU nodes, one asking for
+        more memory than a node offers), say what one asks for and that it waits for a node
+        to join; otherwise it is loading its model, and nothing is said."""
+        if self.said_waiting or self.ready or now - self.t0 < self.growth.wait_notice_s:
+            return
+        g = self.growth
+        cluster = g.read()
+        if sum(extractors_held(cluster, g.each, g.head_reserve).values()):
+            return
+        self.said_waiting = True
+        g.say(
+            f"extractors: none running {now - self.t0:.0f} s into the extraction: each asks for "
+            f"{g.each.describe()}, and no node of the cluster ({cluster.describe()}) holds "
+            "one; the job waits for a node that does to join (an autoscaler's, or `ray start "
+            "--address`); Ctrl-C or `ray job stop` ends it, and the same command resumes"
+        )
 
     def start_actor(self) -> None:
         actor = self._start()

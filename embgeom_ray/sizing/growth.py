@@ -33,6 +33,16 @@ class Extractor:
             out["memory"] = float(self.memory)
         return out
 
+    def describe(self) -> str:
+        """What it asks for, in words: ``1 GPU, 1 CPU and 2.1 GiB``."""
+        from .formulas import gib
+
+        parts = [f"{self.gpus:g} GPU{'s' if self.gpus != 1 else ''}"] if self.gpus else []
+        parts.append(f"{self.cpus} CPU{'s' if self.cpus != 1 else ''}")
+        if self.memory:
+            parts.append(gib(self.memory))
+        return ", ".join(parts[:-1]) + " and " + parts[-1] if len(parts) > 1 else parts[0]
+
 
 def extractors_held(cluster: Cluster, each: Extractor, head_reserve: int = 0) -> dict[str, int]:
     """How many extractors of ``each`` every live node holds, by node id: the least of its

@@ -6,9 +6,11 @@ cluster that gains a node mid-run: tests/distributed/test_pool_growth.py."""
 
 from __future__ import annotations
 
+import _thread
 import itertools
 import os
 import signal
+import threading
 import time
 
 from embgeom_ray.distributed.actor_pool import FoldReport, Growth, PoolPlan, _Scheduler
@@ -119,6 +121,45 @@ def test_an_extractor_waiting_for_a_node_does_not_hold_the_job_up(ray_local):
     assert sorted(s for g in groups for s in g.shard_ids) == [s.shard_id for s in shards]
     assert len(started) == 2 and pool.num_workers == 2
     assert (pool.largest_workers, pool.workers_waiting) == (1, 1)
+
+
+def test_the_job_says_once_that_no_node_holds_an_extractor(ray_local):
+    """``--device cuda`` on a cluster of CPU nodes: the extractor asked for waits for a node
+    with a GPU to join. Some seconds in (``wait_notice_s``), one line says what it asks for
+    and that no node holds one; not before, and only once."""
+    import pytest
+
+    shards = [Shard(f"s{i}", "corpus.jsonl", "jsonl", i, i + 1, 0) for i in range(2)]
+    view = Cluster((Node("head", 8 * GiB, cpus=4, head=True), Node("a", 8 * GiB, cpus=8)))
+    lines: list[str] = []
+    said: list[float] = []
+    t0 = time.monotonic()
+
+    def say(line: str) -> None:
+        lines.append(line)
+        said.append(time.monotonic() - t0)
+
+    growth = Growth(Extractor(cpus=1, gpus=1, memory=2 * GiB), 1, read=lambda: view, say=say,
+                    poll_s=0.05, wait_notice_s=0.5)  # fmt: skip
+    pool = PoolPlan(num_workers=1, num_gpus=1.0, num_cpus=1)
+
+    def start():  # cannot be placed, as a GPU actor on CPU nodes
+        return FakeExtractActor.options(num_cpus=0, resources={"no_such_node": 1}).remote(0.01)
+
+    # ended as Ctrl-C would, 20 polls after the line is due: no other line came by then
+    stop = threading.Timer(1.5, _thread.interrupt_main)
+    stop.start()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            _Scheduler(SchedulingOptions(), pool, start, shards, lambda _: None, lambda _: None,
+                       lambda _: None, growth=growth).run()  # fmt: skip
+    finally:
+        stop.cancel()
+    assert len(lines) == 1 and 0.5 <= said[0] < 1.5, (lines, said)
+    assert lines[0].startswith("extractors: none running 1 s into the extraction: each asks "
+                               "for 1 GPU, 1 CPU and 2.0 GiB, and no node of the cluster (2 "
+                               "nodes (1 head), 12 CPUs"), lines[0]  # fmt: skip
+    assert "waits for a node that does to join" in lines[0]
 
 
 def test_on_requested_comes_once_when_the_first_pool_is_asked_for(ray_local):
