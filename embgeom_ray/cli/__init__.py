@@ -27,6 +27,7 @@ import sys
 from collections.abc import Callable
 from typing import NoReturn
 
+from .. import sigterm
 from ..storage import as_user_error
 from ..version import __version__
 
@@ -51,8 +52,8 @@ def configure_logging(verbose: bool) -> None:
 #: the exit status of a command interrupted by Ctrl-C (SIGINT): 128 + 2, as shells report it
 INTERRUPTED = 130
 #: the exit status of a command ended by SIGTERM (``ray job stop``, a pod deleted, ``kill``):
-#: 128 + 15. Ray's own handler, installed by ``ray.init``, turns the signal into
-#: ``SystemExit(15)``
+#: 128 + 15. The signal is ``SystemExit(15)``, or whatever Ray's ``ray.get``/``ray.wait`` made
+#: of it (:mod:`embgeom_ray.sigterm`)
 TERMINATED = 143
 #: the signal each of those statuses ends the process by (:func:`exit_process`)
 _SIGNALS = {INTERRUPTED: signal.SIGINT, TERMINATED: signal.SIGTERM}
@@ -67,25 +68,35 @@ _AGAIN = (
 def exit_status(run: Callable[[], object]) -> int:
     """A command's exit status: 0 when ``run()`` returns; a user error's status (2) after its
     message as one line on stderr (:func:`~embgeom_ray.storage.as_user_error`);
-    :data:`INTERRUPTED` after one line for Ctrl-C, :data:`TERMINATED` for SIGTERM; anything
-    else keeps its traceback."""
-    try:
-        run()
-    except KeyboardInterrupt:
-        print(f"interrupted: {_AGAIN}", file=sys.stderr)
-        return INTERRUPTED
-    except SystemExit as exc:
-        if exc.code != signal.SIGTERM:
-            raise
-        print(f"terminated (SIGTERM): {_AGAIN}", file=sys.stderr)
-        return TERMINATED
-    except Exception as exc:
-        error = as_user_error(exc)
-        if error is None:
-            raise
-        print(f"error: {error}", file=sys.stderr)
-        return error.exit_code
+    :data:`INTERRUPTED` after one line for Ctrl-C, :data:`TERMINATED` for SIGTERM, whatever
+    exception it became on its way out (:mod:`embgeom_ray.sigterm`: ``SystemExit(1)`` out of
+    ``ray.wait``, an error of a cleanup it interrupted); anything else keeps its traceback."""
+    with sigterm.installed():
+        try:
+            run()
+        except KeyboardInterrupt:
+            if sigterm.received():
+                return _terminated()
+            print(f"interrupted: {_AGAIN}", file=sys.stderr)
+            return INTERRUPTED
+        except SystemExit as exc:
+            if exc.code != signal.SIGTERM and not sigterm.received():
+                raise
+            return _terminated()
+        except Exception as exc:
+            if sigterm.received():
+                return _terminated()
+            error = as_user_error(exc)
+            if error is None:
+                raise
+            print(f"error: {error}", file=sys.stderr)
+            return error.exit_code
     return 0
+
+
+def _terminated() -> int:
+    print(f"terminated (SIGTERM): {_AGAIN}", file=sys.stderr)
+    return TERMINATED
 
 
 def exit_process(code: int) -> NoReturn:

@@ -53,6 +53,7 @@ from urllib.parse import urlsplit
 
 from .. import progress
 from ..errors import ConfigError
+from ..sigterm import on_sigterm
 from ..storage import unreachable
 
 if TYPE_CHECKING:
@@ -354,8 +355,10 @@ class _ConnectGuard:
             if in_main:
                 signal.set_wakeup_fd(old_wakeup)
                 # ray.init installs its own SIGTERM handler (sys.exit: atexit then shuts Ray
-                # down cleanly); keep it, and put back the caller's if Ray left ours
-                if signal.getsignal(signal.SIGTERM) is _note_signal:
+                # down cleanly); keep it, and put back the caller's if Ray left ours, or if
+                # the caller's is a command's (sigterm.on_sigterm: Ray's, and it notes the
+                # signal, which ray.wait turns into SystemExit(1))
+                if signal.getsignal(signal.SIGTERM) is _note_signal or old_term is on_sigterm:
                     # None: the previous handler was not installed from Python
                     signal.signal(signal.SIGTERM, signal.SIG_DFL if old_term is None else old_term)
             for s in (wake_r, wake_w, stop_r, stop_w):

@@ -69,6 +69,7 @@ from ..inputs.model_loading import resolve_identity
 from ..integrity import SEAL_KEY, seal
 from ..io_utils import exists, is_local, join, local_path, read_bytes
 from ..run_dir import HEADER_KEY, Manifest, RunDir, RunDirError, now, write_table
+from ..sigterm import received as sigterm_received
 from ..storage import check_output, user_errors
 from .store_lock import store_lock
 
@@ -833,22 +834,19 @@ class Reanalyzer:
         )
         try:
             manifest = Manifest.model_validate(analyze(run.config, echo=self.echo))
-        except UserError as exc:
-            error = str(exc)
-        except Exception as exc:
-            error = f"{type(exc).__name__}: {exc}"
-            self.warn(traceback.format_exc())
-        except (KeyboardInterrupt, SystemExit) as exc:
-            # Ctrl-C, or SIGTERM (Ray's handler: SystemExit(15)): the index says so, not
-            # "running" for a run nobody runs; the command ends with 130 or 143 all the same
-            why = "Ctrl-C" if isinstance(exc, KeyboardInterrupt) else f"SystemExit({exc.code})"
-            if isinstance(exc, SystemExit) and exc.code == 15:
-                why = "SIGTERM"
-            duration = round(time.perf_counter() - t0, 3)
-            error = f"interrupted ({why}); the next invocation resumes it"
-            with contextlib.suppress(Exception):  # the interruption is what the user sees
-                self.index.upsert(_fail_row(run, error, attempts=attempts, duration_s=duration))
-            raise
+        except BaseException as exc:
+            if sigterm_received() or not isinstance(exc, Exception):
+                # Ctrl-C, SIGTERM (SystemExit(15); SystemExit(1) out of ray.wait, or an error
+                # of the cleanup it interrupted: embgeom_ray.sigterm): the index says so, not
+                # "running" for a run nobody runs, and the command ends (130, 143) instead of
+                # going on to the next model
+                self._interrupted(run, exc, attempts, round(time.perf_counter() - t0, 3))
+                raise
+            if isinstance(exc, UserError):
+                error = str(exc)
+            else:
+                error = f"{type(exc).__name__}: {exc}"
+                self.warn(traceback.format_exc())
         else:
             if manifest.complete and manifest_key(manifest) == run.key:
                 self.index.upsert(complete_row(run, manifest, attempts=attempts))
@@ -861,6 +859,20 @@ class Reanalyzer:
         self.index.upsert(_fail_row(run, error, attempts=attempts, duration_s=duration))
         self.warn(f"error: {run.name}: the analysis failed: {error}")
         return Outcome(run.entry, "failed", error, key=run.key, out=run.out)
+
+    def _interrupted(
+        self, run: PlannedRun, exc: BaseException, attempts: int, duration: float
+    ) -> None:
+        """Mark ``run`` failed, interrupted by ``exc`` (Ctrl-C, SIGTERM), in the index."""
+        if sigterm_received() or (isinstance(exc, SystemExit) and exc.code == 15):
+            why = "SIGTERM"
+        elif isinstance(exc, KeyboardInterrupt):
+            why = "Ctrl-C"
+        else:
+            why = f"SystemExit({exc.code})" if isinstance(exc, SystemExit) else type(exc).__name__
+        error = f"interrupted ({why}); the next invocation resumes it"
+        with contextlib.suppress(Exception):  # the interruption is what the user sees
+            self.index.upsert(_fail_row(run, error, attempts=attempts, duration_s=duration))
 
     def _submit(self, run: PlannedRun) -> Outcome:
         row = self.index.get(run.key) or {}

@@ -290,6 +290,33 @@ def test_ctrl_c_and_sigterm_are_one_line_and_their_own_status(capsys):
         exit_status(lambda: sys.exit(3))
 
 
+@pytest.mark.parametrize("then", [SystemExit(1), RuntimeError("a reducer was lost")])
+def test_sigterm_is_143_whatever_ray_wait_makes_of_it(capsys, then):
+    """SIGTERM while the driver waits in ``ray.wait``/``ray.get``: the handler's
+    ``SystemExit(15)`` comes out of Ray 2.60's wait as ``SystemExit(1)`` (or a cleanup's
+    error takes its place); the command still says one line and ends with 143, and the
+    handler the caller had is back afterwards."""
+    import signal
+
+    from embgeom_ray.cli import TERMINATED, exit_status
+
+    def sigterm_in_ray_wait() -> None:
+        assert signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL  # else: pytest ends
+        try:
+            signal.raise_signal(signal.SIGTERM)
+        except SystemExit as exc:
+            assert exc.code == 15
+            raise then from None
+
+    before = signal.getsignal(signal.SIGTERM)
+    assert exit_status(sigterm_in_ray_wait) == TERMINATED
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("terminated (SIGTERM): "), err
+    assert signal.getsignal(signal.SIGTERM) is before
+    with pytest.raises(SystemExit):  # without a SIGTERM, SystemExit(1) is not one
+        exit_status(lambda: sys.exit(1))
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("signum", [2, 15], ids=["SIGINT", "SIGTERM"])
 def test_a_signal_ends_the_command_by_itself(tmp_path, signum):

@@ -7,10 +7,18 @@ the process that started them, so a test of this process alone could not tell.)"
 from __future__ import annotations
 
 import os
+import shutil
+import signal
 import subprocess
 import sys
+import tempfile
 import textwrap
+import time
 from pathlib import Path
+
+import pytest
+
+from tests.ray_processes import kill_marked
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -50,3 +58,70 @@ def test_a_profiled_command_leaves_through_pythons_exit(tmp_path) -> None:
     done = subprocess.run([sys.executable, "-m", "cProfile", "-o", "out.prof", str(script)],
                           cwd=tmp_path, env=env, capture_output=True, timeout=120)  # fmt: skip
     assert done.returncode == 0 and (tmp_path / "out.prof").stat().st_size > 0
+
+
+#: a command's process (its entry point's ``exit_process(exit_status(run))``) whose ``run``
+#: waits on a task that never ends, as a job's driver waits for its extractors; argv[1]:
+#: ``wait``/``get`` (in ``ray.wait``/``ray.get`` on the private local Ray a command starts) or
+#: ``sleep`` (in Python, before any Ray)
+WAITING_COMMAND = """
+    import sys, time
+    from embgeom_ray.cli import exit_process, exit_status
+
+    def run():
+        if sys.argv[1] == "sleep":
+            print("WAITING", flush=True)
+            time.sleep(600)
+        import ray
+        from embgeom_ray.distributed.cluster import connect
+
+        connect(None)
+        ref = ray.remote(lambda: time.sleep(600)).remote()
+        print("WAITING", flush=True)
+        try:
+            ray.wait([ref]) if sys.argv[1] == "wait" else ray.get(ref)
+        except SystemExit as exc:  # what Ray made of the signal, for the test to read
+            print(f"RAISED {exc.code}", flush=True)
+            raise
+
+    exit_process(exit_status(run))
+"""
+
+
+@pytest.mark.parametrize("where", [
+    pytest.param("wait", marks=pytest.mark.slow), pytest.param("get", marks=pytest.mark.slow),
+    "sleep",
+])  # fmt: skip
+def test_sigterm_while_the_driver_waits_on_ray_ends_with_one_line(where) -> None:
+    """SIGTERM to a command's process while its driver waits in ``ray.wait``/``ray.get`` (a
+    job's extraction, reduce, sampled stage): Ray 2.60's native wait takes the handler's
+    ``SystemExit(15)`` and raises ``SystemExit(1)`` instead, which ended the process through
+    Python's exit with status 1 or an abort in its finalisation (134) with a native stack;
+    now one line and the signal itself (embgeom_ray.sigterm), without Ray's native stack of
+    the SIGTERM. ``sleep``: before any Ray (the process had no handler: killed without a
+    line)."""
+    base = Path(tempfile.mkdtemp(prefix="egx-", dir="/tmp"))  # Ray's sockets: a short path
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
+    env |= {"PYTHONPATH": str(REPO), "TMPDIR": str(base), "RAY_USAGE_STATS_ENABLED": "0"}
+    proc = subprocess.Popen([sys.executable, "-c", textwrap.dedent(WAITING_COMMAND), where],
+                            cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)  # fmt: skip
+    try:
+        assert proc.stdout is not None
+        assert proc.stdout.readline() == "WAITING\n", proc.communicate(timeout=60)
+        time.sleep(2.0)  # in the wait: the task never ends
+        assert proc.poll() is None
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        kill_marked([str(base)])
+        shutil.rmtree(base, ignore_errors=True)
+    assert proc.returncode == -signal.SIGTERM, err
+    if where != "sleep":  # it was in Ray's wait: SystemExit(1) in Ray 2.60 (15 if Ray mends it)
+        assert out in ("RAISED 1\n", "RAISED 15\n"), out
+    lines = err.strip().splitlines()
+    assert lines[-1].startswith("terminated (SIGTERM): the same command run again resumes"), err
+    assert "SIGTERM received" not in err and "Traceback" not in err, err

@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import shlex
 import shutil
+import signal
 import time
 from pathlib import Path
 from typing import Any
@@ -380,29 +381,49 @@ def test_the_holder_of_the_store_is_named_while_it_holds_it(tmp_path) -> None:
         pass
 
 
+def _sigterm_in_ray_wait(then: BaseException) -> None:
+    """SIGTERM while the driver waits in ``ray.wait``: the handler's ``SystemExit(15)``,
+    which Ray 2.60's wait takes and raises ``then`` instead (``SystemExit(1)``; or an error
+    of a cleanup the exit interrupted, raised in its place)."""
+    assert callable(signal.getsignal(signal.SIGTERM)), "no handler: SIGTERM would end pytest"
+    try:
+        signal.raise_signal(signal.SIGTERM)
+    except SystemExit:
+        raise then from None
+
+
 @pytest.mark.parametrize(("interrupt", "status", "why"), [
     (SystemExit(15), 143, "SIGTERM"), (KeyboardInterrupt(), 130, "Ctrl-C"),
+    ("ray.wait", 143, "SIGTERM"), ("cleanup", 143, "SIGTERM"),
 ])  # fmt: skip
 def test_an_interrupted_run_is_not_left_running_in_the_index(
     models, corpus, tmp_path, monkeypatch, capsys, interrupt, status, why
 ) -> None:
-    """SIGTERM (Ray's handler raises SystemExit(15)) or Ctrl-C in the middle of a run: the
-    command ends with 143 or 130, and the index says the run was interrupted (it said
-    ``running``, for a run nobody ran, until the next invocation); the next one redoes it."""
+    """SIGTERM (Ray's handler raises SystemExit(15); within ``ray.wait`` Ray raises
+    SystemExit(1) instead, or a cleanup's error may take its place) or Ctrl-C in the middle
+    of a run: the command ends with 143 or 130, not going on to the next model, and the index
+    says the run was interrupted (it said ``running``, for a run nobody ran, until the next
+    invocation); the next one redoes it."""
     store = tmp_path / "store"
-    watch = _watchlist(tmp_path / "models.yaml", [{"model": models["a"]}, {"model": models["b"]}])
+    third = make_tiny_bert(tmp_path / "tiny-c", seed=2)
+    entries = [{"model": models["a"]}, {"model": models["b"]}, {"model": third}]
+    watch = _watchlist(tmp_path / "models.yaml", entries)
     argv = ["--watchlist", watch, "--corpus", corpus, "--store", str(store)]
     calls: list[str] = []
 
     def interrupted(config, *, echo=print):
         calls.append(config.model)
-        if config.model == models["b"]:
-            raise interrupt
-        return write_complete_run(config)
+        if config.model != models["b"]:
+            return write_complete_run(config)
+        if interrupt == "ray.wait":
+            _sigterm_in_ray_wait(SystemExit(1))
+        if interrupt == "cleanup":
+            _sigterm_in_ray_wait(RuntimeError("a reducer was lost"))
+        raise interrupt
 
     monkeypatch.setattr(pipeline, "analyze", interrupted)
     assert reanalyze_cli.main(argv) == status
-    assert calls == [models["a"], models["b"]]
+    assert calls == [models["a"], models["b"]]  # not on to the third
     assert capsys.readouterr().err.strip().splitlines()[-1].startswith(
         "terminated (SIGTERM)" if status == 143 else "interrupted:"
     )
@@ -410,7 +431,7 @@ def test_an_interrupted_run_is_not_left_running_in_the_index(
     assert index.loc[models["a"], "status"] == "complete"
     assert index.loc[models["b"], "status"] == "failed"
     assert index.loc[models["b"], "error"] == f"interrupted ({why}); the next invocation resumes it"
-    assert index.loc[models["b"], "attempts"] == 1
+    assert index.loc[models["b"], "attempts"] == 1 and third not in index.index
 
     monkeypatch.setattr(pipeline, "analyze", FakeAnalyze())
     assert reanalyze_cli.main(argv) == 0
