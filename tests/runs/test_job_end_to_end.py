@@ -299,3 +299,43 @@ def test_a_corrupt_checkpoint_group_is_redone(tmp_path, ray_local, monkeypatch):
     names = ("type_stats", "layers", "dims", "positions")
     ours = {t: pd.read_parquet(tmp_path / "run" / f"{t}.parquet") for t in names}
     assert_tables_close(ours, reference_tables(model_dir, docs, max_length=32), rtol=1e-5, cos_atol=1e-6)
+
+
+def test_a_run_stopped_while_its_report_is_drawn_gets_it_on_the_rerun(
+    tmp_path, ray_local, monkeypatch
+):
+    """SIGTERM or Ctrl-C once the manifest is written complete, while the report is drawn
+    (its last seconds): the run is complete without plots/ and report.html. The same command
+    again said "already holds this complete run; nothing to do" and exited 0 without the
+    report; now it draws the report, and only that."""
+    from embgeom_ray.report import html
+
+    model_dir = make_tiny_bert(str(tmp_path / "model"))
+    corpus = write_jsonl(tmp_path / "c.jsonl", ["the cat sat on the mat", "a dog ran off"] * 8)
+    options = {"model": model_dir, "corpus": corpus, "out": str(tmp_path / "run")}
+    options |= {"sample_size": 0, "max_length": 16}
+    config = build_config(None, options)
+    draw = html.write_report
+
+    def stopped(*args, **kwargs):
+        raise KeyboardInterrupt  # the signal, where it lands: as the drawing starts
+
+    monkeypatch.setattr(html, "write_report", stopped)
+    with pytest.raises(KeyboardInterrupt):
+        analyze(config, echo=lambda *_: None)
+    out = tmp_path / "run"
+    stopped_run = json.loads((out / "manifest.json").read_text())
+    assert stopped_run["status"] == "complete" and stopped_run["outputs"].get("report") is None
+    assert not (out / "report.html").exists()
+    tables = (out / "layers.parquet").read_bytes()
+
+    monkeypatch.setattr(html, "write_report", draw)
+    said: list[str] = []
+    again = analyze(config, echo=said.append)
+    assert said[0] == f"{out} holds this complete run without its report (the run was stopped while it was drawn): drawing it"
+    assert said[-1] == f"report: {out / 'report.html'}"
+    assert again["outputs"]["report"] == "report.html" and (out / "report.html").stat().st_size > 0
+    assert (out / "layers.parquet").read_bytes() == tables  # the tables left as they were
+    said.clear()
+    analyze(config, echo=said.append)  # and then nothing is left to do
+    assert said == [f"{out} already holds this complete run; nothing to do (--overwrite redoes it)"]
