@@ -745,38 +745,31 @@ def _check_jsonl_head(path: str, compression: str | None, column: str) -> None:
     bad = 0
     first_bad: tuple[int, bytes] | None = None
     eof = True
-    try:
-        with _open_exact(path, compression) as f:
-            for number, (_, raw) in enumerate(_iter_lines(f, 0, None, chunk=_HEAD_CHUNK), 1):
-                if number == 1:
-                    _check_encoding(path, raw)
-                    raw = raw.removeprefix(_BOM)
-                if not raw.strip():
-                    continue
-                obj = _parse_json_line(raw)
-                if isinstance(obj, dict):
-                    if column not in obj:
-                        raise _missing_json_column(path, column, obj)
-                    return
-                opening = raw.strip()
-                if bad == 0 and obj is None and (opening[:1] == b"[" or opening == b"{"):
-                    what = "a JSON array" if opening[:1] == b"[" else "a JSON object"
-                    raise CorpusError(
-                        f"{path} is not JSON Lines but {what} spread over several lines "
-                        f"(line {number}: {_preview(raw)}); write one JSON object per line, "
-                        "without the brackets and commas between them"
-                    )
-                bad += 1
-                first_bad = first_bad or (number, raw)
-                if bad >= JSONL_HEAD_LINES:
-                    eof = False
-                    break
-    except OSError as e:
-        if not _is_corrupt_stream(e, compression):
-            raise
-        raise CorpusError(f"cannot decompress {path}: {e}") from e
-    except _DECOMPRESSION_ERRORS as e:
-        raise CorpusError(f"cannot decompress {path}: {e}") from e
+    with _decompressing(path, compression), _open_exact(path, compression) as f:
+        for number, (_, raw) in enumerate(_iter_lines(f, 0, None, chunk=_HEAD_CHUNK), 1):
+            if number == 1:
+                _check_encoding(path, raw)
+                raw = raw.removeprefix(_BOM)
+            if not raw.strip():
+                continue
+            obj = _parse_json_line(raw)
+            if isinstance(obj, dict):
+                if column not in obj:
+                    raise _missing_json_column(path, column, obj)
+                return
+            opening = raw.strip()
+            if bad == 0 and obj is None and (opening[:1] == b"[" or opening == b"{"):
+                what = "a JSON array" if opening[:1] == b"[" else "a JSON object"
+                raise CorpusError(
+                    f"{path} is not JSON Lines but {what} spread over several lines "
+                    f"(line {number}: {_preview(raw)}); write one JSON object per line, "
+                    "without the brackets and commas between them"
+                )
+            bad += 1
+            first_bad = first_bad or (number, raw)
+            if bad >= JSONL_HEAD_LINES:
+                eof = False
+                break
     if first_bad is not None:
         number, raw = first_bad
         which = f"none of its {bad} non-empty lines" if eof else f"none of its first {bad} lines"
@@ -816,16 +809,23 @@ def _open_exact(path: str, compression: str | None) -> Iterator[Any]:
 
 def _check_text_head(path: str, compression: str | None) -> None:
     """Fail early if a text file is UTF-16 or UTF-32 (:func:`_check_encoding`)."""
+    with _decompressing(path, compression), _open_exact(path, compression) as f:
+        head = f.read(len(_FOREIGN_BOMS[0][0]))
+    _check_encoding(path, head)
+
+
+@contextlib.contextmanager
+def _decompressing(path: str, compression: str | None) -> Iterator[None]:
+    """Within: a corrupt compressed stream is a :class:`CorpusError` naming ``path`` (bz2
+    raises a plain OSError); other I/O errors pass as they are."""
     try:
-        with _open_exact(path, compression) as f:
-            head = f.read(len(_FOREIGN_BOMS[0][0]))
+        yield
     except OSError as e:
         if not _is_corrupt_stream(e, compression):
             raise
         raise CorpusError(f"cannot decompress {path}: {e}") from e
     except _DECOMPRESSION_ERRORS as e:
         raise CorpusError(f"cannot decompress {path}: {e}") from e
-    _check_encoding(path, head)
 
 
 def _parse_json_line(raw: bytes) -> Any:
