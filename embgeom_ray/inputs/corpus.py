@@ -64,6 +64,7 @@ __all__ = [
     "ShardPlan",
     "auto_shard_bytes",
     "auto_shard_cap",
+    "column_notices",
     "document_id",
     "ignored_notices",
     "plan_shards",
@@ -693,6 +694,24 @@ def _list_directory(source: str, fs: fsspec.AbstractFileSystem, root: str) -> _L
 
 def _names(names: list[str], shown: int) -> str:
     return ", ".join(names[:shown]) + (", ..." if len(names) > shown else "")
+
+
+def column_notices(plan: ShardPlan, text_column: str) -> list[str]:
+    """A line where ``--text-column`` names a column and some of the corpus's files are plain
+    text, which have none (a line is a document): the option is ignored there."""
+    if text_column == CorpusSpec.text_column:
+        return []
+    text = sorted({s.file_index for s in plan.shards if s.kind == "text"})
+    if not text:
+        return []
+    where = "the corpus is plain text" if len(text) == len(plan.files) else (
+        f"{len(text)} of the corpus's {len(plan.files)} files {'is' if len(text) == 1 else 'are'} "
+        "plain text, the others are read by that column"
+    )
+    return [
+        f"corpus: --text-column {text_column} does not apply to plain text files, where a line "
+        f"is a document: {where}"
+    ]
 
 
 def ignored_notices(plan: ShardPlan, source: str, shown: int = 5) -> list[str]:

@@ -55,6 +55,7 @@ from ..inputs.corpus import (
     CorpusSpec,
     Shard,
     ShardPlan,
+    column_notices,
     has_magic,
     ignored_notices,
     plain_text_bytes,
@@ -542,7 +543,9 @@ def size_run(spec: RunSpec, echo=print) -> Sizing:
     check_device(config.device, cluster, private_local=started_private_local())
     special = len(spec.tokenizer.all_special_ids) if config.keep_special else 0
     sizing = size_job(spec.shape, spec.corpus_shape, cluster, config.scheduling, special=special)
-    for line in (*ignored_notices(spec.plan, config.corpus), *sizing.lines()):
+    notices = (*column_notices(spec.plan, config.text_column),
+               *ignored_notices(spec.plan, config.corpus))  # fmt: skip
+    for line in (*notices, *sizing.lines()):
         echo(line)
     return sizing
 
@@ -557,7 +560,9 @@ def show_plan(spec: RunSpec, echo=print) -> dict[str, Any]:
         checkpoint_check=needs_check(spec.config.out),
     ):  # fmt: skip
         echo(line)
-    for line in ignored_notices(spec.plan, spec.config.corpus):
+    config = spec.config
+    for line in (*column_notices(spec.plan, config.text_column),
+                 *ignored_notices(spec.plan, config.corpus)):  # fmt: skip
         echo(line)
     return sizing.to_json()
 

@@ -427,6 +427,30 @@ def test_files_of_other_types_in_a_directory_are_named(tmp_path: Path) -> None:
     assert ShardPlan.from_json(plan.to_json()).ignored == []  # found again on every run
 
 
+def test_a_text_column_over_plain_text_files_is_named_as_not_applying(tmp_path: Path) -> None:
+    """``--text-column body`` over ``.txt`` files, which have no columns (a line is a
+    document), was ignored without a word: one line says so; none with the default column,
+    or where every file has columns."""
+    from embgeom_ray.inputs.corpus import column_notices
+
+    (tmp_path / "a.txt").write_text("alpha\nbeta\n")
+    text = plan_shards(CorpusSpec(str(tmp_path / "a.txt"), "body"))
+    assert column_notices(text, "body") == [
+        "corpus: --text-column body does not apply to plain text files, where a line is a "
+        "document: the corpus is plain text"
+    ]
+    assert column_notices(text, "text") == []
+    (tmp_path / "b.jsonl").write_text('{"body": "gamma"}\n')
+    (tmp_path / "c.jsonl").write_text('{"body": "delta"}\n')
+    mixed = plan_shards(CorpusSpec(str(tmp_path), "body"))
+    assert column_notices(mixed, "body") == [
+        "corpus: --text-column body does not apply to plain text files, where a line is a "
+        "document: 1 of the corpus's 3 files is plain text, the others are read by that column"
+    ]
+    jsonl = plan_shards(CorpusSpec(str(tmp_path / "b.jsonl"), "body"))
+    assert column_notices(jsonl, "body") == []
+
+
 def test_corpus_files_under_hidden_names_in_a_directory_are_named(tmp_path: Path) -> None:
     """A directory's ``_train.jsonl`` was left out without a word (and a directory of only
     such files was said to be empty): named, and never read."""
