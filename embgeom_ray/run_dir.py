@@ -274,6 +274,15 @@ class Manifest(_Part):
     def complete(self) -> bool:
         return self.status == "complete"
 
+    def lacks_report(self, no_report: bool) -> bool:
+        """Whether this complete run lacks the report a job with ``no_report`` asks for and
+        none was tried and failed: the run was stopped (SIGTERM, Ctrl-C) after its manifest was
+        written complete, while its report was drawn (``outputs.report`` is recorded once it
+        is written)."""
+        if no_report or self.outputs is None:
+            return False
+        return self.outputs.report is None and self.report_error is None
+
     def set(self, **values: Any) -> Manifest:
         """Set fields (validated, and marked as set so they are written)."""
         for key, value in values.items():

@@ -620,21 +620,12 @@ def changed_table_options(manifest: Manifest, config: JobConfig) -> list[str]:
     )
 
 
-def report_missing(done: Manifest, config: JobConfig) -> bool:
-    """Whether a complete run lacks the report ``config`` asks for and none was tried and
-    failed: the run was stopped (SIGTERM, Ctrl-C) after its manifest was written complete,
-    while its report was drawn (the manifest records ``outputs.report`` once it is written)."""
-    if config.no_report or done.outputs is None:
-        return False
-    return done.outputs.report is None and done.report_error is None
-
-
 def reuse_complete(
     run: RunDir, done: Manifest, spec: RunSpec, t_start: float, echo
 ) -> dict[str, Any]:
     """A rerun of a complete run: nothing to do, or its tables again for changed options."""
     changed = changed_table_options(done, spec.config)
-    if not changed and report_missing(done, spec.config):
+    if not changed and done.lacks_report(spec.config.no_report):
         from ..report.html import write_run_report
 
         echo(

@@ -350,8 +350,11 @@ def why_new(run: PlannedRun, rows: list[dict[str, Any]]) -> str:
     """Why ``run`` is not up to date, against the model's complete run that finished last in
     the index (``rows``): what of its key differs (revision or weights, tokenizer, corpus path
     or fingerprint, result options with their old and new values), or that the model has no
-    complete run yet. A corpus whose fingerprint changed has files of other sizes or
+    complete run yet, or that its complete run lacks its report. A corpus whose fingerprint changed has files of other sizes or
     modification times: an appended line, and a mere ``touch``, both give one."""
+    mine = complete_manifest(run.out, run.key)
+    if mine is not None and mine.lacks_report(run.config.no_report):
+        return "its report is missing (the run was stopped while it was drawn)"
     done = [r for r in rows if r.get("model") == run.entry.model and r.get("status") == "complete"]
     if not done:
         return "no complete run of this model yet"
@@ -808,6 +811,8 @@ class Reanalyzer:
                     self.echo(f"up to date: {run.name} -> {other}")
                     return Outcome(run.entry, "up to date", key=run.key, out=other)
             return None
+        if manifest.lacks_report(run.config.no_report):
+            return None  # stopped while its report was drawn: the analysis draws it
         if row.get("status") != "complete" or row.get("out") != run.out:
             # a complete run the index does not know (yet): adopt it
             self.index.upsert(complete_row(run, manifest, attempts=row.get("attempts", 0)))

@@ -489,6 +489,31 @@ def test_the_store_lists_its_runs_and_the_latest_ones_compare(
     assert "--watchlist (except with --list)" in capsys.readouterr().err
 
 
+def test_a_run_stopped_while_its_report_was_drawn_is_not_up_to_date(
+    models, corpus, tmp_path, fake_analyze
+) -> None:
+    """A complete run whose report was never written (stopped while it was drawn: its
+    manifest records outputs without a report, and no report error) is analysed again, which
+    draws the report; it was counted up to date, so it never got one. With its report, or
+    with a report that failed, it is up to date."""
+    store = tmp_path / "store"
+    watch = _watchlist(tmp_path / "models.yaml", [{"model": models["a"]}])
+    assert _run(watch, corpus, store).ok and len(fake_analyze.calls) == 1
+    (out,) = (store / "runs").iterdir()
+    manifest = json.loads((out / "manifest.json").read_text())
+    (out / "manifest.json").write_text(json.dumps(manifest | {"outputs": {"tables": ["layers"]}}))
+    said: list[str] = []
+    assert _run(watch, corpus, store, echo=said.append).ok and len(fake_analyze.calls) == 2
+    assert said[0].endswith("(attempt 2; its report is missing (the run was stopped while it "
+                            "was drawn))"), said  # fmt: skip
+    for outputs in ({"tables": ["layers"], "report": "report.html"}, {"tables": ["layers"]}):
+        extra = {"outputs": outputs} | ({} if "report" in outputs else {"report_error": "x"})
+        (out / "manifest.json").write_text(json.dumps(manifest | extra))
+        said.clear()
+        assert _run(watch, corpus, store, echo=said.append).ok and len(fake_analyze.calls) == 2
+        assert said[0].startswith(f"up to date: {models['a']} ("), said
+
+
 def test_a_new_run_says_what_changed(models, corpus, tmp_path, fake_analyze) -> None:
     """Each run to be made says why, against the model's last complete run: a model never
     run, a result option's old and new value, the corpus's files changed (an appended line)."""
