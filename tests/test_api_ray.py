@@ -34,7 +34,9 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def _env(**extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
+    """The environment of a user's fresh script: none of what a ``ray.init`` in this test
+    process (the session's Ray) set in it, which the script would inherit as its own."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("RAY_", "PYTHONBREAKPOINT"))}
     return env | {
         "PYTHONPATH": str(REPO), "RAY_USAGE_STATS_ENABLED": "0", "HF_HUB_OFFLINE": "1",
         "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", **extra,
