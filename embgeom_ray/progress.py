@@ -86,7 +86,9 @@ def bar(**options: Any) -> tqdm:
     A notebook's widget (:data:`WIDGETS`) is drawn in place, as on a terminal."""
     if WIDGETS or sys.stderr.isatty():
         return tqdm(file=sys.stderr, dynamic_ncols=True, mininterval=2.0, disable=is_routed(), **options)
-    # maxinterval too: tqdm's monitor thread redraws a bar not drawn for maxinterval (10 s by
-    # default) whatever its mininterval, which gave lines 10 s apart
-    return tqdm(file=_Lines(sys.stderr), mininterval=LOG_INTERVAL_S, maxinterval=LOG_INTERVAL_S,
+    # miniters=1: a line at an update at least LOG_INTERVAL_S after the last (mininterval).
+    # Left to itself tqdm adapts miniters, and its monitor thread then redraws a bar not drawn
+    # for maxinterval (10 s by default) outside that rule, without recording when: lines
+    # came 10 and 20 s apart
+    return tqdm(file=_Lines(sys.stderr), mininterval=LOG_INTERVAL_S, miniters=1,
                 disable=is_routed(), **options)  # fmt: skip

@@ -61,8 +61,9 @@ def test_a_routed_job_draws_nothing(monkeypatch, stream) -> None:
 
 def test_in_a_log_the_bar_draws_a_line_at_most_every_log_interval(monkeypatch) -> None:
     """A bar updated every second for 100 s (a clock of tqdm's own, its monitor thread awake):
-    lines 30 s apart at least. tqdm's monitor redraws a bar not drawn for ``maxinterval``
-    (10 s by default) whatever its ``mininterval``: the log got lines at 0, 30, 40, 60, 70 s."""
+    lines 30 s apart at least. With the miniters tqdm adapts, its monitor redraws a bar not
+    drawn for ``maxinterval`` (10 s by default) whatever its ``mininterval``, without noting
+    when: the log got lines at 0, 30, 40, 60, 70 s (with maxinterval = 30 s: 0, 30, 50, 60)."""
     import itertools
     import re
     import time
