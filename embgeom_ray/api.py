@@ -28,6 +28,7 @@ import contextlib
 import json
 import numbers
 import os
+import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from functools import cached_property
 from pathlib import Path
@@ -83,9 +84,18 @@ def _progress(echo: Echo | None) -> contextlib.AbstractContextManager[None]:
     return contextlib.nullcontext() if echo is print else routed(echo)
 
 
+#: held by each call that may run a job (:func:`_call`), so that calls from several threads run
+#: one after another: what a call sets up is the process's, not the thread's (the Ray it starts
+#: and shuts down, ``ray.init``'s environment variables, where progress goes), so a call that
+#: ended while another ran would shut down the other's Ray. Reentrant: a call made within one
+#: (an ``echo`` that calls the API) does not wait on itself.
+_ONE_CALL_AT_A_TIME = threading.RLock()
+
+
 @contextlib.contextmanager
 def _call(echo: Echo | None) -> Iterator[None]:
-    """Within: one call of the API that may run a job. Its progress goes to ``echo``
+    """Within: one call of the API that may run a job, after any such call in progress in
+    another thread has ended (:data:`_ONE_CALL_AT_A_TIME`). Its progress goes to ``echo``
     (:func:`_progress`); an error a user can cause is a :class:`UserError`
     (:func:`_user_errors`); Ray is left as found
     (:func:`~embgeom_ray.distributed.cluster.leave_ray_as_found`): a Ray the call started or
@@ -93,7 +103,7 @@ def _call(echo: Echo | None) -> Iterator[None]:
     ``KeyboardInterrupt``), and one the caller had initialised is used and left up."""
     from .distributed.cluster import leave_ray_as_found
 
-    with _user_errors(), _progress(echo), leave_ray_as_found():
+    with _ONE_CALL_AT_A_TIME, _user_errors(), _progress(echo), leave_ray_as_found():
         yield
 
 

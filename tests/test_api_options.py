@@ -82,3 +82,51 @@ def test_an_echo_that_is_not_callable_and_a_top_that_is_not_an_integer_are_refus
         with pytest.raises(eg.UserError) as err:
             eg.compare([tmp_path / "a", tmp_path / "b"], tmp_path / "cmp", top=top)
         assert str(err.value) == f"top must be an integer of at least 1, got {top!r}"
+
+
+def test_calls_from_several_threads_run_one_after_another(monkeypatch) -> None:
+    """What a call sets up is the process's (the Ray it starts and then shuts down, where its
+    lines go): a call from a second thread waits for the first to end, so the first's exit
+    cannot shut down a Ray the second is running on. A call made within a call (an ``echo``
+    that calls the API) does not wait on itself."""
+    import contextlib
+    import threading
+    import time
+
+    from embgeom_ray import api
+    from embgeom_ray.distributed import cluster
+
+    inside, most, events = 0, 0, []
+    lock = threading.Lock()
+
+    @contextlib.contextmanager
+    def counted():
+        nonlocal inside, most
+        with lock:
+            inside += 1
+            most = max(most, inside)
+        try:
+            yield
+        finally:
+            with lock:
+                inside -= 1
+
+    monkeypatch.setattr(cluster, "leave_ray_as_found", counted)
+
+    def one(name: str) -> None:
+        with api._call(None):
+            events.append(f"{name} in")
+            time.sleep(0.3)
+            with api._call(None):  # nested, in the same thread
+                events.append(f"{name} nested")
+            events.append(f"{name} out")
+
+    threads = [threading.Thread(target=one, args=(n,)) for n in "ab"]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=30)
+    assert most == 2  # the nested call, never the other thread's
+    first, second = events[0][0], events[3][0]
+    assert events == [f"{first} in", f"{first} nested", f"{first} out",
+                      f"{second} in", f"{second} nested", f"{second} out"]  # fmt: skip
