@@ -159,6 +159,8 @@ class Sizing:
         stats = "the whole state" if p.statistics is None else gib(p.statistics)
         if p.host_statistics is not None and p.statistics is not None:
             stats += f", merged on the host up to {gib(p.host_statistics)}"
+        elif p.host_statistics is not None:  # a GPU that holds less spills into the tier
+            stats += f"; where a GPU holds less, merged on the host up to {gib(p.host_statistics)}"
         out = [
             f"sizing: {self.types_reason}",
             f"sizing: extractors: {p.num_workers} × ({p.num_cpus} CPU{gpus}) × {gib(p.memory)}"
@@ -342,7 +344,9 @@ def _extractor_range(
             f"{shape.dim} and {shape.positions} positions (8·L·(d² + 3d + P·(d+1) + 2)); give "
             "more, or measure fewer --layers"
         )
-    whole = extractor_bytes(shape, types, b, None, gpus)
+    # on GPUs σ is decided on the device once the model is loaded, and may fall short of the
+    # whole statistics the plan expects them to hold: a given tier is asked for there too
+    whole = extractor_bytes(shape, types, b, None, gpus, explicit_h if gpus else None)
     on_device = device_statistics(cluster, shape, gpus)
     if on_device is not None and on_device >= shape.statistics_bytes(types):
         on_device = None  # the GPUs hold the whole statistics
@@ -405,8 +409,9 @@ def _fitted_pool(
             f"an extractor needs at least {least:,} bytes ({gib(least)}: {formula} with σ "
             f"the {'--statistics-memory' if explicit_s else 'fixed per-layer state'}), "
             f"but the nodes (offering {describe_offers(offers)}) hold {placeable} such extractor(s) "
-            f"at most {gib(slot_memory(placeable, hosts, offers))} each; measure fewer "
-            "--layers, lower --sample-size and --sample-type-size, give fewer "
+            f"at most {gib(slot_memory(placeable, hosts, offers))} each; "
+            + ("lower --host-statistics-memory, " if options.host_statistics_memory else "")
+            + "measure fewer --layers, lower --sample-size and --sample-type-size, give fewer "
             "--num-workers or more --cpus-per-worker, or add nodes with more memory"
         )
     memory = min(whole, room)
@@ -473,19 +478,22 @@ def size_extractors(
     batch, batch_reason = _cpu_batch(shape, options, gpus)
     b = batch or DEFAULT_BATCH_TOKENS  # the least a GPU batch is: for the growth bound
     formula = _extractor_formula(shape, b, gpus)
+    tier = f" + H + {gib(tier_bytes(0))} (the host tier, written a block at a time)"
     explicit_s = options.statistics_memory
     explicit_h = options.host_statistics_memory
     explicit_h = None if explicit_h is None else int(explicit_h)
+    # what the refusals name: with a given tier, H counted
+    asked = formula if explicit_h is None else f"{formula} + H {gib(explicit_h)} + {gib(tier_bytes(0))}"
     bounds = _extractor_range(shape, types, b, cluster, gpus, explicit_s, explicit_h)
     whole, least, on_device = bounds
     offers = cluster.offers(driver)
     if options.worker_memory is not None:
         memory = int(options.worker_memory)
-        reason = _explicit_worker_memory(memory, least, offers, formula, explicit_s)
+        reason = _explicit_worker_memory(memory, least, offers, asked, explicit_s)
     else:
         hosts = extractors_per_node(cluster, cpus, gpus)
         count, memory, reason = _fitted_pool(
-            shape, types, options, count, hosts, offers, bounds, gpus, formula
+            shape, types, options, count, hosts, offers, bounds, gpus, asked
         )
     host = explicit_h
     if host is None and explicit_s is None and on_device is not None:
@@ -506,12 +514,19 @@ def size_extractors(
             f"statistics budget σ = {spilled:,} bytes: the host tier merges spills of σ "
             "bytes; give it more than σ, or leave it out"
         )
+    if statistics is None and explicit_h is not None and not gpus:
+        # a CPU's budget is the one decided here: nothing spills, so no tier is made
+        host = None
+        reason += (
+            f"; --host-statistics-memory {gib(explicit_h)} not used: the whole statistics "
+            "fit, nothing spills"
+        )
     if statistics is None and explicit_h is None:
         host = None  # nothing spills: no tier
     if host is not None and explicit_h is None:
         reason += f"; the spills merged on the host into a tier of {gib(host)} (what is left)"
     if host is not None:
-        formula += f" + H + {gib(tier_bytes(0))} (the host tier, written a block at a time)"
+        formula += tier
     return Pool(
         count, cpus, float(gpus), memory, statistics, batch, formula, reason, batch_reason,
         head_reserve=driver, host_statistics=host,

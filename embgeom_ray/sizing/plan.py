@@ -87,6 +87,10 @@ def describe_plan(
              "(--host-statistics-memory; + H and a block of 64 MiB of the memory each: the "
              "tier is written a block at a time)"]
             if pool.host_statistics is not None and pool.statistics is not None
+            else [f"  host tier: H = {gib(pool.host_statistics)} (--host-statistics-memory), "
+                  "used only by an extractor whose GPU, once the model is loaded, holds less "
+                  "than the whole statistics (+ H and a block of 64 MiB of the memory each)"]
+            if pool.host_statistics is not None
             else []
         ),
     ]

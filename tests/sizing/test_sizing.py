@@ -326,3 +326,36 @@ def test_gpu_extractors_merge_their_spills_on_the_host_where_the_nodes_leave_roo
         size_extractors(small, 128_256, tight_cpu,
                         options(device="cpu", worker_memory="1280MiB", host_statistics_memory="1MiB"),
                         4, driver=GiB)  # fmt: skip
+
+
+def test_a_given_host_tier_is_asked_for_where_a_gpu_may_spill_and_dropped_where_nothing_can():
+    """``--host-statistics-memory H`` where the plan expects the whole statistics to fit: on a
+    GPU, σ is decided on the device once the model is loaded and may fall short, and its
+    spills then fill the tier, so H + one block is asked of Ray on top (before, the plan
+    printed "+ H" in the formula and asked for none of it: 3.2 GiB with H = 40 GiB); on a CPU,
+    whose budget is the one decided here, nothing spills: no tier, nothing asked, and said so."""
+    from dataclasses import replace
+
+    from embgeom_ray.core.statistics_io import STREAM_BLOCK_BYTES
+    from embgeom_ray.sizing.formulas import extractor_bytes
+
+    small = Shape(layers=5, dim=256, positions=128, vocab=128_256, hidden_states=5,
+                  intermediate=896, heads=2, weight_bytes=139 * MiB, sample_entries=8192)  # fmt: skip
+    whole = small.statistics_bytes(128_256)
+    gpu = Cluster((Node("h", 8 * GiB, cpus=8, head=True),
+                   Node("g", 32 * GiB, cpus=16, gpus=2, gpu_type="H100")))  # fmt: skip
+    given = size_extractors(small, 128_256, gpu, options(host_statistics_memory="20GiB"), 1,
+                            driver=0)  # fmt: skip
+    own = 512 * MiB + 139 * MiB + 2 * small.sample_bytes  # no batch on the host of a GPU
+    assert given.statistics is None and given.host_statistics == 20 * GiB
+    assert given.memory == own + whole + 20 * GiB + STREAM_BLOCK_BYTES
+    assert given.memory == extractor_bytes(small, 128_256, 8192, None, 1) + 20 * GiB + STREAM_BLOCK_BYTES
+    assert "+ H + 64 MiB" in given.formula
+    with pytest.raises(ConfigError, match=r"needs at least .*\+ H 40\.0 GiB.*lower --host-statistics-memory"):
+        size_extractors(small, 128_256, gpu, options(host_statistics_memory="40GiB"), 1, driver=0)
+    cpu = size_extractors(small, 128_256, gpu, options(device="cpu", host_statistics_memory="4GiB"),
+                          1, driver=0)  # fmt: skip
+    assert cpu.statistics is None and cpu.host_statistics is None
+    lanes = replace(small, lanes=cpu.num_cpus)  # a batch in each of its CPUs' lanes
+    assert cpu.memory == extractor_bytes(lanes, 128_256, cpu.batch_tokens, None, 0) < 4 * GiB + whole
+    assert "+ H" not in cpu.formula and "--host-statistics-memory 4.0 GiB not used" in cpu.reason
