@@ -545,13 +545,68 @@ def _refuse_or_note(message: str, final: bool, least: tuple[int, int], offers: l
     )
 
 
+def reducer_counts_that_fit(
+    shape: Shape, types: int, offers: list[int], start: int = 1
+) -> tuple[int, int] | None:
+    """(fewest, most): the reducer counts R from the fewest (at least ``start``) whose R
+    budgets for ``types`` types (:func:`~embgeom_ray.sizing.formulas.reducer_budget`) the
+    nodes' ``offers`` hold all at once, through every count after it that they hold too; None
+    where no count fits. A reducer needs at least its own :data:`REDUCER_BASE_BYTES`, so no
+    more than Σ offers / that are tried."""
+    most = min(max(types, shape.layers, 1), sum(offers) // REDUCER_BASE_BYTES)
+    span: list[int] = []
+    for r in range(start, most + 1):
+        if fits(r, shape_reducer_budget(shape, r, types), offers):
+            span.append(r)
+        elif span:
+            break
+    return (span[0], span[-1]) if span else None
+
+
+def _reducers_advice(shape: Shape, types: int, offers: list[int], option: str, count: int) -> str:
+    """What would fit where ``option`` (``--reducers`` or ``--reducer-memory``, asking for
+    ``count`` reducers) does not: the counts the nodes hold for ``types`` types
+    (:func:`reducer_counts_that_fit`), or, where none does, the most they hold of the least a
+    reducer needs whatever the types; with the other levers."""
+    # --reducers 1 is the reduce in the job's own process, not one reducer actor
+    span = reducer_counts_that_fit(shape, types, offers, 2 if option == "--reducers" else 1)
+    levers = "measure fewer --layers, or add nodes"
+    if span is not None:
+        lo, hi = span
+        if option == "--reducer-memory":
+            least = shape_reducer_budget(shape, hi, types)
+            return (f"give --reducer-memory {least:,} ({gib(least)}: {hi} reducers of it fit "
+                    f"the nodes), {levers}")  # fmt: skip
+        fit = f"{lo}" if lo == hi else f"{lo} to {hi}"
+        which = "fewer" if count > hi else "more"
+        return f"give {which} --reducers ({fit} fit the nodes), {levers}"
+    least = shape_reducer_budget(shape, max(shape.layers, 1), 0)
+    held = sum(o // least for o in offers)
+    if option == "--reducers" and count > held:
+        return (f"give fewer --reducers (the nodes hold {held} even of the least a reducer "
+                f"needs, {gib(least)}), {levers}")  # fmt: skip
+    return f"no count of reducers fits these statistics on these nodes: {levers}"
+
+
 def _by_reducer_memory(
     shape: Shape, types: int, options: Any, offers: list[int], rows: str, final: bool
 ) -> tuple[int, int, str, bool]:
     """``--reducer-memory B``: the fewest reducers of B each (at least ``--reducers``)."""
     memory, explicit_r = int(options.reducer_memory), options.reducers
-    count = max(explicit_r or 1, reducers_for(memory, shape.layers, shape.dim, types,
-                                              shape.positions, shape.clip, shape.store))  # fmt: skip
+    try:
+        fewest = reducers_for(memory, shape.layers, shape.dim, types, shape.positions,
+                              shape.clip, shape.store)  # fmt: skip
+    except ConfigError:  # not even one layer's state: what the nodes would hold instead
+        floor = shape_reducer_budget(shape, max(types, shape.layers, 1), types)
+        advice = _reducers_advice(shape, types, offers, "--reducer-memory", 0)
+        raise ConfigError(
+            f"--reducer-memory {memory:,} bytes cannot hold a reducer's part: one layer's "
+            f"state alone needs {floor:,} bytes ({gib(floor)}: the process's own "
+            f"{gib(REDUCER_BASE_BYTES)} and {REDUCER_MERGE_FACTOR:g} · 8·(d² + 3d + P·(d+1) + 2) "
+            f"for d = {shape.dim}, P = {shape.positions}, the merge's headroom); for {rows}, "
+            f"{advice}"
+        ) from None
+    count = max(explicit_r or 1, fewest)
     largest = max(offers, default=0)
     if memory > largest:
         raise ConfigError(
@@ -563,8 +618,8 @@ def _by_reducer_memory(
     if not fits(count, memory, offers):
         unsure = _refuse_or_note(
             f"--reducer-memory {memory:,} bytes: {rows} need {count} reducers of that, "
-            f"and the nodes, offering {describe_offers(offers)}, hold fewer; give more "
-            "--reducer-memory, measure fewer --layers, or add nodes",
+            f"and the nodes, offering {describe_offers(offers)}, hold fewer; "
+            + _reducers_advice(shape, types, offers, "--reducer-memory", count),
             final, (explicit_r or 1, memory), offers,
         )  # fmt: skip
     reason = f"--reducer-memory {gib(memory)}: {rows} over reducers of that{unsure}"
@@ -582,7 +637,7 @@ def _by_reducer_count(
         unsure = _refuse_or_note(
             f"--reducers {count}: each needs {memory:,} bytes ({gib(memory)}: {formula} "
             f"for {rows}), and the nodes, offering {describe_offers(offers)}, do not hold "
-            f"{count} of them; give more --reducers, measure fewer --layers, or add nodes",
+            f"{count} of them; " + _reducers_advice(shape, types, offers, "--reducers", count),
             final, (count, shape_reducer_budget(shape, count, 0)), offers,
         )  # fmt: skip
     return count, memory, f"--reducers {count}: {rows} over {count}{unsure}", bool(unsure)

@@ -276,6 +276,42 @@ def test_before_the_corpus_is_read_only_what_cannot_fit_whatever_the_types_is_re
         size_reducers(shape, 30_522, cluster, options(reducers=40), driver=0, final=False)
 
 
+def test_reducer_options_that_cannot_fit_name_the_counts_and_the_memory_that_do():
+    """A refused ``--reducers R`` says which way to go and which counts the nodes hold (it
+    said "give more --reducers" to a count that was too many), and a refused
+    ``--reducer-memory B`` the least memory whose reducers the nodes hold (it said "give at
+    least" the floor of one type and one layer a reducer: 128,256 reducers of 514 MiB)."""
+    shape = Shape(layers=5, dim=256, positions=128, vocab=128_256)
+    offers = [6 * GiB + 512 * MiB, 32 * GiB]
+    cluster = Cluster((Node("h", offers[0], cpus=8, head=True), Node("w", offers[1], cpus=16)))
+
+    def held(r: int) -> int:
+        return sum(o // reducer_need(r, 5, 256, 128_256, 128) for o in offers)
+
+    fitting = [r for r in range(2, 200) if held(r) >= r]
+    lo, hi = fitting[0], fitting[-1]
+    assert (lo, hi) == (2, 61) and fitting == list(range(lo, hi + 1))
+    # too many even at the least a reducer needs (514 MiB: 63 + 12 of them): fewer
+    with pytest.raises(ConfigError, match=r"give fewer --reducers \(2 to 61 fit the nodes\)"):
+        size_reducers(shape, 128_256, cluster, options(reducers=76), driver=0, final=False)
+    # too few for the types seen: more
+    small = Cluster((Node("h", 4 * GiB, cpus=8, head=True),
+                     *(Node(f"w{i}", 4 * GiB, cpus=8) for i in range(3))))  # fmt: skip
+    few = [r for r in range(2, 50) if 4 * (4 * GiB // reducer_need(r, 5, 256, 128_256, 128)) >= r]
+    end = next(r for r in few if r + 1 not in few)  # every count from 3 to it fits
+    assert few[0] == 3 and end == 12  # two of 4.2 GiB fit no node
+    with pytest.raises(ConfigError, match=r"give more --reducers \(3 to 12 fit the nodes\)"):
+        size_reducers(shape, 128_256, small, options(reducers=2), driver=0)
+    # a budget below one layer's state: the least whose reducers the nodes hold
+    least = reducer_need(hi, 5, 256, 128_256, 128)
+    with pytest.raises(ConfigError, match=rf"give --reducer-memory {least:,} \(638 MiB: 61 reducers"):
+        size_reducers(shape, 128_256, cluster, options(reducer_memory="100MiB"), driver=0)
+    given = size_reducers(shape, 128_256, cluster, options(reducer_memory=least), driver=0)
+    assert (given.count, given.memory) == (61, least)
+    with pytest.raises(ConfigError, match=rf"hold fewer; give --reducer-memory {least:,} "):
+        size_reducers(shape, 128_256, cluster, options(reducer_memory=least - 1), driver=0)
+
+
 def test_gpu_extractors_merge_their_spills_on_the_host_where_the_nodes_leave_room():
     """Statistics that spill on the GPUs are merged on the host (``--host-statistics-memory``)
     in what a node's share leaves beside the copy of σ, less one block of the tier's file (it is
