@@ -594,9 +594,14 @@ def driver_formula(in_process: bool, shape: Shape | None = None) -> str:
             f"the sample on Ray tasks ({gib(SAMPLE_ON_WORKERS_BYTES)} ≤ 4·s·d + 48s a layer): "
             f"{DRIVER_SAMPLE_PIECES} pieces of {gib(SAMPLE_PIECE_BYTES)} + the K-means labels 8·L·s"
         )
-    else:
+    else:  # min(10, L) one-layer samples (driver_sample_bytes): the factor it counts
+        factor = (
+            f"min({DRIVER_SAMPLE_LAYERS}, L)"
+            if shape is None
+            else f"{min(DRIVER_SAMPLE_LAYERS, max(shape.layers, 1))}"
+        )
         sample = (
-            f"the sample a layer at a time {DRIVER_SAMPLE_LAYERS} · (4·s·d + 48s) + "
+            f"the sample a layer at a time {factor} · (4·s·d + 48s) + "
             f"{DRIVER_SAMPLE_ROW_BYTES} B · s"
         )
     upload = (

@@ -395,3 +395,18 @@ def test_a_given_host_tier_is_asked_for_where_a_gpu_may_spill_and_dropped_where_
     lanes = replace(small, lanes=cpu.num_cpus)  # a batch in each of its CPUs' lanes
     assert cpu.memory == extractor_bytes(lanes, 128_256, cpu.batch_tokens, None, 0) < 4 * GiB + whole
     assert "+ H" not in cpu.formula and "--host-statistics-memory 4.0 GiB not used" in cpu.reason
+
+
+def test_the_drivers_formula_names_the_sample_factor_its_figure_counts():
+    """A sample under 16 MiB a layer is held min(10, L) layers at a time: the figure counts
+    7 · Q_l for MiniLM's 7 layers, and the printed formula now says 7 (it said 10, so its
+    terms summed to 635 MiB against the 606 MiB printed beside them)."""
+    minilm = Shape(layers=7, dim=384, positions=128, vocab=30_522, hidden_states=7,
+                   intermediate=1536, heads=12, weight_bytes=90 * MiB, sample_entries=8192)  # fmt: skip
+    cluster = Cluster((Node("h", 16 * GiB, cpus=2, head=True),))
+    sizing = size_job(minilm, CorpusShape("c", 1, 10**6, 1), cluster, options(device="cpu"))
+    q_l = 4 * 8192 * 384 + 48 * 8192
+    assert sizing.reduce.partitioned  # 3 · (S(V) + F) in the job's process: over 1 GiB
+    assert sizing.driver == 512 * MiB + 7 * 384 * 160 + 30_522 * 160 + 7 * q_l + 256 * 8192
+    assert round(sizing.driver / MiB) == 606
+    assert "the sample a layer at a time 7 · (4·s·d + 48s) + 256 B · s" in sizing.driver_formula
