@@ -25,6 +25,7 @@ from .formulas import (
     shape_batch_bytes_per_token,
 )  # fmt: skip
 from .nodes import Cluster
+from .nodes import extractors_per_node as nodes_hold
 
 
 def _shard_size(n: int) -> str:
@@ -77,7 +78,8 @@ def describe_plan(
         f"cluster: {sizing.cluster.describe()}",
         f"types: {sizing.types_reason}",
         "",
-        f"extractors: {pool.num_workers} actor(s), each {gpus}{pool.num_cpus} CPU(s), {batch}",
+        f"extractors: {pool.num_workers} actor(s){_pool_bound(sizing, corpus)}, each {gpus}"
+        f"{pool.num_cpus} CPU(s), {batch}",
         f"  memory each: {gib(pool.memory)} asked of Ray ({pool.reason})",
         f"    = {pool.formula}",
         f"  statistics budget: {stats}",
@@ -159,6 +161,17 @@ def describe_plan(
     if lever:
         lines.append(lever)
     return lines
+
+
+def _pool_bound(sizing: Sizing, corpus: CorpusShape) -> str:
+    """Why the pool is smaller than the nodes hold by their CPUs and GPUs, where the corpus's
+    shards bound it (an extractor folds a shard at a time, so more would wait): "" otherwise."""
+    pool = sizing.pool
+    held = sum(nodes_hold(sizing.cluster, pool.num_cpus, int(pool.num_gpus)))
+    if corpus.shards and pool.num_workers >= corpus.shards and held > pool.num_workers:
+        return (f" (one a shard: the corpus has {corpus.shards:,}; the nodes' CPUs and GPUs "
+                f"hold {held:,}; --shard-bytes cuts more)")  # fmt: skip
+    return ""
 
 
 def _sample_tasks(shape: Shape) -> list[str]:

@@ -410,3 +410,21 @@ def test_the_drivers_formula_names_the_sample_factor_its_figure_counts():
     assert sizing.driver == 512 * MiB + 7 * 384 * 160 + 30_522 * 160 + 7 * q_l + 256 * 8192
     assert round(sizing.driver / MiB) == 606
     assert "the sample a layer at a time 7 · (4·s·d + 48s) + 256 B · s" in sizing.driver_formula
+
+
+def test_the_plan_says_when_the_shards_bound_the_pool():
+    """One extractor a shard at most: a corpus of 1 shard gets 1 extractor on nodes whose CPUs
+    hold 6 of 4 CPUs, and the plan now says why (it printed "1 actor(s)" alone); with as many
+    shards as the nodes hold extractors, nothing is added."""
+    from embgeom_ray.sizing.plan import describe_plan
+
+    minilm = Shape(layers=7, dim=384, positions=128, vocab=30_522, hidden_states=7,
+                   intermediate=1536, heads=12, weight_bytes=90 * MiB, sample_entries=8192)  # fmt: skip
+    cluster = Cluster((Node("h", 8 * GiB, cpus=8, head=True), Node("w", 32 * GiB, cpus=16)))
+    for shards, want in ((1, "extractors: 1 actor(s) (one a shard: the corpus has 1; the nodes' "
+                              "CPUs and GPUs hold 6; --shard-bytes cuts more), each 4 CPU(s)"),
+                         (18, "extractors: 6 actor(s), each 4 CPU(s)")):  # fmt: skip
+        corpus = CorpusShape("c", 1, 10**6, shards)
+        sizing = size_job(minilm, corpus, cluster, options(device="cpu"))
+        lines = describe_plan(sizing, corpus, checkpoint_interval=None, total_layers=7)
+        assert next(x for x in lines if x.startswith("extractors:")).startswith(want)
