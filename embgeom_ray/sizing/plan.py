@@ -12,11 +12,13 @@ from .checkpoints import DRIVER, BudgetShape
 from .checkpoints import describe_plan as checkpoint_lines
 from .decisions import Sizing, driver_reserve, io_sizes, size_reducers
 from .formulas import (
+    DEFAULT_BATCH_TOKENS,
     DRIVER_ALLOWANCE_BYTES,
     DRIVER_SAMPLE_LAYERS,
     GPU_STATISTICS_SHARE,
     CorpusShape,
     Shape,
+    batch_growth_bytes,
     gib,
     reducer_bytes,
     reducer_ranges,
@@ -81,7 +83,7 @@ def describe_plan(
         f"extractors: {pool.num_workers} actor(s){_pool_bound(sizing, corpus)}, each {gpus}"
         f"{pool.num_cpus} CPU(s), {batch}",
         f"  memory each: {gib(pool.memory)} asked of Ray ({pool.reason})",
-        f"    = {pool.formula}",
+        f"    = {pool.formula}{_terms(sizing)}",
         f"  statistics budget: {stats}",
         *(
             [f"  host tier: H = {gib(pool.host_statistics)}: each spill past σ merged into it, "
@@ -161,6 +163,19 @@ def describe_plan(
     if lever:
         lines.append(lever)
     return lines
+
+
+def _terms(sizing: Sizing) -> str:
+    """The formula's terms that have no number beside them: σ (the whole S(V) + F where the
+    statistics are not bounded), g (0 then: nothing spills) and H."""
+    shape, pool, types = sizing.shape, sizing.pool, sizing.types
+    if pool.statistics is None:
+        sigma, growth = f"S(V) + F = {gib(shape.statistics_bytes(types))}", "0"
+    else:
+        b = pool.batch_tokens or DEFAULT_BATCH_TOKENS  # the least a GPU batch is
+        sigma, growth = gib(pool.statistics), gib(batch_growth_bytes(shape, types, b))
+    host = "" if pool.host_statistics is None else f", H = {gib(pool.host_statistics)}"
+    return f", with σ = {sigma}, g = {growth}{host}"
 
 
 def _pool_bound(sizing: Sizing, corpus: CorpusShape) -> str:

@@ -428,3 +428,29 @@ def test_the_plan_says_when_the_shards_bound_the_pool():
         sizing = size_job(minilm, corpus, cluster, options(device="cpu"))
         lines = describe_plan(sizing, corpus, checkpoint_interval=None, total_layers=7)
         assert next(x for x in lines if x.startswith("extractors:")).startswith(want)
+
+
+def test_the_plans_extractor_formula_gives_sigma_and_g_and_sums_to_what_is_asked():
+    """The extractor's formula in --plan gives σ and g beside its other terms (it named them
+    without a number): own + w + B · b + 2 · Q + 2 · (σ + g) is the memory asked of Ray, to the
+    byte, at --worker-memory 3 GiB (σ = 681 MiB, g = 161 MiB) and unbounded (σ = S(V) + F, g = 0)."""
+    from embgeom_ray.sizing.formulas import gib as gib_text
+    from embgeom_ray.sizing.plan import describe_plan
+
+    llama = Shape(layers=5, dim=256, positions=128, vocab=128_256, hidden_states=5,
+                  intermediate=896, heads=2, weight_bytes=139 * MiB, sample_entries=8192)  # fmt: skip
+    cluster = Cluster((Node("h", 8 * GiB, cpus=8, head=True), Node("w", 32 * GiB, cpus=16)))
+    corpus = CorpusShape("c", 1, 10**6, 1)
+    per_token = 4 * (5 * 256 + 3 * 896 + 2 * 128) * 4 + 64 * 256  # 4 lanes of float32, the fold
+    own = 512 * MiB + 139 * MiB + 8192 * per_token + 2 * (4 * 5 * 8192 * 256 + 48 * 8192)
+    g = 8192 * (8 * 5 * (2 * 256 + 2) + 8)
+    bounded = size_job(llama, corpus, cluster, options(device="cpu", worker_memory="3GiB"))
+    sigma = bounded.pool.statistics
+    assert sigma == (3 * GiB - own) // 2 - g and gib_text(sigma) == "681 MiB"
+    assert own + 2 * (sigma + g) in (3 * GiB, 3 * GiB - 1)  # the halving's rounding
+    lines = describe_plan(bounded, corpus, checkpoint_interval=None, total_layers=5)
+    assert any(x.endswith("2 · (σ + g), with σ = 681 MiB, g = 161 MiB") for x in lines)
+    whole = size_job(llama, corpus, cluster, options(device="cpu"))
+    assert whole.pool.memory == own + 2 * (rows(5, 256, 128_256) + layer_state(5, 256, 128))
+    lines = describe_plan(whole, corpus, checkpoint_interval=None, total_layers=5)
+    assert any(x.endswith("2 · (σ + g), with σ = S(V) + F = 2.5 GiB, g = 0") for x in lines)
