@@ -28,6 +28,7 @@ from ..core import metric_registry as registry
 from ..io_utils import atomic_write_bytes, exists, is_local, join, local_path, read_bytes
 from ..run_dir import Manifest, ModelInfo, RunDir, TokenizerInfo, now
 from ..run_view import RunView, model_name, short_name
+from ..sizing.peaks import describe_peaks
 from ..storage import check_input
 from ..version import __version__
 from .figures.clipping import ClipPair, clipping_pairs
@@ -610,7 +611,7 @@ def _metadata_html(run: RunView) -> str:
         ("throughput", f"{fmt_value(thr, 'int')} tokens/s" if _finite(thr) else None),
         ("workers", _e(_workers(m.workers))),
         ("reducers", _e(_reducers(m.reducers))),
-        ("peak memory", _e(_peak_memory(m.memory))),
+        ("peak memory", _e(_peak_memory(m.memory, m.to_json()))),
         ("fingerprint", f'<span class="mono">{_e(str(m.fingerprint or "")[:16])}</span>'),
     ]
     cards = (
@@ -660,12 +661,16 @@ def _reducers(r: Any) -> str | None:
     )
 
 
-def _peak_memory(mem: Any) -> str | None:
+def _peak_memory(mem: Any, manifest: dict[str, Any] | None = None) -> str | None:
     """The manifest's ``memory``: peak private memory (the process's own heap; resident
     memory, which also counts the object store's shared pages, where that is all there is) of
-    the job, the largest extractor and the largest reducer."""
+    the job, the largest extractor and the largest reducer; where the run recorded what each
+    was sized for, against that (:func:`~embgeom_ray.sizing.peaks.describe_peaks`)."""
     if not isinstance(mem, dict) or not mem:
         return None
+    against = describe_peaks(manifest) if manifest else None
+    if against and "driver_start_private_bytes" in mem:
+        return against.removeprefix("memory, peak private: ")
 
     def peak(who: str) -> str | None:
         for kind, label in (("private", " private"), ("rss", " resident")):

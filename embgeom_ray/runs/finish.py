@@ -33,6 +33,7 @@ from ..report.html import write_run_report
 from ..report.plots import draw_figures
 from ..run_dir import MANIFEST, Manifest, RunDir, format_summary
 from ..sizing.formulas import on_workers
+from ..sizing.peaks import describe_peaks
 
 
 class RunStatistics(Protocol):
@@ -206,6 +207,9 @@ def finish_run(
         manifest.set(reducers=reducers)
     run.write_manifest(manifest)
     echo(format_summary(tables["layers"]))
+    peaks = describe_peaks(manifest.to_json())
+    if peaks:
+        echo(peaks)
     outputs = manifest.outputs
     names = [*(outputs.tables if outputs else []), *(outputs.artefacts if outputs else [])]
     echo(f"outputs in {run.url}: {', '.join([*names, MANIFEST])}")

@@ -112,6 +112,9 @@ class Reduce:
     #: each reducer must run on its node of ``nodes`` (a local run directory that other nodes
     #: do not see: :func:`~embgeom_ray.runs.pipeline.reduce_decision`); else a preference
     pinned: bool = False
+    #: bytes the job's own process may take above its start with this reduce, for the types
+    #: it reduces (:func:`~embgeom_ray.sizing.formulas.driver_bytes`; 0: not sized here)
+    driver: int = 0
 
     @property
     def partitioned(self) -> bool:
@@ -785,6 +788,7 @@ def size_job(
         beside = None  # self-sized reducers start early only for a long extraction
     reduce = size_reducers(shape, types, cluster, options, reserve, beside=beside, final=False)
     driver = driver_bytes(shape, types, not reduce.partitioned)
+    reduce.driver = driver
     head = max((n.memory for n in cluster.nodes if n.head), default=0)
     if head and DRIVER_BASE_BYTES + driver > head:
         raise ConfigError(
@@ -806,7 +810,8 @@ def size_reduce(shape: Shape, types: int, cluster: Cluster, options: Any) -> Red
     """Where ``types`` token types (known now: V_seen, at most the bound the run was sized
     for) are reduced, by the rule of :func:`size_reducers`: self-sized, the same or fewer
     reducers, each asking for what its share of V_seen needs, or the job's own process."""
-    return size_reducers(shape, types, cluster, options, driver_reserve(shape, types))
+    reduce = size_reducers(shape, types, cluster, options, driver_reserve(shape, types))
+    return replace(reduce, driver=driver_bytes(shape, types, not reduce.partitioned))
 
 
 def io_sizes(sizing: Sizing) -> dict[str, Any]:
