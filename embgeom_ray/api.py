@@ -342,7 +342,7 @@ def analyze(
     output included. For ``--plan``, see :func:`plan`.
     """
     values = {"model": model, "corpus": corpus, "out": out}
-    if options.get("plan"):
+    if options.get("plan") or options.get("plan_json"):
         raise ConfigError("plan=True runs nothing: call embgeom_ray.plan(...) for the plan")
     from .runs.pipeline import analyze as run_analysis
 

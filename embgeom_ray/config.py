@@ -85,6 +85,13 @@ class RunOptions(OptionGroup):
         "cannot fit with the message the run would give",
         json_schema_extra=SCHEDULING | MERGE,
     )
+    plan_json: str | None = Field(
+        None,
+        description="as --plan, and write the plan's decisions as JSON to this file (local or "
+        "fsspec URL): what embgeom_ray.plan returns, the manifest's 'sizing' a run would "
+        "record at its start (memory in bytes; docs/outputs.md)",
+        json_schema_extra=SCHEDULING,
+    )
     keep_checkpoints: bool = Field(
         False,
         description="keep the checkpoint groups (groups/) after the run completes; by default "

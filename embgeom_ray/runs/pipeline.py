@@ -73,7 +73,7 @@ from ..inputs.model_loading import (
     weight_bytes,
 )
 from ..integrity import integrity_error
-from ..io_utils import join, path_key, within
+from ..io_utils import atomic_write_bytes, join, path_key, within
 from ..report.plots import FIGURE_GROUPS
 from ..run_dir import (
     GROUPS,
@@ -564,7 +564,14 @@ def show_plan(spec: RunSpec, echo=print) -> dict[str, Any]:
     for line in (*column_notices(spec.plan, config.text_column),
                  *ignored_notices(spec.plan, config.corpus)):  # fmt: skip
         echo(line)
-    return sizing.to_json()
+    decisions = sizing.to_json()
+    if config.plan_json:  # the same decisions, for a platform's tooling
+        try:
+            atomic_write_bytes(config.plan_json, (json.dumps(decisions, indent=2) + "\n").encode())
+        except OSError as error:
+            raise ConfigError(f"--plan-json {config.plan_json}: cannot be written ({error})") from None
+        echo(f"plan: its decisions as JSON in {config.plan_json}")
+    return decisions
 
 
 def start_manifest(spec: RunSpec, started_at: str) -> Manifest:
@@ -718,7 +725,7 @@ def analyze(config: JobConfig, *, echo=print) -> dict[str, Any]:
     started_at = now()
     sampler()  # the driver's peak private memory, for the manifest
     spec = prepare(config)
-    if config.plan:
+    if config.plan or config.plan_json:
         return show_plan(spec, echo)
     t_plan = time.perf_counter()
     run, store = RunDir(config.out), CheckpointStore(config.out)

@@ -45,7 +45,7 @@ DEFAULTS_BEFORE = {
     "reducer_memory": None, "batch_tokens": None, "docs_per_chunk": 512, "dtype": "float32",
     "device": "auto", "gpus_per_worker": None, "keep_special": False, "dedup": False,
     "min_count": 5, "shard_bytes": None, "trust_remote_code": False, "overwrite": False,
-    "plan": False, "max_shard_retries": 3,
+    "plan": False, "plan_json": None, "max_shard_retries": 3,
     "checkpoint_interval": None,  # sized since issue 51 (a fixed 300.0 before); not a result option
     "keep_checkpoints": False, "no_report": False, "no_warm_workers": False,
     "outlier_mean_z": 3.0, "outlier_variance_ratio": 5.0, "outlier_tail_share": 0.25,

@@ -16,6 +16,7 @@ import pytest
 
 from embgeom_ray.config import build_config
 from embgeom_ray.errors import ConfigError
+from embgeom_ray.sizing.formulas import gib
 from tests.conftest import write_jsonl
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
@@ -94,10 +95,12 @@ def test_llama_plans_follow_the_policy(h100_cluster, tmp_path, capsys, size, lay
     corpus = sparse_corpus(tmp_path / "corpus.jsonl", 40 * GiB)
     argv = ["--model", model, "--corpus", corpus, "--out", str(tmp_path / "run"),
             "--dtype", "bfloat16", "--sample-size", "256"]  # fmt: skip
-    assert main([*argv, "--plan"]) == 0
+    # --plan-json: the plan printed, and its decisions written as JSON for a platform's tools
+    assert main([*argv, "--plan-json", str(tmp_path / "plan.json")]) == 0
     printed = capsys.readouterr().out
     assert not (tmp_path / "run").exists()
     assert f"V_seen ≤ V = {128_256:,}" in printed  # the corpus (40 GiB) bounds nothing
+    assert f"plan: its decisions as JSON in {tmp_path / 'plan.json'}" in printed
     # default shards: 16 MiB for the 8B, a tenth for the 70B's 10× the work a token
     shards = {"8b": "2,560 shards of 16 MiB", "70b": "25,601 shards of 1.6 MiB"}[size]
     assert f"{shards} (a 16th of the corpus within [1 MiB, {shards.split(' of ')[1]}]" in printed
@@ -107,6 +110,8 @@ def test_llama_plans_follow_the_policy(h100_cluster, tmp_path, capsys, size, lay
                                           "dtype": "bfloat16", "sample_size": 256,
                                           "plan": True}), echo=lambda *_: None)  # fmt: skip
     pool, reduce = planned["extractors"], planned["reducers"]
+    assert json.loads((tmp_path / "plan.json").read_text()) == planned  # what eg.plan returns
+    assert f"memory each: {gib(pool['memory'])} asked of Ray" in printed
     # GPUs: the fewest of one node holding twice the weights (80 GB an H100)
     assert pool["num_gpus"] == gpus and pool["num_workers"] == 16 // gpus
     assert pool["batch_tokens"] is None  # decided on each GPU, once the model is loaded
