@@ -127,6 +127,7 @@ def describe_plan(
         f"{sizing.driver_formula}",
         *([f"  warning: {sizing.driver_warning()}"] if sizing.driver > DRIVER_ALLOWANCE_BYTES else []),
         *_sample_tasks(shape),
+        *([f"  warning: {sizing.sample_tasks_warning()}"] if sizing.sample_tasks_warning() else []),
         "",
         f"per-type state S(V) = 8·L·V·(2d+2) + 8V = {gib(shape.type_bytes(types))}; per-layer "
         f"state F = 8·L·(d² + 3d + P·(d+1) + 2) = {gib(shape.layer_state_bytes())}; sample Q = "

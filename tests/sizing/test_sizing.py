@@ -454,3 +454,36 @@ def test_the_plans_extractor_formula_gives_sigma_and_g_and_sums_to_what_is_asked
     assert whole.pool.memory == own + 2 * (rows(5, 256, 128_256) + layer_state(5, 256, 128))
     lines = describe_plan(whole, corpus, checkpoint_interval=None, total_layers=5)
     assert any(x.endswith("2 · (σ + g), with σ = S(V) + F = 2.5 GiB, g = 0") for x in lines)
+
+
+def test_sample_tasks_that_together_outgrow_the_drivers_node_are_warned_of():
+    """The sample's per-layer tasks (from Q_l = 4·s·d + 48s of 16 MiB) take ≈ 10 · Q_l each and
+    ask Ray for a CPU, not memory: a node runs min(L, its CPUs) at once. On a local path they
+    run on the head; where those exceed its memory the plan and the run's first lines warn,
+    naming the sample that fits (the plan printed each task's peak alone: 8 GiB tasks, five at
+    once, on a head of 8 GiB)."""
+    llama = Shape(layers=5, dim=256, positions=128, vocab=128_256, hidden_states=5,
+                  intermediate=896, heads=2, weight_bytes=139 * MiB, sample_entries=800_000)  # fmt: skip
+    cluster = Cluster((Node("h", 8 * GiB, cpus=8, head=True), Node("w", 32 * GiB, cpus=16)))
+    corpus = CorpusShape("c", 1, 10**6, 1)
+    sizing = size_job(llama, corpus, cluster, options(device="cpu"))
+    each = 10 * (4 * 800_000 * 256 + 48 * 800_000)
+    fits = 8 * GiB // (5 * 10 * (4 * 256 + 48))  # entries: five tasks within the head's 8 GiB
+    assert fits == 160_259 and 5 * 10 * (4 * fits * 256 + 48 * fits) <= 8 * GiB
+    warning = sizing.sample_tasks_warning()
+    assert warning == (
+        f"the sample's tasks, ≈ 8.0 GiB each at their peak (10 · Q_l, one a layer, not asked of "
+        f"Ray), run up to 5 at once on the job's own node (the head: the sample is read from local "
+        f"files): {5 * each / GiB:.1f} GiB, more than its 8.0 GiB of Ray memory; lower "
+        "--sample-size and --sample-type-size (together at most 160,259 entries fit)"
+    )
+    assert f"sizing: warning: {warning}" in sizing.lines()
+    # 2 CPUs on the head: two at once; in object storage, on any node: the worker's 16 CPUs
+    two = Cluster((Node("h", 16 * GiB, cpus=2, head=True), Node("w", 32 * GiB, cpus=16)))
+    assert size_job(llama, corpus, two, options(device="cpu")).sample_tasks_warning() is None
+    bucket = Shape(**{**llama.__dict__, "store": "s3://b/run"})
+    assert "run up to 5 at once on a node: " in size_job(
+        bucket, corpus, two, options(device="cpu")).sample_tasks_warning()
+    # the default sample (8,192 entries, Q_l = 8.4 MiB here) stays in the job's own process
+    small = Shape(**{**llama.__dict__, "sample_entries": 8192})
+    assert size_job(small, corpus, cluster, options(device="cpu")).sample_tasks_warning() is None
