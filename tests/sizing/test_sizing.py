@@ -487,3 +487,27 @@ def test_sample_tasks_that_together_outgrow_the_drivers_node_are_warned_of():
     # the default sample (8,192 entries, Q_l = 8.4 MiB here) stays in the job's own process
     small = Shape(**{**llama.__dict__, "sample_entries": 8192})
     assert size_job(small, corpus, cluster, options(device="cpu")).sample_tasks_warning() is None
+
+
+def test_a_gpus_larger_batch_takes_its_new_types_from_the_budget_not_the_hosts_memory():
+    """The host's memory holds σ + g, g = min(B, V) · r sized at the least GPU batch (8,192
+    tokens); an 8B model on an H100 decides 13,312 tokens once loaded, whose new types may add
+    5,120 · r = 10.3 GiB more to the serialised copy. The budget now gives that up: the copy
+    stays within what the extractor asked Ray for (by the formulas it went 7.2 GiB over: σ of
+    41.5 GiB on the device and g of 26.8 GiB, against 44.6 + 16.5 GiB asked).
+    A given --batch-tokens was sized as it is: nothing is taken."""
+    from embgeom_ray.sizing.formulas import gpu_budgets
+
+    llama = Shape(layers=33, dim=4096, positions=128, vocab=128_256, hidden_states=33,
+                  intermediate=14_336, heads=32, weight_bytes=16 * 10**9, dtype_bytes=2,
+                  sample_entries=8192)  # fmt: skip
+    r = 8 * 33 * (2 * 4096 + 2) + 8
+    per_token = (33 * 4096 + 3 * 14_336 + 32 * 128) * 2 + 64 * 4096
+    free, host = 64 * 10**9, 47_889_211_392  # the host's σ: 44.6 GiB
+    on_gpu = int(0.8 * (free - 13_312 * per_token))
+    assert gpu_budgets(llama, free, None, None) == (13_312, on_gpu)  # 41.5 GiB: no host bound
+    tokens, budget = gpu_budgets(llama, free, None, host)
+    assert tokens == 13_312 and budget == host - (13_312 - 8192) * r < on_gpu
+    assert budget + 13_312 * r == host + 8192 * r  # σ + g: what the host was sized for
+    assert round((13_312 - 8192) * r / GiB, 1) == 10.3
+    assert gpu_budgets(llama, free, 13_312, host) == (13_312, on_gpu)  # --batch-tokens given
