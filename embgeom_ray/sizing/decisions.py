@@ -280,7 +280,7 @@ def plan_pool(
             f"--device is {device}"
         )
     if num_workers:
-        per = cpus_per_worker or max(1, min(largest, cpus // num_workers))
+        per = cpus_per_worker or cpus_for_workers(num_workers, alive)
         n = num_workers
     else:
         per = cpus_per_worker or min(4, largest)
@@ -291,6 +291,21 @@ def plan_pool(
             "an extractor actor runs on one node"
         )
     return max(1, min(n, num_shards)), 0, per
+
+
+def cpus_for_workers(count: int, nodes: tuple[Node, ...]) -> int:
+    """Each CPU extractor's CPUs with ``--num-workers`` ``count`` and no ``--cpus-per-worker``:
+    the most, at most the cluster's CPUs / ``count`` and the largest node's, with which the
+    nodes hold all ``count`` at once (Σ ⌊CPUs_n / c⌋ ≥ count); where none does (fewer CPUs
+    than extractors: nodes yet to join), the cluster's CPUs / ``count``, at least 1.
+
+    Why: the cluster's CPUs / N alone can leave an extractor no node holds: 24 CPUs on nodes
+    of 8 and 16 gave 2 extractors 12 CPUs each, one of which waited for a node that never
+    came; 8 each places both."""
+    cpus = sum(n.cpus for n in nodes)
+    largest = max([n.cpus for n in nodes if n.cpus > 0], default=max(cpus, 1))
+    top = max(1, min(largest, cpus // count))
+    return next((c for c in range(top, 0, -1) if sum(n.cpus // c for n in nodes) >= count), top)
 
 
 def check_device(device: str, cluster: Cluster, *, private_local: bool) -> None:

@@ -511,3 +511,23 @@ def test_a_gpus_larger_batch_takes_its_new_types_from_the_budget_not_the_hosts_m
     assert budget + 13_312 * r == host + 8192 * r  # σ + g: what the host was sized for
     assert round((13_312 - 8192) * r / GiB, 1) == 10.3
     assert gpu_budgets(llama, free, 13_312, host) == (13_312, on_gpu)  # --batch-tokens given
+
+
+def test_num_workers_gets_cpus_with_which_the_nodes_hold_them_all():
+    """--num-workers N on CPUs: each extractor gets the most CPUs with which the nodes hold all
+    N at once. 24 CPUs on nodes of 8 and 16 gave 2 extractors 12 CPUs (24 / 2), one of which no
+    node held (it waited for a node that never joined); now 8 each, one on each node."""
+    small = Shape(layers=3, dim=128, positions=128, vocab=128_256, hidden_states=3,
+                  intermediate=448, heads=2, weight_bytes=70 * MiB, sample_entries=8192)  # fmt: skip
+    two = Cluster((Node("h", 8 * GiB, cpus=8, head=True), Node("w", 32 * GiB, cpus=16)))
+    pool = size_extractors(small, 128_256, two, options(device="cpu", num_workers=2), 4, driver=GiB)
+    assert (pool.num_workers, pool.num_cpus) == (2, 8)
+    assert "wait for nodes" not in pool.reason
+    three = size_extractors(small, 128_256, two, options(device="cpu", num_workers=3), 4, GiB)
+    assert three.num_cpus == 8  # 1 + 2 of 8 CPUs
+    # more extractors than CPUs (nodes yet to join): one CPU each, as before
+    many = size_extractors(small, 128_256, two, options(device="cpu", num_workers=40), 40, GiB)
+    assert many.num_cpus == 1 and "wait for nodes to join" in many.reason
+    # one node: the cluster's CPUs / N
+    one = Cluster((Node("h", 64 * GiB, cpus=16, head=True),))
+    assert size_extractors(small, 128_256, one, options(device="cpu", num_workers=3), 4, GiB).num_cpus == 5
