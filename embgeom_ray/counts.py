@@ -55,6 +55,11 @@ class Counts(BaseModel):
     special_tokens: int = 0
     unk_tokens: int = 0
     batches: int = 0
+    #: documents read that gave the model no token to count, so no window: their text
+    #: tokenizes to nothing (only characters the tokenizer drops, such as U+200B for BERT's
+    #: WordPiece) or, without ``--keep-special``, to special tokens alone (a line of emoji:
+    #: [UNK]s); in ``documents``, in no other counter
+    documents_without_tokens: int = 0
     #: batches split in two after the device ran out of memory
     oom_batch_splits: int = Field(
         0, validation_alias=AliasChoices("oom_batch_splits", "oom_splits")

@@ -43,6 +43,7 @@ from .windows import (
     POOL_BATCHES,
     Batch,
     Window,
+    counted_windows,
     make_batches,
     pools,
     tokenize_windows,
@@ -269,13 +270,18 @@ class ShardProcessor:
 
         def chunks() -> Iterator[list[Window]]:
             for chunk in _chunks(docs, cfg.docs_per_chunk):
-                windows = tokenize_windows(
-                    self.tokenizer,
-                    [d.doc_id for d in chunk],
-                    [d.text for d in chunk],
-                    cfg.max_length,
+                windows = counted_windows(
+                    tokenize_windows(
+                        self.tokenizer,
+                        [d.doc_id for d in chunk],
+                        [d.text for d in chunk],
+                        cfg.max_length,
+                    ),
+                    self.special_ids,
+                    cfg.keep_special,
                 )
-                counts.windows += len(windows)
+                counts.windows += len(windows)  # each runs: make_batches drops none of these
+                counts.documents_without_tokens += len(chunk) - len({w.doc_id for w in windows})
                 yield windows
 
         for pool in pools(chunks(), POOL_BATCHES * self.batch_tokens):

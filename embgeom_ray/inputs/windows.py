@@ -128,8 +128,10 @@ def tokenize_windows(
     tokenizer's own special tokens (:func:`special_tokens_around`): the windows a fast
     tokenizer's overflow (``return_overflowing_tokens``, stride 0) gives, made here because
     transformers 5.17.0 returned truncated overflow windows (a 173-token document gave windows
-    of 128 and 4 tokens: 85% of a long document's tokens were lost, silently). An empty text
-    gives one window of special tokens only (never run: no token of it is counted).
+    of 128 and 4 tokens: 85% of a long document's tokens were lost, silently). A text that
+    tokenizes to nothing (only characters the tokenizer drops, such as U+200B for BERT's
+    WordPiece) gives no window: the overflow's window of special tokens alone would hold no
+    text, and would count as a window that never runs.
     """
     if not texts:
         return []
@@ -149,9 +151,20 @@ def tokenize_windows(
     )
     windows = []
     for doc, ids in zip(doc_ids, enc["input_ids"], strict=True):
-        for k, a in enumerate(range(0, max(len(ids), 1), run)):
+        for k, a in enumerate(range(0, len(ids), run)):
             windows.append(Window(int(doc), k, before + list(ids[a : a + run]) + after))
     return windows
+
+
+def counted_windows(
+    windows: Sequence[Window], special_ids: Sequence[int], keep_special: bool
+) -> list[Window]:
+    """The windows that hold a counted token, the only ones the model runs: any token with
+    ``keep_special``, else one that is not special (a window of [UNK]s alone holds none)."""
+    if keep_special:
+        return [w for w in windows if w.input_ids]
+    special_set = set(special_ids)
+    return [w for w in windows if any(i not in special_set for i in w.input_ids)]
 
 
 def pools(chunks: Iterable[Sequence[Window]], pool_tokens: int) -> Iterator[list[Window]]:
@@ -365,16 +378,11 @@ def make_batches(
 ) -> Iterator[Batch]:
     """The windows of one pool as right-padded batches planned by :func:`plan_batches`.
 
-    Windows without a single counted token (empty, or only special tokens when those are not
-    kept) contribute nothing and are dropped before planning, so they are never run.
+    Windows without a single counted token (:func:`counted_windows`) contribute nothing and
+    are dropped before planning, so they are never run.
     """
-    special_set = set(special_ids)
-    specials = torch.tensor(sorted(special_set), dtype=torch.long)
-    windows = [
-        w
-        for w in windows
-        if (w.input_ids if keep_special else any(i not in special_set for i in w.input_ids))
-    ]
+    specials = torch.tensor(sorted(set(special_ids)), dtype=torch.long)
+    windows = counted_windows(windows, special_ids, keep_special)
     plan = plan_batches(
         [len(w.input_ids) for w in windows],
         batch_tokens=batch_tokens,

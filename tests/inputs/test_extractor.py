@@ -184,6 +184,23 @@ def test_unknown_tokens_are_counted(tmp_path, tiny_bert):
     assert unk_warning(counts, threshold=0.5) is None
 
 
+@pytest.mark.parametrize("keep_special", [False, True])
+def test_documents_without_tokens_count_no_window(tmp_path, tiny_bert, keep_special):
+    """A document whose text the tokenizer drops (U+200B, U+FEFF) has no window, and one of
+    [UNK]s alone none that runs without --keep-special: ``windows`` counts the windows that
+    ran, ``documents_without_tokens`` the documents that gave none (it was 1 window each)."""
+    texts = ["the cat sat on the mat", "\u200b\ufeff", "🦜🦜", "a dog ran"]
+    corpus = write_jsonl(tmp_path / "c.jsonl", texts)
+    shard = plan_shards(CorpusSpec(corpus)).shards[0]
+    proc = processor(tiny_bert, corpus, tmp_path / "o", max_length=64, keep_special=keep_special)
+    _, _, counts = proc.process(shard)
+    ran = 3 if keep_special else 2  # [CLS] [UNK] [UNK] [SEP] holds counted tokens only if kept
+    assert counts.documents == 4
+    assert (counts.windows, counts.documents_without_tokens) == (ran, 4 - ran)
+    # [CLS] the cat sat on the mat [SEP], [CLS] a dog ran [SEP] (+ [CLS] [UNK] [SEP])
+    assert counts.positions == {False: 8 + 5, True: 8 + 3 + 5}[keep_special]
+
+
 def test_batch_tokens_default_to_what_the_allocator_reuses_on_cpus_and_fits_on_a_gpu(
     tmp_path, tiny_bert, monkeypatch
 ):

@@ -136,16 +136,18 @@ def test_make_batches_rows_are_the_windows(minilm_dir):
                 bool(m) and int(i) not in specials
                 for i, m in zip(b.input_ids[r], b.attention_mask[r], strict=True)
             ]
-    # every window with a counted token, exactly once and unchanged; the empty document and the
-    # one made only of special tokens are never run
+    # every window with a counted token, exactly once and unchanged; the empty document has no
+    # window, and the one made only of special tokens is never run
     counted = {(w.doc_id, w.index): w.input_ids for w in windows if set(w.input_ids) - specials}
     assert seen == counted
     assert {8, 9} & {d for d, _ in seen} == set()
-    # keeping special tokens keeps those windows
+    assert 8 not in {w.doc_id for w in windows}
+    # keeping special tokens keeps the window of special tokens alone
     kept = make_batches(
         windows, batch_tokens=48, pad_id=0, special_ids=tok.all_special_ids, keep_special=True
     )
     assert sum(int(b.input_ids.shape[0]) for b in kept) == len(windows)
+    assert [w.input_ids for w in windows if w.doc_id == 9] == [[101, 102, 101, 102]]
 
 
 def extractor_padding(tokenizer, texts: list[str], *, batch_tokens=8192, docs_per_chunk=512):
@@ -271,6 +273,7 @@ def test_windows_partition_a_long_document_as_the_overflow_does(four_tokenizers,
         assert [w.index for w in mine] == list(range(len(mine)))
         assert all(len(w.input_ids) <= 64 for w in mine)
         assert all(len(w.input_ids) == 64 for w in mine[:-1])  # all full but the last
+        assert bool(mine) == bool(text)  # the empty text: no window
         content = [i for w in mine for i in w.input_ids[len(before) : len(w.input_ids) - len(after)]]
         assert content == tok(text, add_special_tokens=False)["input_ids"]
         assert all(w.input_ids[: len(before)] == before for w in mine)
@@ -282,8 +285,12 @@ def test_windows_partition_a_long_document_as_the_overflow_does(four_tokenizers,
     )  # fmt: skip
     import transformers
 
-    if transformers.__version__ != "5.17.0":  # elsewhere the overflow works: the same windows
-        assert [w.input_ids for w in windows] == [list(x) for x in overflow["input_ids"]]
+    if transformers.__version__ != "5.17.0":  # elsewhere the overflow works: the same windows,
+        # but for the empty text's window of special tokens alone (it has none)
+        of = list(zip(overflow["overflow_to_sample_mapping"], overflow["input_ids"], strict=True))
+        assert [list(x) for d, x in of if d == 6] == [before + after]
+        others = [list(x) for d, x in of if d != 6]
+        assert [w.input_ids for w in windows] == others
 
 
 def test_windows_refuse_a_length_with_no_room_for_a_token(minilm_dir):
