@@ -308,11 +308,22 @@ def check_input(url: str, what: str) -> None:
 RAY_WORKING_DIR_PART = "/runtime_resources/working_dir_files/"
 
 
-def check_output(url: str) -> None:
-    """Before a run is written to ``url``: on an object store, its endpoint answers
-    (:func:`probe`) and its bucket exists (the job never creates one); a relative local path
-    is refused where this process runs in the working directory Ray unpacked for a submitted
-    job (it would land in that temporary copy of the code, not where the user looks)."""
+def check_reachable(url: str, what: str) -> None:
+    """On an object store, ``url``'s (the ``what``'s) filesystem is installed, its endpoint
+    answers (:func:`probe`) and its bucket exists (:func:`check_bucket`); nothing for a local
+    path."""
+    if is_remote(url):
+        require_filesystem(url, what)
+        probe(url, what)
+        check_bucket(url, what)
+
+
+def check_output(url: str, what: str = "output directory") -> None:
+    """Before a run (or a re-analysis store, ``what="store"``) is written to ``url``: on an
+    object store, it is reachable (:func:`check_reachable`; the job never creates a bucket); a
+    relative local path is refused where this process runs in the working directory Ray
+    unpacked for a submitted job (it would land in that temporary copy of the code, not where
+    the user looks)."""
     if not is_remote(url) and not os.path.isabs(local_path(url)):
         cwd = os.getcwd()
         if RAY_WORKING_DIR_PART in cwd:
@@ -321,10 +332,7 @@ def check_output(url: str) -> None:
                 f"directory Ray made for it ({cwd}), which Ray removes: give an absolute path "
                 "(on storage every node sees) or an object store's URL"
             )
-    if is_remote(url):
-        require_filesystem(url, "output directory")
-        probe(url, "output directory")
-        check_bucket(url, "output directory")
+    check_reachable(url, what)
 
 
 #: environment variables of the object stores' clients that the job's own process hands to its

@@ -92,10 +92,9 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
 def _list(store: str) -> None:
     """``--list``: the store's runs (:func:`~embgeom_ray.runs.store_listing.listing_lines`)."""
     from embgeom_ray.runs.store_listing import listing_lines
-    from embgeom_ray.storage import check_output, user_errors
+    from embgeom_ray.storage import user_errors
 
     with user_errors(store, "store"):
-        check_output(store)
         print("\n".join(listing_lines(store)))
 
 

@@ -989,7 +989,7 @@ def reanalyze(watchlist: str, store: str, **kwargs: Any) -> ReanalyzeResult:
     Then the store is locked (:func:`~embgeom_ray.runs.store_lock.store_lock`): a second
     invocation on it meanwhile ends at once with :class:`StoreBusyError`, running nothing."""
     with user_errors(store, "store"):
-        check_output(store)
+        check_output(store, "store")
     if kwargs.get("dry_run"):  # writes nothing: no lock needed
         return Reanalyzer(watchlist, store, **kwargs).run()
     if is_local(store):

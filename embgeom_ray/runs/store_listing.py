@@ -15,6 +15,7 @@ import pandas as pd
 
 from ..errors import OutputError
 from ..io_utils import exists, join
+from ..storage import check_reachable
 from .reanalyze import INDEX, read_index
 
 #: the columns the listing prints, in order
@@ -34,7 +35,15 @@ def latest_runs(index: pd.DataFrame) -> pd.DataFrame:
 def store_runs(store: str, latest: bool = False) -> pd.DataFrame:
     """``STORE/runs.parquet``, sorted by model then start time, with a boolean column
     ``latest`` (the model's latest complete run); ``latest=True``: those rows only.
-    :class:`OutputError` if the store has no index (a mistyped store, or nothing ran there)."""
+    :class:`OutputError` if the store does not exist or has no index (a mistyped store, or
+    nothing ran there); :class:`~embgeom_ray.errors.StorageError` if its object store does not
+    answer or lacks its bucket. Reads only: a missing store is not created."""
+    check_reachable(store, "store")
+    if not exists(store):
+        raise OutputError(
+            f"the store {store} does not exist: a mistyped --store, or reanalyze has not run "
+            "there yet"
+        )
     if not exists(join(store, INDEX)):
         raise OutputError(
             f"{store} holds no {INDEX}: not a reanalyze store, or nothing has run there yet"

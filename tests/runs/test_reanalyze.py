@@ -478,15 +478,36 @@ def test_the_store_lists_its_runs_and_the_latest_ones_compare(
     assert [r[-1] for r in rows] == [a_out, old_b_out, new_b_out]
     assert lines[-1] == f"compare the latest runs: embgeom compare {a_out} {new_b_out} --out CMP_DIR"
 
-    # a store without an index: one line, status 2; no --watchlist without --list: status 2
+    # a store that does not exist, or holds no index: one line, status 2, nothing created;
+    # no --watchlist without --list: status 2
     assert reanalyze_cli.main(["--store", str(tmp_path / "typo"), "--list"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert err == [f"error: {tmp_path / 'typo'} holds no runs.parquet: not a reanalyze store, "
+    assert err == [f"error: the store {tmp_path / 'typo'} does not exist: a mistyped --store, "
+                   "or reanalyze has not run there yet"]  # fmt: skip
+    assert not (tmp_path / "typo").exists()
+    assert reanalyze_cli.main(["--store", str(tmp_path), "--list"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"error: {tmp_path} holds no runs.parquet: not a reanalyze store, "
                    "or nothing has run there yet"]  # fmt: skip
     with pytest.raises(SystemExit) as exc:
         reanalyze_cli.main(["--store", str(store)])
     assert exc.value.code == 2
     assert "--watchlist (except with --list)" in capsys.readouterr().err
+
+
+def test_listing_an_unreachable_store_speaks_of_the_store(monkeypatch, capsys) -> None:
+    """``--list`` on an object store that does not answer: one line naming the store (it said
+    "output directory", checking it as a run's output), status 2."""
+    from tests.ray_processes import free_ports
+
+    (port,) = free_ports(1)  # nothing listens there
+    monkeypatch.setenv("AWS_ENDPOINT_URL_S3", f"http://127.0.0.1:{port}")
+    assert reanalyze_cli.main(["--store", "s3://bucket/store", "--list"]) == 2
+    (err,) = capsys.readouterr().err.strip().splitlines()
+    assert err.startswith(
+        f"error: cannot reach the object store at http://127.0.0.1:{port} for the store "
+        "s3://bucket/store: connection refused"
+    )
 
 
 def test_a_run_stopped_while_its_report_was_drawn_is_not_up_to_date(
