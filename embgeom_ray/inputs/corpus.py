@@ -44,7 +44,7 @@ from collections.abc import Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import datetime
-from typing import Any
+from typing import Any, NamedTuple
 
 import fsspec
 import fsspec.compression
@@ -166,6 +166,23 @@ class CorpusSpec:
     split: str = "train"
 
 
+class FileState(NamedTuple):
+    """A corpus file as the plan found it: its ``identity`` (:func:`_identity`: the
+    modification time; an object's ETag, checksum or generation: what the fingerprint holds),
+    its ``file_size``, and for an uncompressed line file the ``tail``: the BLAKE2b digest of its
+    last :data:`TAIL_BYTES` bytes (:func:`_tail_digest`), which lines appended since leave as
+    they were. :func:`check_unchanged` compares them with the file's as a shard is read."""
+
+    identity: str
+    file_size: int
+    tail: str
+
+
+#: the Shard fields :meth:`ShardPlan.to_json` leaves out of each shard: dedup's ``drop``
+#: (found again on every run) and the file's state (saved once a file: ``file_states``)
+_PER_FILE = ("drop", *FileState._fields)
+
+
 @dataclass(frozen=True)
 class Shard:
     """One unit of work: a byte range, a range of row groups, or a range of rows of one file.
@@ -177,6 +194,10 @@ class Shard:
     duplicates of an earlier document, decided for the whole corpus by
     :func:`~embgeom_ray.inputs.dedup.plan_dedup` (``--dedup``); it is not part of the saved
     plan (:meth:`ShardPlan.to_json`), since it is derived from the corpus again on every run.
+    ``identity``, ``file_size`` and ``tail`` are the file's state when the plan was cut
+    (:attr:`ShardPlan.file_states`), which :func:`read_shard` checks (:func:`check_unchanged`);
+    the plan saves them once a file, not with each shard. An empty ``identity``: not checked
+    (a dataset's rows, an object store that gives none, a plan saved before they were).
     """
 
     shard_id: str
@@ -186,6 +207,9 @@ class Shard:
     stop: int
     file_index: int
     drop: tuple[int, ...] = ()
+    identity: str = ""
+    file_size: int = 0
+    tail: str = ""
 
 
 @dataclass(frozen=True)
@@ -211,7 +235,8 @@ class ShardPlan:
     and ``hidden`` those of a supported type that are not read, a name in their path starting
     with ``.`` or ``_`` (``_train.jsonl``, ``.ipynb_checkpoints/…``), each by its path
     relative to the corpus root; like ``Shard.drop`` they are not saved (:meth:`to_json`),
-    being found again on every run, nor compared.
+    being found again on every run, nor compared. ``file_states[i]`` is ``files[i]``'s state
+    when planned (:class:`FileState`; none for a dataset, or a plan saved before them).
     """
 
     shards: list[Shard]
@@ -221,6 +246,17 @@ class ShardPlan:
     shard_bytes: int = 0
     ignored: list[str] = field(default_factory=list, compare=False)
     hidden: list[str] = field(default_factory=list, compare=False)
+    file_states: list[FileState] = field(default_factory=list)
+
+    def with_file_states(self) -> ShardPlan:
+        """Give each shard its file's :attr:`file_states` (in place, where there are any);
+        returns this plan."""
+        if self.file_states:
+            self.shards = [
+                dataclasses.replace(s, **self.file_states[s.file_index]._asdict())
+                for s in self.shards
+            ]
+        return self
 
     def to_json(self) -> dict[str, Any]:
         """A JSON-serialisable dict that :meth:`from_json` turns back into an equal plan."""
@@ -230,8 +266,9 @@ class ShardPlan:
             "total_bytes": self.total_bytes,
             "shard_bytes": self.shard_bytes,
             "files": list(self.files),
+            "file_states": [list(state) for state in self.file_states],
             "shards": [
-                {k: v for k, v in dataclasses.asdict(s).items() if k != "drop"}
+                {k: v for k, v in dataclasses.asdict(s).items() if k not in _PER_FILE}
                 for s in self.shards
             ],
         }
@@ -242,6 +279,7 @@ class ShardPlan:
         try:
             if d.get("format", _PLAN_FORMAT) != _PLAN_FORMAT:
                 raise ValueError(f"unknown plan format {d.get('format')!r}")
+            states = [FileState(str(i), int(n), str(t)) for i, n, t in d.get("file_states", [])]
             return cls(
                 shards=[
                     Shard(
@@ -258,7 +296,8 @@ class ShardPlan:
                 total_bytes=int(d["total_bytes"]),
                 files=[str(f) for f in d["files"]],
                 shard_bytes=int(d.get("shard_bytes", 0)),
-            )
+                file_states=states,
+            ).with_file_states()
         except (KeyError, TypeError, ValueError, AttributeError) as e:
             raise CorpusError(f"invalid saved shard plan: {type(e).__name__}: {e}") from e
 
@@ -426,11 +465,15 @@ def _plan_files(spec: CorpusSpec, shard_bytes: int | None, work: int) -> ShardPl
     size = shard_bytes if shard_bytes is not None else auto_shard_bytes(total, work)
     width = max(5, len(str(len(files) - 1)))
 
-    def file_shards(index: int) -> list[Shard]:
+    def file_shards(index: int) -> tuple[list[Shard], FileState]:
+        f = files[index]
         try:
-            return _file_shards(files[index], index, width, spec.text_column, size)
+            shards = _file_shards(f, index, width, spec.text_column, size)
+            lines = f.kind != "parquet" and not f.compression and f.size > 0
+            tail = _tail_digest(f.path, f.size) if lines else ""
         except (FileNotFoundError, PermissionError) as e:
-            raise _open_error(files[index].path, e) from e
+            raise _open_error(f.path, e) from e
+        return shards, FileState(f.identity, f.size, tail)
 
     # Footers and first lines are small reads; overlap them for remote corpora of many files.
     # `map` keeps the order, so the first bad file in sorted order is the one reported.
@@ -439,7 +482,7 @@ def _plan_files(spec: CorpusSpec, shard_bytes: int | None, work: int) -> ShardPl
     else:
         with ThreadPoolExecutor(max_workers=min(_PLAN_THREADS, len(files))) as pool:
             per_file = list(pool.map(file_shards, range(len(files))))
-    shards = [s for group in per_file for s in group]
+    shards = [s for group, _ in per_file for s in group]
     if not shards:
         raise CorpusError(f"corpus {spec.source!r} has no data: its Parquet files have no rows")
     fingerprint = _digest(
@@ -451,7 +494,10 @@ def _plan_files(spec: CorpusSpec, shard_bytes: int | None, work: int) -> ShardPl
         }
     )
     paths = [f.path for f in files]
-    return ShardPlan(shards, fingerprint, total, paths, size, listing.ignored, listing.hidden)
+    states = [state for _, state in per_file]
+    return ShardPlan(
+        shards, fingerprint, total, paths, size, listing.ignored, listing.hidden, states
+    ).with_file_states()
 
 
 def _file_shards(f: _File, index: int, width: int, column: str, size: int) -> list[Shard]:
@@ -1039,14 +1085,70 @@ def read_shard(shard: Shard, spec: CorpusSpec, report: ReadReport) -> Iterator[D
     in ``report.duplicates``, not in ``report.documents``.
     """
     if shard.kind in ("text", "jsonl"):
-        docs = _read_lines(shard, spec, report)
+        docs = _unchanged(shard, _read_lines(shard, spec, report))
     elif shard.kind == "parquet":
-        docs = _read_parquet(shard, spec, report)
+        docs = _unchanged(shard, _read_parquet(shard, spec, report))
     elif shard.kind == "hf":
         docs = _read_dataset(shard, spec, report)
     else:
         raise ValueError(f"unknown shard kind {shard.kind!r}")
     return _without(docs, frozenset(shard.drop), report) if shard.drop else docs
+
+
+#: bytes at the end of a line file whose digest tells lines appended from a rewrite
+TAIL_BYTES = 4096
+
+
+def _tail_digest(path: str, size: int) -> str:
+    """The BLAKE2b digest (hex) of the file's last :data:`TAIL_BYTES` bytes before ``size``
+    (its planned size): one small read, the same after lines are appended."""
+    with _open_exact(path, None) as f:
+        start = max(0, size - TAIL_BYTES)
+        f.seek(start)
+        data = f.read(size - start)
+    return hashlib.blake2b(data, digest_size=16).hexdigest()
+
+
+def check_unchanged(shard: Shard) -> None:
+    """A :class:`CorpusError` naming ``shard``'s file when it was written since the plan: its
+    identity (modification time; an object's ETag, checksum or generation) is not the planned
+    one (:class:`FileState`), and it is neither cut shorter (which the reader of the shard
+    that meets the new end reports, with the sizes) nor only longer by lines appended after
+    its planned bytes (a line file of a larger size whose last planned bytes are the same:
+    those lines are left to the next run). So a file rewritten to the same or a larger size
+    ends the run, which its byte ranges alone do not show, and so does a ``touch``: the
+    corpus's fingerprint, a resume's and ``reanalyze``'s, is no longer the run's. The
+    listing's cache is dropped first, so an object store is asked again (a HEAD request)."""
+    if not shard.identity:
+        return
+    fs, path = fsspec.core.url_to_fs(shard.path)
+    fs.invalidate_cache(path)
+    try:
+        info = fs.info(path)
+        now = _identity(fs, info)
+        if now == shard.identity:
+            return
+        size = int(info.get("size") or 0)
+        if shard.tail and size < shard.file_size:
+            return  # cut shorter: _read_lines says so where the shard meets the new end
+        if shard.tail and size > shard.file_size:
+            if _tail_digest(shard.path, shard.file_size) == shard.tail:
+                return  # lines appended: read up to the planned size, as documented
+    except (FileNotFoundError, PermissionError) as e:
+        raise _open_error(shard.path, e) from e
+    raise CorpusError(
+        f"corpus file {shard.path} changed during the run: it was written after the run was "
+        f"planned ({shard.identity}, {shard.file_size:,} bytes; now {now or 'none'}, "
+        f"{size:,} bytes); rerun with --overwrite once it no longer changes"
+    )
+
+
+def _unchanged(shard: Shard, docs: Iterator[Document]) -> Iterator[Document]:
+    """``docs``, with :func:`check_unchanged` as the shard's file is opened and once it has
+    been read (a file rewritten while its own shard was read)."""
+    check_unchanged(shard)
+    yield from docs
+    check_unchanged(shard)
 
 
 def _without(docs: Iterator[Document], drop: frozenset[int], report: ReadReport) -> Iterator[Document]:

@@ -548,12 +548,22 @@ def test_an_s3_corpus_is_fetched_once_not_by_read_ahead_blocks(tmp_path: Path) -
         spec = CorpusSpec("s3://heads/c")
         plan = plan_shards(spec, 1 << 20)
         assert len(plan.shards) == 8 + 8 + 1
-        assert len(fetched) == 3 and sum(fetched) < 1 << 20  # the heads: ≤ 64 KiB a file
+        # the heads (≤ 64 KiB a file) and the uncompressed line files' last 4 KiB (their tails)
+        assert len(fetched) == 3 + 2 and sum(fetched) < 1 << 20
         fetched.clear()
         lines = [s for s in plan.shards if s.kind == "jsonl"]
         docs = [d for s in lines for d in read_shard(s, spec, ReadReport())]
         assert len(docs) == len(data) // len(line)
         assert len(data) <= sum(fetched) < len(data) + len(lines) * 70_000
+        # an object written again (another ETag) to the same size ends the run where a shard
+        # of it is read; lines "appended" (a larger object, the same planned bytes) do not
+        text = plan.shards[-2]
+        assert text.path == "s3://heads/c/b.txt" and text.identity.startswith("ETag=")
+        fs.pipe("heads/c/b.txt", data.replace(b"word", b"WORD", 1))
+        with pytest.raises(CorpusError, match=r"corpus file s3://heads/c/b\.txt changed during"):
+            list(read_shard(text, spec, ReadReport()))
+        fs.pipe("heads/c/b.txt", data + line.encode())
+        assert len(list(read_shard(text, spec, ReadReport()))) > 0
         # a Parquet file's shards fetch the text column's chunks (and the footer), not the
         # other columns' nor the file's rest from each row group on (87.7 MiB of 15.8)
         rng = np.random.default_rng(0)  # text that compresses little, as real text
@@ -867,6 +877,49 @@ def test_file_cut_shorter_after_planning_is_an_error(tmp_path: Path, name: str) 
         with pytest.raises(CorpusError) as err:
             list(read_shard(shard, spec, report))
         assert str(err.value) == message.format(f"{shard.stop:,}")
+
+
+@pytest.mark.parametrize("change", ["same size", "larger", "touch", "parquet"])
+def test_a_file_written_in_place_during_the_run_ends_it(tmp_path: Path, change: str) -> None:
+    """A file rewritten to the same or a larger size (or touched) after planning: its byte
+    ranges still read, and the run measured other text than its fingerprint says, without a
+    word; now a shard of it says the file changed. A plan saved and read back (a resume) of
+    the unchanged file reads it, and one saved before the file states were checks nothing."""
+    import os
+
+    name = "a.parquet" if change == "parquet" else "a.txt"
+    path = tmp_path / name
+    lines = [f"document number {i} of forty" for i in range(40)]
+    if change == "parquet":
+        pq.write_table(pa.table({"text": lines}), path, row_group_size=10)
+    else:
+        path.write_text("\n".join(lines) + "\n")
+    spec = CorpusSpec(str(path))
+    plan = ShardPlan.from_json(json.loads(json.dumps(plan_shards(spec, 400).to_json())))
+    assert [len(list(read_shard(s, spec, ReadReport()))) for s in plan.shards]  # unchanged
+    stat = path.stat()
+    if change == "same size":
+        path.write_text("\n".join(t.replace("forty", "FORTY") for t in lines) + "\n")
+    elif change == "larger":
+        path.write_text("\n".join(t + "!" for t in lines) + "\n")
+    elif change == "parquet":
+        pq.write_table(pa.table({"text": [t.upper() for t in lines]}), path, row_group_size=10)
+    os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))  # a later mtime, surely
+    size, mtime = path.stat().st_size, path.stat().st_mtime
+    assert size > stat.st_size if change == "larger" else size == stat.st_size
+    for shard in plan.shards:
+        with pytest.raises(CorpusError) as err:
+            list(read_shard(shard, spec, ReadReport()))
+        assert str(err.value) == (
+            f"corpus file {path} changed during the run: it was written after the run was "
+            f"planned (mtime={stat.st_mtime!r}, {stat.st_size:,} bytes; now "
+            f"mtime={mtime!r}, {size:,} bytes); rerun with --overwrite once it no longer "
+            "changes"
+        )
+    old = plan.to_json()
+    del old["file_states"]  # a run.json written before them: read as before
+    assert all(s.identity == "" for s in ShardPlan.from_json(old).shards)
+    assert list(read_shard(ShardPlan.from_json(old).shards[0], spec, ReadReport()))
 
 
 def test_lines_appended_after_planning_are_left_to_the_next_run(tmp_path: Path) -> None:
