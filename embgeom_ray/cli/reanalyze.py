@@ -12,8 +12,8 @@ cron or a KubeRay schedule (deploy/reanalyze-cronjob.yaml); see embgeom_ray/runs
 Exit status: 0 every model is up to date (or was analysed now); 1 at least one model could
 not be resolved or its run failed (each reported on stderr; the others were still done, and a
 failed run is retried next time); 2 the invocation itself is invalid (watch list, corpus,
---config, store), nothing was run; 75 another invocation is running on the same (local) store,
-nothing was run (that one goes on; the next one does what it leaves).
+--config, store), nothing was run; 75 another invocation is running on the same (local or
+S3) store, nothing was run (that one goes on; the next one does what it leaves).
 """
 
 from __future__ import annotations

@@ -14,9 +14,12 @@ crashed node included), so a killed invocation never leaves the store locked. Wh
 (host, pid, start time, command line) is written beside it, in ``STORE/reanalyze.lock.json``,
 for the second invocation's message, and removed before the lock is released (a killed
 holder's stays until the next one writes its own). ``flock`` works on local disks and on NFS
-(v4 and v3 with lockd). An object store (``s3://``, ``gs://``) offers no such lock: there the scheduler must
-run one invocation at a time (the KubeRay CronJob's ``concurrencyPolicy: Forbid``); with
-``--submit``, the runs themselves are still never submitted twice (stable submission ids).
+(v4 and v3 with lockd). On S3 (``s3://``) the lock is ``reanalyze.lock.json`` itself, written
+only where absent (a conditional write), renewed while held and taken over once stale
+(:mod:`.object_lock`). Other object stores (``gs://``, …) offer no such lock: there the
+scheduler must run one invocation at a time (the KubeRay CronJob's ``concurrencyPolicy:
+Forbid``); with ``--submit``, the runs themselves are still never submitted twice (stable
+submission ids).
 """
 
 from __future__ import annotations
@@ -45,6 +48,14 @@ class StoreBusyError(UserError):
     exit_code = BUSY_EXIT
 
 
+def busy(store: str, holder: str) -> StoreBusyError:
+    """The error of an invocation that found ``store`` held (``holder``: who, in words)."""
+    return StoreBusyError(
+        f"another reanalyze is running on the store {store}{holder}: this one ran nothing "
+        f"(exit status {BUSY_EXIT}); the next one does what that one leaves"
+    )
+
+
 def _holder(store: str) -> str:
     """Who holds the lock, in words, from ``STORE/reanalyze.lock.json`` ("" if unknown)."""
     try:
@@ -58,9 +69,13 @@ def _holder(store: str) -> str:
 @contextlib.contextmanager
 def store_lock(store: str) -> Iterator[None]:
     """Hold ``STORE/reanalyze.lock`` while the block runs; :class:`StoreBusyError` at once if
-    another process holds it. A store on an object store is not locked (see the module)."""
+    another process holds it. On S3, :func:`~.object_lock.object_lock`; a store on another
+    object store is not locked (see the module)."""
     if not is_local(store):
-        yield
+        from .object_lock import object_lock, supported
+
+        with object_lock(store) if supported(store) else contextlib.nullcontext():
+            yield
         return
     from filelock import FileLock, Timeout
 
@@ -70,10 +85,7 @@ def store_lock(store: str) -> Iterator[None]:
     try:
         lock.acquire()
     except Timeout:
-        raise StoreBusyError(
-            f"another reanalyze is running on the store {store}{_holder(path)}: this one ran "
-            f"nothing (exit status {BUSY_EXIT}); the next one does what that one leaves"
-        ) from None
+        raise busy(store, _holder(path)) from None
     try:
         info = {
             "host": socket.gethostname(),

@@ -336,3 +336,73 @@ def test_overwrite_in_a_bucket_keeps_the_users_objects(s3, monkeypatch):
     fs.invalidate_cache()
     assert fs.cat(f"{prefix}/my-notes.txt") == b"mine"
     assert not fs.exists(f"{prefix}/manifest.json")
+
+
+@pytest.mark.slow
+def test_reanalyze_locks_an_s3_store(s3, monkeypatch, capsys):
+    """An S3 store had no lock: two invocations at once wrote one run directory and the
+    index together. Now ``reanalyze.lock.json`` is written only where absent (If-None-Match):
+    a second invocation is refused (exit status 75) with its holder; a stale lock (its
+    holder's pid gone on this host, or not renewed for STALE_S) is taken over; a holder
+    whose lock was taken says so and leaves the new holder's lock in place."""
+    import socket
+
+    from embgeom_ray.runs import object_lock
+    from embgeom_ray.runs.store_lock import HOLDER, StoreBusyError, store_lock
+
+    for key, value in s3.env.items():
+        monkeypatch.setenv(key, value)
+    fs = s3.fs()
+    store, key = f"s3://{BUCKET}/lock-store", f"{BUCKET}/lock-store/{HOLDER}"
+
+    def holder() -> dict:
+        fs.invalidate_cache()
+        return json.loads(fs.cat_file(key)) if fs.exists(key) else {}
+
+    with store_lock(store):
+        assert holder()["pid"] == os.getpid()
+        with pytest.raises(StoreBusyError, match=rf"\(pid {os.getpid()} on ") as busy:
+            with store_lock(store):
+                pass
+        assert busy.value.exit_code == 75
+    assert holder() == {}  # let go
+    fs.pipe_file(key, json.dumps({"host": socket.gethostname(), "pid": 2**22 + 1,
+                                  "started_at": "then"}).encode())  # fmt: skip
+    with store_lock(store):  # its holder is gone: taken over at once
+        assert holder()["pid"] == os.getpid()
+    assert "the stale lock on the store" in capsys.readouterr().err
+    elsewhere = {"host": "another-node", "pid": 1, "started_at": "now"}
+    fs.pipe_file(key, json.dumps(elsewhere).encode())
+    with pytest.raises(StoreBusyError, match=r"\(pid 1 on another-node, since now\)"):
+        with store_lock(store):
+            pass
+    monkeypatch.setattr(object_lock, "STALE_S", -60.0)  # every lock is old
+    monkeypatch.setattr(object_lock, "RENEW_S", 0.05)
+    with store_lock(store):
+        assert holder()["pid"] == os.getpid()
+        fs.pipe_file(key, json.dumps(elsewhere).encode())  # taken over by another
+        time.sleep(0.5)
+    assert "could not be renewed" in capsys.readouterr().err
+    assert holder() == elsewhere  # not removed by the holder whose lock was taken
+
+
+def test_a_store_that_ignores_conditional_writes_gets_no_lock(capsys):
+    """A server that writes over an object despite If-None-Match: said in one line, no lock
+    held, nothing left behind."""
+    from embgeom_ray.runs.object_lock import _acquire
+
+    class Ignoring:
+        def __init__(self) -> None:
+            self.objects: dict[str, bytes] = {}
+
+        def pipe_file(self, path, data, **conditions):
+            self.objects[path] = data
+            return {"ETag": '"e"'}
+
+        def rm_file(self, path):
+            del self.objects[path]
+
+    fs = Ignoring()
+    assert _acquire("s3://b/store", "b/store/reanalyze.lock.json", fs, b"{}") is None
+    assert fs.objects == {}
+    assert "ignores conditional writes" in capsys.readouterr().err

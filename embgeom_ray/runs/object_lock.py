@@ -1,0 +1,186 @@
+"""``reanalyze``'s store lock on S3: ``STORE/reanalyze.lock.json``, written only where absent.
+
+S3 writes an object conditionally (since 2024; MinIO and moto too): a ``PutObject`` with
+``If-None-Match: *`` fails (412 Precondition Failed) where the key exists, atomically, so of
+two invocations that write the lock at once exactly one succeeds (s3fs: ``pipe_file(...,
+mode="create")`` raises :class:`FileExistsError`). The object is the holder file itself (host,
+pid, start time, command line), as ``reanalyze.lock.json`` is beside a local store's flock
+(:mod:`.store_lock`), and a second invocation ends with the same line and exit status 75.
+
+An object does not go away with its process, as a flock does. So the holder renews it every
+:data:`RENEW_S` seconds (written again, on the condition ``If-Match`` its own ETag), and a
+lock is *stale*, to be taken over, where:
+
+* its holder ran on this host and its pid is gone (at once, as a flock would be), or
+* it was last written more than :data:`STALE_S` ago (its ``LastModified``, the store's clock,
+  against this host's: a skew of minutes is within the margin).
+
+A stale lock is taken over on the condition ``If-Match`` its ETag, so of two invocations that
+find it stale only one gets it. A holder lets go by removing the object where it is still its
+own (its ETag). A holder whose renewal finds the lock taken (it stalled for :data:`STALE_S`)
+says so in one line and goes on, as it cannot undo its work.
+
+A store that ignores the condition (an S3-compatible server without conditional writes)
+would let two invocations hold it: the lock writes its object a second time on the same
+condition, and where that succeeds it says in one line that the store gives no lock, and goes
+on as on a store without one (the scheduler must not overlap invocations).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import socket
+import sys
+import threading
+from collections.abc import Iterator
+from datetime import datetime, timezone
+from typing import Any
+from urllib.parse import urlsplit
+
+import fsspec
+
+from .. import progress
+from ..io_utils import join
+from ..run_dir import now
+from ..storage import user_errors
+
+#: seconds between two renewals of a held lock
+RENEW_S = 60.0
+#: seconds after its last renewal from which a lock is stale (15 renewals missed)
+STALE_S = 900.0
+#: the URL schemes whose stores this lock serves (s3fs)
+SCHEMES = ("s3", "s3a")
+
+
+def supported(store: str) -> bool:
+    """Whether ``store`` is on S3 (s3fs), where :func:`object_lock` applies."""
+    return urlsplit(store).scheme in SCHEMES
+
+
+def describe(holder: dict[str, Any]) -> str:
+    """The holder in words, as the local lock's message gives it ("" if unknown)."""
+    try:
+        return f" (pid {holder['pid']} on {holder['host']}, since {holder['started_at']})"
+    except (KeyError, TypeError):
+        return ""
+
+
+def _alive(pid: Any) -> bool:
+    """Whether a process ``pid`` runs on this host (True where that cannot be told)."""
+    if not isinstance(pid, int) or pid <= 0:
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # another user's process
+        return True
+    return True
+
+
+def is_stale(holder: dict[str, Any], last_modified: datetime | None) -> bool:
+    """The stale rule (module docstring): a holder on this host whose pid is gone, or a lock
+    not renewed for :data:`STALE_S` seconds."""
+    if holder.get("host") == socket.gethostname() and not _alive(holder.get("pid")):
+        return True
+    if last_modified is None:
+        return False
+    age = (datetime.now(timezone.utc) - last_modified).total_seconds()
+    return age > STALE_S
+
+
+class _Held:
+    """The lock this process holds: its object, its ETag, and the thread that renews it."""
+
+    def __init__(self, fs: Any, path: str, body: bytes, etag: str) -> None:
+        self.fs, self.path, self.body, self.etag = fs, path, body, etag
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._renew, name="store-lock", daemon=True)
+
+    def _renew(self) -> None:
+        while not self.stop.wait(RENEW_S):
+            try:
+                self.etag = self.fs.pipe_file(self.path, self.body, IfMatch=self.etag)["ETag"]
+            except Exception as exc:  # taken over, or the store unreachable: tell, keep going
+                progress.notice(
+                    f"warning: the lock on the store {self.path} could not be renewed "
+                    f"({type(exc).__name__}: {exc}); another invocation may take it"
+                )
+                return
+
+    def release(self) -> None:
+        """Stop renewing; remove the lock where it is still this process's."""
+        self.stop.set()
+        self.thread.join()
+        with contextlib.suppress(OSError):
+            self.fs.invalidate_cache(self.path)
+            if self.fs.info(self.path).get("ETag") == self.etag:
+                self.fs.rm_file(self.path)
+
+
+def _read(fs: Any, path: str) -> tuple[dict[str, Any], str | None, datetime | None]:
+    """(holder, ETag, LastModified) of the lock object."""
+    fs.invalidate_cache(path)
+    info = fs.info(path)
+    try:
+        holder = json.loads(fs.cat_file(path))
+    except ValueError:
+        holder = {}
+    return (holder if isinstance(holder, dict) else {}), info.get("ETag"), info.get("LastModified")
+
+
+def _acquire(store: str, path: str, fs: Any, body: bytes) -> _Held | None:
+    """Write the lock where absent (or take a stale one over); None where the store ignores
+    the condition. :class:`~.store_lock.StoreBusyError` where another invocation holds it."""
+    from .store_lock import busy
+
+    try:
+        etag = fs.pipe_file(path, body, mode="create")["ETag"]
+    except FileExistsError:
+        holder, stale_etag, modified = _read(fs, path)
+        if not is_stale(holder, modified):
+            raise busy(store, describe(holder)) from None
+        try:  # only one of the invocations that found it stale gets it
+            etag = fs.pipe_file(path, body, IfMatch=stale_etag)["ETag"]
+        except OSError:
+            holder, now_etag, _ = _read(fs, path)
+            if now_etag == stale_etag:
+                raise
+            raise busy(store, describe(holder)) from None
+        progress.notice(f"the stale lock on the store {store}{describe(holder)} was taken over")
+        return _Held(fs, path, body, etag)
+    try:
+        fs.pipe_file(path, body, mode="create")
+    except FileExistsError:
+        return _Held(fs, path, body, etag)
+    progress.notice(
+        f"warning: the store {store} ignores conditional writes (If-None-Match): no lock "
+        "keeps two reanalyze invocations apart there; the scheduler must not overlap them"
+    )
+    with contextlib.suppress(OSError):
+        fs.rm_file(path)
+    return None
+
+
+@contextlib.contextmanager
+def object_lock(store: str) -> Iterator[None]:
+    """Hold ``STORE/reanalyze.lock.json`` on S3 while the block runs (module docstring);
+    :class:`~.store_lock.StoreBusyError` at once where another invocation holds it."""
+    from .store_lock import HOLDER
+
+    info = {"host": socket.gethostname(), "pid": os.getpid(), "started_at": now(),
+            "argv": sys.argv}  # fmt: skip
+    body = json.dumps(info).encode()
+    with user_errors(store, "store"):
+        fs, path = fsspec.core.url_to_fs(join(store, HOLDER))
+        held = _acquire(store, path, fs, body)
+    if held is None:
+        yield
+        return
+    held.thread.start()
+    try:
+        yield
+    finally:
+        held.release()
