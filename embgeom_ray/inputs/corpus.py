@@ -643,13 +643,16 @@ def _extension(name: str) -> str:
 def _identity(fs: fsspec.AbstractFileSystem, info: dict[str, Any]) -> str:
     keys = ("mtime",) if isinstance(fs, LocalFileSystem) else _IDENTITY_KEYS
     for key in keys:
-        value = info.get(key)
-        if value is None:
-            continue
-        if isinstance(value, datetime):
-            value = value.timestamp()
-        return f"{key}={value!r}"
+        if info.get(key) is not None:
+            return _identity_as(key, info[key])
     return ""
+
+
+def _identity_as(key: str, value: Any) -> str:
+    """``key=value``, as the fingerprint holds an identity (a time as its timestamp)."""
+    if isinstance(value, datetime):
+        value = value.timestamp()
+    return f"{key}={value!r}"
 
 
 def _display_path(fs: fsspec.AbstractFileSystem, path: str) -> str:
@@ -1123,9 +1126,12 @@ def check_unchanged(shard: Shard) -> None:
         return
     fs, path = fsspec.core.url_to_fs(shard.path)
     fs.invalidate_cache(path)
+    key = shard.identity.partition("=")[0]
     try:
         info = fs.info(path)
-        now = _identity(fs, info)
+        if info.get(key) is None:
+            return  # this file system's info lacks what its listing gave: nothing to compare
+        now = _identity_as(key, info[key])
         if now == shard.identity:
             return
         size = int(info.get("size") or 0)
@@ -1138,7 +1144,7 @@ def check_unchanged(shard: Shard) -> None:
         raise _open_error(shard.path, e) from e
     raise CorpusError(
         f"corpus file {shard.path} changed during the run: it was written after the run was "
-        f"planned ({shard.identity}, {shard.file_size:,} bytes; now {now or 'none'}, "
+        f"planned ({shard.identity}, {shard.file_size:,} bytes; now {now}, "
         f"{size:,} bytes); rerun with --overwrite once it no longer changes"
     )
 
