@@ -32,10 +32,14 @@ content keys (which occurrences are the same point)
     (equal keys: bit-identical vectors), the behaviour of those versions.
 
 Both are *exactly* mergeable: ties are broken lexicographically on (key, doc_id, window,
-position) (and (type key, token_id)), a repeated occurrence is kept once, and the selected set
-depends only on the set of occurrences seen — never on batching, sharding, worker count or
-merge order. Stored arrays are written in a canonical order, so two samples of the same
-occurrences serialize to the same bytes.
+position, content key) (and (type key, token_id)), a repeated occurrence (equal in all five) is
+kept once, and the selected set depends only on the set of occurrences seen — never on
+batching, sharding, worker count or merge order. Runs over different corpora can give two
+documents the same doc_id (ids hash the file's path relative to its corpus root: ``part.jsonl``
+in two directories); their occurrences differ in content key and are both kept, so a merge of
+such runs is still a uniform sample of the union (the two share their key h(o): each is as
+likely to enter as any other occurrence). Stored arrays are written in a canonical order, so
+two samples of the same occurrences serialize to the same bytes.
 
 Occurrences whose vector is not finite (NaN/inf) in any selected layer are skipped entirely (a
 sampled occurrence must have a vector in every layer). Vectors are stored as float32: exact for
@@ -242,6 +246,12 @@ class SamplePoints(NamedTuple):
 
 # column names of the two tables, and the lexicographic order that defines "smallest"
 _OCC = ("key", "doc", "window", "position")
+#: what makes two entries the same occurrence when samples merge: its place and its content key.
+#: Within one corpus (doc, window, position) is unique; runs over other corpora can repeat a
+#: doc id (a file of the same name relative to its corpus root, a row of a dataset), and their
+#: occurrences there are other inputs, with other content keys: both are kept, so the merge
+#: is the sample of the union of the runs' occurrences (``jobs.merge``).
+_IDENTITY = (*_OCC, "content")
 _U_COLS = (*_OCC, "token", "content")
 _T_COLS = ("token", "type_key", *_OCC, "content")
 _ARRAY_NAMES = {
@@ -402,12 +412,13 @@ class ActivationSample(Sketch):
 
     # ---------------------------------------------------------- folding
     def _fold_uniform(self, cols: Mapping[str, torch.Tensor], take: _Take) -> None:
-        """Bottom-``size`` of (current ∪ new) by (key, doc, window, position), duplicates once.
+        """Bottom-``size`` of (current ∪ new) by (key, doc, window, position, content key),
+        duplicates (equal in all five: :data:`_IDENTITY`) once.
 
         ``take(sel)`` gives the (L, len(sel), d) vectors of the new entries ``sel``: only the
         entries that enter are gathered."""
         u, n = self._u, self._u.n
-        allc = [torch.cat([u.used(k), cols[k].to(self.device)]) for k in _OCC]
+        allc = [torch.cat([u.used(k), cols[k].to(self.device)]) for k in _IDENTITY]
         perm = _lexsort(allc)
         perm = perm[_first_of_runs(allc, perm)][: self.size]
         old = perm[perm < n]
@@ -424,7 +435,7 @@ class ActivationSample(Sketch):
         (``take`` as in :meth:`_fold_uniform`)."""
         t, m = self._t, self._t.n
         allc = {k: torch.cat([t.used(k), cols[k].to(self.device)]) for k in _T_COLS}
-        order = ("token", *_OCC)
+        order = ("token", *_IDENTITY)
         perm = _lexsort([allc[k] for k in order])
         perm = perm[_first_of_runs([allc["token"]], perm)]  # one (the smallest) per type
         sel = _lexsort([allc["type_key"][perm], allc["token"][perm]])[: self.type_size]
@@ -540,7 +551,9 @@ class ActivationSample(Sketch):
         """Merge ``other`` into ``self`` (in place; returns ``self``).
 
         The result is the sample of the union of both occurrence sets: associative,
-        commutative and idempotent (an occurrence seen by both is kept once).
+        commutative and idempotent (an occurrence seen by both, the same place with the same
+        content key, is kept once; the same doc id, window and position with another content
+        key is another document's occurrence, and is kept too).
         """
         self.check_compatible(other)
         self._adopt_metadata(other)
@@ -593,7 +606,7 @@ class ActivationSample(Sketch):
         )  # fmt: skip
 
     def _uniform_order(self) -> torch.Tensor:
-        return self._u.canonical(_OCC)
+        return self._u.canonical(_IDENTITY)
 
     def _type_order(self) -> torch.Tensor:
         return self._t.canonical(("token",))

@@ -430,3 +430,36 @@ def test_a_table_whose_layers_disagree_is_refused():
         ActivationSample.from_table(table, sample.header())
     with pytest.raises(StatisticsMismatchError, match="not an embgeom_ray samples"):
         ActivationSample.from_table(sample.to_table(), {"format": "something else"})
+
+
+def test_runs_whose_documents_share_ids_merge_into_the_sample_of_their_union():
+    """Two runs over other corpora whose files have the same name relative to their roots
+    (``day1/part.jsonl``, ``day2/part.jsonl``) give their documents the same ids: the same
+    (doc, window, position) is another input in each, with another content key. The merge
+    keeps both (it dropped one of each such pair), as the brute-force sample of the union of
+    the two occurrence sets does; a sample merged with itself still keeps each once."""
+    rng = np.random.default_rng(11)
+    day1 = make_windows(rng, 6, vocab=20)
+    # the same doc ids, windows and lengths, other token ids: another corpus, same file names
+    day2 = [(doc, k, (ids + 1) % 20, keep, -vec) for doc, k, ids, keep, vec in day1]
+    size, type_size, seed = 64, 3, 5  # room for every kept occurrence of both
+    a = fold(new_sample(size, type_size, seed), day1)
+    b = fold(new_sample(size, type_size, seed), day2)
+    kept = sum(int(keep.sum()) for _, _, _, keep, _ in day1)
+    assert a.num_uniform == b.num_uniform == kept
+    merged = ActivationSample.from_bytes(a.to_bytes()).merge(b)
+    assert merged.num_uniform == 2 * kept
+    occ = []
+    for wins in (day1, day2):
+        for doc, k, ids, keep, _ in wins:
+            for p in np.flatnonzero(keep):
+                key = ref_occurrence_key(seed, doc, k, int(p))
+                occ.append((key, doc, k, int(p), int(ids[p]), ref_content_key(ids, int(p))))
+    assert as_tuples(merged.points(LAYERS[0])) == sorted(occ)
+    # the day-2 vectors are there too (the negated ones), not only day 1's at the shared ids
+    got = merged.points(LAYERS[1]).vectors
+    want = [w[4][1, p] for w in (*day1, *day2) for p in range(len(w[2])) if w[3][p]]
+    np.testing.assert_array_equal(np.sort(got, axis=0), np.sort(np.array(want, np.float32), axis=0))
+    # order-free and idempotent still
+    assert ActivationSample.from_bytes(b.to_bytes()).merge(a).to_bytes() == merged.to_bytes()
+    assert ActivationSample.from_bytes(merged.to_bytes()).merge(b).to_bytes() == merged.to_bytes()
