@@ -81,10 +81,51 @@ def load_manifest(run: str) -> Manifest:
     return RunDir(run).complete_manifest("merging")
 
 
+def _model_label(manifest: Manifest) -> str:
+    """``ID (FINGERPRINT…)``: the model a run measured, as its manifest names it."""
+    model = manifest.model
+    if model is None:
+        return "no model named"
+    fp = model.model_fingerprint or model.revision
+    return f"{model.id} ({fp[:19]}…)" if fp else model.id
+
+
+def model_mismatch(run: str, manifest: Manifest, first: str, first_manifest: Manifest) -> str | None:
+    """Why ``run`` cannot merge into ``first`` by what their manifests say they measured: other
+    model weights (the content fingerprint: a hub commit or a directory's hash, whatever its
+    path) or another tokenizer (its fingerprint); None when both agree or one does not say.
+    Checked before the options and layers, which a different model also changes."""
+    a, b = first_manifest.model, manifest.model
+    fa, fb = (a.model_fingerprint if a else None), (b.model_fingerprint if b else None)
+    ta = first_manifest.tokenizer.fingerprint if first_manifest.tokenizer else None
+    tb = manifest.tokenizer.fingerprint if manifest.tokenizer else None
+    other_tokenizer = bool(ta and tb and ta != tb)
+    if fa and fb and fa != fb:
+        return (
+            f"runs of different models: {run} measured {_model_label(manifest)}, {first} "
+            f"measured {_model_label(first_manifest)}"
+            + (" (their tokenizers differ too)" if other_tokenizer else "")
+        )
+    if other_tokenizer:
+        why = (
+            f"runs with different tokenizers of the same model: {run}'s is {tb[:19]}…, "
+            f"{first}'s {ta[:19]}… (a token id would name other tokens)"
+        )
+        va, vb = (m.versions.get("transformers") for m in (first_manifest, manifest))
+        if va and vb and va != vb:
+            why += f"; they ran transformers {vb} and {va}"
+        return why
+    return None
+
+
 def check_mergeable(runs: list[str], manifests: list[Manifest]) -> None:
-    """Refuse runs whose options differ or whose corpora repeat, naming the runs."""
+    """Refuse runs of other models or tokenizers, whose options differ or whose corpora
+    repeat, naming the runs and what differs."""
     first, first_cfg = runs[0], manifests[0].config
     for run, manifest in zip(runs[1:], manifests[1:], strict=True):
+        why = model_mismatch(run, manifest, first, manifests[0])
+        if why:
+            raise StatisticsMismatchError(f"cannot merge {run} into {first}: {why}")
         cfg = manifest.config
         diffs = [
             f"{key} {cfg.get(key)!r} != {first_cfg.get(key)!r}"

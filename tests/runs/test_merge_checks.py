@@ -1,0 +1,62 @@
+"""What ``jobs.merge`` refuses from the runs' manifests alone, before it reads any statistics
+(no Ray, no model: the whole merges are tests/runs/test_merge_runs.py)."""
+
+from __future__ import annotations
+
+import pytest
+
+from embgeom_ray.errors import StatisticsMismatchError
+from embgeom_ray.run_dir import CorpusInfo, Manifest, ModelInfo, TokenizerInfo
+from embgeom_ray.runs.merge import check_mergeable
+
+MINILM = "sha256:aef05c737ff768b8b807069b0161153f145a0ef23a0d974587a47062b3d295f3"
+TINY = "sha256:8945eb753ad374440d251ad819470aac634f982c5bdaae68e7f121ae8ffb90c9"
+TOK = "sha256:1fed7034e54ab0218c95d3c04f226d8afc8c46a5256f287832d49e6af1cdc661"
+TOK2 = "sha256:b63dc8a8a770b7a291f283b79d613145ce45403c41c39352a2e17cf04c8cea1d"
+
+
+def _manifest(
+    model: str, fingerprint: str, layers: list[int], tokenizer: str = TOK, corpus: str = "c1",
+    transformers: str = "5.24.0",
+) -> Manifest:  # fmt: skip
+    return Manifest(
+        status="complete",
+        config={"max_length": 64, "sample_size": 256},
+        model=ModelInfo(id=model, revision=fingerprint, model_fingerprint=fingerprint),
+        tokenizer=TokenizerInfo(fingerprint=tokenizer),
+        corpus=CorpusInfo(source=f"{corpus}.jsonl", fingerprint=corpus),
+        layers=layers,
+        versions={"transformers": transformers},
+    )
+
+
+def test_runs_of_other_models_are_refused_as_such_before_their_layers() -> None:
+    """A 2-block model beside a 6-block one: named as another model (the runs' ids and
+    fingerprints), not as runs of different layers, which only follows from it."""
+    a = _manifest("models/minilm", MINILM, list(range(7)))
+    b = _manifest("models/tiny", TINY, [0, 1, 2], tokenizer=TOK2, corpus="c2")
+    with pytest.raises(StatisticsMismatchError) as err:
+        check_mergeable(["runs/a", "runs/b"], [a, b])
+    assert str(err.value) == (
+        "cannot merge runs/b into runs/a: runs of different models: runs/b measured "
+        "models/tiny (sha256:8945eb753ad3…), runs/a measured models/minilm "
+        "(sha256:aef05c737ff7…) (their tokenizers differ too)"
+    )
+
+
+def test_the_same_model_with_another_tokenizer_is_refused_as_such() -> None:
+    """The same weights, another tokenizer (another transformers on another cluster): named
+    as the tokenizer, with the transformers versions that differ; the same model under another
+    path merges."""
+    a = _manifest("/cluster1/minilm", MINILM, list(range(7)))
+    b = _manifest("/cluster2/minilm", MINILM, list(range(7)), tokenizer=TOK2, corpus="c2",
+                  transformers="4.57.1")  # fmt: skip
+    with pytest.raises(StatisticsMismatchError) as err:
+        check_mergeable(["runs/a", "runs/b"], [a, b])
+    assert str(err.value) == (
+        "cannot merge runs/b into runs/a: runs with different tokenizers of the same model: "
+        "runs/b's is sha256:b63dc8a8a770…, runs/a's sha256:1fed7034e54a… (a token id would "
+        "name other tokens); they ran transformers 4.57.1 and 5.24.0"
+    )
+    same = _manifest("/cluster2/minilm", MINILM, list(range(7)), corpus="c2")
+    check_mergeable(["runs/a", "runs/b"], [a, same])
