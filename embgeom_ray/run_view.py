@@ -27,6 +27,11 @@ from .run_dir import Manifest, RunDir, RunDirError
 CORPORA_JOIN = " + "
 
 
+def corpus_label(source: Any) -> str:
+    """A corpus source for people: a merged run's corpora joined by :data:`CORPORA_JOIN`."""
+    return CORPORA_JOIN.join(_flat(source))
+
+
 def _flat(source: Any) -> list[str]:
     """A corpus source as a list of sources: a merged run's (a list, of merged runs' lists
     too) flattened."""
@@ -150,7 +155,7 @@ class RunView:
     def corpus(self) -> str:
         """The corpus as given; a merged run's corpora joined by :data:`CORPORA_JOIN`."""
         source = self.manifest.corpus.source or self.config.get("corpus")
-        return CORPORA_JOIN.join(_flat(source)) if source else "?"
+        return corpus_label(source) if source else "?"
 
     @property
     def config(self) -> dict[str, Any]:

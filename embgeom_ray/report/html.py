@@ -27,7 +27,7 @@ import pandas as pd
 from ..core import metric_registry as registry
 from ..io_utils import atomic_write_bytes, exists, is_local, join, local_path, read_bytes
 from ..run_dir import Manifest, ModelInfo, RunDir, TokenizerInfo, now
-from ..run_view import RunView, model_name, short_name
+from ..run_view import RunView, corpus_label, model_name, short_name
 from ..sizing.peaks import describe_peaks
 from ..storage import check_input
 from ..version import __version__
@@ -567,7 +567,7 @@ def _metadata_html(run: RunView) -> str:
         ("layers", _e(", ".join(map(str, m.layers)))),
     ]
     corpus_items = [
-        ("source", f'<span class="mono">{_e(corpus.source)}</span>'),
+        ("source", f'<span class="mono">{_e(run.corpus)}</span>'),
         ("fingerprint", f'<span class="mono">{_e(str(corpus.fingerprint or "")[:16])}</span>'),
         ("files / shards", _e(f"{corpus.files} / {corpus.shards}")),
         ("size", _bytes(corpus.bytes) if corpus.bytes else None),
@@ -591,22 +591,26 @@ def _metadata_html(run: RunView) -> str:
             ("non-finite vectors", _e(", ".join(f"layer {k}: {v}" for k, v in bad.items())))
         )
     thr = m.throughput.get("tokens_per_s_extract_wall")
+    merged = m.kind == "merge"
+    stages = ("load", "merge", "write") if merged else ("plan", "reduce", "write")
     run_items = [
         ("status", _status_badge(run.status)),
+        ("kind", f"merge of {len(m.merged_runs or [])} runs (below)" if merged else None),
         ("started", _e(_when(m.started_at))),
         ("finished", _e(_when(m.finished_at))),
         ("total time", _seconds(timings.get("total"))),
         ("Ray start", _seconds(timings.get("ray_start")) if "ray_start" in timings else None),
-        ("extract (wall)", _seconds(timings.get("extract_wall"))),
+        ("extract (wall)", None if merged else _seconds(timings.get("extract_wall"))),
         (
             "forward / fold (sum)",
-            f"{_seconds(timings.get('extract_forward_sum'))} / "
+            None
+            if merged
+            else f"{_seconds(timings.get('extract_forward_sum'))} / "
             f"{_seconds(timings.get('extract_fold_sum'))}",
         ),
         (
-            "plan / reduce / write",
-            f"{_seconds(timings.get('plan'))} / {_seconds(timings.get('reduce'))}"
-            f" / {_seconds(timings.get('write'))}",
+            " / ".join(stages),
+            " / ".join(_seconds(timings.get(stage)) for stage in stages),
         ),
         ("throughput", f"{fmt_value(thr, 'int')} tokens/s" if _finite(thr) else None),
         ("workers", _e(_workers(m.workers))),
@@ -619,6 +623,7 @@ def _metadata_html(run: RunView) -> str:
         f'<div class="card"><h3>Corpus</h3>{_kv(corpus_items)}</div>'
         f'<div class="card"><h3>Run</h3>{_kv(run_items)}</div>'
     )
+    cards += merged_runs_html(m.merged_runs)
     ver = ", ".join(f"{k} {v}" for k, v in m.versions.items())
     details = (
         f"<details><summary>Configuration and versions</summary>"
@@ -626,6 +631,27 @@ def _metadata_html(run: RunView) -> str:
         f"<pre>{_e(json.dumps(cfg, indent=2, default=str))}</pre></details>"
     )
     return f'<div class="meta">{cards}</div>{details}'
+
+
+def merged_runs_html(merged_runs: list[dict[str, Any]] | None) -> str:
+    """A merge's input runs (the manifest's ``merged_runs``): each run's directory, corpus
+    (a merged run's corpora joined), tokens counted and when it finished; empty for an
+    analysis."""
+    if not merged_runs:
+        return ""
+    rows = "".join(
+        f'<tr><td class="txt mono">{_e(r.get("path"))}</td>'
+        f'<td class="txt mono">{_e(corpus_label(r.get("corpus")))}</td>'
+        f"<td>{fmt_value(r.get('tokens'), 'int')}</td>"
+        f'<td class="txt">{_e(_when(r.get("finished_at")))}</td></tr>'
+        for r in merged_runs
+    )
+    return (
+        '<div class="card" style="grid-column: 1 / -1"><h3>Merged runs</h3>'
+        '<div class="scroll"><table class="data"><thead><tr><th class="txt">run</th>'
+        '<th class="txt">corpus</th><th>tokens counted</th><th class="txt">finished</th>'
+        f"</tr></thead><tbody>{rows}</tbody></table></div></div>"
+    )
 
 
 def _when(iso: Any) -> str:

@@ -253,6 +253,46 @@ def test_a_merged_runs_corpora_are_named_each_by_its_short_name(tmp_path):
     assert view.tag.endswith("· news.jsonl + web.parquet + hf:imdb")
 
 
+def test_a_merged_runs_report_says_what_it_merged(tmp_path):
+    """A merge's report (a merge of a merge and a run) names it a merge of its runs, lists each
+    with its corpora, tokens and end, and gives its corpus and stages as a merge's: the
+    corpora joined (not the list's text), load / merge / write (it runs no extraction)."""
+    from embgeom_ray.report.html import render_report
+
+    run = _craft(tmp_path / "run")
+    manifest = json.loads((run / "manifest.json").read_text())
+    manifest |= {
+        "kind": "merge",
+        "merged_runs": [
+            {
+                "path": "runs/ab",
+                "corpus": ["corpus/a.jsonl", "corpus/b.jsonl"],
+                "tokens": 1432,
+                "finished_at": "2026-11-30T19:16:11+00:00",
+            },
+            {
+                "path": "runs/c",
+                "corpus": "corpus/c.jsonl",
+                "tokens": 549,
+                "finished_at": "2026-11-30T19:15:16+00:00",
+            },
+        ],
+        "timings_s": {"load": 1.42, "merge": 0.44, "write": 0.86, "total": 15.1},
+    }
+    manifest["corpus"]["source"] = [["corpus/a.jsonl", "corpus/b.jsonl"], "corpus/c.jsonl"]
+    (run / "manifest.json").write_text(json.dumps(manifest))
+    page = render_report(RunView(str(run)), [])
+    text = re.sub(r"\s+", " ", re.sub(r"<[^>]+>", " ", page))
+    assert "kind merge of 2 runs (below)" in text
+    assert "source corpus/a.jsonl + corpus/b.jsonl + corpus/c.jsonl" in text
+    assert "load / merge / write 1.4 s / 0.4 s / 0.9 s" in text
+    assert "extract (wall)" not in text and "forward / fold" not in text
+    assert _rows(_table_after(page, "Merged runs")) == [
+        ["runs/ab", "corpus/a.jsonl + corpus/b.jsonl", "1,432", "2026-11-30 19:16:11 UTC"],
+        ["runs/c", "corpus/c.jsonl", "549", "2026-11-30 19:15:16 UTC"],
+    ]
+
+
 def test_report_names_the_model_by_its_short_name(crafted_html):
     title = re.search(r"<title>(.*?)</title>", crafted_html).group(1)
     assert title.startswith("Embedding geometry: my-minilm-l6 · ")
