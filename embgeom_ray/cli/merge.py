@@ -9,10 +9,11 @@ corpora would have written (see :mod:`embgeom_ray.runs.merge`).
 The runs must be complete and measure the same thing: same model and tokenizer (content
 fingerprints), same layers, max_length, dtype, special-token option and clip dims. Two runs
 over the same corpus are refused, since every token would be counted twice; corpora that
-merely overlap cannot be detected and are the caller's responsibility (except between
-``--dedup`` runs: runs that share a document, by the keys in their ``doc_hashes.npy``, are
-refused with the number shared, and a ``--dedup`` run does not merge with a run without it). A
-merged run can itself be merged. The merge sizes itself from the types the runs hold and the
+merely overlap cannot be detected and are the caller's responsibility (copies of the same
+files under the same names are warned of, from the runs' samples; ``--dedup`` runs that
+share a document, by the keys in their ``doc_hashes.npy``, are refused with the number
+shared, and a ``--dedup`` run does not merge with a run without it). A merged run can itself
+be merged. The merge sizes itself from the types the runs hold and the
 cluster (in this process while that is small, else on reducer actors); --plan says how.
 Exit status: 0 done, 2 a problem with the input (one-line message), 130 or 143 interrupted
 (Ctrl-C, SIGTERM), 1 an internal error.

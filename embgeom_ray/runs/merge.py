@@ -9,8 +9,9 @@ written (counts equal, floats equal up to float64 rounding; the sample is the sa
 The runs must be complete and measure the same thing: same model and tokenizer (content
 fingerprints), same layers, max_length, dtype, special-token option, clip dims and sample
 options. Two runs over the same corpus are refused, since every token would be counted twice;
-corpora that merely overlap cannot be detected and are the caller's responsibility. A merged
-run can itself be merged. ``python -m jobs.merge`` is the command-line entry point.
+corpora that merely overlap cannot be detected and are the caller's responsibility, but copies
+of the same files under the same names are warned of (:func:`overlap_warnings`). A merged run
+can itself be merged. ``python -m jobs.merge`` is the command-line entry point.
 
 Runs made with ``--dedup`` merge exactly too, as long as no document is in two of them: each
 run keeps the keys of its distinct documents (``doc_hashes.npy``), and runs that share a key
@@ -370,6 +371,43 @@ def merge_samples(runs: list[str]) -> SampleLayers | None:
     return merged_layers([run_samples(rd) for rd in dirs], runs)
 
 
+def sampled_occurrences(run: str) -> set[tuple[int, ...]]:
+    """The occurrences of ``run``'s uniform sample, each as (key, doc id, window, position,
+    content key): where it was and what the model saw there (one layer's rows: every layer
+    holds the same occurrences); empty for a run without a sample."""
+    parts = run_samples(RunDir(run))
+    if parts is None or not parts.layers:
+        return set()
+    layer = parts.layers[0]
+    p = parts.layer(layer).points(layer)
+    columns = (p.keys, p.doc_ids, p.window_index, p.positions, p.content_keys)
+    return set(zip(*(c.tolist() for c in columns), strict=True))
+
+
+def overlap_warnings(runs: list[str]) -> list[str]:
+    """A warning for each pair of runs whose uniform samples share occurrences: the same tokens
+    at the same place (document id, window, position) of a file of the same name relative to
+    its corpus root, i.e. the same documents in both corpora (a copy of the same files, whose
+    other modification times kept the corpus fingerprints apart). The merge counts them twice,
+    as one run over both copies would; runs over disjoint corpora share none. Bottom-k samples
+    of the same key function: an occurrence of both corpora that is in the merged sample is in
+    both runs' samples, so a copy large enough to matter to the sample is seen."""
+    seen = [sampled_occurrences(run) for run in runs]
+    warnings = []
+    for j in range(1, len(runs)):
+        for i in range(j):
+            shared = len(seen[i] & seen[j])
+            if shared:
+                warnings.append(
+                    f"{runs[j]} and {runs[i]} share {shared:,} of their sampled occurrences (the "
+                    "same tokens at the same place of files of the same name): their corpora "
+                    "hold the same documents (copies of the same files, with other modification "
+                    "times?), which the merge counts twice; merge runs over disjoint corpora, or "
+                    "run --dedup over the union"
+                )
+    return warnings
+
+
 def load_run_tokenizer(manifest: Manifest, tokenizer: str | None) -> Any:
     """The tokenizer that names the token ids: the first run's model (or ``tokenizer``).
 
@@ -533,6 +571,9 @@ def _merge_runs(
     tok = load_run_tokenizer(manifests[0], tokenizer)
     layers = manifests[0].layers or []
     urls, probe = check_statistics(runs, layers)
+    if dedup is None:  # --dedup runs sharing a document are refused above, by its text's key
+        for warning in overlap_warnings(runs):
+            echo(f"warning: {warning}")
     shape = merge_shape(probe, layers, config, len(tok))
     reduce, seen = size_merge(urls, shape, config, echo)
     if config.plan:

@@ -60,3 +60,32 @@ def test_the_same_model_with_another_tokenizer_is_refused_as_such() -> None:
     )
     same = _manifest("/cluster2/minilm", MINILM, list(range(7)), corpus="c2")
     check_mergeable(["runs/a", "runs/b"], [a, same])
+
+
+def test_runs_over_copies_of_the_same_files_are_warned_of(tmp_path) -> None:
+    """A run over a copy of run a's file (same name, new modification time: another corpus
+    fingerprint) shares run a's sampled occurrences, to the key and content key: warned of
+    with how many; a run over other text under the same file name (the same document ids,
+    other tokens) shares none."""
+    import numpy as np
+
+    from embgeom_ray.core.sample_layers import InMemorySample
+    from embgeom_ray.run_dir import RunDir
+    from embgeom_ray.runs.merge import overlap_warnings
+    from tests.core.test_samples import fold, make_windows, new_sample
+
+    wins = make_windows(np.random.default_rng(3), 8, vocab=20)
+    other = [(doc, k, (ids + 1) % 20, keep, -vec) for doc, k, ids, keep, vec in wins]
+    kept = sum(int(keep.sum()) for _, _, _, keep, _ in wins)
+    runs = {}
+    for name, windows in (("a", wins), ("other", other), ("copy", wins)):
+        runs[name] = str(tmp_path / name)
+        sample = fold(new_sample(size=64, type_size=3, seed=5), windows)
+        RunDir(runs[name]).write_samples(InMemorySample(sample), None, {})
+    assert overlap_warnings([runs["a"], runs["other"]]) == []
+    assert overlap_warnings([runs["a"], runs["other"], runs["copy"]]) == [
+        f"{runs['copy']} and {runs['a']} share {kept} of their sampled occurrences (the same "
+        "tokens at the same place of files of the same name): their corpora hold the same "
+        "documents (copies of the same files, with other modification times?), which the merge "
+        "counts twice; merge runs over disjoint corpora, or run --dedup over the union"
+    ]
