@@ -50,7 +50,7 @@ from ..errors import ConfigError, ModelError, OutputError, StatisticsMismatchErr
 from ..inputs.dedup import shared_documents
 from ..inputs.model_loading import load_tokenizer, tokenizer_fingerprint
 from ..integrity import FileRef, integrity_error
-from ..io_utils import is_local, local_path, location
+from ..io_utils import is_local, local_path, location, path_key
 from ..run_dir import (
     STATISTICS,
     CorpusInfo,
@@ -495,7 +495,7 @@ def merged_manifest(
         versions=versions(),
         merged_runs=[
             {
-                "path": run,
+                "path": path_key(run),  # absolute: the merge may be read from elsewhere
                 "fingerprint": m.fingerprint,
                 "corpus": m.corpus.source,
                 "corpus_fingerprint": m.corpus.fingerprint,

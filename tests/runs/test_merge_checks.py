@@ -89,3 +89,20 @@ def test_runs_over_copies_of_the_same_files_are_warned_of(tmp_path) -> None:
         "documents (copies of the same files, with other modification times?), which the merge "
         "counts twice; merge runs over disjoint corpora, or run --dedup over the union"
     ]
+
+
+def test_the_merged_runs_are_recorded_where_they_are(tmp_path, monkeypatch) -> None:
+    """``merged_runs[].path``: a local run given relative to the working directory is
+    recorded absolute (a merge written to a bucket is read from anywhere); a URL as given."""
+    from embgeom_ray.config import JobConfig
+    from embgeom_ray.runs.merge import merged_manifest
+
+    monkeypatch.chdir(tmp_path)
+    a = _manifest("models/minilm", MINILM, list(range(7)))
+    b = _manifest("models/minilm", MINILM, list(range(7)), corpus="c2")
+    config = JobConfig(model="models/minilm", corpus="c1.jsonl", out="s3://bucket/merged")
+    manifest = merged_manifest(["runs/a", "s3://bucket/runs/b"], [a, b], config, "now")
+    assert [r["path"] for r in manifest.merged_runs] == [
+        str(tmp_path / "runs" / "a"),
+        "s3://bucket/runs/b",
+    ]
