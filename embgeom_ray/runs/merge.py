@@ -73,6 +73,10 @@ if TYPE_CHECKING:
 #: manifest keys that describe what the merged runs share (taken from the first run)
 SHARED_KEYS = ("model", "tokenizer", "clip_dims", "outlier_rules")
 
+#: how a run's manifest marks a local model directory's revision (its content hash; a hub
+#: model's is a commit)
+LOCAL_REVISION = "sha256:"
+
 #: a run that cannot be merged (missing, incomplete, unreadable)
 RunError = RunDirError
 
@@ -420,6 +424,13 @@ def load_run_tokenizer(manifest: Manifest, tokenizer: str | None) -> Any:
     revision = None
     if tokenizer is None and not os.path.isdir(source):
         revision = manifest.model.revision or manifest.config.get("revision")
+        if str(revision or "").startswith(LOCAL_REVISION):  # a directory's hash, not a commit
+            where = "" if os.path.isabs(source) else ", relative to where that run started"
+            raise ModelError(
+                f"the runs' model is the local directory {source!r}{where}, not found here "
+                "(the merge needs its tokenizer to name the token ids); give the tokenizer's "
+                "directory with --tokenizer (its fingerprint is checked against the runs')"
+            )
     trust = bool(manifest.config.get("trust_remote_code", False))
     tok = load_tokenizer(source, revision, trust)
     expected = manifest.tokenizer.fingerprint if manifest.tokenizer else None

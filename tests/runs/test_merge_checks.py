@@ -106,3 +106,21 @@ def test_the_merged_runs_are_recorded_where_they_are(tmp_path, monkeypatch) -> N
         str(tmp_path / "runs" / "a"),
         "s3://bucket/runs/b",
     ]
+
+
+def test_a_model_directory_not_found_here_asks_for_the_tokenizer(tmp_path, monkeypatch) -> None:
+    """The runs' model was a local directory given relative to where they ran (``--model
+    model_tok``): merged from elsewhere, the merge says so and asks for ``--tokenizer``; it
+    tried the hub for an id 'model_tok' at the directory's content hash."""
+    from embgeom_ray.errors import ModelError
+    from embgeom_ray.runs.merge import load_run_tokenizer
+
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ModelError) as err:
+        load_run_tokenizer(_manifest("model_tok", TINY, [0, 1, 2]), None)
+    assert str(err.value) == (
+        "the runs' model is the local directory 'model_tok', relative to where that run "
+        "started, not found here (the merge needs its tokenizer to name the token ids); give "
+        "the tokenizer's directory with --tokenizer (its fingerprint is checked against the "
+        "runs')"
+    )
