@@ -375,17 +375,22 @@ def merge_samples(runs: list[str]) -> SampleLayers | None:
     return merged_layers([run_samples(rd) for rd in dirs], runs)
 
 
+#: the columns of ``samples.parquet`` that say where an occurrence was and what the model saw
+OCCURRENCE_COLUMNS = ("key", "doc_id", "window", "position", "content_key")
+
+
 def sampled_occurrences(run: str) -> set[tuple[int, ...]]:
-    """The occurrences of ``run``'s uniform sample, each as (key, doc id, window, position,
-    content key): where it was and what the model saw there (one layer's rows: every layer
-    holds the same occurrences); empty for a run without a sample."""
-    parts = run_samples(RunDir(run))
-    if parts is None or not parts.layers:
+    """The occurrences of ``run``'s uniform sample, each as :data:`OCCURRENCE_COLUMNS`: its
+    first layer's rows of ``samples.parquet`` (every layer holds the same occurrences), those
+    columns alone, not the vectors. Empty for a run without one (or of an earlier version,
+    whose sample is ``sample.safetensors``, and whose content keys hash the vectors)."""
+    rd = RunDir(run)
+    header = rd.table_header("samples")
+    if header is None or not header.get("layers"):
         return set()
-    layer = parts.layers[0]
-    p = parts.layer(layer).points(layer)
-    columns = (p.keys, p.doc_ids, p.window_index, p.positions, p.content_keys)
-    return set(zip(*(c.tolist() for c in columns), strict=True))
+    filters = [("layer", "=", int(header["layers"][0])), ("sample", "=", "uniform")]
+    rows = rd.read_arrow("samples", OCCURRENCE_COLUMNS, filters)
+    return set(zip(*(rows[c].to_pylist() for c in OCCURRENCE_COLUMNS), strict=True))
 
 
 def overlap_warnings(runs: list[str]) -> list[str]:
