@@ -123,20 +123,35 @@ def model_mismatch(run: str, manifest: Manifest, first: str, first_manifest: Man
     return None
 
 
+def agreed_value(manifest: Manifest, key: str) -> Any:
+    """What the option ``key`` (one of :data:`~embgeom_ray.config.AGREE_OPTIONS`) measured in
+    the run of ``manifest``: its config value, but ``clip_dims`` as resolved (the manifest's
+    sorted ``clip_dims``, whether given by ``--clip-dims`` in any order or by
+    ``--clip-dims-from``) and ``sample_type_size`` as the sample keeps it (None: the
+    ``--sample-size``; none without a sample), so that a default and the same value given
+    agree."""
+    cfg = manifest.config
+    if key == "clip_dims":
+        dims = manifest.clip_dims if manifest.clip_dims is not None else cfg.get("clip_dims")
+        return None if dims is None else sorted(set(dims))
+    if key == "sample_type_size" and cfg.get("sample_size") is not None:
+        return sample_entries(int(cfg["sample_size"]), cfg.get("sample_type_size"))[1]
+    return cfg.get(key)
+
+
 def check_mergeable(runs: list[str], manifests: list[Manifest]) -> None:
     """Refuse runs of other models or tokenizers, whose options differ or whose corpora
     repeat, naming the runs and what differs."""
-    first, first_cfg = runs[0], manifests[0].config
+    first = runs[0]
     for run, manifest in zip(runs[1:], manifests[1:], strict=True):
         why = model_mismatch(run, manifest, first, manifests[0])
         if why:
             raise StatisticsMismatchError(f"cannot merge {run} into {first}: {why}")
-        cfg = manifest.config
-        diffs = [
-            f"{key} {cfg.get(key)!r} != {first_cfg.get(key)!r}"
-            for key in AGREE_OPTIONS  # the options marked AGREE: they change the statistics
-            if cfg.get(key) != first_cfg.get(key)
+        values = [  # the options marked AGREE: they change the statistics
+            (key, agreed_value(manifest, key), agreed_value(manifests[0], key))
+            for key in AGREE_OPTIONS
         ]
+        diffs = [f"{key} {ours!r} != {theirs!r}" for key, ours, theirs in values if ours != theirs]
         if diffs:
             raise StatisticsMismatchError(
                 f"cannot merge {run} into {first}: runs with different options: " + "; ".join(diffs)

@@ -124,3 +124,24 @@ def test_a_model_directory_not_found_here_asks_for_the_tokenizer(tmp_path, monke
         "the tokenizer's directory with --tokenizer (its fingerprint is checked against the "
         "runs')"
     )
+
+
+def test_options_are_compared_by_what_they_measure() -> None:
+    """An option left at its default and the same value given (``--sample-type-size`` =
+    ``--sample-size``), or the same dimensions clipped by ``--clip-dims`` in another order
+    and by ``--clip-dims-from`` (the manifest's resolved ``clip_dims``): the same statistics
+    and sample, merged; refused, each by the value it had, where they differ."""
+    a = _manifest("models/minilm", MINILM, list(range(7)))
+    b = _manifest("models/minilm", MINILM, list(range(7)), corpus="c2")
+    a.config |= {"sample_type_size": None, "clip_dims": [300, 12]}
+    a.clip_dims = [12, 300]
+    b.config |= {"sample_type_size": 256, "clip_dims": None, "clip_dims_from": "runs/earlier"}
+    b.clip_dims = [12, 300]
+    check_mergeable(["runs/a", "runs/b"], [a, b])
+    b.config["sample_type_size"], b.clip_dims = 300, [12]
+    with pytest.raises(StatisticsMismatchError) as err:
+        check_mergeable(["runs/a", "runs/b"], [a, b])
+    assert str(err.value) == (
+        "cannot merge runs/b into runs/a: runs with different options: sample_type_size 300 "
+        "!= 256; clip_dims [12] != [12, 300]"
+    )
