@@ -17,8 +17,10 @@ lock is *stale*, to be taken over, where:
 
 A stale lock is taken over on the condition ``If-Match`` its ETag, so of two invocations that
 find it stale only one gets it. A holder lets go by removing the object where it is still its
-own (its ETag). A holder whose renewal finds the lock taken (it stalled for :data:`STALE_S`)
-says so in one line and goes on, as it cannot undo its work.
+own (its ETag). A renewal that fails otherwise (the store unreachable or throttled for a
+while) is said once and tried again a minute later, so the lock is lost only where
+:data:`STALE_S` pass without one. A holder whose renewal finds the lock taken (it had not
+renewed it for :data:`STALE_S`) says so in one line and goes on, as it cannot undo its work.
 
 A store that ignores the condition (an S3-compatible server without conditional writes)
 would let two invocations hold it: the lock writes its object a second time on the same
@@ -100,15 +102,41 @@ class _Held:
         self.thread = threading.Thread(target=self._renew, name="store-lock", daemon=True)
 
     def _renew(self) -> None:
+        """Every :data:`RENEW_S` seconds, write the lock again where it is still this
+        process's. A renewal that fails for another reason (the store unreachable, throttled)
+        is said once and tried again at the next one: the lock is lost only where
+        :data:`STALE_S` pass without one, not at the first failure of a run of hours. A lock
+        taken over (:func:`_lost`) is said and no longer renewed."""
+        failing = False
         while not self.stop.wait(RENEW_S):
             try:
                 self.etag = self.fs.pipe_file(self.path, self.body, IfMatch=self.etag)["ETag"]
-            except Exception as exc:  # taken over, or the store unreachable: tell, keep going
-                progress.notice(
-                    f"warning: the lock on the store {self.path} could not be renewed "
-                    f"({type(exc).__name__}: {exc}); another invocation may take it"
-                )
-                return
+            except Exception as exc:
+                if _lost(exc):
+                    with contextlib.suppress(Exception):  # this process's after all?
+                        holder, etag, _ = _read(self.fs, self.path)
+                        if holder == json.loads(self.body) and etag:
+                            self.etag = etag  # a renewal whose answer was lost
+                            continue
+                    progress.notice(
+                        f"warning: the lock on the store {self.path} could not be renewed: "
+                        f"it is no longer this invocation's ({type(exc).__name__}: {exc}): "
+                        f"taken over by another after {STALE_S / 60:.0f} minutes without a "
+                        "renewal, or removed"
+                    )
+                    return
+                if not failing:
+                    progress.notice(
+                        f"warning: the lock on the store {self.path} could not be renewed "
+                        f"({type(exc).__name__}: {exc}); tried again every {RENEW_S:.0f} s, "
+                        f"another invocation may take it once {STALE_S / 60:.0f} minutes pass "
+                        "without a renewal"
+                    )
+                failing = True
+                continue
+            if failing:
+                progress.notice(f"the lock on the store {self.path} is renewed again")
+            failing = False
 
     def release(self) -> None:
         """Stop renewing; remove the lock where it is still this process's."""
@@ -118,6 +146,19 @@ class _Held:
             self.fs.invalidate_cache(self.path)
             if self.fs.info(self.path).get("ETag") == self.etag:
                 self.fs.rm_file(self.path)
+
+
+def _lost(exc: BaseException) -> bool:
+    """Whether a renewal failed because the lock is no longer this process's: S3 answered
+    412 Precondition Failed to ``If-Match`` (s3fs raises an :class:`OSError` from botocore's
+    ``ClientError``), or the object is gone. (A renewal whose answer was lost leaves this process
+    an old ETag where the store's differ between writes of the same body: :meth:`_Held._renew`
+    reads the lock before giving it up.)"""
+    if isinstance(exc, FileNotFoundError):
+        return True
+    response = getattr(exc.__cause__, "response", None) or getattr(exc, "response", None) or {}
+    status = response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+    return response.get("Error", {}).get("Code") == "PreconditionFailed" or status == 412
 
 
 def _read(fs: Any, path: str) -> tuple[dict[str, Any], str | None, datetime | None]:

@@ -406,3 +406,76 @@ def test_a_store_that_ignores_conditional_writes_gets_no_lock(capsys):
     assert _acquire("s3://b/store", "b/store/reanalyze.lock.json", fs, b"{}") is None
     assert fs.objects == {}
     assert "ignores conditional writes" in capsys.readouterr().err
+
+
+class _PreconditionFailed(Exception):
+    """botocore's ClientError as s3fs chains it for a 412 (``response``)."""
+
+    def __init__(self) -> None:
+        super().__init__("PreconditionFailed")
+        self.response = {"Error": {"Code": "PreconditionFailed"},
+                         "ResponseMetadata": {"HTTPStatusCode": 412}}  # fmt: skip
+
+
+class _FlakyStore:
+    """A lock's store whose renewals fail as scripted: ``outcomes`` of each ``pipe_file``,
+    "ok", "down" (the endpoint unreachable) or "taken" (412: another writer's ETag)."""
+
+    def __init__(self, outcomes: list[str], holder: bytes = b'{"pid": 1}') -> None:
+        self.outcomes, self.calls, self.holder = outcomes, 0, holder
+
+    def pipe_file(self, path, data, **conditions):
+        outcome = self.outcomes[min(self.calls, len(self.outcomes) - 1)]
+        self.calls += 1
+        if outcome == "down":
+            raise OSError("Could not connect to the endpoint URL")
+        if outcome == "taken":
+            raise OSError(22, "At least one of the pre-conditions") from _PreconditionFailed()
+        return {"ETag": '"mine"'}
+
+    def invalidate_cache(self, path=None):
+        pass
+
+    def info(self, path):
+        return {"ETag": '"theirs"', "LastModified": None}
+
+    def cat_file(self, path):
+        return self.holder
+
+
+def test_the_lock_is_still_renewed_after_a_failed_renewal(monkeypatch, capsys):
+    """One renewal that failed (the store unreachable for a minute) ended the renewal thread,
+    so 15 minutes later another invocation took over a lock whose holder still ran for hours.
+    Now a failure is said once and the next renewal tried; a 412 (taken over) ends it."""
+    from embgeom_ray.runs import object_lock
+
+    monkeypatch.setattr(object_lock, "RENEW_S", 0.01)
+    store = _FlakyStore(["down", "down", "ok", "ok", "ok"])
+    held = object_lock._Held(store, "b/s/reanalyze.lock.json", b'{"pid": 2}', '"mine"')
+    held.thread.start()
+    deadline = time.monotonic() + 10
+    while store.calls < 5 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    held.stop.set()
+    held.thread.join()
+    assert store.calls >= 5  # renewed on after the two failures
+    err = capsys.readouterr().err
+    assert err.count("could not be renewed (OSError: Could not connect") == 1
+    assert "is renewed again" in err
+
+    taken = _FlakyStore(["taken", "ok"])  # another holder's body: given up at the 412
+    held = object_lock._Held(taken, "b/s/reanalyze.lock.json", b'{"pid": 2}', '"mine"')
+    held.thread.start()
+    held.thread.join(timeout=10)
+    assert not held.thread.is_alive() and taken.calls == 1
+    assert "it is no longer this invocation's" in capsys.readouterr().err
+
+    ours = _FlakyStore(["taken", "ok"], holder=b'{"pid": 2}')  # its answer was lost: ours
+    held = object_lock._Held(ours, "b/s/reanalyze.lock.json", b'{"pid": 2}', '"old"')
+    held.thread.start()
+    while ours.calls < 2 and time.monotonic() < deadline + 10:
+        time.sleep(0.01)
+    held.stop.set()
+    held.thread.join()
+    assert ours.calls >= 2 and held.etag == '"mine"'
+    assert "could not be renewed" not in capsys.readouterr().err
