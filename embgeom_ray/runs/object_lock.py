@@ -69,6 +69,18 @@ def describe(holder: dict[str, Any]) -> str:
         return ""
 
 
+def renewal(last_modified: datetime | None) -> str:
+    """When a held lock was last renewed and when it goes stale, for the message of an
+    invocation that found it held: a holder killed on another node looks like one that runs,
+    and its lock is taken over only once :data:`STALE_S` pass without a renewal ("" where
+    the store gives no time)."""
+    if last_modified is None:
+        return ""
+    age = max(0.0, (datetime.now(timezone.utc) - last_modified).total_seconds())
+    return (f"; its lock last renewed {age:.0f} s ago, taken over once {STALE_S / 60:.0f} "
+            "minutes pass without a renewal")  # fmt: skip
+
+
 def _alive(pid: Any) -> bool:
     """Whether a process ``pid`` runs on this host (True where that cannot be told)."""
     if not isinstance(pid, int) or pid <= 0:
@@ -182,7 +194,7 @@ def _acquire(store: str, path: str, fs: Any, body: bytes) -> _Held | None:
     except FileExistsError:
         holder, stale_etag, modified = _read(fs, path)
         if not is_stale(holder, modified):
-            raise busy(store, describe(holder)) from None
+            raise busy(store, describe(holder) + renewal(modified)) from None
         try:  # only one of the invocations that found it stale gets it
             etag = fs.pipe_file(path, body, IfMatch=stale_etag)["ETag"]
         except OSError:

@@ -479,3 +479,31 @@ def test_the_lock_is_still_renewed_after_a_failed_renewal(monkeypatch, capsys):
     held.thread.join()
     assert ours.calls >= 2 and held.etag == '"mine"'
     assert "could not be renewed" not in capsys.readouterr().err
+
+
+def test_a_held_s3_lock_says_when_it_goes_stale():
+    """A second invocation said only 'another reanalyze is running (pid 1 on node-a, …)',
+    which a holder killed on another node also reads as: now it says when the lock was last
+    renewed and that it is taken over after 15 minutes without a renewal."""
+    from datetime import datetime, timedelta, timezone
+
+    from embgeom_ray.runs.object_lock import _acquire
+    from embgeom_ray.runs.store_lock import StoreBusyError
+
+    class Held:
+        def pipe_file(self, path, data, **conditions):
+            raise FileExistsError(path)
+
+        def invalidate_cache(self, path=None):
+            pass
+
+        def info(self, path):
+            return {"ETag": '"e"', "LastModified": datetime.now(timezone.utc) - timedelta(seconds=40)}
+
+        def cat_file(self, path):
+            return b'{"host": "node-a", "pid": 1, "started_at": "then"}'
+
+    with pytest.raises(StoreBusyError) as busy:
+        _acquire("s3://b/store", "b/store/reanalyze.lock.json", Held(), b"{}")
+    assert "(pid 1 on node-a, since then); its lock last renewed 40 s ago, taken over once " \
+        "15 minutes pass without a renewal: this one ran nothing" in str(busy.value)  # fmt: skip
