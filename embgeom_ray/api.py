@@ -28,6 +28,7 @@ import contextlib
 import json
 import numbers
 import os
+import sys
 import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from functools import cached_property
@@ -103,8 +104,34 @@ def _call(echo: Echo | None) -> Iterator[None]:
     ``KeyboardInterrupt``), and one the caller had initialised is used and left up."""
     from .distributed.cluster import leave_ray_as_found
 
-    with _ONE_CALL_AT_A_TIME, _user_errors(), _progress(echo), leave_ray_as_found():
+    with _one_at_a_time(echo), _user_errors(), _progress(echo), leave_ray_as_found():
         yield
+
+
+#: the line of a call that waits for another thread's (:func:`_one_at_a_time`)
+WAITING = (
+    "waiting for the embgeom_ray call running in another thread to end: calls run one after "
+    "another"
+)
+
+
+@contextlib.contextmanager
+def _one_at_a_time(echo: Echo | None) -> Iterator[None]:
+    """Within: :data:`_ONE_CALL_AT_A_TIME` held. A call that finds it held by another thread
+    first says so (:data:`WAITING`), to ``echo`` (on stderr where it is ``print``, as the
+    commands' notices; nothing where None): it may wait for hours behind an analysis, and
+    without a word it looked hung. Said here, not through the progress routing, which is
+    the other call's until it ends."""
+    if not _ONE_CALL_AT_A_TIME.acquire(blocking=False):
+        if echo is print:
+            print(WAITING, file=sys.stderr, flush=True)
+        elif callable(echo):
+            echo(WAITING)
+        _ONE_CALL_AT_A_TIME.acquire()
+    try:
+        yield
+    finally:
+        _ONE_CALL_AT_A_TIME.release()
 
 
 class LayerSample(NamedTuple):

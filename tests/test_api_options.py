@@ -130,3 +130,35 @@ def test_calls_from_several_threads_run_one_after_another(monkeypatch) -> None:
     first, second = events[0][0], events[3][0]
     assert events == [f"{first} in", f"{first} nested", f"{first} out",
                       f"{second} in", f"{second} nested", f"{second} out"]  # fmt: skip
+
+
+def test_a_call_that_waits_for_another_threads_says_so(monkeypatch) -> None:
+    """A call behind another thread's (an analysis of hours) waited without a word, and looked
+    hung; it now says once, to its own ``echo``, that it waits, and a call that does not wait
+    (nested, or alone) says nothing."""
+    import contextlib
+    import threading
+
+    from embgeom_ray import api
+    from embgeom_ray.distributed import cluster
+
+    monkeypatch.setattr(cluster, "leave_ray_as_found", contextlib.nullcontext)
+    first_in, lines, mine = threading.Event(), [], []
+
+    def first() -> None:
+        with api._call(mine.append):
+            with api._call(mine.append):  # nested: does not wait on itself
+                first_in.set()
+                for _ in range(1000):  # until the second call has said it waits (≤ 10 s)
+                    if lines:
+                        break
+                    threading.Event().wait(0.01)
+
+    thread = threading.Thread(target=first)
+    thread.start()
+    assert first_in.wait(30)
+    with api._call(lines.append):
+        lines.append("ran")
+    thread.join(timeout=30)
+    assert lines == [api.WAITING, "ran"]
+    assert mine == []
