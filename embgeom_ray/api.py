@@ -343,6 +343,17 @@ def _config(config: str | Path | None, values: Mapping[str, Any]) -> JobConfig:
     return build_config(str(config) if config is not None else None, given)
 
 
+def _refuse_plan(options: Mapping[str, Any], where: str) -> None:
+    """A :class:`ConfigError` where ``options`` ask for the plan (``plan``, ``plan_json``):
+    :func:`analyze` would print it, run nothing and then fail to open a run never written
+    (a ``config`` file's ``plan_json:`` ended so, in 'OUT does not exist')."""
+    asked = [f"{key}={options[key]!r}" for key in ("plan", "plan_json") if options.get(key)]
+    if asked:
+        raise ConfigError(
+            f"{' and '.join(asked)}{where} runs nothing: call embgeom_ray.plan(...) for the plan"
+        )
+
+
 def analyze(
     model: str | Path | None = None,
     corpus: str | Path | None = None,
@@ -369,12 +380,12 @@ def analyze(
     output included. For ``--plan``, see :func:`plan`.
     """
     values = {"model": model, "corpus": corpus, "out": out}
-    if options.get("plan") or options.get("plan_json"):
-        raise ConfigError("plan=True runs nothing: call embgeom_ray.plan(...) for the plan")
+    _refuse_plan(options, "")
     from .runs.pipeline import analyze as run_analysis
 
     with _call(echo):
         job = _config(config, values | options)
+        _refuse_plan({"plan": job.plan, "plan_json": job.plan_json}, f" (set in {config})")
         require_filesystems(job.corpus, job.out)
         run_analysis(job, echo=echo or _quiet)
     return Run(job.out)

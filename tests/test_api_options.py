@@ -19,6 +19,23 @@ def test_an_unknown_analyze_option_names_the_one_meant(tmp_path) -> None:
         eg.analyze(model="m", corpus="c.jsonl", out=tmp_path / "o", zzz=1)
 
 
+def test_analyze_refuses_the_plan_whether_given_as_an_argument_or_in_its_config(tmp_path) -> None:
+    """A config file's ``plan_json:`` (or ``plan: true``) made ``eg.analyze`` print the plan,
+    write the JSON, run nothing and then fail to open the run ('… does not exist'); now it is
+    refused at once as the arguments are, naming the file, and nothing is written."""
+    config = tmp_path / "run.yaml"
+    config.write_text(f"plan_json: {tmp_path / 'plan.json'}\n")
+    with pytest.raises(eg.ConfigError) as err:
+        eg.analyze(model="m", corpus="c.jsonl", out=tmp_path / "o", config=config, echo=None)
+    assert str(err.value) == (
+        f"plan_json={str(tmp_path / 'plan.json')!r} (set in {config}) runs nothing: call "
+        "embgeom_ray.plan(...) for the plan"
+    )
+    assert not (tmp_path / "plan.json").exists() and not (tmp_path / "o").exists()
+    with pytest.raises(eg.ConfigError, match=r"^plan_json='p.json' runs nothing: call "):
+        eg.analyze(model="m", corpus="c.jsonl", out=tmp_path / "o", plan_json="p.json")
+
+
 def test_an_unknown_merge_option_names_the_one_meant(tmp_path) -> None:
     with pytest.raises(eg.UserError, match=r"\['min_cont'\] \(did you mean min_count\?\); "):
         eg.merge([tmp_path / "a", tmp_path / "b"], out=tmp_path / "ab", min_cont=3)
