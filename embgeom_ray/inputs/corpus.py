@@ -1115,13 +1115,16 @@ def _tail_digest(path: str, size: int) -> str:
 def check_unchanged(shard: Shard) -> None:
     """A :class:`CorpusError` naming ``shard``'s file when it was written since the plan: its
     identity (modification time; an object's ETag, checksum or generation) is not the planned
-    one (:class:`FileState`), and it is neither cut shorter (which the reader of the shard
-    that meets the new end reports, with the sizes) nor only longer by lines appended after
-    its planned bytes (a line file of a larger size whose last planned bytes are the same:
-    those lines are left to the next run). So a file rewritten to the same or a larger size
+    one (:class:`FileState`), and it is not only longer by lines appended after its planned
+    bytes (a line file of a larger size whose last planned bytes are the same: those lines
+    are left to the next run). So a file rewritten to the same, a larger or a smaller size
     ends the run, which its byte ranges alone do not show, and so does a ``touch``: the
-    corpus's fingerprint, a resume's and ``reanalyze``'s, is no longer the run's. The
-    listing's cache is dropped first, so an object store is asked again (a HEAD request)."""
+    corpus's fingerprint, a resume's and ``reanalyze``'s, is no longer the run's. A file cut
+    shorter is said by each of its shards, not left to the one that meets the new end (which
+    may have run before the cut, the others then reading the new text without a word); a cut
+    that kept the planned identity is still the reader's (:func:`_read_lines`, with the
+    sizes). The listing's cache is dropped first, so an object store is asked again (a HEAD
+    request)."""
     if not shard.identity:
         return
     fs, path = fsspec.core.url_to_fs(shard.path)
@@ -1135,8 +1138,6 @@ def check_unchanged(shard: Shard) -> None:
         if now == shard.identity:
             return
         size = int(info.get("size") or 0)
-        if shard.tail and size < shard.file_size:
-            return  # cut shorter: _read_lines says so where the shard meets the new end
         if shard.tail and size > shard.file_size:
             if _tail_digest(shard.path, shard.file_size) == shard.tail:
                 return  # lines appended: read up to the planned size, as documented

@@ -865,7 +865,9 @@ def test_file_cut_shorter_after_planning_is_an_error(tmp_path: Path, name: str) 
     spec = CorpusSpec(str(path))
     plan = plan_shards(spec, 400)
     assert len(plan.shards) == -(-len(data) // 400)
-    path.write_bytes(data[:500])
+    stat = path.stat()
+    path.write_bytes(data[:500])  # a cut that keeps its mtime (a coarse clock): the reader's
+    os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns))
     message = (
         f"corpus file {path} changed during the run: it is 500 bytes, {{}} or more when the run "
         "was planned; rerun with --overwrite once it no longer changes"
@@ -878,6 +880,33 @@ def test_file_cut_shorter_after_planning_is_an_error(tmp_path: Path, name: str) 
         with pytest.raises(CorpusError) as err:
             list(read_shard(shard, spec, report))
         assert str(err.value) == message.format(f"{shard.stop:,}")
+
+
+def test_a_file_rewritten_shorter_ends_every_shard_of_it(tmp_path: Path) -> None:
+    """A line file rewritten shorter with other text (a later mtime): its shards before the
+    new end read the new text without a word, the check leaving the cut to the shard that
+    meets the new end, which may have run already (or be the one whose end check this was),
+    so the run ended with text its fingerprint did not name; now every shard of it says the
+    file changed. A cut that kept its mtime is still the reader's (the sizes), as before."""
+    path = tmp_path / "a.txt"
+    lines = [f"document number {i} of forty" for i in range(40)]
+    data = ("\n".join(lines) + "\n").encode()
+    path.write_bytes(data)
+    spec = CorpusSpec(str(path))
+    plan = plan_shards(spec, 400)
+    stat = path.stat()
+    path.write_bytes(data[:500].upper())
+    os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))
+    mtime = path.stat().st_mtime
+    assert [s.stop for s in plan.shards][:1] == [400]  # one shard wholly before the cut
+    for shard in plan.shards:
+        with pytest.raises(CorpusError) as err:
+            list(read_shard(shard, spec, ReadReport()))
+        assert str(err.value) == (
+            f"corpus file {path} changed during the run: it was written after the run was "
+            f"planned (mtime={stat.st_mtime!r}, {len(data):,} bytes; now mtime={mtime!r}, "
+            "500 bytes); rerun with --overwrite once it no longer changes"
+        )
 
 
 @pytest.mark.parametrize("change", ["same size", "larger", "touch", "parquet"])
