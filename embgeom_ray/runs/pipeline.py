@@ -430,8 +430,13 @@ class RunSpec:
 
 def prepare(config: JobConfig) -> RunSpec:
     """Check everything a user can get wrong (model, tokenizer, max_length, layers, clip dims,
-    corpus, an object store's output location) before any work, and plan the shards."""
+    corpus, an object store's output location) before any work, and plan the shards. A
+    ``--plan-json`` file is checked as the output is (:func:`~embgeom_ray.storage.check_output`):
+    a relative path in a submitted job's working directory would be written where Ray removes
+    it, after the plan said where it was."""
     check_output(config.out)
+    if config.plan_json:
+        check_output(config.plan_json, "--plan-json file")
     identity, tokenizer = resolve_identity(config.model, config.revision, config.trust_remote_code)
     model_config = load_config(config.model, config.revision, config.trust_remote_code)
     limit = max_window_length(model_config, tokenizer)

@@ -506,3 +506,8 @@ def test_a_relative_out_in_a_submitted_jobs_working_directory_is_refused(capsys,
     assert_user_error(code, err, "runs/rel is a relative path", "absolute path")
     assert not (unpacked / "runs").exists()
     check_output(str(tmp_path / "runs" / "abs"))  # an absolute one: not refused
+    # --plan-json too: written there, the plan said so and Ray removed it
+    code, err = run(capsys, "--model", model, "--corpus", corpus,
+                    "--out", str(tmp_path / "runs" / "abs"), "--plan-json", "plan.json")  # fmt: skip
+    assert_user_error(code, err, "plan.json is a relative path", "absolute path")
+    assert not (unpacked / "plan.json").exists()
