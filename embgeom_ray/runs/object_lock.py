@@ -34,7 +34,6 @@ import contextlib
 import json
 import os
 import socket
-import sys
 import threading
 from collections.abc import Iterator
 from datetime import datetime, timezone
@@ -45,8 +44,8 @@ import fsspec
 
 from .. import progress
 from ..io_utils import join
-from ..run_dir import now
 from ..storage import user_errors
+from .lock_holder import HOLDER, busy, describe, this_holder
 
 #: seconds between two renewals of a held lock
 RENEW_S = 60.0
@@ -59,14 +58,6 @@ SCHEMES = ("s3", "s3a")
 def supported(store: str) -> bool:
     """Whether ``store`` is on S3 (s3fs), where :func:`object_lock` applies."""
     return urlsplit(store).scheme in SCHEMES
-
-
-def describe(holder: dict[str, Any]) -> str:
-    """The holder in words, as the local lock's message gives it ("" if unknown)."""
-    try:
-        return f" (pid {holder['pid']} on {holder['host']}, since {holder['started_at']})"
-    except (KeyError, TypeError):
-        return ""
 
 
 def renewal(last_modified: datetime | None) -> str:
@@ -186,9 +177,7 @@ def _read(fs: Any, path: str) -> tuple[dict[str, Any], str | None, datetime | No
 
 def _acquire(store: str, path: str, fs: Any, body: bytes) -> _Held | None:
     """Write the lock where absent (or take a stale one over); None where the store ignores
-    the condition. :class:`~.store_lock.StoreBusyError` where another invocation holds it."""
-    from .store_lock import busy
-
+    the condition. :class:`~.lock_holder.StoreBusyError` where another invocation holds it."""
     try:
         etag = fs.pipe_file(path, body, mode="create")["ETag"]
     except FileExistsError:
@@ -220,12 +209,8 @@ def _acquire(store: str, path: str, fs: Any, body: bytes) -> _Held | None:
 @contextlib.contextmanager
 def object_lock(store: str) -> Iterator[None]:
     """Hold ``STORE/reanalyze.lock.json`` on S3 while the block runs (module docstring);
-    :class:`~.store_lock.StoreBusyError` at once where another invocation holds it."""
-    from .store_lock import HOLDER
-
-    info = {"host": socket.gethostname(), "pid": os.getpid(), "started_at": now(),
-            "argv": sys.argv}  # fmt: skip
-    body = json.dumps(info).encode()
+    :class:`~.lock_holder.StoreBusyError` at once where another invocation holds it."""
+    body = json.dumps(this_holder()).encode()
     with user_errors(store, "store"):
         fs, path = fsspec.core.url_to_fs(join(store, HOLDER))
         held = _acquire(store, path, fs, body)

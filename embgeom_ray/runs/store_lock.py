@@ -5,7 +5,7 @@ would analyse the same model into the same run directory at the same time, and e
 ``runs.parquet`` from its own view of it: one crashed on the other's checkpoint files, and the
 index ended up saying ``failed`` for a run that was complete. So an invocation holds an
 exclusive lock on the store while it runs, and a second one ends at once, runs nothing and
-writes nothing, with one line naming the holder and exit status :data:`BUSY_EXIT` (75,
+writes nothing, with one line naming the holder and exit status :data:`~.lock_holder.BUSY_EXIT` (75,
 ``EX_TEMPFAIL`` of ``sysexits.h``: try again later).
 
 The lock is an advisory ``flock`` (:class:`filelock.FileLock`) on ``STORE/reanalyze.lock``,
@@ -27,53 +27,31 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import socket
-import sys
 from collections.abc import Iterator
 
-from ..errors import UserError
 from ..io_utils import atomic_write_json, is_local, join, local_path
-from ..run_dir import now
+from .lock_holder import HOLDER, busy, describe, this_holder
+from .object_lock import object_lock, supported
 
-#: the lock file, and the file that says who holds it, in the store
+#: the lock file in the store (who holds it: :data:`~.lock_holder.HOLDER`)
 LOCK = "reanalyze.lock"
-HOLDER = "reanalyze.lock.json"
-#: the exit status of an invocation that found the store locked (``EX_TEMPFAIL``)
-BUSY_EXIT = 75
-
-
-class StoreBusyError(UserError):
-    """Another invocation holds the store: this one ran nothing and wrote nothing."""
-
-    exit_code = BUSY_EXIT
-
-
-def busy(store: str, holder: str) -> StoreBusyError:
-    """The error of an invocation that found ``store`` held (``holder``: who, in words)."""
-    return StoreBusyError(
-        f"another reanalyze is running on the store {store}{holder}: this one ran nothing "
-        f"(exit status {BUSY_EXIT}); the next one does what that one leaves"
-    )
 
 
 def _holder(store: str) -> str:
     """Who holds the lock, in words, from ``STORE/reanalyze.lock.json`` ("" if unknown)."""
     try:
         with open(os.path.join(store, HOLDER), encoding="utf-8") as f:
-            info = json.load(f)
-        return f" (pid {info['pid']} on {info['host']}, since {info['started_at']})"
-    except (OSError, ValueError, KeyError, TypeError):
+            return describe(json.load(f))
+    except (OSError, ValueError):
         return ""
 
 
 @contextlib.contextmanager
 def store_lock(store: str) -> Iterator[None]:
-    """Hold ``STORE/reanalyze.lock`` while the block runs; :class:`StoreBusyError` at once if
+    """Hold ``STORE/reanalyze.lock`` while the block runs; :class:`~.lock_holder.StoreBusyError` at once if
     another process holds it. On S3, :func:`~.object_lock.object_lock`; a store on another
     object store is not locked (see the module)."""
     if not is_local(store):
-        from .object_lock import object_lock, supported
-
         with object_lock(store) if supported(store) else contextlib.nullcontext():
             yield
         return
@@ -87,13 +65,7 @@ def store_lock(store: str) -> Iterator[None]:
     except Timeout:
         raise busy(store, _holder(path)) from None
     try:
-        info = {
-            "host": socket.gethostname(),
-            "pid": os.getpid(),
-            "started_at": now(),
-            "argv": sys.argv,
-        }
-        atomic_write_json(join(path, HOLDER), info)
+        atomic_write_json(join(path, HOLDER), this_holder())
         yield
     finally:
         # who held it goes first: left behind, it named a finished invocation as the holder

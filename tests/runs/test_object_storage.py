@@ -348,7 +348,8 @@ def test_reanalyze_locks_an_s3_store(s3, monkeypatch, capsys):
     import socket
 
     from embgeom_ray.runs import object_lock
-    from embgeom_ray.runs.store_lock import HOLDER, StoreBusyError, store_lock
+    from embgeom_ray.runs.lock_holder import HOLDER, StoreBusyError
+    from embgeom_ray.runs.store_lock import store_lock
 
     for key, value in s3.env.items():
         monkeypatch.setenv(key, value)
@@ -488,7 +489,7 @@ def test_a_held_s3_lock_says_when_it_goes_stale():
     from datetime import datetime, timedelta, timezone
 
     from embgeom_ray.runs.object_lock import _acquire
-    from embgeom_ray.runs.store_lock import StoreBusyError
+    from embgeom_ray.runs.lock_holder import StoreBusyError
 
     class Held:
         def pipe_file(self, path, data, **conditions):

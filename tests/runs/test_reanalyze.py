@@ -325,7 +325,7 @@ def test_one_invocation_at_a_time_per_store(models, corpus, tmp_path, fake_analy
     import subprocess
     import sys
 
-    from embgeom_ray.runs.store_lock import BUSY_EXIT
+    from embgeom_ray.runs.lock_holder import BUSY_EXIT
 
     store = tmp_path / "store"
     watch = _watchlist(tmp_path / "models.yaml", [{"model": models["a"]}, {"model": models["b"]}])
@@ -364,7 +364,8 @@ def test_the_holder_of_the_store_is_named_while_it_holds_it(tmp_path) -> None:
     import json
     import os
 
-    from embgeom_ray.runs.store_lock import HOLDER, StoreBusyError, store_lock
+    from embgeom_ray.runs.lock_holder import HOLDER, StoreBusyError
+    from embgeom_ray.runs.store_lock import store_lock
 
     store = tmp_path / "store"
     with store_lock(str(store)):
@@ -498,11 +499,16 @@ def test_the_store_lists_its_runs_and_the_latest_ones_compare(
 def test_listing_an_unreachable_store_speaks_of_the_store(monkeypatch, capsys) -> None:
     """``--list`` on an object store that does not answer: one line naming the store (it said
     "output directory", checking it as a run's output), status 2."""
+    import s3fs
+
     from tests.ray_processes import free_ports
 
     (port,) = free_ports(1)  # nothing listens there
     monkeypatch.setenv("AWS_ENDPOINT_URL_S3", f"http://127.0.0.1:{port}")
+    # a filesystem cached by an earlier test of this process has its endpoint, not this one
+    s3fs.S3FileSystem.clear_instance_cache()
     assert reanalyze_cli.main(["--store", "s3://bucket/store", "--list"]) == 2
+    s3fs.S3FileSystem.clear_instance_cache()
     (err,) = capsys.readouterr().err.strip().splitlines()
     assert err.startswith(
         f"error: cannot reach the object store at http://127.0.0.1:{port} for the store "
