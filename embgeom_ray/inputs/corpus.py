@@ -39,6 +39,7 @@ import json
 import lzma
 import posixpath
 import re
+import socket
 import zlib
 from collections.abc import Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -171,11 +172,14 @@ class FileState(NamedTuple):
     modification time; an object's ETag, checksum or generation: what the fingerprint holds),
     its ``file_size``, and for an uncompressed line file the ``tail``: the BLAKE2b digest of its
     last :data:`TAIL_BYTES` bytes (:func:`_tail_digest`), which lines appended since leave as
-    they were. :func:`check_unchanged` compares them with the file's as a shard is read."""
+    they were; for a local file, ``planned_on``: the host whose file system the identity is
+    of (a copy of the corpus on another node has modification times of its own).
+    :func:`check_unchanged` compares them with the file's as a shard is read."""
 
     identity: str
     file_size: int
     tail: str
+    planned_on: str = ""
 
 
 #: the Shard fields :meth:`ShardPlan.to_json` leaves out of each shard: dedup's ``drop``
@@ -210,6 +214,7 @@ class Shard:
     identity: str = ""
     file_size: int = 0
     tail: str = ""
+    planned_on: str = ""
 
 
 @dataclass(frozen=True)
@@ -279,7 +284,8 @@ class ShardPlan:
         try:
             if d.get("format", _PLAN_FORMAT) != _PLAN_FORMAT:
                 raise ValueError(f"unknown plan format {d.get('format')!r}")
-            states = [FileState(str(i), int(n), str(t)) for i, n, t in d.get("file_states", [])]
+            states = [FileState(str(i), int(n), str(t), *map(str, host))
+                      for i, n, t, *host in d.get("file_states", [])]  # fmt: skip
             return cls(
                 shards=[
                     Shard(
@@ -473,7 +479,8 @@ def _plan_files(spec: CorpusSpec, shard_bytes: int | None, work: int) -> ShardPl
             tail = _tail_digest(f.path, f.size) if lines else ""
         except (FileNotFoundError, PermissionError) as e:
             raise _open_error(f.path, e) from e
-        return shards, FileState(f.identity, f.size, tail)
+        host = socket.gethostname() if isinstance(fs, LocalFileSystem) else ""
+        return shards, FileState(f.identity, f.size, tail, host)
 
     # Footers and first lines are small reads; overlap them for remote corpora of many files.
     # `map` keeps the order, so the first bad file in sorted order is the one reported.
@@ -1124,10 +1131,15 @@ def check_unchanged(shard: Shard) -> None:
     may have run before the cut, the others then reading the new text without a word); a cut
     that kept the planned identity is still the reader's (:func:`_read_lines`, with the
     sizes). The listing's cache is dropped first, so an object store is asked again (a HEAD
-    request)."""
+    request). A local file read on a host other than the one that planned it is another
+    node's copy or view of it, whose modification time is its own: there its size and tail
+    are compared instead (:func:`_other_hosts_copy_changed`)."""
     if not shard.identity:
         return
     fs, path = fsspec.core.url_to_fs(shard.path)
+    if shard.planned_on and shard.planned_on != socket.gethostname():
+        _other_hosts_copy_changed(shard, fs, path)
+        return
     fs.invalidate_cache(path)
     key = shard.identity.partition("=")[0]
     try:
@@ -1147,6 +1159,30 @@ def check_unchanged(shard: Shard) -> None:
         f"corpus file {shard.path} changed during the run: it was written after the run was "
         f"planned ({shard.identity}, {shard.file_size:,} bytes; now {now}, "
         f"{size:,} bytes); rerun with --overwrite once it no longer changes"
+    )
+
+
+def _other_hosts_copy_changed(shard: Shard, fs: fsspec.AbstractFileSystem, path: str) -> None:
+    """:func:`check_unchanged` of a local file on a host other than the planner's: a
+    :class:`CorpusError` where its size is not the planned one (larger: unless only by lines
+    appended, its planned tail the same) or, at the planned size, its tail is another (a line
+    file; other files: the size alone). A copy kept by ``cp -p``, ``rsync -t`` or a shared
+    file system passes as on the planner's host; one without its modification times too."""
+    try:
+        size = int(fs.info(path).get("size") or 0)
+        same_tail = not shard.tail or (
+            size >= shard.file_size and _tail_digest(shard.path, shard.file_size) == shard.tail
+        )
+    except (FileNotFoundError, PermissionError) as e:
+        raise _open_error(shard.path, e) from e
+    if same_tail and (size == shard.file_size or (shard.tail and size > shard.file_size)):
+        return
+    raise CorpusError(
+        f"corpus file {shard.path} on {socket.gethostname()} is not the file the run planned on "
+        f"{shard.planned_on} ({shard.file_size:,} bytes; here {size:,} bytes"
+        + (", other text at the planned end" if size >= shard.file_size else "")
+        + "): a local --corpus must be the same files on every node (a shared file system, or "
+        "identical copies); rerun with --overwrite once they are"
     )
 
 

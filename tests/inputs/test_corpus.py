@@ -955,6 +955,49 @@ def test_a_file_written_in_place_during_the_run_ends_it(tmp_path: Path, change: 
     assert list(read_shard(ShardPlan.from_json(old).shards[0], spec, ReadReport()))
 
 
+def test_another_nodes_copy_is_checked_by_its_size_and_tail(tmp_path: Path) -> None:
+    """A local corpus read on a node other than the one that planned it is that node's copy
+    or view of it, with modification times of its own (a copy made without ``cp -p``): its
+    shards read where the copy holds the same bytes at the planned end, or lines appended;
+    one of other text at the same size, or of another size, ends the run naming both hosts.
+    On the planner's own host a later modification time still ends it."""
+    import os
+    import socket
+
+    path = tmp_path / "a.txt"
+    lines = [f"document number {i} of forty" for i in range(40)]
+    path.write_text("\n".join(lines) + "\n")
+    spec = CorpusSpec(str(path))
+    plan = ShardPlan.from_json(json.loads(json.dumps(plan_shards(spec, 400).to_json())))
+    here = socket.gethostname()
+    assert {s.planned_on for s in plan.shards} == {here}
+    elsewhere = [dataclasses.replace(s, planned_on="head-node") for s in plan.shards]
+    stat = path.stat()
+    os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))  # the copy's own mtime
+    assert sum(len(list(read_shard(s, spec, ReadReport()))) for s in elsewhere) == 40
+    with pytest.raises(CorpusError, match="changed during the run"):
+        list(read_shard(plan.shards[0], spec, ReadReport()))  # on the planner's host
+    with path.open("a") as f:
+        f.write("appended\n")
+    assert sum(len(list(read_shard(s, spec, ReadReport()))) for s in elsewhere) == 40
+    path.write_text("\n".join(t.replace("forty", "FORTY") for t in lines) + "\n")
+    with pytest.raises(CorpusError) as err:
+        list(read_shard(elsewhere[0], spec, ReadReport()))
+    assert str(err.value) == (
+        f"corpus file {path} on {here} is not the file the run planned on head-node "
+        f"({stat.st_size:,} bytes; here {stat.st_size:,} bytes, other text at the planned end): "
+        "a local --corpus must be the same files on every node (a shared file system, or "
+        "identical copies); rerun with --overwrite once they are"
+    )
+    path.write_text("\n".join(lines[:20]) + "\n")
+    with pytest.raises(CorpusError, match=r"planned on head-node \(1,\d+ bytes; here \d+ bytes\)"):
+        list(read_shard(elsewhere[0], spec, ReadReport()))
+    # a plan saved with three fields a file (before the planner's host): checked as before
+    old = plan.to_json()
+    old["file_states"] = [state[:3] for state in old["file_states"]]
+    assert {s.planned_on for s in ShardPlan.from_json(old).shards} == {""}
+
+
 def test_lines_appended_after_planning_are_left_to_the_next_run(tmp_path: Path) -> None:
     path = tmp_path / "a.txt"
     path.write_text("".join(f"line {i}\n" for i in range(30)))
