@@ -488,8 +488,8 @@ def test_a_held_s3_lock_says_when_it_goes_stale():
     renewed and that it is taken over after 15 minutes without a renewal."""
     from datetime import datetime, timedelta, timezone
 
-    from embgeom_ray.runs.object_lock import _acquire
     from embgeom_ray.runs.lock_holder import StoreBusyError
+    from embgeom_ray.runs.object_lock import _acquire
 
     class Held:
         def pipe_file(self, path, data, **conditions):
