@@ -146,7 +146,10 @@ def test_the_job_says_once_that_no_node_holds_an_extractor(ray_local):
     def start():  # cannot be placed, as a GPU actor on CPU nodes
         return FakeExtractActor.options(num_cpus=0, resources={"no_such_node": 1}).remote(0.01)
 
-    # ended as Ctrl-C would, 20 polls after the line is due: no other line came by then
+    # ended as Ctrl-C would, 20 polls after the line is due: no other line came by then.
+    # interrupt_main does nothing where SIGINT is not Python's: a test process started in the
+    # background by a non-interactive shell (`make test &`) inherits it ignored
+    caller = signal.signal(signal.SIGINT, signal.default_int_handler)
     stop = threading.Timer(1.5, _thread.interrupt_main)
     stop.start()
     try:
@@ -155,6 +158,7 @@ def test_the_job_says_once_that_no_node_holds_an_extractor(ray_local):
                        lambda _: None, growth=growth).run()  # fmt: skip
     finally:
         stop.cancel()
+        signal.signal(signal.SIGINT, caller)
     assert len(lines) == 1 and 0.5 <= said[0] < 1.5, (lines, said)
     assert lines[0].startswith("extractors: none running 1 s into the extraction: each asks "
                                "for 1 GPU, 1 CPU and 2.0 GiB, and no node of the cluster (2 "
