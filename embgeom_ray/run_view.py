@@ -15,6 +15,7 @@ from __future__ import annotations
 import math
 import os
 import re
+from collections.abc import Sequence
 from functools import cached_property
 from typing import Any
 
@@ -300,3 +301,13 @@ class RunView:
             return None
         sel = ts[ts["layer"] == layer]
         return pd.Series(sel["count"].to_numpy(), index=sel["token_id"].to_numpy())
+
+
+def by_depth(runs: Sequence[RunView]) -> bool:
+    """Whether runs are compared by relative depth (:meth:`RunView.depth`, layer / blocks)
+    rather than by layer index: their models have different numbers of blocks. The one rule
+    behind ``jobs.compare``'s matching of layers (``runs.compare.layer_matching``) and the x
+    of the comparison's figure; two runs of one model that measured other ``--layers`` are
+    matched by index."""
+    return len({r.num_layers for r in runs}) > 1
+

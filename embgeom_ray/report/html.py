@@ -27,7 +27,7 @@ import pandas as pd
 from ..core import metric_registry as registry
 from ..io_utils import atomic_write_bytes, exists, is_local, join, local_path, read_bytes
 from ..run_dir import Manifest, ModelInfo, RunDir, TokenizerInfo, now
-from ..run_view import RunView, corpus_label, model_name, short_name
+from ..run_view import RunView, by_depth, corpus_label, model_name, short_name
 from ..sizing.peaks import describe_peaks
 from ..storage import check_input
 from ..version import __version__
@@ -1158,9 +1158,9 @@ def _comparison_caption(runs: Sequence[RunView]) -> str:
     return (
         "One panel per metric of layers.parquet, one line per run (colours as in the legend). "
         + (
-            "The runs have different numbers of layers, so x is the relative depth "
-            "layer / last layer. "
-            if len({len(r.layers) for r in runs}) > 1
+            "The runs' models have different numbers of blocks, so x is the relative depth "
+            "layer / blocks, by which their layers are matched. "
+            if by_depth(runs)
             else ""
         )
         + "Panels of metrics estimated on the runs' samples say “sampled” in their title (the "
@@ -1187,8 +1187,9 @@ def write_comparison_report(
     The first run is the baseline; ``run_dirs`` are run directories or their views (the
     views :func:`embgeom_ray.runs.compare.compare_runs` read, not read again). The page holds
     a table of the runs (model, revision, corpus, tokens, status, link to each run's own
-    report), overlaid per-layer lines of every metric in :data:`COMPARE_METRICS` present in any run (x = layer index, or relative depth
-    when the runs have different numbers of layers), the largest ``changes`` — the table
+    report), overlaid per-layer lines of every metric in :data:`COMPARE_METRICS` present in any
+    run (x = layer index, or relative depth layer / blocks when the runs' models have different
+    numbers of blocks: :func:`~embgeom_ray.run_view.by_depth`), the largest ``changes`` — the table
     :func:`embgeom_ray.runs.compare.changes_table` computed, layers matched as
     ``matching_note`` says, in three lists: exact, sampled (under ``sampled_tests``, one line
     per run on how its sampled changes stand against chance) and not comparable; ``agreed``

@@ -65,7 +65,7 @@ from ..errors import UserError
 from ..integrity import Digest, digests_json, seal
 from ..io_utils import atomic_write_json, join, location
 from ..run_dir import RunDir, RunDirError, now, write_table
-from ..run_view import RunView
+from ..run_view import RunView, by_depth
 from ..storage import check_input, check_output
 
 SUMMARY = "comparison.json"
@@ -182,9 +182,8 @@ def metric_columns(runs: Sequence[RunView]) -> list[str]:
 
 def layer_matching(runs: Sequence[RunView]) -> tuple[str, str]:
     """(mode, note): by index when all runs have the same number of blocks, else by depth."""
-    sizes = [r.num_layers for r in runs]
-    if len(set(sizes)) == 1:
-        return BY_INDEX, f"layers matched by index (every model has {sizes[0]} blocks)"
+    if not by_depth(runs):
+        return BY_INDEX, f"layers matched by index (every model has {runs[0].num_layers} blocks)"
     desc = ", ".join(f"{r.label}: {r.num_layers}" for r in runs)
     return BY_DEPTH, (
         f"the runs have different numbers of blocks ({desc}), so layers are matched by relative "

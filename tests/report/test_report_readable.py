@@ -609,3 +609,46 @@ def test_the_cosine_caption_says_anisotropy_averages_distinct_pairs(tmp_path):
     assert "all token pairs" not in caption
     assert "mean cosine similarity over all pairs of two distinct occurrences (anisotropy)" in caption
     assert "two distinct occurrences" in registry.metric("anisotropy").definition
+
+
+# --------------------------------------------------------------------------------------------
+# one place per number: the figures match layers as compare does
+
+
+def _with_layers(src: Path, out: Path, layers: list[int], blocks: int) -> RunView:
+    """A copy of the fabricated run ``src`` holding only ``layers``, of a model of ``blocks``."""
+    import shutil
+
+    shutil.copytree(src, out)
+    manifest = json.loads((out / "manifest.json").read_text())
+    manifest["model"]["num_layers"] = blocks
+    (out / "manifest.json").write_text(json.dumps(manifest))
+    lay = pd.read_parquet(out / "layers.parquet").iloc[: len(layers)]
+    lay.assign(layer=layers).to_parquet(out / "layers.parquet", index=False)
+    return RunView(str(out))
+
+
+def test_comparison_figure_matches_layers_as_compare_does(tmp_path):
+    """x is the layer when compare matches layers by index (same blocks, whatever
+    ``--layers`` measured), else ``depth`` = layer / blocks. It went by the number of rows and
+    divided by the last layer measured: a run of layers 0..2 of a 4-block model was drawn at
+    0, 0.5, 1 beside the other run's 0..4, so its layer 2 sat over the other's layer 4."""
+    from embgeom_ray.report.figures.common import kept
+    from embgeom_ray.report.figures.compare import plot_comparison
+    from embgeom_ray.runs.compare import BY_DEPTH, BY_INDEX, layer_matching
+
+    src = fabricate_run(tmp_path / "src", n_layers=5, optional=False)  # 4 blocks
+    full = RunView(str(src), "full")
+    cases = {
+        "first3": (_with_layers(src, tmp_path / "first3", [0, 1, 2], 4), BY_INDEX),
+        "deeper": (_with_layers(src, tmp_path / "deeper", [0, 2, 4, 6, 8], 8), BY_DEPTH),
+    }
+    xs = {}
+    for name, (run, mode) in cases.items():
+        assert layer_matching([full, run])[0] == mode
+        with kept() as figs:
+            plot_comparison([full, run], ["full", name], str(tmp_path / name), ["anisotropy"], {})
+        xs[name] = [list(line.get_xdata()) for line in figs["compare_metrics"].axes[0].get_lines()]
+    assert xs["first3"] == [[0, 1, 2, 3, 4], [0, 1, 2]]
+    quarters = [0.0, 0.25, 0.5, 0.75, 1.0]
+    assert xs["deeper"] == [quarters, quarters]

@@ -10,7 +10,7 @@ import matplotlib as mpl
 import numpy as np
 
 from ...core import metric_registry as registry
-from ...run_view import RunView
+from ...run_view import RunView, by_depth
 from .common import hide_unused, new_figure, save, styled
 
 #: metrics overlaid in the comparison, when present in any run (in this order): those the
@@ -41,10 +41,12 @@ def plot_comparison(
     metrics: list[str],
     headers: Mapping[str, str],
 ) -> str:
-    """``out_dir/plots/compare_metrics.png``: each of ``metrics`` by layer (or by relative
-    depth when the runs have different numbers of layers), one line per run; panel titles
-    from ``headers`` (a metric's column header); returns the path."""
-    relative = len({len(r.layers) for r in runs}) > 1
+    """``out_dir/plots/compare_metrics.png``: each of ``metrics`` by layer, or by relative
+    depth layer / blocks (:meth:`RunView.depth`, the ``depth`` of ``comparison.parquet``) when
+    the runs' models have different numbers of blocks and ``jobs.compare`` matches their layers
+    by depth (:func:`~embgeom_ray.run_view.by_depth`); one line per run; panel titles from
+    ``headers`` (a metric's column header); returns the path."""
+    relative = by_depth(runs)
     ncols = min(4, len(metrics))
     nrows = math.ceil(len(metrics) / ncols)
     cmap = mpl.colormaps["tab10"]
@@ -60,7 +62,7 @@ def plot_comparison(
                     continue
                 x = run.layers["layer"].to_numpy(dtype=np.float64)
                 if relative:
-                    x = x / max(x.max(), 1)
+                    x = np.array([run.depth(int(layer)) for layer in x], dtype=np.float64)
                 ax.plot(
                     x,
                     v,
@@ -79,11 +81,11 @@ def plot_comparison(
             mark = " · sampled" if sampled(metric) and "sampled" not in header else ""
             ax.set_title(f"{header}  ({metric}){mark}", fontsize=9)
             ax.set_ylabel(header, fontsize=8)
-            ax.set_xlabel("layer / last layer" if relative else "layer", fontsize=8)
+            ax.set_xlabel("layer / blocks" if relative else "layer", fontsize=8)
         hide_unused(axes, len(metrics))
         _legend(fig, axes, len(metrics))
         xdesc = (
-            "x: relative depth, layer / last layer (the runs have different numbers of layers)"
+            "x: relative depth, layer / blocks (the runs' models have different numbers of blocks)"
             if relative
             else "x: layer (hidden_states index; 0 = embedding output)"
         )
