@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from .core.options import TableOptions
 from .run_dir import Manifest, RunDir, RunDirError
 
 #: what joins the corpora of a merged run in its name (:attr:`RunView.corpus`)
@@ -164,7 +165,9 @@ class RunView:
 
     @property
     def min_count(self) -> int:
-        return int(self.config.get("min_count") or 5)
+        """The ``--min-count`` of the run's ``norm_variance_corr``: its config's, else the
+        option's default (:class:`~embgeom_ray.core.options.TableOptions`)."""
+        return int(self.config.get("min_count") or TableOptions().min_count)
 
     @property
     def tag(self) -> str:

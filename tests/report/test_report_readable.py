@@ -612,7 +612,61 @@ def test_the_cosine_caption_says_anisotropy_averages_distinct_pairs(tmp_path):
 
 
 # --------------------------------------------------------------------------------------------
-# one place per number: the figures match layers as compare does
+# one place per number: the figures read the tables' values, and match layers as compare does
+
+
+def _panel_r(ax) -> str:
+    return next(t.get_text() for t in ax.texts if t.get_text().startswith("r = "))
+
+
+def test_norm_variance_panels_print_the_tables_norm_variance_corr(tmp_path):
+    """Each panel's r is the layer's ``norm_variance_corr`` from layers.parquet; it was
+    computed again from the types scattered (a second copy of the correlation). The
+    fabricated run's table says −0.5 − 0.08 · layer, its scattered types something else."""
+    from embgeom_ray.report.figures.common import kept
+    from embgeom_ray.report.figures.norms import plot_norm_variance
+
+    out = fabricate_run(tmp_path / "run", n_layers=3, optional=False)
+    with kept() as figs:
+        _, caption = plot_norm_variance(RunView(str(out)))
+    panels = figs["norm_variance"].axes[:3]
+    assert [_panel_r(ax) for ax in panels] == ["r = −0.50", "r = −0.58", "r = −0.66"]
+    assert "most negative at layer 2 (−0.66) and largest at layer 0 (−0.50)" in caption
+
+
+def test_variance_split_draws_the_tables_within_ratio_only(tmp_path):
+    """The ratio line is the table's ``within_ratio``; a table without it gets no line, not
+    V_W / (V_W + V_B) worked out again in the figure."""
+    from embgeom_ray.report.figures.common import kept
+    from embgeom_ray.report.figures.norms import plot_variance_split
+
+    out = fabricate_run(tmp_path / "run", n_layers=3, optional=False)
+    lay = pd.read_parquet(out / "layers.parquet")
+    lay.assign(within_ratio=[0.25, 0.5, 0.75]).to_parquet(out / "layers.parquet", index=False)
+    with kept() as figs:
+        plot_variance_split(RunView(str(out)))
+    line = figs["variance_split"].axes[1].get_lines()[0]
+    assert list(line.get_ydata()) == [0.25, 0.5, 0.75]
+    lay.drop(columns="within_ratio").to_parquet(out / "layers.parquet", index=False)
+    with kept() as figs:
+        _, caption = plot_variance_split(RunView(str(out)))
+    assert not np.isfinite(figs["variance_split"].axes[1].get_lines()[0].get_ydata()).any()
+    assert "Here it goes" not in caption
+
+
+def test_isoscore_silhouette_r_is_the_manifests_correlation(crafted):
+    """The legend's r is :func:`isoscore_silhouette_correlation` of the table, the function
+    that writes the manifest's ``sample.isoscore_silhouette_corr``."""
+    from embgeom_ray.core.sampled_metrics import isoscore_silhouette_correlation
+    from embgeom_ray.report.figures.clusters import plot_isoscore_silhouette
+    from embgeom_ray.report.figures.common import fmt, kept
+
+    run = RunView(str(crafted))
+    with kept() as figs:
+        plot_isoscore_silhouette(run)
+    labels = figs["isoscore_silhouette"].axes[0].get_legend_handles_labels()[1]
+    r = isoscore_silhouette_correlation(run.layers)
+    assert np.isfinite(r) and labels[0] == f"K-means clusters  (r = {fmt(r)})"
 
 
 def _with_layers(src: Path, out: Path, layers: list[int], blocks: int) -> RunView:

@@ -8,8 +8,9 @@ import numpy as np
 import pandas as pd
 from matplotlib.ticker import NullFormatter
 
+from ...core.sampled_metrics import isoscore_silhouette_correlation
 from ...run_view import RunView
-from .common import COLORS, MARKERS, fmt, int_layers, line, new_figure, pearson, save, styled, title
+from .common import COLORS, MARKERS, fmt, int_layers, line, new_figure, save, styled, title
 
 #: appended to a k whose best k is the largest k of the K-means scan
 AT_CAP_MARK = "▲"
@@ -203,7 +204,9 @@ def plot_intrinsic_dimension(run: RunView) -> tuple[str | None, str]:
 
 
 def plot_isoscore_silhouette(run: RunView) -> tuple[str | None, str]:
-    """IsoScore against silhouette, one point per layer (Mickus et al. 2024)."""
+    """IsoScore against silhouette, one point per layer (Mickus et al. 2024); each r is
+    :func:`~embgeom_ray.core.sampled_metrics.isoscore_silhouette_correlation`, the function
+    behind the manifest's ``sample.isoscore_silhouette_corr``."""
     col = run.layer_col
     iso = col("isoscore")
     sils = {c: col(c) for c in ("kmeans_silhouette", "silhouette_types") if col(c) is not None}
@@ -219,7 +222,8 @@ def plot_isoscore_silhouette(run: RunView) -> tuple[str | None, str]:
         ax = fig.add_subplot()
         sc = None
         for c, s in sils.items():
-            rs[c] = pearson(s, iso)
+            # the manifest's sample.isoscore_silhouette_corr (for kmeans_silhouette): one formula
+            rs[c] = isoscore_silhouette_correlation(run.layers, "isoscore", c)
             sc = ax.scatter(
                 s,
                 iso,

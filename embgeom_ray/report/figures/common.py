@@ -134,14 +134,6 @@ def grid(n: int) -> tuple[int, int]:
     return ncols, math.ceil(n / ncols)
 
 
-def pearson(x: np.ndarray, y: np.ndarray) -> float:
-    """Pearson's r over the finite pairs; NaN with fewer than 3 or a constant side."""
-    ok = np.isfinite(x) & np.isfinite(y)
-    if ok.sum() < 3 or np.std(x[ok]) == 0 or np.std(y[ok]) == 0:
-        return float("nan")
-    return float(np.corrcoef(x[ok], y[ok])[0, 1])
-
-
 def fmt(v: float, digits: int = 2) -> str:
     """``v`` with ``digits`` decimals and a true minus sign; ``n/a`` when not finite."""
     return "n/a" if v is None or not np.isfinite(v) else f"{v:.{digits}f}".replace("-", "−")

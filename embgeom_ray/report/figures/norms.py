@@ -16,7 +16,6 @@ from .common import (
     hide_unused,
     int_layers,
     new_figure,
-    pearson,
     save,
     styled,
     title,
@@ -26,13 +25,11 @@ MAX_SCATTER_POINTS = 30_000  # per panel of the norm/variance scatter (r uses ev
 
 
 def _norm_variance_panel(
-    ax, d: pd.DataFrame, min_count: int, norm: Normalize, rng: np.random.Generator
-) -> tuple[float, bool, object]:
-    """One layer's scatter (types ``d``) with its Q̄ curve and r; returns (r, subsampled, the
-    scatter)."""
+    ax, d: pd.DataFrame, r: float, norm: Normalize, rng: np.random.Generator
+) -> tuple[bool, object]:
+    """One layer's scatter (types ``d``) with its Q̄ curve and ``r``, the layer's
+    ``norm_variance_corr`` as the table holds it; returns (subsampled, the scatter)."""
     x, y, n = (d[c].to_numpy(dtype=np.float64) for c in ("mean_norm", "variance", "count"))
-    sel = n >= min_count
-    r = pearson(x[sel], y[sel])
     idx = np.arange(len(x))
     subsampled = len(idx) > MAX_SCATTER_POINTS
     if subsampled:
@@ -67,7 +64,16 @@ def _norm_variance_panel(
         fontsize=9,
         bbox={"boxstyle": "round,pad=0.25", "fc": "white", "ec": "#bbbbbb"},
     )
-    return r, subsampled, sc
+    return subsampled, sc
+
+
+def _layer_values(run: RunView, column: str) -> dict[int, float]:
+    """``layers.parquet``'s ``column`` by layer (NaN where absent or not a number)."""
+    values = run.layer_col(column)
+    layers = run.layers["layer"].to_numpy()
+    if values is None:
+        return {int(layer): float("nan") for layer in layers}
+    return {int(layer): float(v) for layer, v in zip(layers, values, strict=True)}
 
 
 def _norm_variance_caption(rs: dict[int, float], min_count: int, subsampled: bool) -> str:
@@ -101,7 +107,8 @@ def plot_norm_variance(run: RunView) -> tuple[str | None, str]:
 
     Yamagiwa et al. (2024): Q_t = ||μ_t||² + V_t, and LayerNorm keeps Q_t nearly constant, so
     frequent types with a long mean vector vary little; the Pearson r printed in each panel is
-    over types with n_t ≥ min_count, like ``norm_variance_corr``. The dashed curve is
+    the layer's ``norm_variance_corr`` (over types with n_t ≥ min_count), read from
+    ``layers.parquet``, not computed again from the scattered types. The dashed curve is
     V = Q̄ − ||μ||², with Q̄ the count-weighted mean of Q_t in that layer.
     """
     ts = run.type_stats
@@ -114,13 +121,12 @@ def plot_norm_variance(run: RunView) -> tuple[str | None, str]:
         axes = np.atleast_1d(fig.subplots(nrows, ncols, squeeze=False)).ravel()
         norm = Normalize(0.0, max(float(np.log10(ts["count"].max())), 1.0))
         rng = np.random.default_rng(0)
-        rs: dict[int, float] = {}
+        table_r = _layer_values(run, "norm_variance_corr")
+        rs = {layer: table_r.get(layer, float("nan")) for layer in layers}
         subsampled = False
         sc = None
         for ax, layer in zip(axes, layers, strict=False):
-            rs[layer], cut, sc = _norm_variance_panel(
-                ax, ts[ts["layer"] == layer], run.min_count, norm, rng
-            )
+            cut, sc = _norm_variance_panel(ax, ts[ts["layer"] == layer], rs[layer], norm, rng)
             subsampled |= cut
             ax.set_title(f"layer {layer}")
         hide_unused(axes, len(layers))
@@ -141,10 +147,8 @@ def plot_variance_split(run: RunView) -> tuple[str | None, str]:
     if within is None or between is None:
         return None, "Not drawn: layers.parquet has no within/between variance."
     layers = run.layers["layer"].to_numpy()
-    ratio = run.layer_col("within_ratio")
-    if ratio is None:
-        with np.errstate(invalid="ignore", divide="ignore"):
-            ratio = within / (within + between)
+    # the table's within_ratio, V_W / V: not recomputed here (a second copy of the formula)
+    ratio = np.array(list(_layer_values(run, "within_ratio").values()), dtype=np.float64)
     with styled():
         fig = new_figure(8.5, 4.4)
         ax = fig.add_subplot()
