@@ -11,7 +11,8 @@ definition and its paper. Everything else reads these declarations:
 - the tables' column lists: ``core.metrics.LAYER_COLUMNS``, ``TYPE_COLUMNS`` and
   ``DIM_COLUMNS``, ``core.rogue.FLAG_COLUMNS``, ``core.sampled_metrics.SAMPLED_LAYER_COLUMNS``
   and ``SE_METRICS``, ``core.tables.KMEANS_COLUMNS`` (:func:`columns`);
-- the report's per-layer tables (``report.html.COLUMNS``, ``EXACT_COLUMNS``: :func:`report_columns`);
+- the report's per-layer tables (``report.html.COLUMNS``, ``EXACT_COLUMNS``, ``SAMPLED_COLUMNS``:
+  :func:`report_columns`);
 - the comparison's figure and ranking (``report.figures.compare.COMPARE_METRICS``,
   ``runs.compare.NOT_RANKED``, ``SAMPLED``, ``CLUSTER_ADJUSTED``, ``BEST_K_DEPENDENT``);
 - the summary a run prints (``run_dir.format_summary``: :func:`summary_columns`);

@@ -76,17 +76,10 @@ SE_OF = list(registry.SE_METRICS)
 SE_COLUMNS = list(registry.SE_COLUMNS)
 #: the exact table: the registry's exact section of ``layers.parquet``
 EXACT_COLUMNS = registry.columns(registry.LAYERS, registry.EXACT_SECTION)
-# fmt: off
-#: the clipping table: each clipped value beside its unclipped counterpart of the SAME
-#: estimator (sampled beside sampled, exact beside exact), see :func:`clipping_columns`
-ROGUE_COLUMNS = [
-    "layer", "n_outlier_dims", "outlier_dims", "isoscore", "isoscore_clipped",
-    "anisotropy_sampled", "anisotropy_clipped", "s_inter_sampled", "s_inter_clipped",
-    "s_intra_sampled", "s_intra_clipped", "clip_dims_exact", "anisotropy",
-    "anisotropy_clipped_exact", "s_inter", "s_inter_clipped_exact", "s_intra",
-    "s_intra_clipped_exact", "isoscore_clipped_exact",
-]
-# fmt: on
+#: the sampled table: the registry's sampled section, the columns with a header (the sampled
+#: clipped cosines are its clipping section's, in the clipping table: :func:`clipping_table_html`)
+SAMPLED_COLUMNS = [c for c in registry.columns(registry.LAYERS, registry.SAMPLED_SECTION)
+                   if c in COLUMNS]  # fmt: skip
 
 #: the mark of a best k at the cap of the grown K-means search (no interior optimum)
 AT_CAP = "▲ at cap"
@@ -865,14 +858,7 @@ def render_report(run: RunView, figures: Sequence[Figure]) -> str:
             f'<div class="banner"><b>This run is not complete</b> (manifest status: '
             f"{_e(run.status)}). Its tables may be partial or from an earlier run.</div>"
         )
-    sampled = [
-        c
-        for c in COLUMNS
-        if c not in EXACT_COLUMNS
-        and c not in ROGUE_COLUMNS
-        and c not in SE_COLUMNS
-        and c in layers.columns
-    ]
+    sampled = [c for c in SAMPLED_COLUMNS if c in layers.columns]
     se = [c for c in SE_COLUMNS if c in layers.columns]
     n_tokens = layers["n_tokens"].max() if "n_tokens" in layers.columns else None
     table = layers_table_html(layers, EXACT_COLUMNS)

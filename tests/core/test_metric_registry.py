@@ -111,7 +111,7 @@ def test_what_reads_the_registry() -> None:
     ]
     layer_columns = set(registry.layer_columns())
     # the lists the report and the comparison still write out name declared columns
-    for listed in (html.COLUMNS, html.ROGUE_COLUMNS, COMPARE_METRICS, compare.NOT_RANKED,
+    for listed in (html.COLUMNS, html.SAMPLED_COLUMNS, COMPARE_METRICS, compare.NOT_RANKED,
                    compare.SAMPLED, compare.CLUSTER_ADJUSTED, compare.BEST_K_DEPENDENT):  # fmt: skip
         assert set(listed) <= layer_columns
     assert compare.BEST_K_DEPENDENT == ("kmeans_stability",)
@@ -164,3 +164,28 @@ def test_cosine_definitions_say_which_pairs() -> None:
     docs = (Path(__file__).parents[2] / "docs" / "outputs.md").read_text(encoding="utf-8")
     row = next(r for r in docs.splitlines() if r.startswith("| `anisotropy` |"))
     assert "i ≠ j" in row and "(‖U‖² − N) / (N(N − 1))" in row
+
+
+def test_the_reports_tables_and_figures_read_declared_columns() -> None:
+    """The report's tables take their columns from the registry: the sampled table is its
+    sampled section (a hand-kept list of the clipping columns decided what it left out, so a
+    new clipping column would have landed in it), the clipping table its clipping section.
+    Every column a figure draws is declared: a renamed column would otherwise vanish from the
+    figure without a word (``RunView.layer_col`` gives None for a column a run lacks)."""
+    from embgeom_ray.report import html
+    from embgeom_ray.report.figures import clusters, isotropy
+    from embgeom_ray.report.figures.clipping import clipping_pairs
+
+    sampled = registry.columns(registry.LAYERS, registry.SAMPLED_SECTION)
+    assert html.SAMPLED_COLUMNS == [c for c in sampled if registry.metric(c).header]
+    assert not {"anisotropy_clipped", "s_inter_sampled"} & set(html.SAMPLED_COLUMNS)
+    every = registry.layer_columns()
+    pairs = clipping_pairs(every)
+    clipped = {c for p in pairs for c in (p.base, p.clipped)}
+    clipping = set(registry.columns(registry.LAYERS, registry.CLIPPING_SECTION))
+    keys = {"n_outlier_dims", "outlier_dims", "clip_dims_exact"}  # the table's own columns
+    assert clipping - keys <= clipped <= set(every)
+    drawn = [c for c, *_ in (*isotropy.COSINE_LINES, *isotropy.ISOTROPY_LINES)]
+    drawn += [*clusters.LID_COLUMNS, *clusters.LID_LABELS, *clusters.SILHOUETTE_LABELS]
+    drawn += ["norm_variance_corr", "within_variance", "between_variance", "within_ratio"]
+    assert set(drawn) <= set(every)
