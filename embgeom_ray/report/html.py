@@ -1052,15 +1052,16 @@ def _changes_html(
     baseline: str,
     matching_note: str,
     warning: str | None = None,
-    agreed: int = 0,
+    unchanged: str = "",
     sampled_tests: Sequence[str] = (),
 ) -> str:
     """The changes of :func:`embgeom_ray.runs.compare.changes_table` as HTML, in three lists
     (:data:`CHANGE_LISTS`: exact, sampled, not comparable), each in the table's order, with
     the comparison's size warning above them and ``sampled_tests`` (one line per run: how many
     sampled changes were tested, how many chance alone would put beyond noise) above the
-    sampled list; ``agreed`` differences within the bounds of the same result are counted,
-    not listed, like the rows of layers whose k decision is not robust."""
+    sampled list; differences within the bounds of the same result are not listed, like the
+    rows of layers whose k decision is not robust. With no change listed, ``unchanged``: the
+    line compare prints then (:func:`embgeom_ray.runs.compare.unchanged_line`)."""
     banner = (
         f'<div class="banner"><b>Runs of very different sizes.</b> {_e(warning)}</div>'
         if warning
@@ -1069,16 +1070,7 @@ def _changes_html(
     if "evidence" in df.columns:
         df = df.loc[(df["change"] != 0) & ~df["evidence"].isin(("agree", "k not robust"))]
     if not len(df):
-        if agreed:
-            return banner + (
-                '<p class="note">No change: every metric agrees with the baseline\'s, exact ones '
-                "within 1e-6 relative (their stated bound), sampled ones within 1e-4 relative "
-                f"(how far the forward's rounding moves one sample); {agreed} differ within "
-                "these bounds.</p>"
-            )
-        return banner + (
-            '<p class="note">No layer is shared by the runs, so there is nothing to compare.</p>'
-        )
+        return banner + f'<p class="note">{_e(unchanged[:1].upper() + unchanged[1:])}.</p>'
     parts = [banner]
     for title, groups, about in CHANGE_LISTS:
         rows = df.loc[df["evidence"].isin(groups)] if "evidence" in df.columns else df
@@ -1165,7 +1157,7 @@ def write_comparison_report(
     matching_note: str,
     labels: Sequence[str] | None = None,
     warning: str | None = None,
-    agreed: int = 0,
+    unchanged: str = "no metric changed",
     sampled_tests: Sequence[str] = (),
 ) -> str:
     """Write ``out_dir/report.html`` comparing runs layer by layer; returns its path.
@@ -1178,9 +1170,10 @@ def write_comparison_report(
     numbers of blocks: :func:`~embgeom_ray.run_view.by_depth`), the largest ``changes`` — the table
     :func:`embgeom_ray.runs.compare.changes_table` computed, layers matched as
     ``matching_note`` says, in three lists: exact, sampled (under ``sampled_tests``, one line
-    per run on how its sampled changes stand against chance) and not comparable; ``agreed``
-    differences within the bounds of the same result are not among them — and each run's
-    headline table. Raises :class:`~embgeom_ray.run_dir.RunDirError` for a
+    per run on how its sampled changes stand against chance) and not comparable; differences
+    within the bounds of the same result are not among them, and with no change listed the
+    page says ``unchanged`` (:func:`embgeom_ray.runs.compare.unchanged_line`) — and each
+    run's headline table. Raises :class:`~embgeom_ray.run_dir.RunDirError` for a
     directory that is not a run, ``ValueError`` for fewer than two runs.
     """
     if len(run_dirs) < 2:
@@ -1232,7 +1225,7 @@ def write_comparison_report(
         f"coincide mean the runs agree; exact metrics of the same model on two corpora differ "
         f"only through the text.</div>{_figure_html(fig)}</section>"
         f'<section id="sec-changes"><h2>Largest changes</h2>'
-        f"{_changes_html(changes, labels[0], matching_note, warning, agreed, sampled_tests)}"
+        f"{_changes_html(changes, labels[0], matching_note, warning, unchanged, sampled_tests)}"
         "</section>"
         f'<section id="sec-tables"><h2>Per-run tables</h2>{per_run}</section>'
         f"<footer>Generated {_e(_when(now()))} by embgeom_ray {__version__}. Self-contained: no network "

@@ -869,13 +869,13 @@ def compare_runs(
     echo(f"{compared_line(labels)}; {note}")
     if warning:
         echo(f"warning: {warning}")
-    _echo_changes(lists, moved, tests, labels[0], echo)
+    _echo_changes(changes, lists, moved, tests, labels[0], echo)
     _echo_rogue(rogue_summary, echo)
     for n in summary["clustering_changed"] + summary["clipping_changed"] + summary["k_not_robust"]:
         echo(f"note: {n}")
     for n in rogue_notes:
         echo(f"note: {n}")
-    _write_report(runs, out, pd.concat(list(lists.values())), summary, echo)
+    _write_report(runs, out, changes, pd.concat(list(lists.values())), summary, echo)
     atomic_write_json(join(out, SUMMARY), seal(summary))
     echo(f"outputs in {out}: {', '.join([*files, SUMMARY])}")
     return summary
@@ -924,7 +924,25 @@ def _run_summary(r: RunView) -> dict[str, Any]:
     }
 
 
+def unchanged_line(changes: pd.DataFrame, baseline: str) -> str:
+    """What compare prints, and its report shows, when no list has a change: that no layer
+    was matched (``changes`` has no row: runs of one model that measured no layer in common),
+    that every difference is within the bounds of the same result (:func:`agrees`), or that
+    no metric changed at all."""
+    if not len(changes):
+        return "no layer of one run was matched with a layer of another: nothing to compare"
+    same = int(((changes["change"] != 0) & (changes["evidence"] == AGREE)).sum())
+    if same:
+        return (
+            f"no change: every metric agrees with {baseline}'s (exact ones within "
+            f"{EXACT_BOUND:g} relative, sampled ones within {SAMPLED_BOUND:g}; {same} differ "
+            "within these bounds)"
+        )
+    return "no metric changed"
+
+
 def _echo_changes(
+    changes: pd.DataFrame,
     lists: dict[str, pd.DataFrame],
     moved: pd.DataFrame,
     tests: dict[str, dict[str, Any]],
@@ -935,16 +953,10 @@ def _echo_changes(
     chance (:func:`sampled_tests`) and the ten first sampled ones, each list in the order of
     :func:`changes_table` (``lists``: ``exact``, ``sampled``, ``not_comparable``), how many of
     the non-zero changes ``moved`` are within noise, not comparable or agree within the
-    bounds; or that no metric changed."""
+    bounds; or, when no list has a change, :func:`unchanged_line`."""
     same = int((moved["evidence"] == AGREE).sum())
     if not any(len(df) for df in lists.values()):
-        echo(
-            f"no change: every metric agrees with {baseline}'s (exact ones within "
-            f"{EXACT_BOUND:g} relative, sampled ones within {SAMPLED_BOUND:g}; {same} differ "
-            "within these bounds)"
-            if same
-            else "no metric changed"
-        )
+        echo(unchanged_line(changes, baseline))
         return
     exact, sampled = lists["exact"], lists["sampled"]
     if len(exact):
@@ -994,12 +1006,14 @@ def _echo_rogue(rogue_summary: dict[str, Any], echo: Callable[[str], None]) -> N
 def _write_report(
     runs: Sequence[RunView],
     out: str,
+    changes: pd.DataFrame,
     listed: pd.DataFrame,
     summary: dict[str, Any],
     echo: Callable[[str], None],
 ) -> None:
     """Write ``report.html`` (:func:`~embgeom_ray.report.html.write_comparison_report`: the
-    ``listed`` changes, each list's ``--top`` largest) and record it in ``summary`` (``report`` and ``files``), or, when it fails, record and print
+    ``listed`` changes, each list's ``--top`` largest, or, with none, what
+    :func:`unchanged_line` says of ``changes``) and record it in ``summary`` (``report`` and ``files``), or, when it fails, record and print
     why (``report_error``): the tables are written already and must not be lost."""
     try:
         from ..report.html import write_comparison_report
@@ -1007,7 +1021,7 @@ def _write_report(
         write_comparison_report(
             runs, out, changes=listed,
             matching_note=summary["layer_matching_note"], labels=[r.label for r in runs],
-            warning=summary["size_warning"], agreed=summary["evidence_counts"][AGREE],
+            warning=summary["size_warning"], unchanged=unchanged_line(changes, summary["baseline"]),
             sampled_tests=[tests_line(run, t) for run, t in summary["sampled_tests"].items()],
         )  # fmt: skip
     except Exception as exc:  # the tables are written; a plotting failure must not lose them

@@ -565,6 +565,8 @@ def test_differences_within_the_bounds_are_no_change(tmp_path, capsys) -> None:
     assert summary["largest_changes"] == []
     assert "no change: every metric agrees with one_shard's" in printed
     assert "3 differ within these bounds" in printed
+    html = (tmp_path / "cmp" / "report.html").read_text()
+    assert "No change: every metric agrees with one_shard&#x27;s (exact ones within 1e-06" in html
     assert summary["evidence_counts"]["agree"] == 3
     assert sum(n for e, n in summary["evidence_counts"].items() if e != "agree") == 0
     changes = pd.read_parquet(tmp_path / "cmp" / "changes.parquet")
@@ -580,6 +582,27 @@ def test_differences_within_the_bounds_are_no_change(tmp_path, capsys) -> None:
     summary = compare_runs([a, c], str(tmp_path / "cmp2"), echo=print)
     assert [r["metric"] for r in summary["largest_changes"]] == ["norm_variance_corr"]
     assert summary["largest_changes"][0]["evidence"] == "exact"
+
+
+def test_the_report_says_what_compare_prints_when_nothing_changed(tmp_path, capsys) -> None:
+    """With no change to list, compare prints one line and its report shows the same
+    (``unchanged_line``): the report decided on its own and said "No layer is shared by the
+    runs" of two runs that share every layer and agree bit for bit, while compare printed
+    "no metric changed" of two runs that share no layer."""
+    a = make_run(tmp_path / "a", BASE_LAYERS, {})
+    cases = {
+        "same": (make_run(tmp_path / "same", BASE_LAYERS, {}), "no metric changed"),
+        "deeper": (
+            make_run(tmp_path / "deeper", BASE_LAYERS | {"layer": [3, 4, 5]}, {}, num_layers=2),
+            "no layer of one run was matched with a layer of another: nothing to compare",
+        ),
+    }
+    for name, (run, line) in cases.items():
+        summary = compare_runs([a, run], str(tmp_path / f"cmp-{name}"), echo=print)
+        assert line in capsys.readouterr().out.splitlines(), name
+        assert summary["layer_matching"] == BY_INDEX and summary["largest_changes"] == []
+        html = (tmp_path / f"cmp-{name}" / "report.html").read_text()
+        assert f'<p class="note">{line[0].upper()}{line[1:]}.</p>' in html, name
 
 
 def test_a_k_that_moved_without_a_robust_decision_is_not_a_change(tmp_path, capsys) -> None:
