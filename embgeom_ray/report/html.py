@@ -996,7 +996,10 @@ def _evidence_cell(r: pd.Series) -> str:
     return f'<b title="|z| ≥ 2: beyond the sampling noise; q: its false discovery rate">{text}</b>'
 
 
-#: the report's lists of changes: (title, the evidence groups it holds, what it says first)
+#: the report's lists of changes: (title, the evidence groups it holds, what it says first).
+#: The report sits below ``runs.compare`` and cannot import its names: the groups are
+#: ``EXACT_LIST``, ``SAMPLED_LIST`` and ``APART_LIST`` there, the numbers its ``EXACT_BOUND``,
+#: ``SAMPLED_BOUND`` and ``NOISE_Z`` (tests/runs/test_compare.py holds them equal)
 CHANGE_LISTS = (
     ("Exact metrics", ("exact",),
      "Computed over every counted token: no sampling error, so any difference beyond 1e-6 "
@@ -1014,6 +1017,9 @@ CHANGE_LISTS = (
      "set of flagged outlier dimensions, or of --clip-dims): the hover text says which. Ranked "
      "by |Δ| over the range."),
 )  # fmt: skip
+#: the evidence of the rows of ``changes.parquet`` that are not changes (``runs.compare``'s
+#: ``NOT_A_CHANGE``): a k decision that is not robust, a difference within the bounds
+NOT_A_CHANGE = ("k not robust", "agree")
 
 
 def _changes_table_html(df: pd.DataFrame, baseline: str) -> str:
@@ -1068,7 +1074,7 @@ def _changes_html(
         else ""
     )
     if "evidence" in df.columns:
-        df = df.loc[(df["change"] != 0) & ~df["evidence"].isin(("agree", "k not robust"))]
+        df = df.loc[(df["change"] != 0) & ~df["evidence"].isin(NOT_A_CHANGE)]
     if not len(df):
         return banner + f'<p class="note">{_e(unchanged[:1].upper() + unchanged[1:])}.</p>'
     parts = [banner]

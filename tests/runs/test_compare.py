@@ -605,6 +605,33 @@ def test_the_report_says_what_compare_prints_when_nothing_changed(tmp_path, caps
         assert f'<p class="note">{line[0].upper()}{line[1:]}.</p>' in html, name
 
 
+def test_the_report_lists_changes_by_compares_evidence_and_bounds() -> None:
+    """The report cannot import runs.compare (it sits below it): its lists name compare's
+    evidence groups, and its texts compare's bounds. A group renamed in one place only would
+    leave its rows out of the report's lists."""
+    from embgeom_ray.report import html
+    from embgeom_ray.runs import compare
+
+    assert [groups for _, groups, _ in html.CHANGE_LISTS] == [
+        compare.EXACT_LIST, compare.SAMPLED_LIST, compare.APART_LIST,
+    ]  # fmt: skip
+    assert html.NOT_A_CHANGE == compare.NOT_A_CHANGE
+    (_, _, exact), (_, _, sampled), _ = html.CHANGE_LISTS
+
+    def text(bound: float) -> str:
+        return f"{bound:.0e}".replace("e-0", "e-")  # 1e-6, as the texts write it
+
+    assert f"beyond {text(compare.EXACT_BOUND)} relative" in exact
+    assert f"|z| ≥ {compare.NOISE_Z:g}" in sampled and f"(|z| < {compare.NOISE_Z:g})" in sampled
+    row = dict.fromkeys(compare.CHANGE_COLUMNS, 0.0) | {
+        "run": "b", "metric": "isoscore", "layer": 1, "run_layer": 1, "change": 0.5,
+        "kind": "exact", "evidence": "exact", "not_comparable": "",
+    }  # fmt: skip
+    page = html._changes_html(pd.DataFrame([row]), "a", "layers matched by index")
+    bounds = f"exact metrics {text(compare.EXACT_BOUND)}, sampled {text(compare.SAMPLED_BOUND)}"
+    assert f"({bounds} relative)" in page
+
+
 def test_a_k_that_moved_without_a_robust_decision_is_not_a_change(tmp_path, capsys) -> None:
     """Layer 0 chose k = 2 and then k = 1, but the baseline's decision had the support of 55%
     of its resamples only: not comparable, not a change. Layer 1 moved from k = 3 to 4 with
