@@ -113,6 +113,11 @@ STABILITY_SEEDS: int = _DEFAULTS.kmeans_stability_seeds
 SILHOUETTE_MAX_POINTS: int = _DEFAULTS.silhouette_max_points
 #: bootstrap resamples behind ``k_support`` and ``structure_support`` (:func:`decision_support`)
 SUPPORT_RESAMPLES = 200
+#: a k decision is robust when at least this share of the bootstrap resamples take it: below,
+#: the sample does not settle it (``kmeans_k_support``; ``jobs.compare`` then treats a moved k
+#: as not comparable, the report says so). The registry's and docs/outputs.md's texts spell it,
+#: checked by tests/core/test_metric_registry.py
+ROBUST_SUPPORT = 0.9
 #: dtype of the one-process fits' distances (float32: the activations' own precision)
 LOCAL_DTYPE: type[np.floating] = np.float32
 #: samples with n·d at most this (4096 points × d = 8192, 256 MiB in float64) are fitted in one

@@ -25,6 +25,7 @@ import numpy as np
 import pandas as pd
 
 from ..core import metric_registry as registry
+from ..core.kmeans_selection import ROBUST_SUPPORT
 from ..io_utils import atomic_write_bytes, exists, is_local, join, local_path, read_bytes
 from ..run_dir import Manifest, ModelInfo, RunDir, TokenizerInfo, now
 from ..run_view import RunView, by_depth, corpus_label, model_name, short_name
@@ -120,7 +121,8 @@ HOW_TO_READ: dict[str, str] = {
         "are reproducible, low values mean the partition is one of many of similar quality. "
         "<b>Support</b> (0…1) says how sure the k decision is: the share of bootstrap resamples "
         "of the sample that take the same k (“k support”) and the same k = 1 vs k ≥ 2 decision; "
-        "below 0.9 the sample does not settle it. Each k's partition is the lowest inertia of "
+        f"below {ROBUST_SUPPORT:g} the sample does not settle it. Each k's partition is the "
+        "lowest inertia of "
         "k-means++ seedings, warm starts from the previous k (--kmeans-n-init of each: 3 "
         "when the scan goes past 15, else 10) and a start from the next k's partition. "
         "<b>Cluster-adjusted metrics</b> subtract each cluster's mean first. Cai's columns "

@@ -59,6 +59,7 @@ import pandas as pd
 from scipy import stats
 
 from ..core import metric_registry as registry
+from ..core.kmeans_selection import ROBUST_SUPPORT
 from ..core.options import SampleOptions
 from ..core.rogue import flagged_dims
 from ..errors import UserError
@@ -87,9 +88,6 @@ EXACT_BOUND = 1e-6
 #: rounding (another sharding or batch size) moves a sampled metric of the same sample
 #: (tests/runs/test_sharding_invariance.py)
 SAMPLED_BOUND = 1e-4
-#: a k decision is robust when at least this share of the bootstrap resamples of its run take
-#: it (``kmeans_k_support``, :func:`embgeom_ray.core.kmeans_selection.decision_support`)
-ROBUST_SUPPORT = 0.9
 #: the evidence of a change, best first: the order of :func:`changes_table`
 BEYOND_NOISE, EXACT_CHANGE, NO_SE, WITHIN_NOISE, CLUSTERING_CHANGED, CLIPPING_CHANGED = (
     "beyond noise", "exact", "no standard error", "within noise", "clustering changed",

@@ -189,3 +189,22 @@ def test_the_reports_tables_and_figures_read_declared_columns() -> None:
     drawn += [*clusters.LID_COLUMNS, *clusters.LID_LABELS, *clusters.SILHOUETTE_LABELS]
     drawn += ["norm_variance_corr", "within_variance", "between_variance", "within_ratio"]
     assert set(drawn) <= set(every)
+
+
+def test_the_k_support_texts_state_the_codes_numbers() -> None:
+    """The registry imports nothing of the package, so its texts (and docs/outputs.md's) spell
+    the support's resamples and its robustness bound: they must be the code's
+    (``kmeans_selection.SUPPORT_RESAMPLES``, ``ROBUST_SUPPORT``, which compare and the report
+    read; compare kept its own 0.9 before)."""
+    from embgeom_ray.core.kmeans_selection import ROBUST_SUPPORT, SUPPORT_RESAMPLES
+    from embgeom_ray.runs import compare
+
+    assert compare.ROBUST_SUPPORT is ROBUST_SUPPORT
+    resamples, below = f"{SUPPORT_RESAMPLES} bootstrap resamples", f"below {ROBUST_SUPPORT:g}"
+    for column in ("kmeans_k_support", "kmeans_structure_support"):
+        assert resamples in registry.metric(column).definition, column
+    assert below in registry.metric("kmeans_k_support").tooltip
+    docs = (Path(__file__).parents[2] / "docs" / "outputs.md").read_text(encoding="utf-8")
+    row = next(r for r in docs.splitlines() if r.startswith("| `kmeans_k_support`"))
+    assert resamples in row and f"{below} the sample does not settle it" in row
+

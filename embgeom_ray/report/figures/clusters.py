@@ -8,6 +8,7 @@ import numpy as np
 import pandas as pd
 from matplotlib.ticker import NullFormatter
 
+from ...core.kmeans_selection import ROBUST_SUPPORT
 from ...core.sampled_metrics import isoscore_silhouette_correlation
 from ...run_view import RunView
 from .common import COLORS, MARKERS, fmt, int_layers, line, new_figure, save, styled, title
@@ -315,7 +316,8 @@ def plot_kmeans_curve(run: RunView) -> tuple[str | None, str]:
         + (
             " Beside each layer: its reported k and that decision's support, the share of "
             "bootstrap resamples of the sample (each point's silhouettes held fixed) that take "
-            "the same k; below 0.9 the sample does not settle the decision, and jobs.compare "
+            f"the same k; below {ROBUST_SUPPORT:g} the sample does not settle the decision, and "
+            "jobs.compare "
             "treats a change of it as not comparable."
             if support
             else ""
