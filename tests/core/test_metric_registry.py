@@ -208,3 +208,26 @@ def test_the_k_support_texts_state_the_codes_numbers() -> None:
     row = next(r for r in docs.splitlines() if r.startswith("| `kmeans_k_support`"))
     assert resamples in row and f"{below} the sample does not settle it" in row
 
+
+def test_column_ranges_in_the_docs_span_a_whole_section() -> None:
+    """A doc that names the columns of a section as a range, `first` … `last`, names that
+    section's first and last column: docs/operations.md's exact metrics ran `n_tokens` …
+    `s_intra`, leaving out `participation_ratio`, declared exact after it."""
+    import re
+
+    root = Path(__file__).parents[2]
+    sections = [
+        registry.columns(registry.LAYERS, s)
+        for s in (registry.EXACT_SECTION, registry.CLIPPING_SECTION, registry.SAMPLED_SECTION)
+    ]
+    ranges = []
+    for doc in [root / "README.md", *sorted((root / "docs").glob("*.md"))]:
+        text = doc.read_text(encoding="utf-8")
+        for first, last in re.findall(r"`([a-z_]+)` … `([a-z_]+)`", text):
+            if registry.kind_of(first) and registry.kind_of(last):
+                ranges.append((doc.name, first, last))
+                # first: the section's first column, or its second after the key ``layer``
+                assert any(
+                    first in cols[:2] and last == cols[-1] for cols in sections
+                ), (doc.name, first, last)
+    assert ("operations.md", "n_tokens", "participation_ratio") in ranges
