@@ -114,6 +114,12 @@ INDEX_COLUMNS: dict[str, str] = {
     "within_ratio_mean": "float64",  # mean over layers of within_ratio
 }
 
+#: the headline columns of runs.parquet and the ``layers.parquet`` column each is read from
+#: (:func:`headline_metrics`): the last layer measured's, or the mean over the layers
+LAST_LAYER_HEADLINES = {"anisotropy_last": "anisotropy", "isoscore_last": "isoscore",
+                        "s_intra_last": "s_intra"}  # fmt: skip
+MEAN_HEADLINES = {"within_ratio_mean": "within_ratio"}
+
 _COMMIT_RE = re.compile(r"^[0-9a-f]{40}$")
 
 
@@ -487,7 +493,9 @@ def complete_manifest(out: str, key: str) -> Manifest | None:
 
 
 def headline_metrics(out: str, manifest: Manifest | None = None) -> dict[str, Any]:
-    """Index columns from a complete run: layers, tokens, last-layer metrics, mean within_ratio."""
+    """Index columns from a complete run: layers, tokens, the last measured layer's metrics
+    (:data:`LAST_LAYER_HEADLINES`) and the means over layers (:data:`MEAN_HEADLINES`), read
+    from its ``layers.parquet``."""
     layers = RunDir(out).read_table("layers").sort_values("layer")
     last = layers.iloc[-1] if len(layers) else {}
 
@@ -500,18 +508,16 @@ def headline_metrics(out: str, manifest: Manifest | None = None) -> dict[str, An
     tokens = manifest.counts.tokens if manifest and manifest.counts else None
     if tokens is None and "n_tokens" in layers.columns and len(layers):
         tokens = int(last["n_tokens"])
-    within = (
-        float(pd.to_numeric(layers["within_ratio"], errors="coerce").mean())
-        if "within_ratio" in layers.columns
-        else float("nan")
-    )
+    def mean(name: str) -> float:
+        if name not in layers.columns:
+            return float("nan")
+        return float(pd.to_numeric(layers[name], errors="coerce").mean())
+
     return {
         "n_layers": len(layers),
         "n_tokens": None if tokens is None else int(tokens),
-        "anisotropy_last": col("anisotropy"),
-        "isoscore_last": col("isoscore"),
-        "s_intra_last": col("s_intra"),
-        "within_ratio_mean": within,
+        **{head: col(name) for head, name in LAST_LAYER_HEADLINES.items()},
+        **{head: mean(name) for head, name in MEAN_HEADLINES.items()},
     }
 
 

@@ -231,3 +231,13 @@ def test_column_ranges_in_the_docs_span_a_whole_section() -> None:
                     first in cols[:2] and last == cols[-1] for cols in sections
                 ), (doc.name, first, last)
     assert ("operations.md", "n_tokens", "participation_ratio") in ranges
+
+
+def test_the_stores_headlines_read_declared_exact_columns() -> None:
+    """runs.parquet's headline columns are read from declared exact columns of layers.parquet
+    (a renamed column would have left them NaN without a word)."""
+    from embgeom_ray.runs import reanalyze
+
+    heads = reanalyze.LAST_LAYER_HEADLINES | reanalyze.MEAN_HEADLINES
+    assert {c for c in reanalyze.INDEX_COLUMNS if c.endswith(("_last", "_mean"))} == set(heads)
+    assert all(registry.kind_of(column) == "exact" for column in heads.values())
