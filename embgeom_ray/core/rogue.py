@@ -87,17 +87,28 @@ def position_correlation(m: LayerMoments) -> np.ndarray:
     return np.where((var_p > 0) & (var_d > 0), r, np.nan)
 
 
+def variance_ratios(variances: np.ndarray) -> np.ndarray:
+    """``variance_ratio``: Var_d / mean_j Var_j over a layer's dimensions; NaN when every
+    variance is 0."""
+    mean_var = variances.mean()
+    return variances / mean_var if mean_var > 0 else np.full_like(variances, np.nan)
+
+
+def mean_zscores(means: np.ndarray) -> np.ndarray:
+    """``mean_zscore``: (μ_d − mean_j μ_j) / std_j μ_j over a layer's dimensions (population
+    std); 0 when every dimension has the same mean."""
+    sd_means = means.std()
+    return (means - means.mean()) / sd_means if sd_means > 0 else np.zeros_like(means)
+
+
 def dimension_flags(m: LayerMoments, rules: OutlierRules) -> pd.DataFrame:
     """Per dimension: variance_ratio, mean_zscore, argmax/argmin share, position_corr, flags.
 
     Columns :data:`FLAG_COLUMNS`; the rules are the module docstring's (:class:`OutlierRules`),
     ``outlier_rule`` names those that hold ("" for an unflagged dimension).
     """
-    var = dim_variances(m)
-    mean_var = var.mean()
-    ratio = var / mean_var if mean_var > 0 else np.full_like(var, np.nan)
-    sd_means = m.mean.std()
-    z = (m.mean - m.mean.mean()) / sd_means if sd_means > 0 else np.zeros_like(m.mean)
+    ratio = variance_ratios(dim_variances(m))
+    z = mean_zscores(m.mean)
     total = max(int(m.argmax_counts.sum()), 1)
     amax = m.argmax_counts / total
     amin = m.argmin_counts / total

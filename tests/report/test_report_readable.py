@@ -706,3 +706,20 @@ def test_comparison_figure_matches_layers_as_compare_does(tmp_path):
     assert xs["first3"] == [[0, 1, 2, 3, 4], [0, 1, 2]]
     quarters = [0.0, 0.25, 0.5, 0.75, 1.0]
     assert xs["deeper"] == [quarters, quarters]
+
+
+def test_rogue_scores_of_a_moments_only_table_are_the_jobs():
+    """A dims.parquet of the moments alone gets its |z| and variance ratio from the functions
+    the job writes ``mean_zscore`` and ``variance_ratio`` with (``core.rogue``), not from a
+    copy in the figure, which gave NaN where the job gives 0: a layer whose dimensions share
+    one mean."""
+    from embgeom_ray.report.figures.rogue import _dim_scores
+
+    dims = pd.DataFrame({
+        "layer": [0, 0, 0, 1, 1, 1], "dim": [0, 1, 2] * 2,
+        "mean": [1.0, 1.0, 1.0, 0.0, 1.0, 2.0], "std": [1.0, 1.0, 2.0, 0.0, 0.0, 0.0],
+    })  # fmt: skip
+    scores = _dim_scores(dims)
+    z = np.sqrt(1.5)  # |0 − 1| / population std of (0, 1, 2)
+    np.testing.assert_allclose(scores["abs_mean_z"], [0, 0, 0, z, 0, z], rtol=1e-15)
+    np.testing.assert_array_equal(scores["var_ratio"], [0.5, 0.5, 2.0, np.nan, np.nan, np.nan])

@@ -8,6 +8,7 @@ import numpy as np
 import pandas as pd
 from matplotlib.colors import Normalize, PowerNorm
 
+from ...core.rogue import mean_zscores, variance_ratios
 from ...run_view import RunView
 from .common import new_figure, save, styled, title
 
@@ -39,29 +40,29 @@ def _dim_matrix(dims: pd.DataFrame, column: str, layers: list[int], d: int) -> n
     return mat
 
 
+def _per_layer(dims: pd.DataFrame, column: str, fn) -> np.ndarray:
+    """``fn`` of each layer's ``column`` (its dimensions' values), in the rows' order."""
+    out = np.full(len(dims), np.nan)
+    for rows in dims.groupby("layer").indices.values():
+        out[rows] = fn(pd.to_numeric(dims[column].iloc[rows]).to_numpy(dtype=np.float64))
+    return out
+
+
 def _dim_scores(dims: pd.DataFrame) -> dict[str, np.ndarray]:
     """Per (layer, dim): |z| of the dim's mean among the layer's per-dim means, and var / mean var.
 
-    Uses ``mean_zscore`` / ``variance_ratio`` when dims.parquet has them, else computes them
-    from ``mean`` and ``std`` (docs/design.md's rogue-dimension rules: |z| > 3, ratio ≥ 5).
+    ``mean_zscore`` / ``variance_ratio`` of dims.parquet, or, for a table of the moments alone,
+    the same functions of ``mean`` and ``std`` the job computes them with
+    (:func:`~embgeom_ray.core.rogue.mean_zscores`, :func:`~embgeom_ray.core.rogue.variance_ratios`).
     """
-    g = dims.groupby("layer")
     if "mean_zscore" in dims.columns:
         z = np.abs(pd.to_numeric(dims["mean_zscore"], errors="coerce").to_numpy(dtype=np.float64))
     else:
-        mu = g["mean"].transform("mean").to_numpy(dtype=np.float64)
-        sd = g["mean"].transform(lambda s: s.std(ddof=0)).to_numpy(dtype=np.float64)
-        with np.errstate(invalid="ignore", divide="ignore"):
-            z = np.abs(dims["mean"].to_numpy(dtype=np.float64) - mu) / sd
+        z = np.abs(_per_layer(dims, "mean", mean_zscores))
     if "variance_ratio" in dims.columns:
         r = pd.to_numeric(dims["variance_ratio"], errors="coerce").to_numpy(dtype=np.float64)
     else:
-        var = dims["std"].to_numpy(dtype=np.float64) ** 2
-        mv = (dims.assign(_v=var).groupby("layer")["_v"].transform("mean")).to_numpy(
-            dtype=np.float64
-        )
-        with np.errstate(invalid="ignore", divide="ignore"):
-            r = var / mv
+        r = _per_layer(dims.assign(var=dims["std"] ** 2), "var", variance_ratios)
     return {
         "abs_mean_z": np.where(np.isfinite(z), z, np.nan),
         "var_ratio": np.where(np.isfinite(r), r, np.nan),
