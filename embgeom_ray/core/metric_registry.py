@@ -329,8 +329,9 @@ METRICS: tuple[Metric, ...] = (
            f"{_M}.type_stats_rows", unit=_SQ, paper=_YAMAGIWA),
     Metric("variance", TYPE_STATS, "exact", "V_t = mean ‖x − μ_t‖²",
            f"{_M}.type_variances", unit=_SQ, paper=_YAMAGIWA),
-    Metric("self_similarity", TYPE_STATS, "exact", "mean cosine over all ordered pairs of the "
-           "type's occurrences", f"{_M}.self_similarity", fmt="unit", paper=_ETH),
+    Metric("self_similarity", TYPE_STATS, "exact", "mean cosine over all pairs of two distinct "
+           "occurrences of the type (i ≠ j): (‖U_t‖² − n_t) / (n_t(n_t − 1))",
+           f"{_M}.self_similarity", fmt="unit", paper=_ETH),
     # ------------------------------------------------------------------------- dims.parquet
     _dim("layer", MOMENTS, "HF layer index", f"{_M}.dim_moment_rows", fmt="int"),
     _dim("dim", MOMENTS, "dimension", f"{_M}.dim_moment_rows", fmt="int"),

@@ -36,7 +36,7 @@ MIN_COUNT: int = TableOptions().min_count
 
 
 def self_similarity(m: LayerMoments, unit_sums: np.ndarray | None = None) -> np.ndarray:
-    """Mean cosine over all ordered pairs of a type's occurrences (Ethayarajh 2019).
+    """Mean cosine over all ordered pairs i ≠ j of a type's occurrences (Ethayarajh 2019).
 
     SelfSim_t = (||U_t||² − n_t) / (n_t (n_t − 1)), exact over all pairs (not a 1000-pair
     sample); NaN when n_t < 2. ``unit_sums`` replaces U_t (e.g. the sums of clipped vectors).

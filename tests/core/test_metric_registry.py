@@ -164,6 +164,12 @@ def test_cosine_definitions_say_which_pairs() -> None:
     docs = (Path(__file__).parents[2] / "docs" / "outputs.md").read_text(encoding="utf-8")
     row = next(r for r in docs.splitlines() if r.startswith("| `anisotropy` |"))
     assert "i ≠ j" in row and "(‖U‖² − N) / (N(N − 1))" in row
+    # the same of a type's self-similarity, whose "all ordered pairs" read as if each
+    # occurrence's pair with itself counted
+    definition = registry.metric("self_similarity", registry.TYPE_STATS).definition
+    row = next(r for r in docs.splitlines() if r.startswith("| `self_similarity` |"))
+    for text in (definition, row):
+        assert "i ≠ j" in text and "(‖U_t‖² − n_t) / (n_t(n_t − 1))" in text
 
 
 def test_the_reports_tables_and_figures_read_declared_columns() -> None:
