@@ -72,8 +72,7 @@ RUN_FOLDERS: dict[str, str] = {
 #: last, declared in :mod:`~embgeom_ray.core.metric_registry`. Kinds: int, sci (4
 #: significant), unit (3 decimals, values in [−1, 1] or [0, 1]), corr (signed, 2 decimals), text.
 COLUMNS: dict[str, tuple[str, str, str]] = registry.report_columns()
-#: the sampled metrics with a half-sample standard error, column ``<metric>_se``
-SE_OF = list(registry.SE_METRICS)
+#: the standard errors' table: the ``<metric>_se`` column of each metric that has one
 SE_COLUMNS = list(registry.SE_COLUMNS)
 #: the exact table: the registry's exact section of ``layers.parquet``
 EXACT_COLUMNS = registry.columns(registry.LAYERS, registry.EXACT_SECTION)
