@@ -16,8 +16,9 @@ lock is *stale*, to be taken over, where:
   against this host's: a skew of minutes is within the margin).
 
 A stale lock is taken over on the condition ``If-Match`` its ETag, so of two invocations that
-find it stale only one gets it. A holder lets go by removing the object where it is still its
-own (its ETag). A renewal that fails otherwise (the store unreachable or throttled for a
+find it stale only one gets it. A holder lets go by removing the object on the condition
+``If-Match`` its own ETag (a ``DeleteObject`` the store applies atomically, :func:`_remove`), so
+a lock another invocation took over meanwhile stays. A renewal that fails otherwise (the store unreachable or throttled for a
 while) is said once and tried again a minute later, so the lock is lost only where
 :data:`STALE_S` pass without one. A holder whose renewal finds the lock taken (it had not
 renewed it for :data:`STALE_S`) says so in one line and goes on, as it cannot undo its work.
@@ -142,13 +143,36 @@ class _Held:
             failing = False
 
     def release(self) -> None:
-        """Stop renewing; remove the lock where it is still this process's."""
+        """Stop renewing; remove the lock where it is still this process's (:func:`_remove`)."""
         self.stop.set()
         self.thread.join()
         with contextlib.suppress(OSError):
-            self.fs.invalidate_cache(self.path)
-            if self.fs.info(self.path).get("ETag") == self.etag:
-                self.fs.rm_file(self.path)
+            _remove(self.fs, self.path, self.etag)
+
+
+def _remove(fs: Any, path: str, etag: str) -> bool:
+    """Remove the lock object where its ETag is still ``etag``; whether it was removed.
+
+    One ``DeleteObject`` on the condition ``If-Match: etag`` (S3 since 2024; moto 5 too),
+    which the store applies atomically: a lock another invocation took over (a new ETag) is
+    left in place, answered 412. Reading the ETag and then removing the object (two requests)
+    removed the other's lock where it was taken over between the two. The ETag is read first
+    all the same, so that a store that ignores the condition on a delete still removes
+    nothing that is visibly another's (a narrower window than none). s3fs's ``rm_file``
+    passes no condition: the request goes through its client (``call_s3``)."""
+    fs.invalidate_cache(path)
+    if fs.info(path).get("ETag") != etag:
+        return False
+    bucket, key, _ = fs.split_path(path)
+    try:
+        fs.call_s3("delete_object", Bucket=bucket, Key=key, IfMatch=etag)
+    except OSError as exc:
+        if _lost(exc):  # taken over (412) or removed since
+            return False
+        raise
+    finally:
+        fs.invalidate_cache(path)
+    return True
 
 
 def _lost(exc: BaseException) -> bool:

@@ -387,6 +387,48 @@ def test_reanalyze_locks_an_s3_store(s3, monkeypatch, capsys):
     assert holder() == elsewhere  # not removed by the holder whose lock was taken
 
 
+@pytest.mark.slow
+def test_a_lock_taken_over_while_its_holder_lets_go_stays(s3, monkeypatch):
+    """Two holders against the S3 API: A's lock went stale and B takes it over just after A's
+    release read the lock's ETag (still A's). The release read the ETag, then removed the
+    object: B's lock was removed, and a third invocation would have run beside B. Now the
+    removal is one DeleteObject on the condition If-Match A's ETag, which the store refuses
+    (412): B's lock stays, and B's own release removes it."""
+    from embgeom_ray.runs import object_lock
+
+    for key, value in s3.env.items():
+        monkeypatch.setenv(key, value)
+    fs = s3.fs()
+    store, path = f"s3://{BUCKET}/race-store", f"{BUCKET}/race-store/reanalyze.lock.json"
+    a = object_lock._acquire(store, path, fs, b'{"host": "node-a", "pid": 1}')
+    monkeypatch.setattr(object_lock, "STALE_S", -60.0)  # A's lock is old: B may take it
+    taken: list[object] = []
+
+    class TakenOverAfterTheCheck:
+        """The store as A's release sees it: B takes the lock over after A read its ETag."""
+
+        def __getattr__(self, name):
+            return getattr(fs, name)
+
+        def info(self, p):
+            out = fs.info(p)
+            if not taken:
+                taken.append(object_lock._acquire(store, path, s3.fs(), b'{"host": "node-b", "pid": 2}'))
+            return out
+
+    a.fs = TakenOverAfterTheCheck()
+    a.thread.start()
+    a.release()
+    (b,) = taken
+    fs.invalidate_cache()
+    assert json.loads(fs.cat_file(path)) == {"host": "node-b", "pid": 2}  # B's, not removed
+    assert b.etag != a.etag and fs.info(path)["ETag"] == b.etag
+    assert not object_lock._remove(fs, path, a.etag)  # A's ETag removes nothing
+    b.thread.start()
+    b.release()
+    assert not fs.exists(path)
+
+
 def test_a_store_that_ignores_conditional_writes_gets_no_lock(capsys):
     """A server that writes over an object despite If-None-Match: said in one line, no lock
     held, nothing left behind."""
