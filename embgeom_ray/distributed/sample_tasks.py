@@ -69,19 +69,85 @@ def _reads_local_files(sample: Any) -> bool:
     return False
 
 
-def placement(sample: Any) -> dict[str, Any]:
-    """Ray options of the tasks that read ``sample``: anywhere when it is not read from local
-    files (object storage); else on this node, which sees them (other nodes may not: the
-    driver's own disk), asking for no CPU where this node offers Ray none (a head started
-    with ``--num-cpus 0``: the task still runs there, on the CPUs Ray was told to keep)."""
-    if not _reads_local_files(sample):
+def task_bytes(sample: Any) -> int:
+    """What each task that reads ``sample`` holds at its peak and asks Ray for:
+    :func:`~embgeom_ray.sizing.formulas.sample_task_bytes` = 10 · Q_l of its one-layer
+    sample (the formula ``--plan`` prints)."""
+    from ..sizing.formulas import sample_task_bytes
+
+    return sample_task_bytes(sum(header_entries(sample.header)), int(sample.header["dim"]))
+
+
+def check_fits(sample: Any, nodes: Sequence[Mapping[str, Any]], here: str | None) -> None:
+    """:class:`~embgeom_ray.errors.ConfigError` (one line, exit status 2) where no node a task
+    reading ``sample`` may run on (``here``, this node's id, when it reads local files; else
+    any) has :func:`task_bytes` of Ray memory (``nodes``: ``ray.nodes()``): such a task
+    would wait for ever. The plan refuses the same before any work
+    (:func:`~embgeom_ray.sizing.decisions.sample_task_refusal`); this checks the cluster as it
+    is when the stage starts."""
+    from ..errors import ConfigError
+    from ..sizing.decisions import sample_task_refused
+    from ..sizing.formulas import sample_entries_fitting
+
+    alive = [n for n in nodes if n.get("Alive") and (here is None or n.get("NodeID") == here)]
+    most = max((int(n.get("Resources", {}).get("memory", 0)) for n in alive), default=0)
+    each = task_bytes(sample)
+    if each > most:
+        where = "the job's own node (the sample is read from its local files)" if here else "the largest node"
+        raise ConfigError(sample_task_refused(
+            each, most, where, sample_entries_fitting(most, int(sample.header["dim"]))))  # fmt: skip
+
+
+def _free_memory() -> dict[str, float]:
+    """Each node's Ray memory not held now (node id -> bytes; {} where Ray does not say: its
+    per-node figures are not a public API)."""
+    try:
+        from ray._private.state import state
+
+        return {node: res.get("memory", 0.0) for node, res in state.available_resources_per_node().items()}
+    except Exception:  # not this Ray's API: nothing to say
         return {}
+
+
+def note_waiting(each: int, free: Mapping[str, float], here: str | None) -> str | None:
+    """The line saying that the tasks (``each`` bytes, on ``here`` or any node) wait for
+    memory that actors living through the stage (the reducers, another job's) hold now: no
+    node they may run on has ``each`` free (``free``: node id -> bytes); None where one has,
+    or where Ray does not say."""
+    from ..sizing.formulas import gib
+
+    room = [b for node, b in free.items() if here is None or node == here]
+    if not room or max(room) >= each:
+        return None
+    where = "the job's own node" if here else "any node"
+    return (f"the sample's per-layer tasks ask Ray for {gib(each)} each; {where} has "
+            f"{gib(int(max(room)))} of its Ray memory free now (actors such as the reducers hold "
+            "the rest): they wait until one of them lets it go")  # fmt: skip
+
+
+def placement(sample: Any) -> dict[str, Any]:
+    """Ray options of the tasks that read ``sample``: their memory (:func:`task_bytes`, so that
+    Ray runs no more of them at once on a node than its memory holds; :func:`check_fits`
+    first); anywhere when it is not read from local files (object storage); else on this
+    node, which sees them (other nodes may not: the driver's own disk), asking for no CPU
+    where this node offers Ray none (a head started with ``--num-cpus 0``: the task still
+    runs there, on the CPUs Ray was told to keep)."""
+    nodes, memory = ray.nodes(), {"memory": task_bytes(sample)}
+    local = _reads_local_files(sample)
+    node = ray.get_runtime_context().get_node_id() if local else None
+    check_fits(sample, nodes, node)
+    waiting = note_waiting(memory["memory"], _free_memory(), node)
+    if waiting:
+        from .. import progress
+
+        progress.notice(f"warning: {waiting}")
+    if not local:
+        return memory
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-    node = ray.get_runtime_context().get_node_id()
-    here = [n for n in ray.nodes() if n.get("NodeID") == node and n.get("Alive")]
+    here = [n for n in nodes if n.get("NodeID") == node and n.get("Alive")]
     cpus = {} if here and here[0]["Resources"].get("CPU", 0) >= 1 else {"num_cpus": 0}
-    return {"scheduling_strategy": NodeAffinitySchedulingStrategy(node, soft=False), **cpus}
+    return {"scheduling_strategy": NodeAffinitySchedulingStrategy(node, soft=False), **cpus, **memory}
 
 
 def submit_inputs(

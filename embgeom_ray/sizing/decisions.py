@@ -16,7 +16,6 @@ from .formulas import (
     DRIVER_ALLOWANCE_BYTES,
     DRIVER_BASE_BYTES,
     DRIVER_REDUCE_FACTOR,
-    DRIVER_SAMPLE_LAYERS,
     EXTRACTOR_BASE_BYTES,
     GPU_STATISTICS_SHARE,
     REDUCER_BASE_BYTES,
@@ -35,8 +34,9 @@ from .formulas import (
     gib,
     layer_bytes_per_token,
     reducers_for,
-    sample_layer_bytes,
+    sample_entries_fitting,
     sample_on_workers,
+    sample_task_bytes,
     shape_batch_bytes_per_token,
     shape_reducer_budget,
     statistics_for,
@@ -179,28 +179,7 @@ class Sizing:
                    f"{self.driver_formula}")  # fmt: skip
         if self.driver > DRIVER_ALLOWANCE_BYTES:
             out.append(f"sizing: warning: {self.driver_warning()}")
-        tasks = self.sample_tasks_warning()
-        if tasks:
-            out.append(f"sizing: warning: {tasks}")
         return out
-
-    def sample_tasks_warning(self) -> str | None:
-        """Where the sample's per-layer Ray tasks, which are not asked of Ray for memory, may
-        run more of them at once on a node than its memory holds
-        (:func:`sample_tasks_at_once`); None where they fit."""
-        found = sample_tasks_at_once(self.shape, self.cluster)
-        if found is None:
-            return None
-        at_once, each, node = found
-        where = "the job's own node (the head: the sample is read from local files)" if node.head else "a node"
-        # the most entries s whose tasks fit: at_once · 10 · (4·d + 48) · s ≤ the node's memory
-        entries = node.memory // (at_once * DRIVER_SAMPLE_LAYERS * (4 * self.shape.dim + 48))
-        return (
-            f"the sample's tasks, ≈ {gib(each)} each at their peak (10 · Q_l, one a layer, not "
-            f"asked of Ray), run up to {at_once} at once on {where}: {gib(at_once * each)}, more "
-            f"than its {gib(node.memory)} of Ray memory; lower --sample-size and "
-            f"--sample-type-size (together at most {entries:,} entries fit)"
-        )
 
     def driver_warning(self) -> str:
         """Why the job's own process needs more than :data:`DRIVER_ALLOWANCE_BYTES`."""
@@ -214,29 +193,38 @@ class Sizing:
         )
 
 
-def sample_tasks_at_once(shape: Shape, cluster: Cluster) -> tuple[int, int, Node] | None:
-    """(tasks at once, bytes each, node) where the sample's per-layer Ray tasks
-    (:mod:`~embgeom_ray.distributed.sample_tasks`, from a one-layer sample of
-    :data:`~embgeom_ray.sizing.formulas.SAMPLE_ON_WORKERS_BYTES`) may together take more than
-    a node's Ray memory; None where they fit (or the driver does that work). Each takes
-    ≈ :data:`~embgeom_ray.sizing.formulas.DRIVER_SAMPLE_LAYERS` · Q_l at its peak and asks Ray
-    for one CPU, not for memory, so a node runs one a CPU, one a layer: min(L, its CPUs), all
-    L on a node that offers Ray no CPU. A run on a local path has them read its files on the
-    job's own node (the head); one in object storage, on any node."""
+def sample_task_refusal(shape: Shape, cluster: Cluster) -> str | None:
+    """Why no node can run one of the sample's per-layer Ray tasks
+    (:mod:`~embgeom_ray.distributed.sample_tasks`, from a one-layer sample Q_l of
+    :data:`~embgeom_ray.sizing.formulas.SAMPLE_ON_WORKERS_BYTES`), or None where one can (or
+    the driver does that work). Each asks Ray for its peak,
+    :func:`~embgeom_ray.sizing.formulas.sample_task_bytes` = 10 · Q_l, so Ray runs as many at
+    once as a node's memory holds; a task that no node's Ray memory holds would wait for ever.
+    A run on a local path has them read its files on the job's own node (the head); one in
+    object storage, on any node."""
     if not sample_on_workers(shape.sample_entries, shape.dim):
         return None
-    each = DRIVER_SAMPLE_LAYERS * sample_layer_bytes(shape.sample_entries, shape.dim)
+    each = sample_task_bytes(shape.sample_entries, shape.dim)
     local = not shape.store or is_local(shape.store)
     nodes = [n for n in cluster.nodes if n.head or not local]
-    over = []
-    for node in nodes:
-        at_once = min(shape.layers, node.cpus) if node.cpus >= 1 else shape.layers
-        if at_once * each > node.memory:
-            over.append((at_once * each - node.memory, at_once, node))
-    if not over:
+    if not nodes:
         return None
-    _, at_once, node = max(over, key=lambda o: o[0])
-    return at_once, each, node
+    most = max(n.memory for n in nodes)
+    if each <= most:
+        return None
+    where = ("the job's own node (the head: the sample is read from local files)" if local
+             else "the largest node")  # fmt: skip
+    return sample_task_refused(each, most, where, sample_entries_fitting(most, shape.dim))
+
+
+def sample_task_refused(each: int, most: int, where: str, entries: int) -> str:
+    """The one line refusing a sample whose per-layer task needs ``each`` bytes where the
+    node it may run on offers Ray ``most`` (``entries``: the most that fit)."""
+    return (
+        f"the sample's per-layer tasks need ≈ {gib(each)} each at their peak (10 · Q_l, "
+        f"Q_l = 4·s·d + 48·s), more than the {gib(most)} of Ray memory of {where}; lower "
+        f"--sample-size and --sample-type-size (together at most {entries:,} entries fit)"
+    )
 
 
 def plan_pool(
@@ -864,6 +852,9 @@ def size_job(
             f"{gib(types * TYPE_ROW_BYTES)} a layer), more than the head node's "
             f"{gib(head)}; lower --sample-size and --sample-type-size, or measure fewer --layers"
         )
+    refused = sample_task_refusal(shape, cluster)
+    if refused:
+        raise ConfigError(refused)
     sizing = Sizing(
         shape, cluster, types, types_reason, pool, reduce, driver,
         driver_formula(not reduce.partitioned, shape),

@@ -535,6 +535,20 @@ def sample_layer_bytes(entries: int, dim: int) -> int:
     return 4 * entries * dim + 48 * entries
 
 
+def sample_task_bytes(entries: int, dim: int) -> int:
+    """What one of the sample's per-layer Ray tasks (:mod:`embgeom_ray.distributed.sample_tasks`)
+    holds at its peak, and asks Ray for: :data:`DRIVER_SAMPLE_LAYERS` · Q_l (the layer's
+    sample merged from its parts, its points widened for the sampled stage, its rows of
+    ``samples.parquet``; the factor measured on the driver's same work)."""
+    return DRIVER_SAMPLE_LAYERS * sample_layer_bytes(entries, dim)
+
+
+def sample_entries_fitting(memory: int, dim: int, at_once: int = 1) -> int:
+    """The most sample entries s whose ``at_once`` tasks fit in ``memory`` bytes:
+    at_once · :data:`DRIVER_SAMPLE_LAYERS` · (4·d + 48) · s ≤ memory."""
+    return max(0, memory) // (max(at_once, 1) * DRIVER_SAMPLE_LAYERS * (4 * dim + 48))
+
+
 def sample_on_workers(entries: int, dim: int) -> bool:
     """Whether the sample's per-layer work runs in Ray tasks (:data:`SAMPLE_ON_WORKERS_BYTES`)."""
     return sample_layer_bytes(entries, dim) >= SAMPLE_ON_WORKERS_BYTES

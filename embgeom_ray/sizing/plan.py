@@ -24,6 +24,7 @@ from .formulas import (
     reducer_ranges,
     sample_layer_bytes,
     sample_on_workers,
+    sample_task_bytes,
     shape_batch_bytes_per_token,
 )  # fmt: skip
 from .nodes import Cluster
@@ -127,7 +128,6 @@ def describe_plan(
         f"{sizing.driver_formula}",
         *([f"  warning: {sizing.driver_warning()}"] if sizing.driver > DRIVER_ALLOWANCE_BYTES else []),
         *_sample_tasks(shape),
-        *([f"  warning: {sizing.sample_tasks_warning()}"] if sizing.sample_tasks_warning() else []),
         "",
         f"per-type state S(V) = 8·L·V·(2d+2) + 8V = {gib(shape.type_bytes(types))}; per-layer "
         f"state F = 8·L·(d² + 3d + P·(d+1) + 2) = {gib(shape.layer_state_bytes())}; sample Q = "
@@ -201,8 +201,9 @@ def _sample_tasks(shape: Shape) -> list[str]:
         f"sample tasks: one Ray task a layer merges that layer's sample, builds the sampled "
         f"metrics' inputs and its rows of samples.parquet (on the driver's node when read "
         f"from local files), each ≈ {DRIVER_SAMPLE_LAYERS} · Q_l = "
-        f"{gib(DRIVER_SAMPLE_LAYERS * q)} at its peak, Q_l = 4·s·d + 48s = {gib(q)} (not "
-        "asked of Ray: no option bounds it but --sample-size)"
+        f"{gib(sample_task_bytes(shape.sample_entries, shape.dim))} at its peak, Q_l = "
+        f"4·s·d + 48s = {gib(q)} (asked of Ray: a node runs as many as its memory holds; "
+        "--sample-size and --sample-type-size bound it)"
     ]
 
 

@@ -58,7 +58,7 @@ def test_tasks_give_the_drivers_results_and_table(tmp_path, ray_local, monkeypat
     whole = ActivationSample.load(urls[0]).merge(ActivationSample.load(urls[1]))
     # local files are read on this node; a sample in the object store anywhere
     assert "scheduling_strategy" in sample_tasks.placement(layered)
-    assert sample_tasks.placement(InMemorySample(whole)) == {}
+    assert sample_tasks.placement(InMemorySample(whole)) == {"memory": 10 * (4 * D + 48) * 400}
     want = pq.read_table(tmp_path / "here" / "samples.parquet")
     for name, source in (("tasks", layered), ("memory", InMemorySample(whole))):
         pieces = sample_tasks.table_pieces_on_ray(source, tokens, clusters_there)

@@ -456,37 +456,72 @@ def test_the_plans_extractor_formula_gives_sigma_and_g_and_sums_to_what_is_asked
     assert any(x.endswith("2 · (σ + g), with σ = S(V) + F = 2.5 GiB, g = 0") for x in lines)
 
 
-def test_sample_tasks_that_together_outgrow_the_drivers_node_are_warned_of():
-    """The sample's per-layer tasks (from Q_l = 4·s·d + 48s of 16 MiB) take ≈ 10 · Q_l each and
-    ask Ray for a CPU, not memory: a node runs min(L, its CPUs) at once. On a local path they
-    run on the head; where those exceed its memory the plan and the run's first lines warn,
-    naming the sample that fits (the plan printed each task's peak alone: 8 GiB tasks, five at
-    once, on a head of 8 GiB)."""
+def test_sample_tasks_ask_ray_for_their_peak_and_one_no_node_holds_is_refused():
+    """The sample's per-layer tasks (from Q_l = 4·s·d + 48s of 16 MiB) took ≈ 10 · Q_l each
+    but asked Ray for a CPU, not memory: a node ran min(L, its CPUs) at once (five tasks of
+    8 GiB on a head of 8 GiB), and the plan only warned. Now each asks Ray for 10 · Q_l (the
+    plan's number), so a node runs as many as its memory holds; a task no node it may run on
+    holds (the head, for a run on a local path; any node, in object storage) is refused in one
+    line, by the plan and again by the stage on the live cluster, naming the sample that fits."""
+    from types import SimpleNamespace
+
+    from embgeom_ray.distributed.sample_tasks import check_fits, task_bytes
+    from embgeom_ray.sizing.formulas import gib as gib_text
+    from embgeom_ray.sizing.plan import describe_plan
+
     llama = Shape(layers=5, dim=256, positions=128, vocab=128_256, hidden_states=5,
-                  intermediate=896, heads=2, weight_bytes=139 * MiB, sample_entries=800_000)  # fmt: skip
-    cluster = Cluster((Node("h", 8 * GiB, cpus=8, head=True), Node("w", 32 * GiB, cpus=16)))
+                  intermediate=896, heads=2, weight_bytes=139 * MiB, sample_entries=900_000)  # fmt: skip
     corpus = CorpusShape("c", 1, 10**6, 1)
-    sizing = size_job(llama, corpus, cluster, options(device="cpu"))
-    each = 10 * (4 * 800_000 * 256 + 48 * 800_000)
-    fits = 8 * GiB // (5 * 10 * (4 * 256 + 48))  # entries: five tasks within the head's 8 GiB
-    assert fits == 160_259 and 5 * 10 * (4 * fits * 256 + 48 * fits) <= 8 * GiB
-    warning = sizing.sample_tasks_warning()
-    assert warning == (
-        f"the sample's tasks, ≈ 8.0 GiB each at their peak (10 · Q_l, one a layer, not asked of "
-        f"Ray), run up to 5 at once on the job's own node (the head: the sample is read from local "
-        f"files): {5 * each / GiB:.1f} GiB, more than its 8.0 GiB of Ray memory; lower "
-        "--sample-size and --sample-type-size (together at most 160,259 entries fit)"
+    each = 10 * (4 * 900_000 * 256 + 48 * 900_000)
+    assert gib_text(each) == "9.0 GiB"
+    # tasks of 9.0 GiB on a head of 8 GiB (its Ray memory): the local run is refused
+    cluster = Cluster((Node("h", 8 * GiB, cpus=8, head=True), Node("w", 32 * GiB, cpus=16)))
+    fits = 8 * GiB // (10 * (4 * 256 + 48))  # entries of one 10 · Q_l within the head's 8 GiB
+    assert fits == 801_299 and 10 * (4 * fits * 256 + 48 * fits) <= 8 * GiB < each
+    line = (
+        "the sample's per-layer tasks need ≈ 9.0 GiB each at their peak (10 · Q_l, "
+        "Q_l = 4·s·d + 48·s), more than the 8.0 GiB of Ray memory of the job's own node (the "
+        "head: the sample is read from local files); lower --sample-size and --sample-type-size "
+        "(together at most 801,299 entries fit)"
     )
-    assert f"sizing: warning: {warning}" in sizing.lines()
-    # 2 CPUs on the head: two at once; in object storage, on any node: the worker's 16 CPUs
-    two = Cluster((Node("h", 16 * GiB, cpus=2, head=True), Node("w", 32 * GiB, cpus=16)))
-    assert size_job(llama, corpus, two, options(device="cpu")).sample_tasks_warning() is None
+    with pytest.raises(ConfigError) as refused:
+        size_job(llama, corpus, cluster, options(device="cpu"))
+    assert str(refused.value) == line and refused.value.exit_code == 2
+    # in object storage they may run on the worker's 32 GiB: asked of Ray, planned as such
     bucket = Shape(**{**llama.__dict__, "store": "s3://b/run"})
-    assert "run up to 5 at once on a node: " in size_job(
-        bucket, corpus, two, options(device="cpu")).sample_tasks_warning()
+    sizing = size_job(bucket, corpus, cluster, options(device="cpu"))
+    lines = describe_plan(sizing, corpus, checkpoint_interval=None, total_layers=5)
+    (task_line,) = [x for x in lines if x.startswith("sample tasks:")]
+    assert "each ≈ 10 · Q_l = 9.0 GiB at its peak, Q_l = 4·s·d + 48s = 920 MiB (asked of Ray" in task_line
     # the default sample (8,192 entries, Q_l = 8.4 MiB here) stays in the job's own process
     small = Shape(**{**llama.__dict__, "sample_entries": 8192})
-    assert size_job(small, corpus, cluster, options(device="cpu")).sample_tasks_warning() is None
+    assert size_job(small, corpus, cluster, options(device="cpu")).driver > 0
+    # the stage: each task asks Ray for the same number, checked against the live nodes
+    sample = SimpleNamespace(header={"dim": 256, "size": 700_000, "type_size": 200_000})
+    assert task_bytes(sample) == each
+    nodes = [{"NodeID": "h", "Alive": True, "Resources": {"memory": 8 * GiB}},
+             {"NodeID": "w", "Alive": True, "Resources": {"memory": 32 * GiB}},
+             {"NodeID": "x", "Alive": False, "Resources": {"memory": 64 * GiB}}]  # fmt: skip
+    check_fits(sample, nodes, None)  # the worker holds one
+    with pytest.raises(ConfigError, match=r"more than the 8\.0 GiB of Ray memory of the job's own node"):
+        check_fits(sample, nodes, "h")
+    # one that fits but must wait for memory actors hold now is said, not refused
+    from embgeom_ray.distributed.sample_tasks import note_waiting
+
+    free = {"h": 1.0 * GiB, "w": 4.0 * GiB}
+    assert note_waiting(each, free, None) == (
+        "the sample's per-layer tasks ask Ray for 9.0 GiB each; any node has 4.0 GiB of its Ray "
+        "memory free now (actors such as the reducers hold the rest): they wait until one of "
+        "them lets it go")  # fmt: skip
+    assert note_waiting(each, {**free, "w": 10.0 * GiB}, None) is None
+    assert "the job's own node has 1.0 GiB" in note_waiting(each, {**free, "w": 10.0 * GiB}, "h")
+    assert note_waiting(each, {}, "h") is None  # Ray does not say
+    # 10 · Q_l = 32.9 GiB: no live node holds it (the 64 GiB one is gone)
+    large = SimpleNamespace(header={"dim": 256, "size": 3_300_000, "type_uniform": False})
+    with pytest.raises(ConfigError, match=r"more than the 32\.0 GiB of Ray memory of the largest "
+                       r"node; lower --sample-size and --sample-type-size \(together at most "
+                       r"3,205,199 entries fit\)$"):  # fmt: skip
+        check_fits(large, nodes, None)
 
 
 def test_a_gpus_larger_batch_takes_its_new_types_from_the_budget_not_the_hosts_memory():

@@ -231,9 +231,12 @@ def test_tasks_reading_a_local_sample_run_on_a_head_without_cpus(cluster, tmp_pa
     from embgeom_ray.distributed.sample_tasks import placement
 
     here = ray.get_runtime_context().get_node_id()
-    assert placement(SimpleNamespace(url="s3://bucket/run/groups/g.sample")) == {}
-    where = placement(SimpleNamespace(parts=[SimpleNamespace(url=str(tmp_path / "g.sample"))]))
-    assert where["num_cpus"] == 0
+    header = {"dim": 4, "size": 10}  # s = 20 entries (10 + 10 type-uniform): 10 · (4·s·d + 48·s)
+    assert placement(SimpleNamespace(url="s3://bucket/run/groups/g.sample", header=header)) == {
+        "memory": 12_800}
+    where = placement(SimpleNamespace(parts=[SimpleNamespace(url=str(tmp_path / "g.sample"))],
+                                      header=header))  # fmt: skip
+    assert where["num_cpus"] == 0 and where["memory"] == 12_800
     assert where["scheduling_strategy"].node_id == here and not where["scheduling_strategy"].soft
 
     @ray.remote
