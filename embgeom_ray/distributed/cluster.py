@@ -66,6 +66,10 @@ JOIN_TIMEOUT_S = 60.0
 #: seconds the Python API's caller waits for Ctrl-C's KeyboardInterrupt while joining a
 #: cluster, before the process ends (the main thread stuck in Ray's native join loop)
 INTERRUPT_GRACE_S = 2.0
+#: seconds a command holds SIGTERM or Ctrl-C that came while its private local Ray starts,
+#: for the start to finish (a few seconds) before the signal is delivered, before the process
+#: ends without unwinding (Ray's start stuck); within Kubernetes' 30 s before its SIGKILL
+START_GRACE_S = 20.0
 #: the GCS port of ``ray start --head`` when none is given
 DEFAULT_GCS_PORT = 6379
 #: the port of a Ray Client server (``ray://``) when none is given
@@ -255,7 +259,17 @@ class _ConnectGuard:
     handlers never run. So the C-level handler's wakeup byte (:func:`signal.set_wakeup_fd`)
     goes to a socket a watcher thread waits on; the watcher prints one line and ends the
     process with :func:`os._exit`, from its own thread. Nothing has been run on the cluster at
-    that point, so there is nothing to clean up (a local Ray's reaper stops its processes).
+    that point (a local Ray's processes end with this one, which they share their fate with).
+
+    A command's private local Ray (``holds_interrupt``) is different: what runs around its
+    start holds state a signal must unwind (``reanalyze`` has marked its model ``running`` in
+    the store's index and holds the store's lock, an S3 object that outlives the process: ended
+    by :func:`os._exit`, the index said ``running`` for a run nobody ran and the lock held other
+    hosts off for 15 minutes). There SIGTERM and Ctrl-C are held until the start is done (a
+    few seconds), then delivered in the main thread as the same signal a moment later would
+    be (``SystemExit(15)``, ``KeyboardInterrupt``: one line, 143 or 130, the index and the
+    lock left as after any interruption, Ray stopped by :func:`~embgeom_ray.cli.exit_process`);
+    only a start still running :data:`START_GRACE_S` after the signal ends the process there.
 
     Within the Python API's calls (:func:`leave_ray_as_found`) Ctrl-C is the caller's
     ``KeyboardInterrupt``: the process ends only where the main thread has not left the
@@ -271,6 +285,8 @@ class _ConnectGuard:
         self._exit_lock = threading.Lock()
         self._end: float | None = None
         self._interrupted: float | None = None
+        #: a command's signal held while its private local Ray starts (delivered after)
+        self.held: int | None = None
         self._control: socket.socket | None = None
 
     def arm(self, seconds: float) -> None:
@@ -294,6 +310,11 @@ class _ConnectGuard:
             if not self.holds_interrupt and self._interrupted is None:
                 self._interrupted = time.monotonic() + INTERRUPT_GRACE_S
             return
+        if self.holds_interrupt and not _embedded:  # a command's private Ray starting
+            if self.held is None:
+                self.held = signum
+                self._interrupted = time.monotonic() + START_GRACE_S
+            return
         self._exit_interrupted(signum)
 
     def _exit_interrupted(self, signum: int, why: str = "") -> None:
@@ -315,8 +336,9 @@ class _ConnectGuard:
             elif not ready:
                 now = time.monotonic()
                 if self._interrupted is not None and now >= self._interrupted:
+                    grace = INTERRUPT_GRACE_S if self.held is None else START_GRACE_S
                     self._exit_interrupted(
-                        signal.SIGINT, f" (Ray did not return within {INTERRUPT_GRACE_S:g} s)"
+                        self.held or signal.SIGINT, f" (Ray did not return within {grace:g} s)"
                     )
                 if self._end is not None and now >= self._end:
                     self.exit_now(2, f"error: {self.timeout_hint}")
@@ -329,11 +351,15 @@ class _ConnectGuard:
         for s in (wake_r, wake_w):
             s.setblocking(False)
         in_main = threading.current_thread() is threading.main_thread()
+        holding = in_main and self.holds_interrupt and not _embedded
         old_wakeup = -1
         old_term: Any = None
+        old_int: Any = None
         if in_main:
             old_wakeup = signal.set_wakeup_fd(wake_w.fileno(), warn_on_full_buffer=False)
             old_term = signal.signal(signal.SIGTERM, _note_signal)
+        if holding:  # Ctrl-C's KeyboardInterrupt too is held until the start is done
+            old_int = signal.signal(signal.SIGINT, _note_signal)
         watcher = threading.Thread(
             target=self._watch, args=(wake_r, stop_r), name="ray-connect-guard", daemon=True
         )
@@ -344,25 +370,42 @@ class _ConnectGuard:
             # Ctrl-C's KeyboardInterrupt, or ray.init's SIGTERM handler (sys.exit), may reach
             # the main thread before the watcher has read the signal's wakeup byte: give the
             # watcher the moment it needs to report the signal and end the process (within
-            # the Python API's calls, Ctrl-C stays the caller's KeyboardInterrupt)
-            if not _embedded:
+            # the Python API's calls, Ctrl-C stays the caller's KeyboardInterrupt; a held
+            # signal is the main thread's already)
+            if not _embedded and not holding:
                 watcher.join(timeout=2.0)
             raise
         finally:
             stop_w.send(b"x")
             watcher.join(timeout=5)
             self._control = None
+            if holding:  # Ctrl-C from now on is the main thread's KeyboardInterrupt
+                signal.signal(signal.SIGINT, signal.SIG_DFL if old_int is None else old_int)
             if in_main:
-                signal.set_wakeup_fd(old_wakeup)
                 # ray.init installs its own SIGTERM handler (sys.exit: atexit then shuts Ray
                 # down cleanly); keep it, and put back the caller's if Ray left ours, or if
                 # the caller's is a command's (sigterm.on_sigterm: Ray's, and it notes the
-                # signal, which ray.wait turns into SystemExit(1))
+                # signal, which ray.wait turns into SystemExit(1)); the handlers before the
+                # wakeup, so that a signal in between still leaves its byte to read below
                 if signal.getsignal(signal.SIGTERM) is _note_signal or old_term is on_sigterm:
                     # None: the previous handler was not installed from Python
                     signal.signal(signal.SIGTERM, signal.SIG_DFL if old_term is None else old_term)
+                signal.set_wakeup_fd(old_wakeup)
+            if holding:
+                self._hold_unread(wake_r)
             for s in (wake_r, wake_w, stop_r, stop_w):
                 s.close()
+            if holding and self.held is not None:
+                # delivered in the main thread, as the same signal a moment later would be
+                signal.raise_signal(self.held)
+
+    def _hold_unread(self, wake: socket.socket) -> None:
+        """A SIGTERM or SIGINT whose wakeup byte the watcher had not read when it stopped
+        (it came as the start ended) is held too."""
+        with contextlib.suppress(OSError):  # BlockingIOError: nothing left
+            for byte in wake.recv(64):
+                if byte in (signal.SIGTERM, signal.SIGINT) and self.held is None:
+                    self.held = byte
 
 
 @contextlib.contextmanager

@@ -334,6 +334,65 @@ def test_a_signal_ends_a_stuck_connection_promptly(private_tmp, sig, phase) -> N
     ], err
 
 
+START_SCRIPT = """
+    import os, signal, sys, threading, time
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # as in a foreground terminal
+    from embgeom_ray import sigterm
+    from embgeom_ray.distributed import cluster
+
+    signum, cluster.START_GRACE_S = signal.Signals[sys.argv[1]], float(sys.argv[2])
+    threading.Timer(0.3, lambda: os.kill(os.getpid(), signum)).start()
+    t0 = time.monotonic()
+    with sigterm.installed():  # as a command's main
+        try:
+            with cluster._ConnectGuard("starting a private local Ray", holds_interrupt=True).active():
+                time.sleep(float(sys.argv[3]))  # ray.init starting the private Ray
+                print("STARTED", round(time.monotonic() - t0, 1), flush=True)
+            print("NOT INTERRUPTED", flush=True)
+        except SystemExit as exc:
+            print("SystemExit", exc.code, sigterm.received(), flush=True)
+        except KeyboardInterrupt:
+            print("KeyboardInterrupt", flush=True)
+        finally:
+            print("UNWOUND", flush=True)  # reanalyze marks its index and lets its lock go here
+"""
+
+
+@pytest.mark.parametrize(
+    ("sig", "grace", "start_s", "out", "status"),
+    [
+        ("SIGTERM", 20, 0.6, ["SystemExit 15 True", "UNWOUND"], 0),
+        ("SIGINT", 20, 0.6, ["KeyboardInterrupt", "UNWOUND"], 0),
+        ("SIGTERM", 0.5, 30, [], 143),  # a start stuck past the grace: ended there
+    ],
+)
+def test_a_signal_while_a_commands_private_ray_starts_is_held_until_it_has_started(
+    private_tmp, sig, grace, start_s, out, status
+) -> None:
+    """SIGTERM (a CronJob's pod deleted) or Ctrl-C while a command's private local Ray
+    started ended the process at once by os._exit(143): nothing unwound, so ``reanalyze``
+    left its model ``running`` in the store's index for a run nobody ran, and its S3 lock in
+    place (other hosts held off 15 minutes). Now the signal is held until the start is done,
+    then delivered in the main thread as the same signal a moment later (SystemExit(15),
+    noted; KeyboardInterrupt), which unwinds; a start still stuck START_GRACE_S after the
+    signal ends the process in one line, as before."""
+    done = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(START_SCRIPT), sig, str(grace), str(start_s)],
+        env=_env(private_tmp), cwd=REPO, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert done.returncode == status, (done.stdout, done.stderr)
+    lines = done.stdout.splitlines()
+    if status:
+        assert lines == [] and _error_lines(done.stderr) == [
+            f"error: interrupted by {sig} while starting a private local Ray (Ray did not "
+            f"return within {grace:g} s)"
+        ], done.stderr
+        return
+    started, *rest = lines
+    assert started.startswith("STARTED ") and float(started.split()[1]) >= start_s
+    assert rest == out, done.stderr
+
+
 def test_a_head_that_never_answers_ends_after_the_join_timeout(private_tmp) -> None:
     with socket.create_server(("127.0.0.1", 0), backlog=64) as srv:
         port = srv.getsockname()[1]
