@@ -358,7 +358,10 @@ class _ConnectGuard:
         if in_main:
             old_wakeup = signal.set_wakeup_fd(wake_w.fileno(), warn_on_full_buffer=False)
             old_term = signal.signal(signal.SIGTERM, _note_signal)
-        if holding:  # Ctrl-C's KeyboardInterrupt too is held until the start is done
+        # Ctrl-C's KeyboardInterrupt too is held until the start is done (where not ignored,
+        # as in a shell's background job)
+        hold_int = holding and signal.getsignal(signal.SIGINT) is not signal.SIG_IGN
+        if hold_int:
             old_int = signal.signal(signal.SIGINT, _note_signal)
         watcher = threading.Thread(
             target=self._watch, args=(wake_r, stop_r), name="ray-connect-guard", daemon=True
@@ -379,7 +382,7 @@ class _ConnectGuard:
             stop_w.send(b"x")
             watcher.join(timeout=5)
             self._control = None
-            if holding:  # Ctrl-C from now on is the main thread's KeyboardInterrupt
+            if hold_int:  # Ctrl-C from now on is the main thread's KeyboardInterrupt
                 signal.signal(signal.SIGINT, signal.SIG_DFL if old_int is None else old_int)
             if in_main:
                 # ray.init installs its own SIGTERM handler (sys.exit: atexit then shuts Ray
