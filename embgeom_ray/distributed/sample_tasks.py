@@ -78,19 +78,25 @@ def task_bytes(sample: Any) -> int:
     return sample_task_bytes(sum(header_entries(sample.header)), int(sample.header["dim"]))
 
 
-def check_fits(sample: Any, nodes: Sequence[Mapping[str, Any]], here: str | None) -> None:
+def check_fits(
+    sample: Any, nodes: Sequence[Mapping[str, Any]], here: str | None, can_start: int = 0
+) -> None:
     """:class:`~embgeom_ray.errors.ConfigError` (one line, exit status 2) where no node a task
     reading ``sample`` may run on (``here``, this node's id, when it reads local files; else
-    any) has :func:`task_bytes` of Ray memory (``nodes``: ``ray.nodes()``): such a task
-    would wait for ever. The plan refuses the same before any work
+    any) has :func:`task_bytes` of Ray memory (``nodes``: ``ray.nodes()``), nor, where any
+    node may run it, a node the autoscaler may start (``can_start``: the most Ray memory of
+    one; it starts one for a task waiting for memory): such a task would wait for ever. The
+    plan refuses the same before any work
     (:func:`~embgeom_ray.sizing.decisions.sample_task_refusal`); this checks the cluster as it
-    is when the stage starts."""
+    is when the stage starts (hours later, the extractors' nodes perhaps gone)."""
     from ..errors import ConfigError
     from ..sizing.decisions import sample_task_refused
     from ..sizing.formulas import sample_entries_fitting
 
     alive = [n for n in nodes if n.get("Alive") and (here is None or n.get("NodeID") == here)]
     most = max((int(n.get("Resources", {}).get("memory", 0)) for n in alive), default=0)
+    if here is None:
+        most = max(most, can_start)
     each = task_bytes(sample)
     if each > most:
         where = "the job's own node (the sample is read from its local files)" if here else "the largest node"
@@ -135,7 +141,11 @@ def placement(sample: Any) -> dict[str, Any]:
     nodes, memory = ray.nodes(), {"memory": task_bytes(sample)}
     local = _reads_local_files(sample)
     node = ray.get_runtime_context().get_node_id() if local else None
-    check_fits(sample, nodes, node)
+    from .cluster import read_autoscaler_groups
+
+    # a node type the autoscaler may start, where any node may run them
+    groups = () if local else read_autoscaler_groups() or ()
+    check_fits(sample, nodes, node, max((g.memory for g in groups if g.max_count != 0), default=0))
     waiting = note_waiting(memory["memory"], _free_memory(), node)
     if waiting:
         from .. import progress

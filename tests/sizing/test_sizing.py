@@ -522,6 +522,9 @@ def test_sample_tasks_ask_ray_for_their_peak_and_one_no_node_holds_is_refused():
                        r"node; lower --sample-size and --sample-type-size \(together at most "
                        r"3,205,199 entries fit\)$"):  # fmt: skip
         check_fits(large, nodes, None)
+    check_fits(large, nodes, None, can_start=64 * GiB)  # the autoscaler may start a node of it
+    with pytest.raises(ConfigError, match="own node"):  # not for local files: this node only
+        check_fits(large, nodes, "w", can_start=64 * GiB)
 
 
 def test_a_gpus_larger_batch_takes_its_new_types_from_the_budget_not_the_hosts_memory():
