@@ -153,12 +153,13 @@ class _Held:
 def _remove(fs: Any, path: str, etag: str) -> bool:
     """Remove the lock object where its ETag is still ``etag``; whether it was removed.
 
-    One ``DeleteObject`` on the condition ``If-Match: etag`` (S3 since 2024; moto 5 too),
-    which the store applies atomically: a lock another invocation took over (a new ETag) is
-    left in place, answered 412. Reading the ETag and then removing the object (two requests)
+    One ``DeleteObject`` on the condition ``If-Match: etag`` (AWS S3's general purpose
+    buckets since September 2025; moto 5 too), which the store applies atomically: a lock
+    another invocation took over (a new ETag) is left in place, answered 412. Reading the ETag and then removing the object (two requests)
     removed the other's lock where it was taken over between the two. The ETag is read first
-    all the same, so that a store that ignores the condition on a delete still removes
-    nothing that is visibly another's (a narrower window than none). s3fs's ``rm_file``
+    all the same, so that a store that ignores the condition on a delete (some S3-compatible
+    servers parse it and drop it) still removes nothing that is visibly another's (the window
+    of two requests, as before, there only). s3fs's ``rm_file``
     passes no condition: the request goes through its client (``call_s3``)."""
     fs.invalidate_cache(path)
     if fs.info(path).get("ETag") != etag:
