@@ -844,3 +844,33 @@ def test_top_components_are_the_top_singular_vectors(n, d):
     np.testing.assert_allclose(sv, svf[:3], rtol=1e-10)
     np.testing.assert_allclose(np.abs(u.T @ uf[:, :3]), np.eye(3), atol=1e-8)
     assert (u[np.abs(u).argmax(axis=0), range(3)] > 0).all()
+
+
+def test_top_components_runs_arpack_on_one_blas_thread(monkeypatch):
+    """ARPACK's Lanczos steps are products of n · d, which BLAS's threads only slow down (4–10×
+    the CPU in the job's own process): top_components runs them on one BLAS thread, whatever
+    the process's own count, and gives the same components."""
+    import scipy.sparse.linalg
+    from threadpoolctl import threadpool_info, threadpool_limits
+
+    from embgeom_ray.report.figures.pca import top_components
+
+    seen = []
+    svds = scipy.sparse.linalg.svds
+
+    def spy(*args, **kwargs):
+        seen.append({i["num_threads"] for i in threadpool_info() if i["user_api"] == "blas"})
+        return svds(*args, **kwargs)
+
+    monkeypatch.setattr(scipy.sparse.linalg, "svds", spy)
+    rng = np.random.default_rng(7)
+    x = rng.standard_normal((500, 40)) * np.geomspace(4.0, 0.1, 40)
+    xc = x - x.mean(axis=0)
+    with threadpool_limits(limits=2, user_api="blas"):
+        u, sv = top_components(xc, 3)
+        after = {i["num_threads"] for i in threadpool_info() if i["user_api"] == "blas"}
+    assert seen == [{1}]
+    assert after <= {2}  # the process's own count back afterwards
+    uf, svf, _ = np.linalg.svd(xc, full_matrices=False)
+    np.testing.assert_allclose(sv, svf[:3], rtol=1e-10)
+    np.testing.assert_allclose(np.abs(u.T @ uf[:, :3]), np.eye(3), atol=1e-8)

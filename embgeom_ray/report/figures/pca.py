@@ -29,14 +29,21 @@ def top_components(xc: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
     O(n · d) per iteration, so any d, without importing scikit-learn into the process that
     draws; the full SVD when min(n, d) ≤ k or ARPACK does not converge. Signs as scikit-learn's
     ``svd_flip``: each vector's largest |entry| positive, so a figure does not mirror between
-    runs."""
+    runs.
+
+    On one BLAS thread: each Lanczos step is two matrix-vector products of n · d, too small to
+    share, and the ~180 steps' hand-offs between BLAS's threads took 4–10× the CPU time of one
+    thread (0.15–0.43 s against 0.03–0.06 s a layer at n = 4,096, d = 384, in the job's own
+    process, which draws these views beside the other figures' tasks; docs/benchmarks.md)."""
     from scipy.sparse.linalg import ArpackNoConvergence, svds
+    from threadpoolctl import threadpool_limits
 
     u = sv = None
     if min(xc.shape) > k:
         v0 = np.random.default_rng(0).standard_normal(min(xc.shape))
         try:
-            u, sv, _ = svds(xc, k=k, v0=v0)
+            with threadpool_limits(limits=1, user_api="blas"):
+                u, sv, _ = svds(xc, k=k, v0=v0)
         except ArpackNoConvergence:
             pass
     if u is None or sv is None:
