@@ -119,7 +119,9 @@ def exit_process(code: int) -> NoReturn:
         sys.exit(code)
     ray = sys.modules.get("ray")
     if ray is not None and ray.is_initialized():
-        ray.shutdown()
+        from ..distributed.cluster import shutdown_ray
+
+        shutdown_ray()  # a private local Ray's monitor first: 1 s less (its docstring)
     logging.shutdown()
     for stream in (sys.stdout, sys.stderr):
         try:

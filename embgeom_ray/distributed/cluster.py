@@ -42,6 +42,7 @@ import re
 import select
 import signal
 import socket
+import subprocess
 import sys
 import threading
 import time
@@ -551,7 +552,7 @@ def leave_ray_as_found() -> Iterator[None]:
         _embedded -= 1
         ray = sys.modules.get("ray")
         if not initialised and ray is not None:
-            ray.shutdown()
+            shutdown_ray()
             # gone: a Ray the caller initialises later at that address is the caller's
             # (:func:`_check_initialised_ray`, :func:`started_private_local`)
             _private_gcs = _joined_gcs = None
@@ -561,6 +562,31 @@ def leave_ray_as_found() -> Iterator[None]:
             os.environ.update(environ)
             if in_main and sigterm is not None and signal.getsignal(signal.SIGTERM) != sigterm:
                 signal.signal(signal.SIGTERM, sigterm)
+
+
+def shutdown_ray() -> None:
+    """``ray.shutdown()``, a Ray head that this process started (the private local Ray) less
+    its autoscaler monitor first.
+
+    Ray's own shutdown stops the raylet and the GCS, then sends the monitor SIGTERM and waits
+    up to 1 s before it SIGKILLs it: the monitor's handler reports its exit to the GCS already
+    gone and never returns in time, so every command on a private Ray waited that second at
+    its exit (1.36 s for the shutdown, 0.36 s with the monitor killed first: 2 cores, Ray
+    2.60). The monitor holds nothing of the run's (it scales clusters; a private Ray is one
+    node), so it is killed first, as Ray would 1 s later. Where Ray's internals differ (a
+    version without them), ``ray.shutdown()`` alone."""
+    import ray
+
+    try:
+        node = ray._private.worker._global_node
+        monitors = node.all_processes.get("monitor", []) if node is not None and node.head else []
+    except AttributeError:
+        monitors = []
+    for info in monitors:
+        with contextlib.suppress(OSError, subprocess.TimeoutExpired):
+            info.process.kill()
+            info.process.wait(timeout=1.0)
+    ray.shutdown()
 
 
 def started_private_local() -> bool:
