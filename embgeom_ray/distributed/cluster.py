@@ -573,8 +573,9 @@ def shutdown_ray() -> None:
     gone and never returns in time, so every command on a private Ray waited that second at
     its exit (1.36 s for the shutdown, 0.36 s with the monitor killed first: 2 cores, Ray
     2.60). The monitor holds nothing of the run's (it scales clusters; a private Ray is one
-    node), so it is killed first, as Ray would 1 s later. Where Ray's internals differ (a
-    version without them), ``ray.shutdown()`` alone."""
+    node), so it is killed first, as Ray would 1 s later: by SIGKILL, since its SIGTERM handler
+    would publish "The autoscaler failed" to this driver while the GCS still runs. Where Ray's
+    internals differ (a version without them), ``ray.shutdown()`` alone."""
     import ray
 
     try:
