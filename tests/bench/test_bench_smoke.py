@@ -63,13 +63,16 @@ def test_extraction_smoke(results_dir):
 
 def test_bare_forward_sweep_smoke(tmp_path):
     """bench.bare_forward's sweep (a process per thread count) and its timed run, on 8
-    documents: one lane, and two where there are two threads."""
+    documents cut to 1,500 characters (~20 windows of 128: a few batches in each batching,
+    so two lanes run two at once; whole, two of them alone were 3 of every 4 characters):
+    one lane, and two where there are two threads."""
     from bench.bare_forward import best_bare_forward, timed_bare_forward
     from bench.common import english_jsonl, minilm_dir
 
-    lines = open(english_jsonl(tmp_path / "full.jsonl")).read().splitlines(keepends=True)
+    lines = open(english_jsonl(tmp_path / "full.jsonl")).read().splitlines()
+    docs = [json.loads(line) for line in lines[:8]]
     corpus = tmp_path / "small.jsonl"
-    corpus.write_text("".join(lines[:8]))
+    corpus.write_text("".join(json.dumps(d | {"text": d["text"][:1500]}) + "\n" for d in docs))
     res = best_bare_forward(
         minilm_dir(), str(corpus), 128, ["rows:8", "tokens:1024"], [1, 2], ["reuse"],
         repeats=1, rounds=1, lanes=(1, 2),
