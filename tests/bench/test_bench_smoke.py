@@ -408,10 +408,14 @@ def test_checksums_smoke(results_dir):
     assert res["times_s"]["digest"][0] > 0 and res["digest_share_of_write"] > 0
 
 
-def test_host_tier_smoke(results_dir):
+def test_host_tier_smoke(results_dir, ray_local, monkeypatch):
     """Two jobs over a small Zipf corpus, with and without a host tier: the tier writes fewer
-    bytes, and the exact tables agree to float64 rounding."""
+    bytes, and the exact tables agree to float64 rounding. The jobs' processes join the
+    tests' local Ray (``RAY_ADDRESS``, as a user's cluster is named) instead of each starting
+    a private one (~5 s a job: what they write does not depend on the cluster)."""
     from bench import host_tier
+
+    monkeypatch.setenv("RAY_ADDRESS", ray_local.get_runtime_context().gcs_address)
 
     host_tier.main(
         "--vocab 3000 --dim 16 --blocks 1 --tokens 20000 --statistics-types 150 --host-gib 0.01 "
