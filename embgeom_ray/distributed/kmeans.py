@@ -31,7 +31,10 @@ the layer's sample:
   cannot deadlock the pool. This is for samples too big for one node; for small ones its
   thousands of tiny tasks cost far more than the arithmetic.
 
-:func:`call_on_ray` runs any function as one such thread-capped task; given a layer's ref from
+Each layer's task asks Ray for its peak memory
+(:func:`~embgeom_ray.sizing.sampled_tasks.kmeans_task_bytes`: the n × n matrices of its
+silhouettes, its points, its fits), so that a node runs no more of them at once than its memory
+holds. :func:`call_on_ray` runs any function as one such thread-capped task; given a layer's ref from
 :func:`submit_layers_on_ray` it starts as soon as that layer's clusters are ready, so the
 sampled metrics of early layers overlap the K-means of later ones.
 """
@@ -60,6 +63,7 @@ from ..core.kmeans_selection import (
     select_k,
     serial_fits,
 )
+from ..sizing.sampled_tasks import kmeans_task_bytes
 
 
 def balanced_shares(costs: Sequence[int], shares: int) -> list[list[int]]:
@@ -208,9 +212,16 @@ def _capped_call(fn: Callable[..., Any], threads: int, *args: Any, **kwargs: Any
 
 
 def call_on_ray(
-    fn: Callable[..., Any], *args: Any, cpus: int = 1, returns: int = 1, **kwargs: Any
+    fn: Callable[..., Any],
+    *args: Any,
+    cpus: int = 1,
+    returns: int = 1,
+    memory: int = 0,
+    **kwargs: Any,
 ) -> Any:
-    """``fn(*args, **kwargs)`` as one Ray task of ``cpus`` CPUs and at most ``cpus`` threads.
+    """``fn(*args, **kwargs)`` as one Ray task of ``cpus`` CPUs and at most ``cpus`` threads,
+    asking Ray for ``memory`` bytes (its peak, so that a node runs no more such tasks at once
+    than its memory holds; 0: none asked).
 
     Returns its object ref at once (``returns`` > 1: a list of that many refs, one per item of
     the tuple ``fn`` returns, each fetched alone). Arguments that are object refs (e.g. a
@@ -219,7 +230,7 @@ def call_on_ray(
     """
     if cpus < 1:
         raise ValueError(f"cpus must be >= 1, got {cpus}")
-    task = _capped_call.options(num_cpus=cpus, num_returns=returns)
+    task = _capped_call.options(num_cpus=cpus, num_returns=returns, **({"memory": memory} if memory else {}))
     return task.remote(fn, cpus, *args, **kwargs)
 
 
@@ -304,11 +315,13 @@ def submit_layers_on_ray(
         X = np.asarray(X, dtype=np.float64)
         if X.ndim != 2 or len(X) == 0:
             raise ValueError(f"layer {layer}: sample must be a non-empty (n, d) array")
+        memory = kmeans_task_bytes(len(X), X.shape[1], silhouette_max_points, k_max, n_init)
         if local_max_elements is not None and X.size <= local_max_elements:
             refs[layer] = call_on_ray(
                 select_k,
                 X,
                 cpus=cpus_per_task,
+                memory=memory,
                 groups=groups.get(layer),
                 local_max_elements=local_max_elements,
                 local_dtype=local_dtype,
@@ -324,5 +337,6 @@ def submit_layers_on_ray(
         shift = X.mean(axis=0)
         Xc = np.ascontiguousarray(X - shift)
         parts = put_partitions(Xc, n_partitions or default_partitions(len(Xc)))
-        refs[layer] = _select_k_task.remote(ray.put(Xc), parts, options, shift, inverse)
+        task = _select_k_task.options(memory=memory)
+        refs[layer] = task.remote(ray.put(Xc), parts, options, shift, inverse)
     return refs

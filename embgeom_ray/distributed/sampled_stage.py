@@ -7,6 +7,7 @@ engine-free in :mod:`embgeom_ray.core.tables` (:func:`~embgeom_ray.core.tables.s
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -24,6 +25,7 @@ from ..core.tables import (
     sampled_selection,
 )
 from ..sizing.formulas import on_workers
+from ..sizing.sampled_tasks import SampledTasks
 
 if TYPE_CHECKING:
     from ..core.sample_layers import SampleLayers
@@ -50,7 +52,9 @@ def add_sampled_metrics(
     too large for one worker have a
     distributed fit (:func:`~embgeom_ray.distributed.kmeans.submit_layers_on_ray`) followed by
     the row's task, which starts as soon as the layer's clusters are ready; each task holds one
-    CPU and runs one thread. The layers are planned
+    CPU and runs one thread, and asks Ray for its peak memory
+    (:mod:`~embgeom_ray.sizing.sampled_tasks`; :func:`check_tasks_fit` first refuses a task
+    that no node holds). The layers are planned
     and submitted one at a time (``sample`` gives one layer's sample at a time: its points go
     to the object store with the layer's tasks, and this process drops them before the next
     layer's), so this process never holds more than one layer of the sample; a sample whose
@@ -80,6 +84,8 @@ def add_sampled_metrics(
     connect(address)
     await_warm_workers()
     kmeans_options, row_options = sampled_options(options, first.num_uniform)
+    tasks = stage_tasks(first.num_uniform, first.dim, options)
+    check_tasks_fit(tasks)
     flagged = flagged_dims(tables["dims"])
     shares = fit_shares(len(layers), 1)
     km_refs, row_refs, rows_after = {}, {}, []
@@ -89,7 +95,7 @@ def add_sampled_metrics(
     ) -> None:  # the layer's metrics, once its selection (km_refs) and distances are ready
         row_refs[layer] = call_on_ray(
             sampled_row, *args, km_refs[layer], clip_dims, groups=keys, distances=distances,
-            **row_options,
+            memory=tasks.metrics, **row_options,
         )  # fmt: skip
 
     for layer in layers:
@@ -101,8 +107,9 @@ def add_sampled_metrics(
             args = [ray.put(a) for a in (inputs.vectors, inputs.token_ids, inputs.type_vectors)]
             keys = ray.put(inputs.content_keys)
             km_refs[layer], distances = call_on_ray(
-                sampled_selection, args[0], keys, kmeans_options, RayFits(*shares), returns=2
-            )
+                sampled_selection, args[0], keys, kmeans_options, RayFits(*shares), returns=2,
+                memory=tasks.kmeans,
+            )  # fmt: skip
             rows_after.append((layer, args, inputs.clip_dims, keys, distances))
             del inputs
             if len(rows_after) > shares[1]:  # the metrics of a layer CPUs-many selections ago
@@ -120,6 +127,7 @@ def add_sampled_metrics(
             km_refs[layer],
             inputs.clip_dims,
             groups=inputs.content_keys,
+            memory=replace(tasks, own_distances=True).metrics,
             **row_options,
         )
         del inputs
@@ -153,6 +161,8 @@ def _on_workers(
     if "skipped" in note:
         return note, {}
     kmeans_options, row_options = sampled_options(options, note["uniform_points"])
+    tasks = stage_tasks(note["uniform_points"], int(sample.header["dim"]), options, own_distances=True)
+    check_tasks_fit(tasks)
     shares = fit_shares(len(layers), 1)
     km_refs, row_refs = {}, {}
     for layer in layers:
@@ -166,9 +176,44 @@ def _on_workers(
             km_refs[layer],
             flagged.get(layer, []),
             groups=content_keys,
+            memory=tasks.metrics,
             **row_options,
         )
     return _finish(tables, note, layers, row_refs, km_refs)
+
+
+def stage_tasks(n: int, d: int, options: SampledOptions, own_distances: bool = False) -> SampledTasks:
+    """The per-layer tasks' memory (:mod:`~embgeom_ray.sizing.sampled_tasks`) for layers of
+    ``n`` uniform points of dimension ``d`` (``own_distances``: the metrics task computes the
+    distances itself, the selection handing none over)."""
+    return SampledTasks(
+        n, d, options.silhouette_max_points, options.kmeans_k_max, options.kmeans_n_init,
+        min(options.lid_k, n - 1), own_distances,
+    )  # fmt: skip
+
+
+def check_tasks_fit(tasks: SampledTasks, nodes: Any = None, can_start: int | None = None) -> None:
+    """:class:`~embgeom_ray.errors.ConfigError` (one line, exit status 2) where no live node
+    (``nodes``: ``ray.nodes()``) nor a node type the autoscaler may start (``can_start``: the
+    most Ray memory of one) has the Ray memory one of the stage's tasks asks for: it would wait
+    for ever. The plan refuses the same before any work
+    (:func:`~embgeom_ray.sizing.decisions.sampled_task_refusal`); this checks the cluster as
+    it is when the stage starts."""
+    import ray
+
+    from ..errors import ConfigError
+
+    if nodes is None:
+        nodes = ray.nodes()
+    if can_start is None:
+        from .cluster import read_autoscaler_groups
+
+        groups = read_autoscaler_groups() or ()
+        can_start = max((g.memory for g in groups if g.max_count != 0), default=0)
+    alive = [int(n.get("Resources", {}).get("memory", 0)) for n in nodes if n.get("Alive")]
+    refused = tasks.refusal(max([*alive, can_start]), "the largest node")
+    if refused:
+        raise ConfigError(refused)
 
 
 def _finish(

@@ -457,7 +457,8 @@ def prepare(config: JobConfig) -> RunSpec:
     shape = run_shape(
         model_config, layers=len(layers), positions=config.max_length, vocab=len(tokenizer),
         clip=len(clip_dims or []), sample_entries=sample, dtype=config.dtype, name=config.model,
-        store=config.out, weight_bytes=weight_bytes(
+        store=config.out, sample_points=config.sample_size, sampled=config.sampled,
+        weight_bytes=weight_bytes(
             config.model, config.revision, config.dtype, config.trust_remote_code
         ),
     )  # fmt: skip

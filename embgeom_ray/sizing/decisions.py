@@ -217,6 +217,17 @@ def sample_task_refusal(shape: Shape, cluster: Cluster) -> str | None:
     return sample_task_refused(each, most, where, sample_entries_fitting(most, shape.dim))
 
 
+def sampled_task_refusal(shape: Shape, cluster: Cluster) -> str | None:
+    """Why no node can run one of the sampled stage's per-layer Ray tasks (a layer's K-means
+    selection or its sampled metrics: :mod:`.sampled_tasks`), or None where one can (or the
+    stage does not run). Each asks Ray for its peak, so a task that no node's Ray memory holds
+    would wait for ever; they run on any node."""
+    tasks = shape.sampled_tasks()
+    if tasks is None or not cluster.nodes:
+        return None
+    return tasks.refusal(max(n.memory for n in cluster.nodes), "the largest node")
+
+
 def sample_task_refused(each: int, most: int, where: str, entries: int) -> str:
     """The one line refusing a sample whose per-layer task needs ``each`` bytes where the
     node it may run on offers Ray ``most`` (``entries``: the most that fit)."""
@@ -852,7 +863,7 @@ def size_job(
             f"{gib(types * TYPE_ROW_BYTES)} a layer), more than the head node's "
             f"{gib(head)}; lower --sample-size and --sample-type-size, or measure fewer --layers"
         )
-    refused = sample_task_refusal(shape, cluster)
+    refused = sample_task_refusal(shape, cluster) or sampled_task_refusal(shape, cluster)
     if refused:
         raise ConfigError(refused)
     sizing = Sizing(
@@ -860,6 +871,9 @@ def size_job(
         driver_formula(not reduce.partitioned, shape),
     )  # fmt: skip
     sizing.extras["io"] = io_sizes(sizing)
+    tasks = shape.sampled_tasks()
+    if tasks is not None:  # what each of the sampled stage's per-layer tasks asks Ray for
+        sizing.extras["sampled_tasks"] = {"kmeans_memory": tasks.kmeans, "metrics_memory": tasks.metrics}
     return sizing
 
 

@@ -37,7 +37,7 @@ Processes:
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from ..core.sample_layers import SampleLayers, header_entries
@@ -45,6 +45,7 @@ from ..core.statistics import state_bytes
 from ..core.statistics_io import STREAM_BLOCK_BYTES
 from ..errors import ConfigError
 from ..io_utils import upload_buffer_bytes
+from .sampled_tasks import SampledTasks
 
 KiB, MiB, GiB = 2**10, 2**20, 2**30
 
@@ -177,6 +178,29 @@ class Shape:
     #: the run's URL (``--out``), which the processes write to: "" (or a local path) for a
     #: disk, where a write holds nothing beside its data (:meth:`upload_bytes`)
     store: str = ""
+    #: n: ``--sample-size``, the uniform points a layer's K-means and sampled metrics take
+    #: (they bound its distinct points; 0: no sample)
+    sample_points: int = 0
+    #: the sampled stage's options that its tasks' memory depends on (``--silhouette-max-points``,
+    #: ``--kmeans-k-max``, ``--kmeans-n-init``, ``--lid-k``: :mod:`.sampled_tasks`); None: the defaults
+    sampled: Any = field(default=None, compare=False)
+
+    def sampled_tasks(self) -> SampledTasks | None:
+        """The sampled stage's per-layer Ray tasks (:mod:`.sampled_tasks`) of a layer of
+        ``sample_points`` points; None without the stage (a sample too small for it). Their
+        metrics task computes the distances itself where the sample is handled by Ray tasks
+        or is too large for one process (the K-means task then hands none over)."""
+        from ..core.kmeans_selection import LOCAL_FIT_MAX_ELEMENTS
+        from ..core.options import SampledOptions
+        from ..core.tables import MIN_SAMPLE_POINTS
+
+        n = self.sample_points
+        if n < MIN_SAMPLE_POINTS:
+            return None
+        o = self.sampled or SampledOptions()
+        own = sample_on_workers(self.sample_entries, self.dim) or n * self.dim > LOCAL_FIT_MAX_ELEMENTS
+        return SampledTasks(n, self.dim, o.silhouette_max_points, o.kmeans_k_max,
+                            o.kmeans_n_init, min(o.lid_k, n - 1), own)  # fmt: skip
 
     def upload_bytes(self, size: int) -> int:
         """u: what writing an object of ``size`` bytes to the run holds beside its data
@@ -228,9 +252,12 @@ def run_shape(
     dtype: str,
     name: str = "",
     store: str = "",
+    sample_points: int = 0,
+    sampled: Any = None,
 ) -> Shape:
     """The :class:`Shape` of a run from the model's (text) config, read for its blocks,
-    feed-forward width and heads, and the run's options (``store``: its ``--out``)."""
+    feed-forward width and heads, and the run's options (``store``: its ``--out``;
+    ``sample_points``: ``--sample-size``; ``sampled``: its sampled metrics' options)."""
     def attr(*names: str) -> int:
         return next((int(getattr(model_config, n)) for n in names
                      if getattr(model_config, n, None)), 0)  # fmt: skip
@@ -250,6 +277,8 @@ def run_shape(
         dtype_bytes={"float32": 4, "bfloat16": 2, "float16": 2}[dtype],
         name=name,
         store=store,
+        sample_points=sample_points,
+        sampled=sampled,
     )
 
 

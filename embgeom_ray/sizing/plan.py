@@ -128,6 +128,7 @@ def describe_plan(
         f"{sizing.driver_formula}",
         *([f"  warning: {sizing.driver_warning()}"] if sizing.driver > DRIVER_ALLOWANCE_BYTES else []),
         *_sample_tasks(shape),
+        *_sampled_tasks(shape),
         "",
         f"per-type state S(V) = 8·L·V·(2d+2) + 8V = {gib(shape.type_bytes(types))}; per-layer "
         f"state F = 8·L·(d² + 3d + P·(d+1) + 2) = {gib(shape.layer_state_bytes())}; sample Q = "
@@ -204,6 +205,22 @@ def _sample_tasks(shape: Shape) -> list[str]:
         f"{gib(sample_task_bytes(shape.sample_entries, shape.dim))} at its peak, Q_l = "
         f"4·s·d + 48s = {gib(q)} (asked of Ray: a node runs as many as its memory holds; "
         "--sample-size and --sample-type-size bound it)"
+    ]
+
+
+def _sampled_tasks(shape: Shape) -> list[str]:
+    """The line on the sampled stage's per-layer Ray tasks (:mod:`.sampled_tasks`): what a
+    layer's K-means selection and its metrics each ask Ray for, and what bounds them."""
+    tasks = shape.sampled_tasks()
+    if tasks is None:
+        return []
+    n, m = tasks.n, tasks.m or tasks.n
+    held = f"n × n distances, n = {n:,}" if n <= m else f"{m:,} × {m:,} distances of a subsample"
+    return [
+        f"sampled-stage tasks: a layer's K-means selection ≈ {gib(tasks.kmeans)} and its "
+        f"metrics ≈ {gib(tasks.metrics)} at their peak ({held}, d = {tasks.d:,}; asked of Ray: "
+        "a node runs as many as its memory holds; --silhouette-max-points and --sample-size "
+        "bound them)"
     ]
 
 

@@ -1,0 +1,159 @@
+"""The memory of the sampled stage's per-layer Ray tasks (embgeom_ray.sizing.sampled_tasks): the
+formula against the arrays the code allocates and against a process's peak RSS, the refusal
+of a task that no node holds, the plan's line."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import tracemalloc
+
+import numpy as np
+import pytest
+
+from bench.sampled_task_memory import points
+from embgeom_ray.core.kmeans_selection import distinct_distances, scan_ks, select_k
+from embgeom_ray.core.lloyd import Points
+from embgeom_ray.core.options import SampledOptions
+from embgeom_ray.core.tables import sampled_options, sampled_row, sampled_selection
+from embgeom_ray.distributed.sampled_stage import check_tasks_fit, stage_tasks
+from embgeom_ray.errors import ConfigError
+from embgeom_ray.sizing import Cluster, Node, Shape
+from embgeom_ray.sizing.decisions import sampled_task_refusal
+from embgeom_ray.sizing.sampled_tasks import (
+    SampledTasks,
+    kmeans_task_bytes,
+    kmeans_task_terms,
+    metrics_task_bytes,
+    metrics_task_terms,
+)
+
+MiB = 1 << 20
+
+
+def test_terms_are_the_arrays_the_code_allocates() -> None:
+    n, d = 200, 16
+    X, _, _ = points(n, d)
+    terms = kmeans_task_terms(n, d, 4096, 60)
+    gram, D = distinct_distances(X, None, 4096)
+    # the Gram matrix, the distances and point_silhouettes' float32 copy: 20 n²
+    assert terms["matrices"] == gram.nbytes + D.nbytes + D.astype(np.float32).nbytes == 20 * n * n
+    km = select_k(X, silhouette_max_points=4096)
+    # the indicators and their product with the distances: (n, Σ k) float32 each
+    width = sum(len(np.unique(p)) for p in km.partitions.values())
+    assert width == sum(scan_ks(60)) == 582
+    assert terms["silhouettes"] == 2 * 4 * n * width
+    Xc = X - X.mean(axis=0)
+    assert terms["points"] >= 2 * Xc.nbytes + Points(Xc).Xf.nbytes  # two centred copies, float32
+    # a subsample of m < n points: scikit-learn's m × m distances and their float32 copy
+    assert kmeans_task_terms(n, d, 50, 60)["matrices"] == 12 * 50 * 50
+    metrics = metrics_task_terms(n, d, 4096, 20, own_distances=False)
+    assert metrics["matrices"] == 20 * n * n  # chord distances, the types' block and its sums
+    assert metrics_task_terms(n, d, 4096, 20, own_distances=True)["matrices"] == 28 * n * n
+
+
+def test_formula_bounds_the_traced_allocations() -> None:
+    """tracemalloc sees numpy's arrays (not BLAS's buffers: the RSS test below does): the peak
+    of each task's work lies within its formula, and not far below it."""
+    n, d = 256, 16
+    X, tokens, types = points(n, d)
+    kmeans_options, row_options = sampled_options(SampledOptions(), n)
+    sampled_selection(X[:64], None, sampled_options(SampledOptions(), 64)[0])  # libraries
+    tracemalloc.start()
+    try:
+        base = tracemalloc.get_traced_memory()[0]
+        km, D = sampled_selection(X, None, kmeans_options)
+        selection = tracemalloc.get_traced_memory()[1] - base
+        tracemalloc.reset_peak()
+        base = tracemalloc.get_traced_memory()[0]
+        sampled_row(X, tokens, types, km, [], groups=None, distances=D, **row_options)
+        metrics = tracemalloc.get_traced_memory()[1] - base
+    finally:
+        tracemalloc.stop()
+    assert 0.5 <= selection / kmeans_task_bytes(n, d, 4096, 60) <= 1.0
+    assert 0.5 <= metrics / metrics_task_bytes(n, d, 4096, 20, False) <= 1.0
+
+
+@pytest.mark.slow
+def test_formula_bounds_the_peak_rss_of_a_process() -> None:
+    """Each task's peak RSS growth in a fresh process of one BLAS thread, as a task runs
+    (bench.sampled_task_memory's measurement), is within its formula and at least half of it
+    (n = 1,024, d = 64: 0.88–0.92 and 0.79–0.85 measured)."""
+    import os
+
+    from bench.sampled_task_memory import ONE_THREAD
+
+    code = ("import json; from bench.sampled_task_memory import measure; "
+            "print(json.dumps([measure(t, 1024, 64, 4096) for t in ('kmeans', 'metrics')]))")  # fmt: skip
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True,
+        env=os.environ | ONE_THREAD, timeout=120, check=True,
+    )  # fmt: skip
+    kmeans, metrics = json.loads(out.stdout.strip().splitlines()[-1])
+    assert kmeans["formula"] == kmeans_task_bytes(1024, 64, 4096, 60)
+    assert metrics["formula"] == metrics_task_bytes(1024, 64, 4096, 20, False)
+    assert 0.5 <= kmeans["ratio"] <= 1.0
+    assert 0.5 <= metrics["ratio"] <= 1.0
+
+
+def test_refusal_names_the_silhouette_points_that_fit() -> None:
+    tasks = SampledTasks(4096, 384, 4096, 60, None, 20)
+    assert (tasks.kmeans, tasks.metrics) == (449_298_432, 427_032_576)
+    most = 256 * MiB
+    line = tasks.refusal(most, "the largest node")
+    assert line is not None and "K-means tasks need ≈ 428 MiB each" in line
+    m = tasks.fitting_m(most)
+    assert m is not None and f"lower --silhouette-max-points (at most {m:,} fits)" in line
+    assert tasks.with_m(m).largest <= most < tasks.with_m(m + 1).largest
+    assert tasks.refusal(tasks.largest, "the largest node") is None
+    # the points alone do not fit: only --sample-size helps
+    assert "lower --sample-size (its points alone" in tasks.refusal(1 * MiB, "the largest node")
+
+
+def test_stage_start_refuses_a_task_no_node_holds() -> None:
+    tasks = stage_tasks(4096, 384, SampledOptions())
+    assert tasks.largest == 449_298_432
+    nodes = [{"Alive": True, "Resources": {"memory": 300 * MiB}}, {"Alive": False, "Resources": {"memory": 1 << 40}}]
+    with pytest.raises(ConfigError, match="--silhouette-max-points"):
+        check_tasks_fit(tasks, nodes, can_start=0)
+    check_tasks_fit(tasks, nodes, can_start=tasks.largest)  # the autoscaler starts one that holds it
+    # the metrics task that computes its distances itself asks for 8 n² more
+    own = stage_tasks(4096, 384, SampledOptions(), own_distances=True)
+    assert own.metrics - tasks.metrics == 8 * 4096 * 4096
+
+
+def test_plan_refuses_and_reports_the_tasks() -> None:
+    shape = Shape(layers=7, dim=384, positions=128, vocab=30_522, sample_entries=8192, sample_points=4096)
+    small = Cluster((Node("h", 300 * MiB, cpus=2, head=True),))
+    line = sampled_task_refusal(shape, small)
+    assert line is not None and "of Ray memory of the largest node" in line
+    roomy = Cluster((Node("h", 16 << 30, cpus=2, head=True),))
+    assert sampled_task_refusal(shape, roomy) is None
+    assert shape.sampled_tasks().kmeans == 449_298_432
+    assert Shape(layers=7, dim=384, positions=128, vocab=30_522).sampled_tasks() is None  # no sample
+    options = SampledOptions(silhouette_max_points=1024)
+    assert Shape(layers=1, dim=384, positions=1, vocab=1, sample_points=4096, sampled=options
+                 ).sampled_tasks().kmeans == kmeans_task_bytes(4096, 384, 1024, 60)  # fmt: skip
+
+
+def test_call_on_ray_asks_ray_for_the_memory_given(monkeypatch) -> None:
+    """The stage's tasks go through call_on_ray, which passes ``memory`` to Ray's options (and
+    asks for none where it is 0: the tasks that hold little)."""
+    from embgeom_ray.distributed import kmeans
+
+    asked = []
+
+    class Task:
+        def options(self, **options):
+            asked.append(options)
+            return self
+
+        def remote(self, *args, **kwargs):
+            return "ref"
+
+    monkeypatch.setattr(kmeans, "_capped_call", Task())
+    kmeans.call_on_ray(len, [1], memory=449_298_432, returns=2)
+    kmeans.call_on_ray(len, [1])
+    assert asked == [{"num_cpus": 1, "num_returns": 2, "memory": 449_298_432},
+                     {"num_cpus": 1, "num_returns": 1}]  # fmt: skip
