@@ -1,4 +1,6 @@
-"""The sampled stage's per-layer tasks' peak memory against their formulas (embgeom_ray.sizing.sampled_tasks).
+"""The sampled stage's per-layer tasks' peak memory against their formulas.
+
+The formulas: :mod:`embgeom_ray.sizing.sampled_tasks`.
 
 For every n of ``--sizes``, d of ``--dims`` and m of ``--max-points``, each task runs in a fresh
 process (one BLAS/OpenMP thread, as the stage's Ray tasks run), whose libraries (scikit-learn,
@@ -119,8 +121,9 @@ def main(argv: list[str] | None = None) -> None:
                 for task in ("kmeans", "metrics"):
                     r = measure_apart(task, n, d, m)
                     results.append(r)
-                    print(f"{task:7} n = {n:5,} d = {d:5,} m = {m:5,}: {r['growth'] / 2**20:7.1f} MiB "
-                          f"of {r['formula'] / 2**20:7.1f} MiB ({r['ratio']:.2f})")  # fmt: skip
+                    mib = r["growth"] / 2**20, r["formula"] / 2**20
+                    print(f"{task:7} n = {n:5,} d = {d:5,} m = {m:5,}: {mib[0]:7.1f} MiB "
+                          f"of {mib[1]:7.1f} MiB ({r['ratio']:.2f})")  # fmt: skip
     save(args.name, {"command": "python -m bench.sampled_task_memory", "args": vars(args),
                      "results": results})  # fmt: skip
 

@@ -230,7 +230,8 @@ def call_on_ray(
     """
     if cpus < 1:
         raise ValueError(f"cpus must be >= 1, got {cpus}")
-    task = _capped_call.options(num_cpus=cpus, num_returns=returns, **({"memory": memory} if memory else {}))
+    asked = {"memory": memory} if memory else {}
+    task = _capped_call.options(num_cpus=cpus, num_returns=returns, **asked)
     return task.remote(fn, cpus, *args, **kwargs)
 
 

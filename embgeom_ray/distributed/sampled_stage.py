@@ -161,7 +161,8 @@ def _on_workers(
     if "skipped" in note:
         return note, {}
     kmeans_options, row_options = sampled_options(options, note["uniform_points"])
-    tasks = stage_tasks(note["uniform_points"], int(sample.header["dim"]), options, own_distances=True)
+    dim = int(sample.header["dim"])
+    tasks = stage_tasks(note["uniform_points"], dim, options, own_distances=True)
     check_tasks_fit(tasks)
     shares = fit_shares(len(layers), 1)
     km_refs, row_refs = {}, {}
@@ -182,7 +183,9 @@ def _on_workers(
     return _finish(tables, note, layers, row_refs, km_refs)
 
 
-def stage_tasks(n: int, d: int, options: SampledOptions, own_distances: bool = False) -> SampledTasks:
+def stage_tasks(
+    n: int, d: int, options: SampledOptions, own_distances: bool = False
+) -> SampledTasks:
     """The per-layer tasks' memory (:mod:`~embgeom_ray.sizing.sampled_tasks`) for layers of
     ``n`` uniform points of dimension ``d`` (``own_distances``: the metrics task computes the
     distances itself, the selection handing none over)."""

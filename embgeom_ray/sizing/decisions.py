@@ -873,7 +873,9 @@ def size_job(
     sizing.extras["io"] = io_sizes(sizing)
     tasks = shape.sampled_tasks()
     if tasks is not None:  # what each of the sampled stage's per-layer tasks asks Ray for
-        sizing.extras["sampled_tasks"] = {"kmeans_memory": tasks.kmeans, "metrics_memory": tasks.metrics}
+        sizing.extras["sampled_tasks"] = {
+            "kmeans_memory": tasks.kmeans, "metrics_memory": tasks.metrics
+        }  # fmt: skip
     return sizing
 
 

@@ -181,8 +181,9 @@ class Shape:
     #: n: ``--sample-size``, the uniform points a layer's K-means and sampled metrics take
     #: (they bound its distinct points; 0: no sample)
     sample_points: int = 0
-    #: the sampled stage's options that its tasks' memory depends on (``--silhouette-max-points``,
-    #: ``--kmeans-k-max``, ``--kmeans-n-init``, ``--lid-k``: :mod:`.sampled_tasks`); None: the defaults
+    #: the sampled stage's options that its tasks' memory depends on
+    #: (``--silhouette-max-points``, ``--kmeans-k-max``, ``--kmeans-n-init``, ``--lid-k``:
+    #: :mod:`.sampled_tasks`); None: the defaults
     sampled: Any = field(default=None, compare=False)
 
     def sampled_tasks(self) -> SampledTasks | None:
@@ -198,7 +199,8 @@ class Shape:
         if n < MIN_SAMPLE_POINTS:
             return None
         o = self.sampled or SampledOptions()
-        own = sample_on_workers(self.sample_entries, self.dim) or n * self.dim > LOCAL_FIT_MAX_ELEMENTS
+        own = (sample_on_workers(self.sample_entries, self.dim)
+               or n * self.dim > LOCAL_FIT_MAX_ELEMENTS)  # fmt: skip
         return SampledTasks(n, self.dim, o.silhouette_max_points, o.kmeans_k_max,
                             o.kmeans_n_init, min(o.lid_k, n - 1), own)  # fmt: skip
 

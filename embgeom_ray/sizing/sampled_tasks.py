@@ -46,9 +46,10 @@ default sample of MiniLM (n = m = 4,096, d = 384).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
-#: every k ≤ this is seeded by k-means++ chains (:data:`~embgeom_ray.core.kmeans_selection.K_DENSE`)
+#: every k ≤ this is seeded by k-means++ chains
+#: (:data:`~embgeom_ray.core.kmeans_selection.K_DENSE`)
 K_DENSE = 15
 #: bootstrap resamples of the K-means decision's support
 #: (:data:`~embgeom_ray.core.kmeans_selection.SUPPORT_RESAMPLES`)
@@ -104,7 +105,9 @@ def kmeans_task_bytes(n: int, d: int, m: int | None, k_max: int, n_init: int | N
     return sum(kmeans_task_terms(n, d, m, k_max, n_init).values())
 
 
-def metrics_task_terms(n: int, d: int, m: int | None, lid_k: int, own_distances: bool) -> dict[str, int]:
+def metrics_task_terms(
+    n: int, d: int, m: int | None, lid_k: int, own_distances: bool
+) -> dict[str, int]:
     """The terms of :func:`metrics_task_bytes` (module docstring): ``matrices``,
     ``silhouette_blocks`` (the sums by label's scratch), ``points``, ``neighbours`` (the
     two tables) and ``isotropy``."""
@@ -157,7 +160,7 @@ class SampledTasks:
         return max(self.kmeans, self.metrics)
 
     def with_m(self, m: int) -> SampledTasks:
-        return SampledTasks(self.n, self.d, m, self.k_max, self.n_init, self.lid_k, self.own_distances)
+        return replace(self, m=m)
 
     def fitting_m(self, memory: int, least: int = 10) -> int | None:
         """The largest ``--silhouette-max-points`` (≥ ``least``, ≤ m) whose tasks fit in

@@ -84,8 +84,10 @@ def test_formula_bounds_the_peak_rss_of_a_process() -> None:
 
     from bench.sampled_task_memory import ONE_THREAD
 
-    code = ("import json; from bench.sampled_task_memory import measure; "
-            "print(json.dumps([measure(t, 1024, 64, 4096) for t in ('kmeans', 'metrics')]))")  # fmt: skip
+    code = (
+        "import json; from bench.sampled_task_memory import measure; "
+        "print(json.dumps([measure(t, 1024, 64, 4096) for t in ('kmeans', 'metrics')]))"
+    )
     out = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True,
         env=os.environ | ONE_THREAD, timeout=120, check=True,
@@ -114,24 +116,29 @@ def test_refusal_names_the_silhouette_points_that_fit() -> None:
 def test_stage_start_refuses_a_task_no_node_holds() -> None:
     tasks = stage_tasks(4096, 384, SampledOptions())
     assert tasks.largest == 449_298_432
-    nodes = [{"Alive": True, "Resources": {"memory": 300 * MiB}}, {"Alive": False, "Resources": {"memory": 1 << 40}}]
+    nodes = [
+        {"Alive": True, "Resources": {"memory": 300 * MiB}},
+        {"Alive": False, "Resources": {"memory": 1 << 40}},  # a node gone: not counted
+    ]
     with pytest.raises(ConfigError, match="--silhouette-max-points"):
         check_tasks_fit(tasks, nodes, can_start=0)
-    check_tasks_fit(tasks, nodes, can_start=tasks.largest)  # the autoscaler starts one that holds it
+    check_tasks_fit(tasks, nodes, can_start=tasks.largest)  # the autoscaler starts one
     # the metrics task that computes its distances itself asks for 8 n² more
     own = stage_tasks(4096, 384, SampledOptions(), own_distances=True)
     assert own.metrics - tasks.metrics == 8 * 4096 * 4096
 
 
 def test_plan_refuses_and_reports_the_tasks() -> None:
-    shape = Shape(layers=7, dim=384, positions=128, vocab=30_522, sample_entries=8192, sample_points=4096)
+    shape = Shape(layers=7, dim=384, positions=128, vocab=30_522, sample_entries=8192,
+                  sample_points=4096)  # fmt: skip
     small = Cluster((Node("h", 300 * MiB, cpus=2, head=True),))
     line = sampled_task_refusal(shape, small)
     assert line is not None and "of Ray memory of the largest node" in line
     roomy = Cluster((Node("h", 16 << 30, cpus=2, head=True),))
     assert sampled_task_refusal(shape, roomy) is None
     assert shape.sampled_tasks().kmeans == 449_298_432
-    assert Shape(layers=7, dim=384, positions=128, vocab=30_522).sampled_tasks() is None  # no sample
+    no_sample = Shape(layers=7, dim=384, positions=128, vocab=30_522)
+    assert no_sample.sampled_tasks() is None
     options = SampledOptions(silhouette_max_points=1024)
     assert Shape(layers=1, dim=384, positions=1, vocab=1, sample_points=4096, sampled=options
                  ).sampled_tasks().kmeans == kmeans_task_bytes(4096, 384, 1024, 60)  # fmt: skip
