@@ -17,11 +17,12 @@ lock is *stale*, to be taken over, where:
 
 A stale lock is taken over on the condition ``If-Match`` its ETag, so of two invocations that
 find it stale only one gets it. A holder lets go by removing the object on the condition
-``If-Match`` its own ETag (a ``DeleteObject`` the store applies atomically, :func:`_remove`), so
-a lock another invocation took over meanwhile stays. A renewal that fails otherwise (the store unreachable or throttled for a
-while) is said once and tried again a minute later, so the lock is lost only where
-:data:`STALE_S` pass without one. A holder whose renewal finds the lock taken (it had not
-renewed it for :data:`STALE_S`) says so in one line and goes on, as it cannot undo its work.
+``If-Match`` its own ETag (a ``DeleteObject`` the store applies atomically, :func:`_remove`),
+so a lock another invocation took over meanwhile stays. A renewal that fails otherwise (the
+store unreachable or throttled for a while) is said once and tried again a minute later, so
+the lock is lost only where :data:`STALE_S` pass without one. A holder whose renewal finds
+the lock taken (it had not renewed it for :data:`STALE_S`) says so in one line and goes on,
+as it cannot undo its work.
 
 A store that ignores the condition (an S3-compatible server without conditional writes)
 would let two invocations hold it: the lock writes its object a second time on the same
@@ -155,12 +156,16 @@ def _remove(fs: Any, path: str, etag: str) -> bool:
 
     One ``DeleteObject`` on the condition ``If-Match: etag`` (AWS S3's general purpose
     buckets since September 2025; moto 5 too), which the store applies atomically: a lock
-    another invocation took over (a new ETag) is left in place, answered 412. Reading the ETag and then removing the object (two requests)
-    removed the other's lock where it was taken over between the two. The ETag is read first
-    all the same, so that a store that ignores the condition on a delete (some S3-compatible
-    servers parse it and drop it) still removes nothing that is visibly another's (the window
-    of two requests, as before, there only). s3fs's ``rm_file``
-    passes no condition: the request goes through its client (``call_s3``)."""
+    another invocation took over (a new ETag) is left in place, answered 412. Reading the
+    ETag and then removing the object (two requests) removed the other's lock where it was
+    taken over between the two. The ETag is read first all the same, so that a store that
+    ignores the condition on a delete (some S3-compatible servers parse it and drop it) still
+    removes nothing that is visibly another's (the window of two requests, as before, there
+    only). A store that refuses the condition instead (:func:`_refused`: 400 or 501, a server
+    without conditional deletes) gets the plain delete of those two requests: the conditional
+    one alone left the lock in place, and every other invocation waited :data:`STALE_S` for
+    it. s3fs's ``rm_file`` passes no condition: the request goes through its client
+    (``call_s3``)."""
     fs.invalidate_cache(path)
     if fs.info(path).get("ETag") != etag:
         return False
@@ -170,10 +175,28 @@ def _remove(fs: Any, path: str, etag: str) -> bool:
     except OSError as exc:
         if _lost(exc):  # taken over (412) or removed since
             return False
-        raise
+        if not _refused(exc):
+            raise
+        fs.rm_file(path)  # the ETag read above is still this process's
     finally:
         fs.invalidate_cache(path)
     return True
+
+
+def _response(exc: BaseException) -> dict[str, Any]:
+    """The S3 answer behind ``exc`` (s3fs raises an :class:`OSError` from botocore's
+    ``ClientError``, which holds it); {} where there is none."""
+    return getattr(exc.__cause__, "response", None) or getattr(exc, "response", None) or {}
+
+
+def _refused(exc: BaseException) -> bool:
+    """Whether the store refused the request's condition rather than answered it: 501 Not
+    Implemented or 400 (``NotImplemented``, ``InvalidArgument``, ``InvalidRequest``), a
+    server without conditional deletes that does not ignore the header."""
+    response = _response(exc)
+    status = response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+    code = response.get("Error", {}).get("Code")
+    return status in (400, 501) or code in ("NotImplemented", "InvalidArgument", "InvalidRequest")
 
 
 def _lost(exc: BaseException) -> bool:
@@ -184,7 +207,7 @@ def _lost(exc: BaseException) -> bool:
     reads the lock before giving it up.)"""
     if isinstance(exc, FileNotFoundError):
         return True
-    response = getattr(exc.__cause__, "response", None) or getattr(exc, "response", None) or {}
+    response = _response(exc)
     status = response.get("ResponseMetadata", {}).get("HTTPStatusCode")
     return response.get("Error", {}).get("Code") == "PreconditionFailed" or status == 412
 

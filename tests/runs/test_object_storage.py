@@ -550,3 +550,52 @@ def test_a_held_s3_lock_says_when_it_goes_stale():
         _acquire("s3://b/store", "b/store/reanalyze.lock.json", Held(), b"{}")
     assert "(pid 1 on node-a, since then); its lock last renewed 40 s ago, taken over once " \
         "15 minutes pass without a renewal: this one ran nothing" in str(busy.value)  # fmt: skip
+
+
+def test_a_store_that_refuses_a_conditional_delete_still_lets_go_of_the_lock():
+    """A server without conditional deletes that answers ``If-Match`` on a DeleteObject with
+    501 Not Implemented (or 400) instead of ignoring it: the release's one conditional delete
+    failed, the error was swallowed and the lock stayed, holding every other invocation off
+    for 15 minutes (before, it read the ETag and removed the object). Now the lock, still this
+    holder's by the ETag read first, is removed by a plain delete; a 412 (taken over) still
+    removes nothing, and another error is raised as it was."""
+    from botocore.exceptions import ClientError
+
+    from embgeom_ray.runs.object_lock import _remove
+
+    def answer(status, code):
+        error = OSError(code)
+        error.__cause__ = ClientError(
+            {"Error": {"Code": code}, "ResponseMetadata": {"HTTPStatusCode": status}}, "DeleteObject")
+        return error
+
+    class Store:
+        def __init__(self, error):
+            self.error, self.objects = error, {"b/store/reanalyze.lock.json": '"mine"'}
+
+        def invalidate_cache(self, path=None):
+            pass
+
+        def info(self, path):
+            return {"ETag": self.objects[path]}
+
+        def split_path(self, path):
+            return "b", path.split("/", 1)[1], None
+
+        def call_s3(self, method, **kwargs):
+            assert (method, kwargs["IfMatch"]) == ("delete_object", '"mine"')
+            raise self.error
+
+        def rm_file(self, path):
+            del self.objects[path]
+
+    path = "b/store/reanalyze.lock.json"
+    for status, code in ((501, "NotImplemented"), (400, "InvalidArgument")):
+        store = Store(answer(status, code))
+        assert _remove(store, path, '"mine"') and store.objects == {}
+    taken = Store(answer(412, "PreconditionFailed"))
+    assert not _remove(taken, path, '"mine"') and path in taken.objects
+    down = Store(answer(503, "ServiceUnavailable"))
+    with pytest.raises(OSError, match="ServiceUnavailable"):
+        _remove(down, path, '"mine"')
+    assert path in down.objects
