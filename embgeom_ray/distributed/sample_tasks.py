@@ -78,30 +78,32 @@ def task_bytes(sample: Any) -> int:
     return sample_task_bytes(sum(header_entries(sample.header)), int(sample.header["dim"]))
 
 
-def check_fits(
-    sample: Any, nodes: Sequence[Mapping[str, Any]], here: str | None, can_start: int = 0
-) -> None:
-    """:class:`~embgeom_ray.errors.ConfigError` (one line, exit status 2) where no node a task
-    reading ``sample`` may run on (``here``, this node's id, when it reads local files; else
-    any) has :func:`task_bytes` of Ray memory (``nodes``: ``ray.nodes()``), nor, where any
-    node may run it, a node the autoscaler may start (``can_start``: the most Ray memory of
-    one; it starts one for a task waiting for memory): such a task would wait for ever. The
-    plan refuses the same before any work
-    (:func:`~embgeom_ray.sizing.decisions.sample_task_refusal`); this checks the cluster as it
-    is when the stage starts (hours later, the extractors' nodes perhaps gone)."""
-    from ..errors import ConfigError
-    from ..sizing.decisions import sample_task_refused
-    from ..sizing.formulas import sample_entries_fitting
+def _memory_of(nodes: Sequence[Mapping[str, Any]], here: str | None) -> list[int]:
+    """The Ray memory of each live node a task may run on (``here`` only, where given)."""
+    return [int(n.get("Resources", {}).get("memory", 0)) for n in nodes
+            if n.get("Alive") and (here is None or n.get("NodeID") == here)]  # fmt: skip
 
-    alive = [n for n in nodes if n.get("Alive") and (here is None or n.get("NodeID") == here)]
-    most = max((int(n.get("Resources", {}).get("memory", 0)) for n in alive), default=0)
-    if here is None:
-        most = max(most, can_start)
-    each = task_bytes(sample)
-    if each > most:
-        where = "the job's own node (the sample is read from its local files)" if here else "the largest node"
-        raise ConfigError(sample_task_refused(
-            each, most, where, sample_entries_fitting(most, int(sample.header["dim"]))))  # fmt: skip
+
+def check_fits(
+    sample: Any,
+    nodes: Sequence[Mapping[str, Any]],
+    here: str | None,
+    can_start: Sequence[int] | None = (),
+) -> None:
+    """:class:`~embgeom_ray.errors.ConfigError` (one line, exit status 2) where no node may
+    ever run a task reading ``sample``: :func:`~embgeom_ray.sizing.decisions.refuse_sample_task`
+    on the cluster as it is when the stage starts (hours after the plan's same check, the
+    extractors' nodes perhaps gone): ``nodes`` (``ray.nodes()``), ``here`` (this node's id,
+    when it reads local files), ``can_start`` (the Ray memory of each node type the autoscaler
+    may start; () none, None: it does not say)."""
+    from ..errors import ConfigError
+    from ..sizing.decisions import refuse_sample_task
+
+    refused = refuse_sample_task(task_bytes(sample), int(sample.header["dim"]),
+                                 _memory_of(nodes, here), local=here is not None,
+                                 can_start=can_start)  # fmt: skip
+    if refused:
+        raise ConfigError(refused)
 
 
 def _free_memory() -> dict[str, float]:
@@ -131,25 +133,51 @@ def note_waiting(each: int, free: Mapping[str, float], here: str | None) -> str 
             "the rest): they wait until one of them lets it go")  # fmt: skip
 
 
+def note_no_node(each: int, offers: Sequence[int], said: bool) -> str | None:
+    """The line saying that the tasks (``each`` bytes, in object storage) wait for a node the
+    autoscaler starts, where no live node has that much Ray memory (``offers``); None where
+    one has. ``said``: the autoscaler said it may start one (else, on a cluster without one,
+    they would wait for ever, which nothing here can tell)."""
+    from ..sizing.formulas import gib
+
+    if each <= max(offers, default=0):
+        return None
+    unsure = "" if said else (" (on a cluster without one, for ever: stop the job and lower "
+                              "--sample-size and --sample-type-size)")  # fmt: skip
+    return (f"the sample's per-layer tasks ask Ray for {gib(each)} each and no node now has "
+            f"that much Ray memory (the largest {gib(max(offers, default=0))}): they wait for "
+            f"a node the autoscaler starts{unsure}")  # fmt: skip
+
+
 def placement(sample: Any) -> dict[str, Any]:
     """Ray options of the tasks that read ``sample``: their memory (:func:`task_bytes`, so that
     Ray runs no more of them at once on a node than its memory holds; :func:`check_fits`
-    first); anywhere when it is not read from local files (object storage); else on this
-    node, which sees them (other nodes may not: the driver's own disk), asking for no CPU
-    where this node offers Ray none (a head started with ``--num-cpus 0``: the task still
-    runs there, on the CPUs Ray was told to keep)."""
-    nodes, memory = ray.nodes(), {"memory": task_bytes(sample)}
+    first; none on this node where it offers Ray none,
+    :func:`~embgeom_ray.sizing.decisions.sample_task_memory`); anywhere when it is not read
+    from local files (object storage); else on this node, which sees them (other nodes may
+    not: the driver's own disk), asking for no CPU where this node offers Ray none (a head
+    started with ``--num-cpus 0``: the task still runs there, on the CPUs Ray was told to
+    keep)."""
+    from .. import progress
+    from ..sizing.decisions import sample_task_memory
+    from .cluster import read_autoscaler_groups, started_private_local
+
+    nodes, each = ray.nodes(), task_bytes(sample)
     local = _reads_local_files(sample)
     node = ray.get_runtime_context().get_node_id() if local else None
-    from .cluster import read_autoscaler_groups
-
-    # a node type the autoscaler may start, where any node may run them
-    groups = () if local else read_autoscaler_groups() or ()
-    check_fits(sample, nodes, node, max((g.memory for g in groups if g.max_count != 0), default=0))
-    waiting = note_waiting(memory["memory"], _free_memory(), node)
+    # the node types the autoscaler may start, where any node may run them (none can come to
+    # the private local Ray; None: the autoscaler, if any, does not say)
+    groups = () if local or started_private_local() else read_autoscaler_groups()
+    can_start = None if groups is None else [g.memory for g in groups if g.max_count != 0]
+    check_fits(sample, nodes, node, can_start)
+    offers = _memory_of(nodes, node)
+    memory = sample_task_memory(each, local, max(offers, default=0))
+    waiting = None
+    if memory and not local:
+        waiting = note_no_node(each, offers, said=can_start is not None)
+    if memory and waiting is None:
+        waiting = note_waiting(each, _free_memory(), node)
     if waiting:
-        from .. import progress
-
         progress.notice(f"warning: {waiting}")
     if not local:
         return memory

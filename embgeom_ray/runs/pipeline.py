@@ -541,14 +541,22 @@ def size_run(spec: RunSpec, echo=print) -> Sizing:
     """Every decision of the run before any work (:func:`~embgeom_ray.sizing.size_job`: the
     extractors, the reduce, each process's memory), from its shape, its corpus and Ray's view
     of the cluster (joined here), printed once. Refuses what cannot fit."""
-    from ..distributed.cluster import connect, read_cluster, started_private_local
+    from ..distributed.cluster import (
+        connect,
+        read_autoscaler_groups,
+        read_cluster,
+        started_private_local,
+    )
 
     config = spec.config
     connect(config.address)
-    cluster = read_cluster()
-    check_device(config.device, cluster, private_local=started_private_local())
+    cluster, private = read_cluster(), started_private_local()
+    check_device(config.device, cluster, private_local=private)
     special = len(spec.tokenizer.all_special_ids) if config.keep_special else 0
-    sizing = size_job(spec.shape, spec.corpus_shape, cluster, config.scheduling, special=special)
+    # what may join later: nothing on the private local Ray; None where no autoscaler says
+    groups = () if private else read_autoscaler_groups()
+    sizing = size_job(spec.shape, spec.corpus_shape, cluster, config.scheduling, special=special,
+                      groups=groups)  # fmt: skip
     notices = (*column_notices(spec.plan, config.text_column),
                *ignored_notices(spec.plan, config.corpus))  # fmt: skip
     for line in (*notices, *sizing.lines()):

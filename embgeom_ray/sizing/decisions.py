@@ -4,6 +4,7 @@ process; explicit options win, what cannot fit is refused here with the option t
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
@@ -46,6 +47,7 @@ from .formulas import (
 from .nodes import (
     Cluster,
     Node,
+    NodeGroup,
     describe_offers,
     extractors_per_node,
     fits,
@@ -193,28 +195,62 @@ class Sizing:
         )
 
 
-def sample_task_refusal(shape: Shape, cluster: Cluster) -> str | None:
-    """Why no node can run one of the sample's per-layer Ray tasks
+def sample_task_refusal(
+    shape: Shape, cluster: Cluster, groups: Sequence[NodeGroup] | None = ()
+) -> str | None:
+    """Why no node can ever run one of the sample's per-layer Ray tasks
     (:mod:`~embgeom_ray.distributed.sample_tasks`, from a one-layer sample Q_l of
     :data:`~embgeom_ray.sizing.formulas.SAMPLE_ON_WORKERS_BYTES`), or None where one can (or
-    the driver does that work). Each asks Ray for its peak,
-    :func:`~embgeom_ray.sizing.formulas.sample_task_bytes` = 10 · Q_l, so Ray runs as many at
-    once as a node's memory holds; a task that no node's Ray memory holds would wait for ever.
-    A run on a local path has them read its files on the job's own node (the head); one in
-    object storage, on any node."""
+    the driver does that work): :func:`refuse_sample_task` on the live ``cluster`` and the
+    node types its autoscaler may start (``groups``: () none can come, the private local Ray;
+    None where the autoscaler does not say). A run on a local path has them read its files on
+    the job's own node (the head); one in object storage, on any node."""
     if not sample_on_workers(shape.sample_entries, shape.dim):
         return None
-    each = sample_task_bytes(shape.sample_entries, shape.dim)
     local = not shape.store or is_local(shape.store)
-    nodes = [n for n in cluster.nodes if n.head or not local]
-    if not nodes:
+    offers = [n.memory for n in cluster.nodes if n.head or not local]
+    can_start = None if groups is None else [g.memory for g in groups if g.max_count != 0]
+    each = sample_task_bytes(shape.sample_entries, shape.dim)
+    return refuse_sample_task(each, shape.dim, offers, local=local, can_start=can_start)
+
+
+def refuse_sample_task(
+    each: int, dim: int, offers: Sequence[int], *, local: bool, can_start: Sequence[int] | None
+) -> str | None:
+    """The one line refusing the sample's per-layer tasks of ``each`` bytes (10 · Q_l, what
+    each asks Ray for) that no node may ever run, else None: the plan's rule
+    (:func:`sample_task_refusal`) and the stage's on the live cluster
+    (:func:`~embgeom_ray.distributed.sample_tasks.check_fits`).
+
+    ``local``: they read local files on the job's own node, whose Ray memory is ``offers``.
+    A node that offers Ray no memory (``ray start --memory 0``: a head kept for the driver)
+    is not refused: the tasks ask it for none (:func:`sample_task_memory`), as they ask no CPU
+    of one that offers none, and run on what Ray was told to keep. Otherwise (object storage)
+    any live node (``offers``) or a node type the autoscaler may start (``can_start``: each
+    one's Ray memory; it starts one for a task waiting for memory) may run them; where the
+    cluster may grow but does not say what (``can_start`` None: a joined cluster whose
+    autoscaler reports no node types, as Ray 2.60's cluster launcher and KubeRay do not),
+    nothing is refused: they wait for a node (as extractors do), and the stage says so."""
+    if local:
+        most = max(offers, default=0)
+        if most == 0:  # no node here, or one that offers Ray no memory: asked for none
+            return None
+    elif can_start is None:
         return None
-    most = max(n.memory for n in nodes)
+    else:
+        most = max([*offers, *can_start], default=0)
     if each <= most:
         return None
-    where = ("the job's own node (the head: the sample is read from local files)" if local
+    where = ("the job's own node (the sample is read from its local files)" if local
              else "the largest node")  # fmt: skip
-    return sample_task_refused(each, most, where, sample_entries_fitting(most, shape.dim))
+    return sample_task_refused(each, most, where, sample_entries_fitting(most, dim))
+
+
+def sample_task_memory(each: int, local: bool, offer: int) -> dict[str, int]:
+    """The Ray ``memory`` a sample task of ``each`` bytes asks for: all of it, except on the
+    job's own node (``local``) where that node offers Ray no memory (``offer`` 0: Ray would
+    never place it; it runs there outside Ray's memory accounting, as before Ray was asked)."""
+    return {} if local and offer <= 0 else {"memory": each}
 
 
 def sampled_task_refusal(shape: Shape, cluster: Cluster) -> str | None:
@@ -839,12 +875,14 @@ def driver_reserve(shape: Shape, types: int = 0) -> int:
 
 
 def size_job(
-    shape: Shape, corpus: CorpusShape, cluster: Cluster, options: Any, *, special: int = 0
+    shape: Shape, corpus: CorpusShape, cluster: Cluster, options: Any, *, special: int = 0,
+    groups: Sequence[NodeGroup] | None = (),
 ) -> Sizing:
     """Every decision of a run before any work (module docstring; explicit options win), at the
     most types the corpus can hold (:func:`types_bound`; ``special``: the special ids counted
     with ``--keep-special``). Raises :class:`ConfigError` for what cannot fit, naming the
-    option that fixes it."""
+    option that fixes it. ``groups``: the node types the cluster's autoscaler may start
+    (() none: the private local Ray; None: not said, :func:`sample_task_refusal`)."""
     types, types_reason = types_bound(shape.vocab, corpus.text_bytes, special)
     reserve = driver_reserve(shape, types)
     pool = size_extractors(shape, types, cluster, options, corpus.shards, reserve)
@@ -863,7 +901,7 @@ def size_job(
             f"{gib(types * TYPE_ROW_BYTES)} a layer), more than the head node's "
             f"{gib(head)}; lower --sample-size and --sample-type-size, or measure fewer --layers"
         )
-    refused = sample_task_refusal(shape, cluster) or sampled_task_refusal(shape, cluster)
+    refused = sample_task_refusal(shape, cluster, groups) or sampled_task_refusal(shape, cluster)
     if refused:
         raise ConfigError(refused)
     sizing = Sizing(

@@ -8,9 +8,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from ..errors import ConfigError
+from ..io_utils import is_local
 from .checkpoints import DRIVER, BudgetShape
 from .checkpoints import describe_plan as checkpoint_lines
-from .decisions import Sizing, driver_reserve, io_sizes, size_reducers
+from .decisions import Sizing, driver_reserve, io_sizes, sample_task_memory, size_reducers
 from .formulas import (
     DEFAULT_BATCH_TOKENS,
     DRIVER_ALLOWANCE_BYTES,
@@ -127,7 +128,7 @@ def describe_plan(
         f"driver (the job's own process): ≤ {gib(sizing.driver)} above its start = "
         f"{sizing.driver_formula}",
         *([f"  warning: {sizing.driver_warning()}"] if sizing.driver > DRIVER_ALLOWANCE_BYTES else []),
-        *_sample_tasks(shape),
+        *_sample_tasks(shape, sizing.cluster),
         *_sampled_tasks(shape),
         "",
         f"per-type state S(V) = 8·L·V·(2d+2) + 8V = {gib(shape.type_bytes(types))}; per-layer "
@@ -191,20 +192,28 @@ def _pool_bound(sizing: Sizing, corpus: CorpusShape) -> str:
     return ""
 
 
-def _sample_tasks(shape: Shape) -> list[str]:
+def _sample_tasks(shape: Shape, cluster: Cluster) -> list[str]:
     """The line on the sample's Ray tasks, where the sample is handled by them
-    (:func:`~embgeom_ray.sizing.formulas.sample_on_workers`): what each holds, which Ray is
-    not asked for."""
+    (:func:`~embgeom_ray.sizing.formulas.sample_on_workers`): what each holds and asks Ray
+    for (nothing of a head that offers Ray no memory, where a local run's tasks run:
+    :func:`~embgeom_ray.sizing.decisions.sample_task_memory`)."""
     if not sample_on_workers(shape.sample_entries, shape.dim):
         return []
     q = sample_layer_bytes(shape.sample_entries, shape.dim)
+    local = not shape.store or is_local(shape.store)
+    head = max((n.memory for n in cluster.nodes if n.head), default=0)
+    if not sample_task_memory(sample_task_bytes(shape.sample_entries, shape.dim), local, head):
+        asked = ("not asked of Ray: the job's own node, where they read the run's local files, "
+                 "offers Ray no memory; --sample-size and --sample-type-size bound it")  # fmt: skip
+    else:
+        asked = ("asked of Ray: a node runs as many as its memory holds; --sample-size and "
+                 "--sample-type-size bound it")  # fmt: skip
     return [
         f"sample tasks: one Ray task a layer merges that layer's sample, builds the sampled "
         f"metrics' inputs and its rows of samples.parquet (on the driver's node when read "
         f"from local files), each ≈ {DRIVER_SAMPLE_LAYERS} · Q_l = "
         f"{gib(sample_task_bytes(shape.sample_entries, shape.dim))} at its peak, Q_l = "
-        f"4·s·d + 48s = {gib(q)} (asked of Ray: a node runs as many as its memory holds; "
-        "--sample-size and --sample-type-size bound it)"
+        f"4·s·d + 48s = {gib(q)} ({asked})"
     ]
 
 

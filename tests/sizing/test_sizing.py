@@ -19,6 +19,7 @@ from embgeom_ray.sizing import (
     Cluster,
     CorpusShape,
     Node,
+    NodeGroup,
     Shape,
     place,
     size_extractors,
@@ -481,7 +482,7 @@ def test_sample_tasks_ask_ray_for_their_peak_and_one_no_node_holds_is_refused():
     line = (
         "the sample's per-layer tasks need ≈ 9.0 GiB each at their peak (10 · Q_l, "
         "Q_l = 4·s·d + 48·s), more than the 8.0 GiB of Ray memory of the job's own node (the "
-        "head: the sample is read from local files); lower --sample-size and --sample-type-size "
+        "sample is read from its local files); lower --sample-size and --sample-type-size "
         "(together at most 801,299 entries fit)"
     )
     with pytest.raises(ConfigError) as refused:
@@ -522,9 +523,64 @@ def test_sample_tasks_ask_ray_for_their_peak_and_one_no_node_holds_is_refused():
                        r"node; lower --sample-size and --sample-type-size \(together at most "
                        r"3,205,199 entries fit\)$"):  # fmt: skip
         check_fits(large, nodes, None)
-    check_fits(large, nodes, None, can_start=64 * GiB)  # the autoscaler may start a node of it
+    check_fits(large, nodes, None, can_start=[64 * GiB])  # the autoscaler may start a node of it
     with pytest.raises(ConfigError, match="own node"):  # not for local files: this node only
-        check_fits(large, nodes, "w", can_start=64 * GiB)
+        check_fits(large, nodes, "w", can_start=[64 * GiB])
+
+
+def test_sample_tasks_are_refused_only_where_no_node_can_ever_run_them():
+    """Two refusals of the sample tasks' memory check fired where the job would have run:
+    a local run's tasks on a head that offers Ray no memory (``ray start --memory 0``, kept
+    for the driver) were refused ("more than the 0 B of Ray memory …; together at most 0
+    entries fit") though they ran there before they asked Ray for memory, as they run on a
+    head with no CPU; and in object storage, on a joined cluster whose autoscaler does not say
+    its node types (Ray 2.60's launcher, KubeRay), a small head and no worker yet (they start
+    at 0) refused the run before any work. Now the first asks for no memory there, and the
+    second waits for a node, said in one line; the private local Ray, and an autoscaler whose
+    node types hold none, are still refused."""
+    from types import SimpleNamespace
+
+    from embgeom_ray.distributed.sample_tasks import check_fits, note_no_node
+    from embgeom_ray.sizing.decisions import sample_task_memory
+    from embgeom_ray.sizing.plan import describe_plan
+
+    llama = Shape(layers=5, dim=256, positions=128, vocab=128_256, hidden_states=5,
+                  intermediate=896, heads=2, weight_bytes=139 * MiB, sample_entries=900_000,
+                  store="")  # fmt: skip
+    each = 10 * (4 * 900_000 * 256 + 48 * 900_000)  # 9.0 GiB
+    corpus = CorpusShape("c", 1, 10**6, 1)
+    kept = Cluster((Node("h", 0, cpus=0, head=True), Node("w", 32 * GiB, cpus=16)))
+    sizing = size_job(llama, corpus, kept, options(device="cpu"))
+    (task_line,) = [x for x in describe_plan(sizing, corpus, checkpoint_interval=None,
+                                             total_layers=5) if x.startswith("sample tasks:")]  # fmt: skip
+    assert task_line.endswith("(not asked of Ray: the job's own node, where they read the run's "
+                              "local files, offers Ray no memory; --sample-size and "
+                              "--sample-type-size bound it)")  # fmt: skip
+    assert sample_task_memory(each, True, 0) == {}
+    assert sample_task_memory(each, True, 16 * GiB) == sample_task_memory(each, False, 0) == {
+        "memory": each}
+    sample = SimpleNamespace(header={"dim": 256, "size": 700_000, "type_size": 200_000})
+    nodes = [{"NodeID": "h", "Alive": True, "Resources": {"memory": 0}},
+             {"NodeID": "w", "Alive": True, "Resources": {"memory": 4 * GiB}}]  # fmt: skip
+    check_fits(sample, nodes, "h")  # not refused: asks this node for no memory
+    # object storage on a small head alone: the autoscaler says nothing (None), may start one
+    bucket = Shape(**{**llama.__dict__, "store": "s3://b/run"})
+    alone = Cluster((Node("h", 4 * GiB, cpus=0, head=True),))
+    assert size_job(bucket, corpus, alone, options(device="cpu", num_workers=2),
+                    groups=None).driver > 0  # fmt: skip
+    check_fits(sample, nodes, None, can_start=None)
+    assert note_no_node(each, [0, 4 * GiB], said=False) == (
+        "the sample's per-layer tasks ask Ray for 9.0 GiB each and no node now has that much Ray "
+        "memory (the largest 4.0 GiB): they wait for a node the autoscaler starts (on a cluster "
+        "without one, for ever: stop the job and lower --sample-size and --sample-type-size)")  # fmt: skip
+    assert note_no_node(each, [4 * GiB], said=True).endswith("a node the autoscaler starts")
+    assert note_no_node(each, [10 * GiB], said=False) is None
+    # where nothing can come (the private local Ray: ()), or what can come holds none: refused
+    for groups in ((), (NodeGroup("small", cpus=8, memory=8 * GiB, max_count=4),)):
+        with pytest.raises(ConfigError, match=r"more than the 8\.0 GiB|more than the 4\.0 GiB"):
+            size_job(bucket, corpus, alone, options(device="cpu", num_workers=2), groups=groups)
+    with pytest.raises(ConfigError, match=r"more than the 4\.0 GiB of Ray memory of the largest"):
+        check_fits(sample, nodes, None, can_start=())
 
 
 def test_a_gpus_larger_batch_takes_its_new_types_from_the_budget_not_the_hosts_memory():
