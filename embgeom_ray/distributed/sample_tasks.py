@@ -117,20 +117,22 @@ def _free_memory() -> dict[str, float]:
         return {}
 
 
-def note_waiting(each: int, free: Mapping[str, float], here: str | None) -> str | None:
-    """The line saying that the tasks (``each`` bytes, on ``here`` or any node) wait for
-    memory that actors living through the stage (the reducers, another job's) hold now: no
-    node they may run on has ``each`` free (``free``: node id -> bytes); None where one has,
-    or where Ray does not say."""
+def note_held(each: int, free: Mapping[str, float], here: str | None) -> str | None:
+    """The line saying that the tasks (``each`` bytes, on ``here`` or any node) ask Ray for no
+    memory, as no node they may run on has ``each`` free now (``free``: node id -> bytes);
+    None where one has, or where Ray does not say. What holds it is the job's own reducers,
+    which live until the run is written, after this stage (or other actors, which nothing
+    here can tell apart): tasks asking for it would wait for ever, the job hung."""
     from ..sizing.formulas import gib
 
     room = [b for node, b in free.items() if here is None or node == here]
     if not room or max(room) >= each:
         return None
     where = "the job's own node" if here else "any node"
-    return (f"the sample's per-layer tasks ask Ray for {gib(each)} each; {where} has "
-            f"{gib(int(max(room)))} of its Ray memory free now (actors such as the reducers hold "
-            "the rest): they wait until one of them lets it go")  # fmt: skip
+    return (f"the sample's per-layer tasks need {gib(each)} each; {where} has "
+            f"{gib(int(max(room)))} of its Ray memory free now (the job's reducers, which live "
+            "through this stage, or other actors hold the rest): they ask Ray for none, a CPU "
+            "each, so a node may run more at once than its memory holds")  # fmt: skip
 
 
 def note_no_node(each: int, offers: Sequence[int], said: bool) -> str | None:
@@ -153,7 +155,8 @@ def placement(sample: Any) -> dict[str, Any]:
     """Ray options of the tasks that read ``sample``: their memory (:func:`task_bytes`, so that
     Ray runs no more of them at once on a node than its memory holds; :func:`check_fits`
     first; none on this node where it offers Ray none,
-    :func:`~embgeom_ray.sizing.decisions.sample_task_memory`); anywhere when it is not read
+    :func:`~embgeom_ray.sizing.decisions.sample_task_memory`, nor where no node they may run
+    on has it free now, :func:`note_held`); anywhere when it is not read
     from local files (object storage); else on this node, which sees them (other nodes may
     not: the driver's own disk), asking for no CPU where this node offers Ray none (a head
     started with ``--num-cpus 0``: the task still runs there, on the CPUs Ray was told to
@@ -172,13 +175,13 @@ def placement(sample: Any) -> dict[str, Any]:
     check_fits(sample, nodes, node, can_start)
     offers = _memory_of(nodes, node)
     memory = sample_task_memory(each, local, max(offers, default=0))
-    waiting = None
-    if memory and not local:
-        waiting = note_no_node(each, offers, said=can_start is not None)
-    if memory and waiting is None:
-        waiting = note_waiting(each, _free_memory(), node)
-    if waiting:
-        progress.notice(f"warning: {waiting}")
+    said = note_no_node(each, offers, can_start is not None) if memory and not local else None
+    if memory and said is None:
+        said = note_held(each, _free_memory(), node)
+        if said:  # asked of Ray, they would wait for the reducers, which wait for them
+            memory = {}
+    if said:
+        progress.notice(f"warning: {said}")
     if not local:
         return memory
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy

@@ -506,17 +506,19 @@ def test_sample_tasks_ask_ray_for_their_peak_and_one_no_node_holds_is_refused():
     check_fits(sample, nodes, None)  # the worker holds one
     with pytest.raises(ConfigError, match=r"more than the 8\.0 GiB of Ray memory of the job's own node"):
         check_fits(sample, nodes, "h")
-    # one that fits but must wait for memory actors hold now is said, not refused
-    from embgeom_ray.distributed.sample_tasks import note_waiting
+    # one that no node has free now (the job's reducers hold it through the stage) asks for
+    # none, and says so: asked, it would wait for the reducers, which wait for it
+    from embgeom_ray.distributed.sample_tasks import note_held
 
     free = {"h": 1.0 * GiB, "w": 4.0 * GiB}
-    assert note_waiting(each, free, None) == (
-        "the sample's per-layer tasks ask Ray for 9.0 GiB each; any node has 4.0 GiB of its Ray "
-        "memory free now (actors such as the reducers hold the rest): they wait until one of "
-        "them lets it go")  # fmt: skip
-    assert note_waiting(each, {**free, "w": 10.0 * GiB}, None) is None
-    assert "the job's own node has 1.0 GiB" in note_waiting(each, {**free, "w": 10.0 * GiB}, "h")
-    assert note_waiting(each, {}, "h") is None  # Ray does not say
+    assert note_held(each, free, None) == (
+        "the sample's per-layer tasks need 9.0 GiB each; any node has 4.0 GiB of its Ray memory "
+        "free now (the job's reducers, which live through this stage, or other actors hold the "
+        "rest): they ask Ray for none, a CPU each, so a node may run more at once than its "
+        "memory holds")  # fmt: skip
+    assert note_held(each, {**free, "w": 10.0 * GiB}, None) is None
+    assert "the job's own node has 1.0 GiB" in note_held(each, {**free, "w": 10.0 * GiB}, "h")
+    assert note_held(each, {}, "h") is None  # Ray does not say
     # 10 · Q_l = 32.9 GiB: no live node holds it (the 64 GiB one is gone)
     large = SimpleNamespace(header={"dim": 256, "size": 3_300_000, "type_uniform": False})
     with pytest.raises(ConfigError, match=r"more than the 32\.0 GiB of Ray memory of the largest "
@@ -581,6 +583,36 @@ def test_sample_tasks_are_refused_only_where_no_node_can_ever_run_them():
             size_job(bucket, corpus, alone, options(device="cpu", num_workers=2), groups=groups)
     with pytest.raises(ConfigError, match=r"more than the 4\.0 GiB of Ray memory of the largest"):
         check_fits(sample, nodes, None, can_start=())
+
+
+def test_sample_tasks_do_not_wait_for_memory_the_jobs_reducers_hold(monkeypatch, capsys):
+    """The reducers live until the run is written (``merged.close()`` after ``finish_run``),
+    and reserve up to all of a node's Ray memory (two of half the largest offer each). The
+    sample tasks, which run inside ``finish_run``, asked Ray for 10 · Q_l whatever was free:
+    where no node had that free they waited for the reducers, which waited for them, and the
+    job hung for ever (the stage said they "wait until one of them lets it go"). Now they ask
+    for none there (a CPU each, as before they asked for memory) and say so; where a node has
+    it free, they ask for it."""
+    from types import SimpleNamespace
+
+    import ray
+
+    from embgeom_ray.distributed import cluster as cluster_mod
+    from embgeom_ray.distributed import sample_tasks
+
+    sample = SimpleNamespace(url="s3://b/run/samples.parquet",
+                             header={"dim": 256, "size": 700_000, "type_size": 200_000})  # fmt: skip
+    each = 10 * (4 * 900_000 * 256 + 48 * 900_000)
+    nodes = [{"NodeID": "w", "Alive": True, "Resources": {"memory": 32 * GiB, "CPU": 16}}]
+    monkeypatch.setattr(ray, "nodes", lambda: nodes)
+    monkeypatch.setattr(cluster_mod, "started_private_local", lambda: True)
+    # two reducers of 16 GiB on the 32 GiB node: nothing free
+    monkeypatch.setattr(sample_tasks, "_free_memory", lambda: {"w": 0.0})
+    assert sample_tasks.placement(sample) == {}
+    assert "they ask Ray for none, a CPU each" in capsys.readouterr().err
+    monkeypatch.setattr(sample_tasks, "_free_memory", lambda: {"w": 10.0 * GiB})
+    assert sample_tasks.placement(sample) == {"memory": each}
+    assert capsys.readouterr().err == ""
 
 
 def test_a_gpus_larger_batch_takes_its_new_types_from_the_budget_not_the_hosts_memory():
