@@ -271,6 +271,11 @@ class _ConnectGuard:
     be (``SystemExit(15)``, ``KeyboardInterrupt``: one line, 143 or 130, the index and the
     lock left as after any interruption, Ray stopped by :func:`~embgeom_ray.cli.exit_process`);
     only a start still running :data:`START_GRACE_S` after the signal ends the process there.
+    Held from Python, that is: ``ray.init`` puts its own SIGTERM handler (``sys.exit``) in
+    place as it begins, so a SIGTERM during the start is in practice its ``SystemExit(15)``,
+    raised inside ``ray.init`` as soon as the main thread runs Python again (it unwinds the
+    same; the half-started Ray's processes end with this one), and the copy held here is
+    delivered after it (:func:`~embgeom_ray.sigterm.on_sigterm` notes it). Ctrl-C is held.
 
     Within the Python API's calls (:func:`leave_ray_as_found`) Ctrl-C is the caller's
     ``KeyboardInterrupt``: the process ends only where the main thread has not left the
