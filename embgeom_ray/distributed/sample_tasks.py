@@ -123,7 +123,7 @@ def note_held(each: int, free: Mapping[str, float], here: str | None) -> str | N
     None where one has, or where Ray does not say. What holds it is the job's own reducers,
     which live until the run is written, after this stage (or other actors, which nothing
     here can tell apart): tasks asking for it would wait for ever, the job hung."""
-    from ..sizing.formulas import gib
+    from ..sizing.units import gib
 
     room = [b for node, b in free.items() if here is None or node == here]
     if not room or max(room) >= each:
@@ -140,7 +140,7 @@ def note_no_node(each: int, offers: Sequence[int], said: bool) -> str | None:
     autoscaler starts, where no live node has that much Ray memory (``offers``); None where
     one has. ``said``: the autoscaler said it may start one (else, on a cluster without one,
     they would wait for ever, which nothing here can tell)."""
-    from ..sizing.formulas import gib
+    from ..sizing.units import gib
 
     if each <= max(offers, default=0):
         return None

@@ -57,7 +57,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from .formulas import gib
+from .units import gib
 
 #: who writes the checkpoint groups (:func:`writers_for`)
 DRIVER, EXTRACTORS = "driver", "extractors"

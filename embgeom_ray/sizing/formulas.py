@@ -46,8 +46,7 @@ from ..core.statistics_io import STREAM_BLOCK_BYTES
 from ..errors import ConfigError
 from ..io_utils import upload_buffer_bytes
 from .sampled_tasks import SampledTasks
-
-KiB, MiB, GiB = 2**10, 2**20, 2**30
+from .units import GiB, MiB, gib
 
 #: glibc's largest mmap threshold on 64-bit systems (``DEFAULT_MMAP_THRESHOLD_MAX``): blocks
 #: this large or smaller can come from the heap
@@ -129,19 +128,6 @@ FOLD_BYTES_PER_TOKEN_DIM = 64
 #: of a GPU's memory left once the model and a batch are placed, the share an extractor's
 #: statistics may take (the allocator's fragmentation and CUDA's own take the rest)
 GPU_STATISTICS_SHARE = 0.8
-
-def gib(n: float | None) -> str:
-    """``n`` bytes in GiB (MiB below 1 GiB), for messages and the plan."""
-    if n is None:
-        return "unbounded"
-    if abs(n) < KiB:
-        return f"{n:,.0f} B"
-    if abs(n) < MiB:
-        return f"{n / KiB:,.0f} KiB"
-    if abs(n) < GiB:
-        return f"{n / MiB:,.0f} MiB"
-    return f"{n / GiB:,.1f} GiB"
-
 
 @dataclass(frozen=True)
 class Shape:

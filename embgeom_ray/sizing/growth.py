@@ -35,7 +35,7 @@ class Extractor:
 
     def describe(self) -> str:
         """What it asks for, in words: ``1 GPU, 1 CPU and 2.1 GiB``."""
-        from .formulas import gib
+        from .units import gib
 
         parts = [f"{self.gpus:g} GPU{'s' if self.gpus != 1 else ''}"] if self.gpus else []
         parts.append(f"{self.cpus} CPU{'s' if self.cpus != 1 else ''}")

@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from .formulas import gib
+from .units import gib
 
 #: the memory of one GPU by Ray's accelerator type (the node's ``accelerator_type:…``
 #: resource), the smallest model sold under the name (bytes)

@@ -16,7 +16,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from .formulas import gib
+from .units import gib
 
 
 @dataclass(frozen=True)

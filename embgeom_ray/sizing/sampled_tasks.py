@@ -48,6 +48,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from .units import gib
+
 #: every k ≤ this is seeded by k-means++ chains
 #: (:data:`~embgeom_ray.core.kmeans_selection.K_DENSE`)
 K_DENSE = 15
@@ -177,8 +179,6 @@ class SampledTasks:
     def refusal(self, most: int, where: str) -> str | None:
         """The one line refusing these tasks where the node they may run on offers Ray
         ``most`` bytes; None where they fit."""
-        from .formulas import gib
-
         if self.largest <= most:
             return None
         which = "K-means" if self.kmeans >= self.metrics else "metrics"
