@@ -264,6 +264,7 @@ def submit_layers_on_ray(
     local_dtype: type[np.floating] = LOCAL_DTYPE,
     cpus_per_task: int = 1,
     shares: tuple[int, int] | None = None,
+    memory_cap: int | None = None,
 ) -> dict[int, ray.ObjectRef]:
     """Start Cai et al.'s K-means model selection for every layer, layers in parallel on Ray.
 
@@ -288,6 +289,10 @@ def submit_layers_on_ray(
         cpus_per_task: CPUs each one-task layer reserves, and its thread cap.
         shares: (scan's, refits') shares of each one-task layer's fits (:class:`RayFits`);
             default :func:`fit_shares` of the running cluster's CPUs.
+        memory_cap: the most Ray memory a layer's task asks for (None: its peak,
+            :func:`~embgeom_ray.sizing.sampled_tasks.kmeans_task_bytes`; 0: none), where
+            actors that live beside it hold the rest
+            (:func:`~embgeom_ray.distributed.sampled_stage.task_memory_cap`).
 
     Returns:
         layer -> object ref of its :class:`~embgeom_ray.core.kmeans_selection.SelectKResult`
@@ -317,6 +322,8 @@ def submit_layers_on_ray(
         if X.ndim != 2 or len(X) == 0:
             raise ValueError(f"layer {layer}: sample must be a non-empty (n, d) array")
         memory = kmeans_task_bytes(len(X), X.shape[1], silhouette_max_points, k_max, n_init)
+        if memory_cap is not None:
+            memory = min(memory, memory_cap)
         if local_max_elements is not None and X.size <= local_max_elements:
             refs[layer] = call_on_ray(
                 select_k,
@@ -338,6 +345,6 @@ def submit_layers_on_ray(
         shift = X.mean(axis=0)
         Xc = np.ascontiguousarray(X - shift)
         parts = put_partitions(Xc, n_partitions or default_partitions(len(Xc)))
-        task = _select_k_task.options(memory=memory)
+        task = _select_k_task.options(**({"memory": memory} if memory else {}))
         refs[layer] = task.remote(ray.put(Xc), parts, options, shift, inverse)
     return refs

@@ -106,7 +106,7 @@ def check_fits(
         raise ConfigError(refused)
 
 
-def _free_memory() -> dict[str, float]:
+def free_memory() -> dict[str, float]:
     """Each node's Ray memory not held now (node id -> bytes; {} where Ray does not say: its
     per-node figures are not a public API)."""
     try:
@@ -177,7 +177,7 @@ def placement(sample: Any) -> dict[str, Any]:
     memory = sample_task_memory(each, local, max(offers, default=0))
     said = note_no_node(each, offers, can_start is not None) if memory and not local else None
     if memory and said is None:
-        said = note_held(each, _free_memory(), node)
+        said = note_held(each, free_memory(), node)
         if said:  # asked of Ray, they would wait for the reducers, which wait for them
             memory = {}
     if said:
@@ -202,14 +202,21 @@ def submit_inputs(
 
 @ray.remote
 def select_k_of(
-    vectors: np.ndarray, groups: np.ndarray | None, shares: tuple[int, int], options: dict[str, Any]
+    vectors: np.ndarray,
+    groups: np.ndarray | None,
+    shares: tuple[int, int],
+    options: dict[str, Any],
+    memory_cap: int | None = None,
 ) -> Any:
     """One layer's :func:`~embgeom_ray.distributed.kmeans.submit_layers_on_ray` (its
     one-task fit or its distributed one, as the driver would start it), from a task: the
-    layer's points need not pass through the driver."""
+    layer's points need not pass through the driver (``memory_cap``: the most Ray memory its
+    task asks for, :func:`~embgeom_ray.distributed.sampled_stage.task_memory_cap`)."""
     from .kmeans import submit_layers_on_ray
 
-    ref = submit_layers_on_ray({0: vectors}, groups={0: groups}, shares=shares, **options)[0]
+    ref = submit_layers_on_ray(
+        {0: vectors}, groups={0: groups}, shares=shares, memory_cap=memory_cap, **options
+    )[0]
     return ray.get(ref)
 
 

@@ -28,6 +28,8 @@ from ..sizing.formulas import on_workers
 from ..sizing.sampled_tasks import SampledTasks
 
 if TYPE_CHECKING:
+    from collections.abc import Mapping
+
     from ..core.sample_layers import SampleLayers
 
 
@@ -53,8 +55,8 @@ def add_sampled_metrics(
     distributed fit (:func:`~embgeom_ray.distributed.kmeans.submit_layers_on_ray`) followed by
     the row's task, which starts as soon as the layer's clusters are ready; each task holds one
     CPU and runs one thread, and asks Ray for its peak memory
-    (:mod:`~embgeom_ray.sizing.sampled_tasks`; :func:`check_tasks_fit` first refuses a task
-    that no node holds). The layers are planned
+    (:mod:`~embgeom_ray.sizing.sampled_tasks`; :func:`task_memory_cap` first refuses a task
+    that no node holds, and asks for less where live actors hold it). The layers are planned
     and submitted one at a time (``sample`` gives one layer's sample at a time: its points go
     to the object store with the layer's tasks, and this process drops them before the next
     layer's), so this process never holds more than one layer of the sample; a sample whose
@@ -85,7 +87,7 @@ def add_sampled_metrics(
     await_warm_workers()
     kmeans_options, row_options = sampled_options(options, first.num_uniform)
     tasks = stage_tasks(first.num_uniform, first.dim, options)
-    check_tasks_fit(tasks)
+    cap = task_memory_cap(tasks)
     flagged = flagged_dims(tables["dims"])
     shares = fit_shares(len(layers), 1)
     km_refs, row_refs, rows_after = {}, {}, []
@@ -95,7 +97,7 @@ def add_sampled_metrics(
     ) -> None:  # the layer's metrics, once its selection (km_refs) and distances are ready
         row_refs[layer] = call_on_ray(
             sampled_row, *args, km_refs[layer], clip_dims, groups=keys, distances=distances,
-            memory=tasks.metrics, **row_options,
+            memory=capped(tasks.metrics, cap), **row_options,
         )  # fmt: skip
 
     for layer in layers:
@@ -108,7 +110,7 @@ def add_sampled_metrics(
             keys = ray.put(inputs.content_keys)
             km_refs[layer], distances = call_on_ray(
                 sampled_selection, args[0], keys, kmeans_options, RayFits(*shares), returns=2,
-                memory=tasks.kmeans,
+                memory=capped(tasks.kmeans, cap),
             )  # fmt: skip
             rows_after.append((layer, args, inputs.clip_dims, keys, distances))
             del inputs
@@ -117,7 +119,7 @@ def add_sampled_metrics(
             continue
         km_refs[layer] = submit_layers_on_ray(
             {layer: inputs.vectors}, groups={layer: inputs.content_keys}, shares=shares,
-            **kmeans_options,
+            memory_cap=cap, **kmeans_options,
         )[layer]  # fmt: skip
         row_refs[layer] = call_on_ray(
             sampled_row,
@@ -127,7 +129,7 @@ def add_sampled_metrics(
             km_refs[layer],
             inputs.clip_dims,
             groups=inputs.content_keys,
-            memory=replace(tasks, own_distances=True).metrics,
+            memory=capped(replace(tasks, own_distances=True).metrics, cap),
             **row_options,
         )
         del inputs
@@ -163,12 +165,12 @@ def _on_workers(
     kmeans_options, row_options = sampled_options(options, note["uniform_points"])
     dim = int(sample.header["dim"])
     tasks = stage_tasks(note["uniform_points"], dim, options, own_distances=True)
-    check_tasks_fit(tasks)
+    cap = task_memory_cap(tasks)
     shares = fit_shares(len(layers), 1)
     km_refs, row_refs = {}, {}
     for layer in layers:
         _, vectors, token_ids, type_vectors, content_keys = inputs.pop(layer)
-        km_refs[layer] = select_k_of.remote(vectors, content_keys, shares, kmeans_options)
+        km_refs[layer] = select_k_of.remote(vectors, content_keys, shares, kmeans_options, cap)
         row_refs[layer] = call_on_ray(
             sampled_row,
             vectors,
@@ -177,7 +179,7 @@ def _on_workers(
             km_refs[layer],
             flagged.get(layer, []),
             groups=content_keys,
-            memory=tasks.metrics,
+            memory=capped(tasks.metrics, cap),
             **row_options,
         )
     return _finish(tables, note, layers, row_refs, km_refs)
@@ -195,16 +197,37 @@ def stage_tasks(
     )  # fmt: skip
 
 
-def check_tasks_fit(tasks: SampledTasks, nodes: Any = None, can_start: int | None = None) -> None:
-    """:class:`~embgeom_ray.errors.ConfigError` (one line, exit status 2) where no live node
-    (``nodes``: ``ray.nodes()``) nor a node type the autoscaler may start (``can_start``: the
-    most Ray memory of one) has the Ray memory one of the stage's tasks asks for: it would wait
-    for ever. The plan refuses the same before any work
+def task_memory_cap(
+    tasks: SampledTasks,
+    nodes: Any = None,
+    can_start: int | None = None,
+    free: Mapping[str, float] | None = None,
+) -> int | None:
+    """The most Ray memory one of the stage's tasks asks for: None, what each holds at its
+    peak (:mod:`~embgeom_ray.sizing.sampled_tasks`), unless actors hold it (below).
+
+    Only nodes with a CPU count: each task asks Ray for one, so a head started with
+    ``--num-cpus 0`` (``cluster.yaml``'s) runs none, whatever its memory. Where such nodes are
+    known, live ones (``nodes``: ``ray.nodes()``) or a node type the autoscaler may start
+    (``can_start``: the most Ray memory of one with a CPU), and none has the Ray memory a task
+    asks for, a :class:`~embgeom_ray.errors.ConfigError` (one line, exit status 2): the task
+    would wait for ever. Where none is known (an autoscaler's workers gone or not joined yet,
+    its node types not reported), the autoscaler starts one for the tasks: nothing refused.
+    The plan refuses the same before any work
     (:func:`~embgeom_ray.sizing.decisions.sampled_task_refusal`); this checks the cluster as
-    it is when the stage starts."""
+    it is when the stage starts.
+
+    Where no such node has a task's memory free now (``free``: node id -> Ray memory not
+    held; :func:`~embgeom_ray.distributed.sample_tasks.free_memory`) and no node type the
+    autoscaler may start holds one, actors that live through the stage hold the rest (the
+    reducers, stopped only after it; another job's): the tasks would wait for them, for ever
+    where they are the reducers. They then ask for the most one such node has free (0: none,
+    one task a CPU), and a warning line says so: they run, fewer at once."""
     import ray
 
     from ..errors import ConfigError
+    from ..sizing.formulas import gib
+    from .sample_tasks import free_memory
 
     if nodes is None:
         nodes = ray.nodes()
@@ -212,11 +235,35 @@ def check_tasks_fit(tasks: SampledTasks, nodes: Any = None, can_start: int | Non
         from .cluster import read_autoscaler_groups
 
         groups = read_autoscaler_groups() or ()
-        can_start = max((g.memory for g in groups if g.max_count != 0), default=0)
-    alive = [int(n.get("Resources", {}).get("memory", 0)) for n in nodes if n.get("Alive")]
-    refused = tasks.refusal(max([*alive, can_start]), "the largest node")
+        can_start = max((g.memory for g in groups if g.max_count != 0 and g.cpus >= 1), default=0)
+    with_cpu = {
+        str(n.get("NodeID", "")): int(n.get("Resources", {}).get("memory", 0))
+        for n in nodes
+        if n.get("Alive") and n.get("Resources", {}).get("CPU", 0) >= 1
+    }
+    if not with_cpu and not can_start:
+        return None
+    refused = tasks.refusal(max([*with_cpu.values(), can_start]), "the largest node with a CPU")
     if refused:
         raise ConfigError(refused)
+    if can_start >= tasks.largest:
+        return None
+    free = free_memory() if free is None else free
+    room = [int(b) for node, b in free.items() if node in with_cpu]
+    if not room or max(room) >= tasks.largest:
+        return None  # one has it free now, or Ray does not say
+    progress.notice(
+        f"warning: the sampled stage's per-layer tasks need ≈ {gib(tasks.largest)} each at "
+        f"their peak; a node with a CPU has at most {gib(max(room))} of its Ray memory free "
+        "now (actors that live through the stage, such as the reducers, hold the rest): they "
+        "ask Ray for that much, and run fewer at once rather than wait for it"
+    )
+    return max(room)
+
+
+def capped(memory: int, cap: int | None) -> int:
+    """``memory``, at most ``cap`` (:func:`task_memory_cap`; None: no cap)."""
+    return memory if cap is None else min(memory, cap)
 
 
 def _finish(

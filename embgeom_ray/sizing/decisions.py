@@ -256,12 +256,15 @@ def sample_task_memory(each: int, local: bool, offer: int) -> dict[str, int]:
 def sampled_task_refusal(shape: Shape, cluster: Cluster) -> str | None:
     """Why no node can run one of the sampled stage's per-layer Ray tasks (a layer's K-means
     selection or its sampled metrics: :mod:`.sampled_tasks`), or None where one can (or the
-    stage does not run). Each asks Ray for its peak, so a task that no node's Ray memory holds
-    would wait for ever; they run on any node."""
+    stage does not run). Each asks Ray for its peak and one CPU, so a task that no node with a
+    CPU holds would wait for ever; they run on any such node. A head without CPUs
+    (``--num-cpus 0``) runs none, whatever its memory; with no live node with a CPU (an
+    autoscaler's workers, not joined yet) nothing is known, and nothing refused."""
     tasks = shape.sampled_tasks()
-    if tasks is None or not cluster.nodes:
+    memory = [n.memory for n in cluster.nodes if n.cpus >= 1]
+    if tasks is None or not memory:
         return None
-    return tasks.refusal(max(n.memory for n in cluster.nodes), "the largest node")
+    return tasks.refusal(max(memory), "the largest node with a CPU")
 
 
 def sample_task_refused(each: int, most: int, where: str, entries: int) -> str:

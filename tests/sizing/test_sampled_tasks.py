@@ -17,7 +17,7 @@ from embgeom_ray.core.kmeans_selection import distinct_distances, scan_ks, selec
 from embgeom_ray.core.lloyd import Points
 from embgeom_ray.core.options import SampledOptions
 from embgeom_ray.core.tables import sampled_options, sampled_row, sampled_selection
-from embgeom_ray.distributed.sampled_stage import check_tasks_fit, stage_tasks
+from embgeom_ray.distributed.sampled_stage import capped, stage_tasks, task_memory_cap
 from embgeom_ray.errors import ConfigError
 from embgeom_ray.sizing import Cluster, Node, Shape
 from embgeom_ray.sizing.decisions import sampled_task_refusal
@@ -113,19 +113,68 @@ def test_refusal_names_the_silhouette_points_that_fit() -> None:
     assert "lower --sample-size (its points alone" in tasks.refusal(1 * MiB, "the largest node")
 
 
-def test_stage_start_refuses_a_task_no_node_holds() -> None:
+def test_stage_start_refuses_a_task_no_node_with_a_cpu_holds() -> None:
+    """Each task asks Ray for one CPU beside its memory: a head of ``--num-cpus 0``
+    (cluster.yaml's) runs none, however large, so it does not let a task through that no
+    node with a CPU holds (it waited for ever); where no node with a CPU is known (an
+    autoscaler's workers gone), the autoscaler starts one for the tasks: nothing refused."""
     tasks = stage_tasks(4096, 384, SampledOptions())
     assert tasks.largest == 449_298_432
     nodes = [
-        {"Alive": True, "Resources": {"memory": 300 * MiB}},
-        {"Alive": False, "Resources": {"memory": 1 << 40}},  # a node gone: not counted
+        {"NodeID": "w", "Alive": True, "Resources": {"CPU": 2.0, "memory": 300 * MiB}},
+        {"NodeID": "x", "Alive": False, "Resources": {"CPU": 2.0, "memory": 1 << 40}},  # gone
+        {"NodeID": "h", "Alive": True, "Resources": {"memory": 1 << 40}},  # no CPU
     ]
-    with pytest.raises(ConfigError, match="--silhouette-max-points"):
-        check_tasks_fit(tasks, nodes, can_start=0)
-    check_tasks_fit(tasks, nodes, can_start=tasks.largest)  # the autoscaler starts one
+    with pytest.raises(ConfigError, match="300 MiB of Ray memory of the largest node with a "
+                       "CPU; lower --silhouette-max-points"):  # fmt: skip
+        task_memory_cap(tasks, nodes, can_start=0, free={})
+    # the autoscaler starts one
+    assert task_memory_cap(tasks, nodes, can_start=tasks.largest, free={}) is None
+    assert task_memory_cap(tasks, nodes[1:], can_start=0, free={}) is None
     # the metrics task that computes its distances itself asks for 8 n² more
     own = stage_tasks(4096, 384, SampledOptions(), own_distances=True)
     assert own.metrics - tasks.metrics == 8 * 4096 * 4096
+
+
+def test_tasks_ask_for_the_memory_live_actors_leave_free(capsys) -> None:
+    """Actors that live through the stage (the reducers, stopped only after it; another
+    job's) may hold a node's Ray memory: `embgeom merge` on a node of 6 GiB where another
+    job's actor held 5.7 GiB waited at "sampled metrics 0/7" for ever. The tasks now ask for
+    the most a node with a CPU has free (0: none) and say so; they ask for their peak where
+    a node has it free, where Ray does not say, or where the autoscaler may start a node."""
+    tasks = stage_tasks(4096, 384, SampledOptions())
+    nodes = [
+        {"NodeID": "w", "Alive": True, "Resources": {"CPU": 2.0, "memory": 6 << 30}},
+        {"NodeID": "h", "Alive": True, "Resources": {"memory": 64 << 30}},  # no CPU
+    ]
+    free = {"w": 300.0 * MiB, "h": 60.0 * 2**30}
+    assert task_memory_cap(tasks, nodes, can_start=0, free=free) == 300 * MiB
+    err = capsys.readouterr().err
+    assert "need ≈ 428 MiB each at their peak; a node with a CPU has at most 300 MiB" in err
+    assert (capped(tasks.kmeans, 300 * MiB), capped(tasks.metrics, None)) == (
+        300 * MiB, tasks.metrics)  # fmt: skip
+    assert task_memory_cap(tasks, nodes, can_start=0, free={"w": 0.0}) == 0  # none asked
+    assert task_memory_cap(tasks, nodes, can_start=0, free={"w": float(tasks.largest)}) is None
+    assert task_memory_cap(tasks, nodes, can_start=0, free={}) is None
+    assert task_memory_cap(tasks, nodes, can_start=tasks.largest, free={"w": 0.0}) is None
+    assert capsys.readouterr().err.count("warning:") == 1
+
+
+def test_layers_tasks_ask_for_at_most_the_cap(monkeypatch) -> None:
+    """submit_layers_on_ray (a layer's K-means task, also from a task of a sample the Ray
+    tasks read) asks for its peak, or the stage's cap where that is less."""
+    import ray
+
+    from embgeom_ray.distributed import kmeans
+
+    asked = []
+    monkeypatch.setattr(ray, "is_initialized", lambda: True)
+    monkeypatch.setattr(kmeans, "call_on_ray", lambda *a, memory=0, **k: asked.append(memory))
+    X = np.random.default_rng(0).standard_normal((100, 8))
+    kmeans.submit_layers_on_ray({0: X}, shares=(1, 1))
+    kmeans.submit_layers_on_ray({0: X}, shares=(1, 1), memory_cap=1000)
+    kmeans.submit_layers_on_ray({0: X}, shares=(1, 1), memory_cap=0)
+    assert asked == [kmeans_task_bytes(100, 8, 4096, 60), 1000, 0]
 
 
 def test_plan_refuses_and_reports_the_tasks() -> None:
@@ -133,9 +182,15 @@ def test_plan_refuses_and_reports_the_tasks() -> None:
                   sample_points=4096)  # fmt: skip
     small = Cluster((Node("h", 300 * MiB, cpus=2, head=True),))
     line = sampled_task_refusal(shape, small)
-    assert line is not None and "of Ray memory of the largest node" in line
+    assert line is not None and "of Ray memory of the largest node with a CPU" in line
     roomy = Cluster((Node("h", 16 << 30, cpus=2, head=True),))
     assert sampled_task_refusal(shape, roomy) is None
+    # a head of --num-cpus 0 runs no task, whatever its memory; with no node with a CPU live
+    # yet (an autoscaler's workers) nothing is known, and nothing refused
+    cpuless_head = Cluster((Node("h", 16 << 30, head=True), Node("w", 300 * MiB, cpus=8)))
+    line = sampled_task_refusal(shape, cpuless_head)
+    assert line is not None and "300 MiB of Ray memory of the largest node with a CPU" in line
+    assert sampled_task_refusal(shape, Cluster((Node("h", 300 * MiB, head=True),))) is None
     assert shape.sampled_tasks().kmeans == 449_298_432
     no_sample = Shape(layers=7, dim=384, positions=128, vocab=30_522)
     assert no_sample.sampled_tasks() is None
@@ -164,3 +219,4 @@ def test_call_on_ray_asks_ray_for_the_memory_given(monkeypatch) -> None:
     kmeans.call_on_ray(len, [1])
     assert asked == [{"num_cpus": 1, "num_returns": 2, "memory": 449_298_432},
                      {"num_cpus": 1, "num_returns": 1}]  # fmt: skip
+

@@ -607,10 +607,10 @@ def test_sample_tasks_do_not_wait_for_memory_the_jobs_reducers_hold(monkeypatch,
     monkeypatch.setattr(ray, "nodes", lambda: nodes)
     monkeypatch.setattr(cluster_mod, "started_private_local", lambda: True)
     # two reducers of 16 GiB on the 32 GiB node: nothing free
-    monkeypatch.setattr(sample_tasks, "_free_memory", lambda: {"w": 0.0})
+    monkeypatch.setattr(sample_tasks, "free_memory", lambda: {"w": 0.0})
     assert sample_tasks.placement(sample) == {}
     assert "they ask Ray for none, a CPU each" in capsys.readouterr().err
-    monkeypatch.setattr(sample_tasks, "_free_memory", lambda: {"w": 10.0 * GiB})
+    monkeypatch.setattr(sample_tasks, "free_memory", lambda: {"w": 10.0 * GiB})
     assert sample_tasks.placement(sample) == {"memory": each}
     assert capsys.readouterr().err == ""
 
