@@ -11,8 +11,8 @@ peak, above its worker process's start (the libraries), counting the arrays the 
   distances (8n² each, kept for the metrics task) and the distances' float32 copy in
   :func:`~embgeom_ray.core.kmeans_selection.point_silhouettes` (4n²): 20n²; with n > m (or a
   layer too large for one process: the partitioned fit), no Gram matrix, scikit-learn's
-  distances of the m subsampled points and their float32 copy: 12m². Beside them, the
-  silhouettes' indicators and sums, (min(n, m), W) float32 each, W = Σ of the k scanned
+  distances of the min(n, m) points scored and their float32 copy: 12·min(n, m)². Beside
+  them, the silhouettes' indicators and sums, (min(n, m), W) float32 each, W = Σ of the k scanned
   (582 at k_max = 60): 8·min(n, m)·W; the points: 40·n·d (the centred copies of
   :func:`~embgeom_ray.core.kmeans_selection.distinct_distances` and ``select_k``, Lloyd's
   float32 copy, :func:`~embgeom_ray.core.distinct.distinct_rows`' copy and scratch of the

@@ -220,3 +220,25 @@ def test_call_on_ray_asks_ray_for_the_memory_given(monkeypatch) -> None:
     assert asked == [{"num_cpus": 1, "num_returns": 2, "memory": 449_298_432},
                      {"num_cpus": 1, "num_returns": 1}]  # fmt: skip
 
+
+def test_plan_json_and_plan_give_what_each_task_asks_for() -> None:
+    """--plan-json's ``sizing.sampled_tasks`` (the manifest's too) and --plan's line: MiniLM at
+    the default sample, 428 and 407 MiB; absent without the stage (--sample-size 0)."""
+    from embgeom_ray.config import build_config
+    from embgeom_ray.sizing import CorpusShape, size_job
+    from embgeom_ray.sizing.plan import describe_plan
+
+    options = build_config(None, {"model": "m", "corpus": "c", "out": "o", "device": "cpu"})
+    minilm = Shape(layers=7, dim=384, positions=128, vocab=30_522, hidden_states=7,
+                   intermediate=1536, heads=12, weight_bytes=90 * MiB, sample_entries=8192,
+                   sample_points=4096)  # fmt: skip
+    cluster = Cluster((Node("h", 16 << 30, cpus=2, head=True),))
+    corpus = CorpusShape("c", 1, 10**6, 1)
+    sizing = size_job(minilm, corpus, cluster, options.scheduling)
+    assert json.loads(json.dumps(sizing.to_json()))["sampled_tasks"] == {
+        "kmeans_memory": 449_298_432, "metrics_memory": 427_032_576}  # fmt: skip
+    lines = describe_plan(sizing, corpus, checkpoint_interval=None, total_layers=7)
+    assert "sampled-stage tasks: a layer's K-means selection ≈ 428 MiB and its metrics ≈ 407 " \
+        "MiB at their peak (n × n distances, n = 4,096, d = 384;" in "\n".join(lines)
+    none = Shape(layers=7, dim=384, positions=128, vocab=30_522, sample_entries=0)
+    assert "sampled_tasks" not in size_job(none, corpus, cluster, options.scheduling).to_json()
