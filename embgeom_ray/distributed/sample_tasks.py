@@ -117,22 +117,26 @@ def free_memory() -> dict[str, float]:
         return {}
 
 
-def note_held(each: int, free: Mapping[str, float], here: str | None) -> str | None:
-    """The line saying that the tasks (``each`` bytes, on ``here`` or any node) ask Ray for no
-    memory, as no node they may run on has ``each`` free now (``free``: node id -> bytes);
-    None where one has, or where Ray does not say. What holds it is the job's own reducers,
-    which live until the run is written, after this stage (or other actors, which nothing
-    here can tell apart): tasks asking for it would wait for ever, the job hung."""
+def held_memory(each: int, free: Mapping[str, float], here: str | None) -> tuple[int, str] | None:
+    """(the Ray memory each task asks for, the line saying so) where no node the tasks of
+    ``each`` bytes may run on (``here``, or any node) has ``each`` free now (``free``: node id
+    -> bytes); None where one has, or where Ray does not say. What holds it is the job's own
+    reducers, which live until the run is written, after this stage (or other actors, which
+    nothing here can tell apart): tasks asking for it would wait for ever, the job hung. They
+    ask instead for the most one such node has free (0: none, a CPU each) and run fewer at
+    once, as the sampled stage's tasks do
+    (:func:`~embgeom_ray.distributed.sampled_stage.task_memory_cap`)."""
     from ..sizing.units import gib
 
     room = [b for node, b in free.items() if here is None or node == here]
     if not room or max(room) >= each:
         return None
-    where = "the job's own node" if here else "any node"
-    return (f"the sample's per-layer tasks need {gib(each)} each; {where} has "
-            f"{gib(int(max(room)))} of its Ray memory free now (the job's reducers, which live "
-            "through this stage, or other actors hold the rest): they ask Ray for none, a CPU "
-            "each, so a node may run more at once than its memory holds")  # fmt: skip
+    most = int(max(room))
+    where = "the job's own node" if here else "a node"
+    return most, (f"the sample's per-layer tasks need {gib(each)} each; {where} has at most "
+                  f"{gib(most)} of its Ray memory free now (actors that live through the stage, "
+                  "such as the reducers, hold the rest): they ask Ray for that much, and run "
+                  "fewer at once rather than wait for it")  # fmt: skip
 
 
 def note_no_node(each: int, offers: Sequence[int], said: bool) -> str | None:
@@ -155,8 +159,8 @@ def placement(sample: Any) -> dict[str, Any]:
     """Ray options of the tasks that read ``sample``: their memory (:func:`task_bytes`, so that
     Ray runs no more of them at once on a node than its memory holds; :func:`check_fits`
     first; none on this node where it offers Ray none,
-    :func:`~embgeom_ray.sizing.decisions.sample_task_memory`, nor where no node they may run
-    on has it free now, :func:`note_held`); anywhere when it is not read
+    :func:`~embgeom_ray.sizing.decisions.sample_task_memory`, and less where no node they
+    may run on has it free now, :func:`held_memory`); anywhere when it is not read
     from local files (object storage); else on this node, which sees them (other nodes may
     not: the driver's own disk), asking for no CPU where this node offers Ray none (a head
     started with ``--num-cpus 0``: the task still runs there, on the CPUs Ray was told to
@@ -177,9 +181,10 @@ def placement(sample: Any) -> dict[str, Any]:
     memory = sample_task_memory(each, local, max(offers, default=0))
     said = note_no_node(each, offers, can_start is not None) if memory and not local else None
     if memory and said is None:
-        said = note_held(each, free_memory(), node)
-        if said:  # asked of Ray, they would wait for the reducers, which wait for them
-            memory = {}
+        held = held_memory(each, free_memory(), node)
+        if held:  # asked in full, they would wait for the reducers, which wait for them
+            memory = {"memory": held[0]} if held[0] > 0 else {}
+            said = held[1]
     if said:
         progress.notice(f"warning: {said}")
     if not local:

@@ -507,18 +507,19 @@ def test_sample_tasks_ask_ray_for_their_peak_and_one_no_node_holds_is_refused():
     with pytest.raises(ConfigError, match=r"more than the 8\.0 GiB of Ray memory of the job's own node"):
         check_fits(sample, nodes, "h")
     # one that no node has free now (the job's reducers hold it through the stage) asks for
-    # none, and says so: asked, it would wait for the reducers, which wait for it
-    from embgeom_ray.distributed.sample_tasks import note_held
+    # the most one has free, and says so: asked in full, it would wait for the reducers, which
+    # wait for it
+    from embgeom_ray.distributed.sample_tasks import held_memory
 
     free = {"h": 1.0 * GiB, "w": 4.0 * GiB}
-    assert note_held(each, free, None) == (
-        "the sample's per-layer tasks need 9.0 GiB each; any node has 4.0 GiB of its Ray memory "
-        "free now (the job's reducers, which live through this stage, or other actors hold the "
-        "rest): they ask Ray for none, a CPU each, so a node may run more at once than its "
-        "memory holds")  # fmt: skip
-    assert note_held(each, {**free, "w": 10.0 * GiB}, None) is None
-    assert "the job's own node has 1.0 GiB" in note_held(each, {**free, "w": 10.0 * GiB}, "h")
-    assert note_held(each, {}, "h") is None  # Ray does not say
+    assert held_memory(each, free, None) == (4 * GiB, (
+        "the sample's per-layer tasks need 9.0 GiB each; a node has at most 4.0 GiB of its Ray "
+        "memory free now (actors that live through the stage, such as the reducers, hold the "
+        "rest): they ask Ray for that much, and run fewer at once rather than wait for it"))  # fmt: skip
+    assert held_memory(each, {**free, "w": 10.0 * GiB}, None) is None
+    asked, line = held_memory(each, {**free, "w": 10.0 * GiB}, "h")
+    assert asked == 1 * GiB and "the job's own node has at most 1.0 GiB" in line
+    assert held_memory(each, {}, "h") is None  # Ray does not say
     # 10 · Q_l = 32.9 GiB: no live node holds it (the 64 GiB one is gone)
     large = SimpleNamespace(header={"dim": 256, "size": 3_300_000, "type_uniform": False})
     with pytest.raises(ConfigError, match=r"more than the 32\.0 GiB of Ray memory of the largest "
@@ -609,7 +610,11 @@ def test_sample_tasks_do_not_wait_for_memory_the_jobs_reducers_hold(monkeypatch,
     # two reducers of 16 GiB on the 32 GiB node: nothing free
     monkeypatch.setattr(sample_tasks, "free_memory", lambda: {"w": 0.0})
     assert sample_tasks.placement(sample) == {}
-    assert "they ask Ray for none, a CPU each" in capsys.readouterr().err
+    assert "they ask Ray for that much, and run fewer at once" in capsys.readouterr().err
+    # 3 GiB free: they ask for that, so Ray runs one at a time there, not one a CPU
+    monkeypatch.setattr(sample_tasks, "free_memory", lambda: {"w": 3.0 * GiB})
+    assert sample_tasks.placement(sample) == {"memory": 3 * GiB}
+    assert "at most 3.0 GiB of its Ray memory free now" in capsys.readouterr().err
     monkeypatch.setattr(sample_tasks, "free_memory", lambda: {"w": 10.0 * GiB})
     assert sample_tasks.placement(sample) == {"memory": each}
     assert capsys.readouterr().err == ""
