@@ -79,9 +79,12 @@ def task_bytes(sample: Any) -> int:
 
 
 def _memory_of(nodes: Sequence[Mapping[str, Any]], here: str | None) -> list[int]:
-    """The Ray memory of each live node a task may run on (``here`` only, where given)."""
-    return [int(n.get("Resources", {}).get("memory", 0)) for n in nodes
-            if n.get("Alive") and (here is None or n.get("NodeID") == here)]  # fmt: skip
+    """The Ray memory of each live node a task may run on: ``here`` only, where given (asked
+    for no CPU where it offers none); else each node with a CPU, as each task asks for one (a
+    head of ``ray start --num-cpus 0`` runs none)."""
+    return [int(n.get("Resources", {}).get("memory", 0)) for n in nodes if n.get("Alive") and (
+        n.get("NodeID") == here if here is not None
+        else n.get("Resources", {}).get("CPU", 0) >= 1)]  # fmt: skip
 
 
 def check_fits(
@@ -175,13 +178,19 @@ def placement(sample: Any) -> dict[str, Any]:
     # the node types the autoscaler may start, where any node may run them (none can come to
     # the private local Ray; None: the autoscaler, if any, does not say)
     groups = () if local or started_private_local() else read_autoscaler_groups()
-    can_start = None if groups is None else [g.memory for g in groups if g.max_count != 0]
+    can_start = (None if groups is None
+                 else [g.memory for g in groups if g.max_count != 0 and g.cpus >= 1])  # fmt: skip
     check_fits(sample, nodes, node, can_start)
     offers = _memory_of(nodes, node)
     memory = sample_task_memory(each, local, max(offers, default=0))
     said = note_no_node(each, offers, can_start is not None) if memory and not local else None
     if memory and said is None:
-        held = held_memory(each, free_memory(), node)
+        free = free_memory()
+        if node is None:  # any node with a CPU may run them (:func:`_memory_of`)
+            cpus = {n.get("NodeID") for n in nodes
+                    if n.get("Alive") and n.get("Resources", {}).get("CPU", 0) >= 1}  # fmt: skip
+            free = {k: v for k, v in free.items() if k in cpus}
+        held = held_memory(each, free, node)
         if held:  # asked in full, they would wait for the reducers, which wait for them
             memory = {"memory": held[0]} if held[0] > 0 else {}
             said = held[1]

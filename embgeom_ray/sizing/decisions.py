@@ -208,8 +208,11 @@ def sample_task_refusal(
     if not sample_on_workers(shape.sample_entries, shape.dim):
         return None
     local = not shape.store or is_local(shape.store)
-    offers = [n.memory for n in cluster.nodes if n.head or not local]
-    can_start = None if groups is None else [g.memory for g in groups if g.max_count != 0]
+    # on a local path, the head (asked for no CPU where it offers none); else any node with a
+    # CPU, as each asks for one: a head of ray start --num-cpus 0 runs none there
+    offers = [n.memory for n in cluster.nodes if (n.head if local else n.cpus >= 1)]
+    can_start = (None if groups is None
+                 else [g.memory for g in groups if g.max_count != 0 and g.cpus >= 1])  # fmt: skip
     each = sample_task_bytes(shape.sample_entries, shape.dim)
     return refuse_sample_task(each, shape.dim, offers, local=local, can_start=can_start)
 
@@ -242,7 +245,7 @@ def refuse_sample_task(
     if each <= most:
         return None
     where = ("the job's own node (the sample is read from its local files)" if local
-             else "the largest node")  # fmt: skip
+             else "the largest node with a CPU")  # fmt: skip
     return sample_task_refused(each, most, where, sample_entries_fitting(most, dim))
 
 

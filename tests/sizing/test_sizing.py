@@ -500,10 +500,16 @@ def test_sample_tasks_ask_ray_for_their_peak_and_one_no_node_holds_is_refused():
     # the stage: each task asks Ray for the same number, checked against the live nodes
     sample = SimpleNamespace(header={"dim": 256, "size": 700_000, "type_size": 200_000})
     assert task_bytes(sample) == each
-    nodes = [{"NodeID": "h", "Alive": True, "Resources": {"memory": 8 * GiB}},
-             {"NodeID": "w", "Alive": True, "Resources": {"memory": 32 * GiB}},
-             {"NodeID": "x", "Alive": False, "Resources": {"memory": 64 * GiB}}]  # fmt: skip
+    nodes = [{"NodeID": "h", "Alive": True, "Resources": {"memory": 8 * GiB, "CPU": 8}},
+             {"NodeID": "w", "Alive": True, "Resources": {"memory": 32 * GiB, "CPU": 16}},
+             {"NodeID": "x", "Alive": False, "Resources": {"memory": 64 * GiB, "CPU": 16}}]  # fmt: skip
     check_fits(sample, nodes, None)  # the worker holds one
+    # a head without CPUs runs none in object storage (each task asks for a CPU), whatever
+    # its memory: the 64 GiB one does not count, the 8 GiB worker refuses
+    headless = [{"NodeID": "h", "Alive": True, "Resources": {"memory": 64 * GiB}},
+                {"NodeID": "w", "Alive": True, "Resources": {"memory": 8 * GiB, "CPU": 16}}]  # fmt: skip
+    with pytest.raises(ConfigError, match=r"more than the 8\.0 GiB of Ray memory of the largest node with a CPU"):
+        check_fits(sample, headless, None, can_start=())
     with pytest.raises(ConfigError, match=r"more than the 8\.0 GiB of Ray memory of the job's own node"):
         check_fits(sample, nodes, "h")
     # one that no node has free now (the job's reducers hold it through the stage) asks for
@@ -523,7 +529,7 @@ def test_sample_tasks_ask_ray_for_their_peak_and_one_no_node_holds_is_refused():
     # 10 · Q_l = 32.9 GiB: no live node holds it (the 64 GiB one is gone)
     large = SimpleNamespace(header={"dim": 256, "size": 3_300_000, "type_uniform": False})
     with pytest.raises(ConfigError, match=r"more than the 32\.0 GiB of Ray memory of the largest "
-                       r"node; lower --sample-size and --sample-type-size \(together at most "
+                       r"node with a CPU; lower --sample-size and --sample-type-size \(together at most "
                        r"3,205,199 entries fit\)$"):  # fmt: skip
         check_fits(large, nodes, None)
     check_fits(large, nodes, None, can_start=[64 * GiB])  # the autoscaler may start a node of it
@@ -544,7 +550,7 @@ def test_sample_tasks_are_refused_only_where_no_node_can_ever_run_them():
     from types import SimpleNamespace
 
     from embgeom_ray.distributed.sample_tasks import check_fits, note_no_node
-    from embgeom_ray.sizing.decisions import sample_task_memory
+    from embgeom_ray.sizing.decisions import sample_task_memory, sample_task_refusal
     from embgeom_ray.sizing.plan import describe_plan
 
     llama = Shape(layers=5, dim=256, positions=128, vocab=128_256, hidden_states=5,
@@ -564,7 +570,7 @@ def test_sample_tasks_are_refused_only_where_no_node_can_ever_run_them():
         "memory": each}
     sample = SimpleNamespace(header={"dim": 256, "size": 700_000, "type_size": 200_000})
     nodes = [{"NodeID": "h", "Alive": True, "Resources": {"memory": 0}},
-             {"NodeID": "w", "Alive": True, "Resources": {"memory": 4 * GiB}}]  # fmt: skip
+             {"NodeID": "w", "Alive": True, "Resources": {"memory": 4 * GiB, "CPU": 16}}]  # fmt: skip
     check_fits(sample, nodes, "h")  # not refused: asks this node for no memory
     # object storage on a small head alone: the autoscaler says nothing (None), may start one
     bucket = Shape(**{**llama.__dict__, "store": "s3://b/run"})
@@ -580,10 +586,16 @@ def test_sample_tasks_are_refused_only_where_no_node_can_ever_run_them():
     assert note_no_node(each, [10 * GiB], said=False) is None
     # where nothing can come (the private local Ray: ()), or what can come holds none: refused
     for groups in ((), (NodeGroup("small", cpus=8, memory=8 * GiB, max_count=4),)):
-        with pytest.raises(ConfigError, match=r"more than the 8\.0 GiB|more than the 4\.0 GiB"):
+        # (its head has no CPU: with nothing to come, no node with a CPU offers anything)
+        with pytest.raises(ConfigError, match=r"more than the (8\.0 GiB|0 B) of Ray memory of the "
+                           r"largest node with a CPU"):
             size_job(bucket, corpus, alone, options(device="cpu", num_workers=2), groups=groups)
     with pytest.raises(ConfigError, match=r"more than the 4\.0 GiB of Ray memory of the largest"):
         check_fits(sample, nodes, None, can_start=())
+    # a plan of the same: a head without CPUs and a worker of 8 GiB, nothing more to come
+    big_head = Cluster((Node("h", 64 * GiB, cpus=0, head=True), Node("w", 8 * GiB, cpus=16)))
+    assert "more than the 8.0 GiB of Ray memory of the largest node with a CPU" in (
+        sample_task_refusal(bucket, big_head, ()))
 
 
 def test_sample_tasks_do_not_wait_for_memory_the_jobs_reducers_hold(monkeypatch, capsys):
