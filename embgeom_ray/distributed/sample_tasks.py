@@ -120,14 +120,20 @@ def free_memory() -> dict[str, float]:
         return {}
 
 
-def held_memory(each: int, free: Mapping[str, float], here: str | None) -> tuple[int, str] | None:
-    """(the Ray memory each task asks for, the line saying so) where no node the tasks of
-    ``each`` bytes may run on (``here``, or any node) has ``each`` free now (``free``: node id
-    -> bytes); None where one has, or where Ray does not say. What holds it is the job's own
-    reducers, which live until the run is written, after this stage (or other actors, which
-    nothing here can tell apart): tasks asking for it would wait for ever, the job hung. They
-    ask instead for the most one such node has free (0: none, a CPU each) and run fewer at
-    once, as the sampled stage's tasks do
+def held_memory(
+    each: int,
+    free: Mapping[str, float],
+    here: str | None,
+    tasks: str = "the sample's per-layer tasks",
+) -> tuple[int, str] | None:
+    """(the Ray memory each task asks for, the line saying so) where no node the ``tasks`` of
+    ``each`` bytes at their peak may run on (``here``, or any node in ``free``: those with a
+    CPU) has ``each`` free now (``free``: node id -> bytes); None where one has, or where Ray
+    does not say. What holds it is the job's own reducers, which live until the run is
+    written, after the sampled stage (or other actors, which nothing here can tell apart):
+    tasks asking for it would wait for ever, the job hung. They ask instead for the most one
+    such node has free (0: none, a CPU each) and run fewer at once. The one rule of the
+    sample's tasks (:func:`placement`) and of the sampled stage's
     (:func:`~embgeom_ray.distributed.sampled_stage.task_memory_cap`)."""
     from ..sizing.units import gib
 
@@ -135,8 +141,8 @@ def held_memory(each: int, free: Mapping[str, float], here: str | None) -> tuple
     if not room or max(room) >= each:
         return None
     most = int(max(room))
-    where = "the job's own node" if here else "a node"
-    return most, (f"the sample's per-layer tasks need {gib(each)} each; {where} has at most "
+    where = "the job's own node" if here else "a node with a CPU"
+    return most, (f"{tasks} need ≈ {gib(each)} each at their peak; {where} has at most "
                   f"{gib(most)} of its Ray memory free now (actors that live through the stage, "
                   "such as the reducers, hold the rest): they ask Ray for that much, and run "
                   "fewer at once rather than wait for it")  # fmt: skip

@@ -226,8 +226,7 @@ def task_memory_cap(
     import ray
 
     from ..errors import ConfigError
-    from ..sizing.formulas import gib
-    from .sample_tasks import free_memory
+    from .sample_tasks import free_memory, held_memory
 
     if nodes is None:
         nodes = ray.nodes()
@@ -249,16 +248,12 @@ def task_memory_cap(
     if can_start >= tasks.largest:
         return None
     free = free_memory() if free is None else free
-    room = [int(b) for node, b in free.items() if node in with_cpu]
-    if not room or max(room) >= tasks.largest:
+    held = held_memory(tasks.largest, {k: v for k, v in free.items() if k in with_cpu}, None,
+                       "the sampled stage's per-layer tasks")  # fmt: skip
+    if held is None:
         return None  # one has it free now, or Ray does not say
-    progress.notice(
-        f"warning: the sampled stage's per-layer tasks need ≈ {gib(tasks.largest)} each at "
-        f"their peak; a node with a CPU has at most {gib(max(room))} of its Ray memory free "
-        "now (actors that live through the stage, such as the reducers, hold the rest): they "
-        "ask Ray for that much, and run fewer at once rather than wait for it"
-    )
-    return max(room)
+    progress.notice(f"warning: {held[1]}")
+    return held[0]
 
 
 def capped(memory: int, cap: int | None) -> int:

@@ -150,7 +150,7 @@ def test_tasks_ask_for_the_memory_live_actors_leave_free(capsys) -> None:
     free = {"w": 300.0 * MiB, "h": 60.0 * 2**30}
     assert task_memory_cap(tasks, nodes, can_start=0, free=free) == 300 * MiB
     err = capsys.readouterr().err
-    assert "need ≈ 428 MiB each at their peak; a node with a CPU has at most 300 MiB" in err
+    assert "the sampled stage's per-layer tasks need ≈ 428 MiB each at their peak; a node with a CPU has at most 300 MiB" in err
     assert (capped(tasks.kmeans, 300 * MiB), capped(tasks.metrics, None)) == (
         300 * MiB, tasks.metrics)  # fmt: skip
     assert task_memory_cap(tasks, nodes, can_start=0, free={"w": 0.0}) == 0  # none asked

@@ -519,8 +519,8 @@ def test_sample_tasks_ask_ray_for_their_peak_and_one_no_node_holds_is_refused():
 
     free = {"h": 1.0 * GiB, "w": 4.0 * GiB}
     assert held_memory(each, free, None) == (4 * GiB, (
-        "the sample's per-layer tasks need 9.0 GiB each; a node has at most 4.0 GiB of its Ray "
-        "memory free now (actors that live through the stage, such as the reducers, hold the "
+        "the sample's per-layer tasks need ≈ 9.0 GiB each at their peak; a node with a CPU has at "
+        "most 4.0 GiB of its Ray memory free now (actors that live through the stage, such as the reducers, hold the "
         "rest): they ask Ray for that much, and run fewer at once rather than wait for it"))  # fmt: skip
     assert held_memory(each, {**free, "w": 10.0 * GiB}, None) is None
     asked, line = held_memory(each, {**free, "w": 10.0 * GiB}, "h")
