@@ -78,13 +78,21 @@ def task_bytes(sample: Any) -> int:
     return sample_task_bytes(sum(header_entries(sample.header)), int(sample.header["dim"]))
 
 
+def memory_with_cpu(nodes: Sequence[Mapping[str, Any]]) -> dict[str, int]:
+    """Each live node with a CPU (``nodes``: ``ray.nodes()``) -> its Ray memory: the nodes a
+    task asking Ray for a CPU may run on (a head of ``ray start --num-cpus 0`` runs none,
+    whatever its memory), for the sample's tasks in object storage and the sampled stage's."""
+    return {str(n.get("NodeID", "")): int(n.get("Resources", {}).get("memory", 0)) for n in nodes
+            if n.get("Alive") and n.get("Resources", {}).get("CPU", 0) >= 1}  # fmt: skip
+
+
 def _memory_of(nodes: Sequence[Mapping[str, Any]], here: str | None) -> list[int]:
     """The Ray memory of each live node a task may run on: ``here`` only, where given (asked
-    for no CPU where it offers none); else each node with a CPU, as each task asks for one (a
-    head of ``ray start --num-cpus 0`` runs none)."""
-    return [int(n.get("Resources", {}).get("memory", 0)) for n in nodes if n.get("Alive") and (
-        n.get("NodeID") == here if here is not None
-        else n.get("Resources", {}).get("CPU", 0) >= 1)]  # fmt: skip
+    for no CPU where it offers none); else each node with a CPU (:func:`memory_with_cpu`)."""
+    if here is None:
+        return list(memory_with_cpu(nodes).values())
+    return [int(n.get("Resources", {}).get("memory", 0)) for n in nodes
+            if n.get("Alive") and n.get("NodeID") == here]  # fmt: skip
 
 
 def check_fits(
@@ -192,9 +200,8 @@ def placement(sample: Any) -> dict[str, Any]:
     said = note_no_node(each, offers, can_start is not None) if memory and not local else None
     if memory and said is None:
         free = free_memory()
-        if node is None:  # any node with a CPU may run them (:func:`_memory_of`)
-            cpus = {n.get("NodeID") for n in nodes
-                    if n.get("Alive") and n.get("Resources", {}).get("CPU", 0) >= 1}  # fmt: skip
+        if node is None:  # any node with a CPU may run them
+            cpus = memory_with_cpu(nodes)
             free = {k: v for k, v in free.items() if k in cpus}
         held = held_memory(each, free, node)
         if held:  # asked in full, they would wait for the reducers, which wait for them

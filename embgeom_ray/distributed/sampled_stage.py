@@ -226,7 +226,7 @@ def task_memory_cap(
     import ray
 
     from ..errors import ConfigError
-    from .sample_tasks import free_memory, held_memory
+    from .sample_tasks import free_memory, held_memory, memory_with_cpu
 
     if nodes is None:
         nodes = ray.nodes()
@@ -235,11 +235,7 @@ def task_memory_cap(
 
         groups = read_autoscaler_groups() or ()
         can_start = max((g.memory for g in groups if g.max_count != 0 and g.cpus >= 1), default=0)
-    with_cpu = {
-        str(n.get("NodeID", "")): int(n.get("Resources", {}).get("memory", 0))
-        for n in nodes
-        if n.get("Alive") and n.get("Resources", {}).get("CPU", 0) >= 1
-    }
+    with_cpu = memory_with_cpu(nodes)
     if not with_cpu and not can_start:
         return None
     refused = tasks.refusal(max([*with_cpu.values(), can_start]), "the largest node with a CPU")
