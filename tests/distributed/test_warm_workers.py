@@ -177,9 +177,16 @@ def test_not_private_when_ray_was_started_by_someone_else(ray_local):
     assert not cluster.started_private_local()
 
 
+#: one process on the private local Ray its ``connect`` starts, in two parts (one Ray start
+#: and one process for both tests below: each took ~15 s of the suite alone, most of it the
+#: process's imports and its Ray's start). First, the warm workers of an extraction outlive an
+#: idle spell and take the next 1-CPU tasks (their JSON on a line); then a warm-up still
+#: importing when nobody waits for it any more has its worker lost ("done" once the owner has
+#: heard of it).
 SCRIPT = """
-import json, os, time
+import json, os, signal, time
 import ray
+from embgeom_ray.distributed import warm_workers
 from embgeom_ray.distributed.cluster import connect, started_private_local
 from embgeom_ray.distributed.warm_workers import await_warm_workers, warm_task_workers
 
@@ -205,26 +212,47 @@ def task():
     return os.getpid(), os.nice(0)
 
 after = ray.get([task.remote() for _ in range(cpus)])
-print(json.dumps({"warm": warm, "after": after}))
+print(json.dumps({"warm": warm, "after": after}), flush=True)
+
+# a warm-up whose worker is lost while it imports
+warm_workers.MODULES = ("slow_import_embgeom",)  # imports until its worker is killed
+warm_workers.warm_task_workers(2)
+deadline = time.monotonic() + 60
+while len(os.listdir("pids")) < 2 and time.monotonic() < deadline:
+    time.sleep(0.1)
+assert warm_workers.await_warm_workers(0.2) == []  # still importing: not waited for
+for pid in os.listdir("pids"):
+    os.kill(int(pid), signal.SIGKILL)
+time.sleep(3)  # the owner hears of the lost workers
+print("done", flush=True)
 """
 
 
+@pytest.fixture(scope="module")
+def private_ray_script(tmp_path_factory) -> subprocess.CompletedProcess:
+    """:data:`SCRIPT` run in a fresh process (no ``RAY_ADDRESS``: its own private Ray), in a
+    directory holding ``pids/`` and ``slow_import_embgeom.py``, a module whose import writes
+    its process's id there and then sleeps."""
+    work = tmp_path_factory.mktemp("warm-workers")
+    (work / "pids").mkdir()
+    (work / "slow_import_embgeom.py").write_text(
+        "import os, time\nopen(os.path.join('pids', str(os.getpid())), 'w').close()\n"
+        "time.sleep(120)\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(work)])
+    return subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True,
+                          env=env, cwd=work, timeout=240)  # fmt: skip
+
+
 @pytest.mark.slow
-def test_stage_tasks_run_on_the_warm_workers(tmp_path):
+def test_stage_tasks_run_on_the_warm_workers(private_ray_script):
     """On the private local Ray the warm workers outlive an idle spell and take the next
     1-CPU tasks, which run at their lowered priority."""
-    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    env["PYTHONPATH"] = str(ROOT)
-    proc = subprocess.run(
-        [sys.executable, "-c", SCRIPT],
-        capture_output=True,
-        text=True,
-        env=env,
-        cwd=tmp_path,
-        timeout=180,
-    )
+    proc = private_ray_script
     assert proc.returncode == 0, proc.stderr[-3000:]
-    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    (line,) = [line for line in proc.stdout.splitlines() if line.startswith('{"warm": ')]
+    out = json.loads(line)
     warm_pids = {w["pid"] for w in out["warm"]}
     assert len(warm_pids) == len(out["warm"]) >= 1
     assert all(w["nice"] == 19 and w["failed"] == [] for w in out["warm"])
@@ -240,40 +268,12 @@ def test_stage_tasks_run_on_the_warm_workers(tmp_path):
 # fewer than a run of its own here).
 
 
-LOST = """
-import os, signal, sys, time
-import ray
-from embgeom_ray.distributed import warm_workers
-from embgeom_ray.distributed.cluster import connect
-
-warm_workers.MODULES = ("slow_import_embgeom",)  # imports until its worker is killed
-connect(None)
-warm_workers.warm_task_workers(2)
-deadline = time.monotonic() + 60
-while len(os.listdir("pids")) < 2 and time.monotonic() < deadline:
-    time.sleep(0.1)
-assert warm_workers.await_warm_workers(0.2) == []  # still importing: not waited for
-for pid in os.listdir("pids"):
-    os.kill(int(pid), signal.SIGKILL)
-time.sleep(3)  # the owner hears of the lost workers
-print("done", flush=True)
-"""
-
-
 @pytest.mark.slow
-def test_a_warm_up_whose_worker_is_lost_prints_nothing(tmp_path):
+def test_a_warm_up_whose_worker_is_lost_prints_nothing(private_ray_script):
     """A warm-up still importing when the stage stopped waiting for it, whose worker is then
     lost (killed by the kernel's OOM killer, say), is read when it fails: Ray prints no
     "Unhandled error" on the driver's stderr (as it did in CI under the API's echo=None)."""
-    (tmp_path / "pids").mkdir()
-    (tmp_path / "slow_import_embgeom.py").write_text(
-        "import os, time\nopen(os.path.join('pids', str(os.getpid())), 'w').close()\n"
-        "time.sleep(120)\n"
-    )
-    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(tmp_path)])
-    proc = subprocess.run([sys.executable, "-c", LOST], capture_output=True, text=True,
-                          env=env, cwd=tmp_path, timeout=180)  # fmt: skip
+    proc = private_ray_script
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "done" in proc.stdout.splitlines()
     assert "Unhandled error" not in proc.stderr, proc.stderr[-3000:]
