@@ -104,6 +104,7 @@ class RunOptions(OptionGroup):
         description="write the tables and artefacts only, without plots/ and report.html "
         "(python -m jobs.report OUT draws them later from the run directory). Not a result "
         "option",
+        json_schema_extra=MERGE,
     )
     no_warm_workers: bool = Field(
         False,

@@ -41,8 +41,13 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
         options=MERGE_OPTIONS,
         usage=f"{prog} --out DIR RUN RUN [RUN ...] [options]",
         config_file=False,
-        # a table option left out is the first run's
-        shown_defaults={k: "the first run's" for k in MERGE_OPTIONS if k not in SCHEDULING_OPTIONS},
+        # a table option left out is the first run's; the report is drawn unless --no-report
+        # is given to the merge itself, whatever the runs' own --no-report
+        shown_defaults={
+            k: "the first run's"
+            for k in MERGE_OPTIONS
+            if k not in SCHEDULING_OPTIONS and k != "no_report"
+        },
     )
     (plan,) = [a for a in parser._actions if a.dest == "plan"]
     plan.help = (  # the job's says what the analysis plans: shards, actors, batches

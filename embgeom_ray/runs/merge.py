@@ -230,7 +230,8 @@ def run_config(manifest: Manifest, out: str, options: dict[str, Any]) -> JobConf
         if k in fields and k not in SCHEDULING_OPTIONS
     }
     # the corpus does not enter the tables; a merged run keeps the list of its corpora there
-    # (and a merged run always gets its report, whatever the first run's --no-report)
+    # (and a merged run gets its report, whatever the first run's --no-report, unless the
+    # merge's own options say no_report)
     known |= {"out": out, "corpus": _corpus_label(known.get("corpus")), "no_report": False}
     known |= {k: v for k, v in options.items() if v is not None}
     try:

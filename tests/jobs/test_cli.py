@@ -172,8 +172,11 @@ def test_other_commands_take_the_job_options_from_the_groups():
             assert merge[name].help.startswith("print how the merge would run and exit")
             continue
         assert merge[name].help.startswith(field.description.removesuffix(" (required)")), name
-        shown = "the first run's" if name not in SCHEDULING_OPTIONS else None
+        # (--no-report: the merge's own, not the first run's: a merge draws its report unless told)
+        shown = "the first run's" if name not in {*SCHEDULING_OPTIONS, "no_report"} else None
         assert shown is None or merge[name].help.endswith(f"[default: {shown}]"), name
+        assert shown is not None or "[default: the first run's]" not in merge[name].help, name
+    assert "no_report" in MERGE_OPTIONS and merge["no_report"].default is None  # not given
     reanalyze = {a.dest: a for a in jobs.reanalyze.build_parser()._actions}
     corpus = JobConfig.model_fields["corpus"].description.removesuffix(" (required)")
     assert reanalyze["corpus"].help == corpus + " [default: 'corpus' of --config]"

@@ -161,8 +161,12 @@ def test_merge_partition_by_partition_equals_the_whole_merge(runs, merged, tmp_p
     write the partitioned artefact; tables equal the whole run's, the artefact the one-process
     merge's (to float64 rounding), and the manifest records the reducers."""
     out = tmp_path / "merged-r3"
-    assert merge.main(["--reducers", "3", "--out", str(out), str(runs["a"]), str(runs["b"])]) == 0
+    # --no-report: the merge's tables and artefacts only (the report of a merge: the test above)
+    argv = ["--reducers", "3", "--no-report", "--out", str(out), str(runs["a"]), str(runs["b"])]
+    assert merge.main(argv) == 0
+    assert not (out / "report.html").exists() and not (out / "plots").exists()
     m = json.loads((out / "manifest.json").read_text())
+    assert m["config"]["no_report"] is True and m["outputs"].get("report") is None
     assert "statistics/" in m["outputs"]["artefacts"]
     assert m["reducers"]["count"] == 3 and len(m["memory"]["reducer_peak_rss_bytes"]) == 3
     whole = json.loads((runs["whole"] / "manifest.json").read_text())
@@ -185,7 +189,8 @@ def test_merge_partition_by_partition_equals_the_whole_merge(runs, merged, tmp_p
     layers = len(whole["layers"])
     budget = reducer_budget(2, layers, 384, types, MAX_LENGTH)
     out2 = tmp_path / "merged-budget"
-    argv = ["--reducer-memory", str(budget), "--out", str(out2), str(runs["a"]), str(runs["b"])]
+    argv = ["--reducer-memory", str(budget), "--no-report", "--out", str(out2), str(runs["a"]),
+            str(runs["b"])]  # fmt: skip
     assert merge.main(argv) == 0
     m2 = json.loads((out2 / "manifest.json").read_text())
     assert m2["reducers"]["count"] == 2 and m2["reducers"]["memory_budget_bytes"] == budget
@@ -320,6 +325,10 @@ def test_merged_run_merges_again(runs, merged, tmp_path, capsys) -> None:
     manifest = RunDir(str(merged)).complete_manifest("merging")
     config = run_merge.run_config(manifest, str(tmp_path / "out"), {})
     assert config.max_length == MAX_LENGTH
+    # its report is drawn unless the merge itself is given --no-report (not given: None)
+    assert config.no_report is False
+    assert run_merge.run_config(manifest, "o", {"no_report": None}).no_report is False
+    assert run_merge.run_config(manifest, "o", {"no_report": True}).no_report is True
     assert merge.main(["--out", str(tmp_path / "out"), str(merged), str(runs["a"])]) == 2
     assert "twice" in capsys.readouterr().err
 
@@ -350,7 +359,7 @@ def test_runs_of_the_previous_version_merge_the_same(runs, merged, tmp_path) -> 
     merges with a run of this version into the same tables, and the merge keeps one copy."""
     old = _as_previous_version(runs["a"], tmp_path / "a-old")
     out = tmp_path / "merged-old"
-    assert merge.main(["--out", str(out), str(old), str(runs["b"])]) == 0
+    assert merge.main(["--no-report", "--out", str(out), str(old), str(runs["b"])]) == 0
     for name in json.loads((merged / "manifest.json").read_text())["outputs"]["tables"]:
         want = pd.read_parquet(merged / name)
         keys = [c for c in ("layer", "sample", "key", "token_id", "dim", "position") if c in want]
