@@ -43,6 +43,7 @@ from dataclasses import dataclass
 from ..errors import ConfigError
 from ..io_utils import join
 from ..run_view import RunView
+from .figure_groups import FIGURE_GROUPS
 from .figures.clipping import plot_clipping
 from .figures.clusters import (
     plot_intrinsic_dimension,
@@ -92,17 +93,6 @@ PLOTS: list[tuple[str, str, Callable[[RunView], tuple[str | None, str]]]] = [
     ("positional_profile", "rogue", plot_positional_profile),
 ]
 
-
-#: figures drawn by one process when several draw a report (:func:`make_all_plots`'s
-#: ``elsewhere``): the two PCA views share the sample's PCA (cached on the :class:`RunView`);
-#: the first group is drawn by the calling process. Measured on the demo run (MiniLM, 7
-#: layers): ~2.8 s for the PCA pair, ~0.6 / 0.5 / 0.9 s for the other three groups.
-FIGURE_GROUPS: list[list[str]] = [
-    ["pca_2d", "pca_3d"],
-    ["norm_variance", "variance_split"],
-    ["cosine_isotropy", "intrinsic_dim", "isoscore_silhouette", "kmeans_curve"],
-    ["rogue_dims", "clipping", "positional_profile"],
-]
 
 #: draws some of a run's figures somewhere else (e.g. a Ray task): called with their names, it
 #: starts them and returns a function that waits for their :class:`Figure` records

@@ -29,8 +29,6 @@ from ..distributed.node_tasks import on_this_node
 from ..distributed.process_memory import peak_memory
 from ..distributed.sampled_stage import add_sampled_metrics
 from ..integrity import Digest
-from ..report.html import write_run_report
-from ..report.plots import draw_figures
 from ..run_dir import MANIFEST, Manifest, RunDir, format_summary
 from ..sizing.formulas import on_workers
 from ..sizing.peaks import describe_peaks
@@ -217,6 +215,10 @@ def finish_run(
         before_report()
     if config.no_report:
         return manifest
+    # matplotlib and the figures imported only here: a run without a report never needs them
+    from ..report.html import write_run_report
+    from ..report.plots import draw_figures
+
     # some figures drawn by Ray tasks on this node while this process draws the others
     tasks = on_this_node(draw_figures)
     elsewhere = None if tasks is None else lambda names: tasks(run.url, names)

@@ -74,7 +74,7 @@ from ..inputs.model_loading import (
 )
 from ..integrity import integrity_error
 from ..io_utils import atomic_write_bytes, join, path_key, within
-from ..report.plots import FIGURE_GROUPS
+from ..report.figure_groups import FIGURE_GROUPS
 from ..run_dir import (
     GROUPS,
     MANIFEST,

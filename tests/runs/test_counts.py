@@ -95,9 +95,16 @@ def test_unknown_keys_of_a_newer_writer_are_kept():
 
 
 def test_the_finishing_steps_and_checkpoints_do_not_import_the_extractor():
+    """Nor the report: the job's own process imports matplotlib and the figure modules only to
+    draw one (~0.3-0.5 s of its start before the plan, where a run with --no-report never
+    needs them)."""
     code = (
         "import sys; import embgeom_ray.counts; assert 'torch' not in sys.modules; "
         "import embgeom_ray.runs.finish, embgeom_ray.runs.merge, embgeom_ray.runs.checkpoints; "
-        "assert 'embgeom_ray.inputs.extractor' not in sys.modules, 'extractor imported'"
+        "assert 'embgeom_ray.inputs.extractor' not in sys.modules, 'extractor imported'; "
+        "import embgeom_ray.runs.pipeline; "
+        "drawing = sorted(m for m in sys.modules if m.split('.')[0] == 'matplotlib' "
+        "or m.startswith(('embgeom_ray.report.plots', 'embgeom_ray.report.html'))); "
+        "assert not drawing, drawing[:5]"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
