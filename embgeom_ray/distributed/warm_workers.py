@@ -14,10 +14,11 @@ On a private local Ray (the job owns the machine: :func:`~embgeom_ray.distribute
 started it, with Ray's idle-worker killing held off so that these workers live until the
 stage), :func:`warm_task_workers` starts those processes while the first extractors load their
 model: one task per CPU of the machine, no more than the stage's and the figures' tasks
-(``count``: the pipeline's ``warm_workers_wanted``), each holding no CPU (so it does not wait
-for a CPU Ray has given an extractor). Each lowers its process to nice 19 and imports
-:data:`MODULES` in a thread of Linux's ``SCHED_IDLE`` policy, the scheduler's lowest weight
-(3, against 15 at nice 19 and 36 at Ray's nice 15), which runs mostly where no other thread
+(``count``: the pipeline's ``warm_workers_wanted``), each importing what those tasks will
+(:func:`modules_for`: no matplotlib for a run with ``--no-report``) and holding no CPU (so
+it does not wait for a CPU Ray has given an extractor). Each lowers its process to nice 19
+and imports the run's modules in a thread of Linux's ``SCHED_IDLE`` policy, the scheduler's
+lowest weight (3, against 15 at nice 19 and 36 at Ray's nice 15), which runs mostly where no other thread
 wants the CPU: the imports use the CPU time the extractors leave, mostly while they load their
 model. The policy ends with that thread, so the tasks the worker runs later run at nice 19.
 Ray then gives the stage's tasks to these idle workers; the stage first waits for warm-ups
@@ -79,14 +80,25 @@ from typing import Any
 
 log = logging.getLogger(__name__)
 
-#: what the stage's and the report's first tasks would import
-MODULES: tuple[str, ...] = (
+#: what the sampled stage's first tasks would import
+STAGE_MODULES: tuple[str, ...] = (
     "embgeom_ray.core.kmeans",
     "embgeom_ray.core.tables",
     "embgeom_ray.core.sampled_metrics",
     "embgeom_ray.distributed.kmeans",
-    "embgeom_ray.report.plots",
 )
+#: what the report's figure tasks would import (matplotlib, pandas, the figure modules)
+REPORT_MODULES: tuple[str, ...] = ("embgeom_ray.report.plots",)
+#: what the stage's and the report's first tasks would import
+MODULES: tuple[str, ...] = STAGE_MODULES + REPORT_MODULES
+
+
+def modules_for(sampled: bool, report: bool) -> tuple[str, ...]:
+    """What a run's warm workers import: the sampled stage's modules where it has a sample
+    (``--sample-size`` > 0), the report's where it draws one (not ``--no-report``). A run
+    without a report warmed matplotlib and the figure modules for nothing: ~0.4 s of CPU a
+    worker (two on a 2-core machine), idle priority or not."""
+    return (STAGE_MODULES if sampled else ()) + (REPORT_MODULES if report else ())
 #: the nice value of a warm worker's process (19: the lowest priority)
 NICENESS = 19
 #: the longest the sampled stage waits for warm-ups still importing (seconds): about one
@@ -184,9 +196,12 @@ def idle_cpus(before: CpuTimes | None, after: CpuTimes | None) -> float | None:
     return (after[1] - before[1]) / (after[0] - before[0]) * after[2]
 
 
-def warm_task_workers(count: int, after_s: float = 0.0) -> None:
-    """Start ``count`` Ray task workers that run :func:`warm_up` (no CPU held, their imports at
-    idle priority): now, or ``after_s`` seconds from now (a daemon thread submits them then),
+def warm_task_workers(
+    count: int, after_s: float = 0.0, modules: tuple[str, ...] | None = None
+) -> None:
+    """Start ``count`` Ray task workers that run :func:`warm_up` of ``modules`` (:data:`MODULES`
+    where None; a run's: :func:`modules_for`), no CPU held, their imports at idle priority: now,
+    or ``after_s`` seconds from now (a daemon thread submits them then),
     and then only where at least :data:`MIN_IDLE_CPUS` of the machine's CPUs were idle on
     average over those seconds (:func:`idle_cpus`; always where that is unknown). Their refs
     are kept for :func:`await_warm_workers`. A failure to submit them is logged and ignored:
@@ -208,7 +223,8 @@ def warm_task_workers(count: int, after_s: float = 0.0) -> None:
                 return
         try:
             task = ray.remote(warm_up).options(num_cpus=0, max_retries=0)
-            refs = [task.remote(MODULES, NICENESS, True) for _ in range(count)]
+            wanted = MODULES if modules is None else modules
+            refs = [task.remote(wanted, NICENESS, True) for _ in range(count)]
             for ref in refs:  # a warm-up's failure is read here, never reported by Ray
                 ref.future().add_done_callback(_read_outcome)
             _PENDING.extend((job, ref) for ref in refs)

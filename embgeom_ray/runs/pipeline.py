@@ -49,7 +49,7 @@ from ..core.statistics import EmbeddingStatistics
 from ..counts import Counts, skipped_warning, unk_warning
 from ..distributed.process_memory import sampler
 from ..distributed.warm_workers import AFTER_S as WARM_AFTER_S
-from ..distributed.warm_workers import warm_task_workers
+from ..distributed.warm_workers import modules_for, warm_task_workers
 from ..errors import ConfigError, CorpusError, IntegrityError, OutputError
 from ..inputs.corpus import (
     CorpusSpec,
@@ -283,6 +283,16 @@ def warm_workers_wanted(config: JobConfig, layers: int) -> int:
         0 if config.no_report else len(FIGURE_GROUPS) - 1
     )
     return max(0, min(tasks, int(ray.cluster_resources().get("CPU", 0))))
+
+
+def warm_for_run(config: JobConfig, layers: int) -> None:
+    """Warm :func:`warm_workers_wanted` task workers :data:`WARM_AFTER_S` s from now, each
+    importing what this run's tasks will (:func:`~embgeom_ray.distributed.warm_workers.modules_for`:
+    no matplotlib nor figure modules for a run with ``--no-report``)."""
+    warm_task_workers(
+        warm_workers_wanted(config, layers), after_s=WARM_AFTER_S,
+        modules=modules_for(config.sample_size > 0, not config.no_report),
+    )  # fmt: skip
 
 
 def reduce_groups(
@@ -910,7 +920,7 @@ def _extract_and_reduce(
         ))  # fmt: skip
 
     def on_requested(pool: PoolPlan) -> None:  # the first extractors are asked for
-        warm_task_workers(warm_workers_wanted(config, len(spec.layers)), after_s=WARM_AFTER_S)
+        warm_for_run(config, len(spec.layers))
 
     t_extract0 = time.perf_counter()
     try:

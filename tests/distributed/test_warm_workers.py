@@ -15,7 +15,7 @@ import pytest
 from embgeom_ray.config import JobConfig
 from embgeom_ray.distributed import cluster, warm_workers
 from embgeom_ray.distributed.warm_workers import MODULES, warm_up
-from embgeom_ray.report.plots import FIGURE_GROUPS
+from embgeom_ray.report.figure_groups import FIGURE_GROUPS
 from embgeom_ray.runs import pipeline
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -136,6 +136,26 @@ def test_warm_workers_wanted(monkeypatch, cpus, kw, expected):
     assert pipeline.warm_workers_wanted(config(**kw), 7) == expected
     monkeypatch.setattr(cluster, "started_private_local", lambda: False)
     assert pipeline.warm_workers_wanted(config(**kw), 7) == 0
+
+
+@pytest.mark.parametrize(
+    ("kw", "expected"),
+    [
+        ({}, (*warm_workers.STAGE_MODULES, "embgeom_ray.report.plots")),
+        ({"no_report": True}, warm_workers.STAGE_MODULES),  # no matplotlib for nothing
+        ({"sample_size": 0}, ("embgeom_ray.report.plots",)),
+    ],
+)
+def test_a_run_warms_what_its_tasks_import(monkeypatch, kw, expected):
+    import ray
+
+    calls = []
+    monkeypatch.setattr(cluster, "started_private_local", lambda: True)
+    monkeypatch.setattr(ray, "cluster_resources", lambda: {"CPU": 2.0})
+    monkeypatch.setattr(pipeline, "warm_task_workers", lambda *a, **k: calls.append((a, k)))
+    pipeline.warm_for_run(config(**kw), 7)
+    assert calls == [((2,), {"after_s": warm_workers.AFTER_S, "modules": expected})]
+    assert set(MODULES) == set(warm_workers.STAGE_MODULES + warm_workers.REPORT_MODULES)
 
 
 def test_idle_cpus_from_the_machines_cpu_times():
