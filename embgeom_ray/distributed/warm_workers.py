@@ -11,19 +11,19 @@ SciPy (another ~1.2 s a worker): only samples past ``--silhouette-max-points`` a
 functions' use without a distance matrix do.
 
 On a private local Ray (the job owns the machine: :func:`~embgeom_ray.distributed.cluster.connect`
-started it, with Ray's idle-worker killing held off so that these workers live until the
-stage), :func:`warm_task_workers` starts those processes while the first extractors load their
-model: one task per CPU of the machine, no more than the stage's and the figures' tasks
-(``count``: the pipeline's ``warm_workers_wanted``), each importing what those tasks will
-(:func:`modules_for`: no matplotlib for a run with ``--no-report``) and holding no CPU (so
-it does not wait for a CPU Ray has given an extractor). Each lowers its process to nice 19
-and imports the run's modules in a thread of Linux's ``SCHED_IDLE`` policy, the scheduler's
-lowest weight (3, against 15 at nice 19 and 36 at Ray's nice 15), which runs mostly where no other thread
-wants the CPU: the imports use the CPU time the extractors leave, mostly while they load their
-model. The policy ends with that thread, so the tasks the worker runs later run at nice 19.
-Ray then gives the stage's tasks to these idle workers; the stage first waits for warm-ups
-still importing (:func:`await_warm_workers`, at most :data:`AWAIT_S`), since a task that found
-every worker busy warming would get a fresh one that imports everything again beside them.
+started it, with Ray's idle-worker killing held off so that these workers live until the stage),
+:func:`warm_task_workers` starts those processes while the first extractors load their model: one
+task per CPU of the machine, no more than the stage's and the figures' tasks (``count``: the
+pipeline's ``warm_workers_wanted``), each importing what those tasks will (:func:`modules_for`: no
+matplotlib for a run with ``--no-report``) and holding no CPU (so it does not wait for a CPU Ray has
+given an extractor). Each lowers its process to nice 19 and imports the run's modules in a thread of
+Linux's ``SCHED_IDLE`` policy, the scheduler's lowest weight (3, against 15 at nice 19 and 36 at
+Ray's nice 15), which runs mostly where no other thread wants the CPU: the imports use the CPU time
+the extractors leave, mostly while they load their model. The policy ends with that thread, so the
+tasks the worker runs later run at nice 19. Ray then gives the stage's tasks to these idle workers;
+the stage first waits for warm-ups still importing (:func:`await_warm_workers`, at most
+:data:`AWAIT_S`), since a task that found every worker busy warming would get a fresh one that
+imports everything again beside them.
 
 The warm-ups are submitted :data:`AFTER_S` after the first extractors are asked for
 (``after_s``), not before: Ray starts as many task workers as the machine has CPUs with
