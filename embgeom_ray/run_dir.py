@@ -801,6 +801,7 @@ class RunDir:
         clusters: Mapping[int, np.ndarray] | None = None,
         written_before: Sequence[str] = (),
         sample_pieces: Iterable[tuple[dict[str, Any], pa.Table]] | None = None,
+        artefacts: Sequence[str] | None = None,
     ) -> Manifest:
         """Write the artefacts and tables, then the manifest as ``complete`` (in that order).
 
@@ -812,7 +813,10 @@ class RunDir:
         ``pieces``, as there). Either way the
         sample's header goes into the file's metadata; a ``sample.safetensors`` of an earlier
         version is then removed. ``written_before``: tables the caller wrote already (a part at
-        a time, :meth:`table_writer`), listed first among the outputs.
+        a time, :meth:`table_writer`), listed first among the outputs. ``artefacts``: the
+        statistics artefact written before (:meth:`save_artefacts`' names; ``statistics`` is
+        then not read), as a run does before its sampled stage, so that its reducers are
+        stopped before it.
         """
         headers = {}
         if sample is not None and "samples" in tables:
@@ -820,7 +824,7 @@ class RunDir:
             if len(tables["samples"]) != rows:
                 raise ValueError(f"the samples table does not hold the sample's {rows} rows")
             headers["samples"] = sample.header()
-        artefacts = self.save_artefacts(statistics)
+        artefacts = self.save_artefacts(statistics) if artefacts is None else list(artefacts)
         if manifest.dedup is not None:  # written by the caller before (pipeline, merge)
             artefacts.append(DOC_HASHES)
         written = [*written_before, *self.write_tables(tables, headers)]

@@ -25,7 +25,10 @@ much memory a run gets, are :mod:`embgeom_ray.sizing`'s (:func:`~embgeom_ray.siz
 The job starts reducers while the extractors run (:func:`start_reducers`, without a plan), as
 many as fit beside them, so the reduce does not wait for R processes to start and import;
 each gets the plan (:meth:`Reducer.configure`), cut from the ids seen, before it reads
-anything.
+anything. They are stopped as soon as the run has all it needs of them: the exact tables, the
+statistics artefact and what the manifest records of them (:meth:`PartitionedStatistics.close`
+in :func:`~embgeom_ray.runs.finish.finish_run`, before the sampled stage, which gets their Ray
+memory: close waits until Ray's view of the nodes has it back).
 
 Faults: a reducer's part is a pure function of the group files, which stay on disk until the
 run is complete, and a group is applied once (keyed by its URL). Every source comes with the
@@ -36,8 +39,10 @@ files' digests, and one that does not match is dropped (the groups are read agai
 checkpoints its partition under ``OUT/reducers/`` whenever ``--checkpoint-interval`` seconds
 have passed while it reads groups (with the plan, kept in ``reducers/plan.json`` for the run,
 and the groups it covers). A reducer lost at any point (``RayActorError``) is started again,
-reads its checkpoint and only the groups after it; so do the reducers of a resumed driver. The
-tables are the same (tested by killing one mid-run, and by resuming after the reduce).
+reads its checkpoint and only the groups after it; so do the reducers of a resumed driver
+(after a fault in the sampled stage too: the groups and the reducers' checkpoints stay until the
+run is complete; the reducers then hold nothing that is not on disk). The tables are the same
+(tested by killing one mid-run, and by resuming after the reduce).
 
 The same reducers merge complete runs partition by partition (``jobs.merge --reducers R``):
 their sources are then the runs' artefacts, whole files or ``statistics/`` directories cut
@@ -350,6 +355,11 @@ class Reducer:
         """The Ray node this reducer runs on."""
         return ray.get_runtime_context().get_node_id()
 
+    def held(self) -> tuple[str, float]:
+        """(this reducer's node, the Ray memory it holds there)."""
+        ctx = ray.get_runtime_context()
+        return ctx.get_node_id(), float(ctx.get_assigned_resources().get("memory", 0.0))
+
     def save(self, directory: str) -> dict[str, dict[str, Any]]:
         """Write this reducer's parts into ``directory``; their file names, each with its
         digest (:meth:`~embgeom_ray.integrity.Digest.to_json`)."""
@@ -399,6 +409,7 @@ class PartitionedStatistics:
             check_memory_offered(memory)
         self.checkpoint = (checkpoint_dir, checkpoint_seconds)
         self.restarts = [0] * plan.reducers
+        self.closed = False
         #: per reducer: sources restored from its checkpoint, sources read (last load)
         self.restored = [0] * plan.reducers
         self.read = [0] * plan.reducers
@@ -469,6 +480,7 @@ class PartitionedStatistics:
     def _get(self, r: int, ref: Any, method: str, *args: Any) -> Any:
         """``ray.get(ref)`` of reducer r's ``method``; on a lost reducer, restore it and ask
         again (a restored reducer has read every group: a lost ``load`` is not repeated)."""
+        self._check_open(method)
         while True:
             try:
                 return ray.get(ref)
@@ -479,7 +491,12 @@ class PartitionedStatistics:
                 ref = getattr(self.actors[r], method).remote(*args)
 
     def _call(self, r: int, method: str, *args: Any) -> Any:
+        self._check_open(method)
         return self._get(r, getattr(self.actors[r], method).remote(*args), method, *args)
+
+    def _check_open(self, method: str) -> None:
+        if self.closed:
+            raise RuntimeError(f"the reducers were stopped (close()): no {method!r} to ask them")
 
     def layer_state(self, layer: int) -> LayerMoments:
         return self._call(self.plan.owner(layer), "layer_state", layer)
@@ -494,6 +511,7 @@ class PartitionedStatistics:
         return _OwnedStates(self)
 
     def summaries(self, layer: int, mean: np.ndarray, min_count: int) -> list[TypeSummary]:
+        self._check_open("summaries")
         refs = [a.summarise.remote(layer, mean, min_count) for a in self.actors]
         return [
             self._get(r, ref, "summarise", layer, mean, min_count) for r, ref in enumerate(refs)
@@ -525,6 +543,7 @@ class PartitionedStatistics:
     def save(self, directory: str) -> Digest:
         """The partitioned artefact: every reducer's parts (written by the reducers at once),
         then the index naming them with their digests; the index's digest."""
+        self._check_open("save")
         refs = [actor.save.remote(directory) for actor in self.actors]
         files = [self._get(r, ref, "save", directory) for r, ref in enumerate(refs)]
         index = {
@@ -554,11 +573,16 @@ class PartitionedStatistics:
     def peak_memory(self) -> list[dict[str, int | None]]:
         """Each reducer's peak resident and private memory so far (bytes; see
         :mod:`~embgeom_ray.distributed.process_memory`)."""
+        self._check_open("peak_memory")
         refs = [actor.peak_memory.remote() for actor in self.actors]
         return [self._get(r, ref, "peak_memory") for r, ref in enumerate(refs)]
 
     def close(self) -> None:
-        stop_reducers(self.actors)
+        """Stop the reducers and wait until Ray has their memory back
+        (:func:`stop_reducers`); once closed, asking for anything they held is an error
+        (not a reducer started again). Again: nothing more."""
+        actors, self.actors, self.closed = self.actors, [], True
+        stop_reducers(actors, STOP_WAIT_S)
 
 
 _RemoteReducer = ray.remote(max_restarts=0)(Reducer)
@@ -655,10 +679,43 @@ def place_where_seen(
     return replace(placed, pinned=placed.partitioned, reason=f"{placed.reason}; {where}")
 
 
-def stop_reducers(actors: Sequence[Any]) -> None:
-    """End reducer actors (e.g. started for a reduce that will not happen)."""
+#: seconds :func:`stop_reducers` waits for Ray to see its reducers' memory back
+STOP_WAIT_S = 30.0
+#: seconds it waits for the reducers to say what they hold (idle ones answer in milliseconds)
+HELD_ASK_S = 2.0
+
+
+def stop_reducers(actors: Sequence[Any], wait_s: float = 0.0) -> None:
+    """End reducer actors (e.g. started for a reduce that will not happen).
+
+    With ``wait_s``, wait (that long at most) until Ray's view of each node's free memory
+    (:func:`~embgeom_ray.distributed.sample_tasks.free_memory`) has the Ray memory they held
+    back: ``ray.kill`` returns before the actor's process ends, and the nodes report their
+    freed resources some 10–100 ms after Ray says the actor is dead; the sampled stage, which
+    follows, sizes its tasks by the memory that view shows free. (Measured on a local Ray:
+    memory still held when the stage started without this wait.)"""
+    from .sample_tasks import free_memory
+
+    held: dict[str, float] = {}
+    if wait_s > 0 and actors:  # what each still holds, and where (a reducer lost holds nothing;
+        # one busy, stopped on an error or SIGTERM mid-reduce, is not waited for)
+        refs = [actor.held.remote() for actor in actors]
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=min(wait_s, HELD_ASK_S))
+        for ref in ready:
+            try:
+                node, memory = ray.get(ref)
+            except ray.exceptions.RayActorError:
+                continue
+            held[node] = held.get(node, 0.0) + memory
+    before = free_memory() if any(held.values()) else {}
     for actor in actors:
         ray.kill(actor)
+    deadline = time.monotonic() + wait_s
+    while before and time.monotonic() < deadline:
+        free = free_memory()  # a node gone, or not said: nothing to wait for there
+        if all(free.get(n, math.inf) >= before.get(n, 0.0) + m for n, m in held.items()):
+            break
+        time.sleep(0.02)
 
 
 class _LazyStates(Mapping[int, LayerMoments]):

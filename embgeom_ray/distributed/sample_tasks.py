@@ -137,10 +137,12 @@ def held_memory(
     """(the Ray memory each task asks for, the line saying so) where no node the ``tasks`` of
     ``each`` bytes at their peak may run on (``here``, or any node in ``free``: those with a
     CPU) has ``each`` free now (``free``: node id -> bytes); None where one has, or where Ray
-    does not say. What holds it is the job's own reducers, which live until the run is
-    written, after the sampled stage (or other actors, which nothing here can tell apart):
-    tasks asking for it would wait for ever, the job hung. They ask instead for the most one
-    such node has free (0: none, a CPU each) and run fewer at once. The one rule of the
+    does not say. What holds it is other actors: another job's, which may live for ever
+    (the job's own reducers are stopped, and Ray has their memory back, before the stage
+    starts: :meth:`~embgeom_ray.distributed.reducers.PartitionedStatistics.close` in
+    :func:`~embgeom_ray.runs.finish.finish_run`): tasks asking for it could wait for ever,
+    the job hung. They ask instead for the most one such node has free (0: none, a CPU
+    each) and run fewer at once. The one rule of the
     sample's tasks (:func:`placement`) and of the sampled stage's
     (:func:`~embgeom_ray.distributed.sampled_stage.task_memory_cap`)."""
     from ..sizing.units import gib
@@ -151,9 +153,9 @@ def held_memory(
     most = int(max(room))
     where = "the job's own node" if here else "a node with a CPU"
     return most, (f"{tasks} need ≈ {gib(each)} each at their peak; {where} has at most "
-                  f"{gib(most)} of its Ray memory free now (actors that live through the stage, "
-                  "such as the reducers, hold the rest): they ask Ray for that much, and run "
-                  "fewer at once rather than wait for it")  # fmt: skip
+                  f"{gib(most)} of its Ray memory free now (other actors, such as another "
+                  "job's, hold the rest): they ask Ray for that much, and run fewer at once "
+                  "rather than wait for it")  # fmt: skip
 
 
 def note_no_node(each: int, offers: Sequence[int], said: bool) -> str | None:
@@ -204,7 +206,7 @@ def placement(sample: Any) -> dict[str, Any]:
             cpus = memory_with_cpu(nodes)
             free = {k: v for k, v in free.items() if k in cpus}
         held = held_memory(each, free, node)
-        if held:  # asked in full, they would wait for the reducers, which wait for them
+        if held:  # asked in full, they could wait for ever for other jobs' actors
             memory = {"memory": held[0]} if held[0] > 0 else {}
             said = held[1]
     if said:

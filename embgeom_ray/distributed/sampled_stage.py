@@ -56,7 +56,7 @@ def add_sampled_metrics(
     the row's task, which starts as soon as the layer's clusters are ready; each task holds one
     CPU and runs one thread, and asks Ray for its peak memory
     (:mod:`~embgeom_ray.sizing.sampled_tasks`; :func:`task_memory_cap` first refuses a task
-    that no node holds, and asks for less where live actors hold it). The layers are planned
+    that no node holds, and asks for less where other jobs' actors hold it). The layers are planned
     and submitted one at a time (``sample`` gives one layer's sample at a time: its points go
     to the object store with the layer's tasks, and this process drops them before the next
     layer's), so this process never holds more than one layer of the sample; a sample whose
@@ -219,10 +219,10 @@ def task_memory_cap(
 
     Where no such node has a task's memory free now (``free``: node id -> Ray memory not
     held; :func:`~embgeom_ray.distributed.sample_tasks.free_memory`) and no node type the
-    autoscaler may start holds one, actors that live through the stage hold the rest (the
-    reducers, stopped only after it; another job's): the tasks would wait for them, for ever
-    where they are the reducers. They then ask for the most one such node has free (0: none,
-    one task a CPU), and a warning line says so: they run, fewer at once."""
+    autoscaler may start holds one, other actors hold the rest (another job's: the job's own
+    reducers are stopped before the stage, their memory back): the tasks could wait for
+    them for ever. They then ask for the most one such node has free (0: none, one task a
+    CPU), and a warning line says so: they run, fewer at once."""
     import ray
 
     from ..errors import ConfigError

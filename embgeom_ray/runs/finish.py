@@ -69,7 +69,8 @@ class RunStatistics(Protocol):
         """Each reducer's peak resident and private memory (none for this process's)."""
 
     def close(self) -> None:
-        """Release what holds the statistics (the reducer actors)."""
+        """Release what holds the statistics (the reducer actors, their Ray memory back when
+        it returns); again: nothing more. Nothing is asked of the statistics after it."""
 
 
 class StatisticsHere:
@@ -112,11 +113,12 @@ class StatisticsHere:
         pass
 
 
-def memory_of(merged: RunStatistics, manifest: Manifest) -> dict[str, Any]:
+def memory_of(reducers: list[dict[str, int | None]], manifest: Manifest) -> dict[str, Any]:
     """The manifest's ``memory``: peak resident and private bytes of this process (the
     driver), of the largest extractor (as the actor pool recorded it) and of each reducer
-    actor (:mod:`~embgeom_ray.distributed.process_memory`: resident includes the object
-    store's shared pages a process touched; private is its own heap)."""
+    actor (``reducers``: :meth:`RunStatistics.peak_memory`, asked before they stopped;
+    :mod:`~embgeom_ray.distributed.process_memory`: resident includes the object store's
+    shared pages a process touched; private is its own heap)."""
     own = peak_memory()
     memory: dict[str, Any] = {
         "driver_peak_rss_bytes": own["rss"],
@@ -127,7 +129,6 @@ def memory_of(merged: RunStatistics, manifest: Manifest) -> dict[str, Any]:
     for key in ("extractor_peak_rss_bytes", "extractor_peak_private_bytes"):
         if workers.get(key):
             memory[key] = workers[key]
-    reducers = merged.peak_memory()
     if reducers:
         memory["reducer_peak_rss_bytes"] = [r["rss"] for r in reducers]
         memory["reducer_peak_private_bytes"] = [r["private"] for r in reducers]
@@ -161,6 +162,11 @@ def finish_run(
     layer at a time (:mod:`~embgeom_ray.core.sample_layers`); either way the sampled stage
     and ``samples.parquet`` take it one layer at a time, and a large one is handled by Ray
     tasks that read it themselves (:mod:`~embgeom_ray.distributed.sample_tasks`).
+    The statistics artefact is written, and ``merged`` closed, before the sampled stage
+    (what the manifest records of its reducers asked first): the reducers' Ray memory is
+    free for the stage's tasks, and the caller's own ``close`` after is a no-op. A resumed
+    run reduces again from the checkpoint groups (and the reducers' checkpoints), which stay
+    until the run is complete.
     ``before_report`` runs once the manifest is complete, before the report is drawn: the
     analysis removes its checkpoint groups there, so that the report's file list shows the
     directory as it stays.
@@ -168,18 +174,26 @@ def finish_run(
     t0 = time.perf_counter()
     with run.table_writer("type_stats") as type_rows:  # a layer's rows at a time, not L·V
         tables = merged.tables(tokenizer, config.tables, type_rows)
-    layers = as_layers(sample)
     t_tables = time.perf_counter()
+    # all the sampled stage and the rest need of the statistics: their artefact (the manifest
+    # says ``running`` until every output is in place) and what the manifest records of their
+    # reducers; then the reducers are stopped, their Ray memory free for the stage's tasks
+    artefacts = run.save_artefacts(merged)
+    reducers, reducer_peaks = merged.describe(), merged.peak_memory()
+    merged.close()
+    layers = as_layers(sample)
+    t_saved = time.perf_counter()
     note, clusters = (
         (None, {})
         if layers is None
         else add_sampled_metrics(tables, layers, config.sampled, config.address)
     )
     t1 = time.perf_counter()
+    saved_s = t_saved - t_tables  # the artefact's write (and the reducers' stop): "write"
     timings = {
-        "metrics": round(t1 - t0, 3),
+        "metrics": round(t1 - t0 - saved_s, 3),
         "tables": round(t_tables - t0, 3),
-        "sampled": round(t1 - t_tables, 3),
+        "sampled": round(t1 - t_saved, 3),
     }
     manifest.set(sample=note, timings_s=manifest.timings_s | timings)
     id_to_token = tokenizer.convert_ids_to_tokens
@@ -191,16 +205,15 @@ def finish_run(
 
         pieces = table_pieces_on_ray(layers, id_to_token, clusters, config.address)
     run.finalise(
-        manifest, tables, merged, layers, id_to_token=id_to_token, clusters=clusters,
-        written_before=["type_stats.parquet"], sample_pieces=pieces,
+        manifest, tables, None, layers, id_to_token=id_to_token, clusters=clusters,
+        written_before=["type_stats.parquet"], sample_pieces=pieces, artefacts=artefacts,
     )  # fmt: skip
     t2 = time.perf_counter()
     manifest.set(
         timings_s=manifest.timings_s
-        | {"write": round(t2 - t1, 3), "total": round(t2 - t_start, 3)},
-        memory=memory_of(merged, manifest),
+        | {"write": round(t2 - t1 + saved_s, 3), "total": round(t2 - t_start, 3)},
+        memory=memory_of(reducer_peaks, manifest),
     )
-    reducers = merged.describe()
     if reducers is not None:
         manifest.set(reducers=reducers)
     run.write_manifest(manifest)

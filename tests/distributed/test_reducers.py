@@ -350,10 +350,33 @@ def test_reducers_merge_runs_cut_into_other_partitions(tmp_path, ray_local):
         merged.close()
 
 
+def alive_reducers() -> set[str]:
+    """The ids of this Ray job's reducer actors not dead (Ray's own actor table)."""
+    import ray
+    from ray._private.state import actors
+
+    job = ray.get_runtime_context().get_job_id()
+    return {i for i, a in actors().items() if a["ActorClassName"] == "Reducer"
+            and a["State"] != "DEAD" and a["JobID"] == job}  # fmt: skip
+
+
 @pytest.mark.slow
-def test_the_job_with_reducers_equals_the_job_without(tmp_path, ray_local, minilm_dir):
+def test_the_job_with_reducers_equals_the_job_without(tmp_path, ray_local, minilm_dir, monkeypatch):
+    from embgeom_ray.runs import finish
     from embgeom_ray.runs.pipeline import analyze
     from tests.runs.test_job_end_to_end import LIGHT_SAMPLED, english_documents, run_job
+
+    # the reducers are stopped, and Ray has their memory back, before the sampled stage
+    # starts (they lived through it, holding a node's Ray memory its tasks asked for); the
+    # module's other reducers (reducer_sets) are not the jobs'
+    stage, at_stage, others = finish.add_sampled_metrics, [], alive_reducers()
+
+    def recording(*args, **kwargs):
+        at_stage.append((alive_reducers() - others, ray_local.available_resources().get("memory"),
+                         ray_local.cluster_resources().get("memory")))  # fmt: skip
+        return stage(*args, **kwargs)
+
+    monkeypatch.setattr(finish, "add_sampled_metrics", recording)
 
     docs = english_documents(8, 400)  # 3 KB: 2 shards of 2 KB, so 2 checkpoint groups
     opts = {"max_length": 48, "shard_bytes": 2048, "layers": [0, 6], "sample_size": 128}
@@ -366,6 +389,9 @@ def test_the_job_with_reducers_equals_the_job_without(tmp_path, ray_local, minil
         tmp_path, minilm_dir, docs, "r3", "c.jsonl", reducers=3, **opts, **ckpt
     )
     assert "statistics/" in manifest["outputs"]["artefacts"]
+    (alive, free, total), *_ = at_stage[1:]  # the job with reducers
+    assert alive == set() and free == total, at_stage
+    assert manifest["reducers"]["memory_budget_bytes"] > 0  # each had asked Ray for memory
     groups = manifest["shards"]["checkpoint_groups"]
     assert groups > 1 and manifest["reducers"]["sources_read"] == [groups] * 3
     assert manifest["reducers"]["count"] == 3 and manifest["reducers"]["restarts"] == [0, 0, 0]
@@ -402,6 +428,7 @@ def test_the_job_with_reducers_equals_the_job_without(tmp_path, ray_local, minil
     assert again["reducers"]["sources_restored_from_checkpoints"] == [groups] * 3
     assert again["reducers"]["started_during_extraction"] == 0  # nothing left to extract
     assert again["reducers"]["sources_read"] == [0, 0, 0]
+    assert at_stage[2][0] == set(), at_stage  # the resumed run's reducers stopped too
     for name in ("type_stats", "layers", "dims"):
         pd.testing.assert_frame_equal(tables[name], three[name], check_exact=False, rtol=1e-12)
     # a table option changed: the partitioned run is re-tabled on reducers (never whole in the

@@ -137,8 +137,8 @@ def test_stage_start_refuses_a_task_no_node_with_a_cpu_holds() -> None:
 
 
 def test_tasks_ask_for_the_memory_live_actors_leave_free(capsys) -> None:
-    """Actors that live through the stage (the reducers, stopped only after it; another
-    job's) may hold a node's Ray memory: `embgeom merge` on a node of 6 GiB where another
+    """Other actors (another job's; the job's own reducers are stopped before the stage)
+    may hold a node's Ray memory: `embgeom merge` on a node of 6 GiB where another
     job's actor held 5.7 GiB waited at "sampled metrics 0/7" for ever. The tasks now ask for
     the most a node with a CPU has free (0: none) and say so; they ask for their peak where
     a node has it free, where Ray does not say, or where the autoscaler may start a node."""

@@ -520,7 +520,7 @@ def test_sample_tasks_ask_ray_for_their_peak_and_one_no_node_holds_is_refused():
     free = {"h": 1.0 * GiB, "w": 4.0 * GiB}
     assert held_memory(each, free, None) == (4 * GiB, (
         "the sample's per-layer tasks need ≈ 9.0 GiB each at their peak; a node with a CPU has at "
-        "most 4.0 GiB of its Ray memory free now (actors that live through the stage, such as the reducers, hold the "
+        "most 4.0 GiB of its Ray memory free now (other actors, such as another job's, hold the "
         "rest): they ask Ray for that much, and run fewer at once rather than wait for it"))  # fmt: skip
     assert held_memory(each, {**free, "w": 10.0 * GiB}, None) is None
     asked, line = held_memory(each, {**free, "w": 10.0 * GiB}, "h")
@@ -599,8 +599,9 @@ def test_sample_tasks_are_refused_only_where_no_node_can_ever_run_them():
 
 
 def test_sample_tasks_do_not_wait_for_memory_the_jobs_reducers_hold(monkeypatch, capsys):
-    """The reducers live until the run is written (``merged.close()`` after ``finish_run``),
-    and reserve up to all of a node's Ray memory (two of half the largest offer each). The
+    """The reducers lived until the run was written (they are now stopped before the sampled
+    stage; another job's actors may still hold a node's memory), and reserved up to all of a
+    node's Ray memory (two of half the largest offer each). The
     sample tasks, which run inside ``finish_run``, asked Ray for 10 · Q_l whatever was free:
     where no node had that free they waited for the reducers, which waited for them, and the
     job hung for ever (the stage said they "wait until one of them lets it go"). Now they ask
