@@ -699,6 +699,16 @@ class RunDir:
         _check_table_format(meta, self.path(name))
         return None if HEADER_KEY not in meta else json.loads(meta[HEADER_KEY])
 
+    def table_rows(self, name: str) -> int:
+        """The rows table ``name`` holds (its footer's count: no row read)."""
+        try:
+            with open_verified(self.ref(name)) as f:
+                return int(pq.read_metadata(f).num_rows)
+        except UserError:
+            raise
+        except Exception as exc:
+            raise RunDirError(f"{self.path(name)} cannot be read: {type(exc).__name__}: {exc}") from None
+
     def has_sample(self) -> bool:
         """Whether the run holds its sample: ``samples.parquet`` with its header, or (runs of
         earlier versions) ``sample.safetensors``."""

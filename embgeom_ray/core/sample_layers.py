@@ -42,6 +42,9 @@ class SampleLayers(Protocol):
     layers: list[int]
     #: the sample's header (every layer): its content rule, sizes, seed, metadata
     header: dict[str, Any]
+    #: the entries (uniform and type-uniform) each layer holds at most, as drawn (None: not
+    #: known without reading a layer; :func:`drawn_entries`)
+    drawn: int | None
 
     def layer(self, layer: int) -> ActivationSample:
         """The one-layer sample of ``layer`` (its header that of the whole sample but the
@@ -61,6 +64,7 @@ class InMemorySample:
         self.sample = sample
         self.layers = list(sample.layers)
         self.header = sample.header()
+        self.drawn: int | None = sample.num_uniform + sample.num_types
 
     def layer(self, layer: int) -> ActivationSample:
         return self.sample.layer_sample(layer)
@@ -78,8 +82,12 @@ class FileSample:
         self.ref = as_ref(url)
         self.url = self.ref.url
         with open_verified(self.ref) as f:
-            self.header = SafetensorsFile(f, ActivationSample.KIND).header()
+            st = SafetensorsFile(f, ActivationSample.KIND)
+            self.header = st.header()
+            # the (L, n, d) vectors of either sample: n entries of each, as drawn
+            shapes = [st.shape(f"{p}_vectors") for p in "ut" if f"{p}_vectors" in st.keys()]
         self.layers = [int(x) for x in self.header["layers"]]
+        self.drawn: int | None = sum(int(s[1]) for s in shapes) if shapes else None
 
     def layer(self, layer: int) -> ActivationSample:
         return ActivationSample.load_layer(self.ref, layer)
@@ -97,6 +105,11 @@ class MergedSamples:
         self.parts = list(parts)
         self.layers = list(self.parts[0].layers)
         self.header = self.parts[0].header
+        drawn = [drawn_entries(part) for part in self.parts]
+        # the parts' entries together, at most what the sample's sizes hold (the uniform
+        # parts are disjoint, so that part is exact; a type drawn in two parts counts twice)
+        self.drawn: int | None = (None if None in drawn
+                                  else min(sum(drawn), sum(header_entries(self.header))))  # type: ignore[arg-type]  # fmt: skip
 
     def layer(self, layer: int) -> ActivationSample:
         merged = self.parts[0].layer(layer)
@@ -145,6 +158,16 @@ def header_entries(header: dict[str, Any]) -> tuple[int, int]:
         None if type_size is None else int(type_size),
         bool(header.get("type_uniform", True)),
     )
+
+
+def drawn_entries(sample: Any) -> int | None:
+    """The entries (uniform + type-uniform) each layer of ``sample`` holds at most, as it was
+    drawn: fewer than its sizes (:func:`header_entries`) where the corpus had fewer
+    occurrences or types (a small corpus, ``--sample-type-size`` beyond the types seen).
+    From the arrays' shapes (a sample file's header, a run's row count), no layer read; None
+    where ``sample`` does not say (then its sizes are the most it can be)."""
+    drawn = getattr(sample, "drawn", None)
+    return None if drawn is None else int(drawn)
 
 
 def as_layers(sample: ActivationSample | SampleLayers | None) -> SampleLayers | None:

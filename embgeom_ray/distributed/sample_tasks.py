@@ -69,13 +69,25 @@ def _reads_local_files(sample: Any) -> bool:
     return False
 
 
+def sample_size(sample: Any) -> tuple[int, bool]:
+    """(s, whether it is the sample drawn): the entries each layer of ``sample`` holds as
+    drawn (:func:`~embgeom_ray.core.sample_layers.drawn_entries`), fewer than its sizes
+    where the corpus had fewer occurrences or types; else its sizes (``--sample-size`` +
+    ``--sample-type-size``), the most it can hold, as the plan sized it."""
+    from ..core.sample_layers import drawn_entries
+
+    drawn = drawn_entries(sample)
+    return (drawn, True) if drawn is not None else (sum(header_entries(sample.header)), False)
+
+
 def task_bytes(sample: Any) -> int:
     """What each task that reads ``sample`` holds at its peak and asks Ray for:
     :func:`~embgeom_ray.sizing.formulas.sample_task_bytes` = 10 · Q_l of its one-layer
-    sample (the formula ``--plan`` prints)."""
+    sample, as drawn where it says (:func:`sample_size`; the plan's formula, by the options'
+    sizes, is the most it can be)."""
     from ..sizing.formulas import sample_task_bytes
 
-    return sample_task_bytes(sum(header_entries(sample.header)), int(sample.header["dim"]))
+    return sample_task_bytes(sample_size(sample)[0], int(sample.header["dim"]))
 
 
 def memory_with_cpu(nodes: Sequence[Mapping[str, Any]]) -> dict[str, int]:
@@ -104,15 +116,18 @@ def check_fits(
     """:class:`~embgeom_ray.errors.ConfigError` (one line, exit status 2) where no node may
     ever run a task reading ``sample``: :func:`~embgeom_ray.sizing.decisions.refuse_sample_task`
     on the cluster as it is when the stage starts (hours after the plan's same check, the
-    extractors' nodes perhaps gone): ``nodes`` (``ray.nodes()``), ``here`` (this node's id,
+    extractors' nodes perhaps gone), of the sample as drawn where it says (:func:`sample_size`;
+    the plan's is by the options' sizes, the most it can be; the line says which):
+    ``nodes`` (``ray.nodes()``), ``here`` (this node's id,
     when it reads local files), ``can_start`` (the Ray memory of each node type the autoscaler
     may start; () none, None: it does not say)."""
     from ..errors import ConfigError
-    from ..sizing.decisions import refuse_sample_task
+    from ..sizing.decisions import refuse_sample_task, sample_sized_by
 
     refused = refuse_sample_task(task_bytes(sample), int(sample.header["dim"]),
                                  _memory_of(nodes, here), local=here is not None,
-                                 can_start=can_start)  # fmt: skip
+                                 can_start=can_start,
+                                 sized_by=sample_sized_by(*sample_size(sample)))  # fmt: skip
     if refused:
         raise ConfigError(refused)
 

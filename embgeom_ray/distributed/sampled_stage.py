@@ -55,8 +55,9 @@ def add_sampled_metrics(
     distributed fit (:func:`~embgeom_ray.distributed.kmeans.submit_layers_on_ray`) followed by
     the row's task, which starts as soon as the layer's clusters are ready; each task holds one
     CPU and runs one thread, and asks Ray for its peak memory
-    (:mod:`~embgeom_ray.sizing.sampled_tasks`; :func:`task_memory_cap` first refuses a task
-    that no node holds, and asks for less where other jobs' actors hold it). The layers are planned
+    (:mod:`~embgeom_ray.sizing.sampled_tasks`, for the layer's points as drawn;
+    :func:`task_memory_cap` first refuses a task that no node holds, and asks for less where
+    other jobs' actors hold it). The layers are planned
     and submitted one at a time (``sample`` gives one layer's sample at a time: its points go
     to the object store with the layer's tasks, and this process drops them before the next
     layer's), so this process never holds more than one layer of the sample; a sample whose
@@ -238,7 +239,8 @@ def task_memory_cap(
     with_cpu = memory_with_cpu(nodes)
     if not with_cpu and not can_start:
         return None
-    refused = tasks.refusal(max([*with_cpu.values(), can_start]), "the largest node with a CPU")
+    refused = tasks.refusal(max([*with_cpu.values(), can_start]), "the largest node with a CPU",
+                            drawn=True)  # fmt: skip
     if refused:
         raise ConfigError(refused)
     if can_start >= tasks.largest:

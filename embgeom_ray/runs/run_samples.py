@@ -20,6 +20,8 @@ class RunSamples:
     def __init__(self, run: RunDir, header: dict[str, Any]) -> None:
         self.run, self.header = run, header
         self.layers = [int(x) for x in header["layers"]]
+        #: each layer's rows (its uniform and type-uniform entries, as drawn)
+        self.drawn: int | None = run.table_rows("samples") // max(len(self.layers), 1)
 
     def layer(self, layer: int) -> ActivationSample:
         rows = self.run.read_arrow("samples", filters=[("layer", "=", int(layer))])

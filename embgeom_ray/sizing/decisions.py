@@ -214,11 +214,26 @@ def sample_task_refusal(
     can_start = (None if groups is None
                  else [g.memory for g in groups if g.max_count != 0 and g.cpus >= 1])  # fmt: skip
     each = sample_task_bytes(shape.sample_entries, shape.dim)
-    return refuse_sample_task(each, shape.dim, offers, local=local, can_start=can_start)
+    return refuse_sample_task(each, shape.dim, offers, local=local, can_start=can_start,
+                              sized_by=sample_sized_by(shape.sample_entries, drawn=False))  # fmt: skip
+
+
+def sample_sized_by(entries: int, drawn: bool) -> str:
+    """What the sample tasks' s is: the sample drawn (the stage's, where its arrays say), or
+    the options' sizes, the most it can hold (the plan's, before any is drawn)."""
+    return (f"s = {entries:,} entries a layer: the sample drawn" if drawn
+            else f"s = {entries:,} entries a layer: --sample-size + --sample-type-size, the most "
+                 "the sample can hold")  # fmt: skip
 
 
 def refuse_sample_task(
-    each: int, dim: int, offers: Sequence[int], *, local: bool, can_start: Sequence[int] | None
+    each: int,
+    dim: int,
+    offers: Sequence[int],
+    *,
+    local: bool,
+    can_start: Sequence[int] | None,
+    sized_by: str = "",
 ) -> str | None:
     """The one line refusing the sample's per-layer tasks of ``each`` bytes (10 · Q_l, what
     each asks Ray for) that no node may ever run, else None: the plan's rule
@@ -233,7 +248,8 @@ def refuse_sample_task(
     one's Ray memory; it starts one for a task waiting for memory) may run them; where the
     cluster may grow but does not say what (``can_start`` None: a joined cluster whose
     autoscaler reports no node types, as Ray 2.60's cluster launcher and KubeRay do not),
-    nothing is refused: they wait for a node (as extractors do), and the stage says so."""
+    nothing is refused: they wait for a node (as extractors do), and the stage says so.
+    ``sized_by``: what s is (:func:`sample_sized_by`), said in the line."""
     if local:
         most = max(offers, default=0)
         if most == 0:  # no node here, or one that offers Ray no memory: asked for none
@@ -246,7 +262,7 @@ def refuse_sample_task(
         return None
     where = ("the job's own node (the sample is read from its local files)" if local
              else "the largest node with a CPU")  # fmt: skip
-    return sample_task_refused(each, most, where, sample_entries_fitting(most, dim))
+    return sample_task_refused(each, most, where, sample_entries_fitting(most, dim), sized_by)
 
 
 def sample_task_memory(each: int, local: bool, offer: int) -> dict[str, int]:
@@ -270,12 +286,14 @@ def sampled_task_refusal(shape: Shape, cluster: Cluster) -> str | None:
     return tasks.refusal(max(memory), "the largest node with a CPU")
 
 
-def sample_task_refused(each: int, most: int, where: str, entries: int) -> str:
+def sample_task_refused(each: int, most: int, where: str, entries: int, sized_by: str = "") -> str:
     """The one line refusing a sample whose per-layer task needs ``each`` bytes where the
-    node it may run on offers Ray ``most`` (``entries``: the most that fit)."""
+    node it may run on offers Ray ``most`` (``entries``: the most that fit; ``sized_by``:
+    what s is, :func:`sample_sized_by`)."""
+    s = f"; {sized_by}" if sized_by else ""
     return (
         f"the sample's per-layer tasks need ≈ {gib(each)} each at their peak (10 · Q_l, "
-        f"Q_l = 4·s·d + 48·s), more than the {gib(most)} of Ray memory of {where}; lower "
+        f"Q_l = 4·s·d + 48·s{s}), more than the {gib(most)} of Ray memory of {where}; lower "
         f"--sample-size and --sample-type-size (together at most {entries:,} entries fit)"
     )
 

@@ -176,18 +176,21 @@ class SampledTasks:
             low, high = (mid, high) if self.with_m(mid).largest <= memory else (low, mid - 1)
         return low
 
-    def refusal(self, most: int, where: str) -> str | None:
+    def refusal(self, most: int, where: str, drawn: bool = False) -> str | None:
         """The one line refusing these tasks where the node they may run on offers Ray
-        ``most`` bytes; None where they fit."""
+        ``most`` bytes; None where they fit. ``drawn``: n is the layer's uniform points as
+        drawn (the stage's), else ``--sample-size``, the most it can be (the plan's); the
+        line says which."""
         if self.largest <= most:
             return None
         which = "K-means" if self.kmeans >= self.metrics else "metrics"
+        which_n = "drawn" if drawn else "(--sample-size, the most a layer can hold)"
         m = self.fitting_m(most)
         fix = (f"lower --silhouette-max-points (at most {m:,} fits) or --sample-size" if m
                else "lower --sample-size (its points alone do not fit)")  # fmt: skip
         return (
             f"the sampled stage's per-layer {which} tasks need ≈ {gib(self.largest)} each at "
-            f"their peak (n = {self.n:,} points of d = {self.d:,}, n × n distances for n ≤ "
+            f"their peak (n = {self.n:,} points {which_n} of d = {self.d:,}, n × n distances for n ≤ "
             f"--silhouette-max-points = {self.m or self.n:,}: docs/sizing.md), more than the "
             f"{gib(most)} of Ray memory of {where}; {fix}"
         )

@@ -328,3 +328,41 @@ def test_type_stats_written_a_layer_at_a_time_equal_the_whole_table(tmp_path):
         for name in ("layers", "dims", "positions"):
             pd.testing.assert_frame_equal(streamed[name], whole[name])
         pd.testing.assert_frame_equal(run.read_table("type_stats"), whole["type_stats"])
+
+
+def test_the_sample_drawn_sizes_its_tasks_not_the_options(tmp_path):
+    """A sample drawn smaller than its sizes (a small corpus: 150 occurrences and types a
+    part, of --sample-size and --sample-type-size 1,000): each reader says its entries as
+    drawn from the arrays' shapes (a file's header, a run's row count), no layer read, and
+    the sample's tasks ask Ray for 10 · Q_l of those; they asked for the sizes' 2,000
+    entries, and a refusal counted those too. The plan's check keeps the sizes (the most
+    the sample can be), and each line says which s it is."""
+    from types import SimpleNamespace
+
+    from embgeom_ray.distributed import sample_tasks
+    from embgeom_ray.errors import ConfigError
+
+    urls = _save_parts(tmp_path, [fake_sample(150, s, size=1000) for s in (5, 6)])
+    assert [FileSample(u).drawn for u in urls] == [300, 300]
+    merged = sample_layers(urls)
+    assert isinstance(merged, MergedSamples) and merged.drawn == 600  # of 2,000
+    whole = ActivationSample.load(urls[0]).merge(ActivationSample.load(urls[1]))
+    assert whole.num_uniform == 300 and InMemorySample(whole).drawn == 300 + whole.num_types
+    run = RunDir(str(tmp_path / "run"))
+    run.write_samples(InMemorySample(whole), tokens, {})
+    assert run_samples(run).drawn == 300 + whole.num_types
+    # parts whose entries together exceed the sizes: at most the sizes (400 of 2 · 200)
+    capped = sample_layers(_save_parts(tmp_path / "c", [fake_sample(150, s, size=200) for s in (5, 6)]))  # fmt: skip
+    assert capped.drawn == 400
+    assert sample_tasks.sample_size(merged) == (600, True)
+    assert sample_tasks.task_bytes(merged) == 10 * (4 * D + 48) * 600
+    unsaid = SimpleNamespace(header=merged.header)  # a sample that does not say: its sizes
+    assert sample_tasks.sample_size(unsaid) == (2000, False)
+    nodes = [{"NodeID": "w", "Alive": True, "Resources": {"CPU": 1.0, "memory": 1000}}]
+    with pytest.raises(ConfigError, match=r"\(10 · Q_l, Q_l = 4·s·d \+ 48·s; s = 600 entries "
+                       r"a layer: the sample drawn\), more than the 1,000 B"):  # fmt: skip
+        sample_tasks.check_fits(merged, nodes, None, can_start=())
+    with pytest.raises(ConfigError, match=r"s = 2,000 entries a layer: --sample-size \+ "
+                       r"--sample-type-size, the most the sample can hold\)"):  # fmt: skip
+        sample_tasks.check_fits(unsaid, nodes, None, can_start=())
+

@@ -126,8 +126,10 @@ def test_stage_start_refuses_a_task_no_node_with_a_cpu_holds() -> None:
         {"NodeID": "h", "Alive": True, "Resources": {"memory": 1 << 40}},  # no CPU
     ]
     with pytest.raises(ConfigError, match="300 MiB of Ray memory of the largest node with a "
-                       "CPU; lower --silhouette-max-points"):  # fmt: skip
+                       "CPU; lower --silhouette-max-points") as refused:  # fmt: skip
         task_memory_cap(tasks, nodes, can_start=0, free={})
+    # the stage sizes the points drawn (the plan, --sample-size: the most there can be)
+    assert "(n = 4,096 points drawn of d = 384," in str(refused.value)
     # the autoscaler starts one
     assert task_memory_cap(tasks, nodes, can_start=tasks.largest, free={}) is None
     assert task_memory_cap(tasks, nodes[1:], can_start=0, free={}) is None
@@ -183,6 +185,7 @@ def test_plan_refuses_and_reports_the_tasks() -> None:
     small = Cluster((Node("h", 300 * MiB, cpus=2, head=True),))
     line = sampled_task_refusal(shape, small)
     assert line is not None and "of Ray memory of the largest node with a CPU" in line
+    assert "(n = 4,096 points (--sample-size, the most a layer can hold) of d = 384," in line
     roomy = Cluster((Node("h", 16 << 30, cpus=2, head=True),))
     assert sampled_task_refusal(shape, roomy) is None
     # a head of --num-cpus 0 runs no task, whatever its memory; with no node with a CPU live

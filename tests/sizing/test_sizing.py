@@ -481,7 +481,8 @@ def test_sample_tasks_ask_ray_for_their_peak_and_one_no_node_holds_is_refused():
     assert fits == 801_299 and 10 * (4 * fits * 256 + 48 * fits) <= 8 * GiB < each
     line = (
         "the sample's per-layer tasks need ≈ 9.0 GiB each at their peak (10 · Q_l, "
-        "Q_l = 4·s·d + 48·s), more than the 8.0 GiB of Ray memory of the job's own node (the "
+        "Q_l = 4·s·d + 48·s; s = 900,000 entries a layer: --sample-size + --sample-type-size, "
+        "the most the sample can hold), more than the 8.0 GiB of Ray memory of the job's own node (the "
         "sample is read from its local files); lower --sample-size and --sample-type-size "
         "(together at most 801,299 entries fit)"
     )
