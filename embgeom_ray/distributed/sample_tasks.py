@@ -309,19 +309,24 @@ def table_pieces_on_ray(
     clusters: Mapping[int, np.ndarray],
     address: str | None = None,
     ahead: int = 2,
+    where: dict[str, Any] | None = None,
 ) -> Iterator[tuple[dict[str, Any], pa.Table]]:
     """The rows of ``samples.parquet`` as :meth:`~embgeom_ray.run_dir.RunDir.write_samples`
     takes them (each with its layer's header), built by one task per layer from the sample
     (``clusters``: layer -> the uniform rows' K-means labels) and fetched one piece at a time;
     at most ``ahead`` layers' tasks are running or waiting to be fetched. Joins the cluster
-    of ``address`` (:func:`~embgeom_ray.distributed.cluster.connect`) when first iterated."""
+    of ``address`` (:func:`~embgeom_ray.distributed.cluster.connect`) when first iterated.
+    ``where``: the tasks' Ray options, :func:`placement`'s as the sampled stage's tasks
+    that read the sample had them (decided, and any warning said, once); None: decided
+    here."""
     from .cluster import connect
 
     connect(address)
     source, names = ray.put(sample), ray.put(id_to_token)
     rows = _piece_rows(int(sample.header["dim"]))
     pieces = _pieces_at_most(sample.header, rows)
-    task = ray.remote(_layer_pieces).options(num_returns=1 + pieces, **placement(sample))
+    where = placement(sample) if where is None else where
+    task = ray.remote(_layer_pieces).options(num_returns=1 + pieces, **where)
     layers = list(sample.layers)
     submitted: list[list[ray.ObjectRef]] = []
     for i in range(len(layers)):

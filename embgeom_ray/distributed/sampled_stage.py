@@ -38,6 +38,7 @@ def add_sampled_metrics(
     sample: SampleLayers,
     options: SampledOptions,
     address: str | None = None,
+    where: dict[str, Any] | None = None,
 ) -> tuple[dict[str, Any], dict[int, np.ndarray]]:
     """K-means, LID, silhouettes, cluster-adjusted and clipped cosines on the sample, on Ray.
 
@@ -63,7 +64,9 @@ def add_sampled_metrics(
     layer's), so this process never holds more than one layer of the sample; a sample whose
     one layer reaches :data:`~embgeom_ray.sizing.formulas.SAMPLE_ON_WORKERS_BYTES`
     (:func:`~embgeom_ray.sizing.formulas.on_workers`) has each layer's inputs made by a
-    Ray task instead, and this process holds none of it. Adds the
+    Ray task instead, and this process holds none of it (``where``: those tasks' Ray options,
+    :func:`~embgeom_ray.distributed.sample_tasks.placement`, decided once by the caller for
+    them and the rows' tasks after; None: decided here). Adds the
     sampled columns to ``tables["layers"]`` and ``tables["kmeans"]``; returns what the
     manifest records and each layer's K-means ``cluster`` of the uniform occurrences, in
     canonical order (for ``samples.parquet``, written a layer at a time by
@@ -72,7 +75,7 @@ def add_sampled_metrics(
     """
     layers = list(sample.layers)
     if on_workers(sample):
-        return _on_workers(tables, sample, options, address)
+        return _on_workers(tables, sample, options, address, where)
     first = sample.layer(layers[0])
     note = sampled_note(first)
     if "skipped" in note:
@@ -145,10 +148,12 @@ def _on_workers(
     sample: SampleLayers,
     options: SampledOptions,
     address: str | None,
+    where: dict[str, Any] | None = None,
 ) -> tuple[dict[str, Any], dict[int, np.ndarray]]:
     """:func:`add_sampled_metrics` with each layer's inputs made by a Ray task from the
-    sample (:mod:`~embgeom_ray.distributed.sample_tasks`): the same tasks on the same arrays,
-    none of which passes through this process."""
+    sample (:mod:`~embgeom_ray.distributed.sample_tasks`), placed by ``where`` (else
+    :func:`~embgeom_ray.distributed.sample_tasks.placement` here): the same tasks on the same
+    arrays, none of which passes through this process."""
     import ray
 
     from .cluster import connect
@@ -158,7 +163,7 @@ def _on_workers(
     connect(address)
     layers = list(sample.layers)
     flagged = flagged_dims(tables["dims"])
-    source, where = ray.put(sample), placement(sample)
+    source, where = ray.put(sample), placement(sample) if where is None else where
     inputs = {layer: submit_inputs(source, layer, flagged.get(layer, []), where) for layer in layers}
     note = ray.get(inputs[layers[0]][0])
     if "skipped" in note:

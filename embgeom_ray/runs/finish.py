@@ -183,10 +183,20 @@ def finish_run(
     merged.close()
     layers = as_layers(sample)
     t_saved = time.perf_counter()
+    # a large sample is handled by Ray tasks: this process holds no layer of it; the tasks
+    # that read it (the stage's inputs, then the rows of samples.parquet) placed once
+    large = layers is not None and on_workers(layers)
+    where = None
+    if large:
+        from ..distributed.cluster import connect
+        from ..distributed.sample_tasks import placement, table_pieces_on_ray
+
+        connect(config.address)
+        where = placement(layers)
     note, clusters = (
         (None, {})
         if layers is None
-        else add_sampled_metrics(tables, layers, config.sampled, config.address)
+        else add_sampled_metrics(tables, layers, config.sampled, config.address, where)
     )
     t1 = time.perf_counter()
     saved_s = t_saved - t_tables  # the artefact's write (and the reducers' stop): "write"
@@ -197,13 +207,11 @@ def finish_run(
     }
     manifest.set(sample=note, timings_s=manifest.timings_s | timings)
     id_to_token = tokenizer.convert_ids_to_tokens
-    # a large sample is handled by Ray tasks: this process holds no layer of it
-    large = layers is not None and on_workers(layers)
     pieces = None
     if large:  # its rows built by Ray tasks, fetched a piece at a time
-        from ..distributed.sample_tasks import table_pieces_on_ray
-
-        pieces = table_pieces_on_ray(layers, id_to_token, clusters, config.address)
+        pieces = table_pieces_on_ray(
+            layers, id_to_token, clusters, config.address, where=where
+        )
     run.finalise(
         manifest, tables, None, layers, id_to_token=id_to_token, clusters=clusters,
         written_before=["type_stats.parquet"], sample_pieces=pieces, artefacts=artefacts,

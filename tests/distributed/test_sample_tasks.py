@@ -47,7 +47,12 @@ def test_tasks_give_the_drivers_results_and_table(tmp_path, ray_local, monkeypat
     monkeypatch.setattr(sample_tasks, "SAMPLE_PIECE_BYTES", 40 * (4 * D + 96))
     assert on_workers(layered)
     there = _tables()
-    note_there, clusters_there = add_sampled_metrics(there, layered, options)
+    # placed once by the caller (finish_run), as the rows' tasks after: not placed again
+    where = sample_tasks.placement(layered)
+    placed = sample_tasks.placement
+    monkeypatch.setattr(sample_tasks, "placement", lambda sample: pytest.fail("placed again"))
+    note_there, clusters_there = add_sampled_metrics(there, layered, options, where=where)
+    monkeypatch.setattr(sample_tasks, "placement", placed)
     assert json.dumps(note_there) == json.dumps(note_here)
     assert clusters_there.keys() == clusters_here.keys() == set(LAYERS)
     for layer in LAYERS:

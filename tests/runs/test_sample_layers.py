@@ -366,3 +366,44 @@ def test_the_sample_drawn_sizes_its_tasks_not_the_options(tmp_path):
                        r"--sample-type-size, the most the sample can hold\)"):  # fmt: skip
         sample_tasks.check_fits(unsaid, nodes, None, can_start=())
 
+
+def test_the_tasks_reading_a_large_sample_are_placed_once(tmp_path, monkeypatch, capsys):
+    """The tasks that read a large sample (the sampled stage's inputs, then the rows of
+    samples.parquet) were placed twice in finish_run (sample_tasks.placement, in each), so
+    each of its warnings was printed twice; now once, the same options handed to both."""
+    from embgeom_ray import progress
+    from embgeom_ray.config import JobConfig
+    from embgeom_ray.distributed import cluster, sample_tasks
+    from embgeom_ray.run_dir import Manifest
+    from embgeom_ray.runs import finish
+    from embgeom_ray.runs.finish import StatisticsHere
+    from embgeom_ray.sizing import formulas
+    from tests.runs.test_checkpoints import fold
+    from tests.runs.test_storage_faults import Tokens
+
+    monkeypatch.setattr(formulas, "SAMPLE_ON_WORKERS_BYTES", 0)  # the sample is "large"
+    monkeypatch.setattr(cluster, "connect", lambda address=None: None)
+    where, got = {"memory": 123}, {}
+
+    def placement(sample):
+        progress.notice("warning: placed")
+        return where
+
+    def stage(tables, sample, options, address=None, where=None):
+        got["stage"] = where
+        return {"skipped": "a test"}, {}
+
+    def pieces(sample, id_to_token, clusters, address=None, ahead=2, where=None):
+        got["pieces"] = where  # None: the driver writes the rows itself
+
+    monkeypatch.setattr(sample_tasks, "placement", placement)
+    monkeypatch.setattr(sample_tasks, "table_pieces_on_ray", pieces)
+    monkeypatch.setattr(finish, "add_sampled_metrics", stage)
+    out = str(tmp_path / "run")
+    config = JobConfig(model="m", corpus="c.txt", out=out, no_report=True, sample_size=20)
+    run = RunDir(out)
+    finish.finish_run(run, Manifest(status="running"), StatisticsHere(fold([0, 1])),
+                      fake_sample(20, 1), Tokens, config, t_start=0, echo=lambda *_: None)  # fmt: skip
+    assert got == {"stage": where, "pieces": where}
+    assert capsys.readouterr().err.count("warning: placed") == 1
+    assert RunDir(out).manifest().status == "complete"
