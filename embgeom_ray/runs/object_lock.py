@@ -11,7 +11,8 @@ An object does not go away with its process, as a flock does. So the holder rene
 :data:`RENEW_S` seconds (written again, on the condition ``If-Match`` its own ETag), and a
 lock is *stale*, to be taken over, where:
 
-* its holder ran on this host and its pid is gone (at once, as a flock would be), or
+* its holder's pid is among this process's pids (the same hostname, boot and PID namespace:
+  :func:`~.lock_holder.same_pids`) and is gone (at once, as a flock would be), or
 * it was last written more than :data:`STALE_S` ago (its ``LastModified``, the store's clock,
   against this host's: a skew of minutes is within the margin).
 
@@ -35,7 +36,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import socket
 import threading
 from collections.abc import Iterator
 from datetime import datetime, timezone
@@ -47,7 +47,7 @@ import fsspec
 from .. import progress
 from ..io_utils import join
 from ..storage import user_errors
-from .lock_holder import HOLDER, busy, describe, this_holder
+from .lock_holder import HOLDER, busy, describe, same_pids, this_holder
 
 #: seconds between two renewals of a held lock
 RENEW_S = 60.0
@@ -88,9 +88,11 @@ def _alive(pid: Any) -> bool:
 
 
 def is_stale(holder: dict[str, Any], last_modified: datetime | None) -> bool:
-    """The stale rule (module docstring): a holder on this host whose pid is gone, or a lock
-    not renewed for :data:`STALE_S` seconds."""
-    if holder.get("host") == socket.gethostname() and not _alive(holder.get("pid")):
+    """The stale rule (module docstring): a holder among this process's pids whose pid is
+    gone, or a lock not renewed for :data:`STALE_S` seconds. A holder of the same hostname in
+    another PID namespace (a container of ``--network host``, a machine cloned with its
+    hostname) or of an older version's file (no namespace recorded) has only the second."""
+    if same_pids(holder) and not _alive(holder.get("pid")):
         return True
     if last_modified is None:
         return False

@@ -14,7 +14,10 @@ crashed node included), so a killed invocation never leaves the store locked. Wh
 (host, pid, start time, command line) is written beside it, in ``STORE/reanalyze.lock.json``,
 for the second invocation's message, and removed before the lock is released (a killed
 holder's stays until the next one writes its own). ``flock`` works on local disks and on NFS
-(v4 and v3 with lockd). On S3 (``s3://``) the lock is ``reanalyze.lock.json`` itself, written
+(v4 and v3 with lockd). It needs no pid: containers of one host that see the store through
+the host's mount are kept apart by its kernel. An NFSv4 server tells its clients apart by a
+string made of their hostname, though: machines cloned with one hostname need each their own
+identifier (``nfs.nfs4_unique_id``), or the server takes their locks for one client's. On S3 (``s3://``) the lock is ``reanalyze.lock.json`` itself, written
 only where absent (a conditional write), renewed while held and taken over once stale
 (:mod:`.object_lock`). Other object stores (``gs://``, …) offer no such lock: there the
 scheduler must run one invocation at a time (the KubeRay CronJob's ``concurrencyPolicy:

@@ -345,10 +345,8 @@ def test_reanalyze_locks_an_s3_store(s3, monkeypatch, capsys):
     a second invocation is refused (exit status 75) with its holder; a stale lock (its
     holder's pid gone on this host, or not renewed for STALE_S) is taken over; a holder
     whose lock was taken says so and leaves the new holder's lock in place."""
-    import socket
-
     from embgeom_ray.runs import object_lock
-    from embgeom_ray.runs.lock_holder import HOLDER, StoreBusyError
+    from embgeom_ray.runs.lock_holder import HOLDER, StoreBusyError, this_holder
     from embgeom_ray.runs.store_lock import store_lock
 
     for key, value in s3.env.items():
@@ -367,9 +365,8 @@ def test_reanalyze_locks_an_s3_store(s3, monkeypatch, capsys):
                 pass
         assert busy.value.exit_code == 75
     assert holder() == {}  # let go
-    fs.pipe_file(key, json.dumps({"host": socket.gethostname(), "pid": 2**22 + 1,
-                                  "started_at": "then"}).encode())  # fmt: skip
-    with store_lock(store):  # its holder is gone: taken over at once
+    fs.pipe_file(key, json.dumps({**this_holder(), "pid": 2**22 + 1}).encode())
+    with store_lock(store):  # its holder is gone (this host's pids): taken over at once
         assert holder()["pid"] == os.getpid()
     assert "the stale lock on the store" in capsys.readouterr().err
     elsewhere = {"host": "another-node", "pid": 1, "started_at": "now"}
@@ -550,6 +547,75 @@ def test_a_held_s3_lock_says_when_it_goes_stale():
         _acquire("s3://b/store", "b/store/reanalyze.lock.json", Held(), b"{}")
     assert "(pid 1 on node-a, since then); its lock last renewed 40 s ago, taken over once " \
         "15 minutes pass without a renewal: this one ran nothing" in str(busy.value)  # fmt: skip
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/ns/pid"), reason="Linux's PID namespaces")
+def test_a_live_holder_of_this_hostname_in_another_pid_namespace_keeps_its_lock(tmp_path, monkeypatch):
+    """A holder of this hostname whose pid is not alive here was taken over at once: two
+    containers of ``--network host`` (or one ``--hostname``, or machines cloned with theirs)
+    share a hostname, not their pids, so a second invocation took a live lock and two wrote
+    one store. Now the holder records its PID namespace (boot id, /proc/self/ns/pid) and only
+    a holder of this hostname, boot and namespace is taken over from its pid; another, or an
+    older version's file without them, waits for STALE_S."""
+    import socket
+    from datetime import datetime, timedelta, timezone
+
+    from embgeom_ray.runs import lock_holder
+    from embgeom_ray.runs.lock_holder import StoreBusyError, this_holder
+    from embgeom_ray.runs.object_lock import _acquire, is_stale
+
+    recent = datetime.now(timezone.utc) - timedelta(seconds=40)
+    old = datetime.now(timezone.utc) - timedelta(hours=1)
+    # a live invocation in a container of --network host: its pid (above any pid_max) is
+    # not one of this process's, its namespace another
+    container = {"host": socket.gethostname(), "pid": 2**22 + 1, "started_at": "then",
+                 "boot_id": Path("/proc/sys/kernel/random/boot_id").read_text().strip(),
+                 "pid_ns": "4:4026532999"}
+    assert not is_stale(container, recent)  # was taken over at once
+    gone = {**this_holder(), "pid": 2**22 + 1, "started_at": "then"}
+    assert gone["boot_id"] and gone["pid_ns"]  # Linux: both read
+    assert is_stale(gone, recent)  # this namespace, its pid gone: at once, as before
+    clone = {**gone, "boot_id": "8c0b2f9e-0000-4000-8000-000000000000"}  # another machine
+    older = {k: gone[k] for k in ("host", "pid", "started_at")}  # no namespace recorded
+    for holder in (container, clone, older):
+        assert not is_stale(holder, recent), holder
+        assert is_stale(holder, old), holder  # STALE_S still applies
+
+    class Held:
+        """A store whose lock is ``holder``'s, renewed 40 s ago; a takeover is recorded."""
+
+        def __init__(self, holder):
+            self.holder, self.taken = holder, False
+
+        def pipe_file(self, path, data, mode="overwrite", **conditions):
+            if mode == "create":
+                raise FileExistsError(path)
+            self.taken = True
+            return {"ETag": '"mine"'}
+
+        def invalidate_cache(self, path=None):
+            pass
+
+        def info(self, path):
+            return {"ETag": '"e"', "LastModified": recent}
+
+        def cat_file(self, path):
+            return json.dumps(self.holder).encode()
+
+    host = gone["host"]
+    for holder, said in ((container, "not a pid of this container or machine, whose hostname"),
+                         (older, "its PID namespace unrecorded, so perhaps not a pid of this")):
+        store = Held(holder)
+        with pytest.raises(StoreBusyError) as busy:
+            _acquire("s3://b/store", "b/store/reanalyze.lock.json", store, b"{}")
+        assert not store.taken
+        assert f"(pid {2**22 + 1} on {host}, since then; {said}" in str(busy.value)
+    assert _acquire("s3://b/store", "b/s/reanalyze.lock.json", Held(gone), b"{}") is not None
+
+    monkeypatch.setattr(lock_holder, "BOOT_ID", str(tmp_path / "no-boot-id"))  # macOS, no /proc
+    unreadable = {**this_holder(), "pid": 2**22 + 1}
+    assert (unreadable["boot_id"], unreadable["pid_ns"]) == (None, None)
+    assert not is_stale(unreadable, recent) and is_stale(unreadable, old)
 
 
 def test_a_store_that_refuses_a_conditional_delete_still_lets_go_of_the_lock():
