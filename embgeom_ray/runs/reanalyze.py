@@ -26,8 +26,9 @@ invocation (a partly done run resumes from its shard checkpoints). The store may
 directory or an fsspec URL (``s3://``, ``gs://``). One invocation at a time per store: a local
 store, or one on S3, is locked while an invocation runs, and a second one ends at once with
 exit status 75, running nothing (:mod:`~embgeom_ray.runs.store_lock`,
-:mod:`~embgeom_ray.runs.object_lock`); on another object store the scheduler must see to it
-(the KubeRay CronJob's ``concurrencyPolicy: Forbid``).
+:mod:`~embgeom_ray.runs.object_lock`); on another object store (``gs://``) none is, a
+warning says so, and the scheduler must see to it (the KubeRay CronJob's
+``concurrencyPolicy: Forbid``).
 
 A model that cannot be resolved (offline, unknown id, missing directory, bad options) is
 reported in one line and skipped; the others go on, and the exit status says something failed.

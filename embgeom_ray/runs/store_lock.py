@@ -19,10 +19,10 @@ the host's mount are kept apart by its kernel. An NFSv4 server tells its clients
 string made of their hostname, though: machines cloned with one hostname need each their own
 identifier (``nfs.nfs4_unique_id``), or the server takes their locks for one client's. On S3 (``s3://``) the lock is ``reanalyze.lock.json`` itself, written
 only where absent (a conditional write), renewed while held and taken over once stale
-(:mod:`.object_lock`). Other object stores (``gs://``, …) offer no such lock: there the
-scheduler must run one invocation at a time (the KubeRay CronJob's ``concurrencyPolicy:
-Forbid``); with ``--submit``, the runs themselves are still never submitted twice (stable
-submission ids).
+(:mod:`.object_lock`). Other object stores (``gs://``, …) get no lock, and the invocation says
+so in one line (:func:`unguarded`): there the scheduler must run one invocation at a time
+(the KubeRay CronJob's ``concurrencyPolicy: Forbid``); with ``--submit``, the runs themselves
+are still never submitted twice (stable submission ids).
 """
 
 from __future__ import annotations
@@ -31,7 +31,9 @@ import contextlib
 import json
 import os
 from collections.abc import Iterator
+from urllib.parse import urlsplit
 
+from .. import progress
 from ..io_utils import atomic_write_json, is_local, join, local_path
 from .lock_holder import HOLDER, busy, describe, this_holder
 from .object_lock import object_lock, supported
@@ -49,12 +51,22 @@ def _holder(store: str) -> str:
         return ""
 
 
+def unguarded(store: str) -> str:
+    """The warning of an invocation on an object store that gets no lock (not S3): said, as
+    two invocations on it at once would write one run directory and the index together."""
+    return (f"warning: the store {store} gets no lock ({urlsplit(store).scheme}:// has none: "
+            "only s3:// does): another reanalyze on it at once is not kept off and would "
+            "write the same runs; the scheduler must not overlap invocations")  # fmt: skip
+
+
 @contextlib.contextmanager
 def store_lock(store: str) -> Iterator[None]:
     """Hold ``STORE/reanalyze.lock`` while the block runs; :class:`~.lock_holder.StoreBusyError` at once if
     another process holds it. On S3, :func:`~.object_lock.object_lock`; a store on another
-    object store is not locked (see the module)."""
+    object store is not locked, and a warning says so (:func:`unguarded`)."""
     if not is_local(store):
+        if not supported(store):
+            progress.notice(unguarded(store))
         with object_lock(store) if supported(store) else contextlib.nullcontext():
             yield
         return

@@ -618,6 +618,25 @@ def test_a_live_holder_of_this_hostname_in_another_pid_namespace_keeps_its_lock(
     assert not is_stale(unreadable, recent) and is_stale(unreadable, old)
 
 
+def test_an_object_store_without_a_lock_is_said_to_have_none(monkeypatch, capsys):
+    """On gs:// (any object store but S3) ``reanalyze`` took no lock and said nothing: two
+    invocations at once wrote the same runs and index, silently. It still takes none (gcsfs
+    has no conditional rewrite or delete of its own), and now says so in one line."""
+    from embgeom_ray.runs import store_lock as module
+    from embgeom_ray.runs.store_lock import store_lock
+
+    with store_lock("memory://store"):
+        pass
+    assert "the store memory://store gets no lock (memory:// has none" in capsys.readouterr().err
+    monkeypatch.setattr(module, "is_local", lambda store: False)  # gcsfs not installed here
+    with store_lock("gs://bucket/store"):  # nothing is sent
+        pass
+    err = capsys.readouterr().err
+    assert err == ("warning: the store gs://bucket/store gets no lock (gs:// has none: only "
+                   "s3:// does): another reanalyze on it at once is not kept off and would "
+                   "write the same runs; the scheduler must not overlap invocations\n")
+
+
 def test_a_store_that_refuses_a_conditional_delete_still_lets_go_of_the_lock():
     """A server without conditional deletes that answers ``If-Match`` on a DeleteObject with
     501 Not Implemented (or 400) instead of ignoring it: the release's one conditional delete
