@@ -102,8 +102,9 @@ def describe(holder: Any) -> str:
     except (KeyError, TypeError):
         return ""
     if holder["host"] == socket.gethostname() and not same_pids(holder):
+        known = holder.get("pid_ns") and pid_space() is not None  # both sides read
         said += ("; not a pid of this container or machine, whose hostname is the same"
-                 if holder.get("pid_ns") else
-                 "; its PID namespace unrecorded, so perhaps not a pid of this container or "
+                 if known else
+                 "; its PID namespace not known, so perhaps not a pid of this container or "
                  "machine")  # fmt: skip
     return said + ")"

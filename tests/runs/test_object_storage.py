@@ -604,7 +604,7 @@ def test_a_live_holder_of_this_hostname_in_another_pid_namespace_keeps_its_lock(
 
     host = gone["host"]
     for holder, said in ((container, "not a pid of this container or machine, whose hostname"),
-                         (older, "its PID namespace unrecorded, so perhaps not a pid of this")):
+                         (older, "its PID namespace not known, so perhaps not a pid of this")):
         store = Held(holder)
         with pytest.raises(StoreBusyError) as busy:
             _acquire("s3://b/store", "b/store/reanalyze.lock.json", store, b"{}")
@@ -616,6 +616,8 @@ def test_a_live_holder_of_this_hostname_in_another_pid_namespace_keeps_its_lock(
     unreadable = {**this_holder(), "pid": 2**22 + 1}
     assert (unreadable["boot_id"], unreadable["pid_ns"]) == (None, None)
     assert not is_stale(unreadable, recent) and is_stale(unreadable, old)
+    assert not is_stale(container, recent)  # nor one that recorded its namespace
+    assert "its PID namespace not known" in lock_holder.describe(container)
 
 
 def test_an_object_store_without_a_lock_is_said_to_have_none(monkeypatch, capsys):
