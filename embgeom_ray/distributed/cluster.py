@@ -758,6 +758,7 @@ def read_cluster() -> Cluster:
                 gpus=int(res.get("GPU", 0)),
                 head="node:__internal_head__" in res,
                 gpu_type=types[0] if types else None,
+                object_store=int(res.get("object_store_memory", 0)),
             )
         )
     return Cluster(tuple(nodes))

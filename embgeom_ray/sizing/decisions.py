@@ -10,6 +10,7 @@ from typing import Any
 
 from ..errors import ConfigError
 from ..io_utils import is_local
+from .checkpoints import writers_for
 from .formulas import (
     CPU_BATCH_TOKENS_MAX,
     CPU_BATCH_TOKENS_MIN,
@@ -55,6 +56,7 @@ from .nodes import (
     placed_memory,
     slot_memory,
 )
+from .object_store import plan_object_store
 
 #: a self-sized reducer asks for at most this share of the largest node's offer, so that a
 #: node holds two and the reduce is spread over the cluster
@@ -938,6 +940,10 @@ def size_job(
         sizing.extras["sampled_tasks"] = {
             "kmeans_memory": tasks.kmeans, "metrics_memory": tasks.metrics
         }  # fmt: skip
+    # what its processes hand each other through Ray's object store, at its peak
+    sizing.extras["object_store"] = plan_object_store(
+        sizing, sizing.extras["io"]["flush_piece_bytes"], writers_for(shape.store or "")
+    ).to_json()
     return sizing
 
 

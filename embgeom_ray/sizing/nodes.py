@@ -29,6 +29,8 @@ class Node:
     head: bool = False
     #: Ray's accelerator type of its GPUs (``accelerator_type:H100`` → ``H100``)
     gpu_type: str | None = None
+    #: Ray's ``object_store_memory``: its shared-memory object store (0: not known)
+    object_store: int = 0
 
     @property
     def gpu_memory(self) -> int | None:

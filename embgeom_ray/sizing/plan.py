@@ -30,6 +30,7 @@ from .formulas import (
 )  # fmt: skip
 from .nodes import Cluster
 from .nodes import extractors_per_node as nodes_hold
+from .object_store import plan_object_store
 
 
 def _shard_size(n: int) -> str:
@@ -129,7 +130,8 @@ def describe_plan(
         f"{sizing.driver_formula}",
         *([f"  warning: {sizing.driver_warning()}"] if sizing.driver > DRIVER_ALLOWANCE_BYTES else []),
         *_sample_tasks(shape, sizing.cluster),
-        *_sampled_tasks(shape),
+        *sampled_task_lines(shape),
+        *object_store_lines(sizing, checkpoint_writers),
         "",
         f"per-type state S(V) = 8·L·V·(2d+2) + 8V = {gib(shape.type_bytes(types))}; per-layer "
         f"state F = 8·L·(d² + 3d + P·(d+1) + 2) = {gib(shape.layer_state_bytes())}; sample Q = "
@@ -217,7 +219,7 @@ def _sample_tasks(shape: Shape, cluster: Cluster) -> list[str]:
     ]
 
 
-def _sampled_tasks(shape: Shape) -> list[str]:
+def sampled_task_lines(shape: Shape) -> list[str]:
     """The line on the sampled stage's per-layer Ray tasks (:mod:`.sampled_tasks`): what a
     layer's K-means selection and its metrics each ask Ray for, and what bounds them."""
     tasks = shape.sampled_tasks()
@@ -231,6 +233,34 @@ def _sampled_tasks(shape: Shape) -> list[str]:
         "a node runs as many as its memory holds; --silhouette-max-points and --sample-size "
         "bound them)"
     ]
+
+
+def object_store_lines(sizing: Sizing, writers: str) -> list[str]:
+    """The line on Ray's object store (:mod:`.object_store`): its peak, by phase, and a
+    warning where it passes the cluster's stores (Ray spills the rest to disk)."""
+    io = sizing.extras.get("io") or io_sizes(sizing)
+    store = plan_object_store(sizing, io["flush_piece_bytes"], writers)
+    stage = store.stage
+    parts = []
+    if stage is not None:
+        parts.append(
+            f"the sampled stage {gib(stage.total)}: every layer's inputs L·(8·s·d + 16·n) = "
+            f"{gib(stage.inputs)}"
+            + (f", ≤ C + 1 distance matrices 8·n² = {gib(stage.distances)}" if stage.distances else "")
+            + f", the fits' points ≤ (C − 1) · 12·n·d = {gib(stage.fit_points)}"
+            + (f", the sample Q = {gib(stage.sample)}" if stage.sample else "")
+        )
+    if store.extraction:
+        parts.append(f"extraction N·(spills, flushes handed over) = {gib(store.extraction)}")
+    if store.reduce:
+        parts.append(f"reduce V·160 + 8·d² = {gib(store.reduce)}")
+    if store.pieces:
+        parts.append(f"samples.parquet's rows 2·s·(4·d + 96) + Q = {gib(store.pieces)}")
+    lines = [f"object store: ≈ {gib(store.peak)} at its peak ({'; '.join(parts) or 'small objects only'})"]
+    stores = [n.object_store for n in sizing.cluster.nodes]
+    head = max((n.object_store for n in sizing.cluster.nodes if n.head), default=0)
+    warning = store.warning(stores, head)
+    return lines + ([f"  warning: {warning}"] if warning else [])
 
 
 def _placement(cluster: Cluster, nodes: Sequence[str]) -> str:

@@ -1,0 +1,88 @@
+"""What the job puts in Ray's object store at its peak (embgeom_ray.sizing.object_store): each
+phase's formula, --plan's line and warning, --plan-json's ``object_store``."""
+
+from __future__ import annotations
+
+import json
+
+from embgeom_ray.sizing import Cluster, CorpusShape, Node, Shape, size_job
+from embgeom_ray.sizing.checkpoints import DRIVER, EXTRACTORS
+from embgeom_ray.sizing.object_store import extraction_bytes, pieces_bytes, stage_bytes
+from embgeom_ray.sizing.plan import describe_plan, object_store_lines
+
+MiB = 1 << 20
+MINILM = Shape(layers=7, dim=384, positions=128, vocab=30_522, hidden_states=7,
+               intermediate=1536, heads=12, weight_bytes=90 * MiB, sample_entries=8192,
+               sample_points=4096)  # fmt: skip
+
+
+def _options():
+    from embgeom_ray.config import build_config
+
+    return build_config(None, {"model": "m", "corpus": "c", "out": "o", "device": "cpu"})
+
+
+def test_the_sampled_stage_holds_every_layers_inputs_and_c_plus_one_matrices() -> None:
+    """MiniLM's demo on 2 CPUs: 7 layers' inputs (8·s·d + 16·n each), 3 of the 128 MiB distance
+    matrices, one selection's points for their fit tasks; measured 520 MiB (docs/sizing.md)."""
+    stage = stage_bytes(7, 4096, 8192, 384, 2, hands_distances=True, sample_on_tasks=False,
+                        sample=10**9)  # fmt: skip
+    assert stage.inputs == 7 * (8 * 8192 * 384 + 16 * 4096) == 176_619_520
+    assert stage.distances == 3 * 8 * 4096**2 == 402_653_184
+    assert stage.fit_points == 1 * (12 * 4096 * 384 + 8 * 4096)  # C − 1 = 1 splits at once
+    assert stage.sample == 0 and stage.on_driver_node == stage.inputs
+    assert stage.total == 598_179_840
+    # more CPUs than layers: every layer's matrix may wait; a sample Ray tasks handle: the
+    # metrics compute their own distances, the inputs are made where the tasks run
+    assert stage_bytes(7, 4096, 8192, 384, 64, True, False, 0).distances == 7 * 8 * 4096**2
+    tasks = stage_bytes(81, 4096, 8192, 8192, 64, False, True, 21 << 30)
+    assert tasks.distances == 0 and tasks.sample == 21 << 30 and tasks.on_driver_node == 0
+    assert tasks.inputs == 81 * (8 * 8192 * 8192 + 16 * 4096)
+
+
+def test_extraction_and_table_phases() -> None:
+    # a spill held until its flush; where the job writes the groups, the flush's piece and
+    # sample come through the store too
+    assert extraction_bytes(4, 100, 10, spills=False, job_writes=False) == 0
+    assert extraction_bytes(4, 100, 10, spills=True, job_writes=False) == 400
+    assert extraction_bytes(4, 100, 10, spills=True, job_writes=True) == 4 * 210
+    assert pieces_bytes(8192, 384, 1000, on_tasks=True) == 2 * 8192 * (4 * 384 + 96) + 1000
+    assert pieces_bytes(8192, 384, 1000, on_tasks=False) == 0
+
+
+def test_plan_json_and_plan_line_and_the_warning() -> None:
+    corpus = CorpusShape("c", 1, 10**6, 1)
+    roomy = Cluster((Node("h", 16 << 30, cpus=2, head=True, object_store=6 << 30),))
+    sizing = size_job(MINILM, corpus, roomy, _options().scheduling)
+    store = json.loads(json.dumps(sizing.to_json()))["object_store"]
+    assert store["peak_bytes"] == store["sampled_stage_bytes"] == 598_179_840
+    assert store["sampled_stage_distances_bytes"] == 402_653_184
+    assert store["extraction_bytes"] == 0  # nothing spills: no statistics budget
+    lines = "\n".join(describe_plan(sizing, corpus, checkpoint_interval=None, total_layers=7,
+                                    checkpoint_writers=EXTRACTORS))  # fmt: skip
+    assert "object store: ≈ 570 MiB at its peak (the sampled stage 570 MiB: every layer's " \
+        "inputs L·(8·s·d + 16·n) = 168 MiB, ≤ C + 1 distance matrices 8·n² = 384 MiB" in lines
+    assert "warning: Ray's object store" not in lines
+    # where the job's own process writes the groups, each flush (S(V) + F and the sample)
+    # comes to it through the store
+    handed = object_store_lines(sizing, DRIVER)[0]
+    assert handed.startswith("object store: ≈ 1.3 GiB at its peak (")
+    assert "extraction N·(spills, flushes handed over) = 1.3 GiB" in handed
+    small = Cluster((Node("h", 16 << 30, cpus=2, head=True, object_store=256 * MiB),))
+    warned = object_store_lines(size_job(MINILM, corpus, small, _options().scheduling),
+                                EXTRACTORS)
+    assert warned[1] == (
+        "  warning: Ray's object store: ≈ 570 MiB at its peak (sampled stage), more than the "
+        "256 MiB of the cluster's object stores: Ray spills the rest to disk (slower, not "
+        "fatal); lower --sample-size or --sample-type-size, or measure fewer --layers")
+    # a worker's store holds the total, the job's own node not the inputs it puts
+    split = Cluster((Node("h", 16 << 30, cpus=2, head=True, object_store=100 * MiB),
+                     Node("w", 16 << 30, cpus=2, object_store=6 << 30)))  # fmt: skip
+    warned = object_store_lines(size_job(MINILM, corpus, split, _options().scheduling),
+                                EXTRACTORS)
+    assert "the sampled stage's inputs alone (168 MiB, put by the job's own process) more " \
+        "than its node's 100 MiB" in warned[1]
+    # Ray does not say (0): nothing warned
+    unknown = Cluster((Node("h", 16 << 30, cpus=2, head=True),))
+    assert len(object_store_lines(size_job(MINILM, corpus, unknown, _options().scheduling),
+                                  DRIVER)) == 1
