@@ -63,6 +63,8 @@ from ..run_dir import (
     versions,
 )
 from ..sizing import Cluster, Reduce, Shape, gib, reducer_ranges, size_reduce
+from ..sizing.decisions import sampled_task_refusal
+from ..sizing.plan import sampled_task_lines
 from ..storage import REDOES, check_input, check_output, resumable, user_errors
 from .finish import RunStatistics, StatisticsHere, counts_of, finish_run
 from .run_samples import run_samples
@@ -282,11 +284,13 @@ def check_statistics(
 
 def merge_shape(probe: EmbeddingStatistics, layers: list[int], config: JobConfig, vocab: int) -> Shape:
     """The merge's :class:`~embgeom_ray.sizing.Shape`: the runs' layers, d, positions and
-    clipped dimensions (from the first run's first-layer state) and their sample."""
+    clipped dimensions (from the first run's first-layer state) and their sample, whose
+    sampled stage (``sample_points``, ``sampled``) runs as an analysis's does."""
     sample = sum(sample_entries(config.sample_size, config.sample_type_size))
     return Shape(
         layers=len(layers), dim=probe.dim, positions=probe.max_positions, vocab=vocab,
         clip=len(probe.clip_dims or []), sample_entries=sample, name="merge", store=config.out,
+        sample_points=config.sample_size, sampled=config.sampled,
     )  # fmt: skip
 
 
@@ -301,7 +305,11 @@ def size_merge(
 
     connect(config.address)
     seen = seen_type_ids(urls)
-    reduce = size_reduce(shape, len(seen), read_cluster(), config.scheduling)
+    cluster = read_cluster()
+    refused = sampled_task_refusal(shape, cluster)  # its sampled stage, as an analysis's
+    if refused:
+        raise ConfigError(refused)
+    reduce = size_reduce(shape, len(seen), cluster, config.scheduling)
     echo(f"sizing: {len(seen):,} types in the runs: {reduce.describe()}")
     return reduce, seen
 
@@ -360,7 +368,7 @@ def describe_merge_plan(shape: Shape, reduce: Reduce, runs: list[str]) -> list[s
         lines.append(
             f"  = {reduce.formula}; {len(ranges)} ranges of equal numbers of the ids seen"
         )
-    return lines
+    return lines + sampled_task_lines(shape)  # the merged sample's stage, as an analysis's
 
 
 def merge_statistics(runs: list[str]) -> EmbeddingStatistics:

@@ -1,0 +1,56 @@
+"""A merge's plan and sizing of its sampled stage, which runs as an analysis's does: the same
+line (embgeom_ray.sizing.plan.sampled_task_lines) and the same refusal, from the merged
+sample's size and the sampled options (no Ray: the cluster is given)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from embgeom_ray.config import build_config
+from embgeom_ray.errors import ConfigError
+from embgeom_ray.runs import merge
+from embgeom_ray.sizing import Cluster, Node, size_reduce
+from embgeom_ray.sizing.plan import sampled_task_lines
+
+MiB = 1 << 20
+PROBE = SimpleNamespace(dim=384, max_positions=128, clip_dims=None)
+
+
+def _config(**options):
+    return build_config(None, {"model": "m", "corpus": "c", "out": "o", **options})
+
+
+def test_the_merge_plan_has_the_sampled_stage_line() -> None:
+    config = _config(sample_size=4096, silhouette_max_points=1024)
+    shape = merge.merge_shape(PROBE, list(range(7)), config, 30_522)
+    tasks = shape.sampled_tasks()
+    assert (tasks.n, tasks.d, tasks.m) == (4096, 384, 1024)  # the merge's options, not defaults
+    cluster = Cluster((Node("h", 16 << 30, cpus=2, head=True),))
+    lines = merge.describe_merge_plan(shape, size_reduce(shape, 3000, cluster, config.scheduling),
+                                      ["r1", "r2"])  # fmt: skip
+    assert lines[-1] == sampled_task_lines(shape)[0]
+    assert lines[-1].startswith("sampled-stage tasks: a layer's K-means selection ≈ ")
+    assert "1,024 × 1,024 distances of a subsample, d = 384" in lines[-1]
+    # no stage (--sample-size 0): no line
+    none = merge.merge_shape(PROBE, list(range(7)), _config(sample_size=0), 30_522)
+    assert not any("sampled-stage" in line for line in merge.describe_merge_plan(
+        none, size_reduce(none, 3000, cluster, config.scheduling), ["r1", "r2"]))  # fmt: skip
+
+
+def test_a_merge_refuses_a_sampled_stage_no_node_holds(monkeypatch) -> None:
+    """As an analysis's plan does: the task would wait for ever on this cluster."""
+    from embgeom_ray.distributed import cluster as ray_cluster
+    from embgeom_ray.distributed import reducers
+
+    small = Cluster((Node("h", 300 * MiB, cpus=2, head=True),))
+    monkeypatch.setattr(ray_cluster, "connect", lambda address: None)
+    monkeypatch.setattr(ray_cluster, "read_cluster", lambda: small)
+    monkeypatch.setattr(reducers, "seen_type_ids", lambda urls: np.arange(3000))
+    config = _config(sample_size=4096)
+    shape = merge.merge_shape(PROBE, list(range(7)), config, 30_522)
+    with pytest.raises(ConfigError, match=r"K-means tasks need ≈ 428 MiB each .* more than the "
+                       r"300 MiB of Ray memory of the largest node with a CPU"):  # fmt: skip
+        merge.size_merge([], shape, config, echo=lambda line: None)
