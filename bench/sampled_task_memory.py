@@ -25,6 +25,8 @@ import subprocess
 import sys
 from typing import Any
 
+import numpy as np
+
 ONE_THREAD = {"OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 
 
@@ -78,7 +80,9 @@ def measure(task: str, n: int, d: int, m: int) -> dict[str, Any]:
     sampled_row(X, tokens, types, km, [], groups=None, distances=D, **small[1])
     X, tokens, types = points(n, d)
     kmeans_options, row_options = sampled_options(options, n)
-    if task == "kmeans":
+    if task == "share":
+        growth, formula = measure_share(X, options)
+    elif task == "kmeans":
         growth, _ = peak_growth(lambda: sampled_selection(X, None, kmeans_options))
         formula = kmeans_task_bytes(n, d, m, options.kmeans_k_max, options.kmeans_n_init)
     else:
@@ -89,6 +93,42 @@ def measure(task: str, n: int, d: int, m: int) -> dict[str, Any]:
         formula = metrics_task_bytes(n, d, m, row_options["lid_k"], D is None and n <= m)
     return {"task": task, "n": n, "d": d, "m": m, "growth": growth, "formula": formula,
             "ratio": growth / formula}  # fmt: skip
+
+
+def measure_share(X: Any, options: Any) -> tuple[int, int]:
+    """(peak RSS growth, formula) of a fit-share task given the whole step's fits, the larger
+    of the seedings of every k ≤ 15 and the stability refits at k_max (any share's bound),
+    its points arriving as Ray hands them over: unpickled from read-only buffers (the object
+    store's pages, counted there, not here)."""
+    import pickle
+    from functools import partial
+
+    from embgeom_ray.core.kmeans_selection import (
+        K_DENSE,
+        SquaredDistances,
+        chain_trials,
+        fit_many,
+        plus_plus,
+        scan_ks,
+        serial_fits,
+    )  # fmt: skip
+    from embgeom_ray.core.lloyd import Points
+    from embgeom_ray.sizing.sampled_tasks import seedings, share_step_bytes
+
+    n, k_max = len(X), options.kmeans_k_max
+    F, S = seedings(k_max, options.kmeans_n_init), options.kmeans_stability_seeds
+    sqd, trials = SquaredDistances(X - X.mean(axis=0)), chain_trials(k_max)
+    chains = [plus_plus(sqd, K_DENSE, (0, c), trials) for c in range(F)]
+    dense = [k for k in scan_ks(min(k_max, n - 1)) if k <= K_DENSE]
+    steps = [[ch[:k] for k in dense for ch in chains],
+             [plus_plus(sqd, min(k_max, n - 1), (1, r), trials) for r in range(S)]]  # fmt: skip
+    buffers: list[Any] = []
+    data = pickle.dumps(Points(sqd.X), protocol=5, buffer_callback=buffers.append)
+    store = [memoryview(bytes(b.raw())).toreadonly() for b in buffers]  # the store's pages
+    fit = partial(fit_many, max_iter=300, tol=1e-4, dtype=np.float32)
+    growth = max(peak_growth(partial(lambda g: serial_fits(fit, pickle.loads(data, buffers=store), g),
+                                     inits))[0] for inits in steps)  # fmt: skip
+    return growth, share_step_bytes(n, X.shape[1], k_max, options.kmeans_n_init, S)
 
 
 def measure_apart(task: str, n: int, d: int, m: int) -> dict[str, Any]:
@@ -106,6 +146,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--dims", default="64,384", help="d")
     p.add_argument("--max-points", default="4096", help="m: --silhouette-max-points")
     p.add_argument("--one", nargs=4, metavar=("TASK", "N", "D", "M"), help="one point, here")
+    p.add_argument("--tasks", default="kmeans,metrics,share", help="of kmeans, metrics, share")
     p.add_argument("--name", default="sampled_task_memory")
     args = p.parse_args(argv)
     if args.one:
@@ -118,7 +159,7 @@ def main(argv: list[str] | None = None) -> None:
     for m in map(int, args.max_points.split(",")):
         for d in map(int, args.dims.split(",")):
             for n in map(int, args.sizes.split(",")):
-                for task in ("kmeans", "metrics"):
+                for task in args.tasks.split(","):
                     r = measure_apart(task, n, d, m)
                     results.append(r)
                     mib = r["growth"] / 2**20, r["formula"] / 2**20

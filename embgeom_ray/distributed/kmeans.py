@@ -63,7 +63,7 @@ from ..core.kmeans_selection import (
     select_k,
     serial_fits,
 )
-from ..sizing.sampled_tasks import kmeans_task_bytes
+from ..sizing.sampled_tasks import kmeans_task_bytes, share_task_bytes
 
 
 def balanced_shares(costs: Sequence[int], shares: int) -> list[list[int]]:
@@ -98,6 +98,10 @@ class RayFits:
     process fits the costliest group itself; each other group is a task of ``threads`` CPUs
     and threads (the caller's own thread cap, so every fit runs as it would in the caller: the
     same result), reading the points from one ``ray.put``. One share: all fits here, no task.
+    Each share task asks Ray for its peak (:func:`~embgeom_ray.sizing.sampled_tasks.share_task_bytes`
+    of its fits), and a step has no more share tasks than Ray's free memory holds as it
+    splits (``ray.available_resources()``): a share waiting for memory that its selection
+    holds, itself waiting for the share, would wait for ever.
     """
 
     initial_shares: int = 1
@@ -112,18 +116,28 @@ class RayFits:
         *,
         initial: bool = True,
     ) -> list[KMeansResult]:
-        free = ray.available_resources().get("CPU", 0.0) if self.later_shares > 1 else 0.0
+        available = ray.available_resources() if max(self.initial_shares, self.later_shares) > 1 else {}
+        free = available.get("CPU", 0.0) if self.later_shares > 1 else 0.0
         shares = min(self.later_shares, 1 + int(free // self.threads))
         if initial:  # the seedings: no fewer shares than planned, more where CPUs are idle
             shares = max(self.initial_shares, shares)
-        groups = balanced_shares([len(ids) for ids in inits], shares)
+        costs = [len(ids) for ids in inits]
+        n, d = np.shape(getattr(X, "X", X))
+        groups = balanced_shares(costs, shares)
+        # each share task asks Ray for its peak; no more of them than Ray's free memory holds
+        # now, so that none waits for memory that this task, waiting for it, holds
+        room = available.get("memory", 0.0)
+        while len(groups) > 1 and sum(share_task_bytes(n, d, [costs[i] for i in g])
+                                      for g in groups[1:]) > room:  # fmt: skip
+            groups = balanced_shares(costs, len(groups) - 1)
         if len(groups) <= 1:
             return serial_fits(fit, X, inits)
         X_ref = ray.put(X)
         refs = [
-            call_on_ray(serial_fits, fit, X_ref, [inits[i] for i in g], cpus=self.threads)
+            call_on_ray(serial_fits, fit, X_ref, [inits[i] for i in g], cpus=self.threads,
+                        memory=share_task_bytes(n, d, [costs[i] for i in g]))
             for g in groups[1:]
-        ]
+        ]  # fmt: skip
         own = serial_fits(fit, X, [inits[i] for i in groups[0]])  # while the tasks run
         out: list[KMeansResult | None] = [None] * len(inits)
         for g, results in zip(groups, [own, *ray.get(refs)], strict=True):

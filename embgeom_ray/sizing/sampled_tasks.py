@@ -38,6 +38,17 @@ peak, above its worker process's start (the libraries), counting the arrays the 
   copy: 24·min(n, d)².
   The distances it reads from the K-means task are in Ray's object store, not in the task.
 
+- **fit shares** (:class:`~embgeom_ray.distributed.kmeans.RayFits`: where CPUs are free, a
+  selection hands groups of one step's fits, the seedings of every k ≤ 15 or the stability
+  refits at the chosen k, to tasks of their own, reading the points from one ``ray.put``):
+  the points' float64 and float32 copies out of the object store (Ray hands them over
+  read-only), 12·n·d (10.5–10.8 · n · d measured), and for each fit of its group, of k
+  centres, its products and distances with the points (float32) and its labels, 8·n·k + 8·n;
+  beside them 4 MiB of small arrays. At most the whole step's fits: the seedings,
+  Σ_{k≤15} F · (8·n·k + 8·n), or the S = ``--kmeans-stability-seeds`` refits at k ≤ k_max.
+  Measured (``python -m bench.sampled_task_memory --tasks share``, the whole seedings step,
+  n = 2,048..8,192, d = 64..1,024): 81–87% of the formula.
+
 Measured (``python -m bench.sampled_task_memory``; docs/sizing.md: the peak RSS growth of a
 process of one BLAS thread whose libraries are loaded, from a trimmed heap; n = 512..8,192,
 d = 64..4,096, m = 1,024 and 4,096): 50–97% of the formula, 72–97% with n ≤ m, 89–97% at the
@@ -46,6 +57,7 @@ default sample of MiniLM (n = m = 4,096, d = 384).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from .units import gib
@@ -134,6 +146,27 @@ def metrics_task_bytes(n: int, d: int, m: int | None, lid_k: int, own_distances:
     """What a layer's sampled-metrics task holds at its peak for n points of dimension d
     (module docstring); ``own_distances``: it computes the n × n distances itself."""
     return sum(metrics_task_terms(n, d, m, lid_k, own_distances).values())
+
+
+#: a fit-share task's small arrays beside its points and fits (Lloyd's, the unpickling's):
+#: 1–3 MiB measured at n = 2,048..8,192
+SHARE_BASE_BYTES = 4 << 20
+
+
+def share_task_bytes(n: int, d: int, ks: Sequence[int]) -> int:
+    """What a fit-share task of :class:`~embgeom_ray.distributed.kmeans.RayFits` holds at its
+    peak for n points of dimension d fitting one start of each k of ``ks`` (module
+    docstring): 12·n·d + Σ_k (8·n·k + 8·n) + :data:`SHARE_BASE_BYTES`."""
+    return 12 * n * d + sum(8 * n * int(k) + 8 * n for k in ks) + SHARE_BASE_BYTES
+
+
+def share_step_bytes(n: int, d: int, k_max: int, n_init: int | None, stability_seeds: int) -> int:
+    """The most one fit-share task holds: its group at most the whole step's fits, the
+    seedings of every k ≤ 15 (F of each) or the S stability refits at the chosen k ≤ k_max."""
+    F = seedings(k_max, n_init)
+    dense = [k for k in range(2, min(K_DENSE, n - 1) + 1) for _ in range(F)]
+    refits = [min(int(k_max), n - 1)] * int(stability_seeds)
+    return max(share_task_bytes(n, d, dense), share_task_bytes(n, d, refits))
 
 
 @dataclass(frozen=True)
