@@ -63,8 +63,8 @@ from ..run_dir import (
     versions,
 )
 from ..sizing import Cluster, Reduce, Shape, gib, reducer_ranges, size_reduce
-from ..sizing.decisions import sampled_task_refusal
-from ..sizing.plan import sampled_task_lines
+from ..sizing.decisions import sample_task_refusal, sampled_task_refusal
+from ..sizing.plan import sample_task_lines, sampled_task_lines
 from ..storage import REDOES, check_input, check_output, resumable, user_errors
 from .finish import RunStatistics, StatisticsHere, counts_of, finish_run
 from .run_samples import run_samples
@@ -300,13 +300,20 @@ def size_merge(
     """Where the runs' statistics are merged (:func:`~embgeom_ray.sizing.size_reduce`, with the
     types they hold, read from their files alone, and Ray's view of the cluster, joined here),
     printed once; and those types' ids."""
-    from ..distributed.cluster import connect, read_cluster
+    from ..distributed.cluster import (
+        connect,
+        read_autoscaler_groups,
+        read_cluster,
+        started_private_local,
+    )
     from ..distributed.reducers import seen_type_ids
 
     connect(config.address)
     seen = seen_type_ids(urls)
     cluster = read_cluster()
-    refused = sampled_task_refusal(shape, cluster)  # its sampled stage, as an analysis's
+    groups = () if started_private_local() else read_autoscaler_groups()
+    # the merged sample's tasks and its sampled stage's, as an analysis's
+    refused = sample_task_refusal(shape, cluster, groups) or sampled_task_refusal(shape, cluster)
     if refused:
         raise ConfigError(refused)
     reduce = size_reduce(shape, len(seen), cluster, config.scheduling)
@@ -354,8 +361,12 @@ def where_seen(
     )
 
 
-def describe_merge_plan(shape: Shape, reduce: Reduce, runs: list[str]) -> list[str]:
-    """What ``jobs.merge --plan`` prints."""
+def describe_merge_plan(
+    shape: Shape, reduce: Reduce, runs: list[str], cluster: Cluster | None = None
+) -> list[str]:
+    """What ``jobs.merge --plan`` prints: its sizing, and the lines of the merged sample's
+    Ray tasks and of its sampled stage's, as an analysis's plan has them (the sample's tasks
+    where the ``cluster`` is given)."""
     state = shape.statistics_bytes(reduce.types)
     lines = [
         f"merge: {len(runs)} runs, L = {shape.layers} layers, d = {shape.dim:,}, P = "
@@ -368,7 +379,8 @@ def describe_merge_plan(shape: Shape, reduce: Reduce, runs: list[str]) -> list[s
         lines.append(
             f"  = {reduce.formula}; {len(ranges)} ranges of equal numbers of the ids seen"
         )
-    return lines + sampled_task_lines(shape)  # the merged sample's stage, as an analysis's
+    sample = [] if cluster is None else sample_task_lines(shape, cluster)
+    return lines + sample + sampled_task_lines(shape)
 
 
 def merge_statistics(runs: list[str]) -> EmbeddingStatistics:
@@ -617,7 +629,9 @@ def _merge_runs(
     shape = merge_shape(probe, layers, config, len(tok))
     reduce, seen = size_merge(urls, shape, config, echo)
     if config.plan:
-        for line in describe_merge_plan(shape, reduce, runs):
+        from ..distributed.cluster import read_cluster
+
+        for line in describe_merge_plan(shape, reduce, runs, read_cluster()):
             echo(line)
         return {"sizing": {"reduce": asdict(reduce)}}
     if reduce.partitioned:  # on the nodes that see the runs and the merge, where local

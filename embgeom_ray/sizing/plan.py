@@ -129,7 +129,7 @@ def describe_plan(
         f"driver (the job's own process): ≤ {gib(sizing.driver)} above its start = "
         f"{sizing.driver_formula}",
         *([f"  warning: {sizing.driver_warning()}"] if sizing.driver > DRIVER_ALLOWANCE_BYTES else []),
-        *_sample_tasks(shape, sizing.cluster),
+        *sample_task_lines(shape, sizing.cluster),
         *sampled_task_lines(shape),
         *object_store_lines(sizing, checkpoint_writers),
         "",
@@ -194,7 +194,7 @@ def _pool_bound(sizing: Sizing, corpus: CorpusShape) -> str:
     return ""
 
 
-def _sample_tasks(shape: Shape, cluster: Cluster) -> list[str]:
+def sample_task_lines(shape: Shape, cluster: Cluster) -> list[str]:
     """The line on the sample's Ray tasks, where the sample is handled by them
     (:func:`~embgeom_ray.sizing.formulas.sample_on_workers`): what each holds and asks Ray
     for (nothing of a head that offers Ray no memory, where a local run's tasks run:

@@ -13,7 +13,7 @@ from embgeom_ray.config import build_config
 from embgeom_ray.errors import ConfigError
 from embgeom_ray.runs import merge
 from embgeom_ray.sizing import Cluster, Node, size_reduce
-from embgeom_ray.sizing.plan import sampled_task_lines
+from embgeom_ray.sizing.plan import sample_task_lines, sampled_task_lines
 
 MiB = 1 << 20
 PROBE = SimpleNamespace(dim=384, max_positions=128, clip_dims=None)
@@ -34,6 +34,13 @@ def test_the_merge_plan_has_the_sampled_stage_line() -> None:
     assert lines[-1] == sampled_task_lines(shape)[0]
     assert lines[-1].startswith("sampled-stage tasks: a layer's K-means selection ≈ ")
     assert "1,024 × 1,024 distances of a subsample, d = 384" in lines[-1]
+    # a sample large enough for Ray tasks (d = 8,192): their line too, as an analysis's
+    wide = merge.merge_shape(SimpleNamespace(dim=8192, max_positions=128, clip_dims=None),
+                             list(range(7)), config, 30_522)  # fmt: skip
+    lines = merge.describe_merge_plan(wide, size_reduce(wide, 300, cluster, config.scheduling),
+                                      ["r1", "r2"], cluster)  # fmt: skip
+    assert lines[-2:] == sample_task_lines(wide, cluster) + sampled_task_lines(wide)
+    assert lines[-2].startswith("sample tasks: one Ray task a layer merges that layer's sample")
     # no stage (--sample-size 0): no line
     none = merge.merge_shape(PROBE, list(range(7)), _config(sample_size=0), 30_522)
     assert not any("sampled-stage" in line for line in merge.describe_merge_plan(
@@ -48,6 +55,7 @@ def test_a_merge_refuses_a_sampled_stage_no_node_holds(monkeypatch) -> None:
     small = Cluster((Node("h", 300 * MiB, cpus=2, head=True),))
     monkeypatch.setattr(ray_cluster, "connect", lambda address: None)
     monkeypatch.setattr(ray_cluster, "read_cluster", lambda: small)
+    monkeypatch.setattr(ray_cluster, "started_private_local", lambda: True)
     monkeypatch.setattr(reducers, "seen_type_ids", lambda urls: np.arange(3000))
     config = _config(sample_size=4096)
     shape = merge.merge_shape(PROBE, list(range(7)), config, 30_522)
