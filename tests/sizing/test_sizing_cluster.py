@@ -56,6 +56,12 @@ def test_ray_view_of_the_cluster(cluster):
     ]
     gpu_node = next(n for n in view.nodes if n.gpus)
     assert gpu_node.gpu_memory == 80 * 10**9
+    # each node's object store, as Ray reports it (the plan's object-store warning)
+    import ray
+
+    stores = {n["NodeID"]: int(n["Resources"]["object_store_memory"]) for n in ray.nodes()}
+    assert {n.node_id: n.object_store for n in view.nodes} == stores
+    assert all(b >= 75 * 2**20 for b in stores.values())
 
 
 def test_plan_is_what_the_run_records_and_reducers_land_where_placed(cluster, tmp_path):
