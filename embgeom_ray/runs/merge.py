@@ -64,7 +64,8 @@ from ..run_dir import (
 )
 from ..sizing import Cluster, Reduce, Shape, gib, reducer_ranges, size_reduce
 from ..sizing.decisions import sample_task_refusal, sampled_task_refusal
-from ..sizing.plan import sample_task_lines, sampled_task_lines
+from ..sizing.object_store import after_extraction
+from ..sizing.plan import sample_task_lines, sampled_task_lines, store_lines
 from ..storage import REDOES, check_input, check_output, resumable, user_errors
 from .finish import RunStatistics, StatisticsHere, counts_of, finish_run
 from .run_samples import run_samples
@@ -365,8 +366,8 @@ def describe_merge_plan(
     shape: Shape, reduce: Reduce, runs: list[str], cluster: Cluster | None = None
 ) -> list[str]:
     """What ``jobs.merge --plan`` prints: its sizing, and the lines of the merged sample's
-    Ray tasks and of its sampled stage's, as an analysis's plan has them (the sample's tasks
-    where the ``cluster`` is given)."""
+    Ray tasks, of its sampled stage's and of Ray's object store, as an analysis's plan has
+    them (the sample's tasks and the object store where the ``cluster`` is given)."""
     state = shape.statistics_bytes(reduce.types)
     lines = [
         f"merge: {len(runs)} runs, L = {shape.layers} layers, d = {shape.dim:,}, P = "
@@ -379,8 +380,11 @@ def describe_merge_plan(
         lines.append(
             f"  = {reduce.formula}; {len(ranges)} ranges of equal numbers of the ids seen"
         )
-    sample = [] if cluster is None else sample_task_lines(shape, cluster)
-    return lines + sample + sampled_task_lines(shape)
+    if cluster is None:
+        return lines + sampled_task_lines(shape)
+    store = after_extraction(shape, cluster, reduce.types, reduce.partitioned)
+    return (lines + sample_task_lines(shape, cluster) + sampled_task_lines(shape)
+            + store_lines(store, cluster))  # fmt: skip
 
 
 def merge_statistics(runs: list[str]) -> EmbeddingStatistics:

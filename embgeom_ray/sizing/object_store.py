@@ -155,22 +155,32 @@ def plan_object_store(sizing: Any, piece: int, writers: str) -> ObjectStorePeak:
     (``piece``: a flush's piece B, :func:`~embgeom_ray.sizing.decisions.io_sizes`; ``writers``:
     who writes the checkpoint groups, :func:`~embgeom_ray.sizing.checkpoints.writers_for`)."""
     from .checkpoints import DRIVER
-    from .formulas import TYPE_ROW_BYTES, sample_on_workers
 
     shape, pool = sizing.shape, sizing.pool
+    extraction = extraction_bytes(pool.num_workers, piece, shape.sample_bytes,
+                                  pool.statistics is not None, writers == DRIVER)  # fmt: skip
+    return after_extraction(shape, sizing.cluster, sizing.types, sizing.reduce.partitioned, extraction)
+
+
+def after_extraction(
+    shape: Any, cluster: Any, types: int, partitioned: bool, extraction: int = 0
+) -> ObjectStorePeak:
+    """:class:`ObjectStorePeak` of the phases a merge runs too (the reduce, of ``types`` on
+    reducers where ``partitioned``; the sampled stage on the ``cluster``'s CPUs;
+    samples.parquet), beside ``extraction``'s bytes (0: a merge extracts nothing)."""
+    from .formulas import TYPE_ROW_BYTES, sample_on_workers
+
     q, d = shape.sample_bytes, shape.dim
     on_tasks = sample_on_workers(shape.sample_entries, d)
     tasks = shape.sampled_tasks()
     stage = None
     if tasks is not None:
         hands = not tasks.own_distances and tasks.n <= (tasks.m or tasks.n)
-        cpus = sum(n.cpus for n in sizing.cluster.nodes)
+        cpus = sum(n.cpus for n in cluster.nodes)
         stage = stage_bytes(shape.layers, tasks.n, shape.sample_entries, d, cpus, hands, on_tasks, q)
-    reduce = sizing.types * TYPE_ROW_BYTES + 8 * d * d if sizing.reduce.partitioned else 0
     return ObjectStorePeak(
-        extraction=extraction_bytes(pool.num_workers, piece, q,
-                                    pool.statistics is not None, writers == DRIVER),
-        reduce=reduce,
+        extraction=extraction,
+        reduce=types * TYPE_ROW_BYTES + 8 * d * d if partitioned else 0,
         stage=stage,
         pieces=pieces_bytes(shape.sample_entries, d, q, on_tasks) if shape.sample_entries else 0,
-    )  # fmt: skip
+    )

@@ -30,7 +30,7 @@ from .formulas import (
 )  # fmt: skip
 from .nodes import Cluster
 from .nodes import extractors_per_node as nodes_hold
-from .object_store import plan_object_store
+from .object_store import ObjectStorePeak, plan_object_store
 
 
 def _shard_size(n: int) -> str:
@@ -239,7 +239,12 @@ def object_store_lines(sizing: Sizing, writers: str) -> list[str]:
     """The line on Ray's object store (:mod:`.object_store`): its peak, by phase, and a
     warning where it passes the cluster's stores (Ray spills the rest to disk)."""
     io = sizing.extras.get("io") or io_sizes(sizing)
-    store = plan_object_store(sizing, io["flush_piece_bytes"], writers)
+    return store_lines(plan_object_store(sizing, io["flush_piece_bytes"], writers), sizing.cluster)
+
+
+def store_lines(store: ObjectStorePeak, cluster: Cluster) -> list[str]:
+    """:func:`object_store_lines` of a peak (an analysis's, or a merge's:
+    :func:`~embgeom_ray.sizing.object_store.after_extraction`) on ``cluster``."""
     stage = store.stage
     parts = []
     if stage is not None:
@@ -257,8 +262,8 @@ def object_store_lines(sizing: Sizing, writers: str) -> list[str]:
     if store.pieces:
         parts.append(f"samples.parquet's rows 2·s·(4·d + 96) + Q = {gib(store.pieces)}")
     lines = [f"object store: ≈ {gib(store.peak)} at its peak ({'; '.join(parts) or 'small objects only'})"]
-    stores = [n.object_store for n in sizing.cluster.nodes]
-    head = max((n.object_store for n in sizing.cluster.nodes if n.head), default=0)
+    stores = [n.object_store for n in cluster.nodes]
+    head = max((n.object_store for n in cluster.nodes if n.head), default=0)
     warning = store.warning(stores, head)
     return lines + ([f"  warning: {warning}"] if warning else [])
 

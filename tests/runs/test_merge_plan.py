@@ -39,8 +39,14 @@ def test_the_merge_plan_has_the_sampled_stage_line() -> None:
                              list(range(7)), config, 30_522)  # fmt: skip
     lines = merge.describe_merge_plan(wide, size_reduce(wide, 300, cluster, config.scheduling),
                                       ["r1", "r2"], cluster)  # fmt: skip
-    assert lines[-2:] == sample_task_lines(wide, cluster) + sampled_task_lines(wide)
-    assert lines[-2].startswith("sample tasks: one Ray task a layer merges that layer's sample")
+    assert lines[-3:-1] == sample_task_lines(wide, cluster) + sampled_task_lines(wide)
+    assert lines[-3].startswith("sample tasks: one Ray task a layer merges that layer's sample")
+    # and Ray's object store, as an analysis's (no extraction): every layer's inputs, made by
+    # the sample's tasks from the sample put once: 7 · (8·s·d + 16·n) + 12·n·d (one split
+    # selection on 2 CPUs) + Q
+    assert lines[-1].startswith("object store: ≈ 5.6 GiB at its peak (the sampled stage 5.6 GiB: "
+                                "every layer's inputs L·(8·s·d + 16·n) = 3.5 GiB, the fits' "
+                                "points ≤ (C − 1) · 12·n·d = 384 MiB, the sample Q = 1.8 GiB;")  # fmt: skip
     # no stage (--sample-size 0): no line
     none = merge.merge_shape(PROBE, list(range(7)), _config(sample_size=0), 30_522)
     assert not any("sampled-stage" in line for line in merge.describe_merge_plan(
