@@ -52,7 +52,8 @@ class StagePhase:
     distances: int
     fit_points: int
     sample: int
-    #: what of it the job's own process puts on its node (its inputs, unless tasks make them)
+    #: what of it the job's own process puts on its node: the inputs, or where Ray tasks
+    #: make them, the sample they read (at most Q: file URLs where it is not in memory)
     on_driver_node: int
 
     @property
@@ -81,7 +82,7 @@ def stage_bytes(
         distances=min(layers, c + 1) * 8 * n * n if hands_distances else 0,
         fit_points=min(layers, c - 1) * (12 * n * d + 8 * n),
         sample=sample if sample_on_tasks else 0,
-        on_driver_node=0 if sample_on_tasks else inputs,
+        on_driver_node=sample if sample_on_tasks else inputs,
     )
 
 
@@ -139,8 +140,8 @@ class ObjectStorePeak:
         if total and self.peak > total:
             over = f"more than the {gib(total)} of the cluster's object stores"
         elif head_store and on_head > head_store:
-            over = (f"the sampled stage's inputs alone ({gib(on_head)}, put by the job's own "
-                    f"process) more than its node's {gib(head_store)}")  # fmt: skip
+            over = (f"what the job's own process puts there for the sampled stage alone "
+                    f"({gib(on_head)}) more than its node's {gib(head_store)}")  # fmt: skip
         else:
             return None
         fix = ("an --out every extractor's node sees has them write their own groups"

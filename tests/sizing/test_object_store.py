@@ -36,7 +36,7 @@ def test_the_sampled_stage_holds_every_layers_inputs_and_c_plus_one_matrices() -
     # metrics compute their own distances, the inputs are made where the tasks run
     assert stage_bytes(7, 4096, 8192, 384, 64, True, False, 0).distances == 7 * 8 * 4096**2
     tasks = stage_bytes(81, 4096, 8192, 8192, 64, False, True, 21 << 30)
-    assert tasks.distances == 0 and tasks.sample == 21 << 30 and tasks.on_driver_node == 0
+    assert tasks.distances == 0 and tasks.sample == tasks.on_driver_node == 21 << 30
     assert tasks.inputs == 81 * (8 * 8192 * 8192 + 16 * 4096)
 
 
@@ -80,7 +80,7 @@ def test_plan_json_and_plan_line_and_the_warning() -> None:
                      Node("w", 16 << 30, cpus=2, object_store=6 << 30)))  # fmt: skip
     warned = object_store_lines(size_job(MINILM, corpus, split, _options().scheduling),
                                 EXTRACTORS)
-    assert "the sampled stage's inputs alone (168 MiB, put by the job's own process) more " \
+    assert "what the job's own process puts there for the sampled stage alone (168 MiB) more " \
         "than its node's 100 MiB" in warned[1]
     # Ray does not say (0): nothing warned
     unknown = Cluster((Node("h", 16 << 30, cpus=2, head=True),))
