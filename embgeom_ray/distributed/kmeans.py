@@ -41,6 +41,7 @@ sampled metrics of early layers overlap the K-means of later ones.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -64,6 +65,11 @@ from ..core.kmeans_selection import (
     serial_fits,
 )
 from ..sizing.sampled_tasks import kmeans_task_bytes, share_task_bytes
+
+#: the least a selection waits for its fit-share tasks, once its own share is fitted, before it
+#: fits those not done itself (:class:`RayFits`): a share task starts in a worker process that
+#: may have to start first (seconds)
+SHARE_WAIT_MIN_S = 30.0
 
 
 def balanced_shares(costs: Sequence[int], shares: int) -> list[list[int]]:
@@ -100,8 +106,13 @@ class RayFits:
     same result), reading the points from one ``ray.put``. One share: all fits here, no task.
     Each share task asks Ray for its peak (:func:`~embgeom_ray.sizing.sampled_tasks.share_task_bytes`
     of its fits), and a step has no more share tasks than Ray's free memory holds as it
-    splits (``ray.available_resources()``): a share waiting for memory that its selection
-    holds, itself waiting for the share, would wait for ever.
+    splits (``ray.available_resources()``). That memory is read once, and other selections
+    starting at the same moment read the same: their share tasks may then wait for memory
+    that the selections hold, each waiting for its shares (Ray lends a task blocked in
+    ``ray.get`` its CPU back, not its memory), or for a node with that much memory free that
+    never comes. So a selection never waits on a share for ever: once its own share is
+    fitted, it waits for the others as long as it took, at least :data:`SHARE_WAIT_MIN_S`,
+    then fits each one not done itself (the same fits: the same result) and cancels its task.
     """
 
     initial_shares: int = 1
@@ -138,12 +149,41 @@ class RayFits:
                         memory=share_task_bytes(n, d, [costs[i] for i in g]))
             for g in groups[1:]
         ]  # fmt: skip
+        start = time.monotonic()
         own = serial_fits(fit, X, [inits[i] for i in groups[0]])  # while the tasks run
+        results = [own, *_shares_or_here(fit, X, inits, groups[1:], refs,
+                                         max(SHARE_WAIT_MIN_S, time.monotonic() - start))]  # fmt: skip
         out: list[KMeansResult | None] = [None] * len(inits)
-        for g, results in zip(groups, [own, *ray.get(refs)], strict=True):
-            for i, res in zip(g, results, strict=True):
+        for g, fitted in zip(groups, results, strict=True):
+            for i, res in zip(g, fitted, strict=True):
                 out[i] = res
         return out
+
+
+def _shares_or_here(
+    fit: FitMany,
+    X: Any,
+    inits: Sequence[np.ndarray],
+    groups: Sequence[Sequence[int]],
+    refs: Sequence[Any],
+    wait_s: float,
+) -> list[list[KMeansResult]]:
+    """The fits of each group of ``groups``: its share task's (``refs``) where it is done within
+    ``wait_s`` seconds, else fitted here, the last submitted first (the least likely to have
+    started), its task cancelled (:class:`RayFits`: a share may wait for memory for ever)."""
+    results: dict[int, list[KMeansResult]] = {}
+    pending = list(range(len(groups)))
+    while pending:
+        done, _ = ray.wait([refs[j] for j in pending], num_returns=len(pending), timeout=wait_s)
+        for j in [j for j in pending if refs[j] in done]:
+            results[j] = ray.get(refs[j])
+        pending = [j for j in pending if j not in results]
+        if pending:  # not done in time: fit the last here, then look again at once
+            j = pending.pop()
+            ray.cancel(refs[j])
+            results[j] = serial_fits(fit, X, [inits[i] for i in groups[j]])
+            wait_s = 0.0
+    return [results[j] for j in range(len(groups))]
 
 
 def fit_shares(layers: int, cpus_per_task: int, cpus: float | None = None) -> tuple[int, int]:

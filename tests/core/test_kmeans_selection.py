@@ -457,6 +457,31 @@ def test_ray_fits_keep_the_order_and_use_other_processes(ray_local):
     assert {pid for pid, *_ in alone} == {os.getpid()}
 
 
+def test_ray_fits_do_not_wait_for_ever_on_share_tasks_ray_cannot_start(ray_local, monkeypatch):
+    """Free memory read as the step splits may be gone when its share tasks ask for it (other
+    selections took it, each waiting for its own shares): a share that never starts must not
+    hold its selection for ever. Here each asks more memory than any node has: the selection
+    fits every group itself, in order, and cancels the tasks."""
+    import os
+    import threading
+
+    from embgeom_ray.distributed import kmeans
+
+    monkeypatch.setattr(kmeans, "share_task_bytes", lambda n, d, ks: 1 << 42)  # no node holds 4 TiB
+    monkeypatch.setattr(kmeans.ray, "available_resources", lambda: {"CPU": 8.0, "memory": 1e18})
+    monkeypatch.setattr(kmeans, "SHARE_WAIT_MIN_S", 0.5, raising=False)
+    X = np.arange(12.0).reshape(4, 3)
+    inits = [np.arange(100 + k, 100 + 2 * k) for k in range(2, 9)]
+    got = []
+    call = threading.Thread(target=lambda: got.append(
+        kmeans.RayFits(initial_shares=3)(_fit_where, X, inits)), daemon=True)  # fmt: skip
+    call.start()
+    call.join(timeout=60)
+    assert not call.is_alive(), "RayFits waited for share tasks Ray could never start"
+    assert [(k, first) for _, k, first, _ in got[0]] == [(len(i), int(i[0])) for i in inits]
+    assert {pid for pid, *_ in got[0]} == {os.getpid()}
+
+
 def test_select_k_with_fits_over_tasks_equals_one_process(ray_local, many_blobs):
     from embgeom_ray.distributed.kmeans import RayFits
 

@@ -264,7 +264,8 @@ def test_fit_share_tasks_ask_for_their_peak_and_fit_in_free_memory(monkeypatch) 
 
     monkeypatch.setattr(kmeans.ray, "available_resources", lambda: free)
     monkeypatch.setattr(kmeans.ray, "put", lambda X: X)
-    monkeypatch.setattr(kmeans.ray, "get", lambda refs: [[len(i) for i in g] for g in refs])
+    monkeypatch.setattr(kmeans.ray, "get", lambda group: [len(i) for i in group])
+    monkeypatch.setattr(kmeans.ray, "wait", lambda refs, num_returns, timeout: (refs, []))
     monkeypatch.setattr(kmeans, "call_on_ray", submit)
     fits = kmeans.RayFits(initial_shares=3)(lambda X, group: [len(i) for i in group],
                                             np.zeros((n, d)), inits)  # fmt: skip
