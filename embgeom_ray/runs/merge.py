@@ -71,6 +71,8 @@ from .finish import RunStatistics, StatisticsHere, counts_of, finish_run
 from .run_samples import run_samples
 
 if TYPE_CHECKING:
+    from collections.abc import Mapping, Sequence
+
     from ..distributed.reducers import PartitionedStatistics
 
 #: manifest keys that describe what the merged runs share (taken from the first run)
@@ -283,16 +285,42 @@ def check_statistics(
     return urls, probes[0]
 
 
-def merge_shape(probe: EmbeddingStatistics, layers: list[int], config: JobConfig, vocab: int) -> Shape:
+def merge_shape(
+    probe: EmbeddingStatistics,
+    layers: list[int],
+    config: JobConfig,
+    vocab: int,
+    samples: Sequence[Mapping[str, Any] | None] = (),
+) -> Shape:
     """The merge's :class:`~embgeom_ray.sizing.Shape`: the runs' layers, d, positions and
     clipped dimensions (from the first run's first-layer state) and their sample, whose
-    sampled stage (``sample_points``, ``sampled``) runs as an analysis's does."""
-    sample = sum(sample_entries(config.sample_size, config.sample_type_size))
+    sampled stage (``sample_points``, ``sampled``) runs as an analysis's does: of the merged
+    sample's entries (:func:`merged_sample_entries` of the runs' manifests' ``samples``)."""
+    uniform, types = merged_sample_entries(config, samples)
     return Shape(
         layers=len(layers), dim=probe.dim, positions=probe.max_positions, vocab=vocab,
-        clip=len(probe.clip_dims or []), sample_entries=sample, name="merge", store=config.out,
-        sample_points=config.sample_size, sampled=config.sampled,
+        clip=len(probe.clip_dims or []), sample_entries=uniform + types, name="merge",
+        store=config.out, sample_points=uniform, sampled=config.sampled,
     )  # fmt: skip
+
+
+def merged_sample_entries(
+    config: JobConfig, samples: Sequence[Mapping[str, Any] | None] = ()
+) -> tuple[int, int]:
+    """(uniform, type-uniform) entries the merged sample holds at most: the bottom-k of the
+    runs' samples holds ``--sample-size`` (``--sample-type-size``) of them, or all the runs
+    have where they have fewer (corpora smaller than the sample; their manifests' ``sample``
+    say how many: ``uniform_points``, ``type_uniform_points``), so that a merge's plan does
+    not size, or refuse, a sampled stage larger than the one it runs. Without every run's
+    counts (``samples`` empty, or a run's manifest without them), the options'."""
+    uniform, types = sample_entries(config.sample_size, config.sample_type_size)
+    counts = [(s or {}).get("uniform_points") for s in samples]
+    if samples and all(isinstance(c, int) for c in counts):
+        uniform = min(uniform, sum(counts))
+        held = [(s or {}).get("type_uniform_points") for s in samples]
+        if all(isinstance(c, int) for c in held):
+            types = min(types, sum(held))
+    return uniform, types
 
 
 def size_merge(
@@ -630,7 +658,7 @@ def _merge_runs(
     if dedup is None:  # --dedup runs sharing a document are refused above, by its text's key
         for warning in overlap_warnings(runs):
             echo(f"warning: {warning}")
-    shape = merge_shape(probe, layers, config, len(tok))
+    shape = merge_shape(probe, layers, config, len(tok), [m.sample for m in manifests])
     reduce, seen = size_merge(urls, shape, config, echo)
     if config.plan:
         from ..distributed.cluster import read_cluster

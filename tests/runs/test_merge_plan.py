@@ -68,3 +68,32 @@ def test_a_merge_refuses_a_sampled_stage_no_node_holds(monkeypatch) -> None:
     with pytest.raises(ConfigError, match=r"K-means tasks need ≈ 428 MiB each .* more than the "
                        r"300 MiB of Ray memory of the largest node with a CPU"):  # fmt: skip
         merge.size_merge([], shape, config, echo=lambda line: None)
+
+
+def test_a_merge_sizes_the_sample_its_runs_hold_not_the_sample_size(monkeypatch) -> None:
+    """Runs over corpora smaller than their --sample-size hold fewer points: the merged sample
+    has what they have (bottom-k of their union), and the stage is sized, and refused, for
+    that, not for --sample-size; without every run's counts, for the options'."""
+    from embgeom_ray.distributed import cluster as ray_cluster
+    from embgeom_ray.distributed import reducers
+
+    small = Cluster((Node("h", 300 * MiB, cpus=2, head=True),))
+    monkeypatch.setattr(ray_cluster, "connect", lambda address: None)
+    monkeypatch.setattr(ray_cluster, "read_cluster", lambda: small)
+    monkeypatch.setattr(ray_cluster, "started_private_local", lambda: True)
+    monkeypatch.setattr(reducers, "seen_type_ids", lambda urls: np.arange(3000))
+    config = _config(sample_size=4096)
+    runs = [{"uniform_points": 300, "type_uniform_points": 250},
+            {"uniform_points": 400, "type_uniform_points": 350}]  # fmt: skip
+    shape = merge.merge_shape(PROBE, list(range(7)), config, 30_522, runs)
+    assert (shape.sample_points, shape.sample_entries) == (700, 700 + 600)
+    assert shape.sampled_tasks().n == 700
+    merge.size_merge([], shape, config, echo=lambda line: None)  # fits: nothing refused
+    # a run that does not say: the options' sample, refused on this node as before
+    unknown = merge.merge_shape(PROBE, list(range(7)), config, 30_522, [runs[0], None])
+    assert (unknown.sample_points, unknown.sample_entries) == (4096, 8192)
+    with pytest.raises(ConfigError, match="K-means tasks need"):
+        merge.size_merge([], unknown, config, echo=lambda line: None)
+    # runs whose samples together hold more: --sample-size
+    many = [{"uniform_points": 4000, "type_uniform_points": 4000}] * 2
+    assert merge.merge_shape(PROBE, list(range(7)), config, 30_522, many).sample_points == 4096
