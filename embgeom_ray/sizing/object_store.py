@@ -38,7 +38,7 @@ the tasks run.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from .units import gib
@@ -105,6 +105,9 @@ class ObjectStorePeak:
     reduce: int
     stage: StagePhase | None
     pieces: int
+    #: the job's own process writes the checkpoint groups, so the flushes come through the
+    #: store (else what extraction puts there is the extractors' spills alone)
+    job_writes: bool = False
 
     @property
     def peak(self) -> int:
@@ -137,16 +140,20 @@ class ObjectStorePeak:
         disk, slower; None where it fits or nothing is known."""
         total = sum(stores)
         on_head = self.stage.on_driver_node if self.stage else 0
+        fix = "lower --sample-size or --sample-type-size, or measure fewer --layers"
         if total and self.peak > total:
             over = f"more than the {gib(total)} of the cluster's object stores"
+            if self.phase == "extraction":  # what the extraction puts there, not the sample
+                fix = ("an --out every extractor's node sees has them write their own groups"
+                       if self.job_writes else
+                       "the extractors spill their statistics past their budget σ there: "
+                       "measure fewer --layers, or give each more memory (fewer "
+                       "--num-workers, nodes with more)")  # fmt: skip
         elif head_store and on_head > head_store:
             over = (f"what the job's own process puts there for the sampled stage alone "
                     f"({gib(on_head)}) more than its node's {gib(head_store)}")  # fmt: skip
         else:
             return None
-        fix = ("an --out every extractor's node sees has them write their own groups"
-               if self.phase == "extraction" and not on_head
-               else "lower --sample-size or --sample-type-size, or measure fewer --layers")  # fmt: skip
         return (f"Ray's object store: ≈ {gib(self.peak)} at its peak ({self.phase}), {over}: Ray "
                 f"spills the rest to disk (slower, not fatal); {fix}")
 
@@ -160,7 +167,8 @@ def plan_object_store(sizing: Any, piece: int, writers: str) -> ObjectStorePeak:
     shape, pool = sizing.shape, sizing.pool
     extraction = extraction_bytes(pool.num_workers, piece, shape.sample_bytes,
                                   pool.statistics is not None, writers == DRIVER)  # fmt: skip
-    return after_extraction(shape, sizing.cluster, sizing.types, sizing.reduce.partitioned, extraction)
+    peak = after_extraction(shape, sizing.cluster, sizing.types, sizing.reduce.partitioned, extraction)
+    return replace(peak, job_writes=writers == DRIVER)
 
 
 def after_extraction(

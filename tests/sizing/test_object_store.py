@@ -86,3 +86,21 @@ def test_plan_json_and_plan_line_and_the_warning() -> None:
     unknown = Cluster((Node("h", 16 << 30, cpus=2, head=True),))
     assert len(object_store_lines(size_job(MINILM, corpus, unknown, _options().scheduling),
                                   DRIVER)) == 1
+
+
+def test_an_extraction_peak_warns_with_what_changes_the_extraction() -> None:
+    """A node too small for the whole statistics: the extractor spills past σ, and its spills
+    make the peak; the warning names what changes them, not the sample (which was 570 MiB of
+    the 1.1 GiB); where the job's own process writes the groups, the shared --out."""
+    corpus = CorpusShape("c", 1, 10**6, 1)
+    small = Cluster((Node("h", 5 << 30, cpus=2, head=True, object_store=200 * MiB),))
+    sizing = size_job(MINILM, corpus, small, _options().scheduling)
+    assert sizing.pool.statistics is not None  # it spills
+    line, warning = object_store_lines(sizing, EXTRACTORS)
+    assert "at its peak (extraction), more than the 200 MiB" in warning
+    assert warning.endswith("the extractors spill their statistics past their budget σ there: "
+                            "measure fewer --layers, or give each more memory (fewer "
+                            "--num-workers, nodes with more)")  # fmt: skip
+    assert "--sample-size" not in warning
+    warning = object_store_lines(sizing, DRIVER)[1]
+    assert warning.endswith("an --out every extractor's node sees has them write their own groups")
