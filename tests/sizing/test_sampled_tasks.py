@@ -260,11 +260,11 @@ def test_fit_share_tasks_ask_for_their_peak_and_fit_in_free_memory(monkeypatch) 
 
     def submit(fn, f, X, group, cpus, memory):
         asked.append((sorted(len(i) for i in group), memory))
-        return group
+        return tuple(len(i) for i in group)  # a stand-in ref: what ray.get gives below
 
     monkeypatch.setattr(kmeans.ray, "available_resources", lambda: free)
     monkeypatch.setattr(kmeans.ray, "put", lambda X: X)
-    monkeypatch.setattr(kmeans.ray, "get", lambda group: [len(i) for i in group])
+    monkeypatch.setattr(kmeans.ray, "get", lambda ref: list(ref))
     monkeypatch.setattr(kmeans.ray, "wait", lambda refs, num_returns, timeout: (refs, []))
     monkeypatch.setattr(kmeans, "call_on_ray", submit)
     fits = kmeans.RayFits(initial_shares=3)(lambda X, group: [len(i) for i in group],
