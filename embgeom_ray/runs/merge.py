@@ -63,7 +63,7 @@ from ..run_dir import (
     versions,
 )
 from ..sizing import Cluster, Reduce, Shape, gib, reducer_ranges, size_reduce
-from ..sizing.decisions import sample_task_refusal, sampled_task_refusal
+from ..sizing.decisions import stage_task_refusal
 from ..sizing.object_store import after_extraction
 from ..sizing.plan import sample_task_lines, sampled_task_lines, store_lines
 from ..storage import REDOES, check_input, check_output, resumable, user_errors
@@ -342,7 +342,7 @@ def size_merge(
     cluster = read_cluster()
     groups = () if started_private_local() else read_autoscaler_groups()
     # the merged sample's tasks and its sampled stage's, as an analysis's
-    refused = sample_task_refusal(shape, cluster, groups) or sampled_task_refusal(shape, cluster)
+    refused = stage_task_refusal(shape, cluster, groups)
     if refused:
         raise ConfigError(refused)
     reduce = size_reduce(shape, len(seen), cluster, config.scheduling)

@@ -274,18 +274,33 @@ def sample_task_memory(each: int, local: bool, offer: int) -> dict[str, int]:
     return {} if local and offer <= 0 else {"memory": each}
 
 
-def sampled_task_refusal(shape: Shape, cluster: Cluster) -> str | None:
+def sampled_task_refusal(
+    shape: Shape, cluster: Cluster, groups: Sequence[NodeGroup] | None = ()
+) -> str | None:
     """Why no node can run one of the sampled stage's per-layer Ray tasks (a layer's K-means
     selection or its sampled metrics: :mod:`.sampled_tasks`), or None where one can (or the
     stage does not run). Each asks Ray for its peak and one CPU, so a task that no node with a
-    CPU holds would wait for ever; they run on any such node. A head without CPUs
-    (``--num-cpus 0``) runs none, whatever its memory; with no live node with a CPU (an
-    autoscaler's workers, not joined yet) nothing is known, and nothing refused."""
+    CPU holds would wait for ever; they run on any such node, live or of a node type the
+    autoscaler may start (``groups``; None: not said), for which it starts one, as the stage's
+    own check on the live cluster counts them
+    (:func:`~embgeom_ray.distributed.sampled_stage.task_memory_cap`). A head without CPUs
+    (``--num-cpus 0``) runs none, whatever its memory; with no node with a CPU live or known
+    (an autoscaler's workers, not joined yet) nothing is known, and nothing refused."""
     tasks = shape.sampled_tasks()
     memory = [n.memory for n in cluster.nodes if n.cpus >= 1]
+    memory += [g.memory for g in groups or () if g.max_count != 0 and g.cpus >= 1]
     if tasks is None or not memory:
         return None
     return tasks.refusal(max(memory), "the largest node with a CPU")
+
+
+def stage_task_refusal(
+    shape: Shape, cluster: Cluster, groups: Sequence[NodeGroup] | None = ()
+) -> str | None:
+    """Why the sample's per-layer tasks (:func:`sample_task_refusal`) or the sampled stage's
+    (:func:`sampled_task_refusal`) cannot run on ``cluster`` and the node types its autoscaler
+    may start (``groups``), else None: what an analysis and a merge refuse before any work."""
+    return sample_task_refusal(shape, cluster, groups) or sampled_task_refusal(shape, cluster, groups)
 
 
 def sample_task_refused(each: int, most: int, where: str, entries: int, sized_by: str = "") -> str:
@@ -927,7 +942,7 @@ def size_job(
             f"{gib(types * TYPE_ROW_BYTES)} a layer), more than the head node's "
             f"{gib(head)}; lower --sample-size and --sample-type-size, or measure fewer --layers"
         )
-    refused = sample_task_refusal(shape, cluster, groups) or sampled_task_refusal(shape, cluster)
+    refused = stage_task_refusal(shape, cluster, groups)
     if refused:
         raise ConfigError(refused)
     sizing = Sizing(

@@ -247,6 +247,29 @@ def test_plan_json_and_plan_give_what_each_task_asks_for() -> None:
     assert "sampled_tasks" not in size_job(none, corpus, cluster, options.scheduling).to_json()
 
 
+def test_plan_counts_the_node_types_an_autoscaler_may_start() -> None:
+    """A live worker too small for a task, on a cluster whose autoscaler may start a larger
+    node type: the stage's own check counts that type (task_memory_cap), so the plan, of an
+    analysis or a merge, must not refuse what the run then does."""
+    from embgeom_ray.sizing import NodeGroup
+    from embgeom_ray.sizing.decisions import stage_task_refusal
+
+    shape = Shape(layers=7, dim=384, positions=128, vocab=30_522, sample_entries=8192,
+                  sample_points=4096)  # fmt: skip
+    live = Cluster((Node("h", 16 << 30, head=True), Node("w", 300 * MiB, cpus=2)))
+    large = NodeGroup("large", cpus=8, memory=32 << 30, max_count=4)
+    assert sampled_task_refusal(shape, live, [large]) is None
+    assert stage_task_refusal(shape, live, [large]) is None
+    # a type of no CPU, or none may start (max_count 0), or none said: the live nodes decide
+    for groups in ([NodeGroup("gpu0", cpus=0, memory=32 << 30, max_count=4)],
+                   [NodeGroup("none", cpus=8, memory=32 << 30, max_count=0)], None, ()):
+        assert "300 MiB of Ray memory" in sampled_task_refusal(shape, live, groups)
+    # no live node with a CPU, a known type too small: refused, as the stage would
+    head_only = Cluster((Node("h", 16 << 30, head=True),))
+    small = NodeGroup("small", cpus=2, memory=300 * MiB, max_count=None)
+    assert "300 MiB of Ray memory" in sampled_task_refusal(shape, head_only, [small])
+
+
 def test_fit_share_tasks_ask_for_their_peak_and_fit_in_free_memory(monkeypatch) -> None:
     """RayFits' share tasks ask Ray for share_task_bytes of their fits, and a step is split
     into no more tasks than Ray's free memory holds (else a share could wait for memory its
