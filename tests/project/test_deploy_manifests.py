@@ -228,6 +228,22 @@ def _missing_dependencies(names: set[str]) -> list[str]:
     return sorted(wanted - {"ray"} - names)  # ray comes with the rayproject/ray image
 
 
+def test_the_manifests_install_the_s3_extra_with_its_floors(rayjob) -> None:
+    """Both run in object storage (BUCKET) and take its run lock, whose If-Match needs the
+    [s3] extra's botocore floor: each manifest's pip installs every requirement of that
+    extra, with the same bounds (a bare s3fs lets pip keep an image's older botocore)."""
+    extras = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    wanted = {r.replace(" ", "") for r in extras["s3"]}
+    rayjob_env = yaml.safe_load(rayjob["spec"]["runtimeEnvYAML"])
+    cron = _one(CRONJOB, "CronJob")
+    container = _containers(cron["spec"]["jobTemplate"]["spec"]["template"], "CronJob")[0]
+    cron_env = yaml.safe_load({e["name"]: e.get("value") for e in container.get("env", [])}
+                              ["RUNTIME_ENV"])  # fmt: skip
+    for where, env in (("RayJob", rayjob_env), ("CronJob", cron_env)):
+        packages = {p.replace(" ", "") for p in env["pip"]["packages"]}
+        assert wanted <= packages, (where, sorted(wanted - packages))
+
+
 def test_rayjob_entrypoint_runs_analyze(rayjob) -> None:
     modules = _check_entrypoint(rayjob["spec"]["entrypoint"], "RayJob.spec.entrypoint")
     assert "jobs.analyze" in modules
