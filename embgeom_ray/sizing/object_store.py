@@ -130,6 +130,8 @@ class ObjectStorePeak:
             "sampled_stage_bytes": stage.total if stage else 0,
             "sampled_stage_inputs_bytes": stage.inputs if stage else 0,
             "sampled_stage_distances_bytes": stage.distances if stage else 0,
+            "sampled_stage_fit_points_bytes": stage.fit_points if stage else 0,
+            "sampled_stage_sample_bytes": stage.sample if stage else 0,
             "sampled_stage_driver_node_bytes": stage.on_driver_node if stage else 0,
             "samples_table_bytes": self.pieces,
         }

@@ -57,6 +57,10 @@ def test_plan_json_and_plan_line_and_the_warning() -> None:
     store = json.loads(json.dumps(sizing.to_json()))["object_store"]
     assert store["peak_bytes"] == store["sampled_stage_bytes"] == 598_179_840
     assert store["sampled_stage_distances_bytes"] == 402_653_184
+    # every term of the stage's figure, so that tooling can tell them apart
+    assert store["sampled_stage_bytes"] == sum(store[f"sampled_stage_{k}_bytes"]
+                                               for k in ("inputs", "distances", "fit_points", "sample"))
+    assert store["sampled_stage_fit_points_bytes"] == 12 * 4096 * 384 + 8 * 4096
     assert store["extraction_bytes"] == 0  # nothing spills: no statistics budget
     lines = "\n".join(describe_plan(sizing, corpus, checkpoint_interval=None, total_layers=7,
                                     checkpoint_writers=EXTRACTORS))  # fmt: skip
@@ -97,6 +101,7 @@ def test_an_extraction_peak_warns_with_what_changes_the_extraction() -> None:
     sizing = size_job(MINILM, corpus, small, _options().scheduling)
     assert sizing.pool.statistics is not None  # it spills
     line, warning = object_store_lines(sizing, EXTRACTORS)
+    assert "extraction N·(spills, flushes handed over) = 1.1 GiB" in line
     assert "at its peak (extraction), more than the 200 MiB" in warning
     assert warning.endswith("the extractors spill their statistics past their budget σ there: "
                             "measure fewer --layers, or give each more memory (fewer "
