@@ -262,7 +262,10 @@ def store_lines(store: ObjectStorePeak, cluster: Cluster) -> list[str]:
     if store.pieces:
         parts.append(f"samples.parquet's rows 2·s·(4·d + 96) + Q = {gib(store.pieces)}")
     lines = [f"object store: ≈ {gib(store.peak)} at its peak ({'; '.join(parts) or 'small objects only'})"]
-    stores = [n.object_store for n in cluster.nodes]
+    # with no live node with a CPU (an autoscaler's workers, not joined yet) the stores the
+    # stage's tasks will use are not known: only the job's own node's is compared
+    working = any(n.cpus >= 1 for n in cluster.nodes)
+    stores = [n.object_store for n in cluster.nodes] if working else []
     head = max((n.object_store for n in cluster.nodes if n.head), default=0)
     warning = store.warning(stores, head)
     return lines + ([f"  warning: {warning}"] if warning else [])

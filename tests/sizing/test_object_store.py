@@ -109,3 +109,17 @@ def test_an_extraction_peak_warns_with_what_changes_the_extraction() -> None:
     assert "--sample-size" not in warning
     warning = object_store_lines(sizing, DRIVER)[1]
     assert warning.endswith("an --out every extractor's node sees has them write their own groups")
+
+
+def test_no_total_warning_before_an_autoscalers_workers_join() -> None:
+    """cluster.yaml's head (--num-cpus 0) alone: the workers that will run the stage, and
+    their stores, have not joined, so the head's store is not "the cluster's"; what the job's
+    own process puts on its node is still compared with the head's."""
+    corpus = CorpusShape("c", 1, 10**6, 1)
+    head_only = Cluster((Node("h", 16 << 30, cpus=0, head=True, object_store=200 * MiB),))
+    sizing = size_job(MINILM, corpus, head_only, _options().scheduling)
+    lines = object_store_lines(sizing, EXTRACTORS)
+    assert len(lines) == 1 and lines[0].startswith("object store: ≈ 424 MiB at its peak"), lines
+    tiny = Cluster((Node("h", 16 << 30, cpus=0, head=True, object_store=100 * MiB),))
+    warned = object_store_lines(size_job(MINILM, corpus, tiny, _options().scheduling), EXTRACTORS)
+    assert "the sampled stage alone (168 MiB) more than its node's 100 MiB" in warned[1]
