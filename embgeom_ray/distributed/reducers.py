@@ -683,6 +683,9 @@ def place_where_seen(
 STOP_WAIT_S = 30.0
 #: seconds it waits for the reducers to say what they hold (idle ones answer in milliseconds)
 HELD_ASK_S = 2.0
+#: seconds it waits, once every reducer is gone, for the nodes' view to show their memory
+#: back (10–100 ms measured); past them, memory another job took meanwhile is why it is not
+SETTLED_S = 1.0
 
 
 def stop_reducers(actors: Sequence[Any], wait_s: float = 0.0) -> None:
@@ -693,7 +696,12 @@ def stop_reducers(actors: Sequence[Any], wait_s: float = 0.0) -> None:
     back: ``ray.kill`` returns before the actor's process ends, and the nodes report their
     freed resources some 10–100 ms after Ray says the actor is dead; the sampled stage, which
     follows, sizes its tasks by the memory that view shows free. (Measured on a local Ray:
-    memory still held when the stage started without this wait.)"""
+    memory still held when the stage started without this wait.) The view is the nodes' free
+    memory, which other jobs' actors and tasks take and give back meanwhile: one taking some
+    of a node's memory after it was read would hold the wait to its end (30 s, measured on a
+    local Ray). So the wait also ends :data:`SETTLED_S` after every reducer is gone (a call
+    to each has failed, or answered: killed, it can answer no other), whatever the view
+    says."""
     from .sample_tasks import free_memory
 
     held: dict[str, float] = {}
@@ -710,11 +718,17 @@ def stop_reducers(actors: Sequence[Any], wait_s: float = 0.0) -> None:
     before = free_memory() if any(held.values()) else {}
     for actor in actors:
         ray.kill(actor)
-    deadline = time.monotonic() + wait_s
-    while before and time.monotonic() < deadline:
+    if not before:
+        return
+    gone = [actor.held.remote() for actor in actors]  # each fails once its actor is dead
+    deadline, settled = time.monotonic() + wait_s, math.inf
+    while time.monotonic() < min(deadline, settled):
         free = free_memory()  # a node gone, or not said: nothing to wait for there
         if all(free.get(n, math.inf) >= before.get(n, 0.0) + m for n, m in held.items()):
             break
+        if settled == math.inf:
+            done, _ = ray.wait(gone, num_returns=len(gone), timeout=0)
+            settled = time.monotonic() + SETTLED_S if len(done) == len(gone) else math.inf
         time.sleep(0.02)
 
 

@@ -350,6 +350,36 @@ def test_reducers_merge_runs_cut_into_other_partitions(tmp_path, ray_local):
         merged.close()
 
 
+def test_the_reducers_stop_waits_for_their_memory_not_for_another_jobs(ray_local, monkeypatch):
+    """``stop_reducers`` waits until Ray's view of the nodes has the reducers' memory back
+    (the sampled stage sizes its tasks by it). The view is each node's free memory, which
+    other jobs take too: one taking some after the view was read held every stop to the end
+    of its wait (30 s in the job; measured on a local Ray). It now ends soon after the
+    reducers are gone."""
+    from embgeom_ray.distributed import reducers, sample_tasks
+
+    each = 64 * 2**20
+    real = sample_tasks.free_memory
+    actors = reducers.start_reducers(2, memory=each)
+    (node, _), _ = ray_local.get([a.held.remote() for a in actors])
+    before = real()[node]
+    reducers.stop_reducers(actors, 20.0)
+    assert real()[node] >= before + 2 * each  # back in the view when the stop returns
+
+    actors = reducers.start_reducers(2, memory=each)
+    ray_local.get([a.held.remote() for a in actors])
+    reads: list[int] = []
+
+    def taken() -> dict[str, float]:  # another job's actor takes 256 MiB once it was read
+        reads.append(1)
+        return {n: b - (0 if len(reads) == 1 else 4 * each) for n, b in real().items()}
+
+    monkeypatch.setattr(sample_tasks, "free_memory", taken)
+    t0 = time.monotonic()
+    reducers.stop_reducers(actors, 20.0)
+    assert time.monotonic() - t0 < reducers.SETTLED_S + 5, len(reads)
+
+
 def alive_reducers() -> set[str]:
     """The ids of this Ray job's reducer actors not dead (Ray's own actor table)."""
     import ray
