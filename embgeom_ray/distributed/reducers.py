@@ -577,12 +577,15 @@ class PartitionedStatistics:
         refs = [actor.peak_memory.remote() for actor in self.actors]
         return [self._get(r, ref, "peak_memory") for r, ref in enumerate(refs)]
 
-    def close(self) -> None:
-        """Stop the reducers and wait until Ray has their memory back
-        (:func:`stop_reducers`); once closed, asking for anything they held is an error
-        (not a reducer started again). Again: nothing more."""
+    def close(self, wait: bool = False) -> None:
+        """Stop the reducers; with ``wait`` (before the sampled stage, which gets their
+        memory), wait until Ray has their memory back (:func:`stop_reducers`): not on an
+        error's or a SIGTERM's way out, where it would only delay the exit (``ray job stop``
+        kills a job that has not ended a few seconds after its SIGTERM). Once closed, asking
+        for anything they held is an error (not a reducer started again). Again: nothing
+        more."""
         actors, self.actors, self.closed = self.actors, [], True
-        stop_reducers(actors, STOP_WAIT_S)
+        stop_reducers(actors, STOP_WAIT_S if wait else 0.0)
 
 
 _RemoteReducer = ray.remote(max_restarts=0)(Reducer)

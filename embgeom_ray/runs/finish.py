@@ -68,9 +68,10 @@ class RunStatistics(Protocol):
     def peak_memory(self) -> list[dict[str, int | None]]:
         """Each reducer's peak resident and private memory (none for this process's)."""
 
-    def close(self) -> None:
-        """Release what holds the statistics (the reducer actors, their Ray memory back when
-        it returns); again: nothing more. Nothing is asked of the statistics after it."""
+    def close(self, wait: bool = False) -> None:
+        """Release what holds the statistics (the reducer actors; with ``wait``, their Ray
+        memory back when it returns, as before the sampled stage); again: nothing more.
+        Nothing is asked of the statistics after it."""
 
 
 class StatisticsHere:
@@ -109,7 +110,7 @@ class StatisticsHere:
     def peak_memory(self) -> list[dict[str, int | None]]:
         return []
 
-    def close(self) -> None:
+    def close(self, wait: bool = False) -> None:
         pass
 
 
@@ -180,7 +181,7 @@ def finish_run(
     # reducers; then the reducers are stopped, their Ray memory free for the stage's tasks
     artefacts = run.save_artefacts(merged)
     reducers, reducer_peaks = merged.describe(), merged.peak_memory()
-    merged.close()
+    merged.close(wait=True)
     layers = as_layers(sample)
     t_saved = time.perf_counter()
     # a large sample is handled by Ray tasks: this process holds no layer of it; the tasks

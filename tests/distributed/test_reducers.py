@@ -350,6 +350,27 @@ def test_reducers_merge_runs_cut_into_other_partitions(tmp_path, ray_local):
         merged.close()
 
 
+def test_closed_reducers_wait_for_their_memory_only_before_the_stage(monkeypatch):
+    """``close(wait=True)`` (finish_run, before the sampled stage) waits until Ray has the
+    reducers' memory back; the callers' ``close()`` on an error's or a SIGTERM's way out
+    waited too (up to 2 s asking busy reducers what they hold, then the memory's wait),
+    delaying the exit that ``ray job stop`` allows a few seconds. Closed, they are asked
+    nothing more, and closing again stops nothing."""
+    from embgeom_ray.distributed import reducers
+
+    stops: list[tuple[list[str], float]] = []
+    monkeypatch.setattr(reducers, "stop_reducers", lambda a, w=0.0: stops.append((list(a), w)))
+    for wait, waited in ((False, 0.0), (True, reducers.STOP_WAIT_S)):
+        merged = object.__new__(PartitionedStatistics)
+        merged.actors, merged.closed = ["r0", "r1"], False
+        merged.close(wait=wait)
+        merged.close(wait=wait)
+        assert [s for s in stops if s[0]] == [(["r0", "r1"], waited)]  # again: none stopped
+        with pytest.raises(RuntimeError, match="stopped"):
+            merged.peak_memory()
+        stops.clear()
+
+
 def test_the_reducers_stop_waits_for_their_memory_not_for_another_jobs(ray_local, monkeypatch):
     """``stop_reducers`` waits until Ray's view of the nodes has the reducers' memory back
     (the sampled stage sizes its tasks by it). The view is each node's free memory, which
