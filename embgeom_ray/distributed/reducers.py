@@ -703,8 +703,7 @@ def stop_reducers(actors: Sequence[Any], wait_s: float = 0.0) -> None:
     memory, which other jobs' actors and tasks take and give back meanwhile: one taking some
     of a node's memory after it was read would hold the wait to its end (30 s, measured on a
     local Ray). So the wait also ends :data:`SETTLED_S` after every reducer is gone (a call
-    to each has failed, or answered: killed, it can answer no other), whatever the view
-    says."""
+    to each has failed: Ray says it is dead), whatever the view says."""
     from .sample_tasks import free_memory
 
     held: dict[str, float] = {}
@@ -723,16 +722,30 @@ def stop_reducers(actors: Sequence[Any], wait_s: float = 0.0) -> None:
         ray.kill(actor)
     if not before:
         return
-    gone = [actor.held.remote() for actor in actors]  # each fails once its actor is dead
+    alive = {actor.held.remote(): actor for actor in actors}  # a call fails once it is dead
     deadline, settled = time.monotonic() + wait_s, math.inf
     while time.monotonic() < min(deadline, settled):
         free = free_memory()  # a node gone, or not said: nothing to wait for there
         if all(free.get(n, math.inf) >= before.get(n, 0.0) + m for n, m in held.items()):
             break
-        if settled == math.inf:
-            done, _ = ray.wait(gone, num_returns=len(gone), timeout=0)
-            settled = time.monotonic() + SETTLED_S if len(done) == len(gone) else math.inf
+        if alive:
+            alive = _still_alive(alive)
+            settled = time.monotonic() + SETTLED_S if not alive else math.inf
         time.sleep(0.02)
+
+
+def _still_alive(calls: dict[Any, Any]) -> dict[Any, Any]:
+    """``calls`` (a pending call -> its actor) less the actors a failed call says are dead;
+    one that answered (the kill not there yet) is asked again."""
+    ready, _ = ray.wait(list(calls), num_returns=len(calls), timeout=0)
+    out = {ref: actor for ref, actor in calls.items() if ref not in set(ready)}
+    for ref in ready:
+        try:
+            ray.get(ref)
+        except ray.exceptions.RayActorError:
+            continue
+        out[calls[ref].held.remote()] = calls[ref]
+    return out
 
 
 class _LazyStates(Mapping[int, LayerMoments]):
