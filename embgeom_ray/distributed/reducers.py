@@ -28,7 +28,8 @@ each gets the plan (:meth:`Reducer.configure`), cut from the ids seen, before it
 anything. They are stopped as soon as the run has all it needs of them: the exact tables, the
 statistics artefact and what the manifest records of them (:meth:`PartitionedStatistics.close`
 in :func:`~embgeom_ray.runs.finish.finish_run`, before the sampled stage, which gets their Ray
-memory: close waits until Ray's view of the nodes has it back).
+memory: ``close(wait=True)`` waits until Ray's view of the nodes has it back, or 1 s after
+they are gone; an error's ``close()`` does not wait).
 
 Faults: a reducer's part is a pure function of the group files, which stay on disk until the
 run is complete, and a group is applied once (keyed by its URL). Every source comes with the
