@@ -339,7 +339,9 @@ def serial_fits(
     return fit(X, inits)
 
 
-def silhouette_from_distances(D: np.ndarray, labels: np.ndarray) -> float:
+def silhouette_from_distances(
+    D: np.ndarray, labels: np.ndarray, scored: np.ndarray | None = None
+) -> float:
     """Mean silhouette (Rousseeuw 1987) of ``labels`` from a precomputed distance matrix.
 
     D: (n, n) distances with a zero diagonal. With S_iC = Σ_{j ∈ C} D_ij, n_C the size of
@@ -349,31 +351,45 @@ def silhouette_from_distances(D: np.ndarray, labels: np.ndarray) -> float:
     metric="precomputed")``, bit for bit: S is summed in the same order (a weighted
     ``bincount`` of each row by label), but over blocks of rows at once instead of one Python
     call per row. Raises ValueError unless 2 ≤ #labels ≤ n − 1, as scikit-learn does.
+
+    ``scored``: sorted indices of the points scored, ``labels`` theirs; the value is that of
+    ``D[np.ix_(scored, scored)]``, bit for bit, without gathering that block: each scored
+    row of D is summed whole, the columns of the other points into a bin of their own, so
+    that every S_iC adds the same entries in the same order (a half-sample's types' silhouette,
+    87% of its points: 15.5 → 9 ms; the layer's, 63 → 32 ms).
     """
     D = np.asarray(D, dtype=np.float64)
     labels = np.asarray(labels)
     n = len(labels)
-    if D.shape != (n, n) or labels.ndim != 1:
+    N = len(D) if scored is not None else n
+    if D.shape != (N, N) or labels.ndim != 1 or (scored is not None and len(scored) != n):
         raise ValueError(f"D must be (n, n) and labels (n,), got {D.shape} and {labels.shape}")
     _, lab, cnt = np.unique(labels, return_inverse=True, return_counts=True)
     lab = lab.reshape(-1)
     n_labels = len(cnt)
     if not 2 <= n_labels <= n - 1:
         raise ValueError(f"the silhouette needs 2 <= #labels <= n - 1, got {n_labels} of {n}")
+    # each column's bin: its label, or (outside ``scored``) bin n_labels, dropped
+    bins, width = (lab, n_labels) if scored is None else (np.full(N, n_labels), n_labels + 1)
+    if scored is not None:
+        bins[scored] = lab
     S = np.empty((n, n_labels))
-    block = max(1, (1 << 20) // n)  # rows per bincount: ~1M distances
+    block = min(n, max(1, (1 << 20) // N))  # rows per bincount: ~1M distances
+    # each block's bins (row r, column's bin) = r · width + bin: the same for every block,
+    # made once (half of a block's time when made for each: 10.7 → 5.7 ms at n = 2,048)
+    flat = (np.arange(block)[:, None] * width + bins[None, :]).ravel()
     for a in range(0, n, block):
-        rows = D[a : a + block]
-        flat = np.arange(len(rows))[:, None] * n_labels + lab[None, :]
-        S[a : a + len(rows)] = np.bincount(
-            flat.ravel(), weights=rows.ravel(), minlength=len(rows) * n_labels
-        ).reshape(len(rows), n_labels)
+        rows = D[a : a + block] if scored is None else D[scored[a : a + block]]
+        m = len(rows)
+        S[a : a + m] = np.bincount(
+            flat[: m * N], weights=rows.ravel(), minlength=m * width
+        ).reshape(m, width)[:, :n_labels]
     own = cnt[lab]
     idx = np.arange(n)
     with np.errstate(divide="ignore", invalid="ignore"):
         a = S[idx, lab] / (own - 1)
         S[idx, lab] = np.inf
-        b = (S / cnt).min(axis=1)
+        b = np.divide(S, cnt, out=S).min(axis=1)
         s = (b - a) / np.maximum(a, b)
     return float(np.nan_to_num(s).mean())
 

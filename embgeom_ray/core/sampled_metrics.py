@@ -322,8 +322,12 @@ def _silhouettes_of_rows(
     labelling (name -> (labels of ``rows``, ``min_label_count``)), from one distance matrix.
 
     The scored points of each are drawn as :func:`silhouette_by_labels` draws them; their
-    distances are blocks of the point set's matrix, or, without one, of one
-    ``pairwise_distances`` of the union of the scored points (of at most ``max_points``
+    distances are blocks of one block of the point set's matrix, that of the union of the
+    scored points (a half-sample's K-means labelling scores all of its points, its types'
+    labelling a subset, whose sums are taken from the first's rows, not from a second
+    gather: :func:`~.kmeans_selection.silhouette_from_distances` with ``scored``; the same
+    entries in the same order), or, without a matrix, of one
+    ``pairwise_distances`` of that union (of at most ``max_points``
     points: the two silhouettes of a half-sample of up to 2 · ``max_points`` points share
     it), else one matrix per labelling (each of at most ``max_points`` points). With
     ``max_points`` None and no matrix: scikit-learn's ``silhouette_score`` (chunked).
@@ -348,16 +352,20 @@ def _silhouettes_of_rows(
         return pairwise_distances(P - P.mean(axis=0))
 
     union = np.unique(np.concatenate(list(sels.values()))) if sels else np.arange(0)
-    shared = pts.dist is None and len(union) <= max_points
-    D_union = matrix_of(rows[union]) if shared and len(sels) else None
+    if pts.dist is not None:  # one gather from the n × n matrix, each block from that one
+        D_union = _block(pts.dist, rows[union]) if len(sels) else None
+    else:
+        shared = len(union) <= max_points
+        D_union = matrix_of(rows[union]) if shared and len(sels) else None
     for name, sel in sels.items():
-        if pts.dist is not None:
-            D = _block(pts.dist, rows[sel])
-        elif D_union is not None:
-            D = _block(D_union, np.searchsorted(union, sel))
-        else:
-            D = matrix_of(rows[sel])
-        out[name] = silhouette_from_distances(D, labellings[name][0][sel])
+        labels = labellings[name][0][sel]
+        if D_union is None:
+            out[name] = silhouette_from_distances(matrix_of(rows[sel]), labels)
+        elif len(sel) == len(union):
+            out[name] = silhouette_from_distances(D_union, labels)
+        else:  # the block of D_union, summed from its rows (bit for bit)
+            scored = np.searchsorted(union, sel)
+            out[name] = silhouette_from_distances(D_union, labels, scored)
     return out
 
 

@@ -201,6 +201,29 @@ def test_silhouette_from_distances_equals_sklearn():
             silhouette_from_distances(D, bad)
 
 
+def test_silhouette_from_distances_of_scored_points_is_their_blocks_to_the_bit():
+    """``scored``: the silhouette of the block D[scored][:, scored], bit for bit, from D's rows
+    (the other columns summed into a bin of their own), over several blocks of rows."""
+    rng = np.random.default_rng(11)
+    X = np.vstack([rng.normal(size=(400, 6)) + 3 * i for i in range(3)])
+    D = pairwise_distances(X - X.mean(axis=0))
+    labels = rng.integers(0, 40, len(X))
+    for scored in (
+        np.sort(rng.choice(len(X), 900, replace=False)),  # ~1M / 1,200 rows a block: 2 blocks
+        np.arange(len(X))[::3],
+        np.arange(len(X) - 1),
+    ):
+        block = D[np.ix_(scored, scored)]
+        ref = silhouette_from_distances(block, labels[scored])
+        got = silhouette_from_distances(D, labels[scored], scored)
+        assert np.float64(got).tobytes() == np.float64(ref).tobytes()
+        np.testing.assert_allclose(
+            got, silhouette_score(block, labels[scored], metric="precomputed"), rtol=1e-12
+        )
+    with pytest.raises(ValueError, match="labels"):
+        silhouette_from_distances(D, labels[:10], np.arange(11))
+
+
 def test_select_k_equals_an_independent_scan_with_sklearn():
     """Every k of the scan: an inertia within 0.5% of scikit-learn's KMeans(n_init=10), and no
     higher in the median over k; the best k's inertia and silhouette are those of its labels
