@@ -154,6 +154,7 @@ def finish_run(
     t_start: float,
     echo: Callable[[str], None] = print,
     before_report: Callable[[], None] | None = None,
+    artefacts: list[str] | None = None,
 ) -> Manifest:
     """Tables, sampled metrics, artefacts, the complete manifest, the summary and the report.
 
@@ -171,6 +172,10 @@ def finish_run(
     ``before_report`` runs once the manifest is complete, before the report is drawn: the
     analysis removes its checkpoint groups there, so that the report's file list shows the
     directory as it stays.
+    ``artefacts``: the statistics artefact already in place, not written again (a
+    re-tabulation's: the artefact it read, the same content; rewriting it would put the run's
+    only copy at risk, and on object storage upload it again); its digests are the caller's
+    to put in ``run.written``.
     """
     t0 = time.perf_counter()
     with run.table_writer("type_stats") as type_rows:  # a layer's rows at a time, not L·V
@@ -179,7 +184,8 @@ def finish_run(
     # all the sampled stage and the rest need of the statistics: their artefact (the manifest
     # says ``running`` until every output is in place) and what the manifest records of their
     # reducers; then the reducers are stopped, their Ray memory free for the stage's tasks
-    artefacts = run.save_artefacts(merged)
+    if artefacts is None:
+        artefacts = run.save_artefacts(merged)
     reducers, reducer_peaks = merged.describe(), merged.peak_memory()
     merged.close(wait=True)
     layers = as_layers(sample)

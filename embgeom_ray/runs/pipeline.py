@@ -72,18 +72,23 @@ from ..inputs.model_loading import (
     resolve_layers,
     weight_bytes,
 )
-from ..integrity import integrity_error
+from ..integrity import Digest, digests_from_json, digests_json, integrity_error
 from ..io_utils import atomic_write_bytes, join, path_key, within
 from ..report.figure_groups import FIGURE_GROUPS
 from ..run_dir import (
+    DOC_HASHES,
     GROUPS,
     MANIFEST,
+    PARTS_INDEX,
     RUN_ENTRIES,
     RUN_JSON,
+    STATISTICS,
+    STATISTICS_PARTS,
     CorpusInfo,
     DedupInfo,
     Manifest,
     ModelInfo,
+    Outputs,
     RunDir,
     ShardsInfo,
     TokenizerInfo,
@@ -679,8 +684,8 @@ def retable(run: RunDir, done: Manifest, spec: RunSpec, t_start: float, echo) ->
     """A complete run's tables again from its own artefacts, under ``spec.config``'s table
     options (``--min-count``, outlier rules, K-means, LID, …): no extraction. Where the sizing
     puts the reduce on reducer actors (:func:`~embgeom_ray.sizing.size_reduce`, the types the
-    artefact holds) they read it partition by partition (never whole in this process) and
-    write it back partitioned."""
+    artefact holds) they read it partition by partition (never whole in this process). The
+    artefact is kept as it is, never written again (:func:`kept_artefacts`)."""
     from ..distributed.cluster import connect, read_cluster
     from ..distributed.reducers import (
         PartitionedStatistics,
@@ -729,6 +734,9 @@ def _retable(
 ) -> dict[str, Any]:
     config = spec.config
     sample = run_samples(run)
+    artefacts, digests = kept_artefacts(run, done)
+    # the running manifest names the statistics artefact, kept as it is, with its digest;
+    # the tables are being rewritten, so it names none
     manifest = Manifest.model_validate(done.to_json()).set(
         status="running",
         started_at=now(),
@@ -736,10 +744,31 @@ def _retable(
         outlier_rules=OutlierRules.of(config.tables).describe(),
         timings_s={"plan": round(time.perf_counter() - t_start, 3)},
         sizing=(done.sizing or {}) | {"reduce": asdict(reduce)},
+        outputs=Outputs(artefacts=artefacts, digests=digests_json(digests)),
     )
     run.write_manifest(manifest)
-    finish_run(run, manifest, merged, sample, spec.tokenizer, config, t_start=t_start, echo=echo)
+    run.written.update(digests)  # what the complete manifest records of what it did not write
+    finish_run(
+        run, manifest, merged, sample, spec.tokenizer, config, t_start=t_start, echo=echo,
+        artefacts=[name for name in artefacts if name != DOC_HASHES],
+    )  # fmt: skip
     return manifest.to_json()
+
+
+def kept_artefacts(run: RunDir, done: Manifest) -> tuple[list[str], dict[str, Digest]]:
+    """What a re-tabulation keeps of the run as it is: the statistics artefact (and a
+    ``--dedup`` run's ``doc_hashes.npy``) and the digests recorded for them and for
+    ``samples.parquet`` (its sample, read while it is rewritten); a run of an earlier version
+    records none for the artefact, which is then hashed here (its index, if partitioned)."""
+    recorded = digests_from_json(done.outputs.digests) if done.outputs else {}
+    partitioned = not run.statistics_url().endswith(STATISTICS)
+    name = STATISTICS_PARTS + "/" if partitioned else STATISTICS
+    key = join(STATISTICS_PARTS, PARTS_INDEX) if partitioned else STATISTICS
+    digests = {k: d for k, d in recorded.items() if k in (key, DOC_HASHES, "samples.parquet")}
+    if key not in digests:
+        digests[key] = Digest.of_file(run.path(key))
+    artefacts = [name, *([DOC_HASHES] if done.dedup is not None else [])]
+    return artefacts, digests
 
 
 def analyze(config: JobConfig, *, echo=print) -> dict[str, Any]:

@@ -161,10 +161,17 @@ def test_minilm_on_real_english_equals_float64_reference(tmp_path, ray_local, mi
     # (no extraction): norm_variance_corr over types with at least 2 occurrences (its report
     # and sampled extras left out: the run above drew them)
     said.clear()
+    artefact = out / "statistics.safetensors"
+    before = (artefact.stat().st_ino, artefact.stat().st_mtime_ns, artefact.read_bytes())
     retable = on_disk["config"] | {"min_count": 2, "no_report": True} | LIGHT_SAMPLED
     again = analyze(build_config(None, retable), echo=said.append)
     assert "rebuilt" in said[0] and "min_count" in said[0]
     assert again["config"]["min_count"] == 2 and again["counts"] == on_disk["counts"]
+    # the re-tabulation kept the artefact it read as it was (not written again) and records
+    # the same digest for it
+    assert (artefact.stat().st_ino, artefact.stat().st_mtime_ns, artefact.read_bytes()) == before
+    digest = on_disk["outputs"]["digests"]["statistics.safetensors"]
+    assert again["outputs"]["digests"]["statistics.safetensors"] == digest
     types = pd.read_parquet(out / "type_stats.parquet")
     layers = pd.read_parquet(out / "layers.parquet").set_index("layer")
     for layer, rows in types.loc[types["count"] >= 2].groupby("layer"):
