@@ -784,6 +784,33 @@ class RunDir:
             [EmbeddingStatistics.load(_part_ref(ref.url, index, name)) for name in index["files"]]
         )
 
+    def statistics_intact(self) -> bool:
+        """Whether the run's statistics artefact is present and every byte of it matches the
+        digest the manifest records (``outputs.digests``; of a partitioned artefact, its
+        index's, then each part's as the index records it): read once, a block at a time.
+        False where no digest is recorded (nothing to check it against) or a file is missing
+        or differs. What lets an interrupted re-tabulation start again from the artefact
+        (:func:`~embgeom_ray.runs.pipeline.already_complete`)."""
+        try:
+            ref = self.statistics_ref()
+        except RunDirError:
+            return False
+        if ref.digest is None:
+            return False
+        try:
+            if not ref.url.endswith(STATISTICS):  # the index checked, then each part
+                index = _parts_index(ref)
+                if index is None:
+                    return False
+                parts = [_part_ref(ref.url, index, name) for name in index["files"]]
+                return all(
+                    part.digest is not None and Digest.of_file(part.url) == part.digest
+                    for part in parts
+                )
+            return Digest.of_file(ref.url) == ref.digest
+        except (UserError, OSError, ValueError):
+            return False
+
     def statistics_ref(self) -> FileRef:
         """:meth:`statistics_url` with the digest the manifest records for it (for the
         ``statistics/`` directory, its ``index.json``'s)."""

@@ -640,11 +640,30 @@ def start_manifest(spec: RunSpec, started_at: str) -> Manifest:
 
 
 def already_complete(run: RunDir, fingerprint: str) -> Manifest | None:
-    """The manifest of a complete run of this fingerprint whose checkpoints were removed."""
+    """The manifest of a complete run of this fingerprint whose checkpoints were removed, or
+    of such a run whose re-tabulation was stopped (:func:`interrupted_retable`): its
+    statistics artefact is all a re-tabulation needs, so it is re-tabulated again, never
+    extracted again (its checkpoint groups are gone)."""
     if run.has(GROUPS) or not run.has_statistics() or not run.has_manifest():
         return None
     manifest = run.manifest()
-    return manifest if manifest.complete and manifest.fingerprint == fingerprint else None
+    if manifest.fingerprint != fingerprint:
+        return None
+    return manifest if manifest.complete or interrupted_retable(run, manifest) else None
+
+
+def interrupted_retable(run: RunDir, manifest: Manifest) -> bool:
+    """Whether ``manifest`` (``running``) is a re-tabulation's (:func:`_retable`) that did not
+    finish, with its statistics artefact intact: it names the artefact among its outputs
+    (only a re-tabulation's ``running`` manifest does; an extraction's has none until it is
+    complete) and every byte of the artefact matches the digest recorded there
+    (:meth:`RunDir.statistics_intact`). The caller has checked the fingerprint (model,
+    corpus, extraction options): the artefact is this run's."""
+    outputs = manifest.outputs
+    named = outputs is not None and any(
+        name in (STATISTICS, STATISTICS_PARTS + "/") for name in outputs.artefacts
+    )
+    return not manifest.complete and named and run.statistics_intact()
 
 
 def changed_table_options(manifest: Manifest, config: JobConfig) -> list[str]:
@@ -659,7 +678,14 @@ def changed_table_options(manifest: Manifest, config: JobConfig) -> list[str]:
 def reuse_complete(
     run: RunDir, done: Manifest, spec: RunSpec, t_start: float, echo
 ) -> dict[str, Any]:
-    """A rerun of a complete run: nothing to do, or its tables again for changed options."""
+    """A rerun of a complete run: nothing to do, or its tables again for changed options (a
+    re-tabulation that was stopped: again, whatever the options)."""
+    if not done.complete:
+        echo(
+            f"{run.url} holds this run, stopped while its tables were rebuilt; they are rebuilt "
+            "again from its statistics and sample (nothing is extracted)"
+        )
+        return retable(run, done, spec, t_start, echo)
     changed = changed_table_options(done, spec.config)
     if not changed and done.lacks_report(spec.config.no_report):
         from ..report.html import write_run_report
@@ -735,8 +761,9 @@ def _retable(
     config = spec.config
     sample = run_samples(run)
     artefacts, digests = kept_artefacts(run, done)
-    # the running manifest names the statistics artefact, kept as it is, with its digest;
-    # the tables are being rewritten, so it names none
+    # the running manifest names the statistics artefact, kept as it is, with its digest: a
+    # re-tabulation stopped from here on is re-tabulated again (already_complete), and the
+    # artefact is checked against it; the tables are being rewritten, so it names none
     manifest = Manifest.model_validate(done.to_json()).set(
         status="running",
         started_at=now(),

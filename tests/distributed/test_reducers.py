@@ -298,6 +298,26 @@ def test_a_whole_artefact_replaces_a_partitioned_one(tmp_path, reducer_sets):
     assert_same_state(run.load_statistics(), whole)
 
 
+def test_a_partitioned_artefact_is_intact_only_as_its_digests_record(tmp_path, reducer_sets):
+    """``RunDir.statistics_intact`` (what lets a stopped re-tabulation start again from the
+    artefact) of a ``statistics/`` directory: its index's recorded digest, then every part's
+    bytes as the index records them; nothing recorded, a flipped bit or a part missing: no."""
+    _, _, parts = reducer_sets(2, True, 1e4, True)
+    out = tmp_path / "run"
+    recorded = {"statistics/index.json": parts.save(str(out / "statistics"))}
+    assert RunDir(str(out), recorded).statistics_intact()
+    assert not RunDir(str(out)).statistics_intact()  # no digest to check it against
+    files = sorted(p for p in (out / "statistics").iterdir() if p.name != "index.json")
+    assert len(files) == 4  # each reducer's rows and per-layer state
+    data = files[-1].read_bytes()
+    files[-1].write_bytes(data[:-1] + bytes([data[-1] ^ 1]))
+    assert not RunDir(str(out), recorded).statistics_intact()
+    files[-1].write_bytes(data)
+    assert RunDir(str(out), recorded).statistics_intact()
+    files[-1].unlink()
+    assert not RunDir(str(out), recorded).statistics_intact()
+
+
 def test_a_partitioned_artefact_reads_back_any_part(tmp_path, reducer_sets):
     """``load_statistics_part`` on a ``statistics/`` directory cut by 3 reducers gives, for
     parts cut anywhere else (other ranges, layer subsets, per-layer state or not), exactly

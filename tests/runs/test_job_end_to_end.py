@@ -96,7 +96,9 @@ def assert_tables_close(ours: dict, ref: dict, *, rtol: float, cos_atol: float) 
         np.testing.assert_allclose(da[col], db[col], rtol=rtol, atol=rtol * scale, err_msg=col)
 
 
-def test_minilm_on_real_english_equals_float64_reference(tmp_path, ray_local, minilm_dir, capsys):
+def test_minilm_on_real_english_equals_float64_reference(
+    tmp_path, ray_local, minilm_dir, capsys, monkeypatch
+):
     # 16 documents of 500 characters (7 KB of JSON lines): 2 shards of 4 KB, every document
     # longer than one 64-token window
     docs = english_documents(16, 500)
@@ -175,6 +177,49 @@ def test_minilm_on_real_english_equals_float64_reference(tmp_path, ray_local, mi
     types = pd.read_parquet(out / "type_stats.parquet")
     layers = pd.read_parquet(out / "layers.parquet").set_index("layer")
     for layer, rows in types.loc[types["count"] >= 2].groupby("layer"):
+        r = np.corrcoef(rows["mean_norm"], rows["variance"])[0, 1]
+        assert layers.at[layer, "norm_variance_corr"] == pytest.approx(r, abs=1e-9)
+    assert_retable_resumes(out, retable | {"min_count": 3}, digest, monkeypatch)
+
+
+def assert_retable_resumes(out, options: dict, digest: dict, monkeypatch) -> None:
+    """A re-tabulation of the complete run at ``out`` stopped in its sampled stage leaves it
+    ``running``; the same command again re-tabulates it from its statistics artefact (checked
+    against ``digest``), never extracts it again, and a corrupt artefact is not re-tabulated."""
+    from embgeom_ray.run_dir import RunDir
+    from embgeom_ray.runs import finish
+
+    def stopped(*_args, **_kwargs):
+        raise KeyboardInterrupt  # as a SIGTERM in the sampled stage
+
+    with monkeypatch.context() as patch:
+        patch.setattr(finish, "add_sampled_metrics", stopped)
+        with pytest.raises(KeyboardInterrupt):
+            analyze(build_config(None, options), echo=lambda _line: None)
+    running = json.loads((out / "manifest.json").read_text())
+    assert running["status"] == "running" and not (out / "groups").exists()
+    assert running["outputs"]["artefacts"] == ["statistics.safetensors"]
+    assert running["outputs"]["digests"]["statistics.safetensors"] == digest
+    # a flipped byte in the artefact: not this run's statistics, so not re-tabulated from them
+    run = RunDir(str(out))
+    artefact = out / "statistics.safetensors"
+    data = artefact.read_bytes()
+    assert pipeline.already_complete(run, running["fingerprint"]) is not None
+    artefact.write_bytes(data[:-1] + bytes([data[-1] ^ 1]))
+    assert pipeline.already_complete(run, running["fingerprint"]) is None
+    artefact.write_bytes(data)
+    said: list[str] = []
+    again = analyze(build_config(None, options), echo=said.append)
+    assert "stopped while its tables were rebuilt" in said[0], said
+    assert not any("shards already done" in line for line in said), said
+    assert again["status"] == "complete" and again["config"]["min_count"] == 3
+    assert "extract_wall" not in again["timings_s"] and again["timings_s"]["sampled"] > 0
+    assert again["outputs"]["digests"]["statistics.safetensors"] == digest
+    assert artefact.read_bytes() == data
+    # the tables are the new options': norm_variance_corr over types seen at least 3 times
+    types = pd.read_parquet(out / "type_stats.parquet")
+    layers = pd.read_parquet(out / "layers.parquet").set_index("layer")
+    for layer, rows in types.loc[types["count"] >= 3].groupby("layer"):
         r = np.corrcoef(rows["mean_norm"], rows["variance"])[0, 1]
         assert layers.at[layer, "norm_variance_corr"] == pytest.approx(r, abs=1e-9)
 
