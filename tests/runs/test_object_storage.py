@@ -338,6 +338,27 @@ def test_overwrite_in_a_bucket_keeps_the_users_objects(s3, monkeypatch):
     assert not fs.exists(f"{prefix}/manifest.json")
 
 
+def test_a_stopped_retable_checks_its_artefact_in_a_bucket(s3, monkeypatch):
+    """What lets a stopped re-tabulation start again from the statistics artefact
+    (``RunDir.statistics_intact``) reads it from the bucket and holds only while every byte
+    matches the digest recorded when it was written: a flipped bit, or none recorded, no."""
+    from embgeom_ray.integrity import Digest
+    from embgeom_ray.run_dir import RunDir
+
+    for key, value in s3.env.items():
+        monkeypatch.setenv(key, value)
+    fs = s3.fs()
+    url = f"s3://{BUCKET}/retabled"
+    data = bytes(range(256)) * 4096  # 1 MiB: one block
+    fs.pipe(f"{BUCKET}/retabled/statistics.safetensors", data)
+    recorded = {"statistics.safetensors": Digest.of(data)}
+    assert RunDir(url, recorded).statistics_intact()
+    assert not RunDir(url).statistics_intact()  # no manifest: no digest to check it against
+    fs.pipe(f"{BUCKET}/retabled/statistics.safetensors", data[:-1] + bytes([data[-1] ^ 1]))
+    fs.invalidate_cache()
+    assert not RunDir(url, recorded).statistics_intact()
+
+
 @pytest.mark.slow
 def test_reanalyze_locks_an_s3_store(s3, monkeypatch, capsys):
     """An S3 store had no lock: two invocations at once wrote one run directory and the
