@@ -657,13 +657,19 @@ def interrupted_retable(run: RunDir, manifest: Manifest) -> bool:
     finish, with its statistics artefact intact: it names the artefact among its outputs
     (only a re-tabulation's ``running`` manifest does; an extraction's has none until it is
     complete) and every byte of the artefact matches the digest recorded there
-    (:meth:`RunDir.statistics_intact`). The caller has checked the fingerprint (model,
-    corpus, extraction options): the artefact is this run's."""
+    (:meth:`RunDir.statistics_intact`), and so does ``samples.parquet``'s where one is
+    recorded: a stop between the new sample table's move into place and the complete
+    manifest leaves one that differs, which the re-tabulation could not read (such a run is
+    extracted again, as before). The caller has checked the fingerprint (model, corpus,
+    extraction options): the artefact is this run's."""
     outputs = manifest.outputs
     named = outputs is not None and any(
         name in (STATISTICS, STATISTICS_PARTS + "/") for name in outputs.artefacts
     )
-    return not manifest.complete and named and run.statistics_intact()
+    if manifest.complete or not named or not run.statistics_intact():
+        return False
+    sample = run.digest("samples.parquet")
+    return sample is None or Digest.of_file(run.path("samples")) == sample
 
 
 def changed_table_options(manifest: Manifest, config: JobConfig) -> list[str]:

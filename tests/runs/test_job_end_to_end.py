@@ -208,6 +208,14 @@ def assert_retable_resumes(out, options: dict, digest: dict, monkeypatch) -> Non
     artefact.write_bytes(data[:-1] + bytes([data[-1] ^ 1]))
     assert pipeline.already_complete(run, running["fingerprint"]) is None
     artefact.write_bytes(data)
+    # nor is one whose samples.parquet is not the one recorded (the new one moved into place
+    # just before the stop): the re-tabulation could not read it
+    samples = out / "samples.parquet"
+    table = samples.read_bytes()
+    samples.write_bytes(table[:-9] + bytes([table[-9] ^ 1]) + table[-8:])
+    assert pipeline.already_complete(run, running["fingerprint"]) is None
+    samples.write_bytes(table)
+    assert pipeline.already_complete(run, running["fingerprint"]) is not None
     said: list[str] = []
     again = analyze(build_config(None, options), echo=said.append)
     assert "stopped while its tables were rebuilt" in said[0], said
