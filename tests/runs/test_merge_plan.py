@@ -53,8 +53,9 @@ def test_the_merge_plan_has_the_sampled_stage_line() -> None:
         none, size_reduce(none, 3000, cluster, config.scheduling), ["r1", "r2"]))  # fmt: skip
 
 
-def test_a_merge_refuses_a_sampled_stage_no_node_holds(monkeypatch) -> None:
-    """As an analysis's plan does: the task would wait for ever on this cluster."""
+@pytest.fixture
+def small_node(monkeypatch) -> None:
+    """A private local Ray of one 300 MiB node with 2 CPUs, whose runs saw 3,000 types."""
     from embgeom_ray.distributed import cluster as ray_cluster
     from embgeom_ray.distributed import reducers
 
@@ -63,6 +64,10 @@ def test_a_merge_refuses_a_sampled_stage_no_node_holds(monkeypatch) -> None:
     monkeypatch.setattr(ray_cluster, "read_cluster", lambda: small)
     monkeypatch.setattr(ray_cluster, "started_private_local", lambda: True)
     monkeypatch.setattr(reducers, "seen_type_ids", lambda urls: np.arange(3000))
+
+
+def test_a_merge_refuses_a_sampled_stage_no_node_holds(small_node) -> None:
+    """As an analysis's plan does: the task would wait for ever on this cluster."""
     config = _config(sample_size=4096)
     shape = merge.merge_shape(PROBE, list(range(7)), config, 30_522)
     with pytest.raises(ConfigError, match=r"K-means tasks need ≈ 428 MiB each .* more than the "
@@ -70,18 +75,10 @@ def test_a_merge_refuses_a_sampled_stage_no_node_holds(monkeypatch) -> None:
         merge.size_merge([], shape, config, echo=lambda line: None)
 
 
-def test_a_merge_sizes_the_sample_its_runs_hold_not_the_sample_size(monkeypatch) -> None:
+def test_a_merge_sizes_the_sample_its_runs_hold_not_the_sample_size(small_node) -> None:
     """Runs over corpora smaller than their --sample-size hold fewer points: the merged sample
     has what they have (bottom-k of their union), and the stage is sized, and refused, for
     that, not for --sample-size; without every run's counts, for the options'."""
-    from embgeom_ray.distributed import cluster as ray_cluster
-    from embgeom_ray.distributed import reducers
-
-    small = Cluster((Node("h", 300 * MiB, cpus=2, head=True),))
-    monkeypatch.setattr(ray_cluster, "connect", lambda address: None)
-    monkeypatch.setattr(ray_cluster, "read_cluster", lambda: small)
-    monkeypatch.setattr(ray_cluster, "started_private_local", lambda: True)
-    monkeypatch.setattr(reducers, "seen_type_ids", lambda urls: np.arange(3000))
     config = _config(sample_size=4096)
     runs = [{"uniform_points": 300, "type_uniform_points": 250},
             {"uniform_points": 400, "type_uniform_points": 350}]  # fmt: skip
