@@ -1,4 +1,4 @@
-"""Exact corpus-scale metrics: pure functions of :class:`~embgeom_ray.core.statistics.LayerMoments`.
+"""Exact corpus-scale metrics: pure functions of :class:`~embgeom_ray.core.layer_moments.LayerMoments`.
 
 Notation (``docs/design.md``, Formulas): a layer's counted tokens x_1..x_N fall into token types
 t with n_t occurrences, mean μ_t and M2_t = Σ ||x − μ_t||²; μ is the layer mean, C the
@@ -10,11 +10,13 @@ Nothing here samples: every number is exact over all counted tokens.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 import pandas as pd
 
 from . import metric_registry as registry
+from .layer_moments import LayerMoments
 from .options import TableOptions
 from .partials import (
     CosineSums,
@@ -23,7 +25,9 @@ from .partials import (
     type_partials,
     type_variances,
 )
-from .statistics import EmbeddingStatistics, LayerMoments
+
+if TYPE_CHECKING:  # the tables read moments only: no torch (core/layer_moments.py)
+    from .statistics import EmbeddingStatistics
 
 #: the columns of ``type_stats.parquet``, of ``layers.parquet``'s exact section, and the
 #: moments of ``dims.parquet``: declared in :mod:`~embgeom_ray.core.metric_registry`

@@ -5,7 +5,7 @@ token id (:meth:`~embgeom_ray.core.statistics.EmbeddingStatistics.select`). Ever
 metric that reads the per-type rows is a function of a few sums over types, which each
 partition computes for its own types and which add (or, for a correlation, merge by Chan's
 formulas) across partitions. With the layer's counted tokens N, mean μ (from the layer's own
-state, :class:`~embgeom_ray.core.statistics.LayerMoments`), and per type t its count n_t, mean
+state, :class:`~embgeom_ray.core.layer_moments.LayerMoments`), and per type t its count n_t, mean
 μ_t, M2_t and unit sum U_t:
 
 - V_W = Σ_t M2_t / N and V_B = Σ_t n_t ||μ_t − μ||² / N (Yamagiwa et al. 2024): the sums
@@ -31,7 +31,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from .statistics import LayerMoments
+from .layer_moments import LayerMoments
 
 
 def mean_cosine_from_unit_sum(

@@ -20,11 +20,13 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import pandas as pd
 
 from . import metric_registry as registry
+from .layer_moments import LayerMoments
 from .metrics import (
     DIM_COLUMNS,
     cosines_from_unit_sums,
@@ -34,7 +36,9 @@ from .metrics import (
 )
 from .options import TableOptions
 from .partials import TypePartials, group_sums, type_partials
-from .statistics import EmbeddingStatistics, LayerMoments
+
+if TYPE_CHECKING:  # the tables read moments only: no torch (core/layer_moments.py)
+    from .statistics import EmbeddingStatistics
 
 #: the columns of :func:`dimension_flags`, after :data:`~embgeom_ray.core.metrics.DIM_COLUMNS`
 FLAG_COLUMNS = registry.columns(registry.DIMS, registry.FLAGS)

@@ -58,7 +58,6 @@ from __future__ import annotations
 import functools
 import warnings
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -71,6 +70,7 @@ from .fold_kernels import deviations_and_centred, deviations_and_centred32, floa
 from .gram import add_gram, add_gram_stacked, integer_blocks
 from .group_sums import GroupMatrix, split_sums
 from .integer_gram import IntegerGram, deviations_and_residues
+from .layer_moments import LayerMoments
 from .layer_state import LayerState
 from .partitions import StatisticsPart, joint_part, range_key, requested_part
 from .sketch import SafetensorsFile, Sketch
@@ -186,40 +186,6 @@ def _sparse_sums_on(device: torch.device) -> bool:
     """Whether the GPU's fold sums rows by group with :class:`GroupMatrix` (CUDA, and CPUs
     when :data:`GPU_FOLD` forces the GPU's way there: other devices lack sparse CSR)."""
     return gpu_fold(device) and device.type in ("cuda", "cpu")
-
-
-@dataclass(frozen=True)
-class LayerMoments:
-    """Read-only float64 numpy view of one layer's moments, types sorted by token id.
-
-    Its attributes are the :data:`FIELDS` of one layer (types with a count in this layer only).
-    """
-
-    layer: int
-    type_ids: np.ndarray  # (T,) int64, sorted
-    counts: np.ndarray  # (T,) int64
-    means: np.ndarray  # (T, d)
-    m2: np.ndarray  # (T,)  Σ ||x − μ_t||²
-    unit_sums: np.ndarray  # (T, d)  Σ x/||x||
-    n: int
-    mean: np.ndarray  # (d,)
-    comoment: np.ndarray  # (d, d)  Σ (x − μ)(x − μ)ᵀ
-    argmax_counts: np.ndarray  # (d,) int64
-    argmin_counts: np.ndarray  # (d,) int64
-    position_counts: np.ndarray  # (P,) int64
-    position_means: np.ndarray  # (P, d)
-    nonfinite: int
-    clip_dims: tuple[int, ...] | None = None
-    clip_unit_sums: np.ndarray | None = None  # (T, d) Σ x'/||x'||, x' = x with clip_dims zeroed
-
-    @property
-    def dim(self) -> int:
-        return int(self.mean.shape[0])
-
-    @property
-    def covariance(self) -> np.ndarray:
-        """Population covariance C / n."""
-        return self.comoment / max(self.n, 1)
 
 
 class _Groups(NamedTuple):

@@ -29,9 +29,11 @@ import numpy as np
 import pandas as pd
 
 from . import metric_registry as registry
+from .layer_moments import LayerMoments
 from .metrics import layer_row_from, type_stats_rows, with_token_names
 from .options import SampledOptions, TableOptions
 from .partials import TypePartials, merge_partials, type_partials
+from .partitions import range_key
 from .rogue import (
     OutlierRules,
     clipping_row,
@@ -43,11 +45,11 @@ from .rogue import (
     positions_table_from,
     sampled_clipped_cosines,
 )
-from .statistics import EmbeddingStatistics, LayerMoments, range_key
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # the sampled stage's tasks run this module's functions: no torch
     from .kmeans_selection import SelectKResult
     from .samples import ActivationSample
+    from .statistics import EmbeddingStatistics
 
 #: fewer uniform sampled points than this and the sampled metrics are left empty (NaN)
 MIN_SAMPLE_POINTS = 32
@@ -163,7 +165,7 @@ def build_tables(
     the tables are the same to float64 rounding however the statistics are cut.
     See :func:`build_tables_from` for the tables.
     """
-    parts = [merged] if isinstance(merged, EmbeddingStatistics) else list(merged)
+    parts = list(merged) if isinstance(merged, Sequence) else [merged]
     by_range = sorted(parts, key=lambda p: range_key(p.token_range))
     states = {}
     for p in parts:
