@@ -110,7 +110,7 @@ class LayerState:
         self.max_positions = max_positions
         self.arrays: dict[str, torch.Tensor] = {
             f.name: torch.zeros(
-                f.shape(n_layers, 0, dim, max_positions), dtype=f.dtype, device=device
+                f.shape(n_layers, 0, dim, max_positions), dtype=f.torch_dtype, device=device
             )
             for f in LAYER_FIELDS
         }

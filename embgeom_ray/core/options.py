@@ -15,6 +15,9 @@ Pydantic only (no numpy, no torch): the command line imports it to print ``--hel
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Any
+
 from pydantic import ConfigDict, Field
 
 from ..options import AGREE, MERGE, RESULT, OptionGroup
@@ -54,6 +57,18 @@ def sample_entries(
     if size == 0:
         return 0, 0
     return size, (type_size or size) if type_uniform else 0
+
+
+def header_entries(header: Mapping[str, Any]) -> tuple[int, int]:
+    """(uniform, type-uniform) entries a sample of ``header`` (a sample file's, a run's)
+    holds at most (:func:`sample_entries` of its sizes): read without the sample's module,
+    which imports torch, by the sizing and the sampled stage's tasks."""
+    type_size = header.get("type_size")
+    return sample_entries(
+        int(header["size"]),
+        None if type_size is None else int(type_size),
+        bool(header.get("type_uniform", True)),
+    )
 
 
 class TableOptions(OptionGroup):

@@ -31,7 +31,7 @@ from typing import Any, Protocol
 
 from ..errors import StatisticsMismatchError
 from ..integrity import FileRef, as_ref, open_verified
-from .options import sample_entries
+from .options import header_entries
 from .samples import ActivationSample
 from .sketch import SafetensorsFile
 
@@ -149,20 +149,9 @@ def sample_layers(urls: Sequence[str | FileRef]) -> SampleLayers | None:
     return merged_layers([FileSample(url) for url in urls], [str(url) for url in urls])
 
 
-def header_entries(header: dict[str, Any]) -> tuple[int, int]:
-    """(uniform, type-uniform) entries a sample of ``header`` holds at most
-    (:func:`~embgeom_ray.core.options.sample_entries`)."""
-    type_size = header.get("type_size")
-    return sample_entries(
-        int(header["size"]),
-        None if type_size is None else int(type_size),
-        bool(header.get("type_uniform", True)),
-    )
-
-
 def drawn_entries(sample: Any) -> int | None:
     """The entries (uniform + type-uniform) each layer of ``sample`` holds at most, as it was
-    drawn: fewer than its sizes (:func:`header_entries`) where the corpus had fewer
+    drawn: fewer than its sizes (:func:`~embgeom_ray.core.options.header_entries`) where the corpus had fewer
     occurrences or types (a small corpus, ``--sample-type-size`` beyond the types seen).
     From the arrays' shapes (a sample file's header, a run's row count), no layer read; None
     where ``sample`` does not say (then its sizes are the most it can be)."""

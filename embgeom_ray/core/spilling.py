@@ -32,7 +32,7 @@ object store are the tier's own, when it fills. The tier's pieces are never seri
 each is made a block at a time as it is spilled or written
 (:class:`~embgeom_ray.core.statistics_io.StreamedStatistics`, the same bytes as one
 serialisation). Memory: the tier's H more, and one block of
-:data:`~embgeom_ray.core.statistics_io.STREAM_BLOCK_BYTES` while it spills or is written.
+:data:`~embgeom_ray.core.statistics_fields.STREAM_BLOCK_BYTES` while it spills or is written.
 """
 
 from __future__ import annotations
@@ -246,7 +246,7 @@ class HostTier:
     the budget bounds what it holds, its merges' scratch included, which is a few blocks of
     :data:`~embgeom_ray.core.statistics.CPU_ROW_BLOCK` rows of d float64s at most), one block
     of its file while it spills or is written
-    (:data:`~embgeom_ray.core.statistics_io.STREAM_BLOCK_BYTES`), and, where the accumulator
+    (:data:`~embgeom_ray.core.statistics_fields.STREAM_BLOCK_BYTES`), and, where the accumulator
     is on a GPU, its rows' copy on the host during a merge.
     """
 

@@ -1,7 +1,7 @@
 """The arrays of :class:`~embgeom_ray.core.statistics.EmbeddingStatistics`, declared once.
 
 Each array is a :class:`Field`: its name (in files and in the
-:class:`~embgeom_ray.core.statistics.LayerMoments` view), shape, dtype and merge rule. Per
+:class:`~embgeom_ray.core.layer_moments.LayerMoments` view), shape, dtype and merge rule. Per
 layer l and token type t (Ethayarajh 2019; Luo 2020; Luo, Kulmizev & Mao 2021):
 
 per type (``core/type_moments.py``)
@@ -14,18 +14,20 @@ per layer (``core/layer_state.py``)
 Update, merge, save, load, the views and the partitions all work from :data:`FIELDS`; the
 merge rules are those of Chan, Golub & LeVeque (1979) for the moments (``TYPE_MOMENTS``,
 ``LAYER_MOMENTS``), count-weighted means for the positions and sums for the rest.
-:func:`state_bytes` is what the arrays take.
+:func:`state_bytes` is what the arrays take. Nothing here needs torch (dtypes are numpy's; the
+tensors take torch's of the same name): the memory formulas
+(:mod:`~embgeom_ray.sizing.formulas`) read this in processes that hold no statistics.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
-import torch
 
-_F64 = torch.float64
-_I64 = torch.int64
+_F64 = np.dtype(np.float64)
+_I64 = np.dtype(np.int64)
 
 # merge rules of the fields (see Field.merge)
 SUM = "sum"
@@ -40,7 +42,7 @@ class Field:
     declaration of its name, shape, dtype and merge rule.
 
     ``name`` is the array's name in files and the
-    :class:`~embgeom_ray.core.statistics.LayerMoments` attribute. Its shape
+    :class:`~embgeom_ray.core.layer_moments.LayerMoments` attribute. Its shape
     is (L, T, *tail) for a per-type field (one row per token type seen, ``per_type``) and
     (L, *tail) for a per-layer one, where L is the number of layers held, T of types and
     ``tail`` is spelled with ``"d"`` (hidden size) and ``"P"`` (``max_positions``). ``merge``:
@@ -56,7 +58,7 @@ class Field:
     name: str
     per_type: bool
     tail: tuple[str, ...]
-    dtype: torch.dtype
+    dtype: np.dtype  # numpy's; a tensor's is torch's of the same name (torch_dtype)
     merge: str
     clip: bool = False
 
@@ -67,7 +69,15 @@ class Field:
 
     @property
     def numpy_dtype(self) -> np.dtype:
-        return np.dtype({_F64: np.float64, _I64: np.int64}[self.dtype])
+        return self.dtype
+
+    @property
+    def torch_dtype(self) -> Any:
+        """torch's dtype of the same name (``torch.float64``, ``torch.int64``), for the
+        tensors that hold the field (torch is already imported where there are any)."""
+        import torch
+
+        return getattr(torch, self.dtype.name)
 
 
 #: every array of the statistics (see :class:`Field`), per type first: the order of the
@@ -100,3 +110,9 @@ def state_bytes(layers: int, dim: int, types: int, positions: int, clip: int = 0
     d, v = dim, types
     per_layer = v * (2 * d + 2) + d * d + 3 * d + positions * (d + 1) + 2
     return 8 * (layers * per_layer + v) + (8 * layers * v * d if clip else 0)
+
+
+#: the bytes of a block in which the arrays are streamed to a file or the object store
+#: (:class:`~embgeom_ray.core.statistics_io.StreamedStatistics`): held beside them while they
+#: are written, so the memory formulas count it with :func:`state_bytes`
+STREAM_BLOCK_BYTES = 64 * 2**20

@@ -41,7 +41,7 @@ from .sketch import (
     safetensors_into,
     safetensors_layout,
 )
-from .statistics_fields import FIELDS, Field
+from .statistics_fields import FIELDS, STREAM_BLOCK_BYTES, Field
 from .type_moments import TypeMoments
 
 #: the ``format`` of the header (this name since the first version; see :data:`READS`).
@@ -135,8 +135,6 @@ def to_bytes(stats: HeldStatistics, into: np.ndarray | None = None) -> bytearray
     return safetensors_into(specs, fill, {HEADER_KEY: json.dumps(stats.header())}, into)
 
 
-#: the bytes of a block of :class:`StreamedStatistics`
-STREAM_BLOCK_BYTES = 64 * 2**20
 #: a statistics file given whole; a file made a block at a time (:class:`StreamedStatistics`,
 #: or the Ray layer's blocks in the object store) is any other object with its ``size`` that
 #: gives its blocks when iterated

@@ -118,7 +118,7 @@ class TypeMoments:
         self.max_types = None if max_types is None else max(int(max_types), 1)
         cap = max(min(int(capacity), self.max_types or int(capacity)), 1)
         self.arrays: dict[str, torch.Tensor] = {
-            f.name: torch.zeros(f.shape(n_layers, cap, dim, 0), dtype=f.dtype, device=device)
+            f.name: torch.zeros(f.shape(n_layers, cap, dim, 0), dtype=f.torch_dtype, device=device)
             for f in self.fields
         }
         self.max_doubling = self.max_types or 1 << 62

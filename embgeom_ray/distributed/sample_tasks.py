@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import ray
 
-from ..core.sample_layers import header_entries
+from ..core.options import header_entries
 from ..sizing.formulas import SAMPLE_PIECE_BYTES
 
 if TYPE_CHECKING:

@@ -38,15 +38,17 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from ..core.sample_layers import SampleLayers, header_entries
-from ..core.statistics import state_bytes
-from ..core.statistics_io import STREAM_BLOCK_BYTES
+from ..core.options import header_entries
+from ..core.statistics_fields import STREAM_BLOCK_BYTES, state_bytes
 from ..errors import ConfigError
 from ..io_utils import upload_buffer_bytes
 from .sampled_tasks import SampledTasks
 from .units import GiB, MiB, gib
+
+if TYPE_CHECKING:  # the sample's modules import torch; the formulas read its header only
+    from ..core.sample_layers import SampleLayers
 
 #: glibc's largest mmap threshold on 64-bit systems (``DEFAULT_MMAP_THRESHOLD_MAX``): blocks
 #: this large or smaller can come from the heap
@@ -473,7 +475,7 @@ def extractor_bytes(
 def tier_bytes(host: int | None) -> int:
     """A host tier's memory: H + b, the merged statistics and one block of their file, which
     is written (or put in the object store) a block at a time
-    (:data:`~embgeom_ray.core.statistics_io.STREAM_BLOCK_BYTES`, b); 0 without a tier."""
+    (:data:`~embgeom_ray.core.statistics_fields.STREAM_BLOCK_BYTES`, b); 0 without a tier."""
     return 0 if host is None else host + STREAM_BLOCK_BYTES
 
 
