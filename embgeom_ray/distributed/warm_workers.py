@@ -4,9 +4,10 @@ After the extraction, the sampled-metrics stage runs one K-means task and one me
 layer, and the report three figure tasks (:mod:`~embgeom_ray.distributed.sampled_stage`,
 :mod:`~embgeom_ray.distributed.node_tasks`). Ray starts a fresh worker process for each of them
 that it cannot give an idle one, and the first task on each spends seconds importing torch
-(Lloyd's sums and the neighbour search, through the tables module), pandas and, for the
-report, matplotlib before it computes anything (~1.6 s of CPU for the stage's imports on the
-2-core VM of docs/benchmarks.md). The stage's default path imports neither scikit-learn nor
+(for the stage only: Lloyd's cluster sums, ``index_add_``, and the neighbour lists' ``topk``
+import it at their first call; the modules of the stage and of the figures import none),
+pandas and, for the report, matplotlib before it computes anything (~1.6 s of CPU for the
+stage's imports on the 2-core VM of docs/benchmarks.md). The stage's default path imports neither scikit-learn nor
 SciPy (another ~1.2 s a worker): only samples past ``--silhouette-max-points`` and the
 functions' use without a distance matrix do.
 
@@ -80,14 +81,19 @@ from typing import Any
 
 log = logging.getLogger(__name__)
 
-#: what the sampled stage's first tasks would import
+#: what the sampled stage's first tasks would import: its modules (no torch), and torch, which
+#: two of its kernels import at their first call (:func:`~embgeom_ray.core.lloyd.cluster_sums`,
+#: :func:`~embgeom_ray.core.neighbours.smallest_per_row`: 1.6–5× and 2.5–6× faster than
+#: numpy's equals, docs/benchmarks.md)
 STAGE_MODULES: tuple[str, ...] = (
     "embgeom_ray.core.kmeans",
     "embgeom_ray.core.tables",
     "embgeom_ray.core.sampled_metrics",
     "embgeom_ray.distributed.kmeans",
+    "torch",
 )
-#: what the report's figure tasks would import (matplotlib, pandas, the figure modules)
+#: what the report's figure tasks would import (matplotlib, pandas, the figure modules; no
+#: torch)
 REPORT_MODULES: tuple[str, ...] = ("embgeom_ray.report.plots",)
 #: what the stage's and the report's first tasks would import
 MODULES: tuple[str, ...] = STAGE_MODULES + REPORT_MODULES

@@ -72,6 +72,43 @@ def test_the_warm_modules_are_what_the_stage_imports():
     assert failed == []
 
 
+def _module_of(fn) -> str:
+    """The module a Ray worker imports to deserialise ``fn`` (a Ray remote function's own)."""
+    return getattr(fn, "_function", fn).__module__
+
+
+def test_the_task_workers_modules_import_no_torch():
+    """What the sampled stage's and the report's task workers import before they compute
+    (the warm-up's modules, the modules of the functions Ray runs there and of the objects
+    they get) loads no torch: ~1 s of CPU and ~180 MB resident a worker. Torch comes only
+    where a task calls a kernel of its own (the stage's, at their first call: hence the
+    explicit ``"torch"`` of ``STAGE_MODULES``), never through an import."""
+    from embgeom_ray.core import tables
+    from embgeom_ray.distributed import kmeans, sample_tasks
+    from embgeom_ray.report import plots
+
+    remote = [tables.sampled_row, tables.sampled_selection, kmeans._apply,
+              kmeans._select_k_task, kmeans._capped_call, sample_tasks.select_k_of,
+              sample_tasks._layer_inputs, sample_tasks._layer_pieces, plots.draw_figures,
+              warm_workers.warm_up]  # fmt: skip
+    modules = sorted(
+        {m for m in MODULES if m.startswith("embgeom_ray.")}
+        | {_module_of(fn) for fn in remote}
+        | {"embgeom_ray.core.kmeans", "embgeom_ray.core.lloyd",  # ray_map's functions
+           "embgeom_ray.core.kmeans_selection", "embgeom_ray.distributed.sampled_stage"}
+    )  # fmt: skip
+    assert set(MODULES) - set(modules) == {"torch"}  # the one library named for itself
+    code = (
+        "import importlib, json, sys\n"
+        f"for name in {modules!r}: importlib.import_module(name)\n"
+        "print(json.dumps(sorted(m for m in sys.modules if m.split('.')[0] == 'torch')))"
+    )
+    env = os.environ | {"PYTHONPATH": str(ROOT)}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          env=env, timeout=300, check=True)  # fmt: skip
+    assert json.loads(done.stdout.strip().splitlines()[-1]) == [], modules
+
+
 #: a layer of the sampled stage as its tasks run it (default options), in a fresh process:
 #: the top-level packages it imports
 STAGE_IMPORTS = """

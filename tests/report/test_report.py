@@ -796,6 +796,36 @@ def test_figures_drawn_elsewhere_are_the_same(runs, full_figs, tmp_path):
         draw_figures(str(run), ["pca_2d", "no_such_figure"])
 
 
+def test_the_figure_tasks_import_no_torch(runs, full_figs, tmp_path):
+    """The figure tasks' worker (``draw_figures`` of the groups handed to Ray tasks, all but
+    the first, which the job's own process draws; a fresh process, as Ray's) draws its
+    figures without importing torch (~1 s of CPU and ~180 MB resident a worker): the same
+    PNGs as the fixture's."""
+    from embgeom_ray.report.figure_groups import FIGURE_GROUPS
+
+    run = tmp_path / "r"
+    shutil.copytree(runs["full"], run)
+    shutil.rmtree(run / "plots")
+    names = [name for group in FIGURE_GROUPS[1:] for name in group]
+    code = (
+        "import json, sys\n"
+        "from embgeom_ray.report.plots import draw_figures\n"
+        f"figs = draw_figures({str(run)!r}, {names!r}, strict=True)\n"
+        "print(json.dumps([[f.name for f in figs if f.path],"
+        " sorted(m for m in sys.modules if m.split('.')[0] == 'torch')]))"
+    )
+    env = os.environ | {"PYTHONPATH": str(ROOT)}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          env=env, timeout=300, check=True)  # fmt: skip
+    drawn, torch_modules = json.loads(done.stdout.strip().splitlines()[-1])
+    assert drawn == [f.name for f in full_figs if f.path and f.name in names]
+    assert len(drawn) == len(names)  # the full run has every figure
+    assert torch_modules == []
+    full = _pngs(runs["full"])
+    assert _pngs(run) == {name: full[name] for name in _pngs(run)}
+    assert sorted(_pngs(run)) == sorted(f"{name}.png" for name in names)
+
+
 @pytest.mark.slow
 def test_figure_tasks_on_ray(runs, full_figs, tmp_path, ray_local, monkeypatch):
     """On Ray the groups are tasks on the driver's node (``on_this_node``, as the job draws
