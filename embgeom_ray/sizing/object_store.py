@@ -5,7 +5,7 @@ Ray keeps them in each node's shared-memory object store (plasma: by default 30%
 memory, fixed when Ray starts, beside the ``memory`` resource actors and tasks reserve; a node
 whose store fills spills objects to its disk, slow but not fatal). Phase by phase (N the
 extractors, L the measured layers, d, s = n + t the sample's entries, n its uniform ones,
-m = ``--silhouette-max-points``, C the CPUs of the cluster, Q the sample, B a flush's piece):
+m = ``--silhouette-max-points``, Q the sample, B a flush's piece):
 
 - **extraction** (:mod:`embgeom_ray.distributed.actor_pool`): under a statistics budget an
   extractor's spills (``ray.put``, a piece ≤ B each) stay in the store until its flush writes
@@ -17,17 +17,28 @@ m = ``--silhouette-max-points``, C the CPUs of the cluster, Q the sample, B a fl
   run's files, not the store; what they return is a layer's type summaries at a time
   (160 B a type: V · 160) and one layer's d × d state. The reducers' state is in their heap,
   so no term here depends on whether they live through the sampled stage or stop before it.
-- **sampled stage** (:mod:`embgeom_ray.distributed.sampled_stage`): every layer's tasks are
+- **sampled stage** (:mod:`~embgeom_ray.distributed.sampled_stage`): every layer's tasks are
   submitted at once, so every layer's inputs wait in the store: the uniform and type-uniform
   points in float64 with the token ids and content keys, L · (8·s·d + 16·n) (put by the job's
   own process, on its node, unless the sample is handled by Ray tasks, which return them where
   they run and read the sample from one ``ray.put``: + Q at most); a selection's distance
   matrix of the distinct points, 8·n², returned for its metrics task, which is submitted C
-  selections later: min(L, C + 1) of them (none where the metrics compute their own: n > m, a
-  layer too large for one process, a sample handled by tasks); and the points a selection
-  spreads its fits over :class:`~embgeom_ray.distributed.kmeans.RayFits` tasks with
-  (``ray.put`` of the float64 and float32 points and their norms, 12·n·d + 8·n): a selection
-  splits its fits only where a CPU is free, so at most min(L, C − 1) at once.
+  selections later (C: the CPUs Ray has free as the stage starts, the job's own actors gone):
+  min(L, C + 1) of them (none where the metrics compute their own: n > m, a layer too large
+  for one process, a sample handled by tasks). Where a selection spreads its fits over
+  :class:`~embgeom_ray.distributed.kmeans.RayFits` tasks, the points it puts for them
+  (``ray.put`` of the float64 and float32 points and their norms, 12·n·d + 8·n) and what
+  those tasks return, the fits of the seedings' step and of the stability refits' (each fit
+  its labels and centres, 8·n + 8·k·d; the selection keeps each k's best, whose arrays,
+  read without a copy, hold their task's whole return in the store until it ends):
+  F · Σ_{k≤15} (8·n + 8·k·d) + S · (8·n + 8·k_max·d), F the seedings per k, S
+  ``--kmeans-stability-seeds``. A selection splits its fits only where a CPU is free, so at
+  most min(L, C_s − 1) do at once, C_s the CPUs the selections can run on: each node's,
+  at most as many as its Ray memory holds selections (each asks for its peak). A layer too
+  large for one process (n·d past
+  :data:`~embgeom_ray.core.kmeans_selection.LOCAL_FIT_MAX_ELEMENTS`) splits no fits; its
+  partitioned fit puts its centred distinct points twice, whole and cut into partitions,
+  for every layer at once (all are submitted together): L · 16·n·d.
 - **samples.parquet** (:func:`~embgeom_ray.distributed.sample_tasks.table_pieces_on_ray`,
   where Ray tasks write it): two layers' rows at a time, 2 · s · (4·d + 96), and the sample Q.
 
@@ -55,10 +66,35 @@ class StagePhase:
     #: what of it the job's own process puts on its node: the inputs, or where Ray tasks
     #: make them, the sample they read (at most Q: file URLs where it is not in memory)
     on_driver_node: int
+    #: what the fit-share tasks of the selections splitting at once return
+    fit_results: int = 0
+    #: the partitioned fits' points, whole and in partitions (layers too large for one process)
+    partitions: int = 0
 
     @property
     def total(self) -> int:
-        return self.inputs + self.distances + self.fit_points + self.sample
+        return (self.inputs + self.distances + self.fit_points + self.fit_results
+                + self.partitions + self.sample)  # fmt: skip
+
+
+def share_results_bytes(n: int, d: int, k_max: int, n_init: int | None, stability_seeds: int) -> int:
+    """What one selection's fit-share tasks return at most (module docstring): every fit of the
+    seedings' step, F of each k ≤ 15, and of the S stability refits at the chosen k ≤ k_max,
+    each its labels (n int64) and centres (k × d float64): F · Σ_{k≤15} (8·n + 8·k·d) +
+    S · (8·n + 8·k_max·d)."""
+    from .sampled_tasks import K_DENSE, seedings
+
+    F, top = seedings(k_max, n_init), min(int(k_max), n - 1)
+    dense = sum(F * (8 * n + 8 * k * d) for k in range(2, min(K_DENSE, n - 1) + 1))
+    return dense + int(stability_seeds) * (8 * n + 8 * top * d)
+
+
+def selection_slots(cluster: Any, each: int) -> int:
+    """C_s: the CPUs the sampled stage's selections can run on, each node's with a CPU, at most
+    as many as its Ray memory holds selections of ``each`` bytes (what each asks Ray for; a
+    node offering none counts its CPUs: they ask it for none)."""
+    return sum(min(n.cpus, n.memory // each) if each and n.memory else n.cpus
+               for n in cluster.nodes if n.cpus >= 1)  # fmt: skip
 
 
 def stage_bytes(
@@ -70,19 +106,29 @@ def stage_bytes(
     hands_distances: bool,
     sample_on_tasks: bool,
     sample: int,
+    *,
+    slots: int | None = None,
+    share_results: int = 0,
+    partitioned: bool = False,
 ) -> StagePhase:
     """The sampled stage's objects for ``layers`` layers of ``n`` uniform points among
-    ``entries`` (s) of dimension ``d`` on ``cpus`` CPUs (``hands_distances``: a selection
-    returns its 8·n² distances for the metrics; ``sample_on_tasks``: Ray tasks make the inputs
-    from the sample, ``sample`` bytes put once)."""
+    ``entries`` (s) of dimension ``d`` on ``cpus`` CPUs free (C; ``slots``: C_s, the CPUs
+    its selections can run on, :func:`selection_slots`, default C), ``hands_distances``: a
+    selection returns its 8·n² distances for the metrics; ``sample_on_tasks``: Ray tasks make
+    the inputs from the sample, ``sample`` bytes put once; ``share_results``: what a splitting
+    selection's fit-share tasks return (:func:`share_results_bytes`); ``partitioned``: the
+    layers are fitted by the partitioned route, which splits no fits and puts its points twice)."""
     c = max(1, int(cpus))
+    splitting = 0 if partitioned else min(layers, max(1, int(c if slots is None else slots)) - 1)
     inputs = layers * (8 * entries * d + 16 * n)
     return StagePhase(
         inputs=inputs,
         distances=min(layers, c + 1) * 8 * n * n if hands_distances else 0,
-        fit_points=min(layers, c - 1) * (12 * n * d + 8 * n),
+        fit_points=splitting * (12 * n * d + 8 * n),
         sample=sample if sample_on_tasks else 0,
         on_driver_node=sample if sample_on_tasks else inputs,
+        fit_results=splitting * share_results,
+        partitions=layers * 16 * n * d if partitioned else 0,
     )
 
 
@@ -131,6 +177,8 @@ class ObjectStorePeak:
             "sampled_stage_inputs_bytes": stage.inputs if stage else 0,
             "sampled_stage_distances_bytes": stage.distances if stage else 0,
             "sampled_stage_fit_points_bytes": stage.fit_points if stage else 0,
+            "sampled_stage_fit_results_bytes": stage.fit_results if stage else 0,
+            "sampled_stage_partitions_bytes": stage.partitions if stage else 0,
             "sampled_stage_sample_bytes": stage.sample if stage else 0,
             "sampled_stage_driver_node_bytes": stage.on_driver_node if stage else 0,
             "samples_table_bytes": self.pieces,
@@ -179,6 +227,8 @@ def after_extraction(
     """:class:`ObjectStorePeak` of the phases a merge runs too (the reduce, of ``types`` on
     reducers where ``partitioned``; the sampled stage on the ``cluster``'s CPUs;
     samples.parquet), beside ``extraction``'s bytes (0: a merge extracts nothing)."""
+    from ..core.kmeans_selection import LOCAL_FIT_MAX_ELEMENTS
+    from ..core.options import SampledOptions
     from .formulas import TYPE_ROW_BYTES, sample_on_workers
 
     q, d = shape.sample_bytes, shape.dim
@@ -187,8 +237,14 @@ def after_extraction(
     stage = None
     if tasks is not None:
         hands = not tasks.own_distances and tasks.n <= (tasks.m or tasks.n)
-        cpus = sum(n.cpus for n in cluster.nodes)
-        stage = stage_bytes(shape.layers, tasks.n, shape.sample_entries, d, cpus, hands, on_tasks, q)
+        seeds = (shape.sampled.kmeans_stability_seeds if shape.sampled is not None
+                 else SampledOptions().kmeans_stability_seeds)  # fmt: skip
+        stage = stage_bytes(
+            shape.layers, tasks.n, shape.sample_entries, d, cluster.cpus, hands, on_tasks, q,
+            slots=selection_slots(cluster, tasks.kmeans),
+            share_results=share_results_bytes(tasks.n, d, tasks.k_max, tasks.n_init, seeds),
+            partitioned=tasks.n * d > LOCAL_FIT_MAX_ELEMENTS,
+        )  # fmt: skip
     return ObjectStorePeak(
         extraction=extraction,
         reduce=types * TYPE_ROW_BYTES + 8 * d * d if partitioned else 0,

@@ -42,11 +42,13 @@ def test_the_merge_plan_has_the_sampled_stage_line() -> None:
     assert lines[-3:-1] == sample_task_lines(wide, cluster) + sampled_task_lines(wide)
     assert lines[-3].startswith("sample tasks: one Ray task a layer merges that layer's sample")
     # and Ray's object store, as an analysis's (no extraction): every layer's inputs, made by
-    # the sample's tasks from the sample put once: 7 · (8·s·d + 16·n) + 12·n·d (one split
-    # selection on 2 CPUs) + Q
-    assert lines[-1].startswith("object store: ≈ 5.6 GiB at its peak (the sampled stage 5.6 GiB: "
+    # the sample's tasks from the sample put once: 7 · (8·s·d + 16·n) + 12·n·d and what its
+    # share tasks return (one split selection on 2 CPUs: 3 seedings of k = 2..15 and the 2
+    # refits at k ≤ 60, each 8·n + 8·k·d: 31 MiB) + Q
+    assert lines[-1].startswith("object store: ≈ 5.7 GiB at its peak (the sampled stage 5.7 GiB: "
                                 "every layer's inputs L·(8·s·d + 16·n) = 3.5 GiB, the fits' "
-                                "points ≤ (C − 1) · 12·n·d = 384 MiB, the sample Q = 1.8 GiB;")  # fmt: skip
+                                "points ≤ (C_s − 1) · 12·n·d = 384 MiB and what their share "
+                                "tasks return 31 MiB, the sample Q = 1.8 GiB;")  # fmt: skip
     # no stage (--sample-size 0): no line
     none = merge.merge_shape(PROBE, list(range(7)), _config(sample_size=0), 30_522)
     assert not any("sampled-stage" in line for line in merge.describe_merge_plan(

@@ -7,7 +7,14 @@ import json
 
 from embgeom_ray.sizing import Cluster, CorpusShape, Node, Shape, size_job
 from embgeom_ray.sizing.checkpoints import DRIVER, EXTRACTORS
-from embgeom_ray.sizing.object_store import extraction_bytes, pieces_bytes, stage_bytes
+from embgeom_ray.sizing.object_store import (
+    after_extraction,
+    extraction_bytes,
+    pieces_bytes,
+    selection_slots,
+    share_results_bytes,
+    stage_bytes,
+)
 from embgeom_ray.sizing.plan import describe_plan, object_store_lines
 
 MiB = 1 << 20
@@ -55,16 +62,24 @@ def test_plan_json_and_plan_line_and_the_warning() -> None:
     roomy = Cluster((Node("h", 16 << 30, cpus=2, head=True, object_store=6 << 30),))
     sizing = size_job(MINILM, corpus, roomy, _options().scheduling)
     store = json.loads(json.dumps(sizing.to_json()))["object_store"]
-    assert store["peak_bytes"] == store["sampled_stage_bytes"] == 598_179_840
+    # one split selection's share tasks return F = 3 seedings of each k = 2..15 and S = 2
+    # refits at k_max = 60, each fit n labels and k centres
+    returned = (sum(3 * (8 * 4096 + 8 * k * 384) for k in range(2, 16))
+                + 2 * (8 * 4096 + 8 * 60 * 384))  # fmt: skip
+    assert store["peak_bytes"] == store["sampled_stage_bytes"] == 598_179_840 + returned
     assert store["sampled_stage_distances_bytes"] == 402_653_184
+    assert store["sampled_stage_fit_results_bytes"] == returned
+    assert store["sampled_stage_partitions_bytes"] == 0  # n·d within one process's fit
     # every term of the stage's figure, so that tooling can tell them apart
-    assert store["sampled_stage_bytes"] == sum(store[f"sampled_stage_{k}_bytes"]
-                                               for k in ("inputs", "distances", "fit_points", "sample"))
+    assert store["sampled_stage_bytes"] == sum(
+        store[f"sampled_stage_{k}_bytes"]
+        for k in ("inputs", "distances", "fit_points", "fit_results", "partitions", "sample")
+    )
     assert store["sampled_stage_fit_points_bytes"] == 12 * 4096 * 384 + 8 * 4096
     assert store["extraction_bytes"] == 0  # nothing spills: no statistics budget
     lines = "\n".join(describe_plan(sizing, corpus, checkpoint_interval=None, total_layers=7,
                                     checkpoint_writers=EXTRACTORS))  # fmt: skip
-    assert "object store: ≈ 570 MiB at its peak (the sampled stage 570 MiB: every layer's " \
+    assert "object store: ≈ 573 MiB at its peak (the sampled stage 573 MiB: every layer's " \
         "inputs L·(8·s·d + 16·n) = 168 MiB, ≤ C + 1 distance matrices 8·n² = 384 MiB" in lines
     assert "warning: Ray's object store" not in lines
     # where the job's own process writes the groups, each flush (S(V) + F and the sample)
@@ -76,7 +91,7 @@ def test_plan_json_and_plan_line_and_the_warning() -> None:
     warned = object_store_lines(size_job(MINILM, corpus, small, _options().scheduling),
                                 EXTRACTORS)
     assert warned[1] == (
-        "  warning: Ray's object store: ≈ 570 MiB at its peak (sampled stage), more than the "
+        "  warning: Ray's object store: ≈ 573 MiB at its peak (sampled stage), more than the "
         "256 MiB of the cluster's object stores: Ray spills the rest to disk (slower, not "
         "fatal); lower --sample-size or --sample-type-size, or measure fewer --layers")
     # a worker's store holds the total, the job's own node not the inputs it puts
@@ -94,7 +109,7 @@ def test_plan_json_and_plan_line_and_the_warning() -> None:
 
 def test_an_extraction_peak_warns_with_what_changes_the_extraction() -> None:
     """A node too small for the whole statistics: the extractor spills past σ, and its spills
-    make the peak; the warning names what changes them, not the sample (which was 570 MiB of
+    make the peak; the warning names what changes them, not the sample (which was 573 MiB of
     the 1.1 GiB); where the job's own process writes the groups, the shared --out."""
     corpus = CorpusShape("c", 1, 10**6, 1)
     small = Cluster((Node("h", 5 << 30, cpus=2, head=True, object_store=200 * MiB),))
@@ -123,3 +138,33 @@ def test_no_total_warning_before_an_autoscalers_workers_join() -> None:
     tiny = Cluster((Node("h", 16 << 30, cpus=0, head=True, object_store=100 * MiB),))
     warned = object_store_lines(size_job(MINILM, corpus, tiny, _options().scheduling), EXTRACTORS)
     assert "the sampled stage alone (168 MiB) more than its node's 100 MiB" in warned[1]
+
+
+def test_the_selections_that_split_are_those_their_nodes_hold_and_partitioned_fits_split_none() -> None:
+    """C_s: each node's CPUs, at most as many as its Ray memory holds selections (each asks
+    for its peak); the distance matrices' lag is the CPUs free (C). A layer too large for one
+    process is fitted by the partitioned route: no shares, its points put whole and in
+    partitions, every layer's at once."""
+    cluster = Cluster((Node("a", 1000, cpus=8), Node("b", 250, cpus=4), Node("c", 10**6, cpus=0),
+                       Node("d", 0, cpus=2)))  # fmt: skip
+    assert selection_slots(cluster, 100) == 8 + 2 + 0 + 2
+    stage = stage_bytes(7, 4096, 8192, 384, 12, True, False, 0, slots=3, share_results=5)
+    assert stage.fit_points == 2 * (12 * 4096 * 384 + 8 * 4096) and stage.fit_results == 2 * 5
+    assert stage.distances == 7 * 8 * 4096**2  # C + 1 = 13 > L
+    big = stage_bytes(7, 8192, 16384, 8192, 12, False, True, 0, slots=12, share_results=5,
+                      partitioned=True)  # fmt: skip
+    assert big.fit_points == big.fit_results == 0 and big.partitions == 7 * 16 * 8192 * 8192
+    assert big.total == big.inputs + big.partitions
+    assert share_results_bytes(4096, 384, 60, None, 2) == (
+        sum(3 * (8 * 4096 + 8 * k * 384) for k in range(2, 16)) + 2 * (8 * 4096 + 8 * 60 * 384))
+    # the plan's: MiniLM's selections ask 428 MiB; a node of 64 CPUs and 1 GiB runs 2 at once,
+    # so one splits; with 64 GiB, 7 layers on 64 CPUs: all 7 split
+    one = after_extraction(MINILM, Cluster((Node("h", 1 << 30, cpus=64, head=True),)), 0, False)
+    assert one.stage.fit_points == 12 * 4096 * 384 + 8 * 4096
+    roomy = after_extraction(MINILM, Cluster((Node("h", 64 << 30, cpus=64, head=True),)), 0, False)
+    assert roomy.stage.fit_points == 7 * (12 * 4096 * 384 + 8 * 4096)
+    # n = 8,192 of d = 8,192: past one process's fit (n·d > 4,096 · 8,192)
+    wide = Shape(layers=7, dim=8192, positions=128, vocab=30_522, sample_entries=16_384,
+                 sample_points=8192)  # fmt: skip
+    parts = after_extraction(wide, Cluster((Node("h", 1 << 40, cpus=64, head=True),)), 0, False)
+    assert parts.stage.partitions == 7 * 16 * 8192 * 8192 and parts.stage.fit_points == 0
