@@ -435,26 +435,34 @@ def merge(
     tokenizer: str | None = None,
     echo: Echo | None = print,
     **options: Any,
-) -> Run:
+) -> Run | dict[str, Any]:
     """Merge complete ``runs`` of one model over disjoint corpora into ``out``, the run over
     their union (``embgeom merge``), and open it. ``options``: ``embgeom merge``'s
     (``min_count``, ``reducers``, ``overwrite``, …; table options left out are the first
-    run's)."""
+    run's).
+
+    With ``plan=True`` (or ``plan_json=FILE``), as ``embgeom merge --plan`` (``--plan-json
+    FILE``): nothing is merged or written (but that file), ``echo`` gets the plan in words,
+    and the plan's numbers are returned, the dict ``--plan-json`` writes (the runs' types,
+    where they would be merged, the sampled stage's tasks, Ray's object store: a dict as
+    :func:`plan` returns for an analysis, under the same keys), not a :class:`Run`."""
     from .config import MERGE_OPTIONS, did_you_mean
     from .runs.merge import merge_runs
 
-    unknown = sorted(set(options) - set(MERGE_OPTIONS) - {"plan"})
+    unknown = sorted(set(options) - set(MERGE_OPTIONS))
     if unknown:
         known = [o for o in MERGE_OPTIONS if o != "out"]
         raise ConfigError(
             f"unknown merge option(s) {unknown}{did_you_mean(unknown, known)}; the options are "
             f"{known}"
         )
-    if options.get("plan"):
-        raise ConfigError("plan=True merges nothing: use `embgeom merge --plan`")
+    if "plan_json" in options and options["plan_json"] is not None:
+        options["plan_json"] = os.fspath(options["plan_json"])
     urls = _run_list(runs, "merge")
     with _call(echo):
-        merge_runs(urls, str(out), tokenizer=tokenizer, echo=echo or _quiet, **options)
+        done = merge_runs(urls, str(out), tokenizer=tokenizer, echo=echo or _quiet, **options)
+    if options.get("plan") or options.get("plan_json"):
+        return done
     return Run(out)
 
 

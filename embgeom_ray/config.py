@@ -88,9 +88,9 @@ class RunOptions(OptionGroup):
     plan_json: str | None = Field(
         None,
         description="as --plan, and write the plan's decisions as JSON to this file (local or "
-        "fsspec URL): what embgeom_ray.plan returns, the manifest's 'sizing' a run would "
-        "record at its start (memory in bytes; docs/outputs.md)",
-        json_schema_extra=SCHEDULING,
+        "fsspec URL): what embgeom_ray.plan (embgeom_ray.merge with plan=True) returns, the "
+        "'sizing' a run would record at its start (memory in bytes; docs/outputs.md)",
+        json_schema_extra=SCHEDULING | MERGE,
     )
     keep_checkpoints: bool = Field(
         False,

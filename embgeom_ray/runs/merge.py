@@ -415,6 +415,48 @@ def describe_merge_plan(
             + store_lines(store, cluster))  # fmt: skip
 
 
+def merge_decisions(shape: Shape, reduce: Reduce, runs: list[str], cluster: Cluster) -> dict[str, Any]:
+    """The merge's plan as numbers (``--plan-json``; what ``embgeom_ray.merge(plan=True)``
+    returns), the numbers :func:`describe_merge_plan` prints, under the keys an analysis's
+    plan has them (:meth:`~embgeom_ray.sizing.decisions.Sizing.to_json`: ``reducers``,
+    ``driver_bytes``, ``sampled_tasks``, ``object_store``), with what a merge reads of its
+    runs: their types (``types_seen``), L, d, P, the statistics' and the sample's bytes."""
+    tasks = shape.sampled_tasks()
+    store = after_extraction(shape, cluster, reduce.types, reduce.partitioned)
+    return {
+        "runs": list(runs),
+        "layers": shape.layers,
+        "dim": shape.dim,
+        "positions": shape.positions,
+        "types_seen": reduce.types,
+        "statistics_bytes": shape.statistics_bytes(reduce.types),
+        "sample_bytes": shape.sample_bytes,
+        "reducers": asdict(reduce),
+        "driver_bytes": reduce.driver,
+        **({"sampled_tasks": {"kmeans_memory": tasks.kmeans, "metrics_memory": tasks.metrics}}
+           if tasks is not None else {}),
+        "object_store": store.to_json(),
+    }  # fmt: skip
+
+
+def show_merge_plan(
+    shape: Shape, reduce: Reduce, runs: list[str], config: JobConfig, echo=print
+) -> dict[str, Any]:
+    """``--plan`` (and ``--plan-json``): the merge's plan in words to ``echo``; returns its
+    numbers (:func:`merge_decisions`), also written to the ``--plan-json`` file where given.
+    Nothing is merged or written besides."""
+    from ..distributed.cluster import read_cluster
+    from .pipeline import write_plan_json
+
+    cluster = read_cluster()
+    for line in describe_merge_plan(shape, reduce, runs, cluster):
+        echo(line)
+    decisions = merge_decisions(shape, reduce, runs, cluster)
+    if config.plan_json:
+        write_plan_json(config.plan_json, decisions, echo)
+    return decisions
+
+
 def merge_statistics(runs: list[str]) -> EmbeddingStatistics:
     """Load every run's statistics and merge them in the order given."""
     merged = load_statistics(runs[0])
@@ -603,12 +645,13 @@ def merge_runs(
     """Merge complete ``runs`` into ``out``; returns the manifest written there.
 
     ``options`` are ``jobs.merge``'s (:data:`~embgeom_ray.config.MERGE_OPTIONS`: ``min_count``,
-    ``reducers``, ``reducer_memory``, ``address``, ``overwrite``, ``plan``); the others are the
-    first run's. The merge sizes itself as a run's reduce does
+    ``reducers``, ``reducer_memory``, ``address``, ``overwrite``, ``plan``, ``plan_json``); the
+    others are the first run's. The merge sizes itself as a run's reduce does
     (:func:`~embgeom_ray.sizing.size_reduce`, from the types the runs hold): in this process
     while that is small, else partition by partition on reducer actors
     (:func:`merge_partitioned`), writing the partitioned artefact: the same tables to float64
-    rounding. With ``plan`` it only says so (nothing is merged or written).
+    rounding. With ``plan`` (or ``plan_json``) it only says so, and returns the plan's numbers
+    (:func:`merge_decisions`; nothing is merged or written but the ``plan_json`` file).
 
     Every file read of the runs is checked against the digest its run recorded
     (:mod:`embgeom_ray.integrity`): a run with a corrupt file is refused, one line naming the
@@ -639,6 +682,8 @@ def _merge_runs(
     started_at = now()
     runs, out = [r.rstrip("/") for r in runs], out.rstrip("/")
     check_arguments(runs, out, bool(options.get("overwrite")))
+    if options.get("plan_json"):  # as an analysis's: not in a submitted job's temporary copy
+        check_output(options["plan_json"], "--plan-json file")
     manifests = []
     for run in runs:
         check_input(run, "run")
@@ -660,12 +705,8 @@ def _merge_runs(
             echo(f"warning: {warning}")
     shape = merge_shape(probe, layers, config, len(tok), [m.sample for m in manifests])
     reduce, seen = size_merge(urls, shape, config, echo)
-    if config.plan:
-        from ..distributed.cluster import read_cluster
-
-        for line in describe_merge_plan(shape, reduce, runs, read_cluster()):
-            echo(line)
-        return {"sizing": {"reduce": asdict(reduce)}}
+    if config.plan or config.plan_json:
+        return show_merge_plan(shape, reduce, runs, config, echo)
     if reduce.partitioned:  # on the nodes that see the runs and the merge, where local
         reduce = where_seen(reduce, runs, out, shape, len(seen), config, echo)
     t_load = time.perf_counter()

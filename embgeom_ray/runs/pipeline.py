@@ -595,12 +595,18 @@ def show_plan(spec: RunSpec, echo=print) -> dict[str, Any]:
         echo(line)
     decisions = sizing.to_json()
     if config.plan_json:  # the same decisions, for a platform's tooling
-        try:
-            atomic_write_bytes(config.plan_json, (json.dumps(decisions, indent=2) + "\n").encode())
-        except OSError as error:
-            raise ConfigError(f"--plan-json {config.plan_json}: cannot be written ({error})") from None
-        echo(f"plan: its decisions as JSON in {config.plan_json}")
+        write_plan_json(config.plan_json, decisions, echo)
     return decisions
+
+
+def write_plan_json(url: str, decisions: dict[str, Any], echo=print) -> None:
+    """``--plan-json``: the plan's ``decisions`` as JSON to ``url`` (local or fsspec URL),
+    written whole or not at all; a :class:`ConfigError` where it cannot be."""
+    try:
+        atomic_write_bytes(url, (json.dumps(decisions, indent=2) + "\n").encode())
+    except OSError as error:
+        raise ConfigError(f"--plan-json {url}: cannot be written ({error})") from None
+    echo(f"plan: its decisions as JSON in {url}")
 
 
 def start_manifest(spec: RunSpec, started_at: str) -> Manifest:

@@ -114,4 +114,9 @@ def test_python_docs_examples_run(ray_local, minilm_dir, tmp_path, monkeypatch, 
     # the plan wrote nothing; the error is the one-line user error
     assert namespace["decisions"]["extractors"]["num_workers"] >= 1
     assert not (tmp_path / "runs" / "planned").exists()
+    # the merge's plan: the types both runs saw, merged nowhere
+    merge_plan = namespace["merge_plan"]
+    assert merge_plan["types_seen"] == ab.type_stats["token_id"].nunique()
+    assert merge_plan["object_store"]["peak_bytes"] > 0
+    assert not (tmp_path / "runs" / "ab_planned").exists()
     assert "missing.jsonl" in printed and "Traceback" not in printed

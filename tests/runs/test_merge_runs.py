@@ -23,6 +23,7 @@ from embgeom_ray.core.statistics import EmbeddingStatistics
 from embgeom_ray.integrity import seal
 from embgeom_ray.run_dir import RunDir
 from embgeom_ray.runs import merge as run_merge
+from embgeom_ray.sizing import gib
 from jobs import merge
 from tests.conftest import start_local_ray, write_jsonl
 from tests.core.test_statistics import assert_same_state
@@ -385,6 +386,34 @@ def test_a_run_of_the_previous_version_is_retabled_with_its_sample(runs, tmp_pat
     assert RunDir(str(old)).load_sample().to_bytes() == before
     want = pd.read_parquet(runs["a"] / "samples.parquet")
     _assert_frames_equal(pd.read_parquet(old / "samples.parquet"), want, ["layer", "sample", "key"])
+
+
+def test_the_python_merge_plan_is_the_commands_plan_json(runs, tmp_path, capsys) -> None:
+    """``eg.merge(plan=True)`` returns the plan ``embgeom merge --plan-json`` writes (it
+    raised before), the same numbers under the keys of an analysis's plan, and says it in the
+    command's words; ``plan_json=`` writes the same file; nothing is merged."""
+    import embgeom_ray as eg
+
+    out, written = tmp_path / "planned", tmp_path / "plan.json"
+    pair = [str(runs["a"]), str(runs["b"])]
+    assert merge.main(["--plan-json", str(written), "--out", str(out), *pair]) == 0
+    printed = capsys.readouterr().out.splitlines()
+    said: list[str] = []
+    planned = eg.merge(pair, out, plan=True, echo=said.append)
+    assert planned == json.loads(written.read_text())
+    assert said == printed[: len(said)] and printed[len(said)] == f"plan: its decisions as JSON in {written}"
+    types = pd.read_parquet(runs["whole"] / "type_stats.parquet")["token_id"].nunique()
+    assert planned["types_seen"] == planned["reducers"]["types"] == types
+    assert f"V_seen = {types:,} types" in "\n".join(said)
+    assert planned["runs"] == pair and planned["reducers"]["count"] == 0  # in the job's process
+    assert {"kmeans_memory", "metrics_memory"} == planned["sampled_tasks"].keys()
+    store = planned["object_store"]
+    assert store["peak_bytes"] == max(store["sampled_stage_bytes"], store["samples_table_bytes"])
+    assert store["extraction_bytes"] == 0 and store["sampled_stage_inputs_bytes"] > 0
+    assert f"object store: ≈ {gib(store['peak_bytes'])} at its peak" in "\n".join(said)
+    again = tmp_path / "again.json"
+    assert eg.merge(pair, out, plan_json=again, echo=None) == planned
+    assert json.loads(again.read_text()) == planned and not out.exists()
 
 
 def test_merge_plan_says_where_it_would_merge_and_writes_nothing(runs, tmp_path, capsys) -> None:
