@@ -425,3 +425,23 @@ def test_host_tier_smoke(results_dir, ray_local, monkeypatch):
     assert set(res["runs"]) == {"spills", "tier"}
     assert res["runs"]["tier"]["host_merges"] > 0 and res["runs"]["spills"]["spills"] > 0
     assert res["bytes_ratio_tier_to_spills"] < 1 and res["tables_max_rel_diff"] < 1e-9
+
+
+def test_object_store_peak_smoke(results_dir, ray_local, tmp_path):
+    """A command that joins the session's Ray and holds a 48 MiB object for two seconds: the
+    peak read from the cluster's plasma usage counts it, and is compared with a plan's."""
+    import sys
+
+    from bench import object_store_peak
+
+    address = ray_local.get_runtime_context().gcs_address
+    plan = tmp_path / "plan.json"
+    plan.write_text(json.dumps({"object_store": {"peak_bytes": 64 << 20}}))
+    hold = (f"import time, numpy, ray; ray.init(address={address!r}, logging_level='ERROR'); "
+            "ref = ray.put(numpy.ones(6 << 20)); time.sleep(2)")  # fmt: skip
+    object_store_peak.main(["--address", address, "--plan-json", str(plan), "--",
+                            sys.executable, "-c", hold])  # fmt: skip
+    res = read(results_dir, "object_store_peak")
+    assert res["exit_status"] == 0 and res["command"][-1] == hold
+    assert 48 <= res["peak_mib"] < 64 and res["objects"] >= 1
+    assert res["plan_peak_mib"] == 64 and res["measured_share_of_plan"] == round(res["peak_mib"] / 64, 3)
