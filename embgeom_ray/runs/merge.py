@@ -291,16 +291,20 @@ def merge_shape(
     config: JobConfig,
     vocab: int,
     samples: Sequence[Mapping[str, Any] | None] = (),
+    runs: Sequence[str] = (),
 ) -> Shape:
     """The merge's :class:`~embgeom_ray.sizing.Shape`: the runs' layers, d, positions and
     clipped dimensions (from the first run's first-layer state) and their sample, whose
     sampled stage (``sample_points``, ``sampled``) runs as an analysis's does: of the merged
-    sample's entries (:func:`merged_sample_entries` of the runs' manifests' ``samples``)."""
+    sample's entries (:func:`merged_sample_entries` of the runs' manifests' ``samples``),
+    read from the ``runs`` (a local one where any is: the sample's tasks then run on the
+    job's own node, whatever ``--out``)."""
     uniform, types = merged_sample_entries(config, samples)
+    source = next((r for r in runs if is_local(r)), runs[0]) if runs else None
     return Shape(
         layers=len(layers), dim=probe.dim, positions=probe.max_positions, vocab=vocab,
         clip=len(probe.clip_dims or []), sample_entries=uniform + types, name="merge",
-        store=config.out, sample_points=uniform, sampled=config.sampled,
+        store=config.out, sample_points=uniform, sampled=config.sampled, sample_source=source,
     )  # fmt: skip
 
 
@@ -703,7 +707,7 @@ def _merge_runs(
     if dedup is None:  # --dedup runs sharing a document are refused above, by its text's key
         for warning in overlap_warnings(runs):
             echo(f"warning: {warning}")
-    shape = merge_shape(probe, layers, config, len(tok), [m.sample for m in manifests])
+    shape = merge_shape(probe, layers, config, len(tok), [m.sample for m in manifests], runs)
     reduce, seen = size_merge(urls, shape, config, echo)
     if config.plan or config.plan_json:
         return show_merge_plan(shape, reduce, runs, config, echo)

@@ -9,7 +9,6 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from ..errors import ConfigError
-from ..io_utils import is_local
 from .checkpoints import writers_for
 from .formulas import (
     CPU_BATCH_TOKENS_MAX,
@@ -209,7 +208,7 @@ def sample_task_refusal(
     the job's own node (the head); one in object storage, on any node."""
     if not sample_on_workers(shape.sample_entries, shape.dim):
         return None
-    local = not shape.store or is_local(shape.store)
+    local = shape.sample_local
     # on a local path, the head (asked for no CPU where it offers none); else any node with a
     # CPU, as each asks for one: a head of ray start --num-cpus 0 runs none there
     offers = [n.memory for n in cluster.nodes if (n.head if local else n.cpus >= 1)]

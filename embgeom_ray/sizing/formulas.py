@@ -43,7 +43,7 @@ from typing import TYPE_CHECKING, Any
 from ..core.options import header_entries
 from ..core.statistics_fields import STREAM_BLOCK_BYTES, state_bytes
 from ..errors import ConfigError
-from ..io_utils import upload_buffer_bytes
+from ..io_utils import is_local, upload_buffer_bytes
 from .sampled_tasks import SampledTasks
 from .units import GiB, MiB, gib
 
@@ -173,6 +173,18 @@ class Shape:
     #: (``--silhouette-max-points``, ``--kmeans-k-max``, ``--kmeans-n-init``, ``--lid-k``:
     #: :mod:`.sampled_tasks`); None: the defaults
     sampled: Any = field(default=None, compare=False)
+    #: where the sample's per-layer tasks read it, where not from ``store`` (a run's sample is
+    #: in its checkpoint groups there): a merge's runs, one of them local where any is
+    #: (:func:`~embgeom_ray.distributed.sample_tasks.placement` keeps the tasks on the job's
+    #: node where any part is read from local files); None: ``store``
+    sample_source: str | None = None
+
+    @property
+    def sample_local(self) -> bool:
+        """Whether the sample's tasks read local files, on the job's own node (:attr:`sample_source`,
+        else :attr:`store`; "": a local run)."""
+        url = self.store if self.sample_source is None else self.sample_source
+        return not url or is_local(url)
 
     def sampled_tasks(self) -> SampledTasks | None:
         """The sampled stage's per-layer Ray tasks (:mod:`.sampled_tasks`) of a layer of

@@ -8,7 +8,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from ..errors import ConfigError
-from ..io_utils import is_local
 from .checkpoints import DRIVER, BudgetShape
 from .checkpoints import describe_plan as checkpoint_lines
 from .decisions import Sizing, driver_reserve, io_sizes, sample_task_memory, size_reducers
@@ -202,7 +201,7 @@ def sample_task_lines(shape: Shape, cluster: Cluster) -> list[str]:
     if not sample_on_workers(shape.sample_entries, shape.dim):
         return []
     q = sample_layer_bytes(shape.sample_entries, shape.dim)
-    local = not shape.store or is_local(shape.store)
+    local = shape.sample_local
     head = max((n.memory for n in cluster.nodes if n.head), default=0)
     if not sample_task_memory(sample_task_bytes(shape.sample_entries, shape.dim), local, head):
         asked = ("not asked of Ray: the job's own node, where they read the run's local files, "

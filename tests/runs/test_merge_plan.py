@@ -96,3 +96,21 @@ def test_a_merge_sizes_the_sample_its_runs_hold_not_the_sample_size(small_node) 
     # runs whose samples together hold more: --sample-size
     many = [{"uniform_points": 4000, "type_uniform_points": 4000}] * 2
     assert merge.merge_shape(PROBE, list(range(7)), config, 30_522, many).sample_points == 4096
+
+
+def test_a_merge_of_local_runs_sizes_the_sample_tasks_on_the_jobs_node_whatever_out() -> None:
+    """The merged sample is read from the runs: where one is local, its tasks run on the job's
+    own node (they read its files), even with --out in object storage, so the plan refuses
+    them there, where they would be refused at the stage after the statistics were merged
+    (the plan sized them by --out, on any node); runs in object storage, on any node."""
+    from embgeom_ray.sizing.decisions import stage_task_refusal
+
+    config = _config(out="s3://bucket/ab")
+    wide = SimpleNamespace(dim=8192, max_positions=128, clip_dims=None)
+    cluster = Cluster((Node("h", 1 << 30, cpus=2, head=True), Node("w", 64 << 30, cpus=16)))
+    local = merge.merge_shape(wide, list(range(7)), config, 128_256, (), ["/d/a", "s3://b/b"])
+    assert local.sample_local and local.sample_source == "/d/a"
+    refused = stage_task_refusal(local, cluster, ())
+    assert refused is not None and "more than the 1.0 GiB of Ray memory of the job's own node" in refused
+    remote = merge.merge_shape(wide, list(range(7)), config, 128_256, (), ["s3://b/a", "s3://b/b"])
+    assert not remote.sample_local and stage_task_refusal(remote, cluster, ()) is None
