@@ -9,8 +9,13 @@ warms one worker per CPU while the extractor loads its model, their imports at i
 stages from the manifests (extraction, tables and sampled metrics, report), and the ratio
 (b) / (a); the two runs' tables are checked to be the same.
 
+``--address`` has the jobs join that Ray cluster instead: the job warms task workers on its
+private local Ray only, so there both runs are alike, and nothing is measured. It is for a
+check of the bench itself that needs no stage (``--extra-args "--sample-size 0 --no-report"``,
+where no worker is warmed anyway): tests/bench/test_bench_smoke.py, on the tests' Ray.
+
     python -m bench.warm_workers [--repeats 2] [--cpus-per-worker 1] [--docs N]
-        [--extra-args "..."]
+        [--extra-args "..."] [--address ADDRESS]
 """
 
 from __future__ import annotations
@@ -40,7 +45,7 @@ def run_job(corpus: str, out: Path, warm: bool, args) -> dict:
         "--cpus-per-worker", str(args.cpus_per_worker), *shlex.split(args.extra_args),
         *([] if warm else ["--no-warm-workers"]),
     ]  # fmt: skip
-    env = dict(os.environ, RAY_ADDRESS="")
+    env = dict(os.environ, RAY_ADDRESS=args.address)  # "": each its own private local Ray
     t0 = time.perf_counter()
     subprocess.run(cmd, cwd=ROOT, env=env, check=True, stdout=subprocess.DEVNULL)
     wall = time.perf_counter() - t0
@@ -56,6 +61,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--cpus-per-worker", type=int, default=1, help="the extractor's CPUs")
     p.add_argument("--docs", type=int, default=0, help="only the first N documents (0: all)")
     p.add_argument("--extra-args", default="", help="more jobs.analyze flags, quoted")
+    p.add_argument("--address", default="", help="a Ray cluster for the jobs to join "
+                   "(default: each its own private local Ray; no warm workers elsewhere)")
     p.add_argument("--name", default="warm_workers")
     args = p.parse_args(argv)
     with work_dir("warm-workers") as work:

@@ -386,14 +386,16 @@ def test_overlap_smoke(results_dir):
     assert set(res["ratio_to_bare"]) == {"sequential", "overlapped"}
 
 
-def test_warm_workers_smoke(results_dir):
+def test_warm_workers_smoke(results_dir, ray_local):
     """One cold and one warm job over one document, with no sampled stage and no report (the
-    stage on the warm workers: tests/distributed/test_warm_workers.py)."""
+    stage on the warm workers: tests/distributed/test_warm_workers.py), so no worker is warmed
+    in either: the jobs join the tests' local Ray (``--address``) instead of each starting a
+    private one (~5 s of CPU a job)."""
     from bench import warm_workers
 
-    warm_workers.main(
-        ["--docs", "1", "--repeats", "1", "--extra-args", "--sample-size 0 --no-report"]
-    )  # fmt: skip
+    address = ray_local.get_runtime_context().gcs_address
+    warm_workers.main(["--docs", "1", "--repeats", "1", "--address", address,
+                       "--extra-args", "--sample-size 0 --no-report"])  # fmt: skip
     res = read(results_dir, "warm_workers")
     assert set(res["runs"]) == {"cold", "warm"} and len(res["runs"]["warm"]) == 1
     assert res["median_s"]["warm"]["wall"] > 0 and res["ratio_warm_to_cold"]["wall"] > 0
