@@ -386,7 +386,7 @@ def test_overlap_smoke(results_dir):
     assert set(res["ratio_to_bare"]) == {"sequential", "overlapped"}
 
 
-def test_warm_workers_smoke(results_dir, ray_local):
+def test_warm_workers_smoke(results_dir, ray_local, capfd):
     """One cold and one warm job over one document, with no sampled stage and no report (the
     stage on the warm workers: tests/distributed/test_warm_workers.py), so no worker is warmed
     in either: the jobs join the tests' local Ray (``--address``) instead of each starting a
@@ -399,6 +399,7 @@ def test_warm_workers_smoke(results_dir, ray_local):
     res = read(results_dir, "warm_workers")
     assert set(res["runs"]) == {"cold", "warm"} and len(res["runs"]["warm"]) == 1
     assert res["median_s"]["warm"]["wall"] > 0 and res["ratio_warm_to_cold"]["wall"] > 0
+    assert capfd.readouterr().err.count("ray: joined cluster at") == 2  # the jobs' own lines
 
 
 
