@@ -11,7 +11,9 @@ throughput
     the metrics after it are not). Printed: the ratio 2 workers / 1 worker (ideal 2.0). On a
     2-core machine the two nodes share the two cores, so 2 workers of 1 thread compete with
     1 worker of 1 thread only for memory bandwidth and caches (and with the driver, which
-    checkpoints the shards).
+    checkpoints the shards). ``--address`` runs the section on that Ray cluster instead (this
+    process's own where it has joined one already, e.g. the tests' local Ray of 2 CPUs), its
+    nodes and CPUs as they are: no simulated cluster started, none shut down.
 memory
     Extractor peak memory against corpus size: for each N in ``--copies``, a fresh Python
     process builds a :class:`~embgeom_ray.inputs.extractor.ShardProcessor` and processes the demo
@@ -35,6 +37,7 @@ reduce
 
     python -m bench.scaling [--sections throughput,memory,artefact,reduce] [--shards 8]
         [--copies 1,2,4] [--vocab 1000,10000] [--dims 384,768] [--reduce-shards 4,16,64]
+        [--address ADDRESS]
 """
 
 from __future__ import annotations
@@ -85,21 +88,29 @@ def section_throughput(args, work: Path) -> dict:
 
     corpus = base_corpus(work, args.tokens)
     shard_bytes = max(1024, corpus.stat().st_size // args.shards)
-    print(
-        "throughput: simulated cluster (head 0 CPUs + 2 nodes of 1 CPU); on a 2-core machine "
-        "2 workers of 1 thread compete with 1 worker of 1 thread only for memory bandwidth"
-    )
-    if ray.is_initialized():
-        ray.shutdown()
-    t0 = time.perf_counter()
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0})
-    for _ in range(2):
-        cluster.add_node(num_cpus=1)
+    cluster, joined = None, False
+    if args.address:
+        print(f"throughput: on the Ray cluster at {args.address}, its nodes as they are")
+        if not ray.is_initialized():
+            ray.init(address=args.address, log_to_driver=False, logging_level="ERROR")
+            joined = True
+    else:
+        print(
+            "throughput: simulated cluster (head 0 CPUs + 2 nodes of 1 CPU); on a 2-core machine "
+            "2 workers of 1 thread compete with 1 worker of 1 thread only for memory bandwidth"
+        )
+        if ray.is_initialized():
+            ray.shutdown()
+        t0 = time.perf_counter()
+        cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0})
+        for _ in range(2):
+            cluster.add_node(num_cpus=1)
     runs: dict[int, list[dict]] = {1: [], 2: []}
     try:
-        ray.init(address=cluster.address, log_to_driver=False, logging_level="ERROR")
-        cluster.wait_for_nodes()
-        print(f"  cluster up in {time.perf_counter() - t0:.1f}s")
+        if cluster is not None:
+            ray.init(address=cluster.address, log_to_driver=False, logging_level="ERROR")
+            cluster.wait_for_nodes()
+            print(f"  cluster up in {time.perf_counter() - t0:.1f}s")
         for rep in range(args.repeats):
             for workers in (1, 2) if rep % 2 == 0 else (2, 1):  # alternate which goes first
                 cfg = build_config(
@@ -138,8 +149,10 @@ def section_throughput(args, work: Path) -> dict:
                     f"job total {tm['total']:.2f}s)"
                 )
     finally:
-        ray.shutdown()
-        cluster.shutdown()
+        if cluster is not None or joined:
+            ray.shutdown()
+        if cluster is not None:
+            cluster.shutdown()
     tps = {w: median([r["tokens_per_s"] for r in rs]) for w, rs in runs.items()}
     ratio = tps[2] / tps[1]
     print(
@@ -382,6 +395,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--tokens", type=int, default=0, help="base corpus: first ~N tokens (0: all)")
     p.add_argument("--shards", type=int, default=8, help="throughput: shards of the corpus")
     p.add_argument("--repeats", type=int, default=1, help="throughput: runs per worker count")
+    p.add_argument("--address", default="", help="throughput: this Ray cluster, not a simulated one")
     p.add_argument("--sample-size", type=int, default=512, help="throughput: job's sample")
     p.add_argument(
         "--kmeans-k-max", type=int, default=15, help="throughput: job's K-means k range 2..K"

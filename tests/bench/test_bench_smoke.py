@@ -122,16 +122,21 @@ def test_kmeans_shares_smoke(results_dir, ray_local):
     assert all(15 <= k <= 60 for k in result["k_searched"].values())
 
 
-@pytest.mark.own_ray_cluster  # its throughput section shuts the tests' Ray down for its own
-def test_scaling_smoke(results_dir):
+def test_scaling_smoke(results_dir, ray_local):
+    """The throughput section on the tests' local Ray of 2 CPUs (``--address``), not on a
+    simulated cluster of its own, which shut the tests' Ray down (restarted by the next test
+    that needs it: ~5 s, and its workers' imports again)."""
     from bench import scaling
 
+    address = ray_local.get_runtime_context().gcs_address
     scaling.main(
         (
             "--tokens 1000 --shards 4 --sample-size 0 --copies 1,2 --memory-parallel "
-            "--layers 2 --vocab 50,100 --dims 8,16 --reduce-shards 2,3 --reduce-tokens 128"
+            "--layers 2 --vocab 50,100 --dims 8,16 --reduce-shards 2,3 --reduce-tokens 128 "
+            f"--address {address}"
         ).split()
     )
+    assert ray_local.is_initialized()  # the tests' Ray, still up
     result = read(results_dir, "scaling")
     assert set(scaling.SECTIONS) <= result.keys()
     tp = result["throughput"]
