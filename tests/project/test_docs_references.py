@@ -36,6 +36,7 @@ DOCS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
 #: flags named alone in the docs that are another tool's, not the project's
 TOOL_FLAGS = {
     "--no-compile": "pip install",
+    "--without-pip": "python -m venv (tests/project/test_wheel.py)",
     "--dist": "pytest-xdist (make test's --dist loadgroup)",
 }
 #: a command of the project's that takes options: the jobs' (``make analyze`` and ``make demo``
