@@ -105,11 +105,13 @@ def test_a_reducer_memory_no_node_offers_is_refused(tmp_path, ray_local):
         PartitionedStatistics(PartitionPlan.of(2, VOCAB, LAYERS), urls, memory=2**60)
 
 
-def group_files(tmp_path, clip: bool, offset: float) -> tuple[list[str], EmbeddingStatistics]:
+def group_files(
+    tmp_path, clip: bool, offset: float, seed: int = 7, groups: int = 3
+) -> tuple[list[str], EmbeddingStatistics]:
     """Three checkpoint groups (one extractor flush each) as files, and their merge in order."""
-    rng = np.random.default_rng(7)
+    rng = np.random.default_rng(seed)
     urls, whole = [], None
-    for g in range(3):
+    for g in range(groups):
         stats = EmbeddingStatistics(
             list(LAYERS), D, max_positions=8, clip_dims=[1] if clip else None,
             metadata={"model_fingerprint": "m"},
@@ -345,18 +347,21 @@ def test_a_partitioned_artefact_reads_back_any_part(tmp_path, reducer_sets):
     )
 
 
-def test_reducers_merge_runs_cut_into_other_partitions(tmp_path, ray_local):
+def test_reducers_merge_runs_cut_into_other_partitions(tmp_path, reducer_sets):
     """The merge of runs partition by partition: one run's artefact cut by 3 reducers, the
     other whole; 2 reducers with other ranges read their parts of both and give the tables
-    (and, saved and read back, the statistics) of the merge of everything."""
-    urls, whole = group_files(tmp_path, False, 0.0)
+    (and, saved and read back, the statistics) of the merge of everything. (The first run is
+    a reducer set of the module's, not 3 reducers of its own; the other, a group of other
+    numbers.)"""
+    urls, _, first = reducer_sets(3, True, 0.0, False)
+    (other,), _ = group_files(tmp_path, True, 0.0, seed=8, groups=1)
+    whole = EmbeddingStatistics.load(urls[0])  # the fixture's merge is left as it is
+    for url in [*urls[1:], other]:
+        whole = whole.merge(EmbeddingStatistics.load(url))
     options = JobConfig(model="m", corpus="c", out="o", min_count=2).tables
-    first = PartitionedStatistics(PartitionPlan.of(3, VOCAB, LAYERS), urls[:2])
-    try:
-        first.save(str(tmp_path / "a" / "statistics"))
-    finally:
-        first.close()
-    sources = [str(tmp_path / "a" / "statistics"), urls[2]]
+    assert first.plan == PartitionPlan.of(3, VOCAB, LAYERS)
+    first.save(str(tmp_path / "a" / "statistics"))
+    sources = [str(tmp_path / "a" / "statistics"), other]
     seen = seen_type_ids(sources)
     np.testing.assert_array_equal(seen, whole.state_dict()["type_ids"])
     merged = PartitionedStatistics(PartitionPlan.balanced(2, seen, LAYERS), sources)
