@@ -36,8 +36,8 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 #: the job as ``python -m jobs.analyze`` runs it, with hooks (argv: the options as JSON, a
 #: directory for the markers it writes, whether to kill a reducer, whether to wait for the
 #: worker node): it writes ``worker-folded`` once an extractor of another node than its own
-#: has folded a shard, then holds that report a few seconds (the test kills the node
-#: meanwhile); until then, its own node's extractor is slowed (the tiny model's shards would
+#: has folded a shard, then holds that report up to 5 s, until the test, which kills the node
+#: meanwhile, writes ``node-killed`` (or kills this process); until then, its own node's extractor is slowed (the tiny model's shards would
 #: all be gone before the worker's extractor has loaded it); with the reducer hook, it kills
 #: reducer 0 as the reduce first waits for it to load.
 DRIVER = """
@@ -64,7 +64,9 @@ def run_shards(*args, on_folded=None, **kwargs):
         if report.node_id != here and not held:
             held.append(report)
             (marks / "worker-folded").write_text(report.node_id)
-            time.sleep(5)  # the test kills the node (or this process) now
+            end = time.monotonic() + 5  # the test kills the node (or this process) now
+            while not (marks / "node-killed").exists() and time.monotonic() < end:
+                time.sleep(0.05)
         elif wait and not held and time.monotonic() < deadline:
             time.sleep(1.0)  # shards left for the worker node's extractor
 
@@ -176,6 +178,7 @@ def test_two_failures_at_once_on_a_real_cluster(cluster, tmp_path_factory):  # n
     proc, log = start_driver(cluster, opts, tmp / "marks-2", kill_reducer=True)
     wait_for(tmp / "marks-2" / "worker-folded", proc, log)
     kill_node(cluster)  # its extractor holds the shard it folded, unflushed
+    (tmp / "marks-2" / "node-killed").write_text("")  # the driver's hold ends
     finish(proc, log)
     assert (tmp / "marks-2" / "reducer-killed").exists()
     manifest = json.loads((out / "manifest.json").read_text())
