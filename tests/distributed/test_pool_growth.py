@@ -7,7 +7,9 @@ CPU (tests/ray_processes.py starts and stops them, never ``ray stop``). The job 
 with no ``--num-workers``, as a driver process of its own joined with ``--address``: it starts
 with the one extractor the head holds and starts another on the second node when it joins.
 Its counts and tables equal those of one process folding every shard once (float64
-products: to 1e-9 relative); its manifest records the pool's growth.
+products: to 1e-9 relative); its manifest records the pool's growth. The node that joins does
+not see the directory of the module's second test (its own disk mounted there), which then
+runs on that node.
 
 The job's driver is ``DRIVER`` below: the job as ``jobs.analyze`` runs it, with hooks that tell
 the test when to add the node (the extraction has started: the job is sized and its pool
@@ -97,6 +99,8 @@ class TwoNodeRay:
     base: Path
     work: Path
     nodes: list[RayNode] = field(default_factory=list)
+    #: the directory each joined node does not see, by its ``ray start``'s pid
+    hiding: dict[int, Path] = field(default_factory=dict)
 
     def join(self, hidden: Path | None = None) -> RayNode:
         """``ray start --address`` for a node of 1 CPU (not waited for: the job sees it
@@ -107,6 +111,8 @@ class TwoNodeRay:
             args, self.env, self.work / "worker.log", [str(self.base)], self.work, hidden
         )
         self.nodes.append(node)
+        if hidden is not None:
+            self.hiding[node.proc.pid] = hidden
         return node
 
 
@@ -255,7 +261,21 @@ def one_process(options: dict) -> tuple[dict[str, pd.DataFrame], dict[str, int]]
     return tables, {name: getattr(counts, name) for name in names}
 
 
-def test_the_pool_grows_onto_a_node_that_joins(cluster, tmp_path_factory):
+@pytest.fixture(scope="module")
+def hidden_runs(tmp_path_factory) -> Path | None:
+    """The local directory :func:`test_a_run_on_a_disk_one_node_does_not_see` runs in, which
+    the node that joins in :func:`test_the_pool_grows_onto_a_node_that_joins` does not see
+    (its own disk mounted there), so that the second test runs on that node rather than
+    stopping it and starting one more (a ``ray start`` and two clients waiting for the
+    nodes); None where mount namespaces are not available."""
+    if not can_hide_directories():
+        return None
+    runs = tmp_path_factory.mktemp("hidden-disk") / "runs"
+    runs.mkdir()
+    return runs
+
+
+def test_the_pool_grows_onto_a_node_that_joins(cluster, tmp_path_factory, hidden_runs):
     from tests.tiny_models import make_tiny_bert
 
     tmp = tmp_path_factory.mktemp("growth")
@@ -271,7 +291,9 @@ def test_the_pool_grows_onto_a_node_that_joins(cluster, tmp_path_factory):
     }  # fmt: skip
 
     t0 = time.monotonic()
-    two = run_job(cluster, options | {"out": str(tmp / "two")}, slow=0.4, on_start=cluster.join)
+    # the joining node does not see hidden_runs (the next test's), which this run does not use
+    two = run_job(cluster, options | {"out": str(tmp / "two")}, slow=0.4,
+                  on_start=lambda: cluster.join(hidden=hidden_runs))  # fmt: skip
     print(f"the run that grew took {time.monotonic() - t0:.1f} s")
     workers = two["workers"]
     assert two["status"] == "complete"
@@ -298,25 +320,27 @@ def test_the_pool_grows_onto_a_node_that_joins(cluster, tmp_path_factory):
 
 
 @pytest.mark.skipif(not can_hide_directories(), reason="needs mount namespaces (unshare)")
-def test_a_run_on_a_disk_one_node_does_not_see(cluster, tmp_path_factory):
+def test_a_run_on_a_disk_one_node_does_not_see(cluster, tmp_path_factory, hidden_runs):
     """A node joins that does not see the run's local directory (its own empty disk mounted
     there, in a mount namespace of its own): its extractor's check turns the run to the
     driver as the one writer, and the reducers (``--reducers 2``), which read the groups and
     write the artefact there, are kept off that node, pinned to the nodes that see the run.
     Before, a reducer placed there failed on the first group it read. The tables equal one
-    process's."""
+    process's. The node is the one that joined in the test before, if it did (it does not
+    see this directory); else one joins now."""
     from tests.tiny_models import make_tiny_bert
 
     tmp = tmp_path_factory.mktemp("hidden")
     model = make_tiny_bert(tmp / "model")
     corpus = write_jsonl(tmp / "c.jsonl", english_documents(40, 700))
-    runs = tmp / "runs"  # the hidden node's own disk is mounted here
-    runs.mkdir()
-    for earlier in cluster.nodes[1:]:  # the head and the hidden node alone
-        earlier.markers = []  # its own processes only (the markers name every node's)
-        earlier.stop()
-    wait_for_nodes(cluster, 1)
-    join_listed(cluster, 2, hidden=runs)
+    runs = hidden_runs  # the hidden node's own disk is mounted here
+    live = [node for node in cluster.nodes[1:] if node.proc.poll() is None]
+    if [cluster.hiding.get(node.proc.pid) for node in live] != [runs]:
+        for earlier in cluster.nodes[1:]:  # the head and the hidden node alone
+            earlier.markers = []  # its own processes only (the markers name every node's)
+            earlier.stop()
+        wait_for_nodes(cluster, 1)
+        join_listed(cluster, 2, hidden=runs)
     options = {
         "model": model, "corpus": corpus, "address": cluster.address, "device": "cpu",
         "cpus_per_worker": 1, "max_length": 32, "shard_bytes": 1024, "no_report": True,
