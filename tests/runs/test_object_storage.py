@@ -2,10 +2,10 @@
 server mode, ``moto_server``, on a free port), the corpus and the runs in a bucket there.
 
 - a run, a resume after its driver was killed (SIGKILL), and the merge of two runs, all in the
-  bucket, as users run them (the killed run ``python -m jobs.analyze`` in a fresh process with
-  its own private Ray; the resume, the second run and the merge through their commands'
-  ``main`` in the test's process, on the private Ray the resume started): the merge's tables
-  equal one run's over the whole corpus;
+  bucket, as users run them on a cluster (the killed run ``python -m jobs.analyze`` in a fresh
+  process joining the simulated cluster below through ``RAY_ADDRESS``; the resume, the second
+  run and the merge through their commands' ``main`` in the test's process, connected to it):
+  the merge's tables equal one run's over the whole corpus;
 - reducers on two nodes of a simulated cluster, each reading the checkpoint groups from the
   bucket; the self-sized defaults on the same cluster give the same tables (that run over the
   whole corpus is the one the merge above is compared with: one job for both tests);
@@ -100,8 +100,10 @@ def manifest(s3: S3, url: str) -> dict:
 def on_cluster(s3, corpus) -> Iterator[dict[str, object]]:
     """A simulated cluster of a head and two 1-CPU nodes (their processes inherit the bucket's
     endpoint) and, on it, two runs over the whole corpus in the bucket: ``--reducers 2``
-    (``two``) and the self-sized defaults (``whole``); their manifests and the worker nodes.
-    The cluster is shut down before the tests read them."""
+    (``two``) and the self-sized defaults (``whole``); their manifests, the worker nodes and
+    the cluster's address. The cluster stays up, this process connected to it, for the
+    module's tests (the killed run and its resume run on it: a private Ray each took ~6 s of
+    CPU to start), and is shut down at the module's end."""
     import ray
     import s3fs
     from ray.cluster_utils import Cluster
@@ -133,12 +135,18 @@ def on_cluster(s3, corpus) -> Iterator[dict[str, object]]:
             whole = analyze(build_config(None, base | {"out": f"{out}/whole"}),
                             echo=lambda *_: None)  # fmt: skip
             workers = {n.node_id for n in nodes}
-        finally:
+        except BaseException:
             ray.shutdown()
             cluster.shutdown()
+            raise
+        finally:
             s3fs.S3FileSystem.clear_instance_cache()
-    return {"two": two, "whole": whole, "workers": workers,
-            "two_url": f"{out}/two", "whole_url": f"{out}/whole"}  # fmt: skip
+    try:
+        yield {"two": two, "whole": whole, "workers": workers, "address": cluster.address,
+               "two_url": f"{out}/two", "whole_url": f"{out}/whole"}  # fmt: skip
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
 
 
 @pytest.mark.slow
@@ -164,12 +172,13 @@ def test_reducers_on_two_nodes_read_the_groups_from_the_bucket(s3, on_cluster):
 @pytest.mark.timeout(1200)
 def test_a_run_a_resume_and_a_merge_in_a_bucket(s3, corpus, on_cluster, tmp_path, monkeypatch,
                                                 capsys):  # fmt: skip
-    """Run a, in a fresh process with its own private Ray, its driver killed, then resumed;
-    and run b; their merge equals the run over the whole corpus (the self-sized one on the
-    simulated cluster: :func:`on_cluster`). The resume, run b and the merge run through their
-    commands' ``main`` in this process (the environment pointing at the bucket), run b on the
-    private Ray the resume started: a fresh process for b beside a's took ~15 s more of the
-    suite's CPU (a process's imports, a Ray's start) for the same writes to the bucket."""
+    """Run a, in a fresh process joining the simulated cluster (:func:`on_cluster`), its
+    driver killed, then resumed; and run b; their merge equals the run over the whole corpus
+    (the self-sized one on that cluster). The resume, run b and the merge run through their
+    commands' ``main`` in this process (the environment pointing at the bucket), connected to
+    the same cluster: a fresh process for b beside a's took ~15 s more of the suite's CPU (a
+    process's imports, a Ray's start) for the same writes to the bucket, and each private Ray
+    of a and of the resume ~6 s."""
     model, url = corpus["model"], corpus["url"]
     runs = f"s3://{BUCKET}/runs"
     whole = manifest(s3, on_cluster["whole_url"])
@@ -179,7 +188,7 @@ def test_a_run_a_resume_and_a_merge_in_a_bucket(s3, corpus, on_cluster, tmp_path
     checkpoints = whole["sizing"]["checkpoints"]
     assert checkpoints["writers"] == "extractors" and checkpoints["flushes"] >= 2
     assert checkpoints["bytes_written"] > 0 and 0 < checkpoints["write_share"] < 1
-    env = os.environ | s3.env | {"PYTHONPATH": str(REPO)}
+    env = os.environ | s3.env | {"PYTHONPATH": str(REPO), "RAY_ADDRESS": on_cluster["address"]}
     # run a: its driver killed once two checkpoint groups are in the bucket, then resumed
     argv = ["--model", model, "--corpus", f"{url}/a.jsonl", "--out", f"{runs}/a", *QUICK,
             "--num-workers", "1"]  # fmt: skip
@@ -199,7 +208,7 @@ def test_a_run_a_resume_and_a_merge_in_a_bucket(s3, corpus, on_cluster, tmp_path
             time.sleep(0.3)
         assert len(groups) >= 2, "the run did not checkpoint two groups"
     finally:
-        os.killpg(proc.pid, signal.SIGKILL)  # the driver and the private Ray it started
+        os.killpg(proc.pid, signal.SIGKILL)  # the driver (the cluster ends its actors)
         proc.wait(timeout=30)
     for key, value in s3.env.items():
         monkeypatch.setenv(key, value)
@@ -217,7 +226,7 @@ def test_a_run_a_resume_and_a_merge_in_a_bucket(s3, corpus, on_cluster, tmp_path
     assert a["shards"]["reused_from_checkpoints"] >= 2
     shards = a["shards"]
     assert shards["reused_from_checkpoints"] + shards["computed"] == shards["total"]
-    # run b, on the private Ray the resume started
+    # run b, on the same cluster
     status = analyze.main(["--model", model, "--corpus", f"{url}/b.jsonl", "--out", f"{runs}/b",
                            *QUICK])  # fmt: skip
     assert status == 0, capsys.readouterr().err[-3000:]

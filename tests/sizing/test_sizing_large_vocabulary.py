@@ -6,11 +6,12 @@ The model is random (bench.vocabulary: d = 192, 2 blocks, so L = 3 hidden states
 corpus generated in two halves of 60,000 words (each half uniform over the vocabulary, half
 Zipf: ~30,000 types each, ~55,000 together), so the per-type state, 8·L·V_seen·(2d+2), is
 more than the job's own process may reduce within 1 GiB of its start. As users run them, each
-in a fresh process (its own private Ray):
+in a fresh process, one after the other, each joining the tests' local Ray (``ray_local``)
+through ``RAY_ADDRESS``, as a user names a cluster (a private Ray each took ~6 s of CPU to
+start, and sizes the job the same: two CPUs, this machine's memory):
 
 1. ``jobs.reanalyze`` of a watch list naming the model, over half A: the run it makes;
-2. ``jobs.analyze`` over half B (both at the same time, each in its own process with its own
-   private Ray);
+2. ``jobs.analyze`` over half B;
 3. ``jobs.merge`` of the two runs.
 
 Each job's own process peaks ≤ 1 GiB above its memory at start; every reducer's peak private
@@ -39,7 +40,6 @@ import json
 import os
 import subprocess
 import sys
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -58,7 +58,8 @@ QUICK_METRICS = [f"--{k.replace('_', '-')}={v}" for k, v in METRICS.items()]
 
 
 def run(module: str, *argv: str) -> str:
-    """``python -m module argv`` in a fresh process; its stdout."""
+    """``python -m module argv`` in a fresh process (joining the cluster ``RAY_ADDRESS`` names,
+    the test's); its stdout."""
     env = os.environ | {"PYTHONPATH": str(REPO)}
     done = subprocess.run([sys.executable, "-m", module, *argv], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=1500)  # fmt: skip
@@ -79,7 +80,7 @@ def within_budgets(m: dict) -> None:
         assert memory["extractor_peak_private_bytes"] <= m["workers"]["memory_bytes"]
 
 
-def test_default_options_size_themselves_within_every_budget(tmp_path):
+def test_default_options_size_themselves_within_every_budget(tmp_path, ray_local, monkeypatch):
     from bench.vocabulary import generated_corpus, wordlevel_llama_dir
 
     model = wordlevel_llama_dir(tmp_path / "model", VOCAB, DIM, BLOCKS)
@@ -88,18 +89,16 @@ def test_default_options_size_themselves_within_every_budget(tmp_path):
     a = generated_corpus(halves / "a.jsonl", VOCAB, WORDS, seed=1)
     b = generated_corpus(halves / "b.jsonl", VOCAB, WORDS, seed=2)
 
-    # 1. the scheduled re-analysis of half A, no memory option in the watch list, and
-    # 2. half B, at the same time
+    # every job joins the tests' local Ray, as a user names a cluster
+    monkeypatch.setenv("RAY_ADDRESS", ray_local.get_runtime_context().gcs_address)
+    # 1. the scheduled re-analysis of half A, no memory option in the watch list, then
+    # 2. half B (one at a time: two jobs sizing themselves on one cluster would share it)
     watchlist = tmp_path / "models.yaml"
     watchlist.write_text(f"models:\n  - model: {model}\n    options: {json.dumps(METRICS)}\n")
     store = tmp_path / "store"
-    with ThreadPoolExecutor(2) as pool:
-        jobs = [pool.submit(run, "jobs.reanalyze", "--watchlist", str(watchlist), "--corpus", a,
-                            "--store", str(store)),
-                pool.submit(run, "jobs.analyze", "--model", model, "--corpus", b, "--out",
-                            str(tmp_path / "b"), *QUICK_METRICS, "--no-report")]  # fmt: skip
-        for done in jobs:
-            done.result()
+    run("jobs.reanalyze", "--watchlist", str(watchlist), "--corpus", a, "--store", str(store))
+    run("jobs.analyze", "--model", model, "--corpus", b, "--out", str(tmp_path / "b"),
+        *QUICK_METRICS, "--no-report")  # fmt: skip
     (run_a,) = (store / "runs").iterdir()
     m_a = json.loads((run_a / "manifest.json").read_text())
     m_b = json.loads((tmp_path / "b" / "manifest.json").read_text())
