@@ -105,6 +105,7 @@ def test_python_docs_examples_run(ray_local, minilm_dir, tmp_path, monkeypatch, 
     # the merge counts both corpora; the comparison wrote its tables and report
     ab, b = namespace["ab"], namespace["b"]
     assert ab.manifest.counts.tokens == run.manifest.counts.tokens + b.manifest.counts.tokens
+    assert not (tmp_path / "runs" / "ab" / "report.html").exists()  # no_report=True
     assert set(ab.type_stats["token_id"]) == set(run.type_stats["token_id"]) | set(
         b.type_stats["token_id"]
     )
