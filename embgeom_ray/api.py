@@ -50,7 +50,7 @@ if TYPE_CHECKING:
     from .core.statistics import EmbeddingStatistics
 
 __all__ = ["Comparison", "LayerSample", "Run", "RunDirError", "analyze", "compare", "merge",
-           "open_run", "plan", "store_runs", "write_report"]  # fmt: skip
+           "open_run", "plan", "plan_merge", "store_runs", "write_report"]  # fmt: skip
 
 Echo = Callable[[str], None]
 
@@ -343,14 +343,16 @@ def _config(config: str | Path | None, values: Mapping[str, Any]) -> JobConfig:
     return build_config(str(config) if config is not None else None, given)
 
 
-def _refuse_plan(options: Mapping[str, Any], where: str) -> None:
+def _refuse_plan(options: Mapping[str, Any], where: str, planner: str = "plan") -> None:
     """A :class:`ConfigError` where ``options`` ask for the plan (``plan``, ``plan_json``):
-    :func:`analyze` would print it, run nothing and then fail to open a run never written
-    (a ``config`` file's ``plan_json:`` ended so, in 'OUT does not exist')."""
+    :func:`analyze` or :func:`merge` would print it, run nothing and then fail to open a run
+    never written (a ``config`` file's ``plan_json:`` ended so, in 'OUT does not exist');
+    ``planner``: the function that gives the plan."""
     asked = [f"{key}={options[key]!r}" for key in ("plan", "plan_json") if options.get(key)]
     if asked:
         raise ConfigError(
-            f"{' and '.join(asked)}{where} runs nothing: call embgeom_ray.plan(...) for the plan"
+            f"{' and '.join(asked)}{where} runs nothing: call embgeom_ray.{planner}(...) for "
+            "the plan"
         )
 
 
@@ -428,24 +430,12 @@ def _run_list(runs: Any, what: str) -> list[str]:
     return [r.url if isinstance(r, Run) else str(r) for r in runs]
 
 
-def merge(
-    runs: Sequence[str | Path | Run],
-    out: str | Path,
-    *,
-    tokenizer: str | None = None,
-    echo: Echo | None = print,
-    **options: Any,
-) -> Run | dict[str, Any]:
-    """Merge complete ``runs`` of one model over disjoint corpora into ``out``, the run over
-    their union (``embgeom merge``), and open it. ``options``: ``embgeom merge``'s
-    (``min_count``, ``reducers``, ``overwrite``, …; table options left out are the first
-    run's).
-
-    With ``plan=True`` (or ``plan_json=FILE``), as ``embgeom merge --plan`` (``--plan-json
-    FILE``): nothing is merged or written (but that file), ``echo`` gets the plan in words,
-    and the plan's numbers are returned, the dict ``--plan-json`` writes (the runs' types,
-    where they would be merged, the sampled stage's tasks, Ray's object store: a dict as
-    :func:`plan` returns for an analysis, under the same keys), not a :class:`Run`."""
+def _merge(
+    runs: Sequence[str | Path | Run], out: str | Path, tokenizer: str | None, echo: Echo | None,
+    options: dict[str, Any],
+) -> Any:
+    """``embgeom merge`` with ``options`` checked against its options (``MERGE_OPTIONS``):
+    what :func:`~embgeom_ray.runs.merge.merge_runs` returns (the plan's dict where it plans)."""
     from .config import MERGE_OPTIONS, did_you_mean
     from .runs.merge import merge_runs
 
@@ -456,14 +446,44 @@ def merge(
             f"unknown merge option(s) {unknown}{did_you_mean(unknown, known)}; the options are "
             f"{known}"
         )
-    if "plan_json" in options and options["plan_json"] is not None:
+    if options.get("plan_json") is not None:
         options["plan_json"] = os.fspath(options["plan_json"])
     urls = _run_list(runs, "merge")
     with _call(echo):
-        done = merge_runs(urls, str(out), tokenizer=tokenizer, echo=echo or _quiet, **options)
-    if options.get("plan") or options.get("plan_json"):
-        return done
+        return merge_runs(urls, str(out), tokenizer=tokenizer, echo=echo or _quiet, **options)
+
+
+def merge(
+    runs: Sequence[str | Path | Run],
+    out: str | Path,
+    *,
+    tokenizer: str | None = None,
+    echo: Echo | None = print,
+    **options: Any,
+) -> Run:
+    """Merge complete ``runs`` of one model over disjoint corpora into ``out``, the run over
+    their union (``embgeom merge``), and open it. ``options``: ``embgeom merge``'s
+    (``min_count``, ``reducers``, ``overwrite``, …; table options left out are the first
+    run's). For ``--plan``, see :func:`plan_merge`."""
+    _refuse_plan(options, "", "plan_merge")
+    _merge(runs, out, tokenizer, echo, options)
     return Run(out)
+
+
+def plan_merge(
+    runs: Sequence[str | Path | Run],
+    out: str | Path,
+    *,
+    tokenizer: str | None = None,
+    echo: Echo | None = print,
+    **options: Any,
+) -> dict[str, Any]:
+    """What :func:`merge` with these arguments would do (``embgeom merge --plan``): nothing
+    is merged or written (but the ``plan_json=FILE`` where given), ``echo`` gets the plan in
+    words. Returns the dict ``embgeom merge --plan-json`` writes: the runs' types, where they
+    would be merged, the sampled stage's tasks, Ray's object store, under the keys of
+    :func:`plan`'s dict for an analysis."""
+    return _merge(runs, out, tokenizer, echo, dict(options) | {"plan": True})
 
 
 def compare(

@@ -420,7 +420,7 @@ def describe_merge_plan(
 
 
 def merge_decisions(shape: Shape, reduce: Reduce, runs: list[str], cluster: Cluster) -> dict[str, Any]:
-    """The merge's plan as numbers (``--plan-json``; what ``embgeom_ray.merge(plan=True)``
+    """The merge's plan as numbers (``--plan-json``; what ``embgeom_ray.plan_merge``
     returns), the numbers :func:`describe_merge_plan` prints, under the keys an analysis's
     plan has them (:meth:`~embgeom_ray.sizing.decisions.Sizing.to_json`: ``reducers``,
     ``driver_bytes``, ``sampled_tasks``, ``object_store``), with what a merge reads of its

@@ -389,9 +389,9 @@ def test_a_run_of_the_previous_version_is_retabled_with_its_sample(runs, tmp_pat
 
 
 def test_the_python_merge_plan_is_the_commands_plan_json(runs, tmp_path, capsys) -> None:
-    """``eg.merge(plan=True)`` returns the plan ``embgeom merge --plan-json`` writes (it
-    raised before), the same numbers under the keys of an analysis's plan, and says it in the
-    command's words; ``plan_json=`` writes the same file; nothing is merged."""
+    """``eg.plan_merge`` returns the plan ``embgeom merge --plan-json`` writes, the same
+    numbers under the keys of an analysis's plan, and says it in the command's words;
+    ``plan_json=`` writes the same file; nothing is merged; ``eg.merge`` refuses both."""
     import embgeom_ray as eg
 
     out, written = tmp_path / "planned", tmp_path / "plan.json"
@@ -399,7 +399,7 @@ def test_the_python_merge_plan_is_the_commands_plan_json(runs, tmp_path, capsys)
     assert merge.main(["--plan-json", str(written), "--out", str(out), *pair]) == 0
     printed = capsys.readouterr().out.splitlines()
     said: list[str] = []
-    planned = eg.merge(pair, out, plan=True, echo=said.append)
+    planned = eg.plan_merge(pair, out, echo=said.append)
     assert planned == json.loads(written.read_text())
     assert said == printed[: len(said)] and printed[len(said)] == f"plan: its decisions as JSON in {written}"
     types = pd.read_parquet(runs["whole"] / "type_stats.parquet")["token_id"].nunique()
@@ -412,8 +412,12 @@ def test_the_python_merge_plan_is_the_commands_plan_json(runs, tmp_path, capsys)
     assert store["extraction_bytes"] == 0 and store["sampled_stage_inputs_bytes"] > 0
     assert f"object store: ≈ {gib(store['peak_bytes'])} at its peak" in "\n".join(said)
     again = tmp_path / "again.json"
-    assert eg.merge(pair, out, plan_json=again, echo=None) == planned
+    assert eg.plan_merge(pair, out, plan_json=again, echo=None) == planned
     assert json.loads(again.read_text()) == planned and not out.exists()
+    for asked in ({"plan": True}, {"plan_json": again}):
+        with pytest.raises(eg.ConfigError, match=r"runs nothing: call embgeom_ray\.plan_merge"):
+            eg.merge(pair, out, echo=None, **asked)
+    assert not out.exists()
 
 
 def test_merge_plan_says_where_it_would_merge_and_writes_nothing(runs, tmp_path, capsys) -> None:
