@@ -33,8 +33,9 @@ m = ``--silhouette-max-points``, Q the sample, B a flush's piece):
   read without a copy, hold their task's whole return in the store until it ends):
   F · Σ_{k≤15} (8·n + 8·k·d) + S · (8·n + 8·k_max·d), F the seedings per k, S
   ``--kmeans-stability-seeds``. A selection splits its fits only where a CPU is free, so at
-  most min(L, C_s − 1) do at once, C_s the CPUs the selections can run on: each node's,
-  at most as many as its Ray memory holds selections (each asks for its peak). A layer too
+  most min(L, C_s, C − 1) do at once, C_s the CPUs the selections can run on: each node's,
+  at most as many as its Ray memory holds selections (each asks for its peak); where memory
+  holds fewer than C, every selection running (C_s) has free CPUs to split on. A layer too
   large for one process (n·d past
   :data:`~embgeom_ray.core.kmeans_selection.LOCAL_FIT_MAX_ELEMENTS`) splits no fits; its
   partitioned fit puts its centred distinct points twice, whole and cut into partitions,
@@ -113,13 +114,17 @@ def stage_bytes(
 ) -> StagePhase:
     """The sampled stage's objects for ``layers`` layers of ``n`` uniform points among
     ``entries`` (s) of dimension ``d`` on ``cpus`` CPUs free (C; ``slots``: C_s, the CPUs
-    its selections can run on, :func:`selection_slots`, default C), ``hands_distances``: a
+    its selections can run on, :func:`selection_slots`, default C; min(L, C_s, C − 1) of
+    them split their fits at once), ``hands_distances``: a
     selection returns its 8·n² distances for the metrics; ``sample_on_tasks``: Ray tasks make
     the inputs from the sample, ``sample`` bytes put once; ``share_results``: what a splitting
     selection's fit-share tasks return (:func:`share_results_bytes`); ``partitioned``: the
     layers are fitted by the partitioned route, which splits no fits and puts its points twice)."""
     c = max(1, int(cpus))
-    splitting = 0 if partitioned else min(layers, max(1, int(c if slots is None else slots)) - 1)
+    # a selection splits where a CPU is free beside the running ones: C_s at once where the
+    # nodes' memory holds fewer selections than C, C − 1 where every CPU runs one
+    running = c if slots is None else max(0, int(slots))
+    splitting = 0 if partitioned else min(layers, running, c - 1)
     inputs = layers * (8 * entries * d + 16 * n)
     return StagePhase(
         inputs=inputs,

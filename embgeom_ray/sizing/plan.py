@@ -251,7 +251,7 @@ def store_lines(store: ObjectStorePeak, cluster: Cluster) -> list[str]:
             f"the sampled stage {gib(stage.total)}: every layer's inputs L·(8·s·d + 16·n) = "
             f"{gib(stage.inputs)}"
             + (f", ≤ C + 1 distance matrices 8·n² = {gib(stage.distances)}" if stage.distances else "")
-            + (f", the fits' points ≤ (C_s − 1) · 12·n·d = {gib(stage.fit_points)} and what "
+            + (f", the fits' points ≤ min(C_s, C − 1) · 12·n·d = {gib(stage.fit_points)} and what "
                f"their share tasks return {gib(stage.fit_results)}" if stage.fit_points else "")
             + (f", the partitioned fits' points L·16·n·d = {gib(stage.partitions)}"
                if stage.partitions else "")

@@ -47,7 +47,7 @@ def test_the_merge_plan_has_the_sampled_stage_line() -> None:
     # refits at k ≤ 60, each 8·n + 8·k·d: 31 MiB) + Q
     assert lines[-1].startswith("object store: ≈ 5.7 GiB at its peak (the sampled stage 5.7 GiB: "
                                 "every layer's inputs L·(8·s·d + 16·n) = 3.5 GiB, the fits' "
-                                "points ≤ (C_s − 1) · 12·n·d = 384 MiB and what their share "
+                                "points ≤ min(C_s, C − 1) · 12·n·d = 384 MiB and what their share "
                                 "tasks return 31 MiB, the sample Q = 1.8 GiB;")  # fmt: skip
     # no stage (--sample-size 0): no line
     none = merge.merge_shape(PROBE, list(range(7)), _config(sample_size=0), 30_522)

@@ -148,8 +148,12 @@ def test_the_selections_that_split_are_those_their_nodes_hold_and_partitioned_fi
     cluster = Cluster((Node("a", 1000, cpus=8), Node("b", 250, cpus=4), Node("c", 10**6, cpus=0),
                        Node("d", 0, cpus=2)))  # fmt: skip
     assert selection_slots(cluster, 100) == 8 + 2 + 0 + 2
+    # 3 selections at once, 9 CPUs free beside them: each may split its fits
     stage = stage_bytes(7, 4096, 8192, 384, 12, True, False, 0, slots=3, share_results=5)
-    assert stage.fit_points == 2 * (12 * 4096 * 384 + 8 * 4096) and stage.fit_results == 2 * 5
+    assert stage.fit_points == 3 * (12 * 4096 * 384 + 8 * 4096) and stage.fit_results == 3 * 5
+    # as many selections as CPUs: one CPU must fall idle first, C − 1 at most
+    full = stage_bytes(7, 4096, 8192, 384, 4, True, False, 0, slots=4, share_results=5)
+    assert full.fit_points == 3 * (12 * 4096 * 384 + 8 * 4096) and full.fit_results == 3 * 5
     assert stage.distances == 7 * 8 * 4096**2  # C + 1 = 13 > L
     big = stage_bytes(7, 8192, 16384, 8192, 12, False, True, 0, slots=12, share_results=5,
                       partitioned=True)  # fmt: skip
@@ -158,9 +162,10 @@ def test_the_selections_that_split_are_those_their_nodes_hold_and_partitioned_fi
     assert share_results_bytes(4096, 384, 60, None, 2) == (
         sum(3 * (8 * 4096 + 8 * k * 384) for k in range(2, 16)) + 2 * (8 * 4096 + 8 * 60 * 384))
     # the plan's: MiniLM's selections ask 428 MiB; a node of 64 CPUs and 1 GiB runs 2 at once,
-    # so one splits; with 64 GiB, 7 layers on 64 CPUs: all 7 split
-    one = after_extraction(MINILM, Cluster((Node("h", 1 << 30, cpus=64, head=True),)), 0, False)
-    assert one.stage.fit_points == 12 * 4096 * 384 + 8 * 4096
+    # and both split (62 CPUs free: RayFits splits where one is); with 64 GiB, 7 layers on 64
+    # CPUs: all 7 split
+    two = after_extraction(MINILM, Cluster((Node("h", 1 << 30, cpus=64, head=True),)), 0, False)
+    assert two.stage.fit_points == 2 * (12 * 4096 * 384 + 8 * 4096)
     roomy = after_extraction(MINILM, Cluster((Node("h", 64 << 30, cpus=64, head=True),)), 0, False)
     assert roomy.stage.fit_points == 7 * (12 * 4096 * 384 + 8 * 4096)
     # n = 8,192 of d = 8,192: past one process's fit (n·d > 4,096 · 8,192)
