@@ -21,7 +21,7 @@ manifest's note).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
@@ -152,20 +152,22 @@ TypeRowsSink = Callable[[pd.DataFrame], None]
 
 
 def build_tables(
-    merged: EmbeddingStatistics | Sequence[EmbeddingStatistics],
+    merged: EmbeddingStatistics | Iterable[EmbeddingStatistics],
     tokenizer: Any,
     options: TableOptions,
     type_rows: TypeRowsSink | None = None,
 ) -> dict[str, pd.DataFrame]:
     """Every exact table of the output contract, from the corpus statistics alone.
 
-    ``merged`` is the whole statistics object or its parts
+    ``merged`` is the whole statistics object or its parts, in any iterable
     (:meth:`~embgeom_ray.core.statistics.EmbeddingStatistics.select`: token ranges, layers, the
     per-layer state in one part per layer), summarised here one layer and one part at a time;
     the tables are the same to float64 rounding however the statistics are cut.
     See :func:`build_tables_from` for the tables.
     """
-    parts = list(merged) if isinstance(merged, Sequence) else [merged]
+    # one statistics object (it has its token range), or its parts in any iterable; told apart
+    # without importing the statistics' module (torch)
+    parts = [merged] if hasattr(merged, "token_range") else list(merged)
     by_range = sorted(parts, key=lambda p: range_key(p.token_range))
     states = {}
     for p in parts:

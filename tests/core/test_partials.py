@@ -211,3 +211,16 @@ def test_partials_of_different_layers_do_not_merge():
         merge_partials([type_partials(a, a.mean, 2), type_partials(b, b.mean, 2)])
     with pytest.raises(ValueError, match="at least one"):
         merge_partials([])
+
+
+def test_parts_given_as_any_iterable_build_the_same_tables():
+    """``build_tables`` takes the parts as a list, a tuple or any iterable of them (a
+    generator, a dict's values), as before its test became ``isinstance(merged, Sequence)``,
+    which wrapped a generator as one part ('generator' object has no attribute
+    'token_range'); one statistics object is one part."""
+    whole = statistics(5, False, 0.0)
+    options = JobConfig(model="m", corpus="c", out="o", min_count=2).tables
+    want = build_tables(whole, Tokenizer, options)
+    parts = cut(whole, [7, 15], [0, 0, 1], False)
+    for held in (tuple(parts), (p for p in parts), dict(enumerate(parts)).values()):
+        assert_tables_close(build_tables(held, Tokenizer, options), want)
