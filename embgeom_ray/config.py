@@ -88,7 +88,7 @@ class RunOptions(OptionGroup):
     plan_json: str | None = Field(
         None,
         description="as --plan, and write the plan's decisions as JSON to this file (local or "
-        "fsspec URL): what embgeom_ray.plan (embgeom_ray.merge with plan=True) returns, the "
+        "fsspec URL): what embgeom_ray.plan (a merge's: embgeom_ray.plan_merge) returns, the "
         "'sizing' a run would record at its start (memory in bytes; docs/outputs.md)",
         json_schema_extra=SCHEDULING | MERGE,
     )

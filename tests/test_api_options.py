@@ -179,3 +179,17 @@ def test_a_call_that_waits_for_another_threads_says_so(monkeypatch) -> None:
     thread.join(timeout=30)
     assert lines == [api.WAITING, "ran"]
     assert mine == []
+
+
+def test_the_plan_json_help_names_the_calls_that_return_its_plan() -> None:
+    """``--plan-json``'s help (``embgeom analyze`` and ``embgeom merge``) named
+    ``embgeom_ray.merge with plan=True``, which ``eg.merge`` refuses: a merge's plan is
+    ``eg.plan_merge``; every ``embgeom_ray.NAME`` it names is the API's."""
+    import re
+
+    from embgeom_ray.cli.merge import build_parser
+
+    (help_text,) = [a.help for a in build_parser()._actions if a.dest == "plan_json"]
+    assert "embgeom_ray.plan_merge" in help_text and "plan=True" not in help_text
+    named = set(re.findall(r"embgeom_ray\.(\w+)", help_text))
+    assert named and named <= set(eg.__all__), named
