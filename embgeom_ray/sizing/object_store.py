@@ -21,7 +21,8 @@ m = ``--silhouette-max-points``, Q the sample, B a flush's piece):
   submitted at once, so every layer's inputs wait in the store: the uniform and type-uniform
   points in float64 with the token ids and content keys, L · (8·s·d + 16·n) (put by the job's
   own process, on its node, unless the sample is handled by Ray tasks, which return them where
-  they run and read the sample from one ``ray.put``: + Q at most); a selection's distance
+  they run, the job's own node where they read local files, and read the sample from one
+  ``ray.put``: + Q at most); a selection's distance
   matrix of the distinct points, 8·n², returned for its metrics task, which is submitted C
   selections later (C: the CPUs Ray has free as the stage starts, the job's own actors gone):
   min(L, C + 1) of them (none where the metrics compute their own: n > m, a layer too large
@@ -64,8 +65,10 @@ class StagePhase:
     distances: int
     fit_points: int
     sample: int
-    #: what of it the job's own process puts on its node: the inputs, or where Ray tasks
-    #: make them, the sample they read (at most Q: file URLs where it is not in memory)
+    #: what of it lands on the job's own node: the inputs its process puts, or where Ray tasks
+    #: make them, the sample they read (at most Q: file URLs where it is not in memory), and
+    #: the inputs too where those tasks read local files (pinned to this node, they return
+    #: them here)
     on_driver_node: int
     #: what the fit-share tasks of the selections splitting at once return
     fit_results: int = 0
@@ -111,6 +114,7 @@ def stage_bytes(
     slots: int | None = None,
     share_results: int = 0,
     partitioned: bool = False,
+    tasks_here: bool = False,
 ) -> StagePhase:
     """The sampled stage's objects for ``layers`` layers of ``n`` uniform points among
     ``entries`` (s) of dimension ``d`` on ``cpus`` CPUs free (C; ``slots``: C_s, the CPUs
@@ -119,7 +123,9 @@ def stage_bytes(
     selection returns its 8·n² distances for the metrics; ``sample_on_tasks``: Ray tasks make
     the inputs from the sample, ``sample`` bytes put once; ``share_results``: what a splitting
     selection's fit-share tasks return (:func:`share_results_bytes`); ``partitioned``: the
-    layers are fitted by the partitioned route, which splits no fits and puts its points twice)."""
+    layers are fitted by the partitioned route, which splits no fits and puts its points twice;
+    ``tasks_here``: the sample's tasks read local files, so run on the job's own node, where
+    what they return is stored)."""
     c = max(1, int(cpus))
     # a selection splits where a CPU is free beside the running ones: C_s at once where the
     # nodes' memory holds fewer selections than C, C − 1 where every CPU runs one
@@ -131,7 +137,7 @@ def stage_bytes(
         distances=min(layers, c + 1) * 8 * n * n if hands_distances else 0,
         fit_points=splitting * (12 * n * d + 8 * n),
         sample=sample if sample_on_tasks else 0,
-        on_driver_node=sample if sample_on_tasks else inputs,
+        on_driver_node=(sample + (inputs if tasks_here else 0)) if sample_on_tasks else inputs,
         fit_results=splitting * share_results,
         partitions=layers * 16 * n * d if partitioned else 0,
     )
@@ -248,7 +254,7 @@ def after_extraction(
             shape.layers, tasks.n, shape.sample_entries, d, cluster.cpus, hands, on_tasks, q,
             slots=selection_slots(cluster, tasks.kmeans),
             share_results=share_results_bytes(tasks.n, d, tasks.k_max, tasks.n_init, seeds),
-            partitioned=tasks.n * d > LOCAL_FIT_MAX_ELEMENTS,
+            partitioned=tasks.n * d > LOCAL_FIT_MAX_ELEMENTS, tasks_here=shape.sample_local,
         )  # fmt: skip
     return ObjectStorePeak(
         extraction=extraction,

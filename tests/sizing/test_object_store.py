@@ -173,3 +173,20 @@ def test_the_selections_that_split_are_those_their_nodes_hold_and_partitioned_fi
                  sample_points=8192)  # fmt: skip
     parts = after_extraction(wide, Cluster((Node("h", 1 << 40, cpus=64, head=True),)), 0, False)
     assert parts.stage.partitions == 7 * 16 * 8192 * 8192 and parts.stage.fit_points == 0
+
+
+def test_sample_tasks_that_read_local_files_return_the_inputs_on_the_jobs_node() -> None:
+    """Where Ray tasks make the stage's inputs from a sample read from local files (a local
+    --out; a merge of a local run), they are pinned to the job's own node
+    (sample_tasks.placement), and what they return, every layer's inputs, is stored there
+    beside the sample Q; from object storage they run anywhere, and that node holds Q alone."""
+    wide = dict(layers=7, dim=8192, positions=128, vocab=30_522, sample_entries=16_384,
+                sample_points=8192)  # fmt: skip
+    cluster = Cluster((Node("h", 1 << 40, cpus=64, head=True),))
+    here = after_extraction(Shape(**wide, store="/runs/r"), cluster, 0, False).stage
+    anywhere = after_extraction(Shape(**wide, store="s3://b/r"), cluster, 0, False).stage
+    assert here.sample and anywhere.sample == here.sample  # Ray tasks make the inputs
+    assert anywhere.on_driver_node == anywhere.sample
+    assert here.on_driver_node == here.inputs + here.sample
+    merged = Shape(**wide, store="s3://b/ab", sample_source="/runs/a")  # a merge's local run
+    assert after_extraction(merged, cluster, 0, False).stage.on_driver_node == here.on_driver_node
