@@ -166,7 +166,10 @@ def section_throughput(args, work: Path) -> dict:
         "runs": {str(w): rs for w, rs in runs.items()},
         "tokens_per_s": {str(w): v for w, v in tps.items()},
         "ratio_2_to_1": ratio,
-        "note": "2 simulated nodes of 1 CPU on one machine: the workers share its cores and "
+        "cluster": args.address or "simulated",
+        "note": f"the Ray cluster at {args.address}, its nodes as they are"
+        if args.address
+        else "2 simulated nodes of 1 CPU on one machine: the workers share its cores and "
         "memory bandwidth",
     }
 

@@ -141,6 +141,7 @@ def test_scaling_smoke(results_dir, ray_local):
     assert set(scaling.SECTIONS) <= result.keys()
     tp = result["throughput"]
     assert set(tp["tokens_per_s"]) == {"1", "2"} and tp["ratio_2_to_1"] > 0
+    assert tp["cluster"] == address and address in tp["note"]  # not "2 simulated nodes"
     assert tp["runs"]["1"][0]["shards"] >= 2
     mem = result["memory"]
     assert [r["copies"] for r in mem["runs"]] == [1, 2]
