@@ -14,6 +14,7 @@ tests/distributed/test_pool_growth.py. Each run's tables must equal the float64 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -117,10 +118,23 @@ def finish(proc: subprocess.Popen, log: Path, timeout: float = 240) -> None:
 
 
 def kill_node(ray: TwoNodeRay) -> None:
-    """The worker node dies (its processes SIGKILLed, as a spot node goes)."""
+    """The worker node dies: every process of it SIGKILLed, as a spot node goes. Its Ray
+    workers too, found as the node's descendants before the kill: they are not in the
+    group of ``ray start`` and their names (``ray::Extractor``…) do not hold the node's
+    directory, so neither ``killpg`` nor :func:`kill_marked` reached them, and an extractor
+    kept folding the driver's shards and flushed them after its raylet was gone (once the
+    driver's hold ended right after the kill, with no fault left for the run to recover)."""
+    import psutil
+
     node = ray.nodes.pop()
+    tree = psutil.Process(node.proc.pid).children(recursive=True)
     os.killpg(node.proc.pid, signal.SIGKILL)
+    for proc in tree:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            proc.kill()
     node.proc.wait(timeout=30)
+    _, alive = psutil.wait_procs(tree, timeout=30)
+    assert not alive, alive  # nothing of the node left to answer the driver
     kill_marked(node.markers[-1:], node.proc.pid)
 
 
