@@ -89,42 +89,61 @@ def test_missing_corpus(capsys, tmp_path, model):
     assert_user_error(code, err, "nothing")
 
 
-def test_missing_text_column(capsys, tmp_path, model, ray_local):
+#: a corpus directory whose text is in another column, with items that are no documents and
+#: a file of no corpus type: refused without --text-column, read with it. One run with it,
+#: shared by the tests of what it reads (each of them a whole job before: ~7 CPU-s each)
+MIXED_ROWS = [
+    {"body": "the cat sat"},
+    {"body": 42},
+    {"body": None},
+    {"body": "   "},
+    {"body": ""},
+    {"body": "a dog"},
+]
+
+
+@pytest.fixture(scope="module")
+def mixed_corpus(tmp_path_factory) -> Path:
+    corpus = tmp_path_factory.mktemp("mixed") / "corpus"
+    corpus.mkdir()
+    (corpus / "c.jsonl").write_text("".join(json.dumps(r) + "\n" for r in MIXED_ROWS))
+    (corpus / "more.csv").write_text("text\nthe bird sang\n")
+    return corpus
+
+
+@pytest.fixture(scope="module")
+def mixed_run(tmp_path_factory, model, mixed_corpus):
+    """``run(capsys)``: the job over :func:`mixed_corpus` with ``--text-column body`` (run by
+    the first test that asks, on the tests' Ray its ``ray_local`` holds), as ``(status, stdout,
+    stderr, out directory)``."""
+    out = tmp_path_factory.mktemp("mixed-run") / "o"
+    done: list[tuple[int, str, str, Path]] = []
+
+    def run_once(capsys) -> tuple[int, str, str, Path]:
+        if not done:
+            capsys.readouterr()
+            argv = ["--model", model, "--corpus", str(mixed_corpus), "--out", str(out)]
+            code = main([*argv, "--text-column", "body", "--no-report"])
+            printed = capsys.readouterr()
+            done.append((code, printed.out, printed.err, out))
+        return done[0]
+
+    return run_once
+
+
+def test_missing_text_column(capsys, tmp_path, model, mixed_corpus, mixed_run, ray_local):
     """Refused once the job has started Ray (the session's here: a private one took ~5 s)."""
-    corpus = write_jsonl(tmp_path / "c.jsonl", ["some text"], column="body")
-    code, err = run(capsys, "--model", model, "--corpus", corpus, "--out", str(tmp_path / "o"))
+    code, err = run(capsys, "--model", model, "--corpus", str(mixed_corpus), "--out",
+                    str(tmp_path / "o"))  # fmt: skip
     assert_user_error(code, err, "no column 'text'", "body")
-    code, err = run(
-        capsys,
-        "--model",
-        model,
-        "--corpus",
-        corpus,
-        "--out",
-        str(tmp_path / "o"),
-        "--text-column",
-        "body",
-    )
+    code, _, err, _ = mixed_run(capsys)  # the same corpus, --text-column body
     assert code == 0, err
 
 
-def test_non_text_values_and_empty_documents_are_skipped_and_counted(
-    capsys, tmp_path, model, ray_local
-):
-    path = tmp_path / "c.jsonl"
-    rows = [
-        {"text": "the cat sat"},
-        {"text": 42},
-        {"text": None},
-        {"text": "   "},
-        {"text": ""},
-        {"text": "a dog"},
-    ]
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    code = main(["--model", model, "--corpus", str(path), "--out", str(tmp_path / "o"), "--no-report"])
-    out, err = capsys.readouterr()
+def test_non_text_values_and_empty_documents_are_skipped_and_counted(capsys, mixed_run, ray_local):
+    code, out, err, run_dir = mixed_run(capsys)
     assert code == 0, err
-    manifest = json.loads((tmp_path / "o" / "manifest.json").read_text())
+    manifest = json.loads((run_dir / "manifest.json").read_text())
     assert manifest["status"] == "complete"
     assert manifest["counts"]["documents"] == 2
     assert manifest["skipped"] == {"non-text value": 2, "empty": 2}
@@ -136,26 +155,23 @@ def test_non_text_values_and_empty_documents_are_skipped_and_counted(
     ]
 
 
-def test_files_of_other_types_in_a_corpus_directory_are_named(capsys, tmp_path, model, ray_local):
+def test_files_of_other_types_in_a_corpus_directory_are_named(
+    capsys, tmp_path, model, mixed_corpus, mixed_run, ray_local
+):
     """A directory's .csv (not a corpus type) was left out without a word: named in one line,
     by --plan and by the run, which reads the rest."""
-    corpus = tmp_path / "corpus"
-    corpus.mkdir()
-    write_jsonl(corpus / "c.jsonl", ["the cat sat on the mat", "a dog barked"])
-    (corpus / "more.csv").write_text("text\nthe bird sang\n")
-    notice = f"corpus: 1 file in {corpus} of no corpus type (1 corpus file read; supported: "
-    argv = ["--model", model, "--corpus", str(corpus), "--out", str(tmp_path / "o")]
-    assert main([*argv, "--plan"]) == 0
+    notice = f"corpus: 1 file in {mixed_corpus} of no corpus type (1 corpus file read; supported: "
+    argv = ["--model", model, "--corpus", str(mixed_corpus), "--out", str(tmp_path / "o")]
+    assert main([*argv, "--text-column", "body", "--plan"]) == 0
     out, err = capsys.readouterr()
     assert [line for line in out.splitlines() if line.startswith("corpus: 1 file")] == [
         notice + ".txt, .text, .jsonl, .json, .ndjson, .parquet, .pq (line formats also with "
         ".gz, .bz2, .xz, .zst)) left out: more.csv"
     ]
-    code = main([*argv, "--no-report"])
-    out, err = capsys.readouterr()
+    code, out, err, run_dir = mixed_run(capsys)
     assert code == 0, err
     assert (out + err).count(notice) == 1
-    assert json.loads((tmp_path / "o" / "manifest.json").read_text())["counts"]["documents"] == 2
+    assert json.loads((run_dir / "manifest.json").read_text())["counts"]["documents"] == 2
 
 
 def test_empty_corpus(capsys, tmp_path, model, ray_local):
