@@ -378,31 +378,27 @@ def test_output_directory_cannot_be_written(capsys, tmp_path, model, corpus, ray
     assert_user_error(code, err, "cannot write to the output directory")
 
 
-def test_different_run_in_output_directory_is_refused(capsys, tmp_path, model, corpus, ray_local):
+def test_different_run_in_output_directory_is_refused(
+    capsys, tmp_path, model, mixed_corpus, mixed_run, ray_local
+):
+    """A complete run in --out (a copy of the module's run: not a job of its own) is refused
+    to another configuration, and replaced with --overwrite."""
+    import shutil
+
+    code, _, err, run_dir = mixed_run(capsys)
+    assert code == 0, err
+    shared = (run_dir / "manifest.json").read_bytes()
+    assert json.loads(shared)["config"]["max_length"] != 32  # the default
     out = str(tmp_path / "o")
-    assert (
-        run(capsys, "--model", model, "--corpus", corpus, "--out", out, "--max-length", "16")[0]
-        == 0
-    )
-    code, err = run(
-        capsys, "--model", model, "--corpus", corpus, "--out", out, "--max-length", "32"
-    )
+    shutil.copytree(run_dir, out)
+    argv = ["--model", model, "--corpus", str(mixed_corpus), "--text-column", "body"]
+    code, err = run(capsys, *argv, "--out", out, "--max-length", "32")
     assert_user_error(code, err, "different configuration", "differs in: max_length", "--overwrite")
-    code, err = run(
-        capsys,
-        "--model",
-        model,
-        "--corpus",
-        corpus,
-        "--out",
-        out,
-        "--max-length",
-        "32",
-        "--overwrite",
-    )
+    code, err = run(capsys, *argv, "--out", out, "--max-length", "32", "--overwrite")
     assert code == 0, err
     manifest = json.loads((tmp_path / "o" / "manifest.json").read_text())
     assert manifest["config"]["max_length"] == 32 and manifest["status"] == "complete"
+    assert (run_dir / "manifest.json").read_bytes() == shared  # the module's run left as it was
 
 
 @pytest.mark.parametrize(
