@@ -267,6 +267,7 @@ def test_a_job_stalled_mid_run_resumes_and_equals_the_reference(
     manifest = json.loads(fs.cat(f"{BUCKET}/job/manifest.json"))
     shards = manifest["shards"]
     assert (shards["reused_from_checkpoints"], shards["computed"], shards["total"]) == (3, 0, 3)
+    assert manifest["sizing"]["reduce"]["count"] == 0  # --reducers 1: reduced in this process
     tables = {}
     for name in ("type_stats", "layers", "dims", "positions"):
         with fs.open(f"{BUCKET}/job/{name}.parquet", "rb") as f:
