@@ -168,7 +168,7 @@ class CorpusSpec:
 
 
 class FileState(NamedTuple):
-    """A corpus file as the plan found it: its ``identity`` (:func:`_identity`: the
+    """A corpus file as the plan found it: its ``identity`` (:func:`file_identity`: the
     modification time; an object's ETag, checksum or generation: what the fingerprint holds),
     its ``file_size``, and for an uncompressed line file the ``tail``: the BLAKE2b digest of its
     last :data:`TAIL_BYTES` bytes (:func:`_tail_digest`), which lines appended since leave as
@@ -478,7 +478,7 @@ def _plan_files(spec: CorpusSpec, shard_bytes: int | None, work: int) -> ShardPl
             lines = f.kind != "parquet" and not f.compression and f.size > 0
             tail = _tail_digest(f.path, f.size) if lines else ""
         except (FileNotFoundError, PermissionError) as e:
-            raise _open_error(f.path, e) from e
+            raise open_error(f.path, e) from e
         host = socket.gethostname() if isinstance(fs, LocalFileSystem) else ""
         return shards, FileState(f.identity, f.size, tail, host)
 
@@ -647,7 +647,10 @@ def _extension(name: str) -> str:
     return base[base.find(".", 1) :] if "." in base[1:] else "(none)"
 
 
-def _identity(fs: fsspec.AbstractFileSystem, info: dict[str, Any]) -> str:
+def file_identity(fs: fsspec.AbstractFileSystem, info: dict[str, Any]) -> str:
+    """A file's cheap identity from its ``info``, as the fingerprint and :class:`FileState`
+    hold it (``mtime=…`` for a local file; an object's ETag, checksum or generation, …), or
+    "" where ``info`` has none."""
     keys = ("mtime",) if isinstance(fs, LocalFileSystem) else _IDENTITY_KEYS
     for key in keys:
         if info.get(key) is not None:
@@ -679,7 +682,7 @@ def _make_file(
         path=_display_path(fs, path),
         relpath=relpath,
         size=int(info.get("size") or 0),
-        identity=_identity(fs, info),
+        identity=file_identity(fs, info),
         kind=kind,
         compression=compression,
     )
@@ -820,7 +823,7 @@ def _check_jsonl_head(path: str, compression: str | None, column: str) -> None:
     bad = 0
     first_bad: tuple[int, bytes] | None = None
     eof = True
-    with _decompressing(path, compression), _open_exact(path, compression) as f:
+    with _decompressing(path, compression), open_exact(path, compression) as f:
         for number, (_, raw) in enumerate(_iter_lines(f, 0, None, chunk=_HEAD_CHUNK), 1):
             if number == 1:
                 _check_encoding(path, raw)
@@ -866,7 +869,7 @@ def _check_encoding(path: str, head: bytes) -> None:
 
 
 @contextlib.contextmanager
-def _open_exact(path: str, compression: str | None) -> Iterator[Any]:
+def open_exact(path: str, compression: str | None) -> Iterator[Any]:
     """``path`` opened for reads of part of it: a remote file fetches the bytes each read asks
     for, not its file system's read-ahead block past them (s3fs's is 50 MiB: the plan's look
     at a file's head fetched 7.6 MiB of an 8 MB file, reading one file in 1 MiB shards fetched
@@ -884,7 +887,7 @@ def _open_exact(path: str, compression: str | None) -> Iterator[Any]:
 
 def _check_text_head(path: str, compression: str | None) -> None:
     """Fail early if a text file is UTF-16 or UTF-32 (:func:`_check_encoding`)."""
-    with _decompressing(path, compression), _open_exact(path, compression) as f:
+    with _decompressing(path, compression), open_exact(path, compression) as f:
         head = f.read(len(_FOREIGN_BOMS[0][0]))
     _check_encoding(path, head)
 
@@ -952,7 +955,7 @@ def _in_column(path_in_schema: str, column: str) -> bool:
 
 def _parquet_ranges(path: str, column: str, shard_bytes: int) -> list[tuple[int, int]]:
     """Consecutive row-group ranges of about ``shard_bytes`` compressed text-column bytes."""
-    with _open_exact(path, None) as f:
+    with open_exact(path, None) as f:
         pf = _parquet_file(f, path)
         _parquet_column(pf, path, column)
         md = pf.metadata
@@ -1015,7 +1018,7 @@ def _saved_dataset_stamp(path: str) -> str:
         infos = fs.ls(root, detail=True)
     except (OSError, ValueError, ImportError):
         return ""
-    return repr(sorted((i["name"], i.get("size"), _identity(fs, i)) for i in infos))
+    return repr(sorted((i["name"], i.get("size"), file_identity(fs, i)) for i in infos))
 
 
 @functools.lru_cache(maxsize=4)
@@ -1112,7 +1115,7 @@ TAIL_BYTES = 4096
 def _tail_digest(path: str, size: int) -> str:
     """The BLAKE2b digest (hex) of the file's last :data:`TAIL_BYTES` bytes before ``size``
     (its planned size): one small read, the same after lines are appended."""
-    with _open_exact(path, None) as f:
+    with open_exact(path, None) as f:
         start = max(0, size - TAIL_BYTES)
         f.seek(start)
         data = f.read(size - start)
@@ -1154,7 +1157,7 @@ def check_unchanged(shard: Shard) -> None:
             if _tail_digest(shard.path, shard.file_size) == shard.tail:
                 return  # lines appended: read up to the planned size, as documented
     except (FileNotFoundError, PermissionError) as e:
-        raise _open_error(shard.path, e) from e
+        raise open_error(shard.path, e) from e
     raise CorpusError(
         f"corpus file {shard.path} changed during the run: it was written after the run was "
         f"planned ({shard.identity}, {shard.file_size:,} bytes; now {now}, "
@@ -1174,7 +1177,7 @@ def _other_hosts_copy_changed(shard: Shard, fs: fsspec.AbstractFileSystem, path:
             size >= shard.file_size and _tail_digest(shard.path, shard.file_size) == shard.tail
         )
     except (FileNotFoundError, PermissionError) as e:
-        raise _open_error(shard.path, e) from e
+        raise open_error(shard.path, e) from e
     if same_tail and (size == shard.file_size or (shard.tail and size > shard.file_size)):
         return
     raise CorpusError(
@@ -1249,7 +1252,7 @@ def _iter_lines(
 
     Reads ``chunk`` bytes at a time (default :data:`_READ_CHUNK`), never past ``stop`` but
     to finish the line that crosses it, :data:`_HEAD_CHUNK` at a time: a remote file opened by
-    :func:`_open_exact` fetches little more than the range.
+    :func:`open_exact` fetches little more than the range.
     """
     full = chunk or _READ_CHUNK
     if start > 0:
@@ -1299,7 +1302,8 @@ def _is_corrupt_stream(e: OSError, compression: str | None) -> bool:
     )
 
 
-def _open_error(path: str, e: Exception) -> CorpusError:
+def open_error(path: str, e: Exception) -> CorpusError:
+    """The :class:`CorpusError` of a corpus file that could not be opened or decompressed."""
     if isinstance(e, FileNotFoundError):
         return CorpusError(f"corpus file {path} no longer exists (deleted after planning?)")
     if isinstance(e, PermissionError):
@@ -1316,7 +1320,7 @@ def _read_lines(shard: Shard, spec: CorpusSpec, report: ReadReport) -> Iterator[
     first_checked = shard.start != 0  # the file's first JSON object must have the column
     objects = invalid = 0
     try:
-        with _open_exact(shard.path, compression) as f:
+        with open_exact(shard.path, compression) as f:
             lines = _LineReader(f, shard.start, None if compression else shard.stop)
             for offset, raw in lines:
                 if offset == 0:
@@ -1365,11 +1369,11 @@ def _read_lines(shard: Shard, spec: CorpusSpec, report: ReadReport) -> Iterator[
             cut = compression is None and lines.eof and f.seek(0, 2) < shard.stop
             size = f.tell() if cut else 0
     except (*_DECOMPRESSION_ERRORS, FileNotFoundError, PermissionError) as e:
-        raise _open_error(shard.path, e) from e
+        raise open_error(shard.path, e) from e
     except OSError as e:
         if not _is_corrupt_stream(e, compression):
             raise  # I/O trouble (network, disk) is not the user's to fix: let the task retry
-        raise _open_error(shard.path, e) from e
+        raise open_error(shard.path, e) from e
     if jsonl and shard.start == 0 and lines.eof and objects == 0 and invalid > 0:
         raise CorpusError(
             f"{shard.path} is not JSON Lines: none of its {invalid} non-empty lines "
@@ -1399,7 +1403,7 @@ def _emit_values(
 def _read_parquet(shard: Shard, spec: CorpusSpec, report: ReadReport) -> Iterator[Document]:
     prefix = _id_prefix(_shard_relpath(shard, spec))
     try:
-        with _open_exact(shard.path, None) as f:
+        with open_exact(shard.path, None) as f:
             pf = _parquet_file(f, shard.path)
             _parquet_column(pf, shard.path, spec.text_column)
             md = pf.metadata
@@ -1422,7 +1426,7 @@ def _read_parquet(shard: Shard, spec: CorpusSpec, report: ReadReport) -> Iterato
             except pa.ArrowException as e:
                 raise CorpusError(f"cannot read Parquet file {shard.path}: {e}") from e
     except (FileNotFoundError, PermissionError) as e:
-        raise _open_error(shard.path, e) from e
+        raise open_error(shard.path, e) from e
 
 
 def _read_dataset(shard: Shard, spec: CorpusSpec, report: ReadReport) -> Iterator[Document]:

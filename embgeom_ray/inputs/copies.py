@@ -1,0 +1,154 @@
+"""Another node's copy of a local corpus file, checked by the bytes its shard reads.
+
+A local ``--corpus`` must be the same files on every node. Where a shard is read on a host
+other than the planner's (:attr:`~embgeom_ray.inputs.corpus.Shard.planned_on`), its file's
+modification time is that node's own, so :func:`~embgeom_ray.inputs.corpus.check_unchanged`
+compares only its size and its last 4 KiB there: a copy of the same size and end with other
+bytes in between (a fixed-width edit, a file regenerated to the same tail) would pass, and its
+shards would fold other text than the run's plan and fingerprint name. So:
+
+* where the copy's modification time is the planned one (``cp -p``, ``rsync -t``, a shared
+  file system), it is trusted as rsync's quick check trusts it: no read beyond the shard's;
+* where it is not, the extractor that read the shard computes :func:`shard_digest` of its
+  copy (:func:`copy_digest`) once the shard has been read (its bytes are then in the page
+  cache), and its result carries it with its host;
+* the job's own process (the driver: it planned the corpus, so it sees the files) computes the
+  same digest of its own copy and compares them (:func:`check_copy`) before any checkpoint
+  group holding the shard is committed: a difference ends the run (:class:`CorpusError`).
+  A driver not on the planner's host (a resume on another machine) is the reference once its
+  copy has passed the same size and tail check.
+
+The unit a digest covers is what the plan gives the shard: an uncompressed line file's byte
+range ``[start, stop)`` (the shards of a file tile ``[0, size)``, so together they cover it
+once), a compressed file's whole compressed bytes (one shard), a Parquet file's row groups
+``[start, stop)`` by their byte spans in its footer (every column chunk, from its dictionary
+or first data page to its end), each span's offset and length hashed before its bytes. A
+Parquet footer's other contents (its schema, key-value metadata, statistics) are not covered:
+they do not hold the text.
+"""
+
+from __future__ import annotations
+
+import socket
+from typing import Any, NamedTuple
+
+import fsspec
+import pyarrow.parquet as pq
+import xxhash
+
+from ..errors import CorpusError
+from .corpus import Shard, check_unchanged, file_identity, open_error, open_exact
+
+__all__ = ["ShardBytes", "check_copy", "copy_digest", "needs_digest", "shard_digest"]
+
+#: bytes read at a time by :func:`shard_digest`
+_CHUNK = 1 << 20
+#: the digest's name, as a result and an error carry it
+ALGORITHM = "xxh3-128"
+
+
+class ShardBytes(NamedTuple):
+    """What :func:`shard_digest` covered of a file: the bytes ``[start, stop)`` it spans (a
+    Parquet shard's row groups: from the first's first byte to the last's end) and their
+    digest (hex)."""
+
+    digest: str
+    start: int
+    stop: int
+
+
+def _parquet_spans(f: Any, path: str, first: int, last: int) -> list[tuple[int, int]]:
+    """``(offset, length)`` of row groups ``[first, last)`` of the Parquet file ``f``, from its
+    footer: each column chunk from its dictionary page (or first data page) for its compressed
+    size; a row group's span from its chunks' first byte to their last."""
+    try:
+        md = pq.ParquetFile(f).metadata
+    except Exception as e:  # pyarrow raises ArrowInvalid and OSError for a bad footer
+        raise CorpusError(f"cannot read Parquet file {path}: {e}") from e
+    spans = []
+    for g in range(first, min(last, md.num_row_groups)):
+        rg = md.row_group(g)
+        lo, hi = None, 0
+        for c in range(rg.num_columns):
+            col = rg.column(c)
+            begin = col.data_page_offset
+            if col.has_dictionary_page and col.dictionary_page_offset:
+                begin = min(begin, col.dictionary_page_offset)
+            lo = begin if lo is None else min(lo, begin)
+            hi = max(hi, begin + col.total_compressed_size)
+        spans.append((lo or 0, hi - (lo or 0)))
+    return spans
+
+
+def shard_digest(shard: Shard) -> ShardBytes:
+    """XXH3-128 of the bytes of this host's copy of ``shard``'s file that the plan gives the
+    shard: a line file's ``[start, stop)`` (a compressed file's: its whole compressed size), a
+    Parquet file's row groups' byte spans, each ``offset:length`` hashed before its bytes
+    (module docstring). One read of those bytes, 1 MiB at a time; XXH3 hashes at tens of
+    GiB/s on one core, so the read is the cost (docs/benchmarks.md, "copy digests"). A file
+    shorter than the range hashes what it holds: the digest then differs."""
+    h = xxhash.xxh3_128()
+    try:
+        with open_exact(shard.path, None) as f:
+            if shard.kind == "parquet":
+                spans = _parquet_spans(f, shard.path, shard.start, shard.stop)
+            else:
+                spans = [(shard.start, shard.stop - shard.start)]
+            for offset, length in spans:
+                h.update(f"{offset}:{length};".encode("ascii"))
+                f.seek(offset)
+                left = length
+                while left > 0:
+                    data = f.read(min(_CHUNK, left))
+                    if not data:
+                        break
+                    h.update(data)
+                    left -= len(data)
+    except (FileNotFoundError, PermissionError) as e:
+        raise open_error(shard.path, e) from e
+    start, stop = (spans[0][0], spans[-1][0] + spans[-1][1]) if spans else (0, 0)
+    return ShardBytes(h.hexdigest(), start, stop)
+
+
+def needs_digest(shard: Shard) -> bool:
+    """Whether a reader of ``shard`` here is to send :func:`shard_digest` of its copy: a local
+    line or Parquet file planned on another host, whose modification time here is not the
+    planned one. On the planner's host: False without a look at the file (no extra read)."""
+    if not (shard.identity and shard.planned_on) or shard.planned_on == socket.gethostname():
+        return False
+    if shard.kind not in ("text", "jsonl", "parquet"):
+        return False
+    fs, path = fsspec.core.url_to_fs(shard.path)
+    try:
+        return file_identity(fs, fs.info(path)) != shard.identity
+    except (FileNotFoundError, PermissionError) as e:
+        raise open_error(shard.path, e) from e
+
+
+def copy_digest(shard: Shard) -> dict[str, str] | None:
+    """What a reader's result carries of ``shard`` (:func:`needs_digest`): its host and its
+    copy's :func:`shard_digest`; None where no digest is needed."""
+    if not needs_digest(shard):
+        return None
+    return {"host": socket.gethostname(), ALGORITHM: shard_digest(shard).digest}
+
+
+def check_copy(shard: Shard, copy: dict[str, str]) -> None:
+    """In the driver: a :class:`CorpusError` where ``copy`` (a reader's :func:`copy_digest`)
+    is not the digest of this host's copy of the same bytes, naming the file, both hosts and
+    the bytes. This host's copy is checked first as a reader's is (:func:`check_unchanged`:
+    on the planner's host its modification time, elsewhere its size and last 4 KiB)."""
+    check_unchanged(shard)
+    mine = shard_digest(shard)
+    if mine.digest == copy[ALGORITHM]:
+        return
+    what = f"bytes [{mine.start:,}, {mine.stop:,})"
+    if shard.kind == "parquet":
+        what = f"row groups {shard.start}–{shard.stop - 1}, {what},"
+    raise CorpusError(
+        f"corpus file {shard.path} on {copy['host']} is not the file on "
+        f"{socket.gethostname()}: its {what} of shard {shard.shard_id} hold other data (same "
+        f"size{' and last 4 KiB' if shard.tail else ''}, another modification time): a local "
+        "--corpus must be the same files on every node (a shared file system, or copies made "
+        "with cp -p or rsync -t); rerun with --overwrite once they are"
+    )

@@ -1,0 +1,211 @@
+"""Another node's copy of a local corpus file, checked by its shards' bytes
+(embgeom_ray.inputs.copies).
+
+One machine plays both hosts: the planner's (the job's own process, which checks) and another
+node's (an extractor, which reads the shard and sends its copy's digest). Between the two, the
+file is swapped for the other node's copy (:func:`on_node_b`): other bytes and a modification
+time of its own, ``socket.gethostname`` answering ``node-b``; the planner's file, mtime
+included, is put back before the driver's check.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import gzip
+import itertools
+import os
+import socket
+from collections.abc import Iterator
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import xxhash
+
+import embgeom_ray.inputs.copies as copies
+from embgeom_ray.errors import CorpusError
+from embgeom_ray.inputs.copies import check_copy, copy_digest, shard_digest
+from embgeom_ray.inputs.corpus import TAIL_BYTES, CorpusSpec, ReadReport, plan_shards, read_shard
+
+HERE = socket.gethostname()
+LINES = [f"document number {i:03d} of the copies' corpus, read on every node" for i in range(200)]
+
+
+@contextlib.contextmanager
+def on_node_b(
+    monkeypatch: pytest.MonkeyPatch, path: Path, data: bytes | None = None, mtime_s: int = 1
+) -> Iterator[None]:
+    """Within: ``path`` is node-b's copy (``data``, else the same bytes; its mtime ``mtime_s``
+    seconds later than the planner's, 0: the same), and this host is node-b. On leaving the
+    planner's bytes and mtime are back, and so is the host name."""
+    planned, stat = path.read_bytes(), path.stat()
+    if data is not None:
+        assert len(data) == len(planned)
+        path.write_bytes(data)
+    os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns + mtime_s * 10**9))
+    with monkeypatch.context() as m:
+        m.setattr(socket, "gethostname", lambda: "node-b")
+        yield
+    path.write_bytes(planned)
+    os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+
+
+def read_on_node_b(shard, spec: CorpusSpec) -> tuple[list[str], dict[str, str] | None]:
+    """What an extractor on node-b does: read the shard, then its copy's digest."""
+    texts = [d.text for d in read_shard(shard, spec, ReadReport())]
+    return texts, copy_digest(shard)
+
+
+@pytest.fixture
+def line_file(tmp_path: Path) -> tuple[Path, CorpusSpec, list]:
+    path = tmp_path / "c.txt"
+    path.write_text("\n".join(LINES) + "\n")
+    spec = CorpusSpec(str(path))
+    plan = plan_shards(spec, 4096)
+    assert len(plan.shards) >= 3 and path.stat().st_size > 2 * TAIL_BYTES + 4096
+    return path, spec, plan.shards
+
+
+def test_a_copy_of_the_same_size_and_tail_with_a_byte_changed_is_refused(
+    monkeypatch: pytest.MonkeyPatch, line_file
+) -> None:
+    """One byte changed in the middle of a shard's range, outside the last 4 KiB, the size
+    kept: node-b's size and tail check passes and its shard reads other text; the driver's
+    digest of its own copy refuses it, naming the file, both hosts and the shard's bytes. The
+    shards whose bytes are the same pass."""
+    path, spec, shards = line_file
+    data = bytearray(path.read_bytes())
+    bad = shards[1]
+    middle = (bad.start + bad.stop) // 2
+    assert middle < len(data) - TAIL_BYTES
+    data[middle : middle + 1] = b"#" if data[middle : middle + 1] != b"#" else b"%"
+    with on_node_b(monkeypatch, path, bytes(data)):
+        read = {s.shard_id: read_on_node_b(s, spec) for s in shards}
+    assert [t for s in shards for t in read[s.shard_id][0]] != LINES  # other text, no word
+    for shard in shards:
+        copy = read[shard.shard_id][1]
+        assert copy is not None and copy["host"] == "node-b"
+        if shard is not bad:
+            check_copy(shard, copy)
+    with pytest.raises(CorpusError) as err:
+        check_copy(bad, read[bad.shard_id][1])
+    assert str(err.value) == (
+        f"corpus file {path} on node-b is not the file on {HERE}: its bytes "
+        f"[{bad.start:,}, {bad.stop:,}) of shard {bad.shard_id} hold other data (same size and "
+        "last 4 KiB, another modification time): a local --corpus must be the same files on "
+        "every node (a shared file system, or copies made with cp -p or rsync -t); rerun with "
+        "--overwrite once they are"
+    )
+
+
+def test_an_identical_copy_with_another_mtime_passes(
+    monkeypatch: pytest.MonkeyPatch, line_file
+) -> None:
+    path, spec, shards = line_file
+    with on_node_b(monkeypatch, path):
+        read = [read_on_node_b(s, spec) for s in shards]
+    assert [t for texts, _ in read for t in texts] == LINES
+    for shard, (_, copy) in zip(shards, read, strict=True):
+        assert copy is not None
+        check_copy(shard, copy)
+
+
+def test_a_copy_with_the_planned_mtime_is_not_read_again(
+    monkeypatch: pytest.MonkeyPatch, line_file
+) -> None:
+    """A copy that kept its modification time (``cp -p``, ``rsync -t``, a shared file
+    system), and any shard on the planner's own host: no digest, no read beyond the shard's."""
+    path, spec, shards = line_file
+    digests = []
+    monkeypatch.setattr(copies, "shard_digest", lambda s: digests.append(s) or shard_digest(s))
+    with on_node_b(monkeypatch, path, mtime_s=0):
+        read = [read_on_node_b(s, spec) for s in shards]
+    here = [read_on_node_b(s, spec) for s in shards]  # on the planner's host
+    assert read == here and [t for texts, _ in read for t in texts] == LINES
+    assert [copy for _, copy in read + here] == [None] * 2 * len(shards)
+    assert digests == []
+    with on_node_b(monkeypatch, path):  # the spy sees the reads it is to see
+        assert copy_digest(shards[0]) is not None
+    assert digests == [shards[0]]
+
+
+def test_the_shards_digests_cover_the_file_once(tmp_path: Path, line_file) -> None:
+    """A line file's shards' digests are of their byte ranges, which tile [0, size); a
+    compressed file's one shard's, of its whole compressed bytes."""
+    path, _, shards = line_file
+    data = path.read_bytes()
+    covered = [shard_digest(s) for s in shards]
+    assert [(c.start, c.stop) for c in covered] == [(s.start, s.stop) for s in shards]
+    assert covered[0].start == 0 and covered[-1].stop == len(data)
+    assert all(a.stop == b.start for a, b in itertools.pairwise(covered))
+    for c in covered:
+        head = f"{c.start}:{c.stop - c.start};".encode()
+        expected = xxhash.xxh3_128(head + data[c.start : c.stop])
+        assert c.digest == expected.hexdigest()
+    packed = tmp_path / "c.txt.gz"
+    packed.write_bytes(gzip.compress(data))
+    (shard,) = plan_shards(CorpusSpec(str(packed))).shards
+    raw = packed.read_bytes()
+    assert shard_digest(shard) == (
+        xxhash.xxh3_128(f"0:{len(raw)};".encode() + raw).hexdigest(), 0, len(raw)
+    )
+
+
+def test_a_parquet_row_group_changed_at_the_same_size_is_refused(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """A Parquet file (uncompressed pages, no statistics: a value edited in place leaves a
+    valid file of the same size and footer) whose second row group holds another letter on
+    node-b: its shard reads other text there; the driver refuses that shard, naming its row
+    group and its bytes, and passes the others."""
+    path = tmp_path / "c.parquet"
+    rows = [f"row {i:02d} of the table" for i in range(40)]
+    pq.write_table(
+        pa.table({"text": rows}), path, row_group_size=10, compression="NONE",
+        write_statistics=False, use_dictionary=False,
+    )  # fmt: skip
+    spec = CorpusSpec(str(path))
+    shards = plan_shards(spec, 1).shards
+    assert [(s.start, s.stop) for s in shards] == [(0, 1), (1, 2), (2, 3), (3, 4)]
+    data = path.read_bytes()
+    at = data.index(b"row 15 of")
+    with on_node_b(monkeypatch, path, data[:at] + b"ROW" + data[at + 3 :]):
+        read = [read_on_node_b(s, spec) for s in shards]
+    assert [t for texts, _ in read for t in texts] == [
+        "ROW 15 of the table" if i == 15 else t for i, t in enumerate(rows)
+    ]
+    spans = [shard_digest(s) for s in shards]
+    assert spans[0].start > 0 and spans[-1].stop < len(data)  # the head and footer: not text
+    assert all(a.stop == b.start for a, b in itertools.pairwise(spans))
+    assert spans[1].start <= at < spans[1].stop
+    for shard, (_, copy) in zip(shards, read, strict=True):
+        if shard is not shards[1]:
+            check_copy(shard, copy)
+    with pytest.raises(CorpusError) as err:
+        check_copy(shards[1], read[1][1])
+    assert (
+        f"corpus file {path} on node-b is not the file on {HERE}: its row groups 1–1, bytes "
+        f"[{spans[1].start:,}, {spans[1].stop:,}), of shard {shards[1].shard_id} hold other "
+        "data (same size, another modification time)"
+    ) in str(err.value)
+
+
+def test_a_driver_off_the_planners_host_is_the_reference(
+    monkeypatch: pytest.MonkeyPatch, line_file
+) -> None:
+    """A resume on another machine: the driver's copy, once its size and tail pass, is what
+    node-b's is compared with."""
+    path, spec, shards = line_file
+    elsewhere = [dataclasses.replace(s, planned_on="head-node") for s in shards]
+    with on_node_b(monkeypatch, path):
+        read = [read_on_node_b(s, spec) for s in elsewhere]
+    for shard, (_, copy) in zip(elsewhere, read, strict=True):
+        check_copy(shard, copy)
+    data = bytearray(path.read_bytes())
+    data[10:11] = b"#"
+    with on_node_b(monkeypatch, path, bytes(data)):
+        copy = copy_digest(elsewhere[0])
+    with pytest.raises(CorpusError, match=rf"on node-b is not the file on {HERE}: its bytes \[0,"):
+        check_copy(elsewhere[0], copy)
