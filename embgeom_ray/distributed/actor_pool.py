@@ -36,7 +36,8 @@ import logging
 import os
 import time
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -47,6 +48,7 @@ from ..core.spilling import HostTier, SpillingStatistics
 from ..core.statistics_io import BYTES_LIKE
 from ..counts import Counts
 from ..errors import UserError
+from ..inputs.copies import check_copy, copy_digest
 from ..inputs.corpus import Shard
 from ..inputs.extractor import ShardProcessor
 from ..inputs.hub_credentials import hub_credentials, use_hub_credentials
@@ -351,7 +353,11 @@ class ShardExtract:
             raise
         self.counts.add(counts)
         self.shard_ids.append(shard.shard_id)
+        # another node's copy of a local file, without the planned modification time: the
+        # digest of the bytes read, for the driver to compare with its own (inputs/copies.py)
+        copy = copy_digest(shard)
         return {
+            **({COPY: copy} if copy is not None else {}),
             "counts": counts.to_json(),
             "pid": os.getpid(),
             "node_id": ray.get_runtime_context().get_node_id(),
@@ -421,6 +427,9 @@ ShardExtractActor = ray.remote(ShardExtract)
 
 #: the key of a flush's counts that carries the files an extractor wrote itself
 WRITTEN = "written_group"
+#: the key of a shard's result that carries its copy's digest and host
+#: (:func:`~embgeom_ray.inputs.copies.copy_digest`)
+COPY = "copy"
 
 
 def _fetched(pieces: list[Any]) -> Iterator[Any]:
@@ -571,6 +580,11 @@ class _Scheduler:
         self.ask_failed = False
         #: whether the job said that no node holds an extractor (:meth:`say_waiting`)
         self.said_waiting = False
+        #: the driver's checks of other nodes' copies of the corpus, by shard id
+        #: (:func:`~embgeom_ray.inputs.copies.check_copy`: a read of the shard's bytes of its
+        #: own copy), in a thread off this loop; awaited before the shard's group is committed
+        self.copy_checks: dict[str, Future[None]] = {}
+        self.checker: ThreadPoolExecutor | None = None
 
     def run(self) -> None:
         self.t0 = time.monotonic()
@@ -589,6 +603,7 @@ class _Scheduler:
                     self.on_started(ready[0])
                 elif ready:
                     self.on_returned(ready[0])
+                self.copies_checked()  # a copy found other ends the run now, not at its flush
                 self.poll()
         finally:
             self.shutdown()
@@ -762,6 +777,12 @@ class _Scheduler:
             time.monotonic() - worker.sent,
         )
         worker.current = None
+        if result.get(COPY) is not None:
+            if self.checker is None:
+                self.checker = ThreadPoolExecutor(1, thread_name_prefix="copy-check")
+            self.copy_checks[report.shard.shard_id] = self.checker.submit(
+                check_copy, report.shard, result[COPY]
+            )
         self.folded += 1
         self.folded_s += report.seconds
         merges = int(result.get("merges", 0))
@@ -782,6 +803,15 @@ class _Scheduler:
             self.in_flight[ref] = worker
         else:
             self.send(worker, self.queue.popleft())
+
+    def copies_checked(self, shard_ids: Iterable[str] | None = None) -> None:
+        """Raise the error of a copy check that failed (:class:`CorpusError`): of those done,
+        or of ``shard_ids``'s, waited for (a group is committed only once they passed)."""
+        for shard_id in list(self.copy_checks) if shard_ids is None else shard_ids:
+            check = self.copy_checks.get(shard_id)
+            if check is not None and (shard_ids is not None or check.done()):
+                del self.copy_checks[shard_id]
+                check.result()
 
     def note_peaks(self, result: dict[str, Any]) -> None:
         """An extractor's peak memory, as a shard's or a flush's result reports it."""
@@ -809,6 +839,7 @@ class _Scheduler:
         else:
             self.pool.spills += len(stats) - 1
             group = GroupResult(list(shard_ids), stats, sample, Counts.from_json(counts), **why)
+        self.copies_checked(shard_ids)  # no group of a shard read from another copy's bytes
         self.on_group(group)
         self.pool.checkpoints += 1
         worker.record["shards"] += len(shard_ids)
@@ -859,6 +890,8 @@ class _Scheduler:
         workers = [*self.starting.values(), *self.idle, *self.in_flight.values()]
         for worker in workers:
             ray.kill(worker.actor, no_restart=True)
+        if self.checker is not None:
+            self.checker.shutdown(wait=False, cancel_futures=True)
         if self.asked is not None and self.growth.ask is not None:
             self.growth.ask([])
             self.asked = None

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -523,3 +524,77 @@ def test_a_relative_out_in_a_submitted_jobs_working_directory_is_refused(capsys,
                     "--out", str(tmp_path / "runs" / "abs"), "--plan-json", "plan.json")  # fmt: skip
     assert_user_error(code, err, "plan.json is a relative path", "absolute path")
     assert not (unpacked / "plan.json").exists()
+
+
+def test_another_nodes_copy_with_other_bytes_ends_the_run_before_its_group(
+    capsys, tmp_path, model, monkeypatch, ray_local
+):
+    """A node's copy of a local corpus of the same size and last 4 KiB, with other bytes in
+    one shard's range and a modification time of its own: its shards read there without a
+    word before; now the job's own process compares the digest its extractor sends with its
+    own copy's, and ends the run (one line, exit 2) before that shard's group is committed.
+
+    The test's seam: the job's process believes it is on ``head-node`` (its corpus module's
+    host name), so the extractor (a Ray worker, of the machine's own name) reads as another
+    node; the one file is that node's copy while the extractor reads (from the extraction's
+    start) and the planner's, its planned mtime back, while the driver checks (each check is
+    done before the extractor is given its next shard: every shard is a group of its own,
+    ``--checkpoint-interval 0``, one extractor)."""
+    import os
+    import types
+
+    from embgeom_ray.distributed import actor_pool
+    from embgeom_ray.inputs import copies
+    from embgeom_ray.inputs import corpus as corpus_mod
+    from embgeom_ray.inputs.corpus import TAIL_BYTES
+    from embgeom_ray.runs.checkpoints import CheckpointStore
+
+    head = types.SimpleNamespace(gethostname=lambda: "head-node")
+    monkeypatch.setattr(corpus_mod, "socket", head)
+    monkeypatch.setattr(copies, "socket", head)
+    path = tmp_path / "c.txt"
+    path.write_text("".join(f"the cat number {i:04d} sat on the mat\n" for i in range(400)))
+    planned, stat = path.read_bytes(), path.stat()
+    assert len(planned) > 2 * 4096 + TAIL_BYTES  # shard 2's middle lies before the last 4 KiB
+    node_copy = bytearray(planned)
+    node_copy[2 * 4096 + 1000 : 2 * 4096 + 1003] = b"dog"  # a cat in shard 2 is a dog there
+    real_run_shards, real_check = actor_pool.run_shards, actor_pool.check_copy
+
+    def as_node_copy() -> None:
+        path.write_bytes(node_copy)
+        os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))
+
+    def run_shards(*args, **kwargs):
+        as_node_copy()
+        return real_run_shards(*args, **kwargs)
+
+    checked = []
+
+    def check_copy(shard, copy):
+        checked.append((shard.shard_id, copy["host"]))
+        path.write_bytes(planned)
+        os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+        try:
+            real_check(shard, copy)
+        finally:
+            as_node_copy()
+
+    monkeypatch.setattr(actor_pool, "run_shards", run_shards)
+    monkeypatch.setattr(actor_pool, "check_copy", check_copy)
+    out = tmp_path / "o"
+    code, err = run(
+        capsys, "--model", model, "--corpus", str(path), "--out", str(out), "--shard-bytes",
+        "4096", "--num-workers", "1", "--checkpoint-interval", "0", "--sample-size", "0",
+    )  # fmt: skip
+    bad = "f00000-b000000008192"
+    assert_user_error(
+        code, err, f"corpus file {path} on {socket.gethostname()} is not the file on head-node: "
+        f"its bytes [8,192, 12,288) of shard {bad} hold other data (same size and last "
+        "4 KiB, another modification time)", "--overwrite",
+    )  # fmt: skip
+    assert [shard for shard, _ in checked] == ["f00000-b000000000000", "f00000-b000000004096", bad]
+    assert {host for _, host in checked} == {socket.gethostname()}
+    assert json.loads((out / "manifest.json").read_text())["status"] == "running"
+    assert not (out / "statistics.safetensors").exists()
+    done = CheckpointStore(str(out)).done_shards()
+    assert done == {"f00000-b000000000000", "f00000-b000000004096"}  # the others committed
