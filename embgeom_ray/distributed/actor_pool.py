@@ -10,7 +10,11 @@ afresh) once its unflushed work is older than ``--checkpoint-interval`` seconds 
 every shard), and always when the queue is drained. ``on_group`` checkpoints each flush in
 the driver (where the extractors reach the run, in object storage or on a local path their
 nodes see, it commits the files the extractor wrote itself: ``flush``'s ``writer``): a shard
-counts as done only there, so a shard's result is merged exactly once.
+counts as done only there, so a shard's result is merged exactly once. A shard an actor read
+from another node's copy of a local corpus file, whose modification time is not the planned
+one, comes with the digest of its bytes (:func:`~embgeom_ray.inputs.copies.copy_digest`); the
+driver compares it with its own copy's in a thread (:func:`~embgeom_ray.inputs.copies.check_copy`),
+and commits the group holding that shard only once it matched.
 
 The scheduler keeps one shard in flight per actor (shards take seconds or more; the dispatch
 round trip is milliseconds). An actor that dies (process killed, node lost, spot
