@@ -33,6 +33,7 @@ import socket
 from typing import Any, NamedTuple
 
 import fsspec
+import pyarrow as pa
 import pyarrow.parquet as pq
 import xxhash
 
@@ -63,7 +64,7 @@ def _parquet_spans(f: Any, path: str, first: int, last: int) -> list[tuple[int, 
     size; a row group's span from its chunks' first byte to their last."""
     try:
         md = pq.ParquetFile(f).metadata
-    except Exception as e:  # pyarrow raises ArrowInvalid and OSError for a bad footer
+    except (pa.ArrowException, OSError) as e:
         raise CorpusError(f"cannot read Parquet file {path}: {e}") from e
     spans = []
     for g in range(first, min(last, md.num_row_groups)):
