@@ -1136,7 +1136,9 @@ def check_unchanged(shard: Shard) -> None:
     sizes). The listing's cache is dropped first, so an object store is asked again (a HEAD
     request). A local file read on a host other than the one that planned it is another
     node's copy or view of it, whose modification time is its own: there its size and tail
-    are compared instead (:func:`_other_hosts_copy_changed`)."""
+    are compared instead (:func:`_other_hosts_copy_changed`), and where its modification time
+    is not the planned one, its shard's bytes by digest in the job's own process
+    (:mod:`embgeom_ray.inputs.copies`)."""
     if not shard.identity:
         return
     fs, path = fsspec.core.url_to_fs(shard.path)
@@ -1170,7 +1172,8 @@ def _other_hosts_copy_changed(shard: Shard, fs: fsspec.AbstractFileSystem, path:
     :class:`CorpusError` where its size is not the planned one (larger: unless only by lines
     appended, its planned tail the same) or, at the planned size, its tail is another (a line
     file; other files: the size alone). A copy kept by ``cp -p``, ``rsync -t`` or a shared
-    file system passes as on the planner's host; one without its modification times too."""
+    file system passes as on the planner's host; one without its modification times too, its
+    shards' bytes then compared with the job's own copy (:mod:`embgeom_ray.inputs.copies`)."""
     try:
         size = int(fs.info(path).get("size") or 0)
         same_tail = not shard.tail or (
