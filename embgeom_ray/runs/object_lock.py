@@ -1,34 +1,38 @@
-"""``reanalyze``'s store lock on S3: ``STORE/reanalyze.lock.json``, written only where absent.
+"""``reanalyze``'s lock on S3 and GCS stores: ``STORE/reanalyze.lock.json``, written where absent.
 
-S3 writes an object conditionally (since 2024; MinIO and moto too): a ``PutObject`` with
-``If-None-Match: *`` fails (412 Precondition Failed) where the key exists, atomically, so of
-two invocations that write the lock at once exactly one succeeds (s3fs: ``pipe_file(...,
-mode="create")`` raises :class:`FileExistsError`). The object is the holder file itself (host,
-pid, start time, command line), as ``reanalyze.lock.json`` is beside a local store's flock
-(:mod:`.store_lock`), and a second invocation ends with the same line and exit status 75.
+Both stores write an object conditionally, atomically: S3 (since 2024; MinIO and moto too) a
+``PutObject`` with ``If-None-Match: *``, GCS an upload with ``ifGenerationMatch=0``; each fails
+(412 Precondition Failed) where the object exists, so of two invocations that write the lock
+at once exactly one succeeds. The object is the holder file itself (host, pid, start time,
+command line), as ``reanalyze.lock.json`` is beside a local store's flock (:mod:`.store_lock`),
+and a second invocation ends with the same line and exit status 75. One protocol serves both
+stores: what differs (the requests, and the object's version token, S3's ETag or GCS's
+generation) is a small adapter each, in :mod:`.lock_objects`.
 
 An object does not go away with its process, as a flock does. So the holder renews it every
-:data:`RENEW_S` seconds (written again, on the condition ``If-Match`` its own ETag), and a
-lock is *stale*, to be taken over, where:
+:data:`RENEW_S` seconds (written again, on the condition of its own version: S3's ``If-Match``
+its ETag, GCS's ``ifGenerationMatch`` its generation), and a lock is *stale*, to be taken
+over, where:
 
 * its holder's pid is among this process's pids (the same hostname, boot and PID namespace:
   :func:`~.lock_holder.same_pids`) and is gone (at once, as a flock would be), or
-* it was last written more than :data:`STALE_S` ago (its ``LastModified``, the store's clock,
-  against this host's: a skew of minutes is within the margin).
+* it was last written more than :data:`STALE_S` ago (S3's ``LastModified``, GCS's ``updated``:
+  the store's clock, against this host's: a skew of minutes is within the margin).
 
-A stale lock is taken over on the condition ``If-Match`` its ETag, so of two invocations that
-find it stale only one gets it. A holder lets go by removing the object on the condition
-``If-Match`` its own ETag (a ``DeleteObject`` the store applies atomically, :func:`_remove`),
-so a lock another invocation took over meanwhile stays. A renewal that fails otherwise (the
-store unreachable or throttled for a while) is said once and tried again a minute later, so
-the lock is lost only where :data:`STALE_S` pass without one. A holder whose renewal finds
-the lock taken (it had not renewed it for :data:`STALE_S`) says so in one line and goes on,
-as it cannot undo its work.
+A stale lock is taken over on the condition of the version read, so of two invocations that
+find it stale only one gets it. A holder lets go by removing the object on the condition of
+its own version (a delete the store applies atomically, :func:`_remove`), so a lock another
+invocation took over meanwhile stays. A renewal that fails otherwise (the store unreachable
+or throttled for a while) is said once and tried again a minute later, so the lock is lost
+only where :data:`STALE_S` pass without one. A holder whose renewal finds the lock taken (it
+had not renewed it for :data:`STALE_S`) says so in one line and goes on, as it cannot undo its
+work.
 
-A store that ignores the condition (an S3-compatible server without conditional writes)
-would let two invocations hold it: the lock writes its object a second time on the same
-condition, and where that succeeds it says in one line that the store gives no lock, and goes
-on as on a store without one (the scheduler must not overlap invocations).
+A store that ignores the condition (an S3-compatible server without conditional writes, a GCS
+emulator that drops ``ifGenerationMatch``) would let two invocations hold it: the lock writes
+its object a second time on the same condition, and where that succeeds it says in one line
+that the store gives no lock, and goes on as on a store without one (the scheduler must not
+overlap invocations).
 """
 
 from __future__ import annotations
@@ -48,17 +52,18 @@ from .. import progress
 from ..io_utils import join
 from ..storage import user_errors
 from .lock_holder import HOLDER, busy, describe, same_pids, this_holder
+from .lock_objects import ADAPTERS, ObjectStore
 
 #: seconds between two renewals of a held lock
 RENEW_S = 60.0
 #: seconds after its last renewal from which a lock is stale (15 renewals missed)
 STALE_S = 900.0
-#: the URL schemes whose stores this lock serves (s3fs)
-SCHEMES = ("s3", "s3a")
+#: the URL schemes whose stores this lock serves (s3fs, gcsfs)
+SCHEMES = tuple(ADAPTERS)
 
 
 def supported(store: str) -> bool:
-    """Whether ``store`` is on S3 (s3fs), where :func:`object_lock` applies."""
+    """Whether ``store`` is on S3 (s3fs) or GCS (gcsfs), where :func:`object_lock` applies."""
     return urlsplit(store).scheme in SCHEMES
 
 
@@ -101,10 +106,11 @@ def is_stale(holder: dict[str, Any], last_modified: datetime | None) -> bool:
 
 
 class _Held:
-    """The lock this process holds: its object, its ETag, and the thread that renews it."""
+    """The lock this process holds: its object, its version token (S3's ETag, GCS's
+    generation) and the thread that renews it."""
 
-    def __init__(self, fs: Any, path: str, body: bytes, etag: str) -> None:
-        self.fs, self.path, self.body, self.etag = fs, path, body, etag
+    def __init__(self, store: ObjectStore, path: str, body: bytes, token: str) -> None:
+        self.store, self.path, self.body, self.token = store, path, body, token
         self.stop = threading.Event()
         self.thread = threading.Thread(target=self._renew, name="store-lock", daemon=True)
 
@@ -113,17 +119,17 @@ class _Held:
         process's. A renewal that fails for another reason (the store unreachable, throttled)
         is said once and tried again at the next one: the lock is lost only where
         :data:`STALE_S` pass without one, not at the first failure of a run of hours. A lock
-        taken over (:func:`_lost`) is said and no longer renewed."""
+        taken over (the store's 412) is said and no longer renewed."""
         failing = False
         while not self.stop.wait(RENEW_S):
             try:
-                self.etag = self.fs.pipe_file(self.path, self.body, IfMatch=self.etag)["ETag"]
+                self.token = self.store.rewrite(self.path, self.body, self.token)
             except Exception as exc:
-                if _lost(exc):
+                if self.store.lost(exc):
                     with contextlib.suppress(Exception):  # this process's after all?
-                        holder, etag, _ = _read(self.fs, self.path)
-                        if holder == json.loads(self.body) and etag:
-                            self.etag = etag  # a renewal whose answer was lost
+                        holder, token, _ = _read(self.store, self.path)
+                        if holder == json.loads(self.body) and token:
+                            self.token = token  # a renewal whose answer was lost
                             continue
                     progress.notice(
                         f"warning: the lock on the store {self.path} could not be renewed: "
@@ -149,121 +155,85 @@ class _Held:
         """Stop renewing; remove the lock where it is still this process's (:func:`_remove`)."""
         self.stop.set()
         self.thread.join()
-        with contextlib.suppress(OSError):
-            _remove(self.fs, self.path, self.etag)
+        with contextlib.suppress(Exception):
+            _remove(self.store, self.path, self.token)
 
 
-def _remove(fs: Any, path: str, etag: str) -> bool:
-    """Remove the lock object where its ETag is still ``etag``; whether it was removed.
+def _remove(store: ObjectStore, path: str, token: str) -> bool:
+    """Remove the lock object where its version is still ``token``; whether it was removed.
 
-    One ``DeleteObject`` on the condition ``If-Match: etag`` (AWS S3's general purpose
-    buckets since September 2025; moto 5 too), which the store applies atomically: a lock
-    another invocation took over (a new ETag) is left in place, answered 412. Reading the
-    ETag and then removing the object (two requests) removed the other's lock where it was
-    taken over between the two. The ETag is read first all the same, so that a store that
-    ignores the condition on a delete (some S3-compatible servers parse it and drop it) still
-    removes nothing that is visibly another's (the window of two requests, as before, there
-    only). A store that refuses the condition instead (:func:`_refused`: 400 or 501, a server
-    without conditional deletes) gets the plain delete of those two requests: the conditional
-    one alone left the lock in place, and every other invocation waited :data:`STALE_S` for
-    it. s3fs's ``rm_file`` passes no condition: the request goes through its client
-    (``call_s3``)."""
-    fs.invalidate_cache(path)
-    if fs.info(path).get("ETag") != etag:
+    One delete on the condition of that version (S3: ``If-Match`` its ETag; GCS:
+    ``ifGenerationMatch``), which the store applies atomically: a lock another invocation took
+    over (a new version) is left in place, answered 412. Reading the version and then removing
+    the object (two requests) removed the other's lock where it was taken over between the
+    two. The version is read first all the same, so that a store that ignores the condition on
+    a delete (some S3-compatible servers parse it and drop it) still removes nothing that is
+    visibly another's (the window of two requests, as before, there only). A store that
+    refuses the condition instead (400 or 501, a server without conditional deletes) gets the
+    plain delete of those two requests: the conditional one alone left the lock in place, and
+    every other invocation waited :data:`STALE_S` for it."""
+    if store.stat(path)[0] != token:
         return False
-    bucket, key, _ = fs.split_path(path)
     try:
-        fs.call_s3("delete_object", Bucket=bucket, Key=key, IfMatch=etag)
-    except OSError as exc:
-        if _lost(exc):  # taken over (412) or removed since
+        store.delete(path, token)
+    except Exception as exc:
+        if store.lost(exc):  # taken over (412) or removed since
             return False
-        if not _refused(exc):
+        if not store.refused(exc):
             raise
-        fs.rm_file(path)  # the ETag read above is still this process's
-    finally:
-        fs.invalidate_cache(path)
+        store.rm(path)  # the version read above is still this process's
     return True
 
 
-def _response(exc: BaseException) -> dict[str, Any]:
-    """The S3 answer behind ``exc`` (s3fs raises an :class:`OSError` from botocore's
-    ``ClientError``, which holds it); {} where there is none."""
-    return getattr(exc.__cause__, "response", None) or getattr(exc, "response", None) or {}
-
-
-def _refused(exc: BaseException) -> bool:
-    """Whether the store refused the request's condition rather than answered it: 501 Not
-    Implemented or 400 (``NotImplemented``, ``InvalidArgument``, ``InvalidRequest``), a
-    server without conditional deletes that does not ignore the header."""
-    response = _response(exc)
-    status = response.get("ResponseMetadata", {}).get("HTTPStatusCode")
-    code = response.get("Error", {}).get("Code")
-    return status in (400, 501) or code in ("NotImplemented", "InvalidArgument", "InvalidRequest")
-
-
-def _lost(exc: BaseException) -> bool:
-    """Whether a renewal failed because the lock is no longer this process's: S3 answered
-    412 Precondition Failed to ``If-Match`` (s3fs raises an :class:`OSError` from botocore's
-    ``ClientError``), or the object is gone. (A renewal whose answer was lost leaves this process
-    an old ETag where the store's differ between writes of the same body: :meth:`_Held._renew`
-    reads the lock before giving it up.)"""
-    if isinstance(exc, FileNotFoundError):
-        return True
-    response = _response(exc)
-    status = response.get("ResponseMetadata", {}).get("HTTPStatusCode")
-    return response.get("Error", {}).get("Code") == "PreconditionFailed" or status == 412
-
-
-def _read(fs: Any, path: str) -> tuple[dict[str, Any], str | None, datetime | None]:
-    """(holder, ETag, LastModified) of the lock object."""
-    fs.invalidate_cache(path)
-    info = fs.info(path)
+def _read(store: ObjectStore, path: str) -> tuple[dict[str, Any], str | None, datetime | None]:
+    """(holder, version token, last written) of the lock object."""
+    token, modified = store.stat(path)
     try:
-        holder = json.loads(fs.cat_file(path))
+        holder = json.loads(store.cat(path))
     except ValueError:
         holder = {}
-    return (holder if isinstance(holder, dict) else {}), info.get("ETag"), info.get("LastModified")
+    return (holder if isinstance(holder, dict) else {}), token, modified
 
 
-def _acquire(store: str, path: str, fs: Any, body: bytes) -> _Held | None:
+def _acquire(store: str, path: str, objects: ObjectStore, body: bytes) -> _Held | None:
     """Write the lock where absent (or take a stale one over); None where the store ignores
     the condition. :class:`~.lock_holder.StoreBusyError` where another invocation holds it."""
     try:
-        etag = fs.pipe_file(path, body, mode="create")["ETag"]
+        token = objects.create(path, body)
     except FileExistsError:
-        holder, stale_etag, modified = _read(fs, path)
+        holder, stale_token, modified = _read(objects, path)
         if not is_stale(holder, modified):
             raise busy(store, describe(holder) + renewal(modified)) from None
         try:  # only one of the invocations that found it stale gets it
-            etag = fs.pipe_file(path, body, IfMatch=stale_etag)["ETag"]
+            token = objects.rewrite(path, body, stale_token)
         except OSError:
-            holder, now_etag, _ = _read(fs, path)
-            if now_etag == stale_etag:
+            holder, now_token, _ = _read(objects, path)
+            if now_token == stale_token:
                 raise
             raise busy(store, describe(holder)) from None
         progress.notice(f"the stale lock on the store {store}{describe(holder)} was taken over")
-        return _Held(fs, path, body, etag)
+        return _Held(objects, path, body, token)
     try:
-        fs.pipe_file(path, body, mode="create")
+        objects.create(path, body)
     except FileExistsError:
-        return _Held(fs, path, body, etag)
+        return _Held(objects, path, body, token)
     progress.notice(
-        f"warning: the store {store} ignores conditional writes (If-None-Match): no lock "
-        "keeps two reanalyze invocations apart there; the scheduler must not overlap them"
+        f"warning: the store {store} ignores conditional writes ({objects.condition}): no "
+        "lock keeps two reanalyze invocations apart there; the scheduler must not overlap them"
     )
     with contextlib.suppress(OSError):
-        fs.rm_file(path)
+        objects.rm(path)
     return None
 
 
 @contextlib.contextmanager
 def object_lock(store: str) -> Iterator[None]:
-    """Hold ``STORE/reanalyze.lock.json`` on S3 while the block runs (module docstring);
+    """Hold ``STORE/reanalyze.lock.json`` on S3 or GCS while the block runs (module docstring);
     :class:`~.lock_holder.StoreBusyError` at once where another invocation holds it."""
     body = json.dumps(this_holder()).encode()
     with user_errors(store, "store"):
         fs, path = fsspec.core.url_to_fs(join(store, HOLDER))
-        held = _acquire(store, path, fs, body)
+        held = _acquire(store, path, ADAPTERS[urlsplit(store).scheme](fs), body)
     if held is None:
         yield
         return

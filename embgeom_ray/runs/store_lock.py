@@ -17,12 +17,15 @@ holder's stays until the next one writes its own). ``flock`` works on local disk
 (v4 and v3 with lockd). It needs no pid: containers of one host that see the store through
 the host's mount are kept apart by its kernel. An NFSv4 server tells its clients apart by a
 string made of their hostname, though: machines cloned with one hostname need each their own
-identifier (``nfs.nfs4_unique_id``), or the server takes their locks for one client's. On S3 (``s3://``) the lock is ``reanalyze.lock.json`` itself, written
-only where absent (a conditional write), renewed while held and taken over once stale
-(:mod:`.object_lock`). Other object stores (``gs://``, …) get no lock, and the invocation says
-so in one line (:func:`unguarded`): there the scheduler must run one invocation at a time
-(the KubeRay CronJob's ``concurrencyPolicy: Forbid``); with ``--submit``, the runs themselves
-are still never submitted twice (stable submission ids).
+identifier (``nfs.nfs4_unique_id``), or the server takes their locks for one client's.
+
+On S3 (``s3://``) and GCS (``gs://``) the lock is ``reanalyze.lock.json`` itself, written only
+where absent (a conditional write: S3's ``If-None-Match``, GCS's ``ifGenerationMatch=0``),
+renewed while held and taken over once stale (:mod:`.object_lock`). Other object stores
+(``abfs://``, …) get no lock, and the invocation says so in one line (:func:`unguarded`):
+there the scheduler must run one invocation at a time (the KubeRay CronJob's
+``concurrencyPolicy: Forbid``); with ``--submit``, the runs themselves are still never
+submitted twice (stable submission ids).
 """
 
 from __future__ import annotations
@@ -52,18 +55,19 @@ def _holder(store: str) -> str:
 
 
 def unguarded(store: str) -> str:
-    """The warning of an invocation on an object store that gets no lock (not S3): said, as
-    two invocations on it at once would write one run directory and the index together."""
+    """The warning of an invocation on an object store that gets no lock (neither S3 nor GCS):
+    said, as two invocations on it at once would write one run directory and the index
+    together."""
     return (f"warning: the store {store} gets no lock ({urlsplit(store).scheme}:// has none: "
-            "only s3:// does): another reanalyze on it at once is not kept off and would "
-            "write the same runs; the scheduler must not overlap invocations")  # fmt: skip
+            "only s3:// and gs:// do): another reanalyze on it at once is not kept off and "
+            "would write the same runs; the scheduler must not overlap invocations")  # fmt: skip
 
 
 @contextlib.contextmanager
 def store_lock(store: str) -> Iterator[None]:
     """Hold ``STORE/reanalyze.lock`` while the block runs; :class:`~.lock_holder.StoreBusyError` at once if
-    another process holds it. On S3, :func:`~.object_lock.object_lock`; a store on another
-    object store is not locked, and a warning says so (:func:`unguarded`)."""
+    another process holds it. On S3 and GCS, :func:`~.object_lock.object_lock`; a store on
+    another object store is not locked, and a warning says so (:func:`unguarded`)."""
     if not is_local(store):
         if not supported(store):
             progress.notice(unguarded(store))

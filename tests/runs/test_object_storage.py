@@ -37,6 +37,7 @@ import pandas as pd
 import pytest
 
 from embgeom_ray.errors import StorageError
+from embgeom_ray.runs.lock_objects import S3Objects
 from embgeom_ray.storage import probe
 from tests.object_store import S3, moto_server, s3_env
 from tests.ray_processes import free_ports
@@ -427,7 +428,7 @@ def test_a_lock_taken_over_while_its_holder_lets_go_stays(s3, monkeypatch):
         monkeypatch.setenv(key, value)
     fs = s3.fs()
     store, path = f"s3://{BUCKET}/race-store", f"{BUCKET}/race-store/reanalyze.lock.json"
-    a = object_lock._acquire(store, path, fs, b'{"host": "node-a", "pid": 1}')
+    a = object_lock._acquire(store, path, S3Objects(fs), b'{"host": "node-a", "pid": 1}')
     monkeypatch.setattr(object_lock, "STALE_S", -60.0)  # A's lock is old: B may take it
     taken: list[object] = []
 
@@ -440,17 +441,17 @@ def test_a_lock_taken_over_while_its_holder_lets_go_stays(s3, monkeypatch):
         def info(self, p):
             out = fs.info(p)
             if not taken:
-                taken.append(object_lock._acquire(store, path, s3.fs(), b'{"host": "node-b", "pid": 2}'))
+                taken.append(object_lock._acquire(store, path, S3Objects(s3.fs()), b'{"host": "node-b", "pid": 2}'))
             return out
 
-    a.fs = TakenOverAfterTheCheck()
+    a.store.fs = TakenOverAfterTheCheck()
     a.thread.start()
     a.release()
     (b,) = taken
     fs.invalidate_cache()
     assert json.loads(fs.cat_file(path)) == {"host": "node-b", "pid": 2}  # B's, not removed
-    assert b.etag != a.etag and fs.info(path)["ETag"] == b.etag
-    assert not object_lock._remove(fs, path, a.etag)  # A's ETag removes nothing
+    assert b.token != a.token and fs.info(path)["ETag"] == b.token
+    assert not object_lock._remove(S3Objects(fs), path, a.token)  # A's ETag removes nothing
     b.thread.start()
     b.release()
     assert not fs.exists(path)
@@ -473,7 +474,7 @@ def test_a_store_that_ignores_conditional_writes_gets_no_lock(capsys):
             del self.objects[path]
 
     fs = Ignoring()
-    assert _acquire("s3://b/store", "b/store/reanalyze.lock.json", fs, b"{}") is None
+    assert _acquire("s3://b/store", "b/store/reanalyze.lock.json", S3Objects(fs), b"{}") is None
     assert fs.objects == {}
     assert "ignores conditional writes" in capsys.readouterr().err
 
@@ -521,7 +522,7 @@ def test_the_lock_is_still_renewed_after_a_failed_renewal(monkeypatch, capsys):
 
     monkeypatch.setattr(object_lock, "RENEW_S", 0.01)
     store = _FlakyStore(["down", "down", "ok", "ok", "ok"])
-    held = object_lock._Held(store, "b/s/reanalyze.lock.json", b'{"pid": 2}', '"mine"')
+    held = object_lock._Held(S3Objects(store), "b/s/reanalyze.lock.json", b'{"pid": 2}', '"mine"')
     held.thread.start()
     deadline = time.monotonic() + 10
     while store.calls < 5 and time.monotonic() < deadline:
@@ -534,20 +535,20 @@ def test_the_lock_is_still_renewed_after_a_failed_renewal(monkeypatch, capsys):
     assert "is renewed again" in err
 
     taken = _FlakyStore(["taken", "ok"])  # another holder's body: given up at the 412
-    held = object_lock._Held(taken, "b/s/reanalyze.lock.json", b'{"pid": 2}', '"mine"')
+    held = object_lock._Held(S3Objects(taken), "b/s/reanalyze.lock.json", b'{"pid": 2}', '"mine"')
     held.thread.start()
     held.thread.join(timeout=10)
     assert not held.thread.is_alive() and taken.calls == 1
     assert "it is no longer this invocation's" in capsys.readouterr().err
 
     ours = _FlakyStore(["taken", "ok"], holder=b'{"pid": 2}')  # its answer was lost: ours
-    held = object_lock._Held(ours, "b/s/reanalyze.lock.json", b'{"pid": 2}', '"old"')
+    held = object_lock._Held(S3Objects(ours), "b/s/reanalyze.lock.json", b'{"pid": 2}', '"old"')
     held.thread.start()
     while ours.calls < 2 and time.monotonic() < deadline + 10:
         time.sleep(0.01)
     held.stop.set()
     held.thread.join()
-    assert ours.calls >= 2 and held.etag == '"mine"'
+    assert ours.calls >= 2 and held.token == '"mine"'
     assert "could not be renewed" not in capsys.readouterr().err
 
 
@@ -574,7 +575,7 @@ def test_a_held_s3_lock_says_when_it_goes_stale():
             return b'{"host": "node-a", "pid": 1, "started_at": "then"}'
 
     with pytest.raises(StoreBusyError) as busy:
-        _acquire("s3://b/store", "b/store/reanalyze.lock.json", Held(), b"{}")
+        _acquire("s3://b/store", "b/store/reanalyze.lock.json", S3Objects(Held()), b"{}")
     assert "(pid 1 on node-a, since then); its lock last renewed 40 s ago, taken over once " \
         "15 minutes pass without a renewal: this one ran nothing" in str(busy.value)  # fmt: skip
 
@@ -637,10 +638,10 @@ def test_a_live_holder_of_this_hostname_in_another_pid_namespace_keeps_its_lock(
                          (older, "its PID namespace not known, so perhaps not a pid of this")):
         store = Held(holder)
         with pytest.raises(StoreBusyError) as busy:
-            _acquire("s3://b/store", "b/store/reanalyze.lock.json", store, b"{}")
+            _acquire("s3://b/store", "b/store/reanalyze.lock.json", S3Objects(store), b"{}")
         assert not store.taken
         assert f"(pid {2**22 + 1} on {host}, since then; {said}" in str(busy.value)
-    assert _acquire("s3://b/store", "b/s/reanalyze.lock.json", Held(gone), b"{}") is not None
+    assert _acquire("s3://b/store", "b/s/reanalyze.lock.json", S3Objects(Held(gone)), b"{}") is not None
 
     monkeypatch.setattr(lock_holder, "BOOT_ID", str(tmp_path / "no-boot-id"))  # macOS, no /proc
     unreadable = {**this_holder(), "pid": 2**22 + 1}
@@ -651,22 +652,25 @@ def test_a_live_holder_of_this_hostname_in_another_pid_namespace_keeps_its_lock(
 
 
 def test_an_object_store_without_a_lock_is_said_to_have_none(monkeypatch, capsys):
-    """On gs:// (any object store but S3) ``reanalyze`` took no lock and said nothing: two
-    invocations at once wrote the same runs and index, silently. It still takes none (gcsfs
-    has no conditional rewrite or delete of its own), and now says so in one line."""
+    """On an object store other than S3 and GCS (Azure's ``abfs://``, …) ``reanalyze`` took
+    no lock and said nothing: two invocations at once wrote the same runs and index, silently.
+    It still takes none, and now says so in one line; ``gs://`` is locked as ``s3://`` is."""
     from embgeom_ray.runs import store_lock as module
+    from embgeom_ray.runs.object_lock import supported
     from embgeom_ray.runs.store_lock import store_lock
 
     with store_lock("memory://store"):
         pass
     assert "the store memory://store gets no lock (memory:// has none" in capsys.readouterr().err
-    monkeypatch.setattr(module, "is_local", lambda store: False)  # gcsfs not installed here
-    with store_lock("gs://bucket/store"):  # nothing is sent
+    monkeypatch.setattr(module, "is_local", lambda store: False)  # adlfs not installed here
+    with store_lock("abfs://container/store"):  # nothing is sent
         pass
     err = capsys.readouterr().err
-    assert err == ("warning: the store gs://bucket/store gets no lock (gs:// has none: only "
-                   "s3:// does): another reanalyze on it at once is not kept off and would "
-                   "write the same runs; the scheduler must not overlap invocations\n")
+    assert err == ("warning: the store abfs://container/store gets no lock (abfs:// has none: "
+                   "only s3:// and gs:// do): another reanalyze on it at once is not kept off "
+                   "and would write the same runs; the scheduler must not overlap invocations\n")
+    assert all(map(supported, ("s3://b/s", "s3a://b/s", "gs://b/s", "gcs://b/s")))
+    assert not supported("abfs://container/store")
 
 
 def test_a_store_that_refuses_a_conditional_delete_still_lets_go_of_the_lock():
@@ -709,10 +713,10 @@ def test_a_store_that_refuses_a_conditional_delete_still_lets_go_of_the_lock():
     path = "b/store/reanalyze.lock.json"
     for status, code in ((501, "NotImplemented"), (400, "InvalidArgument")):
         store = Store(answer(status, code))
-        assert _remove(store, path, '"mine"') and store.objects == {}
+        assert _remove(S3Objects(store), path, '"mine"') and store.objects == {}
     taken = Store(answer(412, "PreconditionFailed"))
-    assert not _remove(taken, path, '"mine"') and path in taken.objects
+    assert not _remove(S3Objects(taken), path, '"mine"') and path in taken.objects
     down = Store(answer(503, "ServiceUnavailable"))
     with pytest.raises(OSError, match="ServiceUnavailable"):
-        _remove(down, path, '"mine"')
+        _remove(S3Objects(down), path, '"mine"')
     assert path in down.objects
