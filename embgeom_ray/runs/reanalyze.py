@@ -24,9 +24,9 @@ times, error and headline metrics of ``layers.parquet``. It is rewritten atomica
 every change of a row. A failed run stays ``failed`` in the index and is retried at the next
 invocation (a partly done run resumes from its shard checkpoints). The store may be a local
 directory or an fsspec URL (``s3://``, ``gs://``). One invocation at a time per store: a local
-store, or one on S3, is locked while an invocation runs, and a second one ends at once with
-exit status 75, running nothing (:mod:`~embgeom_ray.runs.store_lock`,
-:mod:`~embgeom_ray.runs.object_lock`); on another object store (``gs://``) none is, a
+store, or one on S3 or GCS, is locked while an invocation runs, and a second one ends at once
+with exit status 75, running nothing (:mod:`~embgeom_ray.runs.store_lock`,
+:mod:`~embgeom_ray.runs.object_lock`); on another object store (``abfs://``, …) none is, a
 warning says so, and the scheduler must see to it (the KubeRay CronJob's
 ``concurrencyPolicy: Forbid``).
 

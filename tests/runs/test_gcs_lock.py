@@ -7,7 +7,7 @@ renew or take over), not on a delete: the release's conditional delete is checke
 request it sends, and by the generation it reads first (a release after a takeover). A store
 that ignores the condition is gcp-storage-emulator, which drops ``ifGenerationMatch``
 everywhere. The tests are skipped where gcsfs or the servers are not installed (the ``test``
-extra installs them). No Ray, no job: the lock alone.
+extra installs them). No Ray, no job: the lock alone (the module takes ~2 s).
 """
 
 from __future__ import annotations
@@ -34,6 +34,8 @@ from embgeom_ray.runs.lock_objects import GCSObjects  # noqa: E402
 from tests.ray_processes import free_ports  # noqa: E402
 
 BUCKET = "embgeom"
+#: each test starts a server (docs/testing.md: a test that starts a server is slow)
+pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
