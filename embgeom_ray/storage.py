@@ -113,9 +113,13 @@ def _missing_package(exc: BaseException) -> str | None:
 def endpoint_of(url: str) -> str | None:
     """The endpoint the client library sends ``url``'s requests to (``s3://``: the one boto
     resolves from ``AWS_ENDPOINT_URL_S3``, ``AWS_ENDPOINT_URL``, the config or the region;
-    ``gs://``: Google's), or None where it cannot tell. Nothing is sent."""
+    ``gs://``: Google's, or the emulator's of ``STORAGE_EMULATOR_HOST``, which gcsfs sends
+    them to), or None where it cannot tell. Nothing is sent."""
     scheme = urlsplit(url).scheme
     if scheme in DEFAULT_ENDPOINTS:
+        emulator = os.environ.get("STORAGE_EMULATOR_HOST", "")
+        if scheme in ("gs", "gcs") and emulator not in ("", "default"):  # as gcsfs reads it
+            return emulator if "://" in emulator else f"http://{emulator}"
         return DEFAULT_ENDPOINTS[scheme]
     if scheme not in ("s3", "s3a"):
         return None

@@ -38,7 +38,7 @@ import pytest
 
 from embgeom_ray.errors import StorageError
 from embgeom_ray.runs.lock_objects import S3Objects
-from embgeom_ray.storage import probe
+from embgeom_ray.storage import endpoint_of, probe
 from tests.object_store import S3, moto_server, s3_env
 from tests.ray_processes import free_ports
 
@@ -264,6 +264,13 @@ def test_probe_names_an_endpoint_nobody_listens_on(monkeypatch):
         probe("/a/local/path", "corpus")  # nothing to probe
     finally:
         s3fs.S3FileSystem.clear_instance_cache()  # the next test's endpoint is another
+    # gs:// against an emulator (gcsfs's STORAGE_EMULATOR_HOST): Google's endpoint was probed
+    for host in (f"127.0.0.1:{port}", f"http://127.0.0.1:{port}"):
+        monkeypatch.setenv("STORAGE_EMULATOR_HOST", host)
+        with pytest.raises(StorageError, match=f"at http://127.0.0.1:{port} for the store gs://b/s"):
+            probe("gs://b/s", "store")
+    monkeypatch.setenv("STORAGE_EMULATOR_HOST", "default")  # gcsfs: Google's
+    assert endpoint_of("gs://b/s") == "https://storage.googleapis.com"
 
 
 @pytest.mark.slow
