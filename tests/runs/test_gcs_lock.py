@@ -198,6 +198,35 @@ def test_a_release_after_a_takeover_leaves_the_new_holders_lock(server, monkeypa
     assert not fs.exists(path)
 
 
+def test_reanalyze_on_a_held_gcs_store_runs_nothing(server, monkeypatch, tmp_path, capsys):
+    """``python -m jobs.reanalyze`` on a ``gs://`` store another invocation holds: one line
+    naming the holder, exit status 75, nothing written to the store (no index, no run)."""
+    from embgeom_ray.runs import pipeline
+    from embgeom_ray.runs.store_lock import store_lock
+    from jobs import reanalyze as reanalyze_cli
+
+    store = f"gs://{BUCKET}/cli-store"
+    watch = tmp_path / "models.yaml"
+    watch.write_text("models:\n  - model: some/model\n")
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_text('{"text": "A sentence of English."}\n')
+    ran: list[object] = []
+    monkeypatch.setattr(pipeline, "analyze", lambda *a, **k: ran.append(a))
+    fs = filesystem(server)
+    with gs_urls(monkeypatch, server), store_lock(store):  # held, by a live pid
+        capsys.readouterr()
+        argv = ["--watchlist", str(watch), "--corpus", str(corpus), "--store", store]
+        assert reanalyze_cli.main(argv) == 75
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1, err
+        assert f"another reanalyze is running on the store {store} (pid {os.getpid()} " in err[0]
+        assert "ran nothing" in err[0] and ran == []
+        fs.invalidate_cache()
+        assert fs.ls(f"{BUCKET}/cli-store") == [f"{BUCKET}/cli-store/{HOLDER}"]  # the lock only
+    fs.invalidate_cache()
+    assert not fs.exists(f"{BUCKET}/cli-store/{HOLDER}")
+
+
 @pytest.fixture(scope="module")
 def ignoring_server(tmp_path_factory) -> Iterator[str]:
     """gcp-storage-emulator on a free loopback port (it drops ifGenerationMatch), its bucket
