@@ -40,6 +40,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import secrets
 import threading
 from collections.abc import Iterator
 from datetime import datetime, timezone
@@ -202,6 +203,10 @@ def _acquire(store: str, path: str, objects: ObjectStore, body: bytes) -> _Held 
         token = objects.create(path, body)
     except FileExistsError:
         holder, stale_token, modified = _read(objects, path)
+        if holder == json.loads(body) and stale_token:
+            # this invocation's own write: its answer was lost and the client's retry (gcsfs,
+            # botocore) found the object it had written (412); its lock_id is its alone
+            return _Held(objects, path, body, stale_token)
         if not is_stale(holder, modified):
             raise busy(store, describe(holder) + renewal(modified)) from None
         try:  # only one of the invocations that found it stale gets it
@@ -230,7 +235,9 @@ def _acquire(store: str, path: str, objects: ObjectStore, body: bytes) -> _Held 
 def object_lock(store: str) -> Iterator[None]:
     """Hold ``STORE/reanalyze.lock.json`` on S3 or GCS while the block runs (module docstring);
     :class:`~.lock_holder.StoreBusyError` at once where another invocation holds it."""
-    body = json.dumps(this_holder()).encode()
+    # the holder, and an id of this acquisition: a body no other invocation writes (one
+    # process's two are told apart too), by which a create's lost answer is recognised
+    body = json.dumps({**this_holder(), "lock_id": secrets.token_hex(8)}).encode()
     with user_errors(store, "store"):
         fs, path = fsspec.core.url_to_fs(join(store, HOLDER))
         held = _acquire(store, path, ADAPTERS[urlsplit(store).scheme](fs), body)

@@ -198,6 +198,36 @@ def test_a_release_after_a_takeover_leaves_the_new_holders_lock(server, monkeypa
     assert not fs.exists(path)
 
 
+def test_a_lock_whose_answer_was_lost_is_still_this_invocations(server, monkeypatch):
+    """gcsfs retries a request whose answer was lost (a 5xx, a dropped connection): the lock's
+    create, written the first time, was answered 412 on the retry, and the invocation refused
+    itself ('another reanalyze is running … (pid <its own>)') until the lock went stale. Now
+    a lock whose body is this invocation's own (its lock_id) is taken as written."""
+    fs = filesystem(server)
+    store, path = f"gs://{BUCKET}/lost-answer", f"{BUCKET}/lost-answer/{HOLDER}"
+    call = fs.call
+
+    def answer_lost(method, *args, **kwargs):
+        out = call(method, *args, **kwargs)
+        if method == "POST":  # written; the retry finds it there
+            raise FileExistsError(path)
+        return out
+
+    monkeypatch.setattr(fs, "call", answer_lost)
+    body = json.dumps({**this_holder(), "lock_id": "mine"}).encode()
+    held = object_lock._acquire(store, path, GCSObjects(fs), body)
+    monkeypatch.undo()
+    assert held is not None and held.token == fs.info(path)["generation"]
+    other = object_lock._acquire  # another invocation (its own body) is still refused
+    with pytest.raises(StoreBusyError, match=rf"\(pid {os.getpid()} on "):
+        other(store, path, GCSObjects(filesystem(server)),
+              json.dumps({**this_holder(), "lock_id": "another"}).encode())  # fmt: skip
+    held.thread.start()
+    held.release()
+    fs.invalidate_cache()
+    assert not fs.exists(path)
+
+
 def test_reanalyze_on_a_held_gcs_store_runs_nothing(server, monkeypatch, tmp_path, capsys):
     """``python -m jobs.reanalyze`` on a ``gs://`` store another invocation holds: one line
     naming the holder, exit status 75, nothing written to the store (no index, no run)."""
