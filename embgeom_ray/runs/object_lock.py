@@ -199,11 +199,12 @@ def _read(store: ObjectStore, path: str) -> tuple[dict[str, Any], str | None, da
 def _acquire(store: str, path: str, objects: ObjectStore, body: bytes) -> _Held | None:
     """Write the lock where absent (or take a stale one over); None where the store ignores
     the condition. :class:`~.lock_holder.StoreBusyError` where another invocation holds it."""
+    mine = json.loads(body)
     try:
         token = objects.create(path, body)
     except FileExistsError:
         holder, stale_token, modified = _read(objects, path)
-        if holder == json.loads(body) and stale_token:
+        if holder == mine and stale_token:
             # this invocation's own write: its answer was lost and the client's retry (gcsfs,
             # botocore) found the object it had written (412); its lock_id is its alone
             return _Held(objects, path, body, stale_token)
@@ -212,10 +213,12 @@ def _acquire(store: str, path: str, objects: ObjectStore, body: bytes) -> _Held 
         try:  # only one of the invocations that found it stale gets it
             token = objects.rewrite(path, body, stale_token)
         except OSError:
-            holder, now_token, _ = _read(objects, path)
+            now, now_token, _ = _read(objects, path)
             if now_token == stale_token:
                 raise
-            raise busy(store, describe(holder)) from None
+            if now != mine or not now_token:
+                raise busy(store, describe(now)) from None
+            token = now_token  # its own takeover, whose answer was lost (the retry's 412)
         progress.notice(f"the stale lock on the store {store}{describe(holder)} was taken over")
         return _Held(objects, path, body, token)
     try:

@@ -202,7 +202,8 @@ def test_a_lock_whose_answer_was_lost_is_still_this_invocations(server, monkeypa
     """gcsfs retries a request whose answer was lost (a 5xx, a dropped connection): the lock's
     create, written the first time, was answered 412 on the retry, and the invocation refused
     itself ('another reanalyze is running … (pid <its own>)') until the lock went stale. Now
-    a lock whose body is this invocation's own (its lock_id) is taken as written."""
+    a lock whose body is this invocation's own (its lock_id) is taken as written, on a create
+    and on the takeover of a stale lock alike."""
     fs = filesystem(server)
     store, path = f"gs://{BUCKET}/lost-answer", f"{BUCKET}/lost-answer/{HOLDER}"
     call = fs.call
@@ -222,6 +223,20 @@ def test_a_lock_whose_answer_was_lost_is_still_this_invocations(server, monkeypa
     with pytest.raises(StoreBusyError, match=rf"\(pid {os.getpid()} on "):
         other(store, path, GCSObjects(filesystem(server)),
               json.dumps({**this_holder(), "lock_id": "another"}).encode())  # fmt: skip
+    held.thread.start()
+    held.release()
+    fs.invalidate_cache()
+    assert not fs.exists(path)
+    # the same on a takeover: a stale lock (its holder's pid gone here), rewritten on the
+    # condition of its generation, the answer lost and the retry answered 412
+    fs.pipe_file(path, json.dumps({**this_holder(), "pid": 2**22 + 1}).encode())
+    monkeypatch.setattr(fs, "call", answer_lost)
+    body = json.dumps({**this_holder(), "lock_id": "mine again"}).encode()
+    held = object_lock._acquire(store, path, GCSObjects(fs), body)
+    monkeypatch.undo()
+    fs.invalidate_cache()
+    assert json.loads(fs.cat_file(path)) == json.loads(body)
+    assert held is not None and held.token == fs.info(path)["generation"]
     held.thread.start()
     held.release()
     fs.invalidate_cache()
