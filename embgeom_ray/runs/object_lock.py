@@ -153,11 +153,20 @@ class _Held:
             failing = False
 
     def release(self) -> None:
-        """Stop renewing; remove the lock where it is still this process's (:func:`_remove`)."""
+        """Stop renewing; remove the lock where it is still this process's (:func:`_remove`).
+        A removal that fails (the store unreachable, no permission to delete) is said in one
+        line: the lock then stays until it goes stale, and the next invocation is refused
+        until then, which it would otherwise not be told why."""
         self.stop.set()
         self.thread.join()
-        with contextlib.suppress(Exception):
+        try:
             _remove(self.store, self.path, self.token)
+        except Exception as exc:
+            progress.notice(
+                f"warning: the lock on the store {self.path} could not be removed "
+                f"({type(exc).__name__}: {exc}); another invocation takes it over once "
+                f"{STALE_S / 60:.0f} minutes pass without a renewal"
+            )
 
 
 def _remove(store: ObjectStore, path: str, token: str) -> bool:

@@ -237,6 +237,29 @@ def test_a_release_after_a_takeover_leaves_the_new_holders_lock(server, monkeypa
     assert not fs.exists(path)
 
 
+def test_a_release_that_fails_is_said(server, monkeypatch, capsys):
+    """A holder whose delete fails (the store down, no permission to delete) let go without a
+    word, and the next invocations were refused for 15 minutes; now it says so in one line,
+    and the lock is left for the stale rule."""
+    fs = filesystem(server)
+    store, path = f"gs://{BUCKET}/release-fails", f"{BUCKET}/release-fails/{HOLDER}"
+    held = object_lock._acquire(store, path, GCSObjects(fs), b'{"host": "node-a", "pid": 1}')
+
+    def forbidden(method, *args, **kwargs):
+        raise OSError(f"Forbidden: {path}\nno storage.objects.delete")
+
+    monkeypatch.setattr(fs, "call", forbidden)
+    held.thread.start()
+    held.release()
+    monkeypatch.undo()
+    err = capsys.readouterr().err
+    assert f"warning: the lock on the store {path} could not be removed (OSError: Forbidden" in err
+    assert "another invocation takes it over once 15 minutes pass" in err
+    fs.invalidate_cache()
+    assert json.loads(fs.cat_file(path)) == {"host": "node-a", "pid": 1}
+    fs.rm_file(path)
+
+
 def test_a_lock_whose_answer_was_lost_is_still_this_invocations(server, monkeypatch):
     """gcsfs retries a request whose answer was lost (a 5xx, a dropped connection): the lock's
     create, written the first time, was answered 412 on the retry, and the invocation refused
