@@ -222,7 +222,10 @@ def _acquire(store: str, path: str, objects: ObjectStore, body: bytes) -> _Held 
         try:  # only one of the invocations that found it stale gets it
             token = objects.rewrite(path, body, stale_token)
         except OSError:
-            now, now_token, _ = _read(objects, path)
+            try:
+                now, now_token, _ = _read(objects, path)
+            except FileNotFoundError:  # let go since (its holder, or one that took it over)
+                raise busy(store, "") from None
             if now_token == stale_token:
                 raise
             if now != mine or not now_token:

@@ -239,6 +239,32 @@ def test_a_release_after_a_takeover_leaves_the_new_holders_lock(server, monkeypa
     assert not fs.exists(path)
 
 
+def test_a_stale_lock_let_go_during_its_takeover_is_busy_not_a_storage_error(server):
+    """A stale lock (not renewed for 15 minutes, its holder alive elsewhere) let go by its
+    holder between another invocation's read and its takeover: the takeover's condition
+    fails (412, no such generation) and the lock read again is gone. That read's 404 ended
+    the invocation with a traceback (``FileNotFoundError`` of the lock); it is now refused as
+    busy (exit status 75: another was there a moment ago), and holds nothing."""
+    fs = filesystem(server)
+    store, path = f"gs://{BUCKET}/let-go", f"{BUCKET}/let-go/{HOLDER}"
+    fs.pipe_file(path, b'{"host": "node-a", "pid": 1, "started_at": "then"}')
+    objects = GCSObjects(filesystem(server))
+    rewrite = objects.rewrite
+
+    def let_go_first(*args):
+        fs.rm_file(path)  # its holder's release, between the read and the takeover
+        return rewrite(*args)
+
+    objects.rewrite = let_go_first
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(object_lock, "STALE_S", -60.0)  # every lock is old
+        with pytest.raises(StoreBusyError) as busy:
+            object_lock._acquire(store, path, objects, json.dumps(this_holder()).encode())
+    assert busy.value.exit_code == 75
+    fs.invalidate_cache()
+    assert not fs.exists(path)
+
+
 def test_a_release_that_fails_is_said(server, monkeypatch, capsys):
     """A holder whose delete fails (the store down, no permission to delete) let go without a
     word, and the next invocations were refused for 15 minutes; now it says so in one line,
