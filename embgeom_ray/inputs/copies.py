@@ -18,18 +18,24 @@ shards would fold other text than the run's plan and fingerprint name. So:
   A driver not on the planner's host (a resume on another machine) is the reference once its
   copy has passed the same size and tail check.
 
-The unit a digest covers is what the plan gives the shard: an uncompressed line file's byte
-range ``[start, stop)`` (the shards of a file tile ``[0, size)``, so together they cover it
-once), a compressed file's whole compressed bytes (one shard), a Parquet file's row groups
-``[start, stop)`` by their byte spans in its footer (every column chunk, from its dictionary
-or first data page to its end), each span's offset and length hashed before its bytes. A
-Parquet footer's other contents (its schema, key-value metadata, statistics) are not covered:
-they do not hold the text.
+The unit a digest covers is what the shard's reader reads of the file. An uncompressed line
+file's: ``[start - 1, stop)`` (the byte before the range says where its first line begins)
+and the rest of the line that crosses ``stop``, to its newline (the reader reads it to its
+end, ``_iter_lines``), so a copy whose bytes differ anywhere a shard's text comes from, a
+boundary's neighbourhood included, is found wherever each shard is read; lines appended
+after the planned end are not read, and not covered. A compressed file's: its whole
+compressed bytes (one shard). A Parquet file's: its row groups ``[start, stop)`` by their
+byte spans in its footer (every column chunk, from its dictionary or first data page to its
+end), and the footer itself (the schema, column names, codecs and encodings that say what
+text those bytes hold). Each span's offset and length is hashed before its bytes, a line
+file's end after them.
 """
 
 from __future__ import annotations
 
 import socket
+from concurrent.futures import CancelledError
+from threading import Event
 from typing import Any, NamedTuple
 
 import fsspec
@@ -38,12 +44,23 @@ import pyarrow.parquet as pq
 import xxhash
 
 from ..errors import CorpusError
-from .corpus import Shard, check_unchanged, file_identity, open_error, open_exact
+from .corpus import (
+    Shard,
+    check_unchanged,
+    classify,
+    file_identity,
+    open_error,
+    open_exact,
+)
 
 __all__ = ["ShardBytes", "check_copy", "copy_digest", "needs_digest", "shard_digest"]
 
 #: bytes read at a time by :func:`shard_digest`
 _CHUNK = 1 << 20
+#: bytes read at a time past a line file's range, to the end of the line that crosses it
+_LINE_CHUNK = 1 << 16
+#: a Parquet file's trailer: its footer's length (4 bytes, little-endian) and ``PAR1``
+_PARQUET_TRAILER = 8
 #: the digest's name, as a result and an error carry it
 ALGORITHM = "xxh3-128"
 
@@ -81,33 +98,83 @@ def _parquet_spans(f: Any, path: str, first: int, last: int) -> list[tuple[int, 
     return spans
 
 
-def shard_digest(shard: Shard) -> ShardBytes:
-    """XXH3-128 of the bytes of this host's copy of ``shard``'s file that the plan gives the
-    shard: a line file's ``[start, stop)`` (a compressed file's: its whole compressed size), a
-    Parquet file's row groups' byte spans, each ``offset:length`` hashed before its bytes
-    (module docstring). One read of those bytes, 1 MiB at a time; XXH3 hashes at tens of
-    GiB/s on one core, so the read is the cost (docs/benchmarks.md, "copy digests"). A file
-    shorter than the range hashes what it holds: the digest then differs."""
+def _hash_span(h: Any, f: Any, offset: int, length: int, cancel: Event | None) -> bytes:
+    """Hash ``length`` bytes of ``f`` from ``offset`` (fewer at its end), :data:`_CHUNK` at a
+    time, stopping early where ``cancel`` is set (:class:`CancelledError`); the last byte
+    hashed (b"" where none)."""
+    f.seek(offset)
+    last, left = b"", length
+    while left > 0:
+        if cancel is not None and cancel.is_set():
+            raise CancelledError
+        data = f.read(min(_CHUNK, left))
+        if not data:
+            break
+        h.update(data)
+        last, left = data[-1:], left - len(data)
+    return last
+
+
+def _hash_line_end(h: Any, f: Any, stop: int, last: bytes) -> int:
+    """Past ``stop``, the rest of the line that crosses it, as the reader reads it to its end
+    (``_iter_lines``): hashed up to and with its newline; the offset after it (at EOF: the
+    file's end). ``last``: the byte at ``stop - 1``."""
+    end = stop
+    if last == b"\n":
+        return end
+    f.seek(stop)
+    while data := f.read(_LINE_CHUNK):
+        nl = data.find(b"\n")
+        if nl >= 0:
+            h.update(data[: nl + 1])
+            return end + nl + 1
+        h.update(data)
+        end += len(data)
+    return end
+
+
+def _parquet_footer(f: Any, path: str) -> tuple[int, int]:
+    """``(offset, length)`` of the Parquet file ``f``'s footer with its trailer: the schema,
+    the column names, each chunk's codec and encodings, which say what text its bytes hold."""
+    size = f.seek(0, 2)
+    f.seek(max(0, size - _PARQUET_TRAILER))
+    trailer = f.read(_PARQUET_TRAILER)
+    length = int.from_bytes(trailer[:4], "little") + _PARQUET_TRAILER
+    if len(trailer) < _PARQUET_TRAILER or trailer[4:] != b"PAR1" or length > size:
+        raise CorpusError(f"cannot read Parquet file {path}: no Parquet footer at its end")
+    return size - length, length
+
+
+def shard_digest(shard: Shard, cancel: Event | None = None) -> ShardBytes:
+    """XXH3-128 of the bytes of this host's copy of ``shard``'s file that its reader reads
+    (module docstring): an uncompressed line file's ``[start - 1, stop)`` and the rest of the
+    line crossing ``stop`` (a compressed file's: its whole compressed size), a Parquet file's
+    row groups' byte spans and its footer; each span's ``offset:length`` hashed before its
+    bytes, a line file's end after them. One read of those bytes, 1 MiB at a time; XXH3
+    hashes at tens of GiB/s on one core, so the read is the cost (docs/benchmarks.md, "copy
+    digests"). A file shorter than the range hashes what it holds: the digest then differs.
+    ``cancel`` set: :class:`CancelledError` before the next MiB (a run ending)."""
     h = xxhash.xxh3_128()
     try:
         with open_exact(shard.path, None) as f:
             if shard.kind == "parquet":
                 spans = _parquet_spans(f, shard.path, shard.start, shard.stop)
-            else:
-                spans = [(shard.start, shard.stop - shard.start)]
-            for offset, length in spans:
-                h.update(f"{offset}:{length};".encode("ascii"))
-                f.seek(offset)
-                left = length
-                while left > 0:
-                    data = f.read(min(_CHUNK, left))
-                    if not data:
-                        break
-                    h.update(data)
-                    left -= len(data)
+                for offset, length in [*spans, _parquet_footer(f, shard.path)]:
+                    h.update(f"{offset}:{length};".encode("ascii"))
+                    _hash_span(h, f, offset, length, cancel)
+                start, stop = (spans[0][0], sum(spans[-1])) if spans else (0, 0)
+            elif classify(shard.path)[1]:  # compressed: one shard, the whole file
+                h.update(f"{shard.start}:{shard.stop - shard.start};".encode("ascii"))
+                _hash_span(h, f, shard.start, shard.stop - shard.start, cancel)
+                start, stop = shard.start, shard.stop
+            else:  # the byte before the range (where its first line starts), and past it
+                start = max(0, shard.start - 1)
+                h.update(f"{start}:{shard.stop - start};".encode("ascii"))
+                last = _hash_span(h, f, start, shard.stop - start, cancel)
+                stop = _hash_line_end(h, f, shard.stop, last)
+                h.update(f";{stop}".encode("ascii"))
     except (FileNotFoundError, PermissionError) as e:
         raise open_error(shard.path, e) from e
-    start, stop = (spans[0][0], spans[-1][0] + spans[-1][1]) if spans else (0, 0)
     return ShardBytes(h.hexdigest(), start, stop)
 
 
@@ -134,18 +201,19 @@ def copy_digest(shard: Shard) -> dict[str, str] | None:
     return {"host": socket.gethostname(), ALGORITHM: shard_digest(shard).digest}
 
 
-def check_copy(shard: Shard, copy: dict[str, str]) -> None:
+def check_copy(shard: Shard, copy: dict[str, str], cancel: Event | None = None) -> None:
     """In the driver: a :class:`CorpusError` where ``copy`` (a reader's :func:`copy_digest`)
     is not the digest of this host's copy of the same bytes, naming the file, both hosts and
     the bytes. This host's copy is checked first as a reader's is (:func:`check_unchanged`:
-    on the planner's host its modification time, elsewhere its size and last 4 KiB)."""
+    on the planner's host its modification time, elsewhere its size and last 4 KiB).
+    ``cancel``: as :func:`shard_digest`'s (the scheduler's, set as it shuts down)."""
     check_unchanged(shard)
-    mine = shard_digest(shard)
+    mine = shard_digest(shard, cancel)
     if mine.digest == copy[ALGORITHM]:
         return
     what = f"bytes [{mine.start:,}, {mine.stop:,})"
     if shard.kind == "parquet":
-        what = f"row groups {shard.start}–{shard.stop - 1}, {what},"
+        what = f"row groups {shard.start}–{shard.stop - 1}, {what} and the footer,"
     raise CorpusError(
         f"corpus file {shard.path} on {copy['host']} is not the file on "
         f"{socket.gethostname()}: its {what} of shard {shard.shard_id} hold other data (same "

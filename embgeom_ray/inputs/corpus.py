@@ -610,7 +610,7 @@ def _relative_path(root: str, path: str) -> str:
 def plain_text_bytes(shard: Shard) -> int | None:
     """The bytes of plain text a shard spans (an uncompressed text or JSON Lines byte range,
     which bounds the text it holds), or None (compressed, Parquet, a dataset)."""
-    if shard.kind not in ("text", "jsonl") or _classify(shard.path)[1] is not None:
+    if shard.kind not in ("text", "jsonl") or classify(shard.path)[1] is not None:
         return None
     return shard.stop - shard.start
 
@@ -619,7 +619,7 @@ def _is_hidden(relpath: str) -> bool:
     return any(part.startswith((".", "_")) for part in relpath.split("/"))
 
 
-def _classify(name: str) -> tuple[str | None, str | None]:
+def classify(name: str) -> tuple[str | None, str | None]:
     """(kind, compression) from a file name; kind is None when the type is unsupported."""
     lower = posixpath.basename(name).lower()
     compression = None
@@ -672,7 +672,7 @@ def _display_path(fs: fsspec.AbstractFileSystem, path: str) -> str:
 def _make_file(
     fs: fsspec.AbstractFileSystem, path: str, relpath: str, info: dict[str, Any]
 ) -> _File:
-    kind, compression = _classify(path)
+    kind, compression = classify(path)
     if kind is None:
         raise CorpusError(
             f"{_display_path(fs, path)}: unsupported file type {_extension(path)!r}; "
@@ -733,10 +733,10 @@ def _list_directory(source: str, fs: fsspec.AbstractFileSystem, root: str) -> _L
     for path, info in sorted(infos.items()):
         relpath = _relative_path(root, path)
         if _is_hidden(relpath):
-            if _classify(path)[0] is not None:
+            if classify(path)[0] is not None:
                 hidden.append(relpath)
             continue
-        if _classify(path)[0] is None:
+        if classify(path)[0] is None:
             others.append(relpath)
             continue
         files.append(_make_file(fs, path, relpath, info))
@@ -1316,7 +1316,7 @@ def open_error(path: str, e: Exception) -> CorpusError:
 
 def _read_lines(shard: Shard, spec: CorpusSpec, report: ReadReport) -> Iterator[Document]:
     prefix = _id_prefix(_shard_relpath(shard, spec))
-    compression = _classify(shard.path)[1]
+    compression = classify(shard.path)[1]
     _check_compression(shard.path, compression)
     jsonl = shard.kind == "jsonl"
     column = spec.text_column

@@ -15,6 +15,7 @@ import dataclasses
 import gzip
 import itertools
 import os
+import re
 import socket
 from collections.abc import Iterator
 from pathlib import Path
@@ -91,9 +92,10 @@ def test_a_copy_of_the_same_size_and_tail_with_a_byte_changed_is_refused(
             check_copy(shard, copy)
     with pytest.raises(CorpusError) as err:
         check_copy(bad, read[bad.shard_id][1])
+    end = path.read_bytes().index(b"\n", bad.stop - 1) + 1  # the line crossing its end, too
     assert str(err.value) == (
         f"corpus file {path} on node-b is not the file on {HERE}: its bytes "
-        f"[{bad.start:,}, {bad.stop:,}) of shard {bad.shard_id} hold other data (same size and "
+        f"[{bad.start - 1:,}, {end:,}) of shard {bad.shard_id} hold other data (same size and "
         "last 4 KiB, another modification time): a local --corpus must be the same files on "
         "every node (a shared file system, or copies made with cp -p or rsync -t); rerun with "
         "--overwrite once they are"
@@ -131,19 +133,23 @@ def test_a_copy_with_the_planned_mtime_is_not_read_again(
     assert digests == [shards[0]]
 
 
-def test_the_shards_digests_cover_the_file_once(tmp_path: Path, line_file) -> None:
-    """A line file's shards' digests are of their byte ranges, which tile [0, size); a
-    compressed file's one shard's, of its whole compressed bytes."""
+def test_the_shards_digests_cover_the_bytes_their_reader_reads(tmp_path: Path, line_file) -> None:
+    """A line file's shard's digest is of what its reader reads: from the byte before its
+    range (where its first line begins) to the end of the line that crosses its end, so the
+    shards' spans cover [0, size) and overlap at each boundary; a compressed file's one
+    shard's, of its whole compressed bytes."""
     path, _, shards = line_file
     data = path.read_bytes()
     covered = [shard_digest(s) for s in shards]
-    assert [(c.start, c.stop) for c in covered] == [(s.start, s.stop) for s in shards]
-    assert covered[0].start == 0 and covered[-1].stop == len(data)
-    assert all(a.stop == b.start for a, b in itertools.pairwise(covered))
-    for c in covered:
-        head = f"{c.start}:{c.stop - c.start};".encode()
-        expected = xxhash.xxh3_128(head + data[c.start : c.stop])
+    for shard, c in zip(shards, covered, strict=True):
+        end = data.index(b"\n", shard.stop - 1) + 1
+        assert (c.start, c.stop) == (max(0, shard.start - 1), end)
+        assert shard.stop < end or data[shard.stop - 1 : shard.stop] == b"\n"
+        head = f"{c.start}:{shard.stop - c.start};".encode()
+        expected = xxhash.xxh3_128(head + data[c.start : c.stop] + f";{c.stop}".encode())
         assert c.digest == expected.hexdigest()
+    assert covered[0].start == 0 and covered[-1].stop == len(data)
+    assert all(b.start < a.stop for a, b in itertools.pairwise(covered))  # boundaries: both
     packed = tmp_path / "c.txt.gz"
     packed.write_bytes(gzip.compress(data))
     (shard,) = plan_shards(CorpusSpec(str(packed))).shards
@@ -151,6 +157,51 @@ def test_the_shards_digests_cover_the_file_once(tmp_path: Path, line_file) -> No
     assert shard_digest(shard) == (
         xxhash.xxh3_128(f"0:{len(raw)};".encode() + raw).hexdigest(), 0, len(raw)
     )
+
+
+@pytest.mark.parametrize("where", ["byte before", "line past"])
+def test_a_copy_other_at_a_shards_boundary_is_refused_for_the_shard_that_read_it(
+    monkeypatch: pytest.MonkeyPatch, line_file, where: str
+) -> None:
+    """The bytes a shard's reader reads outside its range: the byte before it (a newline
+    there, and the rest of the line it cuts is the shard's first) and the rest of the line
+    crossing its end (read to its end). Changed on node-b alone, the
+    shard read there folds other text, and its own check refuses it, whatever node reads the
+    shard whose range holds those bytes (the driver's copy: its digest is never asked)."""
+    path, spec, shards = line_file
+    data = bytearray(path.read_bytes())
+    shard = shards[1]
+    if where == "byte before":  # a newline there: the part of a line after it is read
+        at = shard.start - 1
+        assert data[at : at + 1] != b"\n"
+        data[at : at + 1] = b"\n"
+    else:
+        assert data[shard.stop - 1 : shard.stop] != b"\n"
+        at = data.index(b"\n", shard.stop) - 2  # in the line past the range, before its end
+        data[at : at + 1] = b"#"
+    with on_node_b(monkeypatch, path, bytes(data)):
+        texts, copy = read_on_node_b(shard, spec)
+    assert texts != [d.text for d in read_shard(shard, spec, ReadReport())]  # other text
+    assert copy is not None
+    with pytest.raises(CorpusError, match=rf"its bytes \[{shard.start - 1:,}, "):
+        check_copy(shard, copy)
+
+
+def test_a_copy_with_lines_appended_passes(monkeypatch: pytest.MonkeyPatch, line_file) -> None:
+    """node-b's copy holds lines appended after the plan (its own mtime): its shards read
+    the planned lines, as the planner's would, and every check passes, the last shard's
+    too (its range ends at the planned size, after a newline)."""
+    path, spec, shards = line_file
+    planned = path.read_bytes()
+    with on_node_b(monkeypatch, path):
+        with path.open("ab") as f:
+            f.write(b"a line appended on node-b after the plan\n")
+        read = [read_on_node_b(s, spec) for s in shards]
+        path.write_bytes(planned)
+    assert [t for texts, _ in read for t in texts] == LINES
+    for shard, (_, copy) in zip(shards, read, strict=True):
+        assert copy is not None
+        check_copy(shard, copy)
 
 
 def test_a_parquet_row_group_changed_at_the_same_size_is_refused(
@@ -187,9 +238,33 @@ def test_a_parquet_row_group_changed_at_the_same_size_is_refused(
         check_copy(shards[1], read[1][1])
     assert (
         f"corpus file {path} on node-b is not the file on {HERE}: its row groups 1–1, bytes "
-        f"[{spans[1].start:,}, {spans[1].stop:,}), of shard {shards[1].shard_id} hold other "
+        f"[{spans[1].start:,}, {spans[1].stop:,}) and the footer, of shard {shards[1].shard_id} hold other "
         "data (same size, another modification time)"
     ) in str(err.value)
+
+
+def test_a_parquet_footer_naming_other_columns_is_refused(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """node-b's copy with the names of two columns of the same width swapped in its footer
+    (the same size, the same column chunks' bytes and offsets): its shards read the other
+    column's text; the digest covers the footer, so each is refused."""
+    path = tmp_path / "c.parquet"
+    table = pa.table({"text": [f"text {i}" for i in range(20)], "txet": ["other"] * 20})
+    pq.write_table(table, path, row_group_size=10, compression="NONE", store_schema=False)
+    spec = CorpusSpec(str(path))
+    shards = plan_shards(spec, 1).shards
+    data = path.read_bytes()
+    footer = len(data) - 8 - int.from_bytes(data[-8:-4], "little")
+    names = {b"text": b"txet", b"txet": b"text"}
+    swapped = re.sub(rb"text|txet", lambda m: names[m[0]], data[footer:])
+    assert swapped.count(b"txet") == data[footer:].count(b"text") > 0
+    with on_node_b(monkeypatch, path, data[:footer] + swapped):
+        read = [read_on_node_b(s, spec) for s in shards]
+    assert [t for texts, _ in read for t in texts] == ["other"] * 20
+    for shard, (_, copy) in zip(shards, read, strict=True):
+        with pytest.raises(CorpusError, match="and the footer, of shard"):
+            check_copy(shard, copy)
 
 
 def test_a_driver_off_the_planners_host_is_the_reference(
