@@ -43,6 +43,7 @@ from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
+from threading import Event
 from typing import Any
 
 import numpy as np
@@ -586,9 +587,13 @@ class _Scheduler:
         self.said_waiting = False
         #: the driver's checks of other nodes' copies of the corpus, by shard id
         #: (:func:`~embgeom_ray.inputs.copies.check_copy`: a read of the shard's bytes of its
-        #: own copy), in a thread off this loop; awaited before the shard's group is committed
-        self.copy_checks: dict[str, Future[None]] = {}
+        #: own copy), in a thread off this loop; awaited before the shard's group is committed.
+        #: A list: a shard requeued by a lost extractor keeps its first reading's check beside
+        #: the next's (each ends the run if it fails, whichever finishes first)
+        self.copy_checks: dict[str, list[Future[None]]] = {}
         self.checker: ThreadPoolExecutor | None = None
+        #: set as the loop ends: a check still reading stops at its next MiB (a prompt exit)
+        self.checks_cancelled = Event()
 
     def run(self) -> None:
         self.t0 = time.monotonic()
@@ -784,9 +789,10 @@ class _Scheduler:
         if result.get(COPY) is not None:
             if self.checker is None:
                 self.checker = ThreadPoolExecutor(1, thread_name_prefix="copy-check")
-            self.copy_checks[report.shard.shard_id] = self.checker.submit(
-                check_copy, report.shard, result[COPY]
+            check = self.checker.submit(
+                check_copy, report.shard, result[COPY], self.checks_cancelled
             )
+            self.copy_checks.setdefault(report.shard.shard_id, []).append(check)
         self.folded += 1
         self.folded_s += report.seconds
         merges = int(result.get("merges", 0))
@@ -812,9 +818,12 @@ class _Scheduler:
         """Raise the error of a copy check that failed (:class:`CorpusError`): of those done,
         or of ``shard_ids``'s, waited for (a group is committed only once they passed)."""
         for shard_id in list(self.copy_checks) if shard_ids is None else shard_ids:
-            check = self.copy_checks.get(shard_id)
-            if check is not None and (shard_ids is not None or check.done()):
-                del self.copy_checks[shard_id]
+            checks = self.copy_checks.pop(shard_id, [])
+            if shard_ids is None:  # those not done yet wait for their group, or the next look
+                if waiting := [check for check in checks if not check.done()]:
+                    self.copy_checks[shard_id] = waiting
+                checks = [check for check in checks if check.done()]
+            for check in checks:
                 check.result()
 
     def note_peaks(self, result: dict[str, Any]) -> None:
@@ -894,6 +903,7 @@ class _Scheduler:
         workers = [*self.starting.values(), *self.idle, *self.in_flight.values()]
         for worker in workers:
             ray.kill(worker.actor, no_restart=True)
+        self.checks_cancelled.set()
         if self.checker is not None:
             self.checker.shutdown(wait=False, cancel_futures=True)
         if self.asked is not None and self.growth.ask is not None:

@@ -13,6 +13,8 @@ import signal
 import threading
 import time
 
+import pytest
+
 from embgeom_ray.distributed.actor_pool import FoldReport, Growth, PoolPlan, _Scheduler
 from embgeom_ray.distributed.options import SchedulingOptions
 from embgeom_ray.inputs.corpus import Shard
@@ -475,3 +477,88 @@ def test_a_flush_hands_the_freed_heap_back_before_it_serialises(ray_local, tmp_p
     assert events == ["release", "serialise"]
     actor.process(actor_pool.dataclasses.asdict(plan.shards[1]))
     assert events == ["release", "serialise", "release"]
+
+
+@pytest.mark.parametrize("writer", ["driver", "extractors"])
+def test_a_group_is_committed_only_once_its_shards_copies_matched(
+    ray_local, tmp_path, monkeypatch, writer
+):
+    """Extractors reading another node's copy (each result carries its digest): the driver's
+    checks (slow here, in their thread) are all done before the group holding their shards is
+    committed, whether the driver writes the group or the extractor wrote its files itself
+    (the commit, the group's JSON, is what a resume reads: checkpoints.py)."""
+    import functools
+
+    from embgeom_ray.distributed import actor_pool
+    from embgeom_ray.runs.checkpoints import write_group
+    from tests.distributed import fake_extractors
+
+    assert fake_extractors.COPY == actor_pool.COPY
+    checked: list[str] = []
+
+    def check_copy(shard, copy, cancel):
+        assert copy["host"] == "node-b" and not cancel.is_set()
+        time.sleep(0.05)  # its group's flush comes back first
+        checked.append(shard.shard_id)
+
+    def on_group(group) -> None:
+        assert set(group.shard_ids) <= set(checked), "a group committed before its checks"
+        groups.append(group)
+
+    monkeypatch.setattr(actor_pool, "check_copy", check_copy)
+    shards = [Shard(f"s{i:02d}", "corpus.jsonl", "jsonl", i, i + 1, 0) for i in range(8)]
+    pool = PoolPlan(num_workers=2, num_gpus=0.0, num_cpus=1)
+    groups: list = []
+    view = Cluster((Node("a", GiB, cpus=1), Node("b", GiB, cpus=1)))
+    growth = Growth(Extractor(cpus=1), 2, read=lambda: view, say=lambda _: None, poll_s=0.05)
+    write = functools.partial(write_group, str(tmp_path / "run")) if writer == "extractors" else None
+    config = SchedulingOptions(checkpoint_interval=0)  # a group a shard
+    _Scheduler(config, pool, lambda: FakeExtractActor.options(num_cpus=0).remote(0.0, None, 0, "node-b"),
+               shards, on_group, lambda _: None, lambda _: None, growth=growth,
+               checkpoint_writer=write).run()  # fmt: skip
+    assert sorted(s for g in groups for s in g.shard_ids) == [s.shard_id for s in shards]
+    assert sorted(checked) == [s.shard_id for s in shards]
+    assert all((g.written is not None) == (writer == "extractors") for g in groups)
+
+
+def test_a_lost_extractors_reading_of_another_copy_is_still_checked(ray_local, monkeypatch):
+    """An extractor on a node whose copy is other (its check fails, slowly) is lost before its
+    flush; its shard is read again on another node, whose check passes. Its first check is
+    not dropped by the second (a check is kept for every reading): the run ends with its
+    error, whichever finishes first, and no group is committed."""
+    from embgeom_ray.distributed import actor_pool
+    from embgeom_ray.errors import CorpusError
+
+    redone = threading.Event()
+
+    def check_copy(shard, copy, cancel):
+        if copy["host"] == "node-a":
+            assert redone.wait(60), "the shard was not read again"
+            raise CorpusError(f"{shard.shard_id}: node-a's copy is other")
+
+    def on_folded(report: FoldReport) -> None:
+        folds.append(report)
+        if len(folds) == 2:
+            redone.set()
+
+    monkeypatch.setattr(actor_pool, "check_copy", check_copy)
+    started: list[int] = []
+
+    def start():
+        started.append(1)
+        first = len(started) == 1
+        host = "node-a" if first else "node-b"
+        return FakeExtractActor.options(num_cpus=0).remote(0.0, None, 0, host, first)
+
+    shards = [Shard("s00", "corpus.jsonl", "jsonl", 0, 1, 0)]
+    pool = PoolPlan(num_workers=1, num_gpus=0.0, num_cpus=1)
+    groups: list = []
+    folds: list[FoldReport] = []
+    view = Cluster((Node("a", GiB, cpus=1),))
+    growth = Growth(Extractor(cpus=1), 1, read=lambda: view, say=lambda _: None, poll_s=0.05)
+    scheduler = _Scheduler(SchedulingOptions(checkpoint_interval=3600), pool, start, shards,
+                           groups.append, on_folded, lambda _: None, growth=growth)  # fmt: skip
+    with pytest.raises(CorpusError, match="s00: node-a's copy is other"):
+        scheduler.run()
+    assert groups == [] and len(folds) == 2 and pool.workers_lost == 1
+    assert scheduler.checks_cancelled.is_set()

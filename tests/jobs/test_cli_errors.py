@@ -570,12 +570,12 @@ def test_another_nodes_copy_with_other_bytes_ends_the_run_before_its_group(
 
     checked = []
 
-    def check_copy(shard, copy):
+    def check_copy(shard, copy, cancel):
         checked.append((shard.shard_id, copy["host"]))
         path.write_bytes(planned)
         os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns))
         try:
-            real_check(shard, copy)
+            real_check(shard, copy, cancel)
         finally:
             as_node_copy()
 
