@@ -219,5 +219,6 @@ def check_copy(shard: Shard, copy: dict[str, str], cancel: Event | None = None) 
         f"{socket.gethostname()}: its {what} of shard {shard.shard_id} hold other data (same "
         f"size{' and last 4 KiB' if shard.tail else ''}, another modification time): a local "
         "--corpus must be the same files on every node (a shared file system, or copies made "
-        "with cp -p or rsync -t); rerun with --overwrite once they are"
+        "with cp -p or rsync -t); the same command resumes once they are, the shards done so far "
+        "checked"
     )

@@ -97,8 +97,8 @@ def test_a_copy_of_the_same_size_and_tail_with_a_byte_changed_is_refused(
         f"corpus file {path} on node-b is not the file on {HERE}: its bytes "
         f"[{bad.start - 1:,}, {end:,}) of shard {bad.shard_id} hold other data (same size and "
         "last 4 KiB, another modification time): a local --corpus must be the same files on "
-        "every node (a shared file system, or copies made with cp -p or rsync -t); rerun with "
-        "--overwrite once they are"
+        "every node (a shared file system, or copies made with cp -p or rsync -t); the same "
+        "command resumes once they are, the shards done so far checked"
     )
 
 

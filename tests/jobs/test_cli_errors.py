@@ -590,7 +590,7 @@ def test_another_nodes_copy_with_other_bytes_ends_the_run_before_its_group(
     assert_user_error(
         code, err, f"corpus file {path} on {socket.gethostname()} is not the file on head-node: "
         f"its bytes [8,191, 12,320) of shard {bad} hold other data (same size and last "
-        "4 KiB, another modification time)", "--overwrite",
+        "4 KiB, another modification time)", "the same command resumes once they are",
     )  # fmt: skip
     assert [shard for shard, _ in checked] == ["f00000-b000000000000", "f00000-b000000004096", bad]
     assert {host for _, host in checked} == {socket.gethostname()}
