@@ -17,7 +17,9 @@ import itertools
 import os
 import re
 import socket
+import threading
 from collections.abc import Iterator
+from concurrent.futures import CancelledError
 from pathlib import Path
 
 import pyarrow as pa
@@ -284,3 +286,14 @@ def test_a_driver_off_the_planners_host_is_the_reference(
         copy = copy_digest(elsewhere[0])
     with pytest.raises(CorpusError, match=rf"on node-b is not the file on {HERE}: its bytes \[0,"):
         check_copy(elsewhere[0], copy)
+
+
+def test_a_check_cancelled_stops_before_its_next_read(line_file) -> None:
+    """The scheduler's event set as the run ends: a check still reading raises
+    ``CancelledError`` before its next MiB instead of reading on (a prompt exit)."""
+    _, _, shards = line_file
+    cancel = threading.Event()
+    assert shard_digest(shards[0], cancel) == shard_digest(shards[0])
+    cancel.set()
+    with pytest.raises(CancelledError):
+        shard_digest(shards[0], cancel)
