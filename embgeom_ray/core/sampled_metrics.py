@@ -683,9 +683,25 @@ def _summaries(per_point: np.ndarray) -> tuple[float, float]:
     return (float(ok.mean()), float(np.median(ok))) if len(ok) else (float("nan"),) * 2
 
 
+#: rows of the matrix :func:`_block` gathers at once: 64 rows of n = 4,096 float64 distances
+#: (2 MiB) are taken whole, then their columns while they are in cache
+BLOCK_ROWS = 64
+
+
 def _block(D: np.ndarray, rows: np.ndarray) -> np.ndarray:
-    """D[rows][:, rows] (D itself when ``rows`` are all of its rows, in order)."""
-    return D if len(rows) == len(D) else D[np.ix_(rows, rows)]
+    """D[rows][:, rows] (D itself when ``rows`` are all of its rows, in order).
+
+    ``D[np.ix_(rows, rows)]``'s entries (a copy), gathered :data:`BLOCK_ROWS` rows at a time:
+    each slab of whole rows is read once, contiguously, and its columns taken from the cache,
+    where the one fancy index reads every entry from memory (one thread, 2,048 of 4,096
+    points, a half-sample's: 11–19 against 16–23 ms; 3,600 of them 36–45 against 45–59 ms)."""
+    if len(rows) == len(D):
+        return D
+    rows = np.asarray(rows, dtype=np.intp)
+    out = np.empty((len(rows), len(rows)), dtype=D.dtype)
+    for a in range(0, len(rows), BLOCK_ROWS):
+        np.take(D[rows[a : a + BLOCK_ROWS]], rows, axis=1, out=out[a : a + BLOCK_ROWS])
+    return out
 
 
 def _lid_knn(
