@@ -24,6 +24,7 @@ gcsfs's ``simple_upload`` sends it.
 
 from __future__ import annotations
 
+import abc
 import contextlib
 import json
 from datetime import datetime
@@ -31,7 +32,7 @@ from typing import Any
 from urllib.parse import quote
 
 
-class ObjectStore:
+class ObjectStore(abc.ABC):
     """The lock object's requests on one store (its fsspec filesystem ``fs``); the subclasses
     give the conditional ones. ``condition`` names a create's condition for a warning."""
 
@@ -40,33 +41,33 @@ class ObjectStore:
     def __init__(self, fs: Any) -> None:
         self.fs = fs
 
+    @abc.abstractmethod
     def create(self, path: str, body: bytes) -> str:
         """Write ``body`` where no object is; its version token. :class:`FileExistsError`
         where one is."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def rewrite(self, path: str, body: bytes, token: str) -> str:
         """Write ``body`` where the object's version is still ``token``; the new token. An
         error :meth:`lost` holds true for where it is not."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def delete(self, path: str, token: str) -> None:
         """Remove the object where its version is still ``token`` (one request, atomic)."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def stat(self, path: str) -> tuple[str | None, datetime | None]:
         """(version token, last written) of the object, read afresh."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def lost(self, exc: BaseException) -> bool:
         """Whether ``exc`` says the object is no longer the version a request named (the
         store's 412), or is gone."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def refused(self, exc: BaseException) -> bool:
         """Whether ``exc`` says the store refused a request's condition rather than answered
         it (a server without conditional deletes that does not ignore the condition)."""
-        raise NotImplementedError
 
     def cat(self, path: str) -> bytes:
         return self.fs.cat_file(path)
