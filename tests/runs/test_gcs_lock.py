@@ -114,51 +114,14 @@ def filesystem(endpoint: str):
 
 def test_reanalyze_locks_a_gcs_store(server, monkeypatch, capsys):
     """A GCS store had no lock: two invocations at once wrote one run directory and the index
-    together. Now ``reanalyze.lock.json`` is created only where absent (ifGenerationMatch=0):
-    a second invocation is refused (exit status 75) with its holder; a stale lock (its
-    holder's pid gone on this host, or not renewed for STALE_S) is taken over; a holder whose
-    lock was taken says so and leaves the new holder's lock in place."""
-    from embgeom_ray.runs.store_lock import store_lock
-
-    fs = filesystem(server)
-    store, key = f"gs://{BUCKET}/lock-store", f"{BUCKET}/lock-store/{HOLDER}"
-
-    def holder() -> dict:
-        fs.invalidate_cache()
-        return json.loads(fs.cat_file(key)) if fs.exists(key) else {}
+    together. Now ``reanalyze.lock.json`` is created only where absent (ifGenerationMatch=0),
+    renewed and taken over on the condition of its generation: the whole cycle
+    (:func:`tests.runs.lock_cycle.assert_lock_cycle`; its last-renewed time is GCS's
+    ``updated``)."""
+    from tests.runs.lock_cycle import assert_lock_cycle
 
     with gs_urls(monkeypatch, server):
-        with store_lock(store):
-            assert holder()["pid"] == os.getpid()
-            with pytest.raises(StoreBusyError, match=rf"\(pid {os.getpid()} on ") as busy:
-                with store_lock(store):
-                    pass
-            assert busy.value.exit_code == 75
-            assert "its lock last renewed" in str(busy.value)  # GCS's `updated` read
-        assert holder() == {}  # let go
-        fs.pipe_file(key, json.dumps({**this_holder(), "pid": 2**22 + 1}).encode())
-        with store_lock(store):  # its holder is gone (this host's pids): taken over at once
-            assert holder()["pid"] == os.getpid()
-        assert "the stale lock on the store" in capsys.readouterr().err
-        assert holder() == {}
-        elsewhere = {"host": "another-node", "pid": 1, "started_at": "now"}
-        fs.pipe_file(key, json.dumps(elsewhere).encode())
-        with pytest.raises(StoreBusyError, match=r"\(pid 1 on another-node, since now\)"):
-            with store_lock(store):
-                pass
-        assert holder() == elsewhere  # a refused invocation leaves it
-        monkeypatch.setattr(object_lock, "STALE_S", -60.0)  # every lock is old
-        monkeypatch.setattr(object_lock, "RENEW_S", 0.05)
-        with store_lock(store):
-            assert holder()["pid"] == os.getpid()
-            time.sleep(0.3)  # renewed: a new generation each time, still this one's
-            assert holder()["pid"] == os.getpid()
-            assert "could not be renewed" not in capsys.readouterr().err
-            fs.pipe_file(key, json.dumps(elsewhere).encode())  # taken over by another
-            time.sleep(0.5)
-        assert "could not be renewed: it is no longer this invocation's" in capsys.readouterr().err
-        assert holder() == elsewhere  # not removed by the holder whose lock was taken
-        fs.rm_file(key)
+        assert_lock_cycle(filesystem(server), f"gs://{BUCKET}/lock-store", monkeypatch, capsys)
 
 
 def test_of_invocations_at_once_exactly_one_holds_the_lock(server, monkeypatch):

@@ -379,47 +379,15 @@ def test_a_stopped_retable_checks_its_artefact_in_a_bucket(s3, monkeypatch):
 @pytest.mark.slow
 def test_reanalyze_locks_an_s3_store(s3, monkeypatch, capsys):
     """An S3 store had no lock: two invocations at once wrote one run directory and the
-    index together. Now ``reanalyze.lock.json`` is written only where absent (If-None-Match):
-    a second invocation is refused (exit status 75) with its holder; a stale lock (its
-    holder's pid gone on this host, or not renewed for STALE_S) is taken over; a holder
-    whose lock was taken says so and leaves the new holder's lock in place."""
-    from embgeom_ray.runs import object_lock
-    from embgeom_ray.runs.lock_holder import HOLDER, StoreBusyError, this_holder
-    from embgeom_ray.runs.store_lock import store_lock
+    index together. Now ``reanalyze.lock.json`` is written only where absent (If-None-Match),
+    renewed and taken over on the condition of its ETag: the whole cycle
+    (:func:`tests.runs.lock_cycle.assert_lock_cycle`; its last-renewed time is S3's
+    ``LastModified``)."""
+    from tests.runs.lock_cycle import assert_lock_cycle
 
     for key, value in s3.env.items():
         monkeypatch.setenv(key, value)
-    fs = s3.fs()
-    store, key = f"s3://{BUCKET}/lock-store", f"{BUCKET}/lock-store/{HOLDER}"
-
-    def holder() -> dict:
-        fs.invalidate_cache()
-        return json.loads(fs.cat_file(key)) if fs.exists(key) else {}
-
-    with store_lock(store):
-        assert holder()["pid"] == os.getpid()
-        with pytest.raises(StoreBusyError, match=rf"\(pid {os.getpid()} on ") as busy:
-            with store_lock(store):
-                pass
-        assert busy.value.exit_code == 75
-    assert holder() == {}  # let go
-    fs.pipe_file(key, json.dumps({**this_holder(), "pid": 2**22 + 1}).encode())
-    with store_lock(store):  # its holder is gone (this host's pids): taken over at once
-        assert holder()["pid"] == os.getpid()
-    assert "the stale lock on the store" in capsys.readouterr().err
-    elsewhere = {"host": "another-node", "pid": 1, "started_at": "now"}
-    fs.pipe_file(key, json.dumps(elsewhere).encode())
-    with pytest.raises(StoreBusyError, match=r"\(pid 1 on another-node, since now\)"):
-        with store_lock(store):
-            pass
-    monkeypatch.setattr(object_lock, "STALE_S", -60.0)  # every lock is old
-    monkeypatch.setattr(object_lock, "RENEW_S", 0.05)
-    with store_lock(store):
-        assert holder()["pid"] == os.getpid()
-        fs.pipe_file(key, json.dumps(elsewhere).encode())  # taken over by another
-        time.sleep(0.5)
-    assert "could not be renewed" in capsys.readouterr().err
-    assert holder() == elsewhere  # not removed by the holder whose lock was taken
+    assert_lock_cycle(s3.fs(), f"s3://{BUCKET}/lock-store", monkeypatch, capsys)
 
 
 @pytest.mark.slow
