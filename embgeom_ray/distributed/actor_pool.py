@@ -12,7 +12,7 @@ the driver (where the extractors reach the run, in object storage or on a local 
 nodes see, it commits the files the extractor wrote itself: ``flush``'s ``writer``): a shard
 counts as done only there, so a shard's result is merged exactly once. A shard an actor read
 from another node's copy of a local corpus file, whose modification time is not the planned
-one, comes with the digest of its bytes (:func:`~embgeom_ray.inputs.copies.copy_digest`); the
+one, comes with the digest of its bytes (:class:`~embgeom_ray.inputs.copies.CopyReading`); the
 driver compares it with its own copy's in a thread (:func:`~embgeom_ray.inputs.copies.check_copy`),
 and commits the group holding that shard only once it matched.
 
@@ -53,7 +53,7 @@ from ..core.spilling import HostTier, SpillingStatistics
 from ..core.statistics_io import BYTES_LIKE
 from ..counts import Counts
 from ..errors import UserError
-from ..inputs.copies import check_copy, copy_digest
+from ..inputs.copies import CopyReading, check_copy
 from ..inputs.corpus import Shard
 from ..inputs.extractor import ShardProcessor
 from ..inputs.hub_credentials import hub_credentials, use_hub_credentials
@@ -352,15 +352,17 @@ class ShardExtract:
         if not self.shard_ids:  # the first shard since the last flush
             self.sample = self.processor.new_sample()
         try:
+            # another node's copy of a local file: not written from here to the end of its
+            # digest, which is taken where its modification time is not the planned one, for
+            # the driver to compare with its own copy's (inputs/copies.py)
+            reading = CopyReading(shard)
             counts = self.processor.fold_shard(shard, self.stats, self.sample)
+            copy = reading.result()
         except BaseException:
             self.broken_on = shard.shard_id
             raise
         self.counts.add(counts)
         self.shard_ids.append(shard.shard_id)
-        # another node's copy of a local file, without the planned modification time: the
-        # digest of the bytes read, for the driver to compare with its own (inputs/copies.py)
-        copy = copy_digest(shard)
         return {
             **({COPY: copy} if copy is not None else {}),
             "counts": counts.to_json(),
@@ -433,7 +435,7 @@ ShardExtractActor = ray.remote(ShardExtract)
 #: the key of a flush's counts that carries the files an extractor wrote itself
 WRITTEN = "written_group"
 #: the key of a shard's result that carries its copy's digest and host
-#: (:func:`~embgeom_ray.inputs.copies.copy_digest`)
+#: (:class:`~embgeom_ray.inputs.copies.CopyReading`)
 COPY = "copy"
 
 

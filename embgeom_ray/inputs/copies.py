@@ -10,8 +10,13 @@ shards would fold other text than the run's plan and fingerprint name. So:
 * where the copy's modification time is the planned one (``cp -p``, ``rsync -t``, a shared
   file system), it is trusted as rsync's quick check trusts it: no read beyond the shard's;
 * where it is not, the extractor that read the shard computes :func:`shard_digest` of its
-  copy (:func:`copy_digest`) once the shard has been read (its bytes are then in the page
-  cache), and its result carries it with its host;
+  copy once the shard has been read (its bytes are then in the page cache), and its result
+  carries it with its host (:class:`CopyReading`);
+* either way, the copy must not have been written from the shard's opening to the digest's
+  end: its inode, size, modification and change times are taken before the read and
+  compared after the digest (or the read, where none is needed): a copy rewritten meanwhile
+  (an ``rsync`` still running, a regenerated file) ends the run (:class:`CorpusError`), since
+  the text read and the bytes hashed could then differ;
 * the job's own process (the driver: it planned the corpus, so it sees the files) computes the
   same digest of its own copy and compares them (:func:`check_copy`) before any checkpoint
   group holding the shard is committed: a difference ends the run (:class:`CorpusError`).
@@ -33,6 +38,7 @@ file's end after them.
 
 from __future__ import annotations
 
+import os
 import socket
 from concurrent.futures import CancelledError
 from threading import Event
@@ -53,7 +59,13 @@ from .corpus import (
     open_exact,
 )
 
-__all__ = ["ShardBytes", "check_copy", "copy_digest", "needs_digest", "shard_digest"]
+__all__ = [
+    "CopyReading",
+    "ShardBytes",
+    "check_copy",
+    "needs_digest",
+    "shard_digest",
+]
 
 #: bytes read at a time by :func:`shard_digest`
 _CHUNK = 1 << 20
@@ -182,9 +194,7 @@ def needs_digest(shard: Shard) -> bool:
     """Whether a reader of ``shard`` here is to send :func:`shard_digest` of its copy: a local
     line or Parquet file planned on another host, whose modification time here is not the
     planned one. On the planner's host: False without a look at the file (no extra read)."""
-    if not (shard.identity and shard.planned_on) or shard.planned_on == socket.gethostname():
-        return False
-    if shard.kind not in ("text", "jsonl", "parquet"):
+    if not _other_hosts_copy(shard):
         return False
     fs, path = fsspec.core.url_to_fs(shard.path)
     try:
@@ -193,22 +203,79 @@ def needs_digest(shard: Shard) -> bool:
         raise open_error(shard.path, e) from e
 
 
-def copy_digest(shard: Shard) -> dict[str, str] | None:
-    """What a reader's result carries of ``shard`` (:func:`needs_digest`): its host and its
-    copy's :func:`shard_digest`; None where no digest is needed."""
-    if not needs_digest(shard):
-        return None
-    return {"host": socket.gethostname(), ALGORITHM: shard_digest(shard).digest}
+def _other_hosts_copy(shard: Shard) -> bool:
+    """Whether ``shard`` is of a local line or Parquet file planned on a host other than this
+    one (read here from this node's copy)."""
+    return bool(
+        shard.identity
+        and shard.planned_on
+        and shard.planned_on != socket.gethostname()
+        and shard.kind in ("text", "jsonl", "parquet")
+    )
+
+
+def _file_state(shard: Shard) -> tuple[int, ...]:
+    """This host's copy of ``shard``'s file as ``stat`` gives it: device, inode, size,
+    modification and change times (ns). A write changes the change time, which no call can
+    set back (``touch``, ``utime`` and ``cp -p`` set it to now), and a replacement
+    (``rsync``'s rename) the inode."""
+    _, path = fsspec.core.url_to_fs(shard.path)
+    try:
+        st = os.stat(path)
+    except (FileNotFoundError, PermissionError) as e:
+        raise open_error(shard.path, e) from e
+    return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns
+
+
+class CopyReading:
+    """One read of ``shard`` by an extractor, as far as its copy's check goes: made before the
+    shard is read (its file's :func:`_file_state`, and whether a digest is needed,
+    :func:`needs_digest`); :meth:`result` after it. On the planner's host, or for a file of
+    another kind, nothing (the planner's host compares the modification time as the shard is
+    opened and once it has been read: :func:`~embgeom_ray.inputs.corpus.check_unchanged`)."""
+
+    def __init__(self, shard: Shard) -> None:
+        self.shard = shard
+        self.before = _file_state(shard) if _other_hosts_copy(shard) else None
+        self.needs = self.before is not None and needs_digest(shard)
+
+    def result(self) -> dict[str, str] | None:
+        """What the reader's result carries of its copy: its host and :func:`shard_digest`,
+        where one is needed, else None; a :class:`CorpusError` where the copy was written
+        since this reading began (the text read and the bytes hashed may differ)."""
+        if self.before is None:
+            return None
+        copy = None
+        if self.needs:
+            copy = {"host": socket.gethostname(), ALGORITHM: shard_digest(self.shard).digest}
+        if _file_state(self.shard) != self.before:
+            raise _written_meanwhile(self.shard, "read")
+        return copy
+
+
+def _written_meanwhile(shard: Shard, done: str) -> CorpusError:
+    """The error of a copy written while its shard was ``done`` (read, checked) here."""
+    return CorpusError(
+        f"corpus file {shard.path} on {socket.gethostname()} was written while shard "
+        f"{shard.shard_id} was {done} from it (its inode, size or times changed): a local "
+        "--corpus must not change during a run (a copy or an rsync still running?); the same "
+        "command resumes once it no longer changes"
+    )
 
 
 def check_copy(shard: Shard, copy: dict[str, str], cancel: Event | None = None) -> None:
     """In the driver: a :class:`CorpusError` where ``copy`` (a reader's :func:`copy_digest`)
     is not the digest of this host's copy of the same bytes, naming the file, both hosts and
     the bytes. This host's copy is checked first as a reader's is (:func:`check_unchanged`:
-    on the planner's host its modification time, elsewhere its size and last 4 KiB).
+    on the planner's host its modification time, elsewhere its size and last 4 KiB), and
+    must not be written while it is hashed (:func:`_file_state` before and after).
     ``cancel``: as :func:`shard_digest`'s (the scheduler's, set as it shuts down)."""
     check_unchanged(shard)
+    before = _file_state(shard)
     mine = shard_digest(shard, cancel)
+    if _file_state(shard) != before:
+        check_unchanged(shard)  # on the planner's host: the run's own message
+        raise _written_meanwhile(shard, "checked")
     if mine.digest == copy[ALGORITHM]:
         return
     what = f"bytes [{mine.start:,}, {mine.stop:,})"

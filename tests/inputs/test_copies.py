@@ -29,7 +29,7 @@ import xxhash
 
 import embgeom_ray.inputs.copies as copies
 from embgeom_ray.errors import CorpusError
-from embgeom_ray.inputs.copies import check_copy, copy_digest, shard_digest
+from embgeom_ray.inputs.copies import CopyReading, check_copy, shard_digest
 from embgeom_ray.inputs.corpus import TAIL_BYTES, CorpusSpec, ReadReport, plan_shards, read_shard
 
 HERE = socket.gethostname()
@@ -57,8 +57,9 @@ def on_node_b(
 
 def read_on_node_b(shard, spec: CorpusSpec) -> tuple[list[str], dict[str, str] | None]:
     """What an extractor on node-b does: read the shard, then its copy's digest."""
+    reading = CopyReading(shard)
     texts = [d.text for d in read_shard(shard, spec, ReadReport())]
-    return texts, copy_digest(shard)
+    return texts, reading.result()
 
 
 @pytest.fixture
@@ -131,7 +132,7 @@ def test_a_copy_with_the_planned_mtime_is_not_read_again(
     assert [copy for _, copy in read + here] == [None] * 2 * len(shards)
     assert digests == []
     with on_node_b(monkeypatch, path):  # the spy sees the reads it is to see
-        assert copy_digest(shards[0]) is not None
+        assert CopyReading(shards[0]).result() is not None
     assert digests == [shards[0]]
 
 
@@ -283,7 +284,7 @@ def test_a_driver_off_the_planners_host_is_the_reference(
     data = bytearray(path.read_bytes())
     data[10:11] = b"#"
     with on_node_b(monkeypatch, path, bytes(data)):
-        copy = copy_digest(elsewhere[0])
+        copy = CopyReading(elsewhere[0]).result()
     with pytest.raises(CorpusError, match=rf"on node-b is not the file on {HERE}: its bytes \[0,"):
         check_copy(elsewhere[0], copy)
 
@@ -297,3 +298,73 @@ def test_a_check_cancelled_stops_before_its_next_read(line_file) -> None:
     cancel.set()
     with pytest.raises(CancelledError):
         shard_digest(shards[0], cancel)
+
+
+@pytest.mark.parametrize("mtime_s", [1, 0], ids=["own-mtime", "planned-mtime"])
+def test_a_copy_written_while_its_shard_was_read_is_refused(
+    monkeypatch: pytest.MonkeyPatch, line_file, mtime_s: int
+) -> None:
+    """node-b's copy is other bytes of the same size as its shard is read, then rewritten to
+    the planner's bytes with its modification time put back (a copy still being made, as
+    ``rsync -t`` or ``cp -p`` leave it) before the digest: the text read was other, and the
+    digest alone would match the driver's (or, at the planned mtime, not be asked). The
+    reading's file state (inode, size, times: the change time no call sets back) refuses
+    it, whether or not a digest was asked; a copy left alone passes."""
+    path, spec, shards = line_file
+    planned = path.read_bytes()
+    other = bytearray(planned)
+    shard = shards[1]
+    middle = (shard.start + shard.stop) // 2
+    other[middle : middle + 1] = b"#"
+    with on_node_b(monkeypatch, path, bytes(other), mtime_s=mtime_s):
+        stat = path.stat()
+        reading = CopyReading(shard)
+        texts = [d.text for d in read_shard(shard, spec, ReadReport())]
+        path.write_bytes(planned)  # the copy finished: the planner's bytes, its mtime put back
+        os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+        with pytest.raises(CorpusError) as err:
+            reading.result()
+        copy = CopyReading(shard).result()  # the finished copy, left alone while read
+    assert texts != [d.text for d in read_shard(shard, spec, ReadReport())]  # other text read
+    assert str(err.value) == (
+        f"corpus file {path} on node-b was written while shard {shard.shard_id} was read from "
+        "it (its inode, size or times changed): a local --corpus must not change during a run "
+        "(a copy or an rsync still running?); the same command resumes once it no longer "
+        "changes"
+    )
+    if mtime_s:  # its digest is the planner's: only the state told the reading apart
+        check_copy(shard, copy)
+    else:  # no digest asked at the planned mtime: only the state told
+        assert copy is None
+
+
+def test_the_drivers_copy_written_while_it_is_hashed_is_refused(
+    monkeypatch: pytest.MonkeyPatch, line_file
+) -> None:
+    """The driver's own copy rewritten while it hashes it: at the planned mtime (put back) its
+    change time says so; at another mtime, the run's own message (the file changed during the
+    run). Either way no digest of bytes that were moving is compared."""
+    path, spec, shards = line_file
+    with on_node_b(monkeypatch, path):
+        _, copy = read_on_node_b(shards[0], spec)
+    stat = path.stat()
+    real = copies.shard_digest
+
+    def rewritten(mtime_ns: int):
+        def digest(shard, cancel=None):
+            found = real(shard, cancel)
+            path.write_bytes(path.read_bytes())
+            os.utime(path, ns=(stat.st_atime_ns, mtime_ns))
+            return found
+
+        return digest
+
+    monkeypatch.setattr(copies, "shard_digest", rewritten(stat.st_mtime_ns))
+    with pytest.raises(CorpusError, match=rf"on {HERE} was written while shard \S+ was checked"):
+        check_copy(shards[0], copy)
+    monkeypatch.setattr(copies, "shard_digest", rewritten(stat.st_mtime_ns + 10**9))
+    with pytest.raises(CorpusError, match="changed during the run"):
+        check_copy(shards[0], copy)
+    monkeypatch.setattr(copies, "shard_digest", real)
+    os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    check_copy(shards[0], copy)
