@@ -16,7 +16,8 @@ shards would fold other text than the run's plan and fingerprint name. So:
   end: its inode, size, modification and change times are taken before the read and
   compared after the digest (or the read, where none is needed): a copy rewritten meanwhile
   (an ``rsync`` still running, a regenerated file) ends the run (:class:`CorpusError`), since
-  the text read and the bytes hashed could then differ;
+  the text read and the bytes hashed could then differ; lines appended meanwhile pass, as
+  :func:`~embgeom_ray.inputs.corpus.check_unchanged` lets them;
 * the job's own process (the driver: it planned the corpus, so it sees the files) computes the
   same digest of its own copy and compares them (:func:`check_copy`) before any checkpoint
   group holding the shard is committed: a difference ends the run (:class:`CorpusError`).
@@ -57,6 +58,7 @@ from .corpus import (
     file_identity,
     open_error,
     open_exact,
+    tail_digest,
 )
 
 __all__ = [
@@ -227,6 +229,17 @@ def _file_state(shard: Shard) -> tuple[int, ...]:
     return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns
 
 
+def _written_since(shard: Shard, before: tuple[int, ...]) -> bool:
+    """Whether ``shard``'s file here was written since its state was ``before``, other than by
+    lines appended (the same inode, larger, its planned last 4 KiB the same: as
+    :func:`~embgeom_ray.inputs.corpus.check_unchanged` lets a line file grow)."""
+    now = _file_state(shard)
+    if now == before:
+        return False
+    appended = now[:2] == before[:2] and now[2] > before[2] and bool(shard.tail)
+    return not (appended and tail_digest(shard.path, shard.file_size) == shard.tail)
+
+
 class CopyReading:
     """One read of ``shard`` by an extractor, as far as its copy's check goes: made before the
     shard is read (its file's :func:`_file_state`, and whether a digest is needed,
@@ -248,7 +261,7 @@ class CopyReading:
         copy = None
         if self.needs:
             copy = {"host": socket.gethostname(), ALGORITHM: shard_digest(self.shard).digest}
-        if _file_state(self.shard) != self.before:
+        if _written_since(self.shard, self.before):
             raise _written_meanwhile(self.shard, "read")
         return copy
 
@@ -273,7 +286,7 @@ def check_copy(shard: Shard, copy: dict[str, str], cancel: Event | None = None) 
     check_unchanged(shard)
     before = _file_state(shard)
     mine = shard_digest(shard, cancel)
-    if _file_state(shard) != before:
+    if _written_since(shard, before):
         check_unchanged(shard)  # on the planner's host: the run's own message
         raise _written_meanwhile(shard, "checked")
     if mine.digest == copy[ALGORITHM]:

@@ -171,7 +171,7 @@ class FileState(NamedTuple):
     """A corpus file as the plan found it: its ``identity`` (:func:`file_identity`: the
     modification time; an object's ETag, checksum or generation: what the fingerprint holds),
     its ``file_size``, and for an uncompressed line file the ``tail``: the BLAKE2b digest of its
-    last :data:`TAIL_BYTES` bytes (:func:`_tail_digest`), which lines appended since leave as
+    last :data:`TAIL_BYTES` bytes (:func:`tail_digest`), which lines appended since leave as
     they were; for a local file, ``planned_on``: the host whose file system the identity is
     of (a copy of the corpus on another node has modification times of its own).
     :func:`check_unchanged` compares them with the file's as a shard is read."""
@@ -476,7 +476,7 @@ def _plan_files(spec: CorpusSpec, shard_bytes: int | None, work: int) -> ShardPl
         try:
             shards = _file_shards(f, index, width, spec.text_column, size)
             lines = f.kind != "parquet" and not f.compression and f.size > 0
-            tail = _tail_digest(f.path, f.size) if lines else ""
+            tail = tail_digest(f.path, f.size) if lines else ""
         except (FileNotFoundError, PermissionError) as e:
             raise open_error(f.path, e) from e
         host = socket.gethostname() if isinstance(fs, LocalFileSystem) else ""
@@ -1112,7 +1112,7 @@ def read_shard(shard: Shard, spec: CorpusSpec, report: ReadReport) -> Iterator[D
 TAIL_BYTES = 4096
 
 
-def _tail_digest(path: str, size: int) -> str:
+def tail_digest(path: str, size: int) -> str:
     """The BLAKE2b digest (hex) of the file's last :data:`TAIL_BYTES` bytes before ``size``
     (its planned size): one small read, the same after lines are appended."""
     with open_exact(path, None) as f:
@@ -1156,7 +1156,7 @@ def check_unchanged(shard: Shard) -> None:
             return
         size = int(info.get("size") or 0)
         if shard.tail and size > shard.file_size:
-            if _tail_digest(shard.path, shard.file_size) == shard.tail:
+            if tail_digest(shard.path, shard.file_size) == shard.tail:
                 return  # lines appended: read up to the planned size, as documented
     except (FileNotFoundError, PermissionError) as e:
         raise open_error(shard.path, e) from e
@@ -1177,7 +1177,7 @@ def _other_hosts_copy_changed(shard: Shard, fs: fsspec.AbstractFileSystem, path:
     try:
         size = int(fs.info(path).get("size") or 0)
         same_tail = not shard.tail or (
-            size >= shard.file_size and _tail_digest(shard.path, shard.file_size) == shard.tail
+            size >= shard.file_size and tail_digest(shard.path, shard.file_size) == shard.tail
         )
     except (FileNotFoundError, PermissionError) as e:
         raise open_error(shard.path, e) from e

@@ -368,3 +368,27 @@ def test_the_drivers_copy_written_while_it_is_hashed_is_refused(
     monkeypatch.setattr(copies, "shard_digest", real)
     os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns))
     check_copy(shards[0], copy)
+
+
+def test_lines_appended_while_a_shard_is_read_pass(monkeypatch: pytest.MonkeyPatch, line_file) -> None:
+    """A line file on node-b that grows as its shard is read (lines appended, as to a log):
+    its planned bytes are the same, so the reading passes, as the size and tail check lets
+    a file grow; the same growth at another inode (a rewrite renamed into place) does not."""
+    path, spec, shards = line_file
+    planned = path.read_bytes()
+    with on_node_b(monkeypatch, path):
+        reading = CopyReading(shards[0])
+        texts = [d.text for d in read_shard(shards[0], spec, ReadReport())]
+        with path.open("ab") as f:
+            f.write(b"a line appended on node-b while the run read it\n")
+        copy = reading.result()
+        path.write_bytes(planned)
+        reading = CopyReading(shards[0])
+        replaced = path.with_name("c.txt.new")
+        replaced.write_bytes(planned + b"a line appended to a new file\n")
+        replaced.replace(path)
+        with pytest.raises(CorpusError, match="was written while shard"):
+            reading.result()
+        path.write_bytes(planned)
+    assert texts == LINES[: len(texts)] and copy is not None
+    check_copy(shards[0], copy)
